@@ -1,0 +1,44 @@
+"""API keys: stored as SHA-256 digests with a name and a role, never in clear text."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from typing import Any
+
+from broker.errors import Forbidden, Unauthorized
+from broker.store import Store, translate_redis_errors
+
+ROLES = ("admin", "user")
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_api_key(store: Store, name: str, role: str = "user") -> str:
+    """Make and store a new key; the clear text is returned once and kept nowhere."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    key = "sits_" + secrets.token_urlsafe(24)
+    with translate_redis_errors():
+        store.client.hset(store.keys.api_keys, _digest(key), json.dumps({"name": name, "role": role}))
+    return key
+
+
+def authenticate(store: Store, key: str | None) -> dict[str, Any]:
+    """The {name, role} of `key`; Unauthorized when it is missing or unknown."""
+    if not key:
+        raise Unauthorized("missing API key: send 'Authorization: Bearer <key>' (see `sitsctl up`, $SITS_HOME/api-key)")
+    with translate_redis_errors():
+        raw = store.client.hget(store.keys.api_keys, _digest(key))
+    if raw is None:
+        raise Unauthorized("unknown API key: check SITS_API_KEY or $SITS_HOME/api-key")
+    return json.loads(raw)
+
+
+def require_role(identity: dict[str, Any], role: str) -> None:
+    """Forbidden unless the caller has `role` (admins may do everything)."""
+    if identity.get("role") != "admin" and identity.get("role") != role:
+        raise Forbidden(f"this needs the '{role}' role; key '{identity.get('name')}' has '{identity.get('role')}'")

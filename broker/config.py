@@ -1,0 +1,188 @@
+"""The one settings object of SITS, loaded from `sits-config.yaml` and `SITS_*`.
+
+Loaded once at a process's edge (the CLI, the API factory, the Celery app's
+configure hook) and passed down; nothing reads the environment deep inside.
+Unknown keys are errors, not silently ignored, and units are parsed from
+strings ("3600s", "128MiB") into seconds and bytes.
+
+Environment overrides: `SITS_CONFIG` (the file), `SITS_REDIS_URL`,
+`SITS_HOME`, and `SITS_<SECTION>__<KEY>` for any key
+(e.g. `SITS_SCHEDULER__POLICY=fifo`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from broker.errors import ConfigError
+from broker.units import parse_duration, parse_size
+
+Seconds = Annotated[float, BeforeValidator(parse_duration)]
+Bytes = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SchedulerSettings(_Section):
+    """How waiting work is ordered, leased and recovered."""
+
+    policy: Literal["fifo", "round-robin", "graph-aware-backfill"] = "fifo"
+    model_profile_cache_ttl: Seconds = 3600.0
+    fallback_strategy: Literal["cpu-offload-on-oom", "fail"] = "cpu-offload-on-oom"
+    lease_timeout: Seconds = 60.0
+    """How long a worker may hold leased items before the reaper returns them."""
+    reap_interval: Seconds = 1.0
+    """Period of the beat task that returns expired leases and replaces lost tickets."""
+    ticket_time_slice: Seconds = 2.0
+    """How long one batch ticket drains queues before it yields its thread and re-queues itself."""
+    ticket_timeout: Seconds = 120.0
+    """A ticket not seen for this long is taken as lost (its worker died) and replaced."""
+    worker_heartbeat_timeout: Seconds = 15.0
+
+
+class ResourceSettings(_Section):
+    """What a worker may use on its device."""
+
+    gpu_memory_granularity: Bytes = parse_size("128MiB")
+    max_concurrent_streams: int = Field(4, ge=1, le=64)
+    intra_op_threads: int = Field(0, ge=0)
+    """ONNX Runtime intra-op threads per session; 0 lets ONNX Runtime choose (all cores)."""
+    device_memory: Bytes = parse_size("16GiB")
+    """Capacity assumed for a device when NVML cannot tell."""
+
+
+class RedisSettings(_Section):
+    """Where state lives. `url` empty means: start the embedded Redis."""
+
+    url: str = ""
+    key_prefix: str = "sits"
+    appendonly: bool = True
+
+
+class ApiSettings(_Section):
+    """The REST edge."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8470, ge=0, le=65535)
+    max_body_bytes: Bytes = parse_size("16MiB")
+    url: str = ""
+    """The URL clients use; empty means http://host:port."""
+
+    def public_url(self) -> str:
+        """The URL a client should call."""
+        return self.url or f"http://{self.host}:{self.port}"
+
+
+class PathSettings(_Section):
+    """Where files may be read and written; every path a request names must lie in these roots."""
+
+    home: Path = Path("~/.sits")
+    model_roots: tuple[Path, ...] = (Path("."),)
+    input_roots: tuple[Path, ...] = (Path("."),)
+    output_roots: tuple[Path, ...] = (Path("."),)
+    model_store: Path | None = None
+    """Where registered model versions are copied; default `<home>/models`."""
+
+    @field_validator("home", "model_store")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser().resolve()
+
+    @field_validator("model_roots", "input_roots", "output_roots")
+    @classmethod
+    def _expand_roots(cls, value: tuple[Path, ...]) -> tuple[Path, ...]:
+        return tuple(Path(root).expanduser().resolve() for root in value)
+
+    def store(self) -> Path:
+        """The folder that holds copies of registered models."""
+        return self.model_store or self.home / "models"
+
+
+class JobSettings(_Section):
+    """Defaults for offline jobs."""
+
+    chunk_size: int = Field(4096, ge=1)
+    batch_size: int = Field(128, ge=1)
+    max_attempts: int = Field(3, ge=1)
+    """A chunk leased this many times without an ack fails its job (poison batch)."""
+
+
+class Settings(_Section):
+    """Everything configurable in SITS."""
+
+    scheduler: SchedulerSettings = SchedulerSettings()
+    resources: ResourceSettings = ResourceSettings()
+    redis: RedisSettings = RedisSettings()
+    api: ApiSettings = ApiSettings()
+    paths: PathSettings = PathSettings()
+    jobs: JobSettings = JobSettings()
+
+    def with_overrides(self, **sections: Mapping[str, Any]) -> Settings:
+        """A copy with some keys replaced, validated like a loaded file."""
+        data = self.model_dump(mode="json")
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        return _validate(data, source="overrides")
+
+
+_ENV_SHORTCUTS = {
+    "SITS_REDIS_URL": ("redis", "url"),
+    "SITS_HOME": ("paths", "home"),
+    "SITS_API_URL": ("api", "url"),
+}
+
+
+def load_settings(path: Path | str | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from `path` (or `$SITS_CONFIG`), then `SITS_*` overrides from `environ`.
+
+    A missing explicit file is an error; with no file at all the defaults apply.
+    """
+    env = os.environ if environ is None else environ
+    path = path or env.get("SITS_CONFIG") or None
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {path}: {err.strerror}") from err
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    for name, value in env.items():
+        if name in _ENV_SHORTCUTS:
+            section, key = _ENV_SHORTCUTS[name]
+        elif name.startswith("SITS_") and "__" in name:
+            section, _, key = name[len("SITS_") :].lower().partition("__")
+        else:
+            continue
+        section_data = data.setdefault(section, {})
+        if not isinstance(section_data, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping")
+        section_data[key] = yaml.safe_load(value) if value else value
+    return _validate(data, source=source)
+
+
+def _validate(data: Mapping[str, Any], source: str) -> Settings:
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as err:
+        problems = []
+        for error in err.errors():
+            key = ".".join(str(part) for part in error["loc"])
+            reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+            problems.append(f"{key}: {reason}")
+        raise ConfigError(f"invalid configuration in {source}: " + "; ".join(problems)) from err

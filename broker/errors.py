@@ -1,0 +1,154 @@
+"""The one exception hierarchy of SITS.
+
+Every error that crosses a module boundary is a `SitsError`. Two branches
+matter to the rest of the system: `RetryableError` (the same work may
+succeed later: connection lost, device out of memory, time-out) and
+`PermanentError` (retrying cannot help: bad input, unknown model). The API
+maps `http_status` to a response in one handler; the worker's retry policy
+switches on `retryable`. Third-party exceptions are translated at the
+boundary (`raise DeviceOutOfMemory(...) from err`).
+"""
+
+from __future__ import annotations
+
+
+class SitsError(Exception):
+    """Root of every SITS error; `message` says what was wrong and what to do."""
+
+    http_status: int = 500
+    retryable: bool = False
+    code: str = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_dict(self) -> dict[str, str]:
+        """The JSON body the API answers with."""
+        return {"error": self.message, "code": self.code}
+
+
+# --- retryable -------------------------------------------------------------
+
+
+class RetryableError(SitsError):
+    """The same work may succeed if tried again later."""
+
+    retryable = True
+    http_status = 503
+    code = "unavailable"
+
+
+class ConnectionLost(RetryableError):
+    """Redis (or the Celery broker) could not be reached."""
+
+    code = "connection_lost"
+
+
+class DeviceOutOfMemory(RetryableError):
+    """The device could not allocate memory for a batch."""
+
+    code = "device_out_of_memory"
+
+
+class InferenceTimeout(RetryableError):
+    """A batch or a wait ran past its time limit."""
+
+    http_status = 504
+    code = "timeout"
+
+
+# --- permanent -------------------------------------------------------------
+
+
+class PermanentError(SitsError):
+    """Retrying cannot help; the caller must change something."""
+
+    http_status = 400
+    code = "bad_request"
+
+
+class ConfigError(PermanentError):
+    """The configuration file or a SITS_* variable is invalid."""
+
+    code = "config_error"
+
+
+class BadInput(PermanentError):
+    """A request or an input file does not match what the model expects."""
+
+    code = "bad_input"
+
+
+class InvalidModel(PermanentError):
+    """An ONNX file is malformed, unreadable or unsafe (external data escaping its folder)."""
+
+    http_status = 422
+    code = "invalid_model"
+
+
+class PathNotAllowed(PermanentError):
+    """A path lies outside the configured roots for its kind (models, inputs, outputs)."""
+
+    http_status = 403
+    code = "path_not_allowed"
+
+
+class NotFound(PermanentError):
+    """A named thing does not exist."""
+
+    http_status = 404
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """No model (or no such version) is registered under that name."""
+
+    code = "model_not_found"
+
+
+class JobNotFound(NotFound):
+    """No job has that id."""
+
+    code = "job_not_found"
+
+
+class FileMissing(NotFound):
+    """A file the request names does not exist."""
+
+    code = "file_not_found"
+
+
+class Conflict(PermanentError):
+    """The operation does not fit the object's current state (e.g. resuming a finished job)."""
+
+    http_status = 409
+    code = "conflict"
+
+
+class PayloadTooLarge(PermanentError):
+    """A request body is larger than the configured limit."""
+
+    http_status = 413
+    code = "payload_too_large"
+
+
+class Unauthorized(PermanentError):
+    """No API key, or an unknown one."""
+
+    http_status = 401
+    code = "unauthorized"
+
+
+class Forbidden(PermanentError):
+    """The API key's role may not do this."""
+
+    http_status = 403
+    code = "forbidden"
+
+
+class QuotaExceeded(PermanentError):
+    """A tenant's limit was reached."""
+
+    http_status = 429
+    code = "quota_exceeded"

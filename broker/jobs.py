@@ -1,0 +1,248 @@
+"""Offline jobs: their Redis hash (fields and checkpoint), chunk items, cancel and resume.
+
+A job is split into chunks, each one queue item that refers to a row range
+of the job's input file. The job hash is the checkpoint: input checksum,
+model version, chunks and rows done, output folder and `checkpoint_ts`; the
+`done` set holds the chunk indexes whose outputs are written. Resume
+re-queues exactly the chunks not in that set.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from broker.errors import Conflict, JobNotFound
+from broker.scoring import fifo_score
+from broker.store import Store, translate_redis_errors
+
+ACTIVE_STATUSES = ("queued", "running")
+FINAL_STATUSES = ("succeeded", "failed", "cancelled")
+_INT_FIELDS = (
+    "rows_total",
+    "rows_done",
+    "chunks_total",
+    "chunks_done",
+    "chunk_runs",
+    "chunk_size",
+    "batch_size",
+    "priority",
+)
+_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts")
+_JSON_FIELDS = ("output_names", "manifest", "input_options")
+
+
+def new_job_id() -> str:
+    """A short random id, safe in keys and file names."""
+    return "j" + secrets.token_hex(6)
+
+
+def chunk_item_id(job_id: str, chunk_index: int) -> str:
+    """Item id of a chunk; zero-padded so equal scores keep chunks in row order."""
+    return f"{job_id}:c{chunk_index:07d}"
+
+
+def finalize_item_id(job_id: str) -> str:
+    """Item id of the job's last step: merging parts into its outputs."""
+    return f"{job_id}:final"
+
+
+def chunk_ranges(rows_total: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of each chunk, in order."""
+    return [(start, min(start + chunk_size, rows_total)) for start in range(0, rows_total, chunk_size)]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job needs to run, validated by the API before it reaches Redis."""
+
+    job_id: str
+    model_name: str
+    model_version: str
+    input_batch: str
+    input_format: str
+    input_checksum: str
+    output_dir: str
+    output_names: Sequence[str]
+    rows_total: int
+    chunk_size: int
+    batch_size: int
+    priority: int = 0
+    owner: str = ""
+    input_options: dict[str, Any] | None = None
+
+    @property
+    def model_ref(self) -> str:
+        """The queue this job's items wait in: `name@version`."""
+        return f"{self.model_name}@{self.model_version}"
+
+
+def _item_args(job_id: str, model_ref: str, ranges: Sequence[tuple[int, int]], indexes: Sequence[int],
+               score: float) -> list[Any]:
+    args: list[Any] = []
+    for index in indexes:
+        start, stop = ranges[index]
+        payload = {"kind": "chunk", "job": job_id, "model_ref": model_ref, "chunk": index,
+                   "start": start, "stop": stop, "score": score}
+        args += [chunk_item_id(job_id, index), score, json.dumps(payload), str(index)]
+    return args
+
+
+def finalize_payload(job_id: str, model_ref: str, score: float) -> dict[str, Any]:
+    """Payload of the finalize item, queued by the ack of the job's last chunk."""
+    return {"kind": "finalize", "job": job_id, "model_ref": model_ref, "score": score}
+
+
+def create_job(store: Store, spec: JobSpec, *, now: float) -> None:
+    """Write the job hash and queue all its chunks in one atomic call."""
+    ranges = chunk_ranges(spec.rows_total, spec.chunk_size)
+    fields = {
+        "id": spec.job_id,
+        "model": spec.model_name,
+        "model_version": spec.model_version,
+        "model_ref": spec.model_ref,
+        "input_batch": spec.input_batch,
+        "input_format": spec.input_format,
+        "input_checksum": spec.input_checksum,
+        "input_options": json.dumps(spec.input_options or {}),
+        "output_dir": spec.output_dir,
+        "output_names": json.dumps(list(spec.output_names)),
+        "rows_total": spec.rows_total,
+        "rows_done": 0,
+        "chunks_total": len(ranges),
+        "chunks_done": 0,
+        "chunk_runs": 0,
+        "chunk_size": spec.chunk_size,
+        "batch_size": spec.batch_size,
+        "priority": spec.priority,
+        "owner": spec.owner,
+        "status": "queued",
+        "error": "",
+        "created_at": now,
+        "checkpoint_ts": now,
+    }
+    score = fifo_score(spec.priority, now)
+    _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
+             _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score))
+
+
+def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
+             item_args: list[Any]) -> int:
+    keys = store.keys
+    with translate_redis_errors():
+        added = store.scripts.enqueue_items(
+            keys=[keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs,
+                  keys.job_done(job_id), keys.inflight(model_ref)],
+            args=[model_ref, job_id, json.dumps({k: str(v) for k, v in fields.items()}), mode, now, *item_args],
+        )
+    if int(added) < 0:
+        raise Conflict(f"job {job_id} already exists")
+    return int(added)
+
+
+def decode_job(raw: dict[str, str]) -> dict[str, Any]:
+    """A job hash as typed JSON-ready values, with progress, throughput and ETA derived."""
+    job: dict[str, Any] = dict(raw)
+    for name in _INT_FIELDS:
+        job[name] = int(float(raw.get(name) or 0))
+    for name in _FLOAT_FIELDS:
+        job[name] = float(raw[name]) if raw.get(name) else None
+    for name in _JSON_FIELDS:
+        job[name] = json.loads(raw[name]) if raw.get(name) else None
+    job["error"] = raw.get("error") or None
+    rows_total, rows_done = job["rows_total"], job["rows_done"]
+    job["progress"] = rows_done / rows_total if rows_total else 0.0
+    return job
+
+
+def with_rates(job: dict[str, Any], *, now: float) -> dict[str, Any]:
+    """Add `rows_per_second` and `eta_seconds` from the job's start (or finish) time."""
+    started, finished = job.get("started_at"), job.get("finished_at")
+    elapsed = ((finished or now) - started) if started else 0.0
+    rate = job["rows_done"] / elapsed if elapsed > 0 else 0.0
+    remaining = job["rows_total"] - job["rows_done"]
+    job["elapsed_seconds"] = round(elapsed, 3)
+    job["rows_per_second"] = round(rate, 1)
+    job["eta_seconds"] = round(remaining / rate, 1) if rate > 0 and job["status"] in ACTIVE_STATUSES else None
+    return job
+
+
+def get_job(store: Store, job_id: str, *, now: float) -> dict[str, Any]:
+    """The job as JSON-ready values; JobNotFound when there is none."""
+    with translate_redis_errors():
+        raw = store.client.hgetall(store.keys.job(job_id))
+    if not raw:
+        raise JobNotFound(f"no job with id '{job_id}'; list jobs with GET /v1/jobs or `sitsctl job list`")
+    return with_rates(decode_job(raw), now=now)
+
+
+def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None) -> list[dict[str, Any]]:
+    """The newest jobs first, optionally only those with `status`."""
+    with translate_redis_errors():
+        ids = store.client.zrevrange(store.keys.jobs, 0, -1 if status else limit - 1)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hgetall(store.keys.job(job_id))
+        raws = pipe.execute()
+    jobs = [with_rates(decode_job(raw), now=now) for raw in raws if raw]
+    if status:
+        jobs = [job for job in jobs if job["status"] == status]
+    return jobs[:limit]
+
+
+def count_jobs_by_status(store: Store) -> dict[str, int]:
+    """How many jobs are in each status."""
+    with translate_redis_errors():
+        ids = store.client.zrange(store.keys.jobs, 0, -1)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(store.keys.job(job_id), "status")
+        statuses = pipe.execute()
+    counts: dict[str, int] = {}
+    for status in statuses:
+        if status:
+            counts[status] = counts.get(status, 0) + 1
+    return counts
+
+
+def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float) -> str:
+    """Cancel or fail a job and take its waiting items out; returns the job's status afterwards."""
+    with translate_redis_errors():
+        raw = store.client.hmget(store.keys.job(job_id), ["model_ref", "chunks_total"])
+    model_ref, chunks_total = raw
+    if model_ref is None:
+        raise JobNotFound(f"no job with id '{job_id}'")
+    item_ids = [chunk_item_id(job_id, i) for i in range(int(chunks_total))] + [finalize_item_id(job_id)]
+    keys = store.keys
+    with translate_redis_errors():
+        result = store.scripts.stop_job(
+            keys=[keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
+            args=[status, error, now, *item_ids],
+        )
+    return str(result)
+
+
+def resume_job(store: Store, job_id: str, *, now: float) -> int:
+    """Re-queue every chunk not yet done (and the finalize step if all are); returns items queued.
+
+    Chunks still leased by a previous run are taken back: after a crash their
+    holders are gone, and if one is not, its duplicate run rewrites the same
+    bytes and its ack is counted once.
+    """
+    job = get_job(store, job_id, now=now)
+    if job["status"] == "succeeded":
+        raise Conflict(f"job {job_id} already succeeded; its outputs are in {job['output_dir']}")
+    with translate_redis_errors():
+        done = {int(index) for index in store.client.smembers(store.keys.job_done(job_id))}
+    ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
+    missing = [index for index in range(len(ranges)) if index not in done]
+    score = fifo_score(job["priority"], now)
+    model_ref = job["model_ref"]
+    item_args = _item_args(job_id, model_ref, ranges, missing, score)
+    if not missing:
+        item_args = [finalize_item_id(job_id), score, json.dumps(finalize_payload(job_id, model_ref, score)), ""]
+    fields = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now}
+    return _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)

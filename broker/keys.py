@@ -1,0 +1,96 @@
+"""Every Redis key name SITS uses, built in one place.
+
+All keys share one hash tag (`{group}`) so that a Lua script may touch any
+of them and the layout can move to Redis Cluster by giving each model group
+its own tag. Lua scripts never build key names; they get them as KEYS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix and hash tag."""
+
+    prefix: str = "sits"
+    group: str = "main"
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.prefix, "{" + self.group + "}", *parts))
+
+    # --- queues -----------------------------------------------------------
+    def ready(self, model_ref: str) -> str:
+        """ZSET item id -> priority score (lower runs first) of items waiting for `model_ref`."""
+        return self._key("ready", model_ref)
+
+    def inflight(self, model_ref: str) -> str:
+        """ZSET item id -> lease deadline (unix seconds) of items a worker holds."""
+        return self._key("inflight", model_ref)
+
+    @property
+    def queues(self) -> str:
+        """SET of model refs that have (or had) a queue; only grows while the model is registered."""
+        return self._key("queues")
+
+    @property
+    def items(self) -> str:
+        """HASH item id -> JSON payload of every queued or in-flight item."""
+        return self._key("items")
+
+    @property
+    def attempts(self) -> str:
+        """HASH item id -> how many times it was leased (stops a poison batch looping forever)."""
+        return self._key("attempts")
+
+    @property
+    def dead(self) -> str:
+        """ZSET item id -> time, items that used up their attempts and await failing their job."""
+        return self._key("dead")
+
+    # --- batch tickets ----------------------------------------------------
+    @property
+    def tickets(self) -> str:
+        """ZSET ticket id -> last time its drain task was seen (circulating Celery wake-ups)."""
+        return self._key("tickets")
+
+    @property
+    def ticket_seq(self) -> str:
+        """STRING counter for new ticket ids."""
+        return self._key("ticket-seq")
+
+    # --- jobs ---------------------------------------------------------------
+    def job(self, job_id: str) -> str:
+        """HASH of one job's fields and checkpoint."""
+        return self._key("job", job_id)
+
+    def job_done(self, job_id: str) -> str:
+        """SET of chunk indexes whose outputs are written and acknowledged."""
+        return self._key("job", job_id, "done")
+
+    @property
+    def jobs(self) -> str:
+        """ZSET job id -> creation time, the index behind `GET /v1/jobs`."""
+        return self._key("jobs")
+
+    # --- models, workers, keys --------------------------------------------
+    @property
+    def model_versions(self) -> str:
+        """HASH "name@version" -> JSON model record."""
+        return self._key("model-versions")
+
+    @property
+    def model_latest(self) -> str:
+        """HASH name -> newest registered version."""
+        return self._key("model-latest")
+
+    @property
+    def workers(self) -> str:
+        """HASH worker name -> JSON heartbeat (device, streams, pid, last_heartbeat)."""
+        return self._key("workers")
+
+    @property
+    def api_keys(self) -> str:
+        """HASH sha256(key) -> JSON {name, role}."""
+        return self._key("api-keys")

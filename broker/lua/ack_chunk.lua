@@ -1,0 +1,35 @@
+-- ack_chunk: a chunk's outputs are on disk; drop its lease and record it in the job's checkpoint.
+-- KEYS[1] inflight  ZSET
+-- KEYS[2] ready     ZSET (the item may have been reaped back while its first run finished)
+-- KEYS[3] items     HASH
+-- KEYS[4] attempts  HASH
+-- KEYS[5] job       HASH
+-- KEYS[6] done      SET  chunk indexes done
+-- ARGV[1] item id
+-- ARGV[2] chunk index
+-- ARGV[3] rows in the chunk
+-- ARGV[4] now
+-- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload
+-- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
+-- (the finalize item was queued). Idempotent: a re-run chunk is counted once.
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('HINCRBY', KEYS[5], 'chunk_runs', 1)
+local status = redis.call('HGET', KEYS[5], 'status')
+if status ~= 'queued' and status ~= 'running' then
+  return 0
+end
+if redis.call('SADD', KEYS[6], ARGV[2]) == 0 then
+  return 0
+end
+redis.call('HINCRBY', KEYS[5], 'rows_done', ARGV[3])
+local chunks_done = redis.call('HINCRBY', KEYS[5], 'chunks_done', 1)
+redis.call('HSET', KEYS[5], 'checkpoint_ts', ARGV[4], 'status', 'running')
+if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then
+  redis.call('HSET', KEYS[3], ARGV[5], ARGV[7])
+  redis.call('ZADD', KEYS[2], ARGV[6], ARGV[5])
+  return 2
+end
+return 1

@@ -1,0 +1,47 @@
+-- enqueue_items: add items to a model's ready queue (and optionally create the job they belong to).
+-- KEYS[1] ready   ZSET  item id -> score
+-- KEYS[2] items   HASH  item id -> JSON payload
+-- KEYS[3] queues  SET   model refs with a queue
+-- KEYS[4] job     HASH  the job (only read when ARGV[2] ~= '')
+-- KEYS[5] jobs    ZSET  job id -> created time
+-- KEYS[6] done    SET   chunk indexes already done for the job
+-- KEYS[7] inflight ZSET item id -> lease deadline
+-- ARGV[1] model ref
+-- ARGV[2] job id, or '' for items without a job
+-- ARGV[3] JSON object of job fields to set (or '{}')
+-- ARGV[4] 'create' (the job must not exist yet) | 'resume' (leased items are taken back: their
+--         holders are dead, or if not, their duplicate run rewrites identical bytes) | 'add'
+-- ARGV[5] now (unix seconds)
+-- ARGV[6..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
+-- Returns: number of items added; -1 if 'create' found the job already there.
+-- A chunk already in the done set, or already queued or leased, is skipped: nothing runs twice.
+local job_id = ARGV[2]
+if job_id ~= '' then
+  if ARGV[4] == 'create' and redis.call('EXISTS', KEYS[4]) == 1 then
+    return -1
+  end
+  local fields = cjson.decode(ARGV[3])
+  for name, value in pairs(fields) do
+    redis.call('HSET', KEYS[4], name, tostring(value))
+  end
+  redis.call('ZADD', KEYS[5], 'NX', ARGV[5], job_id)
+end
+local added = 0
+for i = 6, #ARGV, 4 do
+  local item_id, score, payload, chunk = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local done = chunk ~= '' and redis.call('SISMEMBER', KEYS[6], chunk) == 1
+  if not done then
+    local leased = redis.call('ZSCORE', KEYS[7], item_id)
+    if leased and ARGV[4] == 'resume' then
+      redis.call('ZREM', KEYS[7], item_id)
+      leased = false
+    end
+    if not leased and redis.call('ZSCORE', KEYS[1], item_id) == false then
+      redis.call('HSET', KEYS[2], item_id, payload)
+      redis.call('ZADD', KEYS[1], score, item_id)
+      added = added + 1
+    end
+  end
+end
+redis.call('SADD', KEYS[3], ARGV[1])
+return added

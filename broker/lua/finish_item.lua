@@ -1,0 +1,25 @@
+-- finish_item: remove an item that needs no further run (finalized, dropped or failed),
+-- optionally moving its job to a final status.
+-- KEYS[1] inflight  ZSET
+-- KEYS[2] ready     ZSET
+-- KEYS[3] items     HASH
+-- KEYS[4] attempts  HASH
+-- KEYS[5] dead      ZSET
+-- KEYS[6] job       HASH (may not exist)
+-- ARGV[1] item id
+-- ARGV[2] new job status ('' to leave it), ARGV[3] error text, ARGV[4] now
+-- ARGV[5] JSON object of extra job fields to set (e.g. the manifest)
+-- Returns: 1. A job already in a final status keeps it (a late duplicate cannot undo a cancel).
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
+local status = redis.call('HGET', KEYS[6], 'status')
+if ARGV[2] ~= '' and (status == 'queued' or status == 'running') then
+  redis.call('HSET', KEYS[6], 'status', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
+  for name, value in pairs(cjson.decode(ARGV[5])) do
+    redis.call('HSET', KEYS[6], name, tostring(value))
+  end
+end
+return 1

@@ -1,0 +1,177 @@
+"""Queue operations: lease batches (late binding), acknowledge, reap expired leases, batch tickets.
+
+Every state change is one Lua script, so an item is at every instant either
+waiting (ready set), leased (in-flight set with a deadline) or gone because
+its work is recorded. Time is passed in (`now`) so tests advance it.
+
+Batch tickets are how workers are woken (DESIGN.md, "Dispatch"): a bounded
+number of Celery "drain" tasks circulate; each one leases batches until no
+queue has work, then retires atomically with that check (`release_ticket`),
+so an enqueue either is seen by a live ticket or tops up a new one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from broker.store import Store, translate_redis_errors
+
+
+@dataclass(frozen=True)
+class LeasedItem:
+    """One item a worker now holds until `lease_deadline`."""
+
+    item_id: str
+    model_ref: str
+    payload: dict[str, Any]
+    attempts: int
+
+
+class StaleTicket(Exception):
+    """The drain task's ticket was replaced (its worker was taken for dead); the task must stop.
+
+    Internal control flow between `lease_batch` and the drain loop, not a `SitsError`.
+    """
+
+
+def lease_batch(
+    store: Store, model_ref: str, *, now: float, lease_seconds: float, max_items: int, ticket: str = ""
+) -> list[LeasedItem]:
+    """Lease up to `max_items` of the best waiting items of `model_ref`; [] when its queue is empty."""
+    keys = store.keys
+    with translate_redis_errors():
+        reply = store.scripts.lease_batch(
+            keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
+            args=[ticket, now, now + lease_seconds, max_items],
+        )
+    count = int(reply[0])
+    if count < 0:
+        raise StaleTicket(ticket)
+    items = []
+    for i in range(count):
+        item_id, payload, attempts = reply[1 + 3 * i : 4 + 3 * i]
+        items.append(LeasedItem(item_id, model_ref, json.loads(payload) if payload else {}, int(attempts)))
+    return items
+
+
+def queue_heads(store: Store) -> dict[str, float]:
+    """Model ref -> score of its best waiting item, for every queue with waiting work."""
+    with translate_redis_errors():
+        refs = sorted(store.client.smembers(store.keys.queues))
+        pipe = store.client.pipeline(transaction=False)
+        for ref in refs:
+            pipe.zrange(store.keys.ready(ref), 0, 0, withscores=True)
+        heads = pipe.execute()
+    return {ref: head[0][1] for ref, head in zip(refs, heads, strict=True) if head}
+
+
+def queue_depths(store: Store) -> dict[str, dict[str, int]]:
+    """Model ref -> {"ready": n, "inflight": n} for every known queue."""
+    with translate_redis_errors():
+        refs = sorted(store.client.smembers(store.keys.queues))
+        pipe = store.client.pipeline(transaction=False)
+        for ref in refs:
+            pipe.zcard(store.keys.ready(ref))
+            pipe.zcard(store.keys.inflight(ref))
+        counts = pipe.execute()
+    return {ref: {"ready": counts[2 * i], "inflight": counts[2 * i + 1]} for i, ref in enumerate(refs)}
+
+
+def finish_item(
+    store: Store,
+    item: LeasedItem,
+    job_id: str,
+    *,
+    now: float,
+    job_status: str = "",
+    error: str = "",
+    job_fields: dict[str, str] | None = None,
+) -> None:
+    """Remove `item` for good; optionally move its job to a final status (kept if already final)."""
+    keys = store.keys
+    with translate_redis_errors():
+        store.scripts.finish_item(
+            keys=[
+                keys.inflight(item.model_ref),
+                keys.ready(item.model_ref),
+                keys.items,
+                keys.attempts,
+                keys.dead,
+                keys.job(job_id),
+            ],
+            args=[item.item_id, job_status, error, now, json.dumps(job_fields or {})],
+        )
+
+
+@dataclass(frozen=True)
+class ReapResult:
+    """What one reaper pass did."""
+
+    returned: int
+    dead_items: list[tuple[str, str, dict[str, Any]]]
+    """(model ref, item id, payload) of items that used up their attempts."""
+
+
+def reap_expired_leases(store: Store, *, now: float, max_attempts: int, limit: int = 1000) -> ReapResult:
+    """Return every expired lease to its queue, or to the dead set after `max_attempts` leases."""
+    keys = store.keys
+    returned = 0
+    with translate_redis_errors():
+        for ref in sorted(store.client.smembers(keys.queues)):
+            back, _ = store.scripts.reap_leases(
+                keys=[keys.inflight(ref), keys.ready(ref), keys.items, keys.attempts, keys.dead],
+                args=[now, max_attempts, limit],
+            )
+            returned += int(back)
+        dead_ids = store.client.zrange(keys.dead, 0, limit - 1)
+        dead_items = []
+        for item_id in dead_ids:
+            payload = store.client.hget(keys.items, item_id)
+            decoded = json.loads(payload) if payload else {}
+            dead_items.append((decoded.get("model_ref", ""), item_id, decoded))
+    return ReapResult(returned=returned, dead_items=dead_items)
+
+
+def top_up_tickets(store: Store, *, now: float, target: int) -> list[str]:
+    """Create tickets until `target` circulate; returns the new ids, each to be sent as a drain task."""
+    with translate_redis_errors():
+        new = store.scripts.top_up_tickets(keys=[store.keys.tickets, store.keys.ticket_seq], args=[now, target])
+    return [str(ticket) for ticket in new]
+
+
+def release_ticket(store: Store, ticket: str) -> bool:
+    """Retire `ticket` if no queue has waiting work; False means work waits and draining goes on."""
+    keys = store.keys
+    with translate_redis_errors():
+        while True:
+            refs: Sequence[str] = sorted(store.client.smembers(keys.queues))
+            released = int(
+                store.scripts.release_ticket(
+                    keys=[keys.tickets, keys.queues, *(keys.ready(ref) for ref in refs)], args=[ticket]
+                )
+            )
+            if released >= 0:
+                return released == 1
+
+
+def touch_ticket(store: Store, ticket: str, *, now: float) -> bool:
+    """Mark `ticket` as seen now; False when it was replaced meanwhile (the caller must stop)."""
+    with translate_redis_errors():
+        return bool(store.client.zadd(store.keys.tickets, {ticket: now}, xx=True, ch=True)) or (
+            store.client.zscore(store.keys.tickets, ticket) is not None
+        )
+
+
+def expire_lost_tickets(store: Store, *, now: float, ticket_timeout: float) -> int:
+    """Drop tickets not seen for `ticket_timeout` (their worker died); the caller tops up replacements."""
+    with translate_redis_errors():
+        return int(store.client.zremrangebyscore(store.keys.tickets, "-inf", now - ticket_timeout))
+
+
+def ticket_count(store: Store) -> int:
+    """How many tickets circulate now."""
+    with translate_redis_errors():
+        return int(store.client.zcard(store.keys.tickets))

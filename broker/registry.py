@@ -1,0 +1,86 @@
+"""Registered model versions in Redis.
+
+A version is the content hash of the model file, so re-registering a changed
+file makes a new version while old ones stay addressable as `name@version`;
+a bare `name` means the newest registered version. The record is a JSON
+object (path of the stored copy, static profile, measured profile, fusion
+result) written by the API and completed by the workers' profiler task.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis
+
+from broker.errors import ModelNotFound
+from broker.store import Store, translate_redis_errors
+
+
+def split_model_ref(ref: str) -> tuple[str, str | None]:
+    """`name@version` -> (name, version); `name` -> (name, None)."""
+    name, _, version = ref.partition("@")
+    return name, version or None
+
+
+def save_model_version(store: Store, record: dict[str, Any], *, make_latest: bool = True) -> None:
+    """Store a model version record (keys `name` and `version` required)."""
+    ref = f"{record['name']}@{record['version']}"
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=True)
+        pipe.hset(store.keys.model_versions, ref, json.dumps(record))
+        if make_latest:
+            pipe.hset(store.keys.model_latest, record["name"], record["version"])
+        pipe.execute()
+
+
+def update_model_version(store: Store, ref: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Merge `fields` into the record of `name@version` (read-modify-write under WATCH)."""
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(store.keys.model_versions)
+                raw = pipe.hget(store.keys.model_versions, ref)
+                if raw is None:
+                    raise ModelNotFound(f"model version '{ref}' is not registered")
+                record = json.loads(raw) | fields
+                pipe.multi()
+                pipe.hset(store.keys.model_versions, ref, json.dumps(record))
+                pipe.execute()
+                return record
+            except redis.WatchError:
+                continue  # someone else wrote the hash meanwhile; read it again
+
+
+def get_model(store: Store, ref: str) -> dict[str, Any]:
+    """The record of `name` (newest version) or `name@version`; ModelNotFound names what exists."""
+    name, version = split_model_ref(ref)
+    with translate_redis_errors():
+        version = version or store.client.hget(store.keys.model_latest, name)
+        raw = store.client.hget(store.keys.model_versions, f"{name}@{version}") if version else None
+    if raw is None:
+        known = ", ".join(sorted(list_model_names(store))) or "none"
+        what = f"model '{name}'" if version is None else f"model version '{name}@{version}'"
+        raise ModelNotFound(f"{what} is not registered (registered models: {known}); "
+                            "register it with POST /v1/models or `sitsctl model register`")
+    return json.loads(raw)
+
+
+def list_model_names(store: Store) -> list[str]:
+    """Names of all registered models."""
+    with translate_redis_errors():
+        return sorted(store.client.hkeys(store.keys.model_latest))
+
+
+def list_model_versions(store: Store, name: str | None = None) -> list[dict[str, Any]]:
+    """Every registered version (of `name` only, if given), oldest registration first."""
+    with translate_redis_errors():
+        raws = store.client.hvals(store.keys.model_versions)
+        latest = store.client.hgetall(store.keys.model_latest)
+    records = [json.loads(raw) for raw in raws]
+    if name is not None:
+        records = [record for record in records if record["name"] == name]
+    for record in records:
+        record["latest"] = latest.get(record["name"]) == record["version"]
+    return sorted(records, key=lambda record: (record["name"], record.get("registered_at", 0)))

@@ -1,0 +1,45 @@
+"""Loading the Lua scripts in `broker/lua/` and registering them with a Redis client.
+
+Each script is one atomic operation (STYLE.md, "Redis and Lua"); its text is
+read once with `importlib.resources` and registered once per client, so
+every call is an EVALSHA of one stable SHA.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import redis
+
+SCRIPT_NAMES = (
+    "enqueue_items",
+    "lease_batch",
+    "ack_chunk",
+    "start_item",
+    "finish_item",
+    "stop_job",
+    "reap_leases",
+    "top_up_tickets",
+    "release_ticket",
+)
+
+
+@cache
+def script_text(name: str) -> str:
+    """The source of `broker/lua/<name>.lua`."""
+    return resources.files("broker").joinpath("lua", f"{name}.lua").read_text()
+
+
+class Scripts:
+    """The registered scripts of one Redis client, called as attributes: `scripts.lease_batch(keys, args)`."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._scripts = {name: client.register_script(script_text(name)) for name in SCRIPT_NAMES}
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._scripts[name]
+        except KeyError:
+            raise AttributeError(name) from None

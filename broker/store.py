@@ -1,0 +1,49 @@
+"""One handle on SITS state: a Redis client, its key names and its registered scripts.
+
+Created once at a process's edge and passed down. Redis errors are
+translated here into `ConnectionLost` so no caller catches a redis-py type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import redis
+
+from broker.errors import ConnectionLost
+from broker.keys import Keys
+from broker.scripts import Scripts
+
+
+@dataclass
+class Store:
+    """A Redis client with SITS's keys and scripts."""
+
+    client: redis.Redis
+    keys: Keys = field(default_factory=Keys)
+    scripts: Scripts = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scripts = Scripts(self.client)
+
+    @classmethod
+    def connect(cls, url: str, key_prefix: str = "sits") -> Store:
+        """A store on the Redis at `url` (responses decoded as UTF-8 text)."""
+        client = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+        return cls(client=client, keys=Keys(prefix=key_prefix))
+
+    def ping(self) -> bool:
+        """True when Redis answers."""
+        with translate_redis_errors():
+            return bool(self.client.ping())
+
+
+@contextlib.contextmanager
+def translate_redis_errors() -> Iterator[None]:
+    """Turn redis-py connection failures into the retryable `ConnectionLost`."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as err:
+        raise ConnectionLost(f"Redis is unreachable ({err}); check SITS_REDIS_URL and that Redis runs") from err

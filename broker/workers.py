@@ -1,0 +1,47 @@
+"""Worker heartbeats: which workers are alive, on which device, with how many streams.
+
+Each worker process writes its record every few seconds; readers judge
+liveness by the age of `last_heartbeat` against a timeout passed in, so
+the decision is a pure function of `now`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from broker.store import Store, translate_redis_errors
+
+
+def record_heartbeat(store: Store, worker_name: str, info: dict[str, Any], *, now: float) -> None:
+    """Write a worker's record with `last_heartbeat = now`."""
+    with translate_redis_errors():
+        store.client.hset(store.keys.workers, worker_name, json.dumps(info | {"last_heartbeat": now}))
+
+
+def remove_worker(store: Store, worker_name: str) -> None:
+    """Forget a worker that shut down cleanly."""
+    with translate_redis_errors():
+        store.client.hdel(store.keys.workers, worker_name)
+
+
+def list_workers(store: Store, *, now: float, timeout: float) -> list[dict[str, Any]]:
+    """All known workers with `alive` and `heartbeat_age_seconds`; dead ones long gone are pruned."""
+    with translate_redis_errors():
+        raw = store.client.hgetall(store.keys.workers)
+    workers = []
+    for name, value in sorted(raw.items()):
+        record = json.loads(value)
+        age = now - float(record.get("last_heartbeat", 0))
+        if age > 10 * timeout:
+            with translate_redis_errors():
+                store.client.hdel(store.keys.workers, name)
+            continue
+        workers.append(record | {"name": name, "alive": age <= timeout, "heartbeat_age_seconds": round(age, 1)})
+    return workers
+
+
+def live_stream_slots(store: Store, *, now: float, timeout: float) -> int:
+    """Sum of `streams` over live workers: how many batch tickets should circulate."""
+    return sum(int(worker.get("streams", 1)) for worker in list_workers(store, now=now, timeout=timeout)
+               if worker["alive"])
