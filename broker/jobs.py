@@ -153,6 +153,9 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
     for name in _JSON_FIELDS:
         job[name] = json.loads(raw[name]) if raw.get(name) else None
     job["error"] = raw.get("error") or None
+    job["workers"] = {name[2:]: int(count) for name, count in raw.items() if name.startswith("w:")}
+    for name in job["workers"]:
+        job.pop("w:" + name)
     rows_total, rows_done = job["rows_total"], job["rows_done"]
     job["progress"] = rows_done / rows_total if rows_total else 0.0
     return job

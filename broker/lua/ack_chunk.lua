@@ -10,6 +10,7 @@
 -- ARGV[3] rows in the chunk
 -- ARGV[4] now
 -- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload
+-- ARGV[8] name of the worker that ran the chunk (counted in the job field 'w:<name>')
 -- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
 -- (the finalize item was queued). Idempotent: a re-run chunk is counted once.
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -25,6 +26,7 @@ if redis.call('SADD', KEYS[6], ARGV[2]) == 0 then
   return 0
 end
 redis.call('HINCRBY', KEYS[5], 'rows_done', ARGV[3])
+redis.call('HINCRBY', KEYS[5], 'w:' .. ARGV[8], 1)
 local chunks_done = redis.call('HINCRBY', KEYS[5], 'chunks_done', 1)
 redis.call('HSET', KEYS[5], 'checkpoint_ts', ARGV[4], 'status', 'running')
 if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then

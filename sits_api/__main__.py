@@ -1,0 +1,34 @@
+"""`python -m sits_api serve`: run the API server (started by `sitsctl up` as a child process)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from werkzeug.serving import make_server
+
+from broker.config import load_settings
+from sits_api.app import create_app
+
+
+def serve() -> None:
+    """Serve the API on `api.host:api.port` with one thread per request until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = load_settings()
+    server = make_server(settings.api.host, settings.api.port, create_app(settings), threaded=True)
+    print(f"SITS API listening on http://{settings.api.host}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["serve"]:
+        sys.exit("usage: python -m sits_api serve")
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    serve()

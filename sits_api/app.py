@@ -1,0 +1,221 @@
+"""The Flask app: REST endpoints for jobs and models, health, OpenAPI, and bearer-key auth.
+
+Views are thin: parse the body with pydantic, call a function of
+`sits_api.services` or `broker`, return JSON. Every `SitsError` becomes a
+JSON error with its HTTP status in one handler; nothing the client does
+can produce a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from flask import Blueprint, Flask, g, jsonify, request
+from pydantic import BaseModel, ValidationError
+from werkzeug.exceptions import HTTPException
+
+from broker import jobs, queues, registry, workers
+from broker.apikeys import authenticate
+from broker.config import Settings
+from broker.errors import BadInput, PayloadTooLarge, SitsError
+from broker.store import Store
+from sits_api import services
+from sits_api.dispatch import Dispatcher
+from sits_api.openapi import openapi_document
+from sits_api.schemas import JobSubmission, ModelRegistration
+
+log = logging.getLogger(__name__)
+
+PUBLIC_ENDPOINTS = {"api.healthz", "api.readyz", "api.openapi"}
+
+api = Blueprint("api", __name__)
+
+
+def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispatcher | None = None) -> Flask:
+    """The API app over the Redis named in `settings` (or the `store` given)."""
+    app = Flask("sits_api")
+    app.config["MAX_CONTENT_LENGTH"] = settings.api.max_body_bytes
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    store = store or Store.connect(settings.redis.url, settings.redis.key_prefix)
+    app.extensions["sits"] = {
+        "settings": settings,
+        "store": store,
+        "dispatcher": dispatcher or Dispatcher(settings, store),
+    }
+    app.register_blueprint(api)
+    app.register_error_handler(SitsError, _sits_error)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(Exception, _unexpected_error)
+    return app
+
+
+def _ctx() -> dict[str, Any]:
+    from flask import current_app
+
+    return current_app.extensions["sits"]
+
+
+def _parse(model: type[BaseModel]) -> Any:
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise BadInput("the request body must be a JSON object (Content-Type: application/json)")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
+            f"{'unknown field' if e['type'] == 'extra_forbidden' else e['msg']}"
+            for e in err.errors()
+        )
+        raise BadInput(f"invalid {model.__name__}: {problems}") from err
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+def _sits_error(err: SitsError) -> Any:
+    return jsonify(err.to_dict()), err.http_status
+
+
+def _http_error(err: HTTPException) -> Any:
+    if err.code == 413:
+        limit = _ctx()["settings"].api.max_body_bytes
+        return _sits_error(PayloadTooLarge(f"request body is larger than the {limit}-byte limit (api.max_body_bytes)"))
+    return jsonify({"error": f"{err.name}: {err.description}", "code": err.name.lower().replace(" ", "_")}), err.code
+
+
+def _unexpected_error(err: Exception) -> Any:
+    log.exception("unexpected error on %s %s", request.method, request.path)
+    return jsonify({"error": f"internal error ({type(err).__name__}); see the API log", "code": "internal_error"}), 500
+
+
+# --- auth ---------------------------------------------------------------------------
+
+
+@api.before_request
+def _authenticate() -> None:
+    if request.endpoint in PUBLIC_ENDPOINTS:
+        return
+    header = request.headers.get("Authorization", "")
+    key = header[len("Bearer "):].strip() if header.startswith("Bearer ") else None
+    g.identity = authenticate(_ctx()["store"], key)
+
+
+# --- health -------------------------------------------------------------------------
+
+
+@api.get("/healthz")
+def healthz() -> Any:
+    """Liveness: the process answers."""
+    return jsonify({"status": "ok"})
+
+
+@api.get("/readyz")
+def readyz() -> Any:
+    """Readiness: Redis answers; reports how many workers are alive."""
+    ctx = _ctx()
+    try:
+        ctx["store"].ping()
+    except SitsError as err:
+        return jsonify({"status": "unavailable", "error": err.message}), 503
+    alive = [w for w in workers.list_workers(ctx["store"], now=time.time(),
+                                             timeout=ctx["settings"].scheduler.worker_heartbeat_timeout) if w["alive"]]
+    return jsonify({"status": "ready", "workers_alive": len(alive)})
+
+
+@api.get("/openapi.json")
+def openapi() -> Any:
+    """The OpenAPI 3 description of this API."""
+    return jsonify(openapi_document())
+
+
+@api.get("/v1/status")
+def status() -> Any:
+    """The whole system at a glance: workers, queue depths, jobs by status."""
+    ctx = _ctx()
+    store, settings, now = ctx["store"], ctx["settings"], time.time()
+    return jsonify({
+        "api_url": settings.api.public_url(),
+        "redis_url": settings.redis.url,
+        "policy": settings.scheduler.policy,
+        "workers": workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout),
+        "queues": queues.queue_depths(store),
+        "tickets": queues.ticket_count(store),
+        "jobs": jobs.count_jobs_by_status(store),
+    })
+
+
+# --- models -------------------------------------------------------------------------
+
+
+@api.post("/v1/models")
+def register_model() -> Any:
+    """Register an ONNX file (new version when its content changed)."""
+    ctx = _ctx()
+    body = _parse(ModelRegistration)
+    record = services.register_model(ctx["settings"], ctx["store"], ctx["dispatcher"], body, now=time.time())
+    return jsonify(record), 201
+
+
+@api.get("/v1/models")
+def list_models() -> Any:
+    """Every registered model version."""
+    return jsonify({"models": registry.list_model_versions(_ctx()["store"])})
+
+
+@api.get("/v1/models/<ref>")
+def get_model(ref: str) -> Any:
+    """One model: `name` (newest version, with the list of versions) or `name@version`."""
+    store = _ctx()["store"]
+    record = registry.get_model(store, ref)
+    if "@" not in ref:
+        record = record | {"versions": [v["version"] for v in registry.list_model_versions(store, record["name"])]}
+    return jsonify(record)
+
+
+# --- jobs ---------------------------------------------------------------------------
+
+
+@api.post("/v1/jobs")
+def submit_job() -> Any:
+    """Submit an offline job; answers 201 with the job."""
+    ctx = _ctx()
+    body = _parse(JobSubmission)
+    job = services.submit_job(ctx["settings"], ctx["store"], ctx["dispatcher"], body,
+                              owner=g.identity["name"], now=time.time())
+    return jsonify(job), 201
+
+
+@api.get("/v1/jobs")
+def list_jobs() -> Any:
+    """Newest jobs first; `?status=` filters, `?limit=` bounds (default 100)."""
+    try:
+        limit = int(request.args.get("limit", 100))
+    except ValueError as err:
+        raise BadInput("limit must be an integer") from err
+    status_filter = request.args.get("status") or None
+    return jsonify({"jobs": jobs.list_jobs(_ctx()["store"], now=time.time(), limit=limit, status=status_filter)})
+
+
+@api.get("/v1/jobs/<job_id>")
+def get_job(job_id: str) -> Any:
+    """One job with progress, throughput and ETA."""
+    return jsonify(jobs.get_job(_ctx()["store"], job_id, now=time.time()))
+
+
+@api.delete("/v1/jobs/<job_id>")
+def cancel_job(job_id: str) -> Any:
+    """Cancel a job: its waiting chunks leave the queue; a finished job keeps its status."""
+    store = _ctx()["store"]
+    jobs.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
+    return jsonify(jobs.get_job(store, job_id, now=time.time()))
+
+
+@api.post("/v1/jobs/<job_id>/resume")
+def resume_job(job_id: str) -> Any:
+    """Re-queue only the chunks of a job that are not done."""
+    ctx = _ctx()
+    job = services.resume_job(ctx["settings"], ctx["store"], ctx["dispatcher"], job_id, now=time.time())
+    return jsonify(job), 202

@@ -1,0 +1,65 @@
+"""The OpenAPI 3.1 document of the REST API, with request schemas taken from the pydantic models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sits_api.schemas import JobSubmission, ModelRegistration
+
+_ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
+
+
+def _responses(*codes: int, ok: str = "OK") -> dict[str, Any]:
+    responses: dict[str, Any] = {}
+    for code in codes:
+        if code < 400:
+            responses[str(code)] = {"description": ok, "content": {"application/json": {"schema": {"type": "object"}}}}
+        else:
+            responses[str(code)] = {"description": "error", "content": {"application/json": {"schema": _ERROR}}}
+    return responses
+
+
+def _body(model: type) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}  # type: ignore[attr-defined]
+
+
+def openapi_document() -> dict[str, Any]:
+    """The document served at `/openapi.json`."""
+    job_id = [{"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    model_ref = [{"name": "ref", "in": "path", "required": True, "schema": {"type": "string"},
+                  "description": "name or name@version"}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "SITS", "version": "1", "description": "Scalable Inference Task Scheduler"},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/healthz": {"get": {"summary": "liveness", "security": [], "responses": _responses(200)}},
+            "/readyz": {"get": {"summary": "readiness (Redis reachable)", "security": [],
+                                "responses": _responses(200, 503)}},
+            "/v1/status": {"get": {"summary": "workers, queues, jobs by status", "responses": _responses(200, 401)}},
+            "/v1/models": {
+                "get": {"summary": "list model versions", "responses": _responses(200, 401)},
+                "post": {"summary": "register a model", "requestBody": _body(ModelRegistration),
+                         "responses": _responses(201, 400, 401, 403, 404, 422)},
+            },
+            "/v1/models/{ref}": {"get": {"summary": "one model", "parameters": model_ref,
+                                         "responses": _responses(200, 401, 404)}},
+            "/v1/jobs": {
+                "get": {"summary": "list jobs", "responses": _responses(200, 401),
+                        "parameters": [{"name": "status", "in": "query", "schema": {"type": "string"}},
+                                       {"name": "limit", "in": "query", "schema": {"type": "integer"}}]},
+                "post": {"summary": "submit an offline job", "requestBody": _body(JobSubmission),
+                         "responses": _responses(201, 400, 401, 403, 404, 413)},
+            },
+            "/v1/jobs/{job_id}": {
+                "get": {"summary": "job status and progress", "parameters": job_id,
+                        "responses": _responses(200, 401, 404)},
+                "delete": {"summary": "cancel a job", "parameters": job_id, "responses": _responses(200, 401, 404)},
+            },
+            "/v1/jobs/{job_id}/resume": {
+                "post": {"summary": "re-queue the unfinished chunks", "parameters": job_id,
+                         "responses": _responses(202, 400, 401, 404, 409)},
+            },
+        },
+    }

@@ -1,0 +1,33 @@
+"""Request bodies of the REST API, validated with pydantic (unknown fields rejected)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class JobSubmission(_Body):
+    """`POST /v1/jobs`: an offline job over an input file, paths as the workers see them."""
+
+    model: str = Field(..., min_length=1, description="`name` (newest version) or `name@version`")
+    input_batch: str = Field(..., min_length=1, description=".npy, .npz, .bin or .jsonl file")
+    output_dir: str = Field(..., min_length=1, description="folder for <output>.npy files and manifest.json")
+    priority: int = Field(0, ge=0, le=15)
+    chunk_size: int | None = Field(None, ge=1, le=10_000_000, description="rows per queue item")
+    batch_size: int | None = Field(None, ge=1, le=65_536, description="rows per ONNX Runtime run")
+    input_shape: list[int] | None = Field(None, description="per-sample shape of a raw .bin input")
+    input_dtype: str | None = Field(None, description="dtype of a raw .bin input, e.g. float32")
+
+
+class ModelRegistration(_Body):
+    """`POST /v1/models`: register an ONNX file under a name."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    path: str = Field(..., min_length=1)
+    profile_mode: Literal["static", "full"] = "static"
+    enable_fusion: bool = False

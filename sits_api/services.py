@@ -1,0 +1,148 @@
+"""What the API's views do, as plain functions: register models, submit and steer jobs.
+
+No Flask here (STYLE.md, "Thin framework glue"): views parse the body,
+call one of these and map the result. Every path a request names is
+checked against the configured roots before anything reads or writes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from broker import jobs, registry
+from broker.config import Settings
+from broker.errors import BadInput, PathNotAllowed
+from broker.store import Store
+from sits_api.dispatch import Dispatcher
+from sits_api.schemas import JobSubmission, ModelRegistration
+from sits_worker.model.graph import load_model_checked, static_profile
+from sits_worker.model.inputs import file_checksum, open_input
+
+
+def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
+    """The resolved `path_text`; PathNotAllowed unless it lies inside one of `roots`."""
+    path = Path(path_text).expanduser().resolve()
+    if not any(path == root or root in path.parents for root in roots):
+        allowed = ", ".join(str(root) for root in roots)
+        raise PathNotAllowed(f"{what} {path} is outside the allowed roots ({allowed}); "
+                             f"move it there or add its folder to paths.{what.replace(' ', '_')}_roots")
+    return path
+
+
+# --- models -------------------------------------------------------------------------
+
+
+def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, body: ModelRegistration,
+                   *, now: float) -> dict[str, Any]:
+    """Validate an ONNX file, store a copy as a new version (content hash), profile it statically.
+
+    `profile_mode=full` and `enable_fusion` are sent to a worker as a Celery
+    task, since only a worker has ONNX Runtime and the device to measure on;
+    the record's `profile_status` says `pending` until the task is done.
+    """
+    source = resolve_inside(body.path, settings.paths.model_roots, "model")
+    model = load_model_checked(source, settings.paths.model_roots)
+    version = _content_hash(model)
+    stored = _store_copy(model, settings.paths.store() / body.name / version)
+    ref = f"{body.name}@{version}"
+    try:
+        existing = registry.get_model(store, ref)
+    except Exception:
+        existing = None
+    profile = static_profile(model)
+    needs_worker = body.profile_mode == "full" or body.enable_fusion
+    record = (existing or {}) | {
+        "name": body.name,
+        "version": version,
+        "ref": ref,
+        "path": str(stored),
+        "source_path": str(source),
+        "signature": profile["signature"],
+        "static_profile": profile,
+        "profile_mode": body.profile_mode,
+        "enable_fusion": body.enable_fusion,
+        "registered_at": (existing or {}).get("registered_at", now),
+        "profile_status": "pending" if needs_worker else (existing or {}).get("profile_status", "static"),
+    }
+    registry.save_model_version(store, record)
+    if needs_worker:
+        dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion)
+    return record
+
+
+def _content_hash(model: onnx.ModelProto) -> str:
+    """Version of a model: hash of its serialised graph with external data inlined."""
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:12]
+
+
+def _store_copy(model: onnx.ModelProto, folder: Path) -> Path:
+    """Write the model into the store (atomically, once per version); large models keep external data."""
+    target = folder / "model.onnx"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".model.onnx.{os.getpid()}.tmp"
+    large = model.ByteSize() > 1_800_000_000
+    onnx.save_model(model, str(tmp), save_as_external_data=large, location="model.onnx.data" if large else None)
+    os.replace(tmp, target)
+    return target
+
+
+def delete_stale_copy(folder: Path) -> None:
+    """Remove a stored model folder (used when a registration is rolled back)."""
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- jobs ---------------------------------------------------------------------------
+
+
+def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: JobSubmission, *,
+               owner: str, now: float) -> dict[str, Any]:
+    """Validate a job against its model's signature, queue its chunks and wake the workers."""
+    model = registry.get_model(store, body.model)
+    input_path = resolve_inside(body.input_batch, settings.paths.input_roots, "input")
+    output_dir = resolve_inside(body.output_dir, settings.paths.output_roots, "output")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
+    input_options = {"shape": body.input_shape, "dtype": body.input_dtype}
+    with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype) as source:
+        rows, input_format = source.rows, source.format
+    output_dir.mkdir(parents=True, exist_ok=True)
+    spec = jobs.JobSpec(
+        job_id=jobs.new_job_id(),
+        model_name=model["name"],
+        model_version=model["version"],
+        input_batch=str(input_path),
+        input_format=input_format,
+        input_checksum=file_checksum(input_path),
+        output_dir=str(output_dir),
+        output_names=[output["name"] for output in model["signature"]["outputs"]],
+        rows_total=rows,
+        chunk_size=body.chunk_size or settings.jobs.chunk_size,
+        batch_size=body.batch_size or settings.jobs.batch_size,
+        priority=body.priority,
+        owner=owner,
+        input_options={k: v for k, v in input_options.items() if v is not None},
+    )
+    jobs.create_job(store, spec, now=now)
+    dispatcher.wake_workers()
+    return jobs.get_job(store, spec.job_id, now=now)
+
+
+def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, now: float) -> dict[str, Any]:
+    """Re-queue a job's unfinished chunks after checking its input and model are still the same."""
+    job = jobs.get_job(store, job_id, now=now)
+    registry.get_model(store, job["model_ref"])
+    checksum = file_checksum(Path(job["input_batch"]))
+    if checksum != job["input_checksum"]:
+        raise BadInput(f"input {job['input_batch']} changed since the job was submitted "
+                       f"({checksum} != {job['input_checksum']}); submit a new job for the new data")
+    jobs.resume_job(store, job_id, now=now)
+    dispatcher.wake_workers()
+    return jobs.get_job(store, job_id, now=now)

@@ -1,0 +1,102 @@
+"""The Celery app of SITS: configuration and the signal hooks of a worker process.
+
+`celery -A sits_worker worker` works as well as `sitsctl worker`: the app is
+configured lazily (on first use, not at import) from `load_settings()`, so
+the same `SITS_*` variables and `sits-config.yaml` apply. Settings follow
+CELERY-NOTES.md: late acks, requeue on a lost worker, prefetch 1, cancel on
+connection loss, events on for Flower; a threads pool of
+`max_concurrent_streams` threads sharing one ONNX Runtime session per model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from celery import Celery, signals
+
+from broker import workers
+from broker.config import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+TASK_QUEUE = "sits"
+
+app = Celery("sits", include=["sits_worker.tasks"])
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings derived from SITS settings."""
+    home = settings.paths.home
+    return {
+        "broker_url": settings.redis.url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": 3600},
+        "task_default_queue": TASK_QUEUE,
+        "task_ignore_result": True,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_pool": "threads",
+        "worker_concurrency": settings.resources.max_concurrent_streams,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "beat_schedule_filename": str(home / "celerybeat-schedule"),
+        "beat_schedule": {
+            "reap-expired-leases": {
+                "task": "sits.reap",
+                "schedule": settings.scheduler.reap_interval,
+                "options": {"expires": max(2.0, 5 * settings.scheduler.reap_interval)},
+            },
+        },
+    }
+
+
+@app.on_configure.connect
+def _configure_from_settings(sender: Celery, **_: Any) -> None:
+    settings = load_settings()
+    if not settings.redis.url:
+        raise RuntimeError("SITS_REDIS_URL (or redis.url in the config) must name the Redis the workers use")
+    settings.paths.home.mkdir(parents=True, exist_ok=True)
+    sender.conf.update(celery_config(settings))
+
+
+# --- worker heartbeats -------------------------------------------------------------
+
+_heartbeat_stop = threading.Event()
+
+
+@signals.worker_ready.connect
+def _start_heartbeat(sender: Any = None, **_: Any) -> None:
+    from sits_worker.context import worker_context
+
+    ctx = worker_context()
+    worker_name = getattr(sender, "hostname", ctx.name)
+    info = {"device": str(ctx.device), "streams": ctx.streams, "pid": os.getpid(), "celery_name": worker_name}
+
+    def beat() -> None:
+        while not _heartbeat_stop.is_set():
+            try:
+                info["models_loaded"] = ctx.sessions.loaded()
+                workers.record_heartbeat(ctx.store, worker_name, info, now=time.time())
+            except Exception as err:  # Redis down: keep trying, the worker itself stays up
+                log.warning("heartbeat failed: %s", err)
+            _heartbeat_stop.wait(2.0)
+
+    threading.Thread(target=beat, name="sits-heartbeat", daemon=True).start()
+
+
+@signals.worker_shutdown.connect
+def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
+    from sits_worker.context import worker_context
+
+    _heartbeat_stop.set()
+    try:
+        workers.remove_worker(worker_context().store, getattr(sender, "hostname", ""))
+    except Exception as err:
+        log.warning("could not deregister the worker: %s", err)

@@ -1,0 +1,97 @@
+"""Per-process worker state: settings, the Redis store, the pinned device, sessions, open inputs.
+
+Created lazily once per process under a lock, because the Celery pool may be
+threads (where `worker_process_init` does not fire) or prefork (where it
+must not be created in the parent). The environment is read only here, at
+the process's edge: `SITS_WORKER_DEVICE` and `SITS_WORKER_STREAMS`, set by
+`sitsctl worker`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from broker import registry
+from broker.config import Settings, load_settings
+from broker.store import Store
+from sits_worker.devices import Device
+from sits_worker.model.inputs import InputSource, open_input
+from sits_worker.runtime import SessionCache
+
+_OPEN_INPUTS_KEPT = 8
+
+
+@dataclass
+class WorkerContext:
+    """What every task of this process shares."""
+
+    settings: Settings
+    store: Store
+    device: Device
+    streams: int
+    sessions: SessionCache
+    name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
+    _models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def create(cls, settings: Settings, device: Device, streams: int) -> WorkerContext:
+        """A context over the Redis in `settings`."""
+        store = Store.connect(settings.redis.url, settings.redis.key_prefix)
+        return cls(settings=settings, store=store, device=device, streams=streams,
+                   sessions=SessionCache(device, settings.resources.intra_op_threads))
+
+    def model(self, model_ref: str) -> dict[str, Any]:
+        """The registry record of a model version; versions are immutable, so it is cached."""
+        record = self._models.get(model_ref)
+        if record is None:
+            record = registry.get_model(self.store, model_ref)
+            self._models[model_ref] = record
+        return record
+
+    def session(self, model_ref: str, device: Device | None = None) -> Any:
+        """The ONNX Runtime session of a model version on this worker's device (or `device`)."""
+        return self.sessions.get(model_ref, Path(self.model(model_ref)["path"]), device=device)
+
+    def job_input(self, job: dict[str, Any]) -> InputSource:
+        """The opened input file of a job, kept open for the job's next chunks."""
+        key = f"{job['id']}:{job['input_checksum']}"
+        with self._lock:
+            source = self._inputs.get(key)
+            if source is not None:
+                self._inputs.move_to_end(key)
+                return source
+        options = job.get("input_options") or {}
+        signature = self.model(job["model_ref"])["signature"]
+        source = open_input(Path(job["input_batch"]), signature, shape=options.get("shape"),
+                            dtype=options.get("dtype"))
+        with self._lock:
+            self._inputs[key] = source
+            while len(self._inputs) > _OPEN_INPUTS_KEPT:
+                _, oldest = self._inputs.popitem(last=False)
+                oldest.close()
+        return source
+
+
+_context: WorkerContext | None = None
+_context_lock = threading.Lock()
+
+
+def worker_context() -> WorkerContext:
+    """This process's context, created on first use from `SITS_*` and the config file."""
+    global _context
+    if _context is None:
+        with _context_lock:
+            if _context is None:
+                settings = load_settings()
+                device = Device.parse(os.environ.get("SITS_WORKER_DEVICE", "auto"))
+                streams = int(os.environ.get("SITS_WORKER_STREAMS") or settings.resources.max_concurrent_streams)
+                _context = WorkerContext.create(settings, device, streams)
+    return _context

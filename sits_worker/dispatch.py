@@ -1,0 +1,90 @@
+"""The drain loop behind a batch ticket, and the reaper pass behind the beat task.
+
+A ticket is a circulating Celery task (DESIGN.md, "Dispatch"): it leases the
+best waiting batch across models, runs it, and goes on until no queue has
+work (then it retires, atomically with that check) or its time slice is
+used (then it re-queues itself so other Celery tasks get the thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from broker import jobs, queues
+from broker.queues import StaleTicket
+from broker.store import translate_redis_errors
+from broker.wakeup import SendTicket, wake_workers
+from sits_worker.context import WorkerContext
+from sits_worker.execution import process_item
+
+log = logging.getLogger(__name__)
+
+
+def drain(ctx: WorkerContext, ticket: str) -> str:
+    """Serve batches under `ticket`; returns 'released', 'stale' or 'yield' (re-queue the ticket)."""
+    settings = ctx.settings.scheduler
+    slice_ends = time.monotonic() + settings.ticket_time_slice
+    lease_seconds = settings.lease_timeout
+    try:
+        while True:
+            heads = queues.queue_heads(ctx.store)
+            if not heads:
+                if queues.release_ticket(ctx.store, ticket):
+                    return "released"
+                continue
+            leased = []
+            for model_ref in sorted(heads, key=heads.__getitem__):  # FIFO across models: oldest head first
+                leased = queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=lease_seconds,
+                                            max_items=1, ticket=ticket)
+                if leased:
+                    break
+            for item in leased:
+                process_item(ctx, item, _keep_alive(ctx, item, ticket, lease_seconds))
+            if time.monotonic() >= slice_ends:
+                return "yield"
+    except StaleTicket:
+        return "stale"
+
+
+def _keep_alive(ctx: WorkerContext, item: queues.LeasedItem, ticket: str, lease_seconds: float) -> Callable[[], None]:
+    """A callback, called between mini-batches, that extends the item's lease and touches the ticket."""
+    last = time.monotonic()
+
+    def keep_alive() -> None:
+        nonlocal last
+        if time.monotonic() - last < lease_seconds / 4:
+            return
+        last = time.monotonic()
+        now = time.time()
+        with translate_redis_errors():
+            pipe = ctx.store.client.pipeline(transaction=False)
+            pipe.zadd(ctx.store.keys.inflight(item.model_ref), {item.item_id: now + lease_seconds}, xx=True)
+            pipe.zadd(ctx.store.keys.tickets, {ticket: now}, xx=True)
+            pipe.execute()
+
+    return keep_alive
+
+
+def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
+    """One reaper pass: expired leases back to their queue, poison items fail their job, lost tickets replaced."""
+    settings = ctx.settings
+    result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=settings.jobs.max_attempts)
+    for model_ref, item_id, payload in result.dead_items:
+        job_id = payload.get("job", "")
+        with translate_redis_errors():
+            last_error = ctx.store.client.hget(ctx.store.keys.job(job_id), "last_error") or "the worker died"
+        error = f"{item_id} failed {settings.jobs.max_attempts} times; last error: {last_error}"
+        if job_id:
+            jobs.stop_job(ctx.store, job_id, status="failed", error=error, now=now)
+        item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
+        queues.finish_item(ctx.store, item, job_id, now=now)
+    lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
+    sent = 0
+    if queues.queue_heads(ctx.store):
+        sent = wake_workers(ctx.store, send, now=now, heartbeat_timeout=settings.scheduler.worker_heartbeat_timeout)
+    if result.returned or result.dead_items or lost:
+        log.info("reaper: %d leases returned, %d items dead, %d tickets lost, %d sent",
+                 result.returned, len(result.dead_items), lost, sent)
+    return {"returned": result.returned, "dead": len(result.dead_items), "tickets_lost": lost, "tickets_sent": sent}

@@ -1,0 +1,118 @@
+"""Running leased items: a chunk of an offline job, or a job's finalize step.
+
+Plain functions over a `WorkerContext`, no Celery here (STYLE.md, "Thin
+framework glue"). A chunk's outputs are written atomically as a part file
+before its ack, so a chunk re-run after a lost ack rewrites identical bytes
+and is counted once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from broker import jobs, queues
+from broker.errors import DeviceOutOfMemory, PermanentError
+from broker.queues import LeasedItem
+from broker.store import translate_redis_errors
+from sits_worker.context import WorkerContext
+from sits_worker.devices import Device
+from sits_worker.outputs import finalize_outputs, write_part
+from sits_worker.runtime import run_session
+
+log = logging.getLogger(__name__)
+
+KeepAlive = Callable[[], None]
+
+
+def process_item(ctx: WorkerContext, item: LeasedItem, keep_alive: KeepAlive) -> str:
+    """Run one leased item to its end; returns what happened ('acked', 'finalized', 'dropped', 'failed').
+
+    Permanent errors fail the job at once with the error's message; any other
+    error leaves the lease to expire, so the reaper retries the item until
+    its attempts are used up.
+    """
+    job_id = item.payload["job"]
+    now = time.time()
+    with translate_redis_errors():
+        status = ctx.store.scripts.start_item(keys=[ctx.store.keys.job(job_id)], args=[now])
+    if status != "running":
+        queues.finish_item(ctx.store, item, job_id, now=now)
+        return "dropped"
+    try:
+        job = jobs.get_job(ctx.store, job_id, now=now)
+        if item.payload["kind"] == "finalize":
+            manifest = finalize_job(job)
+            queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
+                               job_fields={"manifest": json.dumps(manifest)})
+            return "finalized"
+        run_chunk(ctx, job, item, keep_alive)
+        return "acked"
+    except PermanentError as err:
+        log.warning("job %s failed on %s: %s", job_id, item.item_id, err.message)
+        queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="failed", error=err.message)
+        return "failed"
+    except Exception as err:
+        # Retryable or unexpected: record why, let the lease expire; the reaper retries or gives up.
+        log.exception("item %s of job %s failed (attempt %d)", item.item_id, job_id, item.attempts)
+        with translate_redis_errors():
+            ctx.store.client.hset(ctx.store.keys.job(job_id), "last_error", f"{type(err).__name__}: {err}")
+            ctx.store.client.zadd(ctx.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
+        return "retry"
+
+
+def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_alive: KeepAlive) -> None:
+    """Run rows [start, stop) of a job in mini-batches, write the part file, then ack the chunk."""
+    start, stop, chunk_index = item.payload["start"], item.payload["stop"], item.payload["chunk"]
+    output_names: list[str] = job["output_names"]
+    source = ctx.job_input(job)
+    results: dict[str, np.ndarray] = {}
+    for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
+        outputs = run_with_fallback(ctx, job["model_ref"], feed, output_names)
+        for name, array in zip(output_names, outputs, strict=True):
+            if name not in results:
+                results[name] = np.empty((stop - start, *array.shape[1:]), dtype=array.dtype)
+            results[name][row_indices - start] = array
+        keep_alive()
+    write_part(Path(job["output_dir"]), chunk_index, results)
+    finalize_id = jobs.finalize_item_id(job["id"])
+    finalize = json.dumps(jobs.finalize_payload(job["id"], item.model_ref, item.payload["score"]))
+    keys = ctx.store.keys
+    with translate_redis_errors():
+        ctx.store.scripts.ack_chunk(
+            keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,
+                  keys.job(job["id"]), keys.job_done(job["id"])],
+            args=[item.item_id, chunk_index, stop - start, time.time(), finalize_id, item.payload["score"], finalize,
+                  ctx.name],
+        )
+
+
+def run_with_fallback(ctx: WorkerContext, model_ref: str, feed: dict[str, np.ndarray],
+                      output_names: list[str]) -> list[np.ndarray]:
+    """Run a batch on the worker's device; on device OOM, on the CPU when the fallback strategy says so."""
+    try:
+        return run_session(ctx.session(model_ref), feed, output_names)
+    except DeviceOutOfMemory:
+        if ctx.device.kind == "cpu" or ctx.settings.scheduler.fallback_strategy != "cpu-offload-on-oom":
+            raise
+        log.warning("out of memory on %s; running this batch of %s on the CPU", ctx.device, model_ref)
+        return run_session(ctx.session(model_ref, device=Device("cpu")), feed, output_names)
+
+
+def finalize_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Merge the job's part files into its outputs and manifest (idempotent)."""
+    ranges = jobs.chunk_ranges(job["rows_total"], job["chunk_size"])
+    extra = {
+        "job": job["id"],
+        "model": job["model"],
+        "model_version": job["model_version"],
+        "input_batch": job["input_batch"],
+        "input_checksum": job["input_checksum"],
+    }
+    return finalize_outputs(Path(job["output_dir"]), ranges, job["output_names"], extra)

@@ -1,0 +1,361 @@
+"""Load, validate and statically profile ONNX files without running them.
+
+The API process imports this module to check uploads and estimate cost
+before any worker touches a model, so it uses only `onnx` and numpy (no
+onnxruntime). Every onnx/protobuf/OS exception is translated into a SITS
+error at this boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnx import TensorProto, helper
+from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model, uses_external_data
+
+from broker.errors import FileMissing, InvalidModel, PathNotAllowed
+
+# Token models are profiled at this many tokens and the totals divided by it.
+REFERENCE_SEQUENCE_LENGTH = 128
+# Initializers larger than this are replaced by typed graph inputs in the profiling
+# copy: shape inference needs only their shapes, and copying the data is costly.
+_PROFILE_KEEP_INITIALIZER_ELEMENTS = 1024
+# Pure data movement or shape bookkeeping: no arithmetic worth counting.
+_ZERO_FLOP_OPS = frozenset({
+    "Cast", "Concat", "Constant", "ConstantOfShape", "DepthToSpace", "Expand", "Flatten", "Gather",
+    "GatherElements", "GatherND", "Identity", "Pad", "Reshape", "Shape", "Size", "Slice", "SpaceToDepth",
+    "Split", "Squeeze", "Tile", "Transpose", "Unsqueeze",
+})
+# Element widths numpy cannot express as a whole number of bytes.
+_SUB_BYTE_BITS = {
+    getattr(TensorProto, name): bits
+    for name, bits in (("UINT4", 4), ("INT4", 4), ("FLOAT4E2M1", 4), ("UINT2", 2), ("INT2", 2))
+    if hasattr(TensorProto, name)
+}
+
+
+def dtype_name(elem_type: int) -> str:
+    """The numpy dtype name ("float32", "int64", ...) of an ONNX tensor element type.
+
+    Strings map to numpy's "object"; an unset or unknown type gives "undefined"
+    rather than an error, since signatures are also shown for odd models.
+    """
+    try:
+        return str(helper.tensor_dtype_to_np_dtype(elem_type).name)
+    except (KeyError, ValueError, TypeError):
+        return "undefined"
+
+
+def _element_bits(elem_type: int) -> int:
+    if elem_type in _SUB_BYTE_BITS:
+        return _SUB_BYTE_BITS[elem_type]
+    if elem_type in (TensorProto.STRING, TensorProto.UNDEFINED):
+        return 0  # size unknown until run time
+    try:
+        return helper.tensor_dtype_to_np_dtype(elem_type).itemsize * 8
+    except (KeyError, ValueError, TypeError):
+        return 0
+
+
+def _tensor_bytes(elem_type: int, elements: int) -> int:
+    return math.ceil(elements * _element_bits(elem_type) / 8)
+
+
+# --- loading ----------------------------------------------------------------
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or path.is_relative_to(folder)
+
+
+def _all_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
+    """Every TensorProto a graph holds: initializers and attribute tensors, subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _all_tensors(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _all_tensors(subgraph)
+
+
+def _check_external_data(model: onnx.ModelProto, model_file: Path) -> None:
+    """Every external data file must exist inside the model's own folder (no `../`, no symlink escape)."""
+    folder = model_file.parent
+    for tensor in _all_tensors(model.graph):
+        if not uses_external_data(tensor):
+            continue
+        location = ExternalDataInfo(tensor).location
+        try:
+            target: Path | None = (folder / location).resolve()
+        except (OSError, ValueError):  # NUL bytes, symlink loops
+            target = None
+        if target is None or not location or Path(location).is_absolute() or not _inside(target, folder):
+            raise InvalidModel(
+                f"external data '{location}' of tensor '{tensor.name}' points outside the model folder "
+                f"{folder} in {model_file.name}; store the data file next to the model and reference it "
+                f"by a relative name")
+        if not target.is_file():
+            raise InvalidModel(
+                f"external data '{location}' of tensor '{tensor.name}' in {model_file.name} does not exist "
+                f"in {folder}; copy the data file next to the model")
+
+
+def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelProto:
+    """Load an ONNX file that lies inside `model_roots`, after checking it is safe and well formed.
+
+    The path is resolved (symlinks included) and checked against the roots
+    before its existence is reported, so callers cannot probe for files
+    outside the roots. External data locations are checked before any of
+    them is read.
+    """
+    resolved = Path(path).resolve()
+    roots = [Path(root).resolve() for root in model_roots]
+    if not any(_inside(resolved, root) for root in roots):
+        allowed = ", ".join(str(root) for root in roots) or "(none configured)"
+        raise PathNotAllowed(f"model path {path} resolves to {resolved}, outside the model roots {allowed}; "
+                             f"place the model under one of them")
+    if not resolved.is_file():
+        what = "is not a file" if resolved.exists() else "does not exist"
+        raise FileMissing(f"model file {path} {what}; check the path or upload the model first")
+    try:
+        model = onnx.load(str(resolved), load_external_data=False)
+    except Exception as err:  # onnx/protobuf raise many unrelated types for a bad file
+        raise InvalidModel(f"{resolved.name} is not a readable ONNX model ({err}); "
+                           f"re-export it as an ONNX ModelProto file") from err
+    _check_external_data(model, resolved)
+    try:
+        # By path, so the checker resolves external data next to the model (not the cwd)
+        # and never needs the weights in memory (ModelProtos over 2 GB cannot be checked there).
+        onnx.checker.check_model(str(resolved))
+    except Exception as err:  # ValidationError, and ValueError/TypeError from the C++ binding
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InvalidModel(f"{resolved.name} fails the ONNX checker: {reason}; "
+                           f"fix or re-export the model") from err
+    try:
+        load_external_data_for_model(model, str(resolved.parent))
+    except (OSError, ValueError) as err:
+        raise InvalidModel(f"could not read the external data of {resolved.name} ({err}); "
+                           f"check that the data files are complete") from err
+    return model
+
+
+# --- signature ----------------------------------------------------------------
+
+
+def _shape_of(value_type: onnx.TypeProto) -> list[int | str] | None:
+    """Dims as ints, symbolic names, or "?" for unnamed unknown dims; None for unknown rank."""
+    tensor_type = value_type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    return [dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or "?")
+            for dim in tensor_type.shape.dim]
+
+
+def _describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
+    shape = _shape_of(value.type)
+    return {
+        "name": value.name,
+        "dtype": dtype_name(value.type.tensor_type.elem_type),
+        "shape": shape,
+        "dynamic_axes": [axis for axis, dim in enumerate(shape or []) if isinstance(dim, str)],
+    }
+
+
+def _true_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
+    initializers = {tensor.name for tensor in graph.initializer}
+    return [value for value in graph.input if value.name not in initializers]
+
+
+def model_signature(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
+    """The model's feedable inputs and its outputs: name, dtype, shape, dynamic axes.
+
+    Graph inputs that are also initializers (old exporters list weights as
+    inputs) are left out: a caller never feeds them. A shape of None means
+    the rank itself is unknown.
+    """
+    return {
+        "inputs": [_describe(value) for value in _true_inputs(model.graph)],
+        "outputs": [_describe(value) for value in model.graph.output],
+    }
+
+
+# --- profile ----------------------------------------------------------------------
+
+
+def operator_histogram(model: onnx.ModelProto) -> dict[str, int]:
+    """op_type -> node count over the graph and its subgraphs, most frequent first."""
+    counts: Counter[str] = Counter()
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            counts[node.op_type] += 1
+            for attribute in node.attribute:
+                if attribute.HasField("g"):
+                    visit(attribute.g)
+                for subgraph in attribute.graphs:
+                    visit(subgraph)
+
+    visit(model.graph)
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def _default_opset(model: onnx.ModelProto) -> int | None:
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            return int(opset.version)
+    return None
+
+
+def _sequence_axis(model: onnx.ModelProto) -> dict[str, Any] | None:
+    for value in _true_inputs(model.graph):
+        for axis, dim in enumerate(_shape_of(value.type) or []):
+            if axis > 0 and isinstance(dim, str):
+                return {"input": value.name, "axis": axis}
+    return None
+
+
+def _profiling_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy with fixed input dims (batch 1, other dynamic dims the reference length) and light weights."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    input_names = {value.name for value in graph.input}
+    for value in _true_inputs(graph):
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if not dim.HasField("dim_value"):
+                dim.dim_value = 1 if axis == 0 else REFERENCE_SEQUENCE_LENGTH
+    kept = []
+    for tensor in graph.initializer:
+        if math.prod(tensor.dims) <= _PROFILE_KEEP_INITIALIZER_ELEMENTS:
+            kept.append(tensor)
+        elif tensor.name not in input_names:
+            typed_input = helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+            graph.input.append(typed_input)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    # Drop stale symbolic shapes so inference writes the fixed ones.
+    del graph.value_info[:]
+    for value in graph.output:
+        value.type.tensor_type.ClearField("shape")
+    return copy
+
+
+def _node_flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
+    """Estimated floating point operations of one node; None when a needed shape is unknown."""
+    if node.op_type in _ZERO_FLOP_OPS:
+        return 0
+    ins = [shapes.get(name) for name in node.input]
+    outs = [shapes.get(name) for name in node.output]
+    out = outs[0] if outs else None
+    if node.op_type in ("MatMul", "Gemm", "Conv", "ConvTranspose"):
+        if out is None or len(ins) < 2 or ins[0] is None or ins[1] is None:
+            return None
+        a, w = ins[0], ins[1]
+        if node.op_type == "MatMul":
+            return 2 * math.prod(out) * (a[-1] if a else 1)
+        if node.op_type == "Gemm":
+            trans_a = next((attr.i for attr in node.attribute if attr.name == "transA"), 0)
+            return 2 * math.prod(out) * (a[0] if trans_a else a[-1])
+        if node.op_type == "Conv":
+            return 2 * math.prod(out) * math.prod(w[1:])
+        return 2 * math.prod(a) * math.prod(w[1:])  # ConvTranspose: each input pixel scatters a kernel
+    sizes = [math.prod(shape) for shape in ins + outs if shape is not None]
+    if not outs or outs[0] is None:
+        return None
+    # Elementwise ops and reductions: one operation per element of the largest tensor touched.
+    return max(sizes)
+
+
+def _measure(model: onnx.ModelProto) -> dict[str, int]:
+    """FLOPs and tensor bytes of the model at its fixed input shapes."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(_profiling_copy(model), data_prop=True)
+    except Exception as err:  # InferenceError, ValueError for >2 GB protos, ...
+        raise InvalidModel(f"shape inference failed for graph '{model.graph.name}' ({err}); "
+                           f"re-export the model with static or named dimensions") from err
+    graph = inferred.graph
+    shapes: dict[str, list[int]] = {}
+    types: dict[str, int] = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        shape = _shape_of(value.type)
+        types[value.name] = value.type.tensor_type.elem_type
+        if shape is not None and all(isinstance(dim, int) for dim in shape):
+            shapes[value.name] = [int(dim) for dim in shape]
+    for tensor in graph.initializer:
+        shapes[tensor.name] = list(tensor.dims)
+        types[tensor.name] = tensor.data_type
+    output_names = {value.name for value in graph.output}
+    flops = activation_bytes = unresolved = 0
+    for node in graph.node:
+        node_flops = _node_flops(node, shapes)
+        unresolved += node_flops is None
+        flops += node_flops or 0
+        for name in node.output:
+            if name and name not in output_names and name in shapes:
+                activation_bytes += _tensor_bytes(types.get(name, 0), math.prod(shapes[name]))
+
+    def io_bytes(values: Sequence[onnx.ValueInfoProto]) -> int:
+        return sum(_tensor_bytes(types[value.name], math.prod(shapes[value.name]))
+                   for value in values if value.name in shapes)
+
+    return {
+        "flops": flops,
+        "activation_bytes": activation_bytes,
+        # The copy lists big weights as inputs; only the original model's inputs are fed.
+        "input_bytes": io_bytes(_true_inputs(model.graph)),
+        "output_bytes": io_bytes(list(graph.output)),
+        "unresolved_nodes": unresolved,
+    }
+
+
+def static_profile(model: onnx.ModelProto) -> dict[str, Any]:
+    """A JSON-serialisable cost estimate of one sample, computed from the graph alone.
+
+    Dynamic dims are fixed (batch 1; other dynamic axes REFERENCE_SEQUENCE_LENGTH)
+    on a copy and shapes inferred. FLOPs count 2*M*K*N for MatMul/Gemm/Conv and
+    one per element otherwise; activation bytes sum every intermediate tensor
+    (graph outputs excluded). For token models (a dynamic axis besides axis 0)
+    "per sample" means one sequence of the reference length, and the per-token
+    figures are those divided by it. `unresolved_nodes` counts nodes whose
+    shapes could not be inferred, making the totals lower bounds. A model
+    with a fixed batch axis is profiled at that batch size.
+    """
+    # Weights stored as Constant nodes (some exporters do) are parameters too.
+    params = [*model.graph.initializer, *(
+        attribute.t for node in model.graph.node if node.op_type == "Constant"
+        for attribute in node.attribute if attribute.name == "value")]
+    param_count = sum(math.prod(tensor.dims) for tensor in params)
+    param_bytes = sum(_tensor_bytes(tensor.data_type, math.prod(tensor.dims)) for tensor in params)
+    sequence_axis = _sequence_axis(model)
+    measured = _measure(model)
+    profile: dict[str, Any] = {
+        "signature": model_signature(model),
+        "opset": _default_opset(model),
+        "op_histogram": operator_histogram(model),
+        "param_count": param_count,
+        "param_bytes": param_bytes,
+        "flops_per_sample": measured["flops"],
+        "activation_bytes_per_sample": measured["activation_bytes"],
+        "input_bytes_per_sample": measured["input_bytes"],
+        "output_bytes_per_sample": measured["output_bytes"],
+        "unresolved_nodes": measured["unresolved_nodes"],
+        "sequence_axis": sequence_axis,
+    }
+    if sequence_axis is not None:
+        profile["reference_sequence_length"] = REFERENCE_SEQUENCE_LENGTH
+        profile["flops_per_token"] = profile["flops_per_sample"] // REFERENCE_SEQUENCE_LENGTH
+        profile["activation_bytes_per_token"] = (
+            profile["activation_bytes_per_sample"] // REFERENCE_SEQUENCE_LENGTH)
+    return profile

@@ -1,0 +1,449 @@
+"""Open a job's input file and read it in row ranges as ready-to-feed batches.
+
+The API opens an input once to check it against the model signature and count its rows; workers
+open it again and read only their chunk's rows [start, stop). Array formats are memory-mapped
+(.npy, .bin and uncompressed .npz members), so a chunk read touches only its own rows; .jsonl keeps
+a byte-offset index of its lines. Values are never cast silently: an array whose dtype is not the
+model's is rejected with a message saying how to convert it (byte order alone is not a cast).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import zipfile
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import numpy as np
+
+from broker.errors import BadInput, FileMissing, InvalidModel, RetryableError, SitsError
+
+SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
+Batch = tuple[np.ndarray, dict[str, np.ndarray]]
+_BLOCK_BYTES = 1 << 20
+# Which kinds of JSON values (dtype.kind of np.asarray(value)) may fill an input of a given kind
+# without losing information; anything else (floats into ints, strings, nulls) is rejected.
+_JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "c": "iufc"}
+
+
+def file_checksum(path: Path) -> str:
+    """Return "sha256:<hex>" of a file's bytes, read in 1 MiB blocks.
+
+    Recorded in job manifests so results are tied to the exact bytes they came from; streaming
+    keeps memory flat whatever the file size.
+    """
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            while block := handle.read(_BLOCK_BYTES):
+                digest.update(block)
+    except OSError as err:
+        raise _file_error(Path(path), err) from err
+    return f"sha256:{digest.hexdigest()}"
+
+
+def _file_error(path: Path, err: OSError) -> SitsError:
+    if isinstance(err, FileNotFoundError):
+        return FileMissing(f"file '{path}' does not exist; check the path as the server sees it")
+    if isinstance(err, PermissionError | IsADirectoryError | NotADirectoryError):
+        return BadInput(f"cannot read '{path}' ({err.strerror or err}); it must be a readable regular file")
+    return RetryableError(f"reading '{path}' failed ({err}); try again later")
+
+
+@dataclass(frozen=True)
+class _InputSpec:
+    """One model input: name, dtype and per-row dims (an int when fixed, a label when dynamic)."""
+
+    name: str
+    dtype: np.dtype
+    dims: tuple[int | str, ...]
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> _InputSpec:
+        name, shape, dynamic = str(entry["name"]), list(entry["shape"]), {0, *entry.get("dynamic_axes", [0])}
+        try:
+            dtype = np.dtype(entry["dtype"])
+        except TypeError:
+            dtype = np.dtype(object)
+        if dtype.kind not in _JSON_KINDS:
+            raise BadInput(f"model input '{name}' has dtype {entry['dtype']!r}; only numeric inputs can be read")
+        if not shape:
+            raise InvalidModel(f"model input '{name}' has no batch axis (shape []); re-export the model")
+        dims = tuple(
+            dim if type(dim) is int and dim > 0 and axis not in dynamic else dim if isinstance(dim, str) else "?"
+            for axis, dim in enumerate(shape)
+            if axis > 0
+        )
+        return cls(name, dtype, dims)
+
+    @property
+    def expected(self) -> str:
+        return f"{self.dtype.name} [{','.join(['N', *map(str, self.dims)])}]"
+
+    def check(self, dtype: np.dtype, shape: Sequence[int | str], where: str, hint: str | None = None) -> None:
+        """Raise BadInput naming the input, what it expects and what it got, unless both fit.
+
+        `shape` includes the batch axis ("N" when the row count is not known). Fixed dims must match,
+        dynamic ones may be anything >= 1. The dtype is compared only when `hint` (how to fix a
+        wrong dtype) is given.
+        """
+        dtype_ok = hint is None or dtype.newbyteorder("=") == self.dtype
+        row_dims = [int(dim) for dim in shape[1:]]
+        if dtype_ok and len(shape) >= 1 and len(row_dims) == len(self.dims):
+            pairs = zip(row_dims, self.dims, strict=True)
+            if all(got == want if type(want) is int else got >= 1 for got, want in pairs):
+                return
+        got = f"{dtype.name} [{','.join(map(str, shape))}]"
+        fix = hint if not dtype_ok else f"each row must have shape [{','.join(map(str, self.dims))}]"
+        raise BadInput(f"input '{self.name}' expects {self.expected}, got {got} {where}; {fix}")
+
+
+def _parse_signature(signature: dict[str, Any]) -> list[_InputSpec]:
+    try:
+        specs = [_InputSpec.from_entry(entry) for entry in signature["inputs"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise InvalidModel(f"model signature is malformed ({err!r}); re-register the model") from err
+    if not specs:
+        raise InvalidModel("model signature lists no inputs; re-register the model")
+    return specs
+
+
+class InputSource:
+    """An opened input file: its row count and a reader of row ranges as model-ready batches.
+
+    `iter_batches` yields `(row_indices, feed)`: absolute int64 row numbers, and for every input
+    name a C-contiguous copy of the model's dtype and one uniform shape, ready for onnxruntime.
+    Use it as a context manager or call `close()`.
+    """
+
+    def __init__(self, path: Path, fmt: str, input_names: Sequence[str], rows: int) -> None:
+        if rows == 0:
+            raise BadInput(f"input file '{path.name}' has no rows; submit a file with at least one row")
+        self.path, self.format, self.input_names, self.rows = path, fmt, tuple(input_names), rows
+        self._closed = False
+
+    def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
+        """Yield batches of at most `max_batch` rows covering rows [start, stop) exactly once."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release file handles and mappings; batches already yielded stay valid (they are copies)."""
+        self._closed = True
+
+    def __enter__(self) -> InputSource:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_range(self, start: int, stop: int, max_batch: int) -> None:
+        if self._closed or max_batch < 1 or not 0 <= start <= stop:
+            raise ValueError(f"cannot read rows [{start}, {stop}) by {max_batch} (closed: {self._closed})")
+        if stop > self.rows:
+            raise BadInput(
+                f"rows [{start}, {stop}) lie past the end of '{self.path.name}' ({self.rows} rows); "
+                "the file changed after the job was submitted, resubmit the job"
+            )
+
+
+class _ArraySource(InputSource):
+    """npy, npz and bin inputs: one array per input, read as contiguous row slices."""
+
+    def __init__(
+        self,
+        path: Path,
+        specs: list[_InputSpec],
+        arrays: dict[str, np.ndarray | _LazyMember],
+        archive: zipfile.ZipFile | None = None,
+    ) -> None:
+        rows = {name: arr.shape[0] for name, arr in arrays.items()}
+        if len(set(rows.values())) > 1:
+            raise BadInput(f"arrays in '{path.name}' have different row counts {rows}; all need the same")
+        super().__init__(path, path.suffix.lower(), [spec.name for spec in specs], max(rows.values()))
+        self._dtypes = {spec.name: spec.dtype for spec in specs}
+        self._arrays = arrays
+        self._archive = archive
+
+    def _array(self, name: str) -> np.ndarray:
+        held = self._arrays[name]
+        if isinstance(held, _LazyMember):
+            try:
+                held = self._arrays[name] = held.load()  # kept: compressed members cannot be mapped
+            except OSError as err:
+                raise _file_error(self.path, err) from err
+            except (ValueError, EOFError, zipfile.BadZipFile) as err:
+                raise BadInput(f"array '{name}' in '{self.path.name}' is corrupt ({err}); write it again") from err
+        return held
+
+    def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
+        """Yield contiguous slices of at most `max_batch` rows, copied out of the mapping."""
+        self._check_range(start, stop, max_batch)
+        arrays = {name: self._array(name) for name in self.input_names}
+        for first in range(start, stop, max_batch):
+            last = min(first + max_batch, stop)
+            feed = {
+                name: np.array(arr[first:last], dtype=self._dtypes[name], order="C", copy=True)
+                for name, arr in arrays.items()
+            }
+            yield np.arange(first, last, dtype=np.int64), feed
+
+    def close(self) -> None:
+        """Drop the mappings and close the npz archive."""
+        self._arrays = {}
+        if self._archive is not None:
+            self._archive.close()
+        super().close()
+
+
+class _JsonlSource(InputSource):
+    """jsonl input: one JSON object per line, rows located through a byte-offset index."""
+
+    def __init__(self, path: Path, specs: list[_InputSpec], handle: BinaryIO, offsets: array[int]) -> None:
+        super().__init__(path, ".jsonl", [spec.name for spec in specs], len(offsets))
+        self._specs, self._handle, self._offsets = specs, handle, offsets
+
+    def read_rows(self, start: int, stop: int) -> list[dict[str, np.ndarray]]:
+        """Parse and check rows [start, stop); each becomes {input name: array of the input's dtype}."""
+        rows: list[dict[str, np.ndarray]] = []
+        try:
+            self._handle.seek(self._offsets[start])
+            while len(rows) < stop - start:
+                line = self._handle.readline()
+                if not line:
+                    raise BadInput(f"'{self.path.name}' changed after the job was submitted; resubmit the job")
+                if line.strip():
+                    rows.append(self._parse_row(line, start + len(rows)))
+        except OSError as err:
+            raise _file_error(self.path, err) from err
+        return rows
+
+    def _parse_row(self, line: bytes, row: int) -> dict[str, np.ndarray]:
+        where = f"in row {row} of '{self.path.name}'"
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise BadInput(f"invalid JSON {where} ({err}); fix that line") from err
+        if not isinstance(record, dict) or set(record) != set(self.input_names):
+            got = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise BadInput(
+                f"got keys {got} {where}; each line must be an object with exactly the model's "
+                f"inputs {list(self.input_names)}"
+            )
+        return {spec.name: _json_row(spec, record[spec.name], where) for spec in self._specs}
+
+    def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
+        """Yield the range's rows grouped by exact shape, so batches need no padding.
+
+        Groups come in order of their first row, rows keep their order within a group. The range
+        is parsed at once: memory grows with the chunk, not with the file.
+        """
+        self._check_range(start, stop, max_batch)
+        rows = self.read_rows(start, stop)
+        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for offset, sample in enumerate(rows):
+            groups.setdefault(tuple(sample[name].shape for name in self.input_names), []).append(offset)
+        for members in groups.values():
+            for first in range(0, len(members), max_batch):
+                picked = members[first : first + max_batch]
+                feed = {name: np.stack([rows[i][name] for i in picked]) for name in self.input_names}
+                yield np.asarray(picked, dtype=np.int64) + start, feed
+
+    def close(self) -> None:
+        """Close the file handle."""
+        self._handle.close()
+        super().close()
+
+
+def _json_row(spec: _InputSpec, value: Any, where: str) -> np.ndarray:
+    """Convert one row's JSON value to the input's dtype, refusing ragged or lossy values."""
+    try:
+        raw = np.asarray(value)
+    except ValueError as err:
+        raise BadInput(f"input '{spec.name}' {where} is not a rectangular (nested) list of numbers") from err
+    spec.check(raw.dtype, (1, *raw.shape), where)  # shape only: JSON numbers have no dtype of their own
+    lossy = raw.dtype.kind not in _JSON_KINDS[spec.dtype.kind]
+    if not lossy and spec.dtype.kind in "iu" and raw.size:
+        limits = np.iinfo(spec.dtype)
+        lossy = bool(raw.min() < limits.min or raw.max() > limits.max)
+    if lossy:
+        raise BadInput(
+            f"input '{spec.name}' expects {spec.dtype.name} values, got {raw.dtype} {where}; "
+            f"write values that fit {spec.dtype.name} exactly"
+        )
+    return raw.astype(spec.dtype)
+
+
+def _single_input(specs: list[_InputSpec], path: Path) -> _InputSpec:
+    if len(specs) != 1:
+        raise BadInput(
+            f"'{path.name}' holds one array but the model has inputs {[spec.name for spec in specs]}; "
+            "use .npz with one array per input, keyed by input name"
+        )
+    return specs[0]
+
+
+def _convert_hint(spec: _InputSpec, save: str) -> str:
+    return f"convert it first (no silent casts), e.g. {save}arr.astype(np.{spec.dtype.name}))"
+
+
+def _open_npy(path: Path, specs: list[_InputSpec]) -> InputSource:
+    spec = _single_input(specs, path)
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError) as err:
+        raise BadInput(f"'{path.name}' is not a numeric .npy file ({err}); write it with np.save") from err
+    if not isinstance(arr, np.ndarray):
+        raise BadInput(f"'{path.name}' is an npz archive, not an .npy file; rename it to .npz")
+    spec.check(arr.dtype, arr.shape, f"in '{path.name}'", _convert_hint(spec, "np.save(path, "))
+    return _ArraySource(path, specs, {spec.name: arr})
+
+
+def _open_npz(path: Path, specs: list[_InputSpec]) -> InputSource:
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, ValueError, EOFError) as err:
+        raise BadInput(f"'{path.name}' is not an .npz archive ({err}); write it with np.savez") from err
+    try:
+        members = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
+        expected = [spec.name for spec in specs]
+        if set(members) != set(expected):
+            raise BadInput(
+                f"'{path.name}' holds arrays {sorted(members)}, but the model needs one array per input, "
+                f"named {expected}; save it with np.savez(path, {', '.join(n + '=...' for n in expected)})"
+            )
+        arrays = {spec.name: _npz_member(path, archive, members[spec.name], spec) for spec in specs}
+        return _ArraySource(path, specs, arrays, archive)
+    except BaseException:
+        archive.close()
+        raise
+
+
+def _npz_member(
+    path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, spec: _InputSpec
+) -> np.ndarray | _LazyMember:
+    """Check a member's npy header; map the member when stored uncompressed, else defer reading it.
+
+    The header alone gives dtype and shape, so checking (what the API does) never reads the data.
+    """
+    try:
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"npy format version {version} is not supported")
+            reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else None
+            shape, fortran_order, dtype = (reader or np.lib.format.read_array_header_2_0)(member)
+            header_bytes = member.tell()
+        spec.check(dtype, shape, f"in '{path.name}'", _convert_hint(spec, f"np.savez(path, {spec.name}="))
+        if info.compress_type != zipfile.ZIP_STORED or math.prod(shape) == 0:
+            return _LazyMember(archive, info, shape)
+        with open(path, "rb") as raw:  # the data starts after the member's local zip header
+            raw.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", raw.read(4))
+        offset = info.header_offset + 30 + name_len + extra_len + header_bytes
+        order: Literal["F", "C"] = "F" if fortran_order else "C"
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
+    except (ValueError, EOFError, RuntimeError, zipfile.BadZipFile, struct.error) as err:
+        raise BadInput(f"array '{spec.name}' in '{path.name}' is unreadable ({err}); write it again") from err
+
+
+@dataclass(frozen=True)
+class _LazyMember:
+    """A compressed npz member: its shape from the header now, its data when first read."""
+
+    archive: zipfile.ZipFile
+    info: zipfile.ZipInfo
+    shape: tuple[int, ...]
+
+    def load(self) -> np.ndarray:
+        with self.archive.open(self.info) as member:
+            return np.lib.format.read_array(member, allow_pickle=False)
+
+
+def _open_bin(path: Path, specs: list[_InputSpec], shape: Sequence[int] | None, dtype: str | None) -> InputSource:
+    spec = _single_input(specs, path)
+    try:
+        given_dtype = spec.dtype if dtype is None else np.dtype(dtype)
+        row_shape = None if shape is None else tuple(int(dim) for dim in shape)
+    except (TypeError, ValueError) as err:
+        raise BadInput(f"bad shape {shape!r} or dtype {dtype!r} for '{path.name}' ({err}); fix them") from err
+    if given_dtype != spec.dtype:
+        raise BadInput(
+            f"input '{spec.name}' expects {spec.dtype.name}, but dtype {dtype!r} was given for "
+            f"'{path.name}'; convert the file to {spec.dtype.name} (no silent casts)"
+        )
+    if row_shape is None:
+        if not all(type(dim) is int for dim in spec.dims):
+            raise BadInput(
+                f"input '{spec.name}' has dynamic dims {spec.expected}; pass the per-row shape (without "
+                f"the batch dim) for raw '{path.name}', or use .npy"
+            )
+        row_shape = tuple(int(dim) for dim in spec.dims)
+    spec.check(spec.dtype, ("N", *row_shape), f"(shape given for '{path.name}')")
+    row_bytes, size = spec.dtype.itemsize * math.prod(row_shape), path.stat().st_size
+    if size % row_bytes:
+        raise BadInput(
+            f"'{path.name}' is {size} bytes, not a multiple of one {spec.dtype.name} row of shape "
+            f"{list(row_shape)} ({row_bytes} bytes); check shape and dtype, or that the file is complete"
+        )
+    rows = size // row_bytes
+    mapped = (  # an empty file cannot be mapped; _ArraySource rejects it for having no rows
+        np.memmap(path, dtype=spec.dtype.newbyteorder("<"), mode="r", shape=(rows, *row_shape))
+        if rows
+        else np.empty((0, *row_shape), spec.dtype)
+    )
+    return _ArraySource(path, specs, {spec.name: mapped})
+
+
+def _open_jsonl(path: Path, specs: list[_InputSpec]) -> InputSource:
+    handle = open(path, "rb")
+    try:
+        offsets, offset = array("q"), 0  # 8 bytes per row: millions of rows cost megabytes
+        for line in handle:
+            if line.strip():  # blank lines are not rows
+                offsets.append(offset)
+            offset += len(line)
+        source = _JsonlSource(path, specs, handle, offsets)
+        # Only the first row is checked at open, so the API does not parse the whole file; each
+        # row is checked when a worker reads it.
+        source.read_rows(0, 1)
+        return source
+    except BaseException:
+        handle.close()
+        raise
+
+
+def open_input(
+    path: Path, signature: dict[str, Any], *, shape: Sequence[int] | None = None, dtype: str | None = None
+) -> InputSource:
+    """Open an input file, check it against the model signature and return its reader.
+
+    The reader is chosen by suffix (.npy, .npz, .bin, .jsonl). `shape` (per row, without the batch
+    dim) and `dtype` apply to raw .bin files only. Nothing is loaded whole except compressed npz
+    members, which are read on first use and kept.
+    """
+    path = Path(path)
+    specs = _parse_signature(signature)
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED_FORMATS:
+        raise BadInput(
+            f"input file '{path.name}' has unsupported format '{suffix or '(no suffix)'}'; "
+            f"use one of {', '.join(SUPPORTED_FORMATS)}"
+        )
+    if (shape is not None or dtype is not None) and suffix != ".bin":
+        raise BadInput(f"shape and dtype apply only to raw .bin input, not '{path.name}'; leave them out")
+    try:
+        if suffix == ".npy":
+            return _open_npy(path, specs)
+        if suffix == ".npz":
+            return _open_npz(path, specs)
+        if suffix == ".bin":
+            return _open_bin(path, specs, shape, dtype)
+        return _open_jsonl(path, specs)
+    except OSError as err:
+        raise _file_error(path, err) from err

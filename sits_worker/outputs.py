@@ -1,0 +1,247 @@
+"""Per-chunk output parts and their merge into a job's final outputs and manifest.
+
+Workers write one `.npy` part per output and chunk under `<output_dir>/.parts/`; when every chunk is
+done one worker merges the parts, in row order, into `<output_dir>/<name>.npy` and writes
+`manifest.json` last. Every file appears atomically (temp file in the same folder, fsync,
+`os.replace`), so readers and a restarted merge never see half a file. Outputs are a pure function
+of model version and rows, so a chunk re-run after a lost ack rewrites identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from broker.errors import BadInput, Conflict, FileMissing, RetryableError, SitsError
+from sits_worker.model.inputs import file_checksum
+
+PARTS_DIR = ".parts"
+MANIFEST_NAME = "manifest.json"
+_RESERVED_KEYS = ("rows", "outputs", "chunks")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+
+
+def _file_stem(name: str) -> str:
+    """Return the file stem for an output name.
+
+    ONNX output names may hold '/' or ':' (e.g. "dense/Softmax:0"); such names get a sanitised stem
+    made unique by a hash of the name. The manifest records the file actually used.
+    """
+    if _SAFE_NAME.fullmatch(name):
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".") + "-" + digest
+
+
+def _part_path(output_dir: Path, name: str, chunk_index: int) -> Path:
+    return Path(output_dir) / PARTS_DIR / f"{_file_stem(name)}.{chunk_index:06d}.npy"
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_path(folder: Path, final_name: str) -> Path:
+    # A unique name per writer: two workers finishing the same chunk (or merge) never share a temp.
+    return folder / f".{final_name}.{secrets.token_hex(6)}.tmp"
+
+
+def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write a file so it appears whole or not at all; the folder entry is fsynced by the caller."""
+    temp = _temp_path(path.parent, path.name)
+    try:
+        # os.open with 0o666 so the final file gets the process umask, unlike mkstemp's 0o600.
+        with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _storage_error(output_dir: Path, err: OSError) -> RetryableError:
+    return RetryableError(
+        f"writing outputs under '{output_dir}' failed ({err}); check free space and permissions there, "
+        "the work will be retried"
+    )
+
+
+def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndarray]) -> None:
+    """Write one chunk's outputs, one `.parts/<name>.<chunk_index:06d>.npy` file per output.
+
+    Each part is written atomically and in C order, so writing the same data again (a chunk re-run
+    after a lost ack) gives byte-identical files, and `part_exists` never sees half a part.
+    """
+    output_dir = Path(output_dir)
+    arrays = {name: np.ascontiguousarray(values) for name, values in outputs.items()}
+    for name, arr in arrays.items():
+        if arr.dtype.hasobject:
+            raise BadInput(
+                f"output '{name}' holds Python objects (dtype {arr.dtype}), which cannot be stored as .npy; "
+                "use a model whose outputs are numeric tensors"
+            )
+    try:
+        (output_dir / PARTS_DIR).mkdir(parents=True, exist_ok=True)
+        for name, arr in arrays.items():
+            path = _part_path(output_dir, name, chunk_index)
+            _write_atomically(path, partial(np.lib.format.write_array, array=arr, allow_pickle=False))
+        _fsync_dir(output_dir / PARTS_DIR)
+    except OSError as err:
+        raise _storage_error(output_dir, err) from err
+
+
+def part_exists(output_dir: Path, chunk_index: int, output_names: Sequence[str]) -> bool:
+    """Whether every output's part for this chunk is on disk.
+
+    Parts appear atomically, so existing means complete: a worker can skip a chunk whose parts exist.
+    """
+    return all(_part_path(Path(output_dir), name, chunk_index).is_file() for name in output_names)
+
+
+def _rows_covered(chunk_ranges: Sequence[tuple[int, int]]) -> int:
+    """Check the chunks tile [0, total) in order, without gaps or empty chunks; return total."""
+    expected_start = 0
+    for start, stop in chunk_ranges:
+        if start != expected_start or stop <= start:
+            raise ValueError(f"chunk ranges must tile [0, total) in order, got {list(chunk_ranges)}")
+        expected_start = stop
+    if expected_start == 0:
+        raise ValueError("a job has at least one chunk")
+    return expected_start
+
+
+def _read_manifest(output_dir: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((output_dir / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):  # unreadable: merge again from the parts, if they are still there
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _load_part(output_dir: Path, name: str, chunk_index: int, chunk: tuple[int, int]) -> np.ndarray:
+    """Map one part read-only and check it holds exactly the chunk's rows."""
+    path = _part_path(output_dir, name, chunk_index)
+    try:
+        part = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError as err:
+        raise FileMissing(
+            f"output part '{path.name}' of chunk {chunk_index} (rows [{chunk[0]}, {chunk[1]})) is missing; "
+            "run that chunk again before finalizing"
+        ) from err
+    except (ValueError, EOFError) as err:
+        raise SitsError(
+            f"output part '{path}' is unreadable ({err}); delete it and run chunk {chunk_index} again"
+        ) from err
+    if part.ndim == 0 or part.shape[0] != chunk[1] - chunk[0]:
+        raise SitsError(
+            f"output part '{path}' has shape {list(part.shape)} but chunk {chunk_index} covers rows "
+            f"[{chunk[0]}, {chunk[1]}); delete it and run the chunk again"
+        )
+    return part
+
+
+def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int, int]], total: int) -> dict[str, Any]:
+    """Merge one output's parts into `<stem>.npy`; return its manifest entry.
+
+    Parts are checked first (one open at a time, so thousands of chunks do not exhaust file
+    handles), then copied into a memory-mapped temp file: memory stays at about one part.
+    """
+    layout: set[tuple[str, tuple[int, ...]]] = set()
+    for index, chunk in enumerate(chunk_ranges):
+        part = _load_part(output_dir, name, index, chunk)
+        layout.add((part.dtype.str, part.shape[1:]))
+        del part
+    if len(layout) != 1:
+        raise BadInput(
+            f"output '{name}' has different dtypes or per-row shapes across chunks {sorted(layout)}; "
+            "outputs whose rows vary in shape cannot be merged into one .npy"
+        )
+    ((dtype, row_shape),) = layout
+    final = output_dir / f"{_file_stem(name)}.npy"
+    temp = _temp_path(output_dir / PARTS_DIR, final.name)  # removed with the parts if we crash
+    merged = np.lib.format.open_memmap(temp, mode="w+", dtype=np.dtype(dtype), shape=(total, *row_shape))
+    for index, chunk in enumerate(chunk_ranges):
+        merged[chunk[0] : chunk[1]] = _load_part(output_dir, name, index, chunk)
+    merged.flush()
+    shape = list(merged.shape)
+    del merged  # unmaps the file
+    with open(temp, "rb+") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temp, final)
+    return {"file": final.name, "shape": shape, "dtype": np.dtype(dtype).name, "checksum": file_checksum(final)}
+
+
+def finalize_outputs(
+    output_dir: Path,
+    chunk_ranges: Sequence[tuple[int, int]],
+    output_names: Sequence[str],
+    manifest_extra: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Merge every output's parts into `<output_dir>/<name>.npy`, write `manifest.json`, drop the parts.
+
+    Idempotent: once the manifest exists it is returned as is (leftover parts are removed); after a
+    crash halfway the parts are still there and the merge simply runs again. The manifest is written
+    last, so its presence means every output file is complete. `manifest_extra` (job id, model
+    name and version, input file and checksum) is stored alongside rows, outputs and chunks.
+    """
+    output_dir = Path(output_dir)
+    total = _rows_covered(chunk_ranges)
+    if clash := set(_RESERVED_KEYS) & set(manifest_extra):
+        raise ValueError(f"manifest_extra may not set {sorted(clash)}")
+    manifest = _read_manifest(output_dir)
+    if manifest is None:
+        try:
+            outputs = {name: _merge_output(output_dir, name, chunk_ranges, total) for name in output_names}
+            manifest = {"rows": total, "outputs": outputs, "chunks": len(chunk_ranges), **manifest_extra}
+            text = json.dumps(manifest, indent=2).encode()
+            _write_atomically(output_dir / MANIFEST_NAME, lambda handle: handle.write(text))
+            _fsync_dir(output_dir)
+        except (FileMissing, OSError) as err:
+            # Another worker may have finished the same merge and removed the parts meanwhile.
+            manifest = _read_manifest(output_dir)
+            if manifest is None and isinstance(err, OSError):
+                raise _storage_error(output_dir, err) from err
+            if manifest is None:
+                raise
+    _check_same_job(output_dir, manifest, total, output_names, manifest_extra)
+    shutil.rmtree(output_dir / PARTS_DIR, ignore_errors=True)  # results are durable; leftovers are harmless
+    return manifest
+
+
+def _check_same_job(
+    output_dir: Path,
+    manifest: dict[str, Any],
+    total: int,
+    output_names: Sequence[str],
+    manifest_extra: Mapping[str, Any],
+) -> None:
+    """Refuse to hand back a manifest that another job left in the same folder."""
+    expected_extra = json.loads(json.dumps(dict(manifest_extra)))  # compare as stored (tuples -> lists)
+    same = (
+        manifest.get("rows") == total
+        and list(manifest.get("outputs", {})) == list(output_names)
+        and all(manifest.get(key) == value for key, value in expected_extra.items())
+    )
+    if not same:
+        raise Conflict(
+            f"'{output_dir}' already holds results of another job ({MANIFEST_NAME}); "
+            "choose an empty output folder or remove the old results"
+        )

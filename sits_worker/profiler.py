@@ -1,0 +1,109 @@
+"""Measured model profiles and graph fusion, run as a Celery task on the worker's own device.
+
+`profile_mode=full` measures latency and throughput per batch size and keeps
+the latency/throughput Pareto points; results are cached in the registry
+for `scheduler.model_profile_cache_ttl`. `enable_fusion` saves the graph as
+ONNX Runtime optimises it (full optimisation) and records its operator
+histogram next to the original's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from broker import registry
+from broker.errors import SitsError
+from sits_worker.context import WorkerContext
+from sits_worker.model.graph import operator_histogram
+from sits_worker.runtime import build_session, run_session
+
+_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_PROFILE_SEQUENCE = 128
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
+                 "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bool": np.bool_}
+
+
+def sample_feed(signature: dict[str, Any], batch: int, sequence: int = _PROFILE_SEQUENCE) -> dict[str, np.ndarray]:
+    """A deterministic random feed of `batch` rows for a signature (token ids stay small)."""
+    rng = np.random.default_rng(0)
+    feed = {}
+    for spec in signature["inputs"]:
+        dims = [batch] + [d if isinstance(d, int) else sequence for d in spec["shape"][1:]]
+        dtype = _NUMPY_DTYPES.get(spec["dtype"], np.float32)
+        if np.issubdtype(dtype, np.integer):
+            feed[spec["name"]] = rng.integers(0, 100, size=dims).astype(dtype)
+        else:
+            feed[spec["name"]] = rng.standard_normal(dims).astype(dtype)
+    return feed
+
+
+def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 1.0,
+            batch_sizes: tuple[int, ...] = _BATCH_SIZES) -> list[dict[str, float]]:
+    """Latency (median of timed runs) and throughput for each batch size, within a time budget per size."""
+    points = []
+    for batch in batch_sizes:
+        feed = sample_feed(signature, batch)
+        run_session(session, feed)  # warm-up: allocations, kernel choice
+        timings = []
+        started = time.perf_counter()
+        while len(timings) < 3 or (time.perf_counter() - started < budget_seconds and len(timings) < 50):
+            t0 = time.perf_counter()
+            run_session(session, feed)
+            timings.append(time.perf_counter() - t0)
+        latency = float(np.median(timings))
+        points.append({"batch_size": batch, "latency_ms": round(latency * 1000, 3),
+                       "rows_per_second": round(batch / latency, 1)})
+        if latency * 3 > budget_seconds:  # larger batches would take too long to profile
+            break
+    return points
+
+
+def pareto_points(points: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The points no other point beats on both lower latency and higher throughput."""
+    front = []
+    for point in sorted(points, key=lambda p: (p["latency_ms"], -p["rows_per_second"])):
+        if not front or point["rows_per_second"] > front[-1]["rows_per_second"]:
+            front.append(point)
+    return front
+
+
+def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str, enable_fusion: bool,
+                       now: float | None = None) -> dict[str, Any]:
+    """Fuse and/or measure `model_ref` and write the results into its registry record."""
+    now = time.time() if now is None else now
+    record = registry.get_model(ctx.store, model_ref)
+    fields: dict[str, Any] = {}
+    try:
+        if enable_fusion:
+            fields["fusion"] = fuse(ctx, record)
+        if profile_mode == "full":
+            cached = record.get("profile") or {}
+            fresh = cached.get("device") == str(ctx.device) and (
+                now - cached.get("measured_at", 0) < ctx.settings.scheduler.model_profile_cache_ttl)
+            if not fresh:
+                session = ctx.session(model_ref)
+                points = measure(session, record["signature"])
+                fields["profile"] = {"device": str(ctx.device), "measured_at": now, "points": points,
+                                     "pareto": pareto_points(points), "worker": ctx.name,
+                                     "providers": session.get_providers()}
+        fields["profile_status"] = "ready"
+    except SitsError as err:
+        fields.update(profile_status="failed", profile_error=err.message)
+    return registry.update_model_version(ctx.store, model_ref, fields)
+
+
+def fuse(ctx: WorkerContext, record: dict[str, Any]) -> dict[str, Any]:
+    """Save the fully optimised graph beside the stored model and count its operators."""
+    source = Path(record["path"])
+    fused_path = source.with_name(source.stem + ".fused.onnx")
+    build_session(source, ctx.device, ctx.settings.resources.intra_op_threads, optimized_model_path=fused_path)
+    fused = onnx.load(str(fused_path), load_external_data=False)
+    histogram = operator_histogram(fused)
+    return {"path": str(fused_path), "device": str(ctx.device), "op_histogram": histogram,
+            "node_count": sum(histogram.values()),
+            "original_node_count": sum(record["static_profile"]["op_histogram"].values())}

@@ -1,0 +1,97 @@
+"""ONNX Runtime sessions: one per model version per process, shared by the worker's threads.
+
+ONNX Runtime allows `run()` on one session from several threads at once, so
+the up-to-`max_concurrent_streams` batches of a worker share it. Errors of
+onnxruntime are translated here (STYLE.md, "Errors").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from broker.errors import BadInput, DeviceOutOfMemory, InvalidModel
+from sits_worker.devices import Device
+
+
+def session_options(intra_op_threads: int, *, optimized_model_path: Path | None = None) -> ort.SessionOptions:
+    """Options SITS uses for every session: full graph optimisation, the configured threads."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if intra_op_threads:
+        options.intra_op_num_threads = intra_op_threads
+    if optimized_model_path is not None:
+        options.optimized_model_filepath = str(optimized_model_path)
+    return options
+
+
+def build_session(model_path: Path, device: Device, intra_op_threads: int,
+                  *, optimized_model_path: Path | None = None) -> ort.InferenceSession:
+    """A new session for `model_path` on `device`; InvalidModel when ONNX Runtime cannot load it."""
+    try:
+        return ort.InferenceSession(
+            str(model_path),
+            sess_options=session_options(intra_op_threads, optimized_model_path=optimized_model_path),
+            providers=device.providers(),
+        )
+    except Exception as err:  # onnxruntime raises its own exception types
+        if _is_out_of_memory(err):
+            raise DeviceOutOfMemory(f"not enough memory on {device} to load {model_path.name}") from err
+        raise InvalidModel(f"ONNX Runtime cannot load {model_path}: {err}") from err
+
+
+def run_session(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
+                output_names: list[str] | None = None) -> list[np.ndarray]:
+    """`session.run` with onnxruntime's errors translated into SITS errors."""
+    try:
+        return session.run(output_names, dict(feed))
+    except Exception as err:
+        if _is_out_of_memory(err):
+            raise DeviceOutOfMemory(f"device out of memory running a batch of {_rows(feed)} rows") from err
+        raise BadInput(f"ONNX Runtime rejected the batch: {err}") from err
+
+
+def _rows(feed: Mapping[str, np.ndarray]) -> int:
+    return next((int(array.shape[0]) for array in feed.values()), 0)
+
+
+def _is_out_of_memory(err: Exception) -> bool:
+    text = str(err).lower()
+    return "out of memory" in text or "failed to allocate" in text or "bad_alloc" in text
+
+
+class SessionCache:
+    """Sessions by model version for this process; built once, under a lock, on first use."""
+
+    def __init__(self, device: Device, intra_op_threads: int) -> None:
+        self.device = device
+        self.intra_op_threads = intra_op_threads
+        self._sessions: dict[tuple[str, str], ort.InferenceSession] = {}
+        self._lock = threading.Lock()
+
+    def get(self, model_ref: str, model_path: Path, *, device: Device | None = None) -> ort.InferenceSession:
+        """The session of `model_ref` on `device` (default: this worker's device)."""
+        device = device or self.device
+        key = (model_ref, str(device))
+        session = self._sessions.get(key)
+        if session is None:
+            with self._lock:
+                session = self._sessions.get(key)
+                if session is None:
+                    session = build_session(model_path, device, self.intra_op_threads)
+                    self._sessions[key] = session
+        return session
+
+    def loaded(self) -> list[str]:
+        """Model refs with a session in this process."""
+        return sorted({ref for ref, _ in self._sessions})
+
+    def providers_of(self, model_ref: str) -> Any:
+        """The providers the session of `model_ref` really uses (for status and tests)."""
+        session = self._sessions.get((model_ref, str(self.device)))
+        return session.get_providers() if session else None

@@ -1,0 +1,38 @@
+"""Celery tasks: thin glue over `dispatch` and `profiler` (parse, call, map the result)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sits_worker.celery_app import TASK_QUEUE, app
+from sits_worker.context import worker_context
+from sits_worker.dispatch import drain, reap
+
+
+def send_drain(ticket: str) -> None:
+    """Publish the drain task of `ticket`."""
+    app.send_task("sits.drain", args=[ticket], queue=TASK_QUEUE)
+
+
+@app.task(name="sits.drain")
+def drain_task(ticket: str) -> str:
+    """Serve batches under one batch ticket; re-queue the ticket when its time slice ends."""
+    outcome = drain(worker_context(), ticket)
+    if outcome == "yield":
+        send_drain(ticket)
+    return outcome
+
+
+@app.task(name="sits.reap")
+def reap_task() -> dict[str, int]:
+    """Beat: return expired leases, fail poison items, replace lost tickets."""
+    return reap(worker_context(), send_drain, now=time.time())
+
+
+@app.task(name="sits.profile_model")
+def profile_model_task(model_ref: str, profile_mode: str, enable_fusion: bool) -> dict[str, Any]:
+    """Measure a model version on this worker's device and/or fuse its graph; results go to the registry."""
+    from sits_worker.profiler import profile_and_record
+
+    return profile_and_record(worker_context(), model_ref, profile_mode=profile_mode, enable_fusion=enable_fusion)
