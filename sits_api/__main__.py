@@ -30,5 +30,8 @@ if __name__ == "__main__":
         sys.exit("usage: python -m sits_api serve")
     import signal
 
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    def _stop(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM from `sitsctl up`: leave serve_forever and close the socket
+
+    signal.signal(signal.SIGTERM, _stop)
     serve()

@@ -264,18 +264,18 @@ def _json_row(spec: _InputSpec, value: Any, where: str) -> np.ndarray:
     """Convert one row's JSON value to the input's dtype, refusing ragged or lossy values."""
     try:
         raw = np.asarray(value)
-    except ValueError as err:
-        raise BadInput(f"input '{spec.name}' {where} is not a rectangular (nested) list of numbers") from err
-    spec.check(raw.dtype, (1, *raw.shape), where)  # shape only: JSON numbers have no dtype of their own
+    except ValueError:  # ragged nested lists
+        raw = np.asarray(None)
     lossy = raw.dtype.kind not in _JSON_KINDS[spec.dtype.kind]
     if not lossy and spec.dtype.kind in "iu" and raw.size:
         limits = np.iinfo(spec.dtype)
         lossy = bool(raw.min() < limits.min or raw.max() > limits.max)
     if lossy:
         raise BadInput(
-            f"input '{spec.name}' expects {spec.dtype.name} values, got {raw.dtype} {where}; "
-            f"write values that fit {spec.dtype.name} exactly"
+            f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; "
+            f"write numbers that fit {spec.dtype.name} exactly"
         )
+    spec.check(raw.dtype, (1, *raw.shape), where)  # shape only: JSON numbers have no dtype of their own
     return raw.astype(spec.dtype)
 
 
@@ -294,12 +294,13 @@ def _convert_hint(spec: _InputSpec, save: str) -> str:
 
 def _open_npy(path: Path, specs: list[_InputSpec]) -> InputSource:
     spec = _single_input(specs, path)
+    with open(path, "rb") as handle:  # np.load would take anything else for a pickle or an npz
+        if handle.read(6) != b"\x93NUMPY":
+            raise BadInput(f"'{path.name}' is not an .npy file (no NPY header); write it with np.save")
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError) as err:
         raise BadInput(f"'{path.name}' is not a numeric .npy file ({err}); write it with np.save") from err
-    if not isinstance(arr, np.ndarray):
-        raise BadInput(f"'{path.name}' is an npz archive, not an .npy file; rename it to .npz")
     spec.check(arr.dtype, arr.shape, f"in '{path.name}'", _convert_hint(spec, "np.save(path, "))
     return _ArraySource(path, specs, {spec.name: arr})
 

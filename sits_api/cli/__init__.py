@@ -1,0 +1,1 @@
+"""`sitsctl`: the command line of SITS."""

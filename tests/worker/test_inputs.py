@@ -1,0 +1,236 @@
+"""Input files are checked against the model signature and read in row ranges as feed batches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker.errors import BadInput, FileMissing
+from sits_worker.model.inputs import file_checksum, open_input
+
+
+def _signature(*inputs: tuple[str, str, list[int | str]]) -> dict:
+    return {
+        "inputs": [
+            {
+                "name": name,
+                "dtype": dtype,
+                "shape": shape,
+                "dynamic_axes": [axis for axis, dim in enumerate(shape) if isinstance(dim, str)],
+            }
+            for name, dtype, shape in inputs
+        ],
+        "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", 10], "dynamic_axes": [0]}],
+    }
+
+
+PIXELS = _signature(("pixels", "float32", ["batch", 3, 4, 4]))
+TOKENS = _signature(("input_ids", "int64", ["batch", "sequence"]), ("attention_mask", "int64", ["batch", "sequence"]))
+
+
+def _pixels(rows: int) -> np.ndarray:
+    return np.arange(rows * 48, dtype=np.float32).reshape(rows, 3, 4, 4)
+
+
+def _read_all(path: Path, signature: dict, max_batch: int, **kwargs) -> list:
+    with open_input(path, signature, **kwargs) as source:
+        return list(source.iter_batches(0, source.rows, max_batch))
+
+
+def test_npy_rows_are_read_in_row_ranges_without_loading_everything(tmp_path: Path) -> None:
+    data = np.random.default_rng(0).random((4096, 3, 16, 16), dtype=np.float32)  # 12 MiB
+    path = tmp_path / "images.npy"
+    np.save(path, data)
+    signature = _signature(("pixels", "float32", ["batch", 3, 16, 16]))
+
+    tracemalloc.start()
+    try:
+        with open_input(path, signature) as source:
+            batches = list(source.iter_batches(1000, 1100, 32))
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert source.rows == 4096 and source.format == ".npy" and source.input_names == ("pixels",)
+    assert peak_bytes < 1 << 20  # a few batches of 32 rows (96 KiB each), not the 12 MiB file
+    assert [len(rows) for rows, _ in batches] == [32, 32, 32, 4]
+    row_indices = np.concatenate([rows for rows, _ in batches])
+    assert row_indices.dtype == np.int64 and row_indices.tolist() == list(range(1000, 1100))
+    for rows, feed in batches:
+        assert feed["pixels"].dtype == np.float32 and feed["pixels"].flags.c_contiguous
+        np.testing.assert_array_equal(feed["pixels"], data[rows])
+
+
+def test_wrong_dtype_is_rejected_with_a_message_naming_the_input(tmp_path: Path) -> None:
+    np.save(tmp_path / "images.npy", _pixels(8).astype(np.float64))
+    np.savez(tmp_path / "images.npz", pixels=_pixels(8).astype(np.int64))
+
+    with pytest.raises(BadInput) as npy_error:
+        open_input(tmp_path / "images.npy", PIXELS)
+    with pytest.raises(BadInput) as npz_error:
+        open_input(tmp_path / "images.npz", PIXELS)
+
+    assert "input 'pixels' expects float32 [N,3,4,4], got float64 [8,3,4,4]" in npy_error.value.message
+    assert "arr.astype(np.float32)" in npy_error.value.message
+    assert "input 'pixels' expects float32 [N,3,4,4], got int64 [8,3,4,4]" in npz_error.value.message
+
+
+def test_byte_order_alone_is_not_a_cast(tmp_path: Path) -> None:
+    np.save(tmp_path / "images.npy", _pixels(5).astype(">f4"))
+
+    batches = _read_all(tmp_path / "images.npy", PIXELS, 4)
+
+    assert all(feed["pixels"].dtype == np.dtype("float32") for _, feed in batches)
+    np.testing.assert_array_equal(np.concatenate([feed["pixels"] for _, feed in batches]), _pixels(5))
+
+
+def test_wrong_per_sample_shape_is_rejected(tmp_path: Path) -> None:
+    np.save(tmp_path / "short.npy", _pixels(8)[:, :, :, :3])
+    np.save(tmp_path / "flat.npy", _pixels(8).reshape(8, 48))
+
+    with pytest.raises(BadInput, match=r"expects float32 \[N,3,4,4\], got float32 \[8,3,4,3\]"):
+        open_input(tmp_path / "short.npy", PIXELS)
+    with pytest.raises(BadInput, match=r"got float32 \[8,48\].*each row must have shape \[3,4,4\]"):
+        open_input(tmp_path / "flat.npy", PIXELS)
+
+
+def test_dynamic_dims_accept_any_positive_length(tmp_path: Path) -> None:
+    signature = _signature(("features", "float32", ["batch", "width"]))
+    np.save(tmp_path / "wide.npy", np.ones((3, 17), np.float32))
+    np.save(tmp_path / "zero.npy", np.ones((3, 0), np.float32))
+
+    assert open_input(tmp_path / "wide.npy", signature).rows == 3
+    with pytest.raises(BadInput, match=r"got float32 \[3,0\]"):
+        open_input(tmp_path / "zero.npy", signature)
+
+
+def test_npy_needs_a_single_input_model(tmp_path: Path) -> None:
+    np.save(tmp_path / "ids.npy", np.ones((2, 4), np.int64))
+
+    with pytest.raises(BadInput, match=r"use \.npz with one array per input"):
+        open_input(tmp_path / "ids.npy", TOKENS)
+
+
+def test_npz_requires_one_array_per_model_input(tmp_path: Path) -> None:
+    ids = np.arange(24, dtype=np.int64).reshape(6, 4)
+    np.savez(tmp_path / "missing.npz", input_ids=ids)
+    np.savez(tmp_path / "extra.npz", input_ids=ids, attention_mask=ids, token_type_ids=ids)
+    np.savez(tmp_path / "uneven.npz", input_ids=ids, attention_mask=ids[:5])
+    np.savez(tmp_path / "stored.npz", input_ids=ids, attention_mask=ids * 2)
+    np.savez_compressed(tmp_path / "compressed.npz", input_ids=ids, attention_mask=ids * 2)
+
+    for name in ("missing.npz", "extra.npz"):
+        with pytest.raises(BadInput, match=r"named \['input_ids', 'attention_mask'\]"):
+            open_input(tmp_path / name, TOKENS)
+    with pytest.raises(BadInput, match="different row counts"):
+        open_input(tmp_path / "uneven.npz", TOKENS)
+    for name in ("stored.npz", "compressed.npz"):
+        with open_input(tmp_path / name, TOKENS) as source:
+            assert source.rows == 6 and source.format == ".npz"
+            batches = list(source.iter_batches(1, 6, 4))
+        assert [rows.tolist() for rows, _ in batches] == [[1, 2, 3, 4], [5]]
+        np.testing.assert_array_equal(batches[0][1]["input_ids"], ids[1:5])
+        np.testing.assert_array_equal(batches[1][1]["attention_mask"], ids[5:] * 2)
+
+
+def test_bin_uses_model_shape_or_explicit_shape(tmp_path: Path) -> None:
+    (tmp_path / "images.bin").write_bytes(_pixels(7).astype("<f4").tobytes())
+    features = np.arange(15, dtype=np.float32).reshape(3, 5)
+    (tmp_path / "features.bin").write_bytes(features.tobytes())
+    dynamic = _signature(("features", "float32", ["batch", "width"]))
+
+    fixed_batches = _read_all(tmp_path / "images.bin", PIXELS, 4)
+    np.testing.assert_array_equal(np.concatenate([feed["pixels"] for _, feed in fixed_batches]), _pixels(7))
+    with pytest.raises(BadInput, match="pass the per-row shape"):
+        open_input(tmp_path / "features.bin", dynamic)
+    explicit_batches = _read_all(tmp_path / "features.bin", dynamic, 8, shape=[5])
+    np.testing.assert_array_equal(explicit_batches[0][1]["features"], features)
+    with pytest.raises(BadInput, match=r"not a multiple of one float32 row of shape \[4\] \(16 bytes\)"):
+        open_input(tmp_path / "features.bin", dynamic, shape=[4])
+    with pytest.raises(BadInput, match=r"expects float32 \[N,3,4,4\], got float32 \[N,3,8\]"):
+        open_input(tmp_path / "images.bin", PIXELS, shape=[3, 8])
+    with pytest.raises(BadInput, match="convert the file to float32"):
+        open_input(tmp_path / "images.bin", PIXELS, dtype="float64")
+    with pytest.raises(BadInput, match="only to raw .bin input"):
+        open_input(tmp_path / "x.npy", PIXELS, shape=[3, 4, 4])
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _tokens(length: int, start: int) -> dict:
+    return {"input_ids": list(range(start, start + length)), "attention_mask": [1] * length}
+
+
+def test_jsonl_variable_lengths_are_grouped_by_shape(tmp_path: Path) -> None:
+    lengths = [3, 5, 3, 5, 3, 2, 5]
+    rows = [_tokens(length, 100 * row) for row, length in enumerate(lengths)]
+    path = tmp_path / "tokens.jsonl"
+    _write_jsonl(path, rows[:3])
+    with path.open("a") as handle:  # blank lines are not rows
+        handle.write("\n" + "".join(json.dumps(row) + "\n" for row in rows[3:]))
+
+    with open_input(path, TOKENS) as source:
+        assert source.rows == 7 and source.format == ".jsonl"
+        batches = list(source.iter_batches(1, 7, 2))
+
+    assert [rows.tolist() for rows, _ in batches] == [[1, 3], [6], [2, 4], [5]]
+    for row_indices, feed in batches:
+        assert feed["input_ids"].dtype == np.int64 and feed["input_ids"].flags.c_contiguous
+        expected = [rows[row]["input_ids"] for row in row_indices]
+        np.testing.assert_array_equal(feed["input_ids"], np.array(expected))
+        assert feed["attention_mask"].shape == feed["input_ids"].shape
+
+
+def test_jsonl_rows_are_checked_when_read(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.jsonl"
+    _write_jsonl(
+        path,
+        [_tokens(3, 0), {"input_ids": [1.5, 2.0], "attention_mask": [1, 1]}, {"input_ids": [1]}],
+    )
+    _write_jsonl(tmp_path / "bad_first.jsonl", [{"input_ids": [[1, 2], [3]], "attention_mask": [1]}])
+
+    with open_input(path, TOKENS) as source:  # only the first row is checked at open
+        with pytest.raises(BadInput, match=r"list of int64 values in row 1 of 'tokens.jsonl'"):
+            list(source.iter_batches(0, 2, 8))
+        with pytest.raises(BadInput, match=r"got keys \['input_ids'\] in row 2"):
+            list(source.iter_batches(2, 3, 8))
+    with pytest.raises(BadInput, match="expects a rectangular"):
+        open_input(tmp_path / "bad_first.jsonl", TOKENS)
+
+
+def test_empty_inputs_unknown_formats_and_missing_files_are_rejected(tmp_path: Path) -> None:
+    np.save(tmp_path / "empty.npy", np.ones((0, 3, 4, 4), np.float32))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "images.csv").write_text("1,2,3\n")
+
+    for name in ("empty.npy", "empty.bin", "empty.jsonl"):
+        with pytest.raises(BadInput, match="has no rows"):
+            open_input(tmp_path / name, PIXELS if name != "empty.jsonl" else TOKENS)
+    with pytest.raises(BadInput, match=r"unsupported format '\.csv'; use one of \.npy, \.npz, \.bin, \.jsonl"):
+        open_input(tmp_path / "images.csv", PIXELS)
+    with pytest.raises(FileMissing):
+        open_input(tmp_path / "absent.npy", PIXELS)
+
+
+def test_a_range_past_the_end_means_the_file_changed(tmp_path: Path) -> None:
+    np.save(tmp_path / "images.npy", _pixels(4))
+
+    with open_input(tmp_path / "images.npy", PIXELS) as source, pytest.raises(BadInput, match="changed"):
+        list(source.iter_batches(2, 6, 2))
+
+
+def test_file_checksum_is_the_sha256_of_the_bytes(tmp_path: Path) -> None:
+    payload = bytes(range(256)) * 9000  # more than one 1 MiB block
+    (tmp_path / "blob.bin").write_bytes(payload)
+
+    assert file_checksum(tmp_path / "blob.bin") == "sha256:" + hashlib.sha256(payload).hexdigest()
+    with pytest.raises(FileMissing):
+        file_checksum(tmp_path / "absent.bin")

@@ -1,0 +1,155 @@
+"""Chunk output parts are written atomically and merged into row-ordered outputs with a manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from broker.errors import Conflict, FileMissing
+from sits_worker.outputs import finalize_outputs, part_exists, write_part
+
+EXTRA = {
+    "job_id": "job-1",
+    "model": "resnet",
+    "model_version": 3,
+    "input_file": "images.npy",
+    "input_checksum": "sha256:ab",
+}
+CHUNKS = [(0, 4), (4, 8), (8, 10)]
+
+
+def _outputs(rows: range) -> dict[str, np.ndarray]:
+    logits = np.array([[row, row * 0.5] for row in rows], dtype=np.float32)
+    return {"logits": logits, "label": np.array(list(rows), dtype=np.int64)}
+
+
+def _write_all(output_dir: Path, chunks: list[tuple[int, int]], order: list[int] | None = None) -> None:
+    for index in order or range(len(chunks)):
+        write_part(output_dir, index, _outputs(range(*chunks[index])))
+
+
+def test_parts_merge_into_row_ordered_outputs_with_manifest_checksums(tmp_path: Path) -> None:
+    _write_all(tmp_path, CHUNKS, order=[2, 0, 1])  # chunks finish in any order
+
+    manifest = finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
+
+    expected = _outputs(range(10))
+    for name in ("logits", "label"):
+        entry = manifest["outputs"][name]
+        final = tmp_path / entry["file"]
+        assert entry["file"] == f"{name}.npy"
+        np.testing.assert_array_equal(np.load(final), expected[name])
+        assert entry["shape"] == list(expected[name].shape) and entry["dtype"] == expected[name].dtype.name
+        assert entry["checksum"] == "sha256:" + hashlib.sha256(final.read_bytes()).hexdigest()
+    assert manifest["rows"] == 10 and manifest["chunks"] == 3
+    assert {key: manifest[key] for key in EXTRA} == EXTRA
+    assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["label.npy", "logits.npy", "manifest.json"]
+
+
+def test_rewriting_a_part_gives_identical_bytes(tmp_path: Path) -> None:
+    outputs = _outputs(range(4, 8))
+    write_part(tmp_path, 1, outputs)
+    first = {path.name: path.read_bytes() for path in (tmp_path / ".parts").iterdir()}
+
+    # The same values again, even laid out in Fortran order in memory, after a lost ack.
+    write_part(tmp_path, 1, {name: np.asfortranarray(values) for name, values in outputs.items()})
+    second = {path.name: path.read_bytes() for path in (tmp_path / ".parts").iterdir()}
+
+    assert first == second
+    assert sorted(first) == ["label.000001.npy", "logits.000001.npy"]  # no temp files left behind
+
+
+def test_part_exists_only_when_every_output_is_written(tmp_path: Path) -> None:
+    assert not part_exists(tmp_path, 0, ["logits", "label"])
+    write_part(tmp_path, 0, {"logits": _outputs(range(4))["logits"]})
+    assert not part_exists(tmp_path, 0, ["logits", "label"])
+    write_part(tmp_path, 0, _outputs(range(4)))
+    assert part_exists(tmp_path, 0, ["logits", "label"])
+
+
+def test_finalize_is_idempotent(tmp_path: Path) -> None:
+    _write_all(tmp_path, CHUNKS)
+    first = finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
+    final_bytes = (tmp_path / "logits.npy").read_bytes()
+
+    again = finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
+
+    assert again == first and (tmp_path / "logits.npy").read_bytes() == final_bytes
+
+
+def test_finalize_after_a_crash_before_the_parts_were_removed(tmp_path: Path) -> None:
+    _write_all(tmp_path, CHUNKS)
+    manifest = finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
+    _write_all(tmp_path, CHUNKS)  # as if the worker died between the manifest and removing the parts
+
+    assert finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA) == manifest
+    assert not (tmp_path / ".parts").exists()
+
+
+def test_a_missing_part_names_its_chunk_and_finalize_can_run_again(tmp_path: Path) -> None:
+    _write_all(tmp_path, CHUNKS, order=[0, 2])
+
+    with pytest.raises(FileMissing, match=r"chunk 1 \(rows \[4, 8\)\) is missing"):
+        finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
+    assert not (tmp_path / "manifest.json").exists()
+
+    _write_all(tmp_path, CHUNKS, order=[1])
+    manifest = finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
+    np.testing.assert_array_equal(np.load(tmp_path / "label.npy"), np.arange(10))
+    assert manifest["rows"] == 10
+
+
+def test_a_manifest_of_another_job_is_not_handed_back(tmp_path: Path) -> None:
+    _write_all(tmp_path, CHUNKS)
+    finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
+
+    with pytest.raises(Conflict, match="already holds results of another job"):
+        finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], {**EXTRA, "job_id": "job-2"})
+
+
+def test_output_names_that_are_not_file_names_get_safe_files(tmp_path: Path) -> None:
+    write_part(tmp_path, 0, {"dense/Softmax:0": np.ones((2, 3), np.float32)})
+
+    manifest = finalize_outputs(tmp_path, [(0, 2)], ["dense/Softmax:0"], EXTRA)
+
+    file_name = manifest["outputs"]["dense/Softmax:0"]["file"]
+    assert file_name.startswith("dense_Softmax_0-") and file_name.endswith(".npy")
+    assert (tmp_path / file_name).is_file()
+
+
+@st.composite
+def _array_and_chunks(draw: st.DrawFn) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    dtype = draw(st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_]))
+    rows = draw(st.integers(1, 40))
+    row_shape = draw(st.lists(st.integers(1, 4), max_size=2))
+    values = draw(hnp.arrays(dtype, (rows, *row_shape)))
+    cuts = sorted(draw(st.sets(st.integers(1, rows - 1), max_size=rows - 1)) if rows > 1 else set())
+    bounds = [0, *cuts, rows]
+    return values, list(zip(bounds, bounds[1:], strict=False))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_array_and_chunks())
+def test_any_chunking_reproduces_the_array_exactly(case: tuple[np.ndarray, list[tuple[int, int]]]) -> None:
+    values, chunks = case
+    with tempfile.TemporaryDirectory() as folder:
+        output_dir = Path(folder)
+        for index in reversed(range(len(chunks))):
+            start, stop = chunks[index]
+            write_part(output_dir, index, {"out": values[start:stop]})
+
+        manifest = finalize_outputs(output_dir, chunks, ["out"], EXTRA)
+
+        merged = np.load(output_dir / "out.npy")
+        assert merged.dtype == values.dtype and merged.shape == values.shape
+        assert merged.tobytes() == values.tobytes()  # exact, NaN payloads included
+        assert manifest["rows"] == len(values) and manifest["chunks"] == len(chunks)
