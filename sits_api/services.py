@@ -112,7 +112,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
     input_options = {"shape": body.input_shape, "dtype": body.input_dtype}
     with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype) as source:
-        rows, input_format = source.rows, source.format
+        rows, input_format = source.rows, source.format.lstrip(".")
     output_dir.mkdir(parents=True, exist_ok=True)
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),

@@ -1,0 +1,49 @@
+"""Helpers shared by the API tests: an authenticated test client, settings, error bodies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flask.testing import FlaskClient
+from werkzeug.test import TestResponse
+
+from broker.config import Settings
+from broker.embedded import EmbeddedRedis
+from broker.store import Store
+
+
+class Api:
+    """A Flask test client that sends the admin key with every request."""
+
+    def __init__(self, client: FlaskClient, key: str) -> None:
+        self.client = client
+        self.headers = {"Authorization": f"Bearer {key}"}
+
+    def get(self, path: str, **kwargs: Any) -> TestResponse:
+        return self.client.get(path, headers=self.headers, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> TestResponse:
+        return self.client.post(path, headers=self.headers, **kwargs)
+
+    def delete(self, path: str, **kwargs: Any) -> TestResponse:
+        return self.client.delete(path, headers=self.headers, **kwargs)
+
+
+def make_settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path,
+                  **api: Any) -> Settings:
+    """Settings whose model roots are tmp_path and the zoo; inputs and outputs only under tmp_path."""
+    return Settings().with_overrides(
+        redis={"url": redis_server.url, "key_prefix": store.keys.prefix},
+        paths={"home": tmp_path / "home", "model_roots": (tmp_path, zoo_dir),
+               "input_roots": (tmp_path,), "output_roots": (tmp_path,)},
+        **({"api": api} if api else {}),
+    )
+
+
+def error_of(response: TestResponse) -> str:
+    """The `error` message of a JSON error response (fails the test if the body is not one)."""
+    body = response.get_json(silent=True)
+    assert isinstance(body, dict) and isinstance(body.get("error"), str), (
+        f"expected a JSON error body, got {response.status_code} {response.data[:300]!r}")
+    return body["error"]

@@ -1,0 +1,68 @@
+"""Helpers for end-to-end tests: a real stack (Redis, API, beat, Celery workers) in tmp folders."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from broker.config import Settings
+from sits_api.cli.client import ApiClient
+from sits_api.cli.stack import Stack
+
+FAST_RECOVERY = {
+    "lease_timeout": "3s",
+    "reap_interval": "0.5s",
+    "ticket_timeout": "6s",
+    "ticket_time_slice": "1s",
+    "worker_heartbeat_timeout": "5s",
+}
+
+
+def stack_settings(home: Path, *, streams: int = 2, model_roots: tuple[Path, ...] = ()) -> Settings:
+    """Settings for a test stack: everything under `home`, fast lease recovery, one ORT thread per stream."""
+    roots = (home,)
+    return Settings().with_overrides(
+        paths={"home": home, "model_roots": roots + model_roots, "input_roots": roots, "output_roots": roots},
+        scheduler=FAST_RECOVERY,
+        resources={"max_concurrent_streams": streams, "intra_op_threads": 1},
+        api={"port": 0},
+    )
+
+
+def start_stack(home: Path, *, workers: int = 2, streams: int = 2, model_roots: tuple[Path, ...] = ()) -> Stack:
+    """A running stack with `workers` CPU workers."""
+    settings = stack_settings(home, streams=streams, model_roots=model_roots)
+    return Stack(settings, worker_count=workers, api_port=0).start()
+
+
+def register(client: ApiClient, name: str, path: Path) -> dict[str, Any]:
+    """Register a model (static profile)."""
+    return client.post("/v1/models", {"name": name, "path": str(path)})
+
+
+def wait_job(client: ApiClient, job_id: str, *, until: Any = None, timeout: float = 120.0) -> dict[str, Any]:
+    """Poll a job until `until(job)` (default: a final status) or time out."""
+    until = until or (lambda job: job["status"] in ("succeeded", "failed", "cancelled"))
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}")
+        if until(job):
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} did not get there in {timeout}s: {job}")
+        time.sleep(0.1)
+
+
+def direct_run(model_path: Path, inputs: np.ndarray, batch_size: int) -> np.ndarray:
+    """The reference: a plain ONNX Runtime loop over the same model and batch size."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    parts = [session.run(None, {name: inputs[i : i + batch_size]})[0] for i in range(0, len(inputs), batch_size)]
+    return np.concatenate(parts)

@@ -1,0 +1,138 @@
+"""The rest of the offline path through a real stack: input formats, profiling on a worker,
+cancel, the `sitsctl` commands, and a plain `celery -A sits_worker worker`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sits_worker.model.zoo import mlp_reference
+from tests.e2e.stack_helpers import direct_run, register, start_stack, wait_job
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from sits_worker.model.zoo import build_zoo
+
+    home = tmp_path_factory.mktemp("stack") / "home"
+    running = start_stack(home, workers=1, streams=2)
+    build_zoo(home / "models")
+    yield running
+    running.stop()
+
+
+def sitsctl(stack, *args: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"SITS_HOME": str(stack.home)}
+    env.pop("SITS_API_URL", None)
+    env.pop("SITS_API_KEY", None)
+    return subprocess.run([sys.executable, "-m", "sits_api.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_full_profile_and_fusion_run_on_a_worker(stack):
+    result = sitsctl(stack, "model", "register", "--name", "mlp", "--path", str(stack.home / "models" / "mlp.onnx"),
+                     "--profile-mode", "full", "--enable-fusion", "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["profile_status"] == "ready", record
+    points = record["profile"]["points"]
+    assert [p["batch_size"] for p in points][:3] == [1, 2, 4] and all(p["rows_per_second"] > 0 for p in points)
+    assert record["profile"]["pareto"] and record["profile"]["device"] == "cpu"
+    assert os.path.exists(record["fusion"]["path"]) and record["fusion"]["op_histogram"]
+
+
+def test_npz_and_bin_inputs_give_the_reference_outputs(stack):
+    client = stack.client()
+    register(client, "mlp", stack.home / "models" / "mlp.onnx")
+    features = np.random.default_rng(1).standard_normal((3_000, 64)).astype(np.float32)
+    np.savez(stack.home / "features.npz", features=features)
+    features.tofile(stack.home / "features.bin")
+    for name in ("features.npz", "features.bin"):
+        job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(stack.home / name),
+                                       "output_dir": str(stack.home / f"out-{name}"), "chunk_size": 700})
+        done = wait_job(client, job["id"])
+        assert done["status"] == "succeeded" and done["input_format"] == name.split(".")[1], done
+        np.testing.assert_allclose(np.load(stack.home / f"out-{name}" / "logits.npy"), mlp_reference(features),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_jsonl_rows_of_different_lengths_run_unpadded(stack):
+    client = stack.client()
+    register(client, "transformer", stack.home / "models" / "transformer.onnx")
+    rng = np.random.default_rng(2)
+    rows = [rng.integers(0, 1000, size=int(rng.integers(3, 20))).astype(np.int64) for _ in range(300)]
+    with open(stack.home / "tokens.jsonl", "w") as handle:
+        for row in rows:
+            handle.write(json.dumps({"input_ids": row.tolist()}) + "\n")
+    job = client.post("/v1/jobs", {"model": "transformer", "input_batch": str(stack.home / "tokens.jsonl"),
+                                   "output_dir": str(stack.home / "out-jsonl"), "chunk_size": 64})
+    done = wait_job(client, job["id"])
+    assert done["status"] == "succeeded", done
+    outputs = np.load(stack.home / "out-jsonl" / "embedding.npy")
+    for index in (0, 17, 299):
+        expected = direct_run(stack.home / "models" / "transformer.onnx", rows[index][None, :], 1)
+        np.testing.assert_allclose(outputs[index], expected[0], rtol=1e-4, atol=1e-5)
+
+
+def test_sitsctl_job_commands_and_status(stack):
+    pixels = np.random.default_rng(4).standard_normal((2_000, 3, 32, 32)).astype(np.float32)
+    np.save(stack.home / "pixels.npy", pixels)
+    assert sitsctl(stack, "model", "register", "--name", "convnet", "--path",
+                   str(stack.home / "models" / "convnet.onnx")).returncode == 0
+    submitted = sitsctl(stack, "job", "submit", "--model", "convnet", "--input-batch", str(stack.home / "pixels.npy"),
+                        "--output-dir", str(stack.home / "out-cli"), "--chunk-size", "250", "--wait")
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert "succeeded" in submitted.stdout and "logits.npy" in submitted.stdout and "sha256:" in submitted.stdout
+
+    listing = json.loads(sitsctl(stack, "job", "list", "--json").stdout)
+    job_id = next(j["id"] for j in listing["jobs"] if j["output_dir"].endswith("out-cli"))
+    status = json.loads(sitsctl(stack, "job", "status", job_id, "--json").stdout)
+    assert status["status"] == "succeeded" and status["rows_done"] == 2_000
+
+    overview = json.loads(sitsctl(stack, "status", "--json").stdout)
+    assert overview["redis_url"].startswith("redis://127.0.0.1")
+    assert overview["workers"] and overview["workers"][0]["device"] == "cpu" and overview["workers"][0]["alive"]
+    assert overview["jobs"].get("succeeded", 0) >= 1
+    assert any(ref.startswith("convnet@") for ref in overview["queues"])
+
+    again = sitsctl(stack, "job", "resume", job_id)
+    assert again.returncode == 1 and "already succeeded" in again.stdout
+
+
+def test_cancel_takes_waiting_chunks_out_of_the_queue(stack):
+    client = stack.client()
+    register(client, "convnet", stack.home / "models" / "convnet.onnx")
+    pixels = np.random.default_rng(6).standard_normal((20_000, 3, 32, 32)).astype(np.float32)
+    np.save(stack.home / "big.npy", pixels)
+    job = client.post("/v1/jobs", {"model": "convnet", "input_batch": str(stack.home / "big.npy"),
+                                   "output_dir": str(stack.home / "out-cancel"), "chunk_size": 200})
+    cancelled = client.delete(f"/v1/jobs/{job['id']}")
+    assert cancelled["status"] == "cancelled"
+    status = client.get("/v1/status")
+    assert status["queues"][job["model_ref"]]["ready"] == 0
+    later = wait_job(client, job["id"], until=lambda j: True)
+    assert later["status"] == "cancelled" and later["chunks_done"] < later["chunks_total"]
+
+
+def test_plain_celery_worker_serves_jobs(tmp_path, zoo_dir):
+    stack = start_stack(tmp_path / "home", workers=0, model_roots=(zoo_dir,))
+    try:
+        stack._spawn("plain-celery", [sys.executable, "-m", "celery", "-A", "sits_worker", "worker",
+                                      "--loglevel", "INFO", "--hostname", "plain@%h"])
+        stack.wait_for_workers(1, timeout=60)
+        client = stack.client()
+        register(client, "mlp", zoo_dir / "mlp.onnx")
+        features = np.random.default_rng(8).standard_normal((1_000, 64)).astype(np.float32)
+        np.save(stack.home / "f.npy", features)
+        job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(stack.home / "f.npy"),
+                                       "output_dir": str(stack.home / "out")})
+        done = wait_job(client, job["id"], timeout=60)
+        assert done["status"] == "succeeded", done
+        assert list(done["workers"]) and client.get("/v1/status")["workers"][0]["celery_name"].startswith("plain@")
+    finally:
+        stack.stop()
