@@ -76,7 +76,8 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     from sits_worker.context import worker_context
 
     ctx = worker_context()
-    worker_name = getattr(sender, "hostname", ctx.name)
+    worker_name = getattr(sender, "hostname", None) or ctx.name
+    ctx.name = worker_name  # chunks acked by this process are counted under the Celery name Flower shows
     info = {"device": str(ctx.device), "streams": ctx.streams, "pid": os.getpid(), "celery_name": worker_name}
 
     def beat() -> None:

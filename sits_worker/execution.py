@@ -78,7 +78,11 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_al
         for name, array in zip(output_names, outputs, strict=True):
             if name not in results:
                 results[name] = np.empty((stop - start, *array.shape[1:]), dtype=array.dtype)
-            results[name][row_indices - start] = array
+            first = int(row_indices[0]) - start
+            if int(row_indices[-1]) - start - first + 1 == len(row_indices):  # contiguous: a cheap slice copy
+                results[name][first : first + len(row_indices)] = array
+            else:  # jsonl rows grouped by length
+                results[name][row_indices - start] = array
         keep_alive()
     write_part(Path(job["output_dir"]), chunk_index, results)
     finalize_id = jobs.finalize_item_id(job["id"])

@@ -128,6 +128,26 @@ def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None
     os.execvpe(argv[0], argv, os.environ | extra)
 
 
+@cli.group()
+def key() -> None:
+    """API keys (talks to Redis directly: needs SITS_REDIS_URL or redis.url)."""
+
+
+@key.command("create")
+@click.option("--name", required=True, help="who the key is for")
+@click.option("--role", type=click.Choice(["admin", "user"]), default="user", show_default=True)
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
+def key_create(name: str, role: str, config_path: Path | None) -> None:
+    """Create an API key and print it once (only its digest is stored)."""
+    from broker.apikeys import create_api_key
+    from broker.store import Store
+
+    settings = load_settings(config_path)
+    if not settings.redis.url:
+        raise click.UsageError("set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
+    click.echo(create_api_key(Store.connect(settings.redis.url, settings.redis.key_prefix), name, role))
+
+
 # --- zoo and models -----------------------------------------------------------------
 
 

@@ -1,0 +1,277 @@
+"""Jobs: the hash that is their checkpoint, their chunk items, cancel and resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from broker_helpers import MODEL_REF, NOW, ack, done_chunks, inflight_deadlines, job_field, job_spec, ready_ids
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker import jobs, queues
+from broker.errors import Conflict, JobNotFound
+from broker.scoring import fifo_score
+from broker.store import Store
+
+
+def finish_job(store: Store, job_id: str, *, now: float) -> None:
+    """Run every chunk and then the finalize item, as a worker would."""
+    for item in queues.lease_batch(store, MODEL_REF, now=now, lease_seconds=30, max_items=1000):
+        if item.payload["kind"] == "chunk":
+            ack(store, item, now=now)
+    [final] = queues.lease_batch(store, MODEL_REF, now=now, lease_seconds=30, max_items=1000)
+    assert final.payload["kind"] == "finalize"
+    queues.finish_item(store, final, job_id, now=now, job_status="succeeded",
+                       job_fields={"manifest": json.dumps({"rows": 1})})
+
+
+# --- creating ---------------------------------------------------------------------------------
+
+
+def test_create_job_writes_the_checkpoint_fields(store: Store) -> None:
+    spec = job_spec(rows_total=10, chunk_size=4, priority=2)
+
+    jobs.create_job(store, spec, now=NOW)
+
+    raw = store.client.hgetall(store.keys.job(spec.job_id))
+    assert raw["status"] == "queued"
+    assert raw["rows_total"] == "10"
+    assert raw["chunks_total"] == "3"
+    assert raw["rows_done"] == raw["chunks_done"] == raw["chunk_runs"] == "0"
+    assert raw["input_checksum"] == "sha256:0123abcd"
+    assert raw["model_version"] == "v1"
+    assert raw["model_ref"] == MODEL_REF
+    assert raw["output_dir"] == "/data/out"
+    assert float(raw["checkpoint_ts"]) == NOW
+    assert float(raw["created_at"]) == NOW
+    job = jobs.get_job(store, spec.job_id, now=NOW)
+    assert job["output_names"] == ["logits"]
+    assert job["priority"] == 2
+    assert job["progress"] == 0.0
+    assert job["error"] is None
+    assert job["eta_seconds"] is None
+    assert done_chunks(store, spec.job_id) == set()
+
+
+def test_create_job_queues_one_item_per_chunk(store: Store) -> None:
+    spec = job_spec(rows_total=10, chunk_size=4, priority=2)
+
+    jobs.create_job(store, spec, now=NOW)
+
+    ids = [jobs.chunk_item_id(spec.job_id, i) for i in range(3)]
+    assert ready_ids(store) == ids
+    payloads = [json.loads(store.client.hget(store.keys.items, item_id)) for item_id in ids]
+    assert [(p["chunk"], p["start"], p["stop"]) for p in payloads] == [(0, 0, 4), (1, 4, 8), (2, 8, 10)]
+    assert {p["score"] for p in payloads} == {fifo_score(2, NOW)}
+    assert store.client.smembers(store.keys.queues) == {MODEL_REF}
+    assert store.client.zscore(store.keys.jobs, spec.job_id) == NOW
+
+
+def test_creating_an_existing_job_is_a_conflict(store: Store) -> None:
+    spec = job_spec()
+    jobs.create_job(store, spec, now=NOW)
+
+    with pytest.raises(Conflict, match=spec.job_id):
+        jobs.create_job(store, spec, now=NOW + 1)
+
+    assert len(ready_ids(store)) == 3  # nothing queued twice
+
+
+def test_chunk_ranges_of_an_exact_multiple_and_a_remainder() -> None:
+    assert jobs.chunk_ranges(8, 4) == [(0, 4), (4, 8)]
+    assert jobs.chunk_ranges(9, 4) == [(0, 4), (4, 8), (8, 9)]
+    assert jobs.chunk_ranges(3, 10) == [(0, 3)]
+
+
+@given(rows_total=st.integers(1, 5000), chunk_size=st.integers(1, 700))
+def test_chunk_ranges_tile_all_rows_in_order(rows_total: int, chunk_size: int) -> None:
+    ranges = jobs.chunk_ranges(rows_total, chunk_size)
+
+    assert ranges[0][0] == 0
+    assert ranges[-1][1] == rows_total
+    assert all(stop == next_start for (_, stop), (next_start, _) in zip(ranges, ranges[1:], strict=False))
+    assert all(0 < stop - start <= chunk_size for start, stop in ranges)
+    assert len(ranges) == -(-rows_total // chunk_size)
+
+
+def test_chunk_item_ids_sort_in_chunk_order() -> None:
+    ids = [jobs.chunk_item_id("j1", i) for i in (0, 2, 10, 9999, 123456)]
+
+    assert sorted(ids) == ids
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def test_get_job_on_an_unknown_id_raises_job_not_found(store: Store) -> None:
+    with pytest.raises(JobNotFound, match="jnothere"):
+        jobs.get_job(store, "jnothere", now=NOW)
+
+
+def test_get_job_derives_rate_and_eta_from_progress(store: Store) -> None:
+    spec = job_spec(rows_total=8, chunk_size=4)
+    jobs.create_job(store, spec, now=NOW)
+    [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    store.scripts.start_item(keys=[store.keys.job(spec.job_id)], args=[NOW])
+    ack(store, item, now=NOW + 2)
+
+    job = jobs.get_job(store, spec.job_id, now=NOW + 2)
+
+    assert job["progress"] == 0.5
+    assert job["rows_per_second"] == 2.0
+    assert job["eta_seconds"] == 2.0
+
+
+def test_list_jobs_is_newest_first_and_filters_by_status(store: Store) -> None:
+    for i, job_id in enumerate(["jold", "jmid", "jnew"]):
+        jobs.create_job(store, job_spec(job_id, rows_total=1, chunk_size=1), now=NOW + i)
+    jobs.stop_job(store, "jmid", status="cancelled", error="", now=NOW + 10)
+
+    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10)] == ["jnew", "jmid", "jold"]
+    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, limit=2)] == ["jnew", "jmid"]
+    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, status="queued")] == ["jnew", "jold"]
+    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, status="queued", limit=1)] == ["jnew"]
+    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, status="cancelled")] == ["jmid"]
+    assert jobs.list_jobs(store, now=NOW + 10, status="failed") == []
+    assert jobs.count_jobs_by_status(store) == {"queued": 2, "cancelled": 1}
+
+
+# --- cancel ---------------------------------------------------------------------------------------
+
+
+def test_cancel_removes_waiting_and_leased_items(store: Store) -> None:
+    spec = job_spec(rows_total=10, chunk_size=4)
+    other = job_spec("jother", rows_total=1, chunk_size=1)
+    jobs.create_job(store, spec, now=NOW)
+    jobs.create_job(store, other, now=NOW + 1)
+    queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+
+    status = jobs.stop_job(store, spec.job_id, status="cancelled", error="cancelled by the user", now=NOW + 2)
+
+    assert status == "cancelled"
+    assert ready_ids(store) == ["jother:c0000000"]  # other jobs keep their items
+    assert inflight_deadlines(store) == {}
+    assert store.client.hkeys(store.keys.items) == ["jother:c0000000"]
+    assert store.client.hlen(store.keys.attempts) == 0
+    job = jobs.get_job(store, spec.job_id, now=NOW + 2)
+    assert (job["status"], job["error"], job["finished_at"]) == ("cancelled", "cancelled by the user", NOW + 2)
+
+
+def test_ack_after_cancel_is_ignored(store: Store) -> None:
+    spec = job_spec(rows_total=10, chunk_size=4)
+    jobs.create_job(store, spec, now=NOW)
+    [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 1)
+
+    assert ack(store, item, now=NOW + 2) == 0
+
+    job = jobs.get_job(store, spec.job_id, now=NOW + 2)
+    assert job["status"] == "cancelled"
+    assert (job["chunks_done"], job["rows_done"]) == (0, 0)
+    assert done_chunks(store, spec.job_id) == set()
+    assert ready_ids(store) == []
+
+
+def test_stopping_a_finished_job_keeps_its_status(store: Store) -> None:
+    spec = job_spec(rows_total=2, chunk_size=1)
+    jobs.create_job(store, spec, now=NOW)
+    finish_job(store, spec.job_id, now=NOW + 1)
+
+    assert jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 2) == "succeeded"
+    assert job_field(store, spec.job_id, "status") == "succeeded"
+
+
+def test_stopping_an_unknown_job_raises_job_not_found(store: Store) -> None:
+    with pytest.raises(JobNotFound):
+        jobs.stop_job(store, "jghost", status="cancelled", error="", now=NOW)
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+
+def test_resume_re_queues_exactly_the_chunks_not_done(store: Store) -> None:
+    spec = job_spec(rows_total=10, chunk_size=2)  # 5 chunks
+    jobs.create_job(store, spec, now=NOW)
+    leased = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=5)
+    ack(store, leased[0], now=NOW + 1)
+    ack(store, leased[3], now=NOW + 1)
+    # everything crashes: the other three leases are held by workers that are gone
+
+    added = jobs.resume_job(store, spec.job_id, now=NOW + 5)
+
+    assert added == 3
+    assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, i) for i in (1, 2, 4)]
+    assert inflight_deadlines(store) == {}  # leased chunks were taken back
+    resumed = json.loads(store.client.hget(store.keys.items, jobs.chunk_item_id(spec.job_id, 4)))
+    assert (resumed["start"], resumed["stop"], resumed["score"]) == (8, 10, fifo_score(0, NOW + 5))
+    job = jobs.get_job(store, spec.job_id, now=NOW + 5)
+    assert (job["status"], job["chunks_done"], job["rows_done"]) == ("queued", 2, 4)
+
+
+def test_resume_of_a_cancelled_job_re_queues_its_missing_chunks(store: Store) -> None:
+    spec = job_spec(rows_total=6, chunk_size=2)
+    jobs.create_job(store, spec, now=NOW)
+    [first] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    ack(store, first, now=NOW + 1)
+    jobs.stop_job(store, spec.job_id, status="cancelled", error="cancelled by the user", now=NOW + 2)
+
+    assert jobs.resume_job(store, spec.job_id, now=NOW + 3) == 2
+
+    assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, i) for i in (1, 2)]
+    job = jobs.get_job(store, spec.job_id, now=NOW + 3)
+    assert (job["status"], job["error"], job["finished_at"]) == ("queued", None, None)
+
+
+def test_resume_does_not_duplicate_chunks_already_waiting(store: Store) -> None:
+    spec = job_spec(rows_total=6, chunk_size=2)
+    jobs.create_job(store, spec, now=NOW)
+
+    assert jobs.resume_job(store, spec.job_id, now=NOW + 1) == 0
+
+    assert len(ready_ids(store)) == 3
+
+
+def test_late_ack_from_a_pre_resume_lease_is_counted_once(store: Store) -> None:
+    spec = job_spec(rows_total=4, chunk_size=2)
+    jobs.create_job(store, spec, now=NOW)
+    [old, _] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)
+    jobs.resume_job(store, spec.job_id, now=NOW + 1)
+    [new, _] = queues.lease_batch(store, MODEL_REF, now=NOW + 2, lease_seconds=30, max_items=2)
+
+    assert [ack(store, old, now=NOW + 3), ack(store, new, now=NOW + 4)] == [1, 0]
+
+    assert done_chunks(store, spec.job_id) == {0}
+    assert job_field(store, spec.job_id, "chunks_done") == "1"
+
+
+def test_resume_with_every_chunk_done_queues_only_the_finalize_step(store: Store) -> None:
+    spec = job_spec(rows_total=4, chunk_size=2)
+    jobs.create_job(store, spec, now=NOW)
+    for item in queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2):
+        ack(store, item, now=NOW + 1)
+    jobs.stop_job(store, spec.job_id, status="failed", error="finalize crashed", now=NOW + 2)
+    assert ready_ids(store) == []  # stop took the finalize item out too
+
+    assert jobs.resume_job(store, spec.job_id, now=NOW + 3) == 1
+
+    finalize_id = jobs.finalize_item_id(spec.job_id)
+    assert ready_ids(store) == [finalize_id]
+    assert json.loads(store.client.hget(store.keys.items, finalize_id))["kind"] == "finalize"
+
+
+def test_resume_of_a_succeeded_job_is_a_conflict(store: Store) -> None:
+    spec = job_spec(rows_total=2, chunk_size=1)
+    jobs.create_job(store, spec, now=NOW)
+    finish_job(store, spec.job_id, now=NOW + 1)
+    assert jobs.get_job(store, spec.job_id, now=NOW + 1)["manifest"] == {"rows": 1}
+
+    with pytest.raises(Conflict, match="already succeeded"):
+        jobs.resume_job(store, spec.job_id, now=NOW + 2)
+
+    assert ready_ids(store) == []
+
+
+def test_resume_of_an_unknown_job_raises_job_not_found(store: Store) -> None:
+    with pytest.raises(JobNotFound):
+        jobs.resume_job(store, "jghost", now=NOW)

@@ -1,0 +1,181 @@
+"""Property: no sequence of enqueue / lease / ack / expire / cancel / resume loses or duplicates an item.
+
+A hypothesis state machine drives the real Lua scripts on the session's
+Redis. Simulated workers hold leases (possibly stale ones: reaped, taken back
+by a resume, or of a cancelled job) and process them the way
+`sits_worker.execution.process_item` does; the reaper step mirrors
+`sits_worker.dispatch.reap`. After every step each chunk of every active job
+must be in exactly one place: waiting, leased, done, or dead.
+"""
+
+from __future__ import annotations
+
+import redis
+from broker_helpers import NOW, ack, fresh_prefix, job_spec
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from broker import jobs, queues
+from broker.embedded import EmbeddedRedis
+from broker.errors import Conflict
+from broker.keys import Keys
+from broker.queues import LeasedItem
+from broker.store import Store
+
+MODELS = ("mlp@v1", "cnn@v1")
+MAX_ATTEMPTS = 3
+MAX_JOBS = 4
+
+
+class QueueMachine(RuleBasedStateMachine):
+    """Jobs in two model queues, workers that may be slow, crash or retry, a reaper and a user."""
+
+    def __init__(self, redis_url: str) -> None:
+        super().__init__()
+        self.client = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.store = Store(client=self.client, keys=Keys(prefix=fresh_prefix()))
+        self.now = NOW
+        self.job_ids: list[str] = []
+        self.held: list[LeasedItem] = []  # leases some worker believes it holds (maybe stale)
+
+    def teardown(self) -> None:
+        for key in self.client.scan_iter(f"{self.store.keys.prefix}:*", count=1000):
+            self.client.delete(key)
+        self.client.close()
+
+    # --- what the API does ------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.job_ids) < MAX_JOBS)
+    @rule(model=st.sampled_from(MODELS), rows_total=st.integers(1, 9), chunk_size=st.integers(1, 4),
+          priority=st.sampled_from([0, 7]))
+    def create_job(self, model: str, rows_total: int, chunk_size: int, priority: int) -> None:
+        name, _, version = model.partition("@")
+        spec = job_spec(f"j{len(self.job_ids)}", model_name=name, model_version=version, rows_total=rows_total,
+                        chunk_size=chunk_size, priority=priority)
+        jobs.create_job(self.store, spec, now=self.now)
+        self.job_ids.append(spec.job_id)
+
+    @precondition(lambda self: self.job_ids)
+    @rule(pick=st.integers(0, MAX_JOBS - 1))
+    def cancel(self, pick: int) -> None:
+        job_id = self.job_ids[pick % len(self.job_ids)]
+        jobs.stop_job(self.store, job_id, status="cancelled", error="cancelled by the user", now=self.now)
+
+    @precondition(lambda self: self.job_ids)
+    @rule(pick=st.integers(0, MAX_JOBS - 1))
+    def resume(self, pick: int) -> None:
+        job_id = self.job_ids[pick % len(self.job_ids)]
+        succeeded = self.status(job_id) == "succeeded"
+        try:
+            jobs.resume_job(self.store, job_id, now=self.now)
+        except Conflict:
+            assert succeeded
+        else:
+            assert not succeeded
+
+    # --- what workers do ----------------------------------------------------------------------
+
+    @rule(model=st.sampled_from(MODELS), max_items=st.integers(1, 3), lease_seconds=st.sampled_from([10, 60]))
+    def lease(self, model: str, max_items: int, lease_seconds: int) -> None:
+        leased = queues.lease_batch(self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items)
+        for item in leased:
+            assert item.attempts <= MAX_ATTEMPTS
+        self.held.extend(leased)
+
+    @precondition(lambda self: self.held)
+    @rule(pick=st.integers(0, 20))
+    def process(self, pick: int) -> None:
+        """Run a held item to its end, as `process_item` does."""
+        item = self.held.pop(pick % len(self.held))
+        job_id = item.payload["job"]
+        status = self.store.scripts.start_item(keys=[self.store.keys.job(job_id)], args=[self.now])
+        if status != "running":
+            queues.finish_item(self.store, item, job_id, now=self.now)
+        elif item.payload["kind"] == "finalize":
+            queues.finish_item(self.store, item, job_id, now=self.now, job_status="succeeded")
+        else:
+            ack(self.store, item, now=self.now)
+
+    @precondition(lambda self: self.held)
+    @rule(pick=st.integers(0, 20))
+    def fail_retryably(self, pick: int) -> None:
+        """A retryable error: the worker expires its own lease so the reaper retries soon."""
+        item = self.held.pop(pick % len(self.held))
+        self.client.zadd(self.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
+
+    @precondition(lambda self: self.held)
+    @rule(pick=st.integers(0, 20))
+    def crash(self, pick: int) -> None:
+        """The worker dies holding the item; only its lease deadline remains."""
+        self.held.pop(pick % len(self.held))
+
+    # --- time and the reaper ---------------------------------------------------------------------
+
+    @rule(seconds=st.sampled_from([1, 15, 61]))
+    def advance_time(self, seconds: int) -> None:
+        self.now += seconds
+
+    @rule()
+    def reap(self) -> None:
+        """One reaper pass, as `sits_worker.dispatch.reap` does it."""
+        result = queues.reap_expired_leases(self.store, now=self.now, max_attempts=MAX_ATTEMPTS)
+        for model_ref, item_id, payload in result.dead_items:
+            job_id = payload.get("job", "")
+            if job_id:
+                jobs.stop_job(self.store, job_id, status="failed", error=f"{item_id} failed", now=self.now)
+            item = LeasedItem(item_id, model_ref, payload, MAX_ATTEMPTS)
+            queues.finish_item(self.store, item, job_id, now=self.now)
+
+    # --- invariants --------------------------------------------------------------------------------
+
+    def status(self, job_id: str) -> str:
+        return str(self.client.hget(self.store.keys.job(job_id), "status"))
+
+    @invariant()
+    def every_chunk_of_an_active_job_is_in_exactly_one_place(self) -> None:
+        keys = self.store.keys
+        ready = {model: set(self.client.zrange(keys.ready(model), 0, -1)) for model in MODELS}
+        inflight = {model: set(self.client.zrange(keys.inflight(model), 0, -1)) for model in MODELS}
+        dead = set(self.client.zrange(keys.dead, 0, -1))
+        for model in MODELS:
+            assert not ready[model] & inflight[model], "an item is both waiting and leased"
+        for job_id in self.job_ids:
+            job = self.client.hgetall(keys.job(job_id))
+            model = job["model_ref"]
+            done = {int(index) for index in self.client.smembers(keys.job_done(job_id))}
+            chunks_total = int(job["chunks_total"])
+            ranges = jobs.chunk_ranges(int(job["rows_total"]), int(job["chunk_size"]))
+            assert int(job["chunks_done"]) == len(done), "chunks_done disagrees with the done set"
+            assert int(job["rows_done"]) == sum(ranges[i][1] - ranges[i][0] for i in done)
+            assert done <= set(range(chunks_total))
+            ids = [jobs.chunk_item_id(job_id, i) for i in range(chunks_total)]
+            final_id = jobs.finalize_item_id(job_id)
+            if job["status"] in jobs.ACTIVE_STATUSES:
+                for index, item_id in enumerate(ids):
+                    places = [item_id in ready[model], item_id in inflight[model], index in done, item_id in dead]
+                    assert sum(places) == 1, f"{item_id} is in {places} (ready, inflight, done, dead)"
+                final_places = [final_id in ready[model], final_id in inflight[model], final_id in dead]
+                assert sum(final_places) == (1 if len(done) == chunks_total else 0), (final_id, final_places)
+            else:
+                for item_id in [*ids, final_id]:
+                    assert item_id not in ready[model] and item_id not in inflight[model], (
+                        f"{item_id} of a {job['status']} job is still queued")
+
+    @invariant()
+    def payloads_exist_exactly_for_queued_items(self) -> None:
+        keys = self.store.keys
+        queued: set[str] = set(self.client.zrange(keys.dead, 0, -1))
+        for model in MODELS:
+            queued |= set(self.client.zrange(keys.ready(model), 0, -1))
+            queued |= set(self.client.zrange(keys.inflight(model), 0, -1))
+        assert set(self.client.hkeys(keys.items)) == queued
+        assert set(self.client.hkeys(keys.attempts)) <= queued
+
+
+def test_no_operation_sequence_loses_or_duplicates_an_item(redis_server: EmbeddedRedis) -> None:
+    run_state_machine_as_test(
+        lambda: QueueMachine(redis_server.url),
+        settings=settings(max_examples=50, stateful_step_count=40, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow]),
+    )
