@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -62,7 +63,8 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
     from sits_api.cli.stack import Stack
 
     settings = load_settings(config_path)
-    stack = Stack(settings, worker_count=worker_count, streams=streams, config_path=config_path, api_port=port)
+    stack = Stack(settings, worker_count=worker_count, streams=streams, api_port=port)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill %1` of a backgrounded `up` stops it cleanly
     with console.status("starting Redis, API, beat and workers ..."):
         stack.start()
     console.print(f"SITS is up: API {stack.api_url}  Redis {stack.settings.redis.url}  "
@@ -76,6 +78,10 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
         console.print("stopping ...")
     finally:
         stack.stop()
+
+
+def _raise_keyboard_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 @cli.command()

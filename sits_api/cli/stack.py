@@ -8,6 +8,7 @@ the worker package or ONNX Runtime.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import yaml
 
@@ -63,11 +65,13 @@ class Stack:
     worker_count: int = 2
     streams: int | None = None
     config_path: Path | None = None
+    """Set by `start`: the effective settings written for the children."""
     api_port: int | None = None
     children: list[Child] = field(default_factory=list)
     redis: EmbeddedRedis | None = None
     api_url: str = ""
     api_key: str = ""
+    _lock_file: IO[str] | None = None
 
     @property
     def home(self) -> Path:
@@ -78,6 +82,7 @@ class Stack:
         """Start everything and wait until the API answers and every worker sends heartbeats."""
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "logs").mkdir(exist_ok=True)
+        self._lock_home()
         try:
             redis_url = self.settings.redis.url
             if not redis_url:
@@ -105,6 +110,18 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _lock_home(self) -> None:
+        """One stack per SITS_HOME: two embedded Redis servers on one AOF folder would corrupt it."""
+        (self.home / "run").mkdir(exist_ok=True)
+        self._lock_file = open(self.home / "run" / "stack.lock", "a+")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            self._lock_file = None
+            raise SitsError(f"another SITS stack already runs with SITS_HOME={self.home}; stop it first, "
+                            "or set SITS_HOME to another folder") from None
 
     def _write_effective_config(self) -> Path:
         """Write the settings this stack runs with, so every child loads exactly the same ones."""
@@ -201,6 +218,9 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the flock
+            self._lock_file = None
 
     def __enter__(self) -> Stack:
         return self.start()

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from api_helpers import Api, error_of
 from flask import Flask
 from flask.testing import FlaskClient
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker import workers
 from broker.config import Settings

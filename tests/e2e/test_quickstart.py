@@ -22,3 +22,45 @@ def test_demo_runs_the_main_job_and_stops_everything(tmp_path):
 
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_sitsctl_up_records_url_and_key_and_stops_its_children_on_sigterm(tmp_path):
+    import json
+    import signal
+    import time
+
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")} | {"SITS_HOME": str(home)}
+    up = subprocess.Popen([sys.executable, "-m", "sits_api.cli", "up", "--workers", "1", "--port", "0"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        status = None
+        while time.monotonic() < deadline and up.poll() is None:
+            result = subprocess.run([sys.executable, "-m", "sits_api.cli", "status", "--json"], env=env,
+                                    capture_output=True, text=True)
+            if result.returncode == 0:
+                status = json.loads(result.stdout)
+                if any(worker["alive"] for worker in status["workers"]):
+                    break
+            time.sleep(0.5)
+        assert status and status["workers"], up.stdout.read() if up.poll() is not None else status
+        assert (home / "api-key").stat().st_mode & 0o777 == 0o600
+        assert (home / "api-url").read_text().startswith("http://127.0.0.1:")
+        second = subprocess.run([sys.executable, "-m", "sits_api.cli", "up", "--port", "0"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "already runs" in second.stdout
+        worker_pid = status["workers"][0]["pid"]
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    # the worker it started is gone (checked by its PID, nothing is killed by name)
+    try:
+        os.kill(worker_pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive
