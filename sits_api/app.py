@@ -98,8 +98,8 @@ def _unexpected_error(err: Exception) -> Any:
 def _authenticate() -> None:
     if request.endpoint in PUBLIC_ENDPOINTS:
         return
-    header = request.headers.get("Authorization", "")
-    key = header[len("Bearer "):].strip() if header.startswith("Bearer ") else None
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    key = credentials.strip() if scheme.lower() == "bearer" else None  # schemes are case-insensitive
     g.identity = authenticate(_ctx()["store"], key)
 
 
@@ -194,8 +194,12 @@ def list_jobs() -> Any:
     try:
         limit = int(request.args.get("limit", 100))
     except ValueError as err:
-        raise BadInput("limit must be an integer") from err
+        raise BadInput("limit must be a positive integer") from err
+    if limit < 1:
+        raise BadInput("limit must be a positive integer")
     status_filter = request.args.get("status") or None
+    if status_filter and status_filter not in jobs.ACTIVE_STATUSES + jobs.FINAL_STATUSES:
+        raise BadInput(f"status must be one of {', '.join(jobs.ACTIVE_STATUSES + jobs.FINAL_STATUSES)}")
     return jsonify({"jobs": jobs.list_jobs(_ctx()["store"], now=time.time(), limit=limit, status=status_filter)})
 
 

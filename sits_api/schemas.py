@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,7 +20,8 @@ class JobSubmission(_Body):
     priority: int = Field(0, ge=0, le=15)
     chunk_size: int | None = Field(None, ge=1, le=10_000_000, description="rows per queue item")
     batch_size: int | None = Field(None, ge=1, le=65_536, description="rows per ONNX Runtime run")
-    input_shape: list[int] | None = Field(None, description="per-sample shape of a raw .bin input")
+    input_shape: list[Annotated[int, Field(ge=1, le=2**31)]] | None = Field(
+        None, max_length=8, description="per-sample shape of a raw .bin input")
     input_dtype: str | None = Field(None, description="dtype of a raw .bin input, e.g. float32")
 
 

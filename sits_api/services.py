@@ -27,7 +27,10 @@ from sits_worker.model.inputs import file_checksum, open_input
 
 def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
     """The resolved `path_text`; PathNotAllowed unless it lies inside one of `roots`."""
-    path = Path(path_text).expanduser().resolve()
+    try:
+        path = Path(path_text).expanduser().resolve()
+    except (ValueError, RuntimeError, OSError) as err:  # NUL bytes, unknown ~user, loops
+        raise BadInput(f"{what} path {path_text!r} is not a valid path: {err}") from err
     if not any(path == root or root in path.parents for root in roots):
         allowed = ", ".join(str(root) for root in roots)
         raise PathNotAllowed(f"{what} {path} is outside the allowed roots ({allowed}); "
@@ -113,7 +116,11 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     input_options = {"shape": body.input_shape, "dtype": body.input_dtype}
     with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype) as source:
         rows, input_format = source.rows, source.format.lstrip(".")
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
+                       "name a folder the workers can write") from err
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),
         model_name=model["name"],

@@ -148,6 +148,10 @@ def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelPro
     except (OSError, ValueError) as err:
         raise InvalidModel(f"could not read the external data of {resolved.name} ({err}); "
                            f"check that the data files are complete") from err
+    for tensor in _all_tensors(model.graph):
+        # Loading leaves data_location=DEFAULT set explicitly; clear it so the same weights
+        # serialise identically (and get the same version) whether they came inline or external.
+        tensor.ClearField("data_location")
     return model
 
 

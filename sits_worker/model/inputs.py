@@ -227,7 +227,7 @@ class _JsonlSource(InputSource):
         where = f"in row {row} of '{self.path.name}'"
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise BadInput(f"invalid JSON {where} ({err}); fix that line") from err
         if not isinstance(record, dict) or set(record) != set(self.input_names):
             got = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -393,6 +393,8 @@ def _open_bin(path: Path, specs: list[_InputSpec], shape: Sequence[int] | None, 
             f"{list(row_shape)} ({row_bytes} bytes); check shape and dtype, or that the file is complete"
         )
     rows = size // row_bytes
+    if rows == 0:
+        raise BadInput(f"input file '{path.name}' has no rows; submit a file with at least one row")
     mapped = (  # an empty file cannot be mapped; _ArraySource rejects it for having no rows
         np.memmap(path, dtype=spec.dtype.newbyteorder("<"), mode="r", shape=(rows, *row_shape))
         if rows

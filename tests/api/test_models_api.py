@@ -241,10 +241,6 @@ def test_external_data_next_to_the_model_registers(api: Api, tmp_path: Path) -> 
     assert {tensor.name for tensor in stored.graph.initializer} >= {"fc_w_0", "fc_b_0"}
 
 
-@pytest.mark.xfail(reason="BUG: sits_api/services.py _content_hash hashes the loaded proto, in which "
-                          "load_external_data_for_model leaves data_location=DEFAULT explicitly set, so the "
-                          "same weights stored as external data get another version than the one-file model",
-                   strict=True)
 def test_external_data_next_to_the_model_registers_as_the_same_version_as_one_file(
         api: Api, tmp_path: Path, zoo_dir: Path) -> None:
     path = tmp_path / "models" / "mlp.onnx"
@@ -290,9 +286,6 @@ def test_an_unknown_profile_mode_answers_400_naming_the_choices(api: Api, zoo_di
     assert "profile_mode" in message and "'static'" in message and "'full'" in message
 
 
-@pytest.mark.xfail(reason="BUG: sits_api/services.py resolve_inside (line 30) lets ValueError (NUL byte) and "
-                          "RuntimeError (unknown ~user) from Path.expanduser().resolve() escape as a 500",
-                   strict=True)
 @pytest.mark.parametrize("path", ["{root}/mlp\u0000.onnx", "~no_such_user_sits/mlp.onnx"],
                          ids=["nul-byte", "unknown-home"])
 def test_an_unresolvable_model_path_answers_400_not_500(api: Api, tmp_path: Path, path: str) -> None:
