@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -79,6 +80,21 @@ def test_jsonl_rows_of_different_lengths_run_unpadded(stack):
         np.testing.assert_allclose(outputs[index], expected[0], rtol=1e-4, atol=1e-5)
 
 
+def test_a_bad_row_found_by_a_worker_fails_the_job_with_a_clear_error(stack):
+    client = stack.client()
+    register(client, "transformer", stack.home / "models" / "transformer.onnx")
+    with open(stack.home / "bad.jsonl", "w") as handle:
+        for index in range(100):
+            ids = [1, 2, 3] if index != 70 else ["a", "b"]
+            handle.write(json.dumps({"input_ids": ids}) + "\n")
+    job = client.post("/v1/jobs", {"model": "transformer", "input_batch": str(stack.home / "bad.jsonl"),
+                                   "output_dir": str(stack.home / "out-bad"), "chunk_size": 50})
+    done = wait_job(client, job["id"])
+    assert done["status"] == "failed"
+    assert "input 'input_ids'" in done["error"] and "row 70" in done["error"], done["error"]
+    assert client.get("/v1/status")["queues"][job["model_ref"]] == {"ready": 0, "inflight": 0}
+
+
 def test_sitsctl_job_commands_and_status(stack):
     pixels = np.random.default_rng(4).standard_normal((2_000, 3, 32, 32)).astype(np.float32)
     np.save(stack.home / "pixels.npy", pixels)
@@ -111,6 +127,11 @@ def test_cancel_takes_waiting_chunks_out_of_the_queue(stack):
     np.save(stack.home / "big.npy", pixels)
     job = client.post("/v1/jobs", {"model": "convnet", "input_batch": str(stack.home / "big.npy"),
                                    "output_dir": str(stack.home / "out-cancel"), "chunk_size": 200})
+    # the one worker runs up to max_concurrent_streams (2) chunks at once
+    deadline = time.monotonic() + 30
+    while client.get("/v1/status")["queues"][job["model_ref"]]["inflight"] < 2:
+        assert time.monotonic() < deadline, "never saw 2 chunks in flight on a 2-stream worker"
+        time.sleep(0.02)
     cancelled = client.delete(f"/v1/jobs/{job['id']}")
     assert cancelled["status"] == "cancelled"
     status = client.get("/v1/status")
