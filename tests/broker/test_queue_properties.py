@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import redis
 from broker_helpers import NOW, ack, fresh_prefix, job_spec
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -84,10 +84,10 @@ class QueueMachine(RuleBasedStateMachine):
         self.held.extend(leased)
 
     @precondition(lambda self: self.held)
-    @rule(pick=st.integers(0, 20))
-    def process(self, pick: int) -> None:
-        """Run a held item to its end, as `process_item` does."""
-        item = self.held.pop(pick % len(self.held))
+    @rule(pick=st.integers(0, 20), ack_lost=st.booleans())
+    def process(self, pick: int, ack_lost: bool) -> None:
+        """Run a held item to its end, as `process_item` does; if the ack is lost the worker runs it again later."""
+        item = self.held[pick % len(self.held)] if ack_lost else self.held.pop(pick % len(self.held))
         job_id = item.payload["job"]
         status = self.store.scripts.start_item(keys=[self.store.keys.job(job_id)], args=[self.now])
         if status != "running":
@@ -95,7 +95,7 @@ class QueueMachine(RuleBasedStateMachine):
         elif item.payload["kind"] == "finalize":
             queues.finish_item(self.store, item, job_id, now=self.now, job_status="succeeded")
         else:
-            ack(self.store, item, now=self.now)
+            event(f"ack replied {ack(self.store, item, now=self.now)}")
 
     @precondition(lambda self: self.held)
     @rule(pick=st.integers(0, 20))
