@@ -17,12 +17,16 @@ import onnx
 
 from broker import jobs, registry
 from broker.config import Settings
-from broker.errors import BadInput, PathNotAllowed
+from broker.errors import BadInput, Conflict, JobNotFound, PathNotAllowed
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_worker.model.graph import load_model_checked, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
+
+
+OWNER_MARKER = ".sits-job"
+"""File in an output folder naming the job that writes there."""
 
 
 def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
@@ -121,6 +125,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     except OSError as err:
         raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
                        "name a folder the workers can write") from err
+    _refuse_busy_output_dir(store, output_dir, now=now)
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),
         model_name=model["name"],
@@ -138,8 +143,24 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         input_options={k: v for k, v in input_options.items() if v is not None},
     )
     jobs.create_job(store, spec, now=now)
+    (output_dir / OWNER_MARKER).write_text(spec.job_id + "\n")
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
+
+
+def _refuse_busy_output_dir(store: Store, output_dir: Path, *, now: float) -> None:
+    """Conflict when an active job writes into `output_dir`: their part files would mix."""
+    try:
+        owner = (output_dir / OWNER_MARKER).read_text().strip()
+    except OSError:
+        return
+    try:
+        status = jobs.get_job(store, owner, now=now)["status"]
+    except JobNotFound:
+        return
+    if status in jobs.ACTIVE_STATUSES:
+        raise Conflict(f"output_dir {output_dir} is in use by job {owner} ({status}); "
+                       f"choose another folder or cancel {owner} first")
 
 
 def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, now: float) -> dict[str, Any]:

@@ -551,3 +551,14 @@ def test_a_body_under_the_limit_is_still_read(
                                       headers={"Authorization": f"Bearer {key}"})
 
     assert response.status_code == 201, error_of(response)
+
+
+def test_an_output_dir_in_use_by_an_active_job_answers_409(api: Api, mlp: dict, mlp_input: Path, tmp_path: Path) -> None:
+    body = {"model": "mlp", "input_batch": str(mlp_input), "output_dir": str(tmp_path / "shared-out")}
+    first = api.post("/v1/jobs", json=body)
+    assert first.status_code == 201
+    second = api.post("/v1/jobs", json=body)
+    assert second.status_code == 409
+    assert first.get_json()["id"] in error_of(second) and "another folder" in error_of(second)
+    api.delete(f"/v1/jobs/{first.get_json()['id']}")
+    assert api.post("/v1/jobs", json=body).status_code == 201

@@ -14,7 +14,14 @@ import redis
 from broker_helpers import NOW, ack, fresh_prefix, job_spec
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from broker import jobs, queues
 from broker.embedded import EmbeddedRedis
@@ -24,7 +31,7 @@ from broker.queues import LeasedItem
 from broker.store import Store
 
 MODELS = ("mlp@v1", "cnn@v1")
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 2
 MAX_JOBS = 4
 
 
@@ -39,6 +46,10 @@ class QueueMachine(RuleBasedStateMachine):
         self.job_ids: list[str] = []
         self.held: list[LeasedItem] = []  # leases some worker believes it holds (maybe stale)
 
+    @initialize(model=st.sampled_from(MODELS), rows_total=st.integers(1, 6), chunk_size=st.integers(1, 3))
+    def first_job(self, model: str, rows_total: int, chunk_size: int) -> None:
+        self.add_job(model, rows_total, chunk_size, priority=0)
+
     def teardown(self) -> None:
         for key in self.client.scan_iter(f"{self.store.keys.prefix}:*", count=1000):
             self.client.delete(key)
@@ -47,9 +58,12 @@ class QueueMachine(RuleBasedStateMachine):
     # --- what the API does ------------------------------------------------------------------
 
     @precondition(lambda self: len(self.job_ids) < MAX_JOBS)
-    @rule(model=st.sampled_from(MODELS), rows_total=st.integers(1, 9), chunk_size=st.integers(1, 4),
+    @rule(model=st.sampled_from(MODELS), rows_total=st.integers(1, 6), chunk_size=st.integers(1, 3),
           priority=st.sampled_from([0, 7]))
     def create_job(self, model: str, rows_total: int, chunk_size: int, priority: int) -> None:
+        self.add_job(model, rows_total, chunk_size, priority)
+
+    def add_job(self, model: str, rows_total: int, chunk_size: int, priority: int) -> None:
         name, _, version = model.partition("@")
         spec = job_spec(f"j{len(self.job_ids)}", model_name=name, model_version=version, rows_total=rows_total,
                         chunk_size=chunk_size, priority=priority)
@@ -57,15 +71,13 @@ class QueueMachine(RuleBasedStateMachine):
         self.job_ids.append(spec.job_id)
 
     @precondition(lambda self: self.job_ids)
-    @rule(pick=st.integers(0, MAX_JOBS - 1))
-    def cancel(self, pick: int) -> None:
+    @rule(action=st.sampled_from(["cancel", "resume"]), pick=st.integers(0, MAX_JOBS - 1))
+    def user(self, action: str, pick: int) -> None:
+        """A user cancels a job, or resumes one (a succeeded job must refuse)."""
         job_id = self.job_ids[pick % len(self.job_ids)]
-        jobs.stop_job(self.store, job_id, status="cancelled", error="cancelled by the user", now=self.now)
-
-    @precondition(lambda self: self.job_ids)
-    @rule(pick=st.integers(0, MAX_JOBS - 1))
-    def resume(self, pick: int) -> None:
-        job_id = self.job_ids[pick % len(self.job_ids)]
+        if action == "cancel":
+            jobs.stop_job(self.store, job_id, status="cancelled", error="cancelled by the user", now=self.now)
+            return
         succeeded = self.status(job_id) == "succeeded"
         try:
             jobs.resume_job(self.store, job_id, now=self.now)
@@ -78,10 +90,8 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule(model=st.sampled_from(MODELS), max_items=st.integers(1, 3), lease_seconds=st.sampled_from([10, 60]))
     def lease(self, model: str, max_items: int, lease_seconds: int) -> None:
-        leased = queues.lease_batch(self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items)
-        for item in leased:
-            assert item.attempts <= MAX_ATTEMPTS
-        self.held.extend(leased)
+        self.held += queues.lease_batch(self.store, model, now=self.now, lease_seconds=lease_seconds,
+                                        max_items=max_items)
 
     @precondition(lambda self: self.held)
     @rule(pick=st.integers(0, 20), ack_lost=st.booleans())
@@ -98,27 +108,20 @@ class QueueMachine(RuleBasedStateMachine):
             event(f"ack replied {ack(self.store, item, now=self.now)}")
 
     @precondition(lambda self: self.held)
-    @rule(pick=st.integers(0, 20))
-    def fail_retryably(self, pick: int) -> None:
-        """A retryable error: the worker expires its own lease so the reaper retries soon."""
+    @rule(pick=st.integers(0, 20), retryable=st.booleans())
+    def fail(self, pick: int, retryable: bool) -> None:
+        """The worker dies holding the item (only its lease deadline remains), or hits a retryable error
+        and expires its own lease so the reaper retries the item soon."""
         item = self.held.pop(pick % len(self.held))
-        self.client.zadd(self.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
+        if retryable:
+            self.client.zadd(self.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
 
-    @precondition(lambda self: self.held)
-    @rule(pick=st.integers(0, 20))
-    def crash(self, pick: int) -> None:
-        """The worker dies holding the item; only its lease deadline remains."""
-        self.held.pop(pick % len(self.held))
-
-    # --- time and the reaper ---------------------------------------------------------------------
-
-    @rule(seconds=st.sampled_from([1, 15, 61]))
-    def advance_time(self, seconds: int) -> None:
+    @rule(seconds=st.sampled_from([0, 1, 15, 61]), reap=st.booleans())
+    def time_passes(self, seconds: int, reap: bool) -> None:
+        """Time advances; maybe a reaper pass runs, as `sits_worker.dispatch.reap` does it."""
         self.now += seconds
-
-    @rule()
-    def reap(self) -> None:
-        """One reaper pass, as `sits_worker.dispatch.reap` does it."""
+        if not reap:
+            return
         result = queues.reap_expired_leases(self.store, now=self.now, max_attempts=MAX_ATTEMPTS)
         for model_ref, item_id, payload in result.dead_items:
             job_id = payload.get("job", "")
