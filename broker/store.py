@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -21,7 +22,9 @@ from broker.scripts import Scripts
 class Store:
     """A Redis client with SITS's keys and scripts."""
 
-    client: redis.Redis
+    client: Any
+    """A `redis.Redis` with `decode_responses=True`; typed Any because redis-py's annotations
+    return `bytes | str | Awaitable` unions whatever the client's mode, which no caller can use."""
     keys: Keys = field(default_factory=Keys)
     scripts: Scripts = field(init=False)
 

@@ -24,7 +24,6 @@ from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_worker.model.graph import load_model_checked, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
 
-
 OWNER_MARKER = ".sits-job"
 """File in an output folder naming the job that writes there."""
 

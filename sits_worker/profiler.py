@@ -31,7 +31,7 @@ _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.flo
 def sample_feed(signature: dict[str, Any], batch: int, sequence: int = _PROFILE_SEQUENCE) -> dict[str, np.ndarray]:
     """A deterministic random feed of `batch` rows for a signature (token ids stay small)."""
     rng = np.random.default_rng(0)
-    feed = {}
+    feed: dict[str, np.ndarray] = {}
     for spec in signature["inputs"]:
         dims = [batch] + [d if isinstance(d, int) else sequence for d in spec["shape"][1:]]
         dtype = _NUMPY_DTYPES.get(spec["dtype"], np.float32)
@@ -49,7 +49,7 @@ def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 
     for batch in batch_sizes:
         feed = sample_feed(signature, batch)
         run_session(session, feed)  # warm-up: allocations, kernel choice
-        timings = []
+        timings: list[float] = []
         started = time.perf_counter()
         while len(timings) < 3 or (time.perf_counter() - started < budget_seconds and len(timings) < 50):
             t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 
 
 def pareto_points(points: list[dict[str, float]]) -> list[dict[str, float]]:
     """The points no other point beats on both lower latency and higher throughput."""
-    front = []
+    front: list[dict[str, float]] = []
     for point in sorted(points, key=lambda p: (p["latency_ms"], -p["rows_per_second"])):
         if not front or point["rows_per_second"] > front[-1]["rows_per_second"]:
             front.append(point)

@@ -61,7 +61,9 @@ def _register_zoo(console: Console, client: ApiClient, models_dir: Path) -> None
             record = client.get(f"/v1/models/{record['ref']}")
         profile = record["static_profile"]
         best = max((record.get("profile") or {}).get("points", []), key=lambda p: p["rows_per_second"], default=None)
-        measured = f", measured best {best['rows_per_second']:,.0f} rows/s at batch {best['batch_size']}" if best else ""
+        measured = ""
+        if best:
+            measured = f", measured best {best['rows_per_second']:,.0f} rows/s at batch {best['batch_size']}"
         console.print(f"registered {record['ref']}: {profile['param_count']:,} params, "
                       f"{profile['flops_per_sample']:,} FLOPs/sample{measured}")
 

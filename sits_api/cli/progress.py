@@ -48,6 +48,6 @@ def print_summary(console: Console, job: dict[str, Any]) -> None:
     manifest = job.get("manifest") or {}
     if manifest:
         table = Table("output file", "shape", "dtype", "checksum", title=f"outputs in {job['output_dir']}")
-        for name, output in manifest["outputs"].items():
+        for output in manifest["outputs"].values():
             table.add_row(output["file"], str(output["shape"]), output["dtype"], output["checksum"])
         console.print(table)

@@ -175,7 +175,8 @@ class Stack:
                 return
             except ApiError:
                 if time.monotonic() > deadline:
-                    raise SitsError(f"the API did not start in {timeout}s; see {self.home / 'logs' / 'api.log'}") from None
+                    log = self.home / "logs" / "api.log"
+                    raise SitsError(f"the API did not start in {timeout}s; see {log}") from None
                 time.sleep(0.1)
 
     def wait_for_workers(self, count: int, timeout: float = 90.0) -> None:

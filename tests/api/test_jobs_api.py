@@ -553,7 +553,9 @@ def test_a_body_under_the_limit_is_still_read(
     assert response.status_code == 201, error_of(response)
 
 
-def test_an_output_dir_in_use_by_an_active_job_answers_409(api: Api, mlp: dict, mlp_input: Path, tmp_path: Path) -> None:
+def test_an_output_dir_in_use_by_an_active_job_answers_409(
+    api: Api, mlp: dict, mlp_input: Path, tmp_path: Path
+) -> None:
     body = {"model": "mlp", "input_batch": str(mlp_input), "output_dir": str(tmp_path / "shared-out")}
     first = api.post("/v1/jobs", json=body)
     assert first.status_code == 201

@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from tests.e2e.stack_helpers import direct_run, register, stack_settings, wait_job
 from sits_api.cli.stack import Stack
+from tests.e2e.stack_helpers import direct_run, register, stack_settings, wait_job
 
 ROWS = 20_000
 CHUNK = 500
