@@ -84,6 +84,8 @@ class ApiSettings(_Section):
 class PathSettings(_Section):
     """Where files may be read and written; every path a request names must lie in these roots."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)  # expand the defaults too
+
     home: Path = Path("~/.sits")
     model_roots: tuple[Path, ...] = (Path("."),)
     input_roots: tuple[Path, ...] = (Path("."),)
@@ -172,7 +174,9 @@ def load_settings(path: Path | str | None = None, environ: Mapping[str, str] | N
         section_data = data.setdefault(section, {})
         if not isinstance(section_data, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping")
-        section_data[key] = yaml.safe_load(value) if value else value
+        # Lists and mappings are YAML ("[/data, /models]"); scalars stay strings and pydantic
+        # converts them, so a key prefix "2024" or "on" is not turned into a number or a bool.
+        section_data[key] = yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
     return _validate(data, source=source)
 
 

@@ -87,7 +87,8 @@ class EmbeddedRedis:
                 log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
                 raise ConnectionLost(f"redis-server exited at start (code {self.process.returncode}):\n{log}")
             try:
-                if client.ping():
+                # PING alone could be answered by another server that already holds the port.
+                if client.ping() and int(client.info("server")["process_id"]) == self.process.pid:
                     break
             except (redis.ConnectionError, redis.ResponseError):
                 # ResponseError: "LOADING" while it replays the AOF

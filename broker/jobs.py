@@ -135,7 +135,7 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
     with translate_redis_errors():
         added = store.scripts.enqueue_items(
             keys=[keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs,
-                  keys.job_done(job_id), keys.inflight(model_ref)],
+                  keys.job_done(job_id), keys.inflight(model_ref), keys.dead, keys.attempts],
             args=[model_ref, job_id, json.dumps({k: str(v) for k, v in fields.items()}), mode, now, *item_args],
         )
     if int(added) < 0:
@@ -211,8 +211,12 @@ def count_jobs_by_status(store: Store) -> dict[str, int]:
     return counts
 
 
-def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float) -> str:
-    """Cancel or fail a job and take its waiting items out; returns the job's status afterwards."""
+def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, dead_item: str = "") -> str:
+    """Cancel or fail a job and take its waiting items out; returns the job's status afterwards.
+
+    With `dead_item`, the stop happens only while that item is still in the dead set, so a
+    resume that took it back in the meantime wins ('skipped').
+    """
     with translate_redis_errors():
         raw = store.client.hmget(store.keys.job(job_id), ["model_ref", "chunks_total"])
     model_ref, chunks_total = raw
@@ -222,8 +226,9 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float) 
     keys = store.keys
     with translate_redis_errors():
         result = store.scripts.stop_job(
-            keys=[keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
-            args=[status, error, now, *item_ids],
+            keys=[keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
+                  keys.dead],
+            args=[status, error, now, dead_item, *item_ids],
         )
     return str(result)
 

@@ -25,6 +25,8 @@ _NUMBER_AND_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_duration(value: str | int | float) -> float:
     """Seconds in `value` ("3600s", "250ms", "5m", 30); ValueError names the accepted units."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{value!r} is not a duration; use a number with ms, s, m, h or d (e.g. '3600s')")
     if isinstance(value, int | float):
         seconds = float(value)
     else:
@@ -38,10 +40,14 @@ def parse_duration(value: str | int | float) -> float:
     return seconds
 
 
-def parse_size(value: str | int) -> int:
+def parse_size(value: str | int | float) -> int:
     """Bytes in `value` ("128MiB", "2GB", 4096); ValueError names the accepted units."""
-    if isinstance(value, int):
-        size = value
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{value!r} is not a size; use a number with B, KiB, MiB, GiB, KB, MB or GB")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{value!r} is not a whole number of bytes; write it with a unit, e.g. '1.5GiB'")
+    if isinstance(value, int | float):
+        size = int(value)
     else:
         match = _NUMBER_AND_UNIT.match(value)
         unit = match.group(2).lower() if match else ""

@@ -77,9 +77,10 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
             last_error = ctx.store.client.hget(ctx.store.keys.job(job_id), "last_error") or "the worker died"
         error = f"{item_id} failed {settings.jobs.max_attempts} times; last error: {last_error}"
         if job_id:
-            jobs.stop_job(ctx.store, job_id, status="failed", error=error, now=now)
-        item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
-        queues.finish_item(ctx.store, item, job_id, now=now)
+            jobs.stop_job(ctx.store, job_id, status="failed", error=error, now=now, dead_item=item_id)
+        else:
+            item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
+            queues.finish_item(ctx.store, item, job_id, now=now)
     lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     sent = 0
     if queues.queue_heads(ctx.store):

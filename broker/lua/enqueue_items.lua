@@ -6,11 +6,14 @@
 -- KEYS[5] jobs    ZSET  job id -> created time
 -- KEYS[6] done    SET   chunk indexes already done for the job
 -- KEYS[7] inflight ZSET item id -> lease deadline
+-- KEYS[8] dead     ZSET items that used up their attempts
+-- KEYS[9] attempts HASH item id -> lease count
 -- ARGV[1] model ref
 -- ARGV[2] job id, or '' for items without a job
 -- ARGV[3] JSON object of job fields to set (or '{}')
 -- ARGV[4] 'create' (the job must not exist yet) | 'resume' (leased items are taken back: their
---         holders are dead, or if not, their duplicate run rewrites identical bytes) | 'add'
+--         holders are dead, or if not, their duplicate run rewrites identical bytes; dead items
+--         come back with fresh attempts, since the user asked to try again) | 'add'
 -- ARGV[5] now (unix seconds)
 -- ARGV[6..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
 -- Returns: number of items added; -1 if 'create' found the job already there.
@@ -32,8 +35,10 @@ for i = 6, #ARGV, 4 do
   local done = chunk ~= '' and redis.call('SISMEMBER', KEYS[6], chunk) == 1
   if not done then
     local leased = redis.call('ZSCORE', KEYS[7], item_id)
-    if leased and ARGV[4] == 'resume' then
+    if ARGV[4] == 'resume' then
       redis.call('ZREM', KEYS[7], item_id)
+      redis.call('ZREM', KEYS[8], item_id)
+      redis.call('HDEL', KEYS[9], item_id)
       leased = false
     end
     if not leased and redis.call('ZSCORE', KEYS[1], item_id) == false then

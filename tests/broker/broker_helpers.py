@@ -55,10 +55,24 @@ def ack(store: Store, item: LeasedItem, *, now: float, worker: str = "w1") -> in
     finalize = json.dumps(jobs.finalize_payload(job_id, item.model_ref, payload["score"]))
     return int(
         store.scripts.ack_chunk(
-            keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,
-                  keys.job(job_id), keys.job_done(job_id)],
-            args=[item.item_id, payload["chunk"], payload["stop"] - payload["start"], now,
-                  jobs.finalize_item_id(job_id), payload["score"], finalize, worker],
+            keys=[
+                keys.inflight(item.model_ref),
+                keys.ready(item.model_ref),
+                keys.items,
+                keys.attempts,
+                keys.job(job_id),
+                keys.job_done(job_id),
+            ],
+            args=[
+                item.item_id,
+                payload["chunk"],
+                payload["stop"] - payload["start"],
+                now,
+                jobs.finalize_item_id(job_id),
+                payload["score"],
+                finalize,
+                worker,
+            ],
         )
     )
 

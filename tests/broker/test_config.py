@@ -42,11 +42,6 @@ def test_loading_with_no_file_ignores_unrelated_environment_variables() -> None:
     assert settings == load_settings(environ={})
 
 
-@pytest.mark.xfail(
-    reason="BUG: broker/config.py PathSettings.home default Path('~/.sits') is never expanded "
-    "(field validators do not run on defaults), so callers mkdir a literal '~' folder in the cwd",
-    strict=True,
-)
 def test_default_home_is_expanded_to_an_absolute_path() -> None:
     settings = load_settings(environ={})
 
@@ -168,12 +163,6 @@ def test_out_of_range_integer_is_rejected(tmp_path: Path) -> None:
         load_settings(path, environ={})
 
 
-@pytest.mark.xfail(
-    reason="BUG: broker/units.py parse_duration/parse_size call re.match on non-str values (None, float); "
-    "the TypeError escapes pydantic's validator instead of becoming a ConfigError",
-    raises=TypeError,
-    strict=True,
-)
 @pytest.mark.parametrize(
     "text",
     ["scheduler:\n  lease_timeout:\n", "resources:\n  device_memory: 1.5\n"],
@@ -222,8 +211,12 @@ def test_redis_url_variable_sets_the_redis_url() -> None:
 
 def test_environment_values_are_parsed_with_units() -> None:
     settings = load_settings(
-        environ={"SITS_SCHEDULER__LEASE_TIMEOUT": "250ms", "SITS_RESOURCES__DEVICE_MEMORY": "2GB",
-                 "SITS_JOBS__MAX_ATTEMPTS": "5", "SITS_REDIS__APPENDONLY": "false"}
+        environ={
+            "SITS_SCHEDULER__LEASE_TIMEOUT": "250ms",
+            "SITS_RESOURCES__DEVICE_MEMORY": "2GB",
+            "SITS_JOBS__MAX_ATTEMPTS": "5",
+            "SITS_REDIS__APPENDONLY": "false",
+        }
     )
 
     assert settings.scheduler.lease_timeout == 0.25
@@ -242,12 +235,6 @@ def test_misspelt_environment_key_is_rejected() -> None:
         load_settings(environ={"SITS_SCHEDULER__POLCY": "fifo"})
 
 
-@pytest.mark.xfail(
-    reason="BUG: broker/config.py load_settings yaml-parses every SITS_* value, so a string setting "
-    "that looks like a number or boolean (key prefix '2024', 'on') becomes int/bool and is rejected",
-    raises=ConfigError,
-    strict=True,
-)
 def test_numeric_looking_string_setting_from_environment_stays_a_string() -> None:
     settings = load_settings(environ={"SITS_REDIS__KEY_PREFIX": "2024"})
 
@@ -259,8 +246,17 @@ def test_numeric_looking_string_setting_from_environment_stays_a_string() -> Non
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("3600s", 3600.0), ("250ms", 0.25), ("5m", 300.0), ("2h", 7200.0), ("1d", 86400.0), ("1.5s", 1.5),
-     ("42", 42.0), (30, 30.0), (" 10 S ", 10.0)],
+    [
+        ("3600s", 3600.0),
+        ("250ms", 0.25),
+        ("5m", 300.0),
+        ("2h", 7200.0),
+        ("1d", 86400.0),
+        ("1.5s", 1.5),
+        ("42", 42.0),
+        (30, 30.0),
+        (" 10 S ", 10.0),
+    ],
 )
 def test_durations_are_parsed_to_seconds(text: str | int, seconds: float) -> None:
     assert parse_duration(text) == seconds
@@ -268,8 +264,16 @@ def test_durations_are_parsed_to_seconds(text: str | int, seconds: float) -> Non
 
 @pytest.mark.parametrize(
     ("text", "size"),
-    [("128MiB", 134_217_728), ("2GB", 2_000_000_000), ("1KiB", 1024), ("16GiB", 16 * 1024**3), ("1.5KiB", 1536),
-     ("4096", 4096), (4096, 4096), ("3b", 3)],
+    [
+        ("128MiB", 134_217_728),
+        ("2GB", 2_000_000_000),
+        ("1KiB", 1024),
+        ("16GiB", 16 * 1024**3),
+        ("1.5KiB", 1536),
+        ("4096", 4096),
+        (4096, 4096),
+        ("3b", 3),
+    ],
 )
 def test_sizes_are_parsed_to_bytes(text: str | int, size: int) -> None:
     assert parse_size(text) == size

@@ -22,8 +22,9 @@ def finish_job(store: Store, job_id: str, *, now: float) -> None:
             ack(store, item, now=now)
     [final] = queues.lease_batch(store, MODEL_REF, now=now, lease_seconds=30, max_items=1000)
     assert final.payload["kind"] == "finalize"
-    queues.finish_item(store, final, job_id, now=now, job_status="succeeded",
-                       job_fields={"manifest": json.dumps({"rows": 1})})
+    queues.finish_item(
+        store, final, job_id, now=now, job_status="succeeded", job_fields={"manifest": json.dumps({"rows": 1})}
+    )
 
 
 # --- creating ---------------------------------------------------------------------------------
@@ -275,3 +276,31 @@ def test_resume_of_a_succeeded_job_is_a_conflict(store: Store) -> None:
 def test_resume_of_an_unknown_job_raises_job_not_found(store: Store) -> None:
     with pytest.raises(JobNotFound):
         jobs.resume_job(store, "jghost", now=NOW)
+
+
+def test_a_resume_between_reap_and_fail_wins_over_the_reaper(store: Store) -> None:
+    spec = job_spec(rows_total=4, chunk_size=4)
+    jobs.create_job(store, spec, now=NOW)
+    for attempt in range(3):
+        queues.lease_batch(store, MODEL_REF, now=NOW + attempt * 10, lease_seconds=1, max_items=1)
+        result = queues.reap_expired_leases(store, now=NOW + attempt * 10 + 5, max_attempts=3)
+    (_, dead_item, _), = result.dead_items
+
+    jobs.resume_job(store, spec.job_id, now=NOW + 40)  # the user resumes before the reaper fails the job
+    outcome = jobs.stop_job(store, spec.job_id, status="failed", error="x", now=NOW + 41, dead_item=dead_item)
+
+    assert outcome == "skipped"
+    assert job_field(store, spec.job_id, "status") == "queued"
+    assert ready_ids(store) == [dead_item]
+    assert store.client.hget(store.keys.attempts, dead_item) is None  # fresh attempts after a resume
+
+
+def test_the_reaper_fails_a_job_whose_item_stays_dead(store: Store) -> None:
+    spec = job_spec(rows_total=8, chunk_size=4)
+    jobs.create_job(store, spec, now=NOW)
+    queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=1, max_items=1)
+    (_, dead_item, _), = queues.reap_expired_leases(store, now=NOW + 5, max_attempts=1).dead_items
+
+    assert jobs.stop_job(store, spec.job_id, status="failed", error="poison", now=NOW + 6, dead_item=dead_item) == "failed"
+    assert ready_ids(store) == [] and store.client.zcard(store.keys.dead) == 0
+    assert store.client.hlen(store.keys.items) == 0

@@ -10,9 +10,11 @@ must be in exactly one place: waiting, leased, done, or dead.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from broker_helpers import NOW, ack, fresh_prefix, job_spec
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -38,9 +40,12 @@ MAX_JOBS = 4
 class QueueMachine(RuleBasedStateMachine):
     """Jobs in two model queues, workers that may be slow, crash or retry, a reaper and a user."""
 
-    def __init__(self, redis_url: str) -> None:
+    redis_url = ""
+    """Set by the test to its session server's URL (the machine is built once per example)."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.client = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.client: Any = redis.Redis.from_url(self.redis_url, decode_responses=True)  # as Store.client
         self.store = Store(client=self.client, keys=Keys(prefix=fresh_prefix()))
         self.now = NOW
         self.job_ids: list[str] = []
@@ -58,15 +63,25 @@ class QueueMachine(RuleBasedStateMachine):
     # --- what the API does ------------------------------------------------------------------
 
     @precondition(lambda self: len(self.job_ids) < MAX_JOBS)
-    @rule(model=st.sampled_from(MODELS), rows_total=st.integers(1, 6), chunk_size=st.integers(1, 3),
-          priority=st.sampled_from([0, 7]))
+    @rule(
+        model=st.sampled_from(MODELS),
+        rows_total=st.integers(1, 6),
+        chunk_size=st.integers(1, 3),
+        priority=st.sampled_from([0, 7]),
+    )
     def create_job(self, model: str, rows_total: int, chunk_size: int, priority: int) -> None:
         self.add_job(model, rows_total, chunk_size, priority)
 
     def add_job(self, model: str, rows_total: int, chunk_size: int, priority: int) -> None:
         name, _, version = model.partition("@")
-        spec = job_spec(f"j{len(self.job_ids)}", model_name=name, model_version=version, rows_total=rows_total,
-                        chunk_size=chunk_size, priority=priority)
+        spec = job_spec(
+            f"j{len(self.job_ids)}",
+            model_name=name,
+            model_version=version,
+            rows_total=rows_total,
+            chunk_size=chunk_size,
+            priority=priority,
+        )
         jobs.create_job(self.store, spec, now=self.now)
         self.job_ids.append(spec.job_id)
 
@@ -90,8 +105,9 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule(model=st.sampled_from(MODELS), max_items=st.integers(1, 3), lease_seconds=st.sampled_from([10, 60]))
     def lease(self, model: str, max_items: int, lease_seconds: int) -> None:
-        self.held += queues.lease_batch(self.store, model, now=self.now, lease_seconds=lease_seconds,
-                                        max_items=max_items)
+        self.held += queues.lease_batch(
+            self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items
+        )
 
     @precondition(lambda self: self.held)
     @rule(pick=st.integers(0, 20), ack_lost=st.booleans())
@@ -105,7 +121,7 @@ class QueueMachine(RuleBasedStateMachine):
         elif item.payload["kind"] == "finalize":
             queues.finish_item(self.store, item, job_id, now=self.now, job_status="succeeded")
         else:
-            event(f"ack replied {ack(self.store, item, now=self.now)}")
+            ack(self.store, item, now=self.now)
 
     @precondition(lambda self: self.held)
     @rule(pick=st.integers(0, 20), retryable=st.booleans())
@@ -163,7 +179,8 @@ class QueueMachine(RuleBasedStateMachine):
             else:
                 for item_id in [*ids, final_id]:
                     assert item_id not in ready[model] and item_id not in inflight[model], (
-                        f"{item_id} of a {job['status']} job is still queued")
+                        f"{item_id} of a {job['status']} job is still queued"
+                    )
 
     @invariant()
     def payloads_exist_exactly_for_queued_items(self) -> None:
@@ -177,8 +194,12 @@ class QueueMachine(RuleBasedStateMachine):
 
 
 def test_no_operation_sequence_loses_or_duplicates_an_item(redis_server: EmbeddedRedis) -> None:
+    class OnSessionRedis(QueueMachine):
+        redis_url = redis_server.url
+
     run_state_machine_as_test(
-        lambda: QueueMachine(redis_server.url),
-        settings=settings(max_examples=50, stateful_step_count=40, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow]),
+        OnSessionRedis,
+        settings=settings(
+            max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+        ),
     )

@@ -28,7 +28,13 @@ def test_lease_moves_items_from_ready_to_inflight_with_the_deadline(store: Store
     assert first.model_ref == MODEL_REF
     assert first.attempts == 1
     assert first.payload | {"score": None} == {
-        "kind": "chunk", "job": spec.job_id, "model_ref": MODEL_REF, "chunk": 0, "start": 0, "stop": 4, "score": None,
+        "kind": "chunk",
+        "job": spec.job_id,
+        "model_ref": MODEL_REF,
+        "chunk": 0,
+        "start": 0,
+        "stop": 4,
+        "score": None,
     }
 
 
@@ -54,7 +60,10 @@ def test_items_are_leased_fifo_within_a_priority(store: Store) -> None:
     leased = queues.lease_batch(store, MODEL_REF, now=NOW + 10, lease_seconds=30, max_items=10)
 
     assert [item.item_id for item in leased] == [
-        "jfirst:c0000000", "jfirst:c0000001", "jsecond:c0000000", "jsecond:c0000001",
+        "jfirst:c0000000",
+        "jfirst:c0000001",
+        "jsecond:c0000000",
+        "jsecond:c0000001",
     ]
 
 
@@ -63,8 +72,9 @@ def test_higher_priority_is_leased_first_even_when_enqueued_later(store: Store) 
     jobs.create_job(store, job_spec("jmid", rows_total=1, chunk_size=1, priority=5), now=NOW + 60)
     jobs.create_job(store, job_spec("jhigh", rows_total=1, chunk_size=1, priority=15), now=NOW + 120)
 
-    order = [item.item_id for item in queues.lease_batch(store, MODEL_REF, now=NOW + 200, lease_seconds=30,
-                                                            max_items=10)]
+    order = [
+        item.item_id for item in queues.lease_batch(store, MODEL_REF, now=NOW + 200, lease_seconds=30, max_items=10)
+    ]
 
     assert order == ["jhigh:c0000000", "jmid:c0000000", "jlow:c0000000", "jlow:c0000001"]
 
@@ -244,8 +254,12 @@ def test_last_chunk_ack_queues_the_finalize_item(store: Store) -> None:
     finalize_id = jobs.finalize_item_id(spec.job_id)
     assert ready_ids(store) == [finalize_id]
     payload = json.loads(store.client.hget(store.keys.items, finalize_id))
-    assert payload == {"kind": "finalize", "job": spec.job_id, "model_ref": MODEL_REF,
-                       "score": leased[0].payload["score"]}
+    assert payload == {
+        "kind": "finalize",
+        "job": spec.job_id,
+        "model_ref": MODEL_REF,
+        "score": leased[0].payload["score"],
+    }
     assert store.client.zscore(store.keys.ready(MODEL_REF), finalize_id) == payload["score"]
     job = jobs.get_job(store, spec.job_id, now=NOW + 1)
     assert (job["chunks_done"], job["rows_done"], job["progress"]) == (3, 10, 1.0)
