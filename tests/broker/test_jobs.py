@@ -301,6 +301,8 @@ def test_the_reaper_fails_a_job_whose_item_stays_dead(store: Store) -> None:
     queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=1, max_items=1)
     (_, dead_item, _), = queues.reap_expired_leases(store, now=NOW + 5, max_attempts=1).dead_items
 
-    assert jobs.stop_job(store, spec.job_id, status="failed", error="poison", now=NOW + 6, dead_item=dead_item) == "failed"
+    outcome = jobs.stop_job(store, spec.job_id, status="failed", error="poison", now=NOW + 6, dead_item=dead_item)
+
+    assert outcome == "failed"
     assert ready_ids(store) == [] and store.client.zcard(store.keys.dead) == 0
     assert store.client.hlen(store.keys.items) == 0
