@@ -72,9 +72,10 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_al
     start, stop, chunk_index = item.payload["start"], item.payload["stop"], item.payload["chunk"]
     output_names: list[str] = job["output_names"]
     source = ctx.job_input(job)
+    session = ctx.session(job["model_ref"])  # looked up once per chunk, not per mini-batch
     results: dict[str, np.ndarray] = {}
     for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
-        outputs = run_with_fallback(ctx, job["model_ref"], feed, output_names)
+        outputs = run_with_fallback(ctx, session, job["model_ref"], feed, output_names)
         for name, array in zip(output_names, outputs, strict=True):
             if name not in results:
                 results[name] = np.empty((stop - start, *array.shape[1:]), dtype=array.dtype)
@@ -97,11 +98,11 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_al
         )
 
 
-def run_with_fallback(ctx: WorkerContext, model_ref: str, feed: dict[str, np.ndarray],
+def run_with_fallback(ctx: WorkerContext, session: Any, model_ref: str, feed: dict[str, np.ndarray],
                       output_names: list[str]) -> list[np.ndarray]:
-    """Run a batch on the worker's device; on device OOM, on the CPU when the fallback strategy says so."""
+    """Run a batch on `session`; on device OOM, on the CPU when the fallback strategy says so."""
     try:
-        return run_session(ctx.session(model_ref), feed, output_names)
+        return run_session(session, feed, output_names)
     except DeviceOutOfMemory:
         if ctx.device.kind == "cpu" or ctx.settings.scheduler.fallback_strategy != "cpu-offload-on-oom":
             raise

@@ -23,7 +23,6 @@ from typing import IO, Any
 import numpy as np
 
 from broker.errors import BadInput, Conflict, FileMissing, RetryableError, SitsError
-from sits_worker.model.inputs import file_checksum
 
 PARTS_DIR = ".parts"
 MANIFEST_NAME = "manifest.json"
@@ -177,16 +176,35 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
     ((dtype, row_shape),) = layout
     final = output_dir / f"{_file_stem(name)}.npy"
     temp = _temp_path(output_dir / PARTS_DIR, final.name)  # removed with the parts if we crash
-    merged = np.lib.format.open_memmap(temp, mode="w+", dtype=np.dtype(dtype), shape=(total, *row_shape))
-    for index, chunk in enumerate(chunk_ranges):
-        merged[chunk[0] : chunk[1]] = _load_part(output_dir, name, index, chunk)
-    merged.flush()
-    shape = list(merged.shape)
-    del merged  # unmaps the file
-    with open(temp, "rb+") as handle:
+    shape = [total, *row_shape]
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": tuple(shape)}
+    digest = hashlib.sha256()
+    with open(temp, "wb") as handle:
+        # Stream header and parts in row order, hashing what is written: one pass over the
+        # bytes, no re-read for the checksum, memory at about one part.
+        np.lib.format.write_array_header_1_0(_HashingWriter(handle, digest), header)
+        for index, chunk in enumerate(chunk_ranges):
+            part = np.ascontiguousarray(_load_part(output_dir, name, index, chunk))
+            data = memoryview(part).cast("B")
+            handle.write(data)
+            digest.update(data)
+            del data, part
+        handle.flush()
         os.fsync(handle.fileno())
     os.replace(temp, final)
-    return {"file": final.name, "shape": shape, "dtype": np.dtype(dtype).name, "checksum": file_checksum(final)}
+    checksum = f"sha256:{digest.hexdigest()}"
+    return {"file": final.name, "shape": shape, "dtype": np.dtype(dtype).name, "checksum": checksum}
+
+
+class _HashingWriter:
+    """A file-like `write` that also feeds what it writes to a hash (for the .npy header)."""
+
+    def __init__(self, handle: IO[bytes], digest: Any) -> None:
+        self._handle, self._digest = handle, digest
+
+    def write(self, data: bytes) -> int:
+        self._digest.update(data)
+        return self._handle.write(data)
 
 
 def finalize_outputs(
