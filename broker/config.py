@@ -43,8 +43,9 @@ class SchedulerSettings(_Section):
     """Period of the beat task that returns expired leases and replaces lost tickets."""
     ticket_time_slice: Seconds = 2.0
     """How long one batch ticket drains queues before it yields its thread and re-queues itself."""
-    ticket_timeout: Seconds = 120.0
-    """A ticket not seen for this long is taken as lost (its worker died) and replaced."""
+    ticket_timeout: Seconds = 30.0
+    """A ticket not seen for this long is taken as lost (its worker died) and replaced. A live
+    ticket is touched at every lease and every `lease_timeout / 4` during a long chunk."""
     worker_heartbeat_timeout: Seconds = 15.0
 
 

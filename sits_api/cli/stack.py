@@ -72,6 +72,7 @@ class Stack:
     api_url: str = ""
     api_key: str = ""
     _lock_file: IO[str] | None = None
+    _gpus: list[str] = field(default_factory=list)
 
     @property
     def home(self) -> Path:
@@ -99,12 +100,9 @@ class Stack:
             self._spawn("api", [sys.executable, "-m", "sits_api", "serve"])
             self._wait_api()
             self._spawn("beat", [sys.executable, "-m", "celery", "-A", "sits_worker", "beat", "--loglevel", "INFO"])
-            gpus = gpu_devices()
-            streams = self.streams or self.settings.resources.max_concurrent_streams
-            for i in range(self.worker_count):
-                device = gpus[i % len(gpus)] if gpus else "cpu"
-                argv, extra = worker_command(device, streams, f"sits{i}-{os.getpid()}@%h")
-                self._spawn(f"worker{i}", argv, extra)
+            self._gpus = gpu_devices()
+            for index in range(self.worker_count):
+                self.start_worker(index)
             self.wait_for_workers(self.worker_count, timeout=wait_workers)
         except BaseException:
             self.stop()
@@ -152,6 +150,13 @@ class Stack:
         child = Child(name, process, log_path)
         self.children.append(child)
         return child
+
+    def start_worker(self, index: int) -> Child:
+        """Start worker number `index` (again, after a crash): GPUs round-robin, else the CPU."""
+        device = self._gpus[index % len(self._gpus)] if self._gpus else "cpu"
+        streams = self.streams or self.settings.resources.max_concurrent_streams
+        argv, extra = worker_command(device, streams, f"sits{index}-{os.getpid()}@%h")
+        return self._spawn(f"worker{index}", argv, extra)
 
     def _write_client_files(self) -> None:
         (self.home / "api-url").write_text(self.api_url + "\n")

@@ -46,6 +46,11 @@ def test_full_profile_and_fusion_run_on_a_worker(stack):
     assert record["profile"]["pareto"] and record["profile"]["device"] == "cpu"
     assert os.path.exists(record["fusion"]["path"]) and record["fusion"]["op_histogram"]
 
+    again = json.loads(sitsctl(stack, "model", "register", "--name", "mlp", "--path",
+                               str(stack.home / "models" / "mlp.onnx"), "--profile-mode", "full", "--json").stdout)
+    assert again["version"] == record["version"]
+    assert again["profile"]["measured_at"] == record["profile"]["measured_at"], "cached for model_profile_cache_ttl"
+
 
 def test_npz_and_bin_inputs_give_the_reference_outputs(stack):
     client = stack.client()
