@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import Conflict, JobNotFound
+from broker.queues import LeasedItem
 from broker.scoring import fifo_score
 from broker.store import Store, translate_redis_errors
 
@@ -254,3 +255,33 @@ def resume_job(store: Store, job_id: str, *, now: float) -> int:
         item_args = [finalize_item_id(job_id), score, json.dumps(finalize_payload(job_id, model_ref, score)), ""]
     fields = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now}
     return _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)
+
+
+def start_item(store: Store, job_id: str, *, now: float) -> str:
+    """Mark the job running as a worker begins one of its items; returns its status after that.
+
+    Anything but 'running' ('cancelled', 'failed', 'succeeded', or '' for a job that is gone)
+    means the item must be dropped unrun.
+    """
+    with translate_redis_errors():
+        return str(store.scripts.start_item(keys=[store.keys.job(job_id)], args=[now]))
+
+
+def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int:
+    """Record a chunk whose part files are written: drop its lease, checkpoint it, count `worker`.
+
+    Returns 0 for a duplicate (or a job no longer active), 1 when recorded, 2 when it was the
+    job's last chunk and the finalize item was queued. Idempotent: a re-run is counted once.
+    """
+    payload = item.payload
+    job_id = payload["job"]
+    keys = store.keys
+    finalize = json.dumps(finalize_payload(job_id, item.model_ref, payload["score"]))
+    with translate_redis_errors():
+        reply = store.scripts.ack_chunk(
+            keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,
+                  keys.job(job_id), keys.job_done(job_id)],
+            args=[item.item_id, payload["chunk"], payload["stop"] - payload["start"], now,
+                  finalize_item_id(job_id), payload["score"], finalize, worker],
+        )
+    return int(reply)

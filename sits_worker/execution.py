@@ -40,9 +40,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, keep_alive: KeepAlive) ->
     """
     job_id = item.payload["job"]
     now = time.time()
-    with translate_redis_errors():
-        status = ctx.store.scripts.start_item(keys=[ctx.store.keys.job(job_id)], args=[now])
-    if status != "running":
+    if jobs.start_item(ctx.store, job_id, now=now) != "running":
         queues.finish_item(ctx.store, item, job_id, now=now)
         return "dropped"
     try:
@@ -86,16 +84,7 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_al
                 results[name][row_indices - start] = array
         keep_alive()
     write_part(Path(job["output_dir"]), chunk_index, results)
-    finalize_id = jobs.finalize_item_id(job["id"])
-    finalize = json.dumps(jobs.finalize_payload(job["id"], item.model_ref, item.payload["score"]))
-    keys = ctx.store.keys
-    with translate_redis_errors():
-        ctx.store.scripts.ack_chunk(
-            keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,
-                  keys.job(job["id"]), keys.job_done(job["id"])],
-            args=[item.item_id, chunk_index, stop - start, time.time(), finalize_id, item.payload["score"], finalize,
-                  ctx.name],
-        )
+    jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
 
 
 def run_with_fallback(ctx: WorkerContext, session: Any, model_ref: str, feed: dict[str, np.ndarray],

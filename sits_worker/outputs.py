@@ -185,7 +185,7 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
         np.lib.format.write_array_header_1_0(_HashingWriter(handle, digest), header)
         for index, chunk in enumerate(chunk_ranges):
             part = np.ascontiguousarray(_load_part(output_dir, name, index, chunk))
-            data = memoryview(part).cast("B")
+            data = memoryview(part.data).cast("B")  # the bytes as they lie, no copy
             handle.write(data)
             digest.update(data)
             del data, part

@@ -6,7 +6,6 @@ Plain functions rather than fixtures, so that the hypothesis state machine
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -49,32 +48,7 @@ def job_spec(
 
 def ack(store: Store, item: LeasedItem, *, now: float, worker: str = "w1") -> int:
     """Acknowledge a leased chunk exactly as `sits_worker.execution.run_chunk` does; returns the script's reply."""
-    payload = item.payload
-    job_id = payload["job"]
-    keys = store.keys
-    finalize = json.dumps(jobs.finalize_payload(job_id, item.model_ref, payload["score"]))
-    return int(
-        store.scripts.ack_chunk(
-            keys=[
-                keys.inflight(item.model_ref),
-                keys.ready(item.model_ref),
-                keys.items,
-                keys.attempts,
-                keys.job(job_id),
-                keys.job_done(job_id),
-            ],
-            args=[
-                item.item_id,
-                payload["chunk"],
-                payload["stop"] - payload["start"],
-                now,
-                jobs.finalize_item_id(job_id),
-                payload["score"],
-                finalize,
-                worker,
-            ],
-        )
-    )
+    return jobs.ack_chunk(store, item, now=now, worker=worker)
 
 
 def ready_ids(store: Store, model_ref: str = MODEL_REF) -> list[str]:
