@@ -285,3 +285,15 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int
                   finalize_item_id(job_id), payload["score"], finalize, worker],
         )
     return int(reply)
+
+
+def record_last_error(store: Store, job_id: str, error: str) -> None:
+    """Remember why an attempt at one of the job's items failed (shown if its attempts run out)."""
+    with translate_redis_errors():
+        store.client.hset(store.keys.job(job_id), "last_error", error)
+
+
+def last_error(store: Store, job_id: str) -> str | None:
+    """The error of the job's latest failed attempt, if any."""
+    with translate_redis_errors():
+        return store.client.hget(store.keys.job(job_id), "last_error")

@@ -157,12 +157,20 @@ def release_ticket(store: Store, ticket: str) -> bool:
                 return released == 1
 
 
-def touch_ticket(store: Store, ticket: str, *, now: float) -> bool:
-    """Mark `ticket` as seen now; False when it was replaced meanwhile (the caller must stop)."""
+def extend_lease(store: Store, item: LeasedItem, ticket: str, *, now: float, lease_seconds: float) -> None:
+    """Keep a long chunk's lease (and its ticket) alive; a lease already reaped stays reaped."""
     with translate_redis_errors():
-        return bool(store.client.zadd(store.keys.tickets, {ticket: now}, xx=True, ch=True)) or (
-            store.client.zscore(store.keys.tickets, ticket) is not None
-        )
+        pipe = store.client.pipeline(transaction=False)
+        pipe.zadd(store.keys.inflight(item.model_ref), {item.item_id: now + lease_seconds}, xx=True)
+        if ticket:
+            pipe.zadd(store.keys.tickets, {ticket: now}, xx=True)
+        pipe.execute()
+
+
+def expire_lease_now(store: Store, item: LeasedItem) -> None:
+    """Give a leased item back for a retry at the next reaper pass (its attempt stays counted)."""
+    with translate_redis_errors():
+        store.client.zadd(store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
 
 
 def expire_lost_tickets(store: Store, *, now: float, ticket_timeout: float) -> int:

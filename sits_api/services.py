@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import onnx
 
 from broker import jobs, registry
 from broker.config import Settings
-from broker.errors import BadInput, Conflict, JobNotFound, PathNotAllowed
+from broker.errors import BadInput, Conflict, JobNotFound, ModelNotFound, PathNotAllowed
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
@@ -59,7 +58,7 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     ref = f"{body.name}@{version}"
     try:
         existing = registry.get_model(store, ref)
-    except Exception:
+    except ModelNotFound:
         existing = None
     profile = static_profile(model)
     needs_worker = body.profile_mode == "full" or body.enable_fusion
@@ -98,11 +97,6 @@ def _store_copy(model: onnx.ModelProto, folder: Path) -> Path:
     onnx.save_model(model, str(tmp), save_as_external_data=large, location="model.onnx.data" if large else None)
     os.replace(tmp, target)
     return target
-
-
-def delete_stale_copy(folder: Path) -> None:
-    """Remove a stored model folder (used when a registration is rolled back)."""
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- jobs ---------------------------------------------------------------------------

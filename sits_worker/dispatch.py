@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from broker import jobs, queues
 from broker.queues import StaleTicket
-from broker.store import translate_redis_errors
 from broker.wakeup import SendTicket, wake_workers
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
@@ -54,15 +53,9 @@ def _keep_alive(ctx: WorkerContext, item: queues.LeasedItem, ticket: str, lease_
 
     def keep_alive() -> None:
         nonlocal last
-        if time.monotonic() - last < lease_seconds / 4:
-            return
-        last = time.monotonic()
-        now = time.time()
-        with translate_redis_errors():
-            pipe = ctx.store.client.pipeline(transaction=False)
-            pipe.zadd(ctx.store.keys.inflight(item.model_ref), {item.item_id: now + lease_seconds}, xx=True)
-            pipe.zadd(ctx.store.keys.tickets, {ticket: now}, xx=True)
-            pipe.execute()
+        if time.monotonic() - last >= lease_seconds / 4:
+            last = time.monotonic()
+            queues.extend_lease(ctx.store, item, ticket, now=time.time(), lease_seconds=lease_seconds)
 
     return keep_alive
 
@@ -73,8 +66,7 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=settings.jobs.max_attempts)
     for model_ref, item_id, payload in result.dead_items:
         job_id = payload.get("job", "")
-        with translate_redis_errors():
-            last_error = ctx.store.client.hget(ctx.store.keys.job(job_id), "last_error") or "the worker died"
+        last_error = jobs.last_error(ctx.store, job_id) or "the worker died"
         error = f"{item_id} failed {settings.jobs.max_attempts} times; last error: {last_error}"
         if job_id:
             jobs.stop_job(ctx.store, job_id, status="failed", error=error, now=now, dead_item=item_id)

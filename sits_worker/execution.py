@@ -20,7 +20,6 @@ import numpy as np
 from broker import jobs, queues
 from broker.errors import DeviceOutOfMemory, PermanentError
 from broker.queues import LeasedItem
-from broker.store import translate_redis_errors
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.outputs import finalize_outputs, write_part
@@ -59,9 +58,8 @@ def process_item(ctx: WorkerContext, item: LeasedItem, keep_alive: KeepAlive) ->
     except Exception as err:
         # Retryable or unexpected: record why, let the lease expire; the reaper retries or gives up.
         log.exception("item %s of job %s failed (attempt %d)", item.item_id, job_id, item.attempts)
-        with translate_redis_errors():
-            ctx.store.client.hset(ctx.store.keys.job(job_id), "last_error", f"{type(err).__name__}: {err}")
-            ctx.store.client.zadd(ctx.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
+        jobs.record_last_error(ctx.store, job_id, f"{type(err).__name__}: {err}")
+        queues.expire_lease_now(ctx.store, item)
         return "retry"
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import struct
+import threading
 import zipfile
 from array import array
 from collections.abc import Iterator, Sequence
@@ -207,21 +208,23 @@ class _JsonlSource(InputSource):
     def __init__(self, path: Path, specs: list[_InputSpec], handle: BinaryIO, offsets: array[int]) -> None:
         super().__init__(path, ".jsonl", [spec.name for spec in specs], len(offsets))
         self._specs, self._handle, self._offsets = specs, handle, offsets
+        self._lock = threading.Lock()
 
     def read_rows(self, start: int, stop: int) -> list[dict[str, np.ndarray]]:
         """Parse and check rows [start, stop); each becomes {input name: array of the input's dtype}."""
-        rows: list[dict[str, np.ndarray]] = []
+        lines: list[bytes] = []
         try:
-            self._handle.seek(self._offsets[start])
-            while len(rows) < stop - start:
-                line = self._handle.readline()
-                if not line:
-                    raise BadInput(f"'{self.path.name}' changed after the job was submitted; resubmit the job")
-                if line.strip():
-                    rows.append(self._parse_row(line, start + len(rows)))
+            with self._lock:  # one handle, shared by the worker's stream threads: seek and read together
+                self._handle.seek(self._offsets[start])
+                while len(lines) < stop - start:
+                    line = self._handle.readline()
+                    if not line:
+                        raise BadInput(f"'{self.path.name}' changed after the job was submitted; resubmit the job")
+                    if line.strip():
+                        lines.append(line)
         except OSError as err:
             raise _file_error(self.path, err) from err
-        return rows
+        return [self._parse_row(line, start + offset) for offset, line in enumerate(lines)]
 
     def _parse_row(self, line: bytes, row: int) -> dict[str, np.ndarray]:
         where = f"in row {row} of '{self.path.name}'"

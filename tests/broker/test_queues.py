@@ -307,8 +307,8 @@ def test_replaced_ticket_becomes_stale(store: Store) -> None:
     [new] = queues.top_up_tickets(store, now=NOW + 200, target=1)
 
     assert new != old
-    assert queues.touch_ticket(store, old, now=NOW + 201) is False
-    assert queues.touch_ticket(store, new, now=NOW + 201) is True
+    assert store.client.zscore(store.keys.tickets, old) is None
+    assert store.client.zscore(store.keys.tickets, new) == NOW + 200
     with pytest.raises(StaleTicket):
         queues.lease_batch(store, MODEL_REF, now=NOW + 201, lease_seconds=30, max_items=1, ticket=old)
 
@@ -350,8 +350,9 @@ def test_top_up_creates_exactly_the_missing_tickets(store: Store) -> None:
 
 
 def test_expire_lost_tickets_drops_only_tickets_older_than_the_timeout(store: Store) -> None:
+    jobs.create_job(store, job_spec(), now=NOW)
     lost, alive = queues.top_up_tickets(store, now=NOW, target=2)
-    assert queues.touch_ticket(store, alive, now=NOW + 100)
+    assert queues.lease_batch(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1, ticket=alive)
 
     assert queues.expire_lost_tickets(store, now=NOW + 119, ticket_timeout=120) == 0
     assert queues.expire_lost_tickets(store, now=NOW + 130, ticket_timeout=120) == 1

@@ -234,3 +234,19 @@ def test_file_checksum_is_the_sha256_of_the_bytes(tmp_path: Path) -> None:
     assert file_checksum(tmp_path / "blob.bin") == "sha256:" + hashlib.sha256(payload).hexdigest()
     with pytest.raises(FileMissing):
         file_checksum(tmp_path / "absent.bin")
+
+
+def test_jsonl_ranges_read_from_several_threads_at_once_stay_intact(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    _write_jsonl(tmp_path / "t.jsonl", [_tokens(1 + i % 7, i) for i in range(400)])
+    with open_input(tmp_path / "t.jsonl", TOKENS) as source:
+
+        def read(start: int) -> list[tuple[list[int], list]]:
+            batches = source.iter_batches(start, start + 50, 8)
+            return [(rows.tolist(), feed["input_ids"].tolist()) for rows, feed in batches]
+
+        expected = [read(start) for start in range(0, 400, 50)]
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(5):
+                assert list(pool.map(read, range(0, 400, 50))) == expected
