@@ -17,7 +17,7 @@ from typing import Any
 
 from broker.errors import Conflict, JobNotFound
 from broker.queues import LeasedItem
-from broker.scoring import fifo_score
+from broker.scoring import job_score
 from broker.store import Store, translate_redis_errors
 
 ACTIVE_STATUSES = ("queued", "running")
@@ -125,7 +125,7 @@ def create_job(store: Store, spec: JobSpec, *, now: float) -> None:
         "created_at": now,
         "checkpoint_ts": now,
     }
-    score = fifo_score(spec.priority, now)
+    score = job_score(spec.priority, now)
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
              _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score))
 
@@ -248,7 +248,7 @@ def resume_job(store: Store, job_id: str, *, now: float) -> int:
         done = {int(index) for index in store.client.smembers(store.keys.job_done(job_id))}
     ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
     missing = [index for index in range(len(ranges)) if index not in done]
-    score = fifo_score(job["priority"], now)
+    score = job_score(job["priority"], now)
     model_ref = job["model_ref"]
     item_args = _item_args(job_id, model_ref, ranges, missing, score)
     if not missing:

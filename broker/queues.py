@@ -38,14 +38,29 @@ class StaleTicket(Exception):
 
 
 def lease_batch(
-    store: Store, model_ref: str, *, now: float, lease_seconds: float, max_items: int, ticket: str = ""
+    store: Store,
+    model_ref: str,
+    *,
+    now: float,
+    lease_seconds: float,
+    max_items: int,
+    ticket: str = "",
+    max_rows: int | None = None,
+    max_tokens: int = 0,
+    max_chunks: int | None = None,
 ) -> list[LeasedItem]:
-    """Lease up to `max_items` of the best waiting items of `model_ref`; [] when its queue is empty."""
+    """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
+
+    Job chunks (and finalize steps) are leased in queue order, up to `max_chunks` (default
+    `max_items`); online requests of one shape bucket are merged up to `max_items` requests,
+    `max_rows` rows and `max_tokens` tokens (0: no token limit).
+    """
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
-            args=[ticket, now, now + lease_seconds, max_items],
+            args=[ticket, now, now + lease_seconds, max_items, max_rows or max_items, max_tokens,
+                  max_chunks or max_items],
         )
     count = int(reply[0])
     if count < 0:

@@ -1,22 +1,133 @@
 """Priority scores: the sort key of a ready queue (lower is served first).
 
-Issue 2 needs FIFO within a priority level: the key is the priority level
-(0-15, higher is more urgent) first, then the enqueue time in milliseconds.
-Items with equal scores are ordered by member (Redis compares them as
-bytes), and chunk item ids are zero-padded, so a job's chunks wait in row
-order. The key is static: nothing is re-scored because time passes
-(DESIGN.md, "Order").
+CP-Score (DESIGN.md, "Scheduling concepts"): an item's priority points are
+`level + α·(100 ms / estimated latency, at most 10) + β·SLA weight + γ·complexity`,
+where level is its priority 0-15 (raised by PSA jumps), the SLA weight is
+vip 3 / premium 2 / free 1 and complexity is in [0, 1] (sequence length
+relative to the model's maximum). Aging adds `δ` points per second waited.
+
+Aging lives in the static key: points + δ·age = points − δ·enqueued_at + δ·now,
+and δ·now is the same for every item at any instant, so ordering by
+`δ·enqueued_at − points` (ascending) is ordering by current priority, for
+every instant, without re-scoring anything because time passed. Express
+items (level ≥ 12, or a token request shorter than 128 tokens) get a bonus
+that puts them ahead of everything else.
+
+Under the `fifo` ordering the key is the enqueue time alone. Items with equal
+keys are ordered by member (Redis compares bytes); chunk ids are zero-padded,
+so a job's chunks wait in row order.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
 MAX_PRIORITY = 15
-_EPOCH = 1_704_067_200.0  # 2024-01-01T00:00:00Z; keeps scores small and exact in a double
-_LEVEL_SPAN_MS = 1e14  # about 3,000 years of milliseconds per priority level
+SLA_WEIGHTS = {"vip": 3.0, "premium": 2.0, "free": 1.0}
+_EPOCH = 1_704_067_200.0  # 2024-01-01T00:00:00Z; keeps keys small and exact in a double
+_LATENCY_UNIT_MS = 100.0
+_MAX_LATENCY_POINTS = 10.0
+
+Ordering = Literal["fifo", "dynamic"]
 
 
-def fifo_score(priority: int, enqueued_at: float) -> float:
-    """Sort key: more urgent levels first, then earlier enqueue (exact integers below 2**53)."""
-    if not 0 <= priority <= MAX_PRIORITY:
-        raise ValueError(f"priority must be between 0 and {MAX_PRIORITY}, got {priority}")
-    return (MAX_PRIORITY - priority) * _LEVEL_SPAN_MS + float(int((enqueued_at - _EPOCH) * 1000))
+@dataclass(frozen=True)
+class Weights:
+    """The hot-updatable weights and thresholds of CP-Score, express lane and PSA."""
+
+    alpha: float = 0.4
+    beta: float = 0.3
+    gamma: float = 0.2
+    delta: float = 0.1
+    """Priority points gained per second of waiting."""
+    express_level: int = 12
+    express_max_tokens: int = 128
+    express_bonus: float = 1000.0
+    psa_rtd_ms: float = 200.0
+    psa_load: float = 0.75
+    psa_max_base_level: int = 8
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (stored in Redis, served by the API)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Factors:
+    """What an item's score is computed from; kept in its payload so it can be re-scored."""
+
+    level: int
+    sla_weight: float = 1.0
+    est_latency_ms: float = math.inf
+    complexity: float = 0.0
+    enqueued_at: float = 0.0
+    tokens: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (infinite latency as null)."""
+        data = asdict(self)
+        data["est_latency_ms"] = None if math.isinf(self.est_latency_ms) else self.est_latency_ms
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Factors:
+        """The inverse of `to_dict`."""
+        latency = data.get("est_latency_ms")
+        return cls(level=int(data["level"]), sla_weight=float(data.get("sla_weight", 1.0)),
+                   est_latency_ms=math.inf if latency is None else float(latency),
+                   complexity=float(data.get("complexity", 0.0)), enqueued_at=float(data.get("enqueued_at", 0.0)),
+                   tokens=data.get("tokens"))
+
+
+def priority_points(factors: Factors, weights: Weights) -> float:
+    """CP-Score without aging: higher is more urgent."""
+    latency_points = min(_LATENCY_UNIT_MS / max(factors.est_latency_ms, 1e-3), _MAX_LATENCY_POINTS)
+    return (factors.level + weights.alpha * latency_points + weights.beta * factors.sla_weight
+            + weights.gamma * factors.complexity)
+
+
+def is_express(factors: Factors, weights: Weights) -> bool:
+    """Urgent (level ≥ express_level) or a short token request: served at the next free slot."""
+    short = factors.tokens is not None and factors.tokens < weights.express_max_tokens
+    return factors.level >= weights.express_level or short
+
+
+def queue_key(factors: Factors, weights: Weights, ordering: Ordering = "dynamic") -> float:
+    """The ready-queue score of an item (ascending = served first)."""
+    since_epoch = factors.enqueued_at - _EPOCH
+    if ordering == "fifo":
+        return since_epoch
+    key = weights.delta * since_epoch - priority_points(factors, weights)
+    return key - weights.express_bonus if is_express(factors, weights) else key
+
+
+def current_priority(factors: Factors, weights: Weights, *, now: float) -> float:
+    """Priority points including aging at `now` (what the static key orders by)."""
+    return priority_points(factors, weights) + weights.delta * (now - factors.enqueued_at)
+
+
+def check_level(level: int) -> int:
+    """`level` if it is a priority level 0-15, else ValueError."""
+    if not 0 <= level <= MAX_PRIORITY:
+        raise ValueError(f"priority must be between 0 and {MAX_PRIORITY}, got {level}")
+    return level
+
+
+def job_score(priority: int, enqueued_at: float, weights: Weights | None = None,
+              ordering: Ordering = "dynamic") -> float:
+    """Key of an offline job's chunks: its priority level, free tier, no latency bonus."""
+    factors = Factors(level=check_level(priority), enqueued_at=enqueued_at)
+    return queue_key(factors, weights or Weights(), ordering)
+
+
+def psa_jump_level(*, base_level: int, remaining_ms: float, queue_load: float, weights: Weights) -> int | None:
+    """PSA: the level an item jumps to, or None.
+
+    Jumps when the remaining tolerable delay is below `psa_rtd_ms`, the queue's load above
+    `psa_load` and the base level below `psa_max_base_level`: to 15 under 100 ms, else 12.
+    """
+    if remaining_ms >= weights.psa_rtd_ms or queue_load <= weights.psa_load or base_level >= weights.psa_max_base_level:
+        return None
+    return 15 if remaining_ms < 100 else 12

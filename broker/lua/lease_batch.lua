@@ -1,4 +1,4 @@
--- lease_batch: move the best items of one model's queue into its in-flight set (late binding).
+-- lease_batch: move the best waiting items of one model's queue into its in-flight set (late binding).
 -- KEYS[1] tickets   ZSET ticket id -> last seen
 -- KEYS[2] ready     ZSET item id -> score
 -- KEYS[3] inflight  ZSET item id -> lease deadline
@@ -7,9 +7,16 @@
 -- ARGV[1] ticket id ('' to lease without a ticket)
 -- ARGV[2] now
 -- ARGV[3] lease deadline
--- ARGV[4] max items
+-- ARGV[4] most items in the batch
+-- ARGV[5] most rows in the batch (merged online requests)
+-- ARGV[6] most tokens in the batch (0: no limit)
+-- ARGV[7] most items when the head is a job chunk or finalize step
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
+-- The head item always goes. Job chunks and finalize steps are taken in queue order up to
+-- ARGV[7] (a worker runs them one by one); online requests are merged: later requests of the
+-- same shape bucket join while the batch stays within its item, row and token budgets (those
+-- that do not fit wait for the next batch).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if ARGV[1] ~= '' then
   if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
@@ -17,14 +24,39 @@ if ARGV[1] ~= '' then
   end
   redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[1])
 end
-local ids = redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[4]) - 1)
-local out = {#ids}
-for _, item_id in ipairs(ids) do
-  redis.call('ZREM', KEYS[2], item_id)
-  redis.call('ZADD', KEYS[3], ARGV[3], item_id)
-  local attempts = redis.call('HINCRBY', KEYS[5], item_id, 1)
-  out[#out + 1] = item_id
-  out[#out + 1] = redis.call('HGET', KEYS[4], item_id) or ''
-  out[#out + 1] = attempts
+local max_items, max_rows, max_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local max_chunks = tonumber(ARGV[7])
+local candidates = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
+local picked, rows, tokens, bucket, online = {}, 0, 0, nil, false
+for index, item_id in ipairs(candidates) do
+  local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+  local item = cjson.decode(payload)
+  local is_request = item['kind'] == 'request'
+  if index == 1 then
+    picked[1] = {item_id, payload}
+    online = is_request
+    bucket, rows, tokens = item['bucket'], item['rows'] or 1, item['tokens'] or 0
+  elseif not online then
+    if is_request or #picked >= max_chunks then
+      break
+    end
+    picked[#picked + 1] = {item_id, payload}
+  elseif #picked >= max_items then
+    break
+  elseif is_request and item['bucket'] == bucket
+      and rows + (item['rows'] or 1) <= max_rows
+      and (max_tokens == 0 or tokens + (item['tokens'] or 0) <= max_tokens) then
+    picked[#picked + 1] = {item_id, payload}
+    rows = rows + (item['rows'] or 1)
+    tokens = tokens + (item['tokens'] or 0)
+  end
+end
+local out = {#picked}
+for _, entry in ipairs(picked) do
+  redis.call('ZREM', KEYS[2], entry[1])
+  redis.call('ZADD', KEYS[3], ARGV[3], entry[1])
+  out[#out + 1] = entry[1]
+  out[#out + 1] = entry[2]
+  out[#out + 1] = redis.call('HINCRBY', KEYS[5], entry[1], 1)
 end
 return out

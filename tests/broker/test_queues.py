@@ -69,14 +69,25 @@ def test_items_are_leased_fifo_within_a_priority(store: Store) -> None:
 
 def test_higher_priority_is_leased_first_even_when_enqueued_later(store: Store) -> None:
     jobs.create_job(store, job_spec("jlow", rows_total=2, chunk_size=1, priority=0), now=NOW)
-    jobs.create_job(store, job_spec("jmid", rows_total=1, chunk_size=1, priority=5), now=NOW + 60)
-    jobs.create_job(store, job_spec("jhigh", rows_total=1, chunk_size=1, priority=15), now=NOW + 120)
+    jobs.create_job(store, job_spec("jmid", rows_total=1, chunk_size=1, priority=5), now=NOW + 5)
+    jobs.create_job(store, job_spec("jhigh", rows_total=1, chunk_size=1, priority=15), now=NOW + 10)
 
     order = [
         item.item_id for item in queues.lease_batch(store, MODEL_REF, now=NOW + 200, lease_seconds=30, max_items=10)
     ]
 
     assert order == ["jhigh:c0000000", "jmid:c0000000", "jlow:c0000000", "jlow:c0000001"]
+
+
+def test_aging_lets_an_old_low_priority_item_pass_newer_urgent_ones(store: Store) -> None:
+    jobs.create_job(store, job_spec("jold", rows_total=1, chunk_size=1, priority=0), now=NOW)
+    # delta = 0.1 point per second: after 60 s the old item is worth 6 levels more than a new one
+    jobs.create_job(store, job_spec("jnew", rows_total=1, chunk_size=1, priority=5), now=NOW + 60)
+
+    order = [item.item_id for item in queues.lease_batch(store, MODEL_REF, now=NOW + 61, lease_seconds=30,
+                                                         max_items=10)]
+
+    assert order == ["jold:c0000000", "jnew:c0000000"]
 
 
 def test_chunks_of_a_large_job_wait_in_row_order(store: Store) -> None:
