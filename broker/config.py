@@ -118,6 +118,32 @@ class JobSettings(_Section):
     """A chunk leased this many times without an ack fails its job (poison batch)."""
 
 
+class ModelBatching(_Section):
+    """How a model's online requests are merged into batches (Triton's dynamic batcher knobs)."""
+
+    max_batch_size: int = Field(64, ge=1)
+    """Most requests in one batch (and most rows, for requests of one row)."""
+    max_queue_delay: Seconds = 0.0
+    """How long the first request of a batch may wait for company; 0 batches what is there."""
+    max_batch_tokens: int = Field(8192, ge=0)
+    """Token models: most tokens in one batch (0: no limit)."""
+
+
+class OnlineSettings(_Section):
+    """Online requests: batching defaults, per-model overrides, how long results are kept."""
+
+    batching: ModelBatching = ModelBatching()
+    models: dict[str, ModelBatching] = {}
+    """Per-model overrides of `batching`, by model name."""
+    result_ttl: Seconds = 600.0
+    max_wait: Seconds = 30.0
+    """Longest a `wait=true` call holds its connection when the request has no deadline."""
+
+    def batching_for(self, model_name: str) -> ModelBatching:
+        """The batching settings of `model_name`."""
+        return self.models.get(model_name, self.batching)
+
+
 class Settings(_Section):
     """Everything configurable in SITS."""
 
@@ -127,6 +153,7 @@ class Settings(_Section):
     api: ApiSettings = ApiSettings()
     paths: PathSettings = PathSettings()
     jobs: JobSettings = JobSettings()
+    online: OnlineSettings = OnlineSettings()
 
     def with_overrides(self, **sections: Mapping[str, Any]) -> Settings:
         """A copy with some keys replaced, validated like a loaded file."""

@@ -74,6 +74,25 @@ class Keys:
         """ZSET job id -> creation time, the index behind `GET /v1/jobs`."""
         return self._key("jobs")
 
+    # --- online requests ---------------------------------------------------
+    def request(self, request_id: str) -> str:
+        """HASH of one online request: fields, inputs until it runs, then outputs."""
+        return self._key("req", request_id)
+
+    def request_done(self, request_id: str) -> str:
+        """LIST a waiter blocks on; one element is pushed when the request is done."""
+        return self._key("req", request_id, "done")
+
+    @property
+    def deadlines(self) -> str:
+        """ZSET item id -> deadline (unix seconds) of waiting items that have one: the PSA index."""
+        return self._key("deadlines")
+
+    @property
+    def policy(self) -> str:
+        """STRING JSON of the live scoring weights and ordering (hot-updated by `PUT /v1/policy`)."""
+        return self._key("policy")
+
     # --- models, workers, keys --------------------------------------------
     @property
     def model_versions(self) -> str:

@@ -122,6 +122,22 @@ def job_score(priority: int, enqueued_at: float, weights: Weights | None = None,
     return queue_key(factors, weights or Weights(), ordering)
 
 
+def estimate_latency_ms(record: dict[str, Any], *, rows: int, tokens: int | None) -> float:
+    """Estimated run time of `rows` rows from the model's profile.
+
+    Measured profile first (batch-1 latency times rows); a token model without one costs
+    about 1.2 ms per token + 120 ms (the specification's prior); otherwise the static FLOPs
+    at an assumed 50 GFLOP/s.
+    """
+    points = (record.get("profile") or {}).get("points") or []
+    if points:
+        return float(points[0]["latency_ms"]) * rows
+    static = record.get("static_profile") or {}
+    if static.get("sequence_axis") and tokens is not None:
+        return 1.2 * tokens + 120.0
+    return max(float(static.get("flops_per_sample") or 0) * rows / 5e7, 0.01)
+
+
 def psa_jump_level(*, base_level: int, remaining_ms: float, queue_load: float, weights: Weights) -> int | None:
     """PSA: the level an item jumps to, or None.
 

@@ -23,6 +23,8 @@ SCRIPT_NAMES = (
     "reap_leases",
     "top_up_tickets",
     "release_ticket",
+    "submit_request",
+    "complete_requests",
 )
 
 

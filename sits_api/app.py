@@ -16,15 +16,15 @@ from flask import Blueprint, Flask, g, jsonify, request
 from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
-from broker import jobs, queues, registry, workers
+from broker import jobs, policy, queues, registry, requests, workers
 from broker.apikeys import authenticate
 from broker.config import Settings
 from broker.errors import BadInput, PayloadTooLarge, SitsError
 from broker.store import Store
-from sits_api import services
+from sits_api import online, services
 from sits_api.dispatch import Dispatcher
 from sits_api.openapi import openapi_document
-from sits_api.schemas import JobSubmission, ModelRegistration
+from sits_api.schemas import JobSubmission, ModelRegistration, OnlineRequest
 
 log = logging.getLogger(__name__)
 
@@ -223,3 +223,38 @@ def resume_job(job_id: str) -> Any:
     ctx = _ctx()
     job = services.resume_job(ctx["settings"], ctx["store"], ctx["dispatcher"], job_id, now=time.time())
     return jsonify(job), 202
+
+
+# --- online requests ------------------------------------------------------------------
+
+
+@api.post("/v1/requests")
+def submit_request() -> Any:
+    """One inference request; 202 with its id, or with `wait` the result (200) when it is done in time."""
+    ctx = _ctx()
+    body = _parse(OnlineRequest)
+    settings, store = ctx["settings"], ctx["store"]
+    spec = online.submit(settings, store, ctx["dispatcher"], model=body.model, inputs=body.inputs,
+                         priority=body.priority, deadline_ms=body.deadline_ms, user_tier=body.user_tier,
+                         tokens=body.tokens, owner=g.identity["name"], now=time.time())
+    wait = body.wait or request.args.get("wait", "").lower() in ("1", "true", "yes")
+    if wait and requests.wait_for_request(store, spec.request_id, timeout=online.wait_seconds(settings,
+                                                                                               body.deadline_ms)):
+        return jsonify(online.to_json_result(requests.get_request(store, spec.request_id))), 200
+    return jsonify({"id": spec.request_id, "status": "queued", "model": spec.model_name,
+                    "model_version": spec.model_version}), 202
+
+
+@api.get("/v1/requests/<request_id>")
+def get_request(request_id: str) -> Any:
+    """A request's status and, once done, its outputs."""
+    return jsonify(online.to_json_result(requests.get_request(_ctx()["store"], request_id)))
+
+
+@api.get("/v1/policy")
+def get_policy() -> Any:
+    """The live scoring weights and queue ordering."""
+    ctx = _ctx()
+    weights, ordering = policy.get_policy(ctx["store"], default=policy.default_ordering(
+        ctx["settings"].scheduler.policy))
+    return jsonify({"ordering": ordering, **weights.to_dict()})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sits_api.schemas import JobSubmission, ModelRegistration
+from sits_api.schemas import JobSubmission, ModelRegistration, OnlineRequest
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
 
@@ -56,6 +56,21 @@ def openapi_document() -> dict[str, Any]:
                 "get": {"summary": "job status and progress", "parameters": job_id,
                         "responses": _responses(200, 401, 404)},
                 "delete": {"summary": "cancel a job", "parameters": job_id, "responses": _responses(200, 401, 404)},
+            },
+            "/v1/requests": {
+                "post": {"summary": "one online inference request (202, or 200 with the result when waiting)",
+                         "requestBody": _body(OnlineRequest),
+                         "parameters": [{"name": "wait", "in": "query", "schema": {"type": "boolean"}}],
+                         "responses": _responses(200, 202, 400, 401, 404, 413)},
+            },
+            "/v1/requests/{request_id}": {
+                "get": {"summary": "a request's status and outputs",
+                        "parameters": [{"name": "request_id", "in": "path", "required": True,
+                                        "schema": {"type": "string"}}],
+                        "responses": _responses(200, 401, 404)},
+            },
+            "/v1/policy": {
+                "get": {"summary": "the live scoring weights and queue ordering", "responses": _responses(200, 401)},
             },
             "/v1/jobs/{job_id}/resume": {
                 "post": {"summary": "re-queue the unfinished chunks", "parameters": job_id,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,3 +32,15 @@ class ModelRegistration(_Body):
     path: str = Field(..., min_length=1)
     profile_mode: Literal["static", "full"] = "static"
     enable_fusion: bool = False
+
+
+class OnlineRequest(_Body):
+    """`POST /v1/requests`: one inference request, answered at once (202) or when done (`wait`)."""
+
+    model: str = Field(..., min_length=1, description="`name` (newest version) or `name@version`")
+    inputs: dict[str, Any] = Field(..., description="input name -> nested lists, or {\"b64\": base64 .npy}")
+    priority: int = Field(0, ge=0, le=15)
+    deadline_ms: float | None = Field(None, gt=0, description="remaining tolerable delay")
+    user_tier: Literal["vip", "premium", "free"] = "free"
+    tokens: int | None = Field(None, ge=1, description="default: the input's sequence length times its rows")
+    wait: bool = False

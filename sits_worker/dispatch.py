@@ -12,11 +12,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from broker import jobs, queues
+from broker import jobs, queues, requests
 from broker.queues import StaleTicket
 from broker.wakeup import SendTicket, wake_workers
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
+from sits_worker.online import run_requests
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,18 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                     return "released"
                 continue
             leased = []
-            for model_ref in sorted(heads, key=heads.__getitem__):  # FIFO across models: oldest head first
+            for model_ref in sorted(heads, key=heads.__getitem__):  # best head first, across models
+                batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
                 leased = queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=lease_seconds,
-                                            max_items=1, ticket=ticket)
+                                            max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
+                                            max_tokens=batching.max_batch_tokens, max_chunks=1, ticket=ticket)
                 if leased:
                     break
-            for item in leased:
-                process_item(ctx, item, _keep_alive(ctx, item, ticket, lease_seconds))
+            if leased and leased[0].payload.get("kind") == "request":
+                run_requests(ctx, leased)
+            else:
+                for item in leased:
+                    process_item(ctx, item, _keep_alive(ctx, item, ticket, lease_seconds))
             if time.monotonic() >= slice_ends:
                 return "yield"
     except StaleTicket:
@@ -65,6 +71,13 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     settings = ctx.settings
     result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=settings.jobs.max_attempts)
     for model_ref, item_id, payload in result.dead_items:
+        if payload.get("kind") == "request":
+            item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
+            error = f"the request failed {settings.jobs.max_attempts} times (its workers died or errored)"
+            requests.complete_requests(ctx.store, [requests.RequestResult(item, error=error)], now=now,
+                                       keep_seconds=settings.online.result_ttl, batch_size=1, worker="reaper")
+            queues.finish_item(ctx.store, item, "", now=now)  # also leaves the dead set
+            continue
         job_id = payload.get("job", "")
         last_error = jobs.last_error(ctx.store, job_id) or "the worker died"
         error = f"{item_id} failed {settings.jobs.max_attempts} times; last error: {last_error}"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from sits_worker.celery_app import TASK_QUEUE, app
 from sits_worker.context import worker_context
 from sits_worker.dispatch import drain, reap
+
+log = logging.getLogger(__name__)
 
 
 def send_drain(ticket: str) -> None:
@@ -18,7 +21,14 @@ def send_drain(ticket: str) -> None:
 @app.task(name="sits.drain")
 def drain_task(ticket: str) -> str:
     """Serve batches under one batch ticket; re-queue the ticket when its time slice ends."""
-    outcome = drain(worker_context(), ticket)
+    try:
+        outcome = drain(worker_context(), ticket)
+    except Exception:
+        # Redis gone or a bug: keep the ticket circulating (a second later) rather than losing it
+        # until the reaper's ticket timeout; the leases of what was running expire on their own.
+        log.exception("drain under ticket %s failed; re-sending it in 1 s", ticket)
+        app.send_task("sits.drain", args=[ticket], queue=TASK_QUEUE, countdown=1.0)
+        return "error"
     if outcome == "yield":
         send_drain(ticket)
     return outcome

@@ -24,6 +24,13 @@ if ARGV[1] ~= '' then
   end
   redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[1])
 end
+-- JSON null decodes to cjson.null, not nil: count anything that is not a number as `default`.
+local function number_or(value, default)
+  if type(value) == 'number' then
+    return value
+  end
+  return default
+end
 local max_items, max_rows, max_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local max_chunks = tonumber(ARGV[7])
 local candidates = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
@@ -35,7 +42,7 @@ for index, item_id in ipairs(candidates) do
   if index == 1 then
     picked[1] = {item_id, payload}
     online = is_request
-    bucket, rows, tokens = item['bucket'], item['rows'] or 1, item['tokens'] or 0
+    bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), number_or(item['tokens'], 0)
   elseif not online then
     if is_request or #picked >= max_chunks then
       break
@@ -44,11 +51,11 @@ for index, item_id in ipairs(candidates) do
   elseif #picked >= max_items then
     break
   elseif is_request and item['bucket'] == bucket
-      and rows + (item['rows'] or 1) <= max_rows
-      and (max_tokens == 0 or tokens + (item['tokens'] or 0) <= max_tokens) then
+      and rows + number_or(item['rows'], 1) <= max_rows
+      and (max_tokens == 0 or tokens + number_or(item['tokens'], 0) <= max_tokens) then
     picked[#picked + 1] = {item_id, payload}
-    rows = rows + (item['rows'] or 1)
-    tokens = tokens + (item['tokens'] or 0)
+    rows = rows + number_or(item['rows'], 1)
+    tokens = tokens + number_or(item['tokens'], 0)
   end
 end
 local out = {#picked}

@@ -347,6 +347,7 @@ def static_profile(model: onnx.ModelProto) -> dict[str, Any]:
     profile: dict[str, Any] = {
         "signature": model_signature(model),
         "opset": _default_opset(model),
+        "metadata": {prop.key: prop.value for prop in model.metadata_props},
         "op_histogram": operator_histogram(model),
         "param_count": param_count,
         "param_bytes": param_bytes,

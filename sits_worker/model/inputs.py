@@ -9,14 +9,16 @@ model's is rejected with a message saying how to convert it (byte order alone is
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 import math
 import struct
 import threading
 import zipfile
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -265,6 +267,11 @@ class _JsonlSource(InputSource):
 
 def _json_row(spec: _InputSpec, value: Any, where: str) -> np.ndarray:
     """Convert one row's JSON value to the input's dtype, refusing ragged or lossy values."""
+    return _json_array(spec, value, where, batched=False)
+
+
+def _json_array(spec: _InputSpec, value: Any, where: str, *, batched: bool) -> np.ndarray:
+    """Convert a JSON value (one row, or rows with the batch axis) to the input's dtype, losslessly."""
     try:
         raw = np.asarray(value)
     except ValueError:  # ragged nested lists
@@ -278,8 +285,46 @@ def _json_row(spec: _InputSpec, value: Any, where: str) -> np.ndarray:
             f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; "
             f"write numbers that fit {spec.dtype.name} exactly"
         )
-    spec.check(raw.dtype, (1, *raw.shape), where)  # shape only: JSON numbers have no dtype of their own
+    # shape only: JSON numbers have no dtype of their own
+    spec.check(raw.dtype, raw.shape if batched else (1, *raw.shape), where)
     return raw.astype(spec.dtype)
+
+
+def request_tensors(signature: dict[str, Any], values: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The input tensors of an online request, checked against the model's signature.
+
+    Each value carries the batch axis and is either (nested) JSON numbers, converted only when
+    lossless, or `{"b64": <base64 .npy>}`, whose dtype must match exactly. Every input must be
+    there, no other, and all must have the same number of rows (>= 1).
+    """
+    specs = _parse_signature(signature)
+    expected = [spec.name for spec in specs]
+    if set(values) != set(expected):
+        raise BadInput(f"got inputs {sorted(values)}; the model takes exactly {expected}")
+    tensors: dict[str, np.ndarray] = {}
+    for spec in specs:
+        value, where = values[spec.name], "in the request"
+        if isinstance(value, dict):
+            tensors[spec.name] = _b64_tensor(spec, value, where)
+        else:
+            tensors[spec.name] = _json_array(spec, value, where, batched=True)
+    rows = {array.shape[0] if array.ndim else 0 for array in tensors.values()}
+    if len(rows) != 1 or 0 in rows:
+        raise BadInput(f"inputs must have the same number of rows (>= 1) on axis 0, got {sorted(rows)}")
+    return tensors
+
+
+def _b64_tensor(spec: _InputSpec, value: dict[str, Any], where: str) -> np.ndarray:
+    if set(value) != {"b64"} or not isinstance(value["b64"], str):
+        raise BadInput(f"input '{spec.name}' must be nested lists or {{\"b64\": <base64 .npy bytes>}}")
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(value["b64"], validate=True)), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise BadInput(f"input '{spec.name}' is not base64 of a .npy file ({err}); encode it with np.save") from err
+    if not isinstance(array, np.ndarray) or array.ndim == 0:
+        raise BadInput(f"input '{spec.name}' must be an array with a batch axis")
+    spec.check(array.dtype, array.shape, where, hint=_convert_hint(spec, "np.save(buffer, "))
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
 
 
 def _single_input(specs: list[_InputSpec], path: Path) -> _InputSpec:

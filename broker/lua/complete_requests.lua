@@ -1,0 +1,28 @@
+-- complete_requests: store the results of a merged batch of online requests and wake their waiters.
+-- KEYS[1] inflight   ZSET
+-- KEYS[2] items      HASH
+-- KEYS[3] attempts   HASH
+-- KEYS[4] deadlines  ZSET
+-- KEYS[5..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it)
+-- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests), ARGV[4] worker
+-- ARGV[5..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text
+-- Returns: how many requests were completed (a request whose hash expired is skipped).
+local done = 0
+for i = 0, (#ARGV - 4) / 4 - 1 do
+  local item_id = ARGV[5 + 4 * i]
+  local request, waiters = KEYS[5 + 2 * i], KEYS[6 + 2 * i]
+  redis.call('ZREM', KEYS[1], item_id)
+  redis.call('HDEL', KEYS[2], item_id)
+  redis.call('HDEL', KEYS[3], item_id)
+  redis.call('ZREM', KEYS[4], item_id)
+  if redis.call('EXISTS', request) == 1 then
+    redis.call('HSET', request, 'status', ARGV[6 + 4 * i], 'outputs', ARGV[7 + 4 * i], 'error', ARGV[8 + 4 * i],
+      'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4])
+    redis.call('HDEL', request, 'inputs')
+    redis.call('EXPIRE', request, ARGV[2])
+    redis.call('RPUSH', waiters, '1')
+    redis.call('EXPIRE', waiters, ARGV[2])
+    done = done + 1
+  end
+end
+return done

@@ -1,0 +1,170 @@
+"""Online inference requests: stored in a hash with their inputs, queued as one item each.
+
+A request's tensors travel through Redis as base64 `.npy` text (the clients
+are text-decoding), are merged into batches by the worker that leases them,
+and its outputs come back into the same hash; a waiter blocks on the
+request's `done` list instead of polling.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from broker.errors import Conflict, NotFound
+from broker.queues import LeasedItem
+from broker.store import Store, translate_redis_errors
+
+FINAL_STATUSES = ("succeeded", "failed")
+
+
+def new_request_id() -> str:
+    """A short random id, safe in keys."""
+    return "r" + secrets.token_hex(8)
+
+
+def encode_array(array: np.ndarray) -> str:
+    """An array as base64 `.npy` text (dtype and shape travel with it)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_array(text: str) -> np.ndarray:
+    """The inverse of `encode_array`."""
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A validated online request, ready to queue."""
+
+    request_id: str
+    model_name: str
+    model_version: str
+    inputs: Mapping[str, np.ndarray]
+    rows: int
+    tokens: int | None
+    bucket: str
+    factors: dict[str, Any]
+    deadline_at: float | None = None
+    owner: str = ""
+
+    @property
+    def model_ref(self) -> str:
+        """The queue the request waits in."""
+        return f"{self.model_name}@{self.model_version}"
+
+
+def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float, max_age_seconds: float) -> None:
+    """Store the request and queue it in one atomic call."""
+    keys = store.keys
+    fields = {
+        "id": spec.request_id,
+        "model": spec.model_name,
+        "model_version": spec.model_version,
+        "status": "queued",
+        "rows": spec.rows,
+        "created_at": now,
+        "deadline_at": spec.deadline_at or "",
+        "owner": spec.owner,
+        "inputs": json.dumps({name: encode_array(array) for name, array in spec.inputs.items()}),
+    }
+    payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
+               "tokens": spec.tokens, "bucket": spec.bucket, "score": score, "factors": spec.factors}
+    with translate_redis_errors():
+        created = store.scripts.submit_request(
+            keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id), keys.deadlines],
+            args=[spec.model_ref, spec.request_id, json.dumps({k: str(v) for k, v in fields.items()}), score,
+                  json.dumps(payload), spec.deadline_at or "", int(max_age_seconds)],
+        )
+    if not int(created):
+        raise Conflict(f"request {spec.request_id} already exists")
+
+
+def load_inputs(store: Store, items: Sequence[LeasedItem]) -> list[dict[str, np.ndarray] | None]:
+    """The input tensors of each leased request (None where the request hash has expired)."""
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        for item in items:
+            pipe.hget(store.keys.request(item.payload["req"]), "inputs")
+        raws = pipe.execute()
+    return [{name: decode_array(text) for name, text in json.loads(raw).items()} if raw else None for raw in raws]
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What a worker reports for one request of a batch."""
+
+    item: LeasedItem
+    outputs: Mapping[str, np.ndarray] | None = None
+    error: str = ""
+
+
+def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
+                      batch_size: int, worker: str) -> int:
+    """Store results, drop the leases and wake every waiter, in one atomic call."""
+    keys = store.keys
+    request_keys: list[str] = []
+    args: list[Any] = [now, int(keep_seconds), batch_size, worker]
+    for result in results:
+        request_id = result.item.payload["req"]
+        request_keys += [keys.request(request_id), keys.request_done(request_id)]
+        outputs = {name: encode_array(array) for name, array in (result.outputs or {}).items()}
+        args += [result.item.item_id, "failed" if result.error else "succeeded", json.dumps(outputs), result.error]
+    with translate_redis_errors():
+        reply = store.scripts.complete_requests(
+            keys=[keys.inflight(results[0].item.model_ref), keys.items, keys.attempts, keys.deadlines,
+                  *request_keys],
+            args=args,
+        )
+    return int(reply)
+
+
+def get_request(store: Store, request_id: str) -> dict[str, Any]:
+    """The request's status, timings and decoded outputs; NotFound when unknown or expired."""
+    with translate_redis_errors():
+        raw = store.client.hgetall(store.keys.request(request_id))
+    if not raw:
+        raise NotFound(f"no request with id '{request_id}' (results are kept for a limited time)")
+    result: dict[str, Any] = {
+        "id": raw["id"],
+        "model": raw["model"],
+        "model_version": raw["model_version"],
+        "status": raw["status"],
+        "rows": int(raw["rows"]),
+        "created_at": float(raw["created_at"]),
+        "finished_at": float(raw["finished_at"]) if raw.get("finished_at") else None,
+        "batch_size": int(raw["batch_size"]) if raw.get("batch_size") else None,
+        "error": raw.get("error") or None,
+        "outputs": None,
+    }
+    if raw.get("outputs"):
+        result["outputs"] = {name: decode_array(text) for name, text in json.loads(raw["outputs"]).items()}
+    if result["finished_at"]:
+        result["latency_ms"] = round((result["finished_at"] - result["created_at"]) * 1000, 3)
+    return result
+
+
+_BLOCK_SLICE_SECONDS = 2.0  # below redis-py's default socket timeout (5 s), so a long wait never trips it
+
+
+def wait_for_request(store: Store, request_id: str, *, timeout: float, clock: Any = time.monotonic) -> bool:
+    """Block until the request is done (True) or `timeout` passes (False)."""
+    ends = clock() + timeout
+    with translate_redis_errors():
+        if store.client.hget(store.keys.request(request_id), "status") in FINAL_STATUSES:
+            return True
+        while (left := ends - clock()) > 0:
+            block = min(left, _BLOCK_SLICE_SECONDS)
+            if store.client.blpop([store.keys.request_done(request_id)], timeout=max(block, 0.001)) is not None:
+                return True
+    return False

@@ -1,0 +1,100 @@
+"""Online requests through a real stack: results, merged batches, priorities, bad input."""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from sits_worker.model.zoo import mlp_reference
+from tests.e2e.stack_helpers import direct_run, register, start_stack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from sits_worker.model.zoo import build_zoo
+
+    home = tmp_path_factory.mktemp("online") / "home"
+    running = start_stack(home, workers=1, streams=2)
+    models = build_zoo(home / "models")
+    client = running.client()
+    for name in ("mlp", "transformer"):
+        register(client, name, models[name])
+    yield running
+    running.stop()
+
+
+def test_a_waiting_request_returns_the_model_output(stack):
+    features = np.random.default_rng(0).standard_normal((1, 64)).astype(np.float32)
+    result = stack.client().post("/v1/requests", {"model": "mlp", "inputs": {"features": features.tolist()},
+                                                  "wait": True})
+    assert result["status"] == "succeeded", result
+    np.testing.assert_allclose(np.array(result["outputs"]["logits"]), mlp_reference(features), rtol=1e-4, atol=1e-5)
+    assert result["latency_ms"] > 0 and result["batch_size"] >= 1
+
+
+def test_a_request_without_wait_is_fetched_later(stack):
+    buffer = io.BytesIO()
+    rows = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    np.save(buffer, rows)
+    client = stack.client()
+    accepted = client.post("/v1/requests", {"model": "mlp", "inputs": {"features": {
+        "b64": base64.b64encode(buffer.getvalue()).decode()}}})
+    assert accepted["status"] == "queued" and accepted["id"].startswith("r")
+    import time
+
+    deadline = time.monotonic() + 30
+    while (result := client.get(f"/v1/requests/{accepted['id']}"))["status"] == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    np.testing.assert_allclose(np.array(result["outputs"]["logits"]), mlp_reference(rows), rtol=1e-4, atol=1e-5)
+
+
+def test_concurrent_requests_are_merged_into_batches_with_exact_results(stack):
+    client = stack.client()
+    rng = np.random.default_rng(2)
+    rows = [rng.standard_normal((1, 64)).astype(np.float32) for _ in range(200)]
+
+    def call(features: np.ndarray) -> dict:
+        return client.post("/v1/requests", {"model": "mlp", "inputs": {"features": features.tolist()}, "wait": True})
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(call, rows))
+    assert all(result["status"] == "succeeded" for result in results)
+    for features, result in zip(rows, results, strict=True):
+        np.testing.assert_allclose(np.array(result["outputs"]["logits"]), mlp_reference(features), rtol=1e-4,
+                                   atol=1e-5)
+    assert max(result["batch_size"] for result in results) > 1, "16 concurrent clients never shared a batch"
+
+
+def test_token_requests_of_different_lengths_are_run_unpadded(stack):
+    client = stack.client()
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(0, 1000, size=(1, length)).astype(np.int64) for length in (5, 9, 5, 17, 9)]
+
+    def call(ids: np.ndarray) -> dict:
+        return client.post("/v1/requests", {"model": "transformer", "inputs": {"input_ids": ids.tolist()},
+                                            "wait": True})
+
+    with ThreadPoolExecutor(5) as pool:
+        results = list(pool.map(call, sequences))
+    for ids, result in zip(sequences, results, strict=True):
+        expected = direct_run(stack.home / "models" / "transformer.onnx", ids, 1)
+        np.testing.assert_allclose(np.array(result["outputs"]["embedding"]), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_requests_get_a_clear_4xx(stack):
+    from sits_api.cli.client import ApiError
+
+    client = stack.client()
+    with pytest.raises(ApiError, match="400.*features.*float32"):
+        client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[1.0] * 63]}})
+    with pytest.raises(ApiError, match="404.*not registered"):
+        client.post("/v1/requests", {"model": "nope", "inputs": {"features": [[1.0] * 64]}})
+    with pytest.raises(ApiError, match="400.*priority"):
+        client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[1.0] * 64]}, "priority": 16})
+    with pytest.raises(ApiError, match="404"):
+        client.get("/v1/requests/rnothere")
