@@ -25,10 +25,11 @@ from sits_api import online, services
 from sits_api.dispatch import Dispatcher
 from sits_api.openapi import openapi_document
 from sits_api.schemas import JobSubmission, ModelRegistration, OnlineRequest
+from sits_api.v2 import v2
 
 log = logging.getLogger(__name__)
 
-PUBLIC_ENDPOINTS = {"api.healthz", "api.readyz", "api.openapi"}
+PUBLIC_ENDPOINTS = {"api.healthz", "api.readyz", "api.openapi", "v2.live", "v2.ready"}
 
 api = Blueprint("api", __name__)
 
@@ -44,7 +45,9 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
         "store": store,
         "dispatcher": dispatcher or Dispatcher(settings, store),
     }
+    app.before_request(_authenticate)  # every blueprint: v1 and the v2 protocol
     app.register_blueprint(api)
+    app.register_blueprint(v2)
     app.register_error_handler(SitsError, _sits_error)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected_error)
@@ -94,10 +97,9 @@ def _unexpected_error(err: Exception) -> Any:
 # --- auth ---------------------------------------------------------------------------
 
 
-@api.before_request
 def _authenticate() -> None:
-    if request.endpoint in PUBLIC_ENDPOINTS:
-        return
+    if request.endpoint is None or request.endpoint in PUBLIC_ENDPOINTS:
+        return  # no such route (a 404 follows), or a health/description endpoint
     scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
     key = credentials.strip() if scheme.lower() == "bearer" else None  # schemes are case-insensitive
     g.identity = authenticate(_ctx()["store"], key)

@@ -28,6 +28,29 @@ def openapi_document() -> dict[str, Any]:
     job_id = [{"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     model_ref = [{"name": "ref", "in": "path", "required": True, "schema": {"type": "string"},
                   "description": "name or name@version"}]
+    def path_params(*names: str) -> list[dict[str, Any]]:
+        return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
+
+    v2_infer = {"summary": "Open Inference Protocol (KServe v2) inference; parameters.priority, .timeout (us)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
+                "responses": _responses(200, 400, 401, 404, 504)}
+    v2_paths: dict[str, Any] = {
+        "/v2/health/live": {"get": {"summary": "v2 liveness", "security": [], "responses": _responses(200)}},
+        "/v2/health/ready": {"get": {"summary": "v2 readiness", "security": [], "responses": _responses(200, 503)}},
+        "/v2/models/{name}": {"get": {"summary": "v2 model metadata", "parameters": path_params("name"),
+                                      "responses": _responses(200, 401, 404)}},
+        "/v2/models/{name}/versions/{version}": {"get": {"summary": "v2 model metadata of one version",
+                                                         "parameters": path_params("name", "version"),
+                                                         "responses": _responses(200, 401, 404)}},
+        "/v2/models/{name}/ready": {"get": {"summary": "v2 model readiness", "parameters": path_params("name"),
+                                            "responses": _responses(200, 401, 404)}},
+        "/v2/models/{name}/versions/{version}/ready": {
+            "get": {"summary": "v2 readiness of one version", "parameters": path_params("name", "version"),
+                    "responses": _responses(200, 401, 404)}},
+        "/v2/models/{name}/infer": {"post": v2_infer | {"parameters": path_params("name")}},
+        "/v2/models/{name}/versions/{version}/infer": {"post": v2_infer | {"parameters": path_params("name",
+                                                                                                       "version")}},
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "SITS", "version": "1", "description": "Scalable Inference Task Scheduler"},
@@ -76,5 +99,6 @@ def openapi_document() -> dict[str, Any]:
                 "post": {"summary": "re-queue the unfinished chunks", "parameters": job_id,
                          "responses": _responses(202, 400, 401, 404, 409)},
             },
+            **v2_paths,
         },
     }

@@ -294,7 +294,7 @@ def request_tensors(signature: dict[str, Any], values: Mapping[str, Any]) -> dic
     """The input tensors of an online request, checked against the model's signature.
 
     Each value carries the batch axis and is either (nested) JSON numbers, converted only when
-    lossless, or `{"b64": <base64 .npy>}`, whose dtype must match exactly. Every input must be
+    lossless, or `{"b64": <base64 .npy>}` or a numpy array, whose dtype must match exactly. Every input must be
     there, no other, and all must have the same number of rows (>= 1).
     """
     specs = _parse_signature(signature)
@@ -304,7 +304,10 @@ def request_tensors(signature: dict[str, Any], values: Mapping[str, Any]) -> dic
     tensors: dict[str, np.ndarray] = {}
     for spec in specs:
         value, where = values[spec.name], "in the request"
-        if isinstance(value, dict):
+        if isinstance(value, np.ndarray):  # already typed (the v2 protocol declares its datatype)
+            spec.check(value.dtype, value.shape, where, hint=f"send datatype {spec.dtype.name}")
+            tensors[spec.name] = np.ascontiguousarray(value)
+        elif isinstance(value, dict):
             tensors[spec.name] = _b64_tensor(spec, value, where)
         else:
             tensors[spec.name] = _json_array(spec, value, where, batched=True)
