@@ -17,7 +17,7 @@ from typing import Any
 
 from broker.errors import Conflict, JobNotFound
 from broker.queues import LeasedItem
-from broker.scoring import job_score
+from broker.scoring import Factors, Ordering, Weights, check_level, queue_key
 from broker.store import Store, translate_redis_errors
 
 ACTIVE_STATUSES = ("queued", "running")
@@ -82,23 +82,29 @@ class JobSpec:
 
 
 def _item_args(job_id: str, model_ref: str, ranges: Sequence[tuple[int, int]], indexes: Sequence[int],
-               score: float) -> list[Any]:
+               score: float, factors: dict[str, Any]) -> list[Any]:
     args: list[Any] = []
     for index in indexes:
         start, stop = ranges[index]
         payload = {"kind": "chunk", "job": job_id, "model_ref": model_ref, "chunk": index,
-                   "start": start, "stop": stop, "score": score}
+                   "start": start, "stop": stop, "score": score, "factors": factors}
         args += [chunk_item_id(job_id, index), score, json.dumps(payload), str(index)]
     return args
 
 
-def finalize_payload(job_id: str, model_ref: str, score: float) -> dict[str, Any]:
-    """Payload of the finalize item, queued by the ack of the job's last chunk."""
-    return {"kind": "finalize", "job": job_id, "model_ref": model_ref, "score": score}
+def finalize_payload(job_id: str, model_ref: str, score: float, factors: dict[str, Any] | None) -> dict[str, Any]:
+    """Payload of the finalize item, queued by the ack of the job's last chunk (same priority)."""
+    return {"kind": "finalize", "job": job_id, "model_ref": model_ref, "score": score, "factors": factors}
 
 
-def create_job(store: Store, spec: JobSpec, *, now: float) -> None:
-    """Write the job hash and queue all its chunks in one atomic call."""
+def job_factors(priority: int, enqueued_at: float) -> Factors:
+    """What a job's items are scored from: its priority level, free tier, no latency bonus."""
+    return Factors(level=check_level(priority), enqueued_at=enqueued_at)
+
+
+def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | None = None,
+               ordering: Ordering = "dynamic") -> None:
+    """Write the job hash and queue all its chunks in one atomic call (scored with `weights`)."""
     ranges = chunk_ranges(spec.rows_total, spec.chunk_size)
     fields = {
         "id": spec.job_id,
@@ -125,9 +131,10 @@ def create_job(store: Store, spec: JobSpec, *, now: float) -> None:
         "created_at": now,
         "checkpoint_ts": now,
     }
-    score = job_score(spec.priority, now)
+    factors = job_factors(spec.priority, now)
+    score = queue_key(factors, weights or Weights(), ordering)
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
-             _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score))
+             _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict()))
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
@@ -234,7 +241,8 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, 
     return str(result)
 
 
-def resume_job(store: Store, job_id: str, *, now: float) -> int:
+def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
+               ordering: Ordering = "dynamic") -> int:
     """Re-queue every chunk not yet done (and the finalize step if all are); returns items queued.
 
     Chunks still leased by a previous run are taken back: after a crash their
@@ -248,11 +256,13 @@ def resume_job(store: Store, job_id: str, *, now: float) -> int:
         done = {int(index) for index in store.client.smembers(store.keys.job_done(job_id))}
     ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
     missing = [index for index in range(len(ranges)) if index not in done]
-    score = job_score(job["priority"], now)
+    factors = job_factors(job["priority"], now)
+    score = queue_key(factors, weights or Weights(), ordering)
     model_ref = job["model_ref"]
-    item_args = _item_args(job_id, model_ref, ranges, missing, score)
+    item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict())
     if not missing:
-        item_args = [finalize_item_id(job_id), score, json.dumps(finalize_payload(job_id, model_ref, score)), ""]
+        finalize = finalize_payload(job_id, model_ref, score, factors.to_dict())
+        item_args = [finalize_item_id(job_id), score, json.dumps(finalize), ""]
     fields = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now}
     return _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)
 
@@ -276,7 +286,7 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int
     payload = item.payload
     job_id = payload["job"]
     keys = store.keys
-    finalize = json.dumps(finalize_payload(job_id, item.model_ref, payload["score"]))
+    finalize = json.dumps(finalize_payload(job_id, item.model_ref, payload["score"], payload.get("factors")))
     with translate_redis_errors():
         reply = store.scripts.ack_chunk(
             keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,

@@ -7,6 +7,7 @@ with the same weights the re-score applied to waiting ones.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import fields
 
 from broker.errors import BadInput
@@ -53,3 +54,45 @@ def save_policy(store: Store, weights: Weights, ordering: Ordering) -> None:
     """Make `weights` and `ordering` the live policy (new items are scored with them at once)."""
     with translate_redis_errors():
         store.client.set(store.keys.policy, json.dumps({"weights": weights.to_dict(), "ordering": ordering}))
+
+
+def rescore_all(store: Store, weights: Weights, ordering: Ordering, *, count: int = 32,
+                settle_seconds: float = 0.1) -> dict[str, float]:
+    """Re-score every waiting item (and every leased item's payload) in bounded slices.
+
+    Each call to the `rescore` script walks about `count` members (32: about 0.35 ms of Redis time
+    measured on 2 vCPUs, against the 5 ms bound), so Redis is never blocked for long and enqueue
+    and lease go on between calls. Call after `save_policy`. An enqueue that read the old policy
+    just before it was saved may write its item after the first walk passed that spot, so a second
+    walk runs, starting at least `settle_seconds` after the first began: an enqueue takes about a
+    millisecond from reading the policy to its Lua call. Returns how many items were re-scored, in
+    how many calls, and the longest call seen from the client (round trip included).
+    """
+    started = time.monotonic()
+    first = _walk(store, weights, ordering, count)
+    time.sleep(max(0.0, settle_seconds - (time.monotonic() - started)))
+    second = _walk(store, weights, ordering, count)
+    return {"rescored": first["rescored"], "calls": first["calls"] + second["calls"],
+            "longest_call_ms": max(first["longest_call_ms"], second["longest_call_ms"])}
+
+
+def _walk(store: Store, weights: Weights, ordering: Ordering, count: int) -> dict[str, float]:
+    keys = store.keys
+    rescored = calls = 0
+    longest = 0.0
+    weight_args = [weights.alpha, weights.beta, weights.gamma, weights.delta, weights.express_level,
+                   weights.express_max_tokens, weights.express_bonus]
+    with translate_redis_errors():
+        for ref in sorted(store.client.smembers(keys.queues)):
+            for kind, queue in (("ready", keys.ready(ref)), ("inflight", keys.inflight(ref))):
+                cursor = "0"
+                while True:
+                    began = time.perf_counter()
+                    cursor, done = store.scripts.rescore(keys=[queue, keys.items],
+                                                         args=[cursor, count, kind, ordering, *weight_args])
+                    longest = max(longest, time.perf_counter() - began)
+                    rescored += int(done)
+                    calls += 1
+                    if str(cursor) == "0":
+                        break
+    return {"rescored": rescored, "calls": calls, "longest_call_ms": round(longest * 1000, 3)}

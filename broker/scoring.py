@@ -115,13 +115,6 @@ def check_level(level: int) -> int:
     return level
 
 
-def job_score(priority: int, enqueued_at: float, weights: Weights | None = None,
-              ordering: Ordering = "dynamic") -> float:
-    """Key of an offline job's chunks: its priority level, free tier, no latency bonus."""
-    factors = Factors(level=check_level(priority), enqueued_at=enqueued_at)
-    return queue_key(factors, weights or Weights(), ordering)
-
-
 def estimate_latency_ms(record: dict[str, Any], *, rows: int, tokens: int | None) -> float:
     """Estimated run time of `rows` rows from the model's profile.
 

@@ -25,6 +25,7 @@ SCRIPT_NAMES = (
     "release_ticket",
     "submit_request",
     "complete_requests",
+    "rescore",
 )
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
 from broker import jobs, policy, queues, registry, requests, workers
-from broker.apikeys import authenticate
+from broker.apikeys import authenticate, require_role
 from broker.config import Settings
 from broker.errors import BadInput, PayloadTooLarge, SitsError
 from broker.store import Store
@@ -251,6 +251,22 @@ def submit_request() -> Any:
 def get_request(request_id: str) -> Any:
     """A request's status and, once done, its outputs."""
     return jsonify(online.to_json_result(requests.get_request(_ctx()["store"], request_id)))
+
+
+@api.put("/v1/policy")
+def update_policy() -> Any:
+    """Admin: hot-update weights, thresholds or ordering; every waiting item is re-scored in slices."""
+    require_role(g.identity, "admin")
+    ctx = _ctx()
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise BadInput("the request body must be a JSON object of policy keys, e.g. {\"alpha\": 0.5}")
+    current, ordering = policy.get_policy(ctx["store"], default=policy.default_ordering(
+        ctx["settings"].scheduler.policy))
+    weights, ordering = policy.parse_policy_update(body, current, ordering)
+    policy.save_policy(ctx["store"], weights, ordering)
+    report = policy.rescore_all(ctx["store"], weights, ordering)
+    return jsonify({"ordering": ordering, **weights.to_dict(), "rescore": report})
 
 
 @api.get("/v1/policy")

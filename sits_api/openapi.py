@@ -94,6 +94,10 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/policy": {
                 "get": {"summary": "the live scoring weights and queue ordering", "responses": _responses(200, 401)},
+                "put": {"summary": "admin: hot-update weights/ordering; waiting items are re-scored in slices",
+                        "requestBody": {"required": True,
+                                        "content": {"application/json": {"schema": {"type": "object"}}}},
+                        "responses": _responses(200, 400, 401, 403)},
             },
             "/v1/jobs/{job_id}/resume": {
                 "post": {"summary": "re-queue the unfinished chunks", "parameters": job_id,

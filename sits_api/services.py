@@ -14,7 +14,7 @@ from typing import Any
 
 import onnx
 
-from broker import jobs, registry
+from broker import jobs, policy, registry
 from broker.config import Settings
 from broker.errors import BadInput, Conflict, JobNotFound, ModelNotFound, PathNotAllowed
 from broker.store import Store
@@ -135,7 +135,8 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         owner=owner,
         input_options={k: v for k, v in input_options.items() if v is not None},
     )
-    jobs.create_job(store, spec, now=now)
+    weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
+    jobs.create_job(store, spec, now=now, weights=weights, ordering=ordering)
     (output_dir / OWNER_MARKER).write_text(spec.job_id + "\n")
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
@@ -164,6 +165,7 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
     if checksum != job["input_checksum"]:
         raise BadInput(f"input {job['input_batch']} changed since the job was submitted "
                        f"({checksum} != {job['input_checksum']}); submit a new job for the new data")
-    jobs.resume_job(store, job_id, now=now)
+    weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
+    jobs.resume_job(store, job_id, now=now, weights=weights, ordering=ordering)
     dispatcher.wake_workers()
     return jobs.get_job(store, job_id, now=now)

@@ -9,10 +9,19 @@
 -- ARGV[2] chunk index
 -- ARGV[3] rows in the chunk
 -- ARGV[4] now
--- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload
+-- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload (score replaced by the chunk's current one)
 -- ARGV[8] name of the worker that ran the chunk (counted in the job field 'w:<name>')
 -- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
 -- (the finalize item was queued). Idempotent: a re-run chunk is counted once.
+-- The finalize step inherits the chunk's score as it is now (a hot re-score may have changed it
+-- while the chunk ran), not as the worker leased it.
+local finalize_score, finalize_payload = ARGV[6], ARGV[7]
+local current = redis.call('HGET', KEYS[3], ARGV[1])
+if current then
+  local decoded, chunk = cjson.decode(finalize_payload), cjson.decode(current)
+  decoded['score'], decoded['factors'] = chunk['score'], chunk['factors']
+  finalize_score, finalize_payload = decoded['score'], cjson.encode(decoded)
+end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
@@ -30,8 +39,8 @@ redis.call('HINCRBY', KEYS[5], 'w:' .. ARGV[8], 1)
 local chunks_done = redis.call('HINCRBY', KEYS[5], 'chunks_done', 1)
 redis.call('HSET', KEYS[5], 'checkpoint_ts', ARGV[4], 'status', 'running')
 if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then
-  redis.call('HSET', KEYS[3], ARGV[5], ARGV[7])
-  redis.call('ZADD', KEYS[2], ARGV[6], ARGV[5])
+  redis.call('HSET', KEYS[3], ARGV[5], finalize_payload)
+  redis.call('ZADD', KEYS[2], finalize_score, ARGV[5])
   return 2
 end
 return 1

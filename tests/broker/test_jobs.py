@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from broker import jobs, queues
 from broker.errors import Conflict, JobNotFound
-from broker.scoring import job_score
+from broker.scoring import Weights, queue_key
 from broker.store import Store
 
 
@@ -64,7 +64,7 @@ def test_create_job_queues_one_item_per_chunk(store: Store) -> None:
     assert ready_ids(store) == ids
     payloads = [json.loads(store.client.hget(store.keys.items, item_id)) for item_id in ids]
     assert [(p["chunk"], p["start"], p["stop"]) for p in payloads] == [(0, 0, 4), (1, 4, 8), (2, 8, 10)]
-    assert {p["score"] for p in payloads} == {job_score(2, NOW)}
+    assert {p["score"] for p in payloads} == {queue_key(jobs.job_factors(2, NOW), Weights())}
     assert store.client.smembers(store.keys.queues) == {MODEL_REF}
     assert store.client.zscore(store.keys.jobs, spec.job_id) == NOW
 
@@ -205,7 +205,8 @@ def test_resume_re_queues_exactly_the_chunks_not_done(store: Store) -> None:
     assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, i) for i in (1, 2, 4)]
     assert inflight_deadlines(store) == {}  # leased chunks were taken back
     resumed = json.loads(store.client.hget(store.keys.items, jobs.chunk_item_id(spec.job_id, 4)))
-    assert (resumed["start"], resumed["stop"], resumed["score"]) == (8, 10, job_score(0, NOW + 5))
+    expected_score = queue_key(jobs.job_factors(0, NOW + 5), Weights())
+    assert (resumed["start"], resumed["stop"], resumed["score"]) == (8, 10, expected_score)
     job = jobs.get_job(store, spec.job_id, now=NOW + 5)
     assert (job["status"], job["chunks_done"], job["rows_done"]) == ("queued", 2, 4)
 

@@ -10,8 +10,10 @@ must be in exactly one place: waiting, leased, done, or dead.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import pytest
 import redis
 from broker_helpers import NOW, ack, fresh_prefix, job_spec
 from hypothesis import HealthCheck, settings
@@ -25,11 +27,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from broker import jobs, queues
+from broker import jobs, policy, queues
 from broker.embedded import EmbeddedRedis
 from broker.errors import Conflict
 from broker.keys import Keys
 from broker.queues import LeasedItem
+from broker.scoring import Factors, Weights, queue_key
 from broker.store import Store
 
 MODELS = ("mlp@v1", "cnn@v1")
@@ -82,7 +85,8 @@ class QueueMachine(RuleBasedStateMachine):
             chunk_size=chunk_size,
             priority=priority,
         )
-        jobs.create_job(self.store, spec, now=self.now)
+        weights, ordering = policy.get_policy(self.store, default="dynamic")
+        jobs.create_job(self.store, spec, now=self.now, weights=weights, ordering=ordering)
         self.job_ids.append(spec.job_id)
 
     @precondition(lambda self: self.job_ids)
@@ -95,7 +99,8 @@ class QueueMachine(RuleBasedStateMachine):
             return
         succeeded = self.status(job_id) == "succeeded"
         try:
-            jobs.resume_job(self.store, job_id, now=self.now)
+            weights, ordering = policy.get_policy(self.store, default="dynamic")
+            jobs.resume_job(self.store, job_id, now=self.now, weights=weights, ordering=ordering)
         except Conflict:
             assert succeeded
         else:
@@ -131,6 +136,13 @@ class QueueMachine(RuleBasedStateMachine):
         item = self.held.pop(pick % len(self.held))
         if retryable:
             self.client.zadd(self.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
+
+    @rule(delta=st.sampled_from([0.0, 0.1, 5.0]), alpha=st.sampled_from([0.0, 0.4, 3.0]),
+          ordering=st.sampled_from(["fifo", "dynamic"]), count=st.sampled_from([1, 3, 200]))
+    def hot_policy_update(self, delta: float, alpha: float, ordering: str, count: int) -> None:
+        weights = Weights(alpha=alpha, delta=delta)
+        policy.save_policy(self.store, weights, ordering)
+        policy.rescore_all(self.store, weights, ordering, count=count)
 
     @rule(seconds=st.sampled_from([0, 1, 15, 61]), reap=st.booleans())
     def time_passes(self, seconds: int, reap: bool) -> None:
@@ -181,6 +193,15 @@ class QueueMachine(RuleBasedStateMachine):
                     assert item_id not in ready[model] and item_id not in inflight[model], (
                         f"{item_id} of a {job['status']} job is still queued"
                     )
+
+    @invariant()
+    def waiting_scores_follow_the_live_policy(self) -> None:
+        """What the Lua re-score wrote equals what Python's queue_key computes."""
+        weights, ordering = policy.get_policy(self.store, default="dynamic")
+        for model in MODELS:
+            for item_id, score in self.client.zrange(self.store.keys.ready(model), 0, -1, withscores=True):
+                factors = Factors.from_dict(json.loads(self.client.hget(self.store.keys.items, item_id))["factors"])
+                assert score == pytest.approx(queue_key(factors, weights, ordering), rel=1e-12, abs=1e-9)
 
     @invariant()
     def payloads_exist_exactly_for_queued_items(self) -> None:

@@ -35,6 +35,7 @@ def test_lease_moves_items_from_ready_to_inflight_with_the_deadline(store: Store
         "start": 0,
         "stop": 4,
         "score": None,
+        "factors": jobs.job_factors(0, NOW).to_dict(),
     }
 
 
@@ -270,6 +271,7 @@ def test_last_chunk_ack_queues_the_finalize_item(store: Store) -> None:
         "job": spec.job_id,
         "model_ref": MODEL_REF,
         "score": leased[0].payload["score"],
+        "factors": leased[0].payload["factors"],
     }
     assert store.client.zscore(store.keys.ready(MODEL_REF), finalize_id) == payload["score"]
     job = jobs.get_job(store, spec.job_id, now=NOW + 1)

@@ -1,0 +1,92 @@
+"""Hot policy updates: 100,000 waiting items re-scored in slices while enqueue and lease go on."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from broker_helpers import MODEL_REF, NOW, job_spec
+
+from broker import jobs, policy, queues
+from broker.scoring import Factors, Weights, queue_key
+from broker.store import Store
+
+WAITING = 100_000
+
+
+def _fill(store: Store, count: int) -> None:
+    for start in range(0, count, 20_000):  # 20,000 chunks a call: the setup itself is not under test
+        spec = job_spec(f"jbulk{start}", rows_total=20_000, chunk_size=1, priority=start % 7)
+        jobs.create_job(store, spec, now=NOW + start / 1000)
+
+
+def test_hot_update_rescoring_100k_items_never_blocks_redis_5ms_and_loses_nothing(store: Store) -> None:
+    _fill(store, WAITING)
+    client = store.client
+    client.config_set("slowlog-log-slower-than", 5000)  # microseconds: Redis itself times every command
+    client.slowlog_reset()
+    stop = threading.Event()
+    counts = {"enqueued": 0, "leased": 0}
+
+    def traffic() -> None:  # enqueue (with the live policy, as the API does) and lease go on meanwhile
+        n = 0
+        while not stop.is_set():
+            n += 1
+            live, ordering = policy.get_policy(store, default="dynamic")
+            jobs.create_job(store, job_spec(f"jlive{n}", rows_total=2, chunk_size=1), now=NOW + 200,
+                            weights=live, ordering=ordering)
+            counts["enqueued"] += 2
+            counts["leased"] += len(queues.lease_batch(store, MODEL_REF, now=NOW + 200, lease_seconds=60,
+                                                       max_items=1))
+            stop.wait(0.002)  # steady traffic, not a busy loop fighting Redis for the 2 cores
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    weights = Weights(alpha=1.0, beta=0.5, delta=0.5)
+    try:
+        policy.save_policy(store, weights, "dynamic")
+        report = policy.rescore_all(store, weights, "dynamic")
+    finally:
+        stop.set()
+        thread.join()
+        slow = client.slowlog_get(128)
+        client.config_set("slowlog-log-slower-than", 10000)
+
+    assert report["rescored"] >= WAITING and report["calls"] > WAITING / 1000
+    assert counts["enqueued"] > 0 and counts["leased"] > 0
+    blocking = [entry for entry in slow if b"EVALSHA" in entry["command"] or "EVALSHA" in str(entry["command"])]
+    assert not blocking, f"Redis calls over 5 ms during the re-score: {blocking[:3]}"
+    ready = client.zcard(store.keys.ready(MODEL_REF))
+    inflight = client.zcard(store.keys.inflight(MODEL_REF))
+    assert ready + inflight == WAITING + counts["enqueued"], "an item was lost or duplicated"
+    assert client.hlen(store.keys.items) == ready + inflight
+    scored = client.zrange(store.keys.ready(MODEL_REF), 0, -1, withscores=True)
+    payloads = client.hmget(store.keys.items, [item_id for item_id, _ in scored])
+    for (item_id, score), payload in zip(scored, payloads, strict=True):
+        factors = Factors.from_dict(json.loads(payload)["factors"])
+        assert score == pytest.approx(queue_key(factors, weights), rel=1e-12), item_id
+
+
+def test_fifo_ordering_serves_by_arrival_whatever_the_priority(store: Store) -> None:
+    jobs.create_job(store, job_spec("jfirst", rows_total=1, chunk_size=1, priority=0), now=NOW)
+    jobs.create_job(store, job_spec("jurgent", rows_total=1, chunk_size=1, priority=15), now=NOW + 1)
+    policy.save_policy(store, Weights(), "fifo")
+    policy.rescore_all(store, Weights(), "fifo")
+
+    [first] = queues.lease_batch(store, MODEL_REF, now=NOW + 2, lease_seconds=30, max_items=1)
+
+    assert first.item_id == "jfirst:c0000000"
+
+
+def test_policy_updates_reject_unknown_keys_and_bad_values() -> None:
+    from broker.errors import BadInput
+
+    with pytest.raises(BadInput, match="unknown policy keys"):
+        policy.parse_policy_update({"alpah": 1}, Weights(), "dynamic")
+    with pytest.raises(BadInput, match="ordering"):
+        policy.parse_policy_update({"ordering": "lifo"}, Weights(), "dynamic")
+    with pytest.raises(BadInput, match="alpha"):
+        policy.parse_policy_update({"alpha": -1}, Weights(), "dynamic")
+    weights, ordering = policy.parse_policy_update({"alpha": 2, "ordering": "fifo"}, Weights(), "dynamic")
+    assert weights.alpha == 2.0 and ordering == "fifo"
