@@ -127,6 +127,8 @@ class ModelBatching(_Section):
     """How long the first request of a batch may wait for company; 0 batches what is there."""
     max_batch_tokens: int = Field(8192, ge=0)
     """Token models: most tokens in one batch (0: no limit)."""
+    queue_capacity: int = Field(1024, ge=1)
+    """Items (waiting + leased) that make the model's queue 100 % loaded, for PSA jumps."""
 
 
 class OnlineSettings(_Section):

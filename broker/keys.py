@@ -83,10 +83,9 @@ class Keys:
         """LIST a waiter blocks on; one element is pushed when the request is done."""
         return self._key("req", request_id, "done")
 
-    @property
-    def deadlines(self) -> str:
-        """ZSET item id -> deadline (unix seconds) of waiting items that have one: the PSA index."""
-        return self._key("deadlines")
+    def deadlines(self, model_ref: str) -> str:
+        """ZSET item id -> deadline (unix seconds) of `model_ref`'s waiting items that have one (PSA index)."""
+        return self._key("deadlines", model_ref)
 
     @property
     def policy(self) -> str:

@@ -80,8 +80,7 @@ def _walk(store: Store, weights: Weights, ordering: Ordering, count: int) -> dic
     keys = store.keys
     rescored = calls = 0
     longest = 0.0
-    weight_args = [weights.alpha, weights.beta, weights.gamma, weights.delta, weights.express_level,
-                   weights.express_max_tokens, weights.express_bonus]
+    weight_args = _weight_args(weights)
     with translate_redis_errors():
         for ref in sorted(store.client.smembers(keys.queues)):
             for kind, queue in (("ready", keys.ready(ref)), ("inflight", keys.inflight(ref))):
@@ -96,3 +95,24 @@ def _walk(store: Store, weights: Weights, ordering: Ordering, count: int) -> dic
                     if str(cursor) == "0":
                         break
     return {"rescored": rescored, "calls": calls, "longest_call_ms": round(longest * 1000, 3)}
+
+
+def _weight_args(weights: Weights) -> list[float]:
+    return [weights.alpha, weights.beta, weights.gamma, weights.delta, weights.express_level,
+            weights.express_max_tokens, weights.express_bonus]
+
+
+def apply_psa(store: Store, model_ref: str, weights: Weights, ordering: Ordering, *, now: float,
+              capacity: int) -> list[str]:
+    """PSA priority jumps for one model's waiting items; returns the ids that jumped (now re-scored)."""
+    keys = store.keys
+    with translate_redis_errors():
+        reply = store.scripts.psa_jump(
+            keys=[keys.deadlines(model_ref), keys.ready(model_ref), keys.inflight(model_ref), keys.items],
+            args=[now, weights.psa_rtd_ms, weights.psa_load, weights.psa_max_base_level, max(capacity, 1)],
+        )
+        jumped = [str(item_id) for item_id in reply[1:]]
+        if jumped:
+            store.scripts.rescore(keys=[keys.ready(model_ref), keys.items],
+                                  args=["0", 0, "ids", ordering, *_weight_args(weights), *jumped])
+    return jumped

@@ -82,7 +82,8 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
                "tokens": spec.tokens, "bucket": spec.bucket, "score": score, "factors": spec.factors}
     with translate_redis_errors():
         created = store.scripts.submit_request(
-            keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id), keys.deadlines],
+            keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
+                  keys.deadlines(spec.model_ref)],
             args=[spec.model_ref, spec.request_id, json.dumps({k: str(v) for k, v in fields.items()}), score,
                   json.dumps(payload), spec.deadline_at or "", int(max_age_seconds)],
         )
@@ -122,7 +123,8 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
         args += [result.item.item_id, "failed" if result.error else "succeeded", json.dumps(outputs), result.error]
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
-            keys=[keys.inflight(results[0].item.model_ref), keys.items, keys.attempts, keys.deadlines,
+            keys=[keys.inflight(results[0].item.model_ref), keys.items, keys.attempts,
+                  keys.deadlines(results[0].item.model_ref),
                   *request_keys],
             args=args,
         )

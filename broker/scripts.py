@@ -26,6 +26,7 @@ SCRIPT_NAMES = (
     "submit_request",
     "complete_requests",
     "rescore",
+    "psa_jump",
 )
 
 

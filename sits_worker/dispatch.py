@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from broker import jobs, queues, requests
+from broker import jobs, policy, queues, requests
 from broker.queues import StaleTicket
 from broker.wakeup import SendTicket, wake_workers
 from sits_worker.context import WorkerContext
@@ -30,6 +30,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
     try:
         while True:
             heads = queues.queue_heads(ctx.store)
+            if heads:
+                heads = _apply_psa(ctx, heads)
             if not heads:
                 if queues.release_ticket(ctx.store, ticket):
                     return "released"
@@ -51,6 +53,17 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                 return "yield"
     except StaleTicket:
         return "stale"
+
+
+def _apply_psa(ctx: WorkerContext, heads: dict[str, float]) -> dict[str, float]:
+    """PSA jumps before choosing the next batch; returns the heads again if any item jumped."""
+    weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(ctx.settings.scheduler.policy))
+    now = time.time()
+    jumped = False
+    for model_ref in heads:
+        capacity = ctx.settings.online.batching_for(model_ref.partition("@")[0]).queue_capacity
+        jumped = bool(policy.apply_psa(ctx.store, model_ref, weights, ordering, now=now, capacity=capacity)) or jumped
+    return queues.queue_heads(ctx.store) if jumped else heads
 
 
 def _keep_alive(ctx: WorkerContext, item: queues.LeasedItem, ticket: str, lease_seconds: float) -> Callable[[], None]:

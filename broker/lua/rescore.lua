@@ -3,7 +3,8 @@
 --         payload's score is, so a lease that expires goes back with the new score)
 -- KEYS[2] items HASH item id -> payload (its 'factors' say what the score is made of)
 -- ARGV[1] ZSCAN cursor ('0' to start), ARGV[2] ZSCAN COUNT (bounds the work of one call)
--- ARGV[3] 'ready' | 'inflight'
+-- ARGV[3] 'ready' | 'inflight' | 'ids' (re-score just the ready items named in ARGV[12..], e.g.
+--         after a PSA jump changed their level; ARGV[1] and ARGV[2] are then ignored)
 -- ARGV[4] ordering ('fifo' | 'dynamic'), ARGV[5..11] alpha, beta, gamma, delta, express_level,
 --         express_max_tokens, express_bonus
 -- Returns: {next cursor ('0' when the walk is complete), items rescored in this call}.
@@ -44,11 +45,20 @@ local function queue_key(f)
   return key
 end
 
-local scan = redis.call('ZSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
-local members = scan[2]
+local next_cursor, ids = '0', {}
+if ARGV[3] == 'ids' then
+  for i = 12, #ARGV do
+    ids[#ids + 1] = ARGV[i]
+  end
+else
+  local scan = redis.call('ZSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+  next_cursor = scan[1]
+  for i = 1, #scan[2], 2 do
+    ids[#ids + 1] = scan[2][i]
+  end
+end
 local done = 0
-for i = 1, #members, 2 do
-  local item_id = members[i]
+for _, item_id in ipairs(ids) do
   local payload = redis.call('HGET', KEYS[2], item_id)
   if payload then
     local item = cjson.decode(payload)
@@ -56,11 +66,11 @@ for i = 1, #members, 2 do
       local key = queue_key(item['factors'])
       item['score'] = key
       redis.call('HSET', KEYS[2], item_id, cjson.encode(item))
-      if ARGV[3] == 'ready' then
+      if ARGV[3] ~= 'inflight' then
         redis.call('ZADD', KEYS[1], 'XX', key, item_id)
       end
       done = done + 1
     end
   end
 end
-return {scan[1], done}
+return {next_cursor, done}
