@@ -142,7 +142,7 @@ class QueueMachine(RuleBasedStateMachine):
     def hot_policy_update(self, delta: float, alpha: float, ordering: str, count: int) -> None:
         weights = Weights(alpha=alpha, delta=delta)
         policy.save_policy(self.store, weights, ordering)
-        policy.rescore_all(self.store, weights, ordering, count=count)
+        policy.rescore_all(self.store, weights, ordering, count=count, settle_seconds=0)  # no concurrent enqueuers
 
     @rule(seconds=st.sampled_from([0, 1, 15, 61]), reap=st.booleans())
     def time_passes(self, seconds: int, reap: bool) -> None:
