@@ -116,3 +116,19 @@ def apply_psa(store: Store, model_ref: str, weights: Weights, ordering: Ordering
             store.scripts.rescore(keys=[keys.ready(model_ref), keys.items],
                                   args=["0", 0, "ids", ordering, *_weight_args(weights), *jumped])
     return jumped
+
+
+def model_order(heads: dict[str, float], policy_name: str, last_served: str | None) -> list[str]:
+    """The order in which a free stream slot tries the model queues that have waiting work.
+
+    `fifo` and `graph-aware-backfill` take the model whose head item has the best score first
+    (the head of the global priority order); `round-robin` starts with the model after the one
+    served last, in name order, so every model with work gets turns.
+    """
+    if policy_name != "round-robin":
+        return sorted(heads, key=heads.__getitem__)
+    names = sorted(heads)
+    if last_served is None:
+        return names
+    start = next((i for i, name in enumerate(names) if name > last_served), 0)
+    return names[start:] + names[:start]

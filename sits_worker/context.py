@@ -37,6 +37,8 @@ class WorkerContext:
     streams: int
     sessions: SessionCache
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    last_served: str | None = None
+    """The model whose batch this process leased last (for the round-robin policy)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -37,12 +37,13 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                     return "released"
                 continue
             leased = []
-            for model_ref in sorted(heads, key=heads.__getitem__):  # best head first, across models
+            for model_ref in policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served):
                 batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
                 leased = queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=lease_seconds,
                                             max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
                                             max_tokens=batching.max_batch_tokens, max_chunks=1, ticket=ticket)
                 if leased:
+                    ctx.last_served = model_ref
                     break
             if leased and leased[0].payload.get("kind") == "request":
                 run_requests(ctx, leased)

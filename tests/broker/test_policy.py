@@ -70,3 +70,13 @@ def test_a_leased_item_leaves_the_deadline_index(store: Store) -> None:
 
     assert policy.apply_psa(store, MODEL, Weights(), "dynamic", now=NOW, capacity=1) == []
     assert store.client.zcard(store.keys.deadlines(MODEL)) == 0
+
+
+def test_model_order_round_robin_rotates_and_the_others_follow_the_best_head() -> None:
+    heads = {"a@1": 5.0, "b@1": -3.0, "c@1": 1.0}
+    assert policy.model_order(heads, "fifo", None) == ["b@1", "c@1", "a@1"]
+    assert policy.model_order(heads, "graph-aware-backfill", "b@1") == ["b@1", "c@1", "a@1"]
+    assert policy.model_order(heads, "round-robin", None) == ["a@1", "b@1", "c@1"]
+    assert policy.model_order(heads, "round-robin", "a@1") == ["b@1", "c@1", "a@1"]
+    assert policy.model_order(heads, "round-robin", "c@1") == ["a@1", "b@1", "c@1"]
+    assert policy.model_order({"a@1": 0.0, "c@1": 0.0}, "round-robin", "b@1") == ["c@1", "a@1"]
