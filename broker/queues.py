@@ -83,6 +83,20 @@ def queue_heads(store: Store) -> dict[str, float]:
     return {ref: head[0][1] for ref, head in zip(refs, heads, strict=True) if head}
 
 
+def head_wait(store: Store, model_ref: str, *, now: float) -> tuple[int, float] | None:
+    """(waiting items, seconds the head has waited) when the head is an online request; else None."""
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.zcard(store.keys.ready(model_ref))
+        pipe.zrange(store.keys.ready(model_ref), 0, 0)
+        count, head = pipe.execute()
+        payload = store.client.hget(store.keys.items, head[0]) if head else None
+    item = json.loads(payload) if payload else {}
+    if item.get("kind") != "request":
+        return None
+    return int(count), now - float(item["factors"]["enqueued_at"])
+
+
 def queue_depths(store: Store) -> dict[str, dict[str, int]]:
     """Model ref -> {"ready": n, "inflight": n} for every known queue."""
     with translate_redis_errors():

@@ -39,6 +39,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             leased = []
             for model_ref in policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served):
                 batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+                if batching.max_queue_delay:
+                    _wait_for_company(ctx, model_ref, batching.max_batch_size, batching.max_queue_delay)
                 leased = queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=lease_seconds,
                                             max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
                                             max_tokens=batching.max_batch_tokens, max_chunks=1, ticket=ticket)
@@ -54,6 +56,15 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                 return "yield"
     except StaleTicket:
         return "stale"
+
+
+def _wait_for_company(ctx: WorkerContext, model_ref: str, max_batch_size: int, max_queue_delay: float) -> None:
+    """Triton's max_queue_delay: let a short queue of requests grow until its head has waited that long."""
+    while True:
+        waiting = queues.head_wait(ctx.store, model_ref, now=time.time())
+        if waiting is None or waiting[0] >= max_batch_size or waiting[1] >= max_queue_delay:
+            return
+        time.sleep(min(max_queue_delay - waiting[1], 0.001))
 
 
 def _apply_psa(ctx: WorkerContext, heads: dict[str, float]) -> dict[str, float]:

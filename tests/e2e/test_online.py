@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,8 +45,6 @@ def test_a_request_without_wait_is_fetched_later(stack):
     accepted = client.post("/v1/requests", {"model": "mlp", "inputs": {"features": {
         "b64": base64.b64encode(buffer.getvalue()).decode()}}})
     assert accepted["status"] == "queued" and accepted["id"].startswith("r")
-    import time
-
     deadline = time.monotonic() + 30
     while (result := client.get(f"/v1/requests/{accepted['id']}"))["status"] == "queued":
         assert time.monotonic() < deadline
@@ -98,3 +97,26 @@ def test_bad_requests_get_a_clear_4xx(stack):
         client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[1.0] * 64]}, "priority": 16})
     with pytest.raises(ApiError, match="404"):
         client.get("/v1/requests/rnothere")
+
+
+def test_max_queue_delay_lets_a_batch_fill_up(tmp_path, zoo_dir):
+    from sits_api.cli.stack import Stack
+    from tests.e2e.stack_helpers import stack_settings
+
+    settings = stack_settings(tmp_path / "home", streams=1, model_roots=(zoo_dir,)).with_overrides(
+        online={"batching": {"max_batch_size": 8, "max_queue_delay": "300ms"}})
+    stack = Stack(settings, worker_count=1, api_port=0).start()
+    try:
+        register(stack.client(), "mlp", zoo_dir / "mlp.onnx")
+        client = stack.client()
+        def call(index: int) -> dict:
+            time.sleep(0.01 * index)  # 8 requests spread over 70 ms: without the delay, several batches
+            return client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[float(index)] * 64]},
+                                                "wait": True})
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(8)))
+    finally:
+        stack.stop()
+    assert all(result["status"] == "succeeded" for result in results)
+    assert max(result["batch_size"] for result in results) == 8
