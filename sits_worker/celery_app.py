@@ -84,6 +84,7 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
         while not _heartbeat_stop.is_set():
             try:
                 info["models_loaded"] = ctx.sessions.loaded()
+                info["memory"] = ctx.ledger.stats()
                 workers.record_heartbeat(ctx.store, worker_name, info, now=time.time())
             except Exception as err:  # Redis down: keep trying, the worker itself stays up
                 log.warning("heartbeat failed: %s", err)

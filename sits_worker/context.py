@@ -19,8 +19,9 @@ from typing import Any
 
 from broker import registry
 from broker.config import Settings, load_settings
+from broker.reservation import MemoryLedger
 from broker.store import Store
-from sits_worker.devices import Device
+from sits_worker.devices import Device, device_memory
 from sits_worker.model.inputs import InputSource, open_input
 from sits_worker.runtime import SessionCache
 
@@ -39,6 +40,8 @@ class WorkerContext:
     name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     last_served: str | None = None
     """The model whose batch this process leased last (for the round-robin policy)."""
+    ledger: MemoryLedger = field(default_factory=lambda: MemoryLedger(16 * 2**30, 128 * 2**20))
+    """Memory reservations on this worker's device (one worker process owns one device)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -47,8 +50,10 @@ class WorkerContext:
     def create(cls, settings: Settings, device: Device, streams: int) -> WorkerContext:
         """A context over the Redis in `settings`."""
         store = Store.connect(settings.redis.url, settings.redis.key_prefix)
+        capacity = device_memory(device, settings.resources.device_memory)["total_bytes"]
         return cls(settings=settings, store=store, device=device, streams=streams,
-                   sessions=SessionCache(device, settings.resources.intra_op_threads))
+                   sessions=SessionCache(device, settings.resources.intra_op_threads),
+                   ledger=MemoryLedger(capacity, settings.resources.gpu_memory_granularity))
 
     def model(self, model_ref: str) -> dict[str, Any]:
         """The registry record of a model version; versions are immutable, so it is cached."""

@@ -8,12 +8,14 @@ used (then it re-queues itself so other Celery tasks get the thread).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from broker import jobs, policy, queues, requests
+from broker import jobs, policy, queues, requests, reservation
 from broker.queues import StaleTicket
+from broker.scoring import estimate_latency_ms
 from broker.wakeup import SendTicket, wake_workers
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
@@ -37,7 +39,12 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                     return "released"
                 continue
             leased = []
-            for model_ref in policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served):
+            now = time.time()
+            order = policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served)
+            allowed = reservation.admissible_models(
+                order, lambda ref: _batch_estimate(ctx, ref)[0], lambda ref: _batch_estimate(ctx, ref)[1],
+                ctx.ledger, now=now, backfill=ctx.settings.scheduler.policy == "graph-aware-backfill")
+            for model_ref in allowed:
                 batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
                 if batching.max_queue_delay:
                     _wait_for_company(ctx, model_ref, batching.max_batch_size, batching.max_queue_delay)
@@ -47,15 +54,42 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                 if leased:
                     ctx.last_served = model_ref
                     break
-            if leased and leased[0].payload.get("kind") == "request":
-                run_requests(ctx, leased)
+            if not leased:
+                time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
             else:
-                for item in leased:
-                    process_item(ctx, item, _keep_alive(ctx, item, ticket, lease_seconds))
+                with _reserved(ctx, leased):
+                    if leased[0].payload.get("kind") == "request":
+                        run_requests(ctx, leased)
+                    else:
+                        for item in leased:
+                            process_item(ctx, item, _keep_alive(ctx, item, ticket, lease_seconds))
             if time.monotonic() >= slice_ends:
                 return "yield"
     except StaleTicket:
         return "stale"
+
+
+def _batch_estimate(ctx: WorkerContext, model_ref: str) -> tuple[int, float]:
+    """(memory bytes, seconds) of a full batch of `model_ref`, from its profile."""
+    record = ctx.model(model_ref)
+    rows = ctx.settings.online.batching_for(record["name"]).max_batch_size
+    need = reservation.batch_need_bytes(record["static_profile"], rows=rows, tokens=None)
+    return need, estimate_latency_ms(record, rows=rows, tokens=None) / 1000
+
+
+@contextlib.contextmanager
+def _reserved(ctx: WorkerContext, leased: list[queues.LeasedItem]) -> Iterator[None]:
+    """Hold the batch's memory reservation (by its real rows and tokens) while it runs."""
+    record = ctx.model(leased[0].model_ref)
+    rows = sum(int(item.payload.get("rows") or ctx.settings.jobs.batch_size) for item in leased)
+    tokens = sum(int(item.payload.get("tokens") or 0) for item in leased) or None
+    handle = ctx.ledger.reserve(reservation.batch_need_bytes(record["static_profile"], rows=rows, tokens=tokens),
+                                now=time.time(),
+                                expected_seconds=estimate_latency_ms(record, rows=rows, tokens=tokens) / 1000)
+    try:
+        yield
+    finally:
+        ctx.ledger.release(handle)
 
 
 def _wait_for_company(ctx: WorkerContext, model_ref: str, max_batch_size: int, max_queue_delay: float) -> None:

@@ -118,6 +118,8 @@ def test_sitsctl_job_commands_and_status(stack):
     overview = json.loads(sitsctl(stack, "status", "--json").stdout)
     assert overview["redis_url"].startswith("redis://127.0.0.1")
     assert overview["workers"] and overview["workers"][0]["device"] == "cpu" and overview["workers"][0]["alive"]
+    memory = overview["workers"][0]["memory"]  # the device's reservations, in gpu_memory_granularity units
+    assert memory["capacity_bytes"] == 16 * 2**30 and 0.0 <= memory["fragmentation"] <= 1.0
     assert overview["jobs"].get("succeeded", 0) >= 1
     assert any(ref.startswith("convnet@") for ref in overview["queues"])
 
