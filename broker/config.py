@@ -34,7 +34,7 @@ class _Section(BaseModel):
 class SchedulerSettings(_Section):
     """How waiting work is ordered, leased and recovered."""
 
-    policy: Literal["fifo", "round-robin", "graph-aware-backfill"] = "fifo"
+    policy: Literal["fifo", "round-robin", "graph-aware-backfill"] = "graph-aware-backfill"
     model_profile_cache_ttl: Seconds = 3600.0
     fallback_strategy: Literal["cpu-offload-on-oom", "fail"] = "cpu-offload-on-oom"
     lease_timeout: Seconds = 60.0

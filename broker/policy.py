@@ -73,12 +73,13 @@ def rescore_all(store: Store, weights: Weights, ordering: Ordering, *, count: in
     time.sleep(max(0.0, settle_seconds - (time.monotonic() - started)))
     second = _walk(store, weights, ordering, count)
     return {"rescored": first["rescored"], "calls": first["calls"] + second["calls"],
-            "longest_call_ms": max(first["longest_call_ms"], second["longest_call_ms"])}
+            "longest_call_ms": max(first["longest_call_ms"], second["longest_call_ms"]),
+            "largest_call_items": max(first["largest_call_items"], second["largest_call_items"])}
 
 
 def _walk(store: Store, weights: Weights, ordering: Ordering, count: int) -> dict[str, float]:
     keys = store.keys
-    rescored = calls = 0
+    rescored = calls = largest = 0
     longest = 0.0
     weight_args = _weight_args(weights)
     with translate_redis_errors():
@@ -91,10 +92,12 @@ def _walk(store: Store, weights: Weights, ordering: Ordering, count: int) -> dic
                                                          args=[cursor, count, kind, ordering, *weight_args])
                     longest = max(longest, time.perf_counter() - began)
                     rescored += int(done)
+                    largest = max(largest, int(done))
                     calls += 1
                     if str(cursor) == "0":
                         break
-    return {"rescored": rescored, "calls": calls, "longest_call_ms": round(longest * 1000, 3)}
+    return {"rescored": rescored, "calls": calls, "longest_call_ms": round(longest * 1000, 3),
+            "largest_call_items": largest}
 
 
 def _weight_args(weights: Weights) -> list[float]:

@@ -190,7 +190,7 @@ def test_status_shows_workers_queues_and_jobs_by_status(
     assert status["queues"] == {mlp["ref"]: {"ready": 3, "inflight": 0}}
     assert status["jobs"] == {"queued": 1}
     assert status["tickets"] == 2  # one batch ticket per live stream slot
-    assert status["policy"] == "fifo"
+    assert status["policy"] == "graph-aware-backfill"
 
     api.delete(f"/v1/jobs/{job['id']}")
     after = api.get("/v1/status").get_json()

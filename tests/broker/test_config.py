@@ -23,7 +23,7 @@ def write_config(tmp_path: Path, text: str) -> Path:
 def test_defaults_apply_without_file_or_environment() -> None:
     settings = load_settings(environ={})
 
-    assert settings.scheduler.policy == "fifo"
+    assert settings.scheduler.policy == "graph-aware-backfill"
     assert settings.scheduler.fallback_strategy == "cpu-offload-on-oom"
     assert settings.scheduler.lease_timeout == 60.0
     assert settings.scheduler.model_profile_cache_ttl == 3600.0

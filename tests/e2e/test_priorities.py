@@ -21,7 +21,7 @@ def stack(tmp_path_factory):
     models = build_zoo(home / "models")
     for name in ("mlp", "convnet", "transformer"):
         register(running.client(), name, models[name])
-    running.client().request("PUT", "/v1/policy", {"ordering": "dynamic"})  # the default policy is fifo
+    running.client().request("PUT", "/v1/policy", {"ordering": "dynamic"})  # whatever the configured policy
     yield running
     running.stop()
 
