@@ -14,6 +14,7 @@ from sits_api.app import create_app
 def serve() -> None:
     """Serve the API on `api.host:api.port` with one thread per request until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no access-log line per request in api.log
     settings = load_settings()
     server = make_server(settings.api.host, settings.api.port, create_app(settings), threaded=True)
     print(f"SITS API listening on http://{settings.api.host}:{server.server_port}", flush=True)
