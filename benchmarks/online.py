@@ -81,13 +81,16 @@ def run_threads(count: int, target: Callable[[int], None]) -> None:
         thread.join()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (all its threads), from /proc; 0 if it is gone."""
+def cpu_seconds(pid: int, *, with_children: bool = False) -> float:
+    """User + system CPU seconds of process `pid` so far, from /proc (0 if it is gone); with
+    `with_children` also its live children's (the API's gunicorn workers)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if with_children else []
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(int(child)) for child in children)
 
 
 class CpuMeter:
@@ -98,10 +101,14 @@ class CpuMeter:
         self.before: dict[str, float] = {}
 
     def start(self) -> None:
-        self.before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self.before = {name: self._read(name, pid) for name, pid in self.pids.items()}
 
     def stop(self) -> dict[str, float]:
-        return {name: cpu_seconds(pid) - self.before.get(name, 0.0) for name, pid in self.pids.items()}
+        return {name: self._read(name, pid) - self.before.get(name, 0.0) for name, pid in self.pids.items()}
+
+    @staticmethod
+    def _read(name: str, pid: int) -> float:
+        return cpu_seconds(pid, with_children=name == "SITS api")
 
 
 def payloads(model: str, count: int, seed: int = 0, *, b64: bool = False) -> list[dict[str, Any]]:
@@ -115,8 +122,8 @@ def payloads(model: str, count: int, seed: int = 0, *, b64: bool = False) -> lis
 class Http:
     """One HTTP/1.1 connection to the API per client thread, kept open when the server allows it.
 
-    The werkzeug server behind `python -m sits_api serve` answers every request with `Connection: close`,
-    so in practice each request opens a new TCP connection (and the server starts a new thread for it).
+    The stack's API (gunicorn, gthread workers) keeps connections alive; the client reconnects when the
+    server closes one.
     """
 
     def __init__(self, url: str, key: str, timeout: float = 60.0) -> None:
@@ -543,7 +550,7 @@ def print_report(args: argparse.Namespace, seconds: float, repeats: int, ceiling
                  idle: dict, phases: list, idle_count: int) -> None:
     print(f"\nConfiguration: 2 vCPUs; SITS = 1 CPU worker, {STREAMS} streams x {ORT_THREADS} ONNX Runtime intra-op"
           f" thread, scheduler.policy {Settings().scheduler.policy}, default batching (max_batch_size 64,"
-          " max_queue_delay 0), Flask/werkzeug threaded dev server,"
+          f" max_queue_delay 0), API gunicorn {Settings().api.workers} processes x {Settings().api.threads} threads,"
           f" embedded Redis (AOF everysec); naive = Celery threads pool -c {NAIVE_CONCURRENCY}, {ORT_THREADS} intra-op"
           f" thread, same Redis as broker and result backend; {args.clients} client threads in the benchmark"
           f" process; one-row requests as JSON lists; {seconds:.0f} s per load run, {repeats} alternating"

@@ -74,6 +74,10 @@ class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535)
     max_body_bytes: Bytes = parse_size("16MiB")
+    workers: int = Field(2, ge=1, le=64)
+    """API server processes (gunicorn); each runs `threads` request threads."""
+    threads: int = Field(16, ge=1, le=1024)
+    """Request threads per API process; a `wait=true` call holds one while it waits."""
     url: str = ""
     """The URL clients use; empty means http://host:port."""
 

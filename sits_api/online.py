@@ -26,7 +26,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, *, model: s
            priority: int, deadline_ms: float | None, user_tier: str, tokens: int | None, owner: str,
            now: float, request_id: str | None = None) -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it."""
-    record = registry.get_model(store, model)
+    record = _model_record(store, model, now=now)
     tensors = request_tensors(record["signature"], inputs)
     rows = next(iter(tensors.values())).shape[0]
     sequence = _sequence_length(record, tensors)
@@ -57,6 +57,21 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, *, model: s
                             max_age_seconds=max(settings.online.result_ttl, 3600))
     dispatcher.wake_workers()
     return spec
+
+
+_RECORD_TTL_SECONDS = 2.0
+_records: dict[str, tuple[float, dict[str, Any]]] = {}
+
+
+def _model_record(store: Store, ref: str, *, now: float) -> dict[str, Any]:
+    """The registry record, kept a moment per process: the hot path reads it on every request, and a
+    bare name moves to a newly registered version (or a profile lands) within seconds anyway."""
+    cached = _records.get(ref)
+    if cached and now - cached[0] < _RECORD_TTL_SECONDS:
+        return cached[1]
+    record = registry.get_model(store, ref)
+    _records[ref] = (now, record)
+    return record
 
 
 def wait_seconds(settings: Settings, deadline_ms: float | None) -> float:

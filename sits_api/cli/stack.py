@@ -37,6 +37,18 @@ def worker_command(device: str, streams: int, name: str, loglevel: str = "INFO")
     return argv, {"SITS_WORKER_DEVICE": device, "SITS_WORKER_STREAMS": str(streams)}
 
 
+def api_command(settings: Settings) -> list[str]:
+    """argv of the API server: gunicorn with `api.workers` processes of `api.threads` threads each.
+
+    Several processes use every core (one Python process is held to one by the GIL), and
+    gthread workers keep connections alive between requests.
+    """
+    return [sys.executable, "-m", "gunicorn", "sits_api.wsgi:app", "--bind",
+            f"{settings.api.host}:{settings.api.port}", "--workers", str(settings.api.workers),
+            "--worker-class", "gthread", "--threads", str(settings.api.threads), "--graceful-timeout", "5",
+            "--keep-alive", "30", "--log-level", "warning"]
+
+
 def gpu_devices() -> list[str]:
     """'gpu:N' for every GPU NVML sees; [] without NVML or GPUs."""
     try:
@@ -97,7 +109,7 @@ class Stack:
             self.api_url = self.settings.api.public_url()
             self._write_client_files()
             self.config_path = self._write_effective_config()
-            self._spawn("api", [sys.executable, "-m", "sits_api", "serve"])
+            self._spawn("api", api_command(self.settings))
             self._wait_api()
             self._spawn("beat", [sys.executable, "-m", "celery", "-A", "sits_worker", "beat", "--loglevel", "INFO"])
             self._gpus = gpu_devices()
