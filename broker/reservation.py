@@ -51,19 +51,33 @@ class MemoryLedger:
     _running: dict[int, _Running] = field(default_factory=dict)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _reserved_area: float = 0.0  # byte-seconds reserved, since the ledger was made
+    _used_area: float = 0.0
+    _changed_at: float | None = None
+
+    def _integrate(self, now: float) -> None:
+        """Add the time since the last change to the reserved and used byte-seconds (lock held)."""
+        if self._changed_at is not None and now > self._changed_at:
+            elapsed = now - self._changed_at
+            self._reserved_area += elapsed * sum(run.reserved for run in self._running.values())
+            self._used_area += elapsed * sum(run.used for run in self._running.values())
+        self._changed_at = now
 
     def reserve(self, need_bytes: int, *, now: float, expected_seconds: float) -> int:
         """Reserve for a batch that starts now; returns the handle to release. May exceed capacity
         when one batch alone is larger than the device (it must run somewhere)."""
         with self._lock:
+            self._integrate(now)
             self._next += 1
             self._running[self._next] = _Running(round_up(need_bytes, self.granularity), need_bytes,
                                                  now + expected_seconds)
             return self._next
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int, *, now: float | None = None) -> None:
         """The batch ended: its memory is free again."""
         with self._lock:
+            if now is not None:
+                self._integrate(now)
             self._running.pop(handle, None)
 
     def free_bytes(self) -> int:
@@ -96,8 +110,10 @@ class MemoryLedger:
             reserved = sum(run.reserved for run in self._running.values())
             used = sum(run.used for run in self._running.values())
             count = len(self._running)
+            reserved_area, used_area = self._reserved_area, self._used_area
         return {"capacity_bytes": self.capacity_bytes, "reserved_bytes": reserved, "used_bytes": used,
                 "fragmentation": round((reserved - used) / reserved, 4) if reserved else 0.0,
+                "fragmentation_mean": round(1 - used_area / reserved_area, 4) if reserved_area else 0.0,
                 "batches_running": count}
 
 

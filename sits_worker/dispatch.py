@@ -89,7 +89,7 @@ def _reserved(ctx: WorkerContext, leased: list[queues.LeasedItem]) -> Iterator[N
     try:
         yield
     finally:
-        ctx.ledger.release(handle)
+        ctx.ledger.release(handle, now=time.time())
 
 
 def _wait_for_company(ctx: WorkerContext, model_ref: str, max_batch_size: int, max_queue_delay: float) -> None:

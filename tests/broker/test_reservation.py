@@ -44,3 +44,12 @@ def test_the_head_goes_first_when_it_fits() -> None:
     assert admissible_models(order, lambda m: 128 * MIB, lambda m: 1.0, ledger, now=0, backfill=True) == order
     ledger.reserve(5000 * MIB, now=0, expected_seconds=1)  # one batch larger than the device still runs
     assert ledger.stats()["batches_running"] == 1
+
+
+def test_mean_fragmentation_weighs_each_reservation_by_how_long_it_was_held() -> None:
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    exact = ledger.reserve(128 * MIB, now=0.0, expected_seconds=1)  # no waste for 1 s
+    ledger.release(exact, now=1.0)
+    wasteful = ledger.reserve(64 * MIB, now=1.0, expected_seconds=1)  # half wasted for 1 s
+    ledger.release(wasteful, now=2.0)
+    assert ledger.stats()["fragmentation_mean"] == 0.25
