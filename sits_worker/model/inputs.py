@@ -9,6 +9,7 @@ model's is rejected with a message saying how to convert it (byte order alone is
 
 from __future__ import annotations
 
+import abc
 import base64
 import hashlib
 import io
@@ -117,7 +118,7 @@ def _parse_signature(signature: dict[str, Any]) -> list[_InputSpec]:
     return specs
 
 
-class InputSource:
+class InputSource(abc.ABC):
     """An opened input file: its row count and a reader of row ranges as model-ready batches.
 
     `iter_batches` yields `(row_indices, feed)`: absolute int64 row numbers, and for every input
@@ -131,9 +132,9 @@ class InputSource:
         self.path, self.format, self.input_names, self.rows = path, fmt, tuple(input_names), rows
         self._closed = False
 
+    @abc.abstractmethod
     def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
         """Yield batches of at most `max_batch` rows covering rows [start, stop) exactly once."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release file handles and mappings; batches already yielded stay valid (they are copies)."""
