@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import fields
 
 from broker.errors import BadInput
@@ -26,6 +27,10 @@ def get_policy(store: Store, *, default: Ordering) -> tuple[Weights, Ordering]:
     """The live weights and ordering (defaults until someone set them)."""
     with translate_redis_errors():
         raw = store.client.get(store.keys.policy)
+    return _decode_policy(raw, default)
+
+
+def _decode_policy(raw: str | None, default: Ordering) -> tuple[Weights, Ordering]:
     if not raw:
         return Weights(), default
     data = json.loads(raw)
@@ -135,3 +140,23 @@ def model_order(heads: dict[str, float], policy_name: str, last_served: str | No
         return names
     start = next((i for i, name in enumerate(names) if name > last_served), 0)
     return names[start:] + names[:start]
+
+
+def psa_pass(store: Store, model_refs: list[str], capacity_of: Callable[[str], int], *, default: Ordering,
+             now: float) -> bool:
+    """PSA for every model with an item near its deadline; True if any item jumped.
+
+    One round trip reads the live policy and each model's earliest deadline, so a drain loop with
+    no urgent item pays nothing more for PSA.
+    """
+    keys = store.keys
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.get(keys.policy)
+        for ref in model_refs:
+            pipe.zrange(keys.deadlines(ref), 0, 0, withscores=True)
+        raw, *earliest = pipe.execute()
+    weights, ordering = _decode_policy(raw, default)
+    horizon = now + weights.psa_rtd_ms / 1000
+    due = [ref for ref, first in zip(model_refs, earliest, strict=True) if first and first[0][1] < horizon]
+    return any([apply_psa(store, ref, weights, ordering, now=now, capacity=capacity_of(ref)) for ref in due])

@@ -103,12 +103,10 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str, max_batch_size: int, m
 
 def _apply_psa(ctx: WorkerContext, heads: dict[str, float]) -> dict[str, float]:
     """PSA jumps before choosing the next batch; returns the heads again if any item jumped."""
-    weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(ctx.settings.scheduler.policy))
-    now = time.time()
-    jumped = False
-    for model_ref in heads:
-        capacity = ctx.settings.online.batching_for(model_ref.partition("@")[0]).queue_capacity
-        jumped = bool(policy.apply_psa(ctx.store, model_ref, weights, ordering, now=now, capacity=capacity)) or jumped
+    jumped = policy.psa_pass(
+        ctx.store, list(heads),
+        lambda ref: ctx.settings.online.batching_for(ref.partition("@")[0]).queue_capacity,
+        default=policy.default_ordering(ctx.settings.scheduler.policy), now=time.time())
     return queues.queue_heads(ctx.store) if jumped else heads
 
 

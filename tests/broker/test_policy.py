@@ -80,3 +80,14 @@ def test_model_order_round_robin_rotates_and_the_others_follow_the_best_head() -
     assert policy.model_order(heads, "round-robin", "a@1") == ["b@1", "c@1", "a@1"]
     assert policy.model_order(heads, "round-robin", "c@1") == ["a@1", "b@1", "c@1"]
     assert policy.model_order({"a@1": 0.0, "c@1": 0.0}, "round-robin", "b@1") == ["c@1", "a@1"]
+
+
+def test_psa_pass_only_touches_models_with_an_item_near_its_deadline(store: Store) -> None:
+    submit(store, "rsoon", level=0, deadline_in=0.05)
+    submit(store, "rfill", level=0, deadline_in=None)
+    capacities = {MODEL: 2, "other@v1": 2}
+
+    assert policy.psa_pass(store, [MODEL, "other@v1"], capacities.__getitem__, default="dynamic", now=NOW - 10) is False
+    assert policy.psa_pass(store, [MODEL, "other@v1"], capacities.__getitem__, default="dynamic", now=NOW) is True
+    [first] = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, max_rows=1)
+    assert first.item_id == "rsoon"
