@@ -29,6 +29,9 @@ from sits_api.v2 import v2
 
 log = logging.getLogger(__name__)
 
+KEY_CACHE_SECONDS = 5.0
+"""A key that passed is trusted this long per API process (a revoked key stops working within it)."""
+
 PUBLIC_ENDPOINTS = {"api.healthz", "api.readyz", "api.openapi", "v2.live", "v2.ready"}
 
 api = Blueprint("api", __name__)
@@ -44,6 +47,7 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
         "settings": settings,
         "store": store,
         "dispatcher": dispatcher or Dispatcher(settings, store),
+        "known_keys": {},
     }
     app.before_request(_authenticate)  # every blueprint: v1 and the v2 protocol
     app.register_blueprint(api)
@@ -102,7 +106,13 @@ def _authenticate() -> None:
         return  # no such route (a 404 follows), or a health/description endpoint
     scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
     key = credentials.strip() if scheme.lower() == "bearer" else None  # schemes are case-insensitive
+    known = _ctx()["known_keys"]
+    cached = known.get(key) if key else None
+    if cached and time.monotonic() - cached[0] < KEY_CACHE_SECONDS:
+        g.identity = cached[1]
+        return
     g.identity = authenticate(_ctx()["store"], key)
+    known[key] = (time.monotonic(), g.identity)
 
 
 # --- health -------------------------------------------------------------------------
