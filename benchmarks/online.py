@@ -12,7 +12,12 @@ Everything is measured in one run, on one machine, with one SITS stack:
 5. dynamic priority vs FIFO: free-tier clients keep a backlog of requests in the queue (convnet, and in
    full mode also the MLP, each registered again with a small max batch size) while a few vip clients send
    requests and wait for them; once under `{"ordering": "fifo"}`, once under
-   `{"ordering": "dynamic"}` (PUT /v1/policy).
+   `{"ordering": "dynamic"}` (PUT /v1/policy);
+6. load scenarios (`--parts scenarios`), each under FIFO and under dynamic ordering: a burst of short
+   transformer requests into a queue of long ones, long-context requests mixed with short ones, a surge of
+   vip/free convnet requests after a quiet period, and three tenants (vip, premium, free) contending for
+   convnet; transformer and convnet registered again with small max batch sizes (`transformer_b4`,
+   `convnet_b2`); every request carries `deadline_ms`.
 
 Both services share the embedded Redis and the 2 cores with the client threads; clients encode each
 request's JSON and decode each answer on both sides.
@@ -34,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -44,6 +50,7 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from broker import requests as broker_requests  # noqa: E402
 from broker.config import Settings  # noqa: E402
 from broker.requests import encode_array  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
@@ -428,6 +435,185 @@ def fetch_records(stack: Stack, ids: list[str], *, until: float) -> list[tuple[f
     return records
 
 
+# --- 6. load scenarios, FIFO vs dynamic ---------------------------------------------------------------------
+
+SCENARIO_MODELS: tuple[tuple[str, int], ...] = (("transformer", 4), ("convnet", 2))  # registered as <model>_b<N>
+
+
+@dataclass
+class Load:
+    """One class of requests in a scenario, sent by `clients` threads starting `start` s into the phase.
+
+    mode: "closed" (wait for each answer), "backlog" (no wait; keep the model's ready queue under `backlog`),
+    "rate" (no wait; `rate` req/s over all its clients, skipped while the ready queue holds `backlog`, if set),
+    "burst" (no wait; `count` requests in all, as fast as the clients can submit them).
+    """
+
+    label: str
+    model: str
+    requests: list[dict[str, Any]]
+    priority: int
+    tier: str
+    deadline_ms: float
+    clients: int
+    mode: str
+    backlog: int = 0
+    rate: float = 0.0
+    count: int = 0
+    start: float = 0.0
+
+
+def set_ordering(stack: Stack, ordering: str) -> None:
+    status, body = Http(stack.api_url, stack.api_key).call("PUT", "/v1/policy", {"ordering": ordering})
+    if status != 200 or body.get("ordering") != ordering:
+        raise SystemExit(f"PUT /v1/policy failed: {status} {body}")
+
+
+def token_payloads(lengths: list[int], seed: int) -> list[dict[str, Any]]:
+    """One-row transformer requests (base64 .npy int64 token ids), one per entry of `lengths`."""
+    rng = np.random.default_rng(seed)
+    return [{"input_ids": {"b64": encode_array(rng.integers(0, 1000, (1, length), dtype=np.int64))}}
+            for length in lengths]
+
+
+def scenario_phase(stack: Stack, ordering: str, loads: list[Load], seconds: float) -> dict[str, Any]:
+    """Run every load for `seconds` under `ordering`, drain the queues, read each request's server record.
+
+    Per class: finished n, P99/longest of created-to-finished, share of the completions inside the window;
+    overall: req/s over the served span (first created to last finished), share over deadline.
+    """
+    set_ordering(stack, ordering)
+    redis = stack.store.client
+    ready_keys = {}
+    for load in loads:
+        if load.model not in ready_keys:
+            record = stack.client().get(f"/v1/models/{load.model}")
+            ready_keys[load.model] = stack.store.keys.ready(f"{load.model}@{record['version']}")
+    threads = [(load, i) for load in loads for i in range(load.clients)]
+    ids: list[list[str]] = [[] for _ in threads]
+    errors = [0]
+    t0 = time.time()
+    begins = time.perf_counter()
+    ends = begins + seconds
+
+    def client(index: int) -> None:
+        load, number = threads[index]
+        http_ = Http(stack.api_url, stack.api_key)
+        time.sleep(max(0.0, min(load.start, seconds)))
+        gap = load.clients / load.rate if load.mode == "rate" else 0.0
+        next_at = time.perf_counter() + gap * number / load.clients
+        try:
+            for n in range(MAX_REQUESTS_PER_THREAD):
+                if time.perf_counter() >= ends:
+                    return
+                if load.mode == "burst" and number + n * load.clients >= load.count:
+                    return
+                if load.mode == "rate":
+                    time.sleep(max(0.0, min(next_at - time.perf_counter(), ends - time.perf_counter())))
+                    next_at += gap
+                    if time.perf_counter() >= ends:
+                        return
+                if (load.backlog and load.mode in ("backlog", "rate")
+                        and redis.zcard(ready_keys[load.model]) >= load.backlog):
+                    if load.mode == "backlog":
+                        time.sleep(0.002)
+                    continue
+                wait = load.mode == "closed"
+                status, body = http_.call("POST", "/v1/requests", {
+                    "model": load.model, "inputs": load.requests[(number * 7919 + n) % len(load.requests)],
+                    "priority": load.priority, "user_tier": load.tier, "deadline_ms": load.deadline_ms,
+                    "wait": wait})
+                if status not in (200, 202):
+                    errors[0] += 1
+                    continue
+                ids[index].append(body["id"])
+                if wait and status == 202:  # the API waits at most deadline_ms: wait for the rest here
+                    broker_requests.wait_for_request(stack.store, body["id"], timeout=30)
+        except Exception:  # counted, not fatal
+            errors[0] += 1
+        finally:
+            http_.close()
+
+    run_threads(len(threads), client)
+    t1 = time.time()
+    drain_deadline = time.monotonic() + 120
+    while any(redis.zcard(key) for key in ready_keys.values()) and time.monotonic() < drain_deadline:
+        time.sleep(0.05)
+    classes: dict[str, dict[str, Any]] = {}
+    all_records = []
+    for load in loads:
+        records = fetch_records(stack, [i for (lo, _), per in zip(threads, ids, strict=True) if lo is load
+                                        for i in per], until=drain_deadline)
+        all_records += [(r, load.deadline_ms) for r in records]
+        ms = [(r[1] - r[0]) * 1000 for r in records if r[1]]
+        entry = classes.setdefault(load.label, {"ms": [], "in_window": 0, "unfinished": 0, "over": 0})
+        entry["ms"] += ms
+        entry["in_window"] += sum(1 for r in records if r[1] and t0 <= r[1] <= t1)
+        entry["unfinished"] += sum(1 for r in records if not r[1])
+        entry["over"] += sum(1 for value in ms if value > load.deadline_ms)
+    finished = [r for r, _ in all_records if r[1]]
+    in_window = sum(entry["in_window"] for entry in classes.values())
+    span = (max(r[1] for r in finished) - min(r[0] for r in finished)) if finished else float("nan")
+    lowest = loads[-1].label  # the last load listed is the lowest class
+    return {
+        "ordering": ordering, "rps": len(finished) / span if finished else float("nan"),
+        "over": sum(entry["over"] for entry in classes.values()) / max(len(finished), 1),
+        "errors": errors[0], "unfinished": sum(entry["unfinished"] for entry in classes.values()),
+        "lowest": lowest, "lowest_max": max(classes[lowest]["ms"]) if classes[lowest]["ms"] else float("nan"),
+        "classes": {label: {"n": len(entry["ms"]), "p99": percentile(entry["ms"], 99),
+                            "share": entry["in_window"] / max(in_window, 1)} for label, entry in classes.items()},
+    }
+
+
+def scenarios(seconds: float) -> list[tuple[str, Callable[[], list[Load]], float]]:
+    """(title, loads, phase seconds) of the four scenarios; the last load of each is its lowest class."""
+    transformer, convnet = queued_name("transformer", 4), queued_name("convnet", 2)
+    rng = np.random.default_rng(11)
+    return [
+        ("Burst of short requests: 4 free clients keep up to 32 long transformer requests (256 tokens) waiting;"
+         " 0.5 s in, 16 premium threads submit 200 short ones (8 tokens) at once; deadlines 500 ms short,"
+         " 5 s long", lambda: [
+             Load("short", transformer, token_payloads([8] * 32, 12), 4, "premium", 500, 16, "burst", count=200,
+                  start=0.5),
+             Load("long", transformer, token_payloads([256] * 16, 13), 0, "free", 5000, 4, "backlog", backlog=32)],
+         seconds),
+        ("Long context: transformer requests of 256-512 tokens at 200 req/s (free, deadline 3 s, skipped while"
+         " 64 wait) mixed with 16-token ones at 60 req/s (premium, deadline 300 ms), open loop", lambda: [
+             Load("short", transformer, token_payloads([16] * 32, 14), 4, "premium", 300, 4, "rate", rate=60),
+             Load("long", transformer, token_payloads([int(v) for v in rng.integers(256, 513, 16)], 15), 0,
+                  "free", 3000, 4, "rate", rate=200, backlog=64)],
+         seconds),
+        ("Surge after quiet: 2 s with no requests, then 16 threads submit 8 convnet requests each at once"
+         " (4 vip threads, priority 8; 12 free threads, priority 0); deadline 500 ms for all", lambda: [
+             Load("vip", convnet, payloads("convnet", 32, seed=16, b64=True), 8, "vip", 500, 4, "burst",
+                  count=32, start=2.0),
+             Load("free", convnet, payloads("convnet", 32, seed=17, b64=True), 0, "free", 500, 12, "burst",
+                  count=96, start=2.0)],
+         seconds + 2.0),
+        ("Multi-tenant contention: closed-loop convnet clients, 4 vip (priority 8, deadline 200 ms),"
+         " 6 premium (priority 4, 500 ms), 8 free (priority 0, 2 s); share = share of the completions", lambda: [
+             Load("vip", convnet, payloads("convnet", 32, seed=18, b64=True), 8, "vip", 200, 4, "closed"),
+             Load("premium", convnet, payloads("convnet", 32, seed=19, b64=True), 4, "premium", 500, 6, "closed"),
+             Load("free", convnet, payloads("convnet", 32, seed=20, b64=True), 0, "free", 2000, 8, "closed")],
+         seconds),
+    ]
+
+
+def print_scenarios(results: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    for title, phases in results:
+        labels = list(phases[0]["classes"])
+        print(f"\n#### {title}\n")
+        print("| ordering | req/s | over deadline | " + " | ".join(f"{label} n | {label} P99 ms | {label} share"
+                                                             for label in labels)
+              + f" | {phases[0]['lowest']} longest ms | errors/unfinished |")
+        print("| --- | ---: | ---: | " + " | ".join("---: | ---: | ---:" for _ in labels) + " | ---: | ---: |")
+        for phase in phases:
+            cells = " | ".join(f"{c['n']} | {c['p99']:.1f} | {c['share'] * 100:.0f} %"
+                               for c in (phase["classes"][label] for label in labels))
+            print(f"| {phase['ordering']} | {phase['rps']:,.0f} | {phase['over'] * 100:.1f} % | {cells} |"
+                  f" {phase['lowest_max']:.1f} | {phase['errors']}/{phase['unfinished']} |")
+
+
 # --- main ---------------------------------------------------------------------------------------------
 
 
@@ -438,7 +624,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="length of one load run (default 5 quick, 15 full)")
     parser.add_argument("--repeats", type=int, help="alternating naive/SITS runs per model (default 1 quick, 3 full)")
     parser.add_argument("--models", default="mlp,convnet")
-    parser.add_argument("--parts", default="ceiling,load,idle,priority", help="which parts to run")
+    parser.add_argument("--parts", default="ceiling,load,idle,priority,scenarios", help="which parts to run")
     parser.add_argument("--priority-cases", help="scenario 5 as model:max_batch_size, comma-separated"
                         " (default convnet:1 quick, convnet:1,mlp:8 full)")
     parser.add_argument("--backlog", type=int, default=128, help="waiting free requests kept in scenario 5")
@@ -468,19 +654,22 @@ def main() -> None:
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
             resources={"max_concurrent_streams": STREAMS, "intra_op_threads": ORT_THREADS},
-            online={"models": {queued_name(model, batch): {"max_batch_size": batch} for model, batch in cases}},
+            online={"models": {queued_name(model, batch): {"max_batch_size": batch}
+                               for model, batch in [*cases, *SCENARIO_MODELS]}},
         )
         stack = Stack(settings, worker_count=1, api_port=0)
         naive: subprocess.Popen[bytes] | None = None
         load_rows: list[tuple[str, dict, dict]] = []
         idle: dict[str, float] = {}
         phases: list[dict[str, Any]] = []
+        scenario_results: list[tuple[str, list[dict[str, Any]]]] = []
+        extra = [case for case in SCENARIO_MODELS if case not in cases] if "scenarios" in parts else []
         try:
             stack.start()
             client = stack.client()
             for model in models:
                 client.post("/v1/models", {"name": model, "path": str(zoo[model])})
-            for model, batch in cases:
+            for model, batch in [*cases, *extra]:
                 client.post("/v1/models", {"name": queued_name(model, batch), "path": str(zoo[model])})
             os.environ["NAIVE_REDIS_URL"] = stack.settings.redis.url  # before the import: the app reads it
             from benchmarks.naive_celery import infer
@@ -495,6 +684,11 @@ def main() -> None:
             for model, batch in cases:
                 client.post("/v1/requests", {"model": queued_name(model, batch), "inputs": payloads(model, 1)[0],
                                              "wait": True})
+            for model, batch in extra:  # warm-up: sessions built (the transformer at both ends of its lengths)
+                warm = (token_payloads([8, 512], 10) if model == "transformer"
+                        else payloads(model, 1, b64=True))
+                for inputs in warm:
+                    client.post("/v1/requests", {"model": queued_name(model, batch), "inputs": inputs, "wait": True})
             print(f"[{time.monotonic() - begun:5.0f}s] stack and naive worker up", file=sys.stderr, flush=True)
             redis_pid = stack.redis.process.pid if stack.redis and stack.redis.process else 0
             pids = {"clients (bench)": os.getpid(), "redis": redis_pid, "naive worker": naive.pid if naive else 0}
@@ -529,11 +723,27 @@ def main() -> None:
                                                      seconds=seconds))
                         print(f"[{time.monotonic() - begun:5.0f}s] priority {ordering}: {phases[-1]}",
                               file=sys.stderr, flush=True)
+
+            # 6. load scenarios, FIFO vs dynamic
+            scenario_list = scenarios(3.5 if args.quick else seconds) if "scenarios" in parts else []
+            for title, loads, phase_seconds in scenario_list:
+                runs = []
+                for ordering in ("fifo", "dynamic"):
+                    runs.append(scenario_phase(stack, ordering, loads(), phase_seconds))
+                    print(f"[{time.monotonic() - begun:5.0f}s] scenario {title[:20]!r} {ordering}: {runs[-1]}",
+                          file=sys.stderr, flush=True)
+                scenario_results.append((title, runs))
         finally:
             stop_process(naive)
             stack.stop()
 
     print_report(args, seconds, repeats, ceilings, load_rows, idle, phases, idle_count)
+    if scenario_results:
+        print("\n### Load scenarios, FIFO vs dynamic priority: latency = created to finished in the server's"
+              " record; over deadline = share of all finished requests with latency > their deadline_ms;"
+              " req/s over the served span (first created to last finished, queues drained); share = share of"
+              " the completions inside the load window")
+        print_scenarios(scenario_results)
     print(f"\n(total wall time {time.monotonic() - begun:.0f} s)")
 
 
