@@ -628,6 +628,7 @@ def main() -> None:
     parser.add_argument("--priority-cases", help="scenario 5 as model:max_batch_size, comma-separated"
                         " (default convnet:1 quick, convnet:1,mlp:8 full)")
     parser.add_argument("--backlog", type=int, default=128, help="waiting free requests kept in scenario 5")
+    parser.add_argument("--json", type=Path, help="also write the results here, for benchmarks/charts.py")
     args = parser.parse_args()
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -745,6 +746,11 @@ def main() -> None:
               " the completions inside the load window")
         print_scenarios(scenario_results)
     print(f"\n(total wall time {time.monotonic() - begun:.0f} s)")
+    if args.json:
+        results = {"quick": args.quick, "ceilings": ceilings, "idle": idle, "priority": phases,
+                   "load": [{"model": model, "naive": naive, "sits": sits} for model, naive, sits in load_rows],
+                   "scenarios": [{"title": title, "runs": runs} for title, runs in scenario_results]}
+        args.json.write_text(json.dumps(results, indent=1, default=str))
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
