@@ -17,7 +17,7 @@ from broker.requests import RequestSpec
 from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
-from sits_worker.model.inputs import request_tensors
+from sits_worker.model.tensors import request_tensors
 
 DEFAULT_MAX_SEQUENCE = 512
 

@@ -10,30 +10,27 @@ model's is rejected with a message saying how to convert it (byte order alone is
 from __future__ import annotations
 
 import abc
-import base64
 import hashlib
-import io
 import json
 import math
 import struct
 import threading
 import zipfile
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
-from broker.errors import BadInput, FileMissing, InvalidModel, RetryableError, SitsError
+from broker.errors import BadInput, FileMissing, RetryableError, SitsError
+from sits_worker.model.tensors import InputSpec, convert_hint, json_array, parse_signature
 
 SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
 Batch = tuple[np.ndarray, dict[str, np.ndarray]]
 _BLOCK_BYTES = 1 << 20
 # Which kinds of JSON values (dtype.kind of np.asarray(value)) may fill an input of a given kind
-# without losing information; anything else (floats into ints, strings, nulls) is rejected.
-_JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "c": "iufc"}
 
 
 def file_checksum(path: Path) -> str:
@@ -58,64 +55,6 @@ def _file_error(path: Path, err: OSError) -> SitsError:
     if isinstance(err, PermissionError | IsADirectoryError | NotADirectoryError):
         return BadInput(f"cannot read '{path}' ({err.strerror or err}); it must be a readable regular file")
     return RetryableError(f"reading '{path}' failed ({err}); try again later")
-
-
-@dataclass(frozen=True)
-class _InputSpec:
-    """One model input: name, dtype and per-row dims (an int when fixed, a label when dynamic)."""
-
-    name: str
-    dtype: np.dtype
-    dims: tuple[int | str, ...]
-
-    @classmethod
-    def from_entry(cls, entry: dict[str, Any]) -> _InputSpec:
-        name, shape, dynamic = str(entry["name"]), list(entry["shape"]), {0, *entry.get("dynamic_axes", [0])}
-        try:
-            dtype = np.dtype(entry["dtype"])
-        except TypeError:
-            dtype = np.dtype(object)
-        if dtype.kind not in _JSON_KINDS:
-            raise BadInput(f"model input '{name}' has dtype {entry['dtype']!r}; only numeric inputs can be read")
-        if not shape:
-            raise InvalidModel(f"model input '{name}' has no batch axis (shape []); re-export the model")
-        dims = tuple(
-            dim if type(dim) is int and dim > 0 and axis not in dynamic else dim if isinstance(dim, str) else "?"
-            for axis, dim in enumerate(shape)
-            if axis > 0
-        )
-        return cls(name, dtype, dims)
-
-    @property
-    def expected(self) -> str:
-        return f"{self.dtype.name} [{','.join(['N', *map(str, self.dims)])}]"
-
-    def check(self, dtype: np.dtype, shape: Sequence[int | str], where: str, hint: str | None = None) -> None:
-        """Raise BadInput naming the input, what it expects and what it got, unless both fit.
-
-        `shape` includes the batch axis ("N" when the row count is not known). Fixed dims must match,
-        dynamic ones may be anything >= 1. The dtype is compared only when `hint` (how to fix a
-        wrong dtype) is given.
-        """
-        dtype_ok = hint is None or dtype.newbyteorder("=") == self.dtype
-        row_dims = [int(dim) for dim in shape[1:]]
-        if dtype_ok and len(shape) >= 1 and len(row_dims) == len(self.dims):
-            pairs = zip(row_dims, self.dims, strict=True)
-            if all(got == want if type(want) is int else got >= 1 for got, want in pairs):
-                return
-        got = f"{dtype.name} [{','.join(map(str, shape))}]"
-        fix = hint if not dtype_ok else f"each row must have shape [{','.join(map(str, self.dims))}]"
-        raise BadInput(f"input '{self.name}' expects {self.expected}, got {got} {where}; {fix}")
-
-
-def _parse_signature(signature: dict[str, Any]) -> list[_InputSpec]:
-    try:
-        specs = [_InputSpec.from_entry(entry) for entry in signature["inputs"]]
-    except (KeyError, TypeError, ValueError) as err:
-        raise InvalidModel(f"model signature is malformed ({err!r}); re-register the model") from err
-    if not specs:
-        raise InvalidModel("model signature lists no inputs; re-register the model")
-    return specs
 
 
 class InputSource(abc.ABC):
@@ -162,7 +101,7 @@ class _ArraySource(InputSource):
     def __init__(
         self,
         path: Path,
-        specs: list[_InputSpec],
+        specs: list[InputSpec],
         arrays: dict[str, np.ndarray | _LazyMember],
         archive: zipfile.ZipFile | None = None,
     ) -> None:
@@ -208,7 +147,7 @@ class _ArraySource(InputSource):
 class _JsonlSource(InputSource):
     """jsonl input: one JSON object per line, rows located through a byte-offset index."""
 
-    def __init__(self, path: Path, specs: list[_InputSpec], handle: BinaryIO, offsets: array[int]) -> None:
+    def __init__(self, path: Path, specs: list[InputSpec], handle: BinaryIO, offsets: array[int]) -> None:
         super().__init__(path, ".jsonl", [spec.name for spec in specs], len(offsets))
         self._specs, self._handle, self._offsets = specs, handle, offsets
         self._lock = threading.Lock()
@@ -266,72 +205,12 @@ class _JsonlSource(InputSource):
         super().close()
 
 
-def _json_row(spec: _InputSpec, value: Any, where: str) -> np.ndarray:
+def _json_row(spec: InputSpec, value: Any, where: str) -> np.ndarray:
     """Convert one row's JSON value to the input's dtype, refusing ragged or lossy values."""
-    return _json_array(spec, value, where, batched=False)
+    return json_array(spec, value, where, batched=False)
 
 
-def _json_array(spec: _InputSpec, value: Any, where: str, *, batched: bool) -> np.ndarray:
-    """Convert a JSON value (one row, or rows with the batch axis) to the input's dtype, losslessly."""
-    try:
-        raw = np.asarray(value)
-    except ValueError:  # ragged nested lists
-        raw = np.asarray(None)
-    lossy = raw.dtype.kind not in _JSON_KINDS[spec.dtype.kind]
-    if not lossy and spec.dtype.kind in "iu" and raw.size:
-        limits = np.iinfo(spec.dtype)
-        lossy = bool(raw.min() < limits.min or raw.max() > limits.max)
-    if lossy:
-        raise BadInput(
-            f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; "
-            f"write numbers that fit {spec.dtype.name} exactly"
-        )
-    # shape only: JSON numbers have no dtype of their own
-    spec.check(raw.dtype, raw.shape if batched else (1, *raw.shape), where)
-    return raw.astype(spec.dtype)
-
-
-def request_tensors(signature: dict[str, Any], values: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The input tensors of an online request, checked against the model's signature.
-
-    Each value carries the batch axis and is either (nested) JSON numbers, converted only when
-    lossless, or `{"b64": <base64 .npy>}` or a numpy array, whose dtype must match exactly. Every input must be
-    there, no other, and all must have the same number of rows (>= 1).
-    """
-    specs = _parse_signature(signature)
-    expected = [spec.name for spec in specs]
-    if set(values) != set(expected):
-        raise BadInput(f"got inputs {sorted(values)}; the model takes exactly {expected}")
-    tensors: dict[str, np.ndarray] = {}
-    for spec in specs:
-        value, where = values[spec.name], "in the request"
-        if isinstance(value, np.ndarray):  # already typed (the v2 protocol declares its datatype)
-            spec.check(value.dtype, value.shape, where, hint=f"send datatype {spec.dtype.name}")
-            tensors[spec.name] = np.ascontiguousarray(value)
-        elif isinstance(value, dict):
-            tensors[spec.name] = _b64_tensor(spec, value, where)
-        else:
-            tensors[spec.name] = _json_array(spec, value, where, batched=True)
-    rows = {array.shape[0] if array.ndim else 0 for array in tensors.values()}
-    if len(rows) != 1 or 0 in rows:
-        raise BadInput(f"inputs must have the same number of rows (>= 1) on axis 0, got {sorted(rows)}")
-    return tensors
-
-
-def _b64_tensor(spec: _InputSpec, value: dict[str, Any], where: str) -> np.ndarray:
-    if set(value) != {"b64"} or not isinstance(value["b64"], str):
-        raise BadInput(f"input '{spec.name}' must be nested lists or {{\"b64\": <base64 .npy bytes>}}")
-    try:
-        array = np.load(io.BytesIO(base64.b64decode(value["b64"], validate=True)), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
-        raise BadInput(f"input '{spec.name}' is not base64 of a .npy file ({err}); encode it with np.save") from err
-    if not isinstance(array, np.ndarray) or array.ndim == 0:
-        raise BadInput(f"input '{spec.name}' must be an array with a batch axis")
-    spec.check(array.dtype, array.shape, where, hint=_convert_hint(spec, "np.save(buffer, "))
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
-
-
-def _single_input(specs: list[_InputSpec], path: Path) -> _InputSpec:
+def _single_input(specs: list[InputSpec], path: Path) -> InputSpec:
     if len(specs) != 1:
         raise BadInput(
             f"'{path.name}' holds one array but the model has inputs {[spec.name for spec in specs]}; "
@@ -340,11 +219,7 @@ def _single_input(specs: list[_InputSpec], path: Path) -> _InputSpec:
     return specs[0]
 
 
-def _convert_hint(spec: _InputSpec, save: str) -> str:
-    return f"convert it first (no silent casts), e.g. {save}arr.astype(np.{spec.dtype.name}))"
-
-
-def _open_npy(path: Path, specs: list[_InputSpec]) -> InputSource:
+def _open_npy(path: Path, specs: list[InputSpec]) -> InputSource:
     spec = _single_input(specs, path)
     with open(path, "rb") as handle:  # np.load would take anything else for a pickle or an npz
         if handle.read(6) != b"\x93NUMPY":
@@ -353,11 +228,11 @@ def _open_npy(path: Path, specs: list[_InputSpec]) -> InputSource:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError) as err:
         raise BadInput(f"'{path.name}' is not a numeric .npy file ({err}); write it with np.save") from err
-    spec.check(arr.dtype, arr.shape, f"in '{path.name}'", _convert_hint(spec, "np.save(path, "))
+    spec.check(arr.dtype, arr.shape, f"in '{path.name}'", convert_hint(spec, "np.save(path, "))
     return _ArraySource(path, specs, {spec.name: arr})
 
 
-def _open_npz(path: Path, specs: list[_InputSpec]) -> InputSource:
+def _open_npz(path: Path, specs: list[InputSpec]) -> InputSource:
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, ValueError, EOFError) as err:
@@ -378,7 +253,7 @@ def _open_npz(path: Path, specs: list[_InputSpec]) -> InputSource:
 
 
 def _npz_member(
-    path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, spec: _InputSpec
+    path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, spec: InputSpec
 ) -> np.ndarray | _LazyMember:
     """Check a member's npy header; map the member when stored uncompressed, else defer reading it.
 
@@ -392,7 +267,7 @@ def _npz_member(
             reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else None
             shape, fortran_order, dtype = (reader or np.lib.format.read_array_header_2_0)(member)
             header_bytes = member.tell()
-        spec.check(dtype, shape, f"in '{path.name}'", _convert_hint(spec, f"np.savez(path, {spec.name}="))
+        spec.check(dtype, shape, f"in '{path.name}'", convert_hint(spec, f"np.savez(path, {spec.name}="))
         if info.compress_type != zipfile.ZIP_STORED or math.prod(shape) == 0:
             return _LazyMember(archive, info, shape)
         with open(path, "rb") as raw:  # the data starts after the member's local zip header
@@ -418,7 +293,7 @@ class _LazyMember:
             return np.lib.format.read_array(member, allow_pickle=False)
 
 
-def _open_bin(path: Path, specs: list[_InputSpec], shape: Sequence[int] | None, dtype: str | None) -> InputSource:
+def _open_bin(path: Path, specs: list[InputSpec], shape: Sequence[int] | None, dtype: str | None) -> InputSource:
     spec = _single_input(specs, path)
     try:
         given_dtype = spec.dtype if dtype is None else np.dtype(dtype)
@@ -455,7 +330,7 @@ def _open_bin(path: Path, specs: list[_InputSpec], shape: Sequence[int] | None, 
     return _ArraySource(path, specs, {spec.name: mapped})
 
 
-def _open_jsonl(path: Path, specs: list[_InputSpec]) -> InputSource:
+def _open_jsonl(path: Path, specs: list[InputSpec]) -> InputSource:
     handle = open(path, "rb")
     try:
         offsets, offset = array("q"), 0  # 8 bytes per row: millions of rows cost megabytes
@@ -483,7 +358,7 @@ def open_input(
     members, which are read on first use and kept.
     """
     path = Path(path)
-    specs = _parse_signature(signature)
+    specs = parse_signature(signature)
     suffix = path.suffix.lower()
     if suffix not in SUPPORTED_FORMATS:
         raise BadInput(

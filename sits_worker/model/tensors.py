@@ -1,0 +1,143 @@
+"""Model input specs and the tensors of online requests, checked against a model's signature.
+
+Shared by the offline file readers (`inputs.py`) and the API's request path: the same
+rules everywhere — exact dtype for typed data (no silent casts), lossless conversion for JSON
+numbers, fixed dims must match and dynamic ones may be any length >= 1.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from broker.errors import BadInput, InvalidModel
+
+# without losing information; anything else (floats into ints, strings, nulls) is rejected.
+_JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "c": "iufc"}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input: name, dtype and per-row dims (an int when fixed, a label when dynamic)."""
+
+    name: str
+    dtype: np.dtype
+    dims: tuple[int | str, ...]
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> InputSpec:
+        name, shape, dynamic = str(entry["name"]), list(entry["shape"]), {0, *entry.get("dynamic_axes", [0])}
+        try:
+            dtype = np.dtype(entry["dtype"])
+        except TypeError:
+            dtype = np.dtype(object)
+        if dtype.kind not in _JSON_KINDS:
+            raise BadInput(f"model input '{name}' has dtype {entry['dtype']!r}; only numeric inputs can be read")
+        if not shape:
+            raise InvalidModel(f"model input '{name}' has no batch axis (shape []); re-export the model")
+        dims = tuple(
+            dim if type(dim) is int and dim > 0 and axis not in dynamic else dim if isinstance(dim, str) else "?"
+            for axis, dim in enumerate(shape)
+            if axis > 0
+        )
+        return cls(name, dtype, dims)
+
+    @property
+    def expected(self) -> str:
+        return f"{self.dtype.name} [{','.join(['N', *map(str, self.dims)])}]"
+
+    def check(self, dtype: np.dtype, shape: Sequence[int | str], where: str, hint: str | None = None) -> None:
+        """Raise BadInput naming the input, what it expects and what it got, unless both fit.
+
+        `shape` includes the batch axis ("N" when the row count is not known). Fixed dims must match,
+        dynamic ones may be anything >= 1. The dtype is compared only when `hint` (how to fix a
+        wrong dtype) is given.
+        """
+        dtype_ok = hint is None or dtype.newbyteorder("=") == self.dtype
+        row_dims = [int(dim) for dim in shape[1:]]
+        if dtype_ok and len(shape) >= 1 and len(row_dims) == len(self.dims):
+            pairs = zip(row_dims, self.dims, strict=True)
+            if all(got == want if type(want) is int else got >= 1 for got, want in pairs):
+                return
+        got = f"{dtype.name} [{','.join(map(str, shape))}]"
+        fix = hint if not dtype_ok else f"each row must have shape [{','.join(map(str, self.dims))}]"
+        raise BadInput(f"input '{self.name}' expects {self.expected}, got {got} {where}; {fix}")
+
+
+def parse_signature(signature: dict[str, Any]) -> list[InputSpec]:
+    try:
+        specs = [InputSpec.from_entry(entry) for entry in signature["inputs"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise InvalidModel(f"model signature is malformed ({err!r}); re-register the model") from err
+    if not specs:
+        raise InvalidModel("model signature lists no inputs; re-register the model")
+    return specs
+
+
+def convert_hint(spec: InputSpec, save: str) -> str:
+    return f"convert it first (no silent casts), e.g. {save}arr.astype(np.{spec.dtype.name}))"
+
+
+def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool) -> np.ndarray:
+    """Convert a JSON value (one row, or rows with the batch axis) to the input's dtype, losslessly."""
+    try:
+        raw = np.asarray(value)
+    except ValueError:  # ragged nested lists
+        raw = np.asarray(None)
+    lossy = raw.dtype.kind not in _JSON_KINDS[spec.dtype.kind]
+    if not lossy and spec.dtype.kind in "iu" and raw.size:
+        limits = np.iinfo(spec.dtype)
+        lossy = bool(raw.min() < limits.min or raw.max() > limits.max)
+    if lossy:
+        raise BadInput(
+            f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; "
+            f"write numbers that fit {spec.dtype.name} exactly"
+        )
+    # shape only: JSON numbers have no dtype of their own
+    spec.check(raw.dtype, raw.shape if batched else (1, *raw.shape), where)
+    return raw.astype(spec.dtype)
+
+
+def request_tensors(signature: dict[str, Any], values: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The input tensors of an online request, checked against the model's signature.
+
+    Each value carries the batch axis and is either (nested) JSON numbers, converted only when
+    lossless, or `{"b64": <base64 .npy>}` or a numpy array, whose dtype must match exactly. Every input must be
+    there, no other, and all must have the same number of rows (>= 1).
+    """
+    specs = parse_signature(signature)
+    expected = [spec.name for spec in specs]
+    if set(values) != set(expected):
+        raise BadInput(f"got inputs {sorted(values)}; the model takes exactly {expected}")
+    tensors: dict[str, np.ndarray] = {}
+    for spec in specs:
+        value, where = values[spec.name], "in the request"
+        if isinstance(value, np.ndarray):  # already typed (the v2 protocol declares its datatype)
+            spec.check(value.dtype, value.shape, where, hint=f"send datatype {spec.dtype.name}")
+            tensors[spec.name] = np.ascontiguousarray(value)
+        elif isinstance(value, dict):
+            tensors[spec.name] = _b64_tensor(spec, value, where)
+        else:
+            tensors[spec.name] = json_array(spec, value, where, batched=True)
+    rows = {array.shape[0] if array.ndim else 0 for array in tensors.values()}
+    if len(rows) != 1 or 0 in rows:
+        raise BadInput(f"inputs must have the same number of rows (>= 1) on axis 0, got {sorted(rows)}")
+    return tensors
+
+
+def _b64_tensor(spec: InputSpec, value: dict[str, Any], where: str) -> np.ndarray:
+    if set(value) != {"b64"} or not isinstance(value["b64"], str):
+        raise BadInput(f"input '{spec.name}' must be nested lists or {{\"b64\": <base64 .npy bytes>}}")
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(value["b64"], validate=True)), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise BadInput(f"input '{spec.name}' is not base64 of a .npy file ({err}); encode it with np.save") from err
+    if not isinstance(array, np.ndarray) or array.ndim == 0:
+        raise BadInput(f"input '{spec.name}' must be an array with a batch axis")
+    spec.check(array.dtype, array.shape, where, hint=convert_hint(spec, "np.save(buffer, "))
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
