@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from broker.errors import ConfigError
 from broker.units import parse_duration, parse_size
@@ -46,7 +46,17 @@ class SchedulerSettings(_Section):
     ticket_timeout: Seconds = 30.0
     """A ticket not seen for this long is taken as lost (its worker died) and replaced. A live
     ticket is touched at every lease and every `lease_timeout / 4` during a long chunk."""
+    ticket_linger: Seconds = 1.0
+    """How long a ticket whose queues ran dry waits on the doorbell for new work before it retires:
+    the next request is then leased at once, without a Celery publish and delivery in between."""
     worker_heartbeat_timeout: Seconds = 15.0
+
+    @model_validator(mode="after")
+    def _linger_below_ticket_timeout(self) -> SchedulerSettings:
+        if self.ticket_linger * 2 > self.ticket_timeout:
+            raise ValueError(f"ticket_linger ({self.ticket_linger}s) must be at most half of ticket_timeout "
+                             f"({self.ticket_timeout}s), or lingering tickets are taken for lost")
+        return self
 
 
 class ResourceSettings(_Section):
@@ -140,10 +150,22 @@ class OnlineSettings(_Section):
 
     batching: ModelBatching = ModelBatching()
     models: dict[str, ModelBatching] = {}
-    """Per-model overrides of `batching`, by model name."""
+    """Per-model overrides of `batching`, by model name; keys a model does not set come from `batching`."""
     result_ttl: Seconds = 600.0
     max_wait: Seconds = 30.0
     """Longest a `wait=true` call holds its connection when the request has no deadline."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _models_inherit_batching(cls, data: Any) -> Any:
+        """`models: {bert: {max_batch_tokens: 4096}}` changes that one key, not the others back to defaults."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("models"), Mapping):
+            return data
+        base = data.get("batching") or {}
+        base = base.model_dump() if isinstance(base, ModelBatching) else dict(base) if isinstance(base, Mapping) else {}
+        models = {name: {**base, **entry} if isinstance(entry, Mapping) else entry
+                  for name, entry in data["models"].items()}
+        return {**data, "models": models}
 
     def batching_for(self, model_name: str) -> ModelBatching:
         """The batching settings of `model_name`."""

@@ -60,6 +60,11 @@ class Keys:
         """STRING counter for new ticket ids."""
         return self._key("ticket-seq")
 
+    @property
+    def doorbell(self) -> str:
+        """LIST rung (pushed, trimmed short) on every enqueue; an idle drain task blocks on it while it lingers."""
+        return self._key("doorbell")
+
     # --- jobs ---------------------------------------------------------------
     def job(self, job_id: str) -> str:
         """HASH of one job's fields and checkpoint."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from broker.errors import BadInput
+from broker.queues import QueueSnapshot
 from broker.scoring import Ordering, Weights
 from broker.store import Store, translate_redis_errors
 
@@ -25,9 +26,36 @@ def default_ordering(policy_name: str) -> Ordering:
 
 def get_policy(store: Store, *, default: Ordering) -> tuple[Weights, Ordering]:
     """The live weights and ordering (defaults until someone set them)."""
+    return _decode_policy(read_raw_policy(store), default)
+
+
+def read_raw_policy(store: Store) -> str:
+    """The live policy exactly as stored ('' until someone set one)."""
     with translate_redis_errors():
-        raw = store.client.get(store.keys.policy)
-    return _decode_policy(raw, default)
+        return store.client.get(store.keys.policy) or ""
+
+
+class LivePolicy:
+    """The live policy as this process last read it, for the submit hot path.
+
+    Submitting passes the raw JSON it scored with to the submit script, which refuses the item
+    when the stored policy differs (`requests.PolicyChanged`); the caller then calls `refresh`
+    and scores again. So no read per request, and still no item queued with a replaced policy.
+    """
+
+    def __init__(self, store: Store, *, default: Ordering) -> None:
+        self._store, self._default = store, default
+        self._current: tuple[str, Weights, Ordering] | None = None
+
+    def current(self) -> tuple[str, Weights, Ordering]:
+        """(raw JSON, weights, ordering) as last read; read now if never read."""
+        return self._current or self.refresh()
+
+    def refresh(self) -> tuple[str, Weights, Ordering]:
+        """Read the live policy again (after a submit was refused for a changed policy)."""
+        raw = read_raw_policy(self._store)
+        self._current = (raw, *_decode_policy(raw, self._default))
+        return self._current
 
 
 def _decode_policy(raw: str | None, default: Ordering) -> tuple[Weights, Ordering]:
@@ -142,21 +170,14 @@ def model_order(heads: dict[str, float], policy_name: str, last_served: str | No
     return names[start:] + names[:start]
 
 
-def psa_pass(store: Store, model_refs: list[str], capacity_of: Callable[[str], int], *, default: Ordering,
+def psa_pass(store: Store, snapshot: QueueSnapshot, capacity_of: Callable[[str], int], *, default: Ordering,
              now: float) -> bool:
-    """PSA for every model with an item near its deadline; True if any item jumped.
+    """PSA for every model with a waiting item near its deadline; True if any item jumped.
 
-    One round trip reads the live policy and each model's earliest deadline, so a drain loop with
-    no urgent item pays nothing more for PSA.
+    The snapshot (one round trip, taken by the drain loop anyway) carries the live policy and each
+    model's earliest deadline, so a drain loop with no urgent item pays nothing more for PSA.
     """
-    keys = store.keys
-    with translate_redis_errors():
-        pipe = store.client.pipeline(transaction=False)
-        pipe.get(keys.policy)
-        for ref in model_refs:
-            pipe.zrange(keys.deadlines(ref), 0, 0, withscores=True)
-        raw, *earliest = pipe.execute()
-    weights, ordering = _decode_policy(raw, default)
+    weights, ordering = _decode_policy(snapshot.raw_policy, default)
     horizon = now + weights.psa_rtd_ms / 1000
-    due = [ref for ref, first in zip(model_refs, earliest, strict=True) if first and first[0][1] < horizon]
+    due = [ref for ref, first in snapshot.earliest_deadlines.items() if first < horizon]
     return any([apply_psa(store, ref, weights, ordering, now=now, capacity=capacity_of(ref)) for ref in due])

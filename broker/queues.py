@@ -83,6 +83,50 @@ def queue_heads(store: Store) -> dict[str, float]:
     return {ref: head[0][1] for ref, head in zip(refs, heads, strict=True) if head}
 
 
+@dataclass(frozen=True)
+class QueueSnapshot:
+    """What a drain loop looks at before it chooses its next batch, read in one round trip."""
+
+    heads: dict[str, float]
+    """Model ref -> score of its best waiting item, for every queue with waiting work."""
+    earliest_deadlines: dict[str, float]
+    """Model ref -> the earliest deadline among its waiting items that have one (the PSA index)."""
+    raw_policy: str
+    """The live policy JSON ('' for the defaults)."""
+
+
+class QueueWatcher:
+    """Reads `QueueSnapshot`s for one process's drain loops.
+
+    The set of model refs with a queue only grows (nothing removes a ref), so it is kept between
+    reads and re-read only when its size, read in the same round trip, says it grew.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._refs: list[str] = []
+
+    def snapshot(self) -> QueueSnapshot:
+        """Every queue's head, earliest deadline, and the live policy, as of one instant."""
+        keys = self._store.keys
+        with translate_redis_errors():
+            while True:
+                refs = self._refs
+                pipe = self._store.client.pipeline(transaction=False)
+                pipe.scard(keys.queues)
+                pipe.get(keys.policy)
+                for ref in refs:
+                    pipe.zrange(keys.ready(ref), 0, 0, withscores=True)
+                    pipe.zrange(keys.deadlines(ref), 0, 0, withscores=True)
+                count, raw_policy, *firsts = pipe.execute()
+                if int(count) == len(refs):
+                    break
+                self._refs = sorted(self._store.client.smembers(keys.queues))
+        heads = {ref: head[0][1] for ref, head in zip(refs, firsts[0::2], strict=True) if head}
+        deadlines = {ref: first[0][1] for ref, first in zip(refs, firsts[1::2], strict=True) if first}
+        return QueueSnapshot(heads=heads, earliest_deadlines=deadlines, raw_policy=raw_policy or "")
+
+
 def head_wait(store: Store, model_ref: str, *, now: float) -> tuple[int, float] | None:
     """(waiting items, seconds the head has waited) when the head is an online request; else None."""
     with translate_redis_errors():
@@ -165,9 +209,11 @@ def reap_expired_leases(store: Store, *, now: float, max_attempts: int, limit: i
 
 
 def top_up_tickets(store: Store, *, now: float, target: int) -> list[str]:
-    """Create tickets until `target` circulate; returns the new ids, each to be sent as a drain task."""
+    """Ring the doorbell, then create tickets until `target` circulate; returns the new ids, each to be
+    sent as a drain task."""
     with translate_redis_errors():
-        new = store.scripts.top_up_tickets(keys=[store.keys.tickets, store.keys.ticket_seq], args=[now, target])
+        new = store.scripts.top_up_tickets(keys=[store.keys.tickets, store.keys.ticket_seq, store.keys.doorbell],
+                                           args=[now, target])
     return [str(ticket) for ticket in new]
 
 
@@ -184,6 +230,24 @@ def release_ticket(store: Store, ticket: str) -> bool:
             )
             if released >= 0:
                 return released == 1
+
+
+def wait_for_doorbell(store: Store, ticket: str, *, now: float, timeout: float) -> bool:
+    """Block up to `timeout` seconds until an enqueue rings the doorbell (True) while `ticket` lingers.
+
+    A lingering ticket keeps its drain task alive for a moment after the queues ran dry, so the next
+    request is leased at once instead of waiting for a fresh Celery task (a publish on the API side
+    and a delivery on the worker side, the largest per-request costs before). The ticket is touched
+    so the reaper does not take it for lost; StaleTicket when it was replaced meanwhile.
+    """
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.zscore(store.keys.tickets, ticket)
+        pipe.zadd(store.keys.tickets, {ticket: now}, xx=True)
+        seen, _ = pipe.execute()
+        if seen is None:
+            raise StaleTicket(ticket)
+        return store.client.blpop([store.keys.doorbell], timeout=max(timeout, 0.001)) is not None
 
 
 def extend_lease(store: Store, item: LeasedItem, ticket: str, *, now: float, lease_seconds: float) -> None:

@@ -1,7 +1,7 @@
 """Online inference requests: stored in a hash with their inputs, queued as one item each.
 
-A request's tensors travel through Redis as base64 `.npy` text (the clients
-are text-decoding), are merged into batches by the worker that leases them,
+A request's tensors travel through Redis as text ("dtype;shape;base64", the
+clients are text-decoding), are merged into batches by the worker that leases them,
 and its outputs come back into the same hash; a waiter blocks on the
 request's `done` list instead of polling.
 """
@@ -32,15 +32,35 @@ def new_request_id() -> str:
 
 
 def encode_array(array: np.ndarray) -> str:
-    """An array as base64 `.npy` text (dtype and shape travel with it)."""
+    """An array as base64 `.npy` text, the form clients may send large tensors in."""
     buffer = io.BytesIO()
     np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def decode_array(text: str) -> np.ndarray:
-    """The inverse of `encode_array`."""
-    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+def pack_array(array: np.ndarray) -> str:
+    """An array as text for Redis: "dtype;shape;base64 of the raw bytes" (';' because a dtype string may hold '|').
+
+    Not `.npy`: reading an .npy header parses a Python literal, which cost more than the whole
+    inference of a small request; this form decodes with one split and `np.frombuffer`.
+    """
+    array = np.asarray(array, order="C")  # not ascontiguousarray: that turns a 0-d array into 1-d
+    shape = ",".join(str(dim) for dim in array.shape)
+    return f"{array.dtype.str};{shape};{base64.b64encode(array.data).decode('ascii')}"
+
+
+def unpack_array(text: str) -> np.ndarray:
+    """The inverse of `pack_array` (a read-only view of the decoded bytes)."""
+    dtype, shape, data = text.split(";", 2)
+    dims = tuple(int(dim) for dim in shape.split(",")) if shape else ()
+    return np.frombuffer(base64.b64decode(data), dtype=np.dtype(dtype)).reshape(dims)
+
+
+class PolicyChanged(Exception):
+    """The live policy changed after the request was scored; score it again and resubmit.
+
+    Internal control flow between `submit_request` and its caller, not a `SitsError`.
+    """
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,9 @@ class RequestSpec:
     factors: dict[str, Any]
     deadline_at: float | None = None
     owner: str = ""
+    padded_tokens: int | None = None
+    """Tokens the request may cost in a padded batch (rows x its length class); counted against
+    `max_batch_tokens` instead of `tokens` when set."""
 
     @property
     def model_ref(self) -> str:
@@ -64,8 +87,14 @@ class RequestSpec:
         return f"{self.model_name}@{self.model_version}"
 
 
-def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float, max_age_seconds: float) -> None:
-    """Store the request and queue it in one atomic call."""
+def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float, max_age_seconds: float,
+                   policy_json: str = "", ticket_target: int = 0) -> list[str]:
+    """Store the request, queue it, ring the doorbell and top tickets up to `ticket_target`, in one call.
+
+    `policy_json` is the live policy as read when `score` was computed ('' for the defaults); if it
+    is no longer live, nothing is written and PolicyChanged is raised. Returns the new ticket ids,
+    each to be sent as a drain task.
+    """
     keys = store.keys
     fields = {
         "id": spec.request_id,
@@ -76,19 +105,25 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
         "created_at": now,
         "deadline_at": spec.deadline_at or "",
         "owner": spec.owner,
-        "inputs": json.dumps({name: encode_array(array) for name, array in spec.inputs.items()}),
+        "inputs": json.dumps({name: pack_array(array) for name, array in spec.inputs.items()}),
     }
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
-               "tokens": spec.tokens, "bucket": spec.bucket, "score": score, "factors": spec.factors}
+               "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
+               "factors": spec.factors}
     with translate_redis_errors():
-        created = store.scripts.submit_request(
+        reply = store.scripts.submit_request(
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
-                  keys.deadlines(spec.model_ref)],
+                  keys.deadlines(spec.model_ref), keys.policy, keys.tickets, keys.ticket_seq, keys.doorbell],
             args=[spec.model_ref, spec.request_id, json.dumps({k: str(v) for k, v in fields.items()}), score,
-                  json.dumps(payload), spec.deadline_at or "", int(max_age_seconds)],
+                  json.dumps(payload), spec.deadline_at or "", int(max_age_seconds), policy_json, now,
+                  ticket_target],
         )
-    if not int(created):
+    status = int(reply[0])
+    if status < 0:
+        raise PolicyChanged(spec.request_id)
+    if status == 0:
         raise Conflict(f"request {spec.request_id} already exists")
+    return [str(ticket) for ticket in reply[1:]]
 
 
 def load_inputs(store: Store, items: Sequence[LeasedItem]) -> list[dict[str, np.ndarray] | None]:
@@ -98,7 +133,7 @@ def load_inputs(store: Store, items: Sequence[LeasedItem]) -> list[dict[str, np.
         for item in items:
             pipe.hget(store.keys.request(item.payload["req"]), "inputs")
         raws = pipe.execute()
-    return [{name: decode_array(text) for name, text in json.loads(raw).items()} if raw else None for raw in raws]
+    return [{name: unpack_array(text) for name, text in json.loads(raw).items()} if raw else None for raw in raws]
 
 
 @dataclass(frozen=True)
@@ -119,7 +154,7 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
     for result in results:
         request_id = result.item.payload["req"]
         request_keys += [keys.request(request_id), keys.request_done(request_id)]
-        outputs = {name: encode_array(array) for name, array in (result.outputs or {}).items()}
+        outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
         args += [result.item.item_id, "failed" if result.error else "succeeded", json.dumps(outputs), result.error]
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
@@ -137,6 +172,11 @@ def get_request(store: Store, request_id: str) -> dict[str, Any]:
         raw = store.client.hgetall(store.keys.request(request_id))
     if not raw:
         raise NotFound(f"no request with id '{request_id}' (results are kept for a limited time)")
+    return _record(raw)
+
+
+def _record(raw: Mapping[str, str]) -> dict[str, Any]:
+    """A request hash's fields as the API reports them (typed, outputs decoded)."""
     result: dict[str, Any] = {
         "id": raw["id"],
         "model": raw["model"],
@@ -150,7 +190,7 @@ def get_request(store: Store, request_id: str) -> dict[str, Any]:
         "outputs": None,
     }
     if raw.get("outputs"):
-        result["outputs"] = {name: decode_array(text) for name, text in json.loads(raw["outputs"]).items()}
+        result["outputs"] = {name: unpack_array(text) for name, text in json.loads(raw["outputs"]).items()}
     if result["finished_at"]:
         result["latency_ms"] = round((result["finished_at"] - result["created_at"]) * 1000, 3)
     return result
@@ -159,14 +199,19 @@ def get_request(store: Store, request_id: str) -> dict[str, Any]:
 _BLOCK_SLICE_SECONDS = 2.0  # below redis-py's default socket timeout (5 s), so a long wait never trips it
 
 
-def wait_for_request(store: Store, request_id: str, *, timeout: float, clock: Any = time.monotonic) -> bool:
-    """Block until the request is done (True) or `timeout` passes (False)."""
+def wait_for_request(store: Store, request_id: str, *, timeout: float,
+                     clock: Any = time.monotonic) -> dict[str, Any] | None:
+    """Block until the request is done and return it as `get_request` would, or None after `timeout`.
+
+    The worker pushes the finished request's fields onto its done list, so the waiter gets the
+    result with the same call that woke it. One waiter per request (the submitter): the entry is
+    consumed; `get_request` reads the result any time later.
+    """
     ends = clock() + timeout
     with translate_redis_errors():
-        if store.client.hget(store.keys.request(request_id), "status") in FINAL_STATUSES:
-            return True
         while (left := ends - clock()) > 0:
             block = min(left, _BLOCK_SLICE_SECONDS)
-            if store.client.blpop([store.keys.request_done(request_id)], timeout=max(block, 0.001)) is not None:
-                return True
-    return False
+            popped = store.client.blpop([store.keys.request_done(request_id)], timeout=max(block, 0.001))
+            if popped is not None:
+                return _record(json.loads(popped[1]))
+    return None

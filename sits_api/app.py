@@ -47,6 +47,7 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
         "settings": settings,
         "store": store,
         "dispatcher": dispatcher or Dispatcher(settings, store),
+        "policy": policy.LivePolicy(store, default=policy.default_ordering(settings.scheduler.policy)),
         "known_keys": {},
     }
     app.before_request(_authenticate)  # every blueprint: v1 and the v2 protocol
@@ -246,13 +247,14 @@ def submit_request() -> Any:
     ctx = _ctx()
     body = _parse(OnlineRequest)
     settings, store = ctx["settings"], ctx["store"]
-    spec = online.submit(settings, store, ctx["dispatcher"], model=body.model, inputs=body.inputs,
+    spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model, inputs=body.inputs,
                          priority=body.priority, deadline_ms=body.deadline_ms, user_tier=body.user_tier,
                          tokens=body.tokens, owner=g.identity["name"], now=time.time())
     wait = body.wait or request.args.get("wait", "").lower() in ("1", "true", "yes")
-    if wait and requests.wait_for_request(store, spec.request_id, timeout=online.wait_seconds(settings,
-                                                                                               body.deadline_ms)):
-        return jsonify(online.to_json_result(requests.get_request(store, spec.request_id))), 200
+    done = wait and requests.wait_for_request(store, spec.request_id,
+                                              timeout=online.wait_seconds(settings, body.deadline_ms))
+    if done:
+        return jsonify(online.to_json_result(done)), 200
     return jsonify({"id": spec.request_id, "status": "queued", "model": spec.model_name,
                     "model_version": spec.model_version}), 202
 

@@ -31,18 +31,27 @@ class Dispatcher:
         """Publish task `name` with `args`."""
         self._celery.send_task(name, args=list(args), queue=TASK_QUEUE)
 
-    def wake_workers(self, now: Callable[[], float] = time.time) -> int:
-        """Top batch tickets up to one per live stream slot; each new ticket is one drain task.
+    def ticket_target(self, now: float) -> int:
+        """How many tickets should circulate: one per live stream slot.
 
-        The slot count (every worker's heartbeat) is re-read at most once a second: it changes
-        only when workers come and go, and this runs on every submission.
+        Re-read from the workers' heartbeats at most once a second: it changes only when workers
+        come and go, and the submit hot path asks on every request.
         """
-        moment = now()
-        if moment - self._target_read_at > 1.0:
-            self._target = ticket_target(self.store, now=moment,
+        if now - self._target_read_at > 1.0:
+            self._target = ticket_target(self.store, now=now,
                                          heartbeat_timeout=self.settings.scheduler.worker_heartbeat_timeout)
-            self._target_read_at = moment
-        new = queues.top_up_tickets(self.store, now=moment, target=self._target)
-        for ticket in new:
+            self._target_read_at = now
+        return self._target
+
+    def send_tickets(self, tickets: list[str]) -> None:
+        """One drain task per new ticket."""
+        for ticket in tickets:
             self.send("sits.drain", ticket)
+
+    def wake_workers(self, now: Callable[[], float] = time.time) -> int:
+        """Ring the doorbell and top batch tickets up to one per live stream slot; each new ticket is one
+        drain task."""
+        moment = now()
+        new = queues.top_up_tickets(self.store, now=moment, target=self.ticket_target(moment))
+        self.send_tickets(new)
         return len(new)

@@ -13,25 +13,28 @@ import numpy as np
 
 from broker import policy, registry, requests
 from broker.config import Settings
+from broker.errors import RetryableError
 from broker.requests import RequestSpec
 from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
+from sits_worker.model.padding import MaskSpec, bucket_length, mask_spec, sequence_length
 from sits_worker.model.tensors import request_tensors
 
 DEFAULT_MAX_SEQUENCE = 512
 
 
-def submit(settings: Settings, store: Store, dispatcher: Dispatcher, *, model: str, inputs: dict[str, Any],
-           priority: int, deadline_ms: float | None, user_tier: str, tokens: int | None, owner: str,
-           now: float, request_id: str | None = None) -> RequestSpec:
+def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy: policy.LivePolicy, *,
+           model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: str,
+           tokens: int | None, owner: str, now: float, request_id: str | None = None) -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it."""
-    record = _model_record(store, model, now=now)
-    tensors = request_tensors(record["signature"], inputs)
+    record, mask = _model_record(store, model, now=now)
+    tensors = request_tensors(record["signature"], inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
     sequence = _sequence_length(record, tensors)
     if tokens is None and sequence is not None:
         tokens = sequence * rows
+    bucket, padded_length = _bucket(tensors, mask, _max_sequence(record))
     factors = Factors(
         level=priority,
         sla_weight=SLA_WEIGHTS[user_tier],
@@ -40,7 +43,6 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, *, model: s
         enqueued_at=now,
         tokens=tokens if sequence is not None else None,
     )
-    weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
     spec = RequestSpec(
         request_id=request_id or requests.new_request_id(),
         model_name=record["name"],
@@ -48,30 +50,66 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, *, model: s
         inputs=tensors,
         rows=rows,
         tokens=tokens,
-        bucket=";".join(f"{name}:{'x'.join(map(str, array.shape[1:]))}" for name, array in sorted(tensors.items())),
+        bucket=bucket,
+        padded_tokens=rows * padded_length if padded_length else None,
         factors=factors.to_dict(),
         deadline_at=now + deadline_ms / 1000 if deadline_ms else None,
         owner=owner,
     )
-    requests.submit_request(store, spec, score=queue_key(factors, weights, ordering), now=now,
-                            max_age_seconds=max(settings.online.result_ttl, 3600))
-    dispatcher.wake_workers()
+    raw_policy, weights, ordering = live_policy.current()
+    for _ in range(_POLICY_RETRIES):
+        try:
+            new_tickets = requests.submit_request(
+                store, spec, score=queue_key(factors, weights, ordering), now=now,
+                max_age_seconds=max(settings.online.result_ttl, 3600), policy_json=raw_policy,
+                ticket_target=dispatcher.ticket_target(now))
+            break
+        except requests.PolicyChanged:
+            raw_policy, weights, ordering = live_policy.refresh()
+    else:
+        raise RetryableError("the scoring policy is being updated right now; retry the request")
+    dispatcher.send_tickets(new_tickets)
     return spec
 
 
+_POLICY_RETRIES = 5
+"""Submits refused because `PUT /v1/policy` changed the policy in between; one retry is the usual case."""
+
 _RECORD_TTL_SECONDS = 2.0
-_records: dict[str, tuple[float, dict[str, Any]]] = {}
+_records: dict[str, tuple[float, dict[str, Any], MaskSpec | None]] = {}
 
 
-def _model_record(store: Store, ref: str, *, now: float) -> dict[str, Any]:
-    """The registry record, kept a moment per process: the hot path reads it on every request, and a
-    bare name moves to a newly registered version (or a profile lands) within seconds anyway."""
+def _model_record(store: Store, ref: str, *, now: float) -> tuple[dict[str, Any], MaskSpec | None]:
+    """The registry record and padding spec, kept a moment per process: the hot path reads them on every
+    request, and a bare name moves to a newly registered version (or a profile lands) within seconds anyway."""
     cached = _records.get(ref)
     if cached and now - cached[0] < _RECORD_TTL_SECONDS:
-        return cached[1]
+        return cached[1], cached[2]
     record = registry.get_model(store, ref)
-    _records[ref] = (now, record)
-    return record
+    mask = mask_spec(record.get("static_profile"))
+    _records[ref] = (now, record, mask)
+    return record, mask
+
+
+def _bucket(tensors: dict[str, np.ndarray], mask: MaskSpec | None, max_sequence: int) -> tuple[str, int | None]:
+    """The shape bucket requests must share to be merged, and the padded length of a token request.
+
+    Exact per-row shapes, except for a model with an attention mask: there the sequence axis is
+    replaced by its length class (`bucket_length`), so requests of nearby lengths share a batch
+    and the worker pads them to the longest.
+    """
+    if mask is None:
+        exact = ";".join(f"{name}:{'x'.join(map(str, array.shape[1:]))}" for name, array in sorted(tensors.items()))
+        return exact, None
+    padded = bucket_length(sequence_length(tensors, mask), max_sequence)
+    axes = {mask.sequence_input: mask.axis, **dict(mask.other_inputs)}
+    parts = []
+    for name, array in sorted(tensors.items()):
+        if name == mask.mask_input:
+            continue  # requests with and without a client-sent mask pad alike
+        dims = [f"~{padded}" if axis == axes.get(name) else str(dim) for axis, dim in enumerate(array.shape)]
+        parts.append(f"{name}:{'x'.join(dims[1:])}")
+    return ";".join(parts), padded
 
 
 def wait_seconds(settings: Settings, deadline_ms: float | None) -> float:

@@ -22,6 +22,7 @@ from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_worker.model.graph import load_model_checked, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
+from sits_worker.model.padding import mask_spec
 
 OWNER_MARKER = ".sits-job"
 """File in an output folder naming the job that writes there."""
@@ -111,7 +112,8 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     if output_dir.exists() and not output_dir.is_dir():
         raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
     input_options = {"shape": body.input_shape, "dtype": body.input_dtype}
-    with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype) as source:
+    with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype,
+                    mask=mask_spec(model.get("static_profile"))) as source:
         rows, input_format = source.rows, source.format.lstrip(".")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -91,16 +91,17 @@ def infer(name: str, version: str | None = None) -> Any:
     priority = _int_parameter(parameters, "priority", 0, 0, 15)
     timeout_us = _int_parameter(parameters, "timeout", 0, 0, 10**12)
     deadline_ms = timeout_us / 1000 if timeout_us else None
-    spec = online.submit(settings, store, ctx["dispatcher"], model=f"{name}@{version}" if version else name,
+    spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"],
+                         model=f"{name}@{version}" if version else name,
                          inputs={entry.get("name"): _tensor(entry) for entry in body["inputs"]},
                          priority=priority, deadline_ms=deadline_ms,
                          user_tier=str(parameters.get("user_tier", "free")) if parameters.get("user_tier") in (
                              "vip", "premium", "free") else "free",
                          tokens=None, owner=g.identity["name"], now=time.time())
-    if not requests.wait_for_request(store, spec.request_id, timeout=online.wait_seconds(settings, deadline_ms)):
+    result = requests.wait_for_request(store, spec.request_id, timeout=online.wait_seconds(settings, deadline_ms))
+    if result is None:
         raise InferenceTimeout(f"request {spec.request_id} is not done yet; fetch it later with "
                                f"GET /v1/requests/{spec.request_id}")
-    result = requests.get_request(store, spec.request_id)
     if result["status"] != "succeeded":
         raise BadInput(result["error"] or "the request failed")
     wanted = [entry.get("name") for entry in body.get("outputs") or []] or list(result["outputs"])

@@ -19,10 +19,12 @@ from typing import Any
 
 from broker import registry
 from broker.config import Settings, load_settings
+from broker.queues import QueueWatcher
 from broker.reservation import MemoryLedger
 from broker.store import Store
 from sits_worker.devices import Device, device_memory
 from sits_worker.model.inputs import InputSource, open_input
+from sits_worker.model.padding import mask_spec
 from sits_worker.runtime import SessionCache
 
 _OPEN_INPUTS_KEPT = 8
@@ -42,9 +44,14 @@ class WorkerContext:
     """The model whose batch this process leased last (for the round-robin policy)."""
     ledger: MemoryLedger = field(default_factory=lambda: MemoryLedger(16 * 2**30, 128 * 2**20))
     """Memory reservations on this worker's device (one worker process owns one device)."""
+    queue_watcher: QueueWatcher = field(init=False)
+    """Reads the queue heads, deadlines and policy in one round trip for every drain loop of this process."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.queue_watcher = QueueWatcher(self.store)
 
     @classmethod
     def create(cls, settings: Settings, device: Device, streams: int) -> WorkerContext:
@@ -76,9 +83,9 @@ class WorkerContext:
                 self._inputs.move_to_end(key)
                 return source
         options = job.get("input_options") or {}
-        signature = self.model(job["model_ref"])["signature"]
-        source = open_input(Path(job["input_batch"]), signature, shape=options.get("shape"),
-                            dtype=options.get("dtype"))
+        record = self.model(job["model_ref"])
+        source = open_input(Path(job["input_batch"]), record["signature"], shape=options.get("shape"),
+                            dtype=options.get("dtype"), mask=mask_spec(record.get("static_profile")))
         with self._lock:
             self._inputs[key] = source
             while len(self._inputs) > _OPEN_INPUTS_KEPT:

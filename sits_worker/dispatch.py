@@ -2,8 +2,9 @@
 
 A ticket is a circulating Celery task (DESIGN.md, "Dispatch"): it leases the
 best waiting batch across models, runs it, and goes on until no queue has
-work (then it retires, atomically with that check) or its time slice is
-used (then it re-queues itself so other Celery tasks get the thread).
+work for `ticket_linger` (it waits on the doorbell meanwhile, then retires,
+atomically with a last check) or its time slice is used (then it re-queues
+itself so other Celery tasks get the thread).
 """
 
 from __future__ import annotations
@@ -23,21 +24,30 @@ from sits_worker.online import run_requests
 
 log = logging.getLogger(__name__)
 
+_DOORBELL_SLICE_SECONDS = 0.25
+"""A lingering ticket looks at the queues at least this often, rung or not (a safety net: every
+enqueue path rings the doorbell)."""
+
 
 def drain(ctx: WorkerContext, ticket: str) -> str:
     """Serve batches under `ticket`; returns 'released', 'stale' or 'yield' (re-queue the ticket)."""
     settings = ctx.settings.scheduler
     slice_ends = time.monotonic() + settings.ticket_time_slice
     lease_seconds = settings.lease_timeout
+    idle_since: float | None = None
     try:
         while True:
-            heads = queues.queue_heads(ctx.store)
-            if heads:
-                heads = _apply_psa(ctx, heads)
+            heads = _heads_after_psa(ctx)
             if not heads:
-                if queues.release_ticket(ctx.store, ticket):
+                idle_since = time.monotonic() if idle_since is None else idle_since
+                linger_left = settings.ticket_linger - (time.monotonic() - idle_since)
+                if linger_left > 0:
+                    queues.wait_for_doorbell(ctx.store, ticket, now=time.time(),
+                                             timeout=min(linger_left, _DOORBELL_SLICE_SECONDS))
+                elif queues.release_ticket(ctx.store, ticket):
                     return "released"
                 continue
+            idle_since = None
             leased = []
             now = time.time()
             order = policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served)
@@ -101,13 +111,16 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str, max_batch_size: int, m
         time.sleep(min(max_queue_delay - waiting[1], 0.001))
 
 
-def _apply_psa(ctx: WorkerContext, heads: dict[str, float]) -> dict[str, float]:
-    """PSA jumps before choosing the next batch; returns the heads again if any item jumped."""
+def _heads_after_psa(ctx: WorkerContext) -> dict[str, float]:
+    """The queue heads to choose the next batch from, after PSA jumps of items near their deadline."""
+    snapshot = ctx.queue_watcher.snapshot()
+    if not snapshot.earliest_deadlines:
+        return snapshot.heads
     jumped = policy.psa_pass(
-        ctx.store, list(heads),
+        ctx.store, snapshot,
         lambda ref: ctx.settings.online.batching_for(ref.partition("@")[0]).queue_capacity,
         default=policy.default_ordering(ctx.settings.scheduler.policy), now=time.time())
-    return queues.queue_heads(ctx.store) if jumped else heads
+    return ctx.queue_watcher.snapshot().heads if jumped else snapshot.heads
 
 
 def _keep_alive(ctx: WorkerContext, item: queues.LeasedItem, ticket: str, lease_seconds: float) -> Callable[[], None]:

@@ -19,6 +19,7 @@ from broker.queues import LeasedItem
 from broker.requests import RequestResult
 from sits_worker.context import WorkerContext
 from sits_worker.execution import run_with_fallback
+from sits_worker.model.padding import mask_spec, pad_batch, unpad_outputs
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,21 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem]) -> int:
 
 def _run_merged(ctx: WorkerContext, model_ref: str,
                 live: Sequence[tuple[LeasedItem, dict[str, np.ndarray]]]) -> list[RequestResult]:
-    output_names = [output["name"] for output in ctx.model(model_ref)["signature"]["outputs"]]
-    names = list(live[0][1])
-    feed = {name: np.concatenate([tensors[name] for _, tensors in live]) for name in names}
-    outputs = run_with_fallback(ctx, ctx.session(model_ref), model_ref, feed, output_names)
-    results, start = [], 0
-    for item, tensors in live:
-        rows = next(iter(tensors.values())).shape[0]
-        results.append(RequestResult(item, outputs={name: array[start : start + rows]
-                                                    for name, array in zip(output_names, outputs, strict=True)}))
-        start += rows
-    return results
+    record = ctx.model(model_ref)
+    output_names = [output["name"] for output in record["signature"]["outputs"]]
+    spec = mask_spec(record.get("static_profile"))
+    per_request = [tensors for _, tensors in live]
+    rows = [next(iter(tensors.values())).shape[0] for tensors in per_request]
+    if spec is not None:
+        feed, lengths = pad_batch(per_request, spec)
+    else:
+        feed = {name: np.concatenate([tensors[name] for tensors in per_request]) for name in per_request[0]}
+    outputs = dict(zip(output_names, run_with_fallback(ctx, ctx.session(model_ref), model_ref, feed, output_names),
+                       strict=True))
+    if spec is not None:
+        split = unpad_outputs(outputs, lengths, rows, spec)
+    else:
+        starts = np.cumsum([0, *rows])
+        split = [{name: array[first:last] for name, array in outputs.items()}
+                 for first, last in zip(starts[:-1], starts[1:], strict=True)]
+    return [RequestResult(item, outputs=own) for (item, _), own in zip(live, split, strict=True)]

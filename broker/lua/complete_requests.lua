@@ -3,7 +3,8 @@
 -- KEYS[2] items      HASH
 -- KEYS[3] attempts   HASH
 -- KEYS[4] deadlines  ZSET
--- KEYS[5..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it)
+-- KEYS[5..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it and gets the
+--           finished request's fields as one JSON object, so it needs no second read)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests), ARGV[4] worker
 -- ARGV[5..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text
 -- Returns: how many requests were completed (a request whose hash expired is skipped).
@@ -20,7 +21,11 @@ for i = 0, (#ARGV - 4) / 4 - 1 do
       'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4])
     redis.call('HDEL', request, 'inputs')
     redis.call('EXPIRE', request, ARGV[2])
-    redis.call('RPUSH', waiters, '1')
+    local flat, fields = redis.call('HGETALL', request), {}
+    for j = 1, #flat, 2 do
+      fields[flat[j]] = flat[j + 1]
+    end
+    redis.call('RPUSH', waiters, cjson.encode(fields))
     redis.call('EXPIRE', waiters, ARGV[2])
     done = done + 1
   end

@@ -9,7 +9,7 @@
 -- ARGV[3] lease deadline
 -- ARGV[4] most items in the batch
 -- ARGV[5] most rows in the batch (merged online requests)
--- ARGV[6] most tokens in the batch (0: no limit)
+-- ARGV[6] most tokens in the batch (0: no limit), padded tokens for requests that will be padded
 -- ARGV[7] most items when the head is a job chunk or finalize step
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
@@ -33,6 +33,11 @@ local function number_or(value, default)
 end
 local max_items, max_rows, max_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local max_chunks = tonumber(ARGV[7])
+-- What a request costs against the token budget: its padded tokens (rows x length class) when it
+-- will be padded to share a batch, else its own tokens.
+local function token_cost(item)
+  return number_or(item['padded_tokens'], number_or(item['tokens'], 0))
+end
 local candidates = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
 local picked, rows, tokens, bucket, online = {}, 0, 0, nil, false
 for index, item_id in ipairs(candidates) do
@@ -42,7 +47,7 @@ for index, item_id in ipairs(candidates) do
   if index == 1 then
     picked[1] = {item_id, payload}
     online = is_request
-    bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), number_or(item['tokens'], 0)
+    bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
   elseif not online then
     if is_request or #picked >= max_chunks then
       break
@@ -52,10 +57,10 @@ for index, item_id in ipairs(candidates) do
     break
   elseif is_request and item['bucket'] == bucket
       and rows + number_or(item['rows'], 1) <= max_rows
-      and (max_tokens == 0 or tokens + number_or(item['tokens'], 0) <= max_tokens) then
+      and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
     picked[#picked + 1] = {item_id, payload}
     rows = rows + number_or(item['rows'], 1)
-    tokens = tokens + number_or(item['tokens'], 0)
+    tokens = tokens + token_cost(item)
   end
 end
 local out = {#picked}

@@ -1,15 +1,26 @@
--- submit_request: store an online request and queue it, in one step.
--- KEYS[1] ready      ZSET item id -> score
--- KEYS[2] items      HASH item id -> payload
--- KEYS[3] queues     SET model refs with a queue
--- KEYS[4] request    HASH the request's fields, inputs and (later) outputs
--- KEYS[5] deadlines  ZSET item id -> deadline (the PSA index)
+-- submit_request: store an online request, queue it, ring the doorbell and top tickets up, in one step.
+-- KEYS[1] ready       ZSET item id -> score
+-- KEYS[2] items       HASH item id -> payload
+-- KEYS[3] queues      SET model refs with a queue
+-- KEYS[4] request     HASH the request's fields, inputs and (later) outputs
+-- KEYS[5] deadlines   ZSET item id -> deadline (the PSA index)
+-- KEYS[6] policy      STRING the live policy JSON
+-- KEYS[7] tickets     ZSET ticket id -> last seen
+-- KEYS[8] ticket seq  STRING counter
+-- KEYS[9] doorbell    LIST an idle drain task blocks on
 -- ARGV[1] model ref, ARGV[2] request id (also its item id), ARGV[3] JSON object of request fields
 -- ARGV[4] score, ARGV[5] item payload JSON, ARGV[6] deadline (unix seconds) or ''
 -- ARGV[7] seconds the request hash may live at most (a result nobody fetches must not stay forever)
--- Returns: 1, or 0 when a request with that id exists already.
+-- ARGV[8] the policy JSON the score was computed with ('' for the defaults)
+-- ARGV[9] now, ARGV[10] how many tickets should circulate
+-- Returns: {1, new ticket ids...}; {0} when a request with that id exists already; {-1} when the
+-- live policy is no longer ARGV[8] (nothing written: score again with the live policy and retry,
+-- so no item is ever queued with the weights of a policy that a re-score has already replaced).
+if (redis.call('GET', KEYS[6]) or '') ~= ARGV[8] then
+  return {-1}
+end
 if redis.call('EXISTS', KEYS[4]) == 1 then
-  return 0
+  return {0}
 end
 for name, value in pairs(cjson.decode(ARGV[3])) do
   redis.call('HSET', KEYS[4], name, tostring(value))
@@ -21,4 +32,16 @@ if ARGV[6] ~= '' then
   redis.call('ZADD', KEYS[5], ARGV[6], ARGV[2])
 end
 redis.call('SADD', KEYS[3], ARGV[1])
-return 1
+redis.call('LPUSH', KEYS[9], '1')
+redis.call('LTRIM', KEYS[9], 0, 63)
+-- The doorbell and ticket top-up of top_up_tickets.lua, inlined (a script cannot call another) so
+-- that a submit is one round trip.
+local out = {1}
+local count = redis.call('ZCARD', KEYS[7])
+while count < tonumber(ARGV[10]) do
+  local ticket = 't' .. redis.call('INCR', KEYS[8])
+  redis.call('ZADD', KEYS[7], ARGV[9], ticket)
+  out[#out + 1] = ticket
+  count = count + 1
+end
+return out

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 
 from broker.errors import BadInput, FileMissing, RetryableError, SitsError
+from sits_worker.model.padding import MaskSpec
 from sits_worker.model.tensors import InputSpec, convert_hint, json_array, parse_signature
 
 SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
@@ -61,8 +62,9 @@ class InputSource(abc.ABC):
     """An opened input file: its row count and a reader of row ranges as model-ready batches.
 
     `iter_batches` yields `(row_indices, feed)`: absolute int64 row numbers, and for every input
-    name a C-contiguous copy of the model's dtype and one uniform shape, ready for onnxruntime.
-    Use it as a context manager or call `close()`.
+    name a C-contiguous array of the model's dtype and one uniform shape, ready for onnxruntime.
+    Feed arrays are read-only: they may be views of the file's mapping. Use it as a context manager
+    or call `close()`.
     """
 
     def __init__(self, path: Path, fmt: str, input_names: Sequence[str], rows: int) -> None:
@@ -76,7 +78,7 @@ class InputSource(abc.ABC):
         """Yield batches of at most `max_batch` rows covering rows [start, stop) exactly once."""
 
     def close(self) -> None:
-        """Release file handles and mappings; batches already yielded stay valid (they are copies)."""
+        """Release file handles and mappings; batches already yielded stay valid (a view keeps its mapping)."""
         self._closed = True
 
     def __enter__(self) -> InputSource:
@@ -125,16 +127,23 @@ class _ArraySource(InputSource):
         return held
 
     def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
-        """Yield contiguous slices of at most `max_batch` rows, copied out of the mapping."""
+        """Yield contiguous slices of at most `max_batch` rows, as views of the mapping where possible.
+
+        A row slice that already has the model's dtype and C order goes to onnxruntime as it lies
+        in the page cache (a copy cost as much as a small model's run, and the memmap subclass's
+        Python-level slicing more); other byte or memory orders are converted into a copy.
+        """
         self._check_range(start, stop, max_batch)
-        arrays = {name: self._array(name) for name in self.input_names}
+        arrays = {name: np.asarray(self._array(name)) for name in self.input_names}  # plain views, C slicing
+        dtypes = [self._dtypes[name] for name in arrays]
+        rows = np.arange(start, stop, dtype=np.int64)
         for first in range(start, stop, max_batch):
             last = min(first + max_batch, stop)
             feed = {
-                name: np.array(arr[first:last], dtype=self._dtypes[name], order="C", copy=True)
-                for name, arr in arrays.items()
+                name: np.ascontiguousarray(arr[first:last], dtype=dtype)
+                for (name, arr), dtype in zip(arrays.items(), dtypes, strict=True)
             }
-            yield np.arange(first, last, dtype=np.int64), feed
+            yield rows[first - start : last - start], feed
 
     def close(self) -> None:
         """Drop the mappings and close the npz archive."""
@@ -349,13 +358,20 @@ def _open_jsonl(path: Path, specs: list[InputSpec]) -> InputSource:
 
 
 def open_input(
-    path: Path, signature: dict[str, Any], *, shape: Sequence[int] | None = None, dtype: str | None = None
+    path: Path,
+    signature: dict[str, Any],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: str | None = None,
+    mask: MaskSpec | None = None,
 ) -> InputSource:
     """Open an input file, check it against the model signature and return its reader.
 
     The reader is chosen by suffix (.npy, .npz, .bin, .jsonl). `shape` (per row, without the batch
     dim) and `dtype` apply to raw .bin files only. Nothing is loaded whole except compressed npz
-    members, which are read on first use and kept.
+    members, which are read on first use and kept. For a model that declares an attention mask
+    (`mask`, from `padding.mask_spec`) the file may leave the mask out (.npy and .bin always do):
+    its batches then get an all-ones mask.
     """
     path = Path(path)
     specs = parse_signature(signature)
@@ -367,13 +383,62 @@ def open_input(
         )
     if (shape is not None or dtype is not None) and suffix != ".bin":
         raise BadInput(f"shape and dtype apply only to raw .bin input, not '{path.name}'; leave them out")
+    mask_input = next((spec for spec in specs if mask is not None and spec.name == mask.mask_input), None)
+    filled: tuple[MaskSpec, np.dtype] | None = None
+    if mask is not None and mask_input is not None and not _holds_input(path, mask.mask_input):
+        filled, specs = (mask, mask_input.dtype), [spec for spec in specs if spec is not mask_input]
     try:
         if suffix == ".npy":
-            return _open_npy(path, specs)
-        if suffix == ".npz":
-            return _open_npz(path, specs)
-        if suffix == ".bin":
-            return _open_bin(path, specs, shape, dtype)
-        return _open_jsonl(path, specs)
+            source = _open_npy(path, specs)
+        elif suffix == ".npz":
+            source = _open_npz(path, specs)
+        elif suffix == ".bin":
+            source = _open_bin(path, specs, shape, dtype)
+        else:
+            source = _open_jsonl(path, specs)
     except OSError as err:
         raise _file_error(path, err) from err
+    return source if filled is None else _MaskFilled(source, *filled)
+
+
+def _holds_input(path: Path, name: str) -> bool:
+    """Whether an .npz holds an array `name`, or a .jsonl's first row a key `name`.
+
+    A peek only: anything unreadable answers False and the real reader reports it.
+    """
+    try:
+        if path.suffix.lower() == ".npz":
+            with zipfile.ZipFile(path) as archive:
+                return f"{name}.npy" in archive.namelist() or name in archive.namelist()
+        if path.suffix.lower() == ".jsonl":
+            with open(path, "rb") as handle:
+                line = next((line for line in handle if line.strip()), b"")
+            record = json.loads(line) if line else None
+            return isinstance(record, dict) and name in record
+    except (OSError, ValueError, RecursionError, zipfile.BadZipFile):
+        return False
+    return False
+
+
+class _MaskFilled(InputSource):
+    """A source whose file lacks the model's attention mask: every batch gets an all-ones mask.
+
+    Rows of one batch have the same length (array files are rectangular, jsonl batches group rows
+    by shape), so no token is padding and ones are the exact mask.
+    """
+
+    def __init__(self, inner: InputSource, mask: MaskSpec, mask_dtype: np.dtype) -> None:
+        super().__init__(inner.path, inner.format, (*inner.input_names, mask.mask_input), inner.rows)
+        self._inner, self._mask, self._mask_dtype = inner, mask, mask_dtype
+
+    def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
+        """The inner source's batches, each with an all-ones mask the shape of its token input."""
+        for row_indices, feed in self._inner.iter_batches(start, stop, max_batch):
+            tokens = feed[self._mask.sequence_input]
+            feed[self._mask.mask_input] = np.ones(tokens.shape, dtype=self._mask_dtype)
+            yield row_indices, feed
+
+    def close(self) -> None:
+        """Close the inner source."""
+        self._inner.close()
+        super().close()

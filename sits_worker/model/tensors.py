@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from broker.errors import BadInput, InvalidModel
+from sits_worker.model.padding import MaskSpec, check_mask
 
 # without losing information; anything else (floats into ints, strings, nulls) is rejected.
 _JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "c": "iufc"}
@@ -103,19 +104,26 @@ def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool) -> np.
     return raw.astype(spec.dtype)
 
 
-def request_tensors(signature: dict[str, Any], values: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def request_tensors(signature: dict[str, Any], values: Mapping[str, Any], *,
+                    mask: MaskSpec | None = None) -> dict[str, np.ndarray]:
     """The input tensors of an online request, checked against the model's signature.
 
     Each value carries the batch axis and is either (nested) JSON numbers, converted only when
     lossless, or `{"b64": <base64 .npy>}` or a numpy array, whose dtype must match exactly. Every input must be
-    there, no other, and all must have the same number of rows (>= 1).
+    there, no other, and all must have the same number of rows (>= 1). The one exception is the
+    attention mask of a model that declares one (`mask`, from `padding.mask_spec`): the worker builds
+    it when padding, so the client may leave it out; a mask that is sent must match the token input's shape.
     """
     specs = parse_signature(signature)
     expected = [spec.name for spec in specs]
-    if set(values) != set(expected):
-        raise BadInput(f"got inputs {sorted(values)}; the model takes exactly {expected}")
+    optional = {mask.mask_input} if mask is not None else set()
+    if not set(expected) - optional <= set(values) <= set(expected):
+        leave_out = f" ('{mask.mask_input}' may be left out)" if mask is not None else ""
+        raise BadInput(f"got inputs {sorted(values)}; the model takes exactly {expected}{leave_out}")
     tensors: dict[str, np.ndarray] = {}
     for spec in specs:
+        if spec.name not in values:
+            continue
         value, where = values[spec.name], "in the request"
         if isinstance(value, np.ndarray):  # already typed (the v2 protocol declares its datatype)
             spec.check(value.dtype, value.shape, where, hint=f"send datatype {spec.dtype.name}")
@@ -127,6 +135,8 @@ def request_tensors(signature: dict[str, Any], values: Mapping[str, Any]) -> dic
     rows = {array.shape[0] if array.ndim else 0 for array in tensors.values()}
     if len(rows) != 1 or 0 in rows:
         raise BadInput(f"inputs must have the same number of rows (>= 1) on axis 0, got {sorted(rows)}")
+    if mask is not None:
+        check_mask(tensors, mask)
     return tensors
 
 

@@ -38,6 +38,8 @@ CONVNET_STEM = 16
 CONVNET_WIDTHS = (40, 80)
 TRANSFORMER_VOCAB = 1000
 TRANSFORMER_MAX_SEQUENCE = 512
+# Padding id the worker writes; any id works, the attention mask hides padded tokens.
+TRANSFORMER_PAD_TOKEN_ID = 0
 TRANSFORMER_D_MODEL = 64
 TRANSFORMER_HEADS = 4
 TRANSFORMER_FFN = 128
@@ -189,8 +191,12 @@ def _build_convnet(seed: int) -> onnx.ModelProto:
     )
 
 
-def _attention(g: _GraphBuilder, x: str) -> str:
-    """Multi-head self-attention over [batch, sequence, d_model] with plain MatMul/Softmax."""
+def _attention(g: _GraphBuilder, x: str, key_bias: str) -> str:
+    """Multi-head self-attention over [batch, sequence, d_model] with plain MatMul/Softmax.
+
+    `key_bias` ([batch, 1, 1, sequence]) is added to the scores: 0 for real keys and a large
+    negative for padded ones, so padded keys get zero weight and real tokens attend as if alone.
+    """
     d, heads = TRANSFORMER_D_MODEL, TRANSFORMER_HEADS
     head_dim = d // heads
     # Reshape's 0 copies the input dim, so batch and sequence stay dynamic.
@@ -200,13 +206,20 @@ def _attention(g: _GraphBuilder, x: str) -> str:
     k_t = g.op("Transpose", [g.op("Reshape", [g.linear(x, d, d), split_heads])], perm=[0, 2, 3, 1])
     v = g.op("Transpose", [g.op("Reshape", [g.linear(x, d, d), split_heads])], perm=[0, 2, 1, 3])
     inv_sqrt = g.const("inv_sqrt_head_dim", np.array(1.0 / head_dim**0.5, dtype=np.float32))
-    scores = g.op("Mul", [g.op("MatMul", [q, k_t]), inv_sqrt])
+    scores = g.op("Add", [g.op("Mul", [g.op("MatMul", [q, k_t]), inv_sqrt]), key_bias])
     context = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), v])
     context = g.op("Reshape", [g.op("Transpose", [context], perm=[0, 2, 1, 3]), merge_heads])
     return g.linear(context, d, d)
 
 
 def _build_transformer(seed: int) -> onnx.ModelProto:
+    """Encoder over `input_ids` whose `attention_mask` (nonzero = real token) makes padding invisible.
+
+    Padded keys are masked out of every attention and the embedding is the mean over real tokens
+    only, so a right-padded row gives the same embedding as the unpadded row alone (the worker pads
+    merged batches, see `sits_worker.model.padding`). The mask adds constants only, no weights: the
+    weights drawn from the seed are the same as before the mask existed.
+    """
     g = _GraphBuilder(_model_rng("transformer", seed))
     d = TRANSFORMER_D_MODEL
     token_table = g.weight("token_embedding", (TRANSFORMER_VOCAB, d), 0.1)
@@ -218,16 +231,34 @@ def _build_transformer(seed: int) -> onnx.ModelProto:
     zero = g.const("zero", np.array([0], dtype=np.int64))
     positions = g.op("Slice", [position_table, zero, sequence_length, zero])
     x = g.op("Add", [tokens, positions])
+    # Any nonzero mask value counts as a real token (a profiler's random feed must not blow up).
+    is_token = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)
+    # -1e9, not the float32 minimum: score + bias stays finite, so a fully masked row gives a
+    # uniform softmax instead of NaN.
+    key_bias = g.op("Where", [is_token, g.const("real_key_bias", np.array(0.0, dtype=np.float32)),
+                              g.const("padded_key_bias", np.array(-1e9, dtype=np.float32))])
+    key_bias = g.op("Unsqueeze", [key_bias, g.const("head_query_axes", np.array([1, 2], dtype=np.int64))])
     for _ in range(TRANSFORMER_LAYERS):
-        x = g.layer_norm(g.op("Add", [x, _attention(g, x)]), d)
+        x = g.layer_norm(g.op("Add", [x, _attention(g, x, key_bias)]), d)
         hidden = g.op("Relu", [g.linear(x, d, TRANSFORMER_FFN)])
         x = g.layer_norm(g.op("Add", [x, g.linear(hidden, TRANSFORMER_FFN, d)]), d)
-    g.op("ReduceMean", [x], "embedding", axes=[1], keepdims=0)
+    # Mean over real tokens: sum of masked rows / number of real tokens (at least 1, so an
+    # all-padding row gives zeros rather than NaN).
+    token_weight = g.op("Cast", [is_token], to=TensorProto.FLOAT)
+    sequence_axes = g.const("sequence_axes", np.array([1], dtype=np.int64))
+    feature_axis = g.const("feature_axis", np.array([2], dtype=np.int64))
+    weighted = g.op("Mul", [x, g.op("Unsqueeze", [token_weight, feature_axis])])
+    token_sum = g.op("ReduceSum", [weighted, sequence_axes], keepdims=0)
+    token_count = g.op("Max", [g.op("ReduceSum", [token_weight, sequence_axes], keepdims=1),
+                               g.const("one_token", np.array(1.0, dtype=np.float32))])
+    g.op("Div", [token_sum, token_count], "embedding")
     return g.finish(
         "sits_transformer",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"])],
         [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", d])],
-        {"sits.zoo": "transformer", "sits.max_sequence": str(TRANSFORMER_MAX_SEQUENCE)},
+        {"sits.zoo": "transformer", "sits.max_sequence": str(TRANSFORMER_MAX_SEQUENCE),
+         "sits.attention_mask": "attention_mask", "sits.pad_token_id": str(TRANSFORMER_PAD_TOKEN_ID)},
     )
 
 

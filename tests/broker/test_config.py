@@ -296,3 +296,34 @@ def test_negative_numbers_are_rejected() -> None:
         parse_duration(-1)
     with pytest.raises(ValueError, match="negative"):
         parse_size(-1)
+
+
+# --- the shipped file and per-model batching ----------------------------------------------
+
+
+def _keys(value: object, prefix: str = "") -> set[str]:
+    if isinstance(value, dict):
+        return {key for name, item in value.items() for key in _keys(item, f"{prefix}{name}.")} or {prefix}
+    return {prefix.rstrip(".")}
+
+
+def test_shipped_config_file_documents_every_key_at_its_default() -> None:
+    import yaml
+
+    shipped = Path(__file__).resolve().parents[2] / "sits-config.yaml"
+    loaded = load_settings(path=shipped, environ={})
+    defaults = Settings().model_dump(mode="json")
+    documented = _keys(yaml.safe_load(shipped.read_text()))
+
+    assert loaded.model_dump(mode="json", exclude={"paths"}) == Settings().model_dump(mode="json", exclude={"paths"})
+    assert documented >= _keys(defaults) - {"online.models", "paths.model_store"}
+
+
+def test_a_model_batching_override_keeps_the_other_keys_of_online_batching(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "online:\n  batching: {max_batch_size: 8, max_queue_delay: 5ms}\n"
+                                  "  models: {transformer: {max_batch_tokens: 64}}\n")
+    online = load_settings(path=path, environ={}).online
+
+    assert online.batching_for("transformer").model_dump() == {
+        "max_batch_size": 8, "max_queue_delay": 0.005, "max_batch_tokens": 64, "queue_capacity": 1024}
+    assert online.batching_for("mlp") == online.batching

@@ -87,7 +87,8 @@ def test_psa_pass_only_touches_models_with_an_item_near_its_deadline(store: Stor
     submit(store, "rfill", level=0, deadline_in=None)
     capacities = {MODEL: 2, "other@v1": 2}
 
-    assert policy.psa_pass(store, [MODEL, "other@v1"], capacities.__getitem__, default="dynamic", now=NOW - 10) is False
-    assert policy.psa_pass(store, [MODEL, "other@v1"], capacities.__getitem__, default="dynamic", now=NOW) is True
+    watcher = queues.QueueWatcher(store)
+    assert policy.psa_pass(store, watcher.snapshot(), capacities.__getitem__, default="dynamic", now=NOW - 10) is False
+    assert policy.psa_pass(store, watcher.snapshot(), capacities.__getitem__, default="dynamic", now=NOW) is True
     [first] = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, max_rows=1)
     assert first.item_id == "rsoon"

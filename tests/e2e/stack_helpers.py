@@ -57,12 +57,22 @@ def wait_job(client: ApiClient, job_id: str, *, until: Any = None, timeout: floa
 
 
 def direct_run(model_path: Path, inputs: np.ndarray, batch_size: int) -> np.ndarray:
-    """The reference: a plain ONNX Runtime loop over the same model and batch size."""
+    """The reference: a plain ONNX Runtime loop over the same model and batch size.
+
+    `inputs` feeds the model's first input; a declared attention mask (`sits.attention_mask`) is all
+    ones, every token real, as for a request sent without one.
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
-    parts = [session.run(None, {name: inputs[i : i + batch_size]})[0] for i in range(0, len(inputs), batch_size)]
+    mask_name = session.get_modelmeta().custom_metadata_map.get("sits.attention_mask")
+    parts = []
+    for first in range(0, len(inputs), batch_size):
+        feed = {name: inputs[first : first + batch_size]}
+        if mask_name:
+            feed[mask_name] = np.ones_like(feed[name])
+        parts.append(session.run(None, feed)[0])
     return np.concatenate(parts)

@@ -69,22 +69,6 @@ def test_concurrent_requests_are_merged_into_batches_with_exact_results(stack):
     assert max(result["batch_size"] for result in results) > 1, "16 concurrent clients never shared a batch"
 
 
-def test_token_requests_of_different_lengths_are_run_unpadded(stack):
-    client = stack.client()
-    rng = np.random.default_rng(3)
-    sequences = [rng.integers(0, 1000, size=(1, length)).astype(np.int64) for length in (5, 9, 5, 17, 9)]
-
-    def call(ids: np.ndarray) -> dict:
-        return client.post("/v1/requests", {"model": "transformer", "inputs": {"input_ids": ids.tolist()},
-                                            "wait": True})
-
-    with ThreadPoolExecutor(5) as pool:
-        results = list(pool.map(call, sequences))
-    for ids, result in zip(sequences, results, strict=True):
-        expected = direct_run(stack.home / "models" / "transformer.onnx", ids, 1)
-        np.testing.assert_allclose(np.array(result["outputs"]["embedding"]), expected, rtol=1e-4, atol=1e-5)
-
-
 def test_bad_requests_get_a_clear_4xx(stack):
     from sits_api.cli.client import ApiError
 
@@ -99,24 +83,60 @@ def test_bad_requests_get_a_clear_4xx(stack):
         client.get("/v1/requests/rnothere")
 
 
-def test_max_queue_delay_lets_a_batch_fill_up(tmp_path, zoo_dir):
+@pytest.fixture(scope="module")
+def delayed_stack(tmp_path_factory):
+    """A stack whose batches wait up to 300 ms for company; the transformer's batches hold 64 tokens."""
     from sits_api.cli.stack import Stack
+    from sits_worker.model.zoo import build_zoo
     from tests.e2e.stack_helpers import stack_settings
 
-    settings = stack_settings(tmp_path / "home", streams=1, model_roots=(zoo_dir,)).with_overrides(
-        online={"batching": {"max_batch_size": 8, "max_queue_delay": "300ms"}})
-    stack = Stack(settings, worker_count=1, api_port=0).start()
-    try:
-        register(stack.client(), "mlp", zoo_dir / "mlp.onnx")
-        client = stack.client()
-        def call(index: int) -> dict:
-            time.sleep(0.01 * index)  # 8 requests spread over 70 ms: without the delay, several batches
-            return client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[float(index)] * 64]},
-                                                "wait": True})
+    home = tmp_path_factory.mktemp("delayed") / "home"
+    settings = stack_settings(home, streams=1).with_overrides(
+        online={"batching": {"max_batch_size": 8, "max_queue_delay": "300ms"},
+                "models": {"transformer": {"max_batch_tokens": 64}}})
+    running = Stack(settings, worker_count=1, api_port=0).start()
+    models = build_zoo(home / "models")
+    for name in ("mlp", "transformer"):
+        register(running.client(), name, models[name])
+    yield running
+    running.stop()
 
-        with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(call, range(8)))
-    finally:
-        stack.stop()
+
+def test_max_queue_delay_lets_a_batch_fill_up(delayed_stack):
+    client = delayed_stack.client()
+
+    def call(index: int) -> dict:
+        time.sleep(0.01 * index)  # 8 requests spread over 70 ms: without the delay, several batches
+        return client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[float(index)] * 64]},
+                                            "wait": True})
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, range(8)))
     assert all(result["status"] == "succeeded" for result in results)
     assert max(result["batch_size"] for result in results) == 8
+
+
+def test_token_requests_of_nearby_lengths_are_padded_into_batches_within_max_batch_tokens(delayed_stack):
+    """Lengths 9-16 share the length class 16 (25 and 30 share 32): the worker pads them into one batch,
+    at most 64 // 16 = 4 requests (64 // 32 = 2), and every result equals the request run alone."""
+    client = delayed_stack.client()
+    rng = np.random.default_rng(3)
+    lengths = [9, 12, 15, 16, 10, 11, 13, 14, 30, 25, 5]
+    sequences = [rng.integers(1, 1000, size=(1, length)).astype(np.int64) for length in lengths]
+
+    def call(index: int) -> dict:
+        time.sleep(0.005 * index)
+        return client.post("/v1/requests", {"model": "transformer", "inputs": {"input_ids": sequences[index].tolist()},
+                                            "wait": True})
+
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        results = list(pool.map(call, range(len(lengths))))
+    model = delayed_stack.home / "models" / "transformer.onnx"
+    for ids, result in zip(sequences, results, strict=True):
+        assert result["status"] == "succeeded", result
+        np.testing.assert_allclose(np.array(result["outputs"]["embedding"]), direct_run(model, ids, 1),
+                                   rtol=1e-4, atol=1e-5)
+    class_16 = [result["batch_size"] for length, result in zip(lengths, results, strict=True) if 9 <= length <= 16]
+    class_32 = [result["batch_size"] for length, result in zip(lengths, results, strict=True) if length > 16]
+    assert max(class_16) == 4, class_16  # merged across different lengths, and no further than the budget
+    assert max(class_32) <= 2, class_32

@@ -185,6 +185,8 @@ def test_signature_reports_dtype_shape_and_dynamic_axes() -> None:
     signature = model_signature(build_model("transformer"))
     assert signature == {
         "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"],
+                    "dynamic_axes": [0, 1]},
+                   {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "sequence"],
                     "dynamic_axes": [0, 1]}],
         "outputs": [{"name": "embedding", "dtype": "float32", "shape": ["batch", 64], "dynamic_axes": [0]}],
     }

@@ -39,7 +39,8 @@ def sample_feed(name: str, batch: int, sequence: int = 16, seed: int = 1) -> dic
     if name == "mlp":
         return {"features": rng.standard_normal((batch, 64), dtype=np.float32)}
     if name == "transformer":
-        return {"input_ids": rng.integers(0, 1000, (batch, sequence), dtype=np.int64)}
+        ids = rng.integers(0, 1000, (batch, sequence), dtype=np.int64)
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     side = 224 if name == "resnet50" else 32
     return {"pixels": rng.standard_normal((batch, 3, side, side), dtype=np.float32)}
 
@@ -118,15 +119,18 @@ def test_transformer_runs_at_the_sequence_bounds(sequence: int) -> None:
 def test_transformer_output_depends_on_token_positions() -> None:
     """The learned positional table is applied, so reordering tokens changes the embedding."""
     ids = np.arange(1, 9, dtype=np.int64)[None, :]
-    (forward,) = session("transformer").run(None, {"input_ids": ids})
-    (backward,) = session("transformer").run(None, {"input_ids": ids[:, ::-1].copy()})
+    mask = np.ones_like(ids)
+    (forward,) = session("transformer").run(None, {"input_ids": ids, "attention_mask": mask})
+    (backward,) = session("transformer").run(None, {"input_ids": ids[:, ::-1].copy(), "attention_mask": mask})
     assert not np.allclose(forward, backward, atol=1e-4)
 
 
 def test_zoo_metadata_names_the_model_and_the_token_limit() -> None:
     for name in (*ZOO_MODELS, *LARGE_MODELS):
         assert session(name).get_modelmeta().custom_metadata_map["sits.zoo"] == name
-    assert session("transformer").get_modelmeta().custom_metadata_map["sits.max_sequence"] == "512"
+    metadata = session("transformer").get_modelmeta().custom_metadata_map
+    assert metadata["sits.max_sequence"] == "512"
+    assert metadata["sits.attention_mask"] == "attention_mask" and metadata["sits.pad_token_id"] == "0"
 
 
 def test_zoo_build_is_deterministic(tmp_path: Path) -> None:

@@ -1,0 +1,191 @@
+"""Padding token requests of different lengths into one batch, and cutting the results back.
+
+A token model that declares an attention mask in its metadata (`sits.attention_mask = <input>`,
+optionally `sits.pad_token_id = <id>`, default 0) gives the same outputs for a row padded on the right
+as for the row alone. Such requests are grouped by length class (`bucket_length`), so one batch
+wastes little compute on padding; the worker pads them (`pad_batch`), never the client, runs the
+batch once and cuts every request's outputs back to its own rows and length (`unpad_outputs`).
+A model without a declared mask gets no padding: its requests keep exact-shape buckets.
+
+Pure numpy, no onnxruntime: the API imports this module to bucket requests at submit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from broker.errors import BadInput, InvalidModel
+
+MASK_INPUT_KEY = "sits.attention_mask"
+PAD_TOKEN_KEY = "sits.pad_token_id"
+DEFAULT_PAD_TOKEN_ID = 0
+
+
+class MaskSpec(NamedTuple):
+    """How to pad one model's requests; built from its static profile by `mask_spec`.
+
+    `sequence_input` is padded with `pad_id` along `axis`; `other_inputs` ((name, axis) pairs: inputs
+    besides the mask that carry the same sequence dim, e.g. token type ids) are padded with 0; the
+    mask is padded with 0. `sequence_outputs` ((name, axis) pairs) are the outputs that carry the
+    sequence dim, cut back to each request's length.
+    """
+
+    mask_input: str
+    pad_id: int
+    sequence_input: str
+    axis: int
+    mask_dtype: str = "int64"
+    other_inputs: tuple[tuple[str, int], ...] = ()
+    sequence_outputs: tuple[tuple[str, int], ...] = ()
+
+
+def bucket_length(length: int, max_sequence: int, *, granularity: int = 8, classes_per_octave: int = 4) -> int:
+    """The padded length of a sequence's length class: at least `length`, at most `max_sequence`.
+
+    Classes are multiples of `granularity` while that step is below a `classes_per_octave`-th of the
+    length, then `classes_per_octave` per doubling (defaults: 8, 16, ..., 64, 80, 96, 112, 128, 160,
+    ..., 448, 512). Geometric classes keep the share of padding bounded whatever the length: padding
+    is below `granularity` tokens, or below 1/(classes_per_octave + 1) (20 %) of the padded length,
+    while their count grows only with log(max_sequence), so requests still share buckets. Every
+    class is a multiple of `granularity` (friendly to GPU kernels) and powers of two are classes.
+    A length of `max_sequence` or more is its own class: nothing is padded past the model's limit,
+    and over-long requests are left to fail on their own.
+    """
+    if length < 1:
+        raise ValueError(f"sequence length must be >= 1, got {length}")
+    if granularity < 1 or granularity & (granularity - 1) or classes_per_octave < 1 or (
+            classes_per_octave & (classes_per_octave - 1)):
+        # Powers of two make every step divide the next octave's start, so classes stay monotone.
+        raise ValueError(f"granularity ({granularity}) and classes_per_octave ({classes_per_octave}) "
+                         f"must be powers of two")
+    octave_start = 1 << (length.bit_length() - 1)
+    step = max(granularity, octave_start // classes_per_octave)
+    padded = -(-length // step) * step
+    return min(padded, max(max_sequence, length))
+
+
+def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
+    """The padding spec of a model from its registry record's `static_profile`; None without a mask.
+
+    The mask input comes from the metadata (`sits.attention_mask`), the pad id from
+    `sits.pad_token_id`, the sequence input and axis from the profile's `sequence_axis` (or, when
+    that names the mask itself, the first other input with a dynamic axis). Outputs and other
+    inputs carry the sequence axis when their dim has the sequence input's dim name.
+    """
+    profile = static_profile or {}
+    metadata = profile.get("metadata") or {}
+    mask_input = metadata.get(MASK_INPUT_KEY)
+    if not mask_input:
+        return None
+    signature = profile.get("signature") or {}
+    inputs = {entry["name"]: entry for entry in signature.get("inputs", [])}
+    try:
+        pad_id = int(metadata.get(PAD_TOKEN_KEY, DEFAULT_PAD_TOKEN_ID))
+    except ValueError as err:
+        raise InvalidModel(f"metadata {PAD_TOKEN_KEY}={metadata[PAD_TOKEN_KEY]!r} is not an integer; "
+                           f"re-export the model with an integer pad token id") from err
+    sequence = profile.get("sequence_axis") or {}
+    if sequence.get("input") in (None, mask_input):
+        sequence = next(({"input": name, "axis": axis} for name, entry in inputs.items() if name != mask_input
+                         for axis in entry.get("dynamic_axes", []) if axis > 0), {})
+    mask_entry = inputs.get(mask_input)
+    if not sequence or mask_entry is None or len(mask_entry["shape"] or []) != 2:
+        raise InvalidModel(f"metadata {MASK_INPUT_KEY}={mask_input!r} needs a [batch, sequence] input of that "
+                           f"name and a token input with a dynamic sequence axis; fix the model's metadata")
+    name, axis = sequence["input"], int(sequence["axis"])
+    label = inputs[name]["shape"][axis]
+
+    def carrying(entries: Sequence[dict[str, Any]], skip: set[str]) -> tuple[tuple[str, int], ...]:
+        return tuple((entry["name"], index) for entry in entries if entry["name"] not in skip
+                     for index, dim in enumerate(entry["shape"] or []) if index > 0 and dim == label)
+
+    named = isinstance(label, str) and label != "?"  # an unnamed dim cannot be matched by name
+    return MaskSpec(
+        mask_input=mask_input, pad_id=pad_id, sequence_input=name, axis=axis, mask_dtype=mask_entry["dtype"],
+        other_inputs=carrying(list(inputs.values()), {name, mask_input}) if named else (),
+        sequence_outputs=carrying(signature.get("outputs", []), set()) if named else (),
+    )
+
+
+def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:
+    """Raise BadInput unless a client-sent mask has the shape of the sequence input (rows, length).
+
+    The mask says which tokens of those very rows are real, so any other shape is a client error
+    that must be caught at submit, not when the worker pads a merged batch.
+    """
+    mask, tokens = tensors.get(spec.mask_input), tensors[spec.sequence_input]
+    if mask is not None and mask.shape != tokens.shape:
+        raise BadInput(f"input '{spec.mask_input}' has shape {list(mask.shape)} but '{spec.sequence_input}' has "
+                       f"{list(tokens.shape)}; send one mask value per token, or leave the mask out")
+
+
+def sequence_length(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> int:
+    """A request's own sequence length: its sequence input's size along the sequence axis."""
+    return int(tensors[spec.sequence_input].shape[spec.axis])
+
+
+def _pad_to(array: np.ndarray, axis: int, length: int, value: int) -> np.ndarray:
+    missing = length - array.shape[axis]
+    if missing == 0:
+        return array
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, missing)
+    return np.pad(array, widths, constant_values=value)
+
+
+def pad_batch(per_request_tensors: Sequence[Mapping[str, np.ndarray]],
+              spec: MaskSpec) -> tuple[dict[str, np.ndarray], list[int]]:
+    """One feed for requests of different lengths, padded on the right; returns (feed, lengths).
+
+    Every request is padded to the longest one: the sequence input with the pad id, the other
+    sequence inputs and the mask with 0. A request without a mask gets ones over its own tokens; a
+    client-sent mask is kept as it is (its zeros stay zeros). Right padding leaves each real token's
+    position unchanged, so with the mask the outputs equal those of each request alone. `lengths`
+    is every request's own length, for `unpad_outputs`.
+    """
+    lengths = [sequence_length(tensors, spec) for tensors in per_request_tensors]
+    longest = max(lengths)
+    fills = {spec.sequence_input: (spec.axis, spec.pad_id), spec.mask_input: (spec.axis, 0),
+             **{name: (axis, 0) for name, axis in spec.other_inputs}}
+    names = [*per_request_tensors[0]]
+    if spec.mask_input not in names:
+        names.append(spec.mask_input)
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    for tensors in per_request_tensors:
+        check_mask(tensors, spec)
+        tokens = tensors[spec.sequence_input]
+        for name in names:
+            array = tensors.get(name)
+            if array is None and name == spec.mask_input:
+                array = np.ones(tokens.shape, dtype=spec.mask_dtype)
+            elif array is None:
+                raise BadInput(f"a request of the batch lacks input '{name}'; every request needs the same inputs")
+            axis, value = fills.get(name, (None, 0))
+            columns[name].append(array if axis is None else _pad_to(array, axis, longest, value))
+    return {name: np.concatenate(arrays) for name, arrays in columns.items()}, lengths
+
+
+def unpad_outputs(outputs: Mapping[str, np.ndarray], lengths: Sequence[int], rows_per_request: Sequence[int],
+                  spec: MaskSpec) -> list[dict[str, np.ndarray]]:
+    """Split a padded batch's outputs back per request, in order, as if each had run alone.
+
+    Each request gets its own rows of every output; outputs that carry the sequence axis
+    (`spec.sequence_outputs`) are also cut to the request's own length, dropping the padded
+    positions. Pooled outputs (no sequence axis) need no cut: the model pools real tokens only.
+    """
+    cut = dict(spec.sequence_outputs)
+    per_request: list[dict[str, np.ndarray]] = []
+    start = 0
+    for length, rows in zip(lengths, rows_per_request, strict=True):
+        own: dict[str, np.ndarray] = {}
+        for name, array in outputs.items():
+            part = array[start : start + rows]
+            if name in cut:
+                part = part[(slice(None),) * cut[name] + (slice(0, length),)]
+            own[name] = part
+        per_request.append(own)
+        start += rows
+    return per_request
