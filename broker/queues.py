@@ -48,19 +48,21 @@ def lease_batch(
     max_rows: int | None = None,
     max_tokens: int = 0,
     max_chunks: int | None = None,
+    requests_only: bool = False,
 ) -> list[LeasedItem]:
     """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
 
     Job chunks (and finalize steps) are leased in queue order, up to `max_chunks` (default
     `max_items`); online requests of one shape bucket are merged up to `max_items` requests,
-    `max_rows` rows and `max_tokens` tokens (0: no token limit).
+    `max_rows` rows and `max_tokens` tokens (0: no token limit). With `requests_only`, [] too
+    when the queue's head is not an online request.
     """
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
             args=[ticket, now, now + lease_seconds, max_items, max_rows or max_items, max_tokens,
-                  max_chunks or max_items],
+                  max_chunks or max_items, "1" if requests_only else "0"],
         )
     count = int(reply[0])
     if count < 0:
@@ -232,21 +234,23 @@ def release_ticket(store: Store, ticket: str) -> bool:
                 return released == 1
 
 
-def wait_for_doorbell(store: Store, ticket: str, *, now: float, timeout: float) -> bool:
+def wait_for_doorbell(store: Store, ticket: str, *, now: float, timeout: float, touch: bool = True) -> bool:
     """Block up to `timeout` seconds until an enqueue rings the doorbell (True) while `ticket` lingers.
 
     A lingering ticket keeps its drain task alive for a moment after the queues ran dry, so the next
     request is leased at once instead of waiting for a fresh Celery task (a publish on the API side
-    and a delivery on the worker side, the largest per-request costs before). The ticket is touched
-    so the reaper does not take it for lost; StaleTicket when it was replaced meanwhile.
+    and a delivery on the worker side, the largest per-request costs before). With `touch` the
+    ticket is marked seen first, so the reaper does not take it for lost (StaleTicket when it was
+    replaced meanwhile); the caller touches now and then, not on every wait.
     """
     with translate_redis_errors():
-        pipe = store.client.pipeline(transaction=False)
-        pipe.zscore(store.keys.tickets, ticket)
-        pipe.zadd(store.keys.tickets, {ticket: now}, xx=True)
-        seen, _ = pipe.execute()
-        if seen is None:
-            raise StaleTicket(ticket)
+        if touch:
+            pipe = store.client.pipeline(transaction=False)
+            pipe.zscore(store.keys.tickets, ticket)
+            pipe.zadd(store.keys.tickets, {ticket: now}, xx=True)
+            seen, _ = pipe.execute()
+            if seen is None:
+                raise StaleTicket(ticket)
         return store.client.blpop([store.keys.doorbell], timeout=max(timeout, 0.001)) is not None
 
 

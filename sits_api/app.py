@@ -23,6 +23,7 @@ from broker.errors import BadInput, PayloadTooLarge, SitsError
 from broker.store import Store
 from sits_api import online, services
 from sits_api.dispatch import Dispatcher
+from sits_api.jsonio import OrjsonProvider
 from sits_api.openapi import openapi_document
 from sits_api.schemas import JobSubmission, ModelRegistration, OnlineRequest
 from sits_api.v2 import v2
@@ -41,6 +42,7 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
     """The API app over the Redis named in `settings` (or the `store` given)."""
     app = Flask("sits_api")
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_body_bytes
+    app.json = OrjsonProvider(app)
     app.json.sort_keys = False  # type: ignore[attr-defined]
     store = store or Store.connect(settings.redis.url, settings.redis.key_prefix)
     app.extensions["sits"] = {

@@ -33,8 +33,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
     """Serve batches under `ticket`; returns 'released', 'stale' or 'yield' (re-queue the ticket)."""
     settings = ctx.settings.scheduler
     slice_ends = time.monotonic() + settings.ticket_time_slice
-    lease_seconds = settings.lease_timeout
     idle_since: float | None = None
+    touched_at = float("-inf")  # when this loop last marked its ticket seen while lingering
     try:
         while True:
             heads = _heads_after_psa(ctx)
@@ -42,7 +42,9 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                 idle_since = time.monotonic() if idle_since is None else idle_since
                 linger_left = settings.ticket_linger - (time.monotonic() - idle_since)
                 if linger_left > 0:
-                    queues.wait_for_doorbell(ctx.store, ticket, now=time.time(),
+                    touch = time.monotonic() - touched_at > settings.ticket_timeout / 4
+                    touched_at = time.monotonic() if touch else touched_at
+                    queues.wait_for_doorbell(ctx.store, ticket, now=time.time(), touch=touch,
                                              timeout=min(linger_left, _DOORBELL_SLICE_SECONDS))
                 elif queues.release_ticket(ctx.store, ticket):
                     return "released"
@@ -58,9 +60,7 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                 batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
                 if batching.max_queue_delay:
                     _wait_for_company(ctx, model_ref, batching.max_batch_size, batching.max_queue_delay)
-                leased = queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=lease_seconds,
-                                            max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
-                                            max_tokens=batching.max_batch_tokens, max_chunks=1, ticket=ticket)
+                leased = _lease(ctx, model_ref, ticket)
                 if leased:
                     ctx.last_served = model_ref
                     break
@@ -72,11 +72,60 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                         run_requests(ctx, leased)
                     else:
                         for item in leased:
-                            process_item(ctx, item, _keep_alive(ctx, item, ticket, lease_seconds))
+                            process_item(ctx, item, _between_batches(ctx, item, ticket))
             if time.monotonic() >= slice_ends:
                 return "yield"
     except StaleTicket:
         return "stale"
+
+
+def _lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False) -> list[queues.LeasedItem]:
+    """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time)."""
+    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+    return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
+                              max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
+                              max_tokens=batching.max_batch_tokens, max_chunks=1, ticket=ticket,
+                              requests_only=requests_only)
+
+
+def _between_batches(ctx: WorkerContext, item: queues.LeasedItem, ticket: str) -> Callable[[], None]:
+    """What a job's chunk calls between its mini-batches: keep its lease alive, and let urgent online
+    work through.
+
+    At most every `scheduler.yield_check_interval`, the queue heads are read; if an online request
+    waits that the order would serve before this chunk (its score beats the chunk's), one batch of
+    such requests runs right here, on this stream slot, before the chunk's next mini-batch. So an
+    offline job yields between batches without giving its chunk back, and a request never waits
+    for a whole chunk (a FIFO order never lets a later request pass the chunk).
+    """
+    keep_alive = _keep_alive(ctx, item, ticket, ctx.settings.scheduler.lease_timeout)
+    chunk_score = item.payload.get("score")
+    interval = ctx.settings.scheduler.yield_check_interval
+    next_look = time.monotonic() + interval
+
+    def between() -> None:
+        nonlocal next_look
+        keep_alive()
+        if not isinstance(chunk_score, int | float) or time.monotonic() < next_look:
+            return
+        served = _serve_one_urgent_batch(ctx, float(chunk_score), ticket)
+        next_look = time.monotonic() if served else time.monotonic() + interval  # look again next time
+
+    return between
+
+
+def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str) -> bool:
+    """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none."""
+    heads = ctx.queue_watcher.snapshot().heads
+    for model_ref, score in sorted(heads.items(), key=lambda head: head[1]):
+        if score >= chunk_score:
+            return False
+        leased = _lease(ctx, model_ref, ticket, requests_only=True)
+        if leased:
+            with _reserved(ctx, leased):
+                run_requests(ctx, leased)
+            return True
+    return False
 
 
 def _batch_estimate(ctx: WorkerContext, model_ref: str) -> tuple[int, float]:

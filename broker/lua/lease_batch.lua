@@ -11,6 +11,7 @@
 -- ARGV[5] most rows in the batch (merged online requests)
 -- ARGV[6] most tokens in the batch (0: no limit), padded tokens for requests that will be padded
 -- ARGV[7] most items when the head is a job chunk or finalize step
+-- ARGV[8] '1': lease only online requests (a head that is a job chunk or finalize step stays, {0})
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
 -- The head item always goes. Job chunks and finalize steps are taken in queue order up to
@@ -45,6 +46,9 @@ for index, item_id in ipairs(candidates) do
   local item = cjson.decode(payload)
   local is_request = item['kind'] == 'request'
   if index == 1 then
+    if ARGV[8] == '1' and not is_request then
+      return {0}
+    end
     picked[1] = {item_id, payload}
     online = is_request
     bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)

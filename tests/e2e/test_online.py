@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sits_worker.model.zoo import mlp_reference
-from tests.e2e.stack_helpers import direct_run, register, start_stack
+from tests.e2e.stack_helpers import direct_run, register, start_stack, wait_job
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +96,32 @@ def delayed_stack(tmp_path_factory):
                 "models": {"transformer": {"max_batch_tokens": 64}}})
     running = Stack(settings, worker_count=1, api_port=0).start()
     models = build_zoo(home / "models")
-    for name in ("mlp", "transformer"):
+    for name in ("mlp", "transformer", "convnet"):
         register(running.client(), name, models[name])
     yield running
     running.stop()
+
+
+def test_a_running_job_yields_between_mini_batches_to_a_request_that_outranks_it(delayed_stack):
+    """One stream slot, busy with one long job chunk: the request is served on that slot between two of
+    the chunk's mini-batches, long before the chunk ends (it does not wait for the whole chunk)."""
+    client = delayed_stack.client()
+    pixels = np.random.default_rng(0).standard_normal((1500, 3, 32, 32)).astype(np.float32)
+    np.save(delayed_stack.home / "busy.npy", pixels)
+    job = client.post("/v1/jobs", {"model": "convnet", "input_batch": str(delayed_stack.home / "busy.npy"),
+                                   "chunk_size": 1500, "batch_size": 16,
+                                   "output_dir": str(delayed_stack.home / "busy-out")})
+    wait_job(client, job["id"], until=lambda j: j["status"] == "running")
+    time.sleep(0.2)  # the chunk is leased and running its mini-batches
+
+    result = client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[0.5] * 64]}, "priority": 8,
+                                          "user_tier": "vip", "wait": True})
+    during = client.get(f"/v1/jobs/{job['id']}")
+
+    assert result["status"] == "succeeded"
+    assert during["status"] == "running" and during["chunks_done"] == 0, during
+    finished = wait_job(client, job["id"])
+    assert finished["status"] == "succeeded", finished
 
 
 def test_max_queue_delay_lets_a_batch_fill_up(delayed_stack):
@@ -140,3 +162,24 @@ def test_token_requests_of_nearby_lengths_are_padded_into_batches_within_max_bat
     class_32 = [result["batch_size"] for length, result in zip(lengths, results, strict=True) if length > 16]
     assert max(class_16) == 4, class_16  # merged across different lengths, and no further than the budget
     assert max(class_32) <= 2, class_32
+
+
+def test_an_idle_ticket_lingers_for_the_next_request_then_retires(stack):
+    """Within `ticket_linger` (1 s) of the last batch the next request is served without a new drain
+    task (no new ticket); after it, the tickets retire and the next request creates one again."""
+    client, store = stack.client(), stack.store
+    body = {"model": "mlp", "inputs": {"features": [[0.25] * 64]}, "wait": True}
+
+    assert client.post("/v1/requests", body)["status"] == "succeeded"
+    tickets_made = int(store.client.get(store.keys.ticket_seq))
+    time.sleep(0.2)
+    assert client.post("/v1/requests", body)["status"] == "succeeded"
+    assert int(store.client.get(store.keys.ticket_seq)) == tickets_made
+    assert store.client.zcard(store.keys.tickets) >= 1  # lingering
+
+    deadline = time.monotonic() + 10
+    while store.client.zcard(store.keys.tickets):
+        assert time.monotonic() < deadline, "the idle tickets never retired"
+        time.sleep(0.1)
+    assert client.post("/v1/requests", body)["status"] == "succeeded"
+    assert int(store.client.get(store.keys.ticket_seq)) > tickets_made

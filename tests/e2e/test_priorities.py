@@ -16,7 +16,9 @@ def stack(tmp_path_factory):
     from sits_worker.model.zoo import build_zoo
 
     home = tmp_path_factory.mktemp("prio") / "home"
-    settings = stack_settings(home, streams=1).with_overrides(online={"batching": {"max_batch_size": 1}})
+    settings = stack_settings(home, streams=1).with_overrides(
+        online={"batching": {"max_batch_size": 1}},
+        scheduler={"yield_check_interval": "1h"})  # the job's chunk must hold the only stream: requests queue up
     running = Stack(settings, worker_count=1, api_port=0).start()
     models = build_zoo(home / "models")
     for name in ("mlp", "convnet", "transformer"):
