@@ -33,6 +33,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -298,6 +299,49 @@ def stop_process(process: subprocess.Popen[bytes] | None) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def rest_floor(requests: list[dict[str, list]], clients: int, seconds: float, model: str) -> dict[str, Any]:
+    """Closed loop against benchmarks/rest_floor.py under the API's gunicorn settings: what REST alone costs."""
+    settings = Settings()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "benchmarks.rest_floor:app", "--bind", f"127.0.0.1:{port}",
+         "--workers", str(settings.api.workers), "--worker-class", "gthread", "--threads", str(settings.api.threads),
+         "--log-level", "warning"], cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("the REST floor server did not start") from None
+                time.sleep(0.1)
+        meter = CpuMeter({"clients (bench)": os.getpid(), "SITS api": server.pid})
+        connections: list[Http] = []
+
+        def make_call(index: int) -> Callable[[int], Any]:
+            http_ = Http(f"http://127.0.0.1:{port}", "none")
+            connections.append(http_)
+
+            def call(n: int) -> None:
+                status, _ = http_.call("POST", "/v1/requests", {
+                    "model": model, "inputs": requests[(index * 7919 + n) % len(requests)], "wait": True})
+                if status != 200:
+                    raise RuntimeError(f"status {status}")
+            return call
+
+        try:
+            return closed_loop(clients, seconds, make_call, meter)
+        finally:
+            for connection in connections:
+                connection.close()
+    finally:
+        stop_process(server)
 
 
 # --- 4. idle latency ---------------------------------------------------------------------------------
@@ -624,7 +668,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="length of one load run (default 5 quick, 15 full)")
     parser.add_argument("--repeats", type=int, help="alternating naive/SITS runs per model (default 1 quick, 3 full)")
     parser.add_argument("--models", default="mlp,convnet")
-    parser.add_argument("--parts", default="ceiling,load,idle,priority,scenarios", help="which parts to run")
+    parser.add_argument("--parts", default="ceiling,load,floor,idle,priority,scenarios",
+                        help="which parts to run (floor: REST alone, measured after each model's load runs)")
     parser.add_argument("--priority-cases", help="scenario 5 as model:max_batch_size, comma-separated"
                         " (default convnet:1 quick, convnet:1,mlp:8 full)")
     parser.add_argument("--backlog", type=int, default=128, help="waiting free requests kept in scenario 5")
@@ -661,6 +706,7 @@ def main() -> None:
         stack = Stack(settings, worker_count=1, api_port=0)
         naive: subprocess.Popen[bytes] | None = None
         load_rows: list[tuple[str, dict, dict]] = []
+        floors: dict[str, dict[str, Any]] = {}
         idle: dict[str, float] = {}
         phases: list[dict[str, Any]] = []
         scenario_results: list[tuple[str, list[dict[str, Any]]]] = []
@@ -707,6 +753,10 @@ def main() -> None:
                           f"{naive_runs[-1]['rps']:.0f} req/s, SITS {sits_runs[-1]['rps']:.0f} req/s "
                           f"(batch {sits_runs[-1]['mean_batch']:.1f})", file=sys.stderr, flush=True)
                 load_rows.append((model, median_run(naive_runs), median_run(sits_runs)))
+                if "floor" in parts:
+                    floors[model] = rest_floor(requests, args.clients, seconds, model)
+                    print(f"[{time.monotonic() - begun:5.0f}s] {model} REST floor {floors[model]['rps']:.0f} req/s",
+                          file=sys.stderr, flush=True)
             stop_process(naive)
             naive = None
 
@@ -738,7 +788,7 @@ def main() -> None:
             stop_process(naive)
             stack.stop()
 
-    print_report(args, seconds, repeats, ceilings, load_rows, idle, phases, idle_count)
+    print_report(args, seconds, repeats, ceilings, load_rows, idle, phases, idle_count, floors)
     if scenario_results:
         print("\n### Load scenarios, FIFO vs dynamic priority: latency = created to finished in the server's"
               " record; over deadline = share of all finished requests with latency > their deadline_ms;"
@@ -747,7 +797,7 @@ def main() -> None:
         print_scenarios(scenario_results)
     print(f"\n(total wall time {time.monotonic() - begun:.0f} s)")
     if args.json:
-        results = {"quick": args.quick, "ceilings": ceilings, "idle": idle, "priority": phases,
+        results = {"quick": args.quick, "ceilings": ceilings, "idle": idle, "priority": phases, "floors": floors,
                    "load": [{"model": model, "naive": naive, "sits": sits} for model, naive, sits in load_rows],
                    "scenarios": [{"title": title, "runs": runs} for title, runs in scenario_results]}
         args.json.write_text(json.dumps(results, indent=1, default=str))
@@ -763,7 +813,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_report(args: argparse.Namespace, seconds: float, repeats: int, ceilings: dict, load_rows: list,
-                 idle: dict, phases: list, idle_count: int) -> None:
+                 idle: dict, phases: list, idle_count: int, floors: dict[str, dict[str, Any]]) -> None:
     print(f"\nConfiguration: 2 vCPUs; SITS = 1 CPU worker, {STREAMS} streams x {ORT_THREADS} ONNX Runtime intra-op"
           f" thread, scheduler.policy {Settings().scheduler.policy}, default batching (max_batch_size 64,"
           f" max_queue_delay 0), API gunicorn {Settings().api.workers} processes x {Settings().api.threads} threads,"
@@ -805,6 +855,21 @@ def print_report(args: argparse.Namespace, seconds: float, repeats: int, ceiling
                 busy = sum(run["cpu"].values()) / run["elapsed"]
                 print(f"| {model} | {side} | " + " | ".join(f"{value:.2f}" for value in per)
                       + f" | {sum(per):.2f} | {busy:.2f} |")
+
+    if floors:
+        print("\n### The REST floor: the same clients against a Flask app under the same gunicorn settings that only"
+              " parses each request and answers (benchmarks/rest_floor.py: no model, no Redis)\n")
+        print("| model (payload) | REST floor req/s | API CPU ms per request | clients CPU ms per request |"
+              " SITS req/s | SITS / floor | naive req/s | floor / naive |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for model, naive, sits in load_rows:
+            if model not in floors:
+                continue
+            floor = floors[model]
+            floor_cpu = {name: value * 1000 / max(floor["done"], 1) for name, value in floor["cpu"].items()}
+            print(f"| {model} | {floor['rps']:,.0f} | {floor_cpu.get('SITS api', 0.0):.2f} |"
+                  f" {floor_cpu.get('clients (bench)', 0.0):.2f} | {sits['rps']:,.0f} |"
+                  f" {sits['rps'] / floor['rps']:.2f} | {naive['rps']:,.0f} | {floor['rps'] / naive['rps']:.2f} |")
 
     if idle:
         print(f"\n### Idle latency: one client, {idle_count} sequential one-row MLP requests (20 ms apart),"
