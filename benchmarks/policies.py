@@ -1,12 +1,23 @@
 """The policy table: round-robin vs graph-aware-backfill on a mixed stream of three zoo models.
 
-For each policy (and each device-memory setting) one stack runs: 1 CPU worker with 2 streams
-(1 ONNX Runtime thread each), mlp + convnet + transformer registered, and C client threads
-sending one-row requests, each thread to one model, for a fixed time. Reported: req/s, P99
-latency per model and overall, mean batch, and the worker's time-weighted memory
-fragmentation (reserved but unused / reserved, reservations in 128 MiB units).
+For each configuration and policy one stack runs: 1 CPU worker with 2 streams (1 ONNX Runtime
+thread each), mlp + convnet + transformer registered, and C closed-loop client threads sending
+one-row requests (each thread to one model, a third of them per model) for a fixed time, after one
+warm-up request per model. Runs alternate (round-robin, graph-aware-backfill, round-robin, ...) on
+the same machine. Reported per configuration and policy: req/s (overall, per model), P99 latency
+(overall, per model), mean batch, and from the worker's memory ledger the time-weighted
+fragmentation (reserved but unused / reserved), batches running (of 2 stream slots) and memory
+reserved (share of the device), memory waits (a free slot found work but memory admitted none; it
+polls again about 1 ms later) and backfills (it got batches around a head that did not fit); and
+the CPU seconds the worker and the API used per second.
 
-    python benchmarks/policies.py [--seconds 10] [--clients 12] [--memory 16GiB,384MiB]
+Configurations:
+  default       the shipped settings: 16 GiB device, 128 MiB units; transformer requests of 16 tokens
+  memory-bound  a CPU worker on a shared box capped at 256 MiB of activations, 16 MiB units;
+                transformer requests of 512 tokens (15.6 MiB of activations each by the profile)
+
+    python benchmarks/policies.py --quick   # about 1 minute: 6 s runs, one of each
+    python benchmarks/policies.py           # about 3.5 minutes: 10 s runs, 3 alternating rounds
 """
 
 from __future__ import annotations
@@ -18,19 +29,49 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.online import CpuMeter  # noqa: E402
 from broker.config import Settings  # noqa: E402
 from sits_api.cli.client import ApiClient, ApiError  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
-MODELS = {"mlp": ("features", (64,), np.float32), "convnet": ("pixels", (3, 32, 32), np.float32),
-          "transformer": ("input_ids", (16,), np.int64)}
+POLICIES = ("round-robin", "graph-aware-backfill")
+STREAMS = 2
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row group of the table: device settings a user could run, and the request mix."""
+
+    name: str
+    device_memory: str
+    granularity: str
+    transformer_tokens: int
+    explanation: str
+
+    def inputs(self) -> dict[str, tuple[str, tuple[int, ...], Any]]:
+        """Model -> (input name, one request's shape without the batch axis, dtype)."""
+        return {"mlp": ("features", (64,), np.float32), "convnet": ("pixels", (3, 32, 32), np.float32),
+                "transformer": ("input_ids", (self.transformer_tokens,), np.int64)}
+
+
+CONFIGS = {
+    "default": Config("default", "16GiB", "128MiB", 16,
+                      "shipped settings (16 GiB device, 128 MiB units), transformer requests of 16 tokens: "
+                      "every batch needs a few MiB, memory never binds"),
+    "memory-bound": Config("memory-bound", "256MiB", "16MiB", 512,
+                           "CPU worker capped at 256 MiB on a shared box, 16 MiB units, transformer requests "
+                           "of 512 tokens (15.6 MiB each): a full transformer batch (256 MiB by the profile) "
+                           "fits only on an idle device"),
+}
 
 
 def b64(array: np.ndarray) -> str:
@@ -39,31 +80,39 @@ def b64(array: np.ndarray) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def run(policy: str, memory: str, seconds: float, clients: int) -> dict:
+def run(config: Config, policy: str, seconds: float, clients: int) -> dict[str, Any]:
+    """One stack under `policy` and `config`; the raw figures of one run."""
+    models = config.inputs()
     with tempfile.TemporaryDirectory(prefix="sits-policy-") as tmp:
         home = Path(tmp)
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
-            scheduler={"policy": policy}, resources={"max_concurrent_streams": 2, "intra_op_threads": 1,
-                                                     "device_memory": memory},
+            scheduler={"policy": policy},
+            resources={"max_concurrent_streams": STREAMS, "intra_op_threads": 1,
+                       "device_memory": config.device_memory, "gpu_memory_granularity": config.granularity},
             api={"port": 0})
         with Stack(settings, worker_count=1, api_port=0) as stack:
             paths = build_zoo(home / "models")
             admin = stack.client()
-            for name in MODELS:
+            for name in models:
                 admin.post("/v1/models", {"name": name, "path": str(paths[name])})
             admin.request("PUT", "/v1/policy", {"ordering": "dynamic"})
             rng = np.random.default_rng(0)
             bodies = {}
-            for name, (input_name, shape, dtype) in MODELS.items():
+            for name, (input_name, shape, dtype) in models.items():
                 is_ids = dtype == np.int64
-                data = rng.integers(0, 1000, size=(1, *shape)) if is_ids else rng.standard_normal((1, *shape))
+                data = rng.integers(1, 1000, size=(1, *shape)) if is_ids else rng.standard_normal((1, *shape))
                 bodies[name] = {"model": name, "inputs": {input_name: {"b64": b64(data.astype(dtype))}}, "wait": True}
-            latencies: dict[str, list[float]] = {name: [] for name in MODELS}
+            for body in bodies.values():  # load every session before the clock starts
+                admin.post("/v1/requests", body)
+            latencies: dict[str, list[float]] = {name: [] for name in models}
             batches: list[int] = []
             errors = [0]
-            ends = time.monotonic() + seconds
             lock = threading.Lock()
+            pids = {"worker": next(child.process.pid for child in stack.children if child.name == "worker0"),
+                    "SITS api": next(child.process.pid for child in stack.children if child.name == "api")}
+            meter = CpuMeter(pids)
+            ends = time.monotonic() + seconds
 
             def client(name: str) -> None:
                 api = ApiClient(stack.api_url, stack.api_key)
@@ -79,39 +128,85 @@ def run(policy: str, memory: str, seconds: float, clients: int) -> dict:
                         latencies[name].append((time.perf_counter() - started) * 1000)
                         batches.append(answer.get("batch_size") or 0)
 
-            threads = [threading.Thread(target=client, args=(list(MODELS)[i % len(MODELS)],)) for i in range(clients)]
+            threads = [threading.Thread(target=client, args=(list(models)[i % len(models)],)) for i in range(clients)]
+            meter.start()
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
+            cpu = meter.stop()
             time.sleep(2.5)  # one more heartbeat carries the ledger's final figures
-            memory_stats = admin.get("/v1/status")["workers"][0]["memory"]
-    every = [value for values in latencies.values() for value in values]
-    return {"policy": policy, "memory": memory, "rps": len(every) / seconds,
+            memory = admin.get("/v1/status")["workers"][0]["memory"]
+    return {"latencies": latencies, "batches": batches, "errors": errors[0], "seconds": seconds,
+            "memory": memory, "cpu": {name: value / seconds for name, value in cpu.items()}}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pool the rounds of one (config, policy): latencies and counts pooled, ledger figures averaged."""
+    seconds = sum(run["seconds"] for run in runs)
+    by_model = {name: [v for run in runs for v in run["latencies"][name]] for name in runs[0]["latencies"]}
+    every = [v for values in by_model.values() for v in values]
+    batches = [b for run in runs for b in run["batches"]]
+
+    def mean(pick: Any) -> float:
+        return float(np.mean([pick(run) for run in runs]))
+
+    return {"rps": len(every) / seconds,
+            "rps_rounds": [sum(len(v) for v in run["latencies"].values()) / run["seconds"] for run in runs],
+            "rps_by_model": {name: len(values) / seconds for name, values in by_model.items()},
             "p99": float(np.percentile(every, 99)) if every else float("nan"),
-            "p99_by_model": {name: float(np.percentile(v, 99)) if v else float("nan") for name, v in latencies.items()},
+            "p99_by_model": {name: float(np.percentile(v, 99)) if v else float("nan") for name, v in by_model.items()},
             "mean_batch": float(np.mean(batches)) if batches else 0.0,
-            "fragmentation": memory_stats["fragmentation_mean"], "errors": errors[0]}
+            "fragmentation": mean(lambda run: run["memory"]["fragmentation_mean"]),
+            "running": mean(lambda run: run["memory"].get("batches_running_mean", float("nan"))),
+            "reserved": mean(lambda run: run["memory"].get("reserved_share_mean", float("nan"))),
+            "cpu_worker": mean(lambda run: run["cpu"]["worker"]), "cpu_api": mean(lambda run: run["cpu"]["SITS api"]),
+            "waits": mean(lambda run: run["memory"].get("memory_waits", 0)),
+            "backfills": mean(lambda run: run["memory"].get("backfills", 0)),
+            "capacity": runs[0]["memory"]["capacity_bytes"], "errors": sum(run["errors"] for run in runs)}
+
+
+def print_table(config: Config, rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"\n{config.name}: {config.explanation}.")
+    capacity = next(iter(rows.values()))["capacity"] / 2**20
+    print(f"device_memory {config.device_memory} (the worker's ledger: {capacity:.0f} MiB), gpu_memory_granularity "
+          f"{config.granularity}; {args.clients} "
+          f"closed-loop clients, {args.seconds:.0f} s x {args.rounds} round(s) per policy; 1 CPU worker, "
+          f"{STREAMS} streams x 1 ORT thread; dynamic ordering\n")
+    print("| policy | req/s | req/s mlp / convnet / transformer | P99 ms | P99 mlp | P99 convnet | P99 transformer | "
+          "mean batch | fragmentation | batches running (of 2) | memory reserved | worker / API CPU (cores) | "
+          "memory waits / backfills | errors |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for policy, row in rows.items():
+        rps, p99 = row["rps_by_model"], row["p99_by_model"]
+        spread = (f" ({min(row['rps_rounds']):.0f}-{max(row['rps_rounds']):.0f})"
+                  if len(row["rps_rounds"]) > 1 else "")
+        print(f"| {policy} | {row['rps']:.0f}{spread} | {rps['mlp']:.0f} / {rps['convnet']:.0f} / "
+              f"{rps['transformer']:.0f} | {row['p99']:.1f} | {p99['mlp']:.1f} | {p99['convnet']:.1f} | "
+              f"{p99['transformer']:.1f} | {row['mean_batch']:.1f} | {row['fragmentation'] * 100:.1f} % | "
+              f"{row['running']:.2f} | {row['reserved'] * 100:.1f} % | {row['cpu_worker']:.2f} / "
+              f"{row['cpu_api']:.2f} | {row['waits']:.0f} / {row['backfills']:.0f} | {row['errors']} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--quick", action="store_true", help="6 s runs, one round (about 2 minutes)")
+    parser.add_argument("--seconds", type=float, help="seconds per run (default 10, quick 6)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds per policy (default 3, quick 1)")
     parser.add_argument("--clients", type=int, default=12)
-    parser.add_argument("--memory", default="16GiB,384MiB", help="device memory settings to run")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)}")
     args = parser.parse_args()
-    rows = [run(policy, memory, args.seconds, args.clients) for memory in args.memory.split(",")
-            for policy in ("round-robin", "graph-aware-backfill")]
-    print(f"\nMixed stream (mlp, convnet, transformer 16 tokens), {args.clients} closed-loop clients, "
-          f"{args.seconds:.0f} s each; 1 CPU worker, 2 streams x 1 ORT thread; dynamic ordering\n")
-    print("| device memory | policy | req/s | P99 ms | P99 mlp | P99 convnet | P99 transformer | mean batch | "
-          "fragmentation | errors |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for row in rows:
-        by = row["p99_by_model"]
-        print(f"| {row['memory']} | {row['policy']} | {row['rps']:.0f} | {row['p99']:.1f} | {by['mlp']:.1f} | "
-              f"{by['convnet']:.1f} | {by['transformer']:.1f} | {row['mean_batch']:.1f} | "
-              f"{row['fragmentation'] * 100:.1f} % | {row['errors']} |")
+    args.seconds = args.seconds or (6.0 if args.quick else 10.0)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    configs = [CONFIGS[name] for name in args.configs.split(",")]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for _ in range(args.rounds):
+        for config in configs:
+            for policy in POLICIES:
+                runs.setdefault((config.name, policy), []).append(run(config, policy, args.seconds, args.clients))
+    print(f"\nMixed stream of one-row requests to mlp, convnet and transformer ({' '.join(sys.argv[1:]) or 'full'})")
+    for config in configs:
+        print_table(config, {policy: summarize(runs[(config.name, policy)]) for policy in POLICIES}, args)
 
 
 if __name__ == "__main__":

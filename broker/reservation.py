@@ -7,11 +7,15 @@ count, not a fixed batch size). Fragmentation = reserved but unused bytes /
 reserved bytes.
 
 Under `graph-aware-backfill` the model at the head of the priority order
-keeps its claim: when its batch does not fit now, other models' batches may
-run only if they fit in the free memory and, by their profiled latency,
-finish before the head's batch could start (when enough running batches have
-ended) — so they never delay it. The other policies simply wait for memory.
-Pure logic and one in-process ledger per worker (one worker owns one device).
+keeps its claim on a full batch: when that does not fit now, batches that
+would not delay it may run: sized by the profile (bytes and seconds per row
+or token) to the free memory and to end before the head's batch could start,
+or to the memory the head leaves free beside it then. Inference batches are
+divisible, so a backfill batch is cut to the hole rather than refused (the
+specification's "smaller batches from other models fill the remaining
+memory"); a part of the head model's own queue may go the same way. The
+other policies simply wait for memory. Pure logic and one in-process ledger
+per worker (one worker owns one device).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker.scoring import estimate_latency_ms
+
 
 def round_up(need_bytes: int, granularity: int) -> int:
     """The reservation for `need_bytes`: whole granularity units, at least one."""
@@ -30,9 +36,84 @@ def round_up(need_bytes: int, granularity: int) -> int:
 
 def batch_need_bytes(static_profile: dict[str, Any], *, rows: int, tokens: int | None) -> int:
     """Activation memory of one batch from the static profile (per token for token models)."""
-    if static_profile.get("sequence_axis") and tokens:
-        return int(static_profile.get("activation_bytes_per_token") or 0) * tokens
-    return int(static_profile.get("activation_bytes_per_sample") or 0) * rows
+    return BatchCost.of({"static_profile": static_profile}, max_rows=rows, max_tokens=0).need_bytes(
+        rows=rows, tokens=tokens)
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """What one model's batches cost by its profile, within its configured batch limits.
+
+    Token models (a sequence axis) are costed per token: memory and time scale with the tokens
+    in the batch; one row at the profile's reference length is `reference_tokens` tokens.
+    """
+
+    bytes_per_row: int
+    seconds_per_row: float
+    max_rows: int
+    max_tokens: int = 0
+    """The configured token limit (0: none)."""
+    bytes_per_token: int = 0
+    reference_tokens: int = 0
+    """0 for a model without a sequence axis."""
+
+    @classmethod
+    def of(cls, record: dict[str, Any], *, max_rows: int, max_tokens: int) -> BatchCost:
+        """The cost of a registry record's batches: static activation bytes, profiled seconds per row."""
+        static = record.get("static_profile") or {}
+        per_row = int(static.get("activation_bytes_per_sample") or 0)
+        per_token = int(static.get("activation_bytes_per_token") or 0) if static.get("sequence_axis") else 0
+        reference = int(static.get("reference_sequence_length") or 0) or (per_row // per_token if per_token else 0)
+        return cls(bytes_per_row=per_row, seconds_per_row=estimate_latency_ms(record, rows=1, tokens=None) / 1000,
+                   max_rows=max_rows, max_tokens=max_tokens, bytes_per_token=per_token,
+                   reference_tokens=max(reference, 1) if per_token else 0)
+
+    @property
+    def full_tokens(self) -> int:
+        """Tokens of a full batch: `max_rows` rows at the reference length, within `max_tokens`."""
+        full = self.max_rows * self.reference_tokens
+        return min(full, self.max_tokens) if self.max_tokens else full
+
+    def need_bytes(self, *, rows: int, tokens: int | None = None) -> int:
+        """Activation bytes of a batch of `rows` rows (`tokens` tokens for a token model)."""
+        if self.reference_tokens and tokens:
+            return self.bytes_per_token * tokens
+        return self.bytes_per_row * rows
+
+    def full_need(self) -> int:
+        """Bytes of a full batch (what the head of the priority order claims)."""
+        return self.need_bytes(rows=self.max_rows, tokens=self.full_tokens or None)
+
+    def seconds(self, *, rows: int, tokens: int | None = None) -> float:
+        """Expected run time of a batch of `rows` rows (`tokens` tokens for a token model)."""
+        if self.reference_tokens and tokens:
+            return self.seconds_per_row * tokens / self.reference_tokens
+        return self.seconds_per_row * rows
+
+    def within(self, model: str, free_bytes: int, seconds: float) -> Admission | None:
+        """The largest batch that needs at most `free_bytes` and runs at most `seconds` (inf: any
+        time), or None when not even one row (one reference-length sequence) would."""
+        def most(unit_bytes: int, unit_seconds: float, limit: int) -> int:
+            by_memory = free_bytes // unit_bytes if unit_bytes > 0 else limit
+            by_time = int(seconds / unit_seconds) if unit_seconds > 0 and seconds < math.inf else limit
+            return min(limit, by_memory, by_time)
+
+        if self.reference_tokens:
+            tokens = most(self.bytes_per_token, self.seconds_per_row / self.reference_tokens, self.full_tokens)
+            smallest = min(self.reference_tokens, self.full_tokens)
+            return Admission(model, self.max_rows, tokens) if tokens >= smallest else None
+        rows = most(self.bytes_per_row, self.seconds_per_row, self.max_rows)
+        return Admission(model, rows, self.max_tokens) if rows >= 1 else None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A model a free stream slot may lease from now, and the most rows and tokens its batch may take."""
+
+    model: str
+    max_rows: int
+    max_tokens: int
+    """0: no token limit."""
 
 
 @dataclass
@@ -51,16 +132,31 @@ class MemoryLedger:
     _running: dict[int, _Running] = field(default_factory=dict)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _reserved_area: float = 0.0  # byte-seconds reserved, since the ledger was made
+    _reserved_area: float = 0.0  # byte-seconds reserved, since the first reservation
     _used_area: float = 0.0
+    _running_area: float = 0.0  # batch-seconds: the integral of the number of batches running
+    _first_at: float | None = None
     _changed_at: float | None = None
+    _events: dict[str, int] = field(default_factory=lambda: {"memory_waits": 0, "backfills": 0})
+
+    def count(self, event: str) -> None:
+        """Count an admission decision for the stats: 'memory_waits' (a free slot with work waiting
+        got nothing, for memory) or 'backfills' (it got batches around a head that did not fit)."""
+        with self._lock:
+            self._events[event] = self._events.get(event, 0) + 1
+
+    def whole_units(self, nbytes: int) -> int:
+        """`nbytes` rounded down to whole granularity units: what reservations can really use of it."""
+        return max(0, nbytes) // self.granularity * self.granularity
 
     def _integrate(self, now: float) -> None:
-        """Add the time since the last change to the reserved and used byte-seconds (lock held)."""
+        """Add the time since the last change to the reserved, used and running integrals (lock held)."""
         if self._changed_at is not None and now > self._changed_at:
             elapsed = now - self._changed_at
             self._reserved_area += elapsed * sum(run.reserved for run in self._running.values())
             self._used_area += elapsed * sum(run.used for run in self._running.values())
+            self._running_area += elapsed * len(self._running)
+        self._first_at = now if self._first_at is None else self._first_at
         self._changed_at = now
 
     def reserve(self, need_bytes: int, *, now: float, expected_seconds: float) -> int:
@@ -91,8 +187,9 @@ class MemoryLedger:
             reserved = sum(run.reserved for run in self._running.values())
             return not self._running or reserved + round_up(need_bytes, self.granularity) <= self.capacity_bytes
 
-    def shadow_time(self, need_bytes: int, *, now: float) -> float:
-        """When, by the expected end of running batches, a batch needing `need_bytes` could start."""
+    def head_window(self, need_bytes: int, *, now: float) -> tuple[float, int]:
+        """(When a batch needing `need_bytes` could start, by the expected end of running batches;
+        the bytes still free beside it then): EASY's shadow time and extra memory."""
         with self._lock:
             runs = sorted(self._running.values(), key=lambda run: run.ends_at)
             reserved = sum(run.reserved for run in runs)
@@ -102,35 +199,62 @@ class MemoryLedger:
                 break
             reserved -= run.reserved
             now = max(now, run.ends_at)
-        return now
+        return now, max(0, self.capacity_bytes - reserved - target)
 
     def stats(self) -> dict[str, Any]:
-        """Reserved and used bytes, fragmentation, batches running."""
+        """Reserved and used bytes, fragmentation, batches running: now, and time-weighted means.
+
+        The means run from the first reservation to the last release: `batches_running_mean` below
+        the stream count while work waited means stream slots stood idle (waiting for memory, or
+        for work); `reserved_share_mean` is how full the reservations kept the device. The counts
+        `memory_waits` and `backfills` are admission decisions (a waiting slot polls about every
+        millisecond, so waits are roughly milliseconds of one slot).
+        """
         with self._lock:
             reserved = sum(run.reserved for run in self._running.values())
             used = sum(run.used for run in self._running.values())
             count = len(self._running)
-            reserved_area, used_area = self._reserved_area, self._used_area
-        return {"capacity_bytes": self.capacity_bytes, "reserved_bytes": reserved, "used_bytes": used,
+            reserved_area, used_area, running_area = self._reserved_area, self._used_area, self._running_area
+            span = (self._changed_at or 0.0) - (self._first_at or 0.0)
+            events = dict(self._events)
+        return {**events, "capacity_bytes": self.capacity_bytes, "reserved_bytes": reserved, "used_bytes": used,
                 "fragmentation": round((reserved - used) / reserved, 4) if reserved else 0.0,
                 "fragmentation_mean": round(1 - used_area / reserved_area, 4) if reserved_area else 0.0,
-                "batches_running": count}
+                "batches_running": count,
+                "batches_running_mean": round(running_area / span, 4) if span > 0 else 0.0,
+                "reserved_share_mean": round(reserved_area / (span * self.capacity_bytes), 4) if span > 0 else 0.0}
 
 
-def admissible_models(ordered: Sequence[str], need_of: Callable[[str], int], seconds_of: Callable[[str], float],
-                      ledger: MemoryLedger, *, now: float, backfill: bool) -> list[str]:
-    """The models a free stream slot may lease from now, in order.
+def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: MemoryLedger, *, now: float,
+          backfill: bool) -> list[Admission]:
+    """The batches a free stream slot may lease from now, in order, each with its row and token limits.
 
-    The head (first in `ordered`) if its batch fits. Otherwise nothing, unless `backfill`: then
-    the others whose batch fits now and ends before the head's batch could start.
+    The head (first in `ordered`) with its full limits when its full batch fits (the others, tried
+    when the head's queue is empty by the time the slot leases, cut to the free memory). Otherwise
+    nothing, unless `backfill`: then every model, the head's own included, with a batch cut by its
+    profile to the free memory and to end before the head's full batch could start, or to the
+    memory the head leaves free beside it then (no time limit): either way the head is not delayed.
+    The lease always takes the first waiting request, so a token limit can be passed by one request.
     """
     if not ordered:
         return []
-    head = ordered[0]
-    if ledger.fits(need_of(head)):
-        return list(ordered)
+    head_cost = cost_of(ordered[0])
+    free = ledger.whole_units(ledger.free_bytes())
+    if ledger.fits(head_cost.full_need()):
+        head = Admission(ordered[0], head_cost.max_rows, head_cost.max_tokens)
+        others = (cost_of(model).within(model, free, math.inf) for model in ordered[1:])
+        return [head, *(admission for admission in others if admission)]
     if not backfill:
+        ledger.count("memory_waits")
         return []
-    shadow = ledger.shadow_time(need_of(head), now=now)
-    return [model for model in ordered[1:]
-            if ledger.fits(need_of(model)) and now + seconds_of(model) <= shadow]
+    start, beside = ledger.head_window(head_cost.full_need(), now=now)
+    admitted = []
+    for model in ordered:
+        cost = cost_of(model)
+        in_time = cost.within(model, free, start - now)
+        beside_head = cost.within(model, min(free, ledger.whole_units(beside)), math.inf)
+        choices = [admission for admission in (in_time, beside_head) if admission]
+        if choices:  # both cut the same model, so the larger is the one with more rows, then tokens
+            admitted.append(max(choices, key=lambda admission: (admission.max_rows, admission.max_tokens)))
+    ledger.count("backfills" if admitted else "memory_waits")
+    return admitted

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 
 from broker import jobs, policy, queues, requests, reservation
 from broker.queues import StaleTicket
-from broker.scoring import estimate_latency_ms
 from broker.wakeup import SendTicket, wake_workers
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
@@ -53,14 +52,14 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             leased = []
             now = time.time()
             order = policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served)
-            allowed = reservation.admissible_models(
-                order, lambda ref: _batch_estimate(ctx, ref)[0], lambda ref: _batch_estimate(ctx, ref)[1],
-                ctx.ledger, now=now, backfill=ctx.settings.scheduler.policy == "graph-aware-backfill")
-            for model_ref in allowed:
+            allowed = reservation.admit(order, lambda ref: _batch_cost(ctx, ref), ctx.ledger, now=now,
+                                        backfill=ctx.settings.scheduler.policy == "graph-aware-backfill")
+            for admission in allowed:
+                model_ref = admission.model
                 batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
                 if batching.max_queue_delay:
                     _wait_for_company(ctx, model_ref, batching.max_batch_size, batching.max_queue_delay)
-                leased = _lease(ctx, model_ref, ticket)
+                leased = _lease(ctx, model_ref, ticket, admission=admission)
                 if leased:
                     ctx.last_served = model_ref
                     break
@@ -79,13 +78,16 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
         return "stale"
 
 
-def _lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False) -> list[queues.LeasedItem]:
-    """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time)."""
+def _lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
+           admission: reservation.Admission | None = None) -> list[queues.LeasedItem]:
+    """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time), cut to
+    the rows and tokens of its `admission` when given."""
     batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+    max_rows = admission.max_rows if admission else batching.max_batch_size
+    max_tokens = admission.max_tokens if admission else batching.max_batch_tokens
     return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
-                              max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
-                              max_tokens=batching.max_batch_tokens, max_chunks=1, ticket=ticket,
-                              requests_only=requests_only)
+                              max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
+                              max_chunks=1, ticket=ticket, requests_only=requests_only)
 
 
 def _between_batches(ctx: WorkerContext, item: queues.LeasedItem, ticket: str) -> Callable[[], None]:
@@ -128,23 +130,22 @@ def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str)
     return False
 
 
-def _batch_estimate(ctx: WorkerContext, model_ref: str) -> tuple[int, float]:
-    """(memory bytes, seconds) of a full batch of `model_ref`, from its profile."""
-    record = ctx.model(model_ref)
-    rows = ctx.settings.online.batching_for(record["name"]).max_batch_size
-    need = reservation.batch_need_bytes(record["static_profile"], rows=rows, tokens=None)
-    return need, estimate_latency_ms(record, rows=rows, tokens=None) / 1000
+def _batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:
+    """What a batch of `model_ref` costs by its profile, within its batching limits."""
+    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+    return reservation.BatchCost.of(ctx.model(model_ref), max_rows=batching.max_batch_size,
+                                    max_tokens=batching.max_batch_tokens)
 
 
 @contextlib.contextmanager
 def _reserved(ctx: WorkerContext, leased: list[queues.LeasedItem]) -> Iterator[None]:
     """Hold the batch's memory reservation (by its real rows and tokens) while it runs."""
-    record = ctx.model(leased[0].model_ref)
+    cost = _batch_cost(ctx, leased[0].model_ref)
     rows = sum(int(item.payload.get("rows") or ctx.settings.jobs.batch_size) for item in leased)
-    tokens = sum(int(item.payload.get("tokens") or 0) for item in leased) or None
-    handle = ctx.ledger.reserve(reservation.batch_need_bytes(record["static_profile"], rows=rows, tokens=tokens),
-                                now=time.time(),
-                                expected_seconds=estimate_latency_ms(record, rows=rows, tokens=tokens) / 1000)
+    # The worker pads token requests to their length class: the padded tokens are what runs.
+    tokens = sum(int(item.payload.get("padded_tokens") or item.payload.get("tokens") or 0) for item in leased) or None
+    handle = ctx.ledger.reserve(cost.need_bytes(rows=rows, tokens=tokens), now=time.time(),
+                                expected_seconds=cost.seconds(rows=rows, tokens=tokens))
     try:
         yield
     finally:

@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
-from broker.reservation import MemoryLedger, admissible_models, batch_need_bytes, round_up
+import math
+
+import numpy as np
+import pytest
+from broker_helpers import NOW
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import queues, requests
+from broker.requests import RequestSpec
+from broker.reservation import (
+    Admission,
+    BatchCost,
+    MemoryLedger,
+    admit,
+    batch_need_bytes,
+    round_up,
+)
+from broker.store import Store
 
 MIB = 2**20
 
@@ -26,23 +44,9 @@ def test_a_token_batch_reserves_by_its_token_count() -> None:
     assert batch_need_bytes({"activation_bytes_per_sample": 10}, rows=4, tokens=None) == 40
 
 
-def test_backfill_runs_small_short_batches_only_when_they_do_not_delay_the_head() -> None:
+def test_one_batch_larger_than_the_device_still_runs() -> None:
     ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
-    ledger.reserve(768 * MIB, now=0, expected_seconds=2.0)  # a running batch; 256 MiB free until t=2
-    need = {"head": 512 * MIB, "small-fast": 128 * MIB, "small-slow": 128 * MIB, "big": 384 * MIB}
-    seconds = {"head": 1.0, "small-fast": 0.5, "small-slow": 5.0, "big": 0.1}
-    order = ["head", "small-fast", "small-slow", "big"]
-
-    allowed = admissible_models(order, need.__getitem__, seconds.__getitem__, ledger, now=0.0, backfill=True)
-    assert allowed == ["small-fast"]  # fits and ends before t=2; small-slow would delay the head, big does not fit
-    assert admissible_models(order, need.__getitem__, seconds.__getitem__, ledger, now=0.0, backfill=False) == []
-
-
-def test_the_head_goes_first_when_it_fits() -> None:
-    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
-    order = ["head", "other"]
-    assert admissible_models(order, lambda m: 128 * MIB, lambda m: 1.0, ledger, now=0, backfill=True) == order
-    ledger.reserve(5000 * MIB, now=0, expected_seconds=1)  # one batch larger than the device still runs
+    ledger.reserve(5000 * MIB, now=0, expected_seconds=1)
     assert ledger.stats()["batches_running"] == 1
 
 
@@ -53,3 +57,131 @@ def test_mean_fragmentation_weighs_each_reservation_by_how_long_it_was_held() ->
     wasteful = ledger.reserve(64 * MIB, now=1.0, expected_seconds=1)  # half wasted for 1 s
     ledger.release(wasteful, now=2.0)
     assert ledger.stats()["fragmentation_mean"] == 0.25
+
+
+# The graph-aware admission: batches cut by the profile to the memory and time that do not delay the head.
+
+def cost(mib_per_row: float, seconds_per_row: float, max_rows: int = 64) -> BatchCost:
+    return BatchCost(bytes_per_row=int(mib_per_row * MIB), seconds_per_row=seconds_per_row, max_rows=max_rows)
+
+
+TOKEN_PROFILE = {"sequence_axis": {"input": "ids", "axis": 1}, "activation_bytes_per_token": MIB // 8,
+                 "activation_bytes_per_sample": 16 * MIB, "reference_sequence_length": 128,
+                 "flops_per_sample": 5e7}  # 1 ms per 128-token row by the static estimate
+
+
+def test_a_backfill_batch_is_cut_to_the_free_memory_and_to_end_before_the_head_starts() -> None:
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    ledger.reserve(768 * MIB, now=0, expected_seconds=2.0)  # 256 MiB free until t=2
+    costs = {"head": cost(16, 0.01), "small": cost(10, 0.1), "slow": cost(1, 5.0)}  # head: the whole 1 GiB
+
+    admitted = admit(["head", "small", "slow"], costs.__getitem__, ledger, now=0.0, backfill=True)
+
+    # small: 25 rows fit in 256 MiB, 20 rows end by t=2; a whole batch (640 MiB) was refused before.
+    assert Admission("small", 20, 0) in admitted
+    assert not any(a.model == "slow" for a in admitted)  # one row would run past t=2, nothing is free beside
+    # The head model's own queue: 16 rows (256 MiB) end by t=2 and fit now, its full batch would not.
+    assert Admission("head", 16, 0) in admitted
+    assert ledger.stats()["backfills"] == 1
+
+
+def test_a_backfill_batch_may_outlast_the_head_start_in_the_memory_the_head_leaves_beside_it() -> None:
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    ledger.reserve(512 * MIB, now=0, expected_seconds=1.0)
+    ledger.reserve(256 * MIB, now=0, expected_seconds=10.0)
+    costs = {"head": cost(8, 0.001), "slow": cost(10, 1.0)}  # head: 512 MiB, can start at t=1
+
+    start, beside = ledger.head_window(512 * MIB, now=0.0)
+    admitted = admit(["head", "slow"], costs.__getitem__, ledger, now=0.0, backfill=True)
+
+    assert (start, beside) == (1.0, 256 * MIB)
+    assert Admission("slow", 25, 0) in admitted  # runs ~25 s, in the 256 MiB the head never needs
+
+
+def test_round_robin_waits_for_memory_and_counts_the_wait() -> None:
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    ledger.reserve(768 * MIB, now=0, expected_seconds=2.0)
+    costs = {"head": cost(8, 0.01), "small": cost(1, 0.001)}
+
+    assert admit(["head", "small"], costs.__getitem__, ledger, now=0.0, backfill=False) == []
+    assert ledger.stats()["memory_waits"] == 1
+
+
+def test_when_the_head_fits_it_leases_a_full_batch_and_the_others_are_cut_to_the_free_memory() -> None:
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    ledger.reserve(512 * MIB, now=0, expected_seconds=2.0)
+    costs = {"head": cost(1, 0.01), "big": cost(16, 0.01), "none": cost(600, 0.01)}
+
+    admitted = admit(["head", "big", "none"], costs.__getitem__, ledger, now=0.0, backfill=False)
+
+    assert admitted == [Admission("head", 64, 0), Admission("big", 32, 0)]  # 'none': not one row fits
+
+
+def test_a_token_model_is_costed_per_token_within_max_batch_tokens() -> None:
+    record = {"static_profile": TOKEN_PROFILE}
+    token_cost = BatchCost.of(record, max_rows=64, max_tokens=4096)
+
+    assert token_cost.full_tokens == 4096 and token_cost.full_need() == 512 * MIB  # not 64 x 128 tokens
+    assert token_cost.need_bytes(rows=2, tokens=1024) == 128 * MIB
+    assert token_cost.seconds(rows=2, tokens=1024) == pytest.approx(0.008)  # 8 rows' worth of tokens
+    assert token_cost.within("t", 64 * MIB, math.inf) == Admission("t", 64, 512)
+    assert token_cost.within("t", 64 * MIB, 0.002) == Admission("t", 64, 256)  # 2 ms of tokens
+    assert token_cost.within("t", 8 * MIB, math.inf) is None  # not one reference-length sequence
+    assert batch_need_bytes(TOKEN_PROFILE, rows=2, tokens=None) == 32 * MIB  # rows at the reference length
+
+
+def test_the_ledger_reports_mean_batches_running_and_memory_reserved() -> None:
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    first = ledger.reserve(256 * MIB, now=0.0, expected_seconds=1)
+    second = ledger.reserve(256 * MIB, now=0.0, expected_seconds=1)
+    ledger.release(second, now=1.0)
+    ledger.release(first, now=2.0)
+
+    stats = ledger.stats()
+    assert stats["batches_running_mean"] == 1.5  # two batches for 1 s, one for 1 s
+    assert stats["reserved_share_mean"] == 0.375  # 512 then 256 MiB of 1024
+
+
+def test_a_token_admission_cuts_the_lease_to_its_tokens(store: Store) -> None:
+    """The lease script honours an admission's token limit (the head request always goes)."""
+    model = "transformer@v1"
+    for index in range(6):
+        spec = RequestSpec(request_id=f"r{index}", model_name="transformer", model_version="v1",
+                           inputs={"input_ids": np.zeros((1, 512), dtype=np.int64)}, rows=1, tokens=512,
+                           bucket="input_ids:~512", factors={"enqueued_at": NOW})
+        requests.submit_request(store, spec, score=float(index), now=NOW, max_age_seconds=60)
+    ledger = MemoryLedger(capacity_bytes=512 * MIB, granularity=16 * MIB)
+    ledger.reserve(256 * MIB + 1, now=NOW, expected_seconds=1.0)  # 17 units: 240 MiB free
+    token_cost = BatchCost.of({"static_profile": TOKEN_PROFILE}, max_rows=64, max_tokens=8192)
+
+    [admission] = admit(["transformer@v1"], lambda _: token_cost, ledger, now=NOW, backfill=True)
+    leased = queues.lease_batch(store, model, now=NOW, lease_seconds=30, max_items=64,
+                                max_rows=admission.max_rows, max_tokens=admission.max_tokens)
+
+    assert admission.max_tokens == 1920  # 240 MiB at 1/8 MiB per token
+    assert [item.item_id for item in leased] == ["r0", "r1", "r2"]  # 3 x 512 tokens; a 4th would not fit
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity_mib=st.integers(900, 1100),
+       running=st.lists(st.tuples(st.integers(1, 8), st.floats(0.0, 5.0)), max_size=4),
+       models=st.lists(st.tuples(st.floats(0.5, 300.0), st.floats(0.001, 2.0)), min_size=2, max_size=4))
+def test_no_backfill_batch_delays_the_head_or_overfills_the_device(
+        capacity_mib: int, running: list[tuple[int, float]], models: list[tuple[float, float]]) -> None:
+    ledger = MemoryLedger(capacity_bytes=capacity_mib * MIB, granularity=128 * MIB)
+    for units, ends in running:
+        ledger.reserve(units * 128 * MIB, now=0.0, expected_seconds=ends)
+    costs = {f"m{i}": cost(mib, seconds, max_rows=16) for i, (mib, seconds) in enumerate(models)}
+    names = list(costs)
+    head_need = costs[names[0]].full_need()
+    free = ledger.free_bytes()
+    start, beside = ledger.head_window(head_need, now=0.0)
+
+    for admission in admit(names, costs.__getitem__, ledger, now=0.0, backfill=True):
+        batch = costs[admission.model]
+        need = round_up(batch.need_bytes(rows=admission.max_rows), 128 * MIB)
+        if ledger.fits(head_need):
+            assert admission.model == names[0] or need <= free
+            continue
+        assert need <= free  # fits now
+        assert batch.seconds(rows=admission.max_rows) <= start or need <= beside  # never delays the head
