@@ -52,10 +52,19 @@ class Config:
     """One row group of the table: device settings a user could run, and the request mix."""
 
     name: str
-    device_memory: str
-    granularity: str
+    device_memory: str | None
+    """Caps the worker's ledger (`device_memory` and `device_memory_limit`); None: shipped settings."""
+    granularity: str | None
+    """The reservation unit, on a CPU or a GPU worker alike; None: shipped settings."""
     transformer_tokens: int
     explanation: str
+
+    def resources(self) -> dict[str, str]:
+        """The `resources` overrides of this config."""
+        if self.device_memory is None or self.granularity is None:
+            return {}
+        return {"device_memory": self.device_memory, "device_memory_limit": self.device_memory,
+                "gpu_memory_granularity": self.granularity, "cpu_memory_granularity": self.granularity}
 
     def inputs(self) -> dict[str, tuple[str, tuple[int, ...], Any]]:
         """Model -> (input name, one request's shape without the batch axis, dtype)."""
@@ -64,11 +73,12 @@ class Config:
 
 
 CONFIGS = {
-    "default": Config("default", "16GiB", "128MiB", 16,
-                      "shipped settings (16 GiB device, 128 MiB units), transformer requests of 16 tokens: "
-                      "every batch needs a few MiB, memory never binds"),
+    "default": Config("default", None, None, 16,
+                      "shipped settings (a CPU worker: 16 GiB, 2 MiB units; a GPU worker: NVML's capacity, "
+                      "128 MiB units), transformer requests of 16 tokens: every batch needs a few MiB, memory "
+                      "never binds"),
     "memory-bound": Config("memory-bound", "256MiB", "16MiB", 512,
-                           "CPU worker capped at 256 MiB on a shared box, 16 MiB units, transformer requests "
+                           "worker capped at 256 MiB on a shared device, 16 MiB units, transformer requests "
                            "of 512 tokens (15.6 MiB each): a full transformer batch (256 MiB by the profile) "
                            "fits only on an idle device"),
 }
@@ -88,8 +98,7 @@ def run(config: Config, policy: str, seconds: float, clients: int) -> dict[str, 
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
             scheduler={"policy": policy},
-            resources={"max_concurrent_streams": STREAMS, "intra_op_threads": 1,
-                       "device_memory": config.device_memory, "gpu_memory_granularity": config.granularity},
+            resources={"max_concurrent_streams": STREAMS, "intra_op_threads": 1, **config.resources()},
             api={"port": 0})
         with Stack(settings, worker_count=1, api_port=0) as stack:
             paths = build_zoo(home / "models")
@@ -169,8 +178,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(config: Config, rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\n{config.name}: {config.explanation}.")
     capacity = next(iter(rows.values()))["capacity"] / 2**20
-    print(f"device_memory {config.device_memory} (the worker's ledger: {capacity:.0f} MiB), gpu_memory_granularity "
-          f"{config.granularity}; {args.clients} "
+    unit = config.granularity or "shipped"
+    print(f"device memory {config.device_memory or 'shipped'} (the worker's ledger: {capacity:.0f} MiB), "
+          f"units {unit}; {args.clients} "
           f"closed-loop clients, {args.seconds:.0f} s x {args.rounds} round(s) per policy; 1 CPU worker, "
           f"{STREAMS} streams x 1 ORT thread; dynamic ordering\n")
     print("| policy | req/s | req/s mlp / convnet / transformer | P99 ms | P99 mlp | P99 convnet | P99 transformer | "

@@ -118,16 +118,22 @@ def check_level(level: int) -> int:
 def estimate_latency_ms(record: dict[str, Any], *, rows: int, tokens: int | None) -> float:
     """Estimated run time of `rows` rows from the model's profile.
 
-    Measured profile first (batch-1 latency times rows); a token model without one costs
-    about 1.2 ms per token + 120 ms (the specification's prior); otherwise the static FLOPs
-    at an assumed 50 GFLOP/s.
+    Measured profile first: batch-1 latency times rows, or for a token model times its tokens over
+    the profile's sequence length (rows of `sequence_length` tokens were measured); a token model
+    without one costs about 1.2 ms per token + 120 ms (the specification's prior); otherwise the
+    static FLOPs at an assumed 50 GFLOP/s.
     """
-    points = (record.get("profile") or {}).get("points") or []
-    if points:
-        return float(points[0]["latency_ms"]) * rows
+    profile = record.get("profile") or {}
+    points = profile.get("points") or []
     static = record.get("static_profile") or {}
-    if static.get("sequence_axis") and tokens is not None:
-        return 1.2 * tokens + 120.0
+    token_model = bool(static.get("sequence_axis")) and tokens is not None
+    if points:
+        one_row = float(points[0]["latency_ms"])
+        if token_model:
+            return one_row * float(tokens or 0) / float(profile.get("sequence_length") or 128)
+        return one_row * rows
+    if token_model:
+        return 1.2 * float(tokens or 0) + 120.0
     return max(float(static.get("flops_per_sample") or 0) * rows / 5e7, 0.01)
 
 

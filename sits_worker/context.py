@@ -30,6 +30,17 @@ from sits_worker.runtime import SessionCache
 _OPEN_INPUTS_KEPT = 8
 
 
+def memory_ledger(settings: Settings, device: Device) -> MemoryLedger:
+    """The reservations ledger of a worker on `device`: its capacity (NVML for a GPU, else the
+    configured size) capped by `device_memory_limit`, in the unit for its kind of device."""
+    resources = settings.resources
+    capacity = device_memory(device, resources.device_memory)["total_bytes"]
+    if resources.device_memory_limit:
+        capacity = min(capacity, resources.device_memory_limit)
+    unit = resources.gpu_memory_granularity if device.kind == "gpu" else resources.cpu_memory_granularity
+    return MemoryLedger(capacity, unit)
+
+
 @dataclass
 class WorkerContext:
     """What every task of this process shares."""
@@ -57,10 +68,9 @@ class WorkerContext:
     def create(cls, settings: Settings, device: Device, streams: int) -> WorkerContext:
         """A context over the Redis in `settings`."""
         store = Store.connect(settings.redis.url, settings.redis.key_prefix)
-        capacity = device_memory(device, settings.resources.device_memory)["total_bytes"]
         return cls(settings=settings, store=store, device=device, streams=streams,
                    sessions=SessionCache(device, settings.resources.intra_op_threads),
-                   ledger=MemoryLedger(capacity, settings.resources.gpu_memory_granularity))
+                   ledger=memory_ledger(settings, device))
 
     def model(self, model_ref: str) -> dict[str, Any]:
         """The registry record of a model version; versions are immutable, so it is cached."""

@@ -90,7 +90,8 @@ def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str,
                 points = measure(session, record["signature"])
                 fields["profile"] = {"device": str(ctx.device), "measured_at": now, "points": points,
                                      "pareto": pareto_points(points), "worker": ctx.name,
-                                     "providers": session.get_providers()}
+                                     "providers": session.get_providers(),
+                                     "sequence_length": _PROFILE_SEQUENCE}  # of token models' sample rows
         fields["profile_status"] = "ready"
     except SitsError as err:
         fields.update(profile_status="failed", profile_error=err.message)

@@ -33,3 +33,26 @@ def test_auto_picks_cpu_without_a_usable_gpu():
 def test_device_memory_uses_configured_capacity_without_nvml():
     memory = device_memory(Device("cpu"), 8 * 2**30)
     assert memory == {"total_bytes": 8 * 2**30, "free_bytes": 8 * 2**30, "source": "config"}
+
+
+def test_a_cpu_worker_reserves_in_cpu_units_within_the_configured_limit():
+    from broker.config import Settings
+    from sits_worker.context import memory_ledger
+
+    settings = Settings().with_overrides(resources={"device_memory": "8GiB", "device_memory_limit": "1GiB",
+                                                    "cpu_memory_granularity": "4MiB"})
+    ledger = memory_ledger(settings, Device("cpu"))
+    uncapped = memory_ledger(Settings().with_overrides(resources={"device_memory": "8GiB"}), Device("cpu"))
+
+    assert (ledger.capacity_bytes, ledger.granularity) == (2**30, 4 * 2**20)
+    assert (uncapped.capacity_bytes, uncapped.granularity) == (8 * 2**30, 2 * 2**20)
+
+
+def test_a_gpu_worker_reserves_in_gpu_units_and_the_limit_caps_what_nvml_reports():
+    from broker.config import Settings
+    from sits_worker.context import memory_ledger
+
+    settings = Settings().with_overrides(resources={"device_memory_limit": "256MiB"})
+    ledger = memory_ledger(settings, Device("gpu", 0))  # NVML's capacity, or the configured 16 GiB without it
+
+    assert (ledger.capacity_bytes, ledger.granularity) == (256 * 2**20, 128 * 2**20)

@@ -1,0 +1,31 @@
+"""Estimated latency, the input of CP-Score's latency term: measured profile, token prior, static FLOPs."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.scoring import estimate_latency_ms
+
+TOKEN_STATIC = {"sequence_axis": {"input": "input_ids", "axis": 1}, "flops_per_sample": 1e6}
+
+
+def test_a_measured_profile_scales_its_batch_1_latency_by_rows() -> None:
+    record = {"profile": {"points": [{"batch_size": 1, "latency_ms": 2.0}]},
+              "static_profile": {"flops_per_sample": 1e9}}
+    assert estimate_latency_ms(record, rows=3, tokens=None) == 6.0
+
+
+def test_a_measured_token_model_scales_by_tokens_over_the_profiled_sequence_length() -> None:
+    record = {"profile": {"points": [{"batch_size": 1, "latency_ms": 4.0}], "sequence_length": 128},
+              "static_profile": TOKEN_STATIC}
+    assert estimate_latency_ms(record, rows=1, tokens=128) == pytest.approx(4.0)
+    assert estimate_latency_ms(record, rows=2, tokens=2 * 512) == pytest.approx(32.0)
+
+
+def test_a_token_model_without_a_profile_uses_the_specification_prior() -> None:
+    assert estimate_latency_ms({"static_profile": TOKEN_STATIC}, rows=1, tokens=100) == pytest.approx(240.0)
+
+
+def test_other_models_without_a_profile_use_static_flops() -> None:
+    record = {"static_profile": {"flops_per_sample": 5e7}}
+    assert estimate_latency_ms(record, rows=4, tokens=None) == pytest.approx(4.0)
