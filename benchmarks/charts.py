@@ -30,9 +30,13 @@ def main() -> None:
     if results.get("load"):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         rows = results["load"]
-        bars(ax, [row["model"] for row in rows], {"naive Celery task per request": [r["naive"]["rps"] for r in rows],
-                                                  "SITS (REST, merged batches)": [r["sits"]["rps"] for r in rows]},
-             "requests/s", "Closed loop, 16 clients, one-row requests (2 vCPUs)")
+        series = {"naive Celery task per request": [r["naive"]["rps"] for r in rows],
+                  "SITS (REST, merged batches)": [r["sits"]["rps"] for r in rows]}
+        floors = results.get("floors") or {}
+        if all(row["model"] in floors for row in rows):
+            series["REST floor (parse and answer only)"] = [floors[row["model"]]["rps"] for row in rows]
+        bars(ax, [row["model"] for row in rows], series, "requests/s",
+             "Closed loop, 16 clients, one-row requests (2 vCPUs)")
         fig.tight_layout()
         fig.savefig(out / "online-throughput.png", dpi=110)
     if results.get("priority"):
