@@ -22,7 +22,7 @@ from broker.errors import DeviceOutOfMemory, PermanentError
 from broker.queues import LeasedItem
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
-from sits_worker.outputs import finalize_outputs, write_part
+from sits_worker.outputs import finalize_outputs, remove_parts, write_part
 from sits_worker.runtime import run_session
 
 log = logging.getLogger(__name__)
@@ -39,35 +39,16 @@ def process_item(ctx: WorkerContext, item: LeasedItem, keep_alive: KeepAlive) ->
     """
     job_id = item.payload["job"]
     now = time.time()
-    _T.append(("begin", item.item_id, time.perf_counter()))
-    try:
-        return _process_item(ctx, item, keep_alive)
-    finally:
-        _T.append(("end", item.item_id, time.perf_counter()))
-        if item.payload["kind"] == "finalize":
-            with open("/tmp/sits-mlp/timeline.txt", "a") as fh:
-                for row in _T:
-                    fh.write(" ".join(map(str, row)) + "\n")
-            _T.clear()
-
-
-_T: list = []
-
-
-def _process_item(ctx: WorkerContext, item: LeasedItem, keep_alive: KeepAlive) -> str:
-    job_id = item.payload["job"]
-    now = time.time()
     if jobs.start_item(ctx.store, job_id, now=now) != "running":
         queues.finish_item(ctx.store, item, job_id, now=now)
         return "dropped"
     try:
         job = jobs.get_job(ctx.store, job_id, now=now)
         if item.payload["kind"] == "finalize":
-            _T.append(("fin-start", item.item_id, time.perf_counter()))
             manifest = finalize_job(job)
-            _T.append(("merged", item.item_id, time.perf_counter()))
             queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
                                job_fields={"manifest": json.dumps(manifest)})
+            remove_parts(Path(job["output_dir"]))  # after the job is done: its outputs need not wait for this
             return "finalized"
         run_chunk(ctx, job, item, keep_alive)
         return "acked"
@@ -89,7 +70,6 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_al
     output_names: list[str] = job["output_names"]
     source = ctx.job_input(job)
     session = ctx.session(job["model_ref"])  # looked up once per chunk, not per mini-batch
-    _T.append(("run", item.item_id, time.perf_counter()))
     results: dict[str, np.ndarray] = {}
     for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
         outputs = run_with_fallback(ctx, session, job["model_ref"], feed, output_names)
@@ -102,9 +82,7 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_al
             else:  # jsonl rows grouped by length
                 results[name][row_indices - start] = array
         keep_alive()
-    _T.append(("computed", item.item_id, time.perf_counter()))
     write_part(Path(job["output_dir"]), chunk_index, results)
-    _T.append(("written", item.item_id, time.perf_counter()))
     jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
 
 

@@ -2,9 +2,9 @@
 
 Workers write one `.npy` part per output and chunk under `<output_dir>/.parts/`; when every chunk is
 done one worker merges the parts, in row order, into `<output_dir>/<name>.npy` and writes
-`manifest.json` last. Every file appears atomically (temp file in the same folder, fsync,
-`os.replace`), so readers and a restarted merge never see half a file. Outputs are a pure function
-of model version and rows, so a chunk re-run after a lost ack rewrites identical bytes.
+`manifest.json` last, then removes the parts. Every file appears atomically (temp file in the same
+folder, fsync, `os.replace`), so readers and a restarted merge never see half a file. Outputs are a
+pure function of model version and rows, so a chunk re-run after a lost ack rewrites identical bytes.
 """
 
 from __future__ import annotations
@@ -229,12 +229,14 @@ def finalize_outputs(
     output_names: Sequence[str],
     manifest_extra: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """Merge every output's parts into `<output_dir>/<name>.npy`, write `manifest.json`, drop the parts.
+    """Merge every output's parts into `<output_dir>/<name>.npy` and write `manifest.json`.
 
-    Idempotent: once the manifest exists it is returned as is (leftover parts are removed); after a
-    crash halfway the parts are still there and the merge simply runs again. The manifest is written
-    last, so its presence means every output file is complete. `manifest_extra` (job id, model
-    name and version, input file and checksum) is stored alongside rows, outputs and chunks.
+    Idempotent: once the manifest exists it is returned as is; after a crash halfway the parts are
+    still there and the merge simply runs again. The manifest is written last, so its presence
+    means every output file is complete. `manifest_extra` (job id, model name and version, input
+    file and checksum) is stored alongside rows, outputs and chunks. The parts stay: the caller
+    drops them with `remove_parts` once the job is recorded as done, so the job does not wait on
+    unlinking them.
     """
     output_dir = Path(output_dir)
     total = _rows_covered(chunk_ranges)
@@ -256,8 +258,16 @@ def finalize_outputs(
             if manifest is None:
                 raise
     _check_same_job(output_dir, manifest, total, output_names, manifest_extra)
-    shutil.rmtree(output_dir / PARTS_DIR, ignore_errors=True)  # results are durable; leftovers are harmless
     return manifest
+
+
+def remove_parts(output_dir: Path) -> None:
+    """Drop a finalized job's part files (and temp files of merges that crashed).
+
+    Only call it once `manifest.json` exists: the merged outputs are durable then, and parts left
+    behind by a crash before this call are harmless (running the finalize step again removes them).
+    """
+    shutil.rmtree(Path(output_dir) / PARTS_DIR, ignore_errors=True)
 
 
 def _check_same_job(

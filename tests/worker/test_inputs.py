@@ -66,6 +66,32 @@ def test_npy_rows_are_read_in_row_ranges_without_loading_everything(tmp_path: Pa
         np.testing.assert_array_equal(feed["pixels"], data[rows])
 
 
+def test_npy_batches_are_read_only_views_of_the_mapping_that_outlive_close(tmp_path: Path) -> None:
+    np.save(tmp_path / "images.npy", _pixels(10))
+
+    with open_input(tmp_path / "images.npy", PIXELS) as source:
+        batches = list(source.iter_batches(2, 10, 4))
+
+    for rows, feed in batches:  # no copy per batch: onnxruntime reads the page cache directly
+        pixels = feed["pixels"]
+        assert type(pixels) is np.ndarray and not pixels.flags.owndata and not pixels.flags.writeable
+        assert pixels.flags.c_contiguous and pixels.dtype == np.float32
+        np.testing.assert_array_equal(pixels, _pixels(10)[rows])  # still mapped after close()
+
+
+def test_an_unaligned_npz_member_is_fed_as_aligned_copies(tmp_path: Path) -> None:
+    values = np.arange(30, dtype=np.float32).reshape(10, 3)
+    np.savez(tmp_path / "rows.npz", pix=values)  # "pix.npy" puts the member's data at an odd offset
+    signature = _signature(("pix", "float32", ["batch", 3]))
+
+    with open_input(tmp_path / "rows.npz", signature) as source:
+        assert not np.asarray(source._array("pix")).flags.aligned
+        batches = list(source.iter_batches(0, 10, 4))
+
+    assert all(feed["pix"].flags.aligned and feed["pix"].flags.c_contiguous for _, feed in batches)
+    np.testing.assert_array_equal(np.concatenate([feed["pix"] for _, feed in batches]), values)
+
+
 def test_wrong_dtype_is_rejected_with_a_message_naming_the_input(tmp_path: Path) -> None:
     np.save(tmp_path / "images.npy", _pixels(8).astype(np.float64))
     np.savez(tmp_path / "images.npz", pixels=_pixels(8).astype(np.int64))

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from broker.errors import Conflict, FileMissing
-from sits_worker.outputs import finalize_outputs, part_exists, write_part
+from broker.errors import BadInput, Conflict, FileMissing
+from sits_worker.outputs import finalize_outputs, part_exists, remove_parts, write_part
 
 EXTRA = {
     "job_id": "job-1",
@@ -52,6 +52,20 @@ def test_parts_merge_into_row_ordered_outputs_with_manifest_checksums(tmp_path: 
     assert manifest["rows"] == 10 and manifest["chunks"] == 3
     assert {key: manifest[key] for key in EXTRA} == EXTRA
     assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".parts", "label.npy", "logits.npy", "manifest.json"]
+    assert sorted(path.name for path in (tmp_path / ".parts").iterdir()) == [  # no merge temp files left
+        f"{name}.{index:06d}.npy" for name in ("label", "logits") for index in range(3)
+    ]
+
+
+def test_parts_stay_until_removed_once_the_job_is_recorded_done(tmp_path: Path) -> None:
+    _write_all(tmp_path, CHUNKS)
+    finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
+    assert part_exists(tmp_path, 2, ["logits", "label"])  # the job is not recorded done yet
+
+    remove_parts(tmp_path)
+    remove_parts(tmp_path)  # idempotent
+
     assert sorted(path.name for path in tmp_path.iterdir()) == ["label.npy", "logits.npy", "manifest.json"]
 
 
@@ -92,6 +106,7 @@ def test_finalize_after_a_crash_before_the_parts_were_removed(tmp_path: Path) ->
     _write_all(tmp_path, CHUNKS)  # as if the worker died between the manifest and removing the parts
 
     assert finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA) == manifest
+    remove_parts(tmp_path)
     assert not (tmp_path / ".parts").exists()
 
 
@@ -101,11 +116,26 @@ def test_a_missing_part_names_its_chunk_and_finalize_can_run_again(tmp_path: Pat
     with pytest.raises(FileMissing, match=r"chunk 1 \(rows \[4, 8\)\) is missing"):
         finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
     assert not (tmp_path / "manifest.json").exists()
+    assert not list(tmp_path.glob("*.npy")) and not list((tmp_path / ".parts").glob("*.tmp"))  # no half merge
 
     _write_all(tmp_path, CHUNKS, order=[1])
     manifest = finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
     np.testing.assert_array_equal(np.load(tmp_path / "label.npy"), np.arange(10))
     assert manifest["rows"] == 10
+
+
+def test_chunks_whose_outputs_differ_in_dtype_or_row_shape_are_not_merged(tmp_path: Path) -> None:
+    write_part(tmp_path, 0, {"logits": np.ones((4, 2), np.float32)})
+    write_part(tmp_path, 1, {"logits": np.ones((4, 2), np.float64)})
+    write_part(tmp_path, 2, {"logits": np.ones((2, 3), np.float32)})
+
+    with pytest.raises(BadInput, match="float32 .* in chunk 0 but float64 .* in chunk 1"):
+        finalize_outputs(tmp_path, CHUNKS, ["logits"], EXTRA)
+    write_part(tmp_path, 1, {"logits": np.ones((4, 2), np.float32)})
+    with pytest.raises(BadInput, match=r"rows of shape \[2\] in chunk 0 but float32 \[3\] in chunk 2"):
+        finalize_outputs(tmp_path, CHUNKS, ["logits"], EXTRA)
+
+    assert not (tmp_path / "logits.npy").exists() and not list((tmp_path / ".parts").glob("*.tmp"))
 
 
 def test_a_manifest_of_another_job_is_not_handed_back(tmp_path: Path) -> None:
