@@ -23,8 +23,6 @@ from broker.errors import Conflict, NotFound
 from broker.queues import LeasedItem
 from broker.store import Store, translate_redis_errors
 
-FINAL_STATUSES = ("succeeded", "failed")
-
 
 def new_request_id() -> str:
     """A short random id, safe in keys."""
