@@ -75,14 +75,9 @@ def lease_batch(
 
 
 def queue_heads(store: Store) -> dict[str, float]:
-    """Model ref -> score of its best waiting item, for every queue with waiting work."""
-    with translate_redis_errors():
-        refs = sorted(store.client.smembers(store.keys.queues))
-        pipe = store.client.pipeline(transaction=False)
-        for ref in refs:
-            pipe.zrange(store.keys.ready(ref), 0, 0, withscores=True)
-        heads = pipe.execute()
-    return {ref: head[0][1] for ref, head in zip(refs, heads, strict=True) if head}
+    """Model ref -> score of its best waiting item, for every queue with waiting work (a one-off read;
+    drain loops keep a `QueueWatcher`)."""
+    return QueueWatcher(store).snapshot().heads
 
 
 @dataclass(frozen=True)

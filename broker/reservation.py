@@ -217,7 +217,8 @@ class MemoryLedger:
             reserved_area, used_area, running_area = self._reserved_area, self._used_area, self._running_area
             span = (self._changed_at or 0.0) - (self._first_at or 0.0)
             events = dict(self._events)
-        return {**events, "capacity_bytes": self.capacity_bytes, "reserved_bytes": reserved, "used_bytes": used,
+        return {**events, "capacity_bytes": self.capacity_bytes, "granularity_bytes": self.granularity,
+                "reserved_bytes": reserved, "used_bytes": used,
                 "fragmentation": round((reserved - used) / reserved, 4) if reserved else 0.0,
                 "fragmentation_mean": round(1 - used_area / reserved_area, 4) if reserved_area else 0.0,
                 "batches_running": count,

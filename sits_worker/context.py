@@ -24,7 +24,7 @@ from broker.reservation import MemoryLedger
 from broker.store import Store
 from sits_worker.devices import Device, device_memory
 from sits_worker.model.inputs import InputSource, open_input
-from sits_worker.model.padding import mask_spec
+from sits_worker.model.padding import MaskSpec, mask_spec
 from sits_worker.runtime import SessionCache
 
 _OPEN_INPUTS_KEPT = 8
@@ -59,6 +59,7 @@ class WorkerContext:
     """Reads the queue heads, deadlines and policy in one round trip for every drain loop of this process."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _padding: dict[str, MaskSpec | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -80,6 +81,13 @@ class WorkerContext:
             self._models[model_ref] = record
         return record
 
+    def padding(self, model_ref: str) -> MaskSpec | None:
+        """How to pad a model version's token requests (None: no declared attention mask); cached
+        with its record, since the batch path asks on every merged batch."""
+        if model_ref not in self._padding:
+            self._padding[model_ref] = mask_spec(self.model(model_ref).get("static_profile"))
+        return self._padding[model_ref]
+
     def session(self, model_ref: str, device: Device | None = None) -> Any:
         """The ONNX Runtime session of a model version on this worker's device (or `device`)."""
         return self.sessions.get(model_ref, Path(self.model(model_ref)["path"]), device=device)
@@ -95,7 +103,7 @@ class WorkerContext:
         options = job.get("input_options") or {}
         record = self.model(job["model_ref"])
         source = open_input(Path(job["input_batch"]), record["signature"], shape=options.get("shape"),
-                            dtype=options.get("dtype"), mask=mask_spec(record.get("static_profile")))
+                            dtype=options.get("dtype"), mask=self.padding(job["model_ref"]))
         with self._lock:
             self._inputs[key] = source
             while len(self._inputs) > _OPEN_INPUTS_KEPT:

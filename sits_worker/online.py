@@ -19,7 +19,7 @@ from broker.queues import LeasedItem
 from broker.requests import RequestResult
 from sits_worker.context import WorkerContext
 from sits_worker.execution import run_with_fallback
-from sits_worker.model.padding import mask_spec, pad_batch, unpad_outputs
+from sits_worker.model.padding import pad_batch, unpad_outputs
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def _run_merged(ctx: WorkerContext, model_ref: str,
                 live: Sequence[tuple[LeasedItem, dict[str, np.ndarray]]]) -> list[RequestResult]:
     record = ctx.model(model_ref)
     output_names = [output["name"] for output in record["signature"]["outputs"]]
-    spec = mask_spec(record.get("static_profile"))
+    spec = ctx.padding(model_ref)
     per_request = [tensors for _, tensors in live]
     rows = [next(iter(tensors.values())).shape[0] for tensors in per_request]
     if spec is not None:

@@ -93,7 +93,8 @@ def delayed_stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("delayed") / "home"
     settings = stack_settings(home, streams=1).with_overrides(
         online={"batching": {"max_batch_size": 8, "max_queue_delay": "300ms"},
-                "models": {"transformer": {"max_batch_tokens": 64}}})
+                "models": {"transformer": {"max_batch_tokens": 64}}},
+        resources={"device_memory_limit": "1GiB", "cpu_memory_granularity": "4MiB"})
     running = Stack(settings, worker_count=1, api_port=0).start()
     models = build_zoo(home / "models")
     for name in ("mlp", "transformer", "convnet"):
@@ -183,3 +184,17 @@ def test_an_idle_ticket_lingers_for_the_next_request_then_retires(stack):
         time.sleep(0.1)
     assert client.post("/v1/requests", body)["status"] == "succeeded"
     assert int(store.client.get(store.keys.ticket_seq)) > tickets_made
+
+
+def test_the_worker_ledger_takes_the_memory_limit_and_unit_from_the_settings(delayed_stack):
+    """`device_memory_limit` caps the worker's ledger (16 GiB configured) and a CPU worker reserves in
+    `cpu_memory_granularity` units, as the worker process reports them in /v1/status."""
+    client = delayed_stack.client()
+    client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[0.5] * 64]}, "wait": True})
+    deadline = time.monotonic() + 30
+    while not (workers := client.get("/v1/status")["workers"]) or "granularity_bytes" not in workers[0]["memory"]:
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
+
+    memory = workers[0]["memory"]
+    assert (memory["capacity_bytes"], memory["granularity_bytes"]) == (2**30, 4 * 2**20)

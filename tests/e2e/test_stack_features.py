@@ -118,8 +118,9 @@ def test_sitsctl_job_commands_and_status(stack):
     overview = json.loads(sitsctl(stack, "status", "--json").stdout)
     assert overview["redis_url"].startswith("redis://127.0.0.1")
     assert overview["workers"] and overview["workers"][0]["device"] == "cpu" and overview["workers"][0]["alive"]
-    memory = overview["workers"][0]["memory"]  # the device's reservations, in gpu_memory_granularity units
-    assert memory["capacity_bytes"] == 16 * 2**30 and 0.0 <= memory["fragmentation"] <= 1.0
+    memory = overview["workers"][0]["memory"]  # a CPU worker's reservations, in cpu_memory_granularity units
+    assert memory["capacity_bytes"] == 16 * 2**30 and memory["granularity_bytes"] == 2 * 2**20
+    assert 0.0 <= memory["fragmentation"] <= 1.0
     assert overview["jobs"].get("succeeded", 0) >= 1
     assert any(ref.startswith("convnet@") for ref in overview["queues"])
 
