@@ -53,6 +53,11 @@ class SchedulerSettings(_Section):
     """How often a running job chunk looks, between its mini-batches, for online requests that
     outrank it (they then run on its stream slot before its next mini-batch); 0 looks every time.
     Each look is a Redis round trip: every 10 ms cost the MLP's offline throughput about 4 %."""
+    merge_requests_into_jobs: bool = True
+    """At each such look, online requests of the chunk's own model and shape bucket ride along in
+    its next mini-batch (one `session.run` for both), and a worker that leases a batch of requests
+    takes a waiting chunk of that model with it, to fill the batch's empty rows. Off: requests and
+    job rows never share a run (a chunk still lets outranking requests through between batches)."""
     worker_heartbeat_timeout: Seconds = 15.0
 
     @model_validator(mode="after")

@@ -49,21 +49,53 @@ def lease_batch(
     max_tokens: int = 0,
     max_chunks: int | None = None,
     requests_only: bool = False,
+    carry_chunk: bool = False,
 ) -> list[LeasedItem]:
     """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
 
     Job chunks (and finalize steps) are leased in queue order, up to `max_chunks` (default
     `max_items`); online requests of one shape bucket are merged up to `max_items` requests,
     `max_rows` rows and `max_tokens` tokens (0: no token limit). With `requests_only`, [] too
-    when the queue's head is not an online request.
+    when the queue's head is not an online request. With `carry_chunk`, a batch of requests that
+    leaves rows empty also takes the first job chunk among the candidates, as its last item.
     """
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
             args=[ticket, now, now + lease_seconds, max_items, max_rows or max_items, max_tokens,
-                  max_chunks or max_items, "1" if requests_only else "0"],
+                  max_chunks or max_items, "1" if requests_only else "0", "1" if carry_chunk else "0"],
         )
+    return _leased(reply, model_ref, ticket)
+
+
+def lease_riders(
+    store: Store,
+    model_ref: str,
+    bucket: str,
+    *,
+    now: float,
+    lease_seconds: float,
+    max_items: int,
+    max_rows: int,
+    max_tokens: int = 0,
+    window: int = 256,
+    ticket: str = "",
+) -> list[LeasedItem]:
+    """Lease online requests of `model_ref` in shape `bucket`, best first, to ride along in a job
+    chunk's next mini-batch: found among the first `window` waiting items even behind job chunks,
+    up to `max_items` requests, `max_rows` rows and `max_tokens` tokens (0: no token limit)."""
+    keys = store.keys
+    with translate_redis_errors():
+        reply = store.scripts.lease_riders(
+            keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
+            args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window],
+        )
+    return _leased(reply, model_ref, ticket)
+
+
+def _leased(reply: list[Any], model_ref: str, ticket: str) -> list[LeasedItem]:
+    """The items of a lease script's reply ({-1}: the ticket was replaced)."""
     count = int(reply[0])
     if count < 0:
         raise StaleTicket(ticket)

@@ -145,7 +145,8 @@ class RequestResult:
 
 def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
                       batch_size: int, worker: str) -> int:
-    """Store results, drop the leases and wake every waiter, in one atomic call."""
+    """Store results, drop the leases and wake every waiter, in one atomic call; returns how many
+    were completed (not those already completed, or waiting again after their lease expired)."""
     keys = store.keys
     request_keys: list[str] = []
     args: list[Any] = [now, int(keep_seconds), batch_size, worker]
@@ -157,7 +158,7 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
             keys=[keys.inflight(results[0].item.model_ref), keys.items, keys.attempts,
-                  keys.deadlines(results[0].item.model_ref),
+                  keys.deadlines(results[0].item.model_ref), keys.ready(results[0].item.model_ref),
                   *request_keys],
             args=args,
         )

@@ -16,6 +16,7 @@ import redis
 SCRIPT_NAMES = (
     "enqueue_items",
     "lease_batch",
+    "lease_riders",
     "ack_chunk",
     "start_item",
     "finish_item",

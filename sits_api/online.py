@@ -18,10 +18,8 @@ from broker.requests import RequestSpec
 from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
-from sits_worker.model.padding import MaskSpec, bucket_length, mask_spec, sequence_length
+from sits_worker.model.padding import MaskSpec, mask_spec, max_sequence, shape_bucket
 from sits_worker.model.tensors import request_tensors
-
-DEFAULT_MAX_SEQUENCE = 512
 
 
 def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy: policy.LivePolicy, *,
@@ -34,12 +32,13 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     sequence = _sequence_length(record, tensors)
     if tokens is None and sequence is not None:
         tokens = sequence * rows
-    bucket, padded_length = _bucket(tensors, mask, _max_sequence(record))
+    longest = max_sequence(record.get("static_profile"))
+    bucket, padded_length = shape_bucket(tensors, mask, longest)
     factors = Factors(
         level=priority,
         sla_weight=SLA_WEIGHTS[user_tier],
         est_latency_ms=estimate_latency_ms(record, rows=rows, tokens=tokens),
-        complexity=min(1.0, sequence / _max_sequence(record)) if sequence else 0.0,
+        complexity=min(1.0, sequence / longest) if sequence else 0.0,
         enqueued_at=now,
         tokens=tokens if sequence is not None else None,
     )
@@ -91,27 +90,6 @@ def _model_record(store: Store, ref: str, *, now: float) -> tuple[dict[str, Any]
     return record, mask
 
 
-def _bucket(tensors: dict[str, np.ndarray], mask: MaskSpec | None, max_sequence: int) -> tuple[str, int | None]:
-    """The shape bucket requests must share to be merged, and the padded length of a token request.
-
-    Exact per-row shapes, except for a model with an attention mask: there the sequence axis is
-    replaced by its length class (`bucket_length`), so requests of nearby lengths share a batch
-    and the worker pads them to the longest.
-    """
-    if mask is None:
-        exact = ";".join(f"{name}:{'x'.join(map(str, array.shape[1:]))}" for name, array in sorted(tensors.items()))
-        return exact, None
-    padded = bucket_length(sequence_length(tensors, mask), max_sequence)
-    axes = {mask.sequence_input: mask.axis, **dict(mask.other_inputs)}
-    parts = []
-    for name, array in sorted(tensors.items()):
-        if name == mask.mask_input:
-            continue  # requests with and without a client-sent mask pad alike
-        dims = [f"~{padded}" if axis == axes.get(name) else str(dim) for axis, dim in enumerate(array.shape)]
-        parts.append(f"{name}:{'x'.join(dims[1:])}")
-    return ";".join(parts), padded
-
-
 def wait_seconds(settings: Settings, deadline_ms: float | None) -> float:
     """How long a waiting call holds on: until the deadline, at most `online.max_wait`."""
     return min(deadline_ms / 1000, settings.online.max_wait) if deadline_ms else settings.online.max_wait
@@ -122,12 +100,6 @@ def _sequence_length(record: dict[str, Any], tensors: dict[str, np.ndarray]) -> 
     if not axis or axis["input"] not in tensors:
         return None
     return int(tensors[axis["input"]].shape[axis["axis"]])
-
-
-def _max_sequence(record: dict[str, Any]) -> int:
-    static = record.get("static_profile") or {}
-    value = (static.get("metadata") or {}).get("sits.max_sequence")
-    return int(value) if value else DEFAULT_MAX_SEQUENCE
 
 
 def to_json_result(result: dict[str, Any]) -> dict[str, Any]:

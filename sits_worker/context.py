@@ -9,6 +9,7 @@ the process's edge: `SITS_WORKER_DEVICE` and `SITS_WORKER_STREAMS`, set by
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -17,15 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from broker import registry
 from broker.config import Settings, load_settings
+from broker.errors import DeviceOutOfMemory
 from broker.queues import QueueWatcher
 from broker.reservation import MemoryLedger
 from broker.store import Store
 from sits_worker.devices import Device, device_memory
 from sits_worker.model.inputs import InputSource, open_input
 from sits_worker.model.padding import MaskSpec, mask_spec
-from sits_worker.runtime import SessionCache
+from sits_worker.runtime import SessionCache, run_session
+
+log = logging.getLogger(__name__)
 
 _OPEN_INPUTS_KEPT = 8
 
@@ -91,6 +97,18 @@ class WorkerContext:
     def session(self, model_ref: str, device: Device | None = None) -> Any:
         """The ONNX Runtime session of a model version on this worker's device (or `device`)."""
         return self.sessions.get(model_ref, Path(self.model(model_ref)["path"]), device=device)
+
+    def run(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
+            session: Any = None) -> list[np.ndarray]:
+        """Run one batch of `model_ref` (on `session` when given, looked up once per chunk); on device
+        OOM, again on the CPU when the fallback strategy says so."""
+        try:
+            return run_session(session or self.session(model_ref), feed, output_names)
+        except DeviceOutOfMemory:
+            if self.device.kind == "cpu" or self.settings.scheduler.fallback_strategy != "cpu-offload-on-oom":
+                raise
+            log.warning("out of memory on %s; running this batch of %s on the CPU", self.device, model_ref)
+            return run_session(self.session(model_ref, device=Device("cpu")), feed, output_names)
 
     def job_input(self, job: dict[str, Any]) -> InputSource:
         """The opened input file of a job, kept open for the job's next chunks."""

@@ -9,16 +9,16 @@ itself so other Celery tasks get the thread).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
 
 from broker import jobs, policy, queues, requests, reservation
 from broker.queues import StaleTicket
 from broker.wakeup import SendTicket, wake_workers
+from sits_worker.between import BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
+from sits_worker.leasing import batch_cost, lease, reserved
 from sits_worker.online import run_requests
 
 log = logging.getLogger(__name__)
@@ -52,104 +52,45 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             leased = []
             now = time.time()
             order = policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served)
-            allowed = reservation.admit(order, lambda ref: _batch_cost(ctx, ref), ctx.ledger, now=now,
+            allowed = reservation.admit(order, lambda ref: batch_cost(ctx, ref), ctx.ledger, now=now,
                                         backfill=ctx.settings.scheduler.policy == "graph-aware-backfill")
             for admission in allowed:
                 model_ref = admission.model
                 batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
                 if batching.max_queue_delay:
                     _wait_for_company(ctx, model_ref, batching.max_batch_size, batching.max_queue_delay)
-                leased = _lease(ctx, model_ref, ticket, admission=admission)
+                # A batch cut to a memory hole (a backfill) takes no chunk along: it must end in time.
+                carry = settings.merge_requests_into_jobs and admission.max_rows >= batching.max_batch_size
+                leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry)
                 if leased:
                     ctx.last_served = model_ref
                     break
             if not leased:
                 time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
             else:
-                with _reserved(ctx, leased):
-                    if leased[0].payload.get("kind") == "request":
-                        run_requests(ctx, leased)
-                    else:
-                        for item in leased:
-                            process_item(ctx, item, _between_batches(ctx, item, ticket))
+                with reserved(ctx, leased):
+                    _run_leased(ctx, leased, ticket)
             if time.monotonic() >= slice_ends:
                 return "yield"
     except StaleTicket:
         return "stale"
 
 
-def _lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
-           admission: reservation.Admission | None = None) -> list[queues.LeasedItem]:
-    """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time), cut to
-    the rows and tokens of its `admission` when given."""
-    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
-    max_rows = admission.max_rows if admission else batching.max_batch_size
-    max_tokens = admission.max_tokens if admission else batching.max_batch_tokens
-    return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
-                              max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
-                              max_chunks=1, ticket=ticket, requests_only=requests_only)
-
-
-def _between_batches(ctx: WorkerContext, item: queues.LeasedItem, ticket: str) -> Callable[[], None]:
-    """What a job's chunk calls between its mini-batches: keep its lease alive, and let urgent online
-    work through.
-
-    At most every `scheduler.yield_check_interval`, the queue heads are read; if an online request
-    waits that the order would serve before this chunk (its score beats the chunk's), one batch of
-    such requests runs right here, on this stream slot, before the chunk's next mini-batch. So an
-    offline job yields between batches without giving its chunk back, and a request never waits
-    for a whole chunk (a FIFO order never lets a later request pass the chunk).
-    """
-    keep_alive = _keep_alive(ctx, item, ticket, ctx.settings.scheduler.lease_timeout)
-    chunk_score = item.payload.get("score")
-    interval = ctx.settings.scheduler.yield_check_interval
-    next_look = time.monotonic() + interval
-
-    def between() -> None:
-        nonlocal next_look
-        keep_alive()
-        if not isinstance(chunk_score, int | float) or time.monotonic() < next_look:
-            return
-        served = _serve_one_urgent_batch(ctx, float(chunk_score), ticket)
-        next_look = time.monotonic() if served else time.monotonic() + interval  # look again next time
-
-    return between
-
-
-def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str) -> bool:
-    """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none."""
-    heads = ctx.queue_watcher.snapshot().heads
-    for model_ref, score in sorted(heads.items(), key=lambda head: head[1]):
-        if score >= chunk_score:
-            return False
-        leased = _lease(ctx, model_ref, ticket, requests_only=True)
-        if leased:
-            with _reserved(ctx, leased):
-                run_requests(ctx, leased)
-            return True
-    return False
-
-
-def _batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:
-    """What a batch of `model_ref` costs by its profile, within its batching limits."""
-    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
-    return reservation.BatchCost.of(ctx.model(model_ref), max_rows=batching.max_batch_size,
-                                    max_tokens=batching.max_batch_tokens)
-
-
-@contextlib.contextmanager
-def _reserved(ctx: WorkerContext, leased: list[queues.LeasedItem]) -> Iterator[None]:
-    """Hold the batch's memory reservation (by its real rows and tokens) while it runs."""
-    cost = _batch_cost(ctx, leased[0].model_ref)
-    rows = sum(int(item.payload.get("rows") or ctx.settings.jobs.batch_size) for item in leased)
-    # The worker pads token requests to their length class: the padded tokens are what runs.
-    tokens = sum(int(item.payload.get("padded_tokens") or item.payload.get("tokens") or 0) for item in leased) or None
-    handle = ctx.ledger.reserve(cost.need_bytes(rows=rows, tokens=tokens), now=time.time(),
-                                expected_seconds=cost.seconds(rows=rows, tokens=tokens))
-    try:
-        yield
-    finally:
-        ctx.ledger.release(handle, now=time.time())
+def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str) -> None:
+    """Run what one lease returned: a batch of requests, a job chunk or finalize step, or requests
+    with a chunk they took along (they ride in its first mini-batch)."""
+    online = [item for item in leased if item.payload.get("kind") == "request"]
+    offline = [item for item in leased if item.payload.get("kind") != "request"]
+    if not offline:
+        run_requests(ctx, online)
+        return
+    for item in offline:
+        between = BetweenBatches(ctx, item, ticket, carried=online)
+        try:
+            process_item(ctx, item, between)
+        finally:
+            between.finish()
+        online = []
 
 
 def _wait_for_company(ctx: WorkerContext, model_ref: str, max_batch_size: int, max_queue_delay: float) -> None:
@@ -171,19 +112,6 @@ def _heads_after_psa(ctx: WorkerContext) -> dict[str, float]:
         lambda ref: ctx.settings.online.batching_for(ref.partition("@")[0]).queue_capacity,
         default=policy.default_ordering(ctx.settings.scheduler.policy), now=time.time())
     return ctx.queue_watcher.snapshot().heads if jumped else snapshot.heads
-
-
-def _keep_alive(ctx: WorkerContext, item: queues.LeasedItem, ticket: str, lease_seconds: float) -> Callable[[], None]:
-    """A callback, called between mini-batches, that extends the item's lease and touches the ticket."""
-    last = time.monotonic()
-
-    def keep_alive() -> None:
-        nonlocal last
-        if time.monotonic() - last >= lease_seconds / 4:
-            last = time.monotonic()
-            queues.extend_lease(ctx.store, item, ticket, now=time.time(), lease_seconds=lease_seconds)
-
-    return keep_alive
 
 
 def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:

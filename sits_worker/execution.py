@@ -11,26 +11,27 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from broker import jobs, queues
-from broker.errors import DeviceOutOfMemory, PermanentError
+from broker.errors import PermanentError
 from broker.queues import LeasedItem
 from sits_worker.context import WorkerContext
-from sits_worker.devices import Device
+from sits_worker.online import run_with_riders
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
-from sits_worker.runtime import run_session
 
 log = logging.getLogger(__name__)
 
-KeepAlive = Callable[[], None]
+BetweenBatches = Callable[[Mapping[str, np.ndarray]], Sequence[LeasedItem]]
+"""Called with each mini-batch's feed before it runs: keeps the chunk's lease alive, may run urgent
+work first, and returns the online requests that ride in the mini-batch (`sits_worker.between`)."""
 
 
-def process_item(ctx: WorkerContext, item: LeasedItem, keep_alive: KeepAlive) -> str:
+def process_item(ctx: WorkerContext, item: LeasedItem, between: BetweenBatches) -> str:
     """Run one leased item to its end; returns what happened ('acked', 'finalized', 'dropped', 'failed').
 
     Permanent errors fail the job at once with the error's message; any other
@@ -50,7 +51,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, keep_alive: KeepAlive) ->
                                job_fields={"manifest": json.dumps(manifest)})
             remove_parts(Path(job["output_dir"]))  # after the job is done: its outputs need not wait for this
             return "finalized"
-        run_chunk(ctx, job, item, keep_alive)
+        run_chunk(ctx, job, item, between)
         return "acked"
     except PermanentError as err:
         log.warning("job %s failed on %s: %s", job_id, item.item_id, err.message)
@@ -64,15 +65,23 @@ def process_item(ctx: WorkerContext, item: LeasedItem, keep_alive: KeepAlive) ->
         return "retry"
 
 
-def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_alive: KeepAlive) -> None:
-    """Run rows [start, stop) of a job in mini-batches, write the part file, then ack the chunk."""
+def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between: BetweenBatches) -> None:
+    """Run rows [start, stop) of a job in mini-batches, write the part file, then ack the chunk.
+
+    Online requests that `between` hands over ride in a mini-batch: one run for both, the job's
+    rows first; they are completed right after it, long before the chunk's ack.
+    """
     start, stop, chunk_index = item.payload["start"], item.payload["stop"], item.payload["chunk"]
     output_names: list[str] = job["output_names"]
     source = ctx.job_input(job)
     session = ctx.session(job["model_ref"])  # looked up once per chunk, not per mini-batch
     results: dict[str, np.ndarray] = {}
     for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
-        outputs = run_with_fallback(ctx, session, job["model_ref"], feed, output_names)
+        riders = between(feed)
+        if riders:
+            outputs = run_with_riders(ctx, job["model_ref"], feed, output_names, riders, session)
+        else:
+            outputs = ctx.run(job["model_ref"], feed, output_names, session)
         for name, array in zip(output_names, outputs, strict=True):
             if name not in results:
                 results[name] = np.empty((stop - start, *array.shape[1:]), dtype=array.dtype)
@@ -81,21 +90,8 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, keep_al
                 results[name][first : first + len(row_indices)] = array
             else:  # jsonl rows grouped by length
                 results[name][row_indices - start] = array
-        keep_alive()
     write_part(Path(job["output_dir"]), chunk_index, results)
     jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
-
-
-def run_with_fallback(ctx: WorkerContext, session: Any, model_ref: str, feed: dict[str, np.ndarray],
-                      output_names: list[str]) -> list[np.ndarray]:
-    """Run a batch on `session`; on device OOM, on the CPU when the fallback strategy says so."""
-    try:
-        return run_session(session, feed, output_names)
-    except DeviceOutOfMemory:
-        if ctx.device.kind == "cpu" or ctx.settings.scheduler.fallback_strategy != "cpu-offload-on-oom":
-            raise
-        log.warning("out of memory on %s; running this batch of %s on the CPU", ctx.device, model_ref)
-        return run_session(ctx.session(model_ref, device=Device("cpu")), feed, output_names)
 
 
 def finalize_job(job: dict[str, Any]) -> dict[str, Any]:

@@ -1,36 +1,37 @@
-"""Running a merged batch of online requests: stack, run once, split, store, wake the waiters.
+"""Running online requests: as a merged batch of their own, or riding in a job chunk's mini-batch.
 
 Requests in one batch share a shape bucket (the lease guarantees it), so
-their tensors concatenate without padding and every request's rows come out
-exactly as if it ran alone.
+their tensors concatenate (token requests padded to the longest, when the
+model declares a mask) and every request's rows come out exactly as if it
+ran alone. A job's mini-batch is just one more entry of such a batch: its
+rows first, the riders' after, one `session.run` for all.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from broker import requests
+from broker import queues, requests
 from broker.errors import PermanentError
 from broker.queues import LeasedItem
 from broker.requests import RequestResult
 from sits_worker.context import WorkerContext
-from sits_worker.execution import run_with_fallback
-from sits_worker.model.padding import pad_batch, unpad_outputs
+from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
 
 log = logging.getLogger(__name__)
+
+Tensors = dict[str, np.ndarray]
 
 
 def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem]) -> int:
     """Run leased requests of one model as one batch and complete them; returns how many succeeded."""
     model_ref = items[0].model_ref
-    inputs = requests.load_inputs(ctx.store, items)
-    results = [RequestResult(item, error="the request expired before it ran")
-               for item, tensors in zip(items, inputs, strict=True) if tensors is None]
-    live = [(item, tensors) for item, tensors in zip(items, inputs, strict=True) if tensors is not None]
+    results, live = _load(ctx, items)
     if live:
         try:
             results += _run_merged(ctx, model_ref, live)
@@ -38,33 +39,99 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem]) -> int:
             # One bad request must not fail its neighbours: run each alone, fail only the bad ones.
             log.info("merged batch of %d on %s failed (%s); running its requests one by one",
                      len(live), model_ref, err.message)
-            for entry in live:
-                try:
-                    results += _run_merged(ctx, model_ref, [entry])
-                except PermanentError as single:
-                    results.append(RequestResult(entry[0], error=single.message))
+            results += _run_one_by_one(ctx, model_ref, live)
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=len(items), worker=ctx.name)
     return sum(1 for result in results if not result.error)
 
 
+def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_names: list[str],
+                    riders: Sequence[LeasedItem], session: Any = None) -> list[np.ndarray]:
+    """Run a job's mini-batch `feed` with online requests riding along in the same run; complete the
+    riders and return the job rows' outputs (in `output_names` order).
+
+    A rider that breaks the merged run (a permanent error) is run apart with its neighbours, as in
+    `run_requests`, and the mini-batch alone; any other error gives the riders back to the queue at
+    once (their leases expire now) and is raised for the chunk's own retry.
+    """
+    results, live = _load(ctx, riders)
+    job_rows = len(next(iter(feed.values())))
+    try:
+        if live:
+            try:
+                job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)
+                results += rider_results
+            except PermanentError as err:
+                log.info("mini-batch with %d riders on %s failed (%s); running them apart",
+                         len(live), model_ref, err.message)
+                results += _run_one_by_one(ctx, model_ref, live)
+                job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
+        else:
+            job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
+    except Exception:
+        for item, _ in live:
+            queues.expire_lease_now(ctx.store, item)
+        raise
+    requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
+                               batch_size=job_rows + len(riders), worker=ctx.name)
+    return [job_outputs[name] for name in output_names]
+
+
+def _load(ctx: WorkerContext, items: Sequence[LeasedItem]) -> tuple[list[RequestResult],
+                                                                      list[tuple[LeasedItem, Tensors]]]:
+    """(Results of requests that expired before they ran, the live requests with their tensors)."""
+    inputs = requests.load_inputs(ctx.store, items)
+    expired = [RequestResult(item, error="the request expired before it ran")
+               for item, tensors in zip(items, inputs, strict=True) if tensors is None]
+    live = [(item, tensors) for item, tensors in zip(items, inputs, strict=True) if tensors is not None]
+    return expired, live
+
+
+def _run_one_by_one(ctx: WorkerContext, model_ref: str,
+                    live: Sequence[tuple[LeasedItem, Tensors]]) -> list[RequestResult]:
+    results = []
+    for entry in live:
+        try:
+            results += _run_merged(ctx, model_ref, [entry])
+        except PermanentError as single:
+            results.append(RequestResult(entry[0], error=single.message))
+    return results
+
+
 def _run_merged(ctx: WorkerContext, model_ref: str,
-                live: Sequence[tuple[LeasedItem, dict[str, np.ndarray]]]) -> list[RequestResult]:
+                live: Sequence[tuple[LeasedItem, Tensors]]) -> list[RequestResult]:
+    per_request = _run_entries(ctx, model_ref, [tensors for _, tensors in live])
+    return [RequestResult(item, outputs=own) for (item, _), own in zip(live, per_request, strict=True)]
+
+
+def _run_with_job(ctx: WorkerContext, model_ref: str, feed: Tensors, live: Sequence[tuple[LeasedItem, Tensors]],
+                  session: Any) -> tuple[Tensors, list[RequestResult]]:
+    job_outputs, *per_request = _run_entries(ctx, model_ref, [feed, *(tensors for _, tensors in live)], session)
+    return job_outputs, [RequestResult(item, outputs=own) for (item, _), own in zip(live, per_request, strict=True)]
+
+
+def _run_entries(ctx: WorkerContext, model_ref: str, entries: Sequence[Tensors], session: Any = None) -> list[Tensors]:
+    """Run entries of rows (requests, or a job's mini-batch) as one batch; every entry's own outputs."""
     record = ctx.model(model_ref)
     output_names = [output["name"] for output in record["signature"]["outputs"]]
-    spec = ctx.padding(model_ref)
-    per_request = [tensors for _, tensors in live]
-    rows = [next(iter(tensors.values())).shape[0] for tensors in per_request]
+    feed, split = _merge(entries, ctx.padding(model_ref))
+    outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
+    return split(outputs)
+
+
+def _merge(entries: Sequence[Tensors], spec: MaskSpec | None) -> tuple[Tensors, Callable[[Tensors], list[Tensors]]]:
+    """One feed for entries of one shape bucket, and how to cut its outputs back per entry."""
+    rows = [next(iter(tensors.values())).shape[0] for tensors in entries]
     if spec is not None:
-        feed, lengths = pad_batch(per_request, spec)
-    else:
-        feed = {name: np.concatenate([tensors[name] for tensors in per_request]) for name in per_request[0]}
-    outputs = dict(zip(output_names, run_with_fallback(ctx, ctx.session(model_ref), model_ref, feed, output_names),
-                       strict=True))
-    if spec is not None:
-        split = unpad_outputs(outputs, lengths, rows, spec)
-    else:
-        starts = np.cumsum([0, *rows])
-        split = [{name: array[first:last] for name, array in outputs.items()}
-                 for first, last in zip(starts[:-1], starts[1:], strict=True)]
-    return [RequestResult(item, outputs=own) for (item, _), own in zip(live, split, strict=True)]
+        feed, lengths = pad_batch(entries, spec)
+        return feed, lambda outputs: unpad_outputs(outputs, lengths, rows, spec)
+    if len(entries) == 1:
+        return dict(entries[0]), lambda outputs: [outputs]
+    feed = {name: np.concatenate([tensors[name] for tensors in entries]) for name in entries[0]}
+    starts = np.cumsum([0, *rows])
+
+    def split(outputs: Tensors) -> list[Tensors]:
+        return [{name: array[first:last] for name, array in outputs.items()}
+                for first, last in zip(starts[:-1], starts[1:], strict=True)]
+
+    return feed, split

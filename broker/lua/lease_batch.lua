@@ -12,12 +12,16 @@
 -- ARGV[6] most tokens in the batch (0: no limit), padded tokens for requests that will be padded
 -- ARGV[7] most items when the head is a job chunk or finalize step
 -- ARGV[8] '1': lease only online requests (a head that is a job chunk or finalize step stays, {0})
+-- ARGV[9] '1' (ignored with ARGV[8]): when the head is a request and the batch has rows to spare, take the
+--         first job chunk among the candidates, last (its rows fill the batch: the worker runs the
+--         requests inside the chunk's first mini-batch)
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
 -- The head item always goes. Job chunks and finalize steps are taken in queue order up to
 -- ARGV[7] (a worker runs them one by one); online requests are merged: later requests of the
 -- same shape bucket join while the batch stays within its item, row and token budgets (those
 -- that do not fit wait for the next batch).
+-- With ARGV[9], the candidates are scanned past a full batch, looking for that chunk.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if ARGV[1] ~= '' then
   if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
@@ -40,7 +44,8 @@ local function token_cost(item)
   return number_or(item['padded_tokens'], number_or(item['tokens'], 0))
 end
 local candidates = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
-local picked, rows, tokens, bucket, online = {}, 0, 0, nil, false
+local carry = ARGV[9] == '1' and ARGV[8] ~= '1'
+local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
 for index, item_id in ipairs(candidates) do
   local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
   local item = cjson.decode(payload)
@@ -57,15 +62,20 @@ for index, item_id in ipairs(candidates) do
       break
     end
     picked[#picked + 1] = {item_id, payload}
-  elseif #picked >= max_items then
+  elseif #picked >= max_items and not (carry and carried == nil) then
     break
-  elseif is_request and item['bucket'] == bucket
+  elseif is_request and #picked < max_items and item['bucket'] == bucket
       and rows + number_or(item['rows'], 1) <= max_rows
       and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
     picked[#picked + 1] = {item_id, payload}
     rows = rows + number_or(item['rows'], 1)
     tokens = tokens + token_cost(item)
+  elseif carry and carried == nil and item['kind'] == 'chunk' then
+    carried = {item_id, payload}
   end
+end
+if carried ~= nil and rows < max_rows then
+  picked[#picked + 1] = carried
 end
 local out = {#picked}
 for _, entry in ipairs(picked) do

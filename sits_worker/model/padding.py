@@ -22,6 +22,8 @@ from broker.errors import BadInput, InvalidModel
 MASK_INPUT_KEY = "sits.attention_mask"
 PAD_TOKEN_KEY = "sits.pad_token_id"
 DEFAULT_PAD_TOKEN_ID = 0
+MAX_SEQUENCE_KEY = "sits.max_sequence"
+DEFAULT_MAX_SEQUENCE = 512
 
 
 class MaskSpec(NamedTuple):
@@ -108,6 +110,36 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
         other_inputs=carrying(list(inputs.values()), {name, mask_input}) if named else (),
         sequence_outputs=carrying(signature.get("outputs", []), set()) if named else (),
     )
+
+
+def max_sequence(static_profile: Mapping[str, Any] | None) -> int:
+    """The longest sequence a token model takes (metadata `sits.max_sequence`, default 512)."""
+    value = ((static_profile or {}).get("metadata") or {}).get(MAX_SEQUENCE_KEY)
+    return int(value) if value else DEFAULT_MAX_SEQUENCE
+
+
+def shape_bucket(tensors: Mapping[str, np.ndarray], mask: MaskSpec | None,
+                 longest: int) -> tuple[str, int | None]:
+    """The shape bucket rows must share to run in one batch, and the padded length of token rows.
+
+    Exact per-row shapes, except for a model with an attention mask: there the sequence axis is
+    replaced by its length class (`bucket_length`, at most `longest`), so rows of nearby lengths
+    share a batch and the worker pads them to the longest. The API buckets every request with it
+    at submit, and a worker buckets a job's mini-batch with it to find requests that can ride in
+    that very batch: one function, so the two always agree.
+    """
+    if mask is None:
+        exact = ";".join(f"{name}:{'x'.join(map(str, array.shape[1:]))}" for name, array in sorted(tensors.items()))
+        return exact, None
+    padded = bucket_length(sequence_length(tensors, mask), longest)
+    axes = {mask.sequence_input: mask.axis, **dict(mask.other_inputs)}
+    parts = []
+    for name, array in sorted(tensors.items()):
+        if name == mask.mask_input:
+            continue  # rows with and without a client-sent mask pad alike
+        dims = [f"~{padded}" if axis == axes.get(name) else str(dim) for axis, dim in enumerate(array.shape)]
+        parts.append(f"{name}:{'x'.join(dims[1:])}")
+    return ";".join(parts), padded
 
 
 def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:

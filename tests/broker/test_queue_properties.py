@@ -3,9 +3,12 @@
 A hypothesis state machine drives the real Lua scripts on the session's
 Redis. Simulated workers hold leases (possibly stale ones: reaped, taken back
 by a resume, or of a cancelled job) and process them the way
-`sits_worker.execution.process_item` does; the reaper step mirrors
-`sits_worker.dispatch.reap`. After every step each chunk of every active job
-must be in exactly one place: waiting, leased, done, or dead.
+`sits_worker.execution.process_item` and `sits_worker.online` do; the reaper
+step mirrors `sits_worker.dispatch.reap`. Online requests share the queues
+with job chunks: leased in merged batches (taking a chunk along), or as
+riders of a chunk's mini-batch. After every step each chunk of every active
+job must be in exactly one place: waiting, leased, done, or dead; each
+request waiting, leased, dead, or finished with exactly one result.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 from broker_helpers import NOW, ack, fresh_prefix, job_spec
@@ -27,17 +31,20 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from broker import jobs, policy, queues
+from broker import jobs, policy, queues, requests
 from broker.embedded import EmbeddedRedis
 from broker.errors import Conflict
 from broker.keys import Keys
 from broker.queues import LeasedItem
+from broker.requests import RequestResult, RequestSpec
 from broker.scoring import Factors, Weights, queue_key
 from broker.store import Store
 
 MODELS = ("mlp@v1", "cnn@v1")
 MAX_ATTEMPTS = 2
 MAX_JOBS = 4
+MAX_REQUESTS = 8
+BUCKETS = ("x:1", "x:2")
 
 
 class QueueMachine(RuleBasedStateMachine):
@@ -53,6 +60,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.now = NOW
         self.job_ids: list[str] = []
         self.held: list[LeasedItem] = []  # leases some worker believes it holds (maybe stale)
+        self.request_ids: list[str] = []
 
     @initialize(model=st.sampled_from(MODELS), rows_total=st.integers(1, 6), chunk_size=st.integers(1, 3))
     def first_job(self, model: str, rows_total: int, chunk_size: int) -> None:
@@ -89,6 +97,21 @@ class QueueMachine(RuleBasedStateMachine):
         jobs.create_job(self.store, spec, now=self.now, weights=weights, ordering=ordering)
         self.job_ids.append(spec.job_id)
 
+    @precondition(lambda self: len(self.request_ids) < MAX_REQUESTS)
+    @rule(model=st.sampled_from(MODELS), bucket=st.sampled_from(BUCKETS), rows=st.integers(1, 2),
+          level=st.sampled_from([0, 12]))
+    def submit_request(self, model: str, bucket: str, rows: int, level: int) -> None:
+        """An online request, scored with the live policy as the API does."""
+        name, _, version = model.partition("@")
+        factors = Factors(level=level, est_latency_ms=5.0, enqueued_at=self.now)
+        weights, ordering = policy.get_policy(self.store, default="dynamic")
+        spec = RequestSpec(request_id=f"r{len(self.request_ids)}", model_name=name, model_version=version,
+                           inputs={"x": np.zeros((rows, 1), np.float32)}, rows=rows, tokens=None, bucket=bucket,
+                           factors=factors.to_dict())
+        requests.submit_request(self.store, spec, score=queue_key(factors, weights, ordering), now=self.now,
+                                max_age_seconds=3600, policy_json=self.client.get(self.store.keys.policy) or "")
+        self.request_ids.append(spec.request_id)
+
     @precondition(lambda self: self.job_ids)
     @rule(action=st.sampled_from(["cancel", "resume"]), pick=st.integers(0, MAX_JOBS - 1))
     def user(self, action: str, pick: int) -> None:
@@ -108,17 +131,35 @@ class QueueMachine(RuleBasedStateMachine):
 
     # --- what workers do ----------------------------------------------------------------------
 
-    @rule(model=st.sampled_from(MODELS), max_items=st.integers(1, 3), lease_seconds=st.sampled_from([10, 60]))
-    def lease(self, model: str, max_items: int, lease_seconds: int) -> None:
-        self.held += queues.lease_batch(
-            self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items
-        )
+    @rule(model=st.sampled_from(MODELS), max_items=st.integers(1, 3), lease_seconds=st.sampled_from([10, 60]),
+          carry_chunk=st.booleans(), requests_only=st.booleans())
+    def lease(self, model: str, max_items: int, lease_seconds: int, carry_chunk: bool, requests_only: bool) -> None:
+        leased = queues.lease_batch(self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items,
+                                    max_chunks=1, carry_chunk=carry_chunk, requests_only=requests_only)
+        kinds = [item.payload["kind"] for item in leased]
+        if requests_only or not carry_chunk:
+            assert len(set(kinds)) <= 1, kinds
+        assert "request" not in kinds[kinds.index("chunk"):] if "request" in kinds and "chunk" in kinds else True
+        self.held += leased
+
+    @rule(model=st.sampled_from(MODELS), bucket=st.sampled_from(BUCKETS), max_rows=st.integers(1, 3))
+    def lease_riders(self, model: str, bucket: str, max_rows: int) -> None:
+        """A running chunk of `model` looks for requests to ride in its next mini-batch."""
+        riders = queues.lease_riders(self.store, model, bucket, now=self.now, lease_seconds=60, max_items=3,
+                                     max_rows=max_rows)
+        assert all(item.payload["kind"] == "request" and item.payload["bucket"] == bucket for item in riders)
+        assert sum(item.payload["rows"] for item in riders) <= max_rows
+        self.held += riders
 
     @precondition(lambda self: self.held)
     @rule(pick=st.integers(0, 20), ack_lost=st.booleans())
     def process(self, pick: int, ack_lost: bool) -> None:
         """Run a held item to its end, as `process_item` does; if the ack is lost the worker runs it again later."""
         item = self.held[pick % len(self.held)] if ack_lost else self.held.pop(pick % len(self.held))
+        if item.payload["kind"] == "request":
+            requests.complete_requests(self.store, [RequestResult(item, outputs={})], now=self.now, keep_seconds=3600,
+                                       batch_size=1, worker="w1")
+            return
         job_id = item.payload["job"]
         status = self.store.scripts.start_item(keys=[self.store.keys.job(job_id)], args=[self.now])
         if status != "running":
@@ -152,6 +193,12 @@ class QueueMachine(RuleBasedStateMachine):
             return
         result = queues.reap_expired_leases(self.store, now=self.now, max_attempts=MAX_ATTEMPTS)
         for model_ref, item_id, payload in result.dead_items:
+            if payload.get("kind") == "request":
+                item = LeasedItem(item_id, model_ref, payload, MAX_ATTEMPTS)
+                requests.complete_requests(self.store, [RequestResult(item, error="died")], now=self.now,
+                                           keep_seconds=3600, batch_size=1, worker="reaper")
+                queues.finish_item(self.store, item, "", now=self.now)
+                continue
             job_id = payload.get("job", "")
             if job_id:
                 jobs.stop_job(self.store, job_id, status="failed", error=f"{item_id} failed", now=self.now)
@@ -193,6 +240,21 @@ class QueueMachine(RuleBasedStateMachine):
                     assert item_id not in ready[model] and item_id not in inflight[model], (
                         f"{item_id} of a {job['status']} job is still queued"
                     )
+
+    @invariant()
+    def every_request_is_in_exactly_one_place_and_finishes_once(self) -> None:
+        keys = self.store.keys
+        dead = set(self.client.zrange(keys.dead, 0, -1))
+        for request_id in self.request_ids:
+            record = self.client.hgetall(keys.request(request_id))
+            model = f"{record['model']}@{record['model_version']}"
+            finished = self.client.llen(keys.request_done(request_id))
+            places = [self.client.zscore(keys.ready(model), request_id) is not None,
+                      self.client.zscore(keys.inflight(model), request_id) is not None,
+                      request_id in dead, finished > 0]
+            assert sum(places) == 1, f"{request_id} is in {places} (ready, inflight, dead, finished)"
+            assert finished <= 1, f"{request_id} got {finished} results"
+            assert (record["status"] in ("succeeded", "failed")) == (finished == 1), record["status"]
 
     @invariant()
     def waiting_scores_follow_the_live_policy(self) -> None:

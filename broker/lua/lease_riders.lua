@@ -1,0 +1,56 @@
+-- lease_riders: lease online requests of one shape bucket from near the front of a model's queue,
+-- to ride along in the next mini-batch of a job chunk of that model (one inference run for both).
+-- Unlike lease_batch, the head need not be a request: requests queued behind job chunks are found
+-- too, within the first ARGV[8] entries (a bounded scan, so the call stays short).
+-- KEYS[1] tickets   ZSET ticket id -> last seen
+-- KEYS[2] ready     ZSET item id -> score
+-- KEYS[3] inflight  ZSET item id -> lease deadline
+-- KEYS[4] items     HASH item id -> payload
+-- KEYS[5] attempts  HASH item id -> lease count
+-- ARGV[1] ticket id ('' to lease without a ticket)
+-- ARGV[2] now
+-- ARGV[3] lease deadline
+-- ARGV[4] the shape bucket of the mini-batch
+-- ARGV[5] most requests
+-- ARGV[6] most rows
+-- ARGV[7] most tokens (0: no limit), padded tokens for requests that will be padded
+-- ARGV[8] how many queue entries to look at
+-- Returns: {-1} when the ticket is no longer valid; else {n, id1, payload1, attempts1, ...}, best first.
+-- Items are never popped into the void: each one is in ready or in-flight at every instant.
+if ARGV[1] ~= '' then
+  if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+    return {-1}
+  end
+  redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[1])
+end
+-- JSON null decodes to cjson.null, not nil: count anything that is not a number as `default`.
+local function number_or(value, default)
+  if type(value) == 'number' then
+    return value
+  end
+  return default
+end
+local bucket = ARGV[4]
+local max_items, max_rows, max_tokens = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local out, rows, tokens = {0}, 0, 0
+for _, item_id in ipairs(redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[8]) - 1)) do
+  if out[1] >= max_items or rows >= max_rows then
+    break
+  end
+  local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+  local item = cjson.decode(payload)
+  local item_rows = number_or(item['rows'], 1)
+  local item_tokens = number_or(item['padded_tokens'], number_or(item['tokens'], 0))
+  if item['kind'] == 'request' and item['bucket'] == bucket and rows + item_rows <= max_rows
+      and (max_tokens == 0 or tokens + item_tokens <= max_tokens) then
+    redis.call('ZREM', KEYS[2], item_id)
+    redis.call('ZADD', KEYS[3], ARGV[3], item_id)
+    out[1] = out[1] + 1
+    out[#out + 1] = item_id
+    out[#out + 1] = payload
+    out[#out + 1] = redis.call('HINCRBY', KEYS[5], item_id, 1)
+    rows = rows + item_rows
+    tokens = tokens + item_tokens
+  end
+end
+return out

@@ -1,0 +1,104 @@
+"""What a running job chunk does before each of its mini-batches.
+
+A chunk holds its stream slot for many mini-batches, so between them it
+keeps its lease alive and lets online work in (DESIGN.md, "Scheduling
+concepts": an offline job yields between batches when urgent work waits, and
+offline rows share batches with online requests):
+
+- requests of the chunk's own model and shape bucket *ride along*: they join
+  the next mini-batch, one `session.run` for the job's rows and theirs
+  (`scheduler.merge_requests_into_jobs`);
+- one batch of other online requests that outrank the chunk runs on this
+  slot before the next mini-batch (a FIFO order never lets a later request
+  pass the chunk);
+- requests leased together with the chunk (a batch of requests that took a
+  waiting chunk to fill its empty rows) ride in its first mini-batch.
+
+Looking costs a Redis round trip, so it happens at most every
+`scheduler.yield_check_interval`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from broker import queues
+from broker.queues import LeasedItem
+from sits_worker.context import WorkerContext
+from sits_worker.leasing import lease, lease_riders, reserved
+from sits_worker.model.padding import max_sequence, shape_bucket
+from sits_worker.online import run_requests
+
+
+class BetweenBatches:
+    """Called by `execution.run_chunk` with each mini-batch's feed before it runs; returns the
+    requests that ride in it."""
+
+    def __init__(self, ctx: WorkerContext, item: LeasedItem, ticket: str,
+                 carried: Sequence[LeasedItem] = ()) -> None:
+        self._ctx, self._item, self._ticket = ctx, item, ticket
+        self._keep_alive = _keep_alive(ctx, item, ticket, ctx.settings.scheduler.lease_timeout)
+        score = item.payload.get("score")
+        self._chunk_score = float(score) if isinstance(score, int | float) else None
+        self._interval = ctx.settings.scheduler.yield_check_interval
+        self._next_look = time.monotonic() + self._interval
+        self._carried = list(carried)
+
+    def __call__(self, feed: Mapping[str, np.ndarray]) -> list[LeasedItem]:
+        self._keep_alive()
+        if self._carried:
+            carried, self._carried = self._carried, []
+            if carried[0].payload.get("bucket") == self._bucket(feed):
+                return carried
+            run_requests(self._ctx, carried)  # another shape: they run as their own batch, first
+        if time.monotonic() < self._next_look:
+            return []
+        riders = []
+        if self._ctx.settings.scheduler.merge_requests_into_jobs:
+            riders = lease_riders(self._ctx, self._item.model_ref, feed, self._ticket)
+        served = self._chunk_score is not None and _serve_one_urgent_batch(self._ctx, self._chunk_score,
+                                                                           self._ticket)
+        self._next_look = time.monotonic() + (0 if served or riders else self._interval)  # more may wait
+        return riders
+
+    def finish(self) -> None:
+        """Run carried requests the chunk never reached (it was dropped, failed or had no rows)."""
+        if self._carried:
+            carried, self._carried = self._carried, []
+            run_requests(self._ctx, carried)
+
+    def _bucket(self, feed: Mapping[str, np.ndarray]) -> str:
+        model = self._ctx.model(self._item.model_ref)
+        bucket, _ = shape_bucket(feed, self._ctx.padding(self._item.model_ref),
+                                 max_sequence(model.get("static_profile")))
+        return bucket
+
+
+def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str) -> bool:
+    """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none."""
+    heads = ctx.queue_watcher.snapshot().heads
+    for model_ref, score in sorted(heads.items(), key=lambda head: head[1]):
+        if score >= chunk_score:
+            return False
+        leased = lease(ctx, model_ref, ticket, requests_only=True)
+        if leased:
+            with reserved(ctx, leased):
+                run_requests(ctx, leased)
+            return True
+    return False
+
+
+def _keep_alive(ctx: WorkerContext, item: LeasedItem, ticket: str, lease_seconds: float) -> Callable[[], None]:
+    """A callback that extends the item's lease (and touches the ticket) every `lease_seconds / 4`."""
+    last = time.monotonic()
+
+    def keep_alive() -> None:
+        nonlocal last
+        if time.monotonic() - last >= lease_seconds / 4:
+            last = time.monotonic()
+            queues.extend_lease(ctx.store, item, ticket, now=time.time(), lease_seconds=lease_seconds)
+
+    return keep_alive

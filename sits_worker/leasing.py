@@ -1,0 +1,88 @@
+"""Leasing a stream slot's next batch, and holding its memory reservation while it runs.
+
+Shared by the drain loop (`dispatch`) and by what a running job chunk does
+between its mini-batches (`between`): both lease batches of online requests
+under a model's batching settings, and reserve their memory by the rows and
+tokens that really run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from broker import queues, reservation
+from sits_worker.context import WorkerContext
+from sits_worker.model.padding import max_sequence, shape_bucket
+
+
+def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
+          admission: reservation.Admission | None = None, carry_chunk: bool = False) -> list[queues.LeasedItem]:
+    """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time), cut to
+    the rows and tokens of its `admission` when given; `carry_chunk`: see `queues.lease_batch`."""
+    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+    max_rows = admission.max_rows if admission else batching.max_batch_size
+    max_tokens = admission.max_tokens if admission else batching.max_batch_tokens
+    return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
+                              max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
+                              max_chunks=1, ticket=ticket, requests_only=requests_only, carry_chunk=carry_chunk)
+
+
+def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray],
+                 ticket: str) -> list[queues.LeasedItem]:
+    """Requests of `model_ref` that can ride in the job mini-batch `feed`: its shape bucket, up to the
+    model's `max_batch_size` rows, and within `max_batch_tokens` together with the mini-batch."""
+    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+    static = ctx.model(model_ref).get("static_profile") or {}
+    bucket, padded = shape_bucket(feed, ctx.padding(model_ref), max_sequence(static))
+    max_tokens = 0
+    if batching.max_batch_tokens and (padded or static.get("sequence_axis")):
+        rows = len(next(iter(feed.values())))
+        axis = static.get("sequence_axis") or {}
+        length = padded or (feed[axis["input"]].shape[axis["axis"]] if axis.get("input") in feed else 0)
+        max_tokens = batching.max_batch_tokens - rows * length
+        if max_tokens <= 0:
+            return []  # the mini-batch alone fills the token budget
+    return queues.lease_riders(ctx.store, model_ref, bucket, now=time.time(),
+                               lease_seconds=ctx.settings.scheduler.lease_timeout,
+                               max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
+                               max_tokens=max_tokens, window=4 * batching.max_batch_size, ticket=ticket)
+
+
+def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:
+    """What a batch of `model_ref` costs by its profile, within its batching limits."""
+    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+    return reservation.BatchCost.of(ctx.model(model_ref), max_rows=batching.max_batch_size,
+                                    max_tokens=batching.max_batch_tokens)
+
+
+@contextlib.contextmanager
+def reserved(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> Iterator[None]:
+    """Hold the batch's memory reservation (by its real rows and tokens) while it runs.
+
+    Requests count their rows and padded tokens (the worker pads token requests to their length
+    class: the padded tokens are what runs); a job chunk runs mini-batches of the jobs' batch size,
+    with up to a batch of riders on top when requests may ride along.
+    """
+    cost = batch_cost(ctx, leased[0].model_ref)
+    rows, tokens, chunk_rows = 0, 0, 0
+    for item in leased:
+        if item.payload.get("kind") == "request":
+            rows += int(item.payload.get("rows") or 1)
+            tokens += int(item.payload.get("padded_tokens") or item.payload.get("tokens") or 0)
+        else:
+            rows += ctx.settings.jobs.batch_size
+            if ctx.settings.scheduler.merge_requests_into_jobs:
+                rows += cost.max_rows
+            chunk_rows += int(item.payload.get("stop", 0)) - int(item.payload.get("start", 0))
+    # A chunk holds its reservation until its last mini-batch: its expected end is its rows' time.
+    seconds = cost.seconds(rows=rows, tokens=tokens or None) + cost.seconds(rows=chunk_rows)
+    handle = ctx.ledger.reserve(cost.need_bytes(rows=rows, tokens=tokens or None), now=time.time(),
+                                expected_seconds=seconds)
+    try:
+        yield
+    finally:
+        ctx.ledger.release(handle, now=time.time())

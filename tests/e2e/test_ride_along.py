@@ -1,0 +1,137 @@
+"""Online requests and offline job rows in one inference run, through a real stack.
+
+One worker with one stream slot, FIFO order (so no request outranks a chunk and the only way a
+request gets in early is to ride along): requests of a running chunk's model and shape bucket
+join its next mini-batch, and a batch of requests that leaves rows empty takes a waiting chunk
+along. A request's `batch_size` is the rows of the run it was part of, so job rows in it show.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from tests.e2e.stack_helpers import direct_run, register, wait_job
+
+JOB_BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def fifo_stack(tmp_path_factory):
+    from sits_api.cli.stack import Stack
+    from sits_worker.model.zoo import build_zoo
+    from tests.e2e.stack_helpers import stack_settings
+
+    home = tmp_path_factory.mktemp("ride") / "home"
+    settings = stack_settings(home, streams=1).with_overrides(scheduler={"policy": "fifo"},
+                                                              online={"batching": {"max_batch_size": 8}})
+    running = Stack(settings, worker_count=1, api_port=0).start()
+    models = build_zoo(home / "models")
+    for name in ("mlp", "transformer", "convnet"):
+        register(running.client(), name, models[name])
+    yield running
+    running.stop()
+
+
+def submit_job(stack, name: str, model: str, rows: np.ndarray, **fields) -> dict:
+    np.save(stack.home / f"{name}.npy", rows)
+    return stack.client().post("/v1/jobs", {"model": model, "input_batch": str(stack.home / f"{name}.npy"),
+                                            "chunk_size": len(rows), "batch_size": JOB_BATCH,
+                                            "output_dir": str(stack.home / f"{name}-out"), **fields})
+
+
+def call_all(stack, bodies: list[dict]) -> list[dict]:
+    client = stack.client()
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda body: client.post("/v1/requests", {**body, "wait": True}), bodies))
+
+
+def test_requests_ride_in_the_mini_batches_of_a_running_chunk_of_their_model(fifo_stack):
+    """Convnet requests arrive while a 1,500-row convnet chunk runs on the only slot: they are answered
+    from its mini-batches (job rows + theirs in one run) long before the chunk ends, and both the
+    job's outputs and theirs equal the model run alone."""
+    client, model = fifo_stack.client(), fifo_stack.home / "models" / "convnet.onnx"
+    rng = np.random.default_rng(0)
+    pixels = rng.standard_normal((1500, 3, 32, 32)).astype(np.float32)
+    job = submit_job(fifo_stack, "ride", "convnet", pixels)
+    wait_job(client, job["id"], until=lambda j: j["status"] == "running")
+    time.sleep(0.2)  # the chunk is leased and running its mini-batches
+
+    singles = rng.standard_normal((3, 1, 3, 32, 32)).astype(np.float32)
+    results = call_all(fifo_stack, [{"model": "convnet", "inputs": {"pixels": one.tolist()}} for one in singles])
+    during = client.get(f"/v1/jobs/{job['id']}")
+
+    assert during["status"] == "running" and during["chunks_done"] == 0, during
+    for one, result in zip(singles, results, strict=True):
+        assert result["status"] == "succeeded", result
+        assert result["batch_size"] > JOB_BATCH, result  # the run held the job's rows too
+        np.testing.assert_allclose(np.array(result["outputs"]["logits"]), direct_run(model, one, 1),
+                                   rtol=1e-4, atol=1e-5)
+    assert wait_job(client, job["id"])["status"] == "succeeded"
+    np.testing.assert_allclose(np.load(fifo_stack.home / "ride-out" / "logits.npy"), direct_run(model, pixels, 64),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_token_requests_ride_padded_with_a_chunk_of_another_length_in_their_class(fifo_stack):
+    """Transformer rows of 12 tokens (length class 16) in a job; requests of 9-16 tokens ride along:
+    everything is padded to the longest, masked, and cut back, so every output is exact."""
+    client, model = fifo_stack.client(), fifo_stack.home / "models" / "transformer.onnx"
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, 1000, size=(30_000, 12)).astype(np.int64)  # about 1.5 s of work
+    job = submit_job(fifo_stack, "tokens", "transformer", ids)
+    wait_job(client, job["id"], until=lambda j: j["status"] == "running")
+    time.sleep(0.2)
+
+    sequences = [rng.integers(1, 1000, size=(1, length)).astype(np.int64) for length in (9, 14, 16)]
+    results = call_all(fifo_stack, [{"model": "transformer", "inputs": {"input_ids": s.tolist()}} for s in sequences])
+    during = client.get(f"/v1/jobs/{job['id']}")
+
+    assert during["status"] == "running" and during["chunks_done"] == 0, during
+    for sequence, result in zip(sequences, results, strict=True):
+        assert result["status"] == "succeeded" and result["batch_size"] > JOB_BATCH, result
+        np.testing.assert_allclose(np.array(result["outputs"]["embedding"]), direct_run(model, sequence, 1),
+                                   rtol=1e-4, atol=1e-5)
+    assert wait_job(client, job["id"])["status"] == "succeeded"
+    outputs = np.load(fifo_stack.home / "tokens-out" / "embedding.npy")
+    np.testing.assert_allclose(outputs, direct_run(model, ids, 64), rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_of_requests_with_rows_to_spare_takes_a_waiting_chunk_along(fifo_stack):
+    """While a transformer chunk holds the slot, three convnet requests and then a convnet job queue up (FIFO:
+    requests first). The slot leases the requests' batch of 3 (of 8) and the chunk with it: the
+    requests run inside the chunk's first mini-batch."""
+    client = fifo_stack.client()
+    rng = np.random.default_rng(2)
+    busy = submit_job(fifo_stack, "busy", "transformer",
+                      rng.integers(1, 1000, size=(30_000, 12)).astype(np.int64))
+    wait_job(client, busy["id"], until=lambda j: j["status"] == "running")
+    singles = rng.standard_normal((3, 1, 3, 32, 32)).astype(np.float32)
+    ids = [client.post("/v1/requests", {"model": "convnet", "inputs": {"pixels": one.tolist()}})["id"]
+           for one in singles]
+    pixels = rng.standard_normal((200, 3, 32, 32)).astype(np.float32)
+    job = submit_job(fifo_stack, "after", "convnet", pixels)
+    still = client.get(f"/v1/jobs/{busy['id']}")
+    assert still["chunks_done"] == 0, f"the transformer chunk ended too soon for this test: {still}"
+
+    results = [wait_request(client, request_id) for request_id in ids]
+    assert all(result["batch_size"] == JOB_BATCH + 3 for result in results), results
+    model = fifo_stack.home / "models" / "convnet.onnx"
+    for one, result in zip(singles, results, strict=True):
+        np.testing.assert_allclose(np.array(result["outputs"]["logits"]), direct_run(model, one, 1),
+                                   rtol=1e-4, atol=1e-5)
+    assert wait_job(client, job["id"])["status"] == "succeeded"
+    np.testing.assert_allclose(np.load(fifo_stack.home / "after-out" / "logits.npy"), direct_run(model, pixels, 64),
+                               rtol=1e-4, atol=1e-5)
+    assert wait_job(client, busy["id"])["status"] == "succeeded"
+
+
+def wait_request(client, request_id: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (result := client.get(f"/v1/requests/{request_id}"))["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, result
+        time.sleep(0.05)
+    assert result["status"] == "succeeded", result
+    return result
