@@ -10,6 +10,10 @@ asked for 80 %).
 
     python benchmarks/offline_job.py            # mlp and convnet, prints a Markdown table
     python benchmarks/offline_job.py --quick    # smaller inputs
+    python benchmarks/offline_job.py --chunk-size default   # the server picks the chunk size (jobs.chunk_size)
+
+Models are registered with `profile_mode=full` (by default), so `jobs.chunk_size: auto` finds a
+measured throughput to size chunks from; with `--profile-mode static` it falls back to 4,096 rows.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from broker.config import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
-CASES = {  # model: (rows, rows in --quick, batch size, chunk size, input maker)
+CASES = {  # model: (rows, rows in --quick, batch size, fixed chunk size, input maker)
     "mlp": (1_000_000, 200_000, 128, 65_536, lambda rng, n: rng.standard_normal((n, 64), dtype=np.float32)),
     "convnet": (8_192, 2_048, 64, 512, lambda rng, n: rng.standard_normal((n, 3, 32, 32), dtype=np.float32)),
 }
@@ -50,11 +54,14 @@ def bare_loop(model_path: Path, inputs: np.ndarray, batch: int, threads: int) ->
     return len(inputs) / (time.perf_counter() - started)
 
 
-def system_run(stack: Stack, model: str, data: Path, out: Path, batch: int, chunk: int) -> dict:
-    """Submit the job through the REST API and wait for it; returns the finished job."""
+def system_run(stack: Stack, model: str, data: Path, out: Path, batch: int, chunk: int | None) -> dict:
+    """Submit the job through the REST API and wait for it; returns the finished job.
+
+    `chunk` None leaves the chunk size to the server (`jobs.chunk_size`).
+    """
     client = stack.client()
-    job = client.post("/v1/jobs", {"model": model, "input_batch": str(data), "output_dir": str(out),
-                                   "batch_size": batch, "chunk_size": chunk})
+    body = {"model": model, "input_batch": str(data), "output_dir": str(out), "batch_size": batch}
+    job = client.post("/v1/jobs", body if chunk is None else body | {"chunk_size": chunk})
     while job["status"] not in ("succeeded", "failed", "cancelled"):
         time.sleep(0.25)  # rare polls: the API shares the cores; the figure comes from the job's own timestamps
         job = client.get(f"/v1/jobs/{job['id']}")
@@ -69,7 +76,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="ONNX Runtime intra-op threads")
     parser.add_argument("--models", default=",".join(CASES))
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side; medians are shown")
+    parser.add_argument("--chunk-size", default="fixed",
+                        help="'fixed': each model's own (the table's); 'default': none, the server picks "
+                             "(jobs.chunk_size); or a number of rows")
+    parser.add_argument("--chunk-seconds", type=float, default=None,
+                        help="jobs.chunk_seconds of the stack (for --chunk-size default); unset: its default")
+    parser.add_argument("--profile-mode", choices=("full", "static"), default="full",
+                        help="how models are registered; 'full' measures the throughput that auto chunks use")
     args = parser.parse_args()
+    if args.chunk_size not in ("fixed", "default") and not args.chunk_size.isdigit():
+        parser.error("--chunk-size must be 'fixed', 'default' or a number of rows")
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="sits-bench-") as tmp:
         home = Path(tmp)
@@ -78,29 +94,47 @@ def main() -> None:
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
             resources={"max_concurrent_streams": 1, "intra_op_threads": args.threads},
             redis={"appendonly": True},
+            **({"jobs": {"chunk_seconds": args.chunk_seconds}} if args.chunk_seconds else {}),
         )
         rows_out = []
         with Stack(settings, worker_count=1, api_port=0) as stack:
             for model in args.models.split(","):
-                rows, quick_rows, batch, chunk, make = CASES[model]
+                rows, quick_rows, batch, fixed_chunk, make = CASES[model]
+                chunk = {"fixed": fixed_chunk, "default": None}.get(args.chunk_size, fixed_chunk)
+                chunk = int(args.chunk_size) if args.chunk_size.isdigit() else chunk
                 n = quick_rows if args.quick else rows
                 inputs = make(rng, n)
                 data = home / f"{model}.npy"
                 np.save(data, inputs)
-                stack.client().post("/v1/models", {"name": model, "path": str(models[model])})
+                _register(stack, model, models[model], args.profile_mode)
                 system_run(stack, model, data, home / f"warm-{model}", batch, chunk)  # session build, page cache
-                bares, systems = [], []
+                bares, systems, chunks = [], [], []
                 for repeat in range(args.repeats):  # alternate the two, so drift in machine speed hits both
                     bares.append(bare_loop(models[model], inputs, batch, args.threads))
                     job = system_run(stack, model, data, home / f"out-{model}-{repeat}", batch, chunk)
                     systems.append(job["rows_total"] / (job["finished_at"] - job["started_at"]))
-                rows_out.append((model, n, batch, chunk, float(np.median(bares)), float(np.median(systems))))
+                    chunks.append((job["chunk_size"], job["chunks_total"]))
+                rows_out.append((model, n, batch, *chunks[-1], float(np.median(bares)), float(np.median(systems))))
     print(f"\nOffline job through SITS (1 CPU worker, 1 stream, {args.threads} ORT threads) vs bare ONNX Runtime,"
           f" median of {args.repeats} alternating runs\n")
-    print("| model | rows | batch | chunk | bare ORT rows/s | SITS job rows/s | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for model, n, batch, chunk, bare, system in rows_out:
-        print(f"| {model} | {n:,} | {batch} | {chunk:,} | {bare:,.0f} | {system:,.0f} | {system / bare:.2f} |")
+    print(f"chunk size: {args.chunk_size}, jobs.chunk_seconds {settings.jobs.chunk_seconds:g}; "
+          f"models registered with profile_mode={args.profile_mode}\n")
+    print("| model | rows | batch | chunk | chunks | bare ORT rows/s | SITS job rows/s | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for model, n, batch, chunk, chunks_total, bare, system in rows_out:
+        print(f"| {model} | {n:,} | {batch} | {chunk:,} | {chunks_total} | {bare:,.0f} | {system:,.0f} "
+              f"| {system / bare:.2f} |")
+
+
+def _register(stack: Stack, name: str, path: Path, profile_mode: str) -> None:
+    """Register a model and wait until a worker has profiled it (profile_mode=full)."""
+    client = stack.client()
+    record = client.post("/v1/models", {"name": name, "path": str(path), "profile_mode": profile_mode})
+    while record["profile_status"] == "pending":
+        time.sleep(0.25)
+        record = client.get(f"/v1/models/{record['ref']}")
+    if record["profile_status"] == "failed":
+        raise SystemExit(f"profiling {name} failed: {record.get('profile_error')}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ class SchedulerSettings(_Section):
     its next mini-batch (one `session.run` for both), and a worker that leases a batch of requests
     takes a waiting chunk of that model with it, to fill the batch's empty rows. Off: requests and
     job rows never share a run (a chunk still lets outranking requests through between batches)."""
+    merge_latency_factor: float = Field(1.5, ge=1.0)
+    """How much longer than the requests' own batch (by the model's profile) a run of requests with
+    job rows may take: job rows fill an online batch's empty rows only while they are nearly free
+    (a GPU's flat latency curve; on a CPU, or with only a static profile, few rows fit). 1: none."""
     worker_heartbeat_timeout: Seconds = 15.0
 
     @model_validator(mode="after")
@@ -142,10 +146,30 @@ class PathSettings(_Section):
 class JobSettings(_Section):
     """Defaults for offline jobs."""
 
-    chunk_size: int = Field(4096, ge=1)
+    chunk_size: int | Literal["auto"] = "auto"
+    """Rows per queue item for jobs that do not set one; `auto`: about `chunk_seconds` of work at the
+    model's measured throughput, in whole batches, split over live workers and capped by
+    `max_chunk_output_bytes` (broker/chunking.py); 4096 for a model without a measured profile."""
+    chunk_seconds: Seconds = Field(1.0, gt=0)
+    """How long an `auto` chunk runs; each chunk has a fixed cost of a few ms (lease, part file, ack)."""
+    max_chunk_output_bytes: Bytes = parse_size("64MiB")
+    """Most output bytes in an `auto` chunk: a worker holds them in memory until its part file is
+    written (0: no cap)."""
     batch_size: int = Field(128, ge=1)
     max_attempts: int = Field(3, ge=1)
     """A chunk leased this many times without an ack fails its job (poison batch)."""
+
+    @field_validator("chunk_size", mode="before")
+    @classmethod
+    def _rows_or_auto(cls, value: Any) -> Any:
+        text = value.strip() if isinstance(value, str) else value
+        if text == "auto":
+            return text
+        if isinstance(text, str) and text.isdigit():
+            text = int(text)
+        if isinstance(text, int) and not isinstance(text, bool) and text >= 1:
+            return text
+        raise ValueError(f"{value!r} is neither a number of rows (>= 1) nor 'auto'")
 
 
 class ModelBatching(_Section):

@@ -118,8 +118,10 @@ def check_level(level: int) -> int:
 def estimate_latency_ms(record: dict[str, Any], *, rows: int, tokens: int | None) -> float:
     """Estimated run time of `rows` rows from the model's profile.
 
-    Measured profile first: batch-1 latency times rows, or for a token model times its tokens over
-    the profile's sequence length (rows of `sequence_length` tokens were measured); a token model
+    Measured profile first: the latency measured at that batch size, interpolated between the
+    measured sizes (so the batching gain shows: on a GPU 64 rows may cost little more than one),
+    per row of the largest one beyond it; for a token model batch-1 latency times its tokens over
+    the profile's sequence length (rows of `sequence_length` tokens were measured). A token model
     without one costs about 1.2 ms per token + 120 ms (the specification's prior); otherwise the
     static FLOPs at an assumed 50 GFLOP/s.
     """
@@ -128,13 +130,38 @@ def estimate_latency_ms(record: dict[str, Any], *, rows: int, tokens: int | None
     static = record.get("static_profile") or {}
     token_model = bool(static.get("sequence_axis")) and tokens is not None
     if points:
-        one_row = float(points[0]["latency_ms"])
         if token_model:
+            one_row = float(points[0]["latency_ms"])
             return one_row * float(tokens or 0) / float(profile.get("sequence_length") or 128)
-        return one_row * rows
+        return _interpolated_ms(points, rows)
     if token_model:
         return 1.2 * float(tokens or 0) + 120.0
     return max(float(static.get("flops_per_sample") or 0) * rows / 5e7, 0.01)
+
+
+def rows_to_fill(record: dict[str, Any], *, own_rows: int, available: int, max_rows: int, factor: float) -> int:
+    """How many of `available` job rows may fill a batch of `own_rows` online rows: up to `max_rows`
+    rows in all, while the batch's estimated time stays within `factor` times that of the online
+    rows alone. Job rows so take only empty rows that are nearly free (a GPU's flat latency curve),
+    and a request riding with a job waits about as long as in a batch of its own."""
+    limit = estimate_latency_ms(record, rows=own_rows, tokens=None) * factor
+    fill, room = 0, min(available, max_rows - own_rows)
+    while fill < room and estimate_latency_ms(record, rows=own_rows + fill + 1, tokens=None) <= limit:
+        fill += 1
+    return fill
+
+
+def _interpolated_ms(points: list[dict[str, Any]], rows: int) -> float:
+    """Latency of `rows` rows from measured (batch_size, latency_ms) points: linear between two sizes,
+    per row of the nearest measured size outside them."""
+    measured = sorted((int(point["batch_size"]), float(point["latency_ms"])) for point in points)
+    below = [(size, ms) for size, ms in measured if size <= rows]
+    above = [(size, ms) for size, ms in measured if size >= rows]
+    if below and above:
+        (low, low_ms), (high, high_ms) = below[-1], above[0]
+        return low_ms if high == low else low_ms + (high_ms - low_ms) * (rows - low) / (high - low)
+    size, ms = below[-1] if below else above[0]
+    return ms * rows / size
 
 
 def psa_jump_level(*, base_level: int, remaining_ms: float, queue_load: float, weights: Weights) -> int | None:

@@ -18,7 +18,9 @@ class JobSubmission(_Body):
     input_batch: str = Field(..., min_length=1, description=".npy, .npz, .bin or .jsonl file")
     output_dir: str = Field(..., min_length=1, description="folder for <output>.npy files and manifest.json")
     priority: int = Field(0, ge=0, le=15)
-    chunk_size: int | None = Field(None, ge=1, le=10_000_000, description="rows per queue item")
+    chunk_size: Annotated[int, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
+        None, description="rows per queue item; `auto` or unset: from the model's measured throughput "
+                          "(the server's `jobs.chunk_size` when that is a number)")
     batch_size: int | None = Field(None, ge=1, le=65_536, description="rows per ONNX Runtime run")
     input_shape: list[Annotated[int, Field(ge=1, le=2**31)]] | None = Field(
         None, max_length=8, description="per-sample shape of a raw .bin input")

@@ -14,7 +14,7 @@ from typing import Any
 
 import onnx
 
-from broker import jobs, policy, registry
+from broker import chunking, jobs, policy, registry, workers
 from broker.config import Settings
 from broker.errors import BadInput, Conflict, JobNotFound, ModelNotFound, PathNotAllowed
 from broker.store import Store
@@ -121,6 +121,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
                        "name a folder the workers can write") from err
     _refuse_busy_output_dir(store, output_dir, now=now)
+    batch_size = body.batch_size or settings.jobs.batch_size
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),
         model_name=model["name"],
@@ -131,8 +132,8 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         output_dir=str(output_dir),
         output_names=[output["name"] for output in model["signature"]["outputs"]],
         rows_total=rows,
-        chunk_size=body.chunk_size or settings.jobs.chunk_size,
-        batch_size=body.batch_size or settings.jobs.batch_size,
+        chunk_size=_chunk_size(settings, store, model, body.chunk_size, rows=rows, batch_size=batch_size, now=now),
+        batch_size=batch_size,
         priority=body.priority,
         owner=owner,
         input_options={k: v for k, v in input_options.items() if v is not None},
@@ -142,6 +143,19 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     (output_dir / OWNER_MARKER).write_text(spec.job_id + "\n")
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
+
+
+def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: int | str | None, *, rows: int,
+                batch_size: int, now: float) -> int:
+    """The job's own chunk size, else the configured one, else (`auto`) one from the model's profile."""
+    chosen = asked or settings.jobs.chunk_size
+    if isinstance(chosen, int):
+        return chosen
+    known = workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout)
+    live = sum(1 for worker in known if worker["alive"])
+    return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=live,
+                                   chunk_seconds=settings.jobs.chunk_seconds,
+                                   max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes)
 
 
 def _refuse_busy_output_dir(store: Store, output_dir: Path, *, now: float) -> None:

@@ -21,7 +21,7 @@ from broker import jobs, queues
 from broker.errors import PermanentError
 from broker.queues import LeasedItem
 from sits_worker.context import WorkerContext
-from sits_worker.online import run_with_riders
+from sits_worker.online import rows_to_fill, run_requests, run_with_riders
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
 
 log = logging.getLogger(__name__)
@@ -68,20 +68,19 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: BetweenBatches) 
 def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between: BetweenBatches) -> None:
     """Run rows [start, stop) of a job in mini-batches, write the part file, then ack the chunk.
 
-    Online requests that `between` hands over ride in a mini-batch: one run for both, the job's
-    rows first; they are completed right after it, long before the chunk's ack.
+    Online requests that `between` hands over ride in a mini-batch: the first rows of the
+    mini-batch fill their batch's empty rows (as many as `online.rows_to_fill` allows), one run for
+    both, the rest of the mini-batch runs after; they are completed right after their run, long
+    before the chunk's ack.
     """
     start, stop, chunk_index = item.payload["start"], item.payload["stop"], item.payload["chunk"]
     output_names: list[str] = job["output_names"]
     source = ctx.job_input(job)
     session = ctx.session(job["model_ref"])  # looked up once per chunk, not per mini-batch
     results: dict[str, np.ndarray] = {}
-    for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
-        riders = between(feed)
-        if riders:
-            outputs = run_with_riders(ctx, job["model_ref"], feed, output_names, riders, session)
-        else:
-            outputs = ctx.run(job["model_ref"], feed, output_names, session)
+    model_ref = job["model_ref"]
+
+    def keep(row_indices: np.ndarray, outputs: Sequence[np.ndarray]) -> None:
         for name, array in zip(output_names, outputs, strict=True):
             if name not in results:
                 results[name] = np.empty((stop - start, *array.shape[1:]), dtype=array.dtype)
@@ -90,8 +89,25 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between
                 results[name][first : first + len(row_indices)] = array
             else:  # jsonl rows grouped by length
                 results[name][row_indices - start] = array
+
+    for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
+        riders = between(feed)
+        fill = rows_to_fill(ctx, model_ref, riders, len(row_indices)) if riders else 0
+        if riders and not fill:
+            run_requests(ctx, riders)  # no job row would be nearly free in their batch: a batch of their own
+        elif riders:
+            keep(row_indices[:fill], run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders,
+                                                     session))
+            row_indices, feed = row_indices[fill:], _rows(feed, fill, len(row_indices))
+        if len(row_indices):
+            keep(row_indices, ctx.run(model_ref, feed, output_names, session))
     write_part(Path(job["output_dir"]), chunk_index, results)
     jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
+
+
+def _rows(feed: Mapping[str, np.ndarray], first: int, last: int) -> dict[str, np.ndarray]:
+    """Rows [first, last) of a mini-batch (views)."""
+    return {name: array[first:last] for name, array in feed.items()}
 
 
 def finalize_job(job: dict[str, Any]) -> dict[str, Any]:

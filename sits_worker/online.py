@@ -20,6 +20,7 @@ from broker import queues, requests
 from broker.errors import PermanentError
 from broker.queues import LeasedItem
 from broker.requests import RequestResult
+from broker.scoring import rows_to_fill as rows_to_fill_by_profile
 from sits_worker.context import WorkerContext
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
 
@@ -75,6 +76,16 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=job_rows + len(riders), worker=ctx.name)
     return [job_outputs[name] for name in output_names]
+
+
+def rows_to_fill(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem], available: int) -> int:
+    """How many of `available` job rows may fill the riders' batch (`scoring.rows_to_fill`, within the
+    model's `max_batch_size` and `scheduler.merge_latency_factor`)."""
+    return rows_to_fill_by_profile(ctx.model(model_ref), own_rows=sum(int(item.payload.get("rows") or 1)
+                                                                      for item in riders),
+                                   available=available,
+                                   max_rows=ctx.settings.online.batching_for(model_ref.partition("@")[0]).max_batch_size,
+                                   factor=ctx.settings.scheduler.merge_latency_factor)
 
 
 def _load(ctx: WorkerContext, items: Sequence[LeasedItem]) -> tuple[list[RequestResult],

@@ -58,11 +58,11 @@ def test_a_valid_job_answers_201_queued_with_its_chunks(
     assert ready_count(api, mlp) == 3
 
 
-def test_chunk_size_defaults_to_the_configured_one(
+def test_chunk_size_defaults_to_4096_rows_for_a_model_without_a_measured_profile(
         api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
     job = submit(api, **job_body("mlp", mlp_input, tmp_path / "out")).get_json()
 
-    assert job["chunk_size"] == 4096 and job["chunks_total"] == 1
+    assert job["chunk_size"] == 4096 and job["chunks_total"] == 1  # jobs.chunk_size: auto, tests/api/test_chunk_size.py
 
 
 def test_a_job_can_pin_a_model_version(api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 One worker with one stream slot, FIFO order (so no request outranks a chunk and the only way a
 request gets in early is to ride along): requests of a running chunk's model and shape bucket
 join its next mini-batch, and a batch of requests that leaves rows empty takes a waiting chunk
-along. A request's `batch_size` is the rows of the run it was part of, so job rows in it show.
+along. A request's `batch_size` is the rows of the run it was part of, so job rows in it show:
+`merge_latency_factor` is set high, so job rows fill every empty row of an online batch (8).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from tests.e2e.stack_helpers import direct_run, register, wait_job
 
 JOB_BATCH = 16
+MAX_BATCH = 8
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +28,8 @@ def fifo_stack(tmp_path_factory):
     from tests.e2e.stack_helpers import stack_settings
 
     home = tmp_path_factory.mktemp("ride") / "home"
-    settings = stack_settings(home, streams=1).with_overrides(scheduler={"policy": "fifo"},
-                                                              online={"batching": {"max_batch_size": 8}})
+    settings = stack_settings(home, streams=1).with_overrides(
+        scheduler={"policy": "fifo", "merge_latency_factor": 100.0}, online={"batching": {"max_batch_size": MAX_BATCH}})
     running = Stack(settings, worker_count=1, api_port=0).start()
     models = build_zoo(home / "models")
     for name in ("mlp", "transformer", "convnet"):
@@ -51,8 +53,8 @@ def call_all(stack, bodies: list[dict]) -> list[dict]:
 
 def test_requests_ride_in_the_mini_batches_of_a_running_chunk_of_their_model(fifo_stack):
     """Convnet requests arrive while a 1,500-row convnet chunk runs on the only slot: they are answered
-    from its mini-batches (job rows + theirs in one run) long before the chunk ends, and both the
-    job's outputs and theirs equal the model run alone."""
+    in runs with the chunk's rows (the first rows of a mini-batch fill their batch) long before the
+    chunk ends, and both the job's outputs and theirs equal the model run alone."""
     client, model = fifo_stack.client(), fifo_stack.home / "models" / "convnet.onnx"
     rng = np.random.default_rng(0)
     pixels = rng.standard_normal((1500, 3, 32, 32)).astype(np.float32)
@@ -67,7 +69,7 @@ def test_requests_ride_in_the_mini_batches_of_a_running_chunk_of_their_model(fif
     assert during["status"] == "running" and during["chunks_done"] == 0, during
     for one, result in zip(singles, results, strict=True):
         assert result["status"] == "succeeded", result
-        assert result["batch_size"] > JOB_BATCH, result  # the run held the job's rows too
+        assert result["batch_size"] == MAX_BATCH, result  # job rows filled the run (3 requests at most)
         np.testing.assert_allclose(np.array(result["outputs"]["logits"]), direct_run(model, one, 1),
                                    rtol=1e-4, atol=1e-5)
     assert wait_job(client, job["id"])["status"] == "succeeded"
@@ -91,7 +93,7 @@ def test_token_requests_ride_padded_with_a_chunk_of_another_length_in_their_clas
 
     assert during["status"] == "running" and during["chunks_done"] == 0, during
     for sequence, result in zip(sequences, results, strict=True):
-        assert result["status"] == "succeeded" and result["batch_size"] > JOB_BATCH, result
+        assert result["status"] == "succeeded" and result["batch_size"] == MAX_BATCH, result
         np.testing.assert_allclose(np.array(result["outputs"]["embedding"]), direct_run(model, sequence, 1),
                                    rtol=1e-4, atol=1e-5)
     assert wait_job(client, job["id"])["status"] == "succeeded"
@@ -101,8 +103,8 @@ def test_token_requests_ride_padded_with_a_chunk_of_another_length_in_their_clas
 
 def test_a_batch_of_requests_with_rows_to_spare_takes_a_waiting_chunk_along(fifo_stack):
     """While a transformer chunk holds the slot, three convnet requests and then a convnet job queue up (FIFO:
-    requests first). The slot leases the requests' batch of 3 (of 8) and the chunk with it: the
-    requests run inside the chunk's first mini-batch."""
+    requests first). The slot leases the requests' batch of 3 (of 8) and the chunk with it: 5 rows of
+    the chunk's first mini-batch fill the requests' run."""
     client = fifo_stack.client()
     rng = np.random.default_rng(2)
     busy = submit_job(fifo_stack, "busy", "transformer",
@@ -117,7 +119,7 @@ def test_a_batch_of_requests_with_rows_to_spare_takes_a_waiting_chunk_along(fifo
     assert still["chunks_done"] == 0, f"the transformer chunk ended too soon for this test: {still}"
 
     results = [wait_request(client, request_id) for request_id in ids]
-    assert all(result["batch_size"] == JOB_BATCH + 3 for result in results), results
+    assert all(result["batch_size"] == MAX_BATCH for result in results), results  # 3 requests + 5 job rows
     model = fifo_stack.home / "models" / "convnet.onnx"
     for one, result in zip(singles, results, strict=True):
         np.testing.assert_allclose(np.array(result["outputs"]["logits"]), direct_run(model, one, 1),
@@ -135,3 +137,23 @@ def wait_request(client, request_id: str, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
     assert result["status"] == "succeeded", result
     return result
+
+
+def test_a_request_that_fills_its_batch_alone_runs_apart_between_two_mini_batches(fifo_stack):
+    """An 8-row request leaves no row empty for job rows: it runs as a batch of its own on the chunk's
+    slot before the next mini-batch (FIFO: only riding lets it in before the chunk ends), exact."""
+    client, model = fifo_stack.client(), fifo_stack.home / "models" / "convnet.onnx"
+    rng = np.random.default_rng(4)
+    job = submit_job(fifo_stack, "apart", "convnet", rng.standard_normal((1500, 3, 32, 32)).astype(np.float32))
+    wait_job(client, job["id"], until=lambda j: j["status"] == "running")
+    time.sleep(0.2)
+
+    pixels = rng.standard_normal((MAX_BATCH, 3, 32, 32)).astype(np.float32)
+    result = client.post("/v1/requests", {"model": "convnet", "inputs": {"pixels": pixels.tolist()}, "wait": True})
+    during = client.get(f"/v1/jobs/{job['id']}")
+
+    assert result["status"] == "succeeded" and result["batch_size"] == 1, result
+    assert during["status"] == "running" and during["chunks_done"] == 0, during
+    np.testing.assert_allclose(np.array(result["outputs"]["logits"]), direct_run(model, pixels, MAX_BATCH),
+                               rtol=1e-4, atol=1e-5)
+    assert wait_job(client, job["id"])["status"] == "succeeded"

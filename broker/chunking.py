@@ -1,0 +1,92 @@
+"""How many rows an offline job puts in one chunk when the job does not say (`jobs.chunk_size: auto`).
+
+Every chunk pays a fixed cost whatever its size: a lease, a Redis read of the
+job, a part file written and fsynced, an ack, its share of the final merge
+(about 4 ms on the 2-core reference machine, docs/benchmarks.md). A fixed
+4,096 rows is 5 ms of the zoo MLP's work, so that cost halves its
+throughput, while the same 4,096 rows are 3 s of the CNN's. So the size is
+chosen in time, not rows: about `jobs.chunk_seconds` of work at the model's
+measured throughput for the job's batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+FALLBACK_CHUNK_ROWS = 4096
+"""Rows per chunk for a model without a measured profile (`profile_mode=static` only)."""
+
+CHUNKS_PER_WORKER = 2
+"""Fewest chunks per live worker that a job is split into when it has the rows for it."""
+
+
+def profiled_rows_per_second(record: dict[str, Any], batch_size: int) -> float | None:
+    """Measured rows/s of a model at `batch_size`, from its registry record; None without a profile.
+
+    The point measured at the largest batch size not above `batch_size` (throughput rarely falls
+    as batches grow, so this errs towards smaller chunks); the smallest point when every one is
+    larger, the largest when the profile stopped before `batch_size` (slow models are measured
+    only up to the batch size where a run takes a third of the profiling budget).
+    """
+    points = sorted((record.get("profile") or {}).get("points") or [], key=lambda point: point["batch_size"])
+    points = [point for point in points if float(point.get("rows_per_second") or 0) > 0]
+    if not points:
+        return None
+    below = [point for point in points if point["batch_size"] <= batch_size]
+    return float((below[-1] if below else points[0])["rows_per_second"])
+
+
+def output_bytes_per_row(record: dict[str, Any]) -> int:
+    """Bytes of all outputs of one row, from the static profile (0 when unknown).
+
+    For a token model this is a row of the profile's reference sequence length.
+    """
+    return int((record.get("static_profile") or {}).get("output_bytes_per_sample") or 0)
+
+
+def auto_chunk_size(*, rows_total: int, batch_size: int, rows_per_second: float | None, output_bytes_per_row: int,
+                    live_workers: int, chunk_seconds: float, max_chunk_output_bytes: int) -> int:
+    """Rows per chunk for a job: about `chunk_seconds` of work, in whole batches, within bounds.
+
+    - Time: `rows_per_second * chunk_seconds` rows, so the fixed cost per chunk is a small share
+      (4 ms of 1 s is 0.4 %) for fast and slow models alike. It is also how much work a crash can
+      lose per stream, and how long a chunk may hold a worker that another job's items wait for
+      (a running chunk still lets outranking online requests through between its mini-batches).
+    - Even split: a job of several chunks' work is cut into equal chunks of whole batches (the
+      last one shorter by less than a batch per chunk), not into target-sized ones plus a small
+      remainder that runs alone at the end.
+    - Parallelism: at least `CHUNKS_PER_WORKER` chunks per live worker (none alive counts as one)
+      when the job has that many batches, so a short job still spreads over every worker and a
+      worker that finishes early finds work left to take. Streams of one worker share its device,
+      so they are not counted: more chunks there would only add fixed costs. Long jobs are not
+      affected: they have many time-sized chunks anyway, which also bound what a crash loses.
+    - Memory: a worker holds a chunk's outputs in memory until its part file is written, and
+      the part file is that size, so a chunk's outputs stay within `max_chunk_output_bytes`
+      (`output_bytes_per_row` rows' worth; 0 means unknown and no cap), but never below one batch.
+    - Without a measured throughput (`rows_per_second` None): `FALLBACK_CHUNK_ROWS`, within the
+      memory cap.
+    """
+    if rows_per_second is None or rows_per_second <= 0:
+        chunk = FALLBACK_CHUNK_ROWS
+    else:
+        batches_total = max(1, math.ceil(rows_total / batch_size))
+        least_chunks = min(CHUNKS_PER_WORKER * max(1, live_workers), batches_total)
+        time_chunks = math.ceil(rows_total / max(1.0, rows_per_second * chunk_seconds))
+        batches_per_chunk = math.ceil(batches_total / max(time_chunks, least_chunks))
+        if math.ceil(batches_total / batches_per_chunk) < least_chunks:  # rounding up left too few
+            batches_per_chunk = batches_total // least_chunks
+        chunk = batches_per_chunk * batch_size
+    if output_bytes_per_row > 0 and max_chunk_output_bytes > 0:
+        cap_batches = max(1, max_chunk_output_bytes // (output_bytes_per_row * batch_size))
+        chunk = min(chunk, cap_batches * batch_size)
+    return chunk
+
+
+def chunk_size_for(record: dict[str, Any], *, rows_total: int, batch_size: int, live_workers: int,
+                   chunk_seconds: float, max_chunk_output_bytes: int) -> int:
+    """`auto_chunk_size` for a job of the model whose registry record is `record`."""
+    return auto_chunk_size(rows_total=rows_total, batch_size=batch_size,
+                           rows_per_second=profiled_rows_per_second(record, batch_size),
+                           output_bytes_per_row=output_bytes_per_row(record), live_workers=live_workers,
+                           chunk_seconds=chunk_seconds, max_chunk_output_bytes=max_chunk_output_bytes)

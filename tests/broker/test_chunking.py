@@ -1,0 +1,212 @@
+"""Chunk sizes of `jobs.chunk_size: auto`: about `chunk_seconds` of work, whole batches, within bounds."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker import jobs
+from broker.chunking import FALLBACK_CHUNK_ROWS, auto_chunk_size, chunk_size_for, profiled_rows_per_second
+from broker.config import Settings, load_settings
+from broker.errors import ConfigError
+
+MiB = 1024**2
+
+
+def size(**overrides: Any) -> int:
+    arguments: dict[str, Any] = {"rows_total": 10_000_000, "batch_size": 128, "rows_per_second": 100_000.0,
+                                 "output_bytes_per_row": 40, "live_workers": 1, "chunk_seconds": 1.0,
+                                 "max_chunk_output_bytes": 64 * MiB}
+    return auto_chunk_size(**(arguments | overrides))
+
+
+def record(points: list[tuple[int, float]], output_bytes: int = 40) -> dict[str, Any]:
+    return {"profile": {"points": [{"batch_size": batch, "latency_ms": batch / rate * 1000, "rows_per_second": rate}
+                                   for batch, rate in points]},
+            "static_profile": {"output_bytes_per_sample": output_bytes}}
+
+
+# --- the time target ------------------------------------------------------------------------
+
+
+def test_a_chunk_holds_about_chunk_seconds_of_work_in_whole_batches() -> None:
+    chunk = size(rows_per_second=100_000.0, chunk_seconds=1.0)
+
+    assert chunk % 128 == 0
+    assert 100_000 - 128 < chunk < 100_000 + 128
+
+
+def test_a_slow_model_gets_smaller_chunks_than_a_fast_one() -> None:
+    assert size(rows_per_second=1_300.0, batch_size=64) < size(rows_per_second=800_000.0) // 100
+
+
+def test_longer_chunk_seconds_give_proportionally_longer_chunks() -> None:
+    assert abs(size(chunk_seconds=2.0) - 2 * size(chunk_seconds=1.0)) <= 2 * 128
+
+
+def test_a_chunk_is_never_less_than_one_batch() -> None:
+    assert size(rows_per_second=10.0, batch_size=128) == 128
+
+
+def test_a_job_is_split_evenly_rather_than_leaving_a_small_last_chunk() -> None:
+    # 8,192 rows of about 1,950-row chunks: 5 chunks of 26 batches (the last 24), not 4 x 1,920 + 512
+    chunk = size(rows_total=8192, batch_size=64, rows_per_second=1_950.0)
+
+    ranges = jobs.chunk_ranges(8192, chunk)
+    assert chunk == 26 * 64
+    assert len(ranges) == 5
+    assert ranges[-1][1] - ranges[-1][0] == 24 * 64
+
+
+# --- parallelism ----------------------------------------------------------------------------
+
+
+def test_a_short_job_is_split_into_two_chunks_per_live_worker() -> None:
+    chunk = size(rows_total=102_400, rows_per_second=1_000_000.0, live_workers=4)  # 800 batches of 128
+
+    assert chunk == 100 * 128
+    assert len(jobs.chunk_ranges(102_400, chunk)) == 8
+
+
+def test_no_live_worker_counts_as_one() -> None:
+    assert size(rows_total=100_000, rows_per_second=1_000_000.0, live_workers=0) == size(
+        rows_total=100_000, rows_per_second=1_000_000.0, live_workers=1)
+
+
+def test_a_short_job_is_split_evenly_over_the_workers_without_a_small_extra_chunk() -> None:
+    chunk = size(rows_total=1_000_000, rows_per_second=800_000.0, live_workers=1)  # 7,813 batches
+
+    assert len(jobs.chunk_ranges(1_000_000, chunk)) == 2
+    assert chunk == 3907 * 128
+
+
+def test_a_job_of_a_few_batches_still_gets_two_chunks_per_worker() -> None:
+    chunk = size(rows_total=5 * 128, rows_per_second=1_000_000.0, live_workers=2)
+
+    assert chunk == 128  # 2 batches a chunk would make 3 chunks for 2 workers
+    assert len(jobs.chunk_ranges(5 * 128, chunk)) == 5
+
+
+def test_a_job_of_few_batches_is_not_split_below_one_batch_per_chunk() -> None:
+    chunk = size(rows_total=300, batch_size=128, rows_per_second=1_000_000.0, live_workers=8)
+
+    assert chunk == 128
+    assert len(jobs.chunk_ranges(300, chunk)) == 3
+
+
+def test_a_long_job_keeps_its_time_sized_chunks_whatever_the_workers() -> None:
+    assert size(live_workers=1) == size(live_workers=16)
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def test_a_chunk_s_outputs_stay_within_max_chunk_output_bytes() -> None:
+    chunk = size(rows_per_second=1_000_000.0, output_bytes_per_row=128 * 1024, max_chunk_output_bytes=64 * MiB)
+
+    assert chunk * 128 * 1024 <= 64 * MiB
+    assert chunk == 512
+
+
+def test_the_output_cap_never_goes_below_one_batch() -> None:
+    assert size(output_bytes_per_row=MiB, max_chunk_output_bytes=MiB, batch_size=32) == 32
+
+
+def test_unknown_output_bytes_or_a_zero_cap_mean_no_cap() -> None:
+    uncapped = size(rows_per_second=1_000_000.0, output_bytes_per_row=0)
+
+    assert uncapped > MiB // 40
+    assert size(rows_per_second=1_000_000.0, output_bytes_per_row=40, max_chunk_output_bytes=MiB) < uncapped
+    assert size(rows_per_second=1_000_000.0, output_bytes_per_row=40, max_chunk_output_bytes=0) == uncapped
+
+
+# --- without a profile ----------------------------------------------------------------------
+
+
+def test_without_a_measured_throughput_the_fallback_size_applies() -> None:
+    assert size(rows_per_second=None) == FALLBACK_CHUNK_ROWS
+    assert size(rows_per_second=None, rows_total=10) == FALLBACK_CHUNK_ROWS
+
+
+def test_the_fallback_size_respects_the_output_cap() -> None:
+    assert size(rows_per_second=None, output_bytes_per_row=128 * 1024, max_chunk_output_bytes=64 * MiB) == 512
+
+
+# --- properties -----------------------------------------------------------------------------
+
+
+@given(rows_total=st.integers(1, 10**8), batch_size=st.integers(1, 4096),
+       rows_per_second=st.floats(0.01, 1e8), output_bytes_per_row=st.integers(0, 10**7),
+       live_workers=st.integers(0, 64), chunk_seconds=st.floats(0.01, 60))
+def test_every_auto_size_is_whole_batches_within_its_bounds(
+        rows_total: int, batch_size: int, rows_per_second: float, output_bytes_per_row: int, live_workers: int,
+        chunk_seconds: float) -> None:
+    cap = 64 * MiB
+    chunk = size(rows_total=rows_total, batch_size=batch_size, rows_per_second=rows_per_second,
+                 output_bytes_per_row=output_bytes_per_row, live_workers=live_workers, chunk_seconds=chunk_seconds,
+                 max_chunk_output_bytes=cap)
+
+    assert chunk >= batch_size and chunk % batch_size == 0
+    if output_bytes_per_row and chunk > batch_size:
+        assert chunk * output_bytes_per_row <= cap
+    target_batches = max(1, math.ceil(rows_per_second * chunk_seconds / batch_size))
+    assert chunk <= target_batches * batch_size  # never more than the time target, rounded up to a batch
+    chunks = math.ceil(rows_total / chunk)
+    batches = math.ceil(rows_total / batch_size)
+    assert chunks >= min(2 * max(1, live_workers), batches) or chunk == batch_size
+
+
+# --- reading the model's record -------------------------------------------------------------
+
+
+def test_the_profile_point_at_the_job_s_batch_size_gives_the_rate() -> None:
+    measured = record([(1, 40_000.0), (64, 600_000.0), (128, 800_000.0), (256, 900_000.0)])
+
+    assert profiled_rows_per_second(measured, 128) == 800_000.0
+    assert profiled_rows_per_second(measured, 200) == 800_000.0  # the largest measured batch not above it
+    assert profiled_rows_per_second(measured, 4096) == 900_000.0
+
+
+def test_a_profile_that_stopped_early_uses_its_largest_batch() -> None:
+    measured = record([(1, 1_200.0), (2, 1_300.0), (4, 1_350.0)])
+
+    assert profiled_rows_per_second(measured, 64) == 1_350.0
+
+
+def test_a_model_without_a_measured_profile_has_no_rate() -> None:
+    assert profiled_rows_per_second({"static_profile": {"output_bytes_per_sample": 40}}, 128) is None
+    assert profiled_rows_per_second({"profile": {"points": []}}, 128) is None
+
+
+def test_chunk_size_for_a_record_uses_its_rate_and_output_bytes() -> None:
+    measured = record([(64, 1_000.0)], output_bytes=1024 * 1024)
+
+    assert chunk_size_for(measured, rows_total=10**6, batch_size=64, live_workers=1, chunk_seconds=2.0,
+                          max_chunk_output_bytes=64 * MiB) == 64  # 2,000 rows of work, but only 64 fit 64 MiB
+    assert chunk_size_for(record([(64, 1_000.0)]), rows_total=10**6, batch_size=64, live_workers=1,
+                          chunk_seconds=2.0, max_chunk_output_bytes=64 * MiB) == 2_048
+
+
+# --- the settings ---------------------------------------------------------------------------
+
+
+def test_jobs_chunk_size_is_auto_by_default_and_takes_a_number_of_rows() -> None:
+    assert Settings().jobs.chunk_size == "auto"
+    assert load_settings(environ={"SITS_JOBS__CHUNK_SIZE": "8192"}).jobs.chunk_size == 8192
+    assert load_settings(environ={"SITS_JOBS__CHUNK_SECONDS": "500ms"}).jobs.chunk_seconds == 0.5
+    assert load_settings(environ={"SITS_JOBS__MAX_CHUNK_OUTPUT_BYTES": "1MiB"}).jobs.max_chunk_output_bytes == MiB
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "automatic", "1.5"])
+def test_a_chunk_size_that_is_neither_rows_nor_auto_is_a_config_error(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"jobs.chunk_size: .*neither a number of rows \(>= 1\) nor 'auto'"):
+        load_settings(environ={"SITS_JOBS__CHUNK_SIZE": value})
+
+
+def test_a_zero_chunk_seconds_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="jobs.chunk_seconds"):
+        load_settings(environ={"SITS_JOBS__CHUNK_SECONDS": "0s"})
