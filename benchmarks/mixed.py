@@ -2,7 +2,8 @@
 (`scheduler.merge_requests_into_jobs`) against requests run apart, measured side by side.
 
 For each model and phase one stack runs: 1 CPU worker with 2 streams (1 ONNX Runtime thread each),
-the shipped settings otherwise. Jobs of the model (chunks of `--chunk` rows, mini-batches of 128)
+the shipped settings otherwise; the model registered with a measured profile (riders are filled
+with job rows by its latency curve). Jobs of the model (chunks of `--chunk` rows, mini-batches of 128)
 keep both stream slots busy, while C client threads send one-row requests (`wait: true`) with a
 think time between them, until the last job ends. Phases, alternating per round:
   alone   the jobs without online traffic (the jobs' own rate, for reference)
@@ -10,8 +11,8 @@ think time between them, until the last job ends. Phases, alternating per round:
           lends it between two mini-batches when it outranks the chunk, else after the chunks
   merged  with online traffic, merge on: a request also rides in a chunk's next mini-batch
 Reported: job rows/s (and as a share of `alone`), requests served per second during the jobs,
-their P50/P99 latency, the share that rode in a job's mini-batch (the run they were part of held
-more rows than an online batch may: `batch_size` > `max_batch_size`), and failures.
+their P50/P99 latency, the share that shared a run with job rows (`job_rows` > 0 in the result), and
+failures.
 
     python benchmarks/mixed.py --quick   # about 1.5 minutes
     python benchmarks/mixed.py           # about 4 minutes: 2 rounds
@@ -41,7 +42,6 @@ from sits_worker.model.zoo import build_zoo  # noqa: E402
 
 PHASES = ("alone", "apart", "merged")
 MODELS = {"mlp": ("features", (64,)), "convnet": ("pixels", (3, 32, 32))}
-MAX_BATCH_SIZE = 64  # the shipped online.batching.max_batch_size
 JOB_BATCH = 128
 
 
@@ -68,10 +68,14 @@ def run_phase(model: str, phase: str, *, rows: int, jobs: int, chunk: int, clien
         body = {"model": model, "inputs": {input_name: {"b64": b64(one)}}, "wait": True}
         with Stack(settings, worker_count=1, api_port=0) as stack:
             admin = stack.client()
-            admin.post("/v1/models", {"name": model, "path": str(build_zoo(home / "models")[model])})
+            record = admin.post("/v1/models", {"name": model, "path": str(build_zoo(home / "models")[model]),
+                                               "profile_mode": "full"})  # riders fill by the measured curve
+            while record["profile_status"] == "pending":
+                time.sleep(0.2)
+                record = admin.get(f"/v1/models/{record['ref']}")
             admin.post("/v1/requests", body)  # load the session before the clock starts
             latencies: list[float] = []
-            sizes: list[int] = []
+            job_rows: list[int] = []
             failures = [0]
             lock = threading.Lock()
             done = threading.Event()
@@ -87,7 +91,7 @@ def run_phase(model: str, phase: str, *, rows: int, jobs: int, chunk: int, clien
                     with lock:
                         if answer.get("status") == "succeeded" and not done.is_set():
                             latencies.append((time.perf_counter() - started) * 1000)
-                            sizes.append(int(answer.get("batch_size") or 0))
+                            job_rows.append(int(answer.get("job_rows") or 0))
                         elif answer.get("status") != "succeeded":
                             failures[0] += 1
                     time.sleep(think)
@@ -110,7 +114,7 @@ def run_phase(model: str, phase: str, *, rows: int, jobs: int, chunk: int, clien
                 thread.join()
     if any(job["status"] != "succeeded" for job in finished):
         raise SystemExit(f"a job failed: {[job['error'] for job in finished]}")
-    return {"rows_per_second": rows * jobs / wall, "seconds": wall, "latencies": latencies, "sizes": sizes,
+    return {"rows_per_second": rows * jobs / wall, "seconds": wall, "latencies": latencies, "job_rows": job_rows,
             "failures": failures[0]}
 
 
@@ -127,7 +131,7 @@ def main() -> None:
     parser.add_argument("--think", type=float, default=0.02, help="seconds a client waits between requests")
     args = parser.parse_args()
     rounds = 1 if args.quick else 2
-    sizes = {"mlp": (200_000, 4 if args.quick else 8, 20_000), "convnet": (2_000, 3 if args.quick else 6, 250)}
+    sizes = {"mlp": (200_000, 16 if args.quick else 24, 20_000), "convnet": (2_000, 3 if args.quick else 4, 250)}
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for model in args.models.split(","):
         rows, jobs, chunk = sizes[model]
@@ -148,7 +152,7 @@ def main() -> None:
             runs = results[(model, phase)]
             rate = statistics.median(run["rows_per_second"] for run in runs)
             latencies = [value for run in runs for value in run["latencies"]]
-            rode = [size > MAX_BATCH_SIZE for run in runs for size in run["sizes"]]
+            rode = [rows > 0 for run in runs for rows in run["job_rows"]]
             served = sum(len(run["latencies"]) for run in runs) / sum(run["seconds"] for run in runs)
             share = f"{sum(rode) / len(rode):.0%}" if rode else "-"
             print(f"| {model} | {phase} | {rate:,.0f} | {rate / alone:.2f} | "

@@ -144,12 +144,12 @@ class RequestResult:
 
 
 def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
-                      batch_size: int, worker: str) -> int:
+                      batch_size: int, worker: str, job_rows: int = 0) -> int:
     """Store results, drop the leases and wake every waiter, in one atomic call; returns how many
     were completed (not those already completed, or waiting again after their lease expired)."""
     keys = store.keys
     request_keys: list[str] = []
-    args: list[Any] = [now, int(keep_seconds), batch_size, worker]
+    args: list[Any] = [now, int(keep_seconds), batch_size, worker, job_rows]
     for result in results:
         request_id = result.item.payload["req"]
         request_keys += [keys.request(request_id), keys.request_done(request_id)]
@@ -185,6 +185,7 @@ def _record(raw: Mapping[str, str]) -> dict[str, Any]:
         "created_at": float(raw["created_at"]),
         "finished_at": float(raw["finished_at"]) if raw.get("finished_at") else None,
         "batch_size": int(raw["batch_size"]) if raw.get("batch_size") else None,
+        "job_rows": int(raw.get("job_rows") or 0),  # rows of offline jobs that shared its run
         "error": raw.get("error") or None,
         "outputs": None,
     }

@@ -132,6 +132,8 @@ class MemoryLedger:
     _running: dict[int, _Running] = field(default_factory=dict)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    deciding: threading.Lock = field(default_factory=threading.Lock)
+    """Held by `admit_and_hold` so that two stream slots never admit batches on the same free memory."""
     _reserved_area: float = 0.0  # byte-seconds reserved, since the first reservation
     _used_area: float = 0.0
     _running_area: float = 0.0  # batch-seconds: the integral of the number of batches running
@@ -259,3 +261,22 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
             admitted.append(max(choices, key=lambda admission: (admission.max_rows, admission.max_tokens)))
     ledger.count("backfills" if admitted else "memory_waits")
     return admitted
+
+
+def admit_and_hold(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: MemoryLedger, *,
+                   now: float, backfill: bool) -> tuple[list[Admission], int | None]:
+    """`admit`, and a reservation held at once for the first admitted batch (its handle, or None).
+
+    A slot leases its batch a Redis round trip after the decision; without the hold, another slot
+    of the worker deciding meanwhile would see the same memory free and admit a batch on it too.
+    The slot releases the hold once its real batch is reserved (or it leased nothing).
+    """
+    with ledger.deciding:
+        allowed = admit(ordered, cost_of, ledger, now=now, backfill=backfill)
+        if not allowed:
+            return allowed, None
+        first = allowed[0]
+        cost = cost_of(first.model)
+        tokens = first.max_tokens or None
+        return allowed, ledger.reserve(cost.need_bytes(rows=first.max_rows, tokens=tokens), now=now,
+                                       expected_seconds=cost.seconds(rows=first.max_rows, tokens=tokens))

@@ -52,8 +52,9 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             leased = []
             now = time.time()
             order = policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served)
-            allowed = reservation.admit(order, lambda ref: batch_cost(ctx, ref), ctx.ledger, now=now,
-                                        backfill=ctx.settings.scheduler.policy == "graph-aware-backfill")
+            allowed, hold = reservation.admit_and_hold(
+                order, lambda ref: batch_cost(ctx, ref), ctx.ledger, now=now,
+                backfill=ctx.settings.scheduler.policy == "graph-aware-backfill")
             for admission in allowed:
                 model_ref = admission.model
                 batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
@@ -66,9 +67,11 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                     ctx.last_served = model_ref
                     break
             if not leased:
+                if hold is not None:
+                    ctx.ledger.release(hold, now=time.time())
                 time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
             else:
-                with reserved(ctx, leased):
+                with reserved(ctx, leased, replacing=hold):
                     _run_leased(ctx, leased, ticket)
             if time.monotonic() >= slice_ends:
                 return "yield"

@@ -60,8 +60,10 @@ def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:
 
 
 @contextlib.contextmanager
-def reserved(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> Iterator[None]:
-    """Hold the batch's memory reservation (by its real rows and tokens) while it runs.
+def reserved(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], *,
+             replacing: int | None = None) -> Iterator[None]:
+    """Hold the batch's memory reservation (by its real rows and tokens) while it runs; it replaces the
+    hold `replacing` (see `reservation.admit_and_hold`), released once the real one is in place.
 
     Requests count their rows and padded tokens (the worker pads token requests to their length
     class: the padded tokens are what runs); a job chunk runs mini-batches of the jobs' batch size,
@@ -82,6 +84,8 @@ def reserved(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> Iterato
     seconds = cost.seconds(rows=rows, tokens=tokens or None) + cost.seconds(rows=chunk_rows)
     handle = ctx.ledger.reserve(cost.need_bytes(rows=rows, tokens=tokens or None), now=time.time(),
                                 expected_seconds=seconds)
+    if replacing is not None:
+        ctx.ledger.release(replacing, now=time.time())
     try:
         yield
     finally:

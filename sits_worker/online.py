@@ -74,7 +74,7 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
             queues.expire_lease_now(ctx.store, item)
         raise
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
-                               batch_size=job_rows + len(riders), worker=ctx.name)
+                               batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows)
     return [job_outputs[name] for name in output_names]
 
 

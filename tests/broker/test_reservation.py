@@ -17,6 +17,7 @@ from broker.reservation import (
     BatchCost,
     MemoryLedger,
     admit,
+    admit_and_hold,
     batch_need_bytes,
     round_up,
 )
@@ -105,6 +106,23 @@ def test_round_robin_waits_for_memory_and_counts_the_wait() -> None:
 
     assert admit(["head", "small"], costs.__getitem__, ledger, now=0.0, backfill=False) == []
     assert ledger.stats()["memory_waits"] == 1
+
+
+def test_two_slots_deciding_one_after_the_other_never_admit_on_the_same_memory() -> None:
+    """The first slot's decision holds its batch's memory until its lease is reserved for real, so
+    the second slot, deciding meanwhile, waits instead of counting the same free bytes."""
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    costs = {"head": cost(8, 0.01)}  # a full batch of 64 rows: 512 MiB
+
+    first, hold = admit_and_hold(["head"], costs.__getitem__, ledger, now=0.0, backfill=False)
+    second, _ = admit_and_hold(["head"], costs.__getitem__, ledger, now=0.0, backfill=False)
+    third, none = admit_and_hold(["head"], costs.__getitem__, ledger, now=0.0, backfill=False)
+
+    assert first == second == [Admission("head", 64, 0)] and third == [] and none is None
+    assert ledger.stats()["reserved_bytes"] == 1024 * MIB
+    assert hold is not None
+    ledger.release(hold, now=0.1)
+    assert admit_and_hold(["head"], costs.__getitem__, ledger, now=0.1, backfill=False)[0] == first
 
 
 def test_when_the_head_fits_it_leases_a_full_batch_and_the_others_are_cut_to_the_free_memory() -> None:
