@@ -50,6 +50,7 @@ def lease_batch(
     max_chunks: int | None = None,
     requests_only: bool = False,
     carry_chunk: bool = False,
+    head_within_limits: bool = False,
 ) -> list[LeasedItem]:
     """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
 
@@ -58,13 +59,16 @@ def lease_batch(
     `max_rows` rows and `max_tokens` tokens (0: no token limit). With `requests_only`, [] too
     when the queue's head is not an online request. With `carry_chunk`, a batch of requests that
     leaves rows empty also takes the first job chunk among the candidates, as its last item.
+    The head request always goes, even past the row and token limits (it must run somewhere),
+    unless `head_within_limits`: then [] when it does not fit them (a batch cut to a memory hole).
     """
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
             args=[ticket, now, now + lease_seconds, max_items, max_rows or max_items, max_tokens,
-                  max_chunks or max_items, "1" if requests_only else "0", "1" if carry_chunk else "0"],
+                  max_chunks or max_items, "1" if requests_only else "0", "1" if carry_chunk else "0",
+                  "1" if head_within_limits else "0"],
         )
     return _leased(reply, model_ref, ticket)
 

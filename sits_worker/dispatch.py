@@ -55,20 +55,12 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             allowed, hold = reservation.admit_and_hold(
                 order, lambda ref: batch_cost(ctx, ref), ctx.ledger, now=now,
                 backfill=ctx.settings.scheduler.policy == "graph-aware-backfill")
-            for admission in allowed:
-                model_ref = admission.model
-                batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
-                if batching.max_queue_delay:
-                    _wait_for_company(ctx, model_ref, batching.max_batch_size, batching.max_queue_delay)
-                # A batch cut to a memory hole (a backfill) takes no chunk along: it must end in time.
-                carry = settings.merge_requests_into_jobs and admission.max_rows >= batching.max_batch_size
-                leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry)
-                if leased:
-                    ctx.last_served = model_ref
-                    break
-            if not leased:
-                if hold is not None:
+            try:
+                leased = _lease_admitted(ctx, allowed, ticket)
+            finally:
+                if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
                     ctx.ledger.release(hold, now=time.time())
+            if not leased:
                 time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
             else:
                 with reserved(ctx, leased, replacing=hold):
@@ -77,6 +69,25 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                 return "yield"
     except StaleTicket:
         return "stale"
+
+
+def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ticket: str) -> list[queues.LeasedItem]:
+    """Lease the first admitted model's batch that has work; [] when none has any now."""
+    for admission in allowed:
+        model_ref = admission.model
+        batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+        if batching.max_queue_delay:
+            _wait_for_company(ctx, model_ref, batching.max_batch_size, batching.max_queue_delay)
+        # A batch cut to a memory hole (a backfill) takes no chunk along and no request that does
+        # not fit the cut: it must fit the hole and end in time.
+        cut = admission.max_rows < batching.max_batch_size or (
+            batching.max_batch_tokens > 0 and 0 < admission.max_tokens < batching.max_batch_tokens)
+        carry = ctx.settings.scheduler.merge_requests_into_jobs and not cut
+        leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=cut)
+        if leased:
+            ctx.last_served = model_ref
+            return leased
+    return []
 
 
 def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str) -> None:

@@ -15,9 +15,11 @@
 -- ARGV[9] '1' (ignored with ARGV[8]): when the head is a request and the batch has rows to spare, take the
 --         first job chunk among the candidates, last (its rows fill the batch: the worker runs the
 --         requests inside the chunk's first mini-batch)
+-- ARGV[10] '1': the head request too must fit the row and token limits, else nothing is leased, {0}
+--          (a batch cut to a memory hole must not outgrow it)
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
--- The head item always goes. Job chunks and finalize steps are taken in queue order up to
+-- The head item always goes (but see ARGV[10]). Job chunks and finalize steps are taken in queue order up to
 -- ARGV[7] (a worker runs them one by one); online requests are merged: later requests of the
 -- same shape bucket join while the batch stays within its item, row and token budgets (those
 -- that do not fit wait for the next batch).
@@ -52,6 +54,10 @@ for index, item_id in ipairs(candidates) do
   local is_request = item['kind'] == 'request'
   if index == 1 then
     if ARGV[8] == '1' and not is_request then
+      return {0}
+    end
+    if ARGV[10] == '1' and is_request and (number_or(item['rows'], 1) > max_rows
+        or (max_tokens > 0 and token_cost(item) > max_tokens)) then
       return {0}
     end
     picked[1] = {item_id, payload}

@@ -114,3 +114,16 @@ def test_a_request_gets_one_result_even_when_completed_late_or_twice(store: Stor
     assert requests.complete_requests(store, [result], now=NOW + 35, keep_seconds=60, batch_size=1, worker="w2") == 0
     assert store.client.llen(store.keys.request_done("r0")) == 1
     np.testing.assert_array_equal(requests.get_request(store, "r0")["outputs"]["logits"], np.ones((1, 2)))
+
+
+def test_a_batch_cut_to_a_memory_hole_leases_no_head_request_that_outgrows_it(store: Store) -> None:
+    submit(store, "big", score=1.0, rows=4, tokens=512)
+    submit(store, "small", score=2.0, tokens=64)
+
+    assert queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=8, max_tokens=130,
+                              head_within_limits=True) == []
+    assert queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=2,
+                              head_within_limits=True) == []
+    assert ready_ids(store) == ["big", "small"]
+    assert ids(queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=8,
+                                  max_tokens=130)) == ["big"]  # otherwise the head always goes
