@@ -1,4 +1,5 @@
-"""How many rows an offline job puts in one chunk when the job does not say (`jobs.chunk_size: auto`).
+"""How many rows an offline job puts in one chunk, and in one run, when the job does not say
+(`jobs.chunk_size: auto`, `jobs.batch_size: auto`).
 
 Every chunk pays a fixed cost whatever its size: a lease, a Redis read of the
 job, a part file written and fsynced, an ack, its share of the final merge
@@ -16,6 +17,12 @@ from typing import Any
 
 FALLBACK_CHUNK_ROWS = 4096
 """Rows per chunk for a model without a measured profile (`profile_mode=static` only)."""
+
+FALLBACK_BATCH_ROWS = 128
+"""Rows per run for a model without a measured profile."""
+
+BEST_BATCH_SLACK = 0.05
+"""An `auto` batch is the smallest measured size within this share of the best measured rows/s."""
 
 CHUNKS_PER_WORKER = 2
 """Fewest chunks per live worker that a job is split into when it has the rows for it."""
@@ -35,6 +42,23 @@ def profiled_rows_per_second(record: dict[str, Any], batch_size: int) -> float |
         return None
     below = [point for point in points if point["batch_size"] <= batch_size]
     return float((below[-1] if below else points[0])["rows_per_second"])
+
+
+def auto_batch_size(record: dict[str, Any]) -> int:
+    """Rows per run for a job of the model whose registry record is `record`: its best batch size.
+
+    The measured profile's best throughput is the ceiling an offline job aims at (the bare ONNX
+    Runtime loop at its best batch size); the smallest batch size within `BEST_BATCH_SLACK` of it
+    is taken, since a smaller batch holds less memory and lets online work in sooner (a job yields
+    between batches). Without a measured profile: `FALLBACK_BATCH_ROWS`.
+    """
+    points = [point for point in (record.get("profile") or {}).get("points") or []
+              if float(point.get("rows_per_second") or 0) > 0]
+    if not points:
+        return FALLBACK_BATCH_ROWS
+    best = max(float(point["rows_per_second"]) for point in points)
+    return min(int(point["batch_size"]) for point in points
+               if float(point["rows_per_second"]) >= best * (1 - BEST_BATCH_SLACK))
 
 
 def output_bytes_per_row(record: dict[str, Any]) -> int:

@@ -155,11 +155,14 @@ class JobSettings(_Section):
     max_chunk_output_bytes: Bytes = parse_size("64MiB")
     """Most output bytes in an `auto` chunk: a worker holds them in memory until its part file is
     written (0: no cap)."""
-    batch_size: int = Field(128, ge=1)
+    batch_size: int | Literal["auto"] = "auto"
+    """Rows per ONNX Runtime run for jobs that do not set one; `auto`: the model's best measured
+    batch size (the smallest within 5 % of its best rows/s, broker/chunking.py); 128 for a model
+    without a measured profile."""
     max_attempts: int = Field(3, ge=1)
     """A chunk leased this many times without an ack fails its job (poison batch)."""
 
-    @field_validator("chunk_size", mode="before")
+    @field_validator("chunk_size", "batch_size", mode="before")
     @classmethod
     def _rows_or_auto(cls, value: Any) -> Any:
         text = value.strip() if isinstance(value, str) else value

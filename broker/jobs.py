@@ -82,12 +82,12 @@ class JobSpec:
 
 
 def _item_args(job_id: str, model_ref: str, ranges: Sequence[tuple[int, int]], indexes: Sequence[int],
-               score: float, factors: dict[str, Any]) -> list[Any]:
+               score: float, factors: dict[str, Any], batch_size: int) -> list[Any]:
     args: list[Any] = []
     for index in indexes:
         start, stop = ranges[index]
         payload = {"kind": "chunk", "job": job_id, "model_ref": model_ref, "chunk": index,
-                   "start": start, "stop": stop, "score": score, "factors": factors}
+                   "start": start, "stop": stop, "batch_size": batch_size, "score": score, "factors": factors}
         args += [chunk_item_id(job_id, index), score, json.dumps(payload), str(index)]
     return args
 
@@ -134,7 +134,8 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
     factors = job_factors(spec.priority, now)
     score = queue_key(factors, weights or Weights(), ordering)
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
-             _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict()))
+             _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict(),
+                        spec.batch_size))
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
@@ -259,7 +260,7 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     factors = job_factors(job["priority"], now)
     score = queue_key(factors, weights or Weights(), ordering)
     model_ref = job["model_ref"]
-    item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict())
+    item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict(), int(job["batch_size"]))
     if not missing:
         finalize = finalize_payload(job_id, model_ref, score, factors.to_dict())
         item_args = [finalize_item_id(job_id), score, json.dumps(finalize), ""]

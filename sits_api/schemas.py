@@ -21,7 +21,9 @@ class JobSubmission(_Body):
     chunk_size: Annotated[int, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
         None, description="rows per queue item; `auto` or unset: from the model's measured throughput "
                           "(the server's `jobs.chunk_size` when that is a number)")
-    batch_size: int | None = Field(None, ge=1, le=65_536, description="rows per ONNX Runtime run")
+    batch_size: Annotated[int, Field(ge=1, le=65_536)] | Literal["auto"] | None = Field(
+        None, description="rows per ONNX Runtime run; `auto` or unset: the model's best measured batch size "
+                          "(the server's `jobs.batch_size` when that is a number)")
     input_shape: list[Annotated[int, Field(ge=1, le=2**31)]] | None = Field(
         None, max_length=8, description="per-sample shape of a raw .bin input")
     input_dtype: str | None = Field(None, description="dtype of a raw .bin input, e.g. float32")

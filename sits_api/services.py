@@ -121,7 +121,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
                        "name a folder the workers can write") from err
     _refuse_busy_output_dir(store, output_dir, now=now)
-    batch_size = body.batch_size or settings.jobs.batch_size
+    batch_size = _batch_size(settings, model, body.batch_size)
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),
         model_name=model["name"],
@@ -143,6 +143,12 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     (output_dir / OWNER_MARKER).write_text(spec.job_id + "\n")
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
+
+
+def _batch_size(settings: Settings, model: dict[str, Any], asked: int | str | None) -> int:
+    """The job's own batch size, else the configured one, else (`auto`) the model's best measured one."""
+    chosen = asked or settings.jobs.batch_size
+    return chosen if isinstance(chosen, int) else chunking.auto_batch_size(model)
 
 
 def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: int | str | None, *, rows: int,

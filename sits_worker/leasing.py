@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 
 from broker import queues, reservation
+from broker.chunking import FALLBACK_BATCH_ROWS
 from sits_worker.context import WorkerContext
 from sits_worker.model.padding import max_sequence, shape_bucket
 
@@ -79,7 +80,7 @@ def reserved(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], *,
             rows += int(item.payload.get("rows") or 1)
             tokens += int(item.payload.get("padded_tokens") or item.payload.get("tokens") or 0)
         else:
-            rows += ctx.settings.jobs.batch_size
+            rows += int(item.payload.get("batch_size") or FALLBACK_BATCH_ROWS)
             if ctx.settings.scheduler.merge_requests_into_jobs:
                 rows += cost.max_rows
             chunk_rows += int(item.payload.get("stop", 0)) - int(item.payload.get("start", 0))

@@ -22,7 +22,7 @@ from sits_worker.context import WorkerContext
 from sits_worker.model.graph import operator_histogram
 from sits_worker.runtime import build_session, run_session
 
-_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _PROFILE_SEQUENCE = 128
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
                  "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bool": np.bool_}

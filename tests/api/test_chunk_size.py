@@ -38,7 +38,7 @@ def measure(store: Store, model: dict[str, Any], rows_per_second: float) -> None
 
 def submit(api: Api, input_batch: Path, output_dir: Path, **extra: Any) -> dict[str, Any]:
     response = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(input_batch),
-                                          "output_dir": str(output_dir), **extra})
+                                          "output_dir": str(output_dir), "batch_size": 128, **extra})
     assert response.status_code == 201, error_of(response)
     return response.get_json()
 
@@ -46,6 +46,23 @@ def submit(api: Api, input_batch: Path, output_dir: Path, **extra: Any) -> dict[
 def api_with(client_settings: Settings, store: Store, key: str, **jobs: Any) -> Api:
     client: FlaskClient = create_app(client_settings.with_overrides(jobs=jobs), store=store).test_client()
     return Api(client, key)
+
+
+def test_a_job_without_batch_size_runs_the_best_measured_batch_or_128_without_a_profile(
+        api: Api, store: Store, mlp: dict[str, Any], big_input: Path, tmp_path: Path) -> None:
+    response = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(big_input),
+                                          "output_dir": str(tmp_path / "static")})
+    assert response.status_code == 201 and response.get_json()["batch_size"] == 128, error_of(response)
+
+    points = [{"batch_size": size, "latency_ms": 1.0, "rows_per_second": rate}
+              for size, rate in ((64, 400_000.0), (256, 900_000.0), (512, 1_000_000.0))]
+    registry.update_model_version(store, mlp["ref"], {"profile": {"device": "cpu", "measured_at": time.time(),
+                                                                  "points": points}, "profile_status": "ready"})
+    for body, expected in (({}, 512), ({"batch_size": "auto"}, 512), ({"batch_size": 32}, 32)):
+        response = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(big_input),
+                                              "output_dir": str(tmp_path / f"out-{expected}-{len(body)}"), **body})
+        assert response.status_code == 201, error_of(response)
+        assert response.get_json()["batch_size"] == expected, body
 
 
 def test_a_job_without_chunk_size_gets_about_chunk_seconds_of_the_profiled_rate(

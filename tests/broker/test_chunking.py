@@ -10,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from broker import jobs
-from broker.chunking import FALLBACK_CHUNK_ROWS, auto_chunk_size, chunk_size_for, profiled_rows_per_second
+from broker.chunking import (
+    FALLBACK_BATCH_ROWS,
+    FALLBACK_CHUNK_ROWS,
+    auto_batch_size,
+    auto_chunk_size,
+    chunk_size_for,
+    profiled_rows_per_second,
+)
 from broker.config import Settings, load_settings
 from broker.errors import ConfigError
 
@@ -210,3 +217,12 @@ def test_a_chunk_size_that_is_neither_rows_nor_auto_is_a_config_error(value: str
 def test_a_zero_chunk_seconds_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="jobs.chunk_seconds"):
         load_settings(environ={"SITS_JOBS__CHUNK_SECONDS": "0s"})
+
+
+def test_an_auto_batch_is_the_smallest_within_5_percent_of_the_best_measured_throughput() -> None:
+    curve = {128: 770_000, 256: 936_000, 512: 1_000_000, 1024: 1_020_000, 2048: 660_000}
+    record = {"profile": {"points": [{"batch_size": size, "latency_ms": size / rate * 1000, "rows_per_second": rate}
+                                     for size, rate in curve.items()]}}
+    assert auto_batch_size(record) == 512  # 1,000,000 is within 5 % of 1,020,000; 256 is not
+    assert auto_batch_size({"profile": {"points": []}}) == FALLBACK_BATCH_ROWS
+    assert auto_batch_size({}) == FALLBACK_BATCH_ROWS

@@ -72,7 +72,7 @@ def test_yaml_file_values_override_defaults(tmp_path: Path) -> None:
     assert settings.resources.gpu_memory_granularity == 256 * 1024 * 1024
     assert settings.resources.max_concurrent_streams == 8
     assert settings.jobs.chunk_size == 100
-    assert settings.jobs.batch_size == 128  # untouched keys keep their defaults
+    assert settings.jobs.batch_size == "auto"  # untouched keys keep their defaults
 
 
 def test_sits_config_variable_names_the_file(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ def test_lease_moves_items_from_ready_to_inflight_with_the_deadline(store: Store
         "chunk": 0,
         "start": 0,
         "stop": 4,
+        "batch_size": 2,
         "score": None,
         "factors": jobs.job_factors(0, NOW).to_dict(),
     }
