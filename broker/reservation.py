@@ -101,9 +101,9 @@ class BatchCost:
         if self.reference_tokens:
             tokens = most(self.bytes_per_token, self.seconds_per_row / self.reference_tokens, self.full_tokens)
             smallest = min(self.reference_tokens, self.full_tokens)
-            return Admission(model, self.max_rows, tokens) if tokens >= smallest else None
+            return Admission(model, self.max_rows, tokens, cut=True) if tokens >= smallest else None
         rows = most(self.bytes_per_row, self.seconds_per_row, self.max_rows)
-        return Admission(model, rows, self.max_tokens) if rows >= 1 else None
+        return Admission(model, rows, self.max_tokens, cut=True) if rows >= 1 else None
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,9 @@ class Admission:
     max_rows: int
     max_tokens: int
     """0: no token limit."""
+    cut: bool = False
+    """The batch is cut to free memory (or to end in time): it must not outgrow its limits, not
+    even by its first request, and takes no job chunk along."""
 
 
 @dataclass
@@ -265,7 +268,8 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
 
 def admit_and_hold(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: MemoryLedger, *,
                    now: float, backfill: bool) -> tuple[list[Admission], int | None]:
-    """`admit`, and a reservation held at once for the first admitted batch (its handle, or None).
+    """`admit`, and a reservation held at once for the largest admitted batch (its handle, or None):
+    the slot leases the first of them whose queue still has work.
 
     A slot leases its batch a Redis round trip after the decision; without the hold, another slot
     of the worker deciding meanwhile would see the same memory free and admit a batch on it too.
@@ -275,8 +279,8 @@ def admit_and_hold(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], 
         allowed = admit(ordered, cost_of, ledger, now=now, backfill=backfill)
         if not allowed:
             return allowed, None
-        first = allowed[0]
-        cost = cost_of(first.model)
-        tokens = first.max_tokens or None
-        return allowed, ledger.reserve(cost.need_bytes(rows=first.max_rows, tokens=tokens), now=now,
-                                       expected_seconds=cost.seconds(rows=first.max_rows, tokens=tokens))
+        costs = [(cost_of(admission.model), admission) for admission in allowed]
+        need, seconds = max((cost.need_bytes(rows=admission.max_rows, tokens=admission.max_tokens or None),
+                             cost.seconds(rows=admission.max_rows, tokens=admission.max_tokens or None))
+                            for cost, admission in costs)
+        return allowed, ledger.reserve(need, now=now, expected_seconds=seconds)

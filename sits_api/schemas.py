@@ -19,11 +19,11 @@ class JobSubmission(_Body):
     output_dir: str = Field(..., min_length=1, description="folder for <output>.npy files and manifest.json")
     priority: int = Field(0, ge=0, le=15)
     chunk_size: Annotated[int, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
-        None, description="rows per queue item; `auto` or unset: from the model's measured throughput "
-                          "(the server's `jobs.chunk_size` when that is a number)")
+        None, description="rows per queue item; unset: the server's `jobs.chunk_size`; `auto`: about "
+                          "`jobs.chunk_seconds` of work at the model's measured rows/s")
     batch_size: Annotated[int, Field(ge=1, le=65_536)] | Literal["auto"] | None = Field(
-        None, description="rows per ONNX Runtime run; `auto` or unset: the model's best measured batch size "
-                          "(the server's `jobs.batch_size` when that is a number)")
+        None, description="rows per ONNX Runtime run; unset: the server's `jobs.batch_size`; `auto`: the "
+                          "model's best measured batch size")
     input_shape: list[Annotated[int, Field(ge=1, le=2**31)]] | None = Field(
         None, max_length=8, description="per-sample shape of a raw .bin input")
     input_dtype: str | None = Field(None, description="dtype of a raw .bin input, e.g. float32")

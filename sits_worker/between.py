@@ -26,11 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from broker import queues
-from broker.queues import LeasedItem
+from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
 from sits_worker.leasing import lease, lease_riders, reserved
 from sits_worker.model.padding import max_sequence, shape_bucket
-from sits_worker.online import run_requests
+from sits_worker.online import give_back, run_requests
 
 
 class BetweenBatches:
@@ -46,29 +46,44 @@ class BetweenBatches:
         self._interval = ctx.settings.scheduler.yield_check_interval
         self._next_look = time.monotonic() + self._interval
         self._carried = list(carried)
+        self._stale = False
 
     def __call__(self, feed: Mapping[str, np.ndarray]) -> list[LeasedItem]:
         self._keep_alive()
         if self._carried:
-            carried, self._carried = self._carried, []
-            if carried[0].payload.get("bucket") == self._bucket(feed):
+            if self._carried[0].payload.get("bucket") == self._bucket(feed):
+                carried, self._carried = self._carried, []
                 return carried
-            run_requests(self._ctx, carried)  # another shape: they run as their own batch, first
-        if time.monotonic() < self._next_look:
+            run_requests(self._ctx, self._carried)  # another shape: they run as their own batch, first
+            self._carried = []
+        if self._stale or time.monotonic() < self._next_look:
             return []
-        riders = []
-        if self._ctx.settings.scheduler.merge_requests_into_jobs:
-            riders = lease_riders(self._ctx, self._item.model_ref, feed, self._ticket)
-        served = self._chunk_score is not None and _serve_one_urgent_batch(self._ctx, self._chunk_score,
-                                                                           self._ticket)
+        try:
+            # Urgent work first: if it fails, no rider has been leased yet to be stranded.
+            served = self._chunk_score is not None and _serve_one_urgent_batch(self._ctx, self._chunk_score,
+                                                                               self._ticket)
+            riders = []
+            if self._ctx.settings.scheduler.merge_requests_into_jobs:
+                riders = lease_riders(self._ctx, self._item.model_ref, feed, self._ticket)
+        except StaleTicket:
+            # This drain task's ticket was replaced (taken for lost): finish the chunk, which is still
+            # ours, and let the next lease of the drain loop end the task.
+            self._stale = True
+            return []
         self._next_look = time.monotonic() + (0 if served or riders else self._interval)  # more may wait
         return riders
 
     def finish(self) -> None:
-        """Run carried requests the chunk never reached (it was dropped, failed or had no rows)."""
-        if self._carried:
-            carried, self._carried = self._carried, []
+        """Settle carried requests the chunk never reached (it was dropped, failed or had no rows): run
+        them, or give them back to their queue if even that fails."""
+        carried, self._carried = self._carried, []
+        if not carried:
+            return
+        try:
             run_requests(self._ctx, carried)
+        except Exception:
+            give_back(self._ctx, carried)
+            raise
 
     def _bucket(self, feed: Mapping[str, np.ndarray]) -> str:
         model = self._ctx.model(self._item.model_ref)

@@ -78,12 +78,10 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
         batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
         if batching.max_queue_delay:
             _wait_for_company(ctx, model_ref, batching.max_batch_size, batching.max_queue_delay)
-        # A batch cut to a memory hole (a backfill) takes no chunk along and no request that does
-        # not fit the cut: it must fit the hole and end in time.
-        cut = admission.max_rows < batching.max_batch_size or (
-            batching.max_batch_tokens > 0 and 0 < admission.max_tokens < batching.max_batch_tokens)
-        carry = ctx.settings.scheduler.merge_requests_into_jobs and not cut
-        leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=cut)
+        # A batch cut to free memory (a backfill, or beside the head) takes no chunk along and no
+        # item that does not fit the cut: it must fit the hole and end in time.
+        carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
+        leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut)
         if leased:
             ctx.last_served = model_ref
             return leased
@@ -98,13 +96,12 @@ def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str
     if not offline:
         run_requests(ctx, online)
         return
-    for item in offline:
-        between = BetweenBatches(ctx, item, ticket, carried=online)
-        try:
-            process_item(ctx, item, between)
-        finally:
-            between.finish()
-        online = []
+    [item] = offline  # leases take one job chunk (or finalize step) at a time
+    between = BetweenBatches(ctx, item, ticket, carried=online)
+    try:
+        process_item(ctx, item, between)
+    finally:
+        between.finish()
 
 
 def _wait_for_company(ctx: WorkerContext, model_ref: str, max_batch_size: int, max_queue_delay: float) -> None:

@@ -70,27 +70,36 @@ def reserved(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], *,
     hold `replacing` (see `reservation.admit_and_hold`), released once the real one is in place.
 
     Requests count their rows and padded tokens (the worker pads token requests to their length
-    class: the padded tokens are what runs); a job chunk runs mini-batches of the jobs' batch size,
+    class: the padded tokens are what runs); a job chunk runs mini-batches of its job's batch size,
     with up to a batch of riders on top when requests may ride along.
     """
-    cost = batch_cost(ctx, leased[0].model_ref)
-    rows, tokens, chunk_rows = 0, 0, 0
-    for item in leased:
-        if item.payload.get("kind") == "request":
-            rows += int(item.payload.get("rows") or 1)
-            tokens += int(item.payload.get("padded_tokens") or item.payload.get("tokens") or 0)
-        else:
-            rows += int(item.payload.get("batch_size") or FALLBACK_BATCH_ROWS)
-            if ctx.settings.scheduler.merge_requests_into_jobs:
-                rows += cost.max_rows
-            chunk_rows += int(item.payload.get("stop", 0)) - int(item.payload.get("start", 0))
-    # A chunk holds its reservation until its last mini-batch: its expected end is its rows' time.
-    seconds = cost.seconds(rows=rows, tokens=tokens or None) + cost.seconds(rows=chunk_rows)
-    handle = ctx.ledger.reserve(cost.need_bytes(rows=rows, tokens=tokens or None), now=time.time(),
-                                expected_seconds=seconds)
-    if replacing is not None:
-        ctx.ledger.release(replacing, now=time.time())
+    try:
+        need, seconds = _batch_need(ctx, leased)
+        handle = ctx.ledger.reserve(need, now=time.time(), expected_seconds=seconds)
+    finally:
+        if replacing is not None:  # whatever happened, the hold gives way (the real one is in, or none)
+            ctx.ledger.release(replacing, now=time.time())
     try:
         yield
     finally:
         ctx.ledger.release(handle, now=time.time())
+
+
+def _batch_need(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> tuple[int, float]:
+    """(Bytes, expected seconds) of what one lease runs: requests by their rows and tokens (a token
+    model's), a chunk by the rows of its largest run, held until its last mini-batch (its expected
+    end is the time of all its rows)."""
+    cost = batch_cost(ctx, leased[0].model_ref)
+    request_rows, request_tokens, chunk_batch, chunk_rows = 0, 0, 0, 0
+    for item in leased:
+        if item.payload.get("kind") == "request":
+            request_rows += int(item.payload.get("rows") or 1)
+            request_tokens += int(item.payload.get("padded_tokens") or item.payload.get("tokens") or 0)
+        else:
+            chunk_batch += int(item.payload.get("batch_size") or FALLBACK_BATCH_ROWS)
+            if ctx.settings.scheduler.merge_requests_into_jobs:
+                chunk_batch += cost.max_rows
+            chunk_rows += int(item.payload.get("stop", 0)) - int(item.payload.get("start", 0))
+    tokens = request_tokens or None
+    return (cost.need_bytes(rows=request_rows, tokens=tokens) + cost.need_bytes(rows=chunk_batch),
+            cost.seconds(rows=request_rows, tokens=tokens) + cost.seconds(rows=chunk_rows))

@@ -30,7 +30,8 @@ Tensors = dict[str, np.ndarray]
 
 
 def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem]) -> int:
-    """Run leased requests of one model as one batch and complete them; returns how many succeeded."""
+    """Run leased requests of one model as one batch and complete them; returns how many ran
+    without error (a request completed meanwhile by another run keeps its first result)."""
     model_ref = items[0].model_ref
     results, live = _load(ctx, items)
     if live:
@@ -70,12 +71,18 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
         else:
             job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
     except Exception:
-        for item, _ in live:
-            queues.expire_lease_now(ctx.store, item)
+        give_back(ctx, riders)
         raise
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows)
     return [job_outputs[name] for name in output_names]
+
+
+def give_back(ctx: WorkerContext, items: Sequence[LeasedItem]) -> None:
+    """Return leased requests to their queue at once (their leases expire now; the reaper re-queues
+    them on its next pass, an attempt counted), after a run that could not complete them."""
+    for item in items:
+        queues.expire_lease_now(ctx.store, item)
 
 
 def rows_to_fill(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem], available: int) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from broker import registry
-from broker.errors import SitsError
+from broker.errors import DeviceOutOfMemory, SitsError
 from sits_worker.context import WorkerContext
 from sits_worker.model.graph import operator_histogram
 from sits_worker.runtime import build_session, run_session
@@ -44,11 +44,17 @@ def sample_feed(signature: dict[str, Any], batch: int, sequence: int = _PROFILE_
 
 def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 1.0,
             batch_sizes: tuple[int, ...] = _BATCH_SIZES) -> list[dict[str, float]]:
-    """Latency (median of timed runs) and throughput for each batch size, within a time budget per size."""
+    """Latency (median of timed runs) and throughput for each batch size, within a time budget per size;
+    sizes past the first one the device runs out of memory for are skipped."""
     points = []
     for batch in batch_sizes:
         feed = sample_feed(signature, batch)
-        run_session(session, feed)  # warm-up: allocations, kernel choice
+        try:
+            run_session(session, feed)  # warm-up: allocations, kernel choice
+        except DeviceOutOfMemory:
+            if not points:
+                raise
+            break  # the device holds no larger batch: keep what was measured
         timings: list[float] = []
         started = time.perf_counter()
         while len(timings) < 3 or (time.perf_counter() - started < budget_seconds and len(timings) < 50):

@@ -15,8 +15,9 @@
 -- ARGV[9] '1' (ignored with ARGV[8]): when the head is a request and the batch has rows to spare, take the
 --         first job chunk among the candidates, last (its rows fill the batch: the worker runs the
 --         requests inside the chunk's first mini-batch)
--- ARGV[10] '1': the head request too must fit the row and token limits, else nothing is leased, {0}
---          (a batch cut to a memory hole must not outgrow it)
+-- ARGV[10] '1': a head request too must fit the row and token limits, else nothing is leased, {0}
+--          (a batch cut to a memory hole must not outgrow it; a job chunk still goes: the row
+--          limits are online batch limits, not its mini-batches')
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
 -- The head item always goes (but see ARGV[10]). Job chunks and finalize steps are taken in queue order up to

@@ -79,10 +79,10 @@ def test_a_backfill_batch_is_cut_to_the_free_memory_and_to_end_before_the_head_s
     admitted = admit(["head", "small", "slow"], costs.__getitem__, ledger, now=0.0, backfill=True)
 
     # small: 25 rows fit in 256 MiB, 20 rows end by t=2; a whole batch (640 MiB) was refused before.
-    assert Admission("small", 20, 0) in admitted
+    assert Admission("small", 20, 0, cut=True) in admitted
     assert not any(a.model == "slow" for a in admitted)  # one row would run past t=2, nothing is free beside
     # The head model's own queue: 16 rows (256 MiB) end by t=2 and fit now, its full batch would not.
-    assert Admission("head", 16, 0) in admitted
+    assert Admission("head", 16, 0, cut=True) in admitted
     assert ledger.stats()["backfills"] == 1
 
 
@@ -96,7 +96,7 @@ def test_a_backfill_batch_may_outlast_the_head_start_in_the_memory_the_head_leav
     admitted = admit(["head", "slow"], costs.__getitem__, ledger, now=0.0, backfill=True)
 
     assert (start, beside) == (1.0, 256 * MIB)
-    assert Admission("slow", 25, 0) in admitted  # runs ~25 s, in the 256 MiB the head never needs
+    assert Admission("slow", 25, 0, cut=True) in admitted  # runs ~25 s, in the 256 MiB the head never needs
 
 
 def test_round_robin_waits_for_memory_and_counts_the_wait() -> None:
@@ -132,7 +132,7 @@ def test_when_the_head_fits_it_leases_a_full_batch_and_the_others_are_cut_to_the
 
     admitted = admit(["head", "big", "none"], costs.__getitem__, ledger, now=0.0, backfill=False)
 
-    assert admitted == [Admission("head", 64, 0), Admission("big", 32, 0)]  # 'none': not one row fits
+    assert admitted == [Admission("head", 64, 0), Admission("big", 32, 0, cut=True)]  # 'none': not one row fits
 
 
 def test_a_token_model_is_costed_per_token_within_max_batch_tokens() -> None:
@@ -142,8 +142,8 @@ def test_a_token_model_is_costed_per_token_within_max_batch_tokens() -> None:
     assert token_cost.full_tokens == 4096 and token_cost.full_need() == 512 * MIB  # not 64 x 128 tokens
     assert token_cost.need_bytes(rows=2, tokens=1024) == 128 * MIB
     assert token_cost.seconds(rows=2, tokens=1024) == pytest.approx(0.008)  # 8 rows' worth of tokens
-    assert token_cost.within("t", 64 * MIB, math.inf) == Admission("t", 64, 512)
-    assert token_cost.within("t", 64 * MIB, 0.002) == Admission("t", 64, 256)  # 2 ms of tokens
+    assert token_cost.within("t", 64 * MIB, math.inf) == Admission("t", 64, 512, cut=True)
+    assert token_cost.within("t", 64 * MIB, 0.002) == Admission("t", 64, 256, cut=True)  # 2 ms of tokens
     assert token_cost.within("t", 8 * MIB, math.inf) is None  # not one reference-length sequence
     assert batch_need_bytes(TOKEN_PROFILE, rows=2, tokens=None) == 32 * MIB  # rows at the reference length
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from broker import jobs
 from tests.e2e.stack_helpers import direct_run, register, wait_job
 
 JOB_BATCH = 16
@@ -157,3 +158,18 @@ def test_a_request_that_fills_its_batch_alone_runs_apart_between_two_mini_batche
     np.testing.assert_allclose(np.array(result["outputs"]["logits"]), direct_run(model, pixels, MAX_BATCH),
                                rtol=1e-4, atol=1e-5)
     assert wait_job(client, job["id"])["status"] == "succeeded"
+
+
+def test_a_chunk_whose_ticket_is_replaced_midway_still_runs_once_to_its_end(fifo_stack):
+    """Every ticket taken for lost while a chunk runs (as after a long stall): the chunk, still leased
+    to its worker, stops looking for riders and finishes; it is not run a second time."""
+    client, store = fifo_stack.client(), fifo_stack.store
+    job = submit_job(fifo_stack, "stale", "convnet",
+                     np.random.default_rng(5).standard_normal((1500, 3, 32, 32)).astype(np.float32))
+    wait_job(client, job["id"], until=lambda j: j["status"] == "running")
+    time.sleep(0.2)
+    store.client.delete(store.keys.tickets)
+
+    done = wait_job(client, job["id"])
+    assert done["status"] == "succeeded" and done["chunk_runs"] == 1, done
+    assert jobs.last_error(store, job["id"]) is None  # no attempt failed on the way
