@@ -46,7 +46,7 @@ def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 
             batch_sizes: tuple[int, ...] = _BATCH_SIZES) -> list[dict[str, float]]:
     """Latency (median of timed runs) and throughput for each batch size, within a time budget per size;
     sizes past the first one the device runs out of memory for are skipped."""
-    points = []
+    points: list[dict[str, float]] = []
     for batch in batch_sizes:
         feed = sample_feed(signature, batch)
         try:
