@@ -18,20 +18,20 @@ from typing import Any
 import numpy as np
 
 from broker import jobs, queues
-from broker.errors import PermanentError
+from broker.errors import BadInput, PermanentError
 from broker.queues import LeasedItem
 from sits_worker.context import WorkerContext
-from sits_worker.online import rows_to_fill, run_requests, run_with_riders
+from sits_worker.online import give_back, rows_to_fill, run_requests, run_with_riders
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
 
 log = logging.getLogger(__name__)
 
-BetweenBatches = Callable[[Mapping[str, np.ndarray]], Sequence[LeasedItem]]
+MiniBatchHook = Callable[[Mapping[str, np.ndarray]], Sequence[LeasedItem]]
 """Called with each mini-batch's feed before it runs: keeps the chunk's lease alive, may run urgent
 work first, and returns the online requests that ride in the mini-batch (`sits_worker.between`)."""
 
 
-def process_item(ctx: WorkerContext, item: LeasedItem, between: BetweenBatches) -> str:
+def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -> str:
     """Run one leased item to its end; returns what happened ('acked', 'finalized', 'dropped', 'failed').
 
     Permanent errors fail the job at once with the error's message; any other
@@ -65,7 +65,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: BetweenBatches) 
         return "retry"
 
 
-def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between: BetweenBatches) -> None:
+def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between: MiniBatchHook) -> None:
     """Run rows [start, stop) of a job in mini-batches, write the part file, then ack the chunk.
 
     Online requests that `between` hands over ride in a mini-batch: the first rows of the
@@ -80,10 +80,14 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between
     results: dict[str, np.ndarray] = {}
     model_ref = job["model_ref"]
 
-    def keep(row_indices: np.ndarray, outputs: Sequence[np.ndarray]) -> None:
+    def store_rows(row_indices: np.ndarray, outputs: Sequence[np.ndarray]) -> None:
         for name, array in zip(output_names, outputs, strict=True):
             if name not in results:
                 results[name] = np.empty((stop - start, *array.shape[1:]), dtype=array.dtype)
+            elif results[name].shape[1:] != array.shape[1:]:
+                raise BadInput(f"output '{name}' has rows of shape {list(results[name].shape[1:])} and "
+                               f"{list(array.shape[1:])} within rows [{start}, {stop}); outputs whose rows vary in "
+                               "shape cannot be stored in one .npy")
             first = int(row_indices[0]) - start
             if int(row_indices[-1]) - start - first + 1 == len(row_indices):  # contiguous: a cheap slice copy
                 results[name][first : first + len(row_indices)] = array
@@ -92,17 +96,32 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between
 
     for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
         riders = between(feed)
-        fill = rows_to_fill(ctx, model_ref, riders, len(row_indices)) if riders else 0
-        if riders and not fill:
-            run_requests(ctx, riders)  # no job row would be nearly free in their batch: a batch of their own
-        elif riders:
-            keep(row_indices[:fill], run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders,
-                                                     session))
-            row_indices, feed = row_indices[fill:], _rows(feed, fill, len(row_indices))
+        if riders:
+            row_indices, feed = _run_riders(ctx, model_ref, riders, row_indices, feed, store_rows, session)
         if len(row_indices):
-            keep(row_indices, ctx.run(model_ref, feed, output_names, session))
-    write_part(Path(job["output_dir"]), chunk_index, results)
+            store_rows(row_indices, ctx.run(model_ref, feed, output_names, session))
+    write_part(Path(job["output_dir"]), chunk_index, results, job_id=job["id"])
     jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
+
+
+def _run_riders(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem], row_indices: np.ndarray,
+                feed: dict[str, np.ndarray], store_rows: Callable[[np.ndarray, Sequence[np.ndarray]], None],
+                session: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Run online requests that ride in a mini-batch with the rows `online.rows_to_fill` allows (none
+    fit: as a batch of their own); returns the mini-batch's rows still to run. Riders are given
+    back to their queue if this fails before their run completed them."""
+    try:
+        fill = rows_to_fill(ctx, model_ref, riders, len(row_indices))
+        if not fill:
+            run_requests(ctx, riders)
+            return row_indices, feed
+        output_names = [output["name"] for output in ctx.model(model_ref)["signature"]["outputs"]]
+        outputs = run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders, session)
+    except Exception:
+        give_back(ctx, riders)  # a no-op for those already completed
+        raise
+    store_rows(row_indices[:fill], outputs)
+    return row_indices[fill:], _rows(feed, fill, len(row_indices))
 
 
 def _rows(feed: Mapping[str, np.ndarray], first: int, last: int) -> dict[str, np.ndarray]:
@@ -120,4 +139,4 @@ def finalize_job(job: dict[str, Any]) -> dict[str, Any]:
         "input_batch": job["input_batch"],
         "input_checksum": job["input_checksum"],
     }
-    return finalize_outputs(Path(job["output_dir"]), ranges, job["output_names"], extra)
+    return finalize_outputs(Path(job["output_dir"]), ranges, job["output_names"], extra, job_id=job["id"])

@@ -138,6 +138,21 @@ def test_chunks_whose_outputs_differ_in_dtype_or_row_shape_are_not_merged(tmp_pa
     assert not (tmp_path / "logits.npy").exists() and not list((tmp_path / ".parts").glob("*.tmp"))
 
 
+def test_a_late_part_of_a_cancelled_job_in_the_same_folder_does_not_touch_the_new_jobs(tmp_path: Path) -> None:
+    """Job A was cancelled while a worker still ran its chunk 0; job B took the folder. A's part lands
+    in A's own parts folder, after B's, and B's outputs are B's rows."""
+    write_part(tmp_path, 0, _outputs(range(0, 4)), job_id="job-b")
+    write_part(tmp_path, 0, {name: array * 0 - 1 for name, array in _outputs(range(0, 4)).items()}, job_id="job-a")
+
+    assert part_exists(tmp_path, 0, ["logits", "label"], job_id="job-b")
+    manifest = finalize_outputs(tmp_path, [(0, 4)], ["logits", "label"], EXTRA, job_id="job-b")
+
+    assert manifest["rows"] == 4
+    np.testing.assert_array_equal(np.load(tmp_path / "label.npy"), np.arange(4))
+    remove_parts(tmp_path)
+    assert not (tmp_path / ".parts").exists()
+
+
 def test_a_manifest_of_another_job_is_not_handed_back(tmp_path: Path) -> None:
     _write_all(tmp_path, CHUNKS)
     finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA)
