@@ -100,6 +100,29 @@ def test_a_bad_row_found_by_a_worker_fails_the_job_with_a_clear_error(stack):
     assert client.get("/v1/status")["queues"][job["model_ref"]] == {"ready": 0, "inflight": 0}
 
 
+def test_outputs_whose_rows_vary_in_length_within_a_chunk_fail_the_job_clearly(stack):
+    """A per-token output over jsonl rows of different lengths cannot fill one .npy: the job fails at
+    once with a message that says so (not retried until its attempts run out)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Cast", ["ids"], ["per_token"], to=TensorProto.FLOAT)], "per_token",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "sequence"])],
+                              [helper.make_tensor_value_info("per_token", TensorProto.FLOAT, ["batch", "sequence"])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), stack.home / "per_token.onnx")
+    client = stack.client()
+    register(client, "per_token", stack.home / "per_token.onnx")
+    with open(stack.home / "ragged.jsonl", "w") as handle:
+        for length in (3, 3, 5, 5):
+            handle.write(json.dumps({"ids": list(range(length))}) + "\n")
+    job = client.post("/v1/jobs", {"model": "per_token", "input_batch": str(stack.home / "ragged.jsonl"),
+                                   "output_dir": str(stack.home / "out-ragged"), "chunk_size": 4})
+
+    done = wait_job(client, job["id"])
+    assert done["status"] == "failed" and "vary in shape" in done["error"], done
+    assert done["chunk_runs"] == 0 and "attempts" not in done["error"]
+
+
 def test_sitsctl_job_commands_and_status(stack):
     pixels = np.random.default_rng(4).standard_normal((2_000, 3, 32, 32)).astype(np.float32)
     np.save(stack.home / "pixels.npy", pixels)
