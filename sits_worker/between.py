@@ -28,8 +28,7 @@ import numpy as np
 from broker import queues
 from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
-from sits_worker.leasing import lease, lease_riders, reserved
-from sits_worker.model.padding import max_sequence, shape_bucket
+from sits_worker.leasing import feed_bucket, lease, lease_riders, reserved
 from sits_worker.online import give_back, run_requests
 
 
@@ -51,7 +50,7 @@ class BetweenBatches:
     def __call__(self, feed: Mapping[str, np.ndarray]) -> list[LeasedItem]:
         self._keep_alive()
         if self._carried:
-            if self._carried[0].payload.get("bucket") == self._bucket(feed):
+            if self._carried[0].payload.get("bucket") == feed_bucket(self._ctx, self._item.model_ref, feed)[0]:
                 carried, self._carried = self._carried, []
                 return carried
             run_requests(self._ctx, self._carried)  # another shape: they run as their own batch, first
@@ -84,12 +83,6 @@ class BetweenBatches:
         except Exception:
             give_back(self._ctx, carried)
             raise
-
-    def _bucket(self, feed: Mapping[str, np.ndarray]) -> str:
-        model = self._ctx.model(self._item.model_ref)
-        bucket, _ = shape_bucket(feed, self._ctx.padding(self._item.model_ref),
-                                 max_sequence(model.get("static_profile")))
-        return bucket
 
 
 def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str) -> bool:

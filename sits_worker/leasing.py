@@ -35,13 +35,19 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
                               head_within_limits=within_cut)
 
 
+def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray]) -> tuple[str, int | None]:
+    """The shape bucket of a job's mini-batch (and its padded length), as the API buckets requests."""
+    static = ctx.model(model_ref).get("static_profile")
+    return shape_bucket(feed, ctx.padding(model_ref), max_sequence(static))
+
+
 def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray],
                  ticket: str) -> list[queues.LeasedItem]:
     """Requests of `model_ref` that can ride in the job mini-batch `feed`: its shape bucket, up to the
     model's `max_batch_size` rows, and within `max_batch_tokens` together with the mini-batch."""
     batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
     static = ctx.model(model_ref).get("static_profile") or {}
-    bucket, padded = shape_bucket(feed, ctx.padding(model_ref), max_sequence(static))
+    bucket, padded = feed_bucket(ctx, model_ref, feed)
     max_tokens = 0
     if batching.max_batch_tokens and (padded or static.get("sequence_axis")):
         rows = len(next(iter(feed.values())))

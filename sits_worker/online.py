@@ -53,26 +53,22 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     riders and return the job rows' outputs (in `output_names` order).
 
     A rider that breaks the merged run (a permanent error) is run apart with its neighbours, as in
-    `run_requests`, and the mini-batch alone; any other error gives the riders back to the queue at
-    once (their leases expire now) and is raised for the chunk's own retry.
+    `run_requests`, and the mini-batch alone. Any other error is raised: the caller gives the riders
+    back (`give_back`) and the chunk retries.
     """
     results, live = _load(ctx, riders)
     job_rows = len(next(iter(feed.values())))
-    try:
-        if live:
-            try:
-                job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)
-                results += rider_results
-            except PermanentError as err:
-                log.info("mini-batch with %d riders on %s failed (%s); running them apart",
-                         len(live), model_ref, err.message)
-                results += _run_one_by_one(ctx, model_ref, live)
-                job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
-        else:
-            job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
-    except Exception:
-        give_back(ctx, riders)
-        raise
+    job_outputs: Tensors | None = None
+    if live:
+        try:
+            job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)
+            results += rider_results
+        except PermanentError as err:
+            log.info("mini-batch with %d riders on %s failed (%s); running them apart",
+                     len(live), model_ref, err.message)
+            results += _run_one_by_one(ctx, model_ref, live)
+    if job_outputs is None:
+        job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows)
     return [job_outputs[name] for name in output_names]

@@ -17,6 +17,7 @@
 -- ARGV[8] how many queue entries to look at
 -- Returns: {-1} when the ticket is no longer valid; else {n, id1, payload1, attempts1, ...}, best first.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
+-- The ticket check and number_or are lease_batch.lua's: a Redis script cannot call another.
 if ARGV[1] ~= '' then
   if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
     return {-1}

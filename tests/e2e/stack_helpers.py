@@ -38,6 +38,19 @@ def start_stack(home: Path, *, workers: int = 2, streams: int = 2, model_roots: 
     return Stack(settings, worker_count=workers, api_port=0).start()
 
 
+def start_zoo_stack(home: Path, *, streams: int = 1, **overrides: Any) -> Stack:
+    """One CPU worker with `streams` stream slots, the settings sections in `overrides` on top of the
+    test settings, and the zoo's mlp, transformer and convnet registered."""
+    from sits_worker.model.zoo import build_zoo
+
+    settings = stack_settings(home, streams=streams).with_overrides(**overrides)
+    stack = Stack(settings, worker_count=1, api_port=0).start()
+    models = build_zoo(home / "models")
+    for name in ("mlp", "transformer", "convnet"):
+        register(stack.client(), name, models[name])
+    return stack
+
+
 def register(client: ApiClient, name: str, path: Path) -> dict[str, Any]:
     """Register a model (static profile)."""
     return client.post("/v1/models", {"name": name, "path": str(path)})

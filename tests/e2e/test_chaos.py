@@ -12,7 +12,7 @@ from tests.e2e.stack_helpers import direct_run, register, start_stack, wait_job
 ROWS = 60_000
 CHUNK = 500
 BATCH = 100
-SEQUENCE = 16
+SEQUENCE = 48  # long enough that the job outlasts two kills on a quiet machine
 
 
 @pytest.mark.slow

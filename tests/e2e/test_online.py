@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sits_worker.model.zoo import mlp_reference
-from tests.e2e.stack_helpers import direct_run, register, start_stack, wait_job
+from tests.e2e.stack_helpers import direct_run, register, start_stack, start_zoo_stack, wait_job
 
 
 @pytest.fixture(scope="module")
@@ -86,19 +86,11 @@ def test_bad_requests_get_a_clear_4xx(stack):
 @pytest.fixture(scope="module")
 def delayed_stack(tmp_path_factory):
     """A stack whose batches wait up to 300 ms for company; the transformer's batches hold 64 tokens."""
-    from sits_api.cli.stack import Stack
-    from sits_worker.model.zoo import build_zoo
-    from tests.e2e.stack_helpers import stack_settings
-
-    home = tmp_path_factory.mktemp("delayed") / "home"
-    settings = stack_settings(home, streams=1).with_overrides(
+    running = start_zoo_stack(
+        tmp_path_factory.mktemp("delayed") / "home",
         online={"batching": {"max_batch_size": 8, "max_queue_delay": "300ms"},
                 "models": {"transformer": {"max_batch_tokens": 64}}},
         resources={"device_memory_limit": "1GiB", "cpu_memory_granularity": "4MiB"})
-    running = Stack(settings, worker_count=1, api_port=0).start()
-    models = build_zoo(home / "models")
-    for name in ("mlp", "transformer", "convnet"):
-        register(running.client(), name, models[name])
     yield running
     running.stop()
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from broker import jobs
-from tests.e2e.stack_helpers import direct_run, register, wait_job
+from tests.e2e.stack_helpers import direct_run, start_zoo_stack, wait_job
 
 JOB_BATCH = 16
 MAX_BATCH = 8
@@ -24,17 +24,9 @@ MAX_BATCH = 8
 
 @pytest.fixture(scope="module")
 def fifo_stack(tmp_path_factory):
-    from sits_api.cli.stack import Stack
-    from sits_worker.model.zoo import build_zoo
-    from tests.e2e.stack_helpers import stack_settings
-
-    home = tmp_path_factory.mktemp("ride") / "home"
-    settings = stack_settings(home, streams=1).with_overrides(
-        scheduler={"policy": "fifo", "merge_latency_factor": 100.0}, online={"batching": {"max_batch_size": MAX_BATCH}})
-    running = Stack(settings, worker_count=1, api_port=0).start()
-    models = build_zoo(home / "models")
-    for name in ("mlp", "transformer", "convnet"):
-        register(running.client(), name, models[name])
+    running = start_zoo_stack(tmp_path_factory.mktemp("ride") / "home",
+                              scheduler={"policy": "fifo", "merge_latency_factor": 100.0},
+                              online={"batching": {"max_batch_size": MAX_BATCH}})
     yield running
     running.stop()
 

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from broker.chunking import auto_batch_size
 from sits_worker.model.zoo import mlp_reference
 from tests.e2e.stack_helpers import direct_run, register, start_stack, wait_job
 
@@ -50,6 +51,17 @@ def test_full_profile_and_fusion_run_on_a_worker(stack):
                                str(stack.home / "models" / "mlp.onnx"), "--profile-mode", "full", "--json").stdout)
     assert again["version"] == record["version"]
     assert again["profile"]["measured_at"] == record["profile"]["measured_at"], "cached for model_profile_cache_ttl"
+
+    # A job that names no sizes takes them from that measured profile (jobs.*_size: auto).
+    features = np.random.default_rng(9).standard_normal((5_000, 64)).astype(np.float32)
+    np.save(stack.home / "auto.npy", features)
+    client = stack.client()
+    job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(stack.home / "auto.npy"),
+                                   "output_dir": str(stack.home / "out-auto")})
+    assert job["batch_size"] == auto_batch_size(record) and job["chunk_size"] % job["batch_size"] == 0, job
+    assert wait_job(client, job["id"])["status"] == "succeeded"
+    np.testing.assert_allclose(np.load(stack.home / "out-auto" / "logits.npy"), mlp_reference(features),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_npz_and_bin_inputs_give_the_reference_outputs(stack):
