@@ -282,7 +282,8 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int
     """Record a chunk whose part files are written: drop its lease, checkpoint it, count `worker`.
 
     Returns 0 for a duplicate (or a job no longer active), 1 when recorded, 2 when it was the
-    job's last chunk and the finalize item was queued. Idempotent: a re-run is counted once.
+    job's last chunk and the finalize item was queued (and the doorbell rung, so a lingering drain
+    task leases it at once). Idempotent: a re-run is counted once.
     """
     payload = item.payload
     job_id = payload["job"]
@@ -291,7 +292,7 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int
     with translate_redis_errors():
         reply = store.scripts.ack_chunk(
             keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,
-                  keys.job(job_id), keys.job_done(job_id)],
+                  keys.job(job_id), keys.job_done(job_id), keys.doorbell],
             args=[item.item_id, payload["chunk"], payload["stop"] - payload["start"], now,
                   finalize_item_id(job_id), payload["score"], finalize, worker],
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from broker.store import Store, translate_redis_errors
@@ -126,6 +126,8 @@ class QueueSnapshot:
     """Model ref -> the earliest deadline among its waiting items that have one (the PSA index)."""
     raw_policy: str
     """The live policy JSON ('' for the defaults)."""
+    head_items: dict[str, str] = field(default_factory=dict)
+    """Model ref -> id of its best waiting item (the one `heads` scores)."""
 
 
 class QueueWatcher:
@@ -156,8 +158,10 @@ class QueueWatcher:
                     break
                 self._refs = sorted(self._store.client.smembers(keys.queues))
         heads = {ref: head[0][1] for ref, head in zip(refs, firsts[0::2], strict=True) if head}
+        head_items = {ref: head[0][0] for ref, head in zip(refs, firsts[0::2], strict=True) if head}
         deadlines = {ref: first[0][1] for ref, first in zip(refs, firsts[1::2], strict=True) if first}
-        return QueueSnapshot(heads=heads, earliest_deadlines=deadlines, raw_policy=raw_policy or "")
+        return QueueSnapshot(heads=heads, earliest_deadlines=deadlines, raw_policy=raw_policy or "",
+                             head_items=head_items)
 
 
 def head_wait(store: Store, model_ref: str, *, now: float) -> tuple[int, float] | None:
@@ -293,6 +297,21 @@ def extend_lease(store: Store, item: LeasedItem, ticket: str, *, now: float, lea
         if ticket:
             pipe.zadd(store.keys.tickets, {ticket: now}, xx=True)
         pipe.execute()
+
+
+def return_unrun(store: Store, items: Sequence[LeasedItem]) -> int:
+    """Put leased items that never ran back in their queue at once, their attempt not counted (the
+    worker could not run them now, through no fault of theirs); returns how many went back. Items
+    no longer in flight are left alone. Meant for right after the lease: an item whose lease ran out
+    and was leased again elsewhere would be taken from its new holder."""
+    returned = 0
+    with translate_redis_errors():
+        for model_ref in sorted({item.model_ref for item in items}):
+            keys = store.keys
+            returned += int(store.scripts.return_items(
+                keys=[keys.inflight(model_ref), keys.ready(model_ref), keys.items, keys.attempts, keys.doorbell],
+                args=[item.item_id for item in items if item.model_ref == model_ref]))
+    return returned
 
 
 def expire_lease_now(store: Store, item: LeasedItem) -> None:

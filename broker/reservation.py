@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from broker.scoring import estimate_latency_ms
@@ -101,9 +101,13 @@ class BatchCost:
         if self.reference_tokens:
             tokens = most(self.bytes_per_token, self.seconds_per_row / self.reference_tokens, self.full_tokens)
             smallest = min(self.reference_tokens, self.full_tokens)
-            return Admission(model, self.max_rows, tokens, cut=True) if tokens >= smallest else None
+            if tokens < smallest:
+                return None
+            return Admission(model, self.max_rows, tokens, cut=True, budget_bytes=free_bytes, budget_seconds=seconds)
         rows = most(self.bytes_per_row, self.seconds_per_row, self.max_rows)
-        return Admission(model, rows, self.max_tokens, cut=True) if rows >= 1 else None
+        if rows < 1:
+            return None
+        return Admission(model, rows, self.max_tokens, cut=True, budget_bytes=free_bytes, budget_seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,32 @@ class Admission:
     cut: bool = False
     """The batch is cut to free memory (or to end in time): it must not outgrow its limits, not
     even by its first request, and takes no job chunk along."""
+    budget_bytes: int = field(default=0, compare=False)
+    """A cut batch's memory budget, and the time it must end in (inf: any): a job chunk leased under
+    it runs only if its mini-batches fit both (see `Claim`)."""
+    budget_seconds: float = field(default=math.inf, compare=False)
+    claim: Claim | None = field(default=None, compare=False)
+    """The claim of the job chunk at the head of the model's queue, if one is known."""
+
+    def allows_chunk(self, need_bytes: int, seconds: float) -> bool:
+        """Does a job chunk needing `need_bytes` for `seconds` stay within this admission's cut?"""
+        return not self.cut or (need_bytes <= self.budget_bytes and seconds <= self.budget_seconds)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A job chunk that was leased at the head of its model's queue and did not fit: what it needs.
+
+    Admissions are sized by a model's online batch limits, but a chunk runs mini-batches of its
+    job's `batch_size` (with a batch of riders on top): its real need is known only once it is
+    leased. A chunk that does not fit goes back to its queue at once, and while it heads its
+    queue, admissions count its real need for the model's head, so that it is neither leased and
+    returned over and over nor starved by smaller batches that keep the memory busy.
+    """
+
+    item_id: str
+    need_bytes: int
+    seconds: float
 
 
 @dataclass
@@ -143,6 +173,24 @@ class MemoryLedger:
     _first_at: float | None = None
     _changed_at: float | None = None
     _events: dict[str, int] = field(default_factory=lambda: {"memory_waits": 0, "backfills": 0})
+    _claims: dict[str, Claim] = field(default_factory=dict)
+
+    def claim(self, model: str, claim: Claim) -> None:
+        """Remember what the chunk heading `model`'s queue needs (it did not fit when leased)."""
+        with self._lock:
+            self._claims[model] = claim
+
+    def claim_of(self, model: str, head_item: str | None) -> Claim | None:
+        """The claim on `model` while its chunk is still the head of its queue (`head_item`)."""
+        with self._lock:
+            claim = self._claims.get(model)
+        return claim if claim is not None and claim.item_id == head_item else None
+
+    def drop_claim(self, model: str, item_id: str) -> None:
+        """The claimed chunk runs: forget its claim."""
+        with self._lock:
+            if (claim := self._claims.get(model)) is not None and claim.item_id == item_id:
+                del self._claims[model]
 
     def count(self, event: str) -> None:
         """Count an admission decision for the stats: 'memory_waits' (a free slot with work waiting
@@ -192,6 +240,13 @@ class MemoryLedger:
             reserved = sum(run.reserved for run in self._running.values())
             return not self._running or reserved + round_up(need_bytes, self.granularity) <= self.capacity_bytes
 
+    def fits_instead(self, need_bytes: int, hold: int | None) -> bool:
+        """Would a batch needing `need_bytes` fit if it took the place of the reservation `hold`
+        (or is nothing else running)?"""
+        with self._lock:
+            others = [run.reserved for handle, run in self._running.items() if handle != hold]
+            return not others or sum(others) + round_up(need_bytes, self.granularity) <= self.capacity_bytes
+
     def head_window(self, need_bytes: int, *, now: float) -> tuple[float, int]:
         """(When a batch needing `need_bytes` could start, by the expected end of running batches;
         the bytes still free beside it then): EASY's shadow time and extra memory."""
@@ -232,7 +287,7 @@ class MemoryLedger:
 
 
 def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: MemoryLedger, *, now: float,
-          backfill: bool) -> list[Admission]:
+          backfill: bool, head_items: Mapping[str, str] | None = None) -> list[Admission]:
     """The batches a free stream slot may lease from now, in order, each with its row and token limits.
 
     The head (first in `ordered`) with its full limits when its full batch fits (the others, tried
@@ -241,24 +296,31 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
     profile to the free memory and to end before the head's full batch could start, or to the
     memory the head leaves free beside it then (no time limit): either way the head is not delayed.
     The lease always takes the first waiting request, so a token limit can be passed by one request.
+
+    `head_items` (model -> id of the item heading its queue) lets a `Claim` count: a model whose
+    queue is headed by a claimed chunk needs the chunk's bytes (as the head, or to be admitted
+    beside it), and is admitted around only where the chunk fits and ends in time.
     """
     if not ordered:
         return []
+    claims = {model: claim for model in ordered
+              if (claim := ledger.claim_of(model, (head_items or {}).get(model))) is not None}
     head_cost = cost_of(ordered[0])
+    head_need = max(head_cost.full_need(), claims[ordered[0]].need_bytes if ordered[0] in claims else 0)
     free = ledger.whole_units(ledger.free_bytes())
-    if ledger.fits(head_cost.full_need()):
-        head = Admission(ordered[0], head_cost.max_rows, head_cost.max_tokens)
-        others = (cost_of(model).within(model, free, math.inf) for model in ordered[1:])
+    if ledger.fits(head_need):
+        head = Admission(ordered[0], head_cost.max_rows, head_cost.max_tokens, claim=claims.get(ordered[0]))
+        others = (_cut(model, cost_of(model), claims.get(model), free, math.inf) for model in ordered[1:])
         return [head, *(admission for admission in others if admission)]
     if not backfill:
         ledger.count("memory_waits")
         return []
-    start, beside = ledger.head_window(head_cost.full_need(), now=now)
+    start, beside = ledger.head_window(head_need, now=now)
     admitted = []
     for model in ordered:
-        cost = cost_of(model)
-        in_time = cost.within(model, free, start - now)
-        beside_head = cost.within(model, min(free, ledger.whole_units(beside)), math.inf)
+        cost, claim = cost_of(model), claims.get(model)
+        in_time = _cut(model, cost, claim, free, start - now)
+        beside_head = _cut(model, cost, claim, min(free, ledger.whole_units(beside)), math.inf)
         choices = [admission for admission in (in_time, beside_head) if admission]
         if choices:  # both cut the same model, so the larger is the one with more rows, then tokens
             admitted.append(max(choices, key=lambda admission: (admission.max_rows, admission.max_tokens)))
@@ -266,21 +328,36 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
     return admitted
 
 
+def _cut(model: str, cost: BatchCost, claim: Claim | None, free_bytes: int, seconds: float) -> Admission | None:
+    """`cost.within(...)`, refused when the model's queue is headed by a claimed chunk that would not fit it."""
+    if claim is not None and (claim.need_bytes > free_bytes or claim.seconds > seconds):
+        return None
+    admission = cost.within(model, free_bytes, seconds)
+    return replace(admission, claim=claim) if admission is not None and claim is not None else admission
+
+
 def admit_and_hold(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: MemoryLedger, *,
-                   now: float, backfill: bool) -> tuple[list[Admission], int | None]:
+                   now: float, backfill: bool,
+                   head_items: Mapping[str, str] | None = None) -> tuple[list[Admission], int | None]:
     """`admit`, and a reservation held at once for the largest admitted batch (its handle, or None):
     the slot leases the first of them whose queue still has work.
 
     A slot leases its batch a Redis round trip after the decision; without the hold, another slot
     of the worker deciding meanwhile would see the same memory free and admit a batch on it too.
-    The slot releases the hold once its real batch is reserved (or it leased nothing).
+    The slot swaps the hold for its real batch's reservation once leased (`MemoryLedger.fits_instead`),
+    or releases it when it leased nothing.
     """
     with ledger.deciding:
-        allowed = admit(ordered, cost_of, ledger, now=now, backfill=backfill)
+        allowed = admit(ordered, cost_of, ledger, now=now, backfill=backfill, head_items=head_items)
         if not allowed:
             return allowed, None
-        costs = [(cost_of(admission.model), admission) for admission in allowed]
-        need, seconds = max((cost.need_bytes(rows=admission.max_rows, tokens=admission.max_tokens or None),
-                             cost.seconds(rows=admission.max_rows, tokens=admission.max_tokens or None))
-                            for cost, admission in costs)
+        needs = []
+        for admission in allowed:
+            cost = cost_of(admission.model)
+            tokens = admission.max_tokens or None
+            needs.append((cost.need_bytes(rows=admission.max_rows, tokens=tokens),
+                          cost.seconds(rows=admission.max_rows, tokens=tokens)))
+            if admission.claim is not None:
+                needs.append((admission.claim.need_bytes, admission.claim.seconds))
+        need, seconds = max(needs)
         return allowed, ledger.reserve(need, now=now, expected_seconds=seconds)

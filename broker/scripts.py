@@ -17,6 +17,7 @@ SCRIPT_NAMES = (
     "enqueue_items",
     "lease_batch",
     "lease_riders",
+    "return_items",
     "ack_chunk",
     "start_item",
     "finish_item",

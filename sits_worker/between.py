@@ -48,7 +48,7 @@ class BetweenBatches:
         self._stale = False
 
     def __call__(self, feed: Mapping[str, np.ndarray]) -> list[LeasedItem]:
-        self._keep_alive()
+        self.keep_alive()
         if self._carried:
             if self._carried[0].payload.get("bucket") == feed_bucket(self._ctx, self._item.model_ref, feed)[0]:
                 carried, self._carried = self._carried, []
@@ -71,6 +71,12 @@ class BetweenBatches:
             return []
         self._next_look = time.monotonic() + (0 if served or riders else self._interval)  # more may wait
         return riders
+
+    def keep_alive(self) -> None:
+        """Extend the item's lease (and touch the ticket) when a quarter of the lease has passed since
+        the last extension; cheap otherwise, so long work without mini-batches (a job's finalize merge)
+        calls it as often as it likes."""
+        self._keep_alive()
 
     def finish(self) -> None:
         """Settle carried requests the chunk never reached (it was dropped, failed or had no rows): run

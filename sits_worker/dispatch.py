@@ -18,7 +18,7 @@ from broker.wakeup import SendTicket, wake_workers
 from sits_worker.between import BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
-from sits_worker.leasing import batch_cost, lease, reserved
+from sits_worker.leasing import admitted, batch_cost, lease
 from sits_worker.online import run_requests
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
     touched_at = float("-inf")  # when this loop last marked its ticket seen while lingering
     try:
         while True:
-            heads = _heads_after_psa(ctx)
+            snapshot = _snapshot_after_psa(ctx)
+            heads = snapshot.heads
             if not heads:
                 idle_since = time.monotonic() if idle_since is None else idle_since
                 linger_left = settings.ticket_linger - (time.monotonic() - idle_since)
@@ -49,30 +50,34 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                     return "released"
                 continue
             idle_since = None
-            leased = []
+            leased: list[queues.LeasedItem] = []
             now = time.time()
             order = policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served)
             allowed, hold = reservation.admit_and_hold(
                 order, lambda ref: batch_cost(ctx, ref), ctx.ledger, now=now,
-                backfill=ctx.settings.scheduler.policy == "graph-aware-backfill")
+                backfill=ctx.settings.scheduler.policy == "graph-aware-backfill", head_items=snapshot.head_items)
             try:
-                leased = _lease_admitted(ctx, allowed, ticket)
+                leased, admission = _lease_admitted(ctx, allowed, ticket)
             finally:
                 if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
                     ctx.ledger.release(hold, now=time.time())
-            if not leased:
+            runnable: list[queues.LeasedItem] = []
+            if leased and admission is not None:
+                with admitted(ctx, leased, admission, hold=hold) as runnable:
+                    if runnable:
+                        _run_leased(ctx, runnable, ticket)
+            if not runnable:
                 time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
-            else:
-                with reserved(ctx, leased, replacing=hold):
-                    _run_leased(ctx, leased, ticket)
             if time.monotonic() >= slice_ends:
                 return "yield"
     except StaleTicket:
         return "stale"
 
 
-def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ticket: str) -> list[queues.LeasedItem]:
-    """Lease the first admitted model's batch that has work; [] when none has any now."""
+def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission],
+                    ticket: str) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
+    """Lease the first admitted model's batch that has work, with its admission; ([], None) when none
+    has any now."""
     for admission in allowed:
         model_ref = admission.model
         batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
@@ -84,8 +89,8 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
         leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut)
         if leased:
             ctx.last_served = model_ref
-            return leased
-    return []
+            return leased, admission
+    return [], None
 
 
 def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str) -> None:
@@ -113,16 +118,16 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str, max_batch_size: int, m
         time.sleep(min(max_queue_delay - waiting[1], 0.001))
 
 
-def _heads_after_psa(ctx: WorkerContext) -> dict[str, float]:
+def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:
     """The queue heads to choose the next batch from, after PSA jumps of items near their deadline."""
     snapshot = ctx.queue_watcher.snapshot()
     if not snapshot.earliest_deadlines:
-        return snapshot.heads
+        return snapshot
     jumped = policy.psa_pass(
         ctx.store, snapshot,
         lambda ref: ctx.settings.online.batching_for(ref.partition("@")[0]).queue_capacity,
         default=policy.default_ordering(ctx.settings.scheduler.policy), now=time.time())
-    return ctx.queue_watcher.snapshot().heads if jumped else snapshot.heads
+    return ctx.queue_watcher.snapshot() if jumped else snapshot
 
 
 def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,9 +26,18 @@ from sits_worker.outputs import finalize_outputs, remove_parts, write_part
 
 log = logging.getLogger(__name__)
 
-MiniBatchHook = Callable[[Mapping[str, np.ndarray]], Sequence[LeasedItem]]
-"""Called with each mini-batch's feed before it runs: keeps the chunk's lease alive, may run urgent
-work first, and returns the online requests that ride in the mini-batch (`sits_worker.between`)."""
+
+class MiniBatchHook(Protocol):
+    """What a running item calls as it goes (`sits_worker.between.BetweenBatches`)."""
+
+    def __call__(self, feed: Mapping[str, np.ndarray]) -> Sequence[LeasedItem]:
+        """Called with each mini-batch's feed before it runs: keeps the chunk's lease alive, may run
+        urgent work first, and returns the online requests that ride in the mini-batch."""
+        ...
+
+    def keep_alive(self) -> None:
+        """Extend the item's lease when due, cheap otherwise (a finalize merge calls it as it goes)."""
+        ...
 
 
 def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -> str:
@@ -46,7 +55,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
     try:
         job = jobs.get_job(ctx.store, job_id, now=now)
         if item.payload["kind"] == "finalize":
-            manifest = finalize_job(job)
+            manifest = finalize_job(job, keep_alive=between.keep_alive)
             queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
                                job_fields={"manifest": json.dumps(manifest)})
             remove_parts(Path(job["output_dir"]))  # after the job is done: its outputs need not wait for this
@@ -129,8 +138,10 @@ def _rows(feed: Mapping[str, np.ndarray], first: int, last: int) -> dict[str, np
     return {name: array[first:last] for name, array in feed.items()}
 
 
-def finalize_job(job: dict[str, Any]) -> dict[str, Any]:
-    """Merge the job's part files into its outputs and manifest (idempotent)."""
+def finalize_job(job: dict[str, Any], *, keep_alive: Callable[[], None]) -> dict[str, Any]:
+    """Merge the job's part files into its outputs and manifest (idempotent), calling `keep_alive`
+    as the merge goes: a merge of GBs may outlast the lease, and a reaped finalize item would be
+    merged again by a second worker, at the cost of an attempt."""
     ranges = jobs.chunk_ranges(job["rows_total"], job["chunk_size"])
     extra = {
         "job": job["id"],
@@ -139,4 +150,5 @@ def finalize_job(job: dict[str, Any]) -> dict[str, Any]:
         "input_batch": job["input_batch"],
         "input_checksum": job["input_checksum"],
     }
-    return finalize_outputs(Path(job["output_dir"]), ranges, job["output_names"], extra, job_id=job["id"])
+    return finalize_outputs(Path(job["output_dir"]), ranges, job["output_names"], extra, job_id=job["id"],
+                            keep_alive=keep_alive)

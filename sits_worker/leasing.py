@@ -91,6 +91,44 @@ def reserved(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], *,
         ctx.ledger.release(handle, now=time.time())
 
 
+@contextlib.contextmanager
+def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission: reservation.Admission, *,
+             hold: int | None) -> Iterator[list[queues.LeasedItem]]:
+    """Reserve what a lease under `admission` runs, in place of the decision's `hold`, and yield the
+    items to run; the reservation is released when the block ends.
+
+    A job chunk is admitted by its own need, which the admission could not know (its mini-batches
+    are its job's `batch_size`, not the model's online batch): if it does not fit the device's
+    free memory now, or the cut of a backfill admission, it goes back to its queue at once, its
+    attempt not counted, and a `reservation.Claim` makes later admissions count its real need
+    while it heads its queue. Requests it came with run without it. The check and the swap
+    happen under the ledger's `deciding` lock, so no other slot admits on the same memory meanwhile.
+    """
+    model_ref = leased[0].model_ref
+    chunks = [item for item in leased if item.payload.get("kind") == "chunk"]
+    ledger = ctx.ledger
+    try:
+        with ledger.deciding:
+            need, seconds = _batch_need(ctx, leased)
+            if chunks and not (admission.allows_chunk(need, seconds) and ledger.fits_instead(need, hold)):
+                queues.return_unrun(ctx.store, chunks)
+                if leased[0] is chunks[0]:  # it heads its queue again
+                    ledger.claim(model_ref, reservation.Claim(chunks[0].item_id, need, seconds))
+                leased = [item for item in leased if item.payload.get("kind") != "chunk"]
+                need, seconds = _batch_need(ctx, leased) if leased else (0, 0.0)
+            elif chunks:
+                ledger.drop_claim(model_ref, chunks[0].item_id)
+            handle = ledger.reserve(need, now=time.time(), expected_seconds=seconds) if leased else None
+    finally:
+        if hold is not None:  # whatever happened, the hold gives way (the real one is in, or none)
+            ledger.release(hold, now=time.time())
+    try:
+        yield list(leased)
+    finally:
+        if handle is not None:
+            ledger.release(handle, now=time.time())
+
+
 def _batch_need(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> tuple[int, float]:
     """(Bytes, expected seconds) of what one lease runs: requests by their rows and tokens (a token
     model's), a chunk by the rows of its largest run, held until its last mini-batch (its expected
@@ -101,7 +139,7 @@ def _batch_need(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> tupl
         if item.payload.get("kind") == "request":
             request_rows += int(item.payload.get("rows") or 1)
             request_tokens += int(item.payload.get("padded_tokens") or item.payload.get("tokens") or 0)
-        else:
+        elif item.payload.get("kind") == "chunk":  # a finalize step needs no device memory
             chunk_batch += int(item.payload.get("batch_size") or FALLBACK_BATCH_ROWS)
             if ctx.settings.scheduler.merge_requests_into_jobs:
                 chunk_batch += cost.max_rows

@@ -5,6 +5,7 @@
 -- KEYS[4] attempts  HASH
 -- KEYS[5] job       HASH
 -- KEYS[6] done      SET  chunk indexes done
+-- KEYS[7] doorbell  LIST an idle drain task blocks on (rung when the finalize item is queued)
 -- ARGV[1] item id
 -- ARGV[2] chunk index
 -- ARGV[3] rows in the chunk
@@ -12,7 +13,8 @@
 -- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload (score replaced by the chunk's current one)
 -- ARGV[8] name of the worker that ran the chunk (counted in the job field 'w:<name>')
 -- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
--- (the finalize item was queued). Idempotent: a re-run chunk is counted once.
+-- (the finalize item was queued and the doorbell rung, like every enqueue). Idempotent: a re-run
+-- chunk is counted once.
 -- The finalize step inherits the chunk's score as it is now (a hot re-score may have changed it
 -- while the chunk ran), not as the worker leased it.
 local finalize_score, finalize_payload = ARGV[6], ARGV[7]
@@ -41,6 +43,8 @@ redis.call('HSET', KEYS[5], 'checkpoint_ts', ARGV[4], 'status', 'running')
 if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then
   redis.call('HSET', KEYS[3], ARGV[5], finalize_payload)
   redis.call('ZADD', KEYS[2], finalize_score, ARGV[5])
+  redis.call('LPUSH', KEYS[7], '1')
+  redis.call('LTRIM', KEYS[7], 0, 63)
   return 2
 end
 return 1

@@ -17,7 +17,8 @@
 --         requests inside the chunk's first mini-batch)
 -- ARGV[10] '1': a head request too must fit the row and token limits, else nothing is leased, {0}
 --          (a batch cut to a memory hole must not outgrow it; a job chunk still goes: the row
---          limits are online batch limits, not its mini-batches')
+--          limits are online batch limits, not its mini-batches'; the worker checks the chunk by
+--          its own need and returns it if it does not fit, sits_worker/leasing.py `admitted`)
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
 -- The head item always goes (but see ARGV[10]). Job chunks and finalize steps are taken in queue order up to

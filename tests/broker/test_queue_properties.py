@@ -178,6 +178,13 @@ class QueueMachine(RuleBasedStateMachine):
         if retryable:
             self.client.zadd(self.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
 
+    @precondition(lambda self: self.held)
+    @rule(pick=st.integers(0, 20))
+    def give_back_unrun(self, pick: int) -> None:
+        """The worker returns an item it leased but cannot run now (a job chunk that does not fit the
+        device's free memory, `sits_worker.leasing.admitted`)."""
+        queues.return_unrun(self.store, [self.held.pop(pick % len(self.held))])
+
     @rule(delta=st.sampled_from([0.0, 0.1, 5.0]), alpha=st.sampled_from([0.0, 0.4, 3.0]),
           ordering=st.sampled_from(["fifo", "dynamic"]), count=st.sampled_from([1, 3, 200]))
     def hot_policy_update(self, delta: float, alpha: float, ordering: str, count: int) -> None:

@@ -279,6 +279,21 @@ def test_last_chunk_ack_queues_the_finalize_item(store: Store) -> None:
     assert (job["chunks_done"], job["rows_done"], job["progress"]) == (3, 10, 1.0)
 
 
+def test_the_ack_that_queues_the_finalize_item_rings_the_doorbell(store: Store) -> None:
+    """Like every enqueue: a drain task lingering on the doorbell leases the finalize step at once.
+    Acks that queue nothing (earlier chunks, a duplicate of the last) do not ring."""
+    spec = job_spec(rows_total=10, chunk_size=4)
+    jobs.create_job(store, spec, now=NOW)
+    leased = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=3)
+
+    rings = []
+    for item in [*leased, leased[-1]]:
+        ack(store, item, now=NOW + 1)
+        rings.append(store.client.llen(store.keys.doorbell))
+
+    assert rings == [0, 0, 1, 1]
+
+
 def test_start_item_marks_a_queued_job_running_once(store: Store) -> None:
     spec = job_spec()
     jobs.create_job(store, spec, now=NOW)

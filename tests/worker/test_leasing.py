@@ -8,14 +8,14 @@ import time
 import numpy as np
 import pytest
 
-from broker import queues, registry, requests
+from broker import jobs, queues, registry, requests
 from broker.config import Settings
 from broker.requests import RequestSpec
-from broker.reservation import MemoryLedger
+from broker.reservation import Admission, MemoryLedger, admit_and_hold
 from broker.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
-from sits_worker.leasing import reserved
+from sits_worker.leasing import admitted, batch_cost, lease, reserved
 from sits_worker.runtime import SessionCache
 
 MIB = 2**20
@@ -69,3 +69,100 @@ def test_the_admission_hold_is_released_even_when_the_real_reservation_fails(ctx
         pass
 
     assert ctx.ledger.stats()["reserved_bytes"] == 0
+
+
+# A job chunk is admitted by its own need: its job's batch size (and a batch of riders), not the online batch.
+
+def small_ctx(store: Store) -> WorkerContext:
+    """A worker whose device holds 8 GiB: a 256-row chunk of the token model (with 64 rows of riders)
+    needs 5 GiB, a full online batch 1 GiB."""
+    registry.save_model_version(store, TOKEN_MODEL)
+    return WorkerContext(settings=Settings(), store=store, device=Device("cpu"), streams=2,
+                         sessions=SessionCache(Device("cpu"), 1), ledger=MemoryLedger(8 * 1024 * MIB, 2 * MIB))
+
+
+def queue_job(store: Store, *, batch_size: int = 256) -> str:
+    spec = jobs.JobSpec(job_id="j1", model_name="tok", model_version="v1", input_batch="/in.jsonl",
+                        input_format="jsonl", input_checksum="sha256:0", output_dir="/out",
+                        output_names=["embedding"], rows_total=2048, chunk_size=1024, batch_size=batch_size)
+    jobs.create_job(store, spec, now=time.time())
+    return jobs.chunk_item_id("j1", 0)
+
+
+def decide_and_lease(ctx: WorkerContext, store: Store) -> tuple[list[queues.LeasedItem], Admission, int | None]:
+    snapshot = ctx.queue_watcher.snapshot()
+    [admission], hold = admit_and_hold(["tok@v1"], lambda ref: batch_cost(ctx, ref), ctx.ledger, now=time.time(),
+                                       backfill=False, head_items=snapshot.head_items)
+    return lease(ctx, "tok@v1", "", admission=admission), admission, hold
+
+
+def test_a_chunk_that_does_not_fit_goes_back_unrun_and_its_claim_holds_the_head_until_it_fits(
+        store: Store) -> None:
+    ctx = small_ctx(store)
+    first = queue_job(store)
+    running = ctx.ledger.reserve(4 * 1024 * MIB, now=time.time(), expected_seconds=1.0)  # 4 GiB free
+
+    leased, admission, hold = decide_and_lease(ctx, store)  # the online batch (1 GiB) fits: admitted
+    assert [item.item_id for item in leased] == [first]
+    with admitted(ctx, leased, admission, hold=hold) as runnable:
+        assert runnable == []
+
+    # Back at the head of its queue at once, its lease attempt not counted; the hold is gone.
+    assert store.client.zrange(store.keys.ready("tok@v1"), 0, 0) == [first]
+    assert store.client.zcard(store.keys.inflight("tok@v1")) == 0
+    assert store.client.hget(store.keys.attempts, first) is None
+    assert ctx.ledger.stats()["reserved_bytes"] == 4 * 1024 * MIB
+    # While the running batch holds the memory, the chunk's claim keeps its model from being admitted
+    # (it is not leased and returned over and over).
+    assert admit_and_hold(["tok@v1"], lambda ref: batch_cost(ctx, ref), ctx.ledger, now=time.time(),
+                          backfill=False, head_items=ctx.queue_watcher.snapshot().head_items) == ([], None)
+
+    ctx.ledger.release(running, now=time.time())
+    leased, admission, hold = decide_and_lease(ctx, store)
+    with admitted(ctx, leased, admission, hold=hold) as runnable:
+        assert [item.item_id for item in runnable] == [first]
+        assert ctx.ledger.stats()["used_bytes"] == (256 + 64) * 16 * MIB  # the chunk's own need
+    assert ctx.ledger.claim_of("tok@v1", first) is None
+    assert ctx.ledger.stats()["reserved_bytes"] == 0
+
+
+def test_a_chunk_larger_than_the_device_runs_when_nothing_else_does(store: Store) -> None:
+    ctx = small_ctx(store)
+    first = queue_job(store, batch_size=1024)  # (1024 + 64) rows x 16 MiB: 17 GiB, on an 8 GiB device
+
+    leased, admission, hold = decide_and_lease(ctx, store)
+    with admitted(ctx, leased, admission, hold=hold) as runnable:
+        assert [item.item_id for item in runnable] == [first]
+
+
+def test_a_cut_admission_runs_no_chunk_beyond_its_cut(store: Store) -> None:
+    """A backfill cut to a memory hole (and to end in time) must not lease a chunk that outgrows it."""
+    ctx = small_ctx(store)
+    first = queue_job(store, batch_size=32)  # (32 + 64) rows: 1.5 GiB
+    cut = Admission("tok@v1", 64, 0, cut=True, budget_bytes=1024 * MIB)
+    leased = lease(ctx, "tok@v1", "", admission=cut, within_cut=True)
+
+    with admitted(ctx, leased, cut, hold=None) as runnable:
+        assert runnable == []
+    assert store.client.zrange(store.keys.ready("tok@v1"), 0, 0) == [first]
+
+
+def test_requests_that_took_a_chunk_along_run_without_it_when_it_does_not_fit(store: Store) -> None:
+    ctx = small_ctx(store)
+    chunk = queue_job(store)
+    spec = RequestSpec(request_id="r1", model_name="tok", model_version="v1",
+                       inputs={"ids": np.zeros((1, 16), np.int64)}, rows=1, tokens=16,
+                       bucket="ids:~16", factors={"level": 0}, padded_tokens=16)
+    requests.submit_request(store, spec, score=-1e9, now=time.time(), max_age_seconds=60)  # ahead of the chunk
+    ctx.ledger.reserve(4 * 1024 * MIB, now=time.time(), expected_seconds=1.0)
+
+    leased, admission, hold = decide_and_lease(ctx, store)
+    assert len(leased) == 1  # carry_chunk is off in decide_and_lease: lease again with it
+    queues.return_unrun(store, leased)
+    leased = lease(ctx, "tok@v1", "", admission=admission, carry_chunk=True)
+    assert [item.payload["kind"] for item in leased] == ["request", "chunk"]
+
+    with admitted(ctx, leased, admission, hold=hold) as runnable:
+        assert [item.payload["kind"] for item in runnable] == ["request"]
+    assert store.client.zrange(store.keys.ready("tok@v1"), 0, -1) == [chunk, jobs.chunk_item_id("j1", 1)]
+    assert ctx.ledger.claim_of("tok@v1", chunk) is None  # it did not head its queue: no claim

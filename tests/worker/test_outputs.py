@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from broker.errors import BadInput, Conflict, FileMissing
+from sits_worker import outputs
 from sits_worker.outputs import finalize_outputs, part_exists, remove_parts, write_part
 
 EXTRA = {
@@ -169,6 +170,21 @@ def test_output_names_that_are_not_file_names_get_safe_files(tmp_path: Path) -> 
     file_name = manifest["outputs"]["dense/Softmax:0"]["file"]
     assert file_name.startswith("dense_Softmax_0-") and file_name.endswith(".npy")
     assert (tmp_path / file_name).is_file()
+
+
+def test_a_merge_keeps_its_lease_alive_after_every_block_it_copies(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A multi-GB merge may outlast the finalize item's lease: no part, however big, is copied
+    without `keep_alive` (which extends the lease when due) being called along the way."""
+    monkeypatch.setattr(outputs, "_COPY_BLOCK_BYTES", 16)
+    write_part(tmp_path, 0, {"out": np.arange(8, dtype=np.float64).reshape(4, 2)})  # 64 bytes: 4 blocks
+    write_part(tmp_path, 1, {"out": np.arange(2, dtype=np.float64).reshape(1, 2)})  # 16 bytes: 1 block
+    calls: list[int] = []
+
+    finalize_outputs(tmp_path, [(0, 4), (4, 5)], ["out"], EXTRA, keep_alive=lambda: calls.append(1))
+
+    assert len(calls) >= 5
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1]])
 
 
 @st.composite

@@ -1,0 +1,27 @@
+-- return_items: put leased items that never ran back in their ready queue at once, their lease
+-- attempt not counted (a worker leased them, then found it could not run them: a job chunk whose
+-- mini-batches do not fit the device's free memory now).
+-- KEYS[1] inflight  ZSET item id -> lease deadline
+-- KEYS[2] ready     ZSET item id -> score
+-- KEYS[3] items     HASH item id -> payload (it keeps the item's current score)
+-- KEYS[4] attempts  HASH item id -> lease count
+-- KEYS[5] doorbell  LIST an idle drain task blocks on
+-- ARGV    the item ids
+-- Returns: how many were returned. An item no longer in flight (reaped, finished, or returned
+-- already) is left alone, so a late or repeated call changes nothing.
+local returned = 0
+for _, item_id in ipairs(ARGV) do
+  local payload = redis.call('HGET', KEYS[3], item_id)
+  if payload and redis.call('ZREM', KEYS[1], item_id) == 1 then
+    redis.call('ZADD', KEYS[2], cjson.decode(payload)['score'], item_id)
+    if tonumber(redis.call('HINCRBY', KEYS[4], item_id, -1)) <= 0 then
+      redis.call('HDEL', KEYS[4], item_id)
+    end
+    returned = returned + 1
+  end
+end
+if returned > 0 then
+  redis.call('LPUSH', KEYS[5], '1')
+  redis.call('LTRIM', KEYS[5], 0, 63)
+end
+return returned

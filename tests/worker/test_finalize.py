@@ -1,0 +1,70 @@
+"""A job's finalize step keeps its lease while it merges (real Redis, a real `WorkerContext`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker import jobs, queues
+from broker.config import Settings
+from broker.store import Store
+from sits_worker import outputs
+from sits_worker.between import BetweenBatches
+from sits_worker.context import WorkerContext
+from sits_worker.devices import Device
+from sits_worker.execution import process_item
+from sits_worker.runtime import SessionCache
+
+LEASE_SECONDS = 0.4
+CHUNKS = 6
+
+
+@pytest.fixture
+def ctx(store: Store) -> WorkerContext:
+    settings = Settings().with_overrides(scheduler={"lease_timeout": LEASE_SECONDS})
+    return WorkerContext(settings=settings, store=store, device=Device("cpu"), streams=1,
+                         sessions=SessionCache(Device("cpu"), 1))
+
+
+def leased_finalize_item(store: Store, output_dir: Path) -> queues.LeasedItem:
+    """A job of `CHUNKS` one-row chunks whose parts are written and acked; its finalize item, leased
+    for `LEASE_SECONDS`."""
+    spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1", input_batch="/data/in.npy",
+                        input_format="npy", input_checksum="sha256:0123abcd", output_dir=str(output_dir),
+                        output_names=["logits"], rows_total=CHUNKS, chunk_size=1, batch_size=1)
+    jobs.create_job(store, spec, now=time.time())
+    for item in queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=CHUNKS):
+        chunk = item.payload["chunk"]
+        outputs.write_part(output_dir, chunk, {"logits": np.full((1, 2), chunk, np.float32)}, job_id=spec.job_id)
+        jobs.ack_chunk(store, item, now=time.time(), worker="w1")
+    [final] = queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=LEASE_SECONDS, max_items=1)
+    assert final.payload["kind"] == "finalize"
+    return final
+
+
+def test_a_merge_that_outlasts_the_lease_keeps_its_finalize_item_from_the_reaper(
+        ctx: WorkerContext, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Otherwise the reaper hands the finalize item to a second worker, which runs the same merge
+    again, and each such take counts an attempt (a long merge on a slow disk could fail the job)."""
+    final = leased_finalize_item(store, tmp_path)
+    returned_by_reaper: list[int] = []
+    load_part = outputs._load_part
+
+    def slow_load_part(*args: Any) -> Any:  # a slow disk: the merge of all parts outlasts the lease
+        time.sleep(LEASE_SECONDS / 4)
+        returned_by_reaper.append(queues.reap_expired_leases(store, now=time.time(), max_attempts=3).returned)
+        return load_part(*args)
+
+    monkeypatch.setattr(outputs, "_load_part", slow_load_part)
+    started = time.monotonic()
+
+    assert process_item(ctx, final, BetweenBatches(ctx, final, ticket="")) == "finalized"
+
+    assert time.monotonic() - started > LEASE_SECONDS
+    assert len(returned_by_reaper) > CHUNKS and set(returned_by_reaper) == {0}
+    assert jobs.get_job(store, final.payload["job"], now=time.time())["status"] == "succeeded"
+    np.testing.assert_array_equal(np.load(tmp_path / "logits.npy")[:, 0], np.arange(CHUNKS))
