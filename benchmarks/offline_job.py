@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="ONNX Runtime intra-op threads")
     parser.add_argument("--models", default=",".join(CASES))
+    parser.add_argument("--rows-scale", type=float, default=1.0,
+                        help="multiply every model's rows (a longer job amortizes its fixed costs: the last "
+                             "chunk's commit and the final merge)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side; medians are shown")
     parser.add_argument("--batch", choices=("best", "fixed"), default="best",
                         help="'best': the bare loop at its best batch size, the job at the server's default "
@@ -121,7 +124,7 @@ def main() -> None:
                 rows, quick_rows, batch, fixed_chunk, make = CASES[model]
                 chunk = {"fixed": fixed_chunk, "default": None}.get(args.chunk_size, fixed_chunk)
                 chunk = int(args.chunk_size) if args.chunk_size.isdigit() else chunk
-                n = quick_rows if args.quick else rows
+                n = int((quick_rows if args.quick else rows) * args.rows_scale)
                 inputs = make(rng, n)
                 data = home / f"{model}.npy"
                 np.save(data, inputs)

@@ -85,6 +85,7 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
             try:
                 info["models_loaded"] = ctx.sessions.loaded()
                 info["memory"] = ctx.ledger.stats()
+                info["commits_pending"] = ctx.commits.pending()
                 workers.record_heartbeat(ctx.store, worker_name, info, now=time.time())
             except Exception as err:  # Redis down: keep trying, the worker itself stays up
                 log.warning("heartbeat failed: %s", err)
@@ -98,7 +99,10 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
     from sits_worker.context import worker_context
 
     _heartbeat_stop.set()
+    ctx = worker_context()
+    if not ctx.commits.wait(timeout=ctx.settings.scheduler.lease_timeout):  # chunks computed, not yet acked
+        log.warning("chunk commits still pending at shutdown; their chunks run again once their leases expire")
     try:
-        workers.remove_worker(worker_context().store, getattr(sender, "hostname", ""))
+        workers.remove_worker(ctx.store, getattr(sender, "hostname", ""))
     except Exception as err:
         log.warning("could not deregister the worker: %s", err)

@@ -26,6 +26,7 @@ from broker.errors import DeviceOutOfMemory
 from broker.queues import QueueWatcher
 from broker.reservation import MemoryLedger
 from broker.store import Store
+from sits_worker.commits import Commits
 from sits_worker.devices import Device, device_memory
 from sits_worker.model.inputs import InputSource, open_input
 from sits_worker.model.padding import MaskSpec, mask_spec
@@ -63,6 +64,8 @@ class WorkerContext:
     """Memory reservations on this worker's device (one worker process owns one device)."""
     queue_watcher: QueueWatcher = field(init=False)
     """Reads the queue heads, deadlines and policy in one round trip for every drain loop of this process."""
+    commits: Commits = field(init=False)
+    """Writes computed chunks' parts and acks them while the stream slots go on (one queued per slot)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, dict[str, Any]] = field(default_factory=dict)
     _padding: dict[str, MaskSpec | None] = field(default_factory=dict)
@@ -70,6 +73,7 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.queue_watcher = QueueWatcher(self.store)
+        self.commits = Commits(max_pending=self.streams)
 
     @classmethod
     def create(cls, settings: Settings, device: Device, streams: int) -> WorkerContext:

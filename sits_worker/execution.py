@@ -3,7 +3,9 @@
 Plain functions over a `WorkerContext`, no Celery here (STYLE.md, "Thin
 framework glue"). A chunk's outputs are written atomically as a part file
 before its ack, so a chunk re-run after a lost ack rewrites identical bytes
-and is counted once.
+and is counted once. The writing and the ack happen on the worker's commit
+thread (`sits_worker.commits`), so the stream slot computes its next batch
+while the disk works.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,11 +44,12 @@ class MiniBatchHook(Protocol):
 
 
 def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -> str:
-    """Run one leased item to its end; returns what happened ('acked', 'finalized', 'dropped', 'failed').
+    """Run one leased item; returns what happened ('committing': a chunk computed, its outputs handed
+    to the commit thread, which writes them and acks it; 'finalized', 'dropped', 'failed', 'retry').
 
     Permanent errors fail the job at once with the error's message; any other
     error leaves the lease to expire, so the reaper retries the item until
-    its attempts are used up.
+    its attempts are used up (`settle_failure`; a chunk's commit settles its own).
     """
     job_id = item.payload["job"]
     now = time.time()
@@ -60,29 +64,49 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
                                job_fields={"manifest": json.dumps(manifest)})
             remove_parts(Path(job["output_dir"]))  # after the job is done: its outputs need not wait for this
             return "finalized"
-        run_chunk(ctx, job, item, between)
-        return "acked"
-    except PermanentError as err:
+        results = run_chunk(ctx, job, item, between)
+        ctx.commits.submit(partial(commit_chunk, ctx, job, item, results))
+        return "committing"
+    except Exception as err:
+        return settle_failure(ctx, item, err)
+
+
+def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
+    """What a failed job item leaves behind: a permanent error fails its job at once ('failed');
+    any other records why and lets the lease expire now, so the reaper retries the item or, with
+    its attempts used up, fails the job ('retry')."""
+    job_id = item.payload["job"]
+    if isinstance(err, PermanentError):
         log.warning("job %s failed on %s: %s", job_id, item.item_id, err.message)
         queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="failed", error=err.message)
         return "failed"
+    log.error("item %s of job %s failed (attempt %d)", item.item_id, job_id, item.attempts, exc_info=err)
+    jobs.record_last_error(ctx.store, job_id, f"{type(err).__name__}: {err}")
+    queues.expire_lease_now(ctx.store, item)
+    return "retry"
+
+
+def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, results: Mapping[str, np.ndarray]) -> str:
+    """Write a computed chunk's part files (durably), then ack it; on the commit thread
+    (`sits_worker.commits`). Returns 'acked', or how the failure was settled."""
+    try:
+        write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"])
+        jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
+        return "acked"
     except Exception as err:
-        # Retryable or unexpected: record why, let the lease expire; the reaper retries or gives up.
-        log.exception("item %s of job %s failed (attempt %d)", item.item_id, job_id, item.attempts)
-        jobs.record_last_error(ctx.store, job_id, f"{type(err).__name__}: {err}")
-        queues.expire_lease_now(ctx.store, item)
-        return "retry"
+        return settle_failure(ctx, item, err)
 
 
-def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between: MiniBatchHook) -> None:
-    """Run rows [start, stop) of a job in mini-batches, write the part file, then ack the chunk.
+def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
+              between: MiniBatchHook) -> dict[str, np.ndarray]:
+    """Run rows [start, stop) of a job in mini-batches; returns every output's rows, for `commit_chunk`.
 
     Online requests that `between` hands over ride in a mini-batch: the first rows of the
     mini-batch fill their batch's empty rows (as many as `online.rows_to_fill` allows), one run for
     both, the rest of the mini-batch runs after; they are completed right after their run, long
     before the chunk's ack.
     """
-    start, stop, chunk_index = item.payload["start"], item.payload["stop"], item.payload["chunk"]
+    start, stop = item.payload["start"], item.payload["stop"]
     output_names: list[str] = job["output_names"]
     source = ctx.job_input(job)
     session = ctx.session(job["model_ref"])  # looked up once per chunk, not per mini-batch
@@ -109,8 +133,7 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, between
             row_indices, feed = _run_riders(ctx, model_ref, riders, row_indices, feed, store_rows, session)
         if len(row_indices):
             store_rows(row_indices, ctx.run(model_ref, feed, output_names, session))
-    write_part(Path(job["output_dir"]), chunk_index, results, job_id=job["id"])
-    jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
+    return results
 
 
 def _run_riders(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem], row_indices: np.ndarray,
