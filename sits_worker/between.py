@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from broker import queues
+from broker import queues, reservation
 from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
-from sits_worker.leasing import feed_bucket, lease, lease_riders, reserved
+from sits_worker.leasing import admitted, batch_cost, feed_bucket, lease, lease_riders
 from sits_worker.online import give_back, run_requests
 
 
@@ -92,15 +92,27 @@ class BetweenBatches:
 
 
 def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str) -> bool:
-    """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none."""
-    heads = ctx.queue_watcher.snapshot().heads
-    for model_ref, score in sorted(heads.items(), key=lambda head: head[1]):
+    """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none.
+
+    The batch is admitted like any other, beside the chunk's own reservation: one whose full batch
+    does not fit the free memory now is left for another stream slot (or for after the chunk).
+    """
+    snapshot = ctx.queue_watcher.snapshot()
+    for model_ref, score in sorted(snapshot.heads.items(), key=lambda head: head[1]):
         if score >= chunk_score:
             return False
-        leased = lease(ctx, model_ref, ticket, requests_only=True)
+        allowed, hold = reservation.admit_and_hold([model_ref], lambda ref: batch_cost(ctx, ref), ctx.ledger,
+                                                   now=time.time(), backfill=False)
+        leased: list[LeasedItem] = []
+        try:
+            if allowed:
+                leased = lease(ctx, model_ref, ticket, requests_only=True, admission=allowed[0])
+        finally:
+            if hold is not None and not leased:
+                ctx.ledger.release(hold, now=time.time())
         if leased:
-            with reserved(ctx, leased):
-                run_requests(ctx, leased)
+            with admitted(ctx, leased, allowed[0], hold=hold) as runnable:
+                run_requests(ctx, runnable)
             return True
     return False
 

@@ -70,28 +70,6 @@ def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:
 
 
 @contextlib.contextmanager
-def reserved(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], *,
-             replacing: int | None = None) -> Iterator[None]:
-    """Hold the batch's memory reservation (by its real rows and tokens) while it runs; it replaces the
-    hold `replacing` (see `reservation.admit_and_hold`), released once the real one is in place.
-
-    Requests count their rows and padded tokens (the worker pads token requests to their length
-    class: the padded tokens are what runs); a job chunk runs mini-batches of its job's batch size,
-    with up to a batch of riders on top when requests may ride along.
-    """
-    try:
-        need, seconds = _batch_need(ctx, leased)
-        handle = ctx.ledger.reserve(need, now=time.time(), expected_seconds=seconds)
-    finally:
-        if replacing is not None:  # whatever happened, the hold gives way (the real one is in, or none)
-            ctx.ledger.release(replacing, now=time.time())
-    try:
-        yield
-    finally:
-        ctx.ledger.release(handle, now=time.time())
-
-
-@contextlib.contextmanager
 def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission: reservation.Admission, *,
              hold: int | None) -> Iterator[list[queues.LeasedItem]]:
     """Reserve what a lease under `admission` runs, in place of the decision's `hold`, and yield the

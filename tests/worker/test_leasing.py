@@ -15,7 +15,7 @@ from broker.reservation import Admission, MemoryLedger, admit_and_hold
 from broker.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
-from sits_worker.leasing import admitted, batch_cost, lease, reserved
+from sits_worker.leasing import admitted, batch_cost, lease
 from sits_worker.runtime import SessionCache
 
 MIB = 2**20
@@ -24,6 +24,8 @@ TOKEN_MODEL = {"name": "tok", "version": "v1", "path": "/nowhere.onnx",
                "static_profile": {"sequence_axis": {"input": "ids", "axis": 1}, "activation_bytes_per_token": MIB // 8,
                                   "activation_bytes_per_sample": 16 * MIB, "reference_sequence_length": 128,
                                   "flops_per_sample": 5e7}}
+FULL = Admission("tok@v1", 64, 8192)
+"""A full admission of the token model (its online batch limits)."""
 
 
 @pytest.fixture
@@ -50,10 +52,11 @@ def leased(store: Store, *, chunk_batch: int | None, request_tokens: int | None)
 def test_a_chunk_carried_by_a_token_request_reserves_its_own_rows_too(ctx: WorkerContext, store: Store) -> None:
     """The chunk's mini-batches (and their riders) are counted by rows, the request by its tokens:
     the request's few tokens must not stand for the whole lease."""
-    with reserved(ctx, leased(store, chunk_batch=256, request_tokens=None)):
+    with admitted(ctx, leased(store, chunk_batch=256, request_tokens=None), FULL, hold=None):
         alone = ctx.ledger.stats()["used_bytes"]
-    with reserved(ctx, leased(store, chunk_batch=256, request_tokens=16)):
+    with admitted(ctx, leased(store, chunk_batch=256, request_tokens=16), FULL, hold=None) as runnable:
         together = ctx.ledger.stats()["used_bytes"]
+        assert len(runnable) == 2
 
     assert alone == (256 + 64) * 16 * MIB  # its batch plus a full batch of riders (max_batch_size 64)
     assert together == alone + 16 * MIB // 8  # plus the request's 16 tokens
@@ -65,7 +68,7 @@ def test_the_admission_hold_is_released_even_when_the_real_reservation_fails(ctx
     hold = ctx.ledger.reserve(100 * MIB, now=time.time(), expected_seconds=1.0)
     broken = [queues.LeasedItem("x", "missing@v9", {"kind": "request", "rows": 1}, 1)]  # its model is unknown
 
-    with pytest.raises(Exception, match="not registered"), reserved(ctx, broken, replacing=hold):
+    with pytest.raises(Exception, match="not registered"), admitted(ctx, broken, FULL, hold=hold):
         pass
 
     assert ctx.ledger.stats()["reserved_bytes"] == 0
@@ -166,3 +169,22 @@ def test_requests_that_took_a_chunk_along_run_without_it_when_it_does_not_fit(st
         assert [item.payload["kind"] for item in runnable] == ["request"]
     assert store.client.zrange(store.keys.ready("tok@v1"), 0, -1) == [chunk, jobs.chunk_item_id("j1", 1)]
     assert ctx.ledger.claim_of("tok@v1", chunk) is None  # it did not head its queue: no claim
+
+
+def test_urgent_requests_served_between_a_chunk_s_mini_batches_wait_when_their_batch_does_not_fit(
+        store: Store) -> None:
+    """They are admitted like any batch, beside the chunk's own reservation: a full batch that does
+    not fit the free memory is left for another slot, not run over the device's capacity."""
+    from sits_worker.between import _serve_one_urgent_batch
+
+    ctx = small_ctx(store)
+    spec = RequestSpec(request_id="r1", model_name="tok", model_version="v1",
+                       inputs={"ids": np.zeros((1, 16), np.int64)}, rows=1, tokens=16,
+                       bucket="ids:~16", factors={"level": 15}, padded_tokens=16)
+    requests.submit_request(store, spec, score=-1e9, now=time.time(), max_age_seconds=60)
+    ctx.ledger.reserve(7 * 1024 * MIB + 512 * MIB, now=time.time(), expected_seconds=1.0)  # the chunk: 0.5 GiB free
+
+    assert not _serve_one_urgent_batch(ctx, chunk_score=0.0, ticket="")
+
+    assert store.client.zcard(store.keys.ready("tok@v1")) == 1 and ctx.ledger.stats()["memory_waits"] == 1
+    assert ctx.ledger.stats()["batches_running"] == 1  # no hold left behind
