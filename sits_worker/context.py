@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ from sits_worker.runtime import SessionCache, run_session
 log = logging.getLogger(__name__)
 
 _OPEN_INPUTS_KEPT = 8
+MODEL_RECORD_TTL_SECONDS = 5.0
+"""How long a worker keeps a model's registry record before reading it again."""
 
 
 def memory_ledger(settings: Settings, device: Device) -> MemoryLedger:
@@ -67,7 +70,7 @@ class WorkerContext:
     commits: Commits = field(init=False)
     """Writes computed chunks' parts and acks them while the stream slots go on (one queued per slot)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
-    _models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _models: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _padding: dict[str, MaskSpec | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -84,11 +87,15 @@ class WorkerContext:
                    ledger=memory_ledger(settings, device))
 
     def model(self, model_ref: str) -> dict[str, Any]:
-        """The registry record of a model version; versions are immutable, so it is cached."""
-        record = self._models.get(model_ref)
-        if record is None:
-            record = registry.get_model(self.store, model_ref)
-            self._models[model_ref] = record
+        """The registry record of a model version, kept `MODEL_RECORD_TTL_SECONDS`: the hot path asks
+        on every batch, and while a version's graph never changes, its measured profile lands after
+        registration (and the estimates, batch costs and riders' fill follow it)."""
+        now = time.monotonic()
+        cached = self._models.get(model_ref)
+        if cached is not None and now - cached[0] < MODEL_RECORD_TTL_SECONDS:
+            return cached[1]
+        record = registry.get_model(self.store, model_ref)
+        self._models[model_ref] = (now, record)
         return record
 
     def padding(self, model_ref: str) -> MaskSpec | None:

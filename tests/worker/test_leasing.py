@@ -188,3 +188,4 @@ def test_urgent_requests_served_between_a_chunk_s_mini_batches_wait_when_their_b
 
     assert store.client.zcard(store.keys.ready("tok@v1")) == 1 and ctx.ledger.stats()["memory_waits"] == 1
     assert ctx.ledger.stats()["batches_running"] == 1  # no hold left behind
+

@@ -1,0 +1,35 @@
+"""What a worker process keeps between batches (real Redis, a real `WorkerContext`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from broker import registry
+from broker.config import Settings
+from broker.store import Store
+from sits_worker import context
+from sits_worker.context import WorkerContext
+from sits_worker.devices import Device
+from sits_worker.runtime import SessionCache
+
+RECORD = {"name": "m", "version": "v1", "ref": "m@v1", "path": "/nowhere.onnx",
+          "signature": {"inputs": [], "outputs": [{"name": "y"}]}, "static_profile": {"flops_per_sample": 1e6}}
+
+
+def test_a_worker_sees_a_profile_that_lands_after_it_first_read_the_model(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch costs, latency estimates and the riders' fill follow the measured profile: a worker that
+    served the model before its profile landed must not keep the static estimate for good."""
+    registry.save_model_version(store, RECORD)
+    ctx = WorkerContext(settings=Settings(), store=store, device=Device("cpu"), streams=1,
+                        sessions=SessionCache(Device("cpu"), 1))
+    monkeypatch.setattr(context, "MODEL_RECORD_TTL_SECONDS", 0.05)
+    assert "profile" not in ctx.model("m@v1")
+    registry.update_model_version(store, "m@v1", {"profile": {"points": [
+        {"batch_size": 1, "latency_ms": 2.0, "rows_per_second": 500.0}]}})
+    assert "profile" not in ctx.model("m@v1")  # kept a moment: the hot path asks on every batch
+    time.sleep(0.06)
+
+    assert ctx.model("m@v1")["profile"]["points"][0]["latency_ms"] == 2.0
