@@ -135,18 +135,27 @@ class Admission:
 
 @dataclass(frozen=True)
 class Claim:
-    """A job chunk that was leased at the head of its model's queue and did not fit: what it needs.
+    """A job chunk that was leased at the head of its model's queue and did not fit: what its job's
+    chunks need.
 
     Admissions are sized by a model's online batch limits, but a chunk runs mini-batches of its
     job's `batch_size` (with a batch of riders on top): its real need is known only once it is
-    leased. A chunk that does not fit goes back to its queue at once, and while it heads its
-    queue, admissions count its real need for the model's head, so that it is neither leased and
-    returned over and over nor starved by smaller batches that keep the memory busy.
+    leased. A chunk that does not fit goes back to its queue at once, and while chunks of its job
+    head the queue, admissions count their real need for the model's head, so that they are
+    neither leased and returned over and over nor starved by smaller batches that keep the memory
+    busy. A claim is replaced by the model's next one and ignored once its job's chunks are gone.
     """
 
-    item_id: str
+    job_id: str
+    """The job whose chunks it stands for: they all run the same mini-batches, so it counts for
+    every chunk of the job that heads the queue (item ids `<job id>:c<index>`), not only the one
+    that was returned."""
     need_bytes: int
     seconds: float
+
+    def covers(self, item_id: str | None) -> bool:
+        """Is `item_id` one of the claimed job's chunks?"""
+        return item_id is not None and item_id.startswith(f"{self.job_id}:c")
 
 
 @dataclass
@@ -181,16 +190,10 @@ class MemoryLedger:
             self._claims[model] = claim
 
     def claim_of(self, model: str, head_item: str | None) -> Claim | None:
-        """The claim on `model` while its chunk is still the head of its queue (`head_item`)."""
+        """The claim on `model` while a chunk of the claimed job heads its queue (`head_item`)."""
         with self._lock:
             claim = self._claims.get(model)
-        return claim if claim is not None and claim.item_id == head_item else None
-
-    def drop_claim(self, model: str, item_id: str) -> None:
-        """The claimed chunk runs: forget its claim."""
-        with self._lock:
-            if (claim := self._claims.get(model)) is not None and claim.item_id == item_id:
-                del self._claims[model]
+        return claim if claim is not None and claim.covers(head_item) else None
 
     def count(self, event: str) -> None:
         """Count an admission decision for the stats: 'memory_waits' (a free slot with work waiting
@@ -246,6 +249,24 @@ class MemoryLedger:
         with self._lock:
             others = [run.reserved for handle, run in self._running.items() if handle != hold]
             return not others or sum(others) + round_up(need_bytes, self.granularity) <= self.capacity_bytes
+
+    def reserve_in_place_of(self, lender: int | None, need_bytes: int, *, now: float,
+                            expected_seconds: float) -> int | None:
+        """Reserve for a batch that runs on the thread of the batch holding `lender`, between two of
+        its runs (a job chunk's mini-batches: its activation memory lies idle meanwhile), so only
+        what `lender` does not cover is reserved anew; None when that does not fit beside the
+        others (with nothing else running it always does). Returns the handle to release."""
+        with self._lock:
+            lent = self._running[lender].reserved if lender in self._running else 0
+            others = sum(run.reserved for handle, run in self._running.items() if handle != lender)
+            target = round_up(need_bytes, self.granularity)
+            if others and others + max(target, lent) > self.capacity_bytes:
+                return None
+            self._integrate(now)
+            self._next += 1
+            self._running[self._next] = _Running(max(0, target - lent), max(0, need_bytes - lent),
+                                                 now + expected_seconds)
+            return self._next
 
     def head_window(self, need_bytes: int, *, now: float) -> tuple[float, int]:
         """(When a batch needing `need_bytes` could start, by the expected end of running batches;

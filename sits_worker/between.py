@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from broker import queues, reservation
+from broker import queues
 from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
-from sits_worker.leasing import admitted, batch_cost, feed_bucket, lease, lease_riders
+from sits_worker.leasing import batch_cost, feed_bucket, lease, lease_riders
 from sits_worker.online import give_back, run_requests
 
 
@@ -37,8 +37,8 @@ class BetweenBatches:
     requests that ride in it."""
 
     def __init__(self, ctx: WorkerContext, item: LeasedItem, ticket: str,
-                 carried: Sequence[LeasedItem] = ()) -> None:
-        self._ctx, self._item, self._ticket = ctx, item, ticket
+                 carried: Sequence[LeasedItem] = (), reservation: int | None = None) -> None:
+        self._ctx, self._item, self._ticket, self._reservation = ctx, item, ticket, reservation
         self._keep_alive = _keep_alive(ctx, item, ticket, ctx.settings.scheduler.lease_timeout)
         score = item.payload.get("score")
         self._chunk_score = float(score) if isinstance(score, int | float) else None
@@ -59,8 +59,8 @@ class BetweenBatches:
             return []
         try:
             # Urgent work first: if it fails, no rider has been leased yet to be stranded.
-            served = self._chunk_score is not None and _serve_one_urgent_batch(self._ctx, self._chunk_score,
-                                                                               self._ticket)
+            served = self._chunk_score is not None and _serve_one_urgent_batch(
+                self._ctx, self._chunk_score, self._ticket, self._reservation)
             riders = []
             if self._ctx.settings.scheduler.merge_requests_into_jobs:
                 riders = lease_riders(self._ctx, self._item.model_ref, feed, self._ticket)
@@ -91,29 +91,30 @@ class BetweenBatches:
             raise
 
 
-def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str) -> bool:
+def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str, chunk_reservation: int | None) -> bool:
     """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none.
 
-    The batch is admitted like any other, beside the chunk's own reservation: one whose full batch
-    does not fit the free memory now is left for another stream slot (or for after the chunk).
+    The batch runs instead of the chunk's next mini-batch, so it may use the chunk's reservation;
+    what that does not cover must fit the free memory (`MemoryLedger.reserve_in_place_of`), else
+    the batch is left for another stream slot.
     """
     snapshot = ctx.queue_watcher.snapshot()
     for model_ref, score in sorted(snapshot.heads.items(), key=lambda head: head[1]):
         if score >= chunk_score:
             return False
-        allowed, hold = reservation.admit_and_hold([model_ref], lambda ref: batch_cost(ctx, ref), ctx.ledger,
-                                                   now=time.time(), backfill=False)
-        leased: list[LeasedItem] = []
+        cost = batch_cost(ctx, model_ref)
+        with ctx.ledger.deciding:
+            handle = ctx.ledger.reserve_in_place_of(chunk_reservation, cost.full_need(), now=time.time(),
+                                                    expected_seconds=cost.seconds(rows=cost.max_rows))
+        if handle is None:
+            continue
         try:
-            if allowed:
-                leased = lease(ctx, model_ref, ticket, requests_only=True, admission=allowed[0])
+            leased = lease(ctx, model_ref, ticket, requests_only=True)
+            if leased:
+                run_requests(ctx, leased)
+                return True
         finally:
-            if hold is not None and not leased:
-                ctx.ledger.release(hold, now=time.time())
-        if leased:
-            with admitted(ctx, leased, allowed[0], hold=hold) as runnable:
-                run_requests(ctx, runnable)
-            return True
+            ctx.ledger.release(handle, now=time.time())
     return False
 
 

@@ -99,10 +99,31 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
     from sits_worker.context import worker_context
 
     _heartbeat_stop.set()
-    ctx = worker_context()
-    if not ctx.commits.wait(timeout=ctx.settings.scheduler.lease_timeout):  # chunks computed, not yet acked
-        log.warning("chunk commits still pending at shutdown; their chunks run again once their leases expire")
     try:
-        workers.remove_worker(ctx.store, getattr(sender, "hostname", ""))
+        _wait_for_commits()
+        workers.remove_worker(worker_context().store, getattr(sender, "hostname", ""))
     except Exception as err:
         log.warning("could not deregister the worker: %s", err)
+
+
+@signals.worker_process_shutdown.connect
+def _finish_commits(**_: Any) -> None:
+    """A prefork child leaves through `os._exit`: its pending commits would be dropped (and their
+    chunks run again) without this wait."""
+    try:
+        _wait_for_commits()
+    except Exception as err:
+        log.warning("could not finish the pending chunk commits: %s", err)
+
+
+_COMMIT_WAIT_SECONDS = 10.0
+"""How long shutdown waits for pending chunk commits: within `sitsctl`'s 15 s before SIGKILL."""
+
+
+def _wait_for_commits() -> None:
+    """Let this process's pending chunk commits finish (chunks computed, not yet acked)."""
+    from sits_worker.context import existing_worker_context
+
+    ctx = existing_worker_context()
+    if ctx is not None and not ctx.commits.wait(timeout=_COMMIT_WAIT_SECONDS):
+        log.warning("chunk commits still pending at shutdown; their chunks run again once their leases expire")

@@ -8,10 +8,12 @@ stream slot hands a finished chunk to this process's commit thread and
 leases its next batch at once; the thread writes the parts, fsyncs them and
 acks the chunk, while the device computes the next one.
 
-A slot waits only when `max_pending` commits are already queued or running
-(each holds its chunk's outputs in host memory). A worker killed with
-commits pending loses nothing: their chunks were never acked, so their
-leases run out and they run again.
+A slot waits, before it admits its next batch (so holding no device memory),
+while `max_pending` commits (the worker's stream count) are queued or running:
+each holds its chunk's outputs in host memory. A commit first extends its
+chunk's lease, so a commit queued behind another is not taken for a dead one.
+A worker killed with commits pending loses no data: their chunks were never
+acked, so their leases run out and they run again (an attempt counted each).
 """
 
 from __future__ import annotations
@@ -30,40 +32,40 @@ class Commits:
 
     def __init__(self, max_pending: int) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="sits-commit")
-        self._room = threading.BoundedSemaphore(max(1, max_pending))
+        self._max_pending = max(1, max_pending)
         self._pending: set[Future[object]] = set()
-        self._lock = threading.Lock()
+        self._room = threading.Condition()
+
+    def wait_for_room(self) -> None:
+        """Block while `max_pending` commits are queued or running; a stream slot calls it before it
+        admits its next batch, so that it waits for the disk holding no device memory."""
+        with self._room:
+            self._room.wait_for(lambda: len(self._pending) < self._max_pending)
 
     def submit(self, commit: Callable[[], object]) -> Future[object]:
-        """Queue `commit` (it handles its own errors: whatever escapes is logged); blocks while
-        `max_pending` commits are queued or running."""
-        self._room.acquire()
-        try:
+        """Queue `commit` (it handles its own errors: whatever escapes is logged); never blocks."""
+        with self._room:
             future = self._executor.submit(commit)
-        except BaseException:
-            self._room.release()
-            raise
-        with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._done)
         return future
 
     def _done(self, future: Future[object]) -> None:
-        with self._lock:
+        with self._room:
             self._pending.discard(future)
-        self._room.release()
+            self._room.notify_all()
         if not future.cancelled() and (error := future.exception()) is not None:
             log.error("a chunk commit failed unexpectedly; its lease will run out and it runs again",
                       exc_info=error)
 
     def pending(self) -> int:
         """Commits queued or running now."""
-        with self._lock:
+        with self._room:
             return len(self._pending)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every commit queued so far is done; False if `timeout` passed first."""
-        with self._lock:
+        with self._room:
             pending = list(self._pending)
         deadline = None if timeout is None else time.monotonic() + timeout
         for future in pending:

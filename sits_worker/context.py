@@ -68,7 +68,7 @@ class WorkerContext:
     queue_watcher: QueueWatcher = field(init=False)
     """Reads the queue heads, deadlines and policy in one round trip for every drain loop of this process."""
     commits: Commits = field(init=False)
-    """Writes computed chunks' parts and acks them while the stream slots go on (one queued per slot)."""
+    """Writes computed chunks' parts and acks them while the stream slots go on (at most `streams` pending)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _padding: dict[str, MaskSpec | None] = field(default_factory=dict)
@@ -143,6 +143,11 @@ class WorkerContext:
 
 _context: WorkerContext | None = None
 _context_lock = threading.Lock()
+
+
+def existing_worker_context() -> WorkerContext | None:
+    """This process's context if it was created (shutdown hooks must not create one)."""
+    return _context
 
 
 def worker_context() -> WorkerContext:

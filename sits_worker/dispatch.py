@@ -41,15 +41,18 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             if not heads:
                 idle_since = time.monotonic() if idle_since is None else idle_since
                 linger_left = settings.ticket_linger - (time.monotonic() - idle_since)
-                if linger_left > 0:
+                # Pending commits may still queue work (a job's last ack queues its finalize step)
+                # without topping tickets up: the ticket stays until they are done.
+                if linger_left > 0 or ctx.commits.pending():
                     touch = time.monotonic() - touched_at > settings.ticket_timeout / 4
                     touched_at = time.monotonic() if touch else touched_at
                     queues.wait_for_doorbell(ctx.store, ticket, now=time.time(), touch=touch,
-                                             timeout=min(linger_left, _DOORBELL_SLICE_SECONDS))
+                                             timeout=min(max(linger_left, 0.001), _DOORBELL_SLICE_SECONDS))
                 elif queues.release_ticket(ctx.store, ticket):
                     return "released"
                 continue
             idle_since = None
+            ctx.commits.wait_for_room()  # before any memory is held: a slot may outpace the disk
             leased: list[queues.LeasedItem] = []
             now = time.time()
             order = policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served)
@@ -61,12 +64,13 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             finally:
                 if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
                     ctx.ledger.release(hold, now=time.time())
-            runnable: list[queues.LeasedItem] = []
+            ran = False
             if leased and admission is not None:
                 with admitted(ctx, leased, admission, hold=hold) as runnable:
-                    if runnable:
-                        _run_leased(ctx, runnable, ticket)
-            if not runnable:
+                    if runnable.items:
+                        _run_leased(ctx, runnable.items, ticket, runnable.handle)
+                        ran = True
+            if not ran:
                 time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
             if time.monotonic() >= slice_ends:
                 return "yield"
@@ -93,16 +97,16 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission],
     return [], None
 
 
-def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str) -> None:
-    """Run what one lease returned: a batch of requests, a job chunk or finalize step, or requests
-    with a chunk they took along (they ride in its first mini-batch)."""
+def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str, reservation: int | None) -> None:
+    """Run what one lease returned, under its memory `reservation`: a batch of requests, a job chunk
+    or finalize step, or requests with a chunk they took along (they ride in its first mini-batch)."""
     online = [item for item in leased if item.payload.get("kind") == "request"]
     offline = [item for item in leased if item.payload.get("kind") != "request"]
     if not offline:
         run_requests(ctx, online)
         return
     [item] = offline  # leases take one job chunk (or finalize step) at a time
-    between = BetweenBatches(ctx, item, ticket, carried=online)
+    between = BetweenBatches(ctx, item, ticket, carried=online, reservation=reservation)
     try:
         process_item(ctx, item, between)
     finally:

@@ -59,7 +59,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
     try:
         job = jobs.get_job(ctx.store, job_id, now=now)
         if item.payload["kind"] == "finalize":
-            manifest = finalize_job(job, keep_alive=between.keep_alive)
+            manifest = finalize_job(job, keep_alive=_tolerant(between.keep_alive))
             queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
                                job_fields={"manifest": json.dumps(manifest)})
             remove_parts(Path(job["output_dir"]))  # after the job is done: its outputs need not wait for this
@@ -69,6 +69,18 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         return "committing"
     except Exception as err:
         return settle_failure(ctx, item, err)
+
+
+def _tolerant(keep_alive: Callable[[], None]) -> Callable[[], None]:
+    """`keep_alive` for a merge: a Redis hiccup while extending the lease must not throw away a merge
+    of GBs (at worst the lease runs out and another worker merges again, which is safe)."""
+    def call() -> None:
+        try:
+            keep_alive()
+        except Exception as err:
+            log.warning("could not extend the finalize step's lease: %s", err)
+
+    return call
 
 
 def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
@@ -90,6 +102,12 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
     """Write a computed chunk's part files (durably), then ack it; on the commit thread
     (`sits_worker.commits`). Returns 'acked', or how the failure was settled."""
     try:
+        queues.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
+        if jobs.start_item(ctx.store, job["id"], now=time.time()) != "running":
+            # Cancelled, failed, or finished by another run of this chunk meanwhile: no part to
+            # leave behind in a folder nobody merges any more.
+            queues.finish_item(ctx.store, item, job["id"], now=time.time())
+            return "dropped"
         write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"])
         jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
         return "acked"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,39 +70,49 @@ def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:
                                     max_tokens=batching.max_batch_tokens)
 
 
+@dataclass(frozen=True)
+class Reserved:
+    """What a stream slot runs after `admitted`, and the reservation it holds for it (None: no
+    device memory, e.g. a finalize step)."""
+
+    items: list[queues.LeasedItem]
+    handle: int | None
+
+
 @contextlib.contextmanager
 def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission: reservation.Admission, *,
-             hold: int | None) -> Iterator[list[queues.LeasedItem]]:
+             hold: int | None) -> Iterator[Reserved]:
     """Reserve what a lease under `admission` runs, in place of the decision's `hold`, and yield the
-    items to run; the reservation is released when the block ends.
+    items to run with their reservation, released when the block ends.
 
     A job chunk is admitted by its own need, which the admission could not know (its mini-batches
     are its job's `batch_size`, not the model's online batch): if it does not fit the device's
     free memory now, or the cut of a backfill admission, it goes back to its queue at once, its
-    attempt not counted, and a `reservation.Claim` makes later admissions count its real need
-    while it heads its queue. Requests it came with run without it. The check and the swap
-    happen under the ledger's `deciding` lock, so no other slot admits on the same memory meanwhile.
+    attempt not counted, and a `reservation.Claim` makes later admissions count its job's real
+    need while the job's chunks head the queue. Requests it came with run without it. The check
+    and the swap happen under the ledger's `deciding` lock, so no other slot admits on the same
+    memory meanwhile.
     """
     model_ref = leased[0].model_ref
     chunks = [item for item in leased if item.payload.get("kind") == "chunk"]
     ledger = ctx.ledger
+    handle = None
     try:
         with ledger.deciding:
             need, seconds = _batch_need(ctx, leased)
             if chunks and not (admission.allows_chunk(need, seconds) and ledger.fits_instead(need, hold)):
                 queues.return_unrun(ctx.store, chunks)
                 if leased[0] is chunks[0]:  # it heads its queue again
-                    ledger.claim(model_ref, reservation.Claim(chunks[0].item_id, need, seconds))
+                    ledger.claim(model_ref, reservation.Claim(chunks[0].payload["job"], need, seconds))
                 leased = [item for item in leased if item.payload.get("kind") != "chunk"]
                 need, seconds = _batch_need(ctx, leased) if leased else (0, 0.0)
-            elif chunks:
-                ledger.drop_claim(model_ref, chunks[0].item_id)
-            handle = ledger.reserve(need, now=time.time(), expected_seconds=seconds) if leased else None
+            if leased and need:
+                handle = ledger.reserve(need, now=time.time(), expected_seconds=seconds)
     finally:
         if hold is not None:  # whatever happened, the hold gives way (the real one is in, or none)
             ledger.release(hold, now=time.time())
     try:
-        yield list(leased)
+        yield Reserved(list(leased), handle)
     finally:
         if handle is not None:
             ledger.release(handle, now=time.time())

@@ -13,7 +13,8 @@
 -- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload (score replaced by the chunk's current one)
 -- ARGV[8] name of the worker that ran the chunk (counted in the job field 'w:<name>')
 -- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
--- (the finalize item was queued and the doorbell rung, like every enqueue). Idempotent: a re-run
+-- (the finalize item was queued and the doorbell rung: a lingering drain task of the acking worker,
+-- which keeps its ticket while commits are pending, leases it at once). Idempotent: a re-run
 -- chunk is counted once.
 -- The finalize step inherits the chunk's score as it is now (a hot re-score may have changed it
 -- while the chunk ran), not as the worker leased it.

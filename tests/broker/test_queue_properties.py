@@ -178,12 +178,18 @@ class QueueMachine(RuleBasedStateMachine):
         if retryable:
             self.client.zadd(self.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
 
-    @precondition(lambda self: self.held)
-    @rule(pick=st.integers(0, 20))
-    def give_back_unrun(self, pick: int) -> None:
-        """The worker returns an item it leased but cannot run now (a job chunk that does not fit the
-        device's free memory, `sits_worker.leasing.admitted`)."""
-        queues.return_unrun(self.store, [self.held.pop(pick % len(self.held))])
+    @rule(model=st.sampled_from(MODELS), carry_chunk=st.booleans(), chunks_only=st.booleans())
+    def lease_and_give_back_unrun(self, model: str, carry_chunk: bool, chunks_only: bool) -> None:
+        """A worker leases a batch and at once returns what it cannot run now (a job chunk that does not
+        fit the device's free memory, `sits_worker.leasing.admitted`); it runs the rest."""
+        leased = queues.lease_batch(self.store, model, now=self.now, lease_seconds=60, max_items=3, max_chunks=1,
+                                    carry_chunk=carry_chunk)
+        back = [item for item in leased if item.payload["kind"] == "chunk" or not chunks_only]
+        attempts_before = {item.item_id: item.attempts - 1 for item in back}
+        queues.return_unrun(self.store, back)
+        for item in back:
+            assert int(self.client.hget(self.store.keys.attempts, item.item_id) or 0) == attempts_before[item.item_id]
+        self.held += [item for item in leased if item not in back]
 
     @rule(delta=st.sampled_from([0.0, 0.1, 5.0]), alpha=st.sampled_from([0.0, 0.4, 3.0]),
           ordering=st.sampled_from(["fifo", "dynamic"]), count=st.sampled_from([1, 3, 200]))

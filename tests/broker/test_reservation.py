@@ -212,13 +212,16 @@ def test_a_claimed_chunk_makes_its_model_s_head_wait_for_the_chunk_s_memory() ->
     ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
     ledger.reserve(512 * MIB, now=0, expected_seconds=2.0)
     costs = {"jobmodel": cost(1, 0.001), "other": cost(1, 0.001)}  # online batches: 64 MiB
-    ledger.claim("jobmodel", Claim("job:0", 768 * MIB, 1.0))  # its chunk's mini-batches need 768 MiB
+    ledger.claim("jobmodel", Claim("j1", 768 * MIB, 1.0))  # its chunk's mini-batches need 768 MiB
 
     assert admit(["jobmodel", "other"], costs.__getitem__, ledger, now=0.0, backfill=False,
-                 head_items={"jobmodel": "job:0"}) == []
-    # Another item heads the queue now (the chunk ran elsewhere, or a request passed it): the claim
-    # no longer counts, and without head ids nothing is known of it.
-    for head_items in ({"jobmodel": "r9"}, None):
+                 head_items={"jobmodel": "j1:c0000000"}) == []
+    # The job's next chunk heads the queue: it needs as much. Another item heads it now (a request
+    # passed the chunk, or the job's chunks are done: its finalize step needs no device memory):
+    # the claim does not count, and without head ids nothing is known of it.
+    assert admit(["jobmodel", "other"], costs.__getitem__, ledger, now=0.0, backfill=False,
+                 head_items={"jobmodel": "j1:c0000001"}) == []
+    for head_items in ({"jobmodel": "r9"}, {"jobmodel": "j1:final"}, {"jobmodel": "j2:c0000000"}, None):
         admitted = admit(["jobmodel", "other"], costs.__getitem__, ledger, now=0.0, backfill=False,
                          head_items=head_items)
         assert [a.model for a in admitted] == ["jobmodel", "other"]
@@ -230,10 +233,10 @@ def test_backfill_around_a_claimed_chunk_ends_before_it_can_start() -> None:
     ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
     ledger.reserve(512 * MIB, now=0, expected_seconds=2.0)  # 512 MiB free until t=2
     costs = {"jobmodel": cost(1, 0.001), "other": cost(1, 0.1)}
-    ledger.claim("jobmodel", Claim("job:0", 1024 * MIB, 1.0))  # the whole device: nothing free beside it
+    ledger.claim("jobmodel", Claim("j1", 1024 * MIB, 1.0))  # the whole device: nothing free beside it
 
     admitted = admit(["jobmodel", "other"], costs.__getitem__, ledger, now=0.0, backfill=True,
-                     head_items={"jobmodel": "job:0"})
+                     head_items={"jobmodel": "j1:c0000000"})
 
     assert admitted == [Admission("other", 20, 0, cut=True)]  # 20 rows of 0.1 s end by t=2
     assert admitted[0].budget_seconds == 2.0 and admitted[0].budget_bytes == 512 * MIB
@@ -243,29 +246,25 @@ def test_a_claimed_chunk_behind_the_head_is_admitted_only_where_it_fits() -> Non
     ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
     ledger.reserve(512 * MIB, now=0, expected_seconds=2.0)
     costs = {"head": cost(1, 0.001), "jobmodel": cost(1, 0.001)}
-    heads = {"jobmodel": "job:0"}
+    heads = {"jobmodel": "j1:c0000000"}
 
-    ledger.claim("jobmodel", Claim("job:0", 768 * MIB, 1.0))
+    ledger.claim("jobmodel", Claim("j1", 768 * MIB, 1.0))
     assert [a.model for a in admit(["head", "jobmodel"], costs.__getitem__, ledger, now=0.0, backfill=False,
                                    head_items=heads)] == ["head"]
-    ledger.claim("jobmodel", Claim("job:0", 256 * MIB, 1.0))
+    ledger.claim("jobmodel", Claim("j1", 256 * MIB, 1.0))
     [_, fitting] = admit(["head", "jobmodel"], costs.__getitem__, ledger, now=0.0, backfill=False, head_items=heads)
-    assert fitting.claim == Claim("job:0", 256 * MIB, 1.0) and fitting.allows_chunk(256 * MIB, 1.0)
+    assert fitting.claim == Claim("j1", 256 * MIB, 1.0) and fitting.allows_chunk(256 * MIB, 1.0)
     assert not fitting.allows_chunk(640 * MIB, 1.0)
 
 
-def test_the_hold_of_an_admitted_claim_covers_the_chunk_and_the_claim_is_dropped_when_it_runs() -> None:
+def test_the_hold_of_an_admitted_claim_covers_the_chunk() -> None:
     ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
     costs = {"jobmodel": cost(1, 0.001)}
-    ledger.claim("jobmodel", Claim("job:0", 768 * MIB, 1.0))
+    ledger.claim("jobmodel", Claim("j1", 768 * MIB, 1.0))
 
     [admission], hold = admit_and_hold(["jobmodel"], costs.__getitem__, ledger, now=0.0, backfill=False,
-                                       head_items={"jobmodel": "job:0"})
+                                       head_items={"jobmodel": "j1:c0000000"})
 
     assert admission.claim is not None and ledger.stats()["reserved_bytes"] == 768 * MIB
     assert ledger.fits_instead(768 * MIB, hold)  # the chunk takes the hold's place
     assert not ledger.fits_instead(768 * MIB, None)
-    ledger.drop_claim("jobmodel", "job:1")  # another chunk's: kept
-    assert ledger.claim_of("jobmodel", "job:0") is not None
-    ledger.drop_claim("jobmodel", "job:0")
-    assert ledger.claim_of("jobmodel", "job:0") is None

@@ -25,17 +25,19 @@ from sits_worker.model.graph import static_profile
 from sits_worker.runtime import SessionCache
 
 
-def test_a_slot_queues_at_most_max_pending_commits_and_waits_for_room() -> None:
+def test_a_slot_waits_for_room_while_max_pending_commits_are_queued() -> None:
     commits, release, ran = Commits(max_pending=1), threading.Event(), []
     commits.submit(lambda: (release.wait(5), ran.append(1)))
-    second = threading.Thread(target=commits.submit, args=(lambda: ran.append(2),))
-    second.start()
+    commits.submit(lambda: ran.append(2))  # submitting never blocks: the slot holds memory then
+    waiter = threading.Thread(target=commits.wait_for_room)
+    waiter.start()
 
-    second.join(0.2)
-    assert second.is_alive() and commits.pending() == 1  # the second slot waits for room
+    waiter.join(0.2)
+    assert waiter.is_alive() and commits.pending() == 2  # the next admission waits for the disk
     assert not commits.wait(timeout=0.05)
     release.set()
-    second.join(5)
+    waiter.join(5)
+    assert not waiter.is_alive()
     assert commits.wait(timeout=5) and ran == [1, 2] and commits.pending() == 0
 
 
@@ -112,3 +114,38 @@ def test_a_commit_that_cannot_write_leaves_the_chunk_to_be_retried(
     assert job["chunks_done"] == 0 and "No space left" in (jobs.last_error(ctx.store, spec.job_id) or "")
     # Its lease expired at once: the next reaper pass puts it back for another attempt.
     assert queues.reap_expired_leases(ctx.store, now=time.time(), max_attempts=3).returned == 1
+
+
+def test_a_commit_drops_a_chunk_whose_job_stopped_while_it_waited(
+        mlp_job: tuple[WorkerContext, jobs.JobSpec, np.ndarray]) -> None:
+    """No part is left in a folder that nobody merges any more, and the chunk leaves its queue."""
+    ctx, spec, _ = mlp_job
+    gate = threading.Event()
+    ctx.commits.submit(lambda: gate.wait(10))  # the disk is busy with another chunk's commit
+
+    assert run_next(ctx, spec.model_ref) == "committing"
+    jobs.stop_job(ctx.store, spec.job_id, status="cancelled", error="", now=time.time())
+    gate.set()
+    assert ctx.commits.wait(timeout=10)
+
+    assert not (Path(spec.output_dir) / outputs.PARTS_DIR).exists()
+    assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 0
+    assert ctx.store.client.zcard(ctx.store.keys.inflight(spec.model_ref)) == 0
+
+
+def test_a_drain_task_keeps_its_ticket_until_its_commits_are_done(
+        mlp_job: tuple[WorkerContext, jobs.JobSpec, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last chunk's ack queues the job's finalize step from the commit thread, after the queues ran
+    dry; a drain task that retired its ticket meanwhile would leave the step to the next beat."""
+    from sits_worker import dispatch, execution
+
+    ctx, spec, _ = mlp_job
+    ctx.settings = ctx.settings.with_overrides(scheduler={"ticket_linger": 0.1})
+    write_part = execution.write_part
+    monkeypatch.setattr(execution, "write_part", lambda *args, **kwargs: (time.sleep(0.5),
+                                                                          write_part(*args, **kwargs)))
+    [ticket] = queues.top_up_tickets(ctx.store, now=time.time(), target=1)
+
+    assert dispatch.drain(ctx, ticket) == "released"
+
+    assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["status"] == "succeeded"

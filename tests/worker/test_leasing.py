@@ -56,7 +56,7 @@ def test_a_chunk_carried_by_a_token_request_reserves_its_own_rows_too(ctx: Worke
         alone = ctx.ledger.stats()["used_bytes"]
     with admitted(ctx, leased(store, chunk_batch=256, request_tokens=16), FULL, hold=None) as runnable:
         together = ctx.ledger.stats()["used_bytes"]
-        assert len(runnable) == 2
+        assert len(runnable.items) == 2
 
     assert alone == (256 + 64) * 16 * MIB  # its batch plus a full batch of riders (max_batch_size 64)
     assert together == alone + 16 * MIB // 8  # plus the request's 16 tokens
@@ -108,7 +108,7 @@ def test_a_chunk_that_does_not_fit_goes_back_unrun_and_its_claim_holds_the_head_
     leased, admission, hold = decide_and_lease(ctx, store)  # the online batch (1 GiB) fits: admitted
     assert [item.item_id for item in leased] == [first]
     with admitted(ctx, leased, admission, hold=hold) as runnable:
-        assert runnable == []
+        assert runnable.items == [] and runnable.handle is None
 
     # Back at the head of its queue at once, its lease attempt not counted; the hold is gone.
     assert store.client.zrange(store.keys.ready("tok@v1"), 0, 0) == [first]
@@ -123,9 +123,8 @@ def test_a_chunk_that_does_not_fit_goes_back_unrun_and_its_claim_holds_the_head_
     ctx.ledger.release(running, now=time.time())
     leased, admission, hold = decide_and_lease(ctx, store)
     with admitted(ctx, leased, admission, hold=hold) as runnable:
-        assert [item.item_id for item in runnable] == [first]
+        assert [item.item_id for item in runnable.items] == [first]
         assert ctx.ledger.stats()["used_bytes"] == (256 + 64) * 16 * MIB  # the chunk's own need
-    assert ctx.ledger.claim_of("tok@v1", first) is None
     assert ctx.ledger.stats()["reserved_bytes"] == 0
 
 
@@ -135,7 +134,7 @@ def test_a_chunk_larger_than_the_device_runs_when_nothing_else_does(store: Store
 
     leased, admission, hold = decide_and_lease(ctx, store)
     with admitted(ctx, leased, admission, hold=hold) as runnable:
-        assert [item.item_id for item in runnable] == [first]
+        assert [item.item_id for item in runnable.items] == [first]
 
 
 def test_a_cut_admission_runs_no_chunk_beyond_its_cut(store: Store) -> None:
@@ -146,7 +145,7 @@ def test_a_cut_admission_runs_no_chunk_beyond_its_cut(store: Store) -> None:
     leased = lease(ctx, "tok@v1", "", admission=cut, within_cut=True)
 
     with admitted(ctx, leased, cut, hold=None) as runnable:
-        assert runnable == []
+        assert runnable.items == [] and runnable.handle is None
     assert store.client.zrange(store.keys.ready("tok@v1"), 0, 0) == [first]
 
 
@@ -166,15 +165,15 @@ def test_requests_that_took_a_chunk_along_run_without_it_when_it_does_not_fit(st
     assert [item.payload["kind"] for item in leased] == ["request", "chunk"]
 
     with admitted(ctx, leased, admission, hold=hold) as runnable:
-        assert [item.payload["kind"] for item in runnable] == ["request"]
+        assert [item.payload["kind"] for item in runnable.items] == ["request"]
     assert store.client.zrange(store.keys.ready("tok@v1"), 0, -1) == [chunk, jobs.chunk_item_id("j1", 1)]
     assert ctx.ledger.claim_of("tok@v1", chunk) is None  # it did not head its queue: no claim
 
 
-def test_urgent_requests_served_between_a_chunk_s_mini_batches_wait_when_their_batch_does_not_fit(
+def test_urgent_requests_served_between_a_chunk_s_mini_batches_use_its_memory_but_no_more(
         store: Store) -> None:
-    """They are admitted like any batch, beside the chunk's own reservation: a full batch that does
-    not fit the free memory is left for another slot, not run over the device's capacity."""
+    """They run instead of the chunk's next mini-batch, so the chunk's reservation is theirs to use;
+    what it does not cover must fit the free memory, else they are left for another slot."""
     from sits_worker.between import _serve_one_urgent_batch
 
     ctx = small_ctx(store)
@@ -182,10 +181,19 @@ def test_urgent_requests_served_between_a_chunk_s_mini_batches_wait_when_their_b
                        inputs={"ids": np.zeros((1, 16), np.int64)}, rows=1, tokens=16,
                        bucket="ids:~16", factors={"level": 15}, padded_tokens=16)
     requests.submit_request(store, spec, score=-1e9, now=time.time(), max_age_seconds=60)
-    ctx.ledger.reserve(7 * 1024 * MIB + 512 * MIB, now=time.time(), expected_seconds=1.0)  # the chunk: 0.5 GiB free
+    other = ctx.ledger.reserve(7 * 1024 * MIB + 256 * MIB, now=time.time(), expected_seconds=1.0)  # another slot's
+    chunk = ctx.ledger.reserve(512 * MIB, now=time.time(), expected_seconds=1.0)  # 256 MiB free; a batch: 1 GiB
 
-    assert not _serve_one_urgent_batch(ctx, chunk_score=0.0, ticket="")
+    assert not _serve_one_urgent_batch(ctx, chunk_score=0.0, ticket="", chunk_reservation=chunk)
+    assert store.client.zcard(store.keys.ready("tok@v1")) == 1
+    assert ctx.ledger.stats()["batches_running"] == 2  # nothing left behind
 
-    assert store.client.zcard(store.keys.ready("tok@v1")) == 1 and ctx.ledger.stats()["memory_waits"] == 1
-    assert ctx.ledger.stats()["batches_running"] == 1  # no hold left behind
+    ctx.ledger.release(other, now=time.time())
+    held = ctx.ledger.reserve(6 * 1024 * MIB + 512 * MIB, now=time.time(), expected_seconds=1.0)
+    ctx.ledger.release(chunk, now=time.time())
+    chunk = ctx.ledger.reserve(1024 * MIB, now=time.time(), expected_seconds=1.0)  # the chunk's own 1 GiB covers it
+    assert ctx.ledger.free_bytes() < 1024 * MIB
 
+    assert _serve_one_urgent_batch(ctx, chunk_score=0.0, ticket="", chunk_reservation=chunk)
+    assert store.client.zcard(store.keys.ready("tok@v1")) == 0
+    assert ctx.ledger.stats()["batches_running"] == 2 and held

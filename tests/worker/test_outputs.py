@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +215,16 @@ def test_any_chunking_reproduces_the_array_exactly(case: tuple[np.ndarray, list[
         assert merged.dtype == values.dtype and merged.shape == values.shape
         assert merged.tobytes() == values.tobytes()  # exact, NaN payloads included
         assert manifest["rows"] == len(values) and manifest["chunks"] == len(chunks)
+
+
+def test_a_merge_waiting_on_the_disk_keeps_its_lease_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fsync (or the hash) of GBs may take longer than the lease: the wait calls `keep_alive`
+    every `_WAIT_SLICE_SECONDS` until the work is done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(outputs, "_WAIT_SLICE_SECONDS", 0.02)
+    calls: list[float] = []
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(lambda: (time.sleep(0.2), "done")[1])
+        assert outputs._wait(slow, lambda: calls.append(time.monotonic())) == "done"
+    assert len(calls) >= 4
