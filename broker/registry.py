@@ -10,6 +10,7 @@ result) written by the API and completed by the workers' profiler task.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -35,8 +36,10 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
         pipe.execute()
 
 
-def update_model_version(store: Store, ref: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """Merge `fields` into the record of `name@version` (read-modify-write under WATCH)."""
+def update_model_version(store: Store, ref: str, fields: dict[str, Any], *,
+                         only_if: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+    """Merge `fields` into the record of `name@version` (read-modify-write under WATCH); with
+    `only_if`, only when it holds for the record as it is then (else the record is returned as is)."""
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -44,7 +47,11 @@ def update_model_version(store: Store, ref: str, fields: dict[str, Any]) -> dict
                 raw = pipe.hget(store.keys.model_versions, ref)
                 if raw is None:
                     raise ModelNotFound(f"model version '{ref}' is not registered")
-                record = json.loads(raw) | fields
+                current = json.loads(raw)
+                if only_if is not None and not only_if(current):
+                    pipe.unwatch()
+                    return dict(current)
+                record = current | fields
                 pipe.multi()
                 pipe.hset(store.keys.model_versions, ref, json.dumps(record))
                 pipe.execute()

@@ -31,6 +31,7 @@ from sits_worker.commits import Commits
 from sits_worker.devices import Device, device_memory
 from sits_worker.model.inputs import InputSource, open_input
 from sits_worker.model.padding import MaskSpec, mask_spec
+from sits_worker.observed import ObservedLatencies
 from sits_worker.runtime import SessionCache, run_session
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class WorkerContext:
     """Memory reservations on this worker's device (one worker process owns one device)."""
     queue_watcher: QueueWatcher = field(init=False)
     """Reads the queue heads, deadlines and policy in one round trip for every drain loop of this process."""
+    observed: ObservedLatencies = field(default_factory=ObservedLatencies)
+    """Run times of the batches this process ran, for models without a measured profile."""
     commits: Commits = field(init=False)
     """Writes computed chunks' parts and acks them while the stream slots go on (at most `streams` pending)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
@@ -114,7 +117,11 @@ class WorkerContext:
         """Run one batch of `model_ref` (on `session` when given, looked up once per chunk); on device
         OOM, again on the CPU when the fallback strategy says so."""
         try:
-            return run_session(session or self.session(model_ref), feed, output_names)
+            started = time.perf_counter()
+            outputs = run_session(session or self.session(model_ref), feed, output_names)
+            self.observed.record(model_ref, len(next(iter(feed.values()))) if feed else 0,
+                                 time.perf_counter() - started)
+            return outputs
         except DeviceOutOfMemory:
             if self.device.kind == "cpu" or self.settings.scheduler.fallback_strategy != "cpu-offload-on-oom":
                 raise

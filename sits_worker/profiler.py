@@ -89,13 +89,13 @@ def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str,
             fields["fusion"] = fuse(ctx, record)
         if profile_mode == "full":
             cached = record.get("profile") or {}
-            fresh = cached.get("device") == str(ctx.device) and (
+            fresh = cached.get("source") != "observed" and cached.get("device") == str(ctx.device) and (
                 now - cached.get("measured_at", 0) < ctx.settings.scheduler.model_profile_cache_ttl)
             if not fresh:
                 session = ctx.session(model_ref)
                 points = measure(session, record["signature"])
-                fields["profile"] = {"device": str(ctx.device), "measured_at": now, "points": points,
-                                     "pareto": pareto_points(points), "worker": ctx.name,
+                fields["profile"] = {"source": "measured", "device": str(ctx.device), "measured_at": now,
+                                     "points": points, "pareto": pareto_points(points), "worker": ctx.name,
                                      "providers": session.get_providers(),
                                      "sequence_length": _PROFILE_SEQUENCE}  # of token models' sample rows
         fields["profile_status"] = "ready"

@@ -69,6 +69,19 @@ def test_concurrent_requests_are_merged_into_batches_with_exact_results(stack):
     assert max(result["batch_size"] for result in results) > 1, "16 concurrent clients never shared a batch"
 
 
+def test_a_model_registered_without_a_measured_profile_learns_one_from_the_batches_it_runs(stack):
+    client = stack.client()
+    features = np.zeros((1, 64), np.float32).tolist()
+    for _ in range(5):
+        assert client.post("/v1/requests", {"model": "mlp", "inputs": {"features": features}, "wait": True})[
+            "status"] == "succeeded"
+    deadline = time.monotonic() + 15  # the worker writes what it observed from its heartbeat (every 2 s)
+    while (profile := client.get("/v1/models/mlp").get("profile") or {}).get("source") != "observed":
+        assert time.monotonic() < deadline, profile
+        time.sleep(0.2)
+    assert profile["points"] and all(point["latency_ms"] > 0 for point in profile["points"])
+
+
 def test_bad_requests_get_a_clear_4xx(stack):
     from sits_api.cli.client import ApiError
 

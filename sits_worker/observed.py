@@ -1,0 +1,100 @@
+"""Latency profiles learnt from the batches a worker really runs, for models without a measured one.
+
+A model registered with `profile_mode: static` has no measured latency curve:
+its estimates (CP-Score's latency term, the riders' fill, batch costs) come
+from static FLOPs, and `jobs.batch_size` / `jobs.chunk_size: auto` fall back
+to fixed sizes. Every batch a worker runs is a measurement at its size, so
+the worker keeps the latest ones per size class (powers of two) and, every
+`FLUSH_SECONDS`, writes a profile built from them into the model's record
+(`"source": "observed"`), which every consumer reads like a measured one.
+
+A measured profile (`profile_mode: full`) is never overwritten, and replaces
+an observed one. Token models are left out: their batches vary in length,
+and their profile is per row at one sequence length. Latencies observed
+while other streams share the device include that sharing: they are what
+the model costs here, not in isolation.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+from broker import registry
+from broker.store import Store
+
+FLUSH_SECONDS = 10.0
+"""How often a worker writes what it observed (per model, only when it has new samples)."""
+SAMPLES_KEPT = 32
+"""Latest batches kept per model and size class."""
+MIN_SAMPLES = 3
+"""Batches a size class needs before it becomes a profile point."""
+
+
+class ObservedLatencies:
+    """One worker process's record of its batches' run times; thread-safe."""
+
+    def __init__(self) -> None:
+        self._samples: dict[str, dict[int, deque[tuple[int, float]]]] = defaultdict(dict)
+        self._fresh: set[str] = set()
+        self._flushed_at = 0.0
+        self._lock = threading.Lock()
+
+    def record(self, model_ref: str, rows: int, seconds: float) -> None:
+        """One batch of `rows` rows of `model_ref` ran in `seconds`."""
+        if rows < 1 or seconds <= 0:
+            return
+        size_class = 1 << (rows.bit_length() - 1)
+        with self._lock:
+            classes = self._samples[model_ref]
+            classes.setdefault(size_class, deque(maxlen=SAMPLES_KEPT)).append((rows, seconds))
+            self._fresh.add(model_ref)
+
+    def points(self, model_ref: str) -> list[dict[str, float]]:
+        """Profile points (batch size, median latency, rows/s) of the size classes with enough samples."""
+        with self._lock:
+            classes = {size: list(samples) for size, samples in self._samples.get(model_ref, {}).items()}
+        points = []
+        for _, samples in sorted(classes.items()):
+            if len(samples) < MIN_SAMPLES:
+                continue
+            rows = round(statistics.median(row for row, _ in samples))
+            latency = statistics.median(seconds for _, seconds in samples)
+            points.append({"batch_size": rows, "latency_ms": round(latency * 1000, 3),
+                           "rows_per_second": round(rows / latency, 1)})
+        return points
+
+    def flush(self, store: Store, *, worker: str, device: str, now: float | None = None,
+              force: bool = False) -> list[str]:
+        """Write the observed profile of every model with new samples whose record has no measured
+        profile (at most every `FLUSH_SECONDS` unless `force`); returns the refs written."""
+        now = time.time() if now is None else now
+        with self._lock:
+            if not force and now - self._flushed_at < FLUSH_SECONDS:
+                return []
+            self._flushed_at = now
+            fresh, self._fresh = self._fresh, set()
+        written = []
+        for model_ref in sorted(fresh):
+            points = self.points(model_ref)
+            if not points:
+                with self._lock:
+                    self._fresh.add(model_ref)  # not enough samples yet: try again next time
+                continue
+            profile = {"source": "observed", "device": device, "measured_at": now, "points": points,
+                       "worker": worker}
+            record = registry.update_model_version(store, model_ref, {"profile": profile}, only_if=_learnable)
+            if record.get("profile") == profile:
+                written.append(model_ref)
+        return written
+
+
+def _learnable(record: dict[str, Any]) -> bool:
+    """May an observed profile go into this record? Not over a measured one, not for a token model."""
+    if (record.get("static_profile") or {}).get("sequence_axis"):
+        return False
+    current = record.get("profile") or {}
+    return not current.get("points") or current.get("source") == "observed"
