@@ -50,10 +50,14 @@ def auto_batch_size(record: dict[str, Any]) -> int:
     The measured profile's best throughput is the ceiling an offline job aims at (the bare ONNX
     Runtime loop at its best batch size); the smallest batch size within `BEST_BATCH_SLACK` of it
     is taken, since a smaller batch holds less memory and lets online work in sooner (a job yields
-    between batches). Without a measured profile: `FALLBACK_BATCH_ROWS`.
+    between batches). Without a measured profile: `FALLBACK_BATCH_ROWS`. An observed profile (the
+    sizes workers happened to run, `sits_worker/observed.py`) counts only from that size up: small
+    online batches alone say nothing of where throughput peaks.
     """
-    points = [point for point in (record.get("profile") or {}).get("points") or []
-              if float(point.get("rows_per_second") or 0) > 0]
+    profile = record.get("profile") or {}
+    points = [point for point in profile.get("points") or [] if float(point.get("rows_per_second") or 0) > 0]
+    if profile.get("source") == "observed":
+        points = [point for point in points if int(point["batch_size"]) >= FALLBACK_BATCH_ROWS]
     if not points:
         return FALLBACK_BATCH_ROWS
     best = max(float(point["rows_per_second"]) for point in points)

@@ -226,3 +226,20 @@ def test_an_auto_batch_is_the_smallest_within_5_percent_of_the_best_measured_thr
     assert auto_batch_size(record) == 512  # 1,000,000 is within 5 % of 1,020,000; 256 is not
     assert auto_batch_size({"profile": {"points": []}}) == FALLBACK_BATCH_ROWS
     assert auto_batch_size({}) == FALLBACK_BATCH_ROWS
+
+
+def test_an_observed_profile_sets_the_job_batch_only_from_the_fallback_size_up() -> None:
+    """Workers observe the sizes they happen to run: small online batches alone must not shrink a
+    job's batch below the fallback, since they say nothing of where throughput peaks."""
+    online_only = {"profile": {"source": "observed", "points": [
+        {"batch_size": 1, "latency_ms": 0.1, "rows_per_second": 10_000.0},
+        {"batch_size": 8, "latency_ms": 0.2, "rows_per_second": 40_000.0}]}}
+    with_jobs = {"profile": {"source": "observed", "points": [
+        *online_only["profile"]["points"],
+        {"batch_size": 128, "latency_ms": 1.0, "rows_per_second": 128_000.0},
+        {"batch_size": 256, "latency_ms": 1.9, "rows_per_second": 134_000.0}]}}
+
+    assert auto_batch_size(online_only) == FALLBACK_BATCH_ROWS
+    assert auto_batch_size(with_jobs) == 128  # within 5 % of the best observed from 128 up
+    measured = {"profile": {"source": "measured", "points": online_only["profile"]["points"]}}
+    assert auto_batch_size(measured) == 8  # a measured sweep is trusted as it is

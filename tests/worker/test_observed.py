@@ -71,7 +71,7 @@ def test_a_static_model_learns_its_latency_curve_from_the_batches_a_worker_runs(
     assert [point["batch_size"] for point in record["profile"]["points"]] == [1, 64, 512]
     point_64 = record["profile"]["points"][1]["latency_ms"]
     assert estimate_latency_ms(record, rows=64, tokens=None) == point_64 != static_estimate
-    assert chunking.auto_batch_size(record) in (1, 64, 512)  # from what ran, no longer the fallback
+    assert chunking.auto_batch_size(record) == 512  # from what ran at 128 rows and up
     assert ctx.observed.flush(store, worker="w1", device="cpu", force=True) == []  # nothing new since
 
 
