@@ -16,16 +16,28 @@ import math
 from typing import Any
 
 FALLBACK_CHUNK_ROWS = 4096
-"""Rows per chunk for a model without a measured profile (`profile_mode=static` only)."""
+"""Rows per chunk for a model without a usable profile (see `throughput_points`)."""
 
 FALLBACK_BATCH_ROWS = 128
-"""Rows per run for a model without a measured profile."""
+"""Rows per run for a model without a usable profile."""
 
 BEST_BATCH_SLACK = 0.05
 """An `auto` batch is the smallest measured size within this share of the best measured rows/s."""
 
 CHUNKS_PER_WORKER = 2
 """Fewest chunks per live worker that a job is split into when it has the rows for it."""
+
+
+def throughput_points(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The profile points a job's sizes may be chosen from, by batch size: every point of a measured
+    profile; of an observed one (the sizes workers happened to run, `sits_worker/observed.py`) only
+    those from `FALLBACK_BATCH_ROWS` up, since small online batches alone say nothing of where a
+    job's throughput lies."""
+    profile = record.get("profile") or {}
+    points = [point for point in profile.get("points") or [] if float(point.get("rows_per_second") or 0) > 0]
+    if profile.get("source") == "observed":
+        points = [point for point in points if int(point["batch_size"]) >= FALLBACK_BATCH_ROWS]
+    return sorted(points, key=lambda point: int(point["batch_size"]))
 
 
 def profiled_rows_per_second(record: dict[str, Any], batch_size: int) -> float | None:
@@ -36,8 +48,7 @@ def profiled_rows_per_second(record: dict[str, Any], batch_size: int) -> float |
     larger, the largest when the profile stopped before `batch_size` (slow models are measured
     only up to the batch size where a run takes a third of the profiling budget).
     """
-    points = sorted((record.get("profile") or {}).get("points") or [], key=lambda point: point["batch_size"])
-    points = [point for point in points if float(point.get("rows_per_second") or 0) > 0]
+    points = throughput_points(record)
     if not points:
         return None
     below = [point for point in points if point["batch_size"] <= batch_size]
@@ -50,14 +61,9 @@ def auto_batch_size(record: dict[str, Any]) -> int:
     The measured profile's best throughput is the ceiling an offline job aims at (the bare ONNX
     Runtime loop at its best batch size); the smallest batch size within `BEST_BATCH_SLACK` of it
     is taken, since a smaller batch holds less memory and lets online work in sooner (a job yields
-    between batches). Without a measured profile: `FALLBACK_BATCH_ROWS`. An observed profile (the
-    sizes workers happened to run, `sits_worker/observed.py`) counts only from that size up: small
-    online batches alone say nothing of where throughput peaks.
+    between batches). Without usable profile points (`throughput_points`): `FALLBACK_BATCH_ROWS`.
     """
-    profile = record.get("profile") or {}
-    points = [point for point in profile.get("points") or [] if float(point.get("rows_per_second") or 0) > 0]
-    if profile.get("source") == "observed":
-        points = [point for point in points if int(point["batch_size"]) >= FALLBACK_BATCH_ROWS]
+    points = throughput_points(record)
     if not points:
         return FALLBACK_BATCH_ROWS
     best = max(float(point["rows_per_second"]) for point in points)

@@ -149,7 +149,8 @@ class JobSettings(_Section):
     chunk_size: int | Literal["auto"] = "auto"
     """Rows per queue item for jobs that do not set one; `auto`: about `chunk_seconds` of work at the
     model's measured throughput, in whole batches, split over live workers and capped by
-    `max_chunk_output_bytes` (broker/chunking.py); 4096 for a model without a measured profile."""
+    `max_chunk_output_bytes` (broker/chunking.py); 4096 for a model without a usable profile (a
+    measured one, or an observed one with batches of 128 rows or more)."""
     chunk_seconds: Seconds = Field(1.0, gt=0)
     """How long an `auto` chunk runs; each chunk has a fixed cost of a few ms (lease, part file, ack)."""
     max_chunk_output_bytes: Bytes = parse_size("64MiB")
@@ -158,7 +159,7 @@ class JobSettings(_Section):
     batch_size: int | Literal["auto"] = "auto"
     """Rows per ONNX Runtime run for jobs that do not set one; `auto`: the model's best measured
     batch size (the smallest within 5 % of its best rows/s, broker/chunking.py); 128 for a model
-    without a measured profile."""
+    without a usable profile."""
     max_attempts: int = Field(3, ge=1)
     """A chunk leased this many times without an ack fails its job (poison batch)."""
 

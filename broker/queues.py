@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.store import Store, translate_redis_errors
+from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,7 @@ def wait_for_doorbell(store: Store, ticket: str, *, now: float, timeout: float, 
             seen, _ = pipe.execute()
             if seen is None:
                 raise StaleTicket(ticket)
-        return store.client.blpop([store.keys.doorbell], timeout=max(timeout, 0.001)) is not None
+        return store.client.blpop([store.keys.doorbell], timeout=max(timeout, MIN_BLOCK_SECONDS)) is not None
 
 
 def extend_lease(store: Store, item: LeasedItem, ticket: str, *, now: float, lease_seconds: float) -> None:

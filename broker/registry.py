@@ -36,10 +36,13 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
         pipe.execute()
 
 
-def update_model_version(store: Store, ref: str, fields: dict[str, Any], *,
-                         only_if: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
-    """Merge `fields` into the record of `name@version` (read-modify-write under WATCH); with
-    `only_if`, only when it holds for the record as it is then (else the record is returned as is)."""
+FieldsOf = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+"""Fields to merge into a record, computed from the record as it is (None: leave it as it is)."""
+
+
+def update_model_version(store: Store, ref: str, fields: dict[str, Any] | FieldsOf) -> dict[str, Any]:
+    """Merge `fields` into the record of `name@version` (read-modify-write under WATCH); `fields` may
+    be a function of the record as it is then, in the same transaction (None: no change)."""
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -48,10 +51,11 @@ def update_model_version(store: Store, ref: str, fields: dict[str, Any], *,
                 if raw is None:
                     raise ModelNotFound(f"model version '{ref}' is not registered")
                 current = json.loads(raw)
-                if only_if is not None and not only_if(current):
+                update = fields(current) if callable(fields) else fields
+                if update is None:
                     pipe.unwatch()
                     return dict(current)
-                record = current | fields
+                record = current | update
                 pipe.multi()
                 pipe.hset(store.keys.model_versions, ref, json.dumps(record))
                 pipe.execute()

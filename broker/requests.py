@@ -21,7 +21,7 @@ import numpy as np
 
 from broker.errors import Conflict, NotFound
 from broker.queues import LeasedItem
-from broker.store import Store, translate_redis_errors
+from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
 
 
 def new_request_id() -> str:
@@ -211,7 +211,7 @@ def wait_for_request(store: Store, request_id: str, *, timeout: float,
     with translate_redis_errors():
         while (left := ends - clock()) > 0:
             block = min(left, _BLOCK_SLICE_SECONDS)
-            popped = store.client.blpop([store.keys.request_done(request_id)], timeout=max(block, 0.001))
+            popped = store.client.blpop([store.keys.request_done(request_id)], timeout=max(block, MIN_BLOCK_SECONDS))
             if popped is not None:
                 return _record(json.loads(popped[1]))
     return None

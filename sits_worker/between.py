@@ -28,7 +28,7 @@ import numpy as np
 from broker import queues
 from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
-from sits_worker.leasing import batch_cost, feed_bucket, lease, lease_riders
+from sits_worker.leasing import batch_need, feed_bucket, lease, lease_riders
 from sits_worker.online import give_back, run_requests
 
 
@@ -95,24 +95,26 @@ def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str,
     """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none.
 
     The batch runs instead of the chunk's next mini-batch, so it may use the chunk's reservation;
-    what that does not cover must fit the free memory (`MemoryLedger.reserve_in_place_of`), else
-    the batch is left for another stream slot.
+    what that does not cover of its real need must fit the free memory
+    (`MemoryLedger.reserve_in_place_of`), else it goes back to its queue unrun, for another slot.
     """
     snapshot = ctx.queue_watcher.snapshot()
     for model_ref, score in sorted(snapshot.heads.items(), key=lambda head: head[1]):
         if score >= chunk_score:
             return False
-        cost = batch_cost(ctx, model_ref)
+        leased = lease(ctx, model_ref, ticket, requests_only=True)
+        if not leased:
+            continue
+        need, seconds = batch_need(ctx, leased)
         with ctx.ledger.deciding:
-            handle = ctx.ledger.reserve_in_place_of(chunk_reservation, cost.full_need(), now=time.time(),
-                                                    expected_seconds=cost.seconds(rows=cost.max_rows))
+            handle = ctx.ledger.reserve_in_place_of(chunk_reservation, need, now=time.time(), expected_seconds=seconds)
         if handle is None:
+            queues.return_unrun(ctx.store, leased)
+            ctx.ledger.count("memory_waits")
             continue
         try:
-            leased = lease(ctx, model_ref, ticket, requests_only=True)
-            if leased:
-                run_requests(ctx, leased)
-                return True
+            run_requests(ctx, leased)
+            return True
         finally:
             ctx.ledger.release(handle, now=time.time())
     return False

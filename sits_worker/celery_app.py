@@ -86,10 +86,13 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
                 info["models_loaded"] = ctx.sessions.loaded()
                 info["memory"] = ctx.ledger.stats()
                 info["commits_pending"] = ctx.commits.pending()
-                ctx.observed.flush(ctx.store, worker=worker_name, device=str(ctx.device))
                 workers.record_heartbeat(ctx.store, worker_name, info, now=time.time())
             except Exception as err:  # Redis down: keep trying, the worker itself stays up
                 log.warning("heartbeat failed: %s", err)
+            try:
+                ctx.observed.flush(ctx.store, worker=worker_name, device=str(ctx.device))
+            except Exception as err:
+                log.warning("could not write the observed profiles: %s", err)
             _heartbeat_stop.wait(2.0)
 
     threading.Thread(target=beat, name="sits-heartbeat", daemon=True).start()

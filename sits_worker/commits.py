@@ -8,10 +8,12 @@ stream slot hands a finished chunk to this process's commit thread and
 leases its next batch at once; the thread writes the parts, fsyncs them and
 acks the chunk, while the device computes the next one.
 
-A slot waits, before it admits its next batch (so holding no device memory),
-while `max_pending` commits (the worker's stream count) are queued or running:
-each holds its chunk's outputs in host memory. A commit first extends its
-chunk's lease, so a commit queued behind another is not taken for a dead one.
+While `max_pending` commits (the worker's stream count) are queued or
+running, each holding its chunk's outputs in host memory, a slot leases no
+job chunk: it serves online requests, or waits for room holding no device
+memory (slots checking at the same moment may each add one more). A commit
+first extends its chunk's lease (a lease of `lease_timeout`, 60 s by
+default, outlasts any reasonable queue of commits).
 A worker killed with commits pending loses no data: their chunks were never
 acked, so their leases run out and they run again (an attempt counted each).
 """
@@ -36,11 +38,17 @@ class Commits:
         self._pending: set[Future[object]] = set()
         self._room = threading.Condition()
 
-    def wait_for_room(self) -> None:
-        """Block while `max_pending` commits are queued or running; a stream slot calls it before it
-        admits its next batch, so that it waits for the disk holding no device memory."""
+    def has_room(self) -> bool:
+        """Fewer than `max_pending` commits queued or running: a stream slot may lease a job chunk."""
         with self._room:
-            self._room.wait_for(lambda: len(self._pending) < self._max_pending)
+            return len(self._pending) < self._max_pending
+
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Block while `max_pending` commits are queued or running (at most `timeout`); True if there
+        is room. A slot without room leases online requests only, and waits here (holding no device
+        memory) when nothing else is to be done."""
+        with self._room:
+            return self._room.wait_for(lambda: len(self._pending) < self._max_pending, timeout=timeout)
 
     def submit(self, commit: Callable[[], object]) -> Future[object]:
         """Queue `commit` (it handles its own errors: whatever escapes is logged); never blocks."""

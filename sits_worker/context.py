@@ -117,10 +117,11 @@ class WorkerContext:
         """Run one batch of `model_ref` (on `session` when given, looked up once per chunk); on device
         OOM, again on the CPU when the fallback strategy says so."""
         try:
+            session = session or self.session(model_ref)  # a cold load is not a batch's run time
             started = time.perf_counter()
-            outputs = run_session(session or self.session(model_ref), feed, output_names)
-            self.observed.record(model_ref, len(next(iter(feed.values()))) if feed else 0,
-                                 time.perf_counter() - started)
+            outputs = run_session(session, feed, output_names)
+            if feed and not (self.model(model_ref).get("static_profile") or {}).get("sequence_axis"):
+                self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
             return outputs
         except DeviceOutOfMemory:
             if self.device.kind == "cpu" or self.settings.scheduler.fallback_strategy != "cpu-offload-on-oom":

@@ -2,9 +2,10 @@
 
 A ticket is a circulating Celery task (DESIGN.md, "Dispatch"): it leases the
 best waiting batch across models, runs it, and goes on until no queue has
-work for `ticket_linger` (it waits on the doorbell meanwhile, then retires,
-atomically with a last check) or its time slice is used (then it re-queues
-itself so other Celery tasks get the thread).
+work for `ticket_linger` and its process has no chunk commit pending (it
+waits on the doorbell meanwhile, then retires, atomically with a last check)
+or its time slice is used (then it re-queues itself so other Celery tasks
+get the thread).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                     touch = time.monotonic() - touched_at > settings.ticket_timeout / 4
                     touched_at = time.monotonic() if touch else touched_at
                     queues.wait_for_doorbell(ctx.store, ticket, now=time.time(), touch=touch,
-                                             timeout=min(max(linger_left, 0.001), _DOORBELL_SLICE_SECONDS))
+                                             timeout=min(linger_left, _DOORBELL_SLICE_SECONDS)
+                                             if linger_left > 0 else _DOORBELL_SLICE_SECONDS)
                 elif queues.release_ticket(ctx.store, ticket):
                     return "released"
                 continue
             idle_since = None
-            ctx.commits.wait_for_room()  # before any memory is held: a slot may outpace the disk
+            # A slot that outpaces the disk leases no chunk until a commit is done (requests go on).
+            room = ctx.commits.has_room()
             leased: list[queues.LeasedItem] = []
             now = time.time()
             order = policy.model_order(heads, ctx.settings.scheduler.policy, ctx.last_served)
@@ -60,7 +63,7 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                 order, lambda ref: batch_cost(ctx, ref), ctx.ledger, now=now,
                 backfill=ctx.settings.scheduler.policy == "graph-aware-backfill", head_items=snapshot.head_items)
             try:
-                leased, admission = _lease_admitted(ctx, allowed, ticket)
+                leased, admission = _lease_admitted(ctx, allowed, ticket, requests_only=not room)
             finally:
                 if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
                     ctx.ledger.release(hold, now=time.time())
@@ -70,7 +73,9 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                     if runnable.items:
                         _run_leased(ctx, runnable.items, ticket, runnable.handle)
                         ran = True
-            if not ran:
+            if not ran and not room:
+                ctx.commits.wait_for_room(timeout=0.05)  # a chunk may head a queue: wait for the disk
+            elif not ran:
                 time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
             if time.monotonic() >= slice_ends:
                 return "yield"
@@ -78,10 +83,10 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
         return "stale"
 
 
-def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission],
-                    ticket: str) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
+def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ticket: str, *,
+                    requests_only: bool = False) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
     """Lease the first admitted model's batch that has work, with its admission; ([], None) when none
-    has any now."""
+    has any now (with `requests_only`: none headed by an online request)."""
     for admission in allowed:
         model_ref = admission.model
         batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
@@ -90,7 +95,8 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission],
         # A batch cut to free memory (a backfill, or beside the head) takes no chunk along and no
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
-        leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut)
+        leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut,
+                       requests_only=requests_only)
         if leased:
             ctx.last_served = model_ref
             return leased, admission

@@ -99,14 +99,14 @@ def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission:
     handle = None
     try:
         with ledger.deciding:
-            need, seconds = _batch_need(ctx, leased)
+            need, seconds = batch_need(ctx, leased)
             if chunks and not (admission.allows_chunk(need, seconds) and ledger.fits_instead(need, hold)):
                 queues.return_unrun(ctx.store, chunks)
                 if leased[0] is chunks[0]:  # it heads its queue again
                     ledger.claim(model_ref, reservation.Claim(chunks[0].payload["job"], need, seconds))
                 leased = [item for item in leased if item.payload.get("kind") != "chunk"]
-                need, seconds = _batch_need(ctx, leased) if leased else (0, 0.0)
-            if leased and need:
+                need, seconds = batch_need(ctx, leased) if leased else (0, 0.0)
+            if any(item.payload.get("kind") != "finalize" for item in leased):  # a merge needs no device memory
                 handle = ledger.reserve(need, now=time.time(), expected_seconds=seconds)
     finally:
         if hold is not None:  # whatever happened, the hold gives way (the real one is in, or none)
@@ -118,7 +118,7 @@ def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission:
             ledger.release(handle, now=time.time())
 
 
-def _batch_need(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> tuple[int, float]:
+def batch_need(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> tuple[int, float]:
     """(Bytes, expected seconds) of what one lease runs: requests by their rows and tokens (a token
     model's), a chunk by the rows of its largest run, held until its last mini-batch (its expected
     end is the time of all its rows)."""

@@ -17,6 +17,7 @@ the model costs here, not in isolation.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -47,7 +48,7 @@ class ObservedLatencies:
         """One batch of `rows` rows of `model_ref` ran in `seconds`."""
         if rows < 1 or seconds <= 0:
             return
-        size_class = 1 << (rows.bit_length() - 1)
+        size_class = _size_class(rows)
         with self._lock:
             classes = self._samples[model_ref]
             classes.setdefault(size_class, deque(maxlen=SAMPLES_KEPT)).append((rows, seconds))
@@ -84,17 +85,31 @@ class ObservedLatencies:
                 with self._lock:
                     self._fresh.add(model_ref)  # not enough samples yet: try again next time
                 continue
-            profile = {"source": "observed", "device": device, "measured_at": now, "points": points,
-                       "worker": worker}
-            record = registry.update_model_version(store, model_ref, {"profile": profile}, only_if=_learnable)
-            if record.get("profile") == profile:
+            record = registry.update_model_version(
+                store, model_ref, functools.partial(_merged, points=points, device=device, worker=worker, now=now))
+            if (record.get("profile") or {}).get("measured_at") == now:
                 written.append(model_ref)
         return written
 
 
-def _learnable(record: dict[str, Any]) -> bool:
-    """May an observed profile go into this record? Not over a measured one, not for a token model."""
+def _size_class(batch_size: int) -> int:
+    return 1 << (max(1, batch_size).bit_length() - 1)
+
+
+def _merged(record: dict[str, Any], points: list[dict[str, float]], device: str, worker: str,
+            now: float) -> dict[str, Any] | None:
+    """The record's new observed profile: its points of the same device, each size class replaced by
+    this worker's where it has one (workers running different sizes, such as one serving jobs and
+    one serving requests, add up instead of overwriting each other); None when the record takes no
+    observed profile: over a measured one, or a token model's."""
     if (record.get("static_profile") or {}).get("sequence_axis"):
-        return False
+        return None
     current = record.get("profile") or {}
-    return not current.get("points") or current.get("source") == "observed"
+    if current.get("points") and current.get("source") != "observed":
+        return None
+    kept = {}
+    if current.get("device") == device:
+        kept = {_size_class(int(point["batch_size"])): point for point in current.get("points") or []}
+    kept |= {_size_class(int(point["batch_size"])): point for point in points}
+    return {"profile": {"source": "observed", "device": device, "measured_at": now, "worker": worker,
+                        "points": [kept[size] for size in sorted(kept)]}}

@@ -243,3 +243,6 @@ def test_an_observed_profile_sets_the_job_batch_only_from_the_fallback_size_up()
     assert auto_batch_size(with_jobs) == 128  # within 5 % of the best observed from 128 up
     measured = {"profile": {"source": "measured", "points": online_only["profile"]["points"]}}
     assert auto_batch_size(measured) == 8  # a measured sweep is trusted as it is
+    # Chunks are sized the same way: small online batches' rates do not stand for a job's.
+    assert profiled_rows_per_second(online_only, 128) is None
+    assert profiled_rows_per_second(with_jobs, 128) == 128_000.0

@@ -149,3 +149,28 @@ def test_a_drain_task_keeps_its_ticket_until_its_commits_are_done(
     assert dispatch.drain(ctx, ticket) == "released"
 
     assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["status"] == "succeeded"
+
+
+def test_a_drain_task_retires_once_a_commit_that_queues_nothing_is_done(
+        mlp_job: tuple[WorkerContext, jobs.JobSpec, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's other chunk runs elsewhere, so this commit's ack rings no doorbell: the lingering
+    task must still look again and retire (a blocking pop of ~1 ms used to mean 'forever' on Redis 6)."""
+    from sits_worker import dispatch, execution
+
+    ctx, spec, _ = mlp_job
+    ctx.settings = ctx.settings.with_overrides(scheduler={"ticket_linger": 0.1})
+    first, _ = queues.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=2)
+    queues.return_unrun(ctx.store, [first])  # chunk 0 waits again; chunk 1 stays with another worker
+    write_part = execution.write_part
+    monkeypatch.setattr(execution, "write_part", lambda *args, **kwargs: (time.sleep(0.5),
+                                                                          write_part(*args, **kwargs)))
+    [ticket] = queues.top_up_tickets(ctx.store, now=time.time(), target=1)
+    ctx.store.client.delete(ctx.store.keys.doorbell)
+    outcome: list[str] = []
+    runner = threading.Thread(target=lambda: outcome.append(dispatch.drain(ctx, ticket)), daemon=True)
+
+    runner.start()
+    runner.join(10)
+
+    assert outcome == ["released"]
+    assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 1

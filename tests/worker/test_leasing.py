@@ -177,15 +177,16 @@ def test_urgent_requests_served_between_a_chunk_s_mini_batches_use_its_memory_bu
     from sits_worker.between import _serve_one_urgent_batch
 
     ctx = small_ctx(store)
-    spec = RequestSpec(request_id="r1", model_name="tok", model_version="v1",
-                       inputs={"ids": np.zeros((1, 16), np.int64)}, rows=1, tokens=16,
-                       bucket="ids:~16", factors={"level": 15}, padded_tokens=16)
+    spec = RequestSpec(request_id="r1", model_name="tok", model_version="v1",  # 8,192 tokens: 1 GiB
+                       inputs={"ids": np.zeros((1, 8192), np.int64)}, rows=1, tokens=8192,
+                       bucket="ids:~8192", factors={"level": 15}, padded_tokens=8192)
     requests.submit_request(store, spec, score=-1e9, now=time.time(), max_age_seconds=60)
     other = ctx.ledger.reserve(7 * 1024 * MIB + 256 * MIB, now=time.time(), expected_seconds=1.0)  # another slot's
-    chunk = ctx.ledger.reserve(512 * MIB, now=time.time(), expected_seconds=1.0)  # 256 MiB free; a batch: 1 GiB
+    chunk = ctx.ledger.reserve(512 * MIB, now=time.time(), expected_seconds=1.0)  # 256 MiB free
 
     assert not _serve_one_urgent_batch(ctx, chunk_score=0.0, ticket="", chunk_reservation=chunk)
-    assert store.client.zcard(store.keys.ready("tok@v1")) == 1
+    assert store.client.zcard(store.keys.ready("tok@v1")) == 1  # back in its queue, unrun
+    assert store.client.hget(store.keys.attempts, "r1") is None and ctx.ledger.stats()["memory_waits"] == 1
     assert ctx.ledger.stats()["batches_running"] == 2  # nothing left behind
 
     ctx.ledger.release(other, now=time.time())

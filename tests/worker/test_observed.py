@@ -71,7 +71,9 @@ def test_a_static_model_learns_its_latency_curve_from_the_batches_a_worker_runs(
     assert [point["batch_size"] for point in record["profile"]["points"]] == [1, 64, 512]
     point_64 = record["profile"]["points"][1]["latency_ms"]
     assert estimate_latency_ms(record, rows=64, tokens=None) == point_64 != static_estimate
-    assert chunking.auto_batch_size(record) == 512  # from what ran at 128 rows and up
+    # Job sizes: from the points of 128 rows and up (512), no longer the fallbacks.
+    assert chunking.auto_batch_size(record) == 512
+    assert chunking.profiled_rows_per_second(record, 512) == record["profile"]["points"][2]["rows_per_second"]
     assert ctx.observed.flush(store, worker="w1", device="cpu", force=True) == []  # nothing new since
 
 
@@ -108,3 +110,22 @@ def test_flushes_are_spaced_unless_forced(store: Store, zoo_dir: Path) -> None:
     observed.record(ref, 2, 0.002)
     assert observed.flush(store, worker="w1", device="cpu", now=105.0) == []  # within FLUSH_SECONDS
     assert observed.flush(store, worker="w1", device="cpu", now=111.0) == [ref]
+
+
+def test_workers_that_ran_different_sizes_add_up_their_observations(store: Store, zoo_dir: Path) -> None:
+    """One worker serving requests (small batches) and one running a job (128 rows) must not replace
+    each other's points every flush; a size class both ran takes the latest."""
+    ref = register(store, zoo_dir)
+    online, offline = ObservedLatencies(), ObservedLatencies()
+    for _ in range(MIN_SAMPLES):
+        online.record(ref, 2, 0.001)
+        offline.record(ref, 128, 0.010)
+    online.flush(store, worker="w1", device="cpu", force=True)
+    offline.flush(store, worker="w2", device="cpu", force=True)
+    assert [point["batch_size"] for point in registry.get_model(store, ref)["profile"]["points"]] == [2, 128]
+
+    for _ in range(MIN_SAMPLES):
+        online.record(ref, 3, 0.004)  # class 2 again, slower now
+    online.flush(store, worker="w1", device="cpu", force=True)
+    points = registry.get_model(store, ref)["profile"]["points"]
+    assert [(point["batch_size"], point["latency_ms"]) for point in points] == [(2, 2.5), (128, 10.0)]
