@@ -49,8 +49,8 @@ def profiled_rows_per_second(record: dict[str, Any], batch_size: int) -> float |
     only up to the batch size where a run takes a third of the profiling budget).
     """
     points = throughput_points(record)
-    if not points:
-        return None
+    if not points or ((record.get("profile") or {}).get("source") == "observed" and batch_size < FALLBACK_BATCH_ROWS):
+        return None  # (an observed rate at 128 rows and up would overstate a smaller batch's)
     below = [point for point in points if point["batch_size"] <= batch_size]
     return float((below[-1] if below else points[0])["rows_per_second"])
 

@@ -46,6 +46,12 @@ def chunk_item_id(job_id: str, chunk_index: int) -> str:
     return f"{job_id}:c{chunk_index:07d}"
 
 
+def is_chunk_item_id(item_id: str) -> bool:
+    """Is `item_id` a job chunk's (`chunk_item_id`), as queue heads are read by id alone?"""
+    job, _, chunk = item_id.rpartition(":")
+    return bool(job) and chunk.startswith("c") and chunk[1:].isdigit()
+
+
 def finalize_item_id(job_id: str) -> str:
     """Item id of the job's last step: merging parts into its outputs."""
     return f"{job_id}:final"

@@ -250,6 +250,13 @@ class MemoryLedger:
             others = [run.reserved for handle, run in self._running.items() if handle != hold]
             return not others or sum(others) + round_up(need_bytes, self.granularity) <= self.capacity_bytes
 
+    def room_in_place_of(self, lender: int | None) -> int | None:
+        """Whole units a batch running in place of the batch holding `lender` may use (its reservation
+        and the free memory); None: no limit, nothing else runs (see `reserve_in_place_of`)."""
+        with self._lock:
+            others = sum(run.reserved for handle, run in self._running.items() if handle != lender)
+        return None if not others else self.whole_units(self.capacity_bytes - others)
+
     def reserve_in_place_of(self, lender: int | None, need_bytes: int, *, now: float,
                             expected_seconds: float) -> int | None:
         """Reserve for a batch that runs on the thread of the batch holding `lender`, between two of

@@ -20,6 +20,7 @@ Looking costs a Redis round trip, so it happens at most every
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -28,7 +29,7 @@ import numpy as np
 from broker import queues
 from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
-from sits_worker.leasing import batch_need, feed_bucket, lease, lease_riders
+from sits_worker.leasing import batch_cost, batch_need, feed_bucket, lease, lease_riders
 from sits_worker.online import give_back, run_requests
 
 
@@ -94,29 +95,40 @@ class BetweenBatches:
 def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str, chunk_reservation: int | None) -> bool:
     """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none.
 
-    The batch runs instead of the chunk's next mini-batch, so it may use the chunk's reservation;
-    what that does not cover of its real need must fit the free memory
-    (`MemoryLedger.reserve_in_place_of`), else it goes back to its queue unrun, for another slot.
+    The batch runs instead of the chunk's next mini-batch, so it may use the chunk's reservation
+    and the free memory (`MemoryLedger.room_in_place_of`): it is leased cut to that room (nothing
+    is leased when its first request does not fit, so nothing is leased and returned every look),
+    and reserved by its real need; should that no longer fit, it goes back to its queue unrun.
     """
     snapshot = ctx.queue_watcher.snapshot()
     for model_ref, score in sorted(snapshot.heads.items(), key=lambda head: head[1]):
         if score >= chunk_score:
             return False
-        leased = lease(ctx, model_ref, ticket, requests_only=True)
+        room = ctx.ledger.room_in_place_of(chunk_reservation)
+        cut = None if room is None else batch_cost(ctx, model_ref).within(model_ref, room, math.inf)
+        if room is not None and cut is None:
+            continue  # not one request of this model fits beside the others now
+        leased = lease(ctx, model_ref, ticket, requests_only=True, admission=cut, within_cut=cut is not None)
         if not leased:
             continue
-        need, seconds = batch_need(ctx, leased)
-        with ctx.ledger.deciding:
-            handle = ctx.ledger.reserve_in_place_of(chunk_reservation, need, now=time.time(), expected_seconds=seconds)
-        if handle is None:
-            queues.return_unrun(ctx.store, leased)
-            ctx.ledger.count("memory_waits")
-            continue
+        handle = None
         try:
+            need, seconds = batch_need(ctx, leased)
+            with ctx.ledger.deciding:
+                handle = ctx.ledger.reserve_in_place_of(chunk_reservation, need, now=time.time(),
+                                                        expected_seconds=seconds)
+            if handle is None:
+                queues.return_unrun(ctx.store, leased)
+                continue
             run_requests(ctx, leased)
             return True
+        except BaseException:
+            if handle is None:  # not run: back to the queue (a run that failed settled its own requests)
+                queues.return_unrun(ctx.store, leased)
+            raise
         finally:
-            ctx.ledger.release(handle, now=time.time())
+            if handle is not None:
+                ctx.ledger.release(handle, now=time.time())
     return False
 
 

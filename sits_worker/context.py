@@ -118,9 +118,10 @@ class WorkerContext:
         OOM, again on the CPU when the fallback strategy says so."""
         try:
             session = session or self.session(model_ref)  # a cold load is not a batch's run time
+            learn = bool(feed) and not (self.model(model_ref).get("static_profile") or {}).get("sequence_axis")
             started = time.perf_counter()
             outputs = run_session(session, feed, output_names)
-            if feed and not (self.model(model_ref).get("static_profile") or {}).get("sequence_axis"):
+            if learn:
                 self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
             return outputs
         except DeviceOutOfMemory:

@@ -73,8 +73,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                     if runnable.items:
                         _run_leased(ctx, runnable.items, ticket, runnable.handle)
                         ran = True
-            if not ran and not room:
-                ctx.commits.wait_for_room(timeout=0.05)  # a chunk may head a queue: wait for the disk
+            if not ran and not room and all(map(jobs.is_chunk_item_id, snapshot.head_items.values())):
+                ctx.commits.wait_for_room(timeout=0.05)  # only chunks wait: wait for the disk
             elif not ran:
                 time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
             if time.monotonic() >= slice_ends:

@@ -18,6 +18,7 @@ the model costs here, not in isolation.
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 import threading
 import time
@@ -25,7 +26,10 @@ from collections import defaultdict, deque
 from typing import Any
 
 from broker import registry
+from broker.errors import SitsError
 from broker.store import Store
+
+log = logging.getLogger(__name__)
 
 FLUSH_SECONDS = 10.0
 """How often a worker writes what it observed (per model, only when it has new samples)."""
@@ -85,8 +89,12 @@ class ObservedLatencies:
                 with self._lock:
                     self._fresh.add(model_ref)  # not enough samples yet: try again next time
                 continue
-            record = registry.update_model_version(
-                store, model_ref, functools.partial(_merged, points=points, device=device, worker=worker, now=now))
+            try:
+                record = registry.update_model_version(
+                    store, model_ref, functools.partial(_merged, points=points, device=device, worker=worker, now=now))
+            except SitsError as err:  # this model (deleted, or Redis away): the others still go
+                log.warning("could not write the observed profile of %s: %s", model_ref, err)
+                continue
             if (record.get("profile") or {}).get("measured_at") == now:
                 written.append(model_ref)
         return written
@@ -101,14 +109,15 @@ def _merged(record: dict[str, Any], points: list[dict[str, float]], device: str,
     """The record's new observed profile: its points of the same device, each size class replaced by
     this worker's where it has one (workers running different sizes, such as one serving jobs and
     one serving requests, add up instead of overwriting each other); None when the record takes no
-    observed profile: over a measured one, or a token model's."""
+    observed profile: over a measured one, or a token model's. Points of another kind of device are
+    dropped (a CPU's latencies say nothing of a GPU's); GPUs of one kind are taken as alike."""
     if (record.get("static_profile") or {}).get("sequence_axis"):
         return None
     current = record.get("profile") or {}
     if current.get("points") and current.get("source") != "observed":
         return None
     kept = {}
-    if current.get("device") == device:
+    if str(current.get("device", "")).partition(":")[0] == device.partition(":")[0]:  # same kind (gpu:0, gpu:1)
         kept = {_size_class(int(point["batch_size"])): point for point in current.get("points") or []}
     kept |= {_size_class(int(point["batch_size"])): point for point in points}
     return {"profile": {"source": "observed", "device": device, "measured_at": now, "worker": worker,

@@ -246,3 +246,4 @@ def test_an_observed_profile_sets_the_job_batch_only_from_the_fallback_size_up()
     # Chunks are sized the same way: small online batches' rates do not stand for a job's.
     assert profiled_rows_per_second(online_only, 128) is None
     assert profiled_rows_per_second(with_jobs, 128) == 128_000.0
+    assert profiled_rows_per_second(with_jobs, 64) is None  # a 128-row rate would overstate a 64-row batch

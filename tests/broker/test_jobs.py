@@ -307,3 +307,10 @@ def test_the_reaper_fails_a_job_whose_item_stays_dead(store: Store) -> None:
     assert outcome == "failed"
     assert ready_ids(store) == [] and store.client.zcard(store.keys.dead) == 0
     assert store.client.hlen(store.keys.items) == 0
+
+
+def test_chunk_item_ids_are_told_from_finalize_and_request_ids() -> None:
+    job_id = jobs.new_job_id()
+    assert jobs.is_chunk_item_id(jobs.chunk_item_id(job_id, 12))
+    assert not jobs.is_chunk_item_id(jobs.finalize_item_id(job_id))
+    assert not jobs.is_chunk_item_id("r0123abcd") and not jobs.is_chunk_item_id(":c1")

@@ -268,3 +268,15 @@ def test_the_hold_of_an_admitted_claim_covers_the_chunk() -> None:
     assert admission.claim is not None and ledger.stats()["reserved_bytes"] == 768 * MIB
     assert ledger.fits_instead(768 * MIB, hold)  # the chunk takes the hold's place
     assert not ledger.fits_instead(768 * MIB, None)
+
+
+def test_a_batch_run_in_place_of_another_may_use_its_reservation_and_the_free_memory() -> None:
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    chunk = ledger.reserve(256 * MIB, now=0, expected_seconds=1.0)
+    assert ledger.room_in_place_of(chunk) is None  # nothing else runs: no limit
+    ledger.reserve(512 * MIB, now=0, expected_seconds=1.0)
+
+    assert ledger.room_in_place_of(chunk) == 512 * MIB  # its 256 MiB and the 256 MiB free
+    assert ledger.reserve_in_place_of(chunk, 640 * MIB, now=0, expected_seconds=0.1) is None
+    extra = ledger.reserve_in_place_of(chunk, 500 * MIB, now=0, expected_seconds=0.1)
+    assert extra is not None and ledger.free_bytes() == 0  # 256 MiB more than the chunk's own

@@ -129,3 +129,19 @@ def test_workers_that_ran_different_sizes_add_up_their_observations(store: Store
     online.flush(store, worker="w1", device="cpu", force=True)
     points = registry.get_model(store, ref)["profile"]["points"]
     assert [(point["batch_size"], point["latency_ms"]) for point in points] == [(2, 2.5), (128, 10.0)]
+
+
+def test_points_of_another_kind_of_device_are_replaced_and_gpus_of_one_kind_add_up(store: Store,
+                                                                                   zoo_dir: Path) -> None:
+    ref = register(store, zoo_dir)
+
+    def flush(device: str, rows: int) -> list[int]:
+        observed = ObservedLatencies()
+        for _ in range(MIN_SAMPLES):
+            observed.record(ref, rows, 0.001)
+        observed.flush(store, worker=device, device=device, force=True)
+        return [point["batch_size"] for point in registry.get_model(store, ref)["profile"]["points"]]
+
+    assert flush("cpu", 2) == [2]
+    assert flush("gpu:0", 8) == [8]  # a CPU's latencies say nothing of a GPU's
+    assert flush("gpu:1", 128) == [8, 128]
