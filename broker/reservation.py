@@ -237,17 +237,11 @@ class MemoryLedger:
         with self._lock:
             return self.capacity_bytes - sum(run.reserved for run in self._running.values())
 
-    def fits(self, need_bytes: int) -> bool:
-        """Would a batch needing `need_bytes` fit now (or is the device idle)?"""
+    def fits(self, need_bytes: int, *, instead_of: int | None = None) -> bool:
+        """Would a batch needing `need_bytes` fit now, taking the place of the reservation
+        `instead_of` if given (or is nothing else running)?"""
         with self._lock:
-            reserved = sum(run.reserved for run in self._running.values())
-            return not self._running or reserved + round_up(need_bytes, self.granularity) <= self.capacity_bytes
-
-    def fits_instead(self, need_bytes: int, hold: int | None) -> bool:
-        """Would a batch needing `need_bytes` fit if it took the place of the reservation `hold`
-        (or is nothing else running)?"""
-        with self._lock:
-            others = [run.reserved for handle, run in self._running.items() if handle != hold]
+            others = [run.reserved for handle, run in self._running.items() if handle != instead_of]
             return not others or sum(others) + round_up(need_bytes, self.granularity) <= self.capacity_bytes
 
     def room_in_place_of(self, lender: int | None) -> int | None:
@@ -372,7 +366,7 @@ def admit_and_hold(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], 
 
     A slot leases its batch a Redis round trip after the decision; without the hold, another slot
     of the worker deciding meanwhile would see the same memory free and admit a batch on it too.
-    The slot swaps the hold for its real batch's reservation once leased (`MemoryLedger.fits_instead`),
+    The slot swaps the hold for its real batch's reservation once leased (`MemoryLedger.fits(instead_of=)`),
     or releases it when it leased nothing.
     """
     with ledger.deciding:

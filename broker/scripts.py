@@ -2,7 +2,9 @@
 
 Each script is one atomic operation (STYLE.md, "Redis and Lua"); its text is
 read once with `importlib.resources` and registered once per client, so
-every call is an EVALSHA of one stable SHA.
+every call is an EVALSHA of one stable SHA. A script cannot call another, so
+the helpers they share (`lib.lua`: the ticket check, the doorbell, the
+ticket top-up, `number_or`) are put in front of each script's text.
 """
 
 from __future__ import annotations
@@ -33,9 +35,14 @@ SCRIPT_NAMES = (
 
 
 @cache
-def script_text(name: str) -> str:
-    """The source of `broker/lua/<name>.lua`."""
+def _lua_file(name: str) -> str:
     return resources.files("broker").joinpath("lua", f"{name}.lua").read_text()
+
+
+@cache
+def script_text(name: str) -> str:
+    """The source registered for `broker/lua/<name>.lua`: the shared helpers of `lib.lua`, then the script."""
+    return _lua_file("lib") + _lua_file(name)
 
 
 class Scripts:

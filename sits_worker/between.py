@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -40,7 +40,8 @@ class BetweenBatches:
     def __init__(self, ctx: WorkerContext, item: LeasedItem, ticket: str,
                  carried: Sequence[LeasedItem] = (), reservation: int | None = None) -> None:
         self._ctx, self._item, self._ticket, self._reservation = ctx, item, ticket, reservation
-        self._keep_alive = _keep_alive(ctx, item, ticket, ctx.settings.scheduler.lease_timeout)
+        self._lease_seconds = ctx.settings.scheduler.lease_timeout
+        self._extended_at = time.monotonic()
         score = item.payload.get("score")
         self._chunk_score = float(score) if isinstance(score, int | float) else None
         self._interval = ctx.settings.scheduler.yield_check_interval
@@ -77,7 +78,10 @@ class BetweenBatches:
         """Extend the item's lease (and touch the ticket) when a quarter of the lease has passed since
         the last extension; cheap otherwise, so long work without mini-batches (a job's finalize merge)
         calls it as often as it likes."""
-        self._keep_alive()
+        if time.monotonic() - self._extended_at >= self._lease_seconds / 4:
+            self._extended_at = time.monotonic()
+            queues.extend_lease(self._ctx.store, self._item, self._ticket, now=time.time(),
+                                lease_seconds=self._lease_seconds)
 
     def finish(self) -> None:
         """Settle carried requests the chunk never reached (it was dropped, failed or had no rows): run
@@ -131,15 +135,3 @@ def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str,
                 ctx.ledger.release(handle, now=time.time())
     return False
 
-
-def _keep_alive(ctx: WorkerContext, item: LeasedItem, ticket: str, lease_seconds: float) -> Callable[[], None]:
-    """A callback that extends the item's lease (and touches the ticket) every `lease_seconds / 4`."""
-    last = time.monotonic()
-
-    def keep_alive() -> None:
-        nonlocal last
-        if time.monotonic() - last >= lease_seconds / 4:
-            last = time.monotonic()
-            queues.extend_lease(ctx.store, item, ticket, now=time.time(), lease_seconds=lease_seconds)
-
-    return keep_alive

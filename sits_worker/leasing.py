@@ -100,7 +100,7 @@ def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission:
     try:
         with ledger.deciding:
             need, seconds = batch_need(ctx, leased)
-            if chunks and not (admission.allows_chunk(need, seconds) and ledger.fits_instead(need, hold)):
+            if chunks and not (admission.allows_chunk(need, seconds) and ledger.fits(need, instead_of=hold)):
                 queues.return_unrun(ctx.store, chunks)
                 if leased[0] is chunks[0]:  # it heads its queue again
                     ledger.claim(model_ref, reservation.Claim(chunks[0].payload["job"], need, seconds))

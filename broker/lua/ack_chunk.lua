@@ -44,8 +44,7 @@ redis.call('HSET', KEYS[5], 'checkpoint_ts', ARGV[4], 'status', 'running')
 if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then
   redis.call('HSET', KEYS[3], ARGV[5], finalize_payload)
   redis.call('ZADD', KEYS[2], finalize_score, ARGV[5])
-  redis.call('LPUSH', KEYS[7], '1')
-  redis.call('LTRIM', KEYS[7], 0, 63)
+  ring_doorbell(KEYS[7])
   return 2
 end
 return 1

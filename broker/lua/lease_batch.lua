@@ -27,18 +27,8 @@
 -- that do not fit wait for the next batch).
 -- With ARGV[9], the candidates are scanned past a full batch, looking for that chunk.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
-if ARGV[1] ~= '' then
-  if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-    return {-1}
-  end
-  redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[1])
-end
--- JSON null decodes to cjson.null, not nil: count anything that is not a number as `default`.
-local function number_or(value, default)
-  if type(value) == 'number' then
-    return value
-  end
-  return default
+if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
+  return {-1}
 end
 local max_items, max_rows, max_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local max_chunks = tonumber(ARGV[7])

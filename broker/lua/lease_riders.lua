@@ -17,19 +17,8 @@
 -- ARGV[8] how many queue entries to look at
 -- Returns: {-1} when the ticket is no longer valid; else {n, id1, payload1, attempts1, ...}, best first.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
--- The ticket check and number_or are lease_batch.lua's: a Redis script cannot call another.
-if ARGV[1] ~= '' then
-  if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-    return {-1}
-  end
-  redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[1])
-end
--- JSON null decodes to cjson.null, not nil: count anything that is not a number as `default`.
-local function number_or(value, default)
-  if type(value) == 'number' then
-    return value
-  end
-  return default
+if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
+  return {-1}
 end
 local bucket = ARGV[4]
 local max_items, max_rows, max_tokens = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])

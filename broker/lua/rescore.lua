@@ -17,13 +17,6 @@ local alpha, beta, gamma, delta = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber
 local express_level, express_max_tokens = tonumber(ARGV[9]), tonumber(ARGV[10])
 local express_bonus = tonumber(ARGV[11])
 
-local function number_or(value, default)
-  if type(value) == 'number' then
-    return value
-  end
-  return default
-end
-
 local function queue_key(f)
   local since = number_or(f['enqueued_at'], 0) - EPOCH
   if ordering == 'fifo' then

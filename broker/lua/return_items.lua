@@ -21,7 +21,6 @@ for _, item_id in ipairs(ARGV) do
   end
 end
 if returned > 0 then
-  redis.call('LPUSH', KEYS[5], '1')
-  redis.call('LTRIM', KEYS[5], 0, 63)
+  ring_doorbell(KEYS[5])
 end
 return returned

@@ -266,8 +266,8 @@ def test_the_hold_of_an_admitted_claim_covers_the_chunk() -> None:
                                        head_items={"jobmodel": "j1:c0000000"})
 
     assert admission.claim is not None and ledger.stats()["reserved_bytes"] == 768 * MIB
-    assert ledger.fits_instead(768 * MIB, hold)  # the chunk takes the hold's place
-    assert not ledger.fits_instead(768 * MIB, None)
+    assert ledger.fits(768 * MIB, instead_of=hold)  # the chunk takes the hold's place
+    assert not ledger.fits(768 * MIB)
 
 
 def test_a_batch_run_in_place_of_another_may_use_its_reservation_and_the_free_memory() -> None:

@@ -1,0 +1,43 @@
+-- lib: helpers every script in this folder may use. A Redis script cannot call another, so
+-- broker/scripts.py puts this text in front of each script before registering it.
+
+-- JSON null decodes to cjson.null, not nil: count anything that is not a number as `default`.
+local function number_or(value, default)
+  if type(value) == 'number' then
+    return value
+  end
+  return default
+end
+
+-- Is `ticket` still valid (or is there none, '')? A valid one is marked seen at `now`. A stale
+-- copy of a replaced ticket is not: its caller returns {-1}.
+local function ticket_valid(tickets_key, ticket, now)
+  if ticket == '' then
+    return true
+  end
+  if not redis.call('ZSCORE', tickets_key, ticket) then
+    return false
+  end
+  redis.call('ZADD', tickets_key, 'XX', now, ticket)
+  return true
+end
+
+-- Wake an idle drain task (it blocks on this list); the list is kept short.
+local function ring_doorbell(doorbell_key)
+  redis.call('LPUSH', doorbell_key, '1')
+  redis.call('LTRIM', doorbell_key, 0, 63)
+end
+
+-- Create batch tickets until `target` circulate; returns the new ids (each is sent as a drain task).
+local function top_up_tickets(tickets_key, seq_key, now, target)
+  local new = {}
+  local count = redis.call('ZCARD', tickets_key)
+  while count < target do
+    local ticket = 't' .. redis.call('INCR', seq_key)
+    redis.call('ZADD', tickets_key, now, ticket)
+    new[#new + 1] = ticket
+    count = count + 1
+  end
+  return new
+end
+
