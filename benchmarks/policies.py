@@ -1,7 +1,8 @@
 """The policy table: round-robin vs graph-aware-backfill on a mixed stream of three zoo models.
 
-For each configuration and policy one stack runs: 1 CPU worker with 2 streams (1 ONNX Runtime
-thread each), mlp + convnet + transformer registered, and C closed-loop client threads sending
+For each configuration and policy one stack runs: 1 worker (the first GPU when NVML sees one and
+ONNX Runtime has the CUDA provider, else the CPU) with the config's streams (1 ONNX Runtime thread
+each), three zoo models registered, and C closed-loop client threads sending
 one-row requests (each thread to one model, a third of them per model) for a fixed time, after one
 warm-up request per model. Runs alternate (round-robin, graph-aware-backfill, round-robin, ...) on
 the same machine. Reported per configuration and policy: req/s (overall, per model), P99 latency
@@ -15,9 +16,14 @@ Configurations:
   default       the shipped settings: 16 GiB device, 128 MiB units; transformer requests of 16 tokens
   memory-bound  a CPU worker on a shared box capped at 256 MiB of activations, 16 MiB units;
                 transformer requests of 512 tokens (15.6 MiB of activations each by the profile)
+  device-bound  for a GPU (not in the default run): resnet50 (about 101 MiB of activations per
+                image) in place of the convnet, 4 streams, the ledger capped at 1 GiB in 128 MiB
+                units, transformer requests of 512 tokens: batches of the three models compete
+                for memory and the device, not for the REST path
 
     python benchmarks/policies.py --quick   # about 1 minute: 6 s runs, one of each
     python benchmarks/policies.py           # about 3.5 minutes: 10 s runs, 3 alternating rounds
+    python benchmarks/policies.py --configs device-bound,memory-bound --quick   # on a GPU
 """
 
 from __future__ import annotations
@@ -41,10 +47,9 @@ from benchmarks.online import CpuMeter  # noqa: E402
 from broker.config import Settings  # noqa: E402
 from sits_api.cli.client import ApiClient, ApiError  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
-from sits_worker.model.zoo import build_zoo  # noqa: E402
+from sits_worker.model.zoo import LARGE_MODELS, build_zoo  # noqa: E402
 
 POLICIES = ("round-robin", "graph-aware-backfill")
-STREAMS = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,15 @@ class Config:
     """The reservation unit, on a CPU or a GPU worker alike; None: shipped settings."""
     transformer_tokens: int
     explanation: str
+    image_model: str = "convnet"
+    """The zoo's small convnet, or `resnet50` (device-bound: milliseconds per image on a GPU)."""
+    streams: int = 2
+    """The worker's `max_concurrent_streams`."""
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The three models of the mixed stream, in table order."""
+        return ("mlp", self.image_model, "transformer")
 
     def resources(self) -> dict[str, str]:
         """The `resources` overrides of this config."""
@@ -68,7 +82,9 @@ class Config:
 
     def inputs(self) -> dict[str, tuple[str, tuple[int, ...], Any]]:
         """Model -> (input name, one request's shape without the batch axis, dtype)."""
-        return {"mlp": ("features", (64,), np.float32), "convnet": ("pixels", (3, 32, 32), np.float32),
+        images = {"convnet": (3, 32, 32), "resnet50": (3, 224, 224)}
+        return {"mlp": ("features", (64,), np.float32),
+                self.image_model: ("pixels", images[self.image_model], np.float32),
                 "transformer": ("input_ids", (self.transformer_tokens,), np.int64)}
 
 
@@ -81,7 +97,13 @@ CONFIGS = {
                            "worker capped at 256 MiB on a shared device, 16 MiB units, transformer requests "
                            "of 512 tokens (15.6 MiB each): a full transformer batch (256 MiB by the profile) "
                            "fits only on an idle device"),
+    "device-bound": Config("device-bound", "1GiB", "128MiB", 512,
+                           "for a GPU: resnet50 in place of the convnet (about 101 MiB of activations per "
+                           "image), 4 streams, the ledger capped at 1 GiB in 128 MiB units, transformer "
+                           "requests of 512 tokens: a resnet50 batch of 8 or a full transformer batch "
+                           "(256 MiB) fits only beside little else", image_model="resnet50", streams=4),
 }
+DEFAULT_CONFIGS = ("default", "memory-bound")
 
 
 def b64(array: np.ndarray) -> str:
@@ -98,10 +120,10 @@ def run(config: Config, policy: str, seconds: float, clients: int) -> dict[str, 
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
             scheduler={"policy": policy},
-            resources={"max_concurrent_streams": STREAMS, "intra_op_threads": 1, **config.resources()},
+            resources={"max_concurrent_streams": config.streams, "intra_op_threads": 1, **config.resources()},
             api={"port": 0})
         with Stack(settings, worker_count=1, api_port=0) as stack:
-            paths = build_zoo(home / "models")
+            paths = build_zoo(home / "models", include_large=config.image_model in LARGE_MODELS)
             admin = stack.client()
             for name in models:
                 admin.post("/v1/models", {"name": name, "path": str(paths[name])})
@@ -145,9 +167,10 @@ def run(config: Config, policy: str, seconds: float, clients: int) -> dict[str, 
                 thread.join()
             cpu = meter.stop()
             time.sleep(2.5)  # one more heartbeat carries the ledger's final figures
-            memory = admin.get("/v1/status")["workers"][0]["memory"]
+            worker = admin.get("/v1/status")["workers"][0]
     return {"latencies": latencies, "batches": batches, "errors": errors[0], "seconds": seconds,
-            "memory": memory, "cpu": {name: value / seconds for name, value in cpu.items()}}
+            "memory": worker["memory"], "device": worker.get("device", "?"),
+            "cpu": {name: value / seconds for name, value in cpu.items()}}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -172,28 +195,32 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_worker": mean(lambda run: run["cpu"]["worker"]), "cpu_api": mean(lambda run: run["cpu"]["SITS api"]),
             "waits": mean(lambda run: run["memory"].get("memory_waits", 0)),
             "backfills": mean(lambda run: run["memory"].get("backfills", 0)),
-            "capacity": runs[0]["memory"]["capacity_bytes"], "errors": sum(run["errors"] for run in runs)}
+            "capacity": runs[0]["memory"]["capacity_bytes"], "device": runs[0]["device"],
+            "errors": sum(run["errors"] for run in runs)}
 
 
 def print_table(config: Config, rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\n{config.name}: {config.explanation}.")
-    capacity = next(iter(rows.values()))["capacity"] / 2**20
+    first = next(iter(rows.values()))
+    capacity = first["capacity"] / 2**20
     unit = config.granularity or "shipped"
     print(f"device memory {config.device_memory or 'shipped'} (the worker's ledger: {capacity:.0f} MiB), "
           f"units {unit}; {args.clients} "
-          f"closed-loop clients, {args.seconds:.0f} s x {args.rounds} round(s) per policy; 1 CPU worker, "
-          f"{STREAMS} streams x 1 ORT thread; dynamic ordering\n")
-    print("| policy | req/s | req/s mlp / convnet / transformer | P99 ms | P99 mlp | P99 convnet | P99 transformer | "
-          "mean batch | fragmentation | batches running (of 2) | memory reserved | worker / API CPU (cores) | "
-          "memory waits / backfills | errors |")
+          f"closed-loop clients, {args.seconds:.0f} s x {args.rounds} round(s) per policy; 1 worker on "
+          f"{first['device']}, {config.streams} streams x 1 ORT thread; dynamic ordering\n")
+    names = " / ".join(config.models)
+    print(f"| policy | req/s | req/s {names} | P99 ms | "
+          + " | ".join(f"P99 {name}" for name in config.models)
+          + f" | mean batch | fragmentation | batches running (of {config.streams}) | memory reserved"
+          " | worker / API CPU (cores) | memory waits / backfills | errors |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for policy, row in rows.items():
         rps, p99 = row["rps_by_model"], row["p99_by_model"]
         spread = (f" ({min(row['rps_rounds']):.0f}-{max(row['rps_rounds']):.0f})"
                   if len(row["rps_rounds"]) > 1 else "")
-        print(f"| {policy} | {row['rps']:.0f}{spread} | {rps['mlp']:.0f} / {rps['convnet']:.0f} / "
-              f"{rps['transformer']:.0f} | {row['p99']:.1f} | {p99['mlp']:.1f} | {p99['convnet']:.1f} | "
-              f"{p99['transformer']:.1f} | {row['mean_batch']:.1f} | {row['fragmentation'] * 100:.1f} % | "
+        print(f"| {policy} | {row['rps']:.0f}{spread} | {' / '.join(f'{rps[name]:.0f}' for name in config.models)} "
+              f"| {row['p99']:.1f} | {' | '.join(f'{p99[name]:.1f}' for name in config.models)} "
+              f"| {row['mean_batch']:.1f} | {row['fragmentation'] * 100:.1f} % | "
               f"{row['running']:.2f} | {row['reserved'] * 100:.1f} % | {row['cpu_worker']:.2f} / "
               f"{row['cpu_api']:.2f} | {row['waits']:.0f} / {row['backfills']:.0f} | {row['errors']} |")
 
@@ -204,17 +231,21 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="seconds per run (default 10, quick 6)")
     parser.add_argument("--rounds", type=int, help="alternating rounds per policy (default 3, quick 1)")
     parser.add_argument("--clients", type=int, default=12)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"which of {', '.join(CONFIGS)} (default: {', '.join(DEFAULT_CONFIGS)})")
     args = parser.parse_args()
     args.seconds = args.seconds or (6.0 if args.quick else 10.0)
     args.rounds = args.rounds or (1 if args.quick else 3)
+    unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown config(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     configs = [CONFIGS[name] for name in args.configs.split(",")]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for config in configs:
             for policy in POLICIES:
                 runs.setdefault((config.name, policy), []).append(run(config, policy, args.seconds, args.clients))
-    print(f"\nMixed stream of one-row requests to mlp, convnet and transformer ({' '.join(sys.argv[1:]) or 'full'})")
+    print(f"\nMixed stream of one-row requests to three zoo models ({' '.join(sys.argv[1:]) or 'full'})")
     for config in configs:
         print_table(config, {policy: summarize(runs[(config.name, policy)]) for policy in POLICIES}, args)
 

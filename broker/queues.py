@@ -51,6 +51,7 @@ def lease_batch(
     requests_only: bool = False,
     carry_chunk: bool = False,
     head_within_limits: bool = False,
+    whole_within: tuple[int, int] | None = None,
 ) -> list[LeasedItem]:
     """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
 
@@ -61,14 +62,18 @@ def lease_batch(
     leaves rows empty also takes the first job chunk among the candidates, as its last item.
     The head request always goes, even past the row and token limits (it must run somewhere),
     unless `head_within_limits`: then [] when it does not fit them (a batch cut to a memory hole).
+    With `whole_within` (rows, tokens; 0 tokens: no limit), a batch of requests formed under the
+    limits above is leased only if it stays within those too, else [] (all or nothing: the head of
+    the priority order runs now only if the batch that waits for it fits the free memory).
     """
     keys = store.keys
+    within_rows, within_tokens = whole_within if whole_within is not None else ("", "")
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
             args=[ticket, now, now + lease_seconds, max_items, max_rows or max_items, max_tokens,
                   max_chunks or max_items, "1" if requests_only else "0", "1" if carry_chunk else "0",
-                  "1" if head_within_limits else "0"],
+                  "1" if head_within_limits else "0", within_rows, within_tokens],
         )
     return _leased(reply, model_ref, ticket)
 

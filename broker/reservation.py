@@ -6,7 +6,11 @@ token for a token model, so a token batch's reservation follows its token
 count, not a fixed batch size). Fragmentation = reserved but unused bytes /
 reserved bytes.
 
-Under `graph-aware-backfill` the model at the head of the priority order
+When the full batch of the model at the head of the priority order does
+not fit now, the batch that is really waiting for it may still: the head is
+leased all or nothing, formed under its full limits and run only if it fits
+the free memory (a queue of four requests needs four rows, not a full batch's
+worth). Under `graph-aware-backfill` the head otherwise
 keeps its claim on a full batch: when that does not fit now, batches that
 would not delay it may run: sized by the profile (bytes and seconds per row
 or token) to the free memory and to end before the head's batch could start,
@@ -127,6 +131,14 @@ class Admission:
     budget_seconds: float = field(default=math.inf, compare=False)
     claim: Claim | None = field(default=None, compare=False)
     """The claim of the job chunk at the head of the model's queue, if one is known."""
+    whole_within: tuple[int, int] | None = None
+    """(Rows, tokens; 0: no token limit): the batch formed under `max_rows` and `max_tokens` is
+    leased only if it stays within these, else nothing (the head of the priority order when its full
+    batch does not fit: what waits for it may; see `queues.lease_batch`)."""
+
+    def reserved_size(self) -> tuple[int, int]:
+        """(Rows, tokens) the decision holds memory for: the most this admission can lease."""
+        return self.whole_within or (self.max_rows, self.max_tokens)
 
     def allows_chunk(self, need_bytes: int, seconds: float) -> bool:
         """Does a job chunk needing `need_bytes` for `seconds` stay within this admission's cut?"""
@@ -314,7 +326,8 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
 
     The head (first in `ordered`) with its full limits when its full batch fits (the others, tried
     when the head's queue is empty by the time the slot leases, cut to the free memory). Otherwise
-    nothing, unless `backfill`: then every model, the head's own included, with a batch cut by its
+    the head all or nothing (`Admission.whole_within`: the batch waiting for it, if that fits the
+    free memory), and, with `backfill`, then every model, the head's own included, with a batch cut by its
     profile to the free memory and to end before the head's full batch could start, or to the
     memory the head leaves free beside it then (no time limit): either way the head is not delayed.
     The lease always takes the first waiting request, so a token limit can be passed by one request.
@@ -334,9 +347,11 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
         head = Admission(ordered[0], head_cost.max_rows, head_cost.max_tokens, claim=claims.get(ordered[0]))
         others = (_cut(model, cost_of(model), claims.get(model), free, math.inf) for model in ordered[1:])
         return [head, *(admission for admission in others if admission)]
+    formed = _whole(ordered[0], head_cost, claims.get(ordered[0]), free)
     if not backfill:
-        ledger.count("memory_waits")
-        return []
+        if formed is None:
+            ledger.count("memory_waits")  # (with one, the slot counts a wait if it leases nothing)
+        return [formed] if formed else []
     start, beside = ledger.head_window(head_need, now=now)
     admitted = []
     for model in ordered:
@@ -346,8 +361,22 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
         choices = [admission for admission in (in_time, beside_head) if admission]
         if choices:  # both cut the same model, so the larger is the one with more rows, then tokens
             admitted.append(max(choices, key=lambda admission: (admission.max_rows, admission.max_tokens)))
-    ledger.count("backfills" if admitted else "memory_waits")
-    return admitted
+    if admitted or formed is None:
+        ledger.count("backfills" if admitted else "memory_waits")
+    return [formed, *admitted] if formed else admitted
+
+
+def _whole(model: str, cost: BatchCost, claim: Claim | None, free_bytes: int) -> Admission | None:
+    """The head's batch all or nothing: formed under its full limits, leased only if it stays within
+    the rows and tokens that fit `free_bytes`; None when not even one row would, or when a claimed
+    chunk heads the model's queue (its need is known: the head's full need counted it)."""
+    if claim is not None:
+        return None
+    fitting = cost.within(model, free_bytes, math.inf)
+    if fitting is None:
+        return None
+    return Admission(model, cost.max_rows, cost.max_tokens, cut=True, budget_bytes=free_bytes,
+                     whole_within=(fitting.max_rows, fitting.max_tokens))
 
 
 def _cut(model: str, cost: BatchCost, claim: Claim | None, free_bytes: int, seconds: float) -> Admission | None:
@@ -376,9 +405,9 @@ def admit_and_hold(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], 
         needs = []
         for admission in allowed:
             cost = cost_of(admission.model)
-            tokens = admission.max_tokens or None
-            needs.append((cost.need_bytes(rows=admission.max_rows, tokens=tokens),
-                          cost.seconds(rows=admission.max_rows, tokens=tokens)))
+            rows, most_tokens = admission.reserved_size()
+            tokens = most_tokens or None
+            needs.append((cost.need_bytes(rows=rows, tokens=tokens), cost.seconds(rows=rows, tokens=tokens)))
             if admission.claim is not None:
                 needs.append((admission.claim.need_bytes, admission.claim.seconds))
         need, seconds = max(needs)

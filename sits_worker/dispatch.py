@@ -67,6 +67,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             finally:
                 if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
                     ctx.ledger.release(hold, now=time.time())
+            if not leased and allowed and allowed[0].whole_within is not None:
+                ctx.ledger.count("memory_waits")  # the head's waiting batch did not fit either
             ran = False
             if leased and admission is not None:
                 with admitted(ctx, leased, admission, hold=hold) as runnable:

@@ -33,7 +33,8 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
     return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
                               max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
                               max_chunks=1, ticket=ticket, requests_only=requests_only, carry_chunk=carry_chunk,
-                              head_within_limits=within_cut)
+                              head_within_limits=within_cut,
+                              whole_within=admission.whole_within if admission else None)
 
 
 def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray]) -> tuple[str, int | None]:

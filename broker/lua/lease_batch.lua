@@ -19,6 +19,10 @@
 --          (a batch cut to a memory hole must not outgrow it; a job chunk still goes: the row
 --          limits are online batch limits, not its mini-batches'; the worker checks the chunk by
 --          its own need and returns it if it does not fit, sits_worker/leasing.py `admitted`)
+-- ARGV[11], ARGV[12] most rows and tokens (0: no token limit) of the whole batch, or '' for none: a
+--          batch of requests formed under the limits above is leased only if it stays within these
+--          (the head of the priority order, whose full batch does not fit: it runs now, if what
+--          waits for it fits the free memory), else nothing, {0}. A job chunk at the head still goes.
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
 -- The head item always goes (but see ARGV[10]). Job chunks and finalize steps are taken in queue order up to
@@ -74,6 +78,10 @@ for index, item_id in ipairs(candidates) do
 end
 if carried ~= nil and rows < max_rows then
   picked[#picked + 1] = carried
+end
+if online and ARGV[11] ~= '' and (rows > tonumber(ARGV[11])
+    or (tonumber(ARGV[12]) > 0 and tokens > tonumber(ARGV[12]))) then
+  return {0}
 end
 local out = {#picked}
 for _, entry in ipairs(picked) do

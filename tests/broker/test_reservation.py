@@ -100,13 +100,32 @@ def test_a_backfill_batch_may_outlast_the_head_start_in_the_memory_the_head_leav
     assert Admission("slow", 25, 0, cut=True) in admitted  # runs ~25 s, in the 256 MiB the head never needs
 
 
-def test_round_robin_waits_for_memory_and_counts_the_wait() -> None:
+def test_round_robin_admits_the_head_s_waiting_batch_only_whole_else_waits_and_counts_the_wait() -> None:
+    """A full batch of the head (64 rows, 512 MiB) does not fit the 256 MiB free; the batch really
+    waiting for it may: it is admitted all or nothing, up to 32 rows. Nothing else is."""
     ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
-    ledger.reserve(768 * MIB, now=0, expected_seconds=2.0)
+    handle = ledger.reserve(768 * MIB, now=0, expected_seconds=2.0)
     costs = {"head": cost(8, 0.01), "small": cost(1, 0.001)}
 
+    [whole] = admit(["head", "small"], costs.__getitem__, ledger, now=0.0, backfill=False)
+    assert whole == Admission("head", 64, 0, cut=True, whole_within=(32, 0))
+    assert whole.reserved_size() == (32, 0) and whole.budget_bytes == 256 * MIB
+    assert ledger.stats()["memory_waits"] == 0  # the slot counts one if the whole batch does not fit
+
+    ledger.release(handle)
+    ledger.reserve(1024 * MIB, now=0, expected_seconds=2.0)  # not one row fits
     assert admit(["head", "small"], costs.__getitem__, ledger, now=0.0, backfill=False) == []
     assert ledger.stats()["memory_waits"] == 1
+
+
+def test_the_hold_of_a_whole_admission_covers_the_rows_that_fit_not_a_full_batch() -> None:
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    ledger.reserve(768 * MIB, now=0, expected_seconds=2.0)
+    costs = {"head": cost(8, 0.01)}
+
+    [_], hold = admit_and_hold(["head"], costs.__getitem__, ledger, now=0.0, backfill=False)
+
+    assert hold is not None and ledger.stats()["reserved_bytes"] == 1024 * MIB  # 32 rows: 256 MiB
 
 
 def test_two_slots_deciding_one_after_the_other_never_admit_on_the_same_memory() -> None:
@@ -173,12 +192,34 @@ def test_a_token_admission_cuts_the_lease_to_its_tokens(store: Store) -> None:
     ledger.reserve(256 * MIB + 1, now=NOW, expected_seconds=1.0)  # 17 units: 240 MiB free
     token_cost = BatchCost.of({"static_profile": TOKEN_PROFILE}, max_rows=64, max_tokens=8192)
 
-    [admission] = admit(["transformer@v1"], lambda _: token_cost, ledger, now=NOW, backfill=True)
+    [whole, admission] = admit(["transformer@v1"], lambda _: token_cost, ledger, now=NOW, backfill=True)
+    # The head's waiting batch, all or nothing: 6 x 512 tokens formed under 8192, more than 1920 fit.
+    assert whole.whole_within == (64, 1920) and (whole.max_rows, whole.max_tokens) == (64, 8192)
+    assert queues.lease_batch(store, model, now=NOW, lease_seconds=30, max_items=64, max_rows=whole.max_rows,
+                              max_tokens=whole.max_tokens, whole_within=whole.whole_within) == []
     leased = queues.lease_batch(store, model, now=NOW, lease_seconds=30, max_items=64,
                                 max_rows=admission.max_rows, max_tokens=admission.max_tokens)
 
     assert admission.max_tokens == 1920  # 240 MiB at 1/8 MiB per token
     assert [item.item_id for item in leased] == ["r0", "r1", "r2"]  # 3 x 512 tokens; a 4th would not fit
+    assert [item.attempts for item in leased] == [1, 1, 1]  # the whole lease that failed took no attempt
+
+
+def test_a_whole_lease_takes_the_batch_formed_under_the_full_limits_or_nothing(store: Store) -> None:
+    model = "mlp@v1"
+    for index in range(4):
+        spec = RequestSpec(request_id=f"r{index}", model_name="mlp", model_version="v1",
+                           inputs={"features": np.zeros((1, 64), dtype=np.float32)}, rows=1, tokens=None,
+                           bucket="features", factors={"enqueued_at": NOW})
+        requests.submit_request(store, spec, score=float(index), now=NOW, max_age_seconds=60)
+
+    def whole(within_rows: int) -> list[str]:
+        leased = queues.lease_batch(store, model, now=NOW, lease_seconds=30, max_items=64, max_rows=64,
+                                    whole_within=(within_rows, 0))
+        return [item.item_id for item in leased]
+
+    assert whole(3) == []  # four wait: not a cut batch of three
+    assert whole(4) == ["r0", "r1", "r2", "r3"]
 
 
 @settings(max_examples=200, deadline=None)
@@ -198,7 +239,10 @@ def test_no_backfill_batch_delays_the_head_or_overfills_the_device(
 
     for admission in admit(names, costs.__getitem__, ledger, now=0.0, backfill=True):
         batch = costs[admission.model]
-        need = round_up(batch.need_bytes(rows=admission.max_rows), 128 * MIB)
+        need = round_up(batch.need_bytes(rows=admission.reserved_size()[0]), 128 * MIB)
+        if admission.whole_within is not None:  # the head itself, all or nothing: only if it fits now
+            assert admission.model == names[0] and not ledger.fits(head_need) and need <= free
+            continue
         if ledger.fits(head_need):
             assert admission.model == names[0] or need <= free
             continue
