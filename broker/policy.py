@@ -7,6 +7,8 @@ with the same weights the re-score applied to waiting ones.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import fields
@@ -17,6 +19,7 @@ from broker.scoring import Ordering, Weights
 from broker.store import Store, translate_redis_errors
 
 ORDERINGS = ("fifo", "dynamic")
+log = logging.getLogger(__name__)
 
 
 def default_ordering(policy_name: str) -> Ordering:
@@ -59,10 +62,35 @@ class LivePolicy:
 
 
 def _decode_policy(raw: str | None, default: Ordering) -> tuple[Weights, Ordering]:
+    """The stored policy; a weight that is out of range (stored by a version that did not check, e.g. a
+    NaN written back as null) reads as its default, so scoring and `PUT /v1/policy` keep working."""
     if not raw:
         return Weights(), default
     data = json.loads(raw)
-    return Weights(**data["weights"]), data["ordering"]
+    values = Weights().to_dict()
+    for name, value in data["weights"].items():
+        if name not in values:
+            continue
+        try:
+            values[name] = _policy_value(name, value, integral=isinstance(values[name], int))
+        except BadInput as err:
+            log.warning("stored policy: %s; using the default %r", err, values[name])
+    ordering = data.get("ordering")
+    return Weights(**values), ordering if ordering in ORDERINGS else default
+
+
+POLICY_RANGES: dict[str, tuple[float, float]] = {
+    "alpha": (0, 1000), "beta": (0, 1000), "gamma": (0, 1000),
+    "delta": (0, 1000),  # points per second of waiting, times epoch seconds in the sort key: kept far from overflow
+    "express_level": (0, 16),  # 16: no level is express
+    "express_max_tokens": (0, 10**9),
+    "express_bonus": (0, 10**9),
+    "psa_rtd_ms": (0, 10**7),
+    "psa_load": (0, 1),  # a share of the queue's capacity
+    "psa_max_base_level": (0, 16),  # 16: every level below it may jump
+}
+"""The values `PUT /v1/policy` accepts for each weight and threshold, inclusive: scores must stay
+finite and sortable (a NaN or overflowing weight would make every enqueue's Lua call fail)."""
 
 
 def parse_policy_update(body: dict, current: Weights, ordering: Ordering) -> tuple[Weights, Ordering]:
@@ -75,12 +103,19 @@ def parse_policy_update(body: dict, current: Weights, ordering: Ordering) -> tup
     if new_ordering not in ORDERINGS:
         raise BadInput(f"ordering must be one of {ORDERINGS}, got {new_ordering!r}")
     values = current.to_dict()
-    for name in set(body) & known:
-        value = body[name]
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise BadInput(f"policy key '{name}' must be a number >= 0, got {value!r}")
-        values[name] = type(values[name])(value)
+    for name in sorted(set(body) & known):
+        values[name] = _policy_value(name, body[name], integral=isinstance(values[name], int))
     return Weights(**values), new_ordering
+
+
+def _policy_value(name: str, value: object, *, integral: bool) -> float | int:
+    """`value` for policy key `name`, checked against `POLICY_RANGES`; BadInput says what is allowed."""
+    low, high = POLICY_RANGES[name]
+    kind = "a whole number" if integral else "a number"
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or not low <= value <= high or (integral and value != int(value))):
+        raise BadInput(f"policy key '{name}' must be {kind} from {low:g} to {high:g}, got {value!r}")
+    return int(value) if integral else float(value)
 
 
 def save_policy(store: Store, weights: Weights, ordering: Ordering) -> None:

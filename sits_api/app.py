@@ -23,7 +23,7 @@ from broker.errors import BadInput, PayloadTooLarge, SitsError
 from broker.store import Store
 from sits_api import online, services
 from sits_api.dispatch import Dispatcher
-from sits_api.jsonio import OrjsonProvider
+from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document
 from sits_api.schemas import JobSubmission, ModelRegistration, OnlineRequest
 from sits_api.v2 import v2
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 KEY_CACHE_SECONDS = 5.0
 """A key that passed is trusted this long per API process (a revoked key stops working within it)."""
+MAX_JOBS_LISTED = 10_000
+"""The most jobs `GET /v1/jobs?limit=` lists in one answer."""
 
 PUBLIC_ENDPOINTS = {"api.healthz", "api.readyz", "api.openapi", "v2.live", "v2.ready"}
 
@@ -68,9 +70,7 @@ def _ctx() -> dict[str, Any]:
 
 
 def _parse(model: type[BaseModel]) -> Any:
-    body = request.get_json(silent=True)
-    if not isinstance(body, dict):
-        raise BadInput("the request body must be a JSON object (Content-Type: application/json)")
+    body = request_object("a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as err:
@@ -209,9 +209,9 @@ def list_jobs() -> Any:
     try:
         limit = int(request.args.get("limit", 100))
     except ValueError as err:
-        raise BadInput("limit must be a positive integer") from err
-    if limit < 1:
-        raise BadInput("limit must be a positive integer")
+        raise BadInput(f"limit must be a whole number from 1 to {MAX_JOBS_LISTED}") from err
+    if not 1 <= limit <= MAX_JOBS_LISTED:
+        raise BadInput(f"limit must be a whole number from 1 to {MAX_JOBS_LISTED}")
     status_filter = request.args.get("status") or None
     if status_filter and status_filter not in jobs.ACTIVE_STATUSES + jobs.FINAL_STATUSES:
         raise BadInput(f"status must be one of {', '.join(jobs.ACTIVE_STATUSES + jobs.FINAL_STATUSES)}")
@@ -272,9 +272,7 @@ def update_policy() -> Any:
     """Admin: hot-update weights, thresholds or ordering; every waiting item is re-scored in slices."""
     require_role(g.identity, "admin")
     ctx = _ctx()
-    body = request.get_json(silent=True)
-    if not isinstance(body, dict):
-        raise BadInput("the request body must be a JSON object of policy keys, e.g. {\"alpha\": 0.5}")
+    body = request_object("a JSON object of policy keys, e.g. {\"alpha\": 0.5}")
     current, ordering = policy.get_policy(ctx["store"], default=policy.default_ordering(
         ctx["settings"].scheduler.policy))
     weights, ordering = policy.parse_policy_update(body, current, ordering)

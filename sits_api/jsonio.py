@@ -3,7 +3,7 @@
 Tensors travel as JSON nested lists, so parsing request bodies and writing
 answers is a large share of the API's CPU per request: orjson does both
 several times faster than the standard library. Anything orjson refuses
-(integers wider than 64 bits, NaN literals in a body) falls back to the
+(integers wider than 64 bits) falls back to the
 standard provider, so behaviour matches Flask's except that NaN and infinity
 are written as null (valid JSON) instead of bare NaN.
 """
@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from flask import Response
+from flask import Response, current_app, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.sansio.response import Response as BaseResponse
+
+from broker.errors import BadInput
 
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
@@ -33,11 +35,19 @@ class OrjsonProvider(DefaultJSONProvider):
             return super().dumps(obj)
 
     def loads(self, s: str | bytes, **kwargs: Any) -> Any:
-        """Parse JSON text; what orjson rejects is parsed (or rejected) by the standard library."""
+        """Parse JSON text; what orjson rejects is parsed (or rejected) by the standard library.
+
+        Both refuse what is not JSON: the literals NaN and Infinity (a NaN weight or input would
+        reach scores and tensors), and nesting deeper than orjson's limit (the standard parser would
+        recurse until Python's stack gives out). The ValueError becomes Flask's 400.
+        """
         try:
             return orjson.loads(s)
         except orjson.JSONDecodeError:
-            return super().loads(s, **kwargs)
+            try:
+                return super().loads(s, parse_constant=_refuse_constant, **kwargs)
+            except RecursionError:
+                raise ValueError("the JSON body is nested too deeply") from None
 
     def response(self, *args: Any, **kwargs: Any) -> BaseResponse:
         """A JSON response of `args` or `kwargs`, as `flask.jsonify` makes it."""
@@ -49,3 +59,25 @@ class OrjsonProvider(DefaultJSONProvider):
         except (orjson.JSONEncodeError, TypeError):
             return super().response(*args, **kwargs)
         return Response(body, mimetype=self.mimetype)
+
+
+def _refuse_constant(name: str) -> Any:
+    """`json.loads`' hook for NaN, Infinity and -Infinity, which JSON does not have."""
+    raise ValueError(f"{name} is not a JSON number; send finite numbers only")
+
+
+def request_object(expected: str) -> dict[str, Any]:
+    """The request's JSON body, which must be an object; BadInput says what is wrong with it.
+
+    `expected` names what the body should be ("a JSON object of policy keys, e.g. ..."), for the
+    message when it is missing, not JSON, or not an object.
+    """
+    if not request.is_json:
+        raise BadInput(f"the request body must be {expected} (Content-Type: application/json)")
+    try:  # parsed here rather than by request.get_json, which hides the reason outside debug mode
+        body = current_app.json.loads(request.get_data(cache=True))
+    except ValueError as err:  # malformed, NaN literals, nested too deeply, not UTF-8
+        raise BadInput(f"the request body is not valid JSON ({err}); it must be {expected}") from None
+    if not isinstance(body, dict):
+        raise BadInput(f"the request body must be {expected}, not a JSON {type(body).__name__}")
+    return body

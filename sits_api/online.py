@@ -13,12 +13,12 @@ import numpy as np
 
 from broker import policy, registry, requests
 from broker.config import Settings
-from broker.errors import RetryableError
+from broker.errors import BadInput, RetryableError
 from broker.requests import RequestSpec
 from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
-from sits_worker.model.padding import MaskSpec, mask_spec, max_sequence, shape_bucket
+from sits_worker.model.padding import MAX_SEQUENCE_KEY, MaskSpec, mask_spec, max_sequence, shape_bucket
 from sits_worker.model.tensors import request_tensors
 
 
@@ -30,9 +30,8 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     tensors = request_tensors(record["signature"], inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
     sequence = _sequence_length(record, tensors)
-    if tokens is None and sequence is not None:
-        tokens = sequence * rows
     longest = max_sequence(record.get("static_profile"))
+    tokens = _checked_tokens(record, tensors, mask, rows=rows, sequence=sequence, claimed=tokens)
     bucket, padded_length = shape_bucket(tensors, mask, longest)
     factors = Factors(
         level=priority,
@@ -93,6 +92,32 @@ def _model_record(store: Store, ref: str, *, now: float) -> tuple[dict[str, Any]
 def wait_seconds(settings: Settings, deadline_ms: float | None) -> float:
     """How long a waiting call holds on: until the deadline, at most `online.max_wait`."""
     return min(deadline_ms / 1000, settings.online.max_wait) if deadline_ms else settings.online.max_wait
+
+
+def _checked_tokens(record: dict[str, Any], tensors: dict[str, np.ndarray], mask: MaskSpec | None, *,
+                    rows: int, sequence: int | None, claimed: int | None) -> int | None:
+    """The request's token count: counted from its sequence axis; a count the client sent must be
+    that one (or, for a model with an attention mask, the unmasked tokens), since the scheduler
+    trusts it (requests under `express_max_tokens` take the express lane). A model's own
+    `sits.max_sequence` bounds the sequence length here, before anything is queued."""
+    name = record["name"]
+    if sequence is None:
+        if claimed is not None:
+            raise BadInput(f"model '{name}' has no sequence axis, so 'tokens' does not apply to it; leave it out")
+        return None
+    declared = ((record.get("static_profile") or {}).get("metadata") or {}).get(MAX_SEQUENCE_KEY)
+    if declared and sequence > max_sequence(record.get("static_profile")):
+        raise BadInput(f"the input's sequence is {sequence} tokens long, more than model '{name}' takes "
+                       f"({MAX_SEQUENCE_KEY} = {declared}); split or truncate it")
+    counted = sequence * rows
+    if claimed is None or claimed == counted:
+        return counted
+    unmasked = int(np.count_nonzero(tensors[mask.mask_input])) if mask and mask.mask_input in tensors else None
+    if claimed == unmasked:
+        return claimed
+    also = f" ({unmasked} unmasked)" if unmasked is not None else ""
+    raise BadInput(f"'tokens' is {claimed} but the input holds {counted} tokens{also}; "
+                   "leave 'tokens' out and the server counts them")
 
 
 def _sequence_length(record: dict[str, Any], tensors: dict[str, np.ndarray]) -> int | None:

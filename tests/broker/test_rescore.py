@@ -8,6 +8,7 @@ duplicated, every score right, traffic served meanwhile.
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import pytest
@@ -88,5 +89,23 @@ def test_policy_updates_reject_unknown_keys_and_bad_values() -> None:
         policy.parse_policy_update({"ordering": "lifo"}, Weights(), "dynamic")
     with pytest.raises(BadInput, match="alpha"):
         policy.parse_policy_update({"alpha": -1}, Weights(), "dynamic")
+    for bad in ({"alpha": math.nan}, {"alpha": math.inf}, {"delta": 1e300}, {"express_level": 99},
+                {"express_level": 12.5}, {"psa_load": 1.5}, {"beta": "0.3"}, {"gamma": True}):
+        with pytest.raises(BadInput, match=f"'{next(iter(bad))}' must be a (whole )?number from"):
+            policy.parse_policy_update(bad, Weights(), "dynamic")
+    edges, _ = policy.parse_policy_update({"express_level": 16, "psa_load": 1, "alpha": 0, "delta": 1000},
+                                          Weights(), "dynamic")
+    assert (edges.express_level, edges.psa_load, edges.alpha, edges.delta) == (16, 1.0, 0.0, 1000.0)
+    assert isinstance(edges.express_level, int) and isinstance(edges.alpha, float)
     weights, ordering = policy.parse_policy_update({"alpha": 2, "ordering": "fifo"}, Weights(), "dynamic")
     assert weights.alpha == 2.0 and ordering == "fifo"
+
+
+def test_a_stored_policy_with_values_out_of_range_reads_them_as_defaults(store: Store) -> None:
+    """An older version stored a NaN weight as null: scoring and the next update must still work."""
+    store.client.set(store.keys.policy, json.dumps({"weights": {"alpha": None, "delta": 0.5, "gone": 1},
+                                                    "ordering": "dynamic"}))
+
+    weights, ordering = policy.get_policy(store, default="fifo")
+
+    assert (weights.alpha, weights.delta, ordering) == (Weights().alpha, 0.5, "dynamic")

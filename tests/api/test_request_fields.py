@@ -1,0 +1,70 @@
+"""Scheduling fields of `POST /v1/requests` that the scheduler trusts are checked against the input.
+
+`tokens` decides the express lane (requests under `express_max_tokens` are served first) and the
+estimated latency, so a count that does not match the input is refused rather than believed; a
+model's declared `sits.max_sequence` bounds a request's sequence before anything is queued.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from api_helpers import Api, error_of
+
+from sits_worker.model.zoo import TRANSFORMER_MAX_SEQUENCE
+
+
+@pytest.fixture
+def transformer(api: Api, zoo_dir: Path) -> dict[str, Any]:
+    response = api.post("/v1/models", json={"name": "transformer", "path": str(zoo_dir / "transformer.onnx")})
+    assert response.status_code == 201, response.get_json()
+    return response.get_json()
+
+
+def ids(length: int, rows: int = 1) -> list[list[int]]:
+    return [[1 + (i % 50) for i in range(length)] for _ in range(rows)]
+
+
+def submit(api: Api, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    response = api.post("/v1/requests", json=body)
+    return response.status_code, response.get_json()
+
+
+def test_a_token_count_that_does_not_match_the_input_is_refused(api: Api, transformer: dict[str, Any]) -> None:
+    status, body = submit(api, {"model": "transformer", "inputs": {"input_ids": ids(300)}, "tokens": 1})
+    assert status == 400 and "'tokens' is 1 but the input holds 300 tokens" in body["error"]
+
+    status, _ = submit(api, {"model": "transformer", "inputs": {"input_ids": ids(30, rows=2)}, "tokens": 60})
+    assert status == 202
+    status, _ = submit(api, {"model": "transformer", "inputs": {"input_ids": ids(30, rows=2)}})
+    assert status == 202  # counted by the server
+
+
+def test_the_unmasked_token_count_is_accepted_for_a_model_with_an_attention_mask(
+        api: Api, transformer: dict[str, Any]) -> None:
+    mask = [[1] * 20 + [0] * 10]
+    body = {"model": "transformer", "inputs": {"input_ids": ids(30), "attention_mask": mask}}
+    assert submit(api, body | {"tokens": 20})[0] == 202
+    status, answer = submit(api, body | {"tokens": 5})
+    assert status == 400 and "30 tokens (20 unmasked)" in answer["error"]
+
+
+def test_tokens_on_a_model_without_a_sequence_axis_are_refused(api: Api, mlp: dict[str, Any]) -> None:
+    status, body = submit(api, {"model": "mlp", "inputs": {"features": [[0.0] * 64]}, "tokens": 5})
+    assert status == 400 and "no sequence axis" in body["error"]
+
+
+def test_a_sequence_longer_than_the_model_declares_is_refused_at_submit(api: Api,
+                                                                       transformer: dict[str, Any]) -> None:
+    status, body = submit(api, {"model": "transformer", "inputs": {"input_ids": ids(TRANSFORMER_MAX_SEQUENCE + 1)}})
+    assert status == 400 and "sits.max_sequence" in body["error"], body
+    assert submit(api, {"model": "transformer", "inputs": {"input_ids": ids(TRANSFORMER_MAX_SEQUENCE)}})[0] == 202
+
+
+def test_a_job_list_limit_out_of_range_is_a_400(api: Api) -> None:
+    for limit in ("0", "-3", "x", "10001", "9" * 40):
+        response = api.get(f"/v1/jobs?limit={limit}")
+        assert response.status_code == 400 and "from 1 to 10000" in error_of(response), limit
+    assert api.get("/v1/jobs?limit=10000").status_code == 200
