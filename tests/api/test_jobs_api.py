@@ -119,7 +119,7 @@ def test_a_non_integer_limit_answers_400(api: Api) -> None:
     response = api.get("/v1/jobs?limit=many")
 
     assert response.status_code == 400
-    assert "limit must be a positive integer" in error_of(response)
+    assert "limit must be a whole number from 1 to" in error_of(response)
 
 
 def test_a_negative_limit_answers_400(api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:

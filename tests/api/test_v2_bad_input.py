@@ -1,0 +1,75 @@
+"""POST /v2/models/{name}/infer refuses malformed bodies with a 400 naming the field, before anything is queued."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from api_helpers import Api, error_of
+
+INFER = "/v2/models/mlp/infer"
+
+
+def features(**changes: Any) -> dict[str, Any]:
+    """A valid input entry for the zoo MLP (one row of 64 features), with `changes` applied."""
+    return {"name": "features", "shape": [1, 64], "datatype": "FP32", "data": [0.0] * 64, **changes}
+
+
+def infer_body(**changes: Any) -> dict[str, Any]:
+    """A valid v2 infer body for the zoo MLP, with `changes` applied."""
+    return {"id": "r1", "inputs": [features()], "outputs": [{"name": "logits"}], **changes}
+
+
+def queued_items(api: Api) -> int:
+    """Items ready or in flight across every model queue, as GET /v1/status reports them."""
+    return sum(depth["ready"] + depth["inflight"] for depth in api.get("/v1/status").get_json()["queues"].values())
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    pytest.param({"inputs": ["features"]}, "inputs[0]", id="input-not-an-object"),
+    pytest.param({"inputs": [features(name=["features"])]}, "inputs[0].name", id="input-name-not-a-string"),
+    pytest.param({"inputs": [features(datatype=["FP32"])]}, "datatype", id="datatype-a-list"),
+    pytest.param({"inputs": [features(datatype={})]}, "datatype", id="datatype-an-object"),
+    pytest.param({"inputs": [features(data=None)]}, "data", id="data-not-a-list"),
+    pytest.param({"inputs": [features(), features()]}, "'features'", id="duplicate-input-name"),
+    pytest.param({"parameters": [1]}, "parameters", id="parameters-a-list"),
+    pytest.param({"parameters": "x"}, "parameters", id="parameters-a-string"),
+    pytest.param({"parameters": {"user_tier": "gold"}}, "user_tier", id="unknown-user-tier"),
+    pytest.param({"parameters": {"user_tier": ["vip"]}}, "user_tier", id="user-tier-not-a-string"),
+    pytest.param({"outputs": "logits"}, "outputs", id="outputs-a-string"),
+    pytest.param({"outputs": ["logits"]}, "outputs[0]", id="output-not-an-object"),
+    pytest.param({"outputs": [{"name": ["logits"]}]}, "outputs[0]", id="output-name-not-a-string"),
+    pytest.param({"outputs": [{"name": "probabilities"}]}, "probabilities", id="unknown-output"),
+    pytest.param({"outputs": [{"name": "logits"}, {"name": "logits"}]}, "'logits'", id="duplicate-output"),
+    pytest.param({"id": 5}, "id", id="id-not-a-string"),
+])
+def test_a_malformed_infer_body_is_a_400_naming_the_field_and_queues_nothing(
+        api: Api, mlp: dict[str, Any], changes: dict[str, Any], field: str) -> None:
+    response = api.post(INFER, json=infer_body(**changes))
+    assert response.status_code == 400, response.get_json()
+    assert field in error_of(response)
+    assert queued_items(api) == 0
+
+
+def test_a_duplicate_input_name_says_to_send_each_input_once(api: Api, mlp: dict[str, Any]) -> None:
+    response = api.post(INFER, json=infer_body(inputs=[features(), features()]))
+    assert response.status_code == 400
+    assert "more than once" in error_of(response)
+
+
+def test_an_unknown_output_is_refused_before_inference_and_names_the_models_outputs(
+        api: Api, mlp: dict[str, Any]) -> None:
+    # A valid body does reach the queue (no worker runs here, so a 1 ms timeout answers 504 while it
+    # waits there): a zero count after the bad one below is the check, not an empty stack.
+    assert api.post(INFER, json=infer_body(parameters={"timeout": 1000})).status_code == 504
+    assert queued_items(api) == 1
+    response = api.post(INFER, json=infer_body(outputs=[{"name": "logits"}, {"name": "probabilities"}],
+                                               parameters={"timeout": 1000}))
+    assert response.status_code == 400
+    assert "'outputs'" in error_of(response) and "logits" in error_of(response)
+    assert queued_items(api) == 1
+
+
+def test_null_optional_fields_count_as_absent(api: Api, mlp: dict[str, Any]) -> None:
+    response = api.post(INFER, json=infer_body(id=None, outputs=None, parameters={"timeout": 1000}))
+    assert response.status_code == 504, response.get_json()  # queued and waited, not refused
