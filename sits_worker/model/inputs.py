@@ -10,12 +10,15 @@ model's is rejected with a message saying how to convert it (byte order alone is
 from __future__ import annotations
 
 import abc
+import bisect
 import hashlib
 import json
 import math
+import os
 import struct
 import threading
 import zipfile
+import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,12 +29,13 @@ import numpy as np
 
 from broker.errors import BadInput, FileMissing, RetryableError, SitsError
 from sits_worker.model.padding import MaskSpec
-from sits_worker.model.tensors import InputSpec, convert_hint, json_array, parse_signature
+from sits_worker.model.tensors import InputSpec, convert_hint, json_array, parse_signature, read_npy_header
 
 SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
 Batch = tuple[np.ndarray, dict[str, np.ndarray]]
 _BLOCK_BYTES = 1 << 20
-# Which kinds of JSON values (dtype.kind of np.asarray(value)) may fill an input of a given kind
+_DEFLATE_MAX_RATIO = 1032
+"""zlib's bound: one byte of a deflate stream never stands for more than 1032 bytes of output."""
 
 
 def file_checksum(path: Path) -> str:
@@ -122,7 +126,7 @@ class _ArraySource(InputSource):
                 held = self._arrays[name] = held.load()  # kept: compressed members cannot be mapped
             except OSError as err:
                 raise _file_error(self.path, err) from err
-            except (ValueError, EOFError, zipfile.BadZipFile) as err:
+            except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
                 raise BadInput(f"array '{name}' in '{self.path.name}' is corrupt ({err}); write it again") from err
         return held
 
@@ -158,9 +162,12 @@ class _ArraySource(InputSource):
 class _JsonlSource(InputSource):
     """jsonl input: one JSON object per line, rows located through a byte-offset index."""
 
-    def __init__(self, path: Path, specs: list[InputSpec], handle: BinaryIO, offsets: array[int]) -> None:
+    def __init__(
+        self, path: Path, specs: list[InputSpec], handle: BinaryIO, offsets: array[int], blank_lines: array[int]
+    ) -> None:
         super().__init__(path, ".jsonl", [spec.name for spec in specs], len(offsets))
         self._specs, self._handle, self._offsets = specs, handle, offsets
+        self._blank_lines = blank_lines  # for each blank line, the row that follows it (sorted)
         self._lock = threading.Lock()
 
     def read_rows(self, start: int, stop: int) -> list[dict[str, np.ndarray]]:
@@ -180,7 +187,9 @@ class _JsonlSource(InputSource):
         return [self._parse_row(line, start + offset) for offset, line in enumerate(lines)]
 
     def _parse_row(self, line: bytes, row: int) -> dict[str, np.ndarray]:
-        where = f"in row {row} of '{self.path.name}'"
+        # rows count from 0, as in the outputs; the line is the file's, from 1 and counting blank lines
+        line_number = row + 1 + bisect.bisect_right(self._blank_lines, row)
+        where = f"in row {row} of '{self.path.name}' (line {line_number})"
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
@@ -235,6 +244,8 @@ def _open_npy(path: Path, specs: list[InputSpec]) -> InputSource:
     with open(path, "rb") as handle:  # np.load would take anything else for a pickle or an npz
         if handle.read(6) != b"\x93NUMPY":
             raise BadInput(f"'{path.name}' is not an .npy file (no NPY header); write it with np.save")
+        handle.seek(0)
+        read_npy_header(handle, os.fstat(handle.fileno()).st_size, f"'{path.name}'", "write it with np.save")
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError) as err:
@@ -268,27 +279,40 @@ def _npz_member(
 ) -> np.ndarray | _LazyMember:
     """Check a member's npy header; map the member when stored uncompressed, else defer reading it.
 
-    The header alone gives dtype and shape, so checking (what the API does) never reads the data.
+    The header alone gives dtype and shape, so checking (what the API does) never reads the data;
+    the header is checked against the member's size in the zip directory, so it cannot claim more
+    rows than the member holds.
     """
+    what, fix = f"array '{spec.name}' in '{path.name}'", "write it again with np.savez"
     try:
         with archive.open(info) as member:
-            version = np.lib.format.read_magic(member)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"npy format version {version} is not supported")
-            reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else None
-            shape, fortran_order, dtype = (reader or np.lib.format.read_array_header_2_0)(member)
-            header_bytes = member.tell()
-        spec.check(dtype, shape, f"in '{path.name}'", convert_hint(spec, f"np.savez(path, {spec.name}="))
-        if info.compress_type != zipfile.ZIP_STORED or math.prod(shape) == 0:
-            return _LazyMember(archive, info, shape)
+            header = read_npy_header(member, _member_size(path, info, what, fix), what, fix)
+        spec.check(header.dtype, header.shape, f"in '{path.name}'", convert_hint(spec, f"np.savez(path, {spec.name}="))
+        if info.compress_type != zipfile.ZIP_STORED or math.prod(header.shape) == 0:
+            return _LazyMember(archive, info, header.shape)
         with open(path, "rb") as raw:  # the data starts after the member's local zip header
             raw.seek(info.header_offset + 26)
             name_len, extra_len = struct.unpack("<HH", raw.read(4))
-        offset = info.header_offset + 30 + name_len + extra_len + header_bytes
-        order: Literal["F", "C"] = "F" if fortran_order else "C"
-        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
-    except (ValueError, EOFError, RuntimeError, zipfile.BadZipFile, struct.error) as err:
+        offset = info.header_offset + 30 + name_len + extra_len + header.data_offset
+        order: Literal["F", "C"] = "F" if header.fortran_order else "C"
+        return np.memmap(path, dtype=header.dtype, mode="r", offset=offset, shape=header.shape, order=order)
+    except (ValueError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile, struct.error) as err:
         raise BadInput(f"array '{spec.name}' in '{path.name}' is unreadable ({err}); write it again") from err
+
+
+def _member_size(path: Path, info: zipfile.ZipInfo, what: str, fix: str) -> int:
+    """The most bytes an npz member can really hold, told from the zip directory without decompressing.
+
+    The directory's uncompressed size is as easy to forge as the npy header, so it is capped by what
+    the compressed bytes (no more than the archive holds) can expand to. np.savez stores members,
+    np.savez_compressed deflates them; bzip2 and lzma can expand without a useful bound.
+    """
+    compressed = min(info.compress_size, path.stat().st_size)
+    if info.compress_type == zipfile.ZIP_STORED:
+        return min(info.file_size, compressed)
+    if info.compress_type == zipfile.ZIP_DEFLATED:
+        return min(info.file_size, compressed * _DEFLATE_MAX_RATIO)
+    raise BadInput(f"{what} is compressed with zip method {info.compress_type}; {fix} or np.savez_compressed")
 
 
 @dataclass(frozen=True)
@@ -345,11 +369,14 @@ def _open_jsonl(path: Path, specs: list[InputSpec]) -> InputSource:
     handle = open(path, "rb")
     try:
         offsets, offset = array("q"), 0  # 8 bytes per row: millions of rows cost megabytes
+        blank_lines = array("q")
         for line in handle:
             if line.strip():  # blank lines are not rows
                 offsets.append(offset)
+            else:
+                blank_lines.append(len(offsets))
             offset += len(line)
-        source = _JsonlSource(path, specs, handle, offsets)
+        source = _JsonlSource(path, specs, handle, offsets, blank_lines)
         # Only the first row is checked at open, so the API does not parse the whole file; each
         # row is checked when a worker reads it.
         source.read_rows(0, 1)

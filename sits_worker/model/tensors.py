@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from broker.errors import BadInput, InvalidModel
 from sits_worker.model.padding import MaskSpec, check_mask
 
+# Which kinds of JSON values (dtype.kind of np.asarray(value)) may fill an input of a given kind
 # without losing information; anything else (floats into ints, strings, nulls) is rejected.
 _JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "c": "iufc"}
 
@@ -101,7 +103,25 @@ def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool) -> np.
         )
     # shape only: JSON numbers have no dtype of their own
     spec.check(raw.dtype, raw.shape if batched else (1, *raw.shape), where)
-    return raw.astype(spec.dtype)
+    with np.errstate(over="ignore"):  # a value too large for the dtype becomes inf, refused just below
+        array = raw.astype(spec.dtype)
+    _check_finite(spec, array, where)
+    return array
+
+
+def _check_finite(spec: InputSpec, array: np.ndarray, where: str) -> None:
+    """Refuse NaN, infinity and numbers beyond a float dtype's range in values that came as JSON numbers.
+
+    JSON has no NaN or infinity (the literals are a Python extension), and 1e308 read into float32 is
+    inf: either way the model would answer with nulls. Typed arrays (.npy bytes, input files) are
+    passed as they are: no conversion happens there, and a model may read NaN as "missing".
+    """
+    if spec.dtype.kind in "fc" and array.size and not np.isfinite(array).all():
+        limit = np.finfo(spec.dtype).max
+        raise BadInput(
+            f"input '{spec.name}' holds a value that is not finite or does not fit {spec.dtype.name} {where} "
+            f"(NaN, Infinity or beyond ±{limit:.4g}); send finite numbers within that range"
+        )
 
 
 def request_tensors(signature: dict[str, Any], values: Mapping[str, Any], *,
@@ -127,6 +147,7 @@ def request_tensors(signature: dict[str, Any], values: Mapping[str, Any], *,
         value, where = values[spec.name], "in the request"
         if isinstance(value, np.ndarray):  # already typed (the v2 protocol declares its datatype)
             spec.check(value.dtype, value.shape, where, hint=f"send datatype {spec.dtype.name}")
+            _check_finite(spec, value, where)  # v2 tensors are JSON numbers, read with the declared dtype
             tensors[spec.name] = np.ascontiguousarray(value)
         elif isinstance(value, dict):
             tensors[spec.name] = _b64_tensor(spec, value, where)
@@ -144,10 +165,62 @@ def _b64_tensor(spec: InputSpec, value: dict[str, Any], where: str) -> np.ndarra
     if set(value) != {"b64"} or not isinstance(value["b64"], str):
         raise BadInput(f"input '{spec.name}' must be nested lists or {{\"b64\": <base64 .npy bytes>}}")
     try:
-        array = np.load(io.BytesIO(base64.b64decode(value["b64"], validate=True)), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as err:
+        raw = base64.b64decode(value["b64"], validate=True)
+    except ValueError as err:
         raise BadInput(f"input '{spec.name}' is not base64 of a .npy file ({err}); encode it with np.save") from err
-    if not isinstance(array, np.ndarray) or array.ndim == 0:
+    stream = io.BytesIO(raw)
+    header = read_npy_header(stream, len(raw), f"input '{spec.name}'", "encode it with np.save")
+    if not header.shape:
         raise BadInput(f"input '{spec.name}' must be an array with a batch axis")
-    spec.check(array.dtype, array.shape, where, hint=convert_hint(spec, "np.save(buffer, "))
+    spec.check(header.dtype, header.shape, where, hint=convert_hint(spec, "np.save(buffer, "))
+    stream.seek(0)
+    try:  # the header was checked against the bytes present: this allocates no more than they hold
+        array = np.lib.format.read_array(stream, allow_pickle=False)
+    except (ValueError, EOFError) as err:
+        raise BadInput(f"input '{spec.name}' is not a numeric .npy file ({err}); encode it with np.save") from err
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
+
+
+@dataclass(frozen=True)
+class NpyHeader:
+    """What an .npy header says: the array's shape, dtype and layout, and where its data starts."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran_order: bool
+    data_offset: int
+
+
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def read_npy_header(stream: IO[bytes], size: int, what: str, fix: str) -> NpyHeader:
+    """Read and check the .npy header at the start of `stream`, whose bytes number `size` in all.
+
+    Every .npy reader (files, npz members, base64 requests) comes through here, so a bad header is
+    always a BadInput naming `what`, with `fix` saying how to write it again. numpy's header parser
+    raises ValueError, SyntaxError, tokenize.TokenError or RecursionError on bad text, so any
+    exception but OSError counts as malformed. A header that claims more data than follows it is
+    refused before anything is allocated or queued: 200 bytes must not pass for 25 TB of rows.
+    """
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version not in _HEADER_READERS:
+            raise ValueError(f"npy format version {version} is not supported")
+        shape, fortran_order, dtype = _HEADER_READERS[version](stream)
+        header = NpyHeader(tuple(shape), dtype, bool(fortran_order), stream.tell())
+    except OSError:
+        raise
+    except Exception as err:
+        raise BadInput(f"{what} has a malformed .npy header ({type(err).__name__}: {err}); {fix}") from err
+    if header.dtype.hasobject:
+        raise BadInput(f"{what} holds Python objects (dtype {header.dtype}); only numeric arrays can be read")
+    if any(dim < 0 for dim in header.shape):
+        raise BadInput(f"{what} has a negative dimension in its header shape {list(header.shape)}; {fix}")
+    claimed, present = math.prod(header.shape) * header.dtype.itemsize, size - header.data_offset
+    if claimed > present:
+        raise BadInput(
+            f"{what} has a header claiming {header.dtype.name} {list(header.shape)} ({claimed:,} bytes), but only "
+            f"{max(present, 0):,} bytes of data follow it (truncated, or a wrong header); {fix}"
+        )
+    return header

@@ -1,0 +1,245 @@
+"""Malformed and lying inputs are refused as BadInput by the decoders, before anything is allocated or queued."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import struct
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker.errors import BadInput
+from sits_worker.model.inputs import open_input
+from sits_worker.model.tensors import request_tensors
+
+FEATURES = {
+    "inputs": [{"name": "features", "dtype": "float32", "shape": ["batch", 64], "dynamic_axes": [0]}],
+    "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", 10], "dynamic_axes": [0]}],
+}
+HUGE_ROWS = 100_000_000_000
+MALFORMED_HEADERS = [
+    "{'descr': 'zz', 'fortran_order': False, 'shape': (",  # tokenize.TokenError inside numpy
+    "{'descr': 'zz', 'fortran_order': False}",  # ValueError: keys missing
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 64)} + 1",  # not a literal
+    "(" * 150,  # deep nesting
+]
+
+
+def npy_bytes(header: str, data: bytes = b"") -> bytes:
+    """An .npy 1.0 file with this header text (not checked) and these data bytes."""
+    text = header.encode("latin1")
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text + data
+
+
+def lying_npy(rows: int = HUGE_ROWS, data: bytes = b"") -> bytes:
+    return npy_bytes(f"{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, 64), }}", data)
+
+
+def write_npz(path: Path, member: bytes, method: int = zipfile.ZIP_DEFLATED, name: str = "features.npy") -> Path:
+    with zipfile.ZipFile(path, "w", compression=method) as archive:
+        archive.writestr(name, member)
+    return path
+
+
+def b64(raw: bytes) -> dict[str, str]:
+    return {"b64": base64.b64encode(raw).decode()}
+
+
+def npy_of(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+# --- 1: headers that claim more data than the file holds -------------------------------------
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_DEFLATED, zipfile.ZIP_STORED], ids=["deflated", "stored"])
+def test_an_npz_member_whose_header_claims_more_rows_than_it_holds_is_refused_at_once(
+        tmp_path: Path, method: int) -> None:
+    path = write_npz(tmp_path / "lie.npz", lying_npy(data=bytes(64 * 4)), method)
+
+    started = time.monotonic()
+    with pytest.raises(BadInput) as error:
+        open_input(path, FEATURES)
+
+    assert time.monotonic() - started < 1  # from the zip directory: nothing decompressed, nothing chunked
+    message = error.value.message
+    assert "array 'features' in 'lie.npz'" in message and f"[{HUGE_ROWS}, 64]" in message
+    assert "256 bytes of data follow" in message and "np.savez" in message
+
+
+def test_an_npz_whose_zip_directory_also_lies_about_the_member_size_is_refused(tmp_path: Path) -> None:
+    path = write_npz(tmp_path / "lie.npz", lying_npy(data=bytes(256)))
+    raw = bytearray(path.read_bytes())
+    claimed = struct.pack("<I", 0xFFFFFFF0)
+    local, central = raw.index(b"PK\x03\x04"), raw.index(b"PK\x01\x02")
+    raw[local + 22 : local + 26] = claimed  # uncompressed size, local header
+    raw[central + 24 : central + 28] = claimed  # uncompressed size, central directory
+    path.write_bytes(bytes(raw))
+    assert zipfile.ZipFile(path).getinfo("features.npy").file_size == 0xFFFFFFF0
+
+    with pytest.raises(BadInput, match=r"\[100000000000, 64\].* bytes of data follow"):
+        open_input(path, FEATURES)
+
+
+def test_an_npz_member_compressed_with_lzma_is_refused_saying_how_to_write_it(tmp_path: Path) -> None:
+    path = write_npz(tmp_path / "lzma.npz", npy_of(np.zeros((4, 64), np.float32)), zipfile.ZIP_LZMA)
+
+    with pytest.raises(BadInput, match="compressed with zip method 14; write it again with np.savez"):
+        open_input(path, FEATURES)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz"])
+def test_a_negative_dimension_in_a_header_is_refused(tmp_path: Path, suffix: str) -> None:
+    member = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (-5, 64), }")
+    path = tmp_path / f"negative{suffix}"
+    path.write_bytes(member) if suffix == ".npy" else write_npz(path, member)
+
+    with pytest.raises(BadInput, match=r"negative dimension in its header shape \[-5, 64\]"):
+        open_input(path, FEATURES)
+
+
+def test_a_truncated_npy_file_is_refused_naming_the_sizes(tmp_path: Path) -> None:
+    (tmp_path / "cut.npy").write_bytes(npy_of(np.zeros((10, 64), np.float32))[:-4])
+
+    with pytest.raises(BadInput, match=r"'cut.npy' has a header claiming float32 \[10, 64\] \(2,560 bytes\), "
+                                       r"but only 2,556 bytes"):
+        open_input(tmp_path / "cut.npy", FEATURES)
+
+
+def test_a_b64_tensor_whose_header_claims_a_huge_shape_is_refused_before_allocating() -> None:
+    with pytest.raises(BadInput, match=r"input 'features' has a header claiming float32 \[100000000000, 64\]"):
+        request_tensors(FEATURES, {"features": b64(lying_npy())})
+
+
+def test_valid_stored_and_compressed_npz_and_b64_inputs_still_read() -> None:
+    values = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)
+    np.testing.assert_array_equal(request_tensors(FEATURES, {"features": b64(npy_of(values))})["features"], values)
+    fortran = np.asfortranarray(values)
+    np.testing.assert_array_equal(request_tensors(FEATURES, {"features": b64(npy_of(fortran))})["features"], values)
+
+
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
+def test_valid_npz_inputs_still_read(tmp_path: Path, save: Any) -> None:
+    values = np.arange(5 * 64, dtype=np.float32).reshape(5, 64)
+    save(tmp_path / "ok.npz", features=values)
+
+    with open_input(tmp_path / "ok.npz", FEATURES) as source:
+        batches = list(source.iter_batches(0, source.rows, 2))
+
+    np.testing.assert_array_equal(np.concatenate([feed["features"] for _, feed in batches]), values)
+
+
+# --- 2: headers numpy cannot parse ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("header", MALFORMED_HEADERS)
+def test_a_malformed_npy_header_is_bad_input_naming_the_file(tmp_path: Path, header: str) -> None:
+    (tmp_path / "bad.npy").write_bytes(npy_bytes(header, bytes(256)))
+
+    with pytest.raises(BadInput, match=r"'bad.npy' has a malformed \.npy header .*write it with np.save"):
+        open_input(tmp_path / "bad.npy", FEATURES)
+
+
+@pytest.mark.parametrize("header", MALFORMED_HEADERS)
+def test_a_malformed_npz_member_header_is_bad_input_naming_the_array(tmp_path: Path, header: str) -> None:
+    path = write_npz(tmp_path / "bad.npz", npy_bytes(header, bytes(256)))
+
+    with pytest.raises(BadInput, match=r"array 'features' in 'bad.npz' has a malformed \.npy header"):
+        open_input(path, FEATURES)
+
+
+@pytest.mark.parametrize("header", MALFORMED_HEADERS)
+def test_a_malformed_b64_npy_header_is_bad_input_naming_the_input(header: str) -> None:
+    with pytest.raises(BadInput, match=r"input 'features' has a malformed \.npy header .*encode it with np.save"):
+        request_tensors(FEATURES, {"features": b64(npy_bytes(header, bytes(256)))})
+
+
+def test_b64_that_is_not_npy_or_not_base64_is_bad_input() -> None:
+    with pytest.raises(BadInput, match="is not base64"):
+        request_tensors(FEATURES, {"features": {"b64": "not base64!"}})
+    with pytest.raises(BadInput, match="malformed .npy header"):
+        request_tensors(FEATURES, {"features": b64(b"PK\x03\x04 an npz, not an npy")})
+    with pytest.raises(BadInput, match="holds Python objects"):
+        request_tensors(FEATURES, {"features": b64(npy_bytes("{'descr': '|O', 'fortran_order': False, "
+                                                             "'shape': (1, 64), }", bytes(512)))})
+
+
+# --- 4: JSON numbers that are not finite or do not fit the dtype ----------------------------
+
+
+@pytest.mark.parametrize("bad", [1e308, -1e39, math.inf, -math.inf, math.nan])
+def test_json_numbers_that_are_not_finite_or_overflow_float32_are_refused(bad: float) -> None:
+    row = [0.5] * 63 + [bad]
+
+    with pytest.raises(BadInput, match="input 'features' holds a value that is not finite or does not fit "
+                                       "float32 in the request"):
+        request_tensors(FEATURES, {"features": [row]})
+
+
+def test_json_nan_and_overflow_parsed_from_text_are_refused() -> None:
+    for text in ("NaN", "Infinity", "1e400", "1e308"):
+        row = json.loads("[" + ", ".join(["0.5"] * 63 + [text]) + "]")
+        with pytest.raises(BadInput, match="not finite or does not fit float32"):
+            request_tensors(FEATURES, {"features": [row]})
+
+
+def test_the_range_is_the_target_dtypes() -> None:
+    wide = {"inputs": [{**FEATURES["inputs"][0], "dtype": "float64"}], "outputs": FEATURES["outputs"]}
+    half = {"inputs": [{**FEATURES["inputs"][0], "dtype": "float16"}], "outputs": FEATURES["outputs"]}
+
+    assert request_tensors(wide, {"features": [[1e308] * 64]})["features"].dtype == np.float64
+    with pytest.raises(BadInput, match="does not fit float16"):
+        request_tensors(half, {"features": [[70000.0] * 64]})
+    with pytest.raises(BadInput, match="does not fit float16"):
+        request_tensors(half, {"features": [[70000] * 64]})  # ints too
+
+
+def test_typed_json_tensors_of_the_v2_protocol_follow_the_json_rule() -> None:
+    with np.errstate(over="ignore"):
+        overflowed = np.asarray([[1e308] * 64], dtype=np.float32)  # how v2 reads its JSON data
+
+    with pytest.raises(BadInput, match="not finite or does not fit float32"):
+        request_tensors(FEATURES, {"features": overflowed})
+
+
+def test_b64_npy_arrays_carry_nan_and_inf_as_they_are() -> None:
+    values = np.full((2, 64), np.nan, np.float32)
+    values[1] = np.inf  # typed data: no conversion happens, and a model may read NaN as "missing"
+
+    got = request_tensors(FEATURES, {"features": b64(npy_of(values))})["features"]
+
+    np.testing.assert_array_equal(got, values)
+
+
+def test_a_jsonl_row_holding_nan_is_refused_naming_its_line(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text("{\"features\": [" + ", ".join(["NaN"] * 64) + "]}\n")
+
+    with pytest.raises(BadInput, match=r"not finite or does not fit float32 in row 0 of 'rows.jsonl' \(line 1\)"):
+        open_input(tmp_path / "rows.jsonl", FEATURES)
+
+
+# --- 5: jsonl messages name the file's line --------------------------------------------------
+
+
+def test_jsonl_errors_name_the_files_1_based_line_counting_blank_lines(tmp_path: Path) -> None:
+    good = json.dumps({"features": [0.5] * 64})
+    lines = ["", good, good, "", "", "{not json", good, "   ", '{"feature": []}']
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+
+    with open_input(tmp_path / "rows.jsonl", FEATURES) as source:
+        assert source.rows == 5
+        with pytest.raises(BadInput, match=r"invalid JSON in row 2 of 'rows.jsonl' \(line 6\)"):
+            list(source.iter_batches(0, 3, 8))
+        with pytest.raises(BadInput, match=r"got keys \['feature'\] in row 4 of 'rows.jsonl' \(line 9\)"):
+            list(source.iter_batches(4, 5, 8))
+        assert [rows.tolist() for rows, _ in source.iter_batches(0, 2, 8)] == [[0, 1]]
