@@ -23,6 +23,7 @@ from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_worker.model.graph import load_model_checked, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
 from sits_worker.model.padding import mask_spec
+from sits_worker.model.servable import check_runtime_loads, check_servable
 
 OWNER_MARKER = ".sits-job"
 """File in an output folder naming the job that writes there."""
@@ -48,20 +49,26 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
                    *, now: float) -> dict[str, Any]:
     """Validate an ONNX file, store a copy as a new version (content hash), profile it statically.
 
+    A model that could never serve a request is refused (InvalidModel, 422) before anything is
+    stored: one the ONNX checker's strict type inference rejects, one SITS cannot feed or carry
+    (`check_servable`), or one ONNX Runtime cannot load (`check_runtime_loads`).
     `profile_mode=full` and `enable_fusion` are sent to a worker as a Celery
     task, since only a worker has ONNX Runtime and the device to measure on;
     the record's `profile_status` says `pending` until the task is done.
     """
     source = resolve_inside(body.path, settings.paths.model_roots, "model")
     model = load_model_checked(source, settings.paths.model_roots)
-    version = _content_hash(model)
+    check_servable(model)
+    serialized = model.SerializeToString(deterministic=True)
+    check_runtime_loads(serialized, source.name)
+    profile = static_profile(model)
+    version = _content_hash(serialized)
     stored = _store_copy(model, settings.paths.store() / body.name / version)
     ref = f"{body.name}@{version}"
     try:
         existing = registry.get_model(store, ref)
     except ModelNotFound:
         existing = None
-    profile = static_profile(model)
     needs_worker = body.profile_mode == "full" or body.enable_fusion
     record = (existing or {}) | {
         "name": body.name,
@@ -82,9 +89,9 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     return record
 
 
-def _content_hash(model: onnx.ModelProto) -> str:
-    """Version of a model: hash of its serialised graph with external data inlined."""
-    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:12]
+def _content_hash(serialized_model: bytes) -> str:
+    """Version of a model: hash of its deterministically serialised graph with external data inlined."""
+    return hashlib.sha256(serialized_model).hexdigest()[:12]
 
 
 def _store_copy(model: onnx.ModelProto, folder: Path) -> Path:

@@ -1,9 +1,10 @@
 """Load, validate and statically profile ONNX files without running them.
 
 The API process imports this module to check uploads and estimate cost
-before any worker touches a model, so it uses only `onnx` and numpy (no
-onnxruntime). Every onnx/protobuf/OS exception is translated into a SITS
-error at this boundary.
+before any worker touches a model, so it imports only `onnx` and numpy
+(no onnxruntime). Every onnx/protobuf/OS exception is translated into a
+SITS error at this boundary. Whether SITS can serve a valid model is
+`servable.py`'s concern.
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelPro
     try:
         # By path, so the checker resolves external data next to the model (not the cwd)
         # and never needs the weights in memory (ModelProtos over 2 GB cannot be checked there).
-        onnx.checker.check_model(str(resolved))
-    except Exception as err:  # ValidationError, and ValueError/TypeError from the C++ binding
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise InvalidModel(f"{resolved.name} fails the ONNX checker: {reason}; "
+        # full_check adds strict type and shape inference: a graph whose types clash (Add of float
+        # and int64, a declared type or shape the ops cannot produce) never loads in ONNX Runtime.
+        onnx.checker.check_model(str(resolved), full_check=True)
+    except Exception as err:  # ValidationError, InferenceError, and ValueError/TypeError from the C++ binding
+        raise InvalidModel(f"{resolved.name} fails the ONNX checker: {first_line(err)}; "
                            f"fix or re-export the model") from err
     try:
         load_external_data_for_model(model, str(resolved.parent))
@@ -155,10 +157,15 @@ def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelPro
     return model
 
 
+def first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 # --- signature ----------------------------------------------------------------
 
 
-def _shape_of(value_type: onnx.TypeProto) -> list[int | str] | None:
+def shape_of(value_type: onnx.TypeProto) -> list[int | str] | None:
     """Dims as ints, symbolic names, or "?" for unnamed unknown dims; None for unknown rank."""
     tensor_type = value_type.tensor_type
     if not tensor_type.HasField("shape"):
@@ -168,7 +175,7 @@ def _shape_of(value_type: onnx.TypeProto) -> list[int | str] | None:
 
 
 def _describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
-    shape = _shape_of(value.type)
+    shape = shape_of(value.type)
     return {
         "name": value.name,
         "dtype": dtype_name(value.type.tensor_type.elem_type),
@@ -177,7 +184,7 @@ def _describe(value: onnx.ValueInfoProto) -> dict[str, Any]:
     }
 
 
-def _true_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
+def true_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
     initializers = {tensor.name for tensor in graph.initializer}
     return [value for value in graph.input if value.name not in initializers]
 
@@ -190,7 +197,7 @@ def model_signature(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
     the rank itself is unknown.
     """
     return {
-        "inputs": [_describe(value) for value in _true_inputs(model.graph)],
+        "inputs": [_describe(value) for value in true_inputs(model.graph)],
         "outputs": [_describe(value) for value in model.graph.output],
     }
 
@@ -215,16 +222,16 @@ def operator_histogram(model: onnx.ModelProto) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
-def _default_opset(model: onnx.ModelProto) -> int | None:
+def default_opset(model: onnx.ModelProto) -> int | None:
     for opset in model.opset_import:
         if opset.domain in ("", "ai.onnx"):
             return int(opset.version)
     return None
 
 
-def _sequence_axis(model: onnx.ModelProto) -> dict[str, Any] | None:
-    for value in _true_inputs(model.graph):
-        for axis, dim in enumerate(_shape_of(value.type) or []):
+def sequence_axis(model: onnx.ModelProto) -> dict[str, Any] | None:
+    for value in true_inputs(model.graph):
+        for axis, dim in enumerate(shape_of(value.type) or []):
             if axis > 0 and isinstance(dim, str):
                 return {"input": value.name, "axis": axis}
     return None
@@ -236,7 +243,7 @@ def _profiling_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     copy.CopyFrom(model)
     graph = copy.graph
     input_names = {value.name for value in graph.input}
-    for value in _true_inputs(graph):
+    for value in true_inputs(graph):
         for axis, dim in enumerate(value.type.tensor_type.shape.dim):
             if not dim.HasField("dim_value"):
                 dim.dim_value = 1 if axis == 0 else REFERENCE_SEQUENCE_LENGTH
@@ -293,7 +300,7 @@ def _measure(model: onnx.ModelProto) -> dict[str, int]:
     shapes: dict[str, list[int]] = {}
     types: dict[str, int] = {}
     for value in [*graph.input, *graph.value_info, *graph.output]:
-        shape = _shape_of(value.type)
+        shape = shape_of(value.type)
         types[value.name] = value.type.tensor_type.elem_type
         if shape is not None and all(isinstance(dim, int) for dim in shape):
             shapes[value.name] = [int(dim) for dim in shape]
@@ -318,7 +325,7 @@ def _measure(model: onnx.ModelProto) -> dict[str, int]:
         "flops": flops,
         "activation_bytes": activation_bytes,
         # The copy lists big weights as inputs; only the original model's inputs are fed.
-        "input_bytes": io_bytes(_true_inputs(model.graph)),
+        "input_bytes": io_bytes(true_inputs(model.graph)),
         "output_bytes": io_bytes(list(graph.output)),
         "unresolved_nodes": unresolved,
     }
@@ -342,11 +349,11 @@ def static_profile(model: onnx.ModelProto) -> dict[str, Any]:
         for attribute in node.attribute if attribute.name == "value")]
     param_count = sum(math.prod(tensor.dims) for tensor in params)
     param_bytes = sum(_tensor_bytes(tensor.data_type, math.prod(tensor.dims)) for tensor in params)
-    sequence_axis = _sequence_axis(model)
+    axis = sequence_axis(model)
     measured = _measure(model)
     profile: dict[str, Any] = {
         "signature": model_signature(model),
-        "opset": _default_opset(model),
+        "opset": default_opset(model),
         "metadata": {prop.key: prop.value for prop in model.metadata_props},
         "op_histogram": operator_histogram(model),
         "param_count": param_count,
@@ -356,9 +363,9 @@ def static_profile(model: onnx.ModelProto) -> dict[str, Any]:
         "input_bytes_per_sample": measured["input_bytes"],
         "output_bytes_per_sample": measured["output_bytes"],
         "unresolved_nodes": measured["unresolved_nodes"],
-        "sequence_axis": sequence_axis,
+        "sequence_axis": axis,
     }
-    if sequence_axis is not None:
+    if axis is not None:
         profile["reference_sequence_length"] = REFERENCE_SEQUENCE_LENGTH
         profile["flops_per_token"] = profile["flops_per_sample"] // REFERENCE_SEQUENCE_LENGTH
         profile["activation_bytes_per_token"] = (
