@@ -24,6 +24,7 @@ from broker.scoring import SLA_WEIGHTS
 from broker.store import Store
 from sits_api import online
 from sits_api.jsonio import request_object
+from sits_worker.model.tensors import fits_exactly, json_numbers
 
 v2 = Blueprint("v2", __name__)
 
@@ -205,10 +206,12 @@ def _tensor(entry: Any, where: str) -> np.ndarray:
         raise BadInput(f"input '{name}' shape must be a list of non-negative integers, got {shape!r}")
     if not isinstance(entry["data"], list):
         raise BadInput(f"input '{name}' data must be a list of {datatype} values, got {entry['data']!r}")
-    try:
-        array = np.asarray(entry["data"], dtype=DATATYPES[datatype])
-    except (ValueError, TypeError, OverflowError) as err:
-        raise BadInput(f"input '{name}' data are not {datatype} values ({err})") from err
+    raw = json_numbers(entry["data"])
+    if not fits_exactly(raw, np.dtype(DATATYPES[datatype])):  # as v1: no silent casts (1.5 is no INT64)
+        raise BadInput(f"input '{name}' data are not {datatype} values: write a flat or nested list of "
+                       f"numbers that fit {datatype} exactly")
+    with np.errstate(over="ignore"):  # beyond a float type's range: inf, refused with the request's tensors
+        array = raw.astype(DATATYPES[datatype])
     if array.size != math.prod(shape):
         raise BadInput(f"input '{name}' has {array.size} values but shape {shape} needs {math.prod(shape)}")
     return array.reshape(shape)

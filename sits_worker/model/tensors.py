@@ -86,17 +86,31 @@ def convert_hint(spec: InputSpec, save: str) -> str:
     return f"convert it first (no silent casts), e.g. {save}arr.astype(np.{spec.dtype.name}))"
 
 
+def json_numbers(value: Any) -> np.ndarray:
+    """JSON nested lists as an array of the dtype their values imply (object/None for ragged lists)."""
+    try:
+        return np.asarray(value)
+    except ValueError:  # ragged nested lists
+        return np.asarray(None)
+
+
+def fits_exactly(raw: np.ndarray, dtype: np.dtype) -> bool:
+    """Can JSON values read as `raw` become `dtype` without losing anything (no float to int, no
+    string, no null, integers within the dtype's range)? Finiteness is checked after the cast."""
+    if raw.size == 0 and raw.dtype.kind == "f":  # [] reads as float64: there is nothing to lose
+        return True
+    if raw.dtype.kind not in _JSON_KINDS.get(dtype.kind, ""):
+        return False
+    if dtype.kind in "iu" and raw.size:
+        limits = np.iinfo(dtype)
+        return bool(raw.min() >= limits.min and raw.max() <= limits.max)
+    return True
+
+
 def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool) -> np.ndarray:
     """Convert a JSON value (one row, or rows with the batch axis) to the input's dtype, losslessly."""
-    try:
-        raw = np.asarray(value)
-    except ValueError:  # ragged nested lists
-        raw = np.asarray(None)
-    lossy = raw.dtype.kind not in _JSON_KINDS[spec.dtype.kind]
-    if not lossy and spec.dtype.kind in "iu" and raw.size:
-        limits = np.iinfo(spec.dtype)
-        lossy = bool(raw.min() < limits.min or raw.max() > limits.max)
-    if lossy:
+    raw = json_numbers(value)
+    if not fits_exactly(raw, spec.dtype):
         raise BadInput(
             f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; "
             f"write numbers that fit {spec.dtype.name} exactly"

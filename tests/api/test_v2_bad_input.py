@@ -42,6 +42,11 @@ def queued_items(api: Api) -> int:
     pytest.param({"outputs": [{"name": "probabilities"}]}, "probabilities", id="unknown-output"),
     pytest.param({"outputs": [{"name": "logits"}, {"name": "logits"}]}, "'logits'", id="duplicate-output"),
     pytest.param({"id": 5}, "id", id="id-not-a-string"),
+    pytest.param({"inputs": [features(data=["0.5"] * 64)]}, "not FP32 values", id="numbers-as-strings"),
+    pytest.param({"inputs": [features(data=[True] * 64)]}, "not FP32 values", id="booleans-for-fp32"),
+    pytest.param({"inputs": [features(datatype="INT64", data=[1.5] * 64)]}, "not INT64 values",
+                 id="fractions-for-int64"),
+    pytest.param({"inputs": [features(data=[1e39] * 64)]}, "does not fit float32", id="beyond-float32"),
 ])
 def test_a_malformed_infer_body_is_a_400_naming_the_field_and_queues_nothing(
         api: Api, mlp: dict[str, Any], changes: dict[str, Any], field: str) -> None:
