@@ -15,13 +15,17 @@ from typing import Any
 
 import redis
 
-from broker.errors import ModelNotFound
+from broker.errors import BadInput, ModelNotFound
 from broker.store import Store, translate_redis_errors
 
 
 def split_model_ref(ref: str) -> tuple[str, str | None]:
-    """`name@version` -> (name, version); `name` -> (name, None)."""
-    name, _, version = ref.partition("@")
+    """`name@version` -> (name, version); `name` -> (name, None). BadInput for `name@` or `@version`:
+    an empty part is a typo, not a request for the newest version."""
+    name, at, version = ref.partition("@")
+    if not name or (at and not version):
+        raise BadInput(f"model reference {ref!r} has an empty {'name' if not name else 'version'}; write "
+                       "'<name>' for its newest version or '<name>@<version>'")
     return name, version or None
 
 

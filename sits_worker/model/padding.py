@@ -143,15 +143,23 @@ def shape_bucket(tensors: Mapping[str, np.ndarray], mask: MaskSpec | None,
 
 
 def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:
-    """Raise BadInput unless a client-sent mask has the shape of the sequence input (rows, length).
+    """Raise BadInput unless a client-sent mask has the shape of the sequence input (rows, length) and
+    holds only 0 and 1, and the token ids are not negative.
 
-    The mask says which tokens of those very rows are real, so any other shape is a client error
-    that must be caught at submit, not when the worker pads a merged batch.
+    The mask says which tokens of those very rows are real, so anything else is a client error
+    that must be caught at submit, not when the worker pads a merged batch (or, for a negative id,
+    not at all: ONNX's Gather reads it from the end of the embedding table).
     """
     mask, tokens = tensors.get(spec.mask_input), tensors[spec.sequence_input]
     if mask is not None and mask.shape != tokens.shape:
         raise BadInput(f"input '{spec.mask_input}' has shape {list(mask.shape)} but '{spec.sequence_input}' has "
                        f"{list(tokens.shape)}; send one mask value per token, or leave the mask out")
+    if mask is not None and mask.size and not np.isin(mask, (0, 1)).all():
+        raise BadInput(f"input '{spec.mask_input}' holds values other than 0 and 1; a mask says which tokens are "
+                       "real (1) and which are padding (0)")
+    if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:  # a negative id would index from the end
+        raise BadInput(f"input '{spec.sequence_input}' holds a negative token id ({int(tokens.min())}); token ids "
+                       "start at 0")
 
 
 def sequence_length(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> int:

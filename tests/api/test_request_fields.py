@@ -68,3 +68,21 @@ def test_a_job_list_limit_out_of_range_is_a_400(api: Api) -> None:
         response = api.get(f"/v1/jobs?limit={limit}")
         assert response.status_code == 400 and "from 1 to 10000" in error_of(response), limit
     assert api.get("/v1/jobs?limit=10000").status_code == 200
+
+
+def test_a_mask_of_other_values_than_0_and_1_and_negative_token_ids_are_refused(
+        api: Api, transformer: dict[str, Any]) -> None:
+    status, body = submit(api, {"model": "transformer",
+                                "inputs": {"input_ids": ids(4), "attention_mask": [[1, 1, 2, 0]]}})
+    assert status == 400 and "values other than 0 and 1" in body["error"]
+    status, body = submit(api, {"model": "transformer", "inputs": {"input_ids": [[5, -1, 7, 8]]}})
+    assert status == 400 and "negative token id (-1)" in body["error"]
+
+
+def test_a_model_reference_with_an_empty_version_or_name_is_a_400_not_the_newest_version(
+        api: Api, mlp: dict[str, Any]) -> None:
+    for ref in ("mlp@", "@v1"):
+        status, body = submit(api, {"model": ref, "inputs": {"features": [[0.0] * 64]}})
+        assert status == 400 and "empty" in body["error"], (ref, body)
+    assert api.get("/v1/models/mlp@").status_code == 400
+    assert api.get("/v1/models/mlp").status_code == 200
