@@ -86,3 +86,14 @@ def test_a_model_reference_with_an_empty_version_or_name_is_a_400_not_the_newest
         assert status == 400 and "empty" in body["error"], (ref, body)
     assert api.get("/v1/models/mlp@").status_code == 400
     assert api.get("/v1/models/mlp").status_code == 200
+
+
+def test_fields_are_not_coerced_from_other_json_types(api: Api, mlp: dict[str, Any]) -> None:
+    """ "3" or true is not a priority, nor 1 a `wait`: the client meant something else, or sent it by mistake."""
+    row = {"features": [[0.0] * 64]}
+    for field, value in (("priority", "3"), ("priority", True), ("priority", 2.5), ("wait", 1), ("wait", "yes"),
+                         ("deadline_ms", "100")):
+        status, body = submit(api, {"model": "mlp", "inputs": row, field: value})
+        assert status == 400 and field in body["error"], (field, value, body)
+    assert submit(api, {"model": "mlp", "inputs": row, "priority": 3, "deadline_ms": 100})[0] == 202
+    assert submit(api, {"model": "mlp", "inputs": row, "deadline_ms": 99.5})[0] == 202
