@@ -175,6 +175,9 @@ class _Running:
     reserved: int
     used: int
     ends_at: float
+    hold: bool = False
+    """A decision's placeholder until its lease is reserved for real (`admit_and_hold`): it keeps the
+    memory from other slots, but no batch runs in it, so the stats leave it out."""
 
 
 @dataclass
@@ -221,20 +224,22 @@ class MemoryLedger:
         """Add the time since the last change to the reserved, used and running integrals (lock held)."""
         if self._changed_at is not None and now > self._changed_at:
             elapsed = now - self._changed_at
-            self._reserved_area += elapsed * sum(run.reserved for run in self._running.values())
-            self._used_area += elapsed * sum(run.used for run in self._running.values())
-            self._running_area += elapsed * len(self._running)
+            batches = [run for run in self._running.values() if not run.hold]
+            self._reserved_area += elapsed * sum(run.reserved for run in batches)
+            self._used_area += elapsed * sum(run.used for run in batches)
+            self._running_area += elapsed * len(batches)
         self._first_at = now if self._first_at is None else self._first_at
         self._changed_at = now
 
-    def reserve(self, need_bytes: int, *, now: float, expected_seconds: float) -> int:
-        """Reserve for a batch that starts now; returns the handle to release. May exceed capacity
-        when one batch alone is larger than the device (it must run somewhere)."""
+    def reserve(self, need_bytes: int, *, now: float, expected_seconds: float, hold: bool = False) -> int:
+        """Reserve for a batch that starts now (or, `hold`, for a decision until its lease is reserved);
+        returns the handle to release. May exceed capacity when one batch alone is larger than the
+        device (it must run somewhere)."""
         with self._lock:
             self._integrate(now)
             self._next += 1
             self._running[self._next] = _Running(round_up(need_bytes, self.granularity), need_bytes,
-                                                 now + expected_seconds)
+                                                 now + expected_seconds, hold)
             return self._next
 
     def release(self, handle: int, *, now: float | None = None) -> None:
@@ -305,9 +310,10 @@ class MemoryLedger:
         millisecond, so waits are roughly milliseconds of one slot).
         """
         with self._lock:
-            reserved = sum(run.reserved for run in self._running.values())
-            used = sum(run.used for run in self._running.values())
-            count = len(self._running)
+            batches = [run for run in self._running.values() if not run.hold]
+            reserved = sum(run.reserved for run in batches)
+            used = sum(run.used for run in batches)
+            count = len(batches)
             reserved_area, used_area, running_area = self._reserved_area, self._used_area, self._running_area
             span = (self._changed_at or 0.0) - (self._first_at or 0.0)
             events = dict(self._events)
@@ -411,4 +417,4 @@ def admit_and_hold(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], 
             if admission.claim is not None:
                 needs.append((admission.claim.need_bytes, admission.claim.seconds))
         need, seconds = max(needs)
-        return allowed, ledger.reserve(need, now=now, expected_seconds=seconds)
+        return allowed, ledger.reserve(need, now=now, expected_seconds=seconds, hold=True)

@@ -125,7 +125,7 @@ def test_the_hold_of_a_whole_admission_covers_the_rows_that_fit_not_a_full_batch
 
     [_], hold = admit_and_hold(["head"], costs.__getitem__, ledger, now=0.0, backfill=False)
 
-    assert hold is not None and ledger.stats()["reserved_bytes"] == 1024 * MIB  # 32 rows: 256 MiB
+    assert hold is not None and ledger.free_bytes() == 0  # 32 rows: 256 MiB
 
 
 def test_two_slots_deciding_one_after_the_other_never_admit_on_the_same_memory() -> None:
@@ -139,7 +139,7 @@ def test_two_slots_deciding_one_after_the_other_never_admit_on_the_same_memory()
     third, none = admit_and_hold(["head"], costs.__getitem__, ledger, now=0.0, backfill=False)
 
     assert first == second == [Admission("head", 64, 0)] and third == [] and none is None
-    assert ledger.stats()["reserved_bytes"] == 1024 * MIB
+    assert ledger.free_bytes() == 0
     assert hold is not None
     ledger.release(hold, now=0.1)
     assert admit_and_hold(["head"], costs.__getitem__, ledger, now=0.1, backfill=False)[0] == first
@@ -309,7 +309,7 @@ def test_the_hold_of_an_admitted_claim_covers_the_chunk() -> None:
     [admission], hold = admit_and_hold(["jobmodel"], costs.__getitem__, ledger, now=0.0, backfill=False,
                                        head_items={"jobmodel": "j1:c0000000"})
 
-    assert admission.claim is not None and ledger.stats()["reserved_bytes"] == 768 * MIB
+    assert admission.claim is not None and ledger.free_bytes() == 256 * MIB
     assert ledger.fits(768 * MIB, instead_of=hold)  # the chunk takes the hold's place
     assert not ledger.fits(768 * MIB)
 
@@ -324,3 +324,19 @@ def test_a_batch_run_in_place_of_another_may_use_its_reservation_and_the_free_me
     assert ledger.reserve_in_place_of(chunk, 640 * MIB, now=0, expected_seconds=0.1) is None
     extra = ledger.reserve_in_place_of(chunk, 500 * MIB, now=0, expected_seconds=0.1)
     assert extra is not None and ledger.free_bytes() == 0  # 256 MiB more than the chunk's own
+
+
+def test_a_decision_s_hold_keeps_memory_from_other_slots_but_is_no_batch_in_the_stats() -> None:
+    """Holds last a Redis round trip and claim a full batch: counted as batches, they made the mean
+    fragmentation, memory reserved and batches running describe the holds, not the batches."""
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    costs = {"head": cost(8, 0.01)}  # a full batch: 512 MiB
+    _, hold = admit_and_hold(["head"], costs.__getitem__, ledger, now=0.0, backfill=False)
+    assert hold is not None and ledger.free_bytes() == 512 * MIB
+    ledger.release(hold, now=1.0)
+    batch = ledger.reserve(100 * MIB, now=1.0, expected_seconds=1.0)  # what the lease really runs
+    ledger.release(batch, now=2.0)
+
+    stats = ledger.stats()
+    assert stats["fragmentation_mean"] == round(1 - 100 / 128, 4)  # the batch's unit, not the hold's 512 MiB
+    assert stats["batches_running_mean"] == 0.5 and stats["reserved_share_mean"] == 0.0625
