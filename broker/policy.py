@@ -6,6 +6,7 @@ with the same weights the re-score applied to waiting ones.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -61,9 +62,13 @@ class LivePolicy:
         return self._current
 
 
+@functools.lru_cache(maxsize=32)
 def _decode_policy(raw: str | None, default: Ordering) -> tuple[Weights, Ordering]:
     """The stored policy; a weight that is out of range (stored by a version that did not check, e.g. a
-    NaN written back as null) reads as its default, so scoring and `PUT /v1/policy` keep working."""
+    NaN written back as null) reads as its default, so scoring and `PUT /v1/policy` keep working.
+
+    Cached by the raw JSON (Weights are frozen): drain loops decode the policy they read on every
+    look at the queues, and a bad stored value is logged once, not every millisecond."""
     if not raw:
         return Weights(), default
     data = json.loads(raw)

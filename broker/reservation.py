@@ -354,10 +354,29 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
         others = (_cut(model, cost_of(model), claims.get(model), free, math.inf) for model in ordered[1:])
         return [head, *(admission for admission in others if admission)]
     formed = _whole(ordered[0], head_cost, claims.get(ordered[0]), free)
+    if formed is not None:  # what happens is known after the lease: the slot counts it (`count_lease`)
+        return [formed, *(_backfills(ordered, cost_of, ledger, claims, free, head_need, now) if backfill else [])]
     if not backfill:
-        if formed is None:
-            ledger.count("memory_waits")  # (with one, the slot counts a wait if it leases nothing)
-        return [formed] if formed else []
+        ledger.count("memory_waits")
+        return []
+    admitted = _backfills(ordered, cost_of, ledger, claims, free, head_need, now)
+    ledger.count("backfills" if admitted else "memory_waits")
+    return admitted
+
+
+def count_lease(ledger: MemoryLedger, allowed: Sequence[Admission], leased: Admission | None) -> None:
+    """Count what a slot got from admissions headed by a whole one (`admit` cannot know): nothing
+    when the head's waiting batch ran, a backfill when a batch around it did, a memory wait when
+    nothing was leased (or the queue emptied meanwhile)."""
+    if not allowed or allowed[0].whole_within is None or leased is allowed[0]:
+        return
+    ledger.count("backfills" if leased is not None else "memory_waits")
+
+
+def _backfills(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: MemoryLedger,
+               claims: Mapping[str, Claim], free: int, head_need: int, now: float) -> list[Admission]:
+    """Every model's batch cut to not delay the head: to end before its full batch could start, or to
+    the memory it leaves free beside it then."""
     start, beside = ledger.head_window(head_need, now=now)
     admitted = []
     for model in ordered:
@@ -367,9 +386,7 @@ def admit(ordered: Sequence[str], cost_of: Callable[[str], BatchCost], ledger: M
         choices = [admission for admission in (in_time, beside_head) if admission]
         if choices:  # both cut the same model, so the larger is the one with more rows, then tokens
             admitted.append(max(choices, key=lambda admission: (admission.max_rows, admission.max_tokens)))
-    if admitted or formed is None:
-        ledger.count("backfills" if admitted else "memory_waits")
-    return [formed, *admitted] if formed else admitted
+    return admitted
 
 
 def _whole(model: str, cost: BatchCost, claim: Claim | None, free_bytes: int) -> Admission | None:

@@ -26,7 +26,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
            model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: str,
            tokens: int | None, owner: str, now: float, request_id: str | None = None) -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it."""
-    record, mask = _model_record(store, model, now=now)
+    record, mask = model_record(store, model, now=now)
     tensors = request_tensors(record["signature"], inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
     sequence = _sequence_length(record, tensors)
@@ -77,7 +77,7 @@ _RECORD_TTL_SECONDS = 2.0
 _records: dict[str, tuple[float, dict[str, Any], MaskSpec | None]] = {}
 
 
-def _model_record(store: Store, ref: str, *, now: float) -> tuple[dict[str, Any], MaskSpec | None]:
+def model_record(store: Store, ref: str, *, now: float) -> tuple[dict[str, Any], MaskSpec | None]:
     """The registry record and padding spec, kept a moment per process: the hot path reads them on every
     request, and a bare name moves to a newly registered version (or a profile lands) within seconds anyway."""
     cached = _records.get(ref)

@@ -142,7 +142,7 @@ def parse_infer_request(store: Store, body: Any, model: str) -> InferRequest:
     inputs = _inputs(body["inputs"])
     outputs = _output_names(_optional(body, "outputs", list, "a list of {\"name\": ...} objects") or [])
     if outputs:
-        record = registry.get_model(store, model)
+        record, _ = online.model_record(store, model, now=time.time())  # cached: most clients name outputs
         model = f"{record['name']}@{record['version']}"
         known = [entry["name"] for entry in record["signature"]["outputs"]]
         unknown = [output for output in outputs if output not in known]
@@ -206,7 +206,7 @@ def _tensor(entry: Any, where: str) -> np.ndarray:
         raise BadInput(f"input '{name}' shape must be a list of non-negative integers, got {shape!r}")
     if not isinstance(entry["data"], list):
         raise BadInput(f"input '{name}' data must be a list of {datatype} values, got {entry['data']!r}")
-    raw = json_numbers(entry["data"])
+    raw = json_numbers(entry["data"], np.dtype(DATATYPES[datatype]))
     if not fits_exactly(raw, np.dtype(DATATYPES[datatype])):  # as v1: no silent casts (1.5 is no INT64)
         raise BadInput(f"input '{name}' data are not {datatype} values: write a flat or nested list of "
                        f"numbers that fit {datatype} exactly")

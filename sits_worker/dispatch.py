@@ -67,8 +67,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             finally:
                 if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
                     ctx.ledger.release(hold, now=time.time())
-            if not leased and allowed and allowed[0].whole_within is not None:
-                ctx.ledger.count("memory_waits")  # the head's waiting batch did not fit either
+            if leased or room:  # (a slot without commit room that leases nothing waits for the disk)
+                reservation.count_lease(ctx.ledger, allowed, admission if leased else None)
             ran = False
             if leased and admission is not None:
                 with admitted(ctx, leased, admission, hold=hold) as runnable:

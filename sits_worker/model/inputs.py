@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 
 from broker.errors import BadInput, FileMissing, RetryableError, SitsError
-from sits_worker.model.padding import MaskSpec
+from sits_worker.model.padding import MaskSpec, check_mask
 from sits_worker.model.tensors import InputSpec, convert_hint, json_array, parse_signature, read_npy_header
 
 SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
@@ -226,8 +226,9 @@ class _JsonlSource(InputSource):
 
 
 def _json_row(spec: InputSpec, value: Any, where: str) -> np.ndarray:
-    """Convert one row's JSON value to the input's dtype, refusing ragged or lossy values."""
-    return json_array(spec, value, where, batched=False)
+    """Convert one row's JSON value to the input's dtype, refusing ragged or lossy values (NaN and
+    infinity stay: a file may hold them, as a .npy may)."""
+    return json_array(spec, value, where, batched=False, finite=False)
 
 
 def _single_input(specs: list[InputSpec], path: Path) -> InputSpec:
@@ -427,7 +428,7 @@ def open_input(
             source = _open_jsonl(path, specs)
     except OSError as err:
         raise _file_error(path, err) from err
-    return source if filled is None else _MaskFilled(source, *filled)
+    return source if mask is None else _TokensChecked(source, mask, filled[1] if filled else None)
 
 
 def _holds_input(path: Path, name: str) -> bool:
@@ -449,22 +450,30 @@ def _holds_input(path: Path, name: str) -> bool:
     return False
 
 
-class _MaskFilled(InputSource):
-    """A source whose file lacks the model's attention mask: every batch gets an all-ones mask.
-
-    Rows of one batch have the same length (array files are rectangular, jsonl batches group rows
-    by shape), so no token is padding and ones are the exact mask.
+class _TokensChecked(InputSource):
+    """A token model's source: every batch is checked as a request is at submit (`padding.check_mask`:
+    a mask of 0 and 1 the shape of the tokens, no negative token id), so a bad row fails its job with
+    a clear error rather than reading the embedding table from its end. A file without the mask
+    (`fill_dtype` set) gets an all-ones mask: rows of one batch have the same length (array files are
+    rectangular, jsonl batches group rows by shape), so no token is padding and ones are the exact mask.
     """
 
-    def __init__(self, inner: InputSource, mask: MaskSpec, mask_dtype: np.dtype) -> None:
-        super().__init__(inner.path, inner.format, (*inner.input_names, mask.mask_input), inner.rows)
-        self._inner, self._mask, self._mask_dtype = inner, mask, mask_dtype
+    def __init__(self, inner: InputSource, mask: MaskSpec, fill_dtype: np.dtype | None) -> None:
+        names = inner.input_names if fill_dtype is None else (*inner.input_names, mask.mask_input)
+        super().__init__(inner.path, inner.format, names, inner.rows)
+        self._inner, self._mask, self._fill_dtype = inner, mask, fill_dtype
 
     def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
-        """The inner source's batches, each with an all-ones mask the shape of its token input."""
+        """The inner source's batches, checked, with an all-ones mask where the file has none."""
         for row_indices, feed in self._inner.iter_batches(start, stop, max_batch):
-            tokens = feed[self._mask.sequence_input]
-            feed[self._mask.mask_input] = np.ones(tokens.shape, dtype=self._mask_dtype)
+            if self._fill_dtype is not None:
+                tokens = feed[self._mask.sequence_input]
+                feed[self._mask.mask_input] = np.ones(tokens.shape, dtype=self._fill_dtype)
+            try:
+                check_mask(feed, self._mask)
+            except BadInput as err:
+                raise BadInput(f"rows {int(row_indices[0])}-{int(row_indices[-1])} of '{self.path.name}': "
+                               f"{err.message}") from err
             yield row_indices, feed
 
     def close(self) -> None:

@@ -154,7 +154,7 @@ def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:
     if mask is not None and mask.shape != tokens.shape:
         raise BadInput(f"input '{spec.mask_input}' has shape {list(mask.shape)} but '{spec.sequence_input}' has "
                        f"{list(tokens.shape)}; send one mask value per token, or leave the mask out")
-    if mask is not None and mask.size and not np.isin(mask, (0, 1)).all():
+    if mask is not None and mask.size and not ((mask == 0) | (mask == 1)).all():  # (np.isin: 7x the time)
         raise BadInput(f"input '{spec.mask_input}' holds values other than 0 and 1; a mask says which tokens are "
                        "real (1) and which are padding (0)")
     if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:  # a negative id would index from the end
@@ -194,8 +194,7 @@ def pad_batch(per_request_tensors: Sequence[Mapping[str, np.ndarray]],
     if spec.mask_input not in names:
         names.append(spec.mask_input)
     columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    for tensors in per_request_tensors:
-        check_mask(tensors, spec)
+    for tensors in per_request_tensors:  # each checked already: requests at submit, job rows when read
         tokens = tensors[spec.sequence_input]
         for name in names:
             array = tensors.get(name)

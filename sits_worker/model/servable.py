@@ -122,6 +122,10 @@ def check_servable(model: onnx.ModelProto) -> None:
     _check_sits_metadata(model, signature)
 
 
+RUNTIME_CHECK_MAX_BYTES = 512 * 2**20
+"""Models larger than this are not loaded in the API process at registration (`check_runtime_loads`)."""
+
+
 def check_runtime_loads(serialized_model: bytes, model_name: str) -> None:
     """InvalidModel unless ONNX Runtime builds a CPU session from the model's bytes.
 
@@ -129,7 +133,12 @@ def check_runtime_loads(serialized_model: bytes, model_name: str) -> None:
     does not support, an operator of an unknown domain). Skipped when the API process has no
     onnxruntime. The session is built cheaply (no graph optimisation, one thread) and dropped. A
     missing CPU kernel (NOT_IMPLEMENTED) does not refuse the model: a GPU worker may have one.
+    Skipped too above `RUNTIME_CHECK_MAX_BYTES`: a session holds another copy of the weights, and
+    the registration request would wait seconds for it (the checker has run on it all the same).
+    The API's ONNX Runtime is the one asked: workers of an older version may still refuse the model.
     """
+    if len(serialized_model) > RUNTIME_CHECK_MAX_BYTES:
+        return
     try:
         import onnxruntime as ort
         from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as KernelMissing

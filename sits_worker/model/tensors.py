@@ -86,12 +86,22 @@ def convert_hint(spec: InputSpec, save: str) -> str:
     return f"convert it first (no silent casts), e.g. {save}arr.astype(np.{spec.dtype.name}))"
 
 
-def json_numbers(value: Any) -> np.ndarray:
-    """JSON nested lists as an array of the dtype their values imply (object/None for ragged lists)."""
+def json_numbers(value: Any, target: np.dtype | None = None) -> np.ndarray:
+    """JSON nested lists as an array of the dtype their values imply (object/None for ragged lists).
+
+    Python integers beyond int64 make numpy pick float64 (or object) for the lot; for an integer
+    `target` they are read as that dtype when every value is an integer within its range.
+    """
     try:
-        return np.asarray(value)
+        raw = np.asarray(value)
     except ValueError:  # ragged nested lists
         return np.asarray(None)
+    if target is not None and target.kind in "iu" and raw.dtype.kind in "fO" and raw.size:
+        objects = np.asarray(value, dtype=object)
+        limits = np.iinfo(target)
+        if all(type(item) is int and limits.min <= item <= limits.max for item in objects.ravel()):
+            return objects.astype(target)
+    return raw
 
 
 def fits_exactly(raw: np.ndarray, dtype: np.dtype) -> bool:
@@ -107,9 +117,14 @@ def fits_exactly(raw: np.ndarray, dtype: np.dtype) -> bool:
     return True
 
 
-def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool) -> np.ndarray:
-    """Convert a JSON value (one row, or rows with the batch axis) to the input's dtype, losslessly."""
-    raw = json_numbers(value)
+def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool, finite: bool = True) -> np.ndarray:
+    """Convert a JSON value (one row, or rows with the batch axis) to the input's dtype, losslessly.
+
+    `finite=False` (rows of a .jsonl file, which Python's json writes NaN and Infinity into, as a
+    .npy holds them) keeps NaN and infinity as written; a finite number the dtype cannot hold is
+    refused either way.
+    """
+    raw = json_numbers(value, spec.dtype)
     if not fits_exactly(raw, spec.dtype):
         raise BadInput(
             f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; "
@@ -119,7 +134,11 @@ def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool) -> np.
     spec.check(raw.dtype, raw.shape if batched else (1, *raw.shape), where)
     with np.errstate(over="ignore"):  # a value too large for the dtype becomes inf, refused just below
         array = raw.astype(spec.dtype)
-    _check_finite(spec, array, where)
+    if finite:
+        _check_finite(spec, array, where)
+    elif spec.dtype.kind in "fc" and raw.dtype.kind in "fc" and (np.isfinite(raw) & ~np.isfinite(array)).any():
+        raise BadInput(f"input '{spec.name}' holds a number that does not fit {spec.dtype.name} {where} "
+                       f"(beyond ±{np.finfo(spec.dtype).max:.4g})")
     return array
 
 

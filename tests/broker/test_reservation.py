@@ -20,6 +20,7 @@ from broker.reservation import (
     admit,
     admit_and_hold,
     batch_need_bytes,
+    count_lease,
     round_up,
 )
 from broker.store import Store
@@ -84,7 +85,9 @@ def test_a_backfill_batch_is_cut_to_the_free_memory_and_to_end_before_the_head_s
     assert not any(a.model == "slow" for a in admitted)  # one row would run past t=2, nothing is free beside
     # The head model's own queue: 16 rows (256 MiB) end by t=2 and fit now, its full batch would not.
     assert Admission("head", 16, 0, cut=True) in admitted
-    assert ledger.stats()["backfills"] == 1
+    # First the head's waiting batch all or nothing (up to the 16 rows that fit); the slot counts the outcome.
+    assert admitted[0] == Admission("head", 64, 0, cut=True, whole_within=(16, 0))
+    assert ledger.stats()["backfills"] == 0
 
 
 def test_a_backfill_batch_may_outlast_the_head_start_in_the_memory_the_head_leaves_beside_it() -> None:
@@ -340,3 +343,19 @@ def test_a_decision_s_hold_keeps_memory_from_other_slots_but_is_no_batch_in_the_
     stats = ledger.stats()
     assert stats["fragmentation_mean"] == round(1 - 100 / 128, 4)  # the batch's unit, not the hold's 512 MiB
     assert stats["batches_running_mean"] == 0.5 and stats["reserved_share_mean"] == 0.0625
+
+
+def test_after_a_whole_admission_the_slot_counts_what_it_got() -> None:
+    """`admit` cannot know whether the head's waiting batch will fit: the slot counts after its lease,
+    once per decision: nothing when the head ran, a backfill when a batch around it did, else a wait."""
+    ledger = MemoryLedger(capacity_bytes=1024 * MIB, granularity=128 * MIB)
+    ledger.reserve(768 * MIB, now=0, expected_seconds=2.0)
+    costs = {"head": cost(8, 0.01), "small": cost(1, 0.001)}
+    allowed = admit(["head", "small"], costs.__getitem__, ledger, now=0.0, backfill=True)
+    assert allowed[0].whole_within is not None and len(allowed) > 1
+
+    count_lease(ledger, allowed, allowed[0])
+    assert (ledger.stats()["backfills"], ledger.stats()["memory_waits"]) == (0, 0)
+    count_lease(ledger, allowed, allowed[1])
+    count_lease(ledger, allowed, None)
+    assert (ledger.stats()["backfills"], ledger.stats()["memory_waits"]) == (1, 1)

@@ -221,10 +221,10 @@ def test_b64_npy_arrays_carry_nan_and_inf_as_they_are() -> None:
     np.testing.assert_array_equal(got, values)
 
 
-def test_a_jsonl_row_holding_nan_is_refused_naming_its_line(tmp_path: Path) -> None:
-    (tmp_path / "rows.jsonl").write_text("{\"features\": [" + ", ".join(["NaN"] * 64) + "]}\n")
+def test_a_jsonl_row_holding_a_number_float32_cannot_hold_is_refused_naming_its_line(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text("{\"features\": [" + ", ".join(["1e39"] * 64) + "]}\n")
 
-    with pytest.raises(BadInput, match=r"not finite or does not fit float32 in row 0 of 'rows.jsonl' \(line 1\)"):
+    with pytest.raises(BadInput, match=r"does not fit float32 in row 0 of 'rows.jsonl' \(line 1\)"):
         open_input(tmp_path / "rows.jsonl", FEATURES)
 
 
@@ -243,3 +243,36 @@ def test_jsonl_errors_name_the_files_1_based_line_counting_blank_lines(tmp_path:
         with pytest.raises(BadInput, match=r"got keys \['feature'\] in row 4 of 'rows.jsonl' \(line 9\)"):
             list(source.iter_batches(4, 5, 8))
         assert [rows.tolist() for rows, _ in source.iter_batches(0, 2, 8)] == [[0, 1]]
+
+
+def test_integers_beyond_int64_are_read_exactly_for_a_uint64_input_and_refused_elsewhere() -> None:
+    """numpy reads [2**63, 1] as float64; for a uint64 target the values are ints that fit, so they pass."""
+    from sits_worker.model.tensors import fits_exactly, json_numbers
+
+    uint64, int64 = np.dtype("uint64"), np.dtype("int64")
+    raw = json_numbers([[2**63, 1]], uint64)
+    assert raw.dtype == uint64 and fits_exactly(raw, uint64) and raw[0, 0] == 2**63
+    assert not fits_exactly(json_numbers([2**63, 1], int64), int64)
+    assert not fits_exactly(json_numbers([2**64, 1], uint64), uint64)
+    assert not fits_exactly(json_numbers([1.5, 2**63], uint64), uint64)
+
+
+def test_jsonl_rows_keep_nan_and_infinity_as_written_but_refuse_overflow(tmp_path: Path) -> None:
+    """Python's json writes NaN and Infinity; a .jsonl job file may hold them as a .npy may. A finite
+    number float32 cannot hold (1e39) would silently become inf: refused."""
+    import math
+
+    from sits_worker.model.graph import static_profile
+    from sits_worker.model.inputs import open_input
+    from sits_worker.model.zoo import build_model
+
+    signature = static_profile(build_model("mlp"))["signature"]
+    row = [0.5] * 64
+    (tmp_path / "nan.jsonl").write_text(json.dumps({"features": [math.nan, math.inf] + row[2:]}) + "\n")
+    with open_input(tmp_path / "nan.jsonl", signature) as source:
+        (_, feed), = source.iter_batches(0, 1, 8)
+        assert np.isnan(feed["features"][0, 0]) and np.isinf(feed["features"][0, 1])
+    (tmp_path / "big.jsonl").write_text(json.dumps({"features": [1e39] + row[1:]}) + "\n")
+    with pytest.raises(BadInput, match="does not fit float32"):
+        with open_input(tmp_path / "big.jsonl", signature) as source:
+            list(source.iter_batches(0, 1, 8))

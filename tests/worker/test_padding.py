@@ -211,6 +211,25 @@ def test_requests_may_leave_out_a_declared_mask_but_not_send_a_wrong_one() -> No
         request_tensors(signature, {"attention_mask": [[1, 2, 3]]}, mask=spec)
 
 
+def test_job_rows_are_checked_like_requests_when_read(tmp_path: Path) -> None:
+    """A job's rows go through the same mask and token id checks as a request at submit (a mask of
+    0 and 1, no negative id), each batch as it is read: the job fails with the rows named."""
+    profile = static_profile(build_model("transformer"))
+    spec, signature = mask_spec(profile), profile["signature"]
+    ids = _ids(6, 4, 5)
+    np.savez(tmp_path / "bad_mask.npz", input_ids=ids, attention_mask=np.full_like(ids, 2))
+    ids[4, 1] = -3
+    np.save(tmp_path / "bad_id.npy", ids)
+
+    with open_input(tmp_path / "bad_mask.npz", signature, mask=spec) as source:
+        with pytest.raises(BadInput, match="rows 0-2 of 'bad_mask.npz'.*other than 0 and 1"):
+            list(source.iter_batches(0, 6, 3))
+    with open_input(tmp_path / "bad_id.npy", signature, mask=spec) as source:
+        assert len(list(source.iter_batches(0, 3, 3))) == 1  # rows 0-2 are fine
+        with pytest.raises(BadInput, match="rows 3-5 of 'bad_id.npy'.*negative token id \\(-3\\)"):
+            list(source.iter_batches(3, 6, 3))
+
+
 def test_job_files_without_a_mask_get_an_all_ones_mask(tmp_path: Path) -> None:
     profile = static_profile(build_model("transformer"))
     spec, signature = mask_spec(profile), profile["signature"]
