@@ -24,8 +24,8 @@ import numpy as np
 from broker import registry
 from broker.config import Settings, load_settings
 from broker.errors import DeviceOutOfMemory
+from broker.ledger import MemoryLedger
 from broker.queues import QueueWatcher
-from broker.reservation import MemoryLedger
 from broker.store import Store
 from sits_worker.commits import Commits
 from sits_worker.devices import Device, device_memory

@@ -17,6 +17,7 @@ import numpy as np
 
 from broker import queues, reservation
 from broker.chunking import FALLBACK_BATCH_ROWS
+from broker.ledger import Claim
 from sits_worker.context import WorkerContext
 from sits_worker.model.padding import max_sequence, shape_bucket
 
@@ -89,7 +90,7 @@ def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission:
     A job chunk is admitted by its own need, which the admission could not know (its mini-batches
     are its job's `batch_size`, not the model's online batch): if it does not fit the device's
     free memory now, or the cut of a backfill admission, it goes back to its queue at once, its
-    attempt not counted, and a `reservation.Claim` makes later admissions count its job's real
+    attempt not counted, and a `ledger.Claim` makes later admissions count its job's real
     need while the job's chunks head the queue. Requests it came with run without it. The check
     and the swap happen under the ledger's `deciding` lock, so no other slot admits on the same
     memory meanwhile.
@@ -104,7 +105,7 @@ def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission:
             if chunks and not (admission.allows_chunk(need, seconds) and ledger.fits(need, instead_of=hold)):
                 queues.return_unrun(ctx.store, chunks)
                 if leased[0] is chunks[0]:  # it heads its queue again
-                    ledger.claim(model_ref, reservation.Claim(chunks[0].payload["job"], need, seconds))
+                    ledger.claim(model_ref, Claim(chunks[0].payload["job"], need, seconds))
                 leased = [item for item in leased if item.payload.get("kind") != "chunk"]
                 need, seconds = batch_need(ctx, leased) if leased else (0, 0.0)
             if any(item.payload.get("kind") != "finalize" for item in leased):  # a merge needs no device memory

@@ -11,17 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker import queues, requests
+from broker.ledger import Claim, MemoryLedger, round_up
 from broker.requests import RequestSpec
 from broker.reservation import (
     Admission,
     BatchCost,
-    Claim,
-    MemoryLedger,
     admit,
     admit_and_hold,
     batch_need_bytes,
     count_lease,
-    round_up,
 )
 from broker.store import Store
 

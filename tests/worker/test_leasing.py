@@ -10,8 +10,9 @@ import pytest
 
 from broker import jobs, queues, registry, requests
 from broker.config import Settings
+from broker.ledger import MemoryLedger
 from broker.requests import RequestSpec
-from broker.reservation import Admission, MemoryLedger, admit_and_hold
+from broker.reservation import Admission, admit_and_hold
 from broker.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
