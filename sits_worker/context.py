@@ -29,8 +29,9 @@ from broker.queues import QueueWatcher
 from broker.store import Store
 from sits_worker.commits import Commits
 from sits_worker.devices import Device, device_memory
-from sits_worker.model.inputs import InputSource, open_input
+from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec
+from sits_worker.model.source import InputSource
 from sits_worker.observed import ObservedLatencies
 from sits_worker.runtime import SessionCache, run_session
 

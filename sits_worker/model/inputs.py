@@ -5,34 +5,32 @@ open it again and read only their chunk's rows [start, stop). Array formats are 
 (.npy, .bin and uncompressed .npz members), so a chunk read touches only its own rows; .jsonl keeps
 a byte-offset index of its lines. Values are never cast silently: an array whose dtype is not the
 model's is rejected with a message saying how to convert it (byte order alone is not a cast).
+The .jsonl reader is in `jsonl_source.py`, what every reader is in `source.py`.
 """
 
 from __future__ import annotations
 
-import abc
-import bisect
 import hashlib
 import json
 import math
 import os
 import struct
-import threading
 import zipfile
 import zlib
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from broker.errors import BadInput, FileMissing, RetryableError, SitsError
+from broker.errors import BadInput
+from sits_worker.model.jsonl_source import open_jsonl
 from sits_worker.model.padding import MaskSpec, check_mask
-from sits_worker.model.tensors import InputSpec, convert_hint, json_array, parse_signature, read_npy_header
+from sits_worker.model.source import Batch, InputSource, file_error
+from sits_worker.model.tensors import InputSpec, convert_hint, parse_signature, read_npy_header
 
 SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
-Batch = tuple[np.ndarray, dict[str, np.ndarray]]
 _BLOCK_BYTES = 1 << 20
 _DEFLATE_MAX_RATIO = 1032
 """zlib's bound: one byte of a deflate stream never stands for more than 1032 bytes of output."""
@@ -50,55 +48,8 @@ def file_checksum(path: Path) -> str:
             while block := handle.read(_BLOCK_BYTES):
                 digest.update(block)
     except OSError as err:
-        raise _file_error(Path(path), err) from err
+        raise file_error(Path(path), err) from err
     return f"sha256:{digest.hexdigest()}"
-
-
-def _file_error(path: Path, err: OSError) -> SitsError:
-    if isinstance(err, FileNotFoundError):
-        return FileMissing(f"file '{path}' does not exist; check the path as the server sees it")
-    if isinstance(err, PermissionError | IsADirectoryError | NotADirectoryError):
-        return BadInput(f"cannot read '{path}' ({err.strerror or err}); it must be a readable regular file")
-    return RetryableError(f"reading '{path}' failed ({err}); try again later")
-
-
-class InputSource(abc.ABC):
-    """An opened input file: its row count and a reader of row ranges as model-ready batches.
-
-    `iter_batches` yields `(row_indices, feed)`: absolute int64 row numbers, and for every input
-    name a C-contiguous array of the model's dtype and one uniform shape, ready for onnxruntime.
-    Treat feed arrays as read-only: they may be views of the file's mapping. Use it as a context
-    manager or call `close()`.
-    """
-
-    def __init__(self, path: Path, fmt: str, input_names: Sequence[str], rows: int) -> None:
-        if rows == 0:
-            raise BadInput(f"input file '{path.name}' has no rows; submit a file with at least one row")
-        self.path, self.format, self.input_names, self.rows = path, fmt, tuple(input_names), rows
-        self._closed = False
-
-    @abc.abstractmethod
-    def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
-        """Yield batches of at most `max_batch` rows covering rows [start, stop) exactly once."""
-
-    def close(self) -> None:
-        """Release file handles and mappings; batches already yielded stay valid (a view keeps its mapping)."""
-        self._closed = True
-
-    def __enter__(self) -> InputSource:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _check_range(self, start: int, stop: int, max_batch: int) -> None:
-        if self._closed or max_batch < 1 or not 0 <= start <= stop:
-            raise ValueError(f"cannot read rows [{start}, {stop}) by {max_batch} (closed: {self._closed})")
-        if stop > self.rows:
-            raise BadInput(
-                f"rows [{start}, {stop}) lie past the end of '{self.path.name}' ({self.rows} rows); "
-                "the file changed after the job was submitted, resubmit the job"
-            )
 
 
 class _ArraySource(InputSource):
@@ -125,7 +76,7 @@ class _ArraySource(InputSource):
             try:
                 held = self._arrays[name] = held.load()  # kept: compressed members cannot be mapped
             except OSError as err:
-                raise _file_error(self.path, err) from err
+                raise file_error(self.path, err) from err
             except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
                 raise BadInput(f"array '{name}' in '{self.path.name}' is corrupt ({err}); write it again") from err
         return held
@@ -157,78 +108,6 @@ class _ArraySource(InputSource):
         if self._archive is not None:
             self._archive.close()
         super().close()
-
-
-class _JsonlSource(InputSource):
-    """jsonl input: one JSON object per line, rows located through a byte-offset index."""
-
-    def __init__(
-        self, path: Path, specs: list[InputSpec], handle: BinaryIO, offsets: array[int], blank_lines: array[int]
-    ) -> None:
-        super().__init__(path, ".jsonl", [spec.name for spec in specs], len(offsets))
-        self._specs, self._handle, self._offsets = specs, handle, offsets
-        self._blank_lines = blank_lines  # for each blank line, the row that follows it (sorted)
-        self._lock = threading.Lock()
-
-    def read_rows(self, start: int, stop: int) -> list[dict[str, np.ndarray]]:
-        """Parse and check rows [start, stop); each becomes {input name: array of the input's dtype}."""
-        lines: list[bytes] = []
-        try:
-            with self._lock:  # one handle, shared by the worker's stream threads: seek and read together
-                self._handle.seek(self._offsets[start])
-                while len(lines) < stop - start:
-                    line = self._handle.readline()
-                    if not line:
-                        raise BadInput(f"'{self.path.name}' changed after the job was submitted; resubmit the job")
-                    if line.strip():
-                        lines.append(line)
-        except OSError as err:
-            raise _file_error(self.path, err) from err
-        return [self._parse_row(line, start + offset) for offset, line in enumerate(lines)]
-
-    def _parse_row(self, line: bytes, row: int) -> dict[str, np.ndarray]:
-        # rows count from 0, as in the outputs; the line is the file's, from 1 and counting blank lines
-        line_number = row + 1 + bisect.bisect_right(self._blank_lines, row)
-        where = f"in row {row} of '{self.path.name}' (line {line_number})"
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
-            raise BadInput(f"invalid JSON {where} ({err}); fix that line") from err
-        if not isinstance(record, dict) or set(record) != set(self.input_names):
-            got = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise BadInput(
-                f"got keys {got} {where}; each line must be an object with exactly the model's "
-                f"inputs {list(self.input_names)}"
-            )
-        return {spec.name: _json_row(spec, record[spec.name], where) for spec in self._specs}
-
-    def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
-        """Yield the range's rows grouped by exact shape, so batches need no padding.
-
-        Groups come in order of their first row, rows keep their order within a group. The range
-        is parsed at once: memory grows with the chunk, not with the file.
-        """
-        self._check_range(start, stop, max_batch)
-        rows = self.read_rows(start, stop)
-        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
-        for offset, sample in enumerate(rows):
-            groups.setdefault(tuple(sample[name].shape for name in self.input_names), []).append(offset)
-        for members in groups.values():
-            for first in range(0, len(members), max_batch):
-                picked = members[first : first + max_batch]
-                feed = {name: np.stack([rows[i][name] for i in picked]) for name in self.input_names}
-                yield np.asarray(picked, dtype=np.int64) + start, feed
-
-    def close(self) -> None:
-        """Close the file handle."""
-        self._handle.close()
-        super().close()
-
-
-def _json_row(spec: InputSpec, value: Any, where: str) -> np.ndarray:
-    """Convert one row's JSON value to the input's dtype, refusing ragged or lossy values (NaN and
-    infinity stay: a file may hold them, as a .npy may)."""
-    return json_array(spec, value, where, batched=False, finite=False)
 
 
 def _single_input(specs: list[InputSpec], path: Path) -> InputSpec:
@@ -366,27 +245,6 @@ def _open_bin(path: Path, specs: list[InputSpec], shape: Sequence[int] | None, d
     return _ArraySource(path, specs, {spec.name: mapped})
 
 
-def _open_jsonl(path: Path, specs: list[InputSpec]) -> InputSource:
-    handle = open(path, "rb")
-    try:
-        offsets, offset = array("q"), 0  # 8 bytes per row: millions of rows cost megabytes
-        blank_lines = array("q")
-        for line in handle:
-            if line.strip():  # blank lines are not rows
-                offsets.append(offset)
-            else:
-                blank_lines.append(len(offsets))
-            offset += len(line)
-        source = _JsonlSource(path, specs, handle, offsets, blank_lines)
-        # Only the first row is checked at open, so the API does not parse the whole file; each
-        # row is checked when a worker reads it.
-        source.read_rows(0, 1)
-        return source
-    except BaseException:
-        handle.close()
-        raise
-
-
 def open_input(
     path: Path,
     signature: dict[str, Any],
@@ -425,9 +283,9 @@ def open_input(
         elif suffix == ".bin":
             source = _open_bin(path, specs, shape, dtype)
         else:
-            source = _open_jsonl(path, specs)
+            source = open_jsonl(path, specs)
     except OSError as err:
-        raise _file_error(path, err) from err
+        raise file_error(path, err) from err
     return source if mask is None else _TokensChecked(source, mask, filled[1] if filled else None)
 
 

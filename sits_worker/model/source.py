@@ -1,0 +1,65 @@
+"""What every reader of a job's input file is: an `InputSource`, its row count and its batches.
+
+The readers themselves are in `inputs.py` (array formats) and `jsonl_source.py` (.jsonl).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from broker.errors import BadInput, FileMissing, RetryableError, SitsError
+
+Batch = tuple[np.ndarray, dict[str, np.ndarray]]
+"""(Absolute int64 row numbers, input name -> array): one batch of an input file's rows."""
+
+
+def file_error(path: Path, err: OSError) -> SitsError:
+    """The SITS error for an OSError reading `path`: missing, unreadable, or worth a retry."""
+    if isinstance(err, FileNotFoundError):
+        return FileMissing(f"file '{path}' does not exist; check the path as the server sees it")
+    if isinstance(err, PermissionError | IsADirectoryError | NotADirectoryError):
+        return BadInput(f"cannot read '{path}' ({err.strerror or err}); it must be a readable regular file")
+    return RetryableError(f"reading '{path}' failed ({err}); try again later")
+
+
+class InputSource(abc.ABC):
+    """An opened input file: its row count and a reader of row ranges as model-ready batches.
+
+    `iter_batches` yields `(row_indices, feed)`: absolute int64 row numbers, and for every input
+    name a C-contiguous array of the model's dtype and one uniform shape, ready for onnxruntime.
+    Treat feed arrays as read-only: they may be views of the file's mapping. Use it as a context
+    manager or call `close()`.
+    """
+
+    def __init__(self, path: Path, fmt: str, input_names: Sequence[str], rows: int) -> None:
+        if rows == 0:
+            raise BadInput(f"input file '{path.name}' has no rows; submit a file with at least one row")
+        self.path, self.format, self.input_names, self.rows = path, fmt, tuple(input_names), rows
+        self._closed = False
+
+    @abc.abstractmethod
+    def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
+        """Yield batches of at most `max_batch` rows covering rows [start, stop) exactly once."""
+
+    def close(self) -> None:
+        """Release file handles and mappings; batches already yielded stay valid (a view keeps its mapping)."""
+        self._closed = True
+
+    def __enter__(self) -> InputSource:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_range(self, start: int, stop: int, max_batch: int) -> None:
+        if self._closed or max_batch < 1 or not 0 <= start <= stop:
+            raise ValueError(f"cannot read rows [{start}, {stop}) by {max_batch} (closed: {self._closed})")
+        if stop > self.rows:
+            raise BadInput(
+                f"rows [{start}, {stop}) lie past the end of '{self.path.name}' ({self.rows} rows); "
+                "the file changed after the job was submitted, resubmit the job"
+            )
