@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import WatchError
+
 from broker.errors import Conflict, JobNotFound
 from broker.queues import LeasedItem
 from broker.scoring import Factors, Ordering, Weights, check_level, queue_key
@@ -33,7 +35,7 @@ _INT_FIELDS = (
     "priority",
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts")
-_JSON_FIELDS = ("output_names", "manifest", "input_options")
+_JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
 
 
 def new_job_id() -> str:
@@ -80,6 +82,8 @@ class JobSpec:
     priority: int = 0
     owner: str = ""
     input_options: dict[str, Any] | None = None
+    input_stat: dict[str, int] | None = None
+    """The input file's size, modification time and inode at submit: workers check it before each chunk."""
 
     @property
     def model_ref(self) -> str:
@@ -121,6 +125,7 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
         "input_format": spec.input_format,
         "input_checksum": spec.input_checksum,
         "input_options": json.dumps(spec.input_options or {}),
+        "input_stat": json.dumps(spec.input_stat) if spec.input_stat else "",
         "output_dir": spec.output_dir,
         "output_names": json.dumps(list(spec.output_names)),
         "rows_total": spec.rows_total,
@@ -142,6 +147,32 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
              _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict(),
                         spec.batch_size))
+
+
+def claim_output_dir(store: Store, output_dir: str, job_id: str) -> None:
+    """Make `job_id` the job that writes into `output_dir`; Conflict while another active job holds it.
+
+    Atomic (WATCH on the claims): two jobs submitted into one folder at once would both pass a check
+    made before either exists, run every row, and all but one fail at their merge. A claim held by
+    a job that is no longer active (or never got created) is free to take.
+    """
+    key = store.keys.output_dirs
+    with translate_redis_errors(), store.client.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                owner = pipe.hget(key, output_dir)
+                if owner and owner != job_id:
+                    status = pipe.hget(store.keys.job(owner), "status")
+                    if status in ACTIVE_STATUSES:
+                        raise Conflict(f"output_dir {output_dir} is in use by job {owner} ({status}); "
+                                       f"choose another folder or cancel {owner} first")
+                pipe.multi()
+                pipe.hset(key, output_dir, job_id)
+                pipe.execute()
+                return
+            except WatchError:
+                continue
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
@@ -249,8 +280,9 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, 
 
 
 def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
-               ordering: Ordering = "dynamic") -> int:
+               ordering: Ordering = "dynamic", input_stat: dict[str, int] | None = None) -> int:
     """Re-queue every chunk not yet done (and the finalize step if all are); returns items queued.
+    `input_stat` replaces the input file's recorded identity (its checksum was found unchanged).
 
     Chunks still leased by a previous run are taken back: after a crash their
     holders are gone, and if one is not, its duplicate run rewrites the same
@@ -270,7 +302,9 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     if not missing:
         finalize = finalize_payload(job_id, model_ref, score, factors.to_dict())
         item_args = [finalize_item_id(job_id), score, json.dumps(finalize), ""]
-    fields = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now}
+    fields: dict[str, Any] = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now}
+    if input_stat:
+        fields["input_stat"] = json.dumps(input_stat)
     return _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)
 
 

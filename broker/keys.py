@@ -70,6 +70,11 @@ class Keys:
         """HASH of one job's fields and checkpoint."""
         return self._key("job", job_id)
 
+    @property
+    def output_dirs(self) -> str:
+        """HASH output folder path -> id of the job that last claimed it (`jobs.claim_output_dir`)."""
+        return self._key("output-dirs")
+
     def job_done(self, job_id: str) -> str:
         """SET of chunk indexes whose outputs are written and acknowledged."""
         return self._key("job", job_id, "done")

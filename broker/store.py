@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from broker.errors import ConnectionLost
+from broker.errors import ConfigError, ConnectionLost
 from broker.keys import Keys
 from broker.scripts import Scripts
 
@@ -37,8 +37,13 @@ class Store:
 
     @classmethod
     def connect(cls, url: str, key_prefix: str = "sits") -> Store:
-        """A store on the Redis at `url` (responses decoded as UTF-8 text)."""
-        client = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+        """A store on the Redis at `url` (responses decoded as UTF-8 text); ConfigError for a URL that
+        is not one."""
+        try:
+            client = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+        except ValueError as err:
+            raise ConfigError(f"{url!r} is not a Redis URL ({err}); give one like redis://127.0.0.1:6379/0 "
+                              "(redis.url, SITS_REDIS_URL)") from err
         return cls(client=client, keys=Keys(prefix=key_prefix))
 
     def ping(self) -> bool:

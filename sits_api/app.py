@@ -243,16 +243,26 @@ def resume_job(job_id: str) -> Any:
 # --- online requests ------------------------------------------------------------------
 
 
+def _query_flag(name: str) -> bool:
+    """A yes/no query parameter (`?wait=true`); BadInput for a value that is neither."""
+    value = request.args.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise BadInput(f"query parameter '{name}' must be true or false, got {request.args.get(name)!r}")
+
+
 @api.post("/v1/requests")
 def submit_request() -> Any:
     """One inference request; 202 with its id, or with `wait` the result (200) when it is done in time."""
     ctx = _ctx()
     body = _parse(OnlineRequest)
+    wait = body.wait or _query_flag("wait")  # checked before anything is queued
     settings, store = ctx["settings"], ctx["store"]
     spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model, inputs=body.inputs,
                          priority=body.priority, deadline_ms=body.deadline_ms, user_tier=body.user_tier,
                          tokens=body.tokens, owner=g.identity["name"], now=time.time())
-    wait = body.wait or request.args.get("wait", "").lower() in ("1", "true", "yes")
     done = wait and requests.wait_for_request(store, spec.request_id,
                                               timeout=online.wait_seconds(settings, body.deadline_ms))
     if done:

@@ -18,7 +18,14 @@ from broker.requests import RequestSpec
 from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
-from sits_worker.model.padding import MAX_SEQUENCE_KEY, MaskSpec, mask_spec, max_sequence, shape_bucket
+from sits_worker.model.padding import (
+    MaskSpec,
+    check_sequence_length,
+    declared_max_sequence,
+    mask_spec,
+    max_sequence,
+    shape_bucket,
+)
 from sits_worker.model.tensors import request_tensors
 
 
@@ -105,10 +112,7 @@ def _checked_tokens(record: dict[str, Any], tensors: dict[str, np.ndarray], mask
         if claimed is not None:
             raise BadInput(f"model '{name}' has no sequence axis, so 'tokens' does not apply to it; leave it out")
         return None
-    declared = ((record.get("static_profile") or {}).get("metadata") or {}).get(MAX_SEQUENCE_KEY)
-    if declared and sequence > max_sequence(record.get("static_profile")):
-        raise BadInput(f"the input's sequence is {sequence} tokens long, more than model '{name}' takes "
-                       f"({MAX_SEQUENCE_KEY} = {declared}); split or truncate it")
+    check_sequence_length(sequence, declared_max_sequence(record.get("static_profile")), name)
     counted = sequence * rows
     if claimed is None or claimed == counted:
         return counted

@@ -16,7 +16,7 @@ import onnx
 
 from broker import chunking, jobs, policy, registry, workers
 from broker.config import Settings
-from broker.errors import BadInput, Conflict, JobNotFound, ModelNotFound, PathNotAllowed
+from broker.errors import BadInput, Conflict, ModelNotFound, PathNotAllowed, RetryableError
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
@@ -24,8 +24,9 @@ from sits_worker.model.graph import load_model_checked, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
 from sits_worker.model.padding import mask_spec
 from sits_worker.model.servable import check_runtime_loads, check_servable
+from sits_worker.model.source import file_identity
+from sits_worker.outputs import MANIFEST_NAME
 
-OWNER_MARKER = ".sits-job"
 """File in an output folder naming the job that writes there."""
 
 
@@ -122,12 +123,13 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype,
                     mask=mask_spec(model.get("static_profile"))) as source:
         rows, input_format = source.rows, source.format.lstrip(".")
+        next(source.iter_batches(0, 1, 1))  # its first row checked as a request's would be (token ids, mask)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
                        "name a folder the workers can write") from err
-    _refuse_busy_output_dir(store, output_dir, now=now)
+    _refuse_finished_output_dir(output_dir)
     batch_size = _batch_size(settings, model, body.batch_size)
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),
@@ -135,7 +137,8 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         model_version=model["version"],
         input_batch=str(input_path),
         input_format=input_format,
-        input_checksum=file_checksum(input_path),
+        input_checksum=_checksum_unchanged(input_path, identity := file_identity(input_path)),
+        input_stat=identity,
         output_dir=str(output_dir),
         output_names=[output["name"] for output in model["signature"]["outputs"]],
         rows_total=rows,
@@ -146,10 +149,19 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         input_options={k: v for k, v in input_options.items() if v is not None},
     )
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
+    jobs.claim_output_dir(store, spec.output_dir, spec.job_id)
     jobs.create_job(store, spec, now=now, weights=weights, ordering=ordering)
-    (output_dir / OWNER_MARKER).write_text(spec.job_id + "\n")
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
+
+
+def _checksum_unchanged(path: Path, identity: dict[str, int]) -> str:
+    """The file's checksum, if the file is still the one `identity` describes once it is read (a file
+    being written while it is hashed would be recorded with a checksum of neither version)."""
+    checksum = file_checksum(path)
+    if file_identity(path) != identity:
+        raise RetryableError(f"input {path} changed while it was being read; submit again once it is written")
+    return checksum
 
 
 def _batch_size(settings: Settings, model: dict[str, Any], asked: int | str | None) -> int:
@@ -171,30 +183,26 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
                                    max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes)
 
 
-def _refuse_busy_output_dir(store: Store, output_dir: Path, *, now: float) -> None:
-    """Conflict when an active job writes into `output_dir`: their part files would mix."""
-    try:
-        owner = (output_dir / OWNER_MARKER).read_text().strip()
-    except OSError:
-        return
-    try:
-        status = jobs.get_job(store, owner, now=now)["status"]
-    except JobNotFound:
-        return
-    if status in jobs.ACTIVE_STATUSES:
-        raise Conflict(f"output_dir {output_dir} is in use by job {owner} ({status}); "
-                       f"choose another folder or cancel {owner} first")
+def _refuse_finished_output_dir(output_dir: Path) -> None:
+    """Conflict when the folder holds a finished job's results: a new job would run every row and
+    then fail at its merge (the manifest is another job's)."""
+    if (output_dir / MANIFEST_NAME).exists():
+        raise Conflict(f"output_dir {output_dir} already holds the results of a finished job ({MANIFEST_NAME}); "
+                       "choose an empty folder or remove those results first")
 
 
 def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, now: float) -> dict[str, Any]:
     """Re-queue a job's unfinished chunks after checking its input and model are still the same."""
     job = jobs.get_job(store, job_id, now=now)
     registry.get_model(store, job["model_ref"])
-    checksum = file_checksum(Path(job["input_batch"]))
+    input_path = Path(job["input_batch"])
+    identity = file_identity(input_path)
+    checksum = _checksum_unchanged(input_path, identity)
     if checksum != job["input_checksum"]:
         raise BadInput(f"input {job['input_batch']} changed since the job was submitted "
                        f"({checksum} != {job['input_checksum']}); submit a new job for the new data")
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
-    jobs.resume_job(store, job_id, now=now, weights=weights, ordering=ordering)
+    jobs.claim_output_dir(store, job["output_dir"], job_id)  # another job may have taken it meanwhile
+    jobs.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity)
     dispatcher.wake_workers()
     return jobs.get_job(store, job_id, now=now)

@@ -24,6 +24,7 @@ from broker import jobs, queues
 from broker.errors import BadInput, PermanentError
 from broker.queues import LeasedItem
 from sits_worker.context import WorkerContext
+from sits_worker.model.source import check_unchanged
 from sits_worker.online import give_back, rows_to_fill, run_requests, run_with_riders
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
 
@@ -126,6 +127,7 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
     """
     start, stop = item.payload["start"], item.payload["stop"]
     output_names: list[str] = job["output_names"]
+    check_unchanged(Path(job["input_batch"]), job.get("input_stat"))  # a stat: before its rows are read
     source = ctx.job_input(job)
     session = ctx.session(job["model_ref"])  # looked up once per chunk, not per mini-batch
     results: dict[str, np.ndarray] = {}

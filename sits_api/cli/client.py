@@ -6,15 +6,17 @@ under `$SITS_HOME` (`api-url`, `api-key`).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from broker.errors import SitsError
+from broker.errors import ConfigError, SitsError
 
 
 class ApiError(SitsError):
@@ -44,10 +46,14 @@ class ApiClient:
         """The client for the stack `sitsctl up` started (or the one SITS_API_URL/KEY name)."""
         env = os.environ if environ is None else environ
         home = sits_home(env)
-        url = env.get("SITS_API_URL") or _read(home / "api-url")
+        url = env.get("SITS_API_URL")
+        source = "SITS_API_URL"
+        if not url:
+            url, source = _read(home / "api-url"), str(home / "api-url")
         key = env.get("SITS_API_KEY") or _read(home / "api-key")
         if not url:
             raise SitsError(f"no API to talk to: start one with `sitsctl up` or set SITS_API_URL (looked in {home})")
+        check_api_url(url, source)
         return cls(url, key or "")
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
@@ -59,7 +65,7 @@ class ApiClient:
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as response:
-                return json.loads(response.read() or b"null")
+                payload = response.read()
         except urllib.error.HTTPError as err:
             payload = err.read()
             try:
@@ -69,6 +75,13 @@ class ApiClient:
             raise ApiError(f"{err.code}: {message}", err.code) from err
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
             raise ApiError(f"cannot reach the SITS API at {self.url}: {err}; is `sitsctl up` running?", 503) from err
+        except http.client.HTTPException as err:  # something answered, but not in HTTP
+            raise ApiError(f"{self.url} did not answer as an HTTP server ({err!r}); is it the SITS API?", 502) from err
+        try:
+            return json.loads(payload or b"null")
+        except ValueError as err:
+            raise ApiError(f"{self.url}{path} answered with something that is not JSON; is it the SITS API?",
+                           502) from err
 
     def get(self, path: str) -> Any:
         """GET `path`."""
@@ -81,6 +94,18 @@ class ApiClient:
     def delete(self, path: str) -> Any:
         """DELETE `path`."""
         return self.request("DELETE", path)
+
+
+def check_api_url(url: str, source: str) -> None:
+    """Raises ConfigError unless `url` is an http(s) URL with a host (and a valid port, if any)."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        valid = parsed.scheme in ("http", "https") and bool(parsed.hostname)
+        _ = parsed.port  # raises ValueError on a port that is not a number in 0-65535
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ConfigError(f"{source} {url!r} is not an API URL: give one like http://127.0.0.1:8000")
 
 
 def _read(path: Path) -> str | None:

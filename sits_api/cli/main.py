@@ -6,6 +6,7 @@ launcher), print the result. `--json` prints what the API answered.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -13,28 +14,45 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from broker.config import load_settings
 from broker.errors import SitsError
 from sits_api.cli.client import ApiClient
+from sits_api.cli.params import SHAPE, non_empty
 from sits_api.cli.progress import wait_for_job
 
 console = Console()
 
 
 class _SitsGroup(click.Group):
-    """Prints SITS errors as one clear line and exits 1, instead of a traceback."""
+    """Prints SITS errors and failed file operations as one clear line and exits 1, instead of a traceback.
+
+    Only errors about the outside world are caught: `SitsError` (the API client's `ApiError`, Redis
+    unreachable, bad config) and `OSError` (a path that cannot be read or written). Anything else is a
+    bug in sitsctl and keeps its traceback.
+    """
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except SitsError as err:
-            console.print(f"[red]error:[/red] {err.message}")
-            sys.exit(1)
+            print_error(err.message)
+        except OSError as err:
+            if err.errno == errno.EPIPE:
+                raise  # `sitsctl job list | head`: click's own handler exits quietly
+            print_error(f"{err.filename}: {err.strerror}" if err.filename is not None else str(err))
+        sys.exit(1)
+
+
+def print_error(message: str) -> None:
+    """One red `error:` line; the message is printed as text (API messages may hold `[...]`)."""
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
 
 
 @click.group(cls=_SitsGroup)
@@ -44,6 +62,11 @@ def cli() -> None:
 
 def _client() -> ApiClient:
     return ApiClient.from_environment()
+
+
+def _segment(text: str) -> str:
+    """`text` as one URL path segment, so a typed id with spaces or slashes gets the API's "not found"."""
+    return quote(text, safe="@")
 
 
 def _print_json(data: Any) -> None:
@@ -140,18 +163,24 @@ def key() -> None:
 
 
 @key.command("create")
-@click.option("--name", required=True, help="who the key is for")
+@click.option("--name", required=True, callback=non_empty, help="who the key is for")
 @click.option("--role", type=click.Choice(["admin", "user"]), default="user", show_default=True)
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
 def key_create(name: str, role: str, config_path: Path | None) -> None:
     """Create an API key and print it once (only its digest is stored)."""
+    import redis
+
     from broker.apikeys import create_api_key
     from broker.store import Store
 
     settings = load_settings(config_path)
     if not settings.redis.url:
         raise click.UsageError("set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
-    click.echo(create_api_key(Store.connect(settings.redis.url, settings.redis.key_prefix), name, role))
+    store = Store.connect(settings.redis.url, settings.redis.key_prefix)  # ConfigError for a bad URL
+    try:
+        click.echo(create_api_key(store, name, role))
+    except redis.RedisError as err:  # connection failures arrive as ConnectionLost; this is what else Redis says
+        raise SitsError(f"Redis at {settings.redis.url} refused to store the key: {err}") from err
 
 
 # --- zoo and models -----------------------------------------------------------------
@@ -230,7 +259,7 @@ def model_list() -> None:
 @click.argument("ref")
 def model_show(ref: str) -> None:
     """One model (`name` or `name@version`) as JSON."""
-    _print_json(_client().get(f"/v1/models/{ref}"))
+    _print_json(_client().get(f"/v1/models/{_segment(ref)}"))
 
 
 # --- jobs ---------------------------------------------------------------------------
@@ -248,14 +277,16 @@ def job() -> None:
 @click.option("--input-batch", required=True, type=click.Path(path_type=Path))
 @click.option("--output-dir", required=True, type=click.Path(path_type=Path))
 @click.option("--priority", default=0, show_default=True, type=click.IntRange(0, 15))
-@click.option("--chunk-size", type=int, default=None)
-@click.option("--batch-size", type=int, default=None)
-@click.option("--shape", default=None, help="per-sample shape of a raw .bin input, e.g. 3,32,32")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="rows per queue item (default: the config's jobs.chunk_size, else the server's)")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="rows per ONNX Runtime run (default: the config's jobs.batch_size, else the server's)")
+@click.option("--shape", type=SHAPE, default=None, help="per-sample shape of a raw .bin input, e.g. 3,32,32")
 @click.option("--dtype", default=None, help="dtype of a raw .bin input, e.g. float32")
 @click.option("--wait", is_flag=True, help="show a progress bar until the job ends, then a summary")
 @click.option("--json", "as_json", is_flag=True)
 def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, output_dir: Path, priority: int,
-               chunk_size: int | None, batch_size: int | None, shape: str | None, dtype: str | None, wait: bool,
+               chunk_size: int | None, batch_size: int | None, shape: list[int] | None, dtype: str | None, wait: bool,
                as_json: bool) -> None:
     """Submit an offline job over an input file (.npy, .npz, .bin, .jsonl)."""
     settings = load_settings(config_path) if config_path else None
@@ -268,7 +299,7 @@ def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, outp
         "batch_size": batch_size or (settings.jobs.batch_size if settings else None),
     }
     if shape:
-        body["input_shape"] = [int(dim) for dim in shape.split(",")]
+        body["input_shape"] = shape
     if dtype:
         body["input_dtype"] = dtype
     client = _client()
@@ -286,7 +317,7 @@ def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, outp
 @click.option("--json", "as_json", is_flag=True)
 def job_status(job_id: str, as_json: bool) -> None:
     """One job's status, progress, throughput and ETA."""
-    data = _client().get(f"/v1/jobs/{job_id}")
+    data = _client().get(f"/v1/jobs/{_segment(job_id)}")
     if as_json:
         _print_json(data)
         return
@@ -295,7 +326,7 @@ def job_status(job_id: str, as_json: bool) -> None:
                   f"rows {data['rows_done']:,}/{data['rows_total']:,}, chunks {data['chunks_done']}/"
                   f"{data['chunks_total']}, {data['rows_per_second']:,.0f} rows/s{eta}")
     if data.get("error"):
-        console.print(f"[red]error:[/red] {data['error']}")
+        print_error(data["error"])
 
 
 @job.command("list")
@@ -303,7 +334,7 @@ def job_status(job_id: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def job_list(status_filter: str | None, as_json: bool) -> None:
     """Newest jobs first."""
-    path = "/v1/jobs" + (f"?status={status_filter}" if status_filter else "")
+    path = "/v1/jobs" + (f"?{urlencode({'status': status_filter})}" if status_filter else "")
     data = _client().get(path)
     if as_json:
         _print_json(data)
@@ -320,7 +351,7 @@ def job_list(status_filter: str | None, as_json: bool) -> None:
 @click.argument("job_id")
 def job_cancel(job_id: str) -> None:
     """Cancel a job (its waiting chunks leave the queue)."""
-    data = _client().delete(f"/v1/jobs/{job_id}")
+    data = _client().delete(f"/v1/jobs/{_segment(job_id)}")
     console.print(f"job {job_id} {data['status']}")
 
 
@@ -330,7 +361,7 @@ def job_cancel(job_id: str) -> None:
 def job_resume(job_id: str, wait: bool) -> None:
     """Re-queue only the chunks of a job that are not done."""
     client = _client()
-    data = client.post(f"/v1/jobs/{job_id}/resume")
+    data = client.post(f"/v1/jobs/{_segment(job_id)}/resume")
     console.print(f"job {job_id} {data['status']}: {data['chunks_done']}/{data['chunks_total']} chunks already done")
     if wait:
         final = wait_for_job(console, client, job_id)

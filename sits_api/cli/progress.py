@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -41,7 +42,7 @@ def print_summary(console: Console, job: dict[str, Any]) -> None:
                   f"{job['rows_done']:,} rows, {job['rows_per_second']:,.0f} rows/s, "
                   f"{job['chunks_done']} chunks ({job['chunk_runs']} chunk runs)")
     if job.get("error"):
-        console.print(f"[red]error:[/red] {job['error']}")
+        console.print(f"[red]error:[/red] {escape(job['error'])}", soft_wrap=True)
     if job.get("workers"):
         console.print("workers used: " + ", ".join(f"{name} ({count} chunks)"
                                                    for name, count in sorted(job["workers"].items())))

@@ -42,6 +42,8 @@ class MaskSpec(NamedTuple):
     mask_dtype: str = "int64"
     other_inputs: tuple[tuple[str, int], ...] = ()
     sequence_outputs: tuple[tuple[str, int], ...] = ()
+    declared_max_sequence: int | None = None
+    """The model's own `sits.max_sequence`, if it declares one: longer rows are refused (`check_mask`)."""
 
 
 def bucket_length(length: int, max_sequence: int, *, granularity: int = 8, classes_per_octave: int = 4) -> int:
@@ -109,13 +111,27 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
         mask_input=mask_input, pad_id=pad_id, sequence_input=name, axis=axis, mask_dtype=mask_entry["dtype"],
         other_inputs=carrying(list(inputs.values()), {name, mask_input}) if named else (),
         sequence_outputs=carrying(signature.get("outputs", []), set()) if named else (),
+        declared_max_sequence=declared_max_sequence(static_profile),
     )
 
 
 def max_sequence(static_profile: Mapping[str, Any] | None) -> int:
     """The longest sequence a token model takes (metadata `sits.max_sequence`, default 512)."""
+    return declared_max_sequence(static_profile) or DEFAULT_MAX_SEQUENCE
+
+
+def declared_max_sequence(static_profile: Mapping[str, Any] | None) -> int | None:
+    """The model's own `sits.max_sequence` (a limit rows are checked against), or None."""
     value = ((static_profile or {}).get("metadata") or {}).get(MAX_SEQUENCE_KEY)
-    return int(value) if value else DEFAULT_MAX_SEQUENCE
+    return int(value) if value else None
+
+
+def check_sequence_length(length: int, declared: int | None, model: str | None = None) -> None:
+    """BadInput when a row's sequence is longer than the model declares it takes."""
+    if declared is not None and length > declared:
+        which = f"model {model!r}" if model else "the model"
+        raise BadInput(f"the input's sequence is {length} tokens long, more than {which} takes "
+                       f"({MAX_SEQUENCE_KEY} = {declared}); split or truncate it")
 
 
 def shape_bucket(tensors: Mapping[str, np.ndarray], mask: MaskSpec | None,
@@ -157,6 +173,7 @@ def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:
     if mask is not None and mask.size and not ((mask == 0) | (mask == 1)).all():  # (np.isin: 7x the time)
         raise BadInput(f"input '{spec.mask_input}' holds values other than 0 and 1; a mask says which tokens are "
                        "real (1) and which are padding (0)")
+    check_sequence_length(int(tokens.shape[spec.axis]), spec.declared_max_sequence)
     if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:  # a negative id would index from the end
         raise BadInput(f"input '{spec.sequence_input}' holds a negative token id ({int(tokens.min())}); token ids "
                        "start at 0")

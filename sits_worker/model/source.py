@@ -6,6 +6,7 @@ The readers themselves are in `inputs.py` (array formats) and `jsonl_source.py` 
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,6 +25,33 @@ def file_error(path: Path, err: OSError) -> SitsError:
     if isinstance(err, PermissionError | IsADirectoryError | NotADirectoryError):
         return BadInput(f"cannot read '{path}' ({err.strerror or err}); it must be a readable regular file")
     return RetryableError(f"reading '{path}' failed ({err}); try again later")
+
+
+def file_identity(path: Path) -> dict[str, int]:
+    """What tells a file's bytes changed without reading them: size, modification time, inode."""
+    try:
+        status = os.stat(path)
+    except OSError as err:
+        raise file_error(path, err) from err
+    return {"size": status.st_size, "mtime_ns": status.st_mtime_ns, "inode": status.st_ino}
+
+
+def check_unchanged(path: Path, identity: dict[str, int] | None) -> None:
+    """BadInput when the file is no longer the one a job was submitted with (`file_identity`).
+
+    Workers check before every chunk: a job whose input was rewritten would mix old and new rows
+    under the old checksum, and one whose input was cut short would read past the end of its
+    memory map (a crash, not an error). None (a job from before identities were kept) checks nothing.
+    """
+    if identity is None:
+        return
+    now = file_identity(path)
+    if now != identity:
+        raise BadInput(
+            f"input '{path}' changed after the job was submitted (size {identity['size']:,} -> {now['size']:,} "
+            "bytes, or its modification time or inode); if its data are the same, resume the job (resume "
+            "checks the checksum), else submit a new job"
+        )
 
 
 class InputSource(abc.ABC):

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from api_helpers import Api, error_of
 from werkzeug.test import TestResponse
@@ -169,4 +170,22 @@ def test_a_bad_first_jsonl_row_answers_400_naming_its_1_based_line(
 
     assert response.status_code == 400, response.get_json()
     assert "invalid JSON in row 0 of 'rows.jsonl' (line 3)" in error_of(response)
+    assert_nothing_queued(api)
+
+
+def test_a_token_job_s_first_row_is_checked_at_submit_like_a_request(
+        api: Api, tmp_path: Path, zoo_dir: Path) -> None:
+    """A negative token id, a mask of 2, a sequence over the model's declared sits.max_sequence: 400
+    before anything is queued (later rows are checked when a worker reads them)."""
+    response = api.post("/v1/models", json={"name": "transformer", "path": str(zoo_dir / "transformer.onnx")})
+    assert response.status_code == 201, response.get_json()
+    ids = np.ones((3, 16), dtype=np.int64)
+    cases = {"negative.npz": ({"input_ids": np.where(ids == 1, -1, ids)}, "negative token id"),
+             "mask.npz": ({"input_ids": ids, "attention_mask": np.full_like(ids, 2)}, "other than 0 and 1"),
+             "long.npz": ({"input_ids": np.ones((2, 600), dtype=np.int64)}, "sits.max_sequence = 512")}
+    for name, (arrays, reason) in cases.items():
+        np.savez(tmp_path / name, **arrays)
+        response = api.post("/v1/jobs", json={"model": "transformer", "input_batch": str(tmp_path / name),
+                                              "output_dir": str(tmp_path / f"out-{name}")})
+        assert response.status_code == 400 and reason in error_of(response), (name, response.get_json())
     assert_nothing_queued(api)

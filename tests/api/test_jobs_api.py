@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -564,3 +565,36 @@ def test_an_output_dir_in_use_by_an_active_job_answers_409(
     assert first.get_json()["id"] in error_of(second) and "another folder" in error_of(second)
     api.delete(f"/v1/jobs/{first.get_json()['id']}")
     assert api.post("/v1/jobs", json=body).status_code == 201
+
+
+def test_a_second_job_into_the_folder_of_an_active_one_answers_409_and_a_finished_one_s_too(
+        api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    """The folder is claimed atomically when a job is created, so two jobs never both run into it
+    (each would run every row, and all but one fail at their merge)."""
+    first = submit(api, **job_body("mlp", mlp_input, tmp_path / "out")).get_json()
+    response = submit(api, **job_body("mlp", mlp_input, tmp_path / "out"))
+    assert response.status_code == 409 and f"in use by job {first['id']}" in error_of(response)
+
+    api.delete(f"/v1/jobs/{first['id']}")  # no longer active: the folder is free to take
+    second = submit(api, **job_body("mlp", mlp_input, tmp_path / "out"))
+    assert second.status_code == 201, error_of(second)
+    resumed = api.post(f"/v1/jobs/{first['id']}/resume")  # the second holds it now
+    assert resumed.status_code == 409 and "in use by job" in error_of(resumed)
+
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "manifest.json").write_text("{}")
+    response = submit(api, **job_body("mlp", mlp_input, tmp_path / "done"))
+    assert response.status_code == 409 and "already holds the results of a finished job" in error_of(response)
+
+
+def test_a_job_records_its_input_s_identity_and_a_resume_after_an_identical_rewrite_refreshes_it(
+        api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    job = submit(api, **job_body("mlp", mlp_input, tmp_path / "out")).get_json()
+    recorded = api.get(f"/v1/jobs/{job['id']}").get_json()["input_stat"]
+    assert recorded["size"] == mlp_input.stat().st_size
+    api.delete(f"/v1/jobs/{job['id']}")
+    mlp_input.write_bytes(mlp_input.read_bytes())  # the same bytes, a new modification time
+    os.utime(mlp_input, ns=(recorded["mtime_ns"] + 10**9, recorded["mtime_ns"] + 10**9))
+
+    assert api.post(f"/v1/jobs/{job['id']}/resume").status_code == 202
+    assert api.get(f"/v1/jobs/{job['id']}").get_json()["input_stat"]["mtime_ns"] == recorded["mtime_ns"] + 10**9

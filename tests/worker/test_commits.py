@@ -3,6 +3,7 @@ while its stream slot goes on (real Redis, a real `WorkerContext`, a real ONNX m
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -174,3 +175,21 @@ def test_a_drain_task_retires_once_a_commit_that_queues_nothing_is_done(
 
     assert outcome == ["released"]
     assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 1
+
+
+def test_a_chunk_whose_input_changed_since_submit_fails_its_job_before_reading_it(
+        mlp_job: tuple[WorkerContext, jobs.JobSpec, np.ndarray]) -> None:
+    """Rewritten, its rows would mix with the old ones under the old checksum; cut short, the read
+    would run past the end of its memory map and crash the worker. Either way a stat tells."""
+    from sits_worker.model.source import file_identity
+
+    ctx, spec, rows = mlp_job
+    path = Path(spec.input_batch)
+    ctx.store.client.hset(ctx.store.keys.job(spec.job_id), "input_stat", json.dumps(file_identity(path)))
+    assert run_next(ctx, spec.model_ref) == "committing"  # unchanged: runs
+    assert ctx.commits.wait(timeout=10)
+    np.save(path, rows[:40])  # cut short between its chunks
+
+    assert run_next(ctx, spec.model_ref) == "failed"
+    job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
+    assert job["status"] == "failed" and "changed after the job was submitted" in job["error"], job

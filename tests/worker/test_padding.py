@@ -57,7 +57,7 @@ def test_transformer_declares_its_mask_and_pad_id(transformer: tuple[ort.Inferen
         ("input_ids", ["batch", "sequence"]), ("attention_mask", ["batch", "sequence"])]
     metadata = session.get_modelmeta().custom_metadata_map
     assert metadata["sits.attention_mask"] == "attention_mask" and metadata["sits.pad_token_id"] == "0"
-    assert mask_spec(profile) == MaskSpec("attention_mask", 0, "input_ids", 1, "int64", (), ())
+    assert mask_spec(profile) == MaskSpec("attention_mask", 0, "input_ids", 1, "int64", (), (), 512)
 
 
 def test_models_without_a_declared_mask_get_no_padding_spec() -> None:
