@@ -35,7 +35,13 @@ def authenticate(store: Store, key: str | None) -> dict[str, Any]:
         raw = store.client.hget(store.keys.api_keys, _digest(key))
     if raw is None:
         raise Unauthorized("unknown API key: check SITS_API_KEY or $SITS_HOME/api-key")
-    return json.loads(raw)
+    try:
+        identity = json.loads(raw)
+    except ValueError:
+        identity = None
+    if not isinstance(identity, dict):  # written by hand, or by something else: not a key SITS made
+        raise Unauthorized("this API key's record in Redis is damaged; create a new key with `sitsctl key create`")
+    return identity
 
 
 def require_role(identity: dict[str, Any], role: str) -> None:

@@ -21,6 +21,7 @@ from sits_api.dispatch import Dispatcher
 from sits_worker.model.padding import (
     MaskSpec,
     check_sequence_length,
+    check_token_ids,
     declared_max_sequence,
     mask_spec,
     max_sequence,
@@ -106,13 +107,18 @@ def _checked_tokens(record: dict[str, Any], tensors: dict[str, np.ndarray], mask
     """The request's token count: counted from its sequence axis; a count the client sent must be
     that one (or, for a model with an attention mask, the unmasked tokens), since the scheduler
     trusts it (requests under `express_max_tokens` take the express lane). A model's own
-    `sits.max_sequence` bounds the sequence length here, before anything is queued."""
+    `sits.max_sequence` bounds the sequence length here, and its vocabulary the token ids, before
+    anything is queued."""
     name = record["name"]
     if sequence is None:
         if claimed is not None:
             raise BadInput(f"model '{name}' has no sequence axis, so 'tokens' does not apply to it; leave it out")
         return None
-    check_sequence_length(sequence, declared_max_sequence(record.get("static_profile")), name)
+    static = record.get("static_profile") or {}
+    check_sequence_length(sequence, declared_max_sequence(static), name)
+    if mask is None:  # (with one, `check_mask` checked the ids with the tensors)
+        token_input = static["sequence_axis"]["input"]
+        check_token_ids(tensors[token_input], token_input, static.get("vocabulary_size"))
     counted = sequence * rows
     if claimed is None or claimed == counted:
         return counted

@@ -237,6 +237,20 @@ def sequence_axis(model: onnx.ModelProto) -> dict[str, Any] | None:
     return None
 
 
+def vocabulary_size(model: onnx.ModelProto, token_input: str) -> int | None:
+    """How many token ids the model takes: the rows of the embedding table its token input indexes
+    (a Gather on axis 0 of an initializer, as exported transformers look ids up). None when no such
+    lookup is found: then no id is refused for being too large."""
+    tables = {tensor.name: list(tensor.dims) for tensor in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "Gather" or list(node.input[1:2]) != [token_input] or node.input[0] not in tables:
+            continue
+        axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 0)
+        if axis == 0 and tables[node.input[0]]:
+            return int(tables[node.input[0]][0])
+    return None
+
+
 def _profiling_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy with fixed input dims (batch 1, other dynamic dims the reference length) and light weights."""
     copy = onnx.ModelProto()
@@ -366,6 +380,7 @@ def static_profile(model: onnx.ModelProto) -> dict[str, Any]:
         "sequence_axis": axis,
     }
     if axis is not None:
+        profile["vocabulary_size"] = vocabulary_size(model, axis["input"])
         profile["reference_sequence_length"] = REFERENCE_SEQUENCE_LENGTH
         profile["flops_per_token"] = profile["flops_per_sample"] // REFERENCE_SEQUENCE_LENGTH
         profile["activation_bytes_per_token"] = (

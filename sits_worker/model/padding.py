@@ -44,6 +44,8 @@ class MaskSpec(NamedTuple):
     sequence_outputs: tuple[tuple[str, int], ...] = ()
     declared_max_sequence: int | None = None
     """The model's own `sits.max_sequence`, if it declares one: longer rows are refused (`check_mask`)."""
+    vocabulary_size: int | None = None
+    """Token ids the model takes (`graph.vocabulary_size`), if known: larger ids are refused."""
 
 
 def bucket_length(length: int, max_sequence: int, *, granularity: int = 8, classes_per_octave: int = 4) -> int:
@@ -112,6 +114,7 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
         other_inputs=carrying(list(inputs.values()), {name, mask_input}) if named else (),
         sequence_outputs=carrying(signature.get("outputs", []), set()) if named else (),
         declared_max_sequence=declared_max_sequence(static_profile),
+        vocabulary_size=(static_profile or {}).get("vocabulary_size"),
     )
 
 
@@ -174,9 +177,19 @@ def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:
         raise BadInput(f"input '{spec.mask_input}' holds values other than 0 and 1; a mask says which tokens are "
                        "real (1) and which are padding (0)")
     check_sequence_length(int(tokens.shape[spec.axis]), spec.declared_max_sequence)
-    if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:  # a negative id would index from the end
-        raise BadInput(f"input '{spec.sequence_input}' holds a negative token id ({int(tokens.min())}); token ids "
-                       "start at 0")
+    check_token_ids(tokens, spec.sequence_input, spec.vocabulary_size)
+
+
+def check_token_ids(tokens: np.ndarray, name: str, vocabulary_size: int | None) -> None:
+    """BadInput for a negative token id (ONNX's Gather would read it from the end of the embedding
+    table) or, when the vocabulary size is known, one past its end (ONNX Runtime's error then)."""
+    if tokens.dtype.kind not in "iu" or not tokens.size:
+        return
+    if tokens.dtype.kind == "i" and tokens.min() < 0:
+        raise BadInput(f"input '{name}' holds a negative token id ({int(tokens.min())}); token ids start at 0")
+    if vocabulary_size is not None and tokens.max() >= vocabulary_size:
+        raise BadInput(f"input '{name}' holds token id {int(tokens.max())}, but the model's vocabulary has "
+                       f"{vocabulary_size} ids (0 to {vocabulary_size - 1}); check the tokenizer matches the model")
 
 
 def sequence_length(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> int:

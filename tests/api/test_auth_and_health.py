@@ -47,6 +47,15 @@ def test_a_wrong_key_answers_401_saying_where_keys_come_from(client: FlaskClient
     assert "unknown API key" in error_of(response) and "SITS_API_KEY" in error_of(response)
 
 
+def test_a_key_whose_record_is_damaged_answers_401_not_500(client: FlaskClient, store: Store) -> None:
+    from broker.apikeys import _digest
+
+    store.client.hset(store.keys.api_keys, _digest("sits_damaged"), "not json")
+    response = client.get("/v1/status", headers={"Authorization": "Bearer sits_damaged"})
+
+    assert response.status_code == 401 and "damaged" in error_of(response)
+
+
 @pytest.mark.parametrize("header", ["Basic dXNlcjpwYXNz", "Bearer", "Bearer ", "Token sits_x"])
 def test_a_header_that_is_not_a_bearer_key_answers_401(client: FlaskClient, header: str) -> None:
     response = client.get("/v1/status", headers={"Authorization": header})

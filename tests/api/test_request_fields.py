@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from api_helpers import Api, error_of
 
-from sits_worker.model.zoo import TRANSFORMER_MAX_SEQUENCE
+from sits_worker.model.zoo import TRANSFORMER_MAX_SEQUENCE, TRANSFORMER_VOCAB
 
 
 @pytest.fixture
@@ -104,3 +104,11 @@ def test_a_wait_query_parameter_that_is_not_true_or_false_is_a_400_before_anythi
     response = api.post("/v1/requests?wait=maybe", json={"model": "mlp", "inputs": {"features": [[0.0] * 64]}})
     assert response.status_code == 400 and "'wait' must be true or false" in error_of(response)
     assert sum(depth["ready"] for depth in api.get("/v1/status").get_json()["queues"].values()) == 0
+
+
+def test_token_ids_past_the_model_s_vocabulary_are_refused_at_submit(api: Api, transformer: dict[str, Any]) -> None:
+    """The vocabulary is read from the graph (the rows of the embedding table the ids index)."""
+    assert transformer["static_profile"]["vocabulary_size"] == TRANSFORMER_VOCAB
+    status, body = submit(api, {"model": "transformer", "inputs": {"input_ids": [[5, TRANSFORMER_VOCAB, 7]]}})
+    assert status == 400 and f"vocabulary has {TRANSFORMER_VOCAB} ids" in body["error"], body
+    assert submit(api, {"model": "transformer", "inputs": {"input_ids": [[5, TRANSFORMER_VOCAB - 1, 7]]}})[0] == 202

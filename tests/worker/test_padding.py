@@ -19,7 +19,7 @@ from sits_worker.model.graph import static_profile
 from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, bucket_length, mask_spec, pad_batch, unpad_outputs
 from sits_worker.model.tensors import request_tensors
-from sits_worker.model.zoo import build_model, build_zoo
+from sits_worker.model.zoo import TRANSFORMER_VOCAB, build_model, build_zoo
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -57,7 +57,7 @@ def test_transformer_declares_its_mask_and_pad_id(transformer: tuple[ort.Inferen
         ("input_ids", ["batch", "sequence"]), ("attention_mask", ["batch", "sequence"])]
     metadata = session.get_modelmeta().custom_metadata_map
     assert metadata["sits.attention_mask"] == "attention_mask" and metadata["sits.pad_token_id"] == "0"
-    assert mask_spec(profile) == MaskSpec("attention_mask", 0, "input_ids", 1, "int64", (), (), 512)
+    assert mask_spec(profile) == MaskSpec("attention_mask", 0, "input_ids", 1, "int64", (), (), 512, TRANSFORMER_VOCAB)
 
 
 def test_models_without_a_declared_mask_get_no_padding_spec() -> None:
