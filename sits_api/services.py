@@ -123,7 +123,8 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype,
                     mask=mask_spec(model.get("static_profile"))) as source:
         rows, input_format = source.rows, source.format.lstrip(".")
-        next(source.iter_batches(0, 1, 1))  # its first row checked as a request's would be (token ids, mask)
+        if source.reads_rows_cheaply():  # its first row checked as a request's would be (token ids, mask)
+            next(source.iter_batches(0, 1, 1))
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:

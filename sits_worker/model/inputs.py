@@ -70,6 +70,10 @@ class _ArraySource(InputSource):
         self._arrays = arrays
         self._archive = archive
 
+    def reads_rows_cheaply(self) -> bool:
+        """False while a compressed npz member is still to be loaded whole."""
+        return not any(isinstance(held, _LazyMember) for held in self._arrays.values())
+
     def _array(self, name: str) -> np.ndarray:
         held = self._arrays[name]
         if isinstance(held, _LazyMember):
@@ -333,6 +337,10 @@ class _TokensChecked(InputSource):
                 raise BadInput(f"rows {int(row_indices[0])}-{int(row_indices[-1])} of '{self.path.name}': "
                                f"{err.message}") from err
             yield row_indices, feed
+
+    def reads_rows_cheaply(self) -> bool:
+        """As the inner source."""
+        return self._inner.reads_rows_cheaply()
 
     def close(self) -> None:
         """Close the inner source."""

@@ -73,6 +73,11 @@ class InputSource(abc.ABC):
     def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
         """Yield batches of at most `max_batch` rows covering rows [start, stop) exactly once."""
 
+    def reads_rows_cheaply(self) -> bool:
+        """Whether reading a few rows costs little (False where the first read loads a whole array: a
+        compressed npz member), so the API may read the first row at submit to check it."""
+        return True
+
     def close(self) -> None:
         """Release file handles and mappings; batches already yielded stay valid (a view keeps its mapping)."""
         self._closed = True

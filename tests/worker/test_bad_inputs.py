@@ -276,3 +276,16 @@ def test_jsonl_rows_keep_nan_and_infinity_as_written_but_refuse_overflow(tmp_pat
     with pytest.raises(BadInput, match="does not fit float32"):
         with open_input(tmp_path / "big.jsonl", signature) as source:
             list(source.iter_batches(0, 1, 8))
+
+
+def test_the_api_reads_no_first_row_of_a_compressed_npz_at_submit(tmp_path: Path) -> None:
+    """Its first read loads the whole member: a 10 GB array must not be decompressed in the API process
+    to check one row (the worker checks every row as it reads it)."""
+    rows = np.zeros((4, 64), dtype=np.float32)
+    np.savez_compressed(tmp_path / "packed.npz", features=rows)
+    np.savez(tmp_path / "stored.npz", features=rows)
+    with open_input(tmp_path / "packed.npz", FEATURES) as packed, \
+            open_input(tmp_path / "stored.npz", FEATURES) as stored:
+        assert not packed.reads_rows_cheaply() and stored.reads_rows_cheaply()
+        list(packed.iter_batches(0, 4, 4))
+        assert packed.reads_rows_cheaply()  # loaded now
