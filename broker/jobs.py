@@ -152,9 +152,12 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
 def claim_output_dir(store: Store, output_dir: str, job_id: str) -> None:
     """Make `job_id` the job that writes into `output_dir`; Conflict while another active job holds it.
 
-    Atomic (WATCH on the claims): two jobs submitted into one folder at once would both pass a check
-    made before either exists, run every row, and all but one fail at their merge. A claim held by
-    a job that is no longer active (or never got created) is free to take.
+    Two jobs submitted into one folder at once would both pass a check made before either exists,
+    run every row, and all but one fail at their merge. The claim is atomic (WATCH on the claims),
+    but the job becomes active only after it (created, or resumed), and a claim held by a job that
+    is not active (or not created yet) is free to take: so the caller claims, creates or resumes
+    its job, then checks it still holds the folder (`holds_output_dir`) and stops its job if not.
+    Of jobs racing for one folder, only the last to claim stays.
     """
     key = store.keys.output_dirs
     with translate_redis_errors(), store.client.pipeline() as pipe:
@@ -173,6 +176,12 @@ def claim_output_dir(store: Store, output_dir: str, job_id: str) -> None:
                 return
             except WatchError:
                 continue
+
+
+def holds_output_dir(store: Store, output_dir: str, job_id: str) -> bool:
+    """Whether `job_id` still holds its claim on `output_dir` (see `claim_output_dir`)."""
+    with translate_redis_errors():
+        return store.client.hget(store.keys.output_dirs, output_dir) == job_id
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,

@@ -20,12 +20,10 @@ from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_worker.model.padding import (
     MaskSpec,
-    check_sequence_length,
-    check_token_ids,
-    declared_max_sequence,
     mask_spec,
     max_sequence,
     shape_bucket,
+    token_limits,
 )
 from sits_worker.model.tensors import request_tensors
 
@@ -114,11 +112,9 @@ def _checked_tokens(record: dict[str, Any], tensors: dict[str, np.ndarray], mask
         if claimed is not None:
             raise BadInput(f"model '{name}' has no sequence axis, so 'tokens' does not apply to it; leave it out")
         return None
-    static = record.get("static_profile") or {}
-    check_sequence_length(sequence, declared_max_sequence(static), name)
-    if mask is None:  # (with one, `check_mask` checked the ids with the tensors)
-        token_input = static["sequence_axis"]["input"]
-        check_token_ids(tensors[token_input], token_input, static.get("vocabulary_size"))
+    limits = token_limits(record.get("static_profile"))
+    if limits is not None:
+        limits.check(tensors, name)
     counted = sequence * rows
     if claimed is None or claimed == counted:
         return counted

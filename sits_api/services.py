@@ -8,6 +8,7 @@ checked against the configured roots before anything reads or writes it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_worker.model.graph import load_model_checked, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
-from sits_worker.model.padding import mask_spec
+from sits_worker.model.padding import mask_spec, token_limits
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
 from sits_worker.outputs import MANIFEST_NAME
@@ -120,8 +121,10 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     if output_dir.exists() and not output_dir.is_dir():
         raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
     input_options = {"shape": body.input_shape, "dtype": body.input_dtype}
+    identity = file_identity(input_path)  # before anything is read: rows, checksum and identity of one file
     with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype,
-                    mask=mask_spec(model.get("static_profile"))) as source:
+                    mask=mask_spec(model.get("static_profile")),
+                    limits=token_limits(model.get("static_profile"))) as source:
         rows, input_format = source.rows, source.format.lstrip(".")
         if source.reads_rows_cheaply():  # its first row checked as a request's would be (token ids, mask)
             next(source.iter_batches(0, 1, 1))
@@ -138,7 +141,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         model_version=model["version"],
         input_batch=str(input_path),
         input_format=input_format,
-        input_checksum=_checksum_unchanged(input_path, identity := file_identity(input_path)),
+        input_checksum=_checksum_unchanged(input_path, identity),
         input_stat=identity,
         output_dir=str(output_dir),
         output_names=[output["name"] for output in model["signature"]["outputs"]],
@@ -152,6 +155,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
     jobs.claim_output_dir(store, spec.output_dir, spec.job_id)
     jobs.create_job(store, spec, now=now, weights=weights, ordering=ordering)
+    _keep_output_dir_or_stop(store, spec.job_id, spec.output_dir, now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
 
@@ -184,6 +188,23 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
                                    max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes)
 
 
+def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now: float) -> None:
+    """After a job became active: Conflict, its job stopped, if another job claimed its folder meanwhile."""
+    if jobs.holds_output_dir(store, output_dir, job_id):
+        return
+    jobs.stop_job(store, job_id, status="failed", now=now,
+                  error=f"another job claimed output_dir {output_dir} at the same time")
+    raise Conflict(f"output_dir {output_dir} was claimed by another job at the same time; choose another folder")
+
+
+def _read_manifest(output_dir: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((output_dir / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
 def _refuse_finished_output_dir(output_dir: Path) -> None:
     """Conflict when the folder holds a finished job's results: a new job would run every row and
     then fail at its merge (the manifest is another job's)."""
@@ -203,7 +224,12 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
         raise BadInput(f"input {job['input_batch']} changed since the job was submitted "
                        f"({checksum} != {job['input_checksum']}); submit a new job for the new data")
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
+    manifest = _read_manifest(Path(job["output_dir"]))
+    if manifest is not None and manifest.get("job") != job_id:
+        raise Conflict(f"output_dir {job['output_dir']} now holds the results of job {manifest.get('job')}; "
+                       "submit this job again into another folder")
     jobs.claim_output_dir(store, job["output_dir"], job_id)  # another job may have taken it meanwhile
     jobs.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity)
+    _keep_output_dir_or_stop(store, job_id, job["output_dir"], now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, job_id, now=now)

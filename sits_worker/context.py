@@ -30,7 +30,7 @@ from broker.store import Store
 from sits_worker.commits import Commits
 from sits_worker.devices import Device, device_memory
 from sits_worker.model.inputs import open_input
-from sits_worker.model.padding import MaskSpec, mask_spec
+from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
 from sits_worker.observed import ObservedLatencies
 from sits_worker.runtime import SessionCache, run_session
@@ -142,7 +142,8 @@ class WorkerContext:
         options = job.get("input_options") or {}
         record = self.model(job["model_ref"])
         source = open_input(Path(job["input_batch"]), record["signature"], shape=options.get("shape"),
-                            dtype=options.get("dtype"), mask=self.padding(job["model_ref"]))
+                            dtype=options.get("dtype"), mask=self.padding(job["model_ref"]),
+                            limits=token_limits(record.get("static_profile")))
         with self._lock:
             self._inputs[key] = source
             while len(self._inputs) > _OPEN_INPUTS_KEPT:

@@ -26,7 +26,7 @@ import numpy as np
 
 from broker.errors import BadInput
 from sits_worker.model.jsonl_source import open_jsonl
-from sits_worker.model.padding import MaskSpec, check_mask
+from sits_worker.model.padding import MaskSpec, TokenLimits, check_mask
 from sits_worker.model.source import Batch, InputSource, file_error
 from sits_worker.model.tensors import InputSpec, convert_hint, parse_signature, read_npy_header
 
@@ -256,6 +256,7 @@ def open_input(
     shape: Sequence[int] | None = None,
     dtype: str | None = None,
     mask: MaskSpec | None = None,
+    limits: TokenLimits | None = None,
 ) -> InputSource:
     """Open an input file, check it against the model signature and return its reader.
 
@@ -290,7 +291,9 @@ def open_input(
             source = open_jsonl(path, specs)
     except OSError as err:
         raise file_error(path, err) from err
-    return source if mask is None else _TokensChecked(source, mask, filled[1] if filled else None)
+    if mask is None and limits is None:
+        return source
+    return _TokensChecked(source, mask, filled[1] if filled else None, limits)
 
 
 def _holds_input(path: Path, name: str) -> bool:
@@ -314,25 +317,30 @@ def _holds_input(path: Path, name: str) -> bool:
 
 class _TokensChecked(InputSource):
     """A token model's source: every batch is checked as a request is at submit (`padding.check_mask`:
-    a mask of 0 and 1 the shape of the tokens, no negative token id), so a bad row fails its job with
-    a clear error rather than reading the embedding table from its end. A file without the mask
-    (`fill_dtype` set) gets an all-ones mask: rows of one batch have the same length (array files are
-    rectangular, jsonl batches group rows by shape), so no token is padding and ones are the exact mask.
+    a mask of 0 and 1 the shape of the tokens; `TokenLimits`: no negative token id or one past the
+    vocabulary, no sequence longer than the model declares), so a bad row fails its job with a clear
+    error rather than running wrong (a negative id reads the embedding table from its end). A file
+    without the mask (`fill_dtype` set) gets an all-ones mask: rows of one batch have the same length
+    (array files are rectangular, jsonl batches group rows by shape), so no token is padding.
     """
 
-    def __init__(self, inner: InputSource, mask: MaskSpec, fill_dtype: np.dtype | None) -> None:
-        names = inner.input_names if fill_dtype is None else (*inner.input_names, mask.mask_input)
+    def __init__(self, inner: InputSource, mask: MaskSpec | None, fill_dtype: np.dtype | None,
+                 limits: TokenLimits | None) -> None:
+        names = inner.input_names if mask is None or fill_dtype is None else (*inner.input_names, mask.mask_input)
         super().__init__(inner.path, inner.format, names, inner.rows)
-        self._inner, self._mask, self._fill_dtype = inner, mask, fill_dtype
+        self._inner, self._mask, self._fill_dtype, self._limits = inner, mask, fill_dtype, limits
 
     def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
         """The inner source's batches, checked, with an all-ones mask where the file has none."""
         for row_indices, feed in self._inner.iter_batches(start, stop, max_batch):
-            if self._fill_dtype is not None:
-                tokens = feed[self._mask.sequence_input]
-                feed[self._mask.mask_input] = np.ones(tokens.shape, dtype=self._fill_dtype)
             try:
-                check_mask(feed, self._mask)
+                if self._mask is not None:
+                    if self._fill_dtype is not None:
+                        tokens = feed[self._mask.sequence_input]
+                        feed[self._mask.mask_input] = np.ones(tokens.shape, dtype=self._fill_dtype)
+                    check_mask(feed, self._mask)
+                if self._limits is not None:
+                    self._limits.check(feed)
             except BadInput as err:
                 raise BadInput(f"rows {int(row_indices[0])}-{int(row_indices[-1])} of '{self.path.name}': "
                                f"{err.message}") from err

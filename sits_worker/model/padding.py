@@ -42,10 +42,6 @@ class MaskSpec(NamedTuple):
     mask_dtype: str = "int64"
     other_inputs: tuple[tuple[str, int], ...] = ()
     sequence_outputs: tuple[tuple[str, int], ...] = ()
-    declared_max_sequence: int | None = None
-    """The model's own `sits.max_sequence`, if it declares one: longer rows are refused (`check_mask`)."""
-    vocabulary_size: int | None = None
-    """Token ids the model takes (`graph.vocabulary_size`), if known: larger ids are refused."""
 
 
 def bucket_length(length: int, max_sequence: int, *, granularity: int = 8, classes_per_octave: int = 4) -> int:
@@ -113,9 +109,34 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
         mask_input=mask_input, pad_id=pad_id, sequence_input=name, axis=axis, mask_dtype=mask_entry["dtype"],
         other_inputs=carrying(list(inputs.values()), {name, mask_input}) if named else (),
         sequence_outputs=carrying(signature.get("outputs", []), set()) if named else (),
-        declared_max_sequence=declared_max_sequence(static_profile),
-        vocabulary_size=(static_profile or {}).get("vocabulary_size"),
     )
+
+
+class TokenLimits(NamedTuple):
+    """What every row of a token model must keep to, with or without an attention mask: the length
+    it declares (`sits.max_sequence`) and its vocabulary (`graph.vocabulary_size`), where known."""
+
+    token_input: str
+    axis: int
+    max_sequence: int | None = None
+    vocabulary_size: int | None = None
+
+    def check(self, tensors: Mapping[str, np.ndarray], model: str | None = None) -> None:
+        """BadInput for a sequence that is too long, or a token id that is negative or past the vocabulary."""
+        tokens = tensors.get(self.token_input)
+        if tokens is None:
+            return
+        check_sequence_length(int(tokens.shape[self.axis]), self.max_sequence, model)
+        check_token_ids(tokens, self.token_input, self.vocabulary_size)
+
+
+def token_limits(static_profile: Mapping[str, Any] | None) -> TokenLimits | None:
+    """The `TokenLimits` of a model from its static profile; None for a model without a sequence axis."""
+    axis = (static_profile or {}).get("sequence_axis")
+    if not axis:
+        return None
+    return TokenLimits(axis["input"], int(axis["axis"]), declared_max_sequence(static_profile),
+                       (static_profile or {}).get("vocabulary_size"))
 
 
 def max_sequence(static_profile: Mapping[str, Any] | None) -> int:
@@ -163,11 +184,11 @@ def shape_bucket(tensors: Mapping[str, np.ndarray], mask: MaskSpec | None,
 
 def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:
     """Raise BadInput unless a client-sent mask has the shape of the sequence input (rows, length) and
-    holds only 0 and 1, and the token ids are not negative.
+    holds only 0 and 1.
 
     The mask says which tokens of those very rows are real, so anything else is a client error
-    that must be caught at submit, not when the worker pads a merged batch (or, for a negative id,
-    not at all: ONNX's Gather reads it from the end of the embedding table).
+    that must be caught at submit, not when the worker pads a merged batch. (Token ids and lengths:
+    `TokenLimits`.)
     """
     mask, tokens = tensors.get(spec.mask_input), tensors[spec.sequence_input]
     if mask is not None and mask.shape != tokens.shape:
@@ -176,8 +197,6 @@ def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:
     if mask is not None and mask.size and not ((mask == 0) | (mask == 1)).all():  # (np.isin: 7x the time)
         raise BadInput(f"input '{spec.mask_input}' holds values other than 0 and 1; a mask says which tokens are "
                        "real (1) and which are padding (0)")
-    check_sequence_length(int(tokens.shape[spec.axis]), spec.declared_max_sequence)
-    check_token_ids(tokens, spec.sequence_input, spec.vocabulary_size)
 
 
 def check_token_ids(tokens: np.ndarray, name: str, vocabulary_size: int | None) -> None:

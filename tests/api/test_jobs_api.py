@@ -598,3 +598,38 @@ def test_a_job_records_its_input_s_identity_and_a_resume_after_an_identical_rewr
 
     assert api.post(f"/v1/jobs/{job['id']}/resume").status_code == 202
     assert api.get(f"/v1/jobs/{job['id']}").get_json()["input_stat"]["mtime_ns"] == recorded["mtime_ns"] + 10**9
+
+
+def test_of_jobs_racing_for_one_folder_only_the_last_to_claim_it_stays(
+        api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path, store: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim held by a job not created yet is free to take: here another submit claims the folder
+    between this one's claim and its job's creation. This job, created, finds it lost the folder:
+    it is stopped and the answer is 409; the other keeps it."""
+    from broker import jobs
+
+    out = str((tmp_path / "shared").resolve())
+    create_job = jobs.create_job
+
+    def another_claims_first(store_: Any, spec: Any, **kwargs: Any) -> None:
+        jobs.claim_output_dir(store_, out, "job-claiming-meanwhile")
+        create_job(store_, spec, **kwargs)
+
+    monkeypatch.setattr(jobs, "create_job", another_claims_first)
+    response = submit(api, **job_body("mlp", mlp_input, tmp_path / "shared"))
+
+    assert response.status_code == 409 and "claimed by another job at the same time" in error_of(response)
+    assert jobs.holds_output_dir(store, out, "job-claiming-meanwhile")
+    [stopped] = api.get("/v1/jobs").get_json()["jobs"]
+    assert stopped["status"] == "failed" and ready_count(api, mlp) == 0
+
+
+def test_resuming_into_a_folder_that_now_holds_another_job_s_results_answers_409(
+        api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    job = submit(api, **job_body("mlp", mlp_input, tmp_path / "out")).get_json()
+    api.delete(f"/v1/jobs/{job['id']}")
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"job": "another-job"}))
+
+    response = api.post(f"/v1/jobs/{job['id']}/resume")
+
+    assert response.status_code == 409 and "now holds the results of job another-job" in error_of(response)

@@ -17,9 +17,17 @@ from onnx import TensorProto, helper
 from broker.errors import BadInput, InvalidModel
 from sits_worker.model.graph import static_profile
 from sits_worker.model.inputs import open_input
-from sits_worker.model.padding import MaskSpec, bucket_length, mask_spec, pad_batch, unpad_outputs
+from sits_worker.model.padding import (
+    MaskSpec,
+    TokenLimits,
+    bucket_length,
+    mask_spec,
+    pad_batch,
+    token_limits,
+    unpad_outputs,
+)
 from sits_worker.model.tensors import request_tensors
-from sits_worker.model.zoo import TRANSFORMER_VOCAB, build_model, build_zoo
+from sits_worker.model.zoo import build_model, build_zoo
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -57,7 +65,7 @@ def test_transformer_declares_its_mask_and_pad_id(transformer: tuple[ort.Inferen
         ("input_ids", ["batch", "sequence"]), ("attention_mask", ["batch", "sequence"])]
     metadata = session.get_modelmeta().custom_metadata_map
     assert metadata["sits.attention_mask"] == "attention_mask" and metadata["sits.pad_token_id"] == "0"
-    assert mask_spec(profile) == MaskSpec("attention_mask", 0, "input_ids", 1, "int64", (), (), 512, TRANSFORMER_VOCAB)
+    assert mask_spec(profile) == MaskSpec("attention_mask", 0, "input_ids", 1, "int64", (), ())
 
 
 def test_models_without_a_declared_mask_get_no_padding_spec() -> None:
@@ -221,13 +229,29 @@ def test_job_rows_are_checked_like_requests_when_read(tmp_path: Path) -> None:
     ids[4, 1] = -3
     np.save(tmp_path / "bad_id.npy", ids)
 
-    with open_input(tmp_path / "bad_mask.npz", signature, mask=spec) as source:
+    limits = token_limits(profile)
+    with open_input(tmp_path / "bad_mask.npz", signature, mask=spec, limits=limits) as source:
         with pytest.raises(BadInput, match="rows 0-2 of 'bad_mask.npz'.*other than 0 and 1"):
             list(source.iter_batches(0, 6, 3))
-    with open_input(tmp_path / "bad_id.npy", signature, mask=spec) as source:
+    with open_input(tmp_path / "bad_id.npy", signature, mask=spec, limits=limits) as source:
         assert len(list(source.iter_batches(0, 3, 3))) == 1  # rows 0-2 are fine
         with pytest.raises(BadInput, match="rows 3-5 of 'bad_id.npy'.*negative token id \\(-3\\)"):
             list(source.iter_batches(3, 6, 3))
+
+
+def test_rows_of_a_token_model_without_a_mask_are_checked_too(tmp_path: Path) -> None:
+    """The limits hold for every token model: ids past the vocabulary, or longer than declared, fail."""
+    signature = {"inputs": [{"name": "ids", "dtype": "int64", "shape": ["batch", "sequence"], "dynamic_axes": [0, 1]}],
+                 "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4], "dynamic_axes": [0]}]}
+    np.save(tmp_path / "ids.npy", np.array([[1, 2, 3], [4, 5, 10]], dtype=np.int64))
+    with open_input(tmp_path / "ids.npy", signature, limits=TokenLimits("ids", 1, None, 10)) as source:
+        with pytest.raises(BadInput, match="rows 0-1 of 'ids.npy'.*token id 10, but the model's vocabulary has 10"):
+            list(source.iter_batches(0, 2, 2))
+    with open_input(tmp_path / "ids.npy", signature, limits=TokenLimits("ids", 1, 2, None)) as source:
+        with pytest.raises(BadInput, match="3 tokens long.*sits.max_sequence = 2"):
+            list(source.iter_batches(0, 2, 2))
+    with open_input(tmp_path / "ids.npy", signature, limits=TokenLimits("ids", 1, 3, 11)) as source:
+        assert len(list(source.iter_batches(0, 2, 2))) == 1
 
 
 def test_job_files_without_a_mask_get_an_all_ones_mask(tmp_path: Path) -> None:
