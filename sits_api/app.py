@@ -258,7 +258,8 @@ def submit_request() -> Any:
     """One inference request; 202 with its id, or with `wait` the result (200) when it is done in time."""
     ctx = _ctx()
     body = _parse(OnlineRequest)
-    wait = body.wait or _query_flag("wait")  # checked before anything is queued
+    asked_in_query = _query_flag("wait")  # checked before anything is queued, whatever the body says
+    wait = body.wait or asked_in_query
     settings, store = ctx["settings"], ctx["store"]
     spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model, inputs=body.inputs,
                          priority=body.priority, deadline_ms=body.deadline_ms, user_tier=body.user_tier,

@@ -101,8 +101,10 @@ def test_fields_are_not_coerced_from_other_json_types(api: Api, mlp: dict[str, A
 
 def test_a_wait_query_parameter_that_is_not_true_or_false_is_a_400_before_anything_is_queued(
         api: Api, mlp: dict[str, Any]) -> None:
-    response = api.post("/v1/requests?wait=maybe", json={"model": "mlp", "inputs": {"features": [[0.0] * 64]}})
-    assert response.status_code == 400 and "'wait' must be true or false" in error_of(response)
+    for body_wait in (False, True):
+        response = api.post("/v1/requests?wait=maybe", json={"model": "mlp", "inputs": {"features": [[0.0] * 64]},
+                                                              "wait": body_wait})
+        assert response.status_code == 400 and "'wait' must be true or false" in error_of(response)
     assert sum(depth["ready"] for depth in api.get("/v1/status").get_json()["queues"].values()) == 0
 
 
