@@ -8,7 +8,6 @@ checked against the configured roots before anything reads or writes it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,7 @@ from sits_worker.model.inputs import file_checksum, open_input
 from sits_worker.model.padding import mask_spec, token_limits
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
-from sits_worker.outputs import MANIFEST_NAME
-
-"""File in an output folder naming the job that writes there."""
+from sits_worker.outputs import MANIFEST_NAME, read_manifest
 
 
 def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
@@ -197,14 +194,6 @@ def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now:
     raise Conflict(f"output_dir {output_dir} was claimed by another job at the same time; choose another folder")
 
 
-def _read_manifest(output_dir: Path) -> dict[str, Any] | None:
-    try:
-        manifest = json.loads((output_dir / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
 def _refuse_finished_output_dir(output_dir: Path) -> None:
     """Conflict when the folder holds a finished job's results: a new job would run every row and
     then fail at its merge (the manifest is another job's)."""
@@ -224,7 +213,7 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
         raise BadInput(f"input {job['input_batch']} changed since the job was submitted "
                        f"({checksum} != {job['input_checksum']}); submit a new job for the new data")
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
-    manifest = _read_manifest(Path(job["output_dir"]))
+    manifest = read_manifest(Path(job["output_dir"]))
     if manifest is not None and manifest.get("job") != job_id:
         raise Conflict(f"output_dir {job['output_dir']} now holds the results of job {manifest.get('job')}; "
                        "submit this job again into another folder")

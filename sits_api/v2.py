@@ -124,13 +124,13 @@ def infer(name: str, version: str | None = None) -> Any:
                     "id": spec.request_id if checked.client_id is None else checked.client_id, "outputs": outputs})
 
 
-def parse_infer_request(store: Store, body: Any, model: str) -> InferRequest:
+def parse_infer_request(store: Store, body: dict[str, Any], model: str) -> InferRequest:
     """Check a v2 `infer` body for `model` (`name` or `name@version`) and return it typed.
 
     Requested outputs are checked against the registered model, and the request is then pinned to
     that version, so a version registered in between cannot answer with other outputs.
     """
-    if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
+    if not isinstance(body.get("inputs"), list):
         raise BadInput("the body must be a JSON object with an 'inputs' list of {name, shape, datatype, data}")
     client_id = _optional(body, "id", str, "a string")
     parameters = _optional(body, "parameters", dict, "an object of named parameters") or {}

@@ -139,7 +139,8 @@ def _rows_covered(chunk_ranges: Sequence[tuple[int, int]]) -> int:
     return expected_start
 
 
-def _read_manifest(output_dir: Path) -> dict[str, Any] | None:
+def read_manifest(output_dir: Path) -> dict[str, Any] | None:
+    """The folder's manifest.json as a dict; None when there is none or it is unreadable."""
     try:
         manifest = json.loads((output_dir / MANIFEST_NAME).read_text())
     except FileNotFoundError:
@@ -281,7 +282,7 @@ def finalize_outputs(
     total = _rows_covered(chunk_ranges)
     if clash := set(_RESERVED_KEYS) & set(manifest_extra):
         raise ValueError(f"manifest_extra may not set {sorted(clash)}")
-    manifest = _read_manifest(output_dir)
+    manifest = read_manifest(output_dir)
     if manifest is None:
         try:
             outputs = {name: _merge_output(output_dir, name, chunk_ranges, total, job_id, keep_alive)
@@ -292,7 +293,7 @@ def finalize_outputs(
             _fsync_dir(output_dir)
         except (FileMissing, OSError) as err:
             # Another worker may have finished the same merge and removed the parts meanwhile.
-            manifest = _read_manifest(output_dir)
+            manifest = read_manifest(output_dir)
             if manifest is None and isinstance(err, OSError):
                 raise _storage_error(output_dir, err) from err
             if manifest is None:

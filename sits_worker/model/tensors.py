@@ -134,22 +134,24 @@ def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool, finite
     spec.check(raw.dtype, raw.shape if batched else (1, *raw.shape), where)
     with np.errstate(over="ignore"):  # a value too large for the dtype becomes inf, refused just below
         array = raw.astype(spec.dtype)
-    if finite:
-        _check_finite(spec, array, where)
-    elif spec.dtype.kind in "fc" and raw.dtype.kind in "fc" and (np.isfinite(raw) & ~np.isfinite(array)).any():
-        raise BadInput(f"input '{spec.name}' holds a number that does not fit {spec.dtype.name} {where} "
-                       f"(beyond ±{np.finfo(spec.dtype).max:.4g})")
+    _check_finite(spec, array, where, as_written=None if finite else raw)
     return array
 
 
-def _check_finite(spec: InputSpec, array: np.ndarray, where: str) -> None:
-    """Refuse NaN, infinity and numbers beyond a float dtype's range in values that came as JSON numbers.
+def _check_finite(spec: InputSpec, array: np.ndarray, where: str, *, as_written: np.ndarray | None = None) -> None:
+    """Refuse NaN, infinity and numbers beyond a float dtype's range in values that came as JSON numbers;
+    with `as_written`, only numbers that were finite there (NaN and infinity written as such stay).
 
     JSON has no NaN or infinity (the literals are a Python extension), and 1e308 read into float32 is
     inf: either way the model would answer with nulls. Typed arrays (.npy bytes, input files) are
     passed as they are: no conversion happens there, and a model may read NaN as "missing".
     """
-    if spec.dtype.kind in "fc" and array.size and not np.isfinite(array).all():
+    if spec.dtype.kind not in "fc" or not array.size:
+        return
+    refused = ~np.isfinite(array)
+    if as_written is not None and as_written.dtype.kind in "fc":
+        refused &= np.isfinite(as_written)
+    if refused.any():
         limit = np.finfo(spec.dtype).max
         raise BadInput(
             f"input '{spec.name}' holds a value that is not finite or does not fit {spec.dtype.name} {where} "
