@@ -113,18 +113,16 @@ def ledger_after(client: ApiClient, moment: float, timeout: float = 10.0) -> dic
     return worker["memory"]
 
 
-@pytest.mark.parametrize("policy", ["round-robin", "graph-aware-backfill"])
-def test_backfill_fills_memory_the_head_cannot_use_where_round_robin_waits(tmp_path: Path, policy: str):
-    """graph-aware-backfill runs the convnet one row at a time in the unit a transformer batch leaves
-    free (counted as backfills); round-robin runs the convnet as one full batch in its turn, and the
-    transformer's turn waits for memory (memory waits, no backfills). Every result is exact."""
+def run_queued(tmp_path: Path, policy: str, inputs: dict[str, np.ndarray]) -> tuple[
+        dict[str, Path], dict[str, list[str]], dict[str, dict[str, Any]], dict[str, Any]]:
+    """A stack under `policy` with the module's memory cap: queue `inputs` while the worker is frozen,
+    collect every result; (model paths, request ids by model, results by id, the worker's ledger stats)."""
     home = tmp_path / "home"
     settings = stack_settings(home, streams=2).with_overrides(
         # the worker is frozen while the traffic is queued: not long enough to be taken for dead
         scheduler={"policy": policy, "worker_heartbeat_timeout": "30s", "ticket_timeout": "30s"},
         resources={"device_memory": CAPACITY, "device_memory_limit": CAPACITY, "cpu_memory_granularity": UNIT},
         online={"batching": {"max_batch_size": MAX_ROWS, "max_batch_tokens": MAX_TOKENS}})
-    inputs = make_inputs()
     with Stack(settings, worker_count=1, api_port=0) as stack:
         models = build_zoo(home / "models")
         client = stack.client()
@@ -133,6 +131,16 @@ def test_backfill_fills_memory_the_head_cannot_use_where_round_robin_waits(tmp_p
             ids = submit_all(client, inputs)
         results = collect(client, [request_id for model_ids in ids.values() for request_id in model_ids])
         memory = ledger_after(client, time.time())
+    return models, ids, results, memory
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "graph-aware-backfill"])
+def test_backfill_fills_memory_the_head_cannot_use_where_round_robin_waits(tmp_path: Path, policy: str):
+    """graph-aware-backfill runs the convnet one row at a time in the unit a transformer batch leaves
+    free (counted as backfills); round-robin runs the convnet as one full batch in its turn, and the
+    transformer's turn waits for memory (memory waits, no backfills). Every result is exact."""
+    inputs = make_inputs()
+    models, ids, results, memory = run_queued(tmp_path, policy, inputs)
 
     expected = {"transformer": direct_run(models["transformer"], inputs["transformer"], 16),
                 "mlp": mlp_reference(inputs["mlp"]),
@@ -159,21 +167,8 @@ def test_the_head_runs_the_batch_that_waits_for_it_when_that_fits_beside_a_runni
     batch (250 MiB) never fits beside a running convnet batch, but the 4 waiting requests always do
     (32 + 61 units of 127), so the transformer's turn runs them at once instead of waiting for an
     idle device: hardly a memory wait, one batch of 4, every result exact."""
-    counts = {"transformer": 4, "mlp": 64, "convnet": 64}
-    home = tmp_path / "home"
-    settings = stack_settings(home, streams=2).with_overrides(
-        scheduler={"policy": "round-robin", "worker_heartbeat_timeout": "30s", "ticket_timeout": "30s"},
-        resources={"device_memory": CAPACITY, "device_memory_limit": CAPACITY, "cpu_memory_granularity": UNIT},
-        online={"batching": {"max_batch_size": MAX_ROWS, "max_batch_tokens": MAX_TOKENS}})
-    inputs = make_inputs(1, counts)
-    with Stack(settings, worker_count=1, api_port=0) as stack:
-        models = build_zoo(home / "models")
-        client = stack.client()
-        check_premise({name: register(client, name, models[name]) for name in COUNTS})
-        with frozen(stack, "worker0"):
-            ids = submit_all(client, inputs)
-        results = collect(client, [request_id for model_ids in ids.values() for request_id in model_ids])
-        memory = ledger_after(client, time.time())
+    inputs = make_inputs(1, {"transformer": 4, "mlp": 64, "convnet": 64})
+    models, ids, results, memory = run_queued(tmp_path, "round-robin", inputs)
 
     expected = direct_run(models["transformer"], inputs["transformer"], 4)
     for row, request_id in enumerate(ids["transformer"]):
