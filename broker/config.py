@@ -177,16 +177,64 @@ class JobSettings(_Section):
 
 
 class ModelBatching(_Section):
-    """How a model's online requests are merged into batches (Triton's dynamic batcher knobs)."""
+    """How a model's online requests are merged into batches (Triton's dynamic batcher knobs).
 
-    max_batch_size: int = Field(64, ge=1)
-    """Most requests in one batch (and most rows, for requests of one row)."""
-    max_queue_delay: Seconds = 0.0
-    """How long the first request of a batch may wait for company; 0 batches what is there."""
+    `auto` values come from the model's measured profile when it has one (`broker/batching.py`
+    resolves them per model version); the comments say what they are without one.
+    """
+
+    max_batch_size: int | Literal["auto"] = "auto"
+    """Most requests in one batch (and most rows, for requests of one row); `auto`: the largest
+    measured batch size that runs within `max_batch_latency` (64 without a measured profile)."""
+    max_queue_delay: float | Literal["auto"] = "auto"
+    """How long the first request of a batch may wait for company (0: batch what is there); `auto`:
+    the measured run time of one row when that is at least 0.5 ms, at most 5 ms (0 without a measured
+    profile)."""
+    preferred_batch_sizes: tuple[int, ...] = ()
+    """Batch sizes the batcher prefers, as Triton's `preferred_batch_size`: when the queue holds
+    enough requests for one, the largest such batch runs at once (the rest waits for the next);
+    below the smallest, the head waits up to `max_queue_delay` for company, then what is there runs."""
+    max_batch_latency: Seconds = Field(0.05, gt=0)
+    """How long one batch may run by the measured profile, for an `auto` `max_batch_size`."""
     max_batch_tokens: int = Field(8192, ge=0)
     """Token models: most tokens in one batch (0: no limit)."""
     queue_capacity: int = Field(1024, ge=1)
     """Items (waiting + leased) that make the model's queue 100 % loaded, for PSA jumps."""
+
+    @field_validator("max_batch_size", mode="before")
+    @classmethod
+    def _size_or_auto(cls, value: Any) -> Any:
+        text = value.strip() if isinstance(value, str) else value
+        if text == "auto":
+            return text
+        if isinstance(text, str) and text.isdigit():
+            text = int(text)
+        if isinstance(text, int) and not isinstance(text, bool) and text >= 1:
+            return text
+        raise ValueError(f"{value!r} is neither a batch size (>= 1) nor 'auto'")
+
+    @field_validator("max_queue_delay", mode="before")
+    @classmethod
+    def _delay_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() == "auto":
+            return "auto"
+        return parse_duration(value)
+
+    @field_validator("preferred_batch_sizes", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                                                     for v in value):
+            return tuple(sorted(set(value)))
+        raise ValueError(f"{value!r} is not a list of batch sizes (each >= 1)")
+
+    @model_validator(mode="after")
+    def _preferred_within_max(self) -> ModelBatching:
+        if isinstance(self.max_batch_size, int) and any(size > self.max_batch_size
+                                                        for size in self.preferred_batch_sizes):
+            raise ValueError(f"preferred_batch_sizes {list(self.preferred_batch_sizes)} go beyond "
+                             f"max_batch_size {self.max_batch_size}")
+        return self
 
 
 class OnlineSettings(_Section):

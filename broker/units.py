@@ -6,6 +6,7 @@ number means seconds or bytes.
 
 from __future__ import annotations
 
+import math
 import re
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -35,6 +36,8 @@ def parse_duration(value: str | int | float) -> float:
         if not match or (unit and unit not in _DURATION_UNITS):
             raise ValueError(f"{value!r} is not a duration; use a number with ms, s, m, h or d (e.g. '3600s')")
         seconds = float(match.group(1)) * _DURATION_UNITS[unit or "s"]
+    if not math.isfinite(seconds):
+        raise ValueError(f"{value!r} is not a finite duration")
     if seconds < 0:
         raise ValueError(f"{value!r} is negative; a duration must be >= 0")
     return seconds

@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 
 from broker import jobs, policy, queues, registry, requests, workers
 from broker.apikeys import authenticate, require_role
+from broker.batching import resolve as resolve_batching
 from broker.config import Settings
 from broker.errors import BadInput, PayloadTooLarge, SitsError
 from broker.store import Store
@@ -182,12 +183,15 @@ def list_models() -> Any:
 
 @api.get("/v1/models/<ref>")
 def get_model(ref: str) -> Any:
-    """One model: `name` (newest version, with the list of versions) or `name@version`."""
-    store = _ctx()["store"]
+    """One model: `name` (newest version, with the list of versions) or `name@version`, with the
+    batching settings workers apply to it (`auto` values resolved from its profile)."""
+    ctx = _ctx()
+    store = ctx["store"]
     record = registry.get_model(store, ref)
     if "@" not in ref:
         record = record | {"versions": [v["version"] for v in registry.list_model_versions(store, record["name"])]}
-    return jsonify(record)
+    batching = resolve_batching(ctx["settings"].online.batching_for(record["name"]), record)
+    return jsonify(record | {"batching": batching.to_dict()})
 
 
 # --- jobs ---------------------------------------------------------------------------

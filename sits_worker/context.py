@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from broker import registry
+from broker.batching import Batching, resolve
 from broker.config import Settings, load_settings
 from broker.errors import DeviceOutOfMemory
 from broker.ledger import MemoryLedger
@@ -76,6 +77,7 @@ class WorkerContext:
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _padding: dict[str, MaskSpec | None] = field(default_factory=dict)
+    _batching: dict[str, tuple[dict[str, Any], Batching]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -101,6 +103,21 @@ class WorkerContext:
         record = registry.get_model(self.store, model_ref)
         self._models[model_ref] = (now, record)
         return record
+
+    def remember_model(self, model_ref: str, record: dict[str, Any]) -> None:
+        """Keep `record` as the model version's current one (this process just wrote it: a profile
+        it measured applies to its next batch, not `MODEL_RECORD_TTL_SECONDS` later)."""
+        self._models[model_ref] = (time.monotonic(), record)
+
+    def batching(self, model_ref: str) -> Batching:
+        """The batching settings of a model version: the configuration's, with its `auto` values from
+        the measured profile (`broker/batching.py`), resolved again when the record is re-read."""
+        record = self.model(model_ref)
+        cached = self._batching.get(model_ref)
+        if cached is None or cached[0] is not record:
+            cached = (record, resolve(self.settings.online.batching_for(model_ref.partition("@")[0]), record))
+            self._batching[model_ref] = cached
+        return cached[1]
 
     def padding(self, model_ref: str) -> MaskSpec | None:
         """How to pad a model version's token requests (None: no declared attention mask); cached

@@ -24,15 +24,16 @@ from sits_worker.model.padding import max_sequence, shape_bucket
 
 def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
           admission: reservation.Admission | None = None, carry_chunk: bool = False,
-          within_cut: bool = False) -> list[queues.LeasedItem]:
+          within_cut: bool = False, rows: int | None = None) -> list[queues.LeasedItem]:
     """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time), cut to
-    the rows and tokens of its `admission` when given; `carry_chunk`, `within_cut`: see
-    `queues.lease_batch`."""
-    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
-    max_rows = admission.max_rows if admission else batching.max_batch_size
+    the rows and tokens of its `admission` when given, and to `rows` (a preferred batch size);
+    `carry_chunk`, `within_cut`: see `queues.lease_batch`."""
+    batching = ctx.batching(model_ref)
+    max_rows = min(admission.max_rows if admission else batching.max_batch_size, rows or batching.max_batch_size)
     max_tokens = admission.max_tokens if admission else batching.max_batch_tokens
     return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
-                              max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
+                              max_items=min(batching.max_batch_size, rows or batching.max_batch_size),
+                              max_rows=max_rows, max_tokens=max_tokens,
                               max_chunks=1, ticket=ticket, requests_only=requests_only, carry_chunk=carry_chunk,
                               head_within_limits=within_cut,
                               whole_within=admission.whole_within if admission else None)
@@ -48,7 +49,7 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
                  ticket: str) -> list[queues.LeasedItem]:
     """Requests of `model_ref` that can ride in the job mini-batch `feed`: its shape bucket, up to the
     model's `max_batch_size` rows, and within `max_batch_tokens` together with the mini-batch."""
-    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+    batching = ctx.batching(model_ref)
     static = ctx.model(model_ref).get("static_profile") or {}
     bucket, padded = feed_bucket(ctx, model_ref, feed)
     max_tokens = 0
@@ -67,7 +68,7 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
 
 def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:
     """What a batch of `model_ref` costs by its profile, within its batching limits."""
-    batching = ctx.settings.online.batching_for(model_ref.partition("@")[0])
+    batching = ctx.batching(model_ref)
     return reservation.BatchCost.of(ctx.model(model_ref), max_rows=batching.max_batch_size,
                                     max_tokens=batching.max_batch_tokens)
 

@@ -87,7 +87,7 @@ def rows_to_fill(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem
     return rows_to_fill_by_profile(ctx.model(model_ref), own_rows=sum(int(item.payload.get("rows") or 1)
                                                                       for item in riders),
                                    available=available,
-                                   max_rows=ctx.settings.online.batching_for(model_ref.partition("@")[0]).max_batch_size,
+                                   max_rows=ctx.batching(model_ref).max_batch_size,
                                    factor=ctx.settings.scheduler.merge_latency_factor)
 
 

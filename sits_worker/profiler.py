@@ -101,7 +101,9 @@ def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str,
         fields["profile_status"] = "ready"
     except SitsError as err:
         fields.update(profile_status="failed", profile_error=err.message)
-    return registry.update_model_version(ctx.store, model_ref, fields)
+    updated = registry.update_model_version(ctx.store, model_ref, fields)
+    ctx.remember_model(model_ref, updated)
+    return updated
 
 
 def fuse(ctx: WorkerContext, record: dict[str, Any]) -> dict[str, Any]:

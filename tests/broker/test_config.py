@@ -325,5 +325,6 @@ def test_a_model_batching_override_keeps_the_other_keys_of_online_batching(tmp_p
     online = load_settings(path=path, environ={}).online
 
     assert online.batching_for("transformer").model_dump() == {
-        "max_batch_size": 8, "max_queue_delay": 0.005, "max_batch_tokens": 64, "queue_capacity": 1024}
+        "max_batch_size": 8, "max_queue_delay": 0.005, "preferred_batch_sizes": (), "max_batch_latency": 0.05,
+        "max_batch_tokens": 64, "queue_capacity": 1024}
     assert online.batching_for("mlp") == online.batching

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +93,28 @@ def direct_run(model_path: Path, inputs: np.ndarray, batch_size: int) -> np.ndar
             feed[mask_name] = np.ones_like(feed[name])
         parts.append(session.run(None, feed)[0])
     return np.concatenate(parts)
+
+
+@contextlib.contextmanager
+def frozen(stack: Stack, child_name: str) -> Iterator[None]:
+    """SIGSTOP a child of the stack for the block, SIGCONT after: what is queued meanwhile is all there
+    when the worker's stream slots first look, however fast or slow the API queued it."""
+    pid = next(child.process.pid for child in stack.children if child.name == child_name)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def collect(client: ApiClient, ids: list[str], timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+    """Poll until every request is done; request id -> its result."""
+    done: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) < len(ids):
+        for request_id in ids:
+            if request_id not in done and (result := client.get(f"/v1/requests/{request_id}"))["status"] != "queued":
+                done[request_id] = result
+        assert time.monotonic() < deadline, f"{len(ids) - len(done)} requests not done in {timeout}s"
+        time.sleep(0.02)
+    return done

@@ -12,12 +12,8 @@ mlp and 64 convnet one-row requests, all queued before the worker looks at them.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import signal
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,7 +26,7 @@ from broker.reservation import BatchCost
 from sits_api.cli.client import ApiClient
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import build_zoo, mlp_reference
-from tests.e2e.stack_helpers import direct_run, register, stack_settings
+from tests.e2e.stack_helpers import collect, direct_run, frozen, register, stack_settings
 
 CAPACITY = 254 * 2**20
 UNIT = 2 * 2**20
@@ -60,18 +56,6 @@ def check_premise(records: dict[str, dict[str, Any]]) -> None:
     assert cost("mlp").within("mlp", UNIT, math.inf) is not None, "one unit must hold mlp rows"
 
 
-@contextlib.contextmanager
-def frozen(stack: Stack, child_name: str) -> Iterator[None]:
-    """SIGSTOP a child of the stack for the block, SIGCONT after: what is queued meanwhile is all there
-    when the worker's stream slots first look, however fast or slow the API queued it."""
-    pid = next(child.process.pid for child in stack.children if child.name == child_name)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
 def submit_all(client: ApiClient, inputs: dict[str, np.ndarray]) -> dict[str, list[str]]:
     """Queue every request without waiting, the models interleaved; model -> request ids by row."""
     counts = {name: len(rows) for name, rows in inputs.items()}
@@ -89,19 +73,6 @@ def submit_all(client: ApiClient, inputs: dict[str, np.ndarray]) -> dict[str, li
     for (name, _), request_id in zip(order, ids, strict=True):
         by_model[name].append(request_id)
     return by_model
-
-
-def collect(client: ApiClient, ids: list[str], timeout: float = 60.0) -> dict[str, dict[str, Any]]:
-    """Poll until every request is done; request id -> its result."""
-    done: dict[str, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    while len(done) < len(ids):
-        for request_id in ids:
-            if request_id not in done and (result := client.get(f"/v1/requests/{request_id}"))["status"] != "queued":
-                done[request_id] = result
-        assert time.monotonic() < deadline, f"{len(ids) - len(done)} requests not done in {timeout}s"
-        time.sleep(0.02)
-    return done
 
 
 def ledger_after(client: ApiClient, moment: float, timeout: float = 10.0) -> dict[str, Any]:

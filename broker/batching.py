@@ -1,0 +1,104 @@
+"""A model version's batching settings, with its `auto` values taken from its measured profile.
+
+The configuration (`online.batching`, `online.models`) names what a user
+fixed; what is left `auto` follows the device as measured by the profiler
+(`sits_worker/profiler.py`: latency and rows/s per batch size):
+
+- `max_batch_size`: the largest measured batch size whose run takes at most
+  `max_batch_latency`. Past it a batch only adds latency to everything in it;
+  the memory ledger still cuts a batch to what fits.
+- `max_queue_delay`: one row's measured run time, when that is at least
+  `MIN_USEFUL_DELAY` (a shorter wait costs a slot more in Redis round trips
+  than it can gain), at most `MAX_AUTO_DELAY`. A lone request then waits at
+  most about as long as its own run, and under load a free slot lets a batch
+  fill instead of running a batch of one.
+
+Without a measured profile (registered with `profile_mode=static`, or not
+profiled yet) they are `FALLBACK_MAX_BATCH_SIZE` and no delay. An observed
+profile (the batch sizes workers happened to run) is not used: those sizes
+follow from `max_batch_size` itself.
+
+Preferred batch sizes are taken as configured (none by default, as in
+Triton): the profile measures powers of two on smooth curves, where no size
+is cheaper than its neighbours, and a preferred size would only cut a larger
+batch into more batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from broker.config import ModelBatching
+
+FALLBACK_MAX_BATCH_SIZE = 64
+"""An `auto` max_batch_size without a measured profile."""
+MIN_USEFUL_DELAY = 0.0005
+"""An `auto` max_queue_delay shorter than this is 0."""
+MAX_AUTO_DELAY = 0.005
+"""The longest `auto` max_queue_delay."""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The batching settings a worker applies to one model version (no `auto` left)."""
+
+    max_batch_size: int
+    max_queue_delay: float
+    preferred_batch_sizes: tuple[int, ...]
+    max_batch_tokens: int
+    queue_capacity: int
+    source: str
+    """'profile' when an `auto` value came from the measured profile, else 'config'."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as the API shows them (the delay in ms)."""
+        return {"max_batch_size": self.max_batch_size, "max_queue_delay_ms": round(self.max_queue_delay * 1000, 3),
+                "preferred_batch_sizes": list(self.preferred_batch_sizes), "max_batch_tokens": self.max_batch_tokens,
+                "queue_capacity": self.queue_capacity, "source": self.source}
+
+    def wait_over(self, waiting: int, waited: float) -> bool:
+        """Whether a head that has waited `waited` seconds, with `waiting` requests queued, stops
+        waiting for company: the queue holds a full batch or a preferred one, or the delay is up."""
+        return (waiting >= self.max_batch_size or waited >= self.max_queue_delay
+                or any(size <= waiting for size in self.preferred_batch_sizes))
+
+    def rows_to_take(self, waiting: int) -> int:
+        """Rows of the next batch when `waiting` requests are queued: the largest preferred size the
+        queue can fill, else a full batch (what is there, up to `max_batch_size`)."""
+        fillable = [size for size in self.preferred_batch_sizes if size <= waiting]
+        return min(max(fillable), self.max_batch_size) if fillable else self.max_batch_size
+
+
+def measured_points(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measured profile's points (batch size, latency, rows/s) by batch size; [] without one."""
+    profile = record.get("profile") or {}
+    if profile.get("source") != "measured":
+        return []
+    points = [point for point in profile.get("points") or []
+              if int(point.get("batch_size") or 0) >= 1 and float(point.get("latency_ms") or 0) > 0]
+    return sorted(points, key=lambda point: int(point["batch_size"]))
+
+
+def resolve(config: ModelBatching, record: dict[str, Any] | None) -> Batching:
+    """`config` with its `auto` values taken from the model version's registry `record` (see the module)."""
+    points = measured_points(record or {})
+    from_profile = bool(points) and "auto" in (config.max_batch_size, config.max_queue_delay)
+    max_batch_size = config.max_batch_size
+    if max_batch_size == "auto":
+        within = [int(point["batch_size"]) for point in points
+                  if float(point["latency_ms"]) / 1000 <= config.max_batch_latency]
+        max_batch_size = (max(within) if within else int(points[0]["batch_size"])) if points \
+            else FALLBACK_MAX_BATCH_SIZE
+    delay = config.max_queue_delay
+    if delay == "auto":
+        one_row = float(points[0]["latency_ms"]) / 1000 / int(points[0]["batch_size"]) if points else 0.0
+        delay = min(one_row, MAX_AUTO_DELAY) if one_row >= MIN_USEFUL_DELAY else 0.0
+    return Batching(
+        max_batch_size=int(max_batch_size),
+        max_queue_delay=float(delay),
+        preferred_batch_sizes=tuple(size for size in config.preferred_batch_sizes if size <= int(max_batch_size)),
+        max_batch_tokens=config.max_batch_tokens,
+        queue_capacity=config.queue_capacity,
+        source="profile" if from_profile else "config",
+    )
