@@ -66,6 +66,8 @@ def queued_name(model: str, batch: int) -> str:
     """Scenario 5: the model registered again under this name, with its own (small) max batch size."""
     return f"{model}_b{batch}"
 
+BATCHING_NOTE = {"static": "max_batch_size 64, max_queue_delay 0",
+                 "full": "max_batch_size and max_queue_delay from the measured profile"}
 MAX_REQUESTS_PER_THREAD = 200_000  # every load loop is bounded in count as well as in time
 
 INPUTS: dict[str, tuple[str, tuple[int, ...]]] = {  # model: (input name, shape of one row)
@@ -674,6 +676,9 @@ def main() -> None:
                         " (default convnet:1 quick, convnet:1,mlp:8 full)")
     parser.add_argument("--backlog", type=int, default=128, help="waiting free requests kept in scenario 5")
     parser.add_argument("--json", type=Path, help="also write the results here, for benchmarks/charts.py")
+    parser.add_argument("--profile-mode", choices=("static", "full"), default="static",
+                        help="how the load models (2./3.) are registered: full = measured profile, so their"
+                             " `auto` batching settings follow it (broker/batching.py)")
     args = parser.parse_args()
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -715,7 +720,13 @@ def main() -> None:
             stack.start()
             client = stack.client()
             for model in models:
-                client.post("/v1/models", {"name": model, "path": str(zoo[model])})
+                record = client.post("/v1/models", {"name": model, "path": str(zoo[model]),
+                                                    "profile_mode": args.profile_mode})
+                while record["profile_status"] == "pending":  # a worker measures it (profile_mode full)
+                    time.sleep(0.2)
+                    record = client.get(f"/v1/models/{model}")
+                batching = client.get(f"/v1/models/{model}")["batching"]
+                print(f"[{time.monotonic() - begun:5.0f}s] {model} batching {batching}", file=sys.stderr, flush=True)
             for model, batch in [*cases, *extra]:
                 client.post("/v1/models", {"name": queued_name(model, batch), "path": str(zoo[model])})
             os.environ["NAIVE_REDIS_URL"] = stack.settings.redis.url  # before the import: the app reads it
@@ -815,8 +826,9 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def print_report(args: argparse.Namespace, seconds: float, repeats: int, ceilings: dict, load_rows: list,
                  idle: dict, phases: list, idle_count: int, floors: dict[str, dict[str, Any]]) -> None:
     print(f"\nConfiguration: 2 vCPUs; SITS = 1 CPU worker, {STREAMS} streams x {ORT_THREADS} ONNX Runtime intra-op"
-          f" thread, scheduler.policy {Settings().scheduler.policy}, default batching (max_batch_size 64,"
-          f" max_queue_delay 0), API gunicorn {Settings().api.workers} processes x {Settings().api.threads} threads,"
+          f" thread, scheduler.policy {Settings().scheduler.policy}, default batching, load models registered"
+          f" {args.profile_mode} ({BATCHING_NOTE[args.profile_mode]}), API gunicorn {Settings().api.workers}"
+          f" processes x {Settings().api.threads} threads,"
           f" embedded Redis (AOF everysec); naive = Celery threads pool -c {NAIVE_CONCURRENCY}, {ORT_THREADS} intra-op"
           f" thread, same Redis as broker and result backend; {args.clients} client threads in the benchmark"
           f" process; one-row requests as JSON lists; {seconds:.0f} s per load run, {repeats} alternating"

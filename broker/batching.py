@@ -14,9 +14,12 @@ fixed; what is left `auto` follows the device as measured by the profiler
   fill instead of running a batch of one.
 
 Without a measured profile (registered with `profile_mode=static`, or not
-profiled yet) they are `FALLBACK_MAX_BATCH_SIZE` and no delay. An observed
-profile (the batch sizes workers happened to run) is not used: those sizes
-follow from `max_batch_size` itself.
+profiled yet) they are `FALLBACK_MAX_BATCH_SIZE` and no delay, and so they are
+for token models (their profile runs one sequence length, while their batches
+are bounded by `max_batch_tokens`) and on a worker whose kind of device is not
+the one the profile was measured on (a CPU's latencies say nothing of a
+GPU's). An observed profile (the batch sizes workers happened to run) is not
+used: those sizes follow from `max_batch_size` itself.
 
 Preferred batch sizes are taken as configured (none by default, as in
 Triton): the profile measures powers of two on smooth curves, where no size
@@ -26,6 +29,7 @@ batch into more batches.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,39 +54,45 @@ class Batching:
     queue_capacity: int
     source: str
     """'profile' when an `auto` value came from the measured profile, else 'config'."""
+    profile_device: str = ""
+    """The device the profile was measured on, with source 'profile'."""
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as the API shows them (the delay in ms)."""
-        return {"max_batch_size": self.max_batch_size, "max_queue_delay_ms": round(self.max_queue_delay * 1000, 3),
-                "preferred_batch_sizes": list(self.preferred_batch_sizes), "max_batch_tokens": self.max_batch_tokens,
-                "queue_capacity": self.queue_capacity, "source": self.source}
+        shown = {"max_batch_size": self.max_batch_size, "max_queue_delay_ms": round(self.max_queue_delay * 1000, 3),
+                 "preferred_batch_sizes": list(self.preferred_batch_sizes), "max_batch_tokens": self.max_batch_tokens,
+                 "queue_capacity": self.queue_capacity, "source": self.source}
+        return shown | ({"profile_device": self.profile_device} if self.profile_device else {})
 
-    def wait_over(self, waiting: int, waited: float) -> bool:
-        """Whether a head that has waited `waited` seconds, with `waiting` requests queued, stops
-        waiting for company: the queue holds a full batch or a preferred one, or the delay is up."""
-        return (waiting >= self.max_batch_size or waited >= self.max_queue_delay
-                or any(size <= waiting for size in self.preferred_batch_sizes))
-
-    def rows_to_take(self, waiting: int) -> int:
-        """Rows of the next batch when `waiting` requests are queued: the largest preferred size the
-        queue can fill, else a full batch (what is there, up to `max_batch_size`)."""
-        fillable = [size for size in self.preferred_batch_sizes if size <= waiting]
-        return min(max(fillable), self.max_batch_size) if fillable else self.max_batch_size
+    def wait_over(self, rows: int, waited: float) -> bool:
+        """Whether a head request that has waited `waited` seconds stops waiting for company, with
+        `rows` waiting that could join its batch (its own included): they fill a full batch or a
+        preferred one, or the delay is up. (The lease then cuts the batch to the largest preferred
+        size it reaches: `lease_batch.lua`.)"""
+        return (rows >= self.max_batch_size or waited >= self.max_queue_delay
+                or any(size <= rows for size in self.preferred_batch_sizes))
 
 
-def measured_points(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The measured profile's points (batch size, latency, rows/s) by batch size; [] without one."""
-    profile = record.get("profile") or {}
-    if profile.get("source") != "measured":
+def measured_points(record: dict[str, Any], device_kind: str | None = None) -> list[dict[str, Any]]:
+    """The points (batch size, latency, rows/s) of the record's measured profile by batch size, if
+    `auto` settings may follow it (see the module) on a `device_kind` device ('cpu', 'gpu'; None: any);
+    else []."""
+    profile = record.get("profile")
+    static = record.get("static_profile")
+    if not isinstance(profile, dict) or profile.get("source") != "measured" or (
+            isinstance(static, dict) and static.get("sequence_axis")):
         return []
-    points = [point for point in profile.get("points") or []
-              if int(point.get("batch_size") or 0) >= 1 and float(point.get("latency_ms") or 0) > 0]
+    if device_kind is not None and str(profile.get("device", "")).partition(":")[0] != device_kind:
+        return []
+    points = [point for point in profile.get("points") or [] if isinstance(point, dict)
+              and int(point.get("batch_size") or 0) >= 1 and 0 < float(point.get("latency_ms") or 0) < math.inf]
     return sorted(points, key=lambda point: int(point["batch_size"]))
 
 
-def resolve(config: ModelBatching, record: dict[str, Any] | None) -> Batching:
-    """`config` with its `auto` values taken from the model version's registry `record` (see the module)."""
-    points = measured_points(record or {})
+def resolve(config: ModelBatching, record: dict[str, Any] | None, device_kind: str | None = None) -> Batching:
+    """`config` with its `auto` values taken from the model version's registry `record` for a worker
+    on a `device_kind` device (None: the device the profile was measured on); see the module."""
+    points = measured_points(record or {}, device_kind)
     from_profile = bool(points) and "auto" in (config.max_batch_size, config.max_queue_delay)
     max_batch_size = config.max_batch_size
     if max_batch_size == "auto":
@@ -101,4 +111,5 @@ def resolve(config: ModelBatching, record: dict[str, Any] | None) -> Batching:
         max_batch_tokens=config.max_batch_tokens,
         queue_capacity=config.queue_capacity,
         source="profile" if from_profile else "config",
+        profile_device=str((record or {}).get("profile", {}).get("device", "")) if from_profile else "",
     )

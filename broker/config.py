@@ -176,6 +176,12 @@ class JobSettings(_Section):
         raise ValueError(f"{value!r} is neither a number of rows (>= 1) nor 'auto'")
 
 
+MAX_BATCH_SIZE = 65536
+"""The largest batch size the configuration takes (a batch is leased in one Redis call)."""
+MAX_QUEUE_DELAY = 1.0
+"""The longest `max_queue_delay` (a waiting stream slot does not touch its ticket)."""
+
+
 class ModelBatching(_Section):
     """How a model's online requests are merged into batches (Triton's dynamic batcher knobs).
 
@@ -209,24 +215,28 @@ class ModelBatching(_Section):
             return text
         if isinstance(text, str) and text.isdigit():
             text = int(text)
-        if isinstance(text, int) and not isinstance(text, bool) and text >= 1:
+        if isinstance(text, int) and not isinstance(text, bool) and 1 <= text <= MAX_BATCH_SIZE:
             return text
-        raise ValueError(f"{value!r} is neither a batch size (>= 1) nor 'auto'")
+        raise ValueError(f"{value!r} is neither a batch size (1 to {MAX_BATCH_SIZE}) nor 'auto'")
 
     @field_validator("max_queue_delay", mode="before")
     @classmethod
     def _delay_or_auto(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip() == "auto":
             return "auto"
-        return parse_duration(value)
+        seconds = parse_duration(value)
+        if seconds > MAX_QUEUE_DELAY:
+            raise ValueError(f"{value!r} is longer than {MAX_QUEUE_DELAY:g}s: a batch's first request would wait"
+                             " longer than it takes to run most batches")
+        return seconds
 
     @field_validator("preferred_batch_sizes", mode="before")
     @classmethod
     def _sizes(cls, value: Any) -> Any:
-        if isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
-                                                     for v in value):
+        if isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                     and 1 <= v <= MAX_BATCH_SIZE for v in value):
             return tuple(sorted(set(value)))
-        raise ValueError(f"{value!r} is not a list of batch sizes (each >= 1)")
+        raise ValueError(f"{value!r} is not a list of batch sizes (each 1 to {MAX_BATCH_SIZE})")
 
     @model_validator(mode="after")
     def _preferred_within_max(self) -> ModelBatching:

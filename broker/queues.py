@@ -52,6 +52,7 @@ def lease_batch(
     carry_chunk: bool = False,
     head_within_limits: bool = False,
     whole_within: tuple[int, int] | None = None,
+    preferred_sizes: tuple[int, ...] = (),
 ) -> list[LeasedItem]:
     """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
 
@@ -65,6 +66,8 @@ def lease_batch(
     With `whole_within` (rows, tokens; 0 tokens: no limit), a batch of requests formed under the
     limits above is leased only if it stays within those too, else [] (all or nothing: the head of
     the priority order runs now only if the batch that waits for it fits the free memory).
+    With `preferred_sizes`, a batch of requests that takes no chunk along is cut to the largest of
+    them its rows reach (Triton's preferred batch sizes; the head request always stays).
     """
     keys = store.keys
     within_rows, within_tokens = whole_within if whole_within is not None else ("", "")
@@ -73,7 +76,8 @@ def lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
             args=[ticket, now, now + lease_seconds, max_items, max_rows or max_items, max_tokens,
                   max_chunks or max_items, "1" if requests_only else "0", "1" if carry_chunk else "0",
-                  "1" if head_within_limits else "0", within_rows, within_tokens],
+                  "1" if head_within_limits else "0", within_rows, within_tokens,
+                  ",".join(str(size) for size in preferred_sizes)],
         )
     return _leased(reply, model_ref, ticket)
 
@@ -169,18 +173,16 @@ class QueueWatcher:
                              head_items=head_items)
 
 
-def head_wait(store: Store, model_ref: str, *, now: float) -> tuple[int, float] | None:
-    """(waiting items, seconds the head has waited) when the head is an online request; else None."""
+def head_company(store: Store, model_ref: str, *, now: float, window: int) -> tuple[int, float] | None:
+    """(Rows that could join the head's batch, seconds the head has waited) when the head of
+    `model_ref`'s queue is an online request, else None: the rows of the requests of its shape
+    bucket among the first `window` waiting items, its own included (`head_company.lua`)."""
     with translate_redis_errors():
-        pipe = store.client.pipeline(transaction=False)
-        pipe.zcard(store.keys.ready(model_ref))
-        pipe.zrange(store.keys.ready(model_ref), 0, 0)
-        count, head = pipe.execute()
-        payload = store.client.hget(store.keys.items, head[0]) if head else None
-    item = json.loads(payload) if payload else {}
-    if item.get("kind") != "request":
+        reply = store.scripts.head_company(keys=[store.keys.ready(model_ref), store.keys.items], args=[window])
+    if not reply:
         return None
-    return int(count), now - float(item["factors"]["enqueued_at"])
+    rows, enqueued_at = reply
+    return int(rows), now - float(enqueued_at)
 
 
 def queue_depths(store: Store) -> dict[str, dict[str, int]]:

@@ -18,6 +18,7 @@ import redis
 SCRIPT_NAMES = (
     "enqueue_items",
     "lease_batch",
+    "head_company",
     "lease_riders",
     "return_items",
     "ack_chunk",

@@ -115,7 +115,8 @@ class WorkerContext:
         record = self.model(model_ref)
         cached = self._batching.get(model_ref)
         if cached is None or cached[0] is not record:
-            cached = (record, resolve(self.settings.online.batching_for(model_ref.partition("@")[0]), record))
+            config = self.settings.online.batching_for(model_ref.partition("@")[0])
+            cached = (record, resolve(config, record, self.device.kind))
             self._batching[model_ref] = cached
         return cached[1]
 

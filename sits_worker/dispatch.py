@@ -91,12 +91,12 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
     has any now (with `requests_only`: none headed by an online request)."""
     for admission in allowed:
         model_ref = admission.model
-        rows = _wait_for_company(ctx, model_ref)
+        _wait_for_company(ctx, model_ref)
         # A batch cut to free memory (a backfill, or beside the head) takes no chunk along and no
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
         leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut,
-                       requests_only=requests_only, rows=rows)
+                       requests_only=requests_only)
         if leased:
             ctx.last_served = model_ref
             return leased, admission
@@ -119,21 +119,19 @@ def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str
         between.finish()
 
 
-def _wait_for_company(ctx: WorkerContext, model_ref: str) -> int:
-    """Triton's dynamic batcher: let a short queue of requests grow until it holds a full or preferred
-    batch or its head has waited `max_queue_delay`; returns the rows the batch takes (the largest
-    preferred size the queue fills, else `max_batch_size`). Without a delay or preferred sizes it
-    costs no round trip."""
+def _wait_for_company(ctx: WorkerContext, model_ref: str) -> None:
+    """Triton's dynamic batcher: let the head request's batch grow until it has the rows of a full
+    or a preferred batch, or the head has waited `max_queue_delay` (the lease then cuts it to the
+    largest preferred size it reaches). Without a delay it costs no round trip."""
     batching = ctx.batching(model_ref)
-    if not batching.max_queue_delay and not batching.preferred_batch_sizes:
-        return batching.max_batch_size
+    if not batching.max_queue_delay:
+        return
+    window = 2 * batching.max_batch_size  # as far as lease_batch.lua looks for the batch
     while True:
-        waiting = queues.head_wait(ctx.store, model_ref, now=time.time())
-        if waiting is None:  # the head is a job chunk, or another slot took the queue
-            return batching.max_batch_size
-        if batching.wait_over(*waiting):
-            return batching.rows_to_take(waiting[0])
-        time.sleep(min(batching.max_queue_delay - waiting[1], 0.001))
+        company = queues.head_company(ctx.store, model_ref, now=time.time(), window=window)
+        if company is None or batching.wait_over(*company):  # (None: a job chunk heads, or nothing waits)
+            return
+        time.sleep(min(batching.max_queue_delay - company[1], 0.001))
 
 
 def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:

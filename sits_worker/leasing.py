@@ -24,16 +24,16 @@ from sits_worker.model.padding import max_sequence, shape_bucket
 
 def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
           admission: reservation.Admission | None = None, carry_chunk: bool = False,
-          within_cut: bool = False, rows: int | None = None) -> list[queues.LeasedItem]:
-    """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time), cut to
-    the rows and tokens of its `admission` when given, and to `rows` (a preferred batch size);
+          within_cut: bool = False) -> list[queues.LeasedItem]:
+    """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time, and
+    cut to a preferred batch size), within the rows and tokens of its `admission` when given;
     `carry_chunk`, `within_cut`: see `queues.lease_batch`."""
     batching = ctx.batching(model_ref)
-    max_rows = min(admission.max_rows if admission else batching.max_batch_size, rows or batching.max_batch_size)
+    max_rows = admission.max_rows if admission else batching.max_batch_size
     max_tokens = admission.max_tokens if admission else batching.max_batch_tokens
     return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
-                              max_items=min(batching.max_batch_size, rows or batching.max_batch_size),
-                              max_rows=max_rows, max_tokens=max_tokens,
+                              max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
+                              preferred_sizes=batching.preferred_batch_sizes,
                               max_chunks=1, ticket=ticket, requests_only=requests_only, carry_chunk=carry_chunk,
                               head_within_limits=within_cut,
                               whole_within=admission.whole_within if admission else None)

@@ -23,6 +23,9 @@
 --          batch of requests formed under the limits above is leased only if it stays within these
 --          (the head of the priority order, whose full batch does not fit: it runs now, if what
 --          waits for it fits the free memory), else nothing, {0}. A job chunk at the head still goes.
+-- ARGV[13] preferred batch sizes, comma-separated ('' for none): a batch of requests that takes no
+--          job chunk along is cut to the largest preferred size its rows reach, its last requests
+--          left waiting (Triton's preferred_batch_size; the head always stays).
 -- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
 --          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
 -- The head item always goes (but see ARGV[10]). Job chunks and finalize steps are taken in queue order up to
@@ -56,7 +59,7 @@ for index, item_id in ipairs(candidates) do
         or (max_tokens > 0 and token_cost(item) > max_tokens)) then
       return {0}
     end
-    picked[1] = {item_id, payload}
+    picked[1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item)}
     online = is_request
     bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
   elseif not online then
@@ -69,7 +72,7 @@ for index, item_id in ipairs(candidates) do
   elseif is_request and #picked < max_items and item['bucket'] == bucket
       and rows + number_or(item['rows'], 1) <= max_rows
       and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
-    picked[#picked + 1] = {item_id, payload}
+    picked[#picked + 1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item)}
     rows = rows + number_or(item['rows'], 1)
     tokens = tokens + token_cost(item)
   elseif carry and carried == nil and item['kind'] == 'chunk' then
@@ -78,6 +81,17 @@ for index, item_id in ipairs(candidates) do
 end
 if carried ~= nil and rows < max_rows then
   picked[#picked + 1] = carried
+elseif online and (ARGV[13] or '') ~= '' then
+  local cut = nil
+  for size in string.gmatch(ARGV[13], '%d+') do
+    if tonumber(size) <= rows and (cut == nil or tonumber(size) > cut) then
+      cut = tonumber(size)
+    end
+  end
+  while cut ~= nil and #picked > 1 and rows > cut do
+    local last = table.remove(picked)
+    rows, tokens = rows - last[3], tokens - last[4]
+  end
 end
 if online and ARGV[11] ~= '' and (rows > tonumber(ARGV[11])
     or (tonumber(ARGV[12]) > 0 and tokens > tonumber(ARGV[12]))) then

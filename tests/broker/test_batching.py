@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from broker_helpers import NOW
 
+from broker import queues, requests
 from broker.batching import FALLBACK_MAX_BATCH_SIZE, MAX_AUTO_DELAY, Batching, resolve
 from broker.config import ConfigError, ModelBatching, load_settings
+from broker.requests import RequestSpec
+from broker.store import Store
 
 
-def record(points: list[tuple[int, float]], source: str = "measured") -> dict:
+def record(points: list[tuple[int, float]], source: str = "measured", device: str = "cpu") -> dict:
     """A registry record whose profile measured (batch size, latency ms) points."""
-    return {"profile": {"source": source, "points": [
+    return {"profile": {"source": source, "device": device, "points": [
         {"batch_size": size, "latency_ms": latency, "rows_per_second": size / latency * 1000}
         for size, latency in points]}}
 
@@ -43,6 +46,18 @@ def test_without_a_measured_profile_auto_means_the_static_defaults():
             FALLBACK_MAX_BATCH_SIZE, 0.0, "config")
 
 
+def test_auto_values_ignore_a_profile_of_another_kind_of_device_and_token_models_profiles():
+    on_gpu = record([(1, 0.5), (64, 0.6), (1024, 4.0)], device="gpu:0")
+    assert resolve(ModelBatching(), on_gpu, "gpu").max_batch_size == 1024
+    assert resolve(ModelBatching(), on_gpu, "cpu").max_batch_size == FALLBACK_MAX_BATCH_SIZE
+    assert resolve(ModelBatching(), on_gpu).to_dict()["profile_device"] == "gpu:0"  # the API's view
+    token_model = CNN_LIKE | {"static_profile": {"sequence_axis": {"input": "input_ids", "axis": 1}}}
+    assert resolve(ModelBatching(), token_model).source == "config"
+    damaged = {"profile": {"source": "measured", "points": [{"batch_size": 1, "latency_ms": "inf"}, None]}}
+    assert resolve(ModelBatching(), damaged).max_batch_size == FALLBACK_MAX_BATCH_SIZE
+    assert resolve(ModelBatching(), {"profile": "junk"}).source == "config"
+
+
 def test_configured_values_win_over_the_profile():
     batching = resolve(ModelBatching(max_batch_size=8, max_queue_delay="3ms", preferred_batch_sizes=[4, 2]), CNN_LIKE)
     assert (batching.max_batch_size, batching.max_queue_delay, batching.preferred_batch_sizes, batching.source) == (
@@ -60,12 +75,6 @@ def batching(max_batch_size: int = 8, delay: float = 0.0, preferred: tuple[int, 
                     max_batch_tokens=0, queue_capacity=1024, source="config")
 
 
-def test_the_batch_takes_the_largest_preferred_size_the_queue_fills_else_a_full_batch():
-    preferring = batching(16, preferred=(4, 8))
-    assert [preferring.rows_to_take(waiting) for waiting in (1, 3, 4, 7, 8, 13, 40)] == [16, 16, 4, 4, 8, 8, 8]
-    assert batching(16).rows_to_take(5) == 16
-
-
 def test_the_head_waits_for_company_until_a_full_or_preferred_batch_or_the_delay():
     preferring = batching(16, delay=0.01, preferred=(4, 8))
     assert not preferring.wait_over(3, 0.005)
@@ -76,17 +85,10 @@ def test_the_head_waits_for_company_until_a_full_or_preferred_batch_or_the_delay
     assert batching(16).wait_over(1, 0.0)  # no delay: never waits
 
 
-@given(st.integers(1, 64), st.lists(st.integers(1, 64), max_size=4), st.integers(0, 200))
-def test_a_batch_never_exceeds_max_batch_size_nor_skips_a_preferred_size_it_can_fill(max_size, preferred, waiting):
-    sizes = tuple(sorted({size for size in preferred if size <= max_size}))
-    rows = batching(max_size, preferred=sizes).rows_to_take(waiting)
-    assert 1 <= rows <= max_size
-    fillable = [size for size in sizes if size <= waiting]
-    assert rows == (max(fillable) if fillable else max_size)
-
-
 @pytest.mark.parametrize("entry, message", [
     ("{max_batch_size: 0}", "neither a batch size"),
+    ("{max_batch_size: 1000000}", "neither a batch size"),
+    ("{max_queue_delay: 2s}", "longer than 1s"),
     ("{max_batch_size: big}", "neither a batch size"),
     ("{max_queue_delay: -5ms}", "not a duration"),
     ("{max_queue_delay: .nan}", "not a finite duration"),
@@ -100,3 +102,50 @@ def test_bad_batching_settings_are_refused_with_the_reason(tmp_path, entry, mess
     path.write_text(f"online:\n  models:\n    mlp: {entry}\n")
     with pytest.raises(ConfigError, match=message):
         load_settings(path)
+
+
+# --- in Redis: the lease's preferred cut and the head's company -------------------------------
+
+
+def _submit(store: Store, request_id: str, *, rows: int = 1, bucket: str = "features:64", score: float) -> None:
+    spec = RequestSpec(request_id=request_id, model_name="mlp", model_version="v1",
+                       inputs={"features": np.zeros((rows, 64), dtype=np.float32)}, rows=rows, tokens=0,
+                       bucket=bucket, factors={"enqueued_at": NOW})
+    requests.submit_request(store, spec, score=score, now=NOW, max_age_seconds=60)
+
+
+def _lease(store: Store, preferred: tuple[int, ...], max_items: int = 16) -> list[str]:
+    return [item.item_id for item in queues.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=30,
+                                                        max_items=max_items, preferred_sizes=preferred)]
+
+
+def test_a_lease_takes_the_largest_preferred_batch_its_rows_reach_and_leaves_the_rest_waiting(store: Store):
+    for index in range(13):
+        _submit(store, f"r{index:02}", score=float(index))
+
+    batches = [_lease(store, (4, 8)) for _ in range(4)]
+
+    assert [len(batch) for batch in batches] == [8, 4, 1, 0]  # 13 -> 8, 5 -> 4, then the 1 left (none fills)
+    assert sorted(sum(batches, [])) == [f"r{index:02}" for index in range(13)]  # none lost, none twice
+
+
+def test_the_preferred_cut_counts_rows_and_never_drops_the_head(store: Store):
+    _submit(store, "big", rows=3, score=0.0)
+    for index in range(3):
+        _submit(store, f"two{index}", rows=2, score=1.0 + index)
+
+    assert _lease(store, (2, 4)) == ["big"]  # 3 + 2 + 2 + 2 rows reach 4: cut to 3 rows (4 would split a request)
+    assert _lease(store, (2, 4)) == ["two0", "two1"]
+    assert _lease(store, (2, 4)) == ["two2"]
+
+
+def test_the_head_s_company_counts_the_rows_of_its_bucket_only(store: Store):
+    _submit(store, "head", rows=2, score=0.0)
+    _submit(store, "other", bucket="features:32", score=1.0)
+    _submit(store, "same", rows=3, score=2.0)
+
+    rows, waited = queues.head_company(store, "mlp@v1", now=NOW + 0.25, window=8)
+
+    assert rows == 5 and waited == pytest.approx(0.25)
+    assert queues.head_company(store, "mlp@v1", now=NOW, window=2) == (2, 0.0)  # "same" is past the window
+    assert queues.head_company(store, "nothing@v1", now=NOW, window=8) is None

@@ -1,0 +1,24 @@
+-- head_company: what a model's head request has for company, for the dynamic batcher's wait.
+-- KEYS[1] ready  ZSET item id -> score
+-- KEYS[2] items  HASH item id -> payload
+-- ARGV[1] most candidates to look at (the head included)
+-- Returns: {} when the queue is empty or its head is not an online request; else
+--          {rows, enqueued_at}: the rows of the waiting requests that could join the head's batch
+--          (its shape bucket, among the first ARGV[1] waiting items, the head's own rows included)
+--          and when the head was queued (a string, as stored).
+local candidates = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+if #candidates == 0 then
+  return {}
+end
+local head = cjson.decode(redis.call('HGET', KEYS[2], candidates[1]) or '{}')
+if head['kind'] ~= 'request' then
+  return {}
+end
+local rows = number_or(head['rows'], 1)
+for index = 2, #candidates do
+  local item = cjson.decode(redis.call('HGET', KEYS[2], candidates[index]) or '{}')
+  if item['kind'] == 'request' and item['bucket'] == head['bucket'] then
+    rows = rows + number_or(item['rows'], 1)
+  end
+end
+return {rows, tostring((head['factors'] or {})['enqueued_at'] or 0)}
