@@ -27,6 +27,18 @@ Seconds = Annotated[float, BeforeValidator(parse_duration)]
 Bytes = Annotated[int, BeforeValidator(parse_size)]
 
 
+def _count_or_auto(value: Any, what: str, *, most: int | None = None) -> Any:
+    """A whole number >= 1 (at most `most`), also written as a string, or 'auto'; ValueError says `what`."""
+    text = value.strip() if isinstance(value, str) else value
+    if text == "auto":
+        return text
+    if isinstance(text, str) and text.isdigit():
+        text = int(text)
+    if isinstance(text, int) and not isinstance(text, bool) and 1 <= text <= (most or text):
+        return text
+    raise ValueError(f"{value!r} is neither {what} nor 'auto'")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -166,14 +178,7 @@ class JobSettings(_Section):
     @field_validator("chunk_size", "batch_size", mode="before")
     @classmethod
     def _rows_or_auto(cls, value: Any) -> Any:
-        text = value.strip() if isinstance(value, str) else value
-        if text == "auto":
-            return text
-        if isinstance(text, str) and text.isdigit():
-            text = int(text)
-        if isinstance(text, int) and not isinstance(text, bool) and text >= 1:
-            return text
-        raise ValueError(f"{value!r} is neither a number of rows (>= 1) nor 'auto'")
+        return _count_or_auto(value, "a number of rows (>= 1)")
 
 
 MAX_BATCH_SIZE = 65536
@@ -210,14 +215,7 @@ class ModelBatching(_Section):
     @field_validator("max_batch_size", mode="before")
     @classmethod
     def _size_or_auto(cls, value: Any) -> Any:
-        text = value.strip() if isinstance(value, str) else value
-        if text == "auto":
-            return text
-        if isinstance(text, str) and text.isdigit():
-            text = int(text)
-        if isinstance(text, int) and not isinstance(text, bool) and 1 <= text <= MAX_BATCH_SIZE:
-            return text
-        raise ValueError(f"{value!r} is neither a batch size (1 to {MAX_BATCH_SIZE}) nor 'auto'")
+        return _count_or_auto(value, f"a batch size (1 to {MAX_BATCH_SIZE})", most=MAX_BATCH_SIZE)
 
     @field_validator("max_queue_delay", mode="before")
     @classmethod
