@@ -51,8 +51,12 @@ def b64(array: np.ndarray) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+FIXED_BATCHING = {"max_batch_size": 64, "max_queue_delay": 0}
+"""`--batching fixed`: the online batching settings before they followed the profile."""
+
+
 def run_phase(model: str, phase: str, *, rows: int, jobs: int, chunk: int, clients: int,
-              think: float) -> dict[str, Any]:
+              think: float, batching: str = "auto") -> dict[str, Any]:
     """One stack, `jobs` jobs of `rows` rows, with or without online clients; the raw figures."""
     input_name, shape = MODELS[model]
     with tempfile.TemporaryDirectory(prefix="sits-mixed-") as tmp:
@@ -61,6 +65,7 @@ def run_phase(model: str, phase: str, *, rows: int, jobs: int, chunk: int, clien
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
             scheduler={"merge_requests_into_jobs": phase == "merged"},
             resources={"max_concurrent_streams": 2, "intra_op_threads": 1},
+            online={"batching": FIXED_BATCHING if batching == "fixed" else {}},
             api={"port": 0})
         rng = np.random.default_rng(0)
         np.save(home / "input.npy", rng.standard_normal((rows, *shape)).astype(np.float32))
@@ -129,6 +134,9 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,convnet")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--think", type=float, default=0.02, help="seconds a client waits between requests")
+    parser.add_argument("--batching", choices=("auto", "fixed"), default="auto",
+                        help="online batching: auto (from the measured profile, the default settings) or fixed"
+                             " (max_batch_size 64, no delay)")
     args = parser.parse_args()
     rounds = 1 if args.quick else 2
     sizes = {"mlp": (200_000, 16 if args.quick else 24, 20_000), "convnet": (2_000, 3 if args.quick else 4, 250)}
@@ -138,12 +146,12 @@ def main() -> None:
         for _ in range(rounds):
             for phase in PHASES:
                 run = run_phase(model, phase, rows=rows, jobs=jobs, chunk=chunk, clients=args.clients,
-                                think=args.think)
+                                think=args.think, batching=args.batching)
                 results.setdefault((model, phase), []).append(run)
                 print(f"  {model} {phase}: {run['rows_per_second']:,.0f} rows/s, {len(run['latencies'])} requests",
                       file=sys.stderr)
-    print(f"\n{args.clients} clients, {args.think * 1000:.0f} ms think time, {rounds} round(s); "
-          f"1 worker, 2 streams, 1 ORT thread each; job batch {JOB_BATCH}\n")
+    print(f"\n{args.clients} clients, {args.think * 1000:.0f} ms think time, {rounds} round(s), "
+          f"{args.batching} batching; 1 worker, 2 streams, 1 ORT thread each; job batch {JOB_BATCH}\n")
     print("| model | phase | job rows/s | of alone | requests/s | P50 ms | P99 ms | rode along | failed |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
