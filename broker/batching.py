@@ -64,13 +64,17 @@ class Batching:
                  "queue_capacity": self.queue_capacity, "source": self.source}
         return shown | ({"profile_device": self.profile_device} if self.profile_device else {})
 
+    @property
+    def enough_rows(self) -> int:
+        """Rows that end a head request's wait for company: a full batch, or the smallest preferred one."""
+        return min((self.max_batch_size, *self.preferred_batch_sizes))
+
     def wait_over(self, rows: int, waited: float) -> bool:
         """Whether a head request that has waited `waited` seconds stops waiting for company, with
         `rows` waiting that could join its batch (its own included): they fill a full batch or a
         preferred one, or the delay is up. (The lease then cuts the batch to the largest preferred
         size it reaches: `lease_batch.lua`.)"""
-        return (rows >= self.max_batch_size or waited >= self.max_queue_delay
-                or any(size <= rows for size in self.preferred_batch_sizes))
+        return rows >= self.enough_rows or waited >= self.max_queue_delay
 
 
 def measured_points(record: dict[str, Any], device_kind: str | None = None) -> list[dict[str, Any]]:

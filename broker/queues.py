@@ -173,12 +173,15 @@ class QueueWatcher:
                              head_items=head_items)
 
 
-def head_company(store: Store, model_ref: str, *, now: float, window: int) -> tuple[int, float] | None:
+def head_company(store: Store, model_ref: str, *, now: float, window: int,
+                 enough: int) -> tuple[int, float] | None:
     """(Rows that could join the head's batch, seconds the head has waited) when the head of
     `model_ref`'s queue is an online request, else None: the rows of the requests of its shape
-    bucket among the first `window` waiting items, its own included (`head_company.lua`)."""
+    bucket among the first `window` waiting items, its own included, counted until they reach
+    `enough` (`head_company.lua`)."""
     with translate_redis_errors():
-        reply = store.scripts.head_company(keys=[store.keys.ready(model_ref), store.keys.items], args=[window])
+        reply = store.scripts.head_company(keys=[store.keys.ready(model_ref), store.keys.items],
+                                           args=[window, enough])
     if not reply:
         return None
     rows, enqueued_at = reply

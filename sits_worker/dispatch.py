@@ -128,7 +128,8 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str) -> None:
         return
     window = 2 * batching.max_batch_size  # as far as lease_batch.lua looks for the batch
     while True:
-        company = queues.head_company(ctx.store, model_ref, now=time.time(), window=window)
+        company = queues.head_company(ctx.store, model_ref, now=time.time(), window=window,
+                                      enough=batching.enough_rows)
         if company is None or batching.wait_over(*company):  # (None: a job chunk heads, or nothing waits)
             return
         time.sleep(min(batching.max_queue_delay - company[1], 0.001))

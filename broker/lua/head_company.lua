@@ -2,10 +2,11 @@
 -- KEYS[1] ready  ZSET item id -> score
 -- KEYS[2] items  HASH item id -> payload
 -- ARGV[1] most candidates to look at (the head included)
+-- ARGV[2] rows that are enough (the count stops once it reaches them)
 -- Returns: {} when the queue is empty or its head is not an online request; else
 --          {rows, enqueued_at}: the rows of the waiting requests that could join the head's batch
---          (its shape bucket, among the first ARGV[1] waiting items, the head's own rows included)
---          and when the head was queued (a string, as stored).
+--          (its shape bucket, among the first ARGV[1] waiting items, the head's own rows included;
+--          counted up to ARGV[2]) and when the head was queued (a string, as stored).
 local candidates = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 if #candidates == 0 then
   return {}
@@ -15,7 +16,11 @@ if head['kind'] ~= 'request' then
   return {}
 end
 local rows = number_or(head['rows'], 1)
+local enough = tonumber(ARGV[2])
 for index = 2, #candidates do
+  if rows >= enough then
+    break
+  end
   local item = cjson.decode(redis.call('HGET', KEYS[2], candidates[index]) or '{}')
   if item['kind'] == 'request' and item['bucket'] == head['bucket'] then
     rows = rows + number_or(item['rows'], 1)

@@ -144,8 +144,9 @@ def test_the_head_s_company_counts_the_rows_of_its_bucket_only(store: Store):
     _submit(store, "other", bucket="features:32", score=1.0)
     _submit(store, "same", rows=3, score=2.0)
 
-    rows, waited = queues.head_company(store, "mlp@v1", now=NOW + 0.25, window=8)
+    rows, waited = queues.head_company(store, "mlp@v1", now=NOW + 0.25, window=8, enough=64)
 
     assert rows == 5 and waited == pytest.approx(0.25)
-    assert queues.head_company(store, "mlp@v1", now=NOW, window=2) == (2, 0.0)  # "same" is past the window
-    assert queues.head_company(store, "nothing@v1", now=NOW, window=8) is None
+    assert queues.head_company(store, "mlp@v1", now=NOW, window=2, enough=64) == (2, 0.0)  # "same": past the window
+    assert queues.head_company(store, "mlp@v1", now=NOW, window=8, enough=2) == (2, 0.0)  # 2 rows are enough
+    assert queues.head_company(store, "nothing@v1", now=NOW, window=8, enough=64) is None
