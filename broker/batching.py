@@ -83,9 +83,9 @@ def measured_points(record: dict[str, Any], device_kind: str | None = None) -> l
     else []."""
     profile = record.get("profile")
     static = record.get("static_profile")
-    if not isinstance(profile, dict) or profile.get("source") != "measured" or (
+    if not isinstance(profile, dict) or profile.get("source") == "observed" or (
             isinstance(static, dict) and static.get("sequence_axis")):
-        return []
+        return []  # (a profile with no source is a measured one, as everywhere else)
     if device_kind is not None and str(profile.get("device", "")).partition(":")[0] != device_kind:
         return []
     points = [point for point in profile.get("points") or [] if isinstance(point, dict)

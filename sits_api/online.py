@@ -91,7 +91,7 @@ def model_record(store: Store, ref: str, *, now: float) -> tuple[dict[str, Any],
         return cached[1], cached[2]
     record = registry.get_model(store, ref)
     mask = mask_spec(record.get("static_profile"))
-    _records[ref] = (now, record, mask)
+    _records[ref] = _records[f"{record['name']}@{record['version']}"] = (now, record, mask)  # (v2 pins a name)
     return record, mask
 
 

@@ -24,7 +24,7 @@ from broker.scoring import SLA_WEIGHTS
 from broker.store import Store
 from sits_api import online
 from sits_api.jsonio import request_object
-from sits_worker.model.tensors import fits_exactly, json_numbers
+from sits_worker.model.tensors import exact_numbers
 
 v2 = Blueprint("v2", __name__)
 
@@ -206,12 +206,11 @@ def _tensor(entry: Any, where: str) -> np.ndarray:
         raise BadInput(f"input '{name}' shape must be a list of non-negative integers, got {shape!r}")
     if not isinstance(entry["data"], list):
         raise BadInput(f"input '{name}' data must be a list of {datatype} values, got {entry['data']!r}")
-    raw = json_numbers(entry["data"], np.dtype(DATATYPES[datatype]))
-    if not fits_exactly(raw, np.dtype(DATATYPES[datatype])):  # as v1: no silent casts (1.5 is no INT64)
+    converted = exact_numbers(entry["data"], np.dtype(DATATYPES[datatype]))  # (inf: refused with the tensors)
+    if converted is None:
         raise BadInput(f"input '{name}' data are not {datatype} values: write a flat or nested list of "
                        f"numbers that fit {datatype} exactly")
-    with np.errstate(over="ignore"):  # beyond a float type's range: inf, refused with the request's tensors
-        array = raw.astype(DATATYPES[datatype])
+    array = converted[1]
     if array.size != math.prod(shape):
         raise BadInput(f"input '{name}' has {array.size} values but shape {shape} needs {math.prod(shape)}")
     return array.reshape(shape)

@@ -77,7 +77,9 @@ class WorkerContext:
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _padding: dict[str, MaskSpec | None] = field(default_factory=dict)
-    _batching: dict[str, tuple[dict[str, Any], Batching]] = field(default_factory=dict)
+    _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
+    """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
+    an observed profile)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -112,13 +114,22 @@ class WorkerContext:
     def batching(self, model_ref: str) -> Batching:
         """The batching settings of a model version: the configuration's, with its `auto` values from
         the measured profile (`broker/batching.py`), resolved again when the record is re-read."""
+        return self._derive(model_ref)[1]
+
+    def _derive(self, model_ref: str) -> tuple[dict[str, Any], Batching, bool]:
+        """What the hot path derives from a model version's record, again only when it is re-read."""
         record = self.model(model_ref)
-        cached = self._batching.get(model_ref)
+        cached = self._derived.get(model_ref)
         if cached is None or cached[0] is not record:
             config = self.settings.online.batching_for(model_ref.partition("@")[0])
-            cached = (record, resolve(config, record, self.device.kind))
-            self._batching[model_ref] = cached
-        return cached[1]
+            profile = record.get("profile") or {}
+            # Observed profiles are for models without a measured one, and not for token models
+            # (their run time depends on the sequence length: sits_worker/observed.py).
+            learns = not (record.get("static_profile") or {}).get("sequence_axis") and not (
+                profile.get("points") and profile.get("source") != "observed")
+            cached = (record, resolve(config, record, self.device.kind), learns)
+            self._derived[model_ref] = cached
+        return cached
 
     def padding(self, model_ref: str) -> MaskSpec | None:
         """How to pad a model version's token requests (None: no declared attention mask); cached
@@ -137,7 +148,7 @@ class WorkerContext:
         OOM, again on the CPU when the fallback strategy says so."""
         try:
             session = session or self.session(model_ref)  # a cold load is not a batch's run time
-            learn = bool(feed) and not (self.model(model_ref).get("static_profile") or {}).get("sequence_axis")
+            learn = bool(feed) and self._derive(model_ref)[2]
             started = time.perf_counter()
             outputs = run_session(session, feed, output_names)
             if learn:

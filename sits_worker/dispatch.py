@@ -89,9 +89,12 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
                     requests_only: bool = False) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
     """Lease the first admitted model's batch that has work, with its admission; ([], None) when none
     has any now (with `requests_only`: none headed by an online request)."""
+    waited: set[str] = set()  # (a whole admission and a backfill behind it may name one model)
     for admission in allowed:
         model_ref = admission.model
-        _wait_for_company(ctx, model_ref)
+        if model_ref not in waited:
+            _wait_for_company(ctx, model_ref)
+            waited.add(model_ref)
         # A batch cut to free memory (a backfill, or beside the head) takes no chunk along and no
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut

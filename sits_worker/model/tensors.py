@@ -124,18 +124,28 @@ def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool, finite
     .npy holds them) keeps NaN and infinity as written; a finite number the dtype cannot hold is
     refused either way.
     """
-    raw = json_numbers(value, spec.dtype)
-    if not fits_exactly(raw, spec.dtype):
+    converted = exact_numbers(value, spec.dtype)
+    if converted is None:
         raise BadInput(
             f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; "
             f"write numbers that fit {spec.dtype.name} exactly"
         )
+    raw, array = converted
     # shape only: JSON numbers have no dtype of their own
     spec.check(raw.dtype, raw.shape if batched else (1, *raw.shape), where)
-    with np.errstate(over="ignore"):  # a value too large for the dtype becomes inf, refused just below
-        array = raw.astype(spec.dtype)
     _check_finite(spec, array, where, as_written=None if finite else raw)
     return array
+
+
+def exact_numbers(value: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray] | None:
+    """(The JSON numbers in `value` as written, the same converted to `dtype`), or None when they are
+    not a rectangular list of numbers that all fit `dtype` exactly: no silent casts (1.5 is no
+    int64). A number beyond a float dtype's range becomes inf, for the caller to refuse."""
+    raw = json_numbers(value, dtype)
+    if not fits_exactly(raw, dtype):
+        return None
+    with np.errstate(over="ignore"):
+        return raw, raw.astype(dtype)
 
 
 def _check_finite(spec: InputSpec, array: np.ndarray, where: str, *, as_written: np.ndarray | None = None) -> None:

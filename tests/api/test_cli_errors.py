@@ -6,7 +6,6 @@ No stack runs here: commands that need the API or Redis get an invalid or unreac
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -15,16 +14,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+from broker.embedded import free_port
 from sits_api.cli.main import cli
 
 SUBMIT = ["job", "submit", "--model", "mlp", "--input-batch", "in.bin", "--output-dir", "out"]
-
-
-def closed_port() -> int:
-    """A local port nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -72,7 +65,7 @@ def test_key_create_names_a_malformed_redis_url(run, url: str) -> None:
 
 
 def test_key_create_says_when_redis_is_unreachable(run) -> None:
-    url = f"redis://127.0.0.1:{closed_port()}/0"
+    url = f"redis://127.0.0.1:{free_port()}/0"
     assert_refused(run("key", "create", "--name", "alice", SITS_REDIS_URL=url), "Redis is unreachable")
 
 
@@ -82,7 +75,7 @@ def test_status_names_a_malformed_api_url(run, url: str) -> None:
 
 
 def test_commands_say_when_the_api_is_unreachable(run) -> None:
-    url = f"http://127.0.0.1:{closed_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     assert_refused(run("job", "status", "a job id with spaces", SITS_API_URL=url), "cannot reach the SITS API")
     assert_refused(run(*SUBMIT, "--shape", "3,32,32", SITS_API_URL=url), "cannot reach the SITS API")
 

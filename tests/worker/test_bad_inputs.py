@@ -18,6 +18,7 @@ import pytest
 from broker.errors import BadInput
 from sits_worker.model.inputs import open_input
 from sits_worker.model.tensors import request_tensors
+from tests.npy_files import float32_header, npy_bytes, write_npz
 
 FEATURES = {
     "inputs": [{"name": "features", "dtype": "float32", "shape": ["batch", 64], "dynamic_axes": [0]}],
@@ -32,21 +33,8 @@ MALFORMED_HEADERS = [
 ]
 
 
-def npy_bytes(header: str, data: bytes = b"") -> bytes:
-    """An .npy 1.0 file with this header text (not checked) and these data bytes."""
-    text = header.encode("latin1")
-    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
-    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text + data
-
-
 def lying_npy(rows: int = HUGE_ROWS, data: bytes = b"") -> bytes:
-    return npy_bytes(f"{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, 64), }}", data)
-
-
-def write_npz(path: Path, member: bytes, method: int = zipfile.ZIP_DEFLATED, name: str = "features.npy") -> Path:
-    with zipfile.ZipFile(path, "w", compression=method) as archive:
-        archive.writestr(name, member)
-    return path
+    return npy_bytes(float32_header(f"({rows}, 64)"), data)
 
 
 def b64(raw: bytes) -> dict[str, str]:
@@ -260,10 +248,7 @@ def test_integers_beyond_int64_are_read_exactly_for_a_uint64_input_and_refused_e
 def test_jsonl_rows_keep_nan_and_infinity_as_written_but_refuse_overflow(tmp_path: Path) -> None:
     """Python's json writes NaN and Infinity; a .jsonl job file may hold them as a .npy may. A finite
     number float32 cannot hold (1e39) would silently become inf: refused."""
-    import math
-
     from sits_worker.model.graph import static_profile
-    from sits_worker.model.inputs import open_input
     from sits_worker.model.zoo import build_model
 
     signature = static_profile(build_model("mlp"))["signature"]
