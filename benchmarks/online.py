@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from broker import requests as broker_requests  # noqa: E402
 from broker.config import Settings  # noqa: E402
 from broker.requests import encode_array  # noqa: E402
-from sits_api.cli.stack import Stack  # noqa: E402
+from sits_api.cli.stack import Stack, api_command  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
 STREAMS = 2  # worker threads (Celery threads pool) sharing one session per model
@@ -305,14 +305,12 @@ def stop_process(process: subprocess.Popen[bytes] | None) -> None:
 
 def rest_floor(requests: list[dict[str, list]], clients: int, seconds: float, model: str) -> dict[str, Any]:
     """Closed loop against benchmarks/rest_floor.py under the API's gunicorn settings: what REST alone costs."""
-    settings = Settings()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "benchmarks.rest_floor:app", "--bind", f"127.0.0.1:{port}",
-         "--workers", str(settings.api.workers), "--worker-class", "gthread", "--threads", str(settings.api.threads),
-         "--log-level", "warning"], cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+    settings = Settings().with_overrides(api={"host": "127.0.0.1", "port": port})
+    server = subprocess.Popen(api_command(settings, app="benchmarks.rest_floor:app"), cwd=ROOT,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -1,12 +1,14 @@
-"""The REST floor of benchmarks/online.py: a Flask app that only parses a request and answers it.
+r"""The REST floor of benchmarks/online.py: a Flask app that only parses a request and answers it.
 
-Same server as the SITS API (gunicorn, gthread workers, the same process and
-thread counts, SITS's JSON provider), same client, same request bodies; it
+Same server as the SITS API (gunicorn started with the API's argv,
+`sits_api.cli.stack.api_command`: its worker class, process and thread counts
+and keep-alive; SITS's JSON provider), same client, same request bodies; it
 runs no model and touches no Redis. Its req/s bounds what any Flask service
 can answer on this machine with these clients, whatever it does behind the
 endpoint.
 
-    python -m gunicorn benchmarks.rest_floor:app --workers 2 --worker-class gthread --threads 16
+    python -m gunicorn benchmarks.rest_floor:app --workers 2 --threads 16 --keep-alive 30 \
+        --worker-class sits_api.gunicorn_worker.JsonErrorThreadWorker
 """
 
 from __future__ import annotations

@@ -23,8 +23,21 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from broker.errors import ConfigError
 from broker.units import parse_duration, parse_size
 
+
+def _not_a_bool(value: Any) -> Any:
+    """Refuse a boolean where a number is meant: pydantic would read YAML `true` as 1."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is a boolean, not a number; write a number (YAML reads true, false, yes, no, "
+                         "on and off as booleans)")
+    return value
+
+
 Seconds = Annotated[float, BeforeValidator(parse_duration)]
 Bytes = Annotated[int, BeforeValidator(parse_size)]
+Integer = Annotated[int, BeforeValidator(_not_a_bool)]
+"""A whole number, also written as a string (`SITS_*` values are), never a boolean."""
+Number = Annotated[float, BeforeValidator(_not_a_bool)]
+"""A number, also written as a string, never a boolean."""
 
 
 def _count_or_auto(value: Any, what: str, *, most: int | None = None) -> Any:
@@ -70,7 +83,7 @@ class SchedulerSettings(_Section):
     its next mini-batch (one `session.run` for both), and a worker that leases a batch of requests
     takes a waiting chunk of that model with it, to fill the batch's empty rows. Off: requests and
     job rows never share a run (a chunk still lets outranking requests through between batches)."""
-    merge_latency_factor: float = Field(1.5, ge=1.0)
+    merge_latency_factor: Number = Field(1.5, ge=1.0)
     """How much longer than the requests' own batch (by the model's profile) a run of requests with
     job rows may take: job rows fill an online batch's empty rows only while they are nearly free
     (a GPU's flat latency curve; on a CPU, or with only a static profile, few rows fit). 1: none."""
@@ -92,8 +105,8 @@ class ResourceSettings(_Section):
     cpu_memory_granularity: Bytes = parse_size("2MiB")
     """The unit a CPU worker reserves batch memory in: CPU batches need a few MiB, so GPU-sized units
     would be almost all waste (fragmentation ~98 % at 128 MiB, ~22 % at 2 MiB, measured)."""
-    max_concurrent_streams: int = Field(4, ge=1, le=64)
-    intra_op_threads: int = Field(0, ge=0)
+    max_concurrent_streams: Integer = Field(4, ge=1, le=64)
+    intra_op_threads: Integer = Field(0, ge=0)
     """ONNX Runtime intra-op threads per session; 0 lets ONNX Runtime choose (all cores)."""
     device_memory: Bytes = parse_size("16GiB")
     """Capacity assumed for a device when NVML cannot tell (a CPU's, always)."""
@@ -114,11 +127,11 @@ class ApiSettings(_Section):
     """The REST edge."""
 
     host: str = "127.0.0.1"
-    port: int = Field(8470, ge=0, le=65535)
+    port: Integer = Field(8470, ge=0, le=65535)
     max_body_bytes: Bytes = parse_size("16MiB")
-    workers: int = Field(2, ge=1, le=64)
+    workers: Integer = Field(2, ge=1, le=64)
     """API server processes (gunicorn); each runs `threads` request threads."""
-    threads: int = Field(16, ge=1, le=1024)
+    threads: Integer = Field(16, ge=1, le=1024)
     """Request threads per API process; a `wait=true` call holds one while it waits."""
     url: str = ""
     """The URL clients use; empty means http://host:port."""
@@ -172,7 +185,7 @@ class JobSettings(_Section):
     """Rows per ONNX Runtime run for jobs that do not set one; `auto`: the model's best measured
     batch size (the smallest within 5 % of its best rows/s, broker/chunking.py); 128 for a model
     without a usable profile."""
-    max_attempts: int = Field(3, ge=1)
+    max_attempts: Integer = Field(3, ge=1)
     """A chunk leased this many times without an ack fails its job (poison batch)."""
 
     @field_validator("chunk_size", "batch_size", mode="before")
@@ -207,9 +220,9 @@ class ModelBatching(_Section):
     below the smallest, the head waits up to `max_queue_delay` for company, then what is there runs."""
     max_batch_latency: Seconds = Field(0.05, gt=0)
     """How long one batch may run by the measured profile, for an `auto` `max_batch_size`."""
-    max_batch_tokens: int = Field(8192, ge=0)
+    max_batch_tokens: Integer = Field(8192, ge=0)
     """Token models: most tokens in one batch (0: no limit)."""
-    queue_capacity: int = Field(1024, ge=1)
+    queue_capacity: Integer = Field(1024, ge=1)
     """Items (waiting + leased) that make the model's queue 100 % loaded, for PSA jumps."""
 
     @field_validator("max_batch_size", mode="before")

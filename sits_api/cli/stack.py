@@ -37,15 +37,20 @@ def worker_command(device: str, streams: int, name: str, loglevel: str = "INFO")
     return argv, {"SITS_WORKER_DEVICE": device, "SITS_WORKER_STREAMS": str(streams)}
 
 
-def api_command(settings: Settings) -> list[str]:
+API_WORKER_CLASS = "sits_api.gunicorn_worker.JsonErrorThreadWorker"
+"""gunicorn's gthread worker, answering the requests gunicorn itself refuses in the API's JSON error body."""
+
+
+def api_command(settings: Settings, app: str = "sits_api.wsgi:app") -> list[str]:
     """argv of the API server: gunicorn with `api.workers` processes of `api.threads` threads each.
 
     Several processes use every core (one Python process is held to one by the GIL), and
-    gthread workers keep connections alive between requests.
+    gthread workers keep connections alive between requests. `app` is another WSGI app to serve
+    the same way (benchmarks/rest_floor.py).
     """
-    return [sys.executable, "-m", "gunicorn", "sits_api.wsgi:app", "--bind",
+    return [sys.executable, "-m", "gunicorn", app, "--bind",
             f"{settings.api.host}:{settings.api.port}", "--workers", str(settings.api.workers),
-            "--worker-class", "gthread", "--threads", str(settings.api.threads), "--graceful-timeout", "5",
+            "--worker-class", API_WORKER_CLASS, "--threads", str(settings.api.threads), "--graceful-timeout", "5",
             "--keep-alive", "30", "--log-level", "warning"]
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
+from pydantic import BaseModel
 
 from broker.config import Settings, load_settings
 from broker.errors import ConfigError
@@ -173,6 +175,50 @@ def test_non_string_unit_values_are_config_errors(tmp_path: Path, text: str) -> 
 
     with pytest.raises(ConfigError):
         load_settings(path, environ={})
+
+
+def _number_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted names of every int or float setting of `model` (sizes, durations, counts or 'auto' included)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        types = get_args(field.annotation) or (field.annotation,)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys += _number_keys(field.annotation, f"{prefix}{name}.")
+        elif int in types or float in types:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+@pytest.mark.parametrize("key", _number_keys(Settings))
+@pytest.mark.parametrize("boolean", ["true", "false"])
+def test_a_boolean_for_a_number_setting_is_a_config_error_naming_the_key(tmp_path: Path, key: str,
+                                                                         boolean: str) -> None:
+    *sections, name = key.split(".")
+    path = write_config(tmp_path, "".join(f"{'  ' * depth}{section}:\n" for depth, section in enumerate(sections))
+                        + f"{'  ' * len(sections)}{name}: {boolean}\n")
+
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path, environ={})
+
+    assert f"{key}: " in caught.value.message
+    assert boolean.title() in caught.value.message  # the value refused, as the message quotes it
+
+
+@pytest.mark.parametrize("key", ["max_batch_tokens", "queue_capacity"])
+def test_a_boolean_for_a_model_batching_count_says_it_is_a_boolean(tmp_path: Path, key: str) -> None:
+    path = write_config(tmp_path, f"online:\n  models:\n    mlp: {{{key}: yes}}\n")
+
+    with pytest.raises(ConfigError, match=rf"online\.models\.mlp\.{key}: .*True is a boolean, not a number"):
+        load_settings(path, environ={})
+
+
+def test_numbers_from_the_environment_are_still_read_from_strings() -> None:
+    settings = load_settings(environ={"SITS_API__PORT": "9000", "SITS_ONLINE__BATCHING": "{queue_capacity: 64}",
+                                      "SITS_SCHEDULER__MERGE_LATENCY_FACTOR": "2.5"})
+
+    assert settings.api.port == 9000
+    assert settings.online.batching.queue_capacity == 64
+    assert settings.scheduler.merge_latency_factor == 2.5
 
 
 def test_with_overrides_validates_like_a_file() -> None:

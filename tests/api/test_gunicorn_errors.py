@@ -1,0 +1,119 @@
+"""Requests gunicorn refuses before Flask sees them answer the API's JSON error body (sits_api/gunicorn_worker.py).
+
+The server is the real one: gunicorn started with the stack's argv (`api_command`) on a free
+loopback port, over the session's Redis; requests are raw bytes on a socket.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from broker.config import Settings
+from broker.embedded import EmbeddedRedis, free_port
+from sits_api.cli.client import ApiClient, ApiError
+from sits_api.cli.stack import api_command
+from sits_api.gunicorn_worker import error_message
+
+
+@pytest.fixture(scope="module")
+def api_port(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """The API under gunicorn, as `sitsctl up` starts it; stopped by its PID."""
+    home = tmp_path_factory.mktemp("gunicorn-api")
+    settings = Settings().with_overrides(redis={"url": redis_server.url, "key_prefix": "t" + uuid.uuid4().hex[:10]},
+                                         api={"host": "127.0.0.1", "port": free_port()}, paths={"home": home})
+    config = home / "sits-config.yaml"
+    config.write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+    log = home / "api.log"
+    with open(log, "wb") as log_file:
+        server = subprocess.Popen(api_command(settings), stdin=subprocess.DEVNULL, stdout=log_file,
+                                  stderr=subprocess.STDOUT, env=dict(os.environ, SITS_CONFIG=str(config)))
+    try:
+        _wait_ready(ApiClient(settings.api.public_url(), "none", timeout=1), server, log)
+        yield settings.api.port
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _wait_ready(client: ApiClient, server: subprocess.Popen[bytes], log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.poll() is None, f"gunicorn exited with code {server.returncode}: {log.read_text()[-1500:]}"
+        try:
+            client.get("/readyz")
+            return
+        except ApiError:
+            assert time.monotonic() < deadline, f"the API did not answer /readyz in {timeout}s"
+            time.sleep(0.1)
+
+
+def send_raw(port: int, request: bytes) -> tuple[int, dict[str, Any]]:
+    """Send `request` as is on a new connection: the response's status and JSON body.
+
+    Fails the test unless the body is the API's JSON error (`Content-Type: application/json`, an `error`).
+    """
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        body = response.read()
+    assert response.getheader("Content-Type") == "application/json", f"{response.status} {body[:300]!r}"
+    error = json.loads(body)
+    assert isinstance(error.get("error"), str), error
+    return response.status, error
+
+
+def test_a_request_line_over_the_limit_answers_a_json_414_naming_the_limit(api_port: int) -> None:
+    status, body = send_raw(api_port, b"GET /v1/models?name=" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+
+    assert status == 414
+    assert "longer than 4094 bytes; send large inputs in the body" in body["error"]
+
+
+def test_a_header_over_the_size_limit_answers_a_json_431_naming_the_limit(api_port: int) -> None:
+    status, body = send_raw(api_port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n")
+
+    assert status == 431
+    assert "at most 8190 bytes each" in body["error"]
+
+
+def test_too_many_headers_answer_a_json_431_naming_the_limit(api_port: int) -> None:
+    headers = b"".join(b"X-H%d: v\r\n" % i for i in range(120))
+    status, body = send_raw(api_port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+
+    assert status == 431
+    assert "at most 100 header fields" in body["error"]
+
+
+@pytest.mark.parametrize(("request_bytes", "expected"), [
+    (b"GARBAGE\r\n\r\n", "send 'METHOD /path HTTP/1.1'"),
+    (b"GET / HTTP/9.9\r\nHost: x\r\n\r\n", "HTTP version '9.9' is not supported"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nBad Header: v\r\n\r\n", "'Bad Header' is not a valid header name"),
+])
+def test_a_malformed_request_answers_a_json_400_saying_what_to_send(api_port: int, request_bytes: bytes,
+                                                                   expected: str) -> None:
+    status, body = send_raw(api_port, request_bytes)
+
+    assert status == 400
+    assert expected in body["error"]
+    assert body["code"] == "bad_request"
+
+
+def test_an_error_gunicorn_does_not_blame_on_the_client_points_at_the_api_log() -> None:
+    assert error_message(RuntimeError("boom"), 500, cfg=None) == "internal error (RuntimeError); see the API log"
