@@ -19,6 +19,7 @@ SCRIPT_NAMES = (
     "enqueue_items",
     "lease_batch",
     "head_company",
+    "queue_snapshot",
     "lease_riders",
     "return_items",
     "ack_chunk",

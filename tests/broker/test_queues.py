@@ -114,6 +114,24 @@ def test_queue_heads_and_depths_report_each_queue(store: Store) -> None:
     assert depths == {"cnn@v1": {"ready": 0, "inflight": 3}, MODEL_REF: {"ready": 2, "inflight": 0}}
 
 
+def test_a_watcher_sees_heads_deadlines_and_the_policy_and_picks_up_queues_created_after_it(store: Store) -> None:
+    watcher = queues.QueueWatcher(store)
+    empty = watcher.snapshot()
+    assert (empty.heads, empty.head_items, empty.earliest_deadlines, empty.raw_policy) == ({}, {}, {}, "")
+
+    jobs.create_job(store, job_spec("ja", rows_total=4, chunk_size=2), now=NOW)
+    jobs.create_job(store, job_spec("jb", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
+    store.client.zadd(store.keys.deadlines(MODEL_REF), {"ja:c0000001": NOW + 2.5, "ja:c0000000": NOW + 7})
+    store.client.set(store.keys.policy, '{"ordering": "fifo"}')
+    queues.lease_batch(store, "cnn@v1", now=NOW, lease_seconds=30, max_items=1)
+    seen = watcher.snapshot()
+
+    assert seen.heads == {MODEL_REF: store.client.zscore(store.keys.ready(MODEL_REF), "ja:c0000000")}
+    assert seen.head_items == {MODEL_REF: "ja:c0000000"}  # cnn's queue exists but has nothing waiting
+    assert seen.earliest_deadlines == {MODEL_REF: NOW + 2.5}
+    assert seen.raw_policy == '{"ordering": "fifo"}'
+
+
 # --- the reaper -----------------------------------------------------------------------------
 
 

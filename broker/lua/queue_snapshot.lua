@@ -1,0 +1,18 @@
+-- queue_snapshot: what a drain loop looks at before it chooses its next batch, as of one instant.
+-- KEYS[1] queues     SET model refs that have a queue
+-- KEYS[2] policy     STRING the live policy JSON
+-- KEYS[3], KEYS[4], ... per model ref the caller knows of, in pairs:
+--          ready      ZSET item id -> score
+--          deadlines  ZSET item id -> deadline (the waiting items that have one)
+-- Returns: {refs in the queues set, policy JSON or '', then per pair of keys: the head item's id,
+--          its score, the earliest deadline} ('' for what an empty set lacks). When the first
+--          count differs from the pairs given, the caller's list of refs is out of date.
+local reply = {redis.call('SCARD', KEYS[1]), redis.call('GET', KEYS[2]) or ''}
+for index = 3, #KEYS, 2 do
+  local head = redis.call('ZRANGE', KEYS[index], 0, 0, 'WITHSCORES')
+  local earliest = redis.call('ZRANGE', KEYS[index + 1], 0, 0, 'WITHSCORES')
+  reply[#reply + 1] = head[1] or ''
+  reply[#reply + 1] = head[2] or ''
+  reply[#reply + 1] = earliest[2] or ''
+end
+return reply
