@@ -48,10 +48,15 @@ def chunk_item_id(job_id: str, chunk_index: int) -> str:
     return f"{job_id}:c{chunk_index:07d}"
 
 
+def chunk_job_id(item_id: str) -> str | None:
+    """The job whose chunk `item_id` is (`chunk_item_id`), None for any other item."""
+    job, _, chunk = item_id.rpartition(":")
+    return job if job and chunk.startswith("c") and chunk[1:].isdigit() else None
+
+
 def is_chunk_item_id(item_id: str) -> bool:
     """Is `item_id` a job chunk's (`chunk_item_id`), as queue heads are read by id alone?"""
-    job, _, chunk = item_id.rpartition(":")
-    return bool(job) and chunk.startswith("c") and chunk[1:].isdigit()
+    return chunk_job_id(item_id) is not None
 
 
 def finalize_item_id(job_id: str) -> str:

@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker.jobs import chunk_job_id
+
 
 def round_up(need_bytes: int, granularity: int) -> int:
     """The reservation for `need_bytes`: whole granularity units, at least one."""
@@ -43,7 +45,7 @@ class Claim:
 
     def covers(self, item_id: str | None) -> bool:
         """Is `item_id` one of the claimed job's chunks?"""
-        return item_id is not None and item_id.startswith(f"{self.job_id}:c")
+        return item_id is not None and chunk_job_id(item_id) == self.job_id
 
 
 @dataclass

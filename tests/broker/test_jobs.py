@@ -314,3 +314,5 @@ def test_chunk_item_ids_are_told_from_finalize_and_request_ids() -> None:
     assert jobs.is_chunk_item_id(jobs.chunk_item_id(job_id, 12))
     assert not jobs.is_chunk_item_id(jobs.finalize_item_id(job_id))
     assert not jobs.is_chunk_item_id("r0123abcd") and not jobs.is_chunk_item_id(":c1")
+    assert jobs.chunk_job_id(jobs.chunk_item_id(job_id, 12)) == job_id
+    assert jobs.chunk_job_id(jobs.finalize_item_id(job_id)) is None
