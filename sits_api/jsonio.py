@@ -74,8 +74,14 @@ def request_object(expected: str) -> dict[str, Any]:
     """
     if not request.is_json:
         raise BadInput(f"the request body must be {expected} (Content-Type: application/json)")
-    try:  # parsed here rather than by request.get_json, which hides the reason outside debug mode
-        body = current_app.json.loads(request.get_data(cache=True))
+    # parsed here rather than by request.get_json, which hides the reason outside debug mode
+    return parse_object(request.get_data(cache=True), expected)
+
+
+def parse_object(text: bytes, expected: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object; BadInput says what is wrong with it, as for `request_object`."""
+    try:
+        body = current_app.json.loads(text)
     except ValueError as err:  # malformed, NaN literals, nested too deeply, not UTF-8
         raise BadInput(f"the request body is not valid JSON ({err}); it must be {expected}") from None
     if not isinstance(body, dict):

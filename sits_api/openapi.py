@@ -31,9 +31,16 @@ def openapi_document() -> dict[str, Any]:
     def path_params(*names: str) -> list[dict[str, Any]]:
         return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
 
+    binary = {"schema": {"type": "string", "format": "binary"}}
+    v2_infer_responses = _responses(200, 400, 401, 404, 413, 504)
+    v2_infer_responses["200"]["content"]["application/octet-stream"] = binary
     v2_infer = {"summary": "Open Inference Protocol (KServe v2) inference; parameters.priority, .timeout (us)",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
-                "responses": _responses(200, 400, 401, 404, 504)}
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}},
+                                                              "application/octet-stream": binary},
+                                "description": "v2 JSON or, in Triton's binary tensor data extension, the JSON "
+                                               "(its byte length in header Inference-Header-Content-Length) "
+                                               "followed by the binary tensors' bytes"},
+                "responses": v2_infer_responses}
     v2_paths: dict[str, Any] = {
         "/v2/health/live": {"get": {"summary": "v2 liveness", "security": [], "responses": _responses(200)}},
         "/v2/health/ready": {"get": {"summary": "v2 readiness", "security": [], "responses": _responses(200, 503)}},

@@ -5,7 +5,9 @@ readiness, and `infer` with `inputs: [{name, shape, datatype, data}]`.
 Triton's schedule-policy parameters are honoured: `priority` (here a SITS
 level, 0-15, higher is more urgent) and `timeout` (microseconds, the
 request's tolerable delay), as is SITS's `user_tier` (vip, premium or free, as in
-v1). Errors use the protocol's `{"error": "..."}`.
+v1). Errors use the protocol's `{"error": "..."}`. Tensors travel as JSON or, as tritonclient
+sends them by default, in Triton's binary tensor data extension (`sits_api.v2_binary`); the body is
+read whatever its Content-Type says (tritonclient sends none), as Triton reads it.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flask import Blueprint, g, jsonify
+from flask import Blueprint, g, jsonify, request
 
 from broker import registry, requests
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound
 from broker.scoring import SLA_WEIGHTS
 from broker.store import Store
-from sits_api import online
-from sits_api.jsonio import request_object
+from sits_api import online, v2_binary
+from sits_api.jsonio import parse_object
+from sits_api.v2_binary import BinaryData
 from sits_worker.model.tensors import exact_numbers
 
 v2 = Blueprint("v2", __name__)
@@ -96,7 +99,15 @@ class InferRequest:
     user_tier: str
     outputs: list[str]
     """Requested output names, all checked against the model's; empty means every output."""
+    binary_outputs: frozenset[str]
+    """The requested outputs to answer in binary (`binary_data`, else the request's `binary_data_output`)."""
+    binary_by_default: bool
+    """The request's `binary_data_output`: with no `outputs` listed, it says how every output is answered."""
     client_id: str | None
+
+    def wants_binary(self, output: str) -> bool:
+        """Whether `output` is answered as binary data after the JSON header rather than as JSON `data`."""
+        return output in self.binary_outputs if self.outputs else self.binary_by_default
 
 
 @v2.post("/v2/models/<name>/infer")
@@ -105,8 +116,9 @@ def infer(name: str, version: str | None = None) -> Any:
     """Run one inference request through the scheduler and answer with its outputs."""
     ctx = _ctx()
     settings, store = ctx["settings"], ctx["store"]
-    body = request_object("a JSON object with an 'inputs' list of {name, shape, datatype, data}")
-    checked = parse_infer_request(store, body, f"{name}@{version}" if version else name)
+    header, binary = v2_binary.split_body(request.get_data(cache=True), request.headers.get(v2_binary.HEADER_LENGTH))
+    body = parse_object(header, "a JSON object with an 'inputs' list of {name, shape, datatype, data}")
+    checked = parse_infer_request(store, body, f"{name}@{version}" if version else name, binary)
     spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,
                          inputs=checked.inputs, priority=checked.priority, deadline_ms=checked.deadline_ms,
                          user_tier=checked.user_tier, tokens=None, owner=g.identity["name"], now=time.time())
@@ -117,16 +129,32 @@ def infer(name: str, version: str | None = None) -> Any:
                                f"GET /v1/requests/{spec.request_id}")
     if result["status"] != "succeeded":
         raise BadInput(result["error"] or "the request failed")
-    outputs = [{"name": output, "datatype": NUMPY_TO_V2.get(result["outputs"][output].dtype.name, "BYTES"),
-                "shape": list(result["outputs"][output].shape), "data": result["outputs"][output].ravel().tolist()}
-               for output in checked.outputs or result["outputs"]]
-    return jsonify({"model_name": spec.model_name, "model_version": spec.model_version,
-                    "id": spec.request_id if checked.client_id is None else checked.client_id, "outputs": outputs})
+    return _answer({"model_name": spec.model_name, "model_version": spec.model_version,
+                    "id": spec.request_id if checked.client_id is None else checked.client_id},
+                   {output: result["outputs"][output] for output in checked.outputs or result["outputs"]}, checked)
 
 
-def parse_infer_request(store: Store, body: dict[str, Any], model: str) -> InferRequest:
+def _answer(fields: dict[str, Any], outputs: dict[str, np.ndarray], checked: InferRequest) -> Any:
+    """The v2 answer: JSON, or framed with the outputs the request wants in binary after the JSON."""
+    entries: list[dict[str, Any]] = []
+    binary: list[bytes] = []
+    for name, array in outputs.items():
+        datatype = NUMPY_TO_V2.get(array.dtype.name)
+        entry = {"name": name, "datatype": datatype or "BYTES", "shape": list(array.shape)}
+        if datatype and checked.wants_binary(name):  # (a BYTES output, were there one, stays JSON)
+            binary.append(v2_binary.tensor_bytes(array))
+            entries.append(entry | {"parameters": {"binary_data_size": len(binary[-1])}})
+        else:
+            entries.append(entry | {"data": array.ravel().tolist()})
+    answer = fields | {"outputs": entries}
+    return v2_binary.framed_response(answer, binary) if binary else jsonify(answer)
+
+
+def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: BinaryData | None = None
+                        ) -> InferRequest:
     """Check a v2 `infer` body for `model` (`name` or `name@version`) and return it typed.
 
+    `binary` holds the bytes after the JSON header, for inputs sent with `binary_data_size`.
     Requested outputs are checked against the registered model, and the request is then pinned to
     that version, so a version registered in between cannot answer with other outputs.
     """
@@ -139,8 +167,13 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str) -> Infer
     user_tier = parameters.get("user_tier", "free")
     if not isinstance(user_tier, str) or user_tier not in SLA_WEIGHTS:  # the tiers of v1's OnlineRequest
         raise BadInput(f"parameter 'user_tier' must be one of {', '.join(SLA_WEIGHTS)}, got {user_tier!r}")
-    inputs = _inputs(body["inputs"])
-    outputs = _output_names(_optional(body, "outputs", list, "a list of {\"name\": ...} objects") or [])
+    binary_by_default = parameters.get("binary_data_output", False)
+    if not isinstance(binary_by_default, bool):
+        raise BadInput(f"parameter 'binary_data_output' must be true or false, got {binary_by_default!r}")
+    inputs = _inputs(body["inputs"], binary or BinaryData(b""))
+    requested = _requested_outputs(_optional(body, "outputs", list, "a list of {\"name\": ...} objects") or [],
+                                   binary_by_default)
+    outputs = list(requested)
     if outputs:
         record, _ = online.model_record(store, model, now=time.time())  # cached: most clients name outputs
         model = f"{record['name']}@{record['version']}"
@@ -150,7 +183,8 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str) -> Infer
             raise BadInput(f"unknown outputs {unknown} in 'outputs'; model '{model}' has outputs {known}")
     return InferRequest(model=model, inputs=inputs, priority=priority,
                         deadline_ms=timeout_us / 1000 if timeout_us else None, user_tier=user_tier,
-                        outputs=outputs, client_id=client_id)
+                        outputs=outputs, binary_outputs=frozenset(o for o in outputs if requested[o]),
+                        binary_by_default=binary_by_default, client_id=client_id)
 
 
 def _optional(body: dict[str, Any], field: str, kind: type, described: str) -> Any:
@@ -168,33 +202,55 @@ def _int_parameter(parameters: dict[str, Any], name: str, default: int, low: int
     return value
 
 
-def _inputs(entries: list[Any]) -> dict[str, np.ndarray]:
-    """The request's input tensors by name; each name at most once."""
+def _inputs(entries: list[Any], binary: BinaryData) -> dict[str, np.ndarray]:
+    """The request's input tensors by name; each name at most once, every byte of `binary` used."""
     tensors: dict[str, np.ndarray] = {}
     for index, entry in enumerate(entries):
-        array = _tensor(entry, f"inputs[{index}]")
+        array = _tensor(entry, f"inputs[{index}]", binary)
         if entry["name"] in tensors:
             raise BadInput(f"input '{entry['name']}' is given more than once in 'inputs'; send each input once")
         tensors[entry["name"]] = array
+    binary.check_all_taken()
     return tensors
 
 
-def _output_names(entries: list[Any]) -> list[str]:
-    """The names in a request's `outputs` list, each at most once."""
-    names: list[str] = []
+def _requested_outputs(entries: list[Any], binary_by_default: bool) -> dict[str, bool]:
+    """The names in a request's `outputs` list, each at most once, with whether it is wanted in binary."""
+    requested: dict[str, bool] = {}
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise BadInput(f"outputs[{index}] must be an object with a string 'name', e.g. {{\"name\": \"logits\"}}; "
                            f"got {entry!r}")
-        if entry["name"] in names:
-            raise BadInput(f"output '{entry['name']}' is requested more than once in 'outputs'")
-        names.append(entry["name"])
-    return names
+        name = entry["name"]
+        if name in requested:
+            raise BadInput(f"output '{name}' is requested more than once in 'outputs'")
+        parameters = _parameters(entry, f"output '{name}'")
+        if "classification" in parameters:
+            raise BadInput(f"output '{name}' asks for classification, which this server does not offer; request "
+                           f"the tensor and take the top classes from it")
+        requested[name] = parameters.get("binary_data", binary_by_default)
+        if not isinstance(requested[name], bool):
+            raise BadInput(f"output '{name}' parameter 'binary_data' must be true or false, got {requested[name]!r}")
+    return requested
 
 
-def _tensor(entry: Any, where: str) -> np.ndarray:
-    """A v2 JSON tensor as a numpy array of its declared datatype and shape; `where` names it in errors."""
-    if not isinstance(entry, dict) or not {"name", "shape", "datatype", "data"} <= set(entry):
+def _parameters(entry: dict[str, Any], owner: str) -> dict[str, Any]:
+    """The `parameters` of an input or output entry ({} when absent); `owner` names it in errors."""
+    parameters = entry.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise BadInput(f"{owner} 'parameters' must be an object of named parameters, got {parameters!r}")
+    if "shared_memory_region" in parameters:  # Triton's shared-memory extension: data outside the body
+        raise BadInput(f"{owner} names a shared memory region, which this server does not offer; send the data "
+                       f"in the body (JSON or binary)")
+    return parameters
+
+
+def _tensor(entry: Any, where: str, binary: BinaryData) -> np.ndarray:
+    """A v2 input tensor as a numpy array of its declared datatype and shape, from its JSON `data` or,
+    with `binary_data_size`, from the next bytes of `binary`; `where` names it in errors."""
+    if not isinstance(entry, dict) or not {"name", "shape", "datatype"} <= set(entry):
         raise BadInput(f"{where} must be an object with name, shape, datatype and data; got {entry!r}")
     name, datatype, shape = entry["name"], entry["datatype"], entry["shape"]
     if not isinstance(name, str):
@@ -204,6 +260,15 @@ def _tensor(entry: Any, where: str) -> np.ndarray:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         raise BadInput(f"input '{name}' shape must be a list of non-negative integers, got {shape!r}")
+    size = v2_binary.binary_data_size(_parameters(entry, f"input '{name}'"), name)
+    if size is not None:
+        if "data" in entry:
+            raise BadInput(f"input '{name}' has both data and parameters.binary_data_size; give one of them")
+        return v2_binary.tensor_from_bytes(name, binary.take(name, size), datatype, np.dtype(DATATYPES[datatype]),
+                                           shape)
+    if "data" not in entry:
+        raise BadInput(f"input '{name}' has no data: give data (a list of {datatype} values) or "
+                       f"parameters.binary_data_size with its bytes after the JSON header ({v2_binary.HEADER_LENGTH})")
     if not isinstance(entry["data"], list):
         raise BadInput(f"input '{name}' data must be a list of {datatype} values, got {entry['data']!r}")
     converted = exact_numbers(entry["data"], np.dtype(DATATYPES[datatype]))  # (inf: refused with the tensors)

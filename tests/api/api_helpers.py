@@ -41,6 +41,11 @@ def make_settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo
     )
 
 
+def queued_items(api: Api) -> int:
+    """Items ready or in flight across every model queue, as GET /v1/status reports them."""
+    return sum(depth["ready"] + depth["inflight"] for depth in api.get("/v1/status").get_json()["queues"].values())
+
+
 def error_of(response: TestResponse) -> str:
     """The `error` message of a JSON error response (fails the test if the body is not one)."""
     body = response.get_json(silent=True)

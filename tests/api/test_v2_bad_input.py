@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from api_helpers import Api, error_of
+from api_helpers import Api, error_of, queued_items
 
 INFER = "/v2/models/mlp/infer"
 
@@ -18,11 +18,6 @@ def features(**changes: Any) -> dict[str, Any]:
 def infer_body(**changes: Any) -> dict[str, Any]:
     """A valid v2 infer body for the zoo MLP, with `changes` applied."""
     return {"id": "r1", "inputs": [features()], "outputs": [{"name": "logits"}], **changes}
-
-
-def queued_items(api: Api) -> int:
-    """Items ready or in flight across every model queue, as GET /v1/status reports them."""
-    return sum(depth["ready"] + depth["inflight"] for depth in api.get("/v1/status").get_json()["queues"].values())
 
 
 @pytest.mark.parametrize(("changes", "field"), [

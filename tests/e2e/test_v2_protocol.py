@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import numpy as np
-import pytest
 
+from sits_api.v2_binary import HEADER_LENGTH
 from sits_worker.model.zoo import mlp_reference
-from tests.e2e.stack_helpers import register, start_stack
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    from sits_worker.model.zoo import build_zoo
-
-    home = tmp_path_factory.mktemp("v2") / "home"
-    running = start_stack(home, workers=1, streams=2)
-    register(running.client(), "mlp", build_zoo(home / "models")["mlp"])
-    yield running
-    running.stop()
 
 
 def v2_call(stack, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -37,23 +27,23 @@ def v2_call(stack, method: str, path: str, body: dict | None = None) -> tuple[in
         return err.code, json.loads(err.read())
 
 
-def test_health_and_model_metadata(stack):
-    assert v2_call(stack, "GET", "/v2/health/live") == (200, {"live": True})
-    assert v2_call(stack, "GET", "/v2/health/ready") == (200, {"ready": True})
-    status, metadata = v2_call(stack, "GET", "/v2/models/mlp")
+def test_health_and_model_metadata(mlp_stack):
+    assert v2_call(mlp_stack, "GET", "/v2/health/live") == (200, {"live": True})
+    assert v2_call(mlp_stack, "GET", "/v2/health/ready") == (200, {"ready": True})
+    status, metadata = v2_call(mlp_stack, "GET", "/v2/models/mlp")
     assert status == 200 and metadata["platform"] == "onnxruntime_onnx"
     assert metadata["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 64]}]
     assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
-    assert v2_call(stack, "GET", "/v2/models/mlp/ready") == (200, {"name": "mlp", "ready": True})
-    assert v2_call(stack, "GET", "/v2/models/nope/ready")[0] == 404
+    assert v2_call(mlp_stack, "GET", "/v2/models/mlp/ready") == (200, {"name": "mlp", "ready": True})
+    assert v2_call(mlp_stack, "GET", "/v2/models/nope/ready")[0] == 404
 
 
-def test_infer_returns_flat_outputs_like_triton(stack):
+def test_infer_returns_flat_outputs_like_triton(mlp_stack):
     features = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
     body = {"id": "abc", "inputs": [{"name": "features", "shape": [2, 64], "datatype": "FP32",
                                      "data": features.ravel().tolist()}],
             "outputs": [{"name": "logits"}], "parameters": {"priority": 9, "timeout": 5_000_000}}
-    status, answer = v2_call(stack, "POST", "/v2/models/mlp/infer", body)
+    status, answer = v2_call(mlp_stack, "POST", "/v2/models/mlp/infer", body)
     assert status == 200, answer
     assert answer["id"] == "abc" and answer["model_name"] == "mlp"
     [output] = answer["outputs"]
@@ -61,16 +51,33 @@ def test_infer_returns_flat_outputs_like_triton(stack):
     np.testing.assert_allclose(np.array(output["data"]).reshape(2, 10), mlp_reference(features), rtol=1e-4,
                                atol=1e-5)
     version = answer["model_version"]
-    status, again = v2_call(stack, "POST", f"/v2/models/mlp/versions/{version}/infer", body)
+    status, again = v2_call(mlp_stack, "POST", f"/v2/models/mlp/versions/{version}/infer", body)
     assert status == 200 and again["outputs"][0]["data"] == output["data"]
 
 
-def test_v2_errors_use_the_protocol_error_form(stack):
+def test_v2_errors_use_the_protocol_error_form(mlp_stack):
     bad_shape = {"inputs": [{"name": "features", "shape": [1, 63], "datatype": "FP32", "data": [0.0] * 63}]}
-    status, answer = v2_call(stack, "POST", "/v2/models/mlp/infer", bad_shape)
+    status, answer = v2_call(mlp_stack, "POST", "/v2/models/mlp/infer", bad_shape)
     assert status == 400 and "features" in answer["error"]
     wrong_type = {"inputs": [{"name": "features", "shape": [1, 64], "datatype": "INT64", "data": [0] * 64}]}
-    status, answer = v2_call(stack, "POST", "/v2/models/mlp/infer", wrong_type)
+    status, answer = v2_call(mlp_stack, "POST", "/v2/models/mlp/infer", wrong_type)
     assert status == 400 and "FP32" not in answer["error"] and "float32" in answer["error"]
-    status, answer = v2_call(stack, "POST", "/v2/models/nope/infer", bad_shape)
+    status, answer = v2_call(mlp_stack, "POST", "/v2/models/nope/infer", bad_shape)
     assert status == 404 and "error" in answer
+
+
+def test_badly_framed_binary_bodies_are_a_400_in_the_v2_error_form(mlp_stack):
+    header = json.dumps({"inputs": [{"name": "features", "shape": [1, 64], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 256}}]}).encode()
+    body = header + bytes(256)
+    url = urllib.parse.urlsplit(mlp_stack.api_url)
+    for header_length, message in [(str(len(body) + 1), "the body has only"), ("12abc", "whole number"),
+                                   (str(len(header) - 1), "not valid JSON")]:
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        try:  # as tritonclient frames it: no Content-Type, the JSON length in a header of its own
+            connection.request("POST", "/v2/models/mlp/infer", body=body,
+                               headers={"Authorization": f"Bearer {mlp_stack.api_key}", HEADER_LENGTH: header_length})
+            response = connection.getresponse()
+            assert response.status == 400 and message in json.loads(response.read())["error"], header_length
+        finally:
+            connection.close()
