@@ -28,7 +28,7 @@ from broker.errors import BadInput
 from sits_worker.model.jsonl_source import open_jsonl
 from sits_worker.model.padding import MaskSpec, TokenLimits, check_mask
 from sits_worker.model.source import Batch, InputSource, file_error
-from sits_worker.model.tensors import InputSpec, convert_hint, parse_signature, read_npy_header
+from sits_worker.model.tensors import InputSpec, NpyHeader, convert_hint, parse_signature, read_npy_header
 
 SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
 _BLOCK_BYTES = 1 << 20
@@ -129,13 +129,18 @@ def _open_npy(path: Path, specs: list[InputSpec]) -> InputSource:
         if handle.read(6) != b"\x93NUMPY":
             raise BadInput(f"'{path.name}' is not an .npy file (no NPY header); write it with np.save")
         handle.seek(0)
-        read_npy_header(handle, os.fstat(handle.fileno()).st_size, f"'{path.name}'", "write it with np.save")
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, EOFError) as err:
-        raise BadInput(f"'{path.name}' is not a numeric .npy file ({err}); write it with np.save") from err
-    spec.check(arr.dtype, arr.shape, f"in '{path.name}'", convert_hint(spec, "np.save(path, "))
-    return _ArraySource(path, specs, {spec.name: arr})
+        header = read_npy_header(handle, os.fstat(handle.fileno()).st_size, f"'{path.name}'", "write it with np.save")
+    spec.check(header.dtype, header.shape, f"in '{path.name}'", convert_hint(spec, "np.save(path, "))
+    return _ArraySource(path, specs, {spec.name: _mapped(path, header, header.data_offset)})
+
+
+def _mapped(path: Path, header: NpyHeader, offset: int) -> np.ndarray:
+    """The array `header` describes, mapped read-only from `path` at `offset` (the header, checked
+    against the file's size, is not parsed again as np.load would); an empty one needs no mapping."""
+    if math.prod(header.shape) == 0:
+        return np.empty(header.shape, dtype=header.dtype)
+    order: Literal["F", "C"] = "F" if header.fortran_order else "C"
+    return np.memmap(path, dtype=header.dtype, mode="r", offset=offset, shape=header.shape, order=order)
 
 
 def _open_npz(path: Path, specs: list[InputSpec]) -> InputSource:
@@ -177,9 +182,7 @@ def _npz_member(
         with open(path, "rb") as raw:  # the data starts after the member's local zip header
             raw.seek(info.header_offset + 26)
             name_len, extra_len = struct.unpack("<HH", raw.read(4))
-        offset = info.header_offset + 30 + name_len + extra_len + header.data_offset
-        order: Literal["F", "C"] = "F" if header.fortran_order else "C"
-        return np.memmap(path, dtype=header.dtype, mode="r", offset=offset, shape=header.shape, order=order)
+        return _mapped(path, header, info.header_offset + 30 + name_len + extra_len + header.data_offset)
     except (ValueError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile, struct.error) as err:
         raise BadInput(f"array '{spec.name}' in '{path.name}' is unreadable ({err}); write it again") from err
 

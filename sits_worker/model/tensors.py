@@ -218,11 +218,10 @@ def _b64_tensor(spec: InputSpec, value: dict[str, Any], where: str) -> np.ndarra
     if not header.shape:
         raise BadInput(f"input '{spec.name}' must be an array with a batch axis")
     spec.check(header.dtype, header.shape, where, hint=convert_hint(spec, "np.save(buffer, "))
-    stream.seek(0)
-    try:  # the header was checked against the bytes present: this allocates no more than they hold
-        array = np.lib.format.read_array(stream, allow_pickle=False)
-    except (ValueError, EOFError) as err:
-        raise BadInput(f"input '{spec.name}' is not a numeric .npy file ({err}); encode it with np.save") from err
+    # The data as the header describes it (checked against the bytes present), without parsing the
+    # header a second time as np.load would: that parse costs more than a small request's inference.
+    array = np.frombuffer(raw, dtype=header.dtype, count=math.prod(header.shape), offset=header.data_offset)
+    array = array.reshape(header.shape, order="F" if header.fortran_order else "C")
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
 
 

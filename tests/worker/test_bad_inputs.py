@@ -112,8 +112,10 @@ def test_a_b64_tensor_whose_header_claims_a_huge_shape_is_refused_before_allocat
 def test_valid_stored_and_compressed_npz_and_b64_inputs_still_read() -> None:
     values = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)
     np.testing.assert_array_equal(request_tensors(FEATURES, {"features": b64(npy_of(values))})["features"], values)
-    fortran = np.asfortranarray(values)
-    np.testing.assert_array_equal(request_tensors(FEATURES, {"features": b64(npy_of(fortran))})["features"], values)
+    for layout in (np.asfortranarray(values), values.astype(">f4")):  # column-major; big-endian
+        read = request_tensors(FEATURES, {"features": b64(npy_of(layout))})["features"]
+        np.testing.assert_array_equal(read, values)
+        assert read.flags.c_contiguous and read.dtype == np.float32 and read.dtype.isnative
 
 
 @pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
