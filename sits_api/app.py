@@ -18,7 +18,6 @@ from werkzeug.exceptions import HTTPException
 
 from broker import jobs, policy, queues, registry, requests, workers
 from broker.apikeys import authenticate, require_role
-from broker.batching import resolve as resolve_batching
 from broker.config import Settings
 from broker.errors import BadInput, PayloadTooLarge, SitsError
 from broker.store import Store
@@ -36,7 +35,7 @@ KEY_CACHE_SECONDS = 5.0
 MAX_JOBS_LISTED = 10_000
 """The most jobs `GET /v1/jobs?limit=` lists in one answer."""
 
-PUBLIC_ENDPOINTS = {"api.healthz", "api.readyz", "api.openapi", "v2.live", "v2.ready"}
+PUBLIC_ENDPOINTS = {"api.healthz", "api.readyz", "api.openapi", "v2.live", "v2.ready", "v2.server_metadata"}
 
 api = Blueprint("api", __name__)
 
@@ -190,8 +189,7 @@ def get_model(ref: str) -> Any:
     record = registry.get_model(store, ref)
     if "@" not in ref:
         record = record | {"versions": [v["version"] for v in registry.list_model_versions(store, record["name"])]}
-    batching = resolve_batching(ctx["settings"].online.batching_for(record["name"]), record)
-    return jsonify(record | {"batching": batching.to_dict()})
+    return jsonify(record | {"batching": services.model_batching(ctx["settings"], record).to_dict()})
 
 
 # --- jobs ---------------------------------------------------------------------------

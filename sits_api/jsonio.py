@@ -18,6 +18,7 @@ from flask.json.provider import DefaultJSONProvider
 from werkzeug.sansio.response import Response as BaseResponse
 
 from broker.errors import BadInput
+from sits_api.content_encoding import request_body
 
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
@@ -75,7 +76,7 @@ def request_object(expected: str) -> dict[str, Any]:
     if not request.is_json:
         raise BadInput(f"the request body must be {expected} (Content-Type: application/json)")
     # parsed here rather than by request.get_json, which hides the reason outside debug mode
-    return parse_object(request.get_data(cache=True), expected)
+    return parse_object(request_body(), expected)
 
 
 def parse_object(text: bytes, expected: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def openapi_document() -> dict[str, Any]:
         return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
 
     binary = {"schema": {"type": "string", "format": "binary"}}
-    v2_infer_responses = _responses(200, 400, 401, 404, 413, 504)
+    v2_infer_responses = _responses(200, 400, 401, 404, 413, 415, 504)
     v2_infer_responses["200"]["content"]["application/octet-stream"] = binary
     v2_infer = {"summary": "Open Inference Protocol (KServe v2) inference; parameters.priority, .timeout (us)",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}},
@@ -41,7 +41,11 @@ def openapi_document() -> dict[str, Any]:
                                                "(its byte length in header Inference-Header-Content-Length) "
                                                "followed by the binary tensors' bytes"},
                 "responses": v2_infer_responses}
+    v2_config = {"summary": "Triton model configuration (max_batch_size, input/output dims, dynamic_batching)",
+                 "responses": _responses(200, 401, 404)}
     v2_paths: dict[str, Any] = {
+        "/v2": {"get": {"summary": "v2 server metadata: name, version, the Triton extensions implemented",
+                        "security": [], "responses": _responses(200)}},
         "/v2/health/live": {"get": {"summary": "v2 liveness", "security": [], "responses": _responses(200)}},
         "/v2/health/ready": {"get": {"summary": "v2 readiness", "security": [], "responses": _responses(200, 503)}},
         "/v2/models/{name}": {"get": {"summary": "v2 model metadata", "parameters": path_params("name"),
@@ -54,13 +58,19 @@ def openapi_document() -> dict[str, Any]:
         "/v2/models/{name}/versions/{version}/ready": {
             "get": {"summary": "v2 readiness of one version", "parameters": path_params("name", "version"),
                     "responses": _responses(200, 401, 404)}},
+        "/v2/models/{name}/config": {"get": v2_config | {"parameters": path_params("name")}},
+        "/v2/models/{name}/versions/{version}/config": {"get": v2_config | {"parameters": path_params("name",
+                                                                                                      "version")}},
         "/v2/models/{name}/infer": {"post": v2_infer | {"parameters": path_params("name")}},
         "/v2/models/{name}/versions/{version}/infer": {"post": v2_infer | {"parameters": path_params("name",
                                                                                                        "version")}},
     }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "SITS", "version": "1", "description": "Scalable Inference Task Scheduler"},
+        "info": {"title": "SITS", "version": "1",
+                 "description": "Scalable Inference Task Scheduler. Request bodies may be sent with "
+                                "Content-Encoding gzip or deflate (415 for any other), within "
+                                "api.max_body_bytes once decompressed (413)."},
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
         "paths": {
@@ -80,7 +90,7 @@ def openapi_document() -> dict[str, Any]:
                         "parameters": [{"name": "status", "in": "query", "schema": {"type": "string"}},
                                        {"name": "limit", "in": "query", "schema": {"type": "integer"}}]},
                 "post": {"summary": "submit an offline job", "requestBody": _body(JobSubmission),
-                         "responses": _responses(201, 400, 401, 403, 404, 413)},
+                         "responses": _responses(201, 400, 401, 403, 404, 413, 415)},
             },
             "/v1/jobs/{job_id}": {
                 "get": {"summary": "job status and progress", "parameters": job_id,
@@ -91,7 +101,7 @@ def openapi_document() -> dict[str, Any]:
                 "post": {"summary": "one online inference request (202, or 200 with the result when waiting)",
                          "requestBody": _body(OnlineRequest),
                          "parameters": [{"name": "wait", "in": "query", "schema": {"type": "boolean"}}],
-                         "responses": _responses(200, 202, 400, 401, 404, 413)},
+                         "responses": _responses(200, 202, 400, 401, 404, 413, 415)},
             },
             "/v1/requests/{request_id}": {
                 "get": {"summary": "a request's status and outputs",

@@ -15,6 +15,7 @@ from typing import Any
 import onnx
 
 from broker import chunking, jobs, policy, registry, workers
+from broker.batching import Batching, resolve
 from broker.config import Settings
 from broker.errors import BadInput, Conflict, ModelNotFound, PathNotAllowed, RetryableError
 from broker.store import Store
@@ -42,6 +43,12 @@ def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
 
 
 # --- models -------------------------------------------------------------------------
+
+
+def model_batching(settings: Settings, record: dict[str, Any]) -> Batching:
+    """The batching settings workers apply to the model version of registry `record`: its
+    configured ones (`online.models`, else `online.batching`), `auto` values resolved from its profile."""
+    return resolve(settings.online.batching_for(record["name"]), record)
 
 
 def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, body: ModelRegistration,

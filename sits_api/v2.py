@@ -1,7 +1,8 @@
 """The Open Inference Protocol (KServe v2, as Triton speaks it) over the same queues.
 
-Existing v2 JSON clients work unchanged: health, model metadata and
-readiness, and `infer` with `inputs: [{name, shape, datatype, data}]`.
+Existing v2 JSON clients work unchanged: server metadata, health, model metadata and
+readiness, Triton's model configuration (`.../config`, as perf_analyzer reads it), and `infer`
+with `inputs: [{name, shape, datatype, data}]`, its body compressed or not (`sits_api.content_encoding`).
 Triton's schedule-policy parameters are honoured: `priority` (here a SITS
 level, 0-15, higher is more urgent) and `timeout` (microseconds, the
 request's tolerable delay), as is SITS's `user_tier` (vip, premium or free, as in
@@ -12,6 +13,8 @@ read whatever its Content-Type says (tritonclient sends none), as Triton reads i
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import math
 import time
 from dataclasses import dataclass
@@ -21,10 +24,12 @@ import numpy as np
 from flask import Blueprint, g, jsonify, request
 
 from broker import registry, requests
+from broker.batching import Batching
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound
 from broker.scoring import SLA_WEIGHTS
 from broker.store import Store
-from sits_api import online, v2_binary
+from sits_api import online, services, v2_binary
+from sits_api.content_encoding import request_body
 from sits_api.jsonio import parse_object
 from sits_api.v2_binary import BinaryData
 from sits_worker.model.tensors import exact_numbers
@@ -35,6 +40,9 @@ DATATYPES = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "INT64": "
              "INT16": "int16", "INT8": "int8", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
              "UINT64": "uint64", "BOOL": "bool"}
 NUMPY_TO_V2 = {numpy_name: v2_name for v2_name, numpy_name in DATATYPES.items()}
+EXTENSIONS = ("binary_tensor_data", "schedule_policy", "model_configuration")
+"""The Triton protocol extensions `GET /v2` names: binary tensors (`sits_api.v2_binary`), the
+`priority` and `timeout` parameters (with a SITS level as priority, see above) and `.../config`."""
 
 
 def _ctx() -> dict[str, Any]:
@@ -59,10 +67,29 @@ def ready() -> Any:
     return jsonify({"ready": True})
 
 
+@v2.get("/v2")
+def server_metadata() -> Any:
+    """The server's name and version, and the protocol extensions it implements, by Triton's names."""
+    return jsonify({"name": "sits", "version": _package_version(), "extensions": list(EXTENSIONS)})
+
+
+@functools.cache
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("sits")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _dims(shape: list[int | str]) -> list[int]:
+    """A signature shape as the protocol writes it: -1 for a dynamic (named) axis."""
+    return [dim if isinstance(dim, int) else -1 for dim in shape]
+
+
 def _metadata(record: dict[str, Any]) -> dict[str, Any]:
     def tensor(entry: dict[str, Any]) -> dict[str, Any]:
-        shape = [dim if isinstance(dim, int) else -1 for dim in entry["shape"]]
-        return {"name": entry["name"], "datatype": NUMPY_TO_V2.get(entry["dtype"], entry["dtype"]), "shape": shape}
+        return {"name": entry["name"], "datatype": NUMPY_TO_V2.get(entry["dtype"], entry["dtype"]),
+                "shape": _dims(entry["shape"])}
 
     versions = [v["version"] for v in registry.list_model_versions(_ctx()["store"], record["name"])]
     return {"name": record["name"], "versions": versions, "platform": "onnxruntime_onnx",
@@ -86,6 +113,35 @@ def model_ready(name: str, version: str | None = None) -> Any:
     except ModelNotFound:
         return jsonify({"name": name, "ready": False}), 404
     return jsonify({"name": name, "ready": True})
+
+
+@v2.get("/v2/models/<name>/config")
+@v2.get("/v2/models/<name>/versions/<version>/config")
+def model_config(name: str, version: str | None = None) -> Any:
+    """Triton's model configuration extension: what SITS knows of the model, as a Triton config."""
+    ctx = _ctx()
+    record = registry.get_model(ctx["store"], f"{name}@{version}" if version else name)
+    return jsonify(triton_config(record, services.model_batching(ctx["settings"], record)))
+
+
+def triton_config(record: dict[str, Any], batching: Batching) -> dict[str, Any]:
+    """The Triton model configuration (model_config.proto as JSON) of a registry `record` whose
+    workers batch it under `batching`.
+
+    Every SITS model batches along axis 0 (`sits_worker.model.servable`), so `max_batch_size` is the
+    one workers apply and `dims` leave the batch axis out, as Triton's do for a batching model.
+    """
+    def tensor(entry: dict[str, Any]) -> dict[str, Any]:
+        # (a dtype the protocol has no name for, complex64, is TYPE_INVALID: a name Triton's enum has)
+        return {"name": entry["name"], "data_type": f"TYPE_{NUMPY_TO_V2[entry['dtype']]}"
+                if entry["dtype"] in NUMPY_TO_V2 else "TYPE_INVALID", "dims": _dims(entry["shape"][1:])}
+
+    return {"name": record["name"], "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+            "max_batch_size": batching.max_batch_size,
+            "input": [tensor(entry) for entry in record["signature"]["inputs"]],
+            "output": [tensor(entry) for entry in record["signature"]["outputs"]],
+            "dynamic_batching": {"max_queue_delay_microseconds": round(batching.max_queue_delay * 1_000_000),
+                                 "preferred_batch_size": list(batching.preferred_batch_sizes)}}
 
 
 @dataclass(frozen=True)
@@ -116,7 +172,7 @@ def infer(name: str, version: str | None = None) -> Any:
     """Run one inference request through the scheduler and answer with its outputs."""
     ctx = _ctx()
     settings, store = ctx["settings"], ctx["store"]
-    header, binary = v2_binary.split_body(request.get_data(cache=True), request.headers.get(v2_binary.HEADER_LENGTH))
+    header, binary = v2_binary.split_body(request_body(), request.headers.get(v2_binary.HEADER_LENGTH))
     body = parse_object(header, "a JSON object with an 'inputs' list of {name, shape, datatype, data}")
     checked = parse_infer_request(store, body, f"{name}@{version}" if version else name, binary)
     spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,

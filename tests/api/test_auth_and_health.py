@@ -165,6 +165,7 @@ def test_public_endpoints_are_marked_without_security(client: FlaskClient) -> No
 
     assert paths["/healthz"]["get"]["security"] == []
     assert paths["/readyz"]["get"]["security"] == []
+    assert paths["/v2"]["get"]["security"] == [] and paths["/v2/health/live"]["get"]["security"] == []
     assert "security" not in paths["/v1/jobs"]["post"]  # the document-wide bearer requirement applies
 
 

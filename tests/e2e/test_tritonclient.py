@@ -107,3 +107,38 @@ def test_errors_raise_the_clients_exception_with_the_servers_message(
     with pytest.raises(InferenceServerException) as metadata:
         triton.get_model_metadata("nope", headers=auth)
     assert metadata.value.status() == "404" and "nope" in metadata.value.message()
+
+
+def test_server_metadata_names_sits_and_the_extensions_it_implements(triton: InferenceServerClient) -> None:
+    metadata = triton.get_server_metadata()  # no key: like the health endpoints
+
+    assert metadata["name"] == "sits" and metadata["version"]
+    assert set(metadata["extensions"]) == {"binary_tensor_data", "schedule_policy", "model_configuration"}
+
+
+def test_model_config_gives_the_batching_workers_apply(
+        triton: InferenceServerClient, auth: dict[str, str], mlp_stack: Stack) -> None:
+    batching = mlp_stack.client().get("/v1/models/mlp")["batching"]
+
+    config = triton.get_model_config("mlp", headers=auth)
+
+    assert config["name"] == "mlp" and config["platform"] == "onnxruntime_onnx"
+    assert config["max_batch_size"] == batching["max_batch_size"] > 0
+    assert config["input"] == [{"name": "features", "data_type": "TYPE_FP32", "dims": [64]}]
+    assert config["output"] == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == round(batching["max_queue_delay_ms"] * 1000)
+    version = triton.get_model_metadata("mlp", headers=auth)["versions"][0]
+    assert triton.get_model_config("mlp", model_version=str(version), headers=auth) == config
+    with pytest.raises(InferenceServerException) as unknown:
+        triton.get_model_config("nope", headers=auth)
+    assert unknown.value.status() == "404" and "nope" in unknown.value.message()
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+@pytest.mark.parametrize("binary", [False, None], ids=["json", "binary"])
+def test_compressed_requests_give_the_reference_outputs(
+        triton: InferenceServerClient, auth: dict[str, str], algorithm: str, binary: bool | None) -> None:
+    result = triton.infer("mlp", [features_input(FEATURES, binary=binary)], headers=auth,
+                          request_compression_algorithm=algorithm, response_compression_algorithm=algorithm)
+
+    np.testing.assert_allclose(result.as_numpy("logits"), mlp_reference(FEATURES), rtol=1e-4, atol=1e-5)

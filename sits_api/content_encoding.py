@@ -1,0 +1,83 @@
+"""Request bodies as the views read them: decompressed when the client sent `Content-Encoding`.
+
+tritonclient's `request_compression_algorithm` (and any HTTP client) may send a body as `gzip` or
+`deflate` (the zlib format, RFC 9110 8.4.1.2). The decompressed body is held to the same
+`api.max_body_bytes` as a plain one: decompression stops one byte past the limit, so a small
+compressed bomb costs no more memory than the limit before it is refused (413). Any other coding
+is a 415 listing the supported ones; data that is not what its coding says is a 400. Every view
+that reads a body reads it here, so v1 and v2 treat it alike.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from flask import request
+from werkzeug.exceptions import UnsupportedMediaType
+
+from broker.errors import BadInput, PayloadTooLarge
+
+WINDOW_BITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+"""zlib's `wbits` for each supported coding: a gzip wrapper, or the zlib one that HTTP calls deflate."""
+CHUNK_BYTES = 64 * 2**10
+"""The most a body is decoded by in one step (and the most compressed bytes fed in one)."""
+
+
+def request_body() -> bytes:
+    """The request's body with its content codings undone; an unsupported coding is refused before
+    the body is read. (Flask caches the raw bytes; each call decompresses them again.)"""
+    codings = [coding.strip().lower() for coding in request.headers.get("Content-Encoding", "").split(",")]
+    codings = [coding for coding in codings if coding and coding != "identity"]
+    unsupported = [coding for coding in codings if coding not in WINDOW_BITS]
+    if unsupported:
+        raise UnsupportedMediaType(f"Content-Encoding {', '.join(unsupported)} is not supported; send the body "
+                                   f"uncompressed or with Content-Encoding gzip or deflate")
+    body, limit = request.get_data(cache=True), request.max_content_length
+    for coding in reversed(codings):  # the codings were applied in the order listed (RFC 9110 8.4)
+        body = decompress(body, coding, limit)
+    return body
+
+
+def decompress(data: bytes, coding: str, limit: int | None) -> bytes:
+    """`data` decoded from `coding` (a key of WINDOW_BITS); PayloadTooLarge past `limit` bytes
+    (None: no limit), BadInput when it is not valid `coding` data.
+
+    Decoded in pieces of at most CHUNK_BYTES, so a bomb is refused having expanded to the limit and
+    no further. A gzip body may hold several members one after the other (as `cat a.gz b.gz`
+    makes); they are decoded in turn under one limit.
+    """
+    parts: list[bytes] = []
+    size = 0
+    remaining = memoryview(data)
+    while True:  # one gzip member, or the one deflate stream, per turn
+        decoder = zlib.decompressobj(WINDOW_BITS[coding])
+        offset = 0
+        more_output = False
+        while not decoder.eof:
+            if decoder.unconsumed_tail or more_output:  # (input held back by the bound, or output pending)
+                pending: bytes | memoryview = decoder.unconsumed_tail
+            elif offset < len(remaining):  # fed in slices: a long unconsumed tail would be copied on every call
+                pending = remaining[offset : offset + CHUNK_BYTES]
+                offset += len(pending)
+            else:
+                raise BadInput(f"the request body is truncated {coding} data: the compressed stream does not "
+                               f"end; send the whole compressed body")
+            bound = CHUNK_BYTES if limit is None else min(CHUNK_BYTES, limit - size + 1)
+            try:
+                part = decoder.decompress(pending, bound)
+            except zlib.error as err:
+                raise BadInput(f"the request body is not valid {coding} data ({err}); compress it whole with "
+                               f"{coding}, or send it uncompressed without Content-Encoding") from None
+            size += len(part)
+            if limit is not None and size > limit:
+                raise PayloadTooLarge(f"the request body decompresses to more than the {limit}-byte limit "
+                                      f"(api.max_body_bytes); send less per request")
+            parts.append(part)
+            more_output = len(part) == bound
+        rest = decoder.unused_data + remaining[offset:]
+        if not rest:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if coding == "deflate":
+            raise BadInput(f"the request body has {len(rest)} bytes after the end of its deflate data; "
+                           f"send exactly one compressed stream")
+        remaining = memoryview(rest)
