@@ -8,6 +8,7 @@ onnxruntime are translated here (STYLE.md, "Errors").
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,50 @@ def build_session(model_path: Path, device: Device, intra_op_threads: int,
 
 def run_session(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
                 output_names: list[str] | None = None) -> list[np.ndarray]:
-    """`session.run` with onnxruntime's errors translated into SITS errors."""
+    """`session.run` with onnxruntime's errors translated into SITS errors.
+
+    A model whose inputs fix the batch axis (exported without a dynamic batch: `[1, 3, 224, 224]`)
+    runs exactly that many rows at a time, so a batch of any other size is run in pieces of that
+    size, the last one padded with zero rows, and the outputs cut back and joined: merged requests
+    and job mini-batches work on such a model as on any other.
+    """
+    rows_per_run = fixed_batch_rows(session)
+    rows = _rows(feed)
+    if rows_per_run is None or rows in (0, rows_per_run):
+        return _run(session, feed, output_names)
+    pieces = []
+    for start in range(0, rows, rows_per_run):
+        piece = {name: array[start : start + rows_per_run] for name, array in feed.items()}
+        real = _rows(piece)
+        if real < rows_per_run:
+            piece = {name: _padded(array, rows_per_run) for name, array in piece.items()}
+        pieces.append([output[:real] for output in _run(session, piece, output_names)])
+    return [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
+
+
+_FIXED_BATCH: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+
+
+def fixed_batch_rows(session: ort.InferenceSession) -> int | None:
+    """The rows every run of the session's model must have, when its inputs fix the batch axis
+    (axis 0 a number); None when any number of rows goes. Read once per session."""
+    try:
+        return _FIXED_BATCH[session]
+    except KeyError:
+        fixed = {dims[0] for dims in (node.shape for node in session.get_inputs())
+                 if dims and isinstance(dims[0], int) and dims[0] > 0}
+        _FIXED_BATCH[session] = rows = max(fixed) if fixed else None  # (registration refuses two sizes)
+        return rows
+
+
+def _padded(array: np.ndarray, rows: int) -> np.ndarray:
+    """`array` with zero rows appended up to `rows`."""
+    filler = np.zeros((rows - array.shape[0], *array.shape[1:]), dtype=array.dtype)
+    return np.concatenate([array, filler])
+
+
+def _run(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
+         output_names: list[str] | None) -> list[np.ndarray]:
     try:
         return session.run(output_names, dict(feed))
     except Exception as err:

@@ -101,7 +101,8 @@ def check_servable(model: onnx.ModelProto) -> None:
 
     Checked from the graph alone: an opset the installed onnx knows, at least one input to feed and
     one output, every input and output a numeric tensor with a leading (batch) axis, and valid
-    `sits.*` metadata. A fixed batch dim is allowed (the model is profiled at that batch size).
+    `sits.*` metadata. A fixed batch dim is allowed (the model is profiled at that batch size, and
+    `runtime.run_session` runs any batch in pieces of that size), the same for every input.
     """
     newest = onnx.defs.onnx_opset_version()
     opset = default_opset(model)
@@ -119,6 +120,11 @@ def check_servable(model: onnx.ModelProto) -> None:
             problem = _value_problem(value)
             if problem:
                 raise InvalidModel(f"{role} '{value.name}' {problem}")
+    fixed = {entry["name"]: entry["shape"][0] for entry in signature["inputs"]
+             if entry["shape"] and isinstance(entry["shape"][0], int) and entry["shape"][0] > 0}
+    if len(set(fixed.values())) > 1:
+        raise InvalidModel(f"inputs fix the batch axis at different sizes ({fixed}); every input of a run has the "
+                           f"same rows: re-export the model with one batch size, or a dynamic one")
     _check_sits_metadata(model, signature)
 
 

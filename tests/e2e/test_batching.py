@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,8 @@ import pytest
 from sits_api.cli.client import ApiClient
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import build_zoo, mlp_reference
-from tests.e2e.stack_helpers import collect, frozen, stack_settings
+from tests.e2e.stack_helpers import collect, frozen, stack_settings, wait_job
+from tests.onnx_models import fixed_batch_model
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,41 @@ def test_auto_batching_follows_the_measured_profile(stack):
     assert [result["batch_size"] for result in alone] == [1] * 6
     assert [result["batch_size"] for result in merged] == [6] * 6
 
+
+
+def test_models_with_a_fixed_batch_axis_serve_merged_requests_and_jobs_of_any_size(stack):
+    """A model exported with batch 1 (or 4) fixed in its inputs: waiting requests are still merged,
+    a request and a job of any number of rows run, in pieces of the fixed size (the last one
+    padded), and every row's outputs are its own."""
+    client = stack.client()
+    home = Path(stack.settings.paths.home)
+    for rows_per_run in (1, 4):
+        path = fixed_batch_model(home / f"fixed{rows_per_run}.onnx", rows_per_run)
+        record = client.post("/v1/models", {"name": f"fixed{rows_per_run}", "path": str(path), "profile_mode": "full"})
+        wait_profiled(client, record["ref"])
+    a = np.arange(30, dtype=np.float32).reshape(10, 3)
+    b = a[::-1] * -0.5
+
+    with frozen(stack, "worker0"):
+        ids = [client.post("/v1/requests", {"model": "fixed1", "inputs": {"a": a[row : row + 1].tolist(),
+                                                                             "b": b[row : row + 1].tolist()}})["id"]
+               for row in range(5)]
+    merged = collect(client, ids)
+    assert [merged[request_id]["batch_size"] for request_id in ids] == [5] * 5
+    np.testing.assert_array_equal([merged[request_id]["outputs"]["total"][0] for request_id in ids], (a + b)[:5])
+
+    three_rows = client.post("/v1/requests", {"model": "fixed4", "inputs": {"a": a[:3].tolist(), "b": b[:3].tolist()},
+                                              "wait": True})
+    assert three_rows["status"] == "succeeded", three_rows
+    np.testing.assert_array_equal(three_rows["outputs"]["product"], (a * b)[:3])
+
+    data = home / "fixed-input.npz"
+    np.savez(data, a=a, b=b)
+    for rows_per_run in (1, 4):
+        out = home / f"fixed-out{rows_per_run}"
+        job = client.post("/v1/jobs", {"model": f"fixed{rows_per_run}", "input_batch": str(data),
+                                       "output_dir": str(out), "chunk_size": 6, "batch_size": 5})
+        job = wait_job(client, job["id"], timeout=60)
+        assert job["status"] == "succeeded", job
+        np.testing.assert_array_equal(np.load(out / "total.npy"), a + b)
+        np.testing.assert_array_equal(np.load(out / "product.npy"), a * b)

@@ -6,9 +6,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sits_worker.devices import Device
-from sits_worker.runtime import INTRA_OP_SPIN_MICROSECONDS, build_session, run_session, session_options
+from sits_worker.runtime import (
+    INTRA_OP_SPIN_MICROSECONDS,
+    build_session,
+    fixed_batch_rows,
+    run_session,
+    session_options,
+)
+from tests.onnx_models import fixed_batch_model
 
 
 def test_session_options_bound_the_intra_op_spin() -> None:
@@ -30,3 +38,24 @@ def test_idle_intra_op_threads_stop_spinning_soon_after_a_run(zoo_dir: Path) -> 
 
     # onnxruntime's default spin burns about 40 ms of a core here; what runs between batches needs it
     assert cpu_while_idle < 0.02
+
+
+@pytest.mark.parametrize(("rows_per_run", "rows"), [(1, 1), (1, 5), (4, 3), (4, 4), (4, 10), (4, 12)])
+def test_a_model_with_a_fixed_batch_axis_runs_any_number_of_rows(tmp_path: Path, rows_per_run: int,
+                                                                  rows: int) -> None:
+    session = build_session(fixed_batch_model(tmp_path / "fixed.onnx", rows_per_run), Device("cpu"), 1)
+    a = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+    b = a[::-1] - 7
+
+    total, product = run_session(session, {"a": a, "b": b}, ["total", "product"])
+
+    assert fixed_batch_rows(session) == rows_per_run
+    np.testing.assert_array_equal(total, a + b)  # every row its own, none of the padding
+    np.testing.assert_array_equal(product, a * b)
+
+
+def test_a_model_with_a_dynamic_batch_axis_runs_in_one_piece(zoo_dir: Path) -> None:
+    session = build_session(zoo_dir / "mlp.onnx", Device("cpu"), 1)
+
+    assert fixed_batch_rows(session) is None
+    assert run_session(session, {"features": np.ones((3, 64), np.float32)})[0].shape == (3, 10)
