@@ -66,18 +66,24 @@ def run_session(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
     runs exactly that many rows at a time, so a batch of any other size is run in pieces of that
     size, the last one padded with zero rows, and the outputs cut back and joined: merged requests
     and job mini-batches work on such a model as on any other.
+
+    Every output must come back with the rows fed along axis 0, since that is where each request's
+    (or job row's) outputs are cut from; one that does not (registration refuses the models whose
+    declared shapes show it, but a dynamic first axis may still turn out to be something else) is a
+    BadInput naming it, not outputs handed to the wrong rows.
     """
     rows_per_run = fixed_batch_rows(session)
     rows = _rows(feed)
     if rows_per_run is None or rows in (0, rows_per_run):
-        return _run(session, feed, output_names)
+        return _batch_outputs(session, _run(session, feed, output_names), rows, output_names)
     pieces = []
     for start in range(0, rows, rows_per_run):
         piece = {name: array[start : start + rows_per_run] for name, array in feed.items()}
         real = _rows(piece)
         if real < rows_per_run:
             piece = {name: _padded(array, rows_per_run) for name, array in piece.items()}
-        pieces.append([output[:real] for output in _run(session, piece, output_names)])
+        outputs = _batch_outputs(session, _run(session, piece, output_names), rows_per_run, output_names)
+        pieces.append([output[:real] for output in outputs])
     return [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
 
 
@@ -94,6 +100,17 @@ def fixed_batch_rows(session: ort.InferenceSession) -> int | None:
                  if dims and isinstance(dims[0], int) and dims[0] > 0}
         _FIXED_BATCH[session] = rows = max(fixed) if fixed else None  # (registration refuses two sizes)
         return rows
+
+
+def _batch_outputs(session: ort.InferenceSession, outputs: list[np.ndarray], rows: int,
+                   output_names: list[str] | None) -> list[np.ndarray]:
+    """`outputs`, once each is checked to hold `rows` rows along axis 0 (see `run_session`)."""
+    for name, output in zip(output_names or [node.name for node in session.get_outputs()], outputs, strict=True):
+        if output.ndim == 0 or output.shape[0] != rows:
+            raise BadInput(f"model output '{name}' came back with shape {list(output.shape)} from a batch of {rows} "
+                           f"rows; SITS cuts each request's (and job row's) outputs from axis 0, so every output "
+                           f"needs the batch axis first: re-export the model with outputs of shape [batch, ...]")
+    return outputs
 
 
 def _padded(array: np.ndarray, rows: int) -> np.ndarray:

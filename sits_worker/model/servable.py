@@ -120,12 +120,39 @@ def check_servable(model: onnx.ModelProto) -> None:
             problem = _value_problem(value)
             if problem:
                 raise InvalidModel(f"{role} '{value.name}' {problem}")
+    _check_batch_axis(signature)
+    _check_sits_metadata(model, signature)
+
+
+def _check_batch_axis(signature: dict[str, Any]) -> None:
+    """InvalidModel unless axis 0 of every input and output can be the batch axis SITS merges requests
+    and job rows along, and cuts each one's outputs back on: dynamic everywhere, or one fixed size
+    (`runtime.run_session` then runs pieces of it) on the inputs and the outputs alike, and never 0.
+    An output whose first axis is a number of its own (a `Shape`, a `ReduceSum` over the batch,
+    `NonZero`'s [2, n], an LSTM's [1, batch, hidden] state) has no rows to give each request back."""
+    for role in ("inputs", "outputs"):
+        for entry in signature[role]:
+            zero = [axis for axis, dim in enumerate(entry["shape"] or []) if dim == 0]
+            if zero:
+                raise InvalidModel(f"{role[:-1]} '{entry['name']}' declares a zero-size axis {zero[0]} (shape "
+                                   f"{entry['shape']}), so no data fits it; re-export the model with that axis "
+                                   f"dynamic or of its real size")
     fixed = {entry["name"]: entry["shape"][0] for entry in signature["inputs"]
-             if entry["shape"] and isinstance(entry["shape"][0], int) and entry["shape"][0] > 0}
+             if entry["shape"] and isinstance(entry["shape"][0], int)}
     if len(set(fixed.values())) > 1:
         raise InvalidModel(f"inputs fix the batch axis at different sizes ({fixed}); every input of a run has the "
                            f"same rows: re-export the model with one batch size, or a dynamic one")
-    _check_sits_metadata(model, signature)
+    rows = next(iter(fixed.values()), None)
+    for entry in signature["outputs"]:
+        first = (entry["shape"] or [None])[0]
+        if isinstance(first, int) and first != rows:
+            batch = f"fixed at {rows}" if rows is not None else "dynamic"
+            raise InvalidModel(
+                f"output '{entry['name']}' has shape {entry['shape']}: its first axis is {first} while the inputs' "
+                f"batch axis is {batch}. SITS merges requests and job rows along axis 0 and cuts every output back "
+                f"along it, so each output needs the batch axis first (an output computed over the whole batch, "
+                f"such as a Shape or a sum over the rows, has no rows to give back); re-export the model with "
+                f"outputs of shape [batch, ...], or leave such outputs out")
 
 
 RUNTIME_CHECK_MAX_BYTES = 512 * 2**20

@@ -58,17 +58,20 @@ class InputSpec:
         """Raise BadInput naming the input, what it expects and what it got, unless both fit.
 
         `shape` includes the batch axis ("N" when the row count is not known). Fixed dims must match,
-        dynamic ones may be anything >= 1. The dtype is compared only when `hint` (how to fix a
-        wrong dtype) is given.
+        dynamic ones may be any size, 0 included (a cache that is empty on a first step). The dtype
+        is compared only when `hint` (how to fix a wrong dtype) is given.
         """
         dtype_ok = hint is None or dtype.newbyteorder("=") == self.dtype
         row_dims = [int(dim) for dim in shape[1:]]
         if dtype_ok and len(shape) >= 1 and len(row_dims) == len(self.dims):
             pairs = zip(row_dims, self.dims, strict=True)
-            if all(got == want if type(want) is int else got >= 1 for got, want in pairs):
+            if all(got == want if type(want) is int else got >= 0 for got, want in pairs):
                 return
         got = f"{dtype.name} [{','.join(map(str, shape))}]"
         fix = hint if not dtype_ok else f"each row must have shape [{','.join(map(str, self.dims))}]"
+        if dtype_ok and 0 in row_dims and len(row_dims) < len(self.dims):
+            fix += ("; JSON lists cannot carry the axes after an empty one, so send an input with an empty axis "
+                    "as {\"b64\": <base64 .npy>} (or, in the v2 protocol, with its shape and flat data)")
         raise BadInput(f"input '{self.name}' expects {self.expected}, got {got} {where}; {fix}")
 
 

@@ -110,6 +110,22 @@ UNSERVABLE = {
         initializers=[numpy_helper.from_array(np.ones((5, 3), dtype=np.float32), "w")]),
         ["fails the ONNX checker", "MatMul"]),
     "opset-999": (one_op(opset=999), ["opset 999", "re-export the model with opset"]),
+    "output-sums-over-the-batch": (make_model(
+        [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        initializers=[numpy_helper.from_array(np.array([0], dtype=np.int64), "axes")]),
+        ["output 'y' has shape [4]", "batch axis is dynamic", "re-export the model with outputs of shape [batch"]),
+    "output-shape-of-the-input": (make_model(
+        [helper.make_node("Shape", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [2])]), ["output 'y' has shape [2]"]),
+    "output-first-axis-other-than-the-fixed-batch": (make_model(
+        [helper.make_node("Transpose", ["x"], ["y"], perm=[1, 0])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 1])]), ["batch axis is fixed at 1"]),
+    "zero-size-axis": (one_op(in_shape=["batch", 0], out_shape=["batch", 0]),
+                       ["input 'x' declares a zero-size axis 1", "no data fits it"]),
     "batch-axis-fixed-twice": (make_model([helper.make_node("Add", ["x", "z"], ["y"])],
                                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
                                            helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4])],

@@ -276,3 +276,16 @@ def test_the_api_reads_no_first_row_of_a_compressed_npz_at_submit(tmp_path: Path
         assert not packed.reads_rows_cheaply() and stored.reads_rows_cheaply()
         list(packed.iter_batches(0, 4, 4))
         assert packed.reads_rows_cheaply()  # loaded now
+
+
+def test_an_empty_dynamic_axis_is_accepted_and_json_that_cannot_carry_it_says_how_to_send_it() -> None:
+    """A key/value cache is empty on a first step: [rows, 0, 4] fits [batch, past_len, 4]; as JSON it
+    reads [[], []], whose trailing axis is lost, so the message points to base64 .npy."""
+    cache = {"inputs": [{"name": "past", "dtype": "float32", "shape": ["batch", "past_len", 4],
+                         "dynamic_axes": [0, 1]}], "outputs": []}
+
+    tensors = request_tensors(cache, {"past": b64(npy_of(np.zeros((2, 0, 4), np.float32)))})
+
+    assert tensors["past"].shape == (2, 0, 4)
+    with pytest.raises(BadInput, match=r"got \w+ \[2,0\].*cannot carry the axes after an empty one.*b64"):
+        request_tensors(cache, {"past": [[], []]})
