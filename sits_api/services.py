@@ -23,7 +23,8 @@ from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_worker.model.graph import load_model_checked, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
-from sits_worker.model.padding import mask_spec, token_limits
+from sits_worker.model.padding import SEQUENCE_OUTPUTS_KEY, mask_spec, token_limits
+from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
 from sits_worker.outputs import MANIFEST_NAME, read_manifest
@@ -57,7 +58,9 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
 
     A model that could never serve a request is refused (InvalidModel, 422) before anything is
     stored: one the ONNX checker's strict type inference rejects, one SITS cannot feed or carry
-    (`check_servable`), or one ONNX Runtime cannot load (`check_runtime_loads`).
+    (`check_servable`), or one ONNX Runtime cannot load (`check_runtime_loads`). A token model
+    that declares an attention mask is run on two tiny feeds to see which outputs carry the
+    sequence (`sequence_probe`), so a worker cuts exactly those back after padding.
     `profile_mode=full` and `enable_fusion` are sent to a worker as a Celery
     task, since only a worker has ONNX Runtime and the device to measure on;
     the record's `profile_status` says `pending` until the task is done.
@@ -68,6 +71,9 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     serialized = model.SerializeToString(deterministic=True)
     check_runtime_loads(serialized, source.name)
     profile = static_profile(model)
+    sequence_outputs = observe_sequence_outputs(serialized, profile)
+    if sequence_outputs is not None:  # else mask_spec matches output dims by name
+        profile[SEQUENCE_OUTPUTS_KEY] = sequence_outputs
     version = _content_hash(serialized)
     stored = _store_copy(model, settings.paths.store() / body.name / version)
     ref = f"{body.name}@{version}"

@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model, uses_external_data
 
 from broker.errors import FileMissing, InvalidModel, PathNotAllowed
+from sits_worker.model.padding import MASK_INPUT_KEY
 
 # Token models are profiled at this many tokens and the totals divided by it.
 REFERENCE_SEQUENCE_LENGTH = 128
@@ -32,6 +33,9 @@ _ZERO_FLOP_OPS = frozenset({
     "GatherElements", "GatherND", "Identity", "Pad", "Reshape", "Shape", "Size", "Slice", "SpaceToDepth",
     "Split", "Squeeze", "Tile", "Transpose", "Unsqueeze",
 })
+# Ops whose first output holds their first input's values (other type or shape): token ids reach an
+# embedding lookup through them unchanged.
+_VALUE_KEEPING_OPS = frozenset({"Cast", "Flatten", "Identity", "Reshape", "Squeeze", "Unsqueeze"})
 # Element widths numpy cannot express as a whole number of bytes.
 _SUB_BYTE_BITS = {
     getattr(TensorProto, name): bits
@@ -230,24 +234,56 @@ def default_opset(model: onnx.ModelProto) -> int | None:
 
 
 def sequence_axis(model: onnx.ModelProto) -> dict[str, Any] | None:
+    """The input and axis that carry a token model's sequence: the first dynamic axis after the batch
+    axis of an input; None when no input has one.
+
+    Among several such inputs the token ids are wanted (their vocabulary is checked, they are padded
+    with the pad id): an input that indexes an embedding table (`vocabulary_size`, the largest table
+    first, so word ids win over token type ids) before one that does not, and never the attention
+    mask that `sits.attention_mask` names while another input is left; otherwise the first in
+    graph order. Graph order alone picked the mask of models that list it first.
+    """
+    candidates = []
     for value in true_inputs(model.graph):
-        for axis, dim in enumerate(shape_of(value.type) or []):
-            if axis > 0 and isinstance(dim, str):
-                return {"input": value.name, "axis": axis}
-    return None
+        dynamic = [axis for axis, dim in enumerate(shape_of(value.type) or []) if axis > 0 and isinstance(dim, str)]
+        if dynamic:
+            candidates.append((value.name, dynamic[0]))
+    if not candidates:
+        return None
+    mask = next((prop.value for prop in model.metadata_props if prop.key == MASK_INPUT_KEY), None)
+
+    def preference(candidate: tuple[str, int]) -> tuple[bool, int]:
+        vocabulary = vocabulary_size(model, candidate[0])
+        return candidate[0] == mask, -(vocabulary or 0)
+
+    name, axis = min(candidates, key=preference)  # min keeps graph order among equals
+    return {"input": name, "axis": axis}
 
 
 def vocabulary_size(model: onnx.ModelProto, token_input: str) -> int | None:
     """How many token ids the model takes: the rows of the embedding table its token input indexes
-    (a Gather on axis 0 of an initializer, as exported transformers look ids up). None when no such
-    lookup is found: then no id is refused for being too large."""
+    (a Gather on axis 0 of an initializer or a Constant, as exported transformers look ids up),
+    directly or through ops that keep the values (a Cast, a Reshape). None when no such
+    lookup is found: then the input is not known to hold token ids (`padding.TokenLimits`), and no
+    id is refused for being too large."""
     tables = {tensor.name: list(tensor.dims) for tensor in model.graph.initializer}
+    tables.update({node.output[0]: list(attribute.t.dims) for node in model.graph.node if node.op_type == "Constant"
+                   for attribute in node.attribute if attribute.name == "value"})
+    consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
-        if node.op_type != "Gather" or list(node.input[1:2]) != [token_input] or node.input[0] not in tables:
-            continue
-        axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 0)
-        if axis == 0 and tables[node.input[0]]:
-            return int(tables[node.input[0]][0])
+        for name in set(node.input):
+            consumers.setdefault(name, []).append(node)
+    pending, seen = [token_input], {token_input}
+    while pending:
+        values = pending.pop()
+        for node in consumers.get(values, []):
+            if node.op_type in _VALUE_KEEPING_OPS and node.input[0] == values and node.output[0] not in seen:
+                seen.add(node.output[0])
+                pending.append(node.output[0])
+            elif node.op_type == "Gather" and list(node.input[1:2]) == [values] and tables.get(node.input[0]):
+                axis = next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 0)
+                if axis == 0:
+                    return int(tables[node.input[0]][0])
     return None
 
 

@@ -24,6 +24,9 @@ PAD_TOKEN_KEY = "sits.pad_token_id"
 DEFAULT_PAD_TOKEN_ID = 0
 MAX_SEQUENCE_KEY = "sits.max_sequence"
 DEFAULT_MAX_SEQUENCE = 512
+# Static profile key, set at registration (`sequence_probe`): [output, axis] pairs whose size followed the
+# sequence length when the model ran; absent where the model was not run (`mask_spec` then matches names).
+SEQUENCE_OUTPUTS_KEY = "sequence_outputs"
 
 
 class MaskSpec(NamedTuple):
@@ -31,8 +34,8 @@ class MaskSpec(NamedTuple):
 
     `sequence_input` is padded with `pad_id` along `axis`; `other_inputs` ((name, axis) pairs: inputs
     besides the mask that carry the same sequence dim, e.g. token type ids) are padded with 0; the
-    mask is padded with 0. `sequence_outputs` ((name, axis) pairs) are the outputs that carry the
-    sequence dim, cut back to each request's length.
+    mask is padded with 0. `sequence_outputs` ((name, axis) pairs, an output once per such axis) are
+    the outputs that carry the sequence dim, cut back to each request's length.
     """
 
     mask_input: str
@@ -74,8 +77,14 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
 
     The mask input comes from the metadata (`sits.attention_mask`), the pad id from
     `sits.pad_token_id`, the sequence input and axis from the profile's `sequence_axis` (or, when
-    that names the mask itself, the first other input with a dynamic axis). Outputs and other
-    inputs carry the sequence axis when their dim has the sequence input's dim name.
+    that names the mask itself, the first other input with a dynamic axis). Other inputs carry the
+    sequence axis when their dim has the sequence input's dim name. The outputs that carry it are
+    the ones registration saw follow the sequence length when it ran the model
+    (`SEQUENCE_OUTPUTS_KEY`, from `sequence_probe`): exporters name output dims their own way
+    (`Mullast_hidden_state_dim_1`) or not at all. Where the model was not run (too large for the
+    API to load, no onnxruntime there, a run that failed, or a record registered before the probe
+    existed), outputs are matched by the sequence input's dim name, and an output dim named
+    otherwise or unnamed is not cut back.
     """
     profile = static_profile or {}
     metadata = profile.get("metadata") or {}
@@ -89,15 +98,12 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
     except ValueError as err:
         raise InvalidModel(f"metadata {PAD_TOKEN_KEY}={metadata[PAD_TOKEN_KEY]!r} is not an integer; "
                            f"re-export the model with an integer pad token id") from err
-    sequence = profile.get("sequence_axis") or {}
-    if sequence.get("input") in (None, mask_input):
-        sequence = next(({"input": name, "axis": axis} for name, entry in inputs.items() if name != mask_input
-                         for axis in entry.get("dynamic_axes", []) if axis > 0), {})
+    sequence = _token_axis(profile)
     mask_entry = inputs.get(mask_input)
-    if not sequence or mask_entry is None or len(mask_entry["shape"] or []) != 2:
+    if sequence is None or mask_entry is None or len(mask_entry["shape"] or []) != 2:
         raise InvalidModel(f"metadata {MASK_INPUT_KEY}={mask_input!r} needs a [batch, sequence] input of that "
                            f"name and a token input with a dynamic sequence axis; fix the model's metadata")
-    name, axis = sequence["input"], int(sequence["axis"])
+    name, axis = sequence
     label = inputs[name]["shape"][axis]
 
     def carrying(entries: Sequence[dict[str, Any]], skip: set[str]) -> tuple[tuple[str, int], ...]:
@@ -105,38 +111,78 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
                      for index, dim in enumerate(entry["shape"] or []) if index > 0 and dim == label)
 
     named = isinstance(label, str) and label != "?"  # an unnamed dim cannot be matched by name
+    observed = profile.get(SEQUENCE_OUTPUTS_KEY)
+    if observed is not None:
+        sequence_outputs = tuple((str(output), int(index)) for output, index in observed)
+    else:
+        sequence_outputs = carrying(signature.get("outputs", []), set()) if named else ()
     return MaskSpec(
         mask_input=mask_input, pad_id=pad_id, sequence_input=name, axis=axis, mask_dtype=mask_entry["dtype"],
         other_inputs=carrying(list(inputs.values()), {name, mask_input}) if named else (),
-        sequence_outputs=carrying(signature.get("outputs", []), set()) if named else (),
+        sequence_outputs=sequence_outputs,
     )
+
+
+def _token_axis(profile: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(input, axis) of the model's token sequence: the profile's `sequence_axis`, unless that names the
+    declared attention mask (records profiled before `graph.sequence_axis` passed over a mask listed
+    first): then the first other input with a dynamic axis after the batch axis."""
+    sequence = profile.get("sequence_axis")
+    if not sequence:
+        return None
+    mask_input = (profile.get("metadata") or {}).get(MASK_INPUT_KEY)
+    if sequence["input"] != mask_input:
+        return str(sequence["input"]), int(sequence["axis"])
+    inputs = (profile.get("signature") or {}).get("inputs", [])
+    return next(((entry["name"], axis) for entry in inputs if entry["name"] != mask_input
+                 for axis in entry.get("dynamic_axes", []) if axis > 0), None)
 
 
 class TokenLimits(NamedTuple):
     """What every row of a token model must keep to, with or without an attention mask: the length
-    it declares (`sits.max_sequence`) and its vocabulary (`graph.vocabulary_size`), where known."""
+    it declares (`sits.max_sequence`) and, for an input known to hold token ids, ids in its
+    vocabulary (`graph.vocabulary_size`, where known).
+
+    An int input with a dynamic sequence axis need not hold token ids (a series of counts or deltas
+    may well be negative), so ids are checked only where there is evidence they are ids: the input
+    indexes an embedding table (`vocabulary_size` is known), or the model's `sits.*` metadata
+    declares it a token model (`declared_token_ids`: an attention mask or a pad token id).
+    """
 
     token_input: str
     axis: int
     max_sequence: int | None = None
     vocabulary_size: int | None = None
+    declared_token_ids: bool = False
+
+    @property
+    def holds_token_ids(self) -> bool:
+        """Whether `token_input` is known to hold token ids, so ids are checked."""
+        return self.vocabulary_size is not None or self.declared_token_ids
 
     def check(self, tensors: Mapping[str, np.ndarray], model: str | None = None) -> None:
-        """BadInput for a sequence that is too long, or a token id that is negative or past the vocabulary."""
+        """BadInput for a sequence that is too long or, in token ids, one that is negative or past the
+        vocabulary."""
         tokens = tensors.get(self.token_input)
         if tokens is None:
             return
         check_sequence_length(int(tokens.shape[self.axis]), self.max_sequence, model)
-        check_token_ids(tokens, self.token_input, self.vocabulary_size)
+        if self.holds_token_ids:
+            check_token_ids(tokens, self.token_input, self.vocabulary_size)
 
 
 def token_limits(static_profile: Mapping[str, Any] | None) -> TokenLimits | None:
     """The `TokenLimits` of a model from its static profile; None for a model without a sequence axis."""
-    axis = (static_profile or {}).get("sequence_axis")
-    if not axis:
+    profile = static_profile or {}
+    if not profile.get("sequence_axis"):
         return None
-    return TokenLimits(axis["input"], int(axis["axis"]), declared_max_sequence(static_profile),
-                       (static_profile or {}).get("vocabulary_size"))
+    token = _token_axis(profile)
+    if token is None:
+        return None
+    metadata = profile.get("metadata") or {}
+    declared = bool(metadata.get(MASK_INPUT_KEY)) or PAD_TOKEN_KEY in metadata
+    vocabulary = profile.get("vocabulary_size") if profile["sequence_axis"].get("input") == token[0] else None
+    return TokenLimits(token[0], token[1], declared_max_sequence(profile), vocabulary, declared)
 
 
 def max_sequence(static_profile: Mapping[str, Any] | None) -> int:
@@ -151,7 +197,9 @@ def declared_max_sequence(static_profile: Mapping[str, Any] | None) -> int | Non
 
 
 def check_sequence_length(length: int, declared: int | None, model: str | None = None) -> None:
-    """BadInput when a row's sequence is longer than the model declares it takes."""
+    """BadInput when a row's sequence is empty, or longer than the model declares it takes."""
+    if length < 1:
+        raise BadInput("the input's sequence is empty (0 tokens); send at least one token per row")
     if declared is not None and length > declared:
         which = f"model {model!r}" if model else "the model"
         raise BadInput(f"the input's sequence is {length} tokens long, more than {which} takes "
@@ -264,7 +312,9 @@ def unpad_outputs(outputs: Mapping[str, np.ndarray], lengths: Sequence[int], row
     (`spec.sequence_outputs`) are also cut to the request's own length, dropping the padded
     positions. Pooled outputs (no sequence axis) need no cut: the model pools real tokens only.
     """
-    cut = dict(spec.sequence_outputs)
+    cut: dict[str, list[int]] = {}
+    for name, axis in spec.sequence_outputs:  # an output may carry it twice ([batch, heads, seq, seq])
+        cut.setdefault(name, []).append(axis)
     per_request: list[dict[str, np.ndarray]] = []
     start = 0
     for length, rows in zip(lengths, rows_per_request, strict=True):
@@ -272,7 +322,10 @@ def unpad_outputs(outputs: Mapping[str, np.ndarray], lengths: Sequence[int], row
         for name, array in outputs.items():
             part = array[start : start + rows]
             if name in cut:
-                part = part[(slice(None),) * cut[name] + (slice(0, length),)]
+                index = [slice(None)] * part.ndim
+                for axis in cut[name]:
+                    index[axis] = slice(0, length)
+                part = part[tuple(index)]
             own[name] = part
         per_request.append(own)
         start += rows

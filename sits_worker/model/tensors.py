@@ -68,7 +68,7 @@ class InputSpec:
             if all(got == want if type(want) is int else got >= 0 for got, want in pairs):
                 return
         got = f"{dtype.name} [{','.join(map(str, shape))}]"
-        fix = hint if not dtype_ok else f"each row must have shape [{','.join(map(str, self.dims))}]"
+        fix = hint if not dtype_ok and hint else f"each row must have shape [{','.join(map(str, self.dims))}]"
         if dtype_ok and 0 in row_dims and len(row_dims) < len(self.dims):
             fix += ("; JSON lists cannot carry the axes after an empty one, so send an input with an empty axis "
                     "as {\"b64\": <base64 .npy>} (or, in the v2 protocol, with its shape and flat data)")

@@ -10,6 +10,7 @@ import pytest
 from api_helpers import Api, error_of
 
 from sits_worker.model.zoo import build_model
+from tests.onnx_models import token_model
 
 
 def register(api: Api, name: str, path: Path | str, **extra: Any) -> Any:
@@ -52,6 +53,20 @@ def test_every_zoo_model_registers(api: Api, zoo_dir: Path) -> None:
     transformer = api.get("/v1/models/transformer").get_json()
     assert transformer["signature"]["inputs"][0]["dtype"] == "int64"
     assert transformer["static_profile"]["sequence_axis"] == {"input": "input_ids", "axis": 1}
+
+
+def test_a_token_model_is_run_at_registration_to_see_which_outputs_carry_the_sequence(
+        api: Api, zoo_dir: Path, tmp_path: Path) -> None:
+    """An exporter's own name for an output's sequence dim (or none) does not hide it: the profile keeps
+    the outputs whose size followed the length; a model without a declared mask is not run."""
+    onnx.save(token_model(output_sequence_dim="Mullast_hidden_state_dim_1"), tmp_path / "renamed.onnx")
+    renamed = register(api, "renamed", tmp_path / "renamed.onnx")
+    assert renamed.status_code == 201, error_of(renamed)
+    assert renamed.get_json()["static_profile"]["sequence_outputs"] == [
+        ["last_hidden_state", 1], ["scores", 1], ["scores", 2]]
+    assert register(api, "transformer", zoo_dir / "transformer.onnx").get_json()["static_profile"][
+        "sequence_outputs"] == []  # its one output is pooled
+    assert "sequence_outputs" not in register(api, "mlp", zoo_dir / "mlp.onnx").get_json()["static_profile"]
 
 
 def test_reregistering_an_identical_file_keeps_the_same_version(api: Api, zoo_dir: Path, tmp_path: Path) -> None:

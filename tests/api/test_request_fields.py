@@ -10,10 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
 import pytest
 from api_helpers import Api, error_of
 
 from sits_worker.model.zoo import TRANSFORMER_MAX_SEQUENCE, TRANSFORMER_VOCAB
+from tests.onnx_models import int_series_model, token_model
 
 
 @pytest.fixture
@@ -114,3 +117,28 @@ def test_token_ids_past_the_model_s_vocabulary_are_refused_at_submit(api: Api, t
     status, body = submit(api, {"model": "transformer", "inputs": {"input_ids": [[5, TRANSFORMER_VOCAB, 7]]}})
     assert status == 400 and f"vocabulary has {TRANSFORMER_VOCAB} ids" in body["error"], body
     assert submit(api, {"model": "transformer", "inputs": {"input_ids": [[5, TRANSFORMER_VOCAB - 1, 7]]}})[0] == 202
+
+
+def test_an_int_input_that_holds_no_token_ids_takes_negative_values(api: Api, tmp_path: Path) -> None:
+    """An int64 [batch, steps] input summed over its steps (deltas, counts) is no token ids: a request and
+    a job holding negative values are queued, not refused as negative token ids."""
+    onnx.save(int_series_model(), tmp_path / "series.onnx")
+    assert api.post("/v1/models", json={"name": "series", "path": str(tmp_path / "series.onnx")}).status_code == 201
+    status, body = submit(api, {"model": "series", "inputs": {"x": [[3, -1, 4], [-5, 9, 2]]}})
+    assert status == 202, body
+    np.save(tmp_path / "series.npy", np.array([[-5, 9, 2]] * 4, dtype=np.int64))
+    response = api.post("/v1/jobs", json={"model": "series", "input_batch": str(tmp_path / "series.npy"),
+                                          "output_dir": str(tmp_path / "series-out")})
+    assert response.status_code == 201, error_of(response)
+
+
+def test_a_model_that_lists_its_mask_first_has_its_ids_checked_against_the_vocabulary(
+        api: Api, tmp_path: Path) -> None:
+    onnx.save(token_model(mask_first=True), tmp_path / "mask_first.onnx")
+    record = api.post("/v1/models", json={"name": "mask_first", "path": str(tmp_path / "mask_first.onnx")}).get_json()
+    assert record["static_profile"]["sequence_axis"] == {"input": "input_ids", "axis": 1}
+    status, body = submit(api, {"model": "mask_first", "inputs": {"input_ids": [[5, 50, 7]]}})
+    assert status == 400 and "vocabulary has 50 ids" in body["error"], body
+    status, body = submit(api, {"model": "mask_first", "inputs": {"input_ids": [[5, -2, 7]]}})
+    assert status == 400 and "negative token id (-2)" in body["error"], body
+    assert submit(api, {"model": "mask_first", "inputs": {"input_ids": [[5, 49, 7]]}})[0] == 202

@@ -20,9 +20,12 @@ from sits_worker.model.graph import (
     load_model_checked,
     model_signature,
     operator_histogram,
+    sequence_axis,
     static_profile,
+    vocabulary_size,
 )
 from sits_worker.model.zoo import build_model, build_zoo, mlp_reference
+from tests.onnx_models import int_series_model, token_model
 
 
 @pytest.fixture
@@ -272,6 +275,41 @@ def test_token_model_profile_has_per_token_figures() -> None:
     assert profile["flops_per_token"] >= dense_flops_per_token + attention_flops_per_token
     assert profile["flops_per_token"] < 1.2 * (dense_flops_per_token + attention_flops_per_token)
     assert profile["unresolved_nodes"] == 0
+
+
+def test_the_sequence_axis_is_the_token_ids_even_when_the_mask_is_listed_first() -> None:
+    """Graph order put the attention mask first for models that list it first, and the vocabulary of the
+    ids went unchecked: the input that indexes an embedding table is preferred, and a declared mask never."""
+    for model in (token_model(), token_model(mask_first=True)):
+        profile = static_profile(model)
+        assert profile["sequence_axis"] == {"input": "input_ids", "axis": 1}
+        assert profile["vocabulary_size"] == 50
+    no_lookup = token_model(mask_first=True)
+    no_lookup.graph.node[0].op_type = "GatherElements"  # no embedding lookup left: the declared mask is passed over
+    assert sequence_axis(no_lookup) == {"input": "input_ids", "axis": 1}
+    assert vocabulary_size(no_lookup, "input_ids") is None
+    assert sequence_axis(int_series_model()) == {"input": "x", "axis": 1}  # with nothing to prefer, the first
+
+
+def test_word_ids_are_preferred_over_other_inputs_that_index_a_smaller_table() -> None:
+    """token_type_ids listed first index a table of 2 rows; input_ids the 50-row vocabulary."""
+    model = token_model()
+    model.graph.input.insert(0, helper.make_tensor_value_info("token_type_ids", TensorProto.INT64,
+                                                              ["batch", "sequence"]))
+    model.graph.initializer.append(helper.make_tensor("type_table", TensorProto.FLOAT, [2, 4], [0.0] * 8))
+    model.graph.node.append(helper.make_node("Gather", ["type_table", "token_type_ids"], ["type_vectors"]))
+    assert sequence_axis(model) == {"input": "input_ids", "axis": 1}
+    assert vocabulary_size(model, "token_type_ids") == 2
+
+
+def test_the_vocabulary_is_found_through_a_cast_before_the_lookup() -> None:
+    """int32 ids cast to int64 (or reshaped) before the Gather still index the same table."""
+    model = token_model()
+    model.graph.node[0].input[1] = "ids_64"
+    model.graph.node.insert(0, helper.make_node("Cast", ["ids_32"], ["ids_64"], to=TensorProto.INT64))
+    model.graph.node.insert(0, helper.make_node("Identity", ["input_ids"], ["ids_32"]))
+    assert vocabulary_size(model, "input_ids") == 50
+    assert vocabulary_size(int_series_model(), "x") is None
 
 
 @pytest.mark.parametrize("name", ["mlp", "convnet", "transformer"])

@@ -28,6 +28,7 @@ from sits_worker.model.padding import (
 )
 from sits_worker.model.tensors import request_tensors
 from sits_worker.model.zoo import build_model, build_zoo
+from tests.onnx_models import int_series_model, token_model
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -271,3 +272,50 @@ def test_job_files_without_a_mask_get_an_all_ones_mask(tmp_path: Path) -> None:
     with open_input(tmp_path / "ids.jsonl", signature, mask=spec) as source:
         batches = list(source.iter_batches(0, 3, 8))
         assert [feed["attention_mask"].tolist() for _, feed in batches] == [[[1, 1], [1, 1]], [[1, 1, 1]]]
+
+
+# --- token id checks need evidence of token ids ----------------------------------------------------
+
+
+def test_an_int_sequence_that_holds_no_token_ids_may_be_negative() -> None:
+    """An int input with a dynamic axis that feeds no embedding lookup, in a model whose metadata declares
+    no token model, is no token ids: negative values pass; the declared length still holds."""
+    profile = static_profile(int_series_model())
+    limits = token_limits(profile)
+    assert limits == TokenLimits("x", 1, None, None, False) and limits is not None and not limits.holds_token_ids
+    limits.check({"x": np.array([[3, -1, 4], [-5, 9, 2]], dtype=np.int64)})
+    profile["metadata"]["sits.max_sequence"] = "2"
+    limits = token_limits(profile)
+    assert limits is not None
+    with pytest.raises(BadInput, match="3 tokens long"):
+        limits.check({"x": np.array([[3, -1, 4]], dtype=np.int64)})
+    with pytest.raises(BadInput, match=r"sequence is empty \(0 tokens\); send at least one token"):
+        limits.check({"x": np.zeros((1, 0), dtype=np.int64)})
+
+
+def test_token_ids_are_checked_where_an_embedding_lookup_or_the_metadata_says_they_are_ids() -> None:
+    looked_up = token_limits(static_profile(token_model()))
+    assert looked_up is not None and looked_up.vocabulary_size == 50 and looked_up.holds_token_ids
+    for bad, message in (([[1, -5]], "negative token id \\(-5\\)"), ([[1, 50]], "token id 50.*has 50 ids")):
+        with pytest.raises(BadInput, match=message):
+            looked_up.check({"input_ids": np.array(bad, dtype=np.int64)})
+    declared = static_profile(int_series_model())
+    declared["metadata"]["sits.pad_token_id"] = "0"  # a pad token id declares token ids
+    limits = token_limits(declared)
+    assert limits is not None and limits.holds_token_ids and limits.vocabulary_size is None
+    with pytest.raises(BadInput, match="negative token id"):
+        limits.check({"x": np.array([[1, -5]], dtype=np.int64)})
+
+
+def test_a_mask_listed_before_the_ids_still_gets_the_ids_checked_against_the_vocabulary() -> None:
+    profile = static_profile(token_model(mask_first=True))
+    limits = token_limits(profile)
+    assert limits is not None and limits == TokenLimits("input_ids", 1, None, 50, True)
+    with pytest.raises(BadInput, match="token id 60"):
+        limits.check({"input_ids": np.array([[1, 60]], dtype=np.int64), "attention_mask": np.ones((1, 2), np.int64)})
+    # A record profiled before: its sequence axis named the mask and no vocabulary was found. The ids are
+    # still the ones checked (no negative id), and padded.
+    profile |= {"sequence_axis": {"input": "attention_mask", "axis": 1}, "vocabulary_size": None}
+    assert token_limits(profile) == TokenLimits("input_ids", 1, None, None, True)
+    spec = mask_spec(profile)
+    assert spec is not None and (spec.sequence_input, spec.axis) == ("input_ids", 1)

@@ -1,0 +1,118 @@
+"""Which outputs of a padded token model carry the sequence, seen by running the model at registration.
+
+A worker pads merged token requests to the longest and cuts every output that carries the sequence
+back to each request's own length (`padding.unpad_outputs`). Which outputs those are cannot be told
+from dim names: torch's exporter names an output dim `Mullast_hidden_state_dim_1` when
+`dynamic_axes` lists only the inputs, others leave it unnamed, and such outputs came back at the
+padded length. So the API runs a model that declares an attention mask on two tiny feeds of
+different sequence lengths and records, per output, the axes whose size was the length both times:
+the static profile's `padding.SEQUENCE_OUTPUTS_KEY`, read by `padding.mask_spec`.
+
+onnxruntime is imported only when a model is probed: the API imports this module (STYLE.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from sits_worker.model.padding import MaskSpec, declared_max_sequence, mask_spec
+from sits_worker.model.servable import RUNTIME_CHECK_MAX_BYTES
+
+log = logging.getLogger(__name__)
+
+PROBE_LENGTHS = (3, 5)
+"""The two sequence lengths the model runs at: small, different, neither 1 (a batch of one row)."""
+PROBE_SECONDS = 10.0
+"""A probe run that takes longer is stopped (ONNX Runtime's `RunOptions.terminate`) and not used."""
+
+
+def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any]) -> list[list[str | int]] | None:
+    """[output, axis] pairs whose size followed the sequence length over two runs of the model.
+
+    Runs only a model that declares an attention mask (`padding.mask_spec`; no other model is
+    padded), on a CPU session built cheaply like `servable.check_runtime_loads`'s: one row, the token
+    input, the mask and the inputs that carry the same sequence (by dim name) at each of
+    `PROBE_LENGTHS`, every other dynamic dim 1. None when the model was not run: no declared mask,
+    larger than `servable.RUNTIME_CHECK_MAX_BYTES`, no onnxruntime in this process, a declared
+    `sits.max_sequence` under 2, or a run that failed or outlasted `PROBE_SECONDS`; `mask_spec` then
+    matches output dims by name, as before the probe.
+    """
+    spec = mask_spec(profile)
+    lengths = probe_lengths(declared_max_sequence(profile))
+    if spec is None or lengths is None or len(serialized_model) > RUNTIME_CHECK_MAX_BYTES:
+        return None
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.log_severity_level = 4  # fatal only: a run that fails here is answered by name matching, not an error
+    signature = profile.get("signature") or {}
+    try:
+        session = ort.InferenceSession(serialized_model, sess_options=options, providers=["CPUExecutionProvider"])
+        runs = [_run_within(session, probe_feed(signature, spec, length, profile.get("vocabulary_size")), ort)
+                for length in lengths]
+    except Exception as err:  # onnxruntime raises its own types; the model keeps name matching
+        log.info("token model not run at registration (%s); its outputs are cut back by dim name", err)
+        return None
+    names = [output.name for output in session.get_outputs()]
+    observed: list[list[str | int]] = []
+    for name, first, second in zip(names, *runs, strict=True):
+        if first.ndim == second.ndim:
+            observed.extend([name, axis] for axis in range(1, first.ndim)
+                            if first.shape[axis] == lengths[0] and second.shape[axis] == lengths[1])
+    return observed
+
+
+def probe_lengths(declared_max_sequence: int | None) -> tuple[int, int] | None:
+    """The two lengths to run at: `PROBE_LENGTHS` within the model's declared limit; None under 2."""
+    if declared_max_sequence is None or declared_max_sequence >= PROBE_LENGTHS[1]:
+        return PROBE_LENGTHS
+    if declared_max_sequence < 2:
+        return None
+    return declared_max_sequence - 1, declared_max_sequence
+
+
+def probe_feed(signature: Mapping[str, Any], spec: MaskSpec, length: int,
+               vocabulary_size: int | None) -> dict[str, np.ndarray]:
+    """A feed of one row (or the model's fixed batch) at sequence `length`.
+
+    The token input, the mask and the other inputs of `spec` get `length` on their sequence axes;
+    other dynamic dims get 1. Token ids are 1 (0 for a vocabulary of one), the mask all ones (every
+    token real), other inputs zeros (token type 0).
+    """
+    sequence_axes = {(spec.sequence_input, spec.axis), (spec.mask_input, 1), *spec.other_inputs}
+    feed: dict[str, np.ndarray] = {}
+    for entry in signature.get("inputs", []):
+        name, shape = entry["name"], entry["shape"] or []
+        dims = [length if (name, axis) in sequence_axes and axis > 0 else dim if isinstance(dim, int) else 1
+                for axis, dim in enumerate(shape)]
+        dtype = np.dtype(entry["dtype"])
+        if name == spec.sequence_input:
+            feed[name] = np.full(dims, 0 if vocabulary_size == 1 else 1, dtype=dtype)
+        elif name == spec.mask_input:
+            feed[name] = np.ones(dims, dtype=dtype)
+        else:
+            feed[name] = np.zeros(dims, dtype=dtype)
+    return feed
+
+
+def _run_within(session: Any, feed: dict[str, np.ndarray], ort: Any) -> list[np.ndarray]:
+    """`session.run`, stopped after `PROBE_SECONDS`: the registration request waits for it, and a Python
+    exception cannot interrupt native code, but ONNX Runtime checks `terminate` between nodes."""
+    run_options = ort.RunOptions()
+    run_options.log_severity_level = 4
+    timer = threading.Timer(PROBE_SECONDS, setattr, (run_options, "terminate", True))
+    timer.daemon = True
+    timer.start()
+    try:
+        return [np.asarray(output) for output in session.run(None, feed, run_options)]
+    finally:
+        timer.cancel()

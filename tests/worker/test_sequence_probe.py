@@ -1,0 +1,122 @@
+"""Which outputs of a padded token model carry the sequence: seen by running it (`sequence_probe`), read by
+`padding.mask_spec`, and cut back by `padding.unpad_outputs`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from sits_worker.model import sequence_probe
+from sits_worker.model.graph import static_profile
+from sits_worker.model.padding import SEQUENCE_OUTPUTS_KEY, MaskSpec, mask_spec, pad_batch, unpad_outputs
+from sits_worker.model.sequence_probe import observe_sequence_outputs, probe_lengths
+from sits_worker.model.zoo import build_model
+from tests.onnx_models import token_model
+
+EXPORTER_DIMS = ["sequence", "Mullast_hidden_state_dim_1", None]  # the input's name, torch's own, unnamed
+CARRYING = [["last_hidden_state", 1], ["scores", 1], ["scores", 2]]
+CUT = (("last_hidden_state", 1), ("scores", 1), ("scores", 2))
+
+
+def _observed_profile(model: onnx.ModelProto) -> dict[str, Any]:
+    """The static profile as registration stores it: with the probe's `sequence_outputs`."""
+    profile = static_profile(model)
+    profile[SEQUENCE_OUTPUTS_KEY] = observe_sequence_outputs(model.SerializeToString(), profile)
+    return profile
+
+
+def _spec(profile: dict[str, Any]) -> MaskSpec:
+    spec = mask_spec(profile)
+    assert spec is not None
+    return spec
+
+
+@pytest.mark.parametrize("dim", EXPORTER_DIMS)
+def test_outputs_that_follow_the_sequence_length_are_found_however_their_dims_are_named(dim: str | None) -> None:
+    model = token_model(output_sequence_dim=dim)
+    assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) == CARRYING
+    assert _spec(_observed_profile(model)).sequence_outputs == CUT
+
+
+def test_records_without_observed_outputs_keep_matching_output_dims_by_name() -> None:
+    """A record registered before the probe (or a model too large to run there) has no `sequence_outputs`:
+    dims named like the input's sequence dim are cut back, others not, as before."""
+    assert _spec(static_profile(token_model())).sequence_outputs == CUT
+    for dim in EXPORTER_DIMS[1:]:
+        assert _spec(static_profile(token_model(output_sequence_dim=dim))).sequence_outputs == ()
+
+
+@pytest.mark.parametrize("dim", EXPORTER_DIMS)
+def test_merged_requests_of_different_lengths_get_each_its_own_length_and_values(dim: str | None) -> None:
+    model = token_model(output_sequence_dim=dim)
+    spec = _spec(_observed_profile(model))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs()]
+    rng = np.random.default_rng(1)
+    requests = [{"input_ids": rng.integers(1, 50, (1, length), dtype=np.int64)} for length in (5, 8, 7, 3)]
+    feed, lengths = pad_batch(requests, spec)
+    padded = dict(zip(names, session.run(names, feed), strict=True))
+    for tensors, result in zip(requests, unpad_outputs(padded, lengths, [1] * 4, spec), strict=True):
+        ids = tensors["input_ids"]
+        alone = session.run(names, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+        for name, expected in zip(names, alone, strict=True):
+            assert result[name].shape == expected.shape, name
+            np.testing.assert_allclose(result[name], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_zoo_transformer_carries_the_sequence_in_no_output() -> None:
+    model = build_model("transformer")
+    assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) == []
+
+
+def test_models_that_are_not_run_get_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """None (name matching) for a model without a declared mask, one over the size the API loads, one
+    whose run fails, and one that takes no two different lengths."""
+    mlp = build_model("mlp")
+    assert observe_sequence_outputs(mlp.SerializeToString(), static_profile(mlp)) is None
+    model = token_model(output_sequence_dim=None)
+    serialized, profile = model.SerializeToString(), static_profile(model)
+    with monkeypatch.context() as patch:
+        patch.setattr(sequence_probe, "RUNTIME_CHECK_MAX_BYTES", len(serialized) - 1)
+        assert observe_sequence_outputs(serialized, profile) is None
+    with monkeypatch.context() as patch:
+        patch.setattr(sequence_probe, "probe_feed", lambda *args: {})  # ONNX Runtime refuses the run
+        assert observe_sequence_outputs(serialized, profile) is None
+    profile["metadata"]["sits.max_sequence"] = "1"
+    assert observe_sequence_outputs(serialized, profile) is None
+
+
+def test_probe_lengths_stay_within_the_declared_max_sequence() -> None:
+    assert probe_lengths(None) == probe_lengths(512) == probe_lengths(5) == (3, 5)
+    assert probe_lengths(4) == (3, 4) and probe_lengths(2) == (1, 2)
+    assert probe_lengths(1) is None
+
+
+def test_a_probe_run_that_outlasts_its_time_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Python exception cannot stop `session.run`; ONNX Runtime's terminate flag does, between nodes."""
+    model = token_model()
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["keep_in"], ["keep_out"]),
+         helper.make_node("Add", ["acc_in", "one"], ["acc_out"])],
+        "spin", [helper.make_tensor_value_info("step", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("keep_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("keep_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    model.graph.initializer.extend([helper.make_tensor("trips", TensorProto.INT64, [], [10**12]),
+                                    helper.make_tensor("keep", TensorProto.BOOL, [], [True]),
+                                    helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
+    model.graph.node.extend([helper.make_node("Loop", ["trips", "keep", "zero"], ["spun"], body=body),
+                             helper.make_node("Add", ["pooled", "spun"], ["pooled_spun"])])
+    model.graph.output.append(helper.make_tensor_value_info("pooled_spun", TensorProto.FLOAT, ["batch", 4]))
+    monkeypatch.setattr(sequence_probe, "PROBE_SECONDS", 0.3)
+    started = time.monotonic()
+    assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) is None
+    assert time.monotonic() - started < 10
