@@ -242,11 +242,16 @@ def sequence_axis(model: onnx.ModelProto) -> dict[str, Any] | None:
     first, so word ids win over token type ids) before one that does not, and never the attention
     mask that `sits.attention_mask` names while another input is left; otherwise the first in
     graph order. Graph order alone picked the mask of models that list it first.
+
+    An input with two or more dynamic axes after the batch (an image of any height and width, a
+    volume) carries no sequence: counting its rows' heights as tokens put a 64-pixel-high image in
+    the express lane for short requests and bounded image batches by `max_batch_tokens`. Such a
+    model is scheduled by rows, its requests merged only with those of the same shape.
     """
     candidates = []
     for value in true_inputs(model.graph):
         dynamic = [axis for axis, dim in enumerate(shape_of(value.type) or []) if axis > 0 and isinstance(dim, str)]
-        if dynamic:
+        if len(dynamic) == 1:
             candidates.append((value.name, dynamic[0]))
     if not candidates:
         return None

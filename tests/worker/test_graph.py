@@ -291,6 +291,20 @@ def test_the_sequence_axis_is_the_token_ids_even_when_the_mask_is_listed_first()
     assert sequence_axis(int_series_model()) == {"input": "x", "axis": 1}  # with nothing to prefer, the first
 
 
+def test_an_input_with_several_dynamic_axes_carries_no_sequence() -> None:
+    """An image of any height and width is scheduled by rows, not as height-many tokens; a series of
+    frames of one width ([batch, time, 80]) is a sequence."""
+    def model_of(shape: list[int | str]) -> onnx.ModelProto:
+        graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "m",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    assert sequence_axis(model_of(["batch", 3, "height", "width"])) is None
+    assert static_profile(model_of(["batch", 3, "height", "width"]))["sequence_axis"] is None
+    assert sequence_axis(model_of(["batch", "time", 80])) == {"input": "x", "axis": 1}
+
+
 def test_word_ids_are_preferred_over_other_inputs_that_index_a_smaller_table() -> None:
     """token_type_ids listed first index a table of 2 rows; input_ids the 50-row vocabulary."""
     model = token_model()
