@@ -21,6 +21,8 @@ def create_api_key(store: Store, name: str, role: str = "user") -> str:
     """Make and store a new key; the clear text is returned once and kept nowhere."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if not name.strip():  # the name is the tenant: what a key submits is owned by it
+        raise ValueError("a key needs a name: who it is for")
     key = "sits_" + secrets.token_urlsafe(24)
     with translate_redis_errors():
         store.client.hset(store.keys.api_keys, _digest(key), json.dumps({"name": name, "role": role}))
@@ -48,3 +50,15 @@ def require_role(identity: dict[str, Any], role: str) -> None:
     """Forbidden unless the caller has `role` (admins may do everything)."""
     if identity.get("role") != "admin" and identity.get("role") != role:
         raise Forbidden(f"this needs the '{role}' role; key '{identity.get('name')}' has '{identity.get('role')}'")
+
+
+def owns(identity: dict[str, Any], owner: str | None) -> bool:
+    """May the caller see and steer a job or request submitted under `owner`?
+
+    A key's name is its tenant: a `user` key owns what was submitted under its name, an `admin`
+    key everything. Records stored without an owner (`None` or '') belong to no user key, so only
+    admins see them.
+    """
+    if identity.get("role") == "admin":
+        return True
+    return bool(owner) and owner == identity.get("name")

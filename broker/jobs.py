@@ -213,6 +213,7 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
     for name in _JSON_FIELDS:
         job[name] = json.loads(raw[name]) if raw.get(name) else None
     job["error"] = raw.get("error") or None
+    job["owner"] = raw.get("owner") or None  # the submitting key's name; None for jobs stored without one
     job["workers"] = {name[2:]: int(count) for name, count in raw.items() if name.startswith("w:")}
     for name in job["workers"]:
         job.pop("w:" + name)
@@ -233,27 +234,71 @@ def with_rates(job: dict[str, Any], *, now: float) -> dict[str, Any]:
     return job
 
 
+def job_not_found(job_id: str) -> JobNotFound:
+    """The error for an unknown job id; the API answers the same for another tenant's job, so that
+    a caller cannot tell the two apart."""
+    return JobNotFound(f"no job with id '{job_id}'; list jobs with GET /v1/jobs or `sitsctl job list`")
+
+
 def get_job(store: Store, job_id: str, *, now: float) -> dict[str, Any]:
     """The job as JSON-ready values; JobNotFound when there is none."""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.job(job_id))
     if not raw:
-        raise JobNotFound(f"no job with id '{job_id}'; list jobs with GET /v1/jobs or `sitsctl job list`")
+        raise job_not_found(job_id)
     return with_rates(decode_job(raw), now=now)
 
 
-def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None) -> list[dict[str, Any]]:
-    """The newest jobs first, optionally only those with `status`."""
+LIST_SCAN_PAGE = 500
+"""Job ids `list_jobs` reads from the index per round trip while it looks for matches."""
+
+
+def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None,
+              owner: str | None = None) -> list[dict[str, Any]]:
+    """The newest `limit` jobs, newest first, optionally only those with `status` and of `owner`.
+
+    There is no index per owner (jobs have recorded their owner since the first release, so
+    one added now would miss every job stored before it): with a filter, the `jobs` index is
+    walked newest first in pages of `LIST_SCAN_PAGE`, reading only each job's status and owner,
+    until `limit` jobs match. The answer is exactly the newest `limit` matching jobs; the cost
+    grows with the jobs newer than the last one listed (every job, when fewer than `limit` match).
+    """
     with translate_redis_errors():
-        ids = store.client.zrevrange(store.keys.jobs, 0, -1 if status else limit - 1)
+        if status is None and owner is None:
+            ids = store.client.zrevrange(store.keys.jobs, 0, limit - 1)
+        else:
+            ids = _matching_job_ids(store, limit=limit, status=status, owner=owner)
         pipe = store.client.pipeline(transaction=False)
         for job_id in ids:
             pipe.hgetall(store.keys.job(job_id))
         raws = pipe.execute()
-    jobs = [with_rates(decode_job(raw), now=now) for raw in raws if raw]
-    if status:
-        jobs = [job for job in jobs if job["status"] == status]
-    return jobs[:limit]
+    # filtered again: a job's status may have changed since its match was read
+    return [with_rates(decode_job(raw), now=now) for raw in raws
+            if raw and _matches(raw.get("status"), raw.get("owner"), status, owner)]
+
+
+def _matching_job_ids(store: Store, *, limit: int, status: str | None, owner: str | None) -> list[str]:
+    matched: list[str] = []
+    seen: set[str] = set()  # jobs created meanwhile shift the ranks, so a page may repeat ids
+    start = 0
+    while len(matched) < limit:
+        ids = store.client.zrevrange(store.keys.jobs, start, start + LIST_SCAN_PAGE - 1)
+        if not ids:
+            break
+        start += len(ids)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(store.keys.job(job_id), ["status", "owner"])
+        for job_id, (job_status, job_owner) in zip(ids, pipe.execute(), strict=True):
+            if job_id not in seen and _matches(job_status, job_owner, status, owner):
+                matched.append(job_id)
+            seen.add(job_id)
+    return matched[:limit]
+
+
+def _matches(job_status: str | None, job_owner: str | None, status: str | None, owner: str | None) -> bool:
+    return (job_status is not None and (status is None or job_status == status)
+            and (owner is None or job_owner == owner))
 
 
 def count_jobs_by_status(store: Store) -> dict[str, int]:
@@ -281,7 +326,7 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, 
         raw = store.client.hmget(store.keys.job(job_id), ["model_ref", "chunks_total"])
     model_ref, chunks_total = raw
     if model_ref is None:
-        raise JobNotFound(f"no job with id '{job_id}'")
+        raise job_not_found(job_id)
     item_ids = [chunk_item_id(job_id, i) for i in range(int(chunks_total))] + [finalize_item_id(job_id)]
     keys = store.keys
     with translate_redis_errors():

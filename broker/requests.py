@@ -170,8 +170,14 @@ def get_request(store: Store, request_id: str) -> dict[str, Any]:
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.request(request_id))
     if not raw:
-        raise NotFound(f"no request with id '{request_id}' (results are kept for a limited time)")
+        raise request_not_found(request_id)
     return _record(raw)
+
+
+def request_not_found(request_id: str) -> NotFound:
+    """The error for an unknown or expired request id; the API answers the same for another
+    tenant's request, so that a caller cannot tell the two apart."""
+    return NotFound(f"no request with id '{request_id}' (results are kept for a limited time)")
 
 
 def _record(raw: Mapping[str, str]) -> dict[str, Any]:
@@ -181,6 +187,7 @@ def _record(raw: Mapping[str, str]) -> dict[str, Any]:
         "model": raw["model"],
         "model_version": raw["model_version"],
         "status": raw["status"],
+        "owner": raw.get("owner") or None,  # the submitting key's name; None for requests stored without one
         "rows": int(raw["rows"]),
         "created_at": float(raw["created_at"]),
         "finished_at": float(raw["finished_at"]) if raw.get("finished_at") else None,

@@ -17,9 +17,9 @@ from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
 from broker import jobs, policy, queues, registry, requests, workers
-from broker.apikeys import authenticate, require_role
+from broker.apikeys import authenticate, owns, require_role
 from broker.config import Settings
-from broker.errors import BadInput, PayloadTooLarge, SitsError
+from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
 from broker.store import Store
 from sits_api import online, services
 from sits_api.dispatch import Dispatcher
@@ -118,6 +118,19 @@ def _authenticate() -> None:
     known[key] = (time.monotonic(), g.identity)
 
 
+def _visible_to_caller(record: dict[str, Any], not_found: SitsError) -> dict[str, Any]:
+    """`record` (a job or a request) if the caller's key owns it (`apikeys.owns`), else `not_found`:
+    the very error an unknown id gets, so that no tenant learns that another's ids exist."""
+    if not owns(g.identity, record["owner"]):
+        raise not_found
+    return record
+
+
+def _caller_job(job_id: str) -> dict[str, Any]:
+    """The job `job_id`, if the caller may see and steer it; JobNotFound otherwise."""
+    return _visible_to_caller(jobs.get_job(_ctx()["store"], job_id, now=time.time()), jobs.job_not_found(job_id))
+
+
 # --- health -------------------------------------------------------------------------
 
 
@@ -148,10 +161,14 @@ def openapi() -> Any:
 
 @api.get("/v1/status")
 def status() -> Any:
-    """The whole system at a glance: workers, queue depths, jobs by status."""
+    """The whole system at a glance: workers, queue depths, jobs by status.
+
+    Counts only, no job or request ids or owners, so any key may read it; the Redis URL (which
+    may carry Redis's password) only an admin key.
+    """
     ctx = _ctx()
     store, settings, now = ctx["store"], ctx["settings"], time.time()
-    return jsonify({
+    overview = {
         "api_url": settings.api.public_url(),
         "redis_url": settings.redis.url,
         "policy": settings.scheduler.policy,
@@ -159,7 +176,10 @@ def status() -> Any:
         "queues": queues.queue_depths(store),
         "tickets": queues.ticket_count(store),
         "jobs": jobs.count_jobs_by_status(store),
-    })
+    }
+    if g.identity.get("role") != "admin":
+        del overview["redis_url"]
+    return jsonify(overview)
 
 
 # --- models -------------------------------------------------------------------------
@@ -207,7 +227,11 @@ def submit_job() -> Any:
 
 @api.get("/v1/jobs")
 def list_jobs() -> Any:
-    """Newest jobs first; `?status=` filters, `?limit=` bounds (default 100)."""
+    """Newest jobs first; `?status=` filters, `?limit=` bounds (default 100).
+
+    A user key lists only its own jobs (naming another `?owner=` is a 403); an admin key lists
+    every job, jobs stored without an owner included, or with `?owner=` those of one key name.
+    """
     try:
         limit = int(request.args.get("limit", 100))
     except ValueError as err:
@@ -217,19 +241,30 @@ def list_jobs() -> Any:
     status_filter = request.args.get("status") or None
     if status_filter and status_filter not in jobs.ACTIVE_STATUSES + jobs.FINAL_STATUSES:
         raise BadInput(f"status must be one of {', '.join(jobs.ACTIVE_STATUSES + jobs.FINAL_STATUSES)}")
-    return jsonify({"jobs": jobs.list_jobs(_ctx()["store"], now=time.time(), limit=limit, status=status_filter)})
+    owner = request.args.get("owner")
+    if owner is not None and not owner.strip():
+        raise BadInput("owner must be the name of an API key, e.g. ?owner=alice; leave it out for every job")
+    if g.identity.get("role") != "admin":
+        if owner not in (None, g.identity["name"]):
+            raise Forbidden(f"key '{g.identity['name']}' may list only its own jobs; leave out owner= "
+                            "(an admin key may name any owner)")
+        owner = g.identity["name"]
+    listed = jobs.list_jobs(_ctx()["store"], now=time.time(), limit=limit, status=status_filter, owner=owner)
+    # `owns` decides; the owner filter above only spares reading other tenants' jobs
+    return jsonify({"jobs": [job for job in listed if owns(g.identity, job["owner"])]})
 
 
 @api.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> Any:
     """One job with progress, throughput and ETA."""
-    return jsonify(jobs.get_job(_ctx()["store"], job_id, now=time.time()))
+    return jsonify(_caller_job(job_id))
 
 
 @api.delete("/v1/jobs/<job_id>")
 def cancel_job(job_id: str) -> Any:
     """Cancel a job: its waiting chunks leave the queue; a finished job keeps its status."""
     store = _ctx()["store"]
+    _caller_job(job_id)
     jobs.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
     return jsonify(jobs.get_job(store, job_id, now=time.time()))
 
@@ -238,6 +273,7 @@ def cancel_job(job_id: str) -> Any:
 def resume_job(job_id: str) -> Any:
     """Re-queue only the chunks of a job that are not done."""
     ctx = _ctx()
+    _caller_job(job_id)
     job = services.resume_job(ctx["settings"], ctx["store"], ctx["dispatcher"], job_id, now=time.time())
     return jsonify(job), 202
 
@@ -276,8 +312,10 @@ def submit_request() -> Any:
 
 @api.get("/v1/requests/<request_id>")
 def get_request(request_id: str) -> Any:
-    """A request's status and, once done, its outputs."""
-    return jsonify(online.to_json_result(requests.get_request(_ctx()["store"], request_id)))
+    """A request's status and, once done, its outputs (to the key that submitted it, or an admin)."""
+    record = _visible_to_caller(requests.get_request(_ctx()["store"], request_id),
+                                requests.request_not_found(request_id))
+    return jsonify(online.to_json_result(record))
 
 
 @api.put("/v1/policy")

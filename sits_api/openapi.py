@@ -32,6 +32,8 @@ def openapi_document() -> dict[str, Any]:
         return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
 
     binary = {"schema": {"type": "string", "format": "binary"}}
+    owned = ("A user key sees only what it submitted: another key's answers 404, as an unknown id does; "
+             "an admin key sees everything.")
     v2_infer_responses = _responses(200, 400, 401, 404, 413, 415, 504)
     v2_infer_responses["200"]["content"]["application/octet-stream"] = binary
     v2_infer = {"summary": "Open Inference Protocol (KServe v2) inference; parameters.priority, .timeout (us)",
@@ -86,16 +88,21 @@ def openapi_document() -> dict[str, Any]:
             "/v1/models/{ref}": {"get": {"summary": "one model", "parameters": model_ref,
                                          "responses": _responses(200, 401, 404)}},
             "/v1/jobs": {
-                "get": {"summary": "list jobs", "responses": _responses(200, 401),
+                "get": {"summary": "list jobs: a user key its own, an admin key all (or one owner's)",
+                        "responses": _responses(200, 400, 401, 403),
                         "parameters": [{"name": "status", "in": "query", "schema": {"type": "string"}},
-                                       {"name": "limit", "in": "query", "schema": {"type": "integer"}}]},
+                                       {"name": "limit", "in": "query", "schema": {"type": "integer"}},
+                                       {"name": "owner", "in": "query", "schema": {"type": "string"},
+                                        "description": "key name whose jobs to list; a user key may "
+                                                       "name only itself (403 otherwise)"}]},
                 "post": {"summary": "submit an offline job", "requestBody": _body(JobSubmission),
                          "responses": _responses(201, 400, 401, 403, 404, 413, 415)},
             },
             "/v1/jobs/{job_id}": {
-                "get": {"summary": "job status and progress", "parameters": job_id,
+                "get": {"summary": "job status and progress", "description": owned, "parameters": job_id,
                         "responses": _responses(200, 401, 404)},
-                "delete": {"summary": "cancel a job", "parameters": job_id, "responses": _responses(200, 401, 404)},
+                "delete": {"summary": "cancel a job", "description": owned, "parameters": job_id,
+                           "responses": _responses(200, 401, 404)},
             },
             "/v1/requests": {
                 "post": {"summary": "one online inference request (202, or 200 with the result when waiting)",
@@ -104,7 +111,7 @@ def openapi_document() -> dict[str, Any]:
                          "responses": _responses(200, 202, 400, 401, 404, 413, 415)},
             },
             "/v1/requests/{request_id}": {
-                "get": {"summary": "a request's status and outputs",
+                "get": {"summary": "a request's status and outputs", "description": owned,
                         "parameters": [{"name": "request_id", "in": "path", "required": True,
                                         "schema": {"type": "string"}}],
                         "responses": _responses(200, 401, 404)},
@@ -117,7 +124,7 @@ def openapi_document() -> dict[str, Any]:
                         "responses": _responses(200, 400, 401, 403)},
             },
             "/v1/jobs/{job_id}/resume": {
-                "post": {"summary": "re-queue the unfinished chunks", "parameters": job_id,
+                "post": {"summary": "re-queue the unfinished chunks", "description": owned, "parameters": job_id,
                          "responses": _responses(202, 400, 401, 404, 409)},
             },
             **v2_paths,

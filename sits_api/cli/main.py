@@ -163,7 +163,8 @@ def key() -> None:
 
 
 @key.command("create")
-@click.option("--name", required=True, callback=non_empty, help="who the key is for")
+@click.option("--name", required=True, callback=non_empty,
+              help="who the key is for (its tenant: a user key sees only what keys of this name submit)")
 @click.option("--role", type=click.Choice(["admin", "user"]), default="user", show_default=True)
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
 def key_create(name: str, role: str, config_path: Path | None) -> None:
@@ -331,17 +332,20 @@ def job_status(job_id: str, as_json: bool) -> None:
 
 @job.command("list")
 @click.option("--status", "status_filter", default=None)
+@click.option("--owner", default=None, help="only the jobs submitted with keys of this name (needs an admin key)")
 @click.option("--json", "as_json", is_flag=True)
-def job_list(status_filter: str | None, as_json: bool) -> None:
-    """Newest jobs first."""
-    path = "/v1/jobs" + (f"?{urlencode({'status': status_filter})}" if status_filter else "")
+def job_list(status_filter: str | None, owner: str | None, as_json: bool) -> None:
+    """Newest jobs first (a user key sees only its own)."""
+    query = {name: value for name, value in (("status", status_filter), ("owner", owner)) if value is not None}
+    path = "/v1/jobs" + (f"?{urlencode(query)}" if query else "")
     data = _client().get(path)
     if as_json:
         _print_json(data)
         return
-    table = Table("id", "model", "status", "rows", "chunks", "rows/s", "output")
+    table = Table("id", "model", "status", "owner", "rows", "chunks", "rows/s", "output")
     for item in data["jobs"]:
-        table.add_row(item["id"], item["model"], item["status"], f"{item['rows_done']:,}/{item['rows_total']:,}",
+        table.add_row(item["id"], item["model"], item["status"], item.get("owner") or "-",
+                      f"{item['rows_done']:,}/{item['rows_total']:,}",
                       f"{item['chunks_done']}/{item['chunks_total']}", f"{item['rows_per_second']:,.0f}",
                       item["output_dir"])
     console.print(table)

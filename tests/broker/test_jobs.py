@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Any
 
 import pytest
 from broker_helpers import MODEL_REF, NOW, ack, done_chunks, inflight_deadlines, job_field, job_spec, ready_ids
@@ -136,6 +138,27 @@ def test_list_jobs_is_newest_first_and_filters_by_status(store: Store) -> None:
     assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, status="cancelled")] == ["jmid"]
     assert jobs.list_jobs(store, now=NOW + 10, status="failed") == []
     assert jobs.count_jobs_by_status(store) == {"queued": 2, "cancelled": 1}
+
+
+def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jobs, "LIST_SCAN_PAGE", 2)  # the owner's jobs lie several pages down the index
+    owners = ["bob", "alice", "bob", "bob", "alice", "bob", "bob", ""]
+    for i, owner in enumerate(owners):
+        spec = dataclasses.replace(job_spec(f"j{i}", rows_total=1, chunk_size=1), owner=owner)
+        jobs.create_job(store, spec, now=NOW + i)
+    jobs.stop_job(store, "j4", status="cancelled", error="", now=NOW + 10)
+
+    def listed(**filters: Any) -> list[str]:
+        return [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, **filters)]
+
+    assert listed(owner="alice") == ["j4", "j1"]
+    assert listed(owner="alice", limit=1) == ["j4"]
+    assert listed(owner="alice", status="queued") == ["j1"]
+    assert listed(owner="carol") == []
+    assert listed(limit=1) == ["j7"]  # no filter: every job, the ownerless one included
+    assert jobs.get_job(store, "j7", now=NOW)["owner"] is None
+    assert jobs.get_job(store, "j1", now=NOW)["owner"] == "alice"
 
 
 # --- cancel ---------------------------------------------------------------------------------------
