@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from broker import requests as broker_requests  # noqa: E402
 from broker.config import Settings  # noqa: E402
+from broker.embedded import free_port  # noqa: E402
 from broker.requests import encode_array  # noqa: E402
 from sits_api.cli.stack import Stack, api_command  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
@@ -305,9 +306,7 @@ def stop_process(process: subprocess.Popen[bytes] | None) -> None:
 
 def rest_floor(requests: list[dict[str, list]], clients: int, seconds: float, model: str) -> dict[str, Any]:
     """Closed loop against benchmarks/rest_floor.py under the API's gunicorn settings: what REST alone costs."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     settings = Settings().with_overrides(api={"host": "127.0.0.1", "port": port})
     server = subprocess.Popen(api_command(settings, app="benchmarks.rest_floor:app"), cwd=ROOT,
                               stdin=subprocess.DEVNULL, start_new_session=True)
