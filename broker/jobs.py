@@ -17,6 +17,7 @@ from typing import Any
 
 from redis.exceptions import WatchError
 
+from broker.apikeys import owns
 from broker.errors import Conflict, JobNotFound
 from broker.queues import LeasedItem
 from broker.scoring import Factors, Ordering, Weights, check_level, queue_key
@@ -154,8 +155,9 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
                         spec.batch_size))
 
 
-def claim_output_dir(store: Store, output_dir: str, job_id: str) -> None:
-    """Make `job_id` the job that writes into `output_dir`; Conflict while another active job holds it.
+def claim_output_dir(store: Store, output_dir: str, job_id: str, *, caller: dict[str, Any]) -> None:
+    """Make `job_id` the job that writes into `output_dir`; Conflict while another active job holds it,
+    naming that job only if the `caller` API key may see it (`apikeys.owns`).
 
     Two jobs submitted into one folder at once would both pass a check made before either exists,
     run every row, and all but one fail at their merge. The claim is atomic (WATCH on the claims),
@@ -169,18 +171,27 @@ def claim_output_dir(store: Store, output_dir: str, job_id: str) -> None:
         while True:
             try:
                 pipe.watch(key)
-                owner = pipe.hget(key, output_dir)
-                if owner and owner != job_id:
-                    status = pipe.hget(store.keys.job(owner), "status")
+                holder = pipe.hget(key, output_dir)
+                if holder and holder != job_id:
+                    status, holder_owner = pipe.hmget(store.keys.job(holder), ["status", "owner"])
                     if status in ACTIVE_STATUSES:
-                        raise Conflict(f"output_dir {output_dir} is in use by job {owner} ({status}); "
-                                       f"choose another folder or cancel {owner} first")
+                        if owns(caller, holder_owner):
+                            raise Conflict(f"output_dir {output_dir} is in use by job {holder} ({status}); "
+                                           f"choose another folder or cancel {holder} first")
+                        raise Conflict(f"output_dir {output_dir} is in use by another tenant's active job; "
+                                       "choose another folder")
                 pipe.multi()
                 pipe.hset(key, output_dir, job_id)
                 pipe.execute()
                 return
             except WatchError:
                 continue
+
+
+def job_owner(store: Store, job_id: str) -> str | None:
+    """The name of the API key that submitted `job_id`; None for a job stored without one, or no such job."""
+    with translate_redis_errors():
+        return store.client.hget(store.keys.job(job_id), "owner") or None
 
 
 def holds_output_dir(store: Store, output_dir: str, job_id: str) -> bool:

@@ -114,6 +114,11 @@ class Keys:
         return self._key("model-latest")
 
     @property
+    def model_owners(self) -> str:
+        """HASH model name -> name of the API key (the tenant) that registered it first (`registry`)."""
+        return self._key("model-owners")
+
+    @property
     def workers(self) -> str:
         """HASH worker name -> JSON heartbeat (device, streams, pid, last_heartbeat)."""
         return self._key("workers")

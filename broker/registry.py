@@ -5,6 +5,11 @@ file makes a new version while old ones stay addressable as `name@version`;
 a bare `name` means the newest registered version. The record is a JSON
 object (path of the stored copy, static profile, measured profile, fusion
 result) written by the API and completed by the workers' profiler task.
+
+A name belongs to the tenant (API key name) that registered it first
+(`model-owners`): only that tenant's keys and admins add versions under it,
+so no one can change what another's jobs and requests get when they name
+only the model. Using a model stays open to every key.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from typing import Any
 
 import redis
 
-from broker.errors import BadInput, ModelNotFound
+from broker.apikeys import owns
+from broker.errors import BadInput, Forbidden, ModelNotFound
 from broker.store import Store, translate_redis_errors
 
 
@@ -29,15 +35,64 @@ def split_model_ref(ref: str) -> tuple[str, str | None]:
     return name, version or None
 
 
-def save_model_version(store: Store, record: dict[str, Any], *, make_latest: bool = True) -> None:
-    """Store a model version record (keys `name` and `version` required)."""
-    ref = f"{record['name']}@{record['version']}"
+def check_may_register(store: Store, name: str, registrant: dict[str, Any]) -> None:
+    """Forbidden unless the API key `registrant` may add a version under model name `name`.
+
+    Read at once, so that a refused registration costs no validation and stores no copy;
+    `save_model_version` checks again in the transaction that writes.
+    """
     with translate_redis_errors():
-        pipe = store.client.pipeline(transaction=True)
-        pipe.hset(store.keys.model_versions, ref, json.dumps(record))
-        if make_latest:
-            pipe.hset(store.keys.model_latest, record["name"], record["version"])
-        pipe.execute()
+        pipe = store.client.pipeline(transaction=False)
+        pipe.hget(store.keys.model_owners, name)
+        pipe.hexists(store.keys.model_latest, name)
+        owner, has_versions = pipe.execute()
+    _refuse_a_name_of_another(registrant, name, owner=owner, registered=owner is not None or bool(has_versions))
+
+
+def _refuse_a_name_of_another(registrant: dict[str, Any], name: str, *, owner: str | None, registered: bool) -> None:
+    """A new name is free to any key; a registered one takes versions from keys that own it (`apikeys.owns`:
+    its tenant's keys and admins), one registered before names had owners from admins only. The message
+    names no tenant: only a user key is ever refused."""
+    if not registered or owns(registrant, owner):
+        return
+    if owner:
+        raise Forbidden(f"model name '{name}' is registered by another tenant; choose another name")
+    raise Forbidden(f"model name '{name}' was registered before model names had owners, so only an admin key "
+                    "may add versions to it; choose another name")
+
+
+def save_model_version(store: Store, record: dict[str, Any], *, make_latest: bool = True,
+                       registrant: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Store a model version record (keys `name` and `version` required); returns it as stored.
+
+    With `registrant`, the API key registering it, the name is checked and claimed in the transaction
+    that writes the version (WATCH on the names), so of keys registering one new name at once exactly
+    one gets it and the others are refused like any later one: a new name becomes the registrant's,
+    a registered one is Forbidden unless the registrant owns it. The record carries its name's
+    `owner`. Without a registrant (tests, tools), nothing is checked or claimed.
+    """
+    keys = store.keys
+    name = record["name"]
+    ref = f"{name}@{record['version']}"
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                if registrant is not None:
+                    pipe.watch(keys.model_owners, keys.model_latest)
+                    owner = pipe.hget(keys.model_owners, name)
+                    registered = owner is not None or bool(pipe.hexists(keys.model_latest, name))
+                    _refuse_a_name_of_another(registrant, name, owner=owner, registered=registered)
+                    record = record | {"owner": owner if registered else registrant["name"]}
+                    pipe.multi()
+                    if not registered:
+                        pipe.hset(keys.model_owners, name, registrant["name"])
+                pipe.hset(keys.model_versions, ref, json.dumps(record))
+                if make_latest:
+                    pipe.hset(keys.model_latest, name, record["version"])
+                pipe.execute()
+                return record
+            except redis.WatchError:
+                continue  # a name was claimed or a version saved meanwhile; check again
 
 
 FieldsOf = Callable[[dict[str, Any]], "dict[str, Any] | None"]
@@ -98,4 +153,5 @@ def list_model_versions(store: Store, name: str | None = None) -> list[dict[str,
         records = [record for record in records if record["name"] == name]
     for record in records:
         record["latest"] = latest.get(record["name"]) == record["version"]
+        record.setdefault("owner", None)  # saved before names had owners
     return sorted(records, key=lambda record: (record["name"], record.get("registered_at", 0)))

@@ -126,6 +126,14 @@ def _visible_to_caller(record: dict[str, Any], not_found: SitsError) -> dict[str
     return record
 
 
+def _model_as_seen(record: dict[str, Any]) -> dict[str, Any]:
+    """A model record with its name's `owner` as the caller may see it: to the owner's keys and admins
+    the tenant's name, to other user keys None (as for a name registered before names had owners),
+    so that no tenant learns another's name. Any key may use the model either way."""
+    owner = record.get("owner")
+    return record | {"owner": owner if owns(g.identity, owner) else None}
+
+
 def _caller_job(job_id: str) -> dict[str, Any]:
     """The job `job_id`, if the caller may see and steer it; JobNotFound otherwise."""
     return _visible_to_caller(jobs.get_job(_ctx()["store"], job_id, now=time.time()), jobs.job_not_found(job_id))
@@ -187,17 +195,19 @@ def status() -> Any:
 
 @api.post("/v1/models")
 def register_model() -> Any:
-    """Register an ONNX file (new version when its content changed)."""
+    """Register an ONNX file (new version when its content changed) under a name that is new or the
+    caller's tenant's (another tenant's is a 403)."""
     ctx = _ctx()
     body = _parse(ModelRegistration)
-    record = services.register_model(ctx["settings"], ctx["store"], ctx["dispatcher"], body, now=time.time())
+    record = services.register_model(ctx["settings"], ctx["store"], ctx["dispatcher"], body,
+                                     registrant=g.identity, now=time.time())
     return jsonify(record), 201
 
 
 @api.get("/v1/models")
 def list_models() -> Any:
-    """Every registered model version."""
-    return jsonify({"models": registry.list_model_versions(_ctx()["store"])})
+    """Every registered model version, with its name's `owner` (`_model_as_seen`); any key may use any model."""
+    return jsonify({"models": [_model_as_seen(record) for record in registry.list_model_versions(_ctx()["store"])]})
 
 
 @api.get("/v1/models/<ref>")
@@ -207,6 +217,7 @@ def get_model(ref: str) -> Any:
     ctx = _ctx()
     store = ctx["store"]
     record = registry.get_model(store, ref)
+    record = _model_as_seen(record)
     if "@" not in ref:
         record = record | {"versions": [v["version"] for v in registry.list_model_versions(store, record["name"])]}
     return jsonify(record | {"batching": services.model_batching(ctx["settings"], record).to_dict()})
@@ -221,7 +232,7 @@ def submit_job() -> Any:
     ctx = _ctx()
     body = _parse(JobSubmission)
     job = services.submit_job(ctx["settings"], ctx["store"], ctx["dispatcher"], body,
-                              owner=g.identity["name"], now=time.time())
+                              caller=g.identity, now=time.time())
     return jsonify(job), 201
 
 
@@ -274,7 +285,8 @@ def resume_job(job_id: str) -> Any:
     """Re-queue only the chunks of a job that are not done."""
     ctx = _ctx()
     _caller_job(job_id)
-    job = services.resume_job(ctx["settings"], ctx["store"], ctx["dispatcher"], job_id, now=time.time())
+    job = services.resume_job(ctx["settings"], ctx["store"], ctx["dispatcher"], job_id, caller=g.identity,
+                              now=time.time())
     return jsonify(job), 202
 
 

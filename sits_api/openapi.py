@@ -81,8 +81,13 @@ def openapi_document() -> dict[str, Any]:
                                 "responses": _responses(200, 503)}},
             "/v1/status": {"get": {"summary": "workers, queues, jobs by status", "responses": _responses(200, 401)}},
             "/v1/models": {
-                "get": {"summary": "list model versions", "responses": _responses(200, 401)},
+                "get": {"summary": "list model versions; owner: the name's tenant, to its keys and admins",
+                        "responses": _responses(200, 401)},
                 "post": {"summary": "register a model", "requestBody": _body(ModelRegistration),
+                         "description": "A new name becomes the tenant's (the key's name); a version under "
+                                        "another tenant's name is a 403, as is one under a name registered "
+                                        "before names had owners unless the key is an admin. Also 403: a "
+                                        "path outside the model roots.",
                          "responses": _responses(201, 400, 401, 403, 404, 422)},
             },
             "/v1/models/{ref}": {"get": {"summary": "one model", "parameters": model_ref,
@@ -96,7 +101,9 @@ def openapi_document() -> dict[str, Any]:
                                         "description": "key name whose jobs to list; a user key may "
                                                        "name only itself (403 otherwise)"}]},
                 "post": {"summary": "submit an offline job", "requestBody": _body(JobSubmission),
-                         "responses": _responses(201, 400, 401, 403, 404, 413, 415)},
+                         "description": "409 while an active job holds output_dir (named only to a key that "
+                                        "may see it) or when it holds a finished job's results.",
+                         "responses": _responses(201, 400, 401, 403, 404, 409, 413, 415)},
             },
             "/v1/jobs/{job_id}": {
                 "get": {"summary": "job status and progress", "description": owned, "parameters": job_id,

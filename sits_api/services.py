@@ -15,6 +15,7 @@ from typing import Any
 import onnx
 
 from broker import chunking, jobs, policy, registry, workers
+from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
 from broker.errors import BadInput, Conflict, ModelNotFound, PathNotAllowed, RetryableError
@@ -53,8 +54,12 @@ def model_batching(settings: Settings, record: dict[str, Any]) -> Batching:
 
 
 def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, body: ModelRegistration,
-                   *, now: float) -> dict[str, Any]:
+                   *, registrant: dict[str, Any], now: float) -> dict[str, Any]:
     """Validate an ONNX file, store a copy as a new version (content hash), profile it statically.
+
+    The name must be new or the `registrant` key's own (`registry.save_model_version`): another
+    tenant's name is Forbidden (403), before the file is read, even for a file identical to a
+    version it has, since registering rewrites that version's record (source path, profiling).
 
     A model that could never serve a request is refused (InvalidModel, 422) before anything is
     stored: one the ONNX checker's strict type inference rejects, one SITS cannot feed or carry
@@ -65,6 +70,7 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     task, since only a worker has ONNX Runtime and the device to measure on;
     the record's `profile_status` says `pending` until the task is done.
     """
+    registry.check_may_register(store, body.name, registrant)
     source = resolve_inside(body.path, settings.paths.model_roots, "model")
     model = load_model_checked(source, settings.paths.model_roots)
     check_servable(model)
@@ -95,7 +101,7 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
         "registered_at": (existing or {}).get("registered_at", now),
         "profile_status": "pending" if needs_worker else (existing or {}).get("profile_status", "static"),
     }
-    registry.save_model_version(store, record)
+    record = registry.save_model_version(store, record, registrant=registrant)
     if needs_worker:
         dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion)
     return record
@@ -123,8 +129,9 @@ def _store_copy(model: onnx.ModelProto, folder: Path) -> Path:
 
 
 def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: JobSubmission, *,
-               owner: str, now: float) -> dict[str, Any]:
-    """Validate a job against its model's signature, queue its chunks and wake the workers."""
+               caller: dict[str, Any], now: float) -> dict[str, Any]:
+    """Validate a job against its model's signature, queue its chunks and wake the workers; the job
+    belongs to the `caller` key's name."""
     model = registry.get_model(store, body.model)
     input_path = resolve_inside(body.input_batch, settings.paths.input_roots, "input")
     output_dir = resolve_inside(body.output_dir, settings.paths.output_roots, "output")
@@ -159,11 +166,11 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         chunk_size=_chunk_size(settings, store, model, body.chunk_size, rows=rows, batch_size=batch_size, now=now),
         batch_size=batch_size,
         priority=body.priority,
-        owner=owner,
+        owner=caller["name"],
         input_options={k: v for k, v in input_options.items() if v is not None},
     )
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
-    jobs.claim_output_dir(store, spec.output_dir, spec.job_id)
+    jobs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
     jobs.create_job(store, spec, now=now, weights=weights, ordering=ordering)
     _keep_output_dir_or_stop(store, spec.job_id, spec.output_dir, now=now)
     dispatcher.wake_workers()
@@ -215,8 +222,10 @@ def _refuse_finished_output_dir(output_dir: Path) -> None:
                        "choose an empty folder or remove those results first")
 
 
-def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, now: float) -> dict[str, Any]:
-    """Re-queue a job's unfinished chunks after checking its input and model are still the same."""
+def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, caller: dict[str, Any],
+               now: float) -> dict[str, Any]:
+    """Re-queue a job's unfinished chunks after checking its input and model are still the same; a
+    conflict over its folder names the other job only if the `caller` key may see it."""
     job = jobs.get_job(store, job_id, now=now)
     registry.get_model(store, job["model_ref"])
     input_path = Path(job["input_batch"])
@@ -228,9 +237,11 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
     manifest = read_manifest(Path(job["output_dir"]))
     if manifest is not None and manifest.get("job") != job_id:
-        raise Conflict(f"output_dir {job['output_dir']} now holds the results of job {manifest.get('job')}; "
+        other = manifest.get("job")
+        named = f"job {other}" if owns(caller, jobs.job_owner(store, str(other))) else "another job"
+        raise Conflict(f"output_dir {job['output_dir']} now holds the results of {named}; "
                        "submit this job again into another folder")
-    jobs.claim_output_dir(store, job["output_dir"], job_id)  # another job may have taken it meanwhile
+    jobs.claim_output_dir(store, job["output_dir"], job_id, caller=caller)  # another job may have taken it
     jobs.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity)
     _keep_output_dir_or_stop(store, job_id, job["output_dir"], now=now)
     dispatcher.wake_workers()

@@ -217,7 +217,10 @@ def model() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def model_register(name: str, model_path: Path, profile_mode: str, enable_fusion: bool, no_wait: bool,
                    as_json: bool) -> None:
-    """Register an ONNX file; its version is its content hash."""
+    """Register an ONNX file; its version is its content hash.
+
+    A new name becomes your key's tenant's: only its keys and admin keys add versions to it.
+    """
     client = _client()
     record = client.post("/v1/models", {"name": name, "path": str(model_path.resolve()),
                                         "profile_mode": profile_mode, "enable_fusion": enable_fusion})
@@ -248,11 +251,11 @@ def model_register(name: str, model_path: Path, profile_mode: str, enable_fusion
 @model.command("list")
 def model_list() -> None:
     """Every registered model version."""
-    table = Table("name", "version", "latest", "profile", "inputs")
+    table = Table("name", "version", "latest", "owner", "profile", "inputs")
     for record in _client().get("/v1/models")["models"]:
         inputs = ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in record["signature"]["inputs"])
         table.add_row(record["name"], record["version"], "yes" if record["latest"] else "",
-                      record["profile_status"], inputs)
+                      record.get("owner") or "-", record["profile_status"], inputs)
     console.print(table)
 
 

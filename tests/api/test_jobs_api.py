@@ -612,7 +612,7 @@ def test_of_jobs_racing_for_one_folder_only_the_last_to_claim_it_stays(
     create_job = jobs.create_job
 
     def another_claims_first(store_: Any, spec: Any, **kwargs: Any) -> None:
-        jobs.claim_output_dir(store_, out, "job-claiming-meanwhile")
+        jobs.claim_output_dir(store_, out, "job-claiming-meanwhile", caller={"name": "test", "role": "admin"})
         create_job(store_, spec, **kwargs)
 
     monkeypatch.setattr(jobs, "create_job", another_claims_first)

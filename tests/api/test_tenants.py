@@ -2,7 +2,9 @@
 
 Another tenant's job or request answers 404 with the very message an unknown id gets (nothing
 tells that it exists), and changes nothing in Redis; records stored without an owner (before
-owners were checked) are an admin's alone.
+owners were checked) are an admin's alone. A 409 over an output folder names the job holding it
+only to a key that may see it. Models are shared, but a model name is its first registrant's:
+another tenant's new version under it would change what the owner's bare name runs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 from api_helpers import Api, error_of
 from click.testing import CliRunner
@@ -25,6 +28,7 @@ from broker import requests
 from broker.apikeys import create_api_key, owns
 from broker.store import Store
 from sits_api.cli.main import cli
+from sits_worker.model.zoo import build_model
 
 
 @pytest.fixture
@@ -223,6 +227,132 @@ def test_a_request_s_outputs_are_read_by_its_submitter_and_admins_only(
                                      request_id, "rnope")
 
 
+# --- output folders held by another tenant's job ------------------------------------------------
+
+
+def test_a_folder_held_by_another_tenant_s_active_job_answers_409_without_naming_that_job(
+        api: Api, alice: Api, bob: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    held = submit_job(alice, mlp_input, tmp_path / "out")
+    body = {"model": "mlp", "input_batch": str(mlp_input), "output_dir": str(tmp_path / "out")}
+
+    refused = bob.post("/v1/jobs", json=body)
+
+    assert refused.status_code == 409
+    assert error_of(refused) == (f"output_dir {(tmp_path / 'out').resolve()} is in use by another tenant's "
+                                 "active job; choose another folder")
+    assert held["id"] not in refused.text and "alice" not in refused.text
+    for caller in (alice, api):  # the job's own tenant, and an admin, are told which job and how to free it
+        response = caller.post("/v1/jobs", json=body)
+        assert response.status_code == 409 and f"in use by job {held['id']} (queued)" in error_of(response)
+        assert f"cancel {held['id']} first" in error_of(response)
+
+
+def test_resuming_into_a_folder_another_tenant_s_job_took_answers_409_without_naming_it(
+        api: Api, alice: Api, bob: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    bobs = submit_job(bob, mlp_input, tmp_path / "out")
+    bob.delete(f"/v1/jobs/{bobs['id']}")
+    alices = submit_job(alice, mlp_input, tmp_path / "out")  # bob's is no longer active: the folder is free
+
+    while_active = bob.post(f"/v1/jobs/{bobs['id']}/resume")
+    alice.delete(f"/v1/jobs/{alices['id']}")  # and once the folder holds her job's results
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"job": alices["id"]}))
+    with_results = bob.post(f"/v1/jobs/{bobs['id']}/resume")
+
+    assert while_active.status_code == 409 and "in use by another tenant's active job" in error_of(while_active)
+    assert with_results.status_code == 409
+    assert "now holds the results of another job; submit this job again" in error_of(with_results)
+    assert all(alices["id"] not in r.text and "alice" not in r.text for r in (while_active, with_results))
+    by_admin = api.post(f"/v1/jobs/{bobs['id']}/resume")
+    assert by_admin.status_code == 409 and f"results of job {alices['id']}" in error_of(by_admin)
+
+
+# --- model names -----------------------------------------------------------------------------------
+
+
+def mlp_file(tmp_path: Path, seed: int) -> Path:
+    """An MLP file; another seed is another version."""
+    path = tmp_path / "models" / f"mlp-{seed}.onnx"
+    path.parent.mkdir(exist_ok=True)
+    if not path.exists():
+        onnx.save(build_model("mlp", seed=seed), str(path))
+    return path
+
+
+def register(api: Api, name: str, path: Path) -> Any:
+    return api.post("/v1/models", json={"name": name, "path": str(path)})
+
+
+def test_a_new_model_name_becomes_its_tenant_s_and_every_model_record_shows_the_owner(
+        api: Api, alice: Api, bob: Api, tmp_path: Path) -> None:
+    first = register(alice, "scorer", mlp_file(tmp_path, 0))
+    newer = register(alice, "scorer", mlp_file(tmp_path, 1))
+    by_admin = register(api, "scorer", mlp_file(tmp_path, 2))  # admins may add versions to any name
+
+    for response in (first, newer, by_admin):
+        assert response.status_code == 201, error_of(response)
+        assert response.get_json()["owner"] == "alice"
+    for caller in (alice, api):
+        assert [(m["owner"], m["latest"]) for m in caller.get("/v1/models").get_json()["models"]] == [
+            ("alice", False), ("alice", False), ("alice", True)]
+        assert caller.get(f"/v1/models/scorer@{first.get_json()['version']}").get_json()["owner"] == "alice"
+    # another user key uses the model, but is not told whose name it is
+    listed, newest = bob.get("/v1/models"), bob.get("/v1/models/scorer")
+    assert [m["owner"] for m in listed.get_json()["models"]] == [None, None, None]
+    assert newest.get_json()["owner"] is None and newest.get_json()["version"] == by_admin.get_json()["version"]
+    assert "alice" not in listed.text and "alice" not in newest.text
+
+
+def test_another_tenant_s_version_under_a_taken_name_answers_403_without_naming_it_and_changes_nothing(
+        alice: Api, bob: Api, store: Store, settings: Any, tmp_path: Path) -> None:
+    """The very file the owner registered is refused too: registering rewrites the version's record
+    (its source path, profiling), which is the owner's to change."""
+    mine = register(alice, "scorer", mlp_file(tmp_path, 0)).get_json()
+    before = (store.client.hgetall(store.keys.model_versions), store.client.hgetall(store.keys.model_latest))
+
+    for path in (mlp_file(tmp_path, 1), mlp_file(tmp_path, 0)):  # a new version, and alice's very file
+        response = register(bob, "scorer", path)
+        assert response.status_code == 403 and response.get_json()["code"] == "forbidden"
+        assert error_of(response) == "model name 'scorer' is registered by another tenant; choose another name"
+        assert "alice" not in response.text
+
+    assert (store.client.hgetall(store.keys.model_versions), store.client.hgetall(store.keys.model_latest)) == before
+    assert [folder.name for folder in (settings.paths.store() / "scorer").iterdir()] == [mine["version"]]
+    assert register(bob, "bob-scorer", mlp_file(tmp_path, 1)).get_json()["owner"] == "bob"
+
+
+def test_models_stay_shared_another_tenant_runs_a_model_by_its_name(
+        alice: Api, bob: Api, mlp_input: Path, tmp_path: Path) -> None:
+    register(alice, "scorer", mlp_file(tmp_path, 0))
+
+    request = bob.post("/v1/requests", json={"model": "scorer", "inputs": {"features": [[0.5] * 64]}})
+    job = bob.post("/v1/jobs", json={"model": "scorer", "input_batch": str(mlp_input),
+                                     "output_dir": str(tmp_path / "out")})
+
+    assert request.status_code == 202, error_of(request)
+    assert job.status_code == 201 and job.get_json()["owner"] == "bob", error_of(job)
+    assert bob.get("/v2/models/scorer").status_code == 200
+
+
+def test_a_model_name_registered_before_names_had_owners_takes_versions_from_admin_keys_only(
+        api: Api, alice: Api, store: Store, tmp_path: Path) -> None:
+    legacy = register(api, "legacy", mlp_file(tmp_path, 0)).get_json()
+    # as a name and a record saved before names had owners
+    store.client.hdel(store.keys.model_owners, "legacy")
+    record = json.loads(store.client.hget(store.keys.model_versions, legacy["ref"]))
+    del record["owner"]
+    store.client.hset(store.keys.model_versions, legacy["ref"], json.dumps(record))
+
+    refused = register(alice, "legacy", mlp_file(tmp_path, 1))
+    by_admin = register(api, "legacy", mlp_file(tmp_path, 1))
+
+    assert refused.status_code == 403
+    assert "registered before model names had owners, so only an admin key may add versions" in error_of(refused)
+    assert by_admin.status_code == 201 and by_admin.get_json()["owner"] is None
+    assert alice.get(f"/v1/models/{legacy['ref']}").get_json()["owner"] is None
+    assert [m["owner"] for m in alice.get("/v1/models").get_json()["models"]] == [None, None]
+    assert register(alice, "legacy", mlp_file(tmp_path, 2)).status_code == 403  # the admin's version claimed nothing
+
+
 # --- records stored before owners were checked -----------------------------------------------------
 
 
@@ -283,3 +413,18 @@ def test_sitsctl_job_list_passes_owner_through(
 
     assert result.exit_code == 0, result.output
     assert [job["id"] for job in json.loads(result.output)["jobs"]] == three_tenants_jobs["bob"]
+
+
+def test_sitsctl_model_register_prints_the_403_for_another_tenant_s_name(
+        served_api: str, alice: Api, store: Store, tmp_path: Path) -> None:
+    assert register(alice, "scorer", mlp_file(tmp_path, 0)).status_code == 201
+    env = {"SITS_HOME": str(tmp_path / "home"), "SITS_API_URL": served_api,
+           "SITS_API_KEY": create_api_key(store, "bob", "user"), "SITS_CONFIG": None}
+
+    result = CliRunner().invoke(cli, ["model", "register", "--name", "scorer", "--path", str(mlp_file(tmp_path, 1))],
+                                env=env)
+
+    output = " ".join(result.output.split())
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), output
+    assert "Traceback" not in output
+    assert "error: 403: model name 'scorer' is registered by another tenant; choose another name" in output

@@ -1,0 +1,118 @@
+"""Model names belong to the tenant that registered them first: only its keys and admins add versions.
+
+The check and the claim are one transaction with the write (`registry.save_model_version`), so of
+tenants registering one new name at once exactly one gets it; the others are refused as later ones are.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from broker import registry
+from broker.errors import Forbidden
+from broker.store import Store
+
+ALICE = {"name": "alice", "role": "user"}
+BOB = {"name": "bob", "role": "user"}
+ADMIN = {"name": "root", "role": "admin"}
+
+
+def version(name: str, version_id: str) -> dict[str, Any]:
+    return {"name": name, "version": version_id, "ref": f"{name}@{version_id}", "registered_at": 1.0}
+
+
+def stored_versions(store: Store) -> list[str]:
+    return sorted(store.client.hkeys(store.keys.model_versions))
+
+
+def test_a_new_name_becomes_its_registrant_s_and_every_version_carries_that_owner(store: Store) -> None:
+    first = registry.save_model_version(store, version("mlp", "a1"), registrant=ALICE)
+    second = registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)  # an admin adds one
+
+    assert first["owner"] == second["owner"] == "alice"
+    assert store.client.hget(store.keys.model_owners, "mlp") == "alice"
+    assert sorted((r["version"], r["owner"]) for r in registry.list_model_versions(store)) == [("a1", "alice"),
+                                                                                                ("b2", "alice")]
+    assert registry.get_model(store, "mlp")["owner"] == "alice"
+
+
+def test_another_user_s_version_under_a_taken_name_is_forbidden_and_stores_nothing(store: Store) -> None:
+    registry.save_model_version(store, version("mlp", "a1"), registrant=ALICE)
+
+    for attempt in (version("mlp", "b2"), version("mlp", "a1")):  # a new version, and the same one again
+        with pytest.raises(Forbidden) as refused:
+            registry.save_model_version(store, attempt, registrant=BOB)
+        assert refused.value.message == "model name 'mlp' is registered by another tenant; choose another name"
+        with pytest.raises(Forbidden):
+            registry.check_may_register(store, "mlp", BOB)
+
+    assert stored_versions(store) == ["mlp@a1"]
+    assert registry.get_model(store, "mlp")["version"] == "a1"
+    registry.check_may_register(store, "mlp", ALICE)
+    registry.check_may_register(store, "mlp", ADMIN)
+    registry.check_may_register(store, "cnn", BOB)  # a new name is anyone's
+
+
+def test_a_name_registered_before_names_had_owners_takes_versions_from_admins_only(store: Store) -> None:
+    registry.save_model_version(store, version("mlp", "a1"))  # as before: no registrant, no owner
+
+    with pytest.raises(Forbidden, match="before model names had owners, so only an admin key"):
+        registry.save_model_version(store, version("mlp", "b2"), registrant=ALICE)
+    added = registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)
+
+    assert added["owner"] is None and not store.client.hexists(store.keys.model_owners, "mlp")  # not claimed
+    assert [r["owner"] for r in registry.list_model_versions(store)] == [None, None]
+    with pytest.raises(Forbidden):
+        registry.check_may_register(store, "mlp", ALICE)
+
+
+def test_a_name_claimed_between_the_check_and_the_write_is_refused_on_the_retry(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bob claims the new name after Alice's transaction read it free, before it wrote: her write
+    is not applied (WATCH), and her second look finds Bob's name."""
+    check = registry._refuse_a_name_of_another
+    calls: list[str] = []
+
+    def bob_gets_in_first(registrant: dict[str, Any], name: str, **seen: Any) -> None:
+        calls.append(registrant["name"])
+        check(registrant, name, **seen)
+        if calls == ["alice"]:
+            registry.save_model_version(store, version("mlp", "b2"), registrant=BOB)
+
+    monkeypatch.setattr(registry, "_refuse_a_name_of_another", bob_gets_in_first)
+
+    with pytest.raises(Forbidden, match="registered by another tenant"):
+        registry.save_model_version(store, version("mlp", "a1"), registrant=ALICE)
+
+    assert calls == ["alice", "bob", "alice"]
+    assert store.client.hget(store.keys.model_owners, "mlp") == "bob"
+    assert stored_versions(store) == ["mlp@b2"] and registry.get_model(store, "mlp")["owner"] == "bob"
+
+
+def test_of_tenants_registering_one_new_name_at_once_exactly_one_gets_it(store: Store) -> None:
+    tenants = [{"name": f"tenant{n}", "role": "user"} for n in range(8)]
+    start = threading.Barrier(len(tenants))
+    outcomes: dict[str, str] = {}
+
+    def register(tenant: dict[str, Any]) -> None:
+        start.wait()
+        try:
+            registry.save_model_version(store, version("shared", tenant["name"]), registrant=tenant)
+            outcomes[tenant["name"]] = "registered"
+        except Forbidden:
+            outcomes[tenant["name"]] = "forbidden"
+
+    threads = [threading.Thread(target=register, args=(tenant,)) for tenant in tenants]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    [winner] = [name for name, outcome in outcomes.items() if outcome == "registered"]
+    assert len(outcomes) == len(tenants)
+    assert store.client.hget(store.keys.model_owners, "shared") == winner
+    assert stored_versions(store) == [f"shared@{winner}"]
+    assert registry.get_model(store, "shared")["owner"] == winner
