@@ -23,6 +23,8 @@ def create_api_key(store: Store, name: str, role: str = "user") -> str:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if not name.strip():  # the name is the tenant: what a key submits is owned by it
         raise ValueError("a key needs a name: who it is for")
+    if name != name.strip():  # "alice " would be a tenant of its own, told from "alice" by nobody
+        raise ValueError(f"key name {name!r} starts or ends with spaces; give it as {name.strip()!r}")
     key = "sits_" + secrets.token_urlsafe(24)
     with translate_redis_errors():
         store.client.hset(store.keys.api_keys, _digest(key), json.dumps({"name": name, "role": role}))

@@ -262,6 +262,8 @@ def get_job(store: Store, job_id: str, *, now: float) -> dict[str, Any]:
 
 LIST_SCAN_PAGE = 500
 """Job ids `list_jobs` reads from the index per round trip while it looks for matches."""
+LIST_SCAN_JOBS = 20_000
+"""The newest jobs a filtered `list_jobs` looks through at most (about 40 round trips)."""
 
 
 def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None,
@@ -271,8 +273,9 @@ def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None 
     There is no index per owner (jobs have recorded their owner since the first release, so
     one added now would miss every job stored before it): with a filter, the `jobs` index is
     walked newest first in pages of `LIST_SCAN_PAGE`, reading only each job's status and owner,
-    until `limit` jobs match. The answer is exactly the newest `limit` matching jobs; the cost
-    grows with the jobs newer than the last one listed (every job, when fewer than `limit` match).
+    until `limit` jobs match, or the newest `LIST_SCAN_JOBS` jobs have been looked at: the answer
+    is the newest `limit` matching jobs among those, and one call never costs more than that many
+    small reads, however many jobs the system has kept (`GET /v1/jobs/{id}` still finds older ones).
     """
     with translate_redis_errors():
         if status is None and owner is None:
@@ -292,8 +295,8 @@ def _matching_job_ids(store: Store, *, limit: int, status: str | None, owner: st
     matched: list[str] = []
     seen: set[str] = set()  # jobs created meanwhile shift the ranks, so a page may repeat ids
     start = 0
-    while len(matched) < limit:
-        ids = store.client.zrevrange(store.keys.jobs, start, start + LIST_SCAN_PAGE - 1)
+    while len(matched) < limit and start < LIST_SCAN_JOBS:
+        ids = store.client.zrevrange(store.keys.jobs, start, min(start + LIST_SCAN_PAGE, LIST_SCAN_JOBS) - 1)
         if not ids:
             break
         start += len(ids)

@@ -4,8 +4,9 @@ tritonclient's `request_compression_algorithm` (and any HTTP client) may send a 
 `deflate` (the zlib format, RFC 9110 8.4.1.2). The decompressed body is held to the same
 `api.max_body_bytes` as a plain one: decompression stops one byte past the limit, so a small
 compressed bomb costs no more memory than the limit before it is refused (413). Any other coding
-is a 415 listing the supported ones; data that is not what its coding says is a 400. Every view
-that reads a body reads it here, so v1 and v2 treat it alike.
+is a 415 listing the supported ones; data that is not what its coding says, or a gzip body of more
+than `MAX_GZIP_MEMBERS` members, is a 400. Every view that reads a body reads it here, so v1 and v2
+treat it alike.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ WINDOW_BITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "defl
 """zlib's `wbits` for each supported coding: a gzip wrapper, or the zlib one that HTTP calls deflate."""
 CHUNK_BYTES = 64 * 2**10
 """The most a body is decoded by in one step (and the most compressed bytes fed in one)."""
+MAX_GZIP_MEMBERS = 1000
+"""The most gzip members one body may hold (a 400 past it): clients compress a body as one member, and
+each member costs a decoder, so a body of many empty 20-byte ones must not keep the server busy."""
 
 
 def request_body() -> bytes:
@@ -44,20 +48,28 @@ def decompress(data: bytes, coding: str, limit: int | None) -> bytes:
 
     Decoded in pieces of at most CHUNK_BYTES, so a bomb is refused having expanded to the limit and
     no further. A gzip body may hold several members one after the other (as `cat a.gz b.gz`
-    makes); they are decoded in turn under one limit.
+    makes); they are decoded in turn under one limit, each read in place from the one body (the
+    rest of the body is never copied per member, which made many tiny members quadratic), and at
+    most MAX_GZIP_MEMBERS of them.
     """
     parts: list[bytes] = []
     size = 0
-    remaining = memoryview(data)
+    body = memoryview(data)
+    start = 0  # where the member being decoded begins in `body`
+    members = 0
     while True:  # one gzip member, or the one deflate stream, per turn
+        members += 1
+        if members > MAX_GZIP_MEMBERS:
+            raise BadInput(f"the request body holds more than {MAX_GZIP_MEMBERS} gzip members; compress the "
+                           f"body as one gzip stream")
         decoder = zlib.decompressobj(WINDOW_BITS[coding])
-        offset = 0
+        offset = start
         more_output = False
         while not decoder.eof:
             if decoder.unconsumed_tail or more_output:  # (input held back by the bound, or output pending)
                 pending: bytes | memoryview = decoder.unconsumed_tail
-            elif offset < len(remaining):  # fed in slices: a long unconsumed tail would be copied on every call
-                pending = remaining[offset : offset + CHUNK_BYTES]
+            elif offset < len(body):  # fed in slices: a long unconsumed tail would be copied on every call
+                pending = body[offset : offset + CHUNK_BYTES]
                 offset += len(pending)
             else:
                 raise BadInput(f"the request body is truncated {coding} data: the compressed stream does not "
@@ -74,10 +86,9 @@ def decompress(data: bytes, coding: str, limit: int | None) -> bytes:
                                       f"(api.max_body_bytes); send less per request")
             parts.append(part)
             more_output = len(part) == bound
-        rest = decoder.unused_data + remaining[offset:]
-        if not rest:
+        start = offset - len(decoder.unused_data)  # the fed bytes past this member's end begin the next
+        if start == len(body):
             return parts[0] if len(parts) == 1 else b"".join(parts)
         if coding == "deflate":
-            raise BadInput(f"the request body has {len(rest)} bytes after the end of its deflate data; "
+            raise BadInput(f"the request body has {len(body) - start} bytes after the end of its deflate data; "
                            f"send exactly one compressed stream")
-        remaining = memoryview(rest)

@@ -22,8 +22,9 @@ from broker.errors import BadInput, Conflict, ModelNotFound, PathNotAllowed, Ret
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
-from sits_worker.model.graph import load_model_checked, static_profile
+from sits_worker.model.graph import static_profile
 from sits_worker.model.inputs import file_checksum, open_input
+from sits_worker.model.loading import load_model_checked
 from sits_worker.model.padding import SEQUENCE_OUTPUTS_KEY, mask_spec, token_limits
 from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable

@@ -32,7 +32,7 @@ from sits_api import online, services, v2_binary
 from sits_api.content_encoding import request_body
 from sits_api.jsonio import parse_object
 from sits_api.v2_binary import BinaryData
-from sits_worker.model.tensors import exact_numbers
+from sits_worker.model.tensors import check_buildable, exact_numbers
 
 v2 = Blueprint("v2", __name__)
 
@@ -316,6 +316,7 @@ def _tensor(entry: Any, where: str, binary: BinaryData) -> np.ndarray:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         raise BadInput(f"input '{name}' shape must be a list of non-negative integers, got {shape!r}")
+    check_buildable(f"input '{name}'", shape, np.dtype(DATATYPES[datatype]).itemsize)
     size = v2_binary.binary_data_size(_parameters(entry, f"input '{name}'"), name)
     if size is not None:
         if "data" in entry:

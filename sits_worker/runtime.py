@@ -69,8 +69,8 @@ def run_session(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
 
     Every output must come back with the rows fed along axis 0, since that is where each request's
     (or job row's) outputs are cut from; one that does not (registration refuses the models whose
-    declared shapes show it, but a dynamic first axis may still turn out to be something else) is a
-    BadInput naming it, not outputs handed to the wrong rows.
+    declared shapes show it, but a dynamic first axis may still turn out to be something else) is an
+    InvalidModel naming it, not outputs handed to the wrong rows.
     """
     rows_per_run = fixed_batch_rows(session)
     rows = _rows(feed)
@@ -107,9 +107,10 @@ def _batch_outputs(session: ort.InferenceSession, outputs: list[np.ndarray], row
     """`outputs`, once each is checked to hold `rows` rows along axis 0 (see `run_session`)."""
     for name, output in zip(output_names or [node.name for node in session.get_outputs()], outputs, strict=True):
         if output.ndim == 0 or output.shape[0] != rows:
-            raise BadInput(f"model output '{name}' came back with shape {list(output.shape)} from a batch of {rows} "
-                           f"rows; SITS cuts each request's (and job row's) outputs from axis 0, so every output "
-                           f"needs the batch axis first: re-export the model with outputs of shape [batch, ...]")
+            raise InvalidModel(f"model output '{name}' came back with shape {list(output.shape)} from a batch of "
+                               f"{rows} rows; SITS cuts each request's (and job row's) outputs from axis 0, so every "
+                               f"output needs the batch axis first: re-export the model with outputs of shape "
+                               f"[batch, ...]")
     return outputs
 
 

@@ -180,6 +180,8 @@ def key_create(name: str, role: str, config_path: Path | None) -> None:
     store = Store.connect(settings.redis.url, settings.redis.key_prefix)  # ConfigError for a bad URL
     try:
         click.echo(create_api_key(store, name, role))
+    except ValueError as err:  # a name the key cannot have: say so as a usage error, not a traceback
+        raise click.UsageError(str(err)) from err
     except redis.RedisError as err:  # connection failures arrive as ConnectionLost; this is what else Redis says
         raise SitsError(f"Redis at {settings.redis.url} refused to store the key: {err}") from err
 

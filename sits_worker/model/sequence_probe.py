@@ -8,12 +8,22 @@ padded length. So the API runs a model that declares an attention mask on two ti
 different sequence lengths and records, per output, the axes whose size was the length both times:
 the static profile's `padding.SEQUENCE_OUTPUTS_KEY`, read by `padding.mask_spec`.
 
+The probe runs in the API process, on a request thread, so it is bounded: a feed that would hold
+more than `PROBE_FEED_MAX_BYTES` (all inputs at the longer length; fixed dims are kept, so a model
+declaring [1, 20000, 20000] asks for gigabytes) is not built and the model is not run, and a run is
+stopped after `PROBE_SECONDS`. That stop is ONNX Runtime's `RunOptions.terminate`, checked only
+between nodes: one node runs to its end (a MatMul of two fixed [1, 3000, 3000] inputs ran 1.1 s past
+a 0.3 s limit), which the feed bound keeps short for nodes that work on the inputs. Nodes that
+expand small inputs (Expand, Tile, ConstantOfShape) or multiply them by large weights are bounded
+only by the model's size (`servable.RUNTIME_CHECK_MAX_BYTES`). A model not run keeps name matching.
+
 onnxruntime is imported only when a model is probed: the API imports this module (STYLE.md).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +39,9 @@ PROBE_LENGTHS = (3, 5)
 """The two sequence lengths the model runs at: small, different, neither 1 (a batch of one row)."""
 PROBE_SECONDS = 10.0
 """A probe run that takes longer is stopped (ONNX Runtime's `RunOptions.terminate`) and not used."""
+PROBE_FEED_MAX_BYTES = 4 * 2**20
+"""The most a probe feed may hold, all inputs together at the longer length; a model that asks for more is not
+run. Token models' feeds are a few hundred bytes; only fixed dims (or many inputs) reach this."""
 
 
 def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any]) -> list[list[str | int]] | None:
@@ -39,8 +52,8 @@ def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any]
     input, the mask and the inputs that carry the same sequence (by dim name) at each of
     `PROBE_LENGTHS`, every other dynamic dim 1. None when the model was not run: no declared mask,
     larger than `servable.RUNTIME_CHECK_MAX_BYTES`, no onnxruntime in this process, a declared
-    `sits.max_sequence` under 2, or a run that failed or outlasted `PROBE_SECONDS`; `mask_spec` then
-    matches output dims by name, as before the probe.
+    `sits.max_sequence` under 2, a feed over `PROBE_FEED_MAX_BYTES` (never built), or a run that failed
+    or outlasted `PROBE_SECONDS`; `mask_spec` then matches output dims by name, as before the probe.
     """
     spec = mask_spec(profile)
     lengths = probe_lengths(declared_max_sequence(profile))
@@ -56,6 +69,11 @@ def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any]
     options.log_severity_level = 4  # fatal only: a run that fails here is answered by name matching, not an error
     signature = profile.get("signature") or {}
     try:
+        feed_bytes = probe_feed_bytes(signature, spec, max(lengths))
+        if feed_bytes > PROBE_FEED_MAX_BYTES:
+            log.info("token model not run at registration: its feed would hold %d bytes, over the %d-byte bound "
+                     "(PROBE_FEED_MAX_BYTES); its outputs are cut back by dim name", feed_bytes, PROBE_FEED_MAX_BYTES)
+            return None
         session = ort.InferenceSession(serialized_model, sess_options=options, providers=["CPUExecutionProvider"])
         runs = [_run_within(session, probe_feed(signature, spec, length, profile.get("vocabulary_size")), ort)
                 for length in lengths]
@@ -86,15 +104,11 @@ def probe_feed(signature: Mapping[str, Any], spec: MaskSpec, length: int,
 
     The token input, the mask and the other inputs of `spec` get `length` on their sequence axes;
     other dynamic dims get 1. Token ids are 1 (0 for a vocabulary of one), the mask all ones (every
-    token real), other inputs zeros (token type 0).
+    token real), other inputs zeros (token type 0). Check `probe_feed_bytes` first: fixed dims are kept
+    whatever their size.
     """
-    sequence_axes = {(spec.sequence_input, spec.axis), (spec.mask_input, 1), *spec.other_inputs}
     feed: dict[str, np.ndarray] = {}
-    for entry in signature.get("inputs", []):
-        name, shape = entry["name"], entry["shape"] or []
-        dims = [length if (name, axis) in sequence_axes and axis > 0 else dim if isinstance(dim, int) else 1
-                for axis, dim in enumerate(shape)]
-        dtype = np.dtype(entry["dtype"])
+    for name, dims, dtype in _probe_shapes(signature, spec, length):
         if name == spec.sequence_input:
             feed[name] = np.full(dims, 0 if vocabulary_size == 1 else 1, dtype=dtype)
         elif name == spec.mask_input:
@@ -104,9 +118,31 @@ def probe_feed(signature: Mapping[str, Any], spec: MaskSpec, length: int,
     return feed
 
 
+def probe_feed_bytes(signature: Mapping[str, Any], spec: MaskSpec, length: int) -> int:
+    """The bytes `probe_feed` would allocate for the same arguments, counted without allocating them.
+
+    A negative dim (numpy refuses it) counts by its size, so it cannot cancel another input's."""
+    return sum(math.prod(abs(dim) for dim in dims) * dtype.itemsize
+               for _, dims, dtype in _probe_shapes(signature, spec, length))
+
+
+def _probe_shapes(signature: Mapping[str, Any], spec: MaskSpec,
+                  length: int) -> list[tuple[str, list[int], np.dtype[Any]]]:
+    """(name, dims, dtype) of each input of the probe feed at sequence `length`."""
+    sequence_axes = {(spec.sequence_input, spec.axis), (spec.mask_input, 1), *spec.other_inputs}
+    shapes: list[tuple[str, list[int], np.dtype[Any]]] = []
+    for entry in signature.get("inputs", []):
+        name, shape = entry["name"], entry["shape"] or []
+        dims = [length if (name, axis) in sequence_axes and axis > 0 else dim if isinstance(dim, int) else 1
+                for axis, dim in enumerate(shape)]
+        shapes.append((name, dims, np.dtype(entry["dtype"])))
+    return shapes
+
+
 def _run_within(session: Any, feed: dict[str, np.ndarray], ort: Any) -> list[np.ndarray]:
     """`session.run`, stopped after `PROBE_SECONDS`: the registration request waits for it, and a Python
-    exception cannot interrupt native code, but ONNX Runtime checks `terminate` between nodes."""
+    exception cannot interrupt native code, but ONNX Runtime checks `terminate` between nodes.
+    TimeoutError when it was stopped."""
     run_options = ort.RunOptions()
     run_options.log_severity_level = 4
     timer = threading.Timer(PROBE_SECONDS, setattr, (run_options, "terminate", True))
@@ -114,5 +150,9 @@ def _run_within(session: Any, feed: dict[str, np.ndarray], ort: Any) -> list[np.
     timer.start()
     try:
         return [np.asarray(output) for output in session.run(None, feed, run_options)]
+    except Exception as err:
+        if run_options.terminate:
+            raise TimeoutError(f"its run outlasted PROBE_SECONDS ({PROBE_SECONDS:g} s) and was stopped") from err
+        raise
     finally:
         timer.cancel()

@@ -17,7 +17,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from broker.errors import InvalidModel
-from sits_worker.model.graph import default_opset, first_line, model_signature, sequence_axis, shape_of, true_inputs
+from sits_worker.model.graph import default_opset, model_signature, sequence_axis, shape_of, true_inputs
+from sits_worker.model.loading import first_line
 from sits_worker.model.padding import MASK_INPUT_KEY, MAX_SEQUENCE_KEY, PAD_TOKEN_KEY, mask_spec
 
 # numpy dtype kinds SITS reads from requests and input files and writes as outputs (bool, int, uint,
@@ -129,7 +130,9 @@ def _check_batch_axis(signature: dict[str, Any]) -> None:
     and job rows along, and cuts each one's outputs back on: dynamic everywhere, or one fixed size
     (`runtime.run_session` then runs pieces of it) on the inputs and the outputs alike, and never 0.
     An output whose first axis is a number of its own (a `Shape`, a `ReduceSum` over the batch,
-    `NonZero`'s [2, n], an LSTM's [1, batch, hidden] state) has no rows to give each request back."""
+    `NonZero`'s [2, n]) has no rows to give each request back. A 1 there, with a dynamic batch, is
+    let through: exporters leave it on outputs that do follow the batch; one that does not (an LSTM's
+    [1, batch, hidden] state) is caught when it runs."""
     for role in ("inputs", "outputs"):
         for entry in signature[role]:
             zero = [axis for axis, dim in enumerate(entry["shape"] or []) if dim == 0]
@@ -145,7 +148,9 @@ def _check_batch_axis(signature: dict[str, Any]) -> None:
     rows = next(iter(fixed.values()), None)
     for entry in signature["outputs"]:
         first = (entry["shape"] or [None])[0]
-        if isinstance(first, int) and first != rows:
+        # A declared 1 beside a dynamic batch is often only a partial export's leftover (dynamic_axes
+        # named for the inputs alone) and runs at any batch; the run checks it (`runtime.run_session`).
+        if isinstance(first, int) and first != rows and not (rows is None and first == 1):
             batch = f"fixed at {rows}" if rows is not None else "dynamic"
             raise InvalidModel(
                 f"output '{entry['name']}' has shape {entry['shape']}: its first axis is {first} while the inputs' "

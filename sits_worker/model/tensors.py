@@ -63,6 +63,7 @@ class InputSpec:
         """
         dtype_ok = hint is None or dtype.newbyteorder("=") == self.dtype
         row_dims = [int(dim) for dim in shape[1:]]
+        check_buildable(f"input '{self.name}'", [dim for dim in shape if not isinstance(dim, str)], dtype.itemsize)
         if dtype_ok and len(shape) >= 1 and len(row_dims) == len(self.dims):
             pairs = zip(row_dims, self.dims, strict=True)
             if all(got == want if type(want) is int else got >= 0 for got, want in pairs):
@@ -73,6 +74,23 @@ class InputSpec:
             fix += ("; JSON lists cannot carry the axes after an empty one, so send an input with an empty axis "
                     "as {\"b64\": <base64 .npy>} (or, in the v2 protocol, with its shape and flat data)")
         raise BadInput(f"input '{self.name}' expects {self.expected}, got {got} {where}; {fix}")
+
+
+MAX_TENSOR_BYTES = 2**48
+"""The most bytes a tensor's shape may describe, its empty axes counted as 1: far beyond any request
+or input file, and far below where numpy's size arithmetic overflows."""
+
+
+def check_buildable(what: str, shape: Sequence[int], itemsize: int) -> None:
+    """BadInput for a shape no array can have. Data present bounds a shape's size, but not past an
+    empty axis: [0, 2**40, 2**40] holds no value, yet numpy refuses to build it ("array is too big"),
+    which would surface as a 500; such a shape is a mistake, said so here."""
+    size = max(itemsize, 1)
+    for dim in shape:
+        size *= max(int(dim), 1)
+        if size > MAX_TENSOR_BYTES:
+            raise BadInput(f"{what} has shape {list(shape)}, which no tensor can have (more than "
+                           f"{MAX_TENSOR_BYTES:,} bytes even with its empty axes counted as 1); fix its shape")
 
 
 def parse_signature(signature: dict[str, Any]) -> list[InputSpec]:

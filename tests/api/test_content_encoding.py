@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import tracemalloc
 import zlib
 from pathlib import Path
@@ -22,10 +23,10 @@ from werkzeug.test import TestResponse
 
 from broker.apikeys import create_api_key
 from broker.embedded import EmbeddedRedis
-from broker.errors import PayloadTooLarge
+from broker.errors import BadInput, PayloadTooLarge
 from broker.store import Store
 from sits_api.app import create_app
-from sits_api.content_encoding import CHUNK_BYTES, decompress
+from sits_api.content_encoding import CHUNK_BYTES, MAX_GZIP_MEMBERS, decompress
 
 REQUEST = {"model": "mlp", "inputs": {"features": [[0.5] * 64]}}
 COMPRESS = {"gzip": gzip.compress, "deflate": zlib.compress}
@@ -77,6 +78,43 @@ def test_a_gzip_body_of_several_members_is_read_whole(api: Api, mlp: dict[str, A
     body = gzip.compress(text[:20]) + gzip.compress(text[20:])
 
     assert post_encoded(api, "/v1/requests", body, "gzip").status_code == 202
+
+
+def test_members_of_any_size_are_joined_across_chunk_boundaries() -> None:
+    texts = [os.urandom(size) for size in (0, 1, CHUNK_BYTES - 7, 3 * CHUNK_BYTES + 5, 0, 11)]
+    body = b"".join(gzip.compress(text) for text in texts)
+
+    assert decompress(body, "gzip", None) == b"".join(texts)
+    with pytest.raises(PayloadTooLarge):
+        decompress(body, "gzip", len(b"".join(texts)) - 1)
+
+
+def test_a_gzip_body_of_more_members_than_the_cap_is_a_400_saying_so(api: Api, mlp: dict[str, Any]) -> None:
+    """Clients send one member; each costs a decoder, so a body of many tiny ones is refused."""
+    last = gzip.compress(json.dumps(REQUEST).encode())
+    at_cap = gzip.compress(b"") * (MAX_GZIP_MEMBERS - 1) + last
+
+    assert post_encoded(api, "/v1/requests", at_cap, "gzip").status_code == 202
+    response = post_encoded(api, "/v1/requests", gzip.compress(b"") + at_cap, "gzip")
+
+    assert response.status_code == 400
+    assert f"more than {MAX_GZIP_MEMBERS} gzip members" in error_of(response)
+    assert queued_items(api) == 1
+
+
+def test_gzip_members_are_read_in_place_without_copying_the_rest_of_the_body() -> None:
+    """Copying the rest of the body at each member's end made a body of tiny members quadratic."""
+    body = gzip.compress(b"") * (MAX_GZIP_MEMBERS - 1) + b"\0" * 2**20  # then data that is not gzip
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadInput, match="not valid gzip data"):
+            decompress(body, "gzip", None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert peak < 4 * CHUNK_BYTES, f"decoding held {peak} bytes for a {len(body)}-byte body"
 
 
 def test_other_endpoints_read_compressed_bodies_too(api: Api, zoo_dir: Path) -> None:

@@ -220,10 +220,11 @@ def test_a_token_model_with_valid_sits_metadata_registers(api: Api, tmp_path: Pa
 
 @pytest.mark.parametrize("model", [
     one_op(in_shape=[1, 4], out_shape=[1, 4]),  # a fixed batch dim: profiled at that batch size
+    one_op(in_shape=["batch", 4], out_shape=[1, 4]),  # dynamic_axes named for the input only: runs at any batch
     one_op("Identity", TensorProto.BOOL),
     one_op("Relu", TensorProto.FLOAT16),
     one_op("Identity", TensorProto.UINT8, ["batch", 2, 3], ["batch", 2, 3]),
-], ids=["fixed-batch", "bool", "float16", "uint8-rank-3"])
+], ids=["fixed-batch", "output-left-at-1", "bool", "float16", "uint8-rank-3"])
 def test_servable_edge_cases_still_register(api: Api, tmp_path: Path, model: ModelProto) -> None:
     response = register(api, tmp_path, model)
 

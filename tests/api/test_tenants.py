@@ -83,9 +83,11 @@ def test_owns_lets_a_user_key_have_only_its_own_name_s_records_and_an_admin_all(
     assert all(owns(admin, owner) for owner in ("alice", "bob", None, ""))
 
 
-def test_a_key_without_a_name_cannot_be_created(store: Store) -> None:
+def test_a_key_without_a_name_or_with_spaces_around_it_cannot_be_created(store: Store) -> None:
     with pytest.raises(ValueError, match="needs a name"):
         create_api_key(store, "  ", "user")
+    with pytest.raises(ValueError, match="'alice ' starts or ends with spaces; give it as 'alice'"):
+        create_api_key(store, "alice ", "user")
 
 
 # --- one job ---------------------------------------------------------------------------------------

@@ -159,6 +159,8 @@ def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
     assert listed(limit=1) == ["j7"]  # no filter: every job, the ownerless one included
     assert jobs.get_job(store, "j7", now=NOW)["owner"] is None
     assert jobs.get_job(store, "j1", now=NOW)["owner"] == "alice"
+    monkeypatch.setattr(jobs, "LIST_SCAN_JOBS", 3)  # a filtered list looks through the newest 3 jobs only
+    assert listed(owner="alice") == [] and listed(owner="bob") == ["j6", "j5"]
 
 
 # --- cancel ---------------------------------------------------------------------------------------

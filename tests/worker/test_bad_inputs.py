@@ -289,3 +289,11 @@ def test_an_empty_dynamic_axis_is_accepted_and_json_that_cannot_carry_it_says_ho
     assert tensors["past"].shape == (2, 0, 4)
     with pytest.raises(BadInput, match=r"got \w+ \[2,0\].*cannot carry the axes after an empty one.*b64"):
         request_tensors(cache, {"past": [[], []]})
+
+
+def test_a_b64_tensor_with_an_empty_axis_and_an_impossible_one_is_refused_not_built() -> None:
+    """No data bounds a shape past an empty axis: numpy would refuse to build [1, 0, 2**62] (a 500)."""
+    pair = {"inputs": [{"name": "pair", "dtype": "float32", "shape": ["batch", "a", "b"], "dynamic_axes": [0, 1, 2]}],
+            "outputs": []}
+    with pytest.raises(BadInput, match=r"input 'pair' has shape \[1, 0, 4611686018427387904\], which no tensor"):
+        request_tensors(pair, {"pair": b64(npy_bytes(float32_header(f"(1, 0, {2**62})")))})

@@ -17,13 +17,13 @@ from broker.errors import FileMissing, InvalidModel, PathNotAllowed
 from sits_worker.model.graph import (
     REFERENCE_SEQUENCE_LENGTH,
     dtype_name,
-    load_model_checked,
     model_signature,
     operator_histogram,
     sequence_axis,
     static_profile,
     vocabulary_size,
 )
+from sits_worker.model.loading import load_model_checked
 from sits_worker.model.zoo import build_model, build_zoo, mlp_reference
 from tests.onnx_models import int_series_model, token_model
 

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from broker.errors import BadInput
+from broker.errors import InvalidModel
 from sits_worker.devices import Device
 from sits_worker.runtime import (
     INTRA_OP_SPIN_MICROSECONDS,
@@ -64,7 +64,7 @@ def test_a_model_with_a_dynamic_batch_axis_runs_in_one_piece(zoo_dir: Path) -> N
     assert run_session(session, {"features": np.ones((3, 64), np.float32)})[0].shape == (3, 10)
 
 
-def test_an_output_without_the_batch_axis_first_is_a_bad_input_naming_it(tmp_path: Path) -> None:
+def test_an_output_without_the_batch_axis_first_is_an_invalid_model_naming_it(tmp_path: Path) -> None:
     """[N, 4] -> Transpose -> [4, N], declared with a dynamic first axis: registration cannot tell, the
     run does, before any row gets another row's outputs."""
     graph = helper.make_graph([helper.make_node("Transpose", ["x"], ["y"], perm=[1, 0])], "transposed",
@@ -75,5 +75,5 @@ def test_an_output_without_the_batch_axis_first_is_a_bad_input_naming_it(tmp_pat
     onnx.save(model, tmp_path / "transposed.onnx")
     session = build_session(tmp_path / "transposed.onnx", Device("cpu"), 1)
 
-    with pytest.raises(BadInput, match=r"model output 'y' came back with shape \[4, 3\] from a batch of 3 rows"):
+    with pytest.raises(InvalidModel, match=r"model output 'y' came back with shape \[4, 3\] from a batch of 3 rows"):
         run_session(session, {"x": np.ones((3, 4), np.float32)}, ["y"])

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,13 @@ from onnx import TensorProto, helper
 from sits_worker.model import sequence_probe
 from sits_worker.model.graph import static_profile
 from sits_worker.model.padding import SEQUENCE_OUTPUTS_KEY, MaskSpec, mask_spec, pad_batch, unpad_outputs
-from sits_worker.model.sequence_probe import observe_sequence_outputs, probe_lengths
+from sits_worker.model.sequence_probe import (
+    PROBE_FEED_MAX_BYTES,
+    observe_sequence_outputs,
+    probe_feed,
+    probe_feed_bytes,
+    probe_lengths,
+)
 from sits_worker.model.zoo import build_model
 from tests.onnx_models import token_model
 
@@ -98,8 +106,38 @@ def test_probe_lengths_stay_within_the_declared_max_sequence() -> None:
     assert probe_lengths(1) is None
 
 
-def test_a_probe_run_that_outlasts_its_time_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Python exception cannot stop `session.run`; ONNX Runtime's terminate flag does, between nodes."""
+def test_the_feed_size_is_counted_without_building_it() -> None:
+    model = token_model()
+    profile = static_profile(model)
+    spec = _spec(profile)
+    for length in probe_lengths(None) or ():
+        feed = probe_feed(profile["signature"], spec, length, profile.get("vocabulary_size"))
+        assert probe_feed_bytes(profile["signature"], spec, length) == sum(array.nbytes for array in feed.values())
+
+
+def test_a_model_whose_fixed_dims_ask_for_a_huge_feed_is_not_run(caplog: pytest.LogCaptureFixture) -> None:
+    """[1, 20000, 20000] float32 is 1.6 GB: the feed is never built in the API process, name matching stays."""
+    model = token_model()
+    model.graph.input.append(helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, [1, 20000, 20000]))
+    serialized, profile = model.SerializeToString(), static_profile(model)
+
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.INFO, logger=sequence_probe.__name__):
+            assert observe_sequence_outputs(serialized, profile) is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert peak < PROBE_FEED_MAX_BYTES, f"the probe held {peak} bytes"
+    feed_bytes = 4 * 20000 * 20000 + 2 * 8 * 5  # the image, the int64 ids and mask at length 5
+    assert f"would hold {feed_bytes} bytes" in caplog.text and "PROBE_FEED_MAX_BYTES" in caplog.text
+
+
+def test_a_probe_run_that_outlasts_its_time_is_stopped(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A Python exception cannot stop `session.run`; ONNX Runtime's terminate flag does, between nodes
+    (here between the steps of a loop of 10**12 trips, which would otherwise run for hours)."""
     model = token_model()
     body = helper.make_graph(
         [helper.make_node("Identity", ["keep_in"], ["keep_out"]),
@@ -118,5 +156,9 @@ def test_a_probe_run_that_outlasts_its_time_is_stopped(monkeypatch: pytest.Monke
     model.graph.output.append(helper.make_tensor_value_info("pooled_spun", TensorProto.FLOAT, ["batch", 4]))
     monkeypatch.setattr(sequence_probe, "PROBE_SECONDS", 0.3)
     started = time.monotonic()
-    assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) is None
-    assert time.monotonic() - started < 10
+    with caplog.at_level(logging.INFO, logger=sequence_probe.__name__):
+        assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) is None
+    elapsed = time.monotonic() - started
+
+    assert "outlasted PROBE_SECONDS (0.3 s) and was stopped" in caplog.text  # not any other failure
+    assert 0.3 <= elapsed < 10

@@ -1,0 +1,108 @@
+"""Loading an ONNX file safely: inside the model roots, external data inside its folder, checked.
+
+The API process loads every upload through here before anything is stored or profiled, so it
+imports only `onnx` (no onnxruntime), and every onnx/protobuf/OS exception becomes a SITS error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto
+from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model, uses_external_data
+
+from broker.errors import FileMissing, InvalidModel, PathNotAllowed
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or path.is_relative_to(folder)
+
+
+def _all_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
+    """Every TensorProto a graph holds: initializers and attribute tensors, subgraphs included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _all_tensors(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _all_tensors(subgraph)
+
+
+def _check_external_data(model: onnx.ModelProto, model_file: Path) -> None:
+    """Every external data file must exist inside the model's own folder (no `../`, no symlink escape)."""
+    folder = model_file.parent
+    for tensor in _all_tensors(model.graph):
+        if not uses_external_data(tensor):
+            continue
+        location = ExternalDataInfo(tensor).location
+        try:
+            target: Path | None = (folder / location).resolve()
+        except (OSError, ValueError):  # NUL bytes, symlink loops
+            target = None
+        if target is None or not location or Path(location).is_absolute() or not _inside(target, folder):
+            raise InvalidModel(
+                f"external data '{location}' of tensor '{tensor.name}' points outside the model folder "
+                f"{folder} in {model_file.name}; store the data file next to the model and reference it "
+                f"by a relative name")
+        if not target.is_file():
+            raise InvalidModel(
+                f"external data '{location}' of tensor '{tensor.name}' in {model_file.name} does not exist "
+                f"in {folder}; copy the data file next to the model")
+
+
+def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelProto:
+    """Load an ONNX file that lies inside `model_roots`, after checking it is safe and well formed.
+
+    The path is resolved (symlinks included) and checked against the roots
+    before its existence is reported, so callers cannot probe for files
+    outside the roots. External data locations are checked before any of
+    them is read.
+    """
+    resolved = Path(path).resolve()
+    roots = [Path(root).resolve() for root in model_roots]
+    if not any(_inside(resolved, root) for root in roots):
+        allowed = ", ".join(str(root) for root in roots) or "(none configured)"
+        raise PathNotAllowed(f"model path {path} resolves to {resolved}, outside the model roots {allowed}; "
+                             f"place the model under one of them")
+    if not resolved.is_file():
+        what = "is not a file" if resolved.exists() else "does not exist"
+        raise FileMissing(f"model file {path} {what}; check the path or upload the model first")
+    try:
+        model = onnx.load(str(resolved), load_external_data=False)
+    except Exception as err:  # onnx/protobuf raise many unrelated types for a bad file
+        raise InvalidModel(f"{resolved.name} is not a readable ONNX model ({err}); "
+                           f"re-export it as an ONNX ModelProto file") from err
+    _check_external_data(model, resolved)
+    try:
+        # By path, so the checker resolves external data next to the model (not the cwd)
+        # and never needs the weights in memory (ModelProtos over 2 GB cannot be checked there).
+        # full_check adds strict type and shape inference: a graph whose types clash (Add of float
+        # and int64, a declared type or shape the ops cannot produce) never loads in ONNX Runtime.
+        onnx.checker.check_model(str(resolved), full_check=True)
+    except Exception as err:  # ValidationError, InferenceError, and ValueError/TypeError from the C++ binding
+        raise InvalidModel(f"{resolved.name} fails the ONNX checker: {first_line(err)}; "
+                           f"fix or re-export the model") from err
+    try:
+        load_external_data_for_model(model, str(resolved.parent))
+    except (OSError, ValueError) as err:
+        raise InvalidModel(f"could not read the external data of {resolved.name} ({err}); "
+                           f"check that the data files are complete") from err
+    for tensor in _all_tensors(model.graph):
+        # Loading leaves data_location=DEFAULT set explicitly; clear it so the same weights
+        # serialise identically (and get the same version) whether they came inline or external.
+        tensor.ClearField("data_location")
+    return model
+
+
+def first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
