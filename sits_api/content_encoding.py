@@ -14,7 +14,7 @@ from __future__ import annotations
 import zlib
 
 from flask import request
-from werkzeug.exceptions import UnsupportedMediaType
+from werkzeug.exceptions import HTTPException, UnsupportedMediaType
 
 from broker.errors import BadInput, PayloadTooLarge
 
@@ -36,10 +36,23 @@ def request_body() -> bytes:
     if unsupported:
         raise UnsupportedMediaType(f"Content-Encoding {', '.join(unsupported)} is not supported; send the body "
                                    f"uncompressed or with Content-Encoding gzip or deflate")
-    body, limit = request.get_data(cache=True), request.max_content_length
+    body, limit = _raw_body(), request.max_content_length
     for coding in reversed(codings):  # the codings were applied in the order listed (RFC 9110 8.4)
         body = decompress(body, coding, limit)
     return body
+
+
+def _raw_body() -> bytes:
+    """The bytes the client sent. The server decodes a chunked body while it is read, so a malformed
+    one (a chunk size that is no hex number, a chunk longer than it said) fails here, with the
+    server's own exception type (gunicorn's `InvalidChunkSize`, ...): that is the client's error."""
+    try:
+        return request.get_data(cache=True)
+    except HTTPException:
+        raise  # 413 and the like: already the right answer
+    except Exception as err:  # whatever the WSGI server raises for a body it cannot parse
+        raise BadInput(f"the request body could not be read ({type(err).__name__}: {err}); send it with "
+                       f"Content-Length, or as valid HTTP/1.1 chunks") from err
 
 
 def decompress(data: bytes, coding: str, limit: int | None) -> bytes:

@@ -20,19 +20,33 @@ from typing import Any
 import pytest
 import yaml
 
+from broker.apikeys import create_api_key
 from broker.config import Settings
 from broker.embedded import EmbeddedRedis, free_port
+from broker.store import Store
 from sits_api.cli.client import ApiClient, ApiError
 from sits_api.cli.stack import api_command
 from sits_api.gunicorn_worker import error_message
 
 
 @pytest.fixture(scope="module")
-def api_port(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """The API under gunicorn, as `sitsctl up` starts it; stopped by its PID."""
+def api_settings(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     home = tmp_path_factory.mktemp("gunicorn-api")
-    settings = Settings().with_overrides(redis={"url": redis_server.url, "key_prefix": "t" + uuid.uuid4().hex[:10]},
-                                         api={"host": "127.0.0.1", "port": free_port()}, paths={"home": home})
+    return Settings().with_overrides(redis={"url": redis_server.url, "key_prefix": "t" + uuid.uuid4().hex[:10]},
+                                     api={"host": "127.0.0.1", "port": free_port()}, paths={"home": home})
+
+
+@pytest.fixture(scope="module")
+def api_key(api_settings: Settings) -> str:
+    """A user key of the API's Redis."""
+    return create_api_key(Store.connect(api_settings.redis.url, api_settings.redis.key_prefix), "tester")
+
+
+@pytest.fixture(scope="module")
+def api_port(api_settings: Settings) -> Iterator[int]:
+    """The API under gunicorn, as `sitsctl up` starts it; stopped by its PID."""
+    settings = api_settings
+    home = Path(settings.paths.home)
     config = home / "sits-config.yaml"
     config.write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
     log = home / "api.log"
@@ -117,3 +131,19 @@ def test_a_malformed_request_answers_a_json_400_saying_what_to_send(api_port: in
 
 def test_an_error_gunicorn_does_not_blame_on_the_client_points_at_the_api_log() -> None:
     assert error_message(RuntimeError("boom"), 500, cfg=None) == "internal error (RuntimeError); see the API log"
+
+
+@pytest.mark.parametrize(("chunks", "expected"), [
+    (b"zz\r\nabc\r\n0\r\n\r\n", "InvalidChunkSize"),
+    (b"3\r\nabcXX\r\n0\r\n\r\n", "ChunkMissingTerminator"),
+])
+def test_a_malformed_chunked_body_answers_a_json_400_not_a_500(api_port: int, api_key: str, chunks: bytes,
+                                                                 expected: str) -> None:
+    """gunicorn decodes chunks while the API reads the body, so the error reaches the API's code."""
+    status, body = send_raw(api_port, b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                            + api_key.encode() + b"\r\nContent-Type: application/json\r\n"
+                            b"Transfer-Encoding: chunked\r\n\r\n" + chunks)
+
+    assert status == 400
+    assert f"the request body could not be read ({expected}" in body["error"]
+    assert "send it with Content-Length, or as valid HTTP/1.1 chunks" in body["error"]
