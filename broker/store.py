@@ -30,7 +30,10 @@ class Store:
     and held until the thread ends: a command on it skips the pool's checkout and return, which
     cost a third of a small command's client CPU (about 25 of 80 us on a 2-core machine), and the
     hot paths (a worker's drain loop, an API thread) send several per batch or request.
-    Pipelines still take a connection from the pool for their one round trip.
+    Pipelines still take a connection from the pool for their one round trip. What the pool's
+    checkout did that still matters is kept: a held connection that the server closed (Redis
+    restarted) or that holds an unread reply is dropped before the thread's next command, which
+    then opens a new one, instead of failing once per thread.
     """
 
     def __init__(self, client: Any, keys: Keys | None = None) -> None:
@@ -56,6 +59,8 @@ class Store:
             with translate_redis_errors():
                 client = self.pooled_client.client()  # connects now: a single-connection client
             held = self._local.held = (os.getpid(), client, Scripts(client))
+        else:
+            _drop_if_stale(held[1].connection)
         return held[1], held[2]
 
     @classmethod
@@ -73,6 +78,20 @@ class Store:
         """True when Redis answers."""
         with translate_redis_errors():
             return bool(self.client.ping())
+
+
+def _drop_if_stale(connection: Any) -> None:
+    """Disconnect `connection` if anything waits to be read on it: an end of file (the server closed
+    it) or a reply nobody read (a command cut short). As redis-py's pool checks a connection it hands
+    out; a poll that does not block. A connection that cannot be opened is left to the command."""
+    if connection is None:
+        return
+    try:
+        stale = connection.can_read()
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        stale = True
+    if stale:
+        connection.disconnect()
 
 
 @contextlib.contextmanager

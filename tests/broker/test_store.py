@@ -1,0 +1,80 @@
+"""A Store's connections: one held per thread, a fresh one in a forked child, back after a Redis restart."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from pathlib import Path
+
+import pytest
+
+from broker.embedded import EmbeddedRedis
+from broker.store import Store
+
+
+def connection_id(store: Store) -> int:
+    """Redis's id of the connection this thread's commands go over."""
+    return int(store.client.client_id())
+
+
+def test_each_thread_holds_one_connection_of_its_own(redis_server: EmbeddedRedis) -> None:
+    store = Store.connect(redis_server.url, "tstore")
+    mine = connection_id(store)
+    seen: dict[str, list[int]] = {}
+
+    def twice(name: str) -> None:
+        seen[name] = [connection_id(store), connection_id(store)]
+
+    threads = [threading.Thread(target=twice, args=(f"t{i}",)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert connection_id(store) == mine  # the same connection for every command of a thread
+    assert all(first == again for first, again in seen.values())
+    assert len({mine, *(first for first, _ in seen.values())}) == 4  # and another one per thread
+
+
+def _child_connection(url: str, parent_connection: int, store: Store, answers: multiprocessing.Queue) -> None:
+    answers.put(connection_id(store) != parent_connection)
+
+
+def test_a_forked_child_does_not_share_its_parent_s_socket(redis_server: EmbeddedRedis) -> None:
+    store = Store.connect(redis_server.url, "tstore")
+    parent = connection_id(store)
+    fork = multiprocessing.get_context("fork")
+    answers = fork.Queue()
+    child = fork.Process(target=_child_connection, args=(redis_server.url, parent, store, answers))
+    child.start()
+    child.join(30)
+
+    assert child.exitcode == 0
+    assert answers.get(timeout=5) is True
+    assert connection_id(store) == parent  # the parent's connection is untouched
+
+
+def test_a_held_connection_works_again_after_redis_restarts(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis", appendonly=False).start()
+    try:
+        store = Store.connect(server.url, "tstore")
+        store.client.set("k", "before")
+        server.stop()
+        server.start()
+
+        assert store.client.set("k", "after") is True  # the dead socket is replaced, not reported
+        assert store.client.get("k") == "after"
+    finally:
+        server.stop(kill=True)
+
+
+@pytest.mark.parametrize("command", ["scripts", "client"])
+def test_scripts_and_client_are_this_thread_s(redis_server: EmbeddedRedis, command: str) -> None:
+    store = Store.connect(redis_server.url, "tstore")
+    held: list[object] = []
+    thread = threading.Thread(target=lambda: held.append(getattr(store, command)))
+    thread.start()
+    thread.join()
+
+    assert getattr(store, command) is getattr(store, command)
+    assert held[0] is not getattr(store, command)
