@@ -83,8 +83,9 @@ class Store:
 def _drop_if_stale(connection: Any) -> None:
     """Disconnect `connection` if anything waits to be read on it: an end of file (the server closed
     it) or a reply nobody read (a command cut short). As redis-py's pool checks a connection it hands
-    out; a poll that does not block. A connection that cannot be opened is left to the command."""
-    if connection is None:
+    out; a poll that does not block. One that is not open (dropped already, or never opened) is left
+    to the command, which opens it: polling would try to connect here too, twice against a dead host."""
+    if connection is None or not connection.is_connected:
         return
     try:
         stale = connection.can_read()

@@ -50,9 +50,17 @@ def _raw_body() -> bytes:
         return request.get_data(cache=True)
     except HTTPException:
         raise  # 413 and the like: already the right answer
-    except Exception as err:  # whatever the WSGI server raises for a body it cannot parse
+    except Exception as err:
+        if not _from_the_server(err):
+            raise  # a fault of ours: a 500, logged
         raise BadInput(f"the request body could not be read ({type(err).__name__}: {err}); send it with "
                        f"Content-Length, or as valid HTTP/1.1 chunks") from err
+
+
+def _from_the_server(err: Exception) -> bool:
+    """Whether the WSGI server raised `err` parsing the body the client sent: gunicorn's parse errors
+    (its `http` package), or the connection failing mid-body."""
+    return type(err).__module__.startswith("gunicorn.") or isinstance(err, OSError)
 
 
 def decompress(data: bytes, coding: str, limit: int | None) -> bytes:

@@ -78,3 +78,14 @@ def test_scripts_and_client_are_this_thread_s(redis_server: EmbeddedRedis, comma
 
     assert getattr(store, command) is getattr(store, command)
     assert held[0] is not getattr(store, command)
+
+
+def test_a_reply_left_unread_on_a_held_connection_is_not_taken_for_the_next_command_s(
+        redis_server: EmbeddedRedis) -> None:
+    """A command cut short leaves its reply on the socket; the next command must get its own."""
+    store = Store.connect(redis_server.url, "tstore")
+    store.client.set("k", "before")
+    store.client.connection.send_command("SET", "k", "after")  # its "OK" is never read
+
+    assert store.client.get("k") == "after"  # not "OK"
+    assert store.client.get("k") == "after"
