@@ -64,7 +64,7 @@ class ApiClient:
             headers["Content-Type"] = "application/json"
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+            with _opener().open(req, timeout=self.timeout) as response:
                 payload = response.read()
         except urllib.error.HTTPError as err:
             payload = err.read()
@@ -73,6 +73,10 @@ class ApiClient:
             except (ValueError, AttributeError):
                 message = payload.decode(errors="replace") or err.reason
             raise ApiError(f"{err.code}: {message}", err.code) from err
+        except _AnswerLost as err:
+            raise ApiError(f"the API closed the connection while {len(data or b'')} bytes of body were being sent; "
+                           "the body is probably larger than the server accepts (api.max_body_bytes): send large "
+                           "inputs as files (jobs) or split them", 413) from err
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
             raise ApiError(f"cannot reach the SITS API at {self.url}: {err}; is `sitsctl up` running?", 503) from err
         except http.client.HTTPException as err:  # something answered, but not in HTTP
@@ -94,6 +98,63 @@ class ApiClient:
     def delete(self, path: str) -> Any:
         """DELETE `path`."""
         return self.request("DELETE", path)
+
+
+class _AnswerLost(ConnectionError):
+    """The server closed the connection while the request was being sent, and left no answer to read."""
+
+
+class _ReadsAnswerAfterSendFails(http.client.HTTPConnection):
+    """An HTTPConnection that still reads the server's answer when sending a body fails with EPIPE/ECONNRESET.
+
+    A server that refuses a request by its headers (a 413 over `api.max_body_bytes`) answers and closes
+    without reading the body, so the client's next write fails; urllib would report that as an
+    unreachable server and drop the answer waiting in the socket. Failures before the connection is
+    made (refused, reset during the TLS handshake) and on requests without a body still raise.
+    """
+
+    _connected = False
+    _send_error: OSError | None = None
+
+    def connect(self) -> None:
+        super().connect()
+        self._connected = True
+
+    def request(self, method: str, url: str, body: Any = None, headers: Mapping[str, Any] | None = None, *,
+                encode_chunked: bool = False) -> None:
+        try:
+            super().request(method, url, body, headers or {}, encode_chunked=encode_chunked)
+        except (BrokenPipeError, ConnectionResetError) as err:
+            if not self._connected or not body:  # no answer to a body to read
+                raise
+            self._send_error = err
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        try:
+            return super().getresponse()
+        except (OSError, http.client.HTTPException) as err:
+            if self._send_error is None:
+                raise
+            raise _AnswerLost(str(self._send_error)) from err
+
+
+class _ReadsAnswerAfterSendFailsHttps(_ReadsAnswerAfterSendFails, http.client.HTTPSConnection):
+    """The HTTPS twin of `_ReadsAnswerAfterSendFails`."""
+
+
+class _HttpHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_ReadsAnswerAfterSendFails, req)
+
+
+class _HttpsHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_ReadsAnswerAfterSendFailsHttps, req)  # the default context, as urlopen's
+
+
+def _opener() -> urllib.request.OpenerDirector:
+    """urlopen's opener with the handlers above; built per call, as it reads the proxy variables."""
+    return urllib.request.build_opener(_HttpHandler, _HttpsHandler)
 
 
 def check_api_url(url: str, source: str) -> None:

@@ -54,9 +54,11 @@ def _check_external_data(model: onnx.ModelProto, model_file: Path) -> None:
                 f"{folder} in {model_file.name}; store the data file next to the model and reference it "
                 f"by a relative name")
         if not target.is_file():
+            what = ("is a directory, not a data file" if target.is_dir() else
+                    "is not a regular file" if target.exists() else f"does not exist in {folder}")
             raise InvalidModel(
-                f"external data '{location}' of tensor '{tensor.name}' in {model_file.name} does not exist "
-                f"in {folder}; copy the data file next to the model")
+                f"external data '{location}' of tensor '{tensor.name}' in {model_file.name} {what}; "
+                f"copy the data file next to the model and reference it by its name")
 
 
 def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelProto:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,11 +27,17 @@ _JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "c": "iufc"}
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One model input: name, dtype and per-row dims (an int when fixed, a label when dynamic)."""
+    """One model input: name, dtype and per-row dims (an int when fixed, a label when dynamic).
+
+    `fixed_rows` is the first axis when the model declares it a number: a model that fixes it runs
+    that many rows at a time (`runtime.run_session`), so even a config tensor such as a Loop's trip
+    count `steps[1]` is cut along axis 0 like any batched input and must come once per row.
+    """
 
     name: str
     dtype: np.dtype
     dims: tuple[int | str, ...]
+    fixed_rows: int | None = None
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> InputSpec:
@@ -48,28 +55,36 @@ class InputSpec:
             for axis, dim in enumerate(shape)
             if axis > 0
         )
-        return cls(name, dtype, dims)
+        first = shape[0]
+        return cls(name, dtype, dims, first if type(first) is int and first > 0 else None)
 
     @property
     def expected(self) -> str:
         return f"{self.dtype.name} [{','.join(['N', *map(str, self.dims)])}]"
 
-    def check(self, dtype: np.dtype, shape: Sequence[int | str], where: str, hint: str | None = None) -> None:
+    def check(self, dtype: np.dtype | None, shape: Sequence[int | str], where: str, hint: str | None = None, *,
+              shape_hint: str | None = None) -> None:
         """Raise BadInput naming the input, what it expects and what it got, unless both fit.
 
-        `shape` includes the batch axis ("N" when the row count is not known). Fixed dims must match,
-        dynamic ones may be any size, 0 included (a cache that is empty on a first step). The dtype
-        is compared only when `hint` (how to fix a wrong dtype) is given.
+        `dtype` None means JSON values, which have no dtype of their own (they are converted
+        losslessly or refused before this). `shape` includes the batch axis ("N" when the row count
+        is not known). Fixed dims must match, dynamic ones may be any size, 0 included (a cache that
+        is empty on a first step). The dtype is compared only when `hint` (how to fix a wrong dtype)
+        is given; `shape_hint` is added to what a wrong shape is told.
         """
-        dtype_ok = hint is None or dtype.newbyteorder("=") == self.dtype
+        dtype_ok = hint is None or dtype is None or dtype.newbyteorder("=") == self.dtype
         row_dims = [int(dim) for dim in shape[1:]]
-        check_buildable(f"input '{self.name}'", [dim for dim in shape if not isinstance(dim, str)], dtype.itemsize)
+        itemsize = (dtype or self.dtype).itemsize
+        check_buildable(f"input '{self.name}'", [dim for dim in shape if not isinstance(dim, str)], itemsize)
         if dtype_ok and len(shape) >= 1 and len(row_dims) == len(self.dims):
             pairs = zip(row_dims, self.dims, strict=True)
             if all(got == want if type(want) is int else got >= 0 for got, want in pairs):
                 return
-        got = f"{dtype.name} [{','.join(map(str, shape))}]"
+        json_values = "JSON booleans" if self.dtype.kind == "b" else "JSON numbers"
+        got = f"{dtype.name if dtype is not None else json_values} [{','.join(map(str, shape))}]"
         fix = hint if not dtype_ok and hint else f"each row must have shape [{','.join(map(str, self.dims))}]"
+        if dtype_ok and shape_hint:
+            fix += f"; {shape_hint}"
         if dtype_ok and 0 in row_dims and len(row_dims) < len(self.dims):
             fix += ("; JSON lists cannot carry the axes after an empty one, so send an input with an empty axis "
                     "as {\"b64\": <base64 .npy>} (or, in the v2 protocol, with its shape and flat data)")
@@ -147,13 +162,17 @@ def json_array(spec: InputSpec, value: Any, where: str, *, batched: bool, finite
     """
     converted = exact_numbers(value, spec.dtype)
     if converted is None:
+        fix = "write true or false" if spec.dtype.kind == "b" else f"write numbers that fit {spec.dtype.name} exactly"
         raise BadInput(
-            f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; "
-            f"write numbers that fit {spec.dtype.name} exactly"
+            f"input '{spec.name}' expects a rectangular (nested) list of {spec.dtype.name} values {where}; {fix}"
         )
     raw, array = converted
-    # shape only: JSON numbers have no dtype of their own
-    spec.check(raw.dtype, raw.shape if batched else (1, *raw.shape), where)
+    shape_hint = None
+    if not spec.dims:  # one value per row: [[3], [4]] is the commonest way to get it wrong
+        one, two = ("true", "false") if spec.dtype.kind == "b" else ("3", "4")
+        shape_hint = f"send a flat list, one value per row, e.g. [{one}, {two}]" if batched else \
+            f"write a single value, e.g. {one}"
+    spec.check(None, raw.shape if batched else (1, *raw.shape), where, shape_hint=shape_hint)
     _check_finite(spec, array, where, as_written=None if finite else raw)
     return array
 
@@ -221,10 +240,33 @@ def request_tensors(signature: dict[str, Any], values: Mapping[str, Any], *,
             tensors[spec.name] = json_array(spec, value, where, batched=True)
     rows = {array.shape[0] if array.ndim else 0 for array in tensors.values()}
     if len(rows) != 1 or 0 in rows:
-        raise BadInput(f"inputs must have the same number of rows (>= 1) on axis 0, got {sorted(rows)}")
+        raise BadInput(f"inputs must have the same number of rows (>= 1) on axis 0, got {sorted(rows)}"
+                       f"{_repeat_once_per_row_hint(specs, tensors)}")
     if mask is not None:
         check_mask(tensors, mask)
     return tensors
+
+
+_MAX_EXAMPLE_VALUES = 8
+
+
+def _repeat_once_per_row_hint(specs: list[InputSpec], tensors: Mapping[str, np.ndarray]) -> str:
+    """What to send when inputs the model fixes at one row (a config tensor such as `steps[1]`) came
+    once beside batched ones: the model runs one row at a time, each row taking its own copy."""
+    once = [spec.name for spec in specs if spec.fixed_rows == 1 and spec.name in tensors
+            and tensors[spec.name].shape[0] == 1]
+    batched = {array.shape[0] for name, array in tensors.items() if name not in once}
+    if not once or len(batched) != 1 or min(batched) < 2:
+        return ""
+    rows = min(batched)
+    names = ", ".join(f"'{name}'" for name in once)
+    hint = (f"; {names} {'has' if len(once) == 1 else 'have'} a fixed first axis of 1, so the model runs one row at "
+            f"a time and each row needs its own copy: repeat {'it' if len(once) == 1 else 'each'} once per row "
+            f"({rows} rows)")
+    example = tensors[once[0]]
+    if example.size * rows <= _MAX_EXAMPLE_VALUES:
+        hint += f", e.g. '{once[0]}': {json.dumps(np.repeat(example, rows, axis=0).tolist())}"
+    return hint
 
 
 def _b64_tensor(spec: InputSpec, value: dict[str, Any], where: str) -> np.ndarray:

@@ -147,3 +147,13 @@ def test_a_malformed_chunked_body_answers_a_json_400_not_a_500(api_port: int, ap
     assert status == 400
     assert f"the request body could not be read ({expected}" in body["error"]
     assert "send it with Content-Length, or as valid HTTP/1.1 chunks" in body["error"]
+
+
+def test_a_body_over_the_limit_from_the_python_client_reports_the_apis_413(api_port: int, api_key: str) -> None:
+    client = ApiClient(f"http://127.0.0.1:{api_port}", api_key, timeout=30)
+
+    with pytest.raises(ApiError) as refused:
+        client.post("/v1/requests", {"model": "mlp", "inputs": {"x": "a" * (21 * 2**20)}})
+
+    assert refused.value.http_status == 413, str(refused.value)
+    assert "api.max_body_bytes" in str(refused.value)

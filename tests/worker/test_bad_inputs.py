@@ -14,10 +14,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from broker.errors import BadInput
+from sits_worker.devices import Device
+from sits_worker.model.graph import model_signature
 from sits_worker.model.inputs import open_input
+from sits_worker.model.servable import check_servable
 from sits_worker.model.tensors import request_tensors
+from sits_worker.runtime import build_session, run_session
 from tests.npy_files import float32_header, npy_bytes, write_npz
 
 FEATURES = {
@@ -287,7 +292,7 @@ def test_an_empty_dynamic_axis_is_accepted_and_json_that_cannot_carry_it_says_ho
     tensors = request_tensors(cache, {"past": b64(npy_of(np.zeros((2, 0, 4), np.float32)))})
 
     assert tensors["past"].shape == (2, 0, 4)
-    with pytest.raises(BadInput, match=r"got \w+ \[2,0\].*cannot carry the axes after an empty one.*b64"):
+    with pytest.raises(BadInput, match=r"got JSON numbers \[2,0\].*cannot carry the axes after an empty one.*b64"):
         request_tensors(cache, {"past": [[], []]})
 
 
@@ -297,3 +302,93 @@ def test_a_b64_tensor_with_an_empty_axis_and_an_impossible_one_is_refused_not_bu
             "outputs": []}
     with pytest.raises(BadInput, match=r"input 'pair' has shape \[1, 0, 4611686018427387904\], which no tensor"):
         request_tensors(pair, {"pair": b64(npy_bytes(float32_header(f"(1, 0, {2**62})")))})
+
+
+# --- 6: JSON sent the wrong way round is told what to send ------------------------------------
+
+
+def signature_of(*inputs: tuple[str, str, list[int | str]]) -> dict[str, Any]:
+    return {"inputs": [{"name": name, "dtype": dtype, "shape": shape,
+                        "dynamic_axes": [axis for axis, dim in enumerate(shape) if isinstance(dim, str)]}
+                       for name, dtype, shape in inputs], "outputs": []}
+
+
+def test_a_bool_input_sent_as_json_1_and_0_is_told_to_write_true_or_false() -> None:
+    flags = signature_of(("flag", "bool", ["batch", 2]))
+
+    with pytest.raises(BadInput, match=r"list of bool values in the request; write true or false$"):
+        request_tensors(flags, {"flag": [[1, 0]]})
+    assert request_tensors(flags, {"flag": [[True, False]]})["flag"].tolist() == [[True, False]]
+
+
+@pytest.mark.parametrize(("dtype", "example"), [("int64", "[3, 4]"), ("bool", "[true, false]")])
+def test_a_one_value_per_row_input_sent_as_nested_rows_is_told_to_send_a_flat_list(dtype: str, example: str) -> None:
+    scalar = signature_of(("k", dtype, ["batch"]))
+    kind = "booleans" if dtype == "bool" else "numbers"
+
+    with pytest.raises(BadInput) as refused:
+        request_tensors(scalar, {"k": [[3], [4]] if dtype == "int64" else [[True], [False]]})
+
+    assert refused.value.message == (f"input 'k' expects {dtype} [N], got JSON {kind} [2,1] in the request; each row "
+                                     f"must have shape []; send a flat list, one value per row, e.g. {example}")
+
+
+def test_a_jsonl_row_of_a_one_value_input_written_as_a_list_is_told_to_write_a_single_value(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text('{"k": [3]}\n')
+
+    with pytest.raises(BadInput, match=r"got JSON numbers \[1,1\] in row 0 of 'rows.jsonl' \(line 1\); each row "
+                                       r"must have shape \[\]; write a single value, e.g. 3"):
+        with open_input(tmp_path / "rows.jsonl", signature_of(("k", "int64", ["batch"]))) as source:
+            list(source.iter_batches(0, 1, 8))
+
+
+def test_json_values_of_a_wrong_shape_are_reported_as_json_numbers_not_a_dtype() -> None:
+    with pytest.raises(BadInput, match=r"expects float32 \[N,64\], got JSON numbers \[2,3\] in the request"):
+        request_tensors(FEATURES, {"features": [[1, 2, 3], [4, 5, 6]]})
+
+
+def loop_model() -> Any:
+    """steps[1] (a Loop's trip count, fixed at one row) and x [N,4] -> y = x + steps, one Add per step."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond"], ["cond_out"]),
+         helper.make_node("Add", ["acc", "one"], ["acc_out"])],
+        "step",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Squeeze", ["steps"], ["trip_count"]),
+         helper.make_node("Loop", ["trip_count", "", "x"], ["y"], body=body)],
+        "loop",
+        [helper.make_tensor_value_info("steps", TensorProto.INT64, [1]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_an_input_fixed_at_one_row_beside_batched_ones_is_told_to_repeat_it_once_per_row(tmp_path: Path) -> None:
+    """The model fixes the batch at 1 (`steps[1]`), so it runs one row at a time (`runtime.run_session`)
+    and each row takes its own `steps`: repeated, the request runs, each row with its own trip count."""
+    model = loop_model()
+    check_servable(model)  # registration takes it: one fixed batch size, outputs following the batch
+    signature = model_signature(model)
+    x = [[0.0, 1.0, 2.0, 3.0]] * 3
+
+    with pytest.raises(BadInput) as refused:
+        request_tensors(signature, {"steps": [2], "x": x})
+    assert refused.value.message == (
+        "inputs must have the same number of rows (>= 1) on axis 0, got [1, 3]; 'steps' has a fixed first axis "
+        "of 1, so the model runs one row at a time and each row needs its own copy: repeat it once per row "
+        "(3 rows), e.g. 'steps': [2, 2, 2]")
+
+    (tmp_path / "loop.onnx").write_bytes(model.SerializeToString())
+    feed = request_tensors(signature, {"steps": [2, 2, 5], "x": x})
+    (y,) = run_session(build_session(tmp_path / "loop.onnx", Device("cpu"), 1), feed)
+    np.testing.assert_array_equal(y, np.asarray(x, np.float32) + [[2], [2], [5]])

@@ -181,6 +181,17 @@ def test_missing_external_data_file_is_rejected(model_root: Path) -> None:
         load_model_checked(path, [model_root])
 
 
+@pytest.mark.parametrize("location", ["weights", "."])
+def test_external_data_pointing_at_a_directory_is_rejected_as_a_directory(model_root: Path, location: str) -> None:
+    path = model_root / "external" / "mlp.onnx"
+    save_with_external_data(build_model("mlp"), path)
+    (path.parent / "weights").mkdir()
+    point_external_data_at(path, location)
+    with pytest.raises(InvalidModel, match=f"external data '{location}' of tensor .* is a directory, not a data file; "
+                                           "copy the data file next to the model"):
+        load_model_checked(path, [model_root])
+
+
 # --- signature ------------------------------------------------------------------------------
 
 
