@@ -7,6 +7,8 @@ import json
 import secrets
 from typing import Any
 
+import redis
+
 from broker.errors import Forbidden, Unauthorized
 from broker.store import Store, translate_redis_errors
 
@@ -18,7 +20,13 @@ def _digest(key: str) -> str:
 
 
 def create_api_key(store: Store, name: str, role: str = "user") -> str:
-    """Make and store a new key; the clear text is returned once and kept nowhere."""
+    """Make and store a new key; the clear text is returned once and kept nowhere.
+
+    A name is either a tenant's (user keys) or admins' (admin keys), never both: a user key named like
+    an admin key would own what that admin submitted, and an admin is no tenant's member. So a name
+    some key of the other role has is refused (ValueError), checked in the transaction that stores
+    the key (WATCH on the keys), so two keys created at once cannot split one name either.
+    """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if not name.strip():  # the name is the tenant: what a key submits is owned by it
@@ -26,9 +34,31 @@ def create_api_key(store: Store, name: str, role: str = "user") -> str:
     if name != name.strip():  # "alice " would be a tenant of its own, told from "alice" by nobody
         raise ValueError(f"key name {name!r} starts or ends with spaces; give it as {name.strip()!r}")
     key = "sits_" + secrets.token_urlsafe(24)
-    with translate_redis_errors():
-        store.client.hset(store.keys.api_keys, _digest(key), json.dumps({"name": name, "role": role}))
-    return key
+    record = json.dumps({"name": name, "role": role})
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(store.keys.api_keys)
+                _refuse_a_name_of_the_other_role(name, role, pipe.hvals(store.keys.api_keys))
+                pipe.multi()
+                pipe.hset(store.keys.api_keys, _digest(key), record)
+                pipe.execute()
+                return key
+            except redis.WatchError:
+                continue  # a key was created or revoked meanwhile; look again
+
+
+def _refuse_a_name_of_the_other_role(name: str, role: str, stored: list[str]) -> None:
+    """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and not `role`."""
+    for raw in stored:
+        try:
+            identity = json.loads(raw)
+        except ValueError:
+            continue  # damaged: `authenticate` refuses it anyway
+        if isinstance(identity, dict) and identity.get("name") == name and identity.get("role") != role:
+            raise ValueError(f"key name {name!r} is taken by a key of role '{identity.get('role')}': a name is "
+                             f"either a tenant's (user keys) or admins' (admin keys), never both; give this {role} "
+                             "key another name")
 
 
 def authenticate(store: Store, key: str | None) -> dict[str, Any]:

@@ -9,7 +9,9 @@ result) written by the API and completed by the workers' profiler task.
 A name belongs to the tenant (API key name) that registered it first
 (`model-owners`): only that tenant's keys and admins add versions under it,
 so no one can change what another's jobs and requests get when they name
-only the model. Using a model stays open to every key.
+only the model. A name first registered by an admin key belongs to no tenant
+(an admin is none), like one registered before names had owners: admin keys
+alone add versions to it. Using a model stays open to every key.
 """
 
 from __future__ import annotations
@@ -49,16 +51,24 @@ def check_may_register(store: Store, name: str, registrant: dict[str, Any]) -> N
     _refuse_a_name_of_another(registrant, name, owner=owner, registered=owner is not None or bool(has_versions))
 
 
+def name_claimant(registrant: dict[str, Any]) -> str | None:
+    """The tenant that a new model name registered by the API key `registrant` becomes: a user key's
+    name; None for an admin key. An admin is no tenant: claimed under its key's name, the name would
+    belong to any user key of that name; unclaimed, it takes versions from admin keys only, as one
+    registered before names had owners (registered: in `model-latest`, not in `model-owners`)."""
+    return None if registrant.get("role") == "admin" else registrant["name"]
+
+
 def _refuse_a_name_of_another(registrant: dict[str, Any], name: str, *, owner: str | None, registered: bool) -> None:
     """A new name is free to any key; a registered one takes versions from keys that own it (`apikeys.owns`:
-    its tenant's keys and admins), one registered before names had owners from admins only. The message
-    names no tenant: only a user key is ever refused."""
+    its tenant's keys and admins), one no tenant owns (an admin key's, or from before names had owners)
+    from admins only. The message names no tenant: only a user key is ever refused."""
     if not registered or owns(registrant, owner):
         return
     if owner:
         raise Forbidden(f"model name '{name}' is registered by another tenant; choose another name")
-    raise Forbidden(f"model name '{name}' was registered before model names had owners, so only an admin key "
-                    "may add versions to it; choose another name")
+    raise Forbidden(f"model name '{name}' belongs to no tenant (registered by an admin key, or before model names "
+                    "had owners), so only an admin key may add versions to it; choose another name")
 
 
 def save_model_version(store: Store, record: dict[str, Any], *, make_latest: bool = True,
@@ -67,9 +77,11 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
 
     With `registrant`, the API key registering it, the name is checked and claimed in the transaction
     that writes the version (WATCH on the names), so of keys registering one new name at once exactly
-    one gets it and the others are refused like any later one: a new name becomes the registrant's,
-    a registered one is Forbidden unless the registrant owns it. The record carries its name's
-    `owner`. Without a registrant (tests, tools), nothing is checked or claimed.
+    one gets it and the others are refused like any later one: a new name becomes the registrant's
+    tenant's (`name_claimant`; no tenant's for an admin key: then `model-latest` alone marks it
+    registered, so that key stays WATCHed), a registered one is Forbidden unless the registrant owns
+    it. The record carries its name's `owner`. Without a registrant (tests, tools), nothing is
+    checked or claimed.
     """
     keys = store.keys
     name = record["name"]
@@ -82,10 +94,11 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
                     owner = pipe.hget(keys.model_owners, name)
                     registered = owner is not None or bool(pipe.hexists(keys.model_latest, name))
                     _refuse_a_name_of_another(registrant, name, owner=owner, registered=registered)
-                    record = record | {"owner": owner if registered else registrant["name"]}
+                    claimant = None if registered else name_claimant(registrant)
+                    record = record | {"owner": owner if registered else claimant}
                     pipe.multi()
-                    if not registered:
-                        pipe.hset(keys.model_owners, name, registrant["name"])
+                    if claimant is not None:
+                        pipe.hset(keys.model_owners, name, claimant)
                 pipe.hset(keys.model_versions, ref, json.dumps(record))
                 if make_latest:
                     pipe.hset(keys.model_latest, name, record["version"])

@@ -127,11 +127,17 @@ def _visible_to_caller(record: dict[str, Any], not_found: SitsError) -> dict[str
 
 
 def _model_as_seen(record: dict[str, Any]) -> dict[str, Any]:
-    """A model record with its name's `owner` as the caller may see it: to the owner's keys and admins
-    the tenant's name, to other user keys None (as for a name registered before names had owners),
-    so that no tenant learns another's name. Any key may use the model either way."""
-    owner = record.get("owner")
-    return record | {"owner": owner if owns(g.identity, owner) else None}
+    """A model record as the caller may see it: to the keys that own its name (`apikeys.owns`: the
+    tenant's keys, admins) whole; to other keys with `owner` None (as for a name no tenant owns) and
+    the file paths None too, the registered `source_path` (which names folders of the registrant's,
+    often the tenant itself), the stored copy's `path` and a fused graph's, so that no tenant learns
+    another's name or files. Any key may use the model either way."""
+    if owns(g.identity, record.get("owner")):
+        return record
+    hidden = record | {"owner": None, "path": None, "source_path": None}
+    if isinstance(record.get("fusion"), dict):
+        hidden["fusion"] = record["fusion"] | {"path": None}
+    return hidden
 
 
 def _caller_job(job_id: str) -> dict[str, Any]:
@@ -206,7 +212,8 @@ def register_model() -> Any:
 
 @api.get("/v1/models")
 def list_models() -> Any:
-    """Every registered model version, with its name's `owner` (`_model_as_seen`); any key may use any model."""
+    """Every registered model version, with its name's `owner` and file paths to the keys that own it
+    (`_model_as_seen`); any key may use any model."""
     return jsonify({"models": [_model_as_seen(record) for record in registry.list_model_versions(_ctx()["store"])]})
 
 

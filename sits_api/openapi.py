@@ -81,12 +81,14 @@ def openapi_document() -> dict[str, Any]:
                                 "responses": _responses(200, 503)}},
             "/v1/status": {"get": {"summary": "workers, queues, jobs by status", "responses": _responses(200, 401)}},
             "/v1/models": {
-                "get": {"summary": "list model versions; owner: the name's tenant, to its keys and admins",
+                "get": {"summary": "list model versions; owner and file paths (path, source_path): to the "
+                                   "keys that own the name and admins, null to other keys",
                         "responses": _responses(200, 401)},
                 "post": {"summary": "register a model", "requestBody": _body(ModelRegistration),
-                         "description": "A new name becomes the tenant's (the key's name); a version under "
-                                        "another tenant's name is a 403, as is one under a name registered "
-                                        "before names had owners unless the key is an admin. Also 403: a "
+                         "description": "A new name becomes the tenant's (the key's name), or no tenant's when "
+                                        "the key is an admin; a version under another tenant's name is a 403, "
+                                        "as is one under a name no tenant owns (an admin key's, or registered "
+                                        "before names had owners) unless the key is an admin. Also 403: a "
                                         "path outside the model roots.",
                          "responses": _responses(201, 400, 401, 403, 404, 422)},
             },

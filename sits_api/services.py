@@ -13,16 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+from google.protobuf.message import EncodeError
 
 from broker import chunking, jobs, policy, registry, workers
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
-from broker.errors import BadInput, Conflict, ModelNotFound, PathNotAllowed, RetryableError
+from broker.errors import BadInput, Conflict, InvalidModel, ModelNotFound, PathNotAllowed, RetryableError
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
-from sits_worker.model.graph import static_profile
+from sits_worker.model.batch_probe import check_rows_independent
+from sits_worker.model.graph import model_signature, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
 from sits_worker.model.loading import load_model_checked
 from sits_worker.model.padding import SEQUENCE_OUTPUTS_KEY, mask_spec, token_limits
@@ -61,12 +63,15 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     The name must be new or the `registrant` key's own (`registry.save_model_version`): another
     tenant's name is Forbidden (403), before the file is read, even for a file identical to a
     version it has, since registering rewrites that version's record (source path, profiling).
+    A new name becomes the key's tenant's, or for an admin key no tenant's (admin keys alone
+    add versions to it: `registry.name_claimant`).
 
     A model that could never serve a request is refused (InvalidModel, 422) before anything is
     stored: one the ONNX checker's strict type inference rejects, one SITS cannot feed or carry
     (`check_servable`), or one ONNX Runtime cannot load (`check_runtime_loads`). A token model
     that declares an attention mask is run on two tiny feeds to see which outputs carry the
-    sequence (`sequence_probe`), so a worker cuts exactly those back after padding.
+    sequence (`sequence_probe`), so a worker cuts exactly those back after padding; any model is
+    run on two rows alone and together, and refused if its rows see each other (`batch_probe`).
     `profile_mode=full` and `enable_fusion` are sent to a worker as a Celery
     task, since only a worker has ONNX Runtime and the device to measure on;
     the record's `profile_status` says `pending` until the task is done.
@@ -75,8 +80,9 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     source = resolve_inside(body.path, settings.paths.model_roots, "model")
     model = load_model_checked(source, settings.paths.model_roots)
     check_servable(model)
-    serialized = model.SerializeToString(deterministic=True)
+    serialized = _serialized(model, source.name)
     check_runtime_loads(serialized, source.name)
+    check_rows_independent(serialized, model_signature(model), body.name)
     profile = static_profile(model)
     sequence_outputs = observe_sequence_outputs(serialized, profile)
     if sequence_outputs is not None:  # else mask_spec matches output dims by name
@@ -106,6 +112,16 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     if needs_worker:
         dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion)
     return record
+
+
+def _serialized(model: onnx.ModelProto, file_name: str) -> bytes:
+    """The model's bytes, its external data inlined, for its version hash and the checks that run it.
+    protobuf cannot write a message over 2 GB, so such a model is refused with that reason."""
+    try:
+        return model.SerializeToString(deterministic=True)
+    except (EncodeError, ValueError) as err:  # "Failed to serialize proto" (over protobuf's 2 GB)
+        raise InvalidModel(f"{file_name} is larger than the 2 GB a single ONNX message can be serialized to "
+                           f"({type(err).__name__}: {err}); SITS cannot register models of over 2 GB yet") from err
 
 
 def _content_hash(serialized_model: bytes) -> str:

@@ -63,7 +63,9 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
             manifest = finalize_job(job, keep_alive=_tolerant(between.keep_alive))
             queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
                                job_fields={"manifest": json.dumps(manifest)})
-            remove_parts(Path(job["output_dir"]))  # after the job is done: its outputs need not wait for this
+            # after the job is done: its outputs need not wait for this; only its own parts (a cancelled
+            # job's in the same folder are that job's resumable work)
+            remove_parts(Path(job["output_dir"]), job_id=job_id)
             return "finalized"
         results = run_chunk(ctx, job, item, between)
         ctx.commits.submit(partial(commit_chunk, ctx, job, item, results))

@@ -4,7 +4,8 @@ Workers write one `.npy` part per output and chunk under `<output_dir>/.parts/<j
 cancelled job's chunk still running when a new job takes the folder writes into its own job's parts,
 never over the new job's); when every chunk is
 done one worker merges the parts, in row order, into `<output_dir>/<name>.npy` and writes
-`manifest.json` last, then removes the parts. Every file appears atomically (temp file in the same
+`manifest.json` last, then removes its job's parts. Nothing here touches another job's parts folder:
+a cancelled job's parts are its resumable work. Every file appears atomically (temp file in the same
 folder, fsync, `os.replace`), so readers and a restarted merge never see half a file. Outputs are a
 pure function of model version and rows, so a chunk re-run after a lost ack rewrites identical bytes.
 """
@@ -52,8 +53,13 @@ def _file_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".") + "-" + digest
 
 
+def _parts_folder(output_dir: Path, job_id: str) -> Path:
+    """Where `job_id`'s parts (and its merge's temp files) lie: `.parts/<job_id>/`."""
+    return Path(output_dir) / PARTS_DIR / job_id
+
+
 def _part_path(output_dir: Path, name: str, chunk_index: int, job_id: str = "") -> Path:
-    return Path(output_dir) / PARTS_DIR / job_id / f"{_file_stem(name)}.{chunk_index:06d}.npy"
+    return _parts_folder(output_dir, job_id) / f"{_file_stem(name)}.{chunk_index:06d}.npy"
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -106,7 +112,7 @@ def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndar
                 "use a model whose outputs are numeric tensors"
             )
     try:
-        folder = output_dir / PARTS_DIR / job_id
+        folder = _parts_folder(output_dir, job_id)
         created = not folder.is_dir()
         folder.mkdir(parents=True, exist_ok=True)
         for name, arr in arrays.items():
@@ -188,7 +194,7 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
     dtype, row_shape = first.dtype, first.shape[1:]
     del first
     final = output_dir / f"{_file_stem(name)}.npy"
-    temp = _temp_path(output_dir / PARTS_DIR, final.name)  # removed with the parts if we crash
+    temp = _temp_path(_parts_folder(output_dir, job_id), final.name)  # removed with the job's parts if we crash
     shape = [total, *row_shape]
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(
@@ -302,13 +308,27 @@ def finalize_outputs(
     return manifest
 
 
-def remove_parts(output_dir: Path) -> None:
-    """Drop a finalized job's part files (and temp files of merges that crashed).
+def remove_parts(output_dir: Path, *, job_id: str = "") -> None:
+    """Drop a finalized job's part files (and temp files of its merges that crashed): `.parts/<job_id>/`,
+    then `.parts/` itself if that left it empty.
 
-    Only call it once `manifest.json` exists: the merged outputs are durable then, and parts left
-    behind by a crash before this call are harmless (running the finalize step again removes them).
+    Only `job_id`'s: another job's parts in the same folder (a cancelled job's, to be resumed) are its
+    work, not leftovers. Only call it once `manifest.json` exists: the merged outputs are durable then,
+    and parts left behind by a crash before this call are harmless (running the finalize step again
+    removes them). With `job_id` '' (parts written without a job id) the files directly in `.parts/`
+    are the job's, its subfolders other jobs'.
     """
-    shutil.rmtree(Path(output_dir) / PARTS_DIR, ignore_errors=True)
+    parts = Path(output_dir) / PARTS_DIR
+    if job_id:
+        shutil.rmtree(_parts_folder(output_dir, job_id), ignore_errors=True)
+    elif parts.is_dir():
+        for entry in parts.iterdir():
+            if not entry.is_dir():
+                entry.unlink(missing_ok=True)
+    try:
+        parts.rmdir()
+    except OSError:  # not empty (another job's parts), or already gone
+        pass
 
 
 def _check_same_job(

@@ -63,10 +63,6 @@ def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any]
         import onnxruntime as ort
     except ImportError:
         return None
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
-    options.log_severity_level = 4  # fatal only: a run that fails here is answered by name matching, not an error
     signature = profile.get("signature") or {}
     try:
         feed_bytes = probe_feed_bytes(signature, spec, max(lengths))
@@ -74,8 +70,8 @@ def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any]
             log.info("token model not run at registration: its feed would hold %d bytes, over the %d-byte bound "
                      "(PROBE_FEED_MAX_BYTES); its outputs are cut back by dim name", feed_bytes, PROBE_FEED_MAX_BYTES)
             return None
-        session = ort.InferenceSession(serialized_model, sess_options=options, providers=["CPUExecutionProvider"])
-        runs = [_run_within(session, probe_feed(signature, spec, length, profile.get("vocabulary_size")), ort)
+        session = probe_session(serialized_model, ort)
+        runs = [run_within(session, probe_feed(signature, spec, length, profile.get("vocabulary_size")), ort)
                 for length in lengths]
     except Exception as err:  # onnxruntime raises its own types; the model keeps name matching
         log.info("token model not run at registration (%s); its outputs are cut back by dim name", err)
@@ -139,7 +135,17 @@ def _probe_shapes(signature: Mapping[str, Any], spec: MaskSpec,
     return shapes
 
 
-def _run_within(session: Any, feed: dict[str, np.ndarray], ort: Any) -> list[np.ndarray]:
+def probe_session(serialized_model: bytes, ort: Any) -> Any:
+    """A cheap CPU session for runs at registration: no graph optimisation, one thread, quiet (a run
+    that fails here is answered by the caller's fallback, not an error)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.log_severity_level = 4
+    return ort.InferenceSession(serialized_model, sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def run_within(session: Any, feed: dict[str, np.ndarray], ort: Any) -> list[np.ndarray]:
     """`session.run`, stopped after `PROBE_SECONDS`: the registration request waits for it, and a Python
     exception cannot interrupt native code, but ONNX Runtime checks `terminate` between nodes.
     TimeoutError when it was stopped."""

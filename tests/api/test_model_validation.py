@@ -124,6 +124,12 @@ UNSERVABLE = {
         [helper.make_node("Transpose", ["x"], ["y"], perm=[1, 0])],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 1])]), ["batch axis is fixed at 1"]),
+    "rows-see-each-other": (make_model(
+        [helper.make_node("CumSum", ["x", "axis"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializers=[numpy_helper.from_array(np.array(0, dtype=np.int64), "axis")]),
+        ["model 'm' does not batch", "output 'y' of a row changes when another row shares its batch"]),
     "zero-size-axis": (one_op(in_shape=["batch", 0], out_shape=["batch", 0]),
                        ["input 'x' declares a zero-size axis 1", "no data fits it"]),
     "batch-axis-fixed-twice": (make_model([helper.make_node("Add", ["x", "z"], ["y"])],

@@ -3,12 +3,14 @@
 Another tenant's job or request answers 404 with the very message an unknown id gets (nothing
 tells that it exists), and changes nothing in Redis; records stored without an owner (before
 owners were checked) are an admin's alone. A 409 over an output folder names the job holding it
-only to a key that may see it. Models are shared, but a model name is its first registrant's:
+only to a key that may see it, and a folder another tenant's job used (in any status) is not a user
+key's to take. Models are shared, but a model name is its first registrant's:
 another tenant's new version under it would change what the owner's bare name runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from werkzeug.serving import make_server
 
-from broker import requests
+from broker import registry, requests
 from broker.apikeys import create_api_key, owns
 from broker.store import Store
 from sits_api.cli.main import cli
@@ -249,32 +251,55 @@ def test_a_folder_held_by_another_tenant_s_active_job_answers_409_without_naming
         assert f"cancel {held['id']} first" in error_of(response)
 
 
-def test_resuming_into_a_folder_another_tenant_s_job_took_answers_409_without_naming_it(
-        api: Api, alice: Api, bob: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+def test_a_folder_another_tenant_s_stopped_job_used_answers_409_and_stays_for_that_job_s_resume(
+        alice: Api, bob: Api, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    """Bob's cancelled job's parts are his resumable work; a job of Alice's finishing in his folder
+    would leave a manifest that blocks his resume (and once removed his parts with hers)."""
     bobs = submit_job(bob, mlp_input, tmp_path / "out")
     bob.delete(f"/v1/jobs/{bobs['id']}")
-    alices = submit_job(alice, mlp_input, tmp_path / "out")  # bob's is no longer active: the folder is free
+    body = {"model": "mlp", "input_batch": str(mlp_input), "output_dir": str(tmp_path / "out")}
+
+    refused = alice.post("/v1/jobs", json=body)
+
+    assert refused.status_code == 409
+    assert error_of(refused) == (f"output_dir {(tmp_path / 'out').resolve()} was last used by another tenant's job, "
+                                 "whose parts or results may still be there; choose another folder")
+    assert bobs["id"] not in refused.text and "bob" not in refused.text
+    assert listed_ids(alice) == []  # no job of hers was made
+    assert bob.post(f"/v1/jobs/{bobs['id']}/resume").status_code == 202
+    another_key_of_bob = Api(bob.client, create_api_key(store, "bob", "user"))
+    bob.delete(f"/v1/jobs/{bobs['id']}")
+    assert submit_job(another_key_of_bob, mlp_input, tmp_path / "out")["owner"] == "bob"  # his tenant's folder
+
+
+def test_resuming_into_a_folder_an_admin_s_job_took_answers_409_without_naming_it(
+        api: Api, bob: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    """An admin key may take any stopped job's folder; the owner's resume is then refused, and not
+    told which job took it."""
+    bobs = submit_job(bob, mlp_input, tmp_path / "out")
+    bob.delete(f"/v1/jobs/{bobs['id']}")
+    admins = submit_job(api, mlp_input, tmp_path / "out")
 
     while_active = bob.post(f"/v1/jobs/{bobs['id']}/resume")
-    alice.delete(f"/v1/jobs/{alices['id']}")  # and once the folder holds her job's results
-    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"job": alices["id"]}))
+    api.delete(f"/v1/jobs/{admins['id']}")  # and once the folder holds its job's results
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps({"job": admins["id"]}))
     with_results = bob.post(f"/v1/jobs/{bobs['id']}/resume")
 
     assert while_active.status_code == 409 and "in use by another tenant's active job" in error_of(while_active)
     assert with_results.status_code == 409
     assert "now holds the results of another job; submit this job again" in error_of(with_results)
-    assert all(alices["id"] not in r.text and "alice" not in r.text for r in (while_active, with_results))
+    assert all(admins["id"] not in r.text for r in (while_active, with_results))
     by_admin = api.post(f"/v1/jobs/{bobs['id']}/resume")
-    assert by_admin.status_code == 409 and f"results of job {alices['id']}" in error_of(by_admin)
+    assert by_admin.status_code == 409 and f"results of job {admins['id']}" in error_of(by_admin)
 
 
 # --- model names -----------------------------------------------------------------------------------
 
 
-def mlp_file(tmp_path: Path, seed: int) -> Path:
-    """An MLP file; another seed is another version."""
-    path = tmp_path / "models" / f"mlp-{seed}.onnx"
-    path.parent.mkdir(exist_ok=True)
+def mlp_file(tmp_path: Path, seed: int, folder: str = "models") -> Path:
+    """An MLP file (under `tmp_path/folder`); another seed is another version."""
+    path = tmp_path / folder / f"mlp-{seed}.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         onnx.save(build_model("mlp", seed=seed), str(path))
     return path
@@ -302,6 +327,33 @@ def test_a_new_model_name_becomes_its_tenant_s_and_every_model_record_shows_the_
     assert [m["owner"] for m in listed.get_json()["models"]] == [None, None, None]
     assert newest.get_json()["owner"] is None and newest.get_json()["version"] == by_admin.get_json()["version"]
     assert "alice" not in listed.text and "alice" not in newest.text
+
+
+def test_another_tenant_s_model_records_show_no_file_paths(
+        api: Api, alice: Api, bob: Api, store: Store, tmp_path: Path) -> None:
+    """The registered path names the registrant's folders (here its tenant's name); the stored copy's
+    and a fused graph's are the server's. Keys that own the name, and admins, see them all."""
+    source = mlp_file(tmp_path, 0, folder="models/alice/private")
+    registered = register(alice, "scorer", source).get_json()
+    ref = registered["ref"]
+    fused = str(Path(registered["path"]).with_name("model.fused.onnx"))
+    registry.update_model_version(store, ref, {"fusion": {"path": fused, "node_count": 3}})  # as the profiler does
+
+    for caller in (alice, api):
+        record = caller.get(f"/v1/models/{ref}").get_json()
+        assert (record["source_path"], record["path"], record["fusion"]["path"]) == (
+            str(source), registered["path"], fused)
+    seen = [bob.get("/v1/models"), bob.get("/v1/models/scorer"), bob.get(f"/v1/models/{ref}"),
+            bob.get("/v2/models/scorer"), bob.get(f"/v2/models/scorer/versions/{registered['version']}"),
+            bob.get("/v2/models/scorer/config")]
+    assert all(response.status_code == 200 for response in seen)
+    for response in seen:
+        assert "alice" not in response.text and str(tmp_path) not in response.text
+        assert "private" not in response.text and "model.onnx" not in response.text
+    [listed] = seen[0].get_json()["models"]
+    for record in (listed, seen[1].get_json()):
+        assert (record["owner"], record["source_path"], record["path"], record["fusion"]) == (
+            None, None, None, {"path": None, "node_count": 3})
 
 
 def test_another_tenant_s_version_under_a_taken_name_answers_403_without_naming_it_and_changes_nothing(
@@ -348,11 +400,34 @@ def test_a_model_name_registered_before_names_had_owners_takes_versions_from_adm
     by_admin = register(api, "legacy", mlp_file(tmp_path, 1))
 
     assert refused.status_code == 403
-    assert "registered before model names had owners, so only an admin key may add versions" in error_of(refused)
+    assert "belongs to no tenant (registered by an admin key, or before model names had owners), so only an admin " \
+           "key may add versions" in error_of(refused)
     assert by_admin.status_code == 201 and by_admin.get_json()["owner"] is None
     assert alice.get(f"/v1/models/{legacy['ref']}").get_json()["owner"] is None
     assert [m["owner"] for m in alice.get("/v1/models").get_json()["models"]] == [None, None]
     assert register(alice, "legacy", mlp_file(tmp_path, 2)).status_code == 403  # the admin's version claimed nothing
+
+
+def test_a_new_model_name_registered_by_an_admin_key_belongs_to_no_tenant(
+        api: Api, alice: Api, client: FlaskClient, store: Store, tmp_path: Path) -> None:
+    """Not to the admin key's name ('test'): a user key of that name, as one created before a name was
+    kept to one role, would add versions to every name the admin registered."""
+    namesake = "sits_a-user-key-named-like-the-admin-key"
+    store.client.hset(store.keys.api_keys, hashlib.sha256(namesake.encode()).hexdigest(),
+                      json.dumps({"name": "test", "role": "user"}))
+
+    first = register(api, "shared-scorer", mlp_file(tmp_path, 0))
+    newer = register(api, "shared-scorer", mlp_file(tmp_path, 1))
+
+    assert first.status_code == newer.status_code == 201, error_of(first)
+    assert first.get_json()["owner"] is None and newer.get_json()["owner"] is None
+    assert not store.client.hexists(store.keys.model_owners, "shared-scorer")
+    for user in (alice, Api(client, namesake)):
+        refused = register(user, "shared-scorer", mlp_file(tmp_path, 2))
+        assert refused.status_code == 403 and "belongs to no tenant" in error_of(refused)
+        record = user.get("/v1/models/shared-scorer").get_json()
+        assert record["owner"] is None and record["source_path"] is None  # used by all, owned by none
+    assert api.get("/v1/models/shared-scorer").get_json()["source_path"] == str(mlp_file(tmp_path, 1))
 
 
 # --- records stored before owners were checked -----------------------------------------------------
@@ -430,3 +505,19 @@ def test_sitsctl_model_register_prints_the_403_for_another_tenant_s_name(
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), output
     assert "Traceback" not in output
     assert "error: 403: model name 'scorer' is registered by another tenant; choose another name" in output
+
+
+def test_sitsctl_key_create_refuses_a_user_key_named_like_an_admin_key(
+        redis_server: Any, store: Store, admin_key: str, tmp_path: Path) -> None:
+    """The admin fixture's key is named 'test': a user key of that name would own the admin's jobs."""
+    config = tmp_path / "sits-config.yaml"
+    config.write_text(json.dumps({"redis": {"url": redis_server.url, "key_prefix": store.keys.prefix}}))
+    env = {"SITS_HOME": str(tmp_path / "home"), "SITS_REDIS_URL": None, "SITS_CONFIG": None}
+    stored = store.client.hgetall(store.keys.api_keys)
+
+    result = CliRunner().invoke(cli, ["key", "create", "--name", "test", "--config", str(config)], env=env)
+
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in output, output
+    assert "key name 'test' is taken by a key of role 'admin'" in output
+    assert store.client.hgetall(store.keys.api_keys) == stored

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -252,6 +254,48 @@ def test_unknown_key_is_unauthorized(store: Store) -> None:
         apikeys.authenticate(store, "sits_not-a-real-key")
 
     assert caught.value.http_status == 401
+
+
+def test_a_key_name_is_either_a_tenant_s_or_admins_never_both(store: Store) -> None:
+    """A user key named like an admin key would own what that admin submitted."""
+    apikeys.create_api_key(store, "ops", role="admin")
+    apikeys.create_api_key(store, "alice", role="user")
+    stored = store.client.hgetall(store.keys.api_keys)
+
+    with pytest.raises(ValueError) as refused:
+        apikeys.create_api_key(store, "ops", role="user")
+    assert str(refused.value) == ("key name 'ops' is taken by a key of role 'admin': a name is either a tenant's "
+                                  "(user keys) or admins' (admin keys), never both; give this user key another name")
+    with pytest.raises(ValueError, match="'alice' is taken by a key of role 'user'.* give this admin key another"):
+        apikeys.create_api_key(store, "alice", role="admin")
+    assert store.client.hgetall(store.keys.api_keys) == stored
+
+    more = [apikeys.create_api_key(store, "ops", role="admin"), apikeys.create_api_key(store, "alice", role="user")]
+    assert [apikeys.authenticate(store, key) for key in more] == [{"name": "ops", "role": "admin"},
+                                                                   {"name": "alice", "role": "user"}]
+
+
+def test_keys_of_both_roles_created_at_once_under_one_name_get_one_role(store: Store) -> None:
+    roles = ["admin", "user"] * 4
+    start = threading.Barrier(len(roles))
+    refused: list[str] = []
+
+    def create(role: str) -> None:
+        start.wait()
+        try:
+            apikeys.create_api_key(store, "shared", role=role)
+        except ValueError:
+            refused.append(role)
+
+    threads = [threading.Thread(target=create, args=(role,)) for role in roles]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    stored_roles = {json.loads(raw)["role"] for raw in store.client.hvals(store.keys.api_keys)}
+    assert len(stored_roles) == 1 and refused == [role for role in roles if role not in stored_roles]
+    assert len(refused) == 4
 
 
 def test_unknown_role_is_refused() -> None:

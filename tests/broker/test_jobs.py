@@ -163,6 +163,56 @@ def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
     assert listed(owner="alice") == [] and listed(owner="bob") == ["j6", "j5"]
 
 
+# --- output folders -------------------------------------------------------------------------------
+
+ALICE, ALICE_2ND_KEY = {"name": "alice", "role": "user"}, {"name": "alice", "role": "user"}
+BOB, ADMIN = {"name": "bob", "role": "user"}, {"name": "ops", "role": "admin"}
+
+
+def held_by(store: Store, owner: str, status: str) -> str:
+    """A job of `owner` in `status` that holds /data/out; returns its id."""
+    spec = dataclasses.replace(job_spec(rows_total=4, chunk_size=4), owner=owner)
+    jobs.claim_output_dir(store, spec.output_dir, spec.job_id, caller={"name": owner, "role": "user"})
+    jobs.create_job(store, spec, now=NOW)
+    if status != "queued":
+        store.client.hset(store.keys.job(spec.job_id), "status", status)
+    return spec.job_id
+
+
+@pytest.mark.parametrize("status", ["cancelled", "failed", "succeeded"])
+def test_a_stopped_job_s_folder_is_taken_only_by_keys_that_own_the_job(store: Store, status: str) -> None:
+    """Its parts are its resumable work: another tenant's job finishing there would block the resume."""
+    holder = held_by(store, "alice", status)
+
+    with pytest.raises(Conflict) as refused:
+        jobs.claim_output_dir(store, "/data/out", "jbob", caller=BOB)
+    assert refused.value.message == ("output_dir /data/out was last used by another tenant's job, whose parts "
+                                     "or results may still be there; choose another folder")
+    assert jobs.holds_output_dir(store, "/data/out", holder)
+    for caller in (ALICE_2ND_KEY, ADMIN):  # the same tenant (any of its keys), and admins
+        jobs.claim_output_dir(store, "/data/out", f"j-{caller['role']}", caller=caller)
+        assert jobs.holds_output_dir(store, "/data/out", f"j-{caller['role']}")
+
+
+def test_an_active_job_s_folder_is_taken_by_no_one_and_a_gone_job_s_by_anyone(store: Store) -> None:
+    holder = held_by(store, "alice", "running")
+    for caller in (ALICE, BOB, ADMIN):
+        with pytest.raises(Conflict, match="is in use by"):
+            jobs.claim_output_dir(store, "/data/out", "jnew", caller=caller)
+
+    store.client.delete(store.keys.job(holder))  # gone from Redis: nothing of it to protect
+    jobs.claim_output_dir(store, "/data/out", "jbob", caller=BOB)
+    assert jobs.holds_output_dir(store, "/data/out", "jbob")
+
+
+def test_a_folder_of_a_job_stored_without_an_owner_is_an_admin_s_to_take(store: Store) -> None:
+    held_by(store, "", "cancelled")
+
+    with pytest.raises(Conflict, match="last used by another tenant's job"):
+        jobs.claim_output_dir(store, "/data/out", "jalice", caller=ALICE)
+    jobs.claim_output_dir(store, "/data/out", "jadmin", caller=ADMIN)
+
+
 # --- cancel ---------------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 The check and the claim are one transaction with the write (`registry.save_model_version`), so of
 tenants registering one new name at once exactly one gets it; the others are refused as later ones are.
+A name an admin key registers first belongs to no tenant: admin keys alone add versions to it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def test_another_user_s_version_under_a_taken_name_is_forbidden_and_stores_nothi
 def test_a_name_registered_before_names_had_owners_takes_versions_from_admins_only(store: Store) -> None:
     registry.save_model_version(store, version("mlp", "a1"))  # as before: no registrant, no owner
 
-    with pytest.raises(Forbidden, match="before model names had owners, so only an admin key"):
+    with pytest.raises(Forbidden, match="belongs to no tenant .* before model names had owners.*only an admin key"):
         registry.save_model_version(store, version("mlp", "b2"), registrant=ALICE)
     added = registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)
 
@@ -67,6 +68,49 @@ def test_a_name_registered_before_names_had_owners_takes_versions_from_admins_on
     assert [r["owner"] for r in registry.list_model_versions(store)] == [None, None]
     with pytest.raises(Forbidden):
         registry.check_may_register(store, "mlp", ALICE)
+
+
+def test_a_new_name_registered_by_an_admin_key_belongs_to_no_tenant(store: Store) -> None:
+    """Not to the admin key's name: a user key of that name (one created before a name was kept to
+    one role) would own every name the admin registered."""
+    first = registry.save_model_version(store, version("mlp", "a1"), registrant=ADMIN)
+    second = registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)
+
+    assert first["owner"] is None and second["owner"] is None
+    assert not store.client.hexists(store.keys.model_owners, "mlp")
+    for user in (ALICE, {"name": ADMIN["name"], "role": "user"}):
+        with pytest.raises(Forbidden) as refused:
+            registry.save_model_version(store, version("mlp", "c3"), registrant=user)
+        assert refused.value.message == ("model name 'mlp' belongs to no tenant (registered by an admin key, or "
+                                         "before model names had owners), so only an admin key may add versions "
+                                         "to it; choose another name")
+        with pytest.raises(Forbidden):
+            registry.check_may_register(store, "mlp", user)
+    assert stored_versions(store) == ["mlp@a1", "mlp@b2"] and registry.get_model(store, "mlp")["version"] == "b2"
+    assert registry.name_claimant(ALICE) == "alice" and registry.name_claimant(ADMIN) is None
+
+
+def test_a_name_an_admin_registers_between_a_user_s_check_and_write_is_refused_on_the_retry(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The admin's version claims no owner, but lands in `model-latest`, which the user's transaction
+    watches: her write is not applied, and her second look finds the name registered, no tenant's."""
+    check = registry._refuse_a_name_of_another
+    calls: list[str] = []
+
+    def admin_gets_in_first(registrant: dict[str, Any], name: str, **seen: Any) -> None:
+        calls.append(registrant["name"])
+        check(registrant, name, **seen)
+        if calls == ["alice"]:
+            registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)
+
+    monkeypatch.setattr(registry, "_refuse_a_name_of_another", admin_gets_in_first)
+
+    with pytest.raises(Forbidden, match="belongs to no tenant"):
+        registry.save_model_version(store, version("mlp", "a1"), registrant=ALICE)
+
+    assert calls == ["alice", "root", "alice"]
+    assert not store.client.hexists(store.keys.model_owners, "mlp")
+    assert stored_versions(store) == ["mlp@b2"] and registry.get_model(store, "mlp")["owner"] is None
 
 
 def test_a_name_claimed_between_the_check_and_the_write_is_refused_on_the_retry(

@@ -68,3 +68,18 @@ def test_a_merge_that_outlasts_the_lease_keeps_its_finalize_item_from_the_reaper
     assert len(returned_by_reaper) > CHUNKS and set(returned_by_reaper) == {0}
     assert jobs.get_job(store, final.payload["job"], now=time.time())["status"] == "succeeded"
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy")[:, 0], np.arange(CHUNKS))
+
+
+def test_a_finished_job_removes_only_its_own_parts_not_a_cancelled_job_s_in_the_same_folder(
+        ctx: WorkerContext, store: Store, tmp_path: Path) -> None:
+    """The cancelled job's parts are its resumable work (a resume re-runs only its missing chunks)."""
+    outputs.write_part(tmp_path, 0, {"logits": np.full((1, 2), 7, np.float32)}, job_id="jcancelled")
+    cancelled_part = tmp_path / ".parts" / "jcancelled" / "logits.000000.npy"
+    kept = cancelled_part.read_bytes()
+    final = leased_finalize_item(store, tmp_path)
+
+    assert process_item(ctx, final, BetweenBatches(ctx, final, ticket="")) == "finalized"
+
+    assert [path.name for path in (tmp_path / ".parts").iterdir()] == ["jcancelled"]
+    assert cancelled_part.read_bytes() == kept
+    assert (tmp_path / "manifest.json").is_file()

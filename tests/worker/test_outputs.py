@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from broker.errors import BadInput, Conflict, FileMissing
+from broker.errors import BadInput, Conflict, FileMissing, RetryableError
 from sits_worker import outputs
 from sits_worker.outputs import finalize_outputs, part_exists, remove_parts, write_part
 
@@ -151,8 +151,50 @@ def test_a_late_part_of_a_cancelled_job_in_the_same_folder_does_not_touch_the_ne
 
     assert manifest["rows"] == 4
     np.testing.assert_array_equal(np.load(tmp_path / "label.npy"), np.arange(4))
-    remove_parts(tmp_path)
+
+
+def test_removing_a_finished_job_s_parts_keeps_another_job_s_in_the_folder(tmp_path: Path) -> None:
+    """Job A was cancelled with chunk 0 of 2 done; job B took the folder and finished. A's part is its
+    resumable work: B's cleanup removes B's parts only, and `.parts/` once the last job's are gone."""
+    write_part(tmp_path, 0, _outputs(range(0, 4)), job_id="job-a")
+    a_parts = {path: path.read_bytes() for path in (tmp_path / ".parts" / "job-a").iterdir()}
+    _write_all(tmp_path, CHUNKS)  # as job "": parts directly in .parts/
+    for index, chunk in enumerate(CHUNKS):
+        write_part(tmp_path, index, _outputs(range(*chunk)), job_id="job-b")
+    finalize_outputs(tmp_path, CHUNKS, ["logits", "label"], EXTRA, job_id="job-b")
+
+    remove_parts(tmp_path, job_id="job-b")
+    remove_parts(tmp_path, job_id="job-b")  # idempotent
+
+    assert sorted(path.name for path in (tmp_path / ".parts").iterdir()) == sorted(
+        ["job-a", *(f"{name}.{index:06d}.npy" for name in ("label", "logits") for index in range(3))])
+    assert {path: path.read_bytes() for path in (tmp_path / ".parts" / "job-a").iterdir()} == a_parts
+    remove_parts(tmp_path)  # job "": the files directly in .parts/, not the folders of other jobs
+    assert [path.name for path in (tmp_path / ".parts").iterdir()] == ["job-a"]
+    remove_parts(tmp_path, job_id="job-a")
     assert not (tmp_path / ".parts").exists()
+
+
+def test_a_crashed_merge_leaves_its_temp_file_in_its_own_job_s_parts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merge killed before its rename leaves a temp file behind; it lies with its job's parts, so
+    that job's cleanup removes it and no other job's cleanup touches another's."""
+    write_part(tmp_path, 0, _outputs(range(0, 4)), job_id="job-a")
+    write_part(tmp_path, 0, _outputs(range(0, 4)), job_id="job-b")
+
+    def killed_before_the_rename(source: object, target: object) -> None:
+        raise OSError(5, "killed")
+
+    monkeypatch.setattr(outputs.os, "replace", killed_before_the_rename)
+    with pytest.raises(RetryableError):
+        finalize_outputs(tmp_path, [(0, 4)], ["logits"], EXTRA, job_id="job-b")
+    monkeypatch.undo()
+
+    [temp] = (tmp_path / ".parts").rglob("*.tmp")
+    assert temp.parent == tmp_path / ".parts" / "job-b" and temp.name.startswith(".logits.npy.")
+    remove_parts(tmp_path, job_id="job-b")
+    assert not list((tmp_path / ".parts").rglob("*.tmp"))
+    assert part_exists(tmp_path, 0, ["logits", "label"], job_id="job-a")
 
 
 def test_a_manifest_of_another_job_is_not_handed_back(tmp_path: Path) -> None:
