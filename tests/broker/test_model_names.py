@@ -90,50 +90,32 @@ def test_a_new_name_registered_by_an_admin_key_belongs_to_no_tenant(store: Store
     assert registry.name_claimant(ALICE) == "alice" and registry.name_claimant(ADMIN) is None
 
 
-def test_a_name_an_admin_registers_between_a_user_s_check_and_write_is_refused_on_the_retry(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The admin's version claims no owner, but lands in `model-latest`, which the user's transaction
-    watches: her write is not applied, and her second look finds the name registered, no tenant's."""
+@pytest.mark.parametrize(("first", "refusal", "owner"), [
+    (BOB, "registered by another tenant", "bob"),
+    (ADMIN, "belongs to no tenant", None),
+], ids=["another-tenant", "an-admin"])
+def test_a_name_registered_between_the_check_and_the_write_is_refused_on_the_retry(
+        store: Store, monkeypatch: pytest.MonkeyPatch, first: dict[str, Any], refusal: str, owner: str | None) -> None:
+    """Another key registers the new name after Alice's transaction read it free, before it wrote: her
+    write is not applied (WATCH on the owners and on `model-latest`, which alone marks a name an admin
+    key registered), and her second look finds the name taken: Bob's, or no tenant's."""
     check = registry._refuse_a_name_of_another
     calls: list[str] = []
 
-    def admin_gets_in_first(registrant: dict[str, Any], name: str, **seen: Any) -> None:
+    def another_gets_in_first(registrant: dict[str, Any], name: str, **seen: Any) -> None:
         calls.append(registrant["name"])
         check(registrant, name, **seen)
         if calls == ["alice"]:
-            registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)
+            registry.save_model_version(store, version("mlp", "b2"), registrant=first)
 
-    monkeypatch.setattr(registry, "_refuse_a_name_of_another", admin_gets_in_first)
+    monkeypatch.setattr(registry, "_refuse_a_name_of_another", another_gets_in_first)
 
-    with pytest.raises(Forbidden, match="belongs to no tenant"):
+    with pytest.raises(Forbidden, match=refusal):
         registry.save_model_version(store, version("mlp", "a1"), registrant=ALICE)
 
-    assert calls == ["alice", "root", "alice"]
-    assert not store.client.hexists(store.keys.model_owners, "mlp")
-    assert stored_versions(store) == ["mlp@b2"] and registry.get_model(store, "mlp")["owner"] is None
-
-
-def test_a_name_claimed_between_the_check_and_the_write_is_refused_on_the_retry(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bob claims the new name after Alice's transaction read it free, before it wrote: her write
-    is not applied (WATCH), and her second look finds Bob's name."""
-    check = registry._refuse_a_name_of_another
-    calls: list[str] = []
-
-    def bob_gets_in_first(registrant: dict[str, Any], name: str, **seen: Any) -> None:
-        calls.append(registrant["name"])
-        check(registrant, name, **seen)
-        if calls == ["alice"]:
-            registry.save_model_version(store, version("mlp", "b2"), registrant=BOB)
-
-    monkeypatch.setattr(registry, "_refuse_a_name_of_another", bob_gets_in_first)
-
-    with pytest.raises(Forbidden, match="registered by another tenant"):
-        registry.save_model_version(store, version("mlp", "a1"), registrant=ALICE)
-
-    assert calls == ["alice", "bob", "alice"]
-    assert store.client.hget(store.keys.model_owners, "mlp") == "bob"
-    assert stored_versions(store) == ["mlp@b2"] and registry.get_model(store, "mlp")["owner"] == "bob"
+    assert calls == ["alice", first["name"], "alice"]
+    assert store.client.hget(store.keys.model_owners, "mlp") == owner
+    assert stored_versions(store) == ["mlp@b2"] and registry.get_model(store, "mlp")["owner"] == owner
 
 
 def test_of_tenants_registering_one_new_name_at_once_exactly_one_gets_it(store: Store) -> None:
