@@ -330,8 +330,8 @@ def _tensor(entry: Any, where: str, binary: BinaryData) -> np.ndarray:
         raise BadInput(f"input '{name}' data must be a list of {datatype} values, got {entry['data']!r}")
     converted = exact_numbers(entry["data"], np.dtype(DATATYPES[datatype]))  # (inf: refused with the tensors)
     if converted is None:
-        raise BadInput(f"input '{name}' data are not {datatype} values: write a flat or nested list of "
-                       f"numbers that fit {datatype} exactly")
+        values = "true or false" if datatype == "BOOL" else f"numbers that fit {datatype} exactly"
+        raise BadInput(f"input '{name}' data are not {datatype} values: write a flat or nested list of {values}")
     array = converted[1]
     if array.size != math.prod(shape):
         raise BadInput(f"input '{name}' has {array.size} values but shape {shape} needs {math.prod(shape)}")

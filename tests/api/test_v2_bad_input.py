@@ -42,6 +42,8 @@ def infer_body(**changes: Any) -> dict[str, Any]:
     pytest.param({"inputs": [features(datatype="INT64", data=[1.5] * 64)]}, "not INT64 values",
                  id="fractions-for-int64"),
     pytest.param({"inputs": [features(data=[1e39] * 64)]}, "does not fit float32", id="beyond-float32"),
+    pytest.param({"inputs": [features(datatype="BOOL", data=[1, 0] * 32)]},
+                 "not BOOL values: write a flat or nested list of true or false", id="numbers-for-bool"),
 ])
 def test_a_malformed_infer_body_is_a_400_naming_the_field_and_queues_nothing(
         api: Api, mlp: dict[str, Any], changes: dict[str, Any], field: str) -> None:
