@@ -81,10 +81,11 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     model = load_model_checked(source, settings.paths.model_roots)
     check_servable(model)
     serialized = _serialized(model, source.name)
-    check_runtime_loads(serialized, source.name)
-    check_rows_independent(serialized, model_signature(model), body.name)
+    session = check_runtime_loads(serialized, source.name)  # (one CPU session for the probes below)
+    check_rows_independent(serialized, model_signature(model), body.name, session)
     profile = static_profile(model)
-    sequence_outputs = observe_sequence_outputs(serialized, profile)
+    sequence_outputs = observe_sequence_outputs(serialized, profile, session)
+    del session
     if sequence_outputs is not None:  # else mask_spec matches output dims by name
         profile[SEQUENCE_OUTPUTS_KEY] = sequence_outputs
     version = _content_hash(serialized)

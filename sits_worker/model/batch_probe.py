@@ -38,10 +38,12 @@ ROW_SCALES = (0.01, 100.0)
 dynamic quantization scale) set by the larger row flattens the smaller one's outputs."""
 
 
-def check_rows_independent(serialized_model: bytes, signature: Mapping[str, Any], name: str) -> None:
+def check_rows_independent(serialized_model: bytes, signature: Mapping[str, Any], name: str,
+                           session: Any = None) -> None:
     """InvalidModel when running two rows together changes an output of either from its run alone
-    (see the module); nothing when they agree or the model was not run."""
-    problem = _rows_interact(serialized_model, signature)
+    (see the module); nothing when they agree or the model was not run. `session`: the one
+    `servable.check_runtime_loads` built (else one is built here)."""
+    problem = _rows_interact(serialized_model, signature, session)
     if problem:
         raise InvalidModel(
             f"model '{name}' does not batch: {problem}. SITS merges requests and job rows into one batch, so "
@@ -50,7 +52,7 @@ def check_rows_independent(serialized_model: bytes, signature: Mapping[str, Any]
             f"dynamic quantization, RNN, Scan or NonMaxSuppression across axis 0; batch axis first)")
 
 
-def _rows_interact(serialized_model: bytes, signature: Mapping[str, Any]) -> str | None:
+def _rows_interact(serialized_model: bytes, signature: Mapping[str, Any], session: Any) -> str | None:
     inputs = signature.get("inputs") or []
     if len(serialized_model) > RUNTIME_CHECK_MAX_BYTES or not inputs or any(
             entry["shape"] and isinstance(entry["shape"][0], int) for entry in inputs):
@@ -66,7 +68,7 @@ def _rows_interact(serialized_model: bytes, signature: Mapping[str, Any]) -> str
     both = _two_rows(inputs)
     swapped = {key: value[::-1] for key, value in both.items()}  # a row may see the rows before it, or after
     try:
-        session = probe_session(serialized_model, ort)
+        session = session or probe_session(serialized_model, ort)
         names = [output.name for output in session.get_outputs()]
         runs = [run_within(session, feed, ort) for feed in (both, swapped)]
         alone = [run_within(session, {key: value[row : row + 1] for key, value in both.items()}, ort)

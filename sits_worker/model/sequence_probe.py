@@ -44,11 +44,12 @@ PROBE_FEED_MAX_BYTES = 4 * 2**20
 run. Token models' feeds are a few hundred bytes; only fixed dims (or many inputs) reach this."""
 
 
-def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any]) -> list[list[str | int]] | None:
+def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any],
+                             session: Any = None) -> list[list[str | int]] | None:
     """[output, axis] pairs whose size followed the sequence length over two runs of the model.
 
     Runs only a model that declares an attention mask (`padding.mask_spec`; no other model is
-    padded), on a CPU session built cheaply like `servable.check_runtime_loads`'s: one row, the token
+    padded), on `session` (the one `servable.check_runtime_loads` built) or one built as cheaply: one row, the token
     input, the mask and the inputs that carry the same sequence (by dim name) at each of
     `PROBE_LENGTHS`, every other dynamic dim 1. None when the model was not run: no declared mask,
     larger than `servable.RUNTIME_CHECK_MAX_BYTES`, no onnxruntime in this process, a declared
@@ -70,7 +71,7 @@ def observe_sequence_outputs(serialized_model: bytes, profile: Mapping[str, Any]
             log.info("token model not run at registration: its feed would hold %d bytes, over the %d-byte bound "
                      "(PROBE_FEED_MAX_BYTES); its outputs are cut back by dim name", feed_bytes, PROBE_FEED_MAX_BYTES)
             return None
-        session = probe_session(serialized_model, ort)
+        session = session or probe_session(serialized_model, ort)
         runs = [run_within(session, probe_feed(signature, spec, length, profile.get("vocabulary_size")), ort)
                 for length in lengths]
     except Exception as err:  # onnxruntime raises its own types; the model keeps name matching

@@ -164,8 +164,9 @@ RUNTIME_CHECK_MAX_BYTES = 512 * 2**20
 """Models larger than this are not loaded in the API process at registration (`check_runtime_loads`)."""
 
 
-def check_runtime_loads(serialized_model: bytes, model_name: str) -> None:
-    """InvalidModel unless ONNX Runtime builds a CPU session from the model's bytes.
+def check_runtime_loads(serialized_model: bytes, model_name: str) -> Any:
+    """InvalidModel unless ONNX Runtime builds a CPU session from the model's bytes; returns that
+    session (None when none was built) for the registration probes to run, so a model is loaded once.
 
     Catches what the ONNX checker passes but no worker can load (an opset or IR version the runtime
     does not support, an operator of an unknown domain). Skipped when the API process has no
@@ -176,20 +177,20 @@ def check_runtime_loads(serialized_model: bytes, model_name: str) -> None:
     The API's ONNX Runtime is the one asked: workers of an older version may still refuse the model.
     """
     if len(serialized_model) > RUNTIME_CHECK_MAX_BYTES:
-        return
+        return None
     try:
         import onnxruntime as ort
         from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as KernelMissing
     except ImportError:
-        return
+        return None
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    options.log_severity_level = 3  # errors only: shape-merge warnings are not the caller's business
+    options.log_severity_level = 4  # fatal only: shape-merge warnings and probe runs are not the caller's business
     try:
-        ort.InferenceSession(serialized_model, sess_options=options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(serialized_model, sess_options=options, providers=["CPUExecutionProvider"])
     except KernelMissing:
-        return
+        return None
     except Exception as err:  # onnxruntime raises its own exception types
         reason = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", first_line(err))[:500]
         raise InvalidModel(f"ONNX Runtime cannot load {model_name}: {reason}; fix or re-export the model") from err
