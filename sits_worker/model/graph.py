@@ -141,10 +141,12 @@ def sequence_axis(model: onnx.ModelProto) -> dict[str, Any] | None:
     axis of an input; None when no input has one.
 
     Among several such inputs the token ids are wanted (their vocabulary is checked, they are padded
-    with the pad id): an input that indexes an embedding table (`vocabulary_size`, the largest table
-    first, so word ids win over token type ids) before one that does not, and never the attention
-    mask that `sits.attention_mask` names while another input is left; otherwise the first in
-    graph order. Graph order alone picked the mask of models that list it first.
+    with the pad id): never the attention mask that `sits.attention_mask` names while another input
+    is left; then by name (`input_ids` first, position and token type ids last: `_id_name_rank`);
+    then an input that indexes an embedding table (`vocabulary_size`, the largest table first)
+    before one that does not; otherwise the first in graph order. Graph order alone picked the mask
+    of models that list it first, and the largest table alone a position table larger than the
+    vocabulary.
 
     An input with two or more dynamic axes after the batch (an image of any height and width, a
     volume) carries no sequence: counting its rows' heights as tokens put a 64-pixel-high image in
@@ -160,12 +162,22 @@ def sequence_axis(model: onnx.ModelProto) -> dict[str, Any] | None:
         return None
     mask = next((prop.value for prop in model.metadata_props if prop.key == MASK_INPUT_KEY), None)
 
-    def preference(candidate: tuple[str, int]) -> tuple[bool, int]:
+    def preference(candidate: tuple[str, int]) -> tuple[bool, int, int]:
         vocabulary = vocabulary_size(model, candidate[0])
-        return candidate[0] == mask, -(vocabulary or 0)
+        return candidate[0] == mask, _id_name_rank(candidate[0]), -(vocabulary or 0)
 
     name, axis = min(candidates, key=preference)  # min keeps graph order among equals
     return {"input": name, "axis": axis}
+
+
+def _id_name_rank(name: str) -> int:
+    """How surely an input's name says it holds the token ids, by the names exporters give them:
+    `input_ids` 0; position and token type ids 2 (a position table may well outnumber a small
+    vocabulary, as in byte-level models); any other name 1."""
+    lowered = name.lower()
+    if lowered == "input_ids":
+        return 0
+    return 2 if "position" in lowered or "type" in lowered else 1
 
 
 def vocabulary_size(model: onnx.ModelProto, token_input: str) -> int | None:

@@ -27,6 +27,9 @@ DEFAULT_MAX_SEQUENCE = 512
 # Static profile key, set at registration (`sequence_probe`): [output, axis] pairs whose size followed the
 # sequence length when the model ran; absent where the model was not run (`mask_spec` then matches names).
 SEQUENCE_OUTPUTS_KEY = "sequence_outputs"
+PADDING_EXACT_KEY = "padding_exact"
+"""Static profile key: False when registration saw padding change a row's outputs (a model that
+reads the last position): such a model is never padded, its requests merge only at equal lengths."""
 
 
 class MaskSpec(NamedTuple):
@@ -89,7 +92,7 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
     profile = static_profile or {}
     metadata = profile.get("metadata") or {}
     mask_input = metadata.get(MASK_INPUT_KEY)
-    if not mask_input:
+    if not mask_input or profile.get(PADDING_EXACT_KEY) is False:
         return None
     signature = profile.get("signature") or {}
     inputs = {entry["name"]: entry for entry in signature.get("inputs", [])}
@@ -105,6 +108,10 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
                            f"name and a token input with a dynamic sequence axis; fix the model's metadata")
     name, axis = sequence
     label = inputs[name]["shape"][axis]
+    mask_label = mask_entry["shape"][1]
+    if isinstance(label, str) and isinstance(mask_label, str) and "?" not in (label, mask_label) \
+            and mask_label != label:
+        return None  # the mask spans another axis than the ids (a cache's past and the new tokens): no padding
 
     def carrying(entries: Sequence[dict[str, Any]], skip: set[str]) -> tuple[tuple[str, int], ...]:
         return tuple((entry["name"], index) for entry in entries if entry["name"] not in skip
@@ -232,13 +239,19 @@ def shape_bucket(tensors: Mapping[str, np.ndarray], mask: MaskSpec | None,
 
 def check_mask(tensors: Mapping[str, np.ndarray], spec: MaskSpec) -> None:
     """Raise BadInput unless a client-sent mask has the shape of the sequence input (rows, length) and
-    holds only 0 and 1.
+    holds only 0 and 1, and every other input that carries the sequence is as long as the ids.
 
     The mask says which tokens of those very rows are real, so anything else is a client error
     that must be caught at submit, not when the worker pads a merged batch. (Token ids and lengths:
     `TokenLimits`.)
     """
     mask, tokens = tensors.get(spec.mask_input), tensors[spec.sequence_input]
+    length = tokens.shape[spec.axis]
+    for name, axis in spec.other_inputs:  # token type ids, position ids: padded along with the ids
+        other = tensors.get(name)
+        if other is not None and (other.ndim <= axis or other.shape[axis] != length):
+            raise BadInput(f"input '{name}' has shape {list(other.shape)}, but '{spec.sequence_input}' holds "
+                           f"{length} tokens per row; send one '{name}' value per token")
     if mask is not None and mask.shape != tokens.shape:
         raise BadInput(f"input '{spec.mask_input}' has shape {list(mask.shape)} but '{spec.sequence_input}' has "
                        f"{list(tokens.shape)}; send one mask value per token, or leave the mask out")

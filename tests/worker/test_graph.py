@@ -360,3 +360,16 @@ def test_operator_histogram_counts_nodes_inside_subgraphs() -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
     )
     assert operator_histogram(helper.make_model(graph)) == {"Relu": 2, "If": 1}
+
+
+def test_input_ids_are_the_token_ids_even_beside_a_larger_position_table() -> None:
+    """A byte-level model's position table (64 rows) outnumbers its vocabulary (50): the largest table
+    alone picked position_ids, and input_ids went unchecked."""
+    model = token_model()
+    model.graph.input.insert(0, helper.make_tensor_value_info("position_ids", TensorProto.INT64,
+                                                              ["batch", "sequence"]))
+    model.graph.initializer.append(helper.make_tensor("position_table", TensorProto.FLOAT, [64, 4], [0.0] * 256))
+    model.graph.node.append(helper.make_node("Gather", ["position_table", "position_ids"], ["position_vectors"]))
+
+    assert sequence_axis(model) == {"input": "input_ids", "axis": 1}
+    assert static_profile(model)["vocabulary_size"] == 50

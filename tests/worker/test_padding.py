@@ -319,3 +319,37 @@ def test_a_mask_listed_before_the_ids_still_gets_the_ids_checked_against_the_voc
     assert token_limits(profile) == TokenLimits("input_ids", 1, None, None, True)
     spec = mask_spec(profile)
     assert spec is not None and (spec.sequence_input, spec.axis) == ("input_ids", 1)
+
+
+# --- inputs beside the ids, and masks of another length ---------------------------------------------
+
+
+def with_token_types(model: onnx.ModelProto, dim: str = "sequence") -> onnx.ModelProto:
+    """`model` with a BERT-style token_type_ids [batch, dim] input looked up in a 2-row table."""
+    model.graph.input.append(helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, ["batch", dim]))
+    model.graph.initializer.append(helper.make_tensor("type_table", TensorProto.FLOAT, [2, 4], [0.0] * 8))
+    model.graph.node.append(helper.make_node("Gather", ["type_table", "token_type_ids"], ["type_vectors"]))
+    return model
+
+
+def test_token_type_ids_of_another_length_than_the_ids_are_refused_at_submit() -> None:
+    """They are padded with the ids; one shorter was padded silently, one longer failed in the worker."""
+    profile = static_profile(with_token_types(token_model()))
+    spec = mask_spec(profile)
+    assert spec is not None and ("token_type_ids", 1) in spec.other_inputs
+    ids = np.array([[1, 2, 3, 4]], dtype=np.int64)
+    for types in ([[0, 0, 1]], [[0, 0, 1, 1, 0]]):
+        with pytest.raises(BadInput, match=r"'input_ids' holds 4 tokens per row; send one 'token_type_ids' value"):
+            request_tensors(profile["signature"], {"input_ids": ids, "token_type_ids": np.array(types)}, mask=spec)
+    request_tensors(profile["signature"], {"input_ids": ids, "token_type_ids": np.zeros((1, 4), np.int64)},
+                    mask=spec)
+
+
+def test_a_mask_that_spans_another_axis_than_the_ids_is_not_padded() -> None:
+    """A decoder with a cache takes a mask over past and new tokens ([batch, total_sequence]): padding
+    the ids would misalign it, so such a model's requests are merged only at equal shapes."""
+    model = token_model()
+    mask = next(value for value in model.graph.input if value.name == "attention_mask")
+    mask.type.tensor_type.shape.dim[1].dim_param = "total_sequence"
+    assert mask_spec(static_profile(model)) is None
+    assert mask_spec(static_profile(token_model())) is not None
