@@ -59,8 +59,9 @@ class _JsonlSource(InputSource):
         if not isinstance(record, dict) or set(record) != set(self.input_names):
             got = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise BadInput(
-                f"got keys {got} {where}; each line must be an object with exactly the model's "
-                f"inputs {list(self.input_names)}"
+                f"got keys {got} {where}; each line must be an object with exactly the inputs "
+                f"{list(self.input_names)} (the model's, the same on every line: an attention mask is given "
+                f"on all lines or on none)"
             )
         return {spec.name: _json_row(spec, record[spec.name], where) for spec in self._specs}
 

@@ -353,3 +353,14 @@ def test_a_mask_that_spans_another_axis_than_the_ids_is_not_padded() -> None:
     mask.type.tensor_type.shape.dim[1].dim_param = "total_sequence"
     assert mask_spec(static_profile(model)) is None
     assert mask_spec(static_profile(token_model())) is not None
+
+
+def test_a_jsonl_line_that_gives_the_mask_when_the_first_did_not_is_told_why(tmp_path: Path) -> None:
+    profile = static_profile(token_model())
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2]}) + "\n"
+                    + json.dumps({"input_ids": [3, 4], "attention_mask": [1, 1]}) + "\n")
+
+    with open_input(path, profile["signature"], mask=mask_spec(profile)) as source, \
+            pytest.raises(BadInput, match="the same on every line: an attention mask is given on all lines or on none"):
+        list(source.iter_batches(0, 2, 8))
