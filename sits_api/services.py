@@ -27,7 +27,7 @@ from sits_worker.model.batch_probe import check_rows_independent
 from sits_worker.model.graph import model_signature, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
 from sits_worker.model.loading import load_model_checked
-from sits_worker.model.padding import SEQUENCE_OUTPUTS_KEY, mask_spec, token_limits
+from sits_worker.model.padding import PADDING_EXACT_KEY, SEQUENCE_OUTPUTS_KEY, mask_spec, token_limits
 from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
@@ -70,7 +70,8 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     stored: one the ONNX checker's strict type inference rejects, one SITS cannot feed or carry
     (`check_servable`), or one ONNX Runtime cannot load (`check_runtime_loads`). A token model
     that declares an attention mask is run on two tiny feeds to see which outputs carry the
-    sequence (`sequence_probe`), so a worker cuts exactly those back after padding; any model is
+    sequence (`sequence_probe`), so a worker cuts exactly those back after padding, and on the
+    shorter one padded, to see that padding keeps its outputs (else it is never padded); any model is
     run on two rows alone and together, and refused if its rows see each other (`batch_probe`).
     `profile_mode=full` and `enable_fusion` are sent to a worker as a Celery
     task, since only a worker has ONNX Runtime and the device to measure on;
@@ -84,10 +85,11 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     session = check_runtime_loads(serialized, source.name)  # (one CPU session for the probes below)
     check_rows_independent(serialized, model_signature(model), body.name, session)
     profile = static_profile(model)
-    sequence_outputs = observe_sequence_outputs(serialized, profile, session)
+    sequence_probe = observe_sequence_outputs(serialized, profile, session)
     del session
-    if sequence_outputs is not None:  # else mask_spec matches output dims by name
-        profile[SEQUENCE_OUTPUTS_KEY] = sequence_outputs
+    if sequence_probe is not None:  # else mask_spec matches output dims by name, and pads
+        profile[SEQUENCE_OUTPUTS_KEY] = sequence_probe.outputs
+        profile[PADDING_EXACT_KEY] = sequence_probe.padding_exact
     version = _content_hash(serialized)
     stored = _store_copy(model, settings.paths.store() / body.name / version)
     ref = f"{body.name}@{version}"

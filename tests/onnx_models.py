@@ -62,6 +62,39 @@ def token_model(*, output_sequence_dim: str | None = "sequence", mask_first: boo
     return model
 
 
+def last_position_model(*, vocabulary: int = 50, hidden: int = 4) -> onnx.ModelProto:
+    """A causal decoder's shape, `sits.attention_mask` declared: input_ids, attention_mask int64 [batch,
+    sequence] -> logits [batch, hidden], read at the last position (`logits[:, -1, :]`).
+
+    Each position holds its token's embedding plus the mean of the real tokens up to it (a causal,
+    masked attention's context). The mask keeps pads out of every real position, but the last position
+    of a row padded on the right is a pad: its logits are the pad's embedding plus the row's context.
+    """
+    table = np.random.default_rng(1).standard_normal((vocabulary, hidden)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["embedding", "input_ids"], ["token_vectors"]),
+             helper.make_node("Cast", ["attention_mask"], ["real"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["real", "feature_axis"], ["real_3d"]),
+             helper.make_node("Mul", ["token_vectors", "real_3d"], ["real_vectors"]),
+             helper.make_node("CumSum", ["real_vectors", "sequence_axis"], ["running_total"]),
+             helper.make_node("CumSum", ["real_3d", "sequence_axis"], ["running_count"]),
+             helper.make_node("Div", ["running_total", "running_count"], ["context"]),
+             helper.make_node("Add", ["token_vectors", "context"], ["hidden_states"]),
+             helper.make_node("Gather", ["hidden_states", "last_position"], ["logits"], axis=1)]
+    graph = helper.make_graph(
+        nodes, "last_position",
+        [helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"])
+         for name in ("input_ids", "attention_mask")],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", hidden])],
+        [helper.make_tensor("embedding", TensorProto.FLOAT, [vocabulary, hidden], table.ravel().tolist()),
+         helper.make_tensor("sequence_axis", TensorProto.INT64, [], [1]),
+         helper.make_tensor("feature_axis", TensorProto.INT64, [1], [2]),
+         helper.make_tensor("last_position", TensorProto.INT64, [], [-1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    helper.set_model_props(model, {"sits.attention_mask": "attention_mask"})
+    return model
+
+
 def int_series_model() -> onnx.ModelProto:
     """x int64 [batch, steps] -> total int64 [batch] (the sum over the steps): an int input with a dynamic
     sequence axis that holds no token ids (deltas, counts), so negative values are fine."""

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from broker.errors import InvalidModel
-from sits_worker.model.sequence_probe import PROBE_FEED_MAX_BYTES, probe_session, run_within
+from sits_worker.model.sequence_probe import PROBE_FEED_MAX_BYTES, probe_session, run_within, same_values
 from sits_worker.model.servable import RUNTIME_CHECK_MAX_BYTES
 
 log = logging.getLogger(__name__)
@@ -116,14 +116,7 @@ def _compare(name: str, together: np.ndarray, first: np.ndarray, second: np.ndar
     if together.shape != (2, *first.shape[1:]) or first.shape != second.shape:
         return (f"output '{name}' has shape {list(first.shape)} for one row but {list(together.shape)} for two "
                 f"(its other axes follow the batch too)")
-    loose = together.dtype.kind == "f" and together.dtype.itemsize < 4
     for row, alone in ((0, first), (1, second)):
-        merged = together[row : row + 1]
-        if together.dtype.kind in "fc":
-            scale = float(np.max(np.abs(alone[np.isfinite(alone)]), initial=1.0))
-            same = np.allclose(merged, alone, rtol=1e-2 if loose else 1e-3, atol=1e-4 * scale, equal_nan=True)
-        else:
-            same = np.array_equal(merged, alone)
-        if not same:
+        if not same_values(together[row : row + 1], alone):
             return f"output '{name}' of a row changes when another row shares its batch"
     return None

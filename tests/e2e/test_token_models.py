@@ -3,8 +3,9 @@
 Outputs whose sequence dim an exporter named its own way (or left unnamed) are cut back to every merged
 request's own length, as registration saw by running the model; an int input that holds no token ids
 takes negative values; a model that lists its mask before its ids has the ids checked against its
-vocabulary. Requests are queued while the one worker is frozen, so its one stream slot finds them all
-waiting and merges them into one padded batch.
+vocabulary; a model that reads the last position (a decoder's next-token logits) is not padded at all.
+Requests are queued while the one worker is frozen, so its one stream slot finds them all waiting and
+merges them into one padded batch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import collect, frozen, register, stack_settings, wait_job
-from tests.onnx_models import int_series_model, token_model
+from tests.onnx_models import int_series_model, last_position_model, token_model
 
 EXPORTER_DIMS = {"renamed": "Mullast_hidden_state_dim_1", "unnamed": None}
 
@@ -31,7 +32,8 @@ def stack(tmp_path_factory):
     running = Stack(settings, worker_count=1, api_port=0).start()
     client = running.client()
     models = {**{name: token_model(output_sequence_dim=dim) for name, dim in EXPORTER_DIMS.items()},
-              "series": int_series_model(), "mask_first": token_model(mask_first=True)}
+              "series": int_series_model(), "mask_first": token_model(mask_first=True),
+              "last_position": last_position_model()}
     for name, model in models.items():
         onnx.save(model, home / f"{name}.onnx")
         register(client, name, home / f"{name}.onnx")
@@ -61,6 +63,26 @@ def test_merged_requests_get_their_own_length_however_the_output_dims_are_named(
             got = np.array(result["outputs"][output], dtype=np.float32)
             assert got.shape == expected.shape, (output, tokens.shape)
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_that_reads_the_last_position_merges_requests_only_at_equal_lengths(stack):
+    """Padded to 6, the length-3 request's logits would be a pad position's: it runs alone and gets its
+    own, while the two requests of length 6 still share one batch."""
+    client = stack.client()
+    rng = np.random.default_rng(8)
+    sequences = [rng.integers(1, 50, (1, length)).astype(np.int64) for length in (3, 6, 6)]
+    with frozen(stack, "worker0"):  # (unpadded, the model's mask is a required input like any other)
+        ids = [client.post("/v1/requests", {"model": "last_position", "inputs": {
+            "input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist()}})["id"] for ids in sequences]
+    results = collect(client, ids)
+
+    session = ort.InferenceSession(str(stack.home / "last_position.onnx"), providers=["CPUExecutionProvider"])
+    for request_id, tokens, batch_size in zip(ids, sequences, (1, 2, 2), strict=True):
+        result = results[request_id]
+        assert result["status"] == "succeeded" and result["batch_size"] == batch_size, result
+        [alone] = session.run(["logits"], {"input_ids": tokens, "attention_mask": np.ones_like(tokens)})
+        np.testing.assert_allclose(np.array(result["outputs"]["logits"], dtype=np.float32), alone,
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_an_int_input_that_holds_no_token_ids_takes_negative_values_in_requests_and_jobs(stack):

@@ -1,5 +1,5 @@
-"""Which outputs of a padded token model carry the sequence: seen by running it (`sequence_probe`), read by
-`padding.mask_spec`, and cut back by `padding.unpad_outputs`."""
+"""Which outputs of a padded token model carry the sequence, and whether padding keeps its outputs: seen by
+running it (`sequence_probe`), read by `padding.mask_spec`, and cut back by `padding.unpad_outputs`."""
 
 from __future__ import annotations
 
@@ -16,16 +16,25 @@ from onnx import TensorProto, helper
 
 from sits_worker.model import sequence_probe
 from sits_worker.model.graph import static_profile
-from sits_worker.model.padding import SEQUENCE_OUTPUTS_KEY, MaskSpec, mask_spec, pad_batch, unpad_outputs
+from sits_worker.model.padding import (
+    PADDING_EXACT_KEY,
+    SEQUENCE_OUTPUTS_KEY,
+    MaskSpec,
+    mask_spec,
+    pad_batch,
+    shape_bucket,
+    unpad_outputs,
+)
 from sits_worker.model.sequence_probe import (
     PROBE_FEED_MAX_BYTES,
+    SequenceProbe,
     observe_sequence_outputs,
     probe_feed,
     probe_feed_bytes,
     probe_lengths,
 )
 from sits_worker.model.zoo import build_model
-from tests.onnx_models import token_model
+from tests.onnx_models import last_position_model, token_model
 
 EXPORTER_DIMS = ["sequence", "Mullast_hidden_state_dim_1", None]  # the input's name, torch's own, unnamed
 CARRYING = [["last_hidden_state", 1], ["scores", 1], ["scores", 2]]
@@ -33,9 +42,11 @@ CUT = (("last_hidden_state", 1), ("scores", 1), ("scores", 2))
 
 
 def _observed_profile(model: onnx.ModelProto) -> dict[str, Any]:
-    """The static profile as registration stores it: with the probe's `sequence_outputs`."""
+    """The static profile as registration stores it: with the probe's `sequence_outputs` and `padding_exact`."""
     profile = static_profile(model)
-    profile[SEQUENCE_OUTPUTS_KEY] = observe_sequence_outputs(model.SerializeToString(), profile)
+    probe = observe_sequence_outputs(model.SerializeToString(), profile)
+    assert probe is not None
+    profile[SEQUENCE_OUTPUTS_KEY], profile[PADDING_EXACT_KEY] = probe
     return profile
 
 
@@ -48,7 +59,7 @@ def _spec(profile: dict[str, Any]) -> MaskSpec:
 @pytest.mark.parametrize("dim", EXPORTER_DIMS)
 def test_outputs_that_follow_the_sequence_length_are_found_however_their_dims_are_named(dim: str | None) -> None:
     model = token_model(output_sequence_dim=dim)
-    assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) == CARRYING
+    assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) == SequenceProbe(CARRYING, True)
     assert _spec(_observed_profile(model)).sequence_outputs == CUT
 
 
@@ -80,7 +91,72 @@ def test_merged_requests_of_different_lengths_get_each_its_own_length_and_values
 
 def test_the_zoo_transformer_carries_the_sequence_in_no_output() -> None:
     model = build_model("transformer")
-    assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) == []
+    assert observe_sequence_outputs(model.SerializeToString(), static_profile(model)) == SequenceProbe([], True)
+
+
+def _run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs()]
+    return dict(zip(names, session.run(names, feed), strict=True))
+
+
+def test_a_model_that_reads_the_last_position_is_never_padded() -> None:
+    """A decoder's last-token logits of a row padded on the right are a pad's: registration sees the padded
+    row differ from the row alone, so requests of lengths 3 and 6 no longer share a bucket (equal ones do)."""
+    model = last_position_model()
+    unprobed = static_profile(model)
+    spec = _spec(unprobed)  # what a record without the probe pads, to show what padding would hand back
+    requests = [{"input_ids": np.array([[7, 3, 9]])}, {"input_ids": np.array([[4, 8, 2, 5, 1, 6]])}]
+    feed, lengths = pad_batch(requests, spec)
+    merged = unpad_outputs(_run(model, feed), lengths, [1, 1], spec)
+    alone = _run(model, {"input_ids": requests[0]["input_ids"], "attention_mask": np.ones((1, 3), np.int64)})
+    assert not np.allclose(merged[0]["logits"], alone["logits"])
+
+    assert observe_sequence_outputs(model.SerializeToString(), unprobed) == SequenceProbe([], False)
+    profile = _observed_profile(model)
+    assert mask_spec(profile) is None
+    short, long, long_again = (shape_bucket({"input_ids": np.ones((1, length), np.int64)}, mask_spec(profile), 512)
+                               for length in (3, 6, 6))
+    assert short != long == long_again
+
+
+def test_the_probe_tokens_differ_from_the_pad_id() -> None:
+    """With pad id 1, tokens of 1 would make the padded last position read what the real last one reads."""
+    model = last_position_model()
+    helper.set_model_props(model, {"sits.attention_mask": "attention_mask", "sits.pad_token_id": "1"})
+    probe = observe_sequence_outputs(model.SerializeToString(), static_profile(model))
+    assert probe is not None and probe.padding_exact is False
+
+
+@pytest.mark.parametrize("model", [token_model(output_sequence_dim=dim) for dim in EXPORTER_DIMS]
+                         + [build_model("transformer")], ids=[*map(str, EXPORTER_DIMS), "zoo_transformer"])
+def test_models_whose_outputs_see_real_tokens_alone_keep_being_padded(model: onnx.ModelProto) -> None:
+    profile = _observed_profile(model)
+    assert profile[PADDING_EXACT_KEY] is True
+    spec = _spec(profile)
+    buckets = [shape_bucket({spec.sequence_input: np.ones((1, length), np.int64)}, spec, 512) for length in (3, 6)]
+    assert buckets[0] == buckets[1]
+
+
+def test_a_padded_run_that_fails_turns_padding_off(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The runs at both lengths are kept (the outputs cut back are known); the padded third run, stopped
+    after PROBE_SECONDS here, would fail a worker's padded batch too."""
+    runs: list[int] = []
+    run_within = sequence_probe.run_within
+
+    def third_run_stopped(*args: Any) -> list[np.ndarray]:
+        runs.append(1)
+        if len(runs) == 3:
+            raise TimeoutError("its run outlasted PROBE_SECONDS (10 s) and was stopped")
+        return run_within(*args)
+
+    monkeypatch.setattr(sequence_probe, "run_within", third_run_stopped)
+    model = token_model()
+    with caplog.at_level(logging.INFO, logger=sequence_probe.__name__):
+        probe = observe_sequence_outputs(model.SerializeToString(), static_profile(model))
+    assert probe == SequenceProbe(CARRYING, False) and len(runs) == 3
+    assert "padded run at registration failed (its run outlasted PROBE_SECONDS" in caplog.text
 
 
 def test_models_that_are_not_run_get_none(monkeypatch: pytest.MonkeyPatch) -> None:
