@@ -105,3 +105,17 @@ def int_series_model() -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
+
+
+def with_looked_up_input(model: onnx.ModelProto, name: str, table_rows: int, *, first: bool = True) -> onnx.ModelProto:
+    """`model` with one more int64 [batch, sequence] input, `name`, looked up in a `table_rows`-row table
+    (token type ids, position ids), listed first among the inputs (else last)."""
+    entry = helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "sequence"])
+    if first:
+        model.graph.input.insert(0, entry)
+    else:
+        model.graph.input.append(entry)
+    model.graph.initializer.append(helper.make_tensor(f"{name}_table", TensorProto.FLOAT, [table_rows, 4],
+                                                      [0.0] * 4 * table_rows))
+    model.graph.node.append(helper.make_node("Gather", [f"{name}_table", name], [f"{name}_vectors"]))
+    return model

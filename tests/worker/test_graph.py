@@ -25,7 +25,7 @@ from sits_worker.model.graph import (
 )
 from sits_worker.model.loading import load_model_checked
 from sits_worker.model.zoo import build_model, build_zoo, mlp_reference
-from tests.onnx_models import int_series_model, token_model
+from tests.onnx_models import int_series_model, token_model, with_looked_up_input
 
 
 @pytest.fixture
@@ -318,11 +318,7 @@ def test_an_input_with_several_dynamic_axes_carries_no_sequence() -> None:
 
 def test_word_ids_are_preferred_over_other_inputs_that_index_a_smaller_table() -> None:
     """token_type_ids listed first index a table of 2 rows; input_ids the 50-row vocabulary."""
-    model = token_model()
-    model.graph.input.insert(0, helper.make_tensor_value_info("token_type_ids", TensorProto.INT64,
-                                                              ["batch", "sequence"]))
-    model.graph.initializer.append(helper.make_tensor("type_table", TensorProto.FLOAT, [2, 4], [0.0] * 8))
-    model.graph.node.append(helper.make_node("Gather", ["type_table", "token_type_ids"], ["type_vectors"]))
+    model = with_looked_up_input(token_model(), "token_type_ids", 2)
     assert sequence_axis(model) == {"input": "input_ids", "axis": 1}
     assert vocabulary_size(model, "token_type_ids") == 2
 
@@ -365,11 +361,7 @@ def test_operator_histogram_counts_nodes_inside_subgraphs() -> None:
 def test_input_ids_are_the_token_ids_even_beside_a_larger_position_table() -> None:
     """A byte-level model's position table (64 rows) outnumbers its vocabulary (50): the largest table
     alone picked position_ids, and input_ids went unchecked."""
-    model = token_model()
-    model.graph.input.insert(0, helper.make_tensor_value_info("position_ids", TensorProto.INT64,
-                                                              ["batch", "sequence"]))
-    model.graph.initializer.append(helper.make_tensor("position_table", TensorProto.FLOAT, [64, 4], [0.0] * 256))
-    model.graph.node.append(helper.make_node("Gather", ["position_table", "position_ids"], ["position_vectors"]))
+    model = with_looked_up_input(token_model(), "position_ids", 64)
 
     assert sequence_axis(model) == {"input": "input_ids", "axis": 1}
     assert static_profile(model)["vocabulary_size"] == 50

@@ -28,7 +28,7 @@ from sits_worker.model.padding import (
 )
 from sits_worker.model.tensors import request_tensors
 from sits_worker.model.zoo import build_model, build_zoo
-from tests.onnx_models import int_series_model, token_model
+from tests.onnx_models import int_series_model, token_model, with_looked_up_input
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -324,17 +324,9 @@ def test_a_mask_listed_before_the_ids_still_gets_the_ids_checked_against_the_voc
 # --- inputs beside the ids, and masks of another length ---------------------------------------------
 
 
-def with_token_types(model: onnx.ModelProto, dim: str = "sequence") -> onnx.ModelProto:
-    """`model` with a BERT-style token_type_ids [batch, dim] input looked up in a 2-row table."""
-    model.graph.input.append(helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, ["batch", dim]))
-    model.graph.initializer.append(helper.make_tensor("type_table", TensorProto.FLOAT, [2, 4], [0.0] * 8))
-    model.graph.node.append(helper.make_node("Gather", ["type_table", "token_type_ids"], ["type_vectors"]))
-    return model
-
-
 def test_token_type_ids_of_another_length_than_the_ids_are_refused_at_submit() -> None:
     """They are padded with the ids; one shorter was padded silently, one longer failed in the worker."""
-    profile = static_profile(with_token_types(token_model()))
+    profile = static_profile(with_looked_up_input(token_model(), "token_type_ids", 2, first=False))
     spec = mask_spec(profile)
     assert spec is not None and ("token_type_ids", 1) in spec.other_inputs
     ids = np.array([[1, 2, 3, 4]], dtype=np.int64)
