@@ -8,8 +8,9 @@ scales the whole batch by its largest value, a Scan or an RNN over axis 0, a tim
 axis 0 is time), data-dependent first axes (NonMaxSuppression's detections). Merged, such a model
 hands one request results computed with another's data, under a success status.
 
-So the API runs the model on two rows of different scale, each alone and both together, and
-refuses it (InvalidModel) when an output of a row is not the same, or not one row per input row.
+So the API runs the model on two rows of different scale, each alone and both together (in both
+orders), and refuses it (InvalidModel) when an output of a row is not the same, or not one row per
+input row. A model that answers one feed differently twice (random ops) is not judged.
 The run is bounded like `sequence_probe`'s (`PROBE_FEED_MAX_BYTES`, `PROBE_SECONDS`); a model that
 cannot be run here (too large, a feed over the bound, a failing or slow run, no onnxruntime) is not
 judged, as before this check, and a model with a fixed batch axis needs none (it runs in pieces of
@@ -65,17 +66,20 @@ def _rows_interact(serialized_model: bytes, signature: Mapping[str, Any], sessio
         import onnxruntime as ort
     except ImportError:
         return None
-    both = _two_rows(inputs)
-    swapped = {key: value[::-1] for key, value in both.items()}  # a row may see the rows before it, or after
     try:
+        both = _two_rows(inputs)
+        swapped = {key: value[::-1] for key, value in both.items()}  # a row may see the rows before it, or after
         session = session or probe_session(serialized_model, ort)
         names = [output.name for output in session.get_outputs()]
-        runs = [run_within(session, feed, ort) for feed in (both, swapped)]
+        runs = [run_within(session, feed, ort) for feed in (both, swapped, both)]
         alone = [run_within(session, {key: value[row : row + 1] for key, value in both.items()}, ort)
                  for row in (0, 1)]
     except Exception as err:  # onnxruntime raises its own types; an unrunnable probe judges nothing
         log.info("model not run at registration to check its rows (%s)", err)
         return None
+    if not all(same_values(again, first) for again, first in zip(runs[2], runs[0], strict=True)):
+        log.info("model not judged at registration: one feed run twice gave other outputs (random ops)")
+        return None  # a sampler or a dropout in training mode: its rows may be independent all the same
     for index, name in enumerate(names):
         problem = (_compare(name, runs[0][index], alone[0][index], alone[1][index])
                    or _compare(name, runs[1][index], alone[1][index], alone[0][index]))
@@ -85,7 +89,10 @@ def _rows_interact(serialized_model: bytes, signature: Mapping[str, Any], sessio
 
 
 def _shape(entry: Mapping[str, Any], rows: int) -> list[int]:
-    return [rows] + [dim if isinstance(dim, int) else DYNAMIC_LENGTH for dim in (entry["shape"] or [None])[1:]]
+    """A feed's shape: `rows`, then the declared dims, `DYNAMIC_LENGTH` for a dynamic (or a nonsensical
+    non-positive) one."""
+    return [rows] + [dim if isinstance(dim, int) and dim > 0 else DYNAMIC_LENGTH
+                     for dim in (entry["shape"] or [None])[1:]]
 
 
 def _feed_bytes(inputs: list[Mapping[str, Any]]) -> int:
@@ -94,7 +101,7 @@ def _feed_bytes(inputs: list[Mapping[str, Any]]) -> int:
 
 def _two_rows(inputs: list[Mapping[str, Any]]) -> dict[str, np.ndarray]:
     """Two rows per input, different in value and in scale: floats standard normal times
-    `ROW_SCALES`, integers 0 and 1 (valid token ids and indices), booleans alternating."""
+    `ROW_SCALES`, integers 0 and 1 (valid token ids and indices), booleans all false and all true."""
     rng = np.random.default_rng(0)
     feed: dict[str, np.ndarray] = {}
     for entry in inputs:
@@ -103,7 +110,7 @@ def _two_rows(inputs: list[Mapping[str, Any]]) -> dict[str, np.ndarray]:
             scales = np.array(ROW_SCALES).reshape(2, *[1] * (len(shape) - 1))
             feed[entry["name"]] = (rng.standard_normal(shape) * scales).astype(dtype)
         elif dtype.kind == "b":
-            feed[entry["name"]] = (np.arange(math.prod(shape)).reshape(shape) % 2).astype(bool)
+            feed[entry["name"]] = np.stack([np.zeros(shape[1:], bool), np.ones(shape[1:], bool)])
         else:
             feed[entry["name"]] = np.stack([np.zeros(shape[1:]), np.ones(shape[1:])]).astype(dtype)
     return feed

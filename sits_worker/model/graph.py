@@ -10,6 +10,7 @@ SITS error at this boundary. Whether SITS can serve a valid model is
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -174,10 +175,10 @@ def _id_name_rank(name: str) -> int:
     """How surely an input's name says it holds the token ids, by the names exporters give them:
     `input_ids` 0; position and token type ids 2 (a position table may well outnumber a small
     vocabulary, as in byte-level models); any other name 1."""
-    lowered = name.lower()
-    if lowered == "input_ids":
+    words = set(re.split(r"[^a-z]+", name.lower().split(":")[0]))  # ("input_ids:0", TF's tensor names)
+    if name.lower().split(":")[0] == "input_ids":
         return 0
-    return 2 if "position" in lowered or "type" in lowered else 1
+    return 2 if words & {"position", "positions", "type", "segment"} else 1
 
 
 def vocabulary_size(model: onnx.ModelProto, token_input: str) -> int | None:

@@ -29,7 +29,8 @@ DEFAULT_MAX_SEQUENCE = 512
 SEQUENCE_OUTPUTS_KEY = "sequence_outputs"
 PADDING_EXACT_KEY = "padding_exact"
 """Static profile key: False when registration saw padding change a row's outputs (a model that
-reads the last position): such a model is never padded, its requests merge only at equal lengths."""
+reads the last position): such a model is never padded (`MaskSpec.pads`), its requests merge only
+at equal lengths."""
 
 
 class MaskSpec(NamedTuple):
@@ -48,6 +49,10 @@ class MaskSpec(NamedTuple):
     mask_dtype: str = "int64"
     other_inputs: tuple[tuple[str, int], ...] = ()
     sequence_outputs: tuple[tuple[str, int], ...] = ()
+    pads: bool = True
+    """False when registration saw padding change the model's outputs (`PADDING_EXACT_KEY`): its
+    requests merge only at their exact length, so nothing is ever padded; a mask a client leaves out
+    is still built (all ones)."""
 
 
 def bucket_length(length: int, max_sequence: int, *, granularity: int = 8, classes_per_octave: int = 4) -> int:
@@ -92,7 +97,7 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
     profile = static_profile or {}
     metadata = profile.get("metadata") or {}
     mask_input = metadata.get(MASK_INPUT_KEY)
-    if not mask_input or profile.get(PADDING_EXACT_KEY) is False:
+    if not mask_input:
         return None
     signature = profile.get("signature") or {}
     inputs = {entry["name"]: entry for entry in signature.get("inputs", [])}
@@ -108,10 +113,6 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
                            f"name and a token input with a dynamic sequence axis; fix the model's metadata")
     name, axis = sequence
     label = inputs[name]["shape"][axis]
-    mask_label = mask_entry["shape"][1]
-    if isinstance(label, str) and isinstance(mask_label, str) and "?" not in (label, mask_label) \
-            and mask_label != label:
-        return None  # the mask spans another axis than the ids (a cache's past and the new tokens): no padding
 
     def carrying(entries: Sequence[dict[str, Any]], skip: set[str]) -> tuple[tuple[str, int], ...]:
         return tuple((entry["name"], index) for entry in entries if entry["name"] not in skip
@@ -126,7 +127,7 @@ def mask_spec(static_profile: Mapping[str, Any] | None) -> MaskSpec | None:
     return MaskSpec(
         mask_input=mask_input, pad_id=pad_id, sequence_input=name, axis=axis, mask_dtype=mask_entry["dtype"],
         other_inputs=carrying(list(inputs.values()), {name, mask_input}) if named else (),
-        sequence_outputs=sequence_outputs,
+        sequence_outputs=sequence_outputs, pads=profile.get(PADDING_EXACT_KEY) is not False,
     )
 
 
@@ -226,7 +227,8 @@ def shape_bucket(tensors: Mapping[str, np.ndarray], mask: MaskSpec | None,
     if mask is None:
         exact = ";".join(f"{name}:{'x'.join(map(str, array.shape[1:]))}" for name, array in sorted(tensors.items()))
         return exact, None
-    padded = bucket_length(sequence_length(tensors, mask), longest)
+    length = sequence_length(tensors, mask)
+    padded = bucket_length(length, longest) if mask.pads else length  # (no padding: the exact length)
     axes = {mask.sequence_input: mask.axis, **dict(mask.other_inputs)}
     parts = []
     for name, array in sorted(tensors.items()):

@@ -89,3 +89,27 @@ def test_a_model_that_cannot_run_here_is_not_judged() -> None:
                        [floats("y", ["N", 4096, 4096])],
                        [numpy_helper.from_array(np.array(0, dtype=np.int64), "axis")])
     check_rows_independent(huge.SerializeToString(), model_signature(huge), "huge")
+
+
+def test_a_model_with_random_ops_is_not_judged_and_bool_rows_differ() -> None:
+    """A sampler answers one feed differently twice: its rows are not compared (they may well be
+    independent). Bool rows are all false and all true, so a batch-wide `any` is seen."""
+    noisy = graph_model([helper.make_node("RandomNormalLike", ["x"], ["noise"]),
+                         helper.make_node("Add", ["x", "noise"], ["y"])],
+                        [floats("x", ["N", 4])], [floats("y", ["N", 4])])
+    check_rows_independent(noisy.SerializeToString(), model_signature(noisy), "noisy")
+
+    any_row = graph_model([helper.make_node("Cast", ["flags"], ["as_float"], to=TensorProto.FLOAT),
+                           helper.make_node("ReduceMax", ["as_float"], ["batch_max"], axes=[0], keepdims=1),
+                           helper.make_node("Expand", ["batch_max", "shape"], ["y"])],
+                          [helper.make_tensor_value_info("flags", TensorProto.BOOL, ["N", 4])],
+                          [floats("y", ["N", 4])])
+    any_row.graph.node.insert(0, helper.make_node("Shape", ["flags"], ["shape"]))
+    with pytest.raises(InvalidModel, match="output 'y' of a row changes"):
+        check_rows_independent(any_row.SerializeToString(), model_signature(any_row), "any")
+
+
+def test_a_declared_negative_dim_is_probed_as_a_dynamic_one_not_a_500() -> None:
+    model = graph_model([helper.make_node("Relu", ["x"], ["y"])], [floats("x", ["N", -2, 3])],
+                        [floats("y", ["N", -2, 3])])
+    check_rows_independent(model.SerializeToString(), model_signature(model), "negative")

@@ -337,14 +337,14 @@ def test_token_type_ids_of_another_length_than_the_ids_are_refused_at_submit() -
                     mask=spec)
 
 
-def test_a_mask_that_spans_another_axis_than_the_ids_is_not_padded() -> None:
-    """A decoder with a cache takes a mask over past and new tokens ([batch, total_sequence]): padding
-    the ids would misalign it, so such a model's requests are merged only at equal shapes."""
+def test_a_mask_whose_dim_the_exporter_named_otherwise_than_the_ids_still_pads() -> None:
+    """Exporters name dims per input (`sequence_length` for the mask, `sequence` for the ids): that alone
+    says nothing about the mask spanning another axis, so the model keeps its padding spec."""
     model = token_model()
     mask = next(value for value in model.graph.input if value.name == "attention_mask")
-    mask.type.tensor_type.shape.dim[1].dim_param = "total_sequence"
-    assert mask_spec(static_profile(model)) is None
-    assert mask_spec(static_profile(token_model())) is not None
+    mask.type.tensor_type.shape.dim[1].dim_param = "sequence_length"
+    spec = mask_spec(static_profile(model))
+    assert spec is not None and spec.pads
 
 
 def test_a_jsonl_line_that_gives_the_mask_when_the_first_did_not_is_told_why(tmp_path: Path) -> None:
