@@ -76,7 +76,7 @@ class WorkerContext:
     """Writes computed chunks' parts and acks them while the stream slots go on (at most `streams` pending)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
-    _padding: dict[str, MaskSpec | None] = field(default_factory=dict)
+    _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
     an observed profile)."""
@@ -132,11 +132,14 @@ class WorkerContext:
         return cached
 
     def padding(self, model_ref: str) -> MaskSpec | None:
-        """How to pad a model version's token requests (None: no declared attention mask); cached
-        with its record, since the batch path asks on every merged batch."""
-        if model_ref not in self._padding:
-            self._padding[model_ref] = mask_spec(self.model(model_ref).get("static_profile"))
-        return self._padding[model_ref]
+        """How to pad a model version's token requests (None: no declared attention mask); derived
+        again only when the record is re-read (`model`), since the batch path asks on every merged
+        batch, and a version registered again may come back with another probe result."""
+        record = self.model(model_ref)
+        cached = self._padding.get(model_ref)
+        if cached is None or cached[0] is not record:
+            cached = self._padding[model_ref] = (record, mask_spec(record.get("static_profile")))
+        return cached[1]
 
     def session(self, model_ref: str, device: Device | None = None) -> Any:
         """The ONNX Runtime session of a model version on this worker's device (or `device`)."""
