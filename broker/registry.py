@@ -72,8 +72,13 @@ def _refuse_a_name_of_another(registrant: dict[str, Any], name: str, *, owner: s
 
 
 def save_model_version(store: Store, record: dict[str, Any], *, make_latest: bool = True,
-                       registrant: dict[str, Any] | None = None) -> dict[str, Any]:
+                       registrant: dict[str, Any] | None = None,
+                       based_on: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Store a model version record (keys `name` and `version` required); returns it as stored.
+
+    With `based_on`, the record stored is `based_on(the version's stored record, or None)`, read in the
+    same transaction (WATCH on the versions): registering a version again keeps what a worker wrote
+    into it meanwhile (its measured profile), where a record built from an earlier read would not.
 
     With `registrant`, the API key registering it, the name is checked and claimed in the transaction
     that writes the version (WATCH on the names), so of keys registering one new name at once exactly
@@ -89,21 +94,30 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
         while True:
             try:
+                watched = [keys.model_owners, keys.model_latest] if registrant is not None else []
+                if based_on is not None:
+                    watched.append(keys.model_versions)
+                if watched:
+                    pipe.watch(*watched)
+                stored = record
+                if based_on is not None:
+                    raw = pipe.hget(keys.model_versions, ref)
+                    stored = based_on(json.loads(raw) if raw else None)
+                claimant = None
                 if registrant is not None:
-                    pipe.watch(keys.model_owners, keys.model_latest)
                     owner = pipe.hget(keys.model_owners, name)
                     registered = owner is not None or bool(pipe.hexists(keys.model_latest, name))
                     _refuse_a_name_of_another(registrant, name, owner=owner, registered=registered)
                     claimant = None if registered else name_claimant(registrant)
-                    record = record | {"owner": owner if registered else claimant}
-                    pipe.multi()
-                    if claimant is not None:
-                        pipe.hset(keys.model_owners, name, claimant)
-                pipe.hset(keys.model_versions, ref, json.dumps(record))
+                    stored = stored | {"owner": owner if registered else claimant}
+                pipe.multi()
+                if claimant is not None:
+                    pipe.hset(keys.model_owners, name, claimant)
+                pipe.hset(keys.model_versions, ref, json.dumps(stored))
                 if make_latest:
-                    pipe.hset(keys.model_latest, name, record["version"])
+                    pipe.hset(keys.model_latest, name, stored["version"])
                 pipe.execute()
-                return record
+                return stored
             except redis.WatchError:
                 continue  # a name was claimed or a version saved meanwhile; check again
 

@@ -19,7 +19,7 @@ from broker import chunking, jobs, policy, registry, workers
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
-from broker.errors import BadInput, Conflict, InvalidModel, ModelNotFound, PathNotAllowed, RetryableError
+from broker.errors import BadInput, Conflict, InvalidModel, PathNotAllowed, RetryableError
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
@@ -93,12 +93,8 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     version = _content_hash(serialized)
     stored = _store_copy(model, settings.paths.store() / body.name / version)
     ref = f"{body.name}@{version}"
-    try:
-        existing = registry.get_model(store, ref)
-    except ModelNotFound:
-        existing = None
     needs_worker = body.profile_mode == "full" or body.enable_fusion
-    record = (existing or {}) | {
+    fields = {
         "name": body.name,
         "version": version,
         "ref": ref,
@@ -108,10 +104,17 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
         "static_profile": profile,
         "profile_mode": body.profile_mode,
         "enable_fusion": body.enable_fusion,
-        "registered_at": (existing or {}).get("registered_at", now),
-        "profile_status": "pending" if needs_worker else (existing or {}).get("profile_status", "static"),
     }
-    record = registry.save_model_version(store, record, registrant=registrant)
+
+    def registered(existing: dict[str, Any] | None) -> dict[str, Any]:
+        """The version's record: what is stored (a measured profile stays), with this registration's fields."""
+        kept = existing or {}
+        return kept | fields | {
+            "registered_at": kept.get("registered_at", now),
+            "profile_status": "pending" if needs_worker else kept.get("profile_status", "static"),
+        }
+
+    record = registry.save_model_version(store, fields, registrant=registrant, based_on=registered)
     if needs_worker:
         dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion)
     return record

@@ -142,3 +142,22 @@ def test_of_tenants_registering_one_new_name_at_once_exactly_one_gets_it(store: 
     assert store.client.hget(store.keys.model_owners, "shared") == winner
     assert stored_versions(store) == [f"shared@{winner}"]
     assert registry.get_model(store, "shared")["owner"] == winner
+
+
+def test_registering_a_version_again_keeps_a_profile_a_worker_wrote_meanwhile(store: Store) -> None:
+    """The record is built from the stored one inside the transaction: a measured profile that lands
+    between the registration's look and its write is kept, not overwritten by an earlier read."""
+    registry.save_model_version(store, version("mlp", "v1"), registrant=ALICE)
+    seen: list[dict[str, Any] | None] = []
+
+    def again(existing: dict[str, Any] | None) -> dict[str, Any]:
+        seen.append(existing)
+        if len(seen) == 1:  # a worker's profile lands after the first look: the write must be retried
+            registry.update_model_version(store, "mlp@v1", {"profile": {"points": [1]}})
+        return (existing or {}) | {"name": "mlp", "version": "v1", "source_path": "/again.onnx"}
+
+    record = registry.save_model_version(store, version("mlp", "v1"), registrant=ALICE, based_on=again)
+
+    assert len(seen) == 2 and "profile" not in (seen[0] or {}) and (seen[1] or {})["profile"] == {"points": [1]}
+    assert record["profile"] == {"points": [1]} and record["source_path"] == "/again.onnx"
+    assert registry.get_model(store, "mlp@v1")["profile"] == {"points": [1]}
