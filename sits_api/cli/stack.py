@@ -24,7 +24,7 @@ from broker import workers
 from broker.apikeys import create_api_key
 from broker.config import Settings
 from broker.embedded import EmbeddedRedis, free_port
-from broker.errors import SitsError
+from broker.errors import ConfigError, SitsError
 from broker.store import Store
 from sits_api.cli.client import ApiClient, ApiError
 
@@ -110,7 +110,11 @@ class Stack:
             port = port or free_port()
             self.settings = self.settings.with_overrides(redis={"url": redis_url}, api={"port": port})
             self.store = Store.connect(redis_url, self.settings.redis.key_prefix)
-            self.api_key = create_api_key(self.store, "sitsctl-up", role="admin")
+            try:
+                self.api_key = create_api_key(self.store, "sitsctl-up", role="admin")
+            except ValueError as err:  # a user key already has the admin key's name
+                raise ConfigError(f"cannot make the stack's admin key: {err}; remove that user key from the "
+                                  f"Redis at {redis_url} or use another Redis") from err
             self.api_url = self.settings.api.public_url()
             self._write_client_files()
             self.config_path = self._write_effective_config()

@@ -37,13 +37,22 @@ def _all_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
                 yield from _all_tensors(subgraph)
 
 
+MAX_MODEL_BYTES = 2**31 - 1
+"""The most a model may hold, weights included: SITS serializes it whole (its version is the hash of
+that), and protobuf cannot write a message over 2 GB."""
+
+
 def _check_external_data(model: onnx.ModelProto, model_file: Path) -> None:
-    """Every external data file must exist inside the model's own folder (no `../`, no symlink escape)."""
+    """Every external data file must exist inside the model's own folder (no `../`, no symlink escape),
+    and the model with its data must fit `MAX_MODEL_BYTES`: told from the files' sizes, before any
+    data is read into the process."""
     folder = model_file.parent
+    data_bytes = 0
     for tensor in _all_tensors(model.graph):
         if not uses_external_data(tensor):
             continue
-        location = ExternalDataInfo(tensor).location
+        info = ExternalDataInfo(tensor)
+        location = info.location
         try:
             target: Path | None = (folder / location).resolve()
         except (OSError, ValueError):  # NUL bytes, symlink loops
@@ -59,6 +68,11 @@ def _check_external_data(model: onnx.ModelProto, model_file: Path) -> None:
             raise InvalidModel(
                 f"external data '{location}' of tensor '{tensor.name}' in {model_file.name} {what}; "
                 f"copy the data file next to the model and reference it by its name")
+        data_bytes += info.length if info.length else max(target.stat().st_size - (info.offset or 0), 0)
+    if data_bytes + model.ByteSize() > MAX_MODEL_BYTES:
+        raise InvalidModel(f"{model_file.name} holds {data_bytes + model.ByteSize():,} bytes with its external data, "
+                           f"more than the {MAX_MODEL_BYTES:,} one ONNX message can be serialized to (protobuf's "
+                           f"2 GB); SITS cannot register models of over 2 GB yet")
 
 
 def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelProto:

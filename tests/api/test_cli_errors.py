@@ -120,3 +120,26 @@ def test_an_answer_that_is_not_json_is_reported_not_raised(run, not_the_api: str
 def test_api_error_messages_with_brackets_print_as_text(run, not_the_api: str) -> None:
     assert_refused(run("job", "status", "j1", SITS_API_URL=not_the_api),
                    "400: expects float32 [N,64], see [/v1/models]")
+
+
+def test_a_stack_whose_redis_has_a_user_key_of_its_admin_key_s_name_says_so(
+        redis_server, tmp_path: Path) -> None:
+    """`sitsctl up` makes an admin key named sitsctl-up; a user key of that name already in its Redis
+    (names are tenants, one role each) stops it with a message, before anything is started."""
+    import uuid
+
+    from broker.apikeys import create_api_key
+    from broker.config import Settings
+    from broker.errors import ConfigError
+    from broker.store import Store
+    from sits_api.cli.stack import Stack
+
+    prefix = "t" + uuid.uuid4().hex[:10]
+    create_api_key(Store.connect(redis_server.url, prefix), "sitsctl-up", "user")
+    settings = Settings().with_overrides(redis={"url": redis_server.url, "key_prefix": prefix},
+                                         paths={"home": tmp_path / "home"})
+    stack = Stack(settings, worker_count=0, api_port=0)
+
+    with pytest.raises(ConfigError, match="cannot make the stack's admin key: .*sitsctl-up"):
+        stack.start()
+    assert not stack.children

@@ -146,6 +146,22 @@ def test_model_with_external_data_loads_with_its_weights(model_root: Path) -> No
     np.testing.assert_allclose(run_mlp(model, features), mlp_reference(features), rtol=1e-4, atol=1e-5)
 
 
+def test_a_model_over_2_gb_with_its_external_data_is_refused_before_its_data_is_read(model_root: Path) -> None:
+    """protobuf cannot serialize it (for its version hash): the sizes of its data files tell, before
+    gigabytes are read into the API process. The data file is sparse: it takes no disk."""
+    path = model_root / "external" / "mlp.onnx"
+    save_with_external_data(build_model("mlp"), path)
+    model = onnx.load(str(path), load_external_data=False)
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "length":
+            entry.value = str(2**31 + 8)
+    onnx.save_model(model, str(path))
+    os.truncate(path.parent / "weights.bin", 2**31 + 8)
+
+    with pytest.raises(InvalidModel, match=r"more than the 2,147,483,647 one ONNX message can be serialized to"):
+        load_model_checked(path, [model_root])
+
+
 def test_external_data_outside_model_folder_is_rejected(model_root: Path) -> None:
     path = model_root / "external" / "mlp.onnx"
     save_with_external_data(build_model("mlp"), path)
