@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from google.protobuf.message import EncodeError
 
 from broker import chunking, jobs, policy, registry, workers
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
-from broker.errors import BadInput, Conflict, InvalidModel, PathNotAllowed, RetryableError
+from broker.errors import BadInput, Conflict, PathNotAllowed, RetryableError
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
@@ -81,7 +80,7 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     source = resolve_inside(body.path, settings.paths.model_roots, "model")
     model = load_model_checked(source, settings.paths.model_roots)
     check_servable(model)
-    serialized = _serialized(model, source.name)
+    serialized = model.SerializeToString(deterministic=True)  # (over 2 GB: refused by load_model_checked)
     session = check_runtime_loads(serialized, source.name)  # (one CPU session for the probes below)
     check_rows_independent(serialized, model_signature(model), body.name, session)
     profile = static_profile(model)
@@ -118,16 +117,6 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     if needs_worker:
         dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion)
     return record
-
-
-def _serialized(model: onnx.ModelProto, file_name: str) -> bytes:
-    """The model's bytes, its external data inlined, for its version hash and the checks that run it.
-    protobuf cannot write a message over 2 GB, so such a model is refused with that reason."""
-    try:
-        return model.SerializeToString(deterministic=True)
-    except (EncodeError, ValueError) as err:  # "Failed to serialize proto" (over protobuf's 2 GB)
-        raise InvalidModel(f"{file_name} is larger than the 2 GB a single ONNX message can be serialized to "
-                           f"({type(err).__name__}: {err}); SITS cannot register models of over 2 GB yet") from err
 
 
 def _content_hash(serialized_model: bytes) -> str:

@@ -175,10 +175,10 @@ def _id_name_rank(name: str) -> int:
     """How surely an input's name says it holds the token ids, by the names exporters give them:
     `input_ids` 0; position and token type ids 2 (a position table may well outnumber a small
     vocabulary, as in byte-level models); any other name 1."""
-    words = set(re.split(r"[^a-z]+", name.lower().split(":")[0]))  # ("input_ids:0", TF's tensor names)
-    if name.lower().split(":")[0] == "input_ids":
+    bare = name.lower().split(":")[0]  # ("input_ids:0": TF's tensor names)
+    if bare == "input_ids":
         return 0
-    return 2 if words & {"position", "positions", "type", "segment"} else 1
+    return 2 if set(re.split(r"[^a-z]+", bare)) & {"position", "positions", "type", "segment"} else 1
 
 
 def vocabulary_size(model: onnx.ModelProto, token_input: str) -> int | None:
