@@ -164,6 +164,12 @@ def get_model(store: Store, ref: str) -> dict[str, Any]:
     return json.loads(raw)
 
 
+def version_exists(store: Store, ref: str) -> bool:
+    """Whether `name@version` has a record."""
+    with translate_redis_errors():
+        return bool(store.client.hexists(store.keys.model_versions, ref))
+
+
 def list_model_names(store: Store) -> list[str]:
     """Names of all registered models."""
     with translate_redis_errors():

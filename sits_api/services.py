@@ -7,8 +7,11 @@ checked against the configured roots before anything reads or writes it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ from broker import chunking, jobs, policy, registry, workers
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
-from broker.errors import BadInput, Conflict, PathNotAllowed, RetryableError
+from broker.errors import BadInput, Conflict, Forbidden, PathNotAllowed, RetryableError
 from broker.store import Store
 from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
@@ -90,8 +93,8 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
         profile[SEQUENCE_OUTPUTS_KEY] = sequence_probe.outputs
         profile[PADDING_EXACT_KEY] = sequence_probe.padding_exact
     version = _content_hash(serialized)
-    stored = _store_copy(model, settings.paths.store() / body.name / version)
     ref = f"{body.name}@{version}"
+    stored, copied = _store_copy(model, settings.paths.store() / body.name / version)
     needs_worker = body.profile_mode == "full" or body.enable_fusion
     fields = {
         "name": body.name,
@@ -113,7 +116,14 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
             "profile_status": "pending" if needs_worker else kept.get("profile_status", "static"),
         }
 
-    record = registry.save_model_version(store, fields, registrant=registrant, based_on=registered)
+    try:
+        record = registry.save_model_version(store, fields, registrant=registrant, based_on=registered)
+    except Forbidden:  # another tenant claimed the name after `check_may_register`
+        if copied and not registry.version_exists(store, ref):
+            shutil.rmtree(stored.parent, ignore_errors=True)  # no record points at the copy we made
+            with contextlib.suppress(OSError):
+                stored.parent.parent.rmdir()  # the name's folder, if nothing else is in it
+        raise
     if needs_worker:
         dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion)
     return record
@@ -124,17 +134,26 @@ def _content_hash(serialized_model: bytes) -> str:
     return hashlib.sha256(serialized_model).hexdigest()[:12]
 
 
-def _store_copy(model: onnx.ModelProto, folder: Path) -> Path:
-    """Write the model into the store (atomically, once per version); large models keep external data."""
+def _store_copy(model: onnx.ModelProto, folder: Path) -> tuple[Path, bool]:
+    """Write the model into the store (atomically, once per version); large models keep external data.
+
+    Returns the stored file and whether this call wrote it. The temporary name is unique per call:
+    threads of one API process registering the same file at once each write their own, and the
+    first `os.replace` wins with identical bytes.
+    """
     target = folder / "model.onnx"
     if target.exists():
-        return target
+        return target, False
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".model.onnx.{os.getpid()}.tmp"
+    tmp = folder / f".model.onnx.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     large = model.ByteSize() > 1_800_000_000
-    onnx.save_model(model, str(tmp), save_as_external_data=large, location="model.onnx.data" if large else None)
-    os.replace(tmp, target)
-    return target
+    try:
+        onnx.save_model(model, str(tmp), save_as_external_data=large,
+                        location="model.onnx.data" if large else None)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target, True
 
 
 # --- jobs ---------------------------------------------------------------------------

@@ -374,6 +374,26 @@ def test_another_tenant_s_version_under_a_taken_name_answers_403_without_naming_
     assert register(bob, "bob-scorer", mlp_file(tmp_path, 1)).get_json()["owner"] == "bob"
 
 
+@pytest.mark.parametrize("same_file", [False, True], ids=["another-version", "the-winner-s-file"])
+def test_a_registrant_that_loses_a_new_name_s_race_leaves_no_copy_the_winner_does_not_use(
+        alice: Api, bob: Api, store: Store, settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        same_file: bool) -> None:
+    """Bob's early check passed before alice claimed the name (as when both register it at once): his
+    refused registration removes the copy it stored, unless alice's record points at that same copy."""
+    mine = register(alice, "scorer", mlp_file(tmp_path, 0)).get_json()
+    if same_file:  # alice's copy is there already: bob's registration wrote nothing of its own
+        stored = Path(mine["path"])
+    monkeypatch.setattr(registry, "check_may_register", lambda *_: None)
+
+    response = register(bob, "scorer", mlp_file(tmp_path, 0 if same_file else 1))
+
+    assert response.status_code == 403 and "registered by another tenant" in error_of(response)
+    assert [folder.name for folder in (settings.paths.store() / "scorer").iterdir()] == [mine["version"]]
+    if same_file:
+        assert stored.is_file() and alice.get(f"/v1/models/{mine['ref']}").status_code == 200
+    assert not list((settings.paths.store() / "scorer" / mine["version"]).glob(".*.tmp"))
+
+
 def test_models_stay_shared_another_tenant_runs_a_model_by_its_name(
         alice: Api, bob: Api, mlp_input: Path, tmp_path: Path) -> None:
     register(alice, "scorer", mlp_file(tmp_path, 0))
