@@ -152,7 +152,7 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
     score = queue_key(factors, weights or Weights(), ordering)
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
              _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict(),
-                        spec.batch_size))
+                        spec.batch_size), owner=spec.owner)
 
 
 def claim_output_dir(store: Store, output_dir: str, job_id: str, *, caller: dict[str, Any]) -> None:
@@ -218,12 +218,13 @@ def holds_output_dir(store: Store, output_dir: str, job_id: str) -> bool:
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
-             item_args: list[Any]) -> int:
+             item_args: list[Any], owner: str = "") -> int:
     keys = store.keys
     with translate_redis_errors():
         added = store.scripts.enqueue_items(
             keys=[keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs,
-                  keys.job_done(job_id), keys.inflight(model_ref), keys.dead, keys.attempts],
+                  keys.job_done(job_id), keys.inflight(model_ref), keys.dead, keys.attempts,
+                  *([keys.owner_jobs(owner)] if owner else [])],
             args=[model_ref, job_id, json.dumps({k: str(v) for k, v in fields.items()}), mode, now, *item_args],
         )
     if int(added) < 0:
@@ -278,27 +279,34 @@ def get_job(store: Store, job_id: str, *, now: float) -> dict[str, Any]:
 
 
 LIST_SCAN_PAGE = 500
-"""Job ids `list_jobs` reads from the index per round trip while it looks for matches."""
+"""Job ids `list_jobs` reads from an index per round trip while it looks for matches."""
 LIST_SCAN_JOBS = 20_000
-"""The newest jobs a filtered `list_jobs` looks through at most (about 40 round trips)."""
+"""The newest jobs a status-filtered `list_jobs` looks through at most (about 40 round trips)."""
+INDEX_PAGE = 1_000
+"""Jobs `index_job_owners` adds to their owners' indexes per round trip."""
 
 
 def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None,
               owner: str | None = None) -> list[dict[str, Any]]:
     """The newest `limit` jobs, newest first, optionally only those with `status` and of `owner`.
 
-    There is no index per owner (jobs have recorded their owner since the first release, so
-    one added now would miss every job stored before it): with a filter, the `jobs` index is
-    walked newest first in pages of `LIST_SCAN_PAGE`, reading only each job's status and owner,
-    until `limit` jobs match, or the newest `LIST_SCAN_JOBS` jobs have been looked at: the answer
-    is the newest `limit` matching jobs among those, and one call never costs more than that many
+    An owner's jobs come from that owner's own index (`keys.owner_jobs`), however many other
+    tenants' jobs are newer; the first owner-filtered list after an upgrade builds the indexes of
+    the jobs stored before they existed (`index_job_owners`). There is no index per status: with a
+    status filter, the index is walked newest first in pages of `LIST_SCAN_PAGE`, reading only each
+    job's status and owner, until `limit` jobs match or the newest `LIST_SCAN_JOBS` jobs (of the
+    owner, with both filters) have been looked at, so one call never costs more than that many
     small reads, however many jobs the system has kept (`GET /v1/jobs/{id}` still finds older ones).
     """
     with translate_redis_errors():
-        if status is None and owner is None:
-            ids = store.client.zrevrange(store.keys.jobs, 0, limit - 1)
+        index = store.keys.jobs
+        if owner is not None:
+            index_job_owners(store)
+            index = store.keys.owner_jobs(owner)
+        if status is None:
+            ids = store.client.zrevrange(index, 0, limit - 1)
         else:
-            ids = _matching_job_ids(store, limit=limit, status=status, owner=owner)
+            ids = _matching_job_ids(store, index, limit=limit, status=status, owner=owner)
         pipe = store.client.pipeline(transaction=False)
         for job_id in ids:
             pipe.hgetall(store.keys.job(job_id))
@@ -308,12 +316,37 @@ def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None 
             if raw and _matches(raw.get("status"), raw.get("owner"), status, owner)]
 
 
-def _matching_job_ids(store: Store, *, limit: int, status: str | None, owner: str | None) -> list[str]:
+def index_job_owners(store: Store) -> None:
+    """Add every job to its owner's index, once: jobs created before the indexes existed have none.
+
+    Idempotent (ZADD NX with the job's creation time), so two API processes doing it at once, or
+    jobs created meanwhile (their enqueue adds them), leave the same indexes; the marker key is set
+    last, so an interrupted pass runs again whole at the next owner-filtered list.
+    """
+    keys = store.keys
+    with translate_redis_errors():
+        if store.client.exists(keys.owner_index_built):
+            return
+        start = 0
+        while page := store.client.zrange(keys.jobs, start, start + INDEX_PAGE - 1, withscores=True):
+            start += len(page)
+            pipe = store.client.pipeline(transaction=False)
+            for job_id, _ in page:
+                pipe.hget(keys.job(job_id), "owner")
+            owners = pipe.execute()
+            for (job_id, created), owner in zip(page, owners, strict=True):
+                if owner:
+                    pipe.zadd(keys.owner_jobs(owner), {job_id: created}, nx=True)
+            pipe.execute()
+        store.client.set(keys.owner_index_built, "1")
+
+
+def _matching_job_ids(store: Store, index: str, *, limit: int, status: str, owner: str | None) -> list[str]:
     matched: list[str] = []
     seen: set[str] = set()  # jobs created meanwhile shift the ranks, so a page may repeat ids
     start = 0
     while len(matched) < limit and start < LIST_SCAN_JOBS:
-        ids = store.client.zrevrange(store.keys.jobs, start, min(start + LIST_SCAN_PAGE, LIST_SCAN_JOBS) - 1)
+        ids = store.client.zrevrange(index, start, min(start + LIST_SCAN_PAGE, LIST_SCAN_JOBS) - 1)
         if not ids:
             break
         start += len(ids)

@@ -84,6 +84,15 @@ class Keys:
         """ZSET job id -> creation time, the index behind `GET /v1/jobs`."""
         return self._key("jobs")
 
+    def owner_jobs(self, owner: str) -> str:
+        """ZSET job id -> creation time of the jobs of one API key name (`GET /v1/jobs?owner=`)."""
+        return self._key("jobs-of", owner)
+
+    @property
+    def owner_index_built(self) -> str:
+        """STRING present once every job stored before `owner_jobs` existed has been added to its owner's."""
+        return self._key("jobs-of-built")
+
     # --- online requests ---------------------------------------------------
     def request(self, request_id: str) -> str:
         """HASH of one online request: fields, inputs until it runs, then outputs."""

@@ -8,6 +8,7 @@
 -- KEYS[7] inflight ZSET item id -> lease deadline
 -- KEYS[8] dead     ZSET items that used up their attempts
 -- KEYS[9] attempts HASH item id -> lease count
+-- KEYS[10] owner's jobs ZSET job id -> created time (optional; 'create' adds the job to it)
 -- ARGV[1] model ref
 -- ARGV[2] job id, or '' for items without a job
 -- ARGV[3] JSON object of job fields to set (or '{}')
@@ -28,6 +29,9 @@ if job_id ~= '' then
     redis.call('HSET', KEYS[4], name, tostring(value))
   end
   redis.call('ZADD', KEYS[5], 'NX', ARGV[5], job_id)
+  if KEYS[10] then
+    redis.call('ZADD', KEYS[10], 'NX', ARGV[5], job_id)
+  end
 end
 local added = 0
 for i = 6, #ARGV, 4 do

@@ -159,8 +159,29 @@ def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
     assert listed(limit=1) == ["j7"]  # no filter: every job, the ownerless one included
     assert jobs.get_job(store, "j7", now=NOW)["owner"] is None
     assert jobs.get_job(store, "j1", now=NOW)["owner"] == "alice"
-    monkeypatch.setattr(jobs, "LIST_SCAN_JOBS", 3)  # a filtered list looks through the newest 3 jobs only
-    assert listed(owner="alice") == [] and listed(owner="bob") == ["j6", "j5"]
+    monkeypatch.setattr(jobs, "LIST_SCAN_JOBS", 3)  # a status filter looks through the newest 3 jobs only
+    assert listed(status="queued") == ["j7", "j6", "j5"]
+    assert listed(owner="bob", status="queued") == ["j6", "j5", "j3"]  # the newest 3 of bob's own
+    assert listed(owner="alice") == ["j4", "j1"]  # an owner's index holds its jobs alone, however far down
+
+
+def test_jobs_stored_before_the_owner_indexes_existed_are_listed_by_owner(store: Store) -> None:
+    """Jobs written by a release without per-owner indexes are indexed at the first owner-filtered list."""
+    owners = ["alice", "bob", "alice", ""]
+    for i, owner in enumerate(owners):
+        spec = dataclasses.replace(job_spec(f"j{i}", rows_total=1, chunk_size=1), owner=owner)
+        jobs.create_job(store, spec, now=NOW + i)
+    store.client.delete(store.keys.owner_jobs("alice"), store.keys.owner_jobs("bob"), store.keys.owner_index_built)
+    jobs.create_job(store, dataclasses.replace(job_spec("j4", rows_total=1, chunk_size=1), owner="alice"),
+                    now=NOW + 4)  # created by this release before the first list: indexed at once
+
+    def listed(owner: str) -> list[str]:
+        return [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, owner=owner)]
+
+    assert listed("alice") == ["j4", "j2", "j0"] and listed("bob") == ["j1"]
+    assert store.client.zrange(store.keys.owner_jobs("alice"), 0, -1, withscores=True) == [
+        ("j0", NOW), ("j2", NOW + 2), ("j4", NOW + 4)]
+    assert store.client.exists(store.keys.owner_index_built)
 
 
 # --- output folders -------------------------------------------------------------------------------
