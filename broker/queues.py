@@ -301,9 +301,16 @@ def wait_for_doorbell(store: Store, ticket: str, *, now: float, timeout: float, 
 
 def extend_lease(store: Store, item: LeasedItem, ticket: str, *, now: float, lease_seconds: float) -> None:
     """Keep a long chunk's lease (and its ticket) alive; a lease already reaped stays reaped."""
+    extend_leases(store, [item], ticket, now=now, lease_seconds=lease_seconds)
+
+
+def extend_leases(store: Store, items: Sequence[LeasedItem], ticket: str, *, now: float,
+                  lease_seconds: float) -> None:
+    """Keep the leases of `items` (and `ticket`) alive, in one round trip; reaped ones stay reaped."""
     with translate_redis_errors():
         pipe = store.client.pipeline(transaction=False)
-        pipe.zadd(store.keys.inflight(item.model_ref), {item.item_id: now + lease_seconds}, xx=True)
+        for item in items:
+            pipe.zadd(store.keys.inflight(item.model_ref), {item.item_id: now + lease_seconds}, xx=True)
         if ticket:
             pipe.zadd(store.keys.tickets, {ticket: now}, xx=True)
         pipe.execute()

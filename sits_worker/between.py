@@ -55,14 +55,16 @@ class BetweenBatches:
             if self._carried[0].payload.get("bucket") == feed_bucket(self._ctx, self._item.model_ref, feed)[0]:
                 carried, self._carried = self._carried, []
                 return carried
-            run_requests(self._ctx, self._carried)  # another shape: they run as their own batch, first
+            # another shape: they run as their own batch, first
+            run_requests(self._ctx, self._carried, self._ticket)
             self._carried = []
         if self._stale or time.monotonic() < self._next_look:
             return []
         try:
             # Urgent work first: if it fails, no rider has been leased yet to be stranded.
-            served = self._chunk_score is not None and _serve_one_urgent_batch(
-                self._ctx, self._chunk_score, self._ticket, self._reservation)
+            with self._ctx.lease_keeper.holding([self._item]):  # an urgent batch may outlast the lease
+                served = self._chunk_score is not None and _serve_one_urgent_batch(
+                    self._ctx, self._chunk_score, self._ticket, self._reservation)
             riders = []
             if self._ctx.settings.scheduler.merge_requests_into_jobs:
                 riders = lease_riders(self._ctx, self._item.model_ref, feed, self._ticket)
@@ -90,7 +92,7 @@ class BetweenBatches:
         if not carried:
             return
         try:
-            run_requests(self._ctx, carried)
+            run_requests(self._ctx, carried, self._ticket)
         except Exception:
             give_back(self._ctx, carried)
             raise
@@ -124,7 +126,7 @@ def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str,
             if handle is None:
                 queues.return_unrun(ctx.store, leased)
                 continue
-            run_requests(ctx, leased)
+            run_requests(ctx, leased, ticket)
             return True
         except BaseException:
             if handle is None:  # not run: back to the queue (a run that failed settled its own requests)

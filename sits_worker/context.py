@@ -30,6 +30,7 @@ from broker.queues import QueueWatcher
 from broker.store import Store
 from sits_worker.commits import Commits
 from sits_worker.devices import Device, device_memory
+from sits_worker.lease_keeper import LeaseKeeper
 from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
@@ -74,6 +75,8 @@ class WorkerContext:
     """Run times of the batches this process ran, for models without a measured profile."""
     commits: Commits = field(init=False)
     """Writes computed chunks' parts and acks them while the stream slots go on (at most `streams` pending)."""
+    lease_keeper: LeaseKeeper = field(init=False)
+    """Extends the leases of runs longer than a quarter of `scheduler.lease_timeout` while they run."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     _models: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
@@ -85,6 +88,7 @@ class WorkerContext:
     def __post_init__(self) -> None:
         self.queue_watcher = QueueWatcher(self.store)
         self.commits = Commits(max_pending=self.streams)
+        self.lease_keeper = LeaseKeeper(self.store, self.settings.scheduler.lease_timeout)
 
     @classmethod
     def create(cls, settings: Settings, device: Device, streams: int) -> WorkerContext:

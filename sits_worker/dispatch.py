@@ -112,7 +112,7 @@ def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str
     online = [item for item in leased if item.payload.get("kind") == "request"]
     offline = [item for item in leased if item.payload.get("kind") != "request"]
     if not offline:
-        run_requests(ctx, online)
+        run_requests(ctx, online, ticket)
         return
     [item] = offline  # leases take one job chunk (or finalize step) at a time
     between = BetweenBatches(ctx, item, ticket, carried=online, reservation=reservation)

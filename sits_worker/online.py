@@ -29,19 +29,21 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, np.ndarray]
 
 
-def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem]) -> int:
+def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = "") -> int:
     """Run leased requests of one model as one batch and complete them; returns how many ran
-    without error (a request completed meanwhile by another run keeps its first result)."""
+    without error (a request completed meanwhile by another run keeps its first result). Their
+    leases (and the drain task's `ticket`) are kept alive however long the run takes."""
     model_ref = items[0].model_ref
     results, live = _load(ctx, items)
     if live:
-        try:
-            results += _run_merged(ctx, model_ref, live)
-        except PermanentError as err:
-            # One bad request must not fail its neighbours: run each alone, fail only the bad ones.
-            log.info("merged batch of %d on %s failed (%s); running its requests one by one",
-                     len(live), model_ref, err.message)
-            results += _run_one_by_one(ctx, model_ref, live)
+        with ctx.lease_keeper.holding(items, ticket):
+            try:
+                results += _run_merged(ctx, model_ref, live)
+            except PermanentError as err:
+                # One bad request must not fail its neighbours: run each alone, fail only the bad ones.
+                log.info("merged batch of %d on %s failed (%s); running its requests one by one",
+                         len(live), model_ref, err.message)
+                results += _run_one_by_one(ctx, model_ref, live)
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=len(items), worker=ctx.name)
     return sum(1 for result in results if not result.error)
@@ -59,16 +61,17 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     results, live = _load(ctx, riders)
     job_rows = len(next(iter(feed.values())))
     job_outputs: Tensors | None = None
-    if live:
-        try:
-            job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)
-            results += rider_results
-        except PermanentError as err:
-            log.info("mini-batch with %d riders on %s failed (%s); running them apart",
-                     len(live), model_ref, err.message)
-            results += _run_one_by_one(ctx, model_ref, live)
-    if job_outputs is None:
-        job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
+    with ctx.lease_keeper.holding(riders):  # the chunk keeps its own lease between its mini-batches
+        if live:
+            try:
+                job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)
+                results += rider_results
+            except PermanentError as err:
+                log.info("mini-batch with %d riders on %s failed (%s); running them apart",
+                         len(live), model_ref, err.message)
+                results += _run_one_by_one(ctx, model_ref, live)
+        if job_outputs is None:
+            job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows)
     return [job_outputs[name] for name in output_names]
