@@ -58,6 +58,12 @@ class InferenceTimeout(RetryableError):
     code = "timeout"
 
 
+class RunFailed(RetryableError):
+    """An online request's runs kept failing (its workers died or errored) until its attempts ran out."""
+
+    code = "run_failed"
+
+
 # --- permanent -------------------------------------------------------------
 
 
@@ -152,3 +158,15 @@ class QuotaExceeded(PermanentError):
 
     http_status = 429
     code = "quota_exceeded"
+
+
+def error_for_code(code: str, message: str) -> SitsError:
+    """The error of class `code` (its `code` attribute) carrying `message`, e.g. to answer a failed
+    request with the HTTP status its worker's error had; a plain `SitsError` (500) for an unknown code."""
+    pending: list[type[SitsError]] = [SitsError]
+    while pending:
+        kind = pending.pop()
+        if kind.code == code:
+            return kind(message)
+        pending += kind.__subclasses__()
+    return SitsError(message)

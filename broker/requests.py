@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.errors import Conflict, NotFound
+from broker.errors import Conflict, NotFound, SitsError
 from broker.queues import LeasedItem
 from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
 
@@ -141,6 +141,8 @@ class RequestResult:
     item: LeasedItem
     outputs: Mapping[str, np.ndarray] | None = None
     error: str = ""
+    code: str = ""
+    """With an `error`: the `code` of the SitsError it came from (`errors.error_for_code` turns it back)."""
 
 
 def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
@@ -154,7 +156,8 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
         request_id = result.item.payload["req"]
         request_keys += [keys.request(request_id), keys.request_done(request_id)]
         outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
-        args += [result.item.item_id, "failed" if result.error else "succeeded", json.dumps(outputs), result.error]
+        args += [result.item.item_id, "failed" if result.error else "succeeded", json.dumps(outputs), result.error,
+                 (result.code or SitsError.code) if result.error else ""]
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
             keys=[keys.inflight(results[0].item.model_ref), keys.items, keys.attempts,
@@ -194,6 +197,7 @@ def _record(raw: Mapping[str, str]) -> dict[str, Any]:
         "batch_size": int(raw["batch_size"]) if raw.get("batch_size") else None,
         "job_rows": int(raw.get("job_rows") or 0),  # rows of offline jobs that shared its run
         "error": raw.get("error") or None,
+        "error_code": raw.get("error_code") or None,  # the kind of error: bad_input, invalid_model, timeout, ...
         "outputs": None,
     }
     if raw.get("outputs"):

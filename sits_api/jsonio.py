@@ -10,6 +10,7 @@ are written as null (valid JSON) instead of bare NaN.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
@@ -38,15 +39,17 @@ class OrjsonProvider(DefaultJSONProvider):
     def loads(self, s: str | bytes, **kwargs: Any) -> Any:
         """Parse JSON text; what orjson rejects is parsed (or rejected) by the standard library.
 
-        Both refuse what is not JSON: the literals NaN and Infinity (a NaN weight or input would
-        reach scores and tensors), and nesting deeper than orjson's limit (the standard parser would
-        recurse until Python's stack gives out). The ValueError becomes Flask's 400.
+        Both refuse what is not a finite JSON number: the literals NaN and Infinity (a NaN weight or
+        input would reach scores and tensors), numbers beyond a double's range such as 1e400 (orjson
+        refuses them; the standard parser would make them infinity), and nesting deeper than orjson's
+        limit (the standard parser would recurse until Python's stack gives out). The ValueError
+        becomes Flask's 400.
         """
         try:
             return orjson.loads(s)
         except orjson.JSONDecodeError:
             try:
-                return super().loads(s, parse_constant=_refuse_constant, **kwargs)
+                return super().loads(s, parse_constant=_refuse_constant, parse_float=_finite_float, **kwargs)
             except RecursionError:
                 raise ValueError("the JSON body is nested too deeply") from None
 
@@ -60,6 +63,14 @@ class OrjsonProvider(DefaultJSONProvider):
         except (orjson.JSONEncodeError, TypeError):
             return super().response(*args, **kwargs)
         return Response(body, mimetype=self.mimetype)
+
+
+def _finite_float(text: str) -> float:
+    """`json.loads`' hook for numbers with a fraction or exponent: refuses those no double holds."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:40]} is beyond the range of a 64-bit float; send finite numbers only")
+    return value
 
 
 def _refuse_constant(name: str) -> Any:

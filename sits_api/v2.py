@@ -25,7 +25,7 @@ from flask import Blueprint, g, jsonify, request
 
 from broker import registry, requests
 from broker.batching import Batching
-from broker.errors import BadInput, InferenceTimeout, ModelNotFound
+from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
 from broker.scoring import SLA_WEIGHTS
 from broker.store import Store
 from sits_api import online, services, v2_binary
@@ -183,8 +183,8 @@ def infer(name: str, version: str | None = None) -> Any:
     if result is None:
         raise InferenceTimeout(f"request {spec.request_id} is not done yet; fetch it later with "
                                f"GET /v1/requests/{spec.request_id}")
-    if result["status"] != "succeeded":
-        raise BadInput(result["error"] or "the request failed")
+    if result["status"] != "succeeded":  # answered with the status of the error that failed it
+        raise error_for_code(result["error_code"] or "", result["error"] or "the request failed")
     return _answer({"model_name": spec.model_name, "model_version": spec.model_version,
                     "id": spec.request_id if checked.client_id is None else checked.client_id},
                    {output: result["outputs"][output] for output in checked.outputs or result["outputs"]}, checked)

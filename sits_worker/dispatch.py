@@ -14,6 +14,7 @@ import logging
 import time
 
 from broker import jobs, policy, queues, requests, reservation
+from broker.errors import RunFailed
 from broker.queues import StaleTicket
 from broker.wakeup import SendTicket, wake_workers
 from sits_worker.between import BetweenBatches
@@ -158,8 +159,9 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
         if payload.get("kind") == "request":
             item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
             error = f"the request failed {settings.jobs.max_attempts} times (its workers died or errored)"
-            requests.complete_requests(ctx.store, [requests.RequestResult(item, error=error)], now=now,
-                                       keep_seconds=settings.online.result_ttl, batch_size=1, worker="reaper")
+            failed = requests.RequestResult(item, error=error, code=RunFailed.code)
+            requests.complete_requests(ctx.store, [failed], now=now, keep_seconds=settings.online.result_ttl,
+                                       batch_size=1, worker="reaper")
             queues.finish_item(ctx.store, item, "", now=now)  # also leaves the dead set
             continue
         job_id = payload.get("job", "")

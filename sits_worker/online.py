@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from broker import queues, requests
-from broker.errors import PermanentError
+from broker.errors import InferenceTimeout, PermanentError
 from broker.queues import LeasedItem
 from broker.requests import RequestResult
 from broker.scoring import rows_to_fill as rows_to_fill_by_profile
@@ -98,7 +98,7 @@ def _load(ctx: WorkerContext, items: Sequence[LeasedItem]) -> tuple[list[Request
                                                                       list[tuple[LeasedItem, Tensors]]]:
     """(Results of requests that expired before they ran, the live requests with their tensors)."""
     inputs = requests.load_inputs(ctx.store, items)
-    expired = [RequestResult(item, error="the request expired before it ran")
+    expired = [RequestResult(item, error="the request expired before it ran", code=InferenceTimeout.code)
                for item, tensors in zip(items, inputs, strict=True) if tensors is None]
     live = [(item, tensors) for item, tensors in zip(items, inputs, strict=True) if tensors is not None]
     return expired, live
@@ -111,7 +111,7 @@ def _run_one_by_one(ctx: WorkerContext, model_ref: str,
         try:
             results += _run_merged(ctx, model_ref, [entry])
         except PermanentError as single:
-            results.append(RequestResult(entry[0], error=single.message))
+            results.append(RequestResult(entry[0], error=single.message, code=single.code))
     return results
 
 

@@ -8,14 +8,14 @@
 --           finished request's fields as one JSON object, so it needs no second read)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
 -- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run
--- ARGV[6..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text
+-- ARGV[6..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error code
 -- Returns: how many requests were completed.
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
 local done = 0
-for i = 0, (#ARGV - 5) / 4 - 1 do
-  local item_id = ARGV[6 + 4 * i]
+for i = 0, (#ARGV - 5) / 5 - 1 do
+  local item_id = ARGV[6 + 5 * i]
   local request, waiters = KEYS[6 + 2 * i], KEYS[7 + 2 * i]
   local held = redis.call('HEXISTS', KEYS[2], item_id) == 1 and not redis.call('ZSCORE', KEYS[5], item_id)
   if held then
@@ -25,8 +25,9 @@ for i = 0, (#ARGV - 5) / 4 - 1 do
     redis.call('ZREM', KEYS[4], item_id)
   end
   if held and redis.call('EXISTS', request) == 1 then
-    redis.call('HSET', request, 'status', ARGV[7 + 4 * i], 'outputs', ARGV[8 + 4 * i], 'error', ARGV[9 + 4 * i],
-      'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4], 'job_rows', ARGV[5])
+    redis.call('HSET', request, 'status', ARGV[7 + 5 * i], 'outputs', ARGV[8 + 5 * i], 'error', ARGV[9 + 5 * i],
+      'error_code', ARGV[10 + 5 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
+      'job_rows', ARGV[5])
     redis.call('HDEL', request, 'inputs')
     redis.call('EXPIRE', request, ARGV[2])
     local flat, fields = redis.call('HGETALL', request), {}
