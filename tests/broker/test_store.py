@@ -21,9 +21,12 @@ def test_each_thread_holds_one_connection_of_its_own(redis_server: EmbeddedRedis
     store = Store.connect(redis_server.url, "tstore")
     mine = connection_id(store)
     seen: dict[str, list[int]] = {}
+    all_connected = threading.Barrier(3)  # alive together: an ended thread's connection goes back to the pool
 
     def twice(name: str) -> None:
-        seen[name] = [connection_id(store), connection_id(store)]
+        seen[name] = [connection_id(store)]
+        all_connected.wait(timeout=10)
+        seen[name].append(connection_id(store))
 
     threads = [threading.Thread(target=twice, args=(f"t{i}",)) for i in range(3)]
     for thread in threads:
