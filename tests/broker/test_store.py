@@ -87,8 +87,10 @@ def test_a_reply_left_unread_on_a_held_connection_is_not_taken_for_the_next_comm
         redis_server: EmbeddedRedis) -> None:
     """A command cut short leaves its reply on the socket; the next command must get its own."""
     store = Store.connect(redis_server.url, "tstore")
-    store.client.set("k", "before")
-    store.client.connection.send_command("SET", "k", "after")  # its "OK" is never read
+    held = store.client
+    held.set("k", "before")
+    held.connection.send_command("SET", "k", "after")  # its "OK" is never read
+    assert held.connection.can_read(2.0)  # (it has arrived: one still on its way cannot be seen)
 
     assert store.client.get("k") == "after"  # not "OK"
     assert store.client.get("k") == "after"
