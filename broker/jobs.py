@@ -217,19 +217,73 @@ def holds_output_dir(store: Store, output_dir: str, job_id: str) -> bool:
         return store.client.hget(store.keys.output_dirs, output_dir) == job_id
 
 
+ENQUEUE_SLICE = 256
+"""Items one enqueue or stop call handles at most: about 3 ms of Redis time (12.8 µs an item measured
+on 2 cores), so that a job of 100,000 chunks never holds Redis (and every online request) for seconds."""
+FILL_STALLED_SECONDS = 30.0
+"""A job still filling whose last enqueue call is this old lost its caller; a reaper pass completes it."""
+
+
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
-             item_args: list[Any], owner: str = "") -> int:
+             item_args: list[Any], owner: str = "", *, continued: bool = False) -> int:
+    """Queue a job's items in calls of `ENQUEUE_SLICE`, the job's `fields` set by the first.
+
+    While more calls are to come the job is in `keys.jobs_filling` (a reaper pass completes the fill if
+    this caller dies: `stalled_fills`, `refill_job`); a later call adds nothing to a job stopped meanwhile, nor
+    does any call with `continued` (a fill taken up again). 'create' adds later slices in 'add' mode.
+    Returns the items added; Conflict if 'create' finds the job there.
+    """
     keys = store.keys
+    job_keys = [keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs, keys.job_done(job_id),
+                keys.inflight(model_ref), keys.dead, keys.attempts, keys.jobs_filling,
+                *([keys.owner_jobs(owner)] if owner else [])]
+    step = 4 * ENQUEUE_SLICE  # four arguments an item
+    slices = [item_args[start:start + step] for start in range(0, len(item_args), step)] or [[]]
+    added = 0
+    for number, group in enumerate(slices):
+        taken_up, more_follow = number > 0 or continued, number < len(slices) - 1
+        fill = ("more" if taken_up else "first") if more_follow else ("last" if taken_up else "")
+        with translate_redis_errors():
+            reply = int(store.scripts.enqueue_items(
+                keys=job_keys,
+                args=[model_ref, job_id, json.dumps({k: str(v) for k, v in fields.items()}) if number == 0 else "{}",
+                      mode if number == 0 or mode == "resume" else "add", now, fill, *group],
+            ))
+        if reply == -1:
+            raise Conflict(f"job {job_id} already exists")
+        if reply == -2:  # stopped meanwhile: what was queued is (being) taken out by the stop
+            break
+        added += reply
+    return added
+
+
+def stalled_fills(store: Store, *, now: float) -> list[str]:
+    """Jobs whose fill stopped part-way: their last enqueue call is `FILL_STALLED_SECONDS` old (the API
+    process queueing them died between two calls). `refill_job` completes each."""
     with translate_redis_errors():
-        added = store.scripts.enqueue_items(
-            keys=[keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs,
-                  keys.job_done(job_id), keys.inflight(model_ref), keys.dead, keys.attempts,
-                  *([keys.owner_jobs(owner)] if owner else [])],
-            args=[model_ref, job_id, json.dumps({k: str(v) for k, v in fields.items()}), mode, now, *item_args],
-        )
-    if int(added) < 0:
-        raise Conflict(f"job {job_id} already exists")
-    return int(added)
+        return list(store.client.zrangebyscore(store.keys.jobs_filling, "-inf", now - FILL_STALLED_SECONDS))
+
+
+def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
+               ordering: Ordering = "dynamic") -> int:
+    """Queue every chunk of a stalled fill that is not done, queued or leased ('add'); a job stopped or
+    gone meanwhile only leaves the filling index. Returns the items added."""
+    try:
+        job = get_job(store, job_id, now=now)
+    except JobNotFound:
+        job = None
+    if job is None or job["status"] not in ACTIVE_STATUSES:
+        with translate_redis_errors():
+            store.client.zrem(store.keys.jobs_filling, job_id)
+        return 0
+    with translate_redis_errors():
+        done = {int(index) for index in store.client.smembers(store.keys.job_done(job_id))}
+    ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
+    factors = job_factors(job["priority"], job["created_at"])
+    item_args = _item_args(job_id, job["model_ref"], ranges, [i for i in range(len(ranges)) if i not in done],
+                           queue_key(factors, weights or Weights(), ordering), factors.to_dict(),
+                           int(job["batch_size"]))
+    return _enqueue(store, job_id, job["model_ref"], {}, "add", now, item_args, continued=True)
 
 
 def decode_job(raw: dict[str, str]) -> dict[str, Any]:
@@ -393,13 +447,19 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, 
         raise job_not_found(job_id)
     item_ids = [chunk_item_id(job_id, i) for i in range(int(chunks_total))] + [finalize_item_id(job_id)]
     keys = store.keys
-    with translate_redis_errors():
-        result = store.scripts.stop_job(
-            keys=[keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
-                  keys.dead],
-            args=[status, error, now, dead_item, *item_ids],
-        )
-    return str(result)
+    first = ""
+    for start in range(0, len(item_ids), ENQUEUE_SLICE):  # the first call stops it, later ones take items out
+        with translate_redis_errors():
+            result = str(store.scripts.stop_job(
+                keys=[keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
+                      keys.dead],
+                args=[status, error, now, dead_item if start == 0 else "", "more" if start else "first",
+                      *item_ids[start:start + ENQUEUE_SLICE]],
+            ))
+        first = first or result
+        if result != status:  # finished, skipped or gone (first call), or resumed since the first call
+            break
+    return first
 
 
 def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,

@@ -84,6 +84,12 @@ class Keys:
         """ZSET job id -> creation time, the index behind `GET /v1/jobs`."""
         return self._key("jobs")
 
+    @property
+    def jobs_filling(self) -> str:
+        """ZSET job id -> time of its last enqueue call, for jobs whose items are still being queued in
+        slices (`jobs.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
+        return self._key("jobs-filling")
+
     def owner_jobs(self, owner: str) -> str:
         """ZSET job id -> creation time of the jobs of one API key name (`GET /v1/jobs?owner=`)."""
         return self._key("jobs-of", owner)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import secrets
 import shutil
@@ -228,6 +229,11 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
     """The job's own chunk size, else the configured one, else (`auto`) one from the model's profile."""
     chosen = asked or settings.jobs.chunk_size
     if isinstance(chosen, int):
+        if chosen < (least := chunking.least_chunk_size(rows)):
+            where = "chunk_size" if asked else "the server's jobs.chunk_size"
+            raise BadInput(f"{where} {chosen:,} cuts {rows:,} rows into {math.ceil(rows / chosen):,} chunks; a job "
+                           f"has at most {chunking.MAX_CHUNKS_PER_JOB:,}: give chunk_size {least:,} or more, "
+                           "or 'auto' to let the server size them")
         return chosen
     known = workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout)
     live = sum(1 for worker in known if worker["alive"])

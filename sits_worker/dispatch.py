@@ -172,6 +172,12 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
         else:
             item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
             queues.finish_item(ctx.store, item, job_id, now=now)
+    stalled = jobs.stalled_fills(ctx.store, now=now)
+    if stalled:
+        weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(settings.scheduler.policy))
+        for job_id in stalled:
+            log.warning("job %s: its items stopped being queued part-way (%d more queued now)", job_id,
+                        jobs.refill_job(ctx.store, job_id, now=now, weights=weights, ordering=ordering))
     lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     sent = 0
     if queues.queue_heads(ctx.store):

@@ -1,4 +1,7 @@
 -- enqueue_items: add items to a model's ready queue (and optionally create the job they belong to).
+-- A job's items may come in several calls (`jobs.ENQUEUE_SLICE` each), so that no call holds Redis
+-- long; while they do, the job is in the filling index, and a reaper pass completes a fill whose
+-- caller died (`jobs.refill_job`).
 -- KEYS[1] ready   ZSET  item id -> score
 -- KEYS[2] items   HASH  item id -> JSON payload
 -- KEYS[3] queues  SET   model refs with a queue
@@ -8,7 +11,8 @@
 -- KEYS[7] inflight ZSET item id -> lease deadline
 -- KEYS[8] dead     ZSET items that used up their attempts
 -- KEYS[9] attempts HASH item id -> lease count
--- KEYS[10] owner's jobs ZSET job id -> created time (optional; 'create' adds the job to it)
+-- KEYS[10] filling ZSET job id -> time of its last enqueue call, while more calls are to come
+-- KEYS[11] owner's jobs ZSET job id -> created time (optional; 'create' adds the job to it)
 -- ARGV[1] model ref
 -- ARGV[2] job id, or '' for items without a job
 -- ARGV[3] JSON object of job fields to set (or '{}')
@@ -16,25 +20,40 @@
 --         holders are dead, or if not, their duplicate run rewrites identical bytes; dead items
 --         come back with fresh attempts, since the user asked to try again) | 'add'
 -- ARGV[5] now (unix seconds)
--- ARGV[6..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
--- Returns: number of items added; -1 if 'create' found the job already there.
+-- ARGV[6] '' (the job's only call) | 'first' (more calls follow) | 'more' | 'last': a 'more' or
+--         'last' call adds nothing to a job no longer queued or running (cancelled meanwhile)
+-- ARGV[7..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
+-- Returns: number of items added; -1 if 'create' found the job already there; -2 if a later call
+-- found the job stopped.
 -- A chunk already in the done set, or already queued or leased, is skipped: nothing runs twice.
-local job_id = ARGV[2]
-if job_id ~= '' then
-  if ARGV[4] == 'create' and redis.call('EXISTS', KEYS[4]) == 1 then
-    return -1
+local job_id, fill = ARGV[2], ARGV[6]
+if ARGV[4] == 'create' and redis.call('EXISTS', KEYS[4]) == 1 then
+  return -1
+end
+if fill == 'more' or fill == 'last' then
+  local status = redis.call('HGET', KEYS[4], 'status')
+  if status ~= 'queued' and status ~= 'running' then
+    redis.call('ZREM', KEYS[10], job_id)
+    return -2
   end
+end
+if fill == 'first' or fill == 'more' then
+  redis.call('ZADD', KEYS[10], ARGV[5], job_id)
+elseif fill == 'last' then
+  redis.call('ZREM', KEYS[10], job_id)
+end
+if job_id ~= '' then
   local fields = cjson.decode(ARGV[3])
   for name, value in pairs(fields) do
     redis.call('HSET', KEYS[4], name, tostring(value))
   end
   redis.call('ZADD', KEYS[5], 'NX', ARGV[5], job_id)
-  if KEYS[10] then
-    redis.call('ZADD', KEYS[10], 'NX', ARGV[5], job_id)
+  if KEYS[11] then
+    redis.call('ZADD', KEYS[11], 'NX', ARGV[5], job_id)
   end
 end
 local added = 0
-for i = 6, #ARGV, 4 do
+for i = 7, #ARGV, 4 do
   local item_id, score, payload, chunk = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local done = chunk ~= '' and redis.call('SISMEMBER', KEYS[6], chunk) == 1
   if not done then

@@ -11,7 +11,7 @@ import pytest
 from api_helpers import Api, error_of
 from flask.testing import FlaskClient
 
-from broker import registry, workers
+from broker import chunking, registry, workers
 from broker.config import Settings
 from broker.store import Store
 from sits_api.app import create_app
@@ -160,3 +160,20 @@ def test_a_chunk_size_that_is_neither_rows_nor_auto_answers_400(
 
     assert response.status_code == 400
     assert "chunk_size" in error_of(response)
+
+
+def test_a_chunk_size_that_makes_more_than_max_chunks_per_job_answers_400_with_the_least_size(
+        api: Api, mlp: dict[str, Any], big_input: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chunking, "MAX_CHUNKS_PER_JOB", 10)  # (100,000 chunks of real rows take seconds)
+    rows = len(np.load(big_input, mmap_mode="r"))
+    least = -(-rows // 10)
+
+    too_many = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(big_input),
+                                          "output_dir": str(tmp_path / "out"), "chunk_size": least - 1})
+    enough = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(big_input),
+                                        "output_dir": str(tmp_path / "out"), "chunk_size": least})
+
+    assert too_many.status_code == 400
+    assert error_of(too_many) == (f"chunk_size {least - 1:,} cuts {rows:,} rows into 11 chunks; a job has at most 10: "
+                                  f"give chunk_size {least:,} or more, or 'auto' to let the server size them")
+    assert enough.status_code == 201 and enough.get_json()["chunks_total"] == 10

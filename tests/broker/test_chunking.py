@@ -13,9 +13,11 @@ from broker import jobs
 from broker.chunking import (
     FALLBACK_BATCH_ROWS,
     FALLBACK_CHUNK_ROWS,
+    MAX_CHUNKS_PER_JOB,
     auto_batch_size,
     auto_chunk_size,
     chunk_size_for,
+    least_chunk_size,
     profiled_rows_per_second,
 )
 from broker.config import Settings, load_settings
@@ -120,7 +122,7 @@ def test_a_chunk_s_outputs_stay_within_max_chunk_output_bytes() -> None:
 
 
 def test_the_output_cap_never_goes_below_one_batch() -> None:
-    assert size(output_bytes_per_row=MiB, max_chunk_output_bytes=MiB, batch_size=32) == 32
+    assert size(output_bytes_per_row=MiB, max_chunk_output_bytes=MiB, batch_size=32, rows_total=1_000_000) == 32
 
 
 def test_unknown_output_bytes_or_a_zero_cap_mean_no_cap() -> None:
@@ -129,6 +131,14 @@ def test_unknown_output_bytes_or_a_zero_cap_mean_no_cap() -> None:
     assert uncapped > MiB // 40
     assert size(rows_per_second=1_000_000.0, output_bytes_per_row=40, max_chunk_output_bytes=MiB) < uncapped
     assert size(rows_per_second=1_000_000.0, output_bytes_per_row=40, max_chunk_output_bytes=0) == uncapped
+
+
+def test_a_huge_job_gets_chunks_large_enough_for_max_chunks_per_job_even_over_the_output_cap() -> None:
+    chunk = size(rows_total=100_000_000, rows_per_second=1_000.0, batch_size=128,
+                 output_bytes_per_row=MiB, max_chunk_output_bytes=64 * MiB)  # 1 s and the cap: 128 rows
+
+    assert chunk == 1024 and math.ceil(100_000_000 / chunk) <= MAX_CHUNKS_PER_JOB  # 8 batches
+    assert least_chunk_size(100_000_000, 128) == 1024 and least_chunk_size(10, 4) == 4
 
 
 # --- without a profile ----------------------------------------------------------------------
@@ -158,10 +168,12 @@ def test_every_auto_size_is_whole_batches_within_its_bounds(
                  max_chunk_output_bytes=cap)
 
     assert chunk >= batch_size and chunk % batch_size == 0
-    if output_bytes_per_row and chunk > batch_size:
+    least = least_chunk_size(rows_total, batch_size)  # the count bound comes before the others
+    assert math.ceil(rows_total / chunk) <= MAX_CHUNKS_PER_JOB
+    if output_bytes_per_row and chunk > max(batch_size, least):
         assert chunk * output_bytes_per_row <= cap
     target_batches = max(1, math.ceil(rows_per_second * chunk_seconds / batch_size))
-    assert chunk <= target_batches * batch_size  # never more than the time target, rounded up to a batch
+    assert chunk <= max(target_batches * batch_size, least)  # at most the time target, rounded up to a batch
     chunks = math.ceil(rows_total / chunk)
     batches = math.ceil(rows_total / batch_size)
     assert chunks >= min(2 * max(1, live_workers), batches) or chunk == batch_size
