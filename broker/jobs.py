@@ -35,7 +35,7 @@ _INT_FIELDS = (
     "batch_size",
     "priority",
 )
-_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts")
+_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
 
 
@@ -276,8 +276,7 @@ def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None
         with translate_redis_errors():
             store.client.zrem(store.keys.jobs_filling, job_id)
         return 0
-    with translate_redis_errors():
-        done = {int(index) for index in store.client.smembers(store.keys.job_done(job_id))}
+    done = done_chunks(store, job_id)
     ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
     factors = job_factors(job["priority"], job["created_at"])
     item_args = _item_args(job_id, job["model_ref"], ranges, [i for i in range(len(ranges)) if i not in done],
@@ -306,10 +305,16 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
 
 
 def with_rates(job: dict[str, Any], *, now: float) -> dict[str, Any]:
-    """Add `rows_per_second` and `eta_seconds` from the job's start (or finish) time."""
+    """Add `elapsed_seconds` since the job's first start, and `rows_per_second` and `eta_seconds` of its
+    current run: since its last resume, if any, so that the time it stood stopped is not counted as work."""
     started, finished = job.get("started_at"), job.get("finished_at")
     elapsed = ((finished or now) - started) if started else 0.0
-    rate = job["rows_done"] / elapsed if elapsed > 0 else 0.0
+    run_started, run_rows = started, job["rows_done"]
+    rows_at_resume = int(job.pop("rows_at_resume", None) or 0)
+    if started and job.get("resumed_at") and job["resumed_at"] > started:
+        run_started, run_rows = job["resumed_at"], job["rows_done"] - rows_at_resume
+    run_elapsed = ((finished or now) - run_started) if run_started else 0.0
+    rate = run_rows / run_elapsed if run_elapsed > 0 else 0.0
     remaining = job["rows_total"] - job["rows_done"]
     job["elapsed_seconds"] = round(elapsed, 3)
     job["rows_per_second"] = round(rate, 1)
@@ -462,6 +467,23 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, 
     return first
 
 
+def done_chunks(store: Store, job_id: str) -> set[int]:
+    """Indexes of the job's chunks whose parts are written and acknowledged."""
+    with translate_redis_errors():
+        return {int(index) for index in store.client.smembers(store.keys.job_done(job_id))}
+
+
+def forget_chunks(store: Store, job_id: str, indexes: Sequence[int]) -> int:
+    """Count chunks of a stopped job as not done (their parts were lost), so that a resume runs them
+    again; a job not stopped is left alone. Returns how many were forgotten."""
+    job = get_job(store, job_id, now=0.0)
+    ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
+    args = [value for index in indexes for value in (index, ranges[index][1] - ranges[index][0])]
+    with translate_redis_errors():
+        return int(store.scripts.forget_chunks(keys=[store.keys.job(job_id), store.keys.job_done(job_id)],
+                                               args=args)) if args else 0
+
+
 def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
                ordering: Ordering = "dynamic", input_stat: dict[str, int] | None = None) -> int:
     """Re-queue every chunk not yet done (and the finalize step if all are); returns items queued.
@@ -474,8 +496,7 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     job = get_job(store, job_id, now=now)
     if job["status"] == "succeeded":
         raise Conflict(f"job {job_id} already succeeded; its outputs are in {job['output_dir']}")
-    with translate_redis_errors():
-        done = {int(index) for index in store.client.smembers(store.keys.job_done(job_id))}
+    done = done_chunks(store, job_id)
     ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
     missing = [index for index in range(len(ranges)) if index not in done]
     factors = job_factors(job["priority"], now)
@@ -485,7 +506,8 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     if not missing:
         finalize = finalize_payload(job_id, model_ref, score, factors.to_dict())
         item_args = [finalize_item_id(job_id), score, json.dumps(finalize), ""]
-    fields: dict[str, Any] = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now}
+    fields: dict[str, Any] = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now,
+                              "rows_at_resume": job["rows_done"]}
     if input_stat:
         fields["input_stat"] = json.dumps(input_stat)
     return _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)

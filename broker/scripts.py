@@ -26,6 +26,7 @@ SCRIPT_NAMES = (
     "start_item",
     "finish_item",
     "stop_job",
+    "forget_chunks",
     "reap_leases",
     "top_up_tickets",
     "release_ticket",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,13 @@ import redis
 from api_helpers import Api, error_of, make_settings
 from flask.testing import FlaskClient
 
+from broker import jobs, queues
 from broker.apikeys import create_api_key
 from broker.embedded import EmbeddedRedis
 from broker.store import Store
 from sits_api.app import create_app
 from sits_api.dispatch import TASK_QUEUE
+from sits_worker import outputs
 
 JOB_FIELDS = {"id", "model", "status", "rows_total", "rows_done", "chunks_total", "chunks_done", "output_dir",
               "error"}
@@ -156,6 +159,28 @@ def test_resuming_a_cancelled_job_requeues_its_chunks(
     assert response.get_json()["status"] == "queued"
     assert response.get_json()["error"] is None
     assert ready_count(api, mlp) == 3
+
+
+def test_resuming_a_job_whose_parts_were_deleted_runs_those_chunks_again(
+        api: Api, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    """Its merge would otherwise fail for ever: "part ... is missing; run that chunk again"."""
+    job = submit(api, **job_body("mlp", mlp_input, tmp_path / "out", chunk_size=4)).get_json()  # rows 0-4-8-10
+    for item in queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=30, max_items=2):
+        outputs.write_part(tmp_path / "out", item.payload["chunk"], {"logits": np.zeros((4, 10), np.float32)},
+                           job_id=job["id"])
+        jobs.ack_chunk(store, item, now=time.time(), worker="w1")
+    api.delete(f"/v1/jobs/{job['id']}")
+    stopped = api.get(f"/v1/jobs/{job['id']}").get_json()
+    assert (stopped["chunks_done"], stopped["rows_done"]) == (2, 8)
+    for part in (tmp_path / "out" / ".parts" / job["id"]).glob("*.000000.npy"):  # chunk 0's parts are lost
+        part.unlink()
+
+    response = api.post(f"/v1/jobs/{job['id']}/resume")
+
+    assert response.status_code == 202, error_of(response)
+    assert (response.get_json()["chunks_done"], response.get_json()["rows_done"]) == (1, 4)
+    assert sorted(store.client.zrange(store.keys.ready(mlp["ref"]), 0, -1)) == [
+        jobs.chunk_item_id(job["id"], 0), jobs.chunk_item_id(job["id"], 2)]
 
 
 def test_resuming_a_job_whose_input_changed_answers_400_saying_to_resubmit(

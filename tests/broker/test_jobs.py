@@ -126,6 +126,24 @@ def test_get_job_derives_rate_and_eta_from_progress(store: Store) -> None:
     assert job["eta_seconds"] == 2.0
 
 
+def test_after_a_resume_rate_and_eta_are_of_the_resumed_run_not_of_the_time_stopped(store: Store) -> None:
+    spec = job_spec(rows_total=12, chunk_size=4)
+    jobs.create_job(store, spec, now=NOW)
+    [first] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    store.scripts.start_item(keys=[store.keys.job(spec.job_id)], args=[NOW])
+    ack(store, first, now=NOW + 2)
+    jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 2)
+    jobs.resume_job(store, spec.job_id, now=NOW + 100)  # stood stopped for 98 s
+    [second] = queues.lease_batch(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1)
+    ack(store, second, now=NOW + 101)
+
+    job = jobs.get_job(store, spec.job_id, now=NOW + 101)
+
+    assert (job["rows_done"], job["rows_per_second"], job["eta_seconds"]) == (8, 4.0, 1.0)  # 4 rows in 1 s
+    assert (job["elapsed_seconds"], job["resumed_at"]) == (101.0, NOW + 100)  # since its first start
+    assert "rows_at_resume" not in job
+
+
 def test_list_jobs_is_newest_first_and_filters_by_status(store: Store) -> None:
     for i, job_id in enumerate(["jold", "jmid", "jnew"]):
         jobs.create_job(store, job_spec(job_id, rows_total=1, chunk_size=1), now=NOW + i)
