@@ -210,7 +210,8 @@ def finish_item(
     error: str = "",
     job_fields: dict[str, str] | None = None,
 ) -> None:
-    """Remove `item` for good; optionally move its job to a final status (kept if already final)."""
+    """Remove `item` for good; optionally move its job to a final status (kept if already final, but
+    'succeeded', a finalize step's published manifest, replaces a cancel or failure that came late)."""
     keys = store.keys
     with translate_redis_errors():
         store.scripts.finish_item(

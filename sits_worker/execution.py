@@ -60,7 +60,13 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
     try:
         job = jobs.get_job(ctx.store, job_id, now=now)
         if item.payload["kind"] == "finalize":
-            manifest = finalize_job(job, keep_alive=_tolerant(between.keep_alive))
+            manifest = finalize_job(job, keep_alive=_tolerant(between.keep_alive),
+                                    may_publish=partial(_may_publish, ctx, job))
+            if manifest is None:  # stopped while it merged: its parts stay, a resume merges again
+                queues.finish_item(ctx.store, item, job_id, now=time.time())
+                return "dropped"
+            # A stop that landed since `_may_publish` looked does not keep this status away: the folder
+            # holds the job's results now (finish_item.lua).
             queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
                                job_fields={"manifest": json.dumps(manifest)})
             # after the job is done: its outputs need not wait for this; only its own parts (a cancelled
@@ -72,6 +78,15 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         return "committing"
     except Exception as err:
         return settle_failure(ctx, item, err)
+
+
+def _may_publish(ctx: WorkerContext, job: dict[str, Any]) -> bool:
+    """Whether a finished merge may publish the job's outputs and manifest: not if the job was stopped
+    (cancelled) while it merged, so a cancelled job's folder holds its parts, not results, and a
+    resume merges again. Its input must still be the one submitted (else BadInput fails the job):
+    the manifest names that file's checksum. A stat and one Redis call, as late as can be."""
+    check_unchanged(Path(job["input_batch"]), job.get("input_stat"))
+    return jobs.start_item(ctx.store, job["id"], now=time.time()) == "running"
 
 
 def _tolerant(keep_alive: Callable[[], None]) -> Callable[[], None]:
@@ -129,7 +144,8 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
     """
     start, stop = item.payload["start"], item.payload["stop"]
     output_names: list[str] = job["output_names"]
-    check_unchanged(Path(job["input_batch"]), job.get("input_stat"))  # a stat: before its rows are read
+    input_path, input_stat = Path(job["input_batch"]), job.get("input_stat")
+    check_unchanged(input_path, input_stat)  # a stat: before its rows are read
     source = ctx.job_input(job)
     session = ctx.session(job["model_ref"])  # looked up once per chunk, not per mini-batch
     results: dict[str, np.ndarray] = {}
@@ -155,6 +171,9 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
             row_indices, feed = _run_riders(ctx, model_ref, riders, row_indices, feed, store_rows, session)
         if len(row_indices):
             store_rows(row_indices, ctx.run(model_ref, feed, output_names, session))
+    # And after: rows read while the file was rewritten in place (same size, same inode) must not count
+    # as done under the checksum of the file as submitted.
+    check_unchanged(input_path, input_stat)
     return results
 
 
@@ -183,10 +202,12 @@ def _rows(feed: Mapping[str, np.ndarray], first: int, last: int) -> dict[str, np
     return {name: array[first:last] for name, array in feed.items()}
 
 
-def finalize_job(job: dict[str, Any], *, keep_alive: Callable[[], None]) -> dict[str, Any]:
+def finalize_job(job: dict[str, Any], *, keep_alive: Callable[[], None],
+                 may_publish: Callable[[], bool]) -> dict[str, Any] | None:
     """Merge the job's part files into its outputs and manifest (idempotent), calling `keep_alive`
     as the merge goes: a merge of GBs may outlast the lease, and a reaped finalize item would be
-    merged again by a second worker, at the cost of an attempt."""
+    merged again by a second worker, at the cost of an attempt. None when `may_publish`, asked once
+    the merge is done, stopped it (`outputs.finalize_outputs`)."""
     ranges = jobs.chunk_ranges(job["rows_total"], job["chunk_size"])
     extra = {
         "job": job["id"],
@@ -196,4 +217,4 @@ def finalize_job(job: dict[str, Any], *, keep_alive: Callable[[], None]) -> dict
         "input_checksum": job["input_checksum"],
     }
     return finalize_outputs(Path(job["output_dir"]), ranges, job["output_names"], extra, job_id=job["id"],
-                            keep_alive=keep_alive)
+                            keep_alive=keep_alive, may_publish=may_publish)

@@ -179,8 +179,9 @@ def _load_part(output_dir: Path, name: str, chunk_index: int, chunk: tuple[int, 
 
 
 def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int, int]], total: int,
-                  job_id: str, keep_alive: Callable[[], None]) -> dict[str, Any]:
-    """Merge one output's parts into `<stem>.npy`; return its manifest entry.
+                  job_id: str, keep_alive: Callable[[], None]) -> tuple[Path, dict[str, Any]]:
+    """Merge one output's parts into a temp file in the job's parts folder; return it and its manifest
+    entry (the caller renames it to the entry's `file` when the merge is to be published).
 
     The parts are copied into a temp file in row order while a second thread hashes the same
     bytes: file writes and SHA-256 both release the GIL, so the copy, its fsync and the hash
@@ -223,8 +224,7 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
             stop.set()
             temp.unlink(missing_ok=True)
             raise
-    os.replace(temp, final)
-    return {"file": final.name, "shape": shape, "dtype": dtype.name, "checksum": checksum}
+    return temp, {"file": final.name, "shape": shape, "dtype": dtype.name, "checksum": checksum}
 
 
 def _copy(handle: IO[bytes], data: memoryview, keep_alive: Callable[[], None]) -> None:
@@ -245,6 +245,11 @@ def _keep_nothing_alive() -> None:
     """The `keep_alive` of a merge that holds no lease."""
 
 
+def _always_publish() -> bool:
+    """The `may_publish` of a merge that nothing can stop."""
+    return True
+
+
 def _raw_bytes(part: np.ndarray) -> memoryview:
     """A part's bytes as they lie in its file (parts are C order), without a copy."""
     return memoryview(np.ascontiguousarray(part).data).cast("B")
@@ -263,6 +268,25 @@ def _hash_parts(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int, i
     return digest.hexdigest()
 
 
+def _merge_outputs(output_dir: Path, output_names: Sequence[str], chunk_ranges: Sequence[tuple[int, int]],
+                   total: int, job_id: str, keep_alive: Callable[[], None],
+                   may_publish: Callable[[], bool]) -> dict[str, tuple[Path, dict[str, Any]]] | None:
+    """Merge every output into its temp file (`_merge_output`), then ask `may_publish`: output name ->
+    (temp file, manifest entry) to rename and publish, or None. Unless they are handed back, the temp
+    files are removed (stopped, or failed: a merge of a later output, `may_publish` raising)."""
+    merged: dict[str, tuple[Path, dict[str, Any]]] = {}
+    publish = False
+    try:
+        for name in output_names:
+            merged[name] = _merge_output(output_dir, name, chunk_ranges, total, job_id, keep_alive)
+        publish = may_publish()
+        return merged if publish else None
+    finally:
+        if not publish:
+            for temp, _ in merged.values():
+                temp.unlink(missing_ok=True)
+
+
 def finalize_outputs(
     output_dir: Path,
     chunk_ranges: Sequence[tuple[int, int]],
@@ -271,9 +295,10 @@ def finalize_outputs(
     *,
     job_id: str = "",
     keep_alive: Callable[[], None] = _keep_nothing_alive,
-) -> dict[str, Any]:
+    may_publish: Callable[[], bool] = _always_publish,
+) -> dict[str, Any] | None:
     """Merge every output's parts (those `write_part` wrote for `job_id`) into `<output_dir>/<name>.npy`
-    and write `manifest.json`.
+    and write `manifest.json`; None when `may_publish` stopped it.
 
     Idempotent: once the manifest exists it is returned as is; after a crash halfway the parts are
     still there and the merge simply runs again. The manifest is written last, so its presence
@@ -283,6 +308,11 @@ def finalize_outputs(
     unlinking them. The merge calls `keep_alive` as it goes (after each block it copies, and about
     every second while it waits on the disk): a caller holding a lease on the finalize step extends
     it there, rate-limited on its side, so a long merge is not taken for a dead one.
+
+    Every output is merged into a temp file first; `may_publish` is called once they all are, and
+    only if it returns True do they become `<name>.npy` and the manifest follows. So a caller can
+    stop a merge whose job was cancelled meanwhile (or raise, e.g. for an input that changed) and
+    leave the folder as it was: the parts, and no output of a job that did not finish.
     """
     output_dir = Path(output_dir)
     total = _rows_covered(chunk_ranges)
@@ -291,8 +321,12 @@ def finalize_outputs(
     manifest = read_manifest(output_dir)
     if manifest is None:
         try:
-            outputs = {name: _merge_output(output_dir, name, chunk_ranges, total, job_id, keep_alive)
-                       for name in output_names}
+            merged = _merge_outputs(output_dir, output_names, chunk_ranges, total, job_id, keep_alive, may_publish)
+            if merged is None:
+                return None
+            for temp, entry in merged.values():
+                os.replace(temp, output_dir / entry["file"])
+            outputs = {name: entry for name, (_, entry) in merged.items()}
             manifest = {"rows": total, "outputs": outputs, "chunks": len(chunk_ranges), **manifest_extra}
             text = json.dumps(manifest, indent=2).encode()
             _write_atomically(output_dir / MANIFEST_NAME, lambda handle: handle.write(text))

@@ -9,14 +9,19 @@
 -- ARGV[1] item id
 -- ARGV[2] new job status ('' to leave it), ARGV[3] error text, ARGV[4] now
 -- ARGV[5] JSON object of extra job fields to set (e.g. the manifest)
--- Returns: 1. A job already in a final status keeps it (a late duplicate cannot undo a cancel).
+-- Returns: 1. A job already in a final status keeps it (a late duplicate cannot undo a cancel), but
+-- 'succeeded' (sent only by a finalize step whose manifest is published) replaces 'cancelled' or
+-- 'failed': the step found the job active just before publishing, so that stop landed while the
+-- folder got (or after it had got) the job's complete results, and status and folder must agree.
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
 local status = redis.call('HGET', KEYS[6], 'status')
-if ARGV[2] ~= '' and (status == 'queued' or status == 'running') then
+local active = status == 'queued' or status == 'running'
+local published = ARGV[2] == 'succeeded' and (status == 'cancelled' or status == 'failed')
+if ARGV[2] ~= '' and (active or published) then
   redis.call('HSET', KEYS[6], 'status', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
   for name, value in pairs(cjson.decode(ARGV[5])) do
     redis.call('HSET', KEYS[6], name, tostring(value))
