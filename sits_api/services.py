@@ -34,7 +34,7 @@ from sits_worker.model.padding import PADDING_EXACT_KEY, SEQUENCE_OUTPUTS_KEY, m
 from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
-from sits_worker.outputs import MANIFEST_NAME, part_exists, read_manifest
+from sits_worker.outputs import MANIFEST_NAME, output_path, part_exists, read_manifest
 
 
 def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
@@ -182,7 +182,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     except OSError as err:
         raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
                        "name a folder the workers can write") from err
-    _refuse_finished_output_dir(output_dir)
+    _refuse_finished_output_dir(output_dir, [output["name"] for output in model["signature"]["outputs"]])
     batch_size = _batch_size(settings, model, body.batch_size)
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),
@@ -251,12 +251,19 @@ def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now:
     raise Conflict(f"output_dir {output_dir} was claimed by another job at the same time; choose another folder")
 
 
-def _refuse_finished_output_dir(output_dir: Path) -> None:
-    """Conflict when the folder holds a finished job's results: a new job would run every row and
-    then fail at its merge (the manifest is another job's)."""
+def _refuse_finished_output_dir(output_dir: Path, output_names: list[str]) -> None:
+    """Conflict when the folder holds a finished job's results (a new job would run every row and
+    then fail at its merge: the manifest is another job's), or files the job's outputs would replace
+    that no job's manifest accounts for: someone's data (another tenant's, or the job's own input)
+    that a merge would overwrite without a word."""
     if (output_dir / MANIFEST_NAME).exists():
         raise Conflict(f"output_dir {output_dir} already holds the results of a finished job ({MANIFEST_NAME}); "
                        "choose an empty folder or remove those results first")
+    taken = [(name, path.name) for name in output_names if (path := output_path(output_dir, name)).exists()]
+    if taken:
+        files = ", ".join(f"{file} (output '{name}')" for name, file in taken)
+        raise Conflict(f"output_dir {output_dir} already holds {files}, which this job's outputs would replace; "
+                       "choose another folder or move those files away")
 
 
 def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, caller: dict[str, Any],

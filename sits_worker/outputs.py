@@ -53,6 +53,11 @@ def _file_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".") + "-" + digest
 
 
+def output_path(output_dir: Path, name: str) -> Path:
+    """The file a job's output `name` is merged into: `<output_dir>/<stem>.npy`."""
+    return Path(output_dir) / f"{_file_stem(name)}.npy"
+
+
 def _parts_folder(output_dir: Path, job_id: str) -> Path:
     """Where `job_id`'s parts (and its merge's temp files) lie: `.parts/<job_id>/`."""
     return Path(output_dir) / PARTS_DIR / job_id
@@ -194,7 +199,7 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
     first = _load_part(output_dir, name, 0, chunk_ranges[0], job_id)
     dtype, row_shape = first.dtype, first.shape[1:]
     del first
-    final = output_dir / f"{_file_stem(name)}.npy"
+    final = output_path(output_dir, name)
     temp = _temp_path(_parts_folder(output_dir, job_id), final.name)  # removed with the job's parts if we crash
     shape = [total, *row_shape]
     header = io.BytesIO()

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from api_helpers import Api, error_of, make_settings
+from api_helpers import Api, error_of, make_settings, queued_items
 from flask.testing import FlaskClient
 
 from broker import jobs, queues
@@ -610,6 +610,26 @@ def test_a_second_job_into_the_folder_of_an_active_one_answers_409_and_a_finishe
     (tmp_path / "done" / "manifest.json").write_text("{}")
     response = submit(api, **job_body("mlp", mlp_input, tmp_path / "done"))
     assert response.status_code == 409 and "already holds the results of a finished job" in error_of(response)
+
+
+def test_a_folder_holding_files_the_outputs_would_replace_answers_409_and_keeps_them(
+        api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    """Files no job's manifest accounts for are someone's data (another tenant's, or the job's own
+    input): a merge would have replaced them without a word."""
+    data = tmp_path / "data"
+    data.mkdir()
+    mine = np.arange(6, dtype=np.float32)
+    np.save(data / "logits.npy", mine)  # named as the MLP's output 'logits'
+
+    response = submit(api, **job_body("mlp", mlp_input, data))
+
+    assert response.status_code == 409
+    assert error_of(response) == (f"output_dir {data} already holds logits.npy (output 'logits'), which this job's "
+                                  "outputs would replace; choose another folder or move those files away")
+    assert queued_items(api) == 0 and np.array_equal(np.load(data / "logits.npy"), mine)
+    np.save(data / "other.npy", mine)  # files of other names are no obstacle
+    (data / "logits.npy").unlink()
+    assert submit(api, **job_body("mlp", mlp_input, data)).status_code == 201
 
 
 def test_a_job_records_its_input_s_identity_and_a_resume_after_an_identical_rewrite_refreshes_it(
