@@ -13,13 +13,18 @@
 -- 'succeeded' (sent only by a finalize step whose manifest is published) replaces 'cancelled' or
 -- 'failed': the step found the job active just before publishing, so that stop landed while the
 -- folder got (or after it had got) the job's complete results, and status and folder must agree.
+-- Returns 0, changing nothing, for an item dropped (ARGV[2] '': its worker found the job stopped)
+-- that a resume has queued again since: the resumed job needs it.
+local status = redis.call('HGET', KEYS[6], 'status')
+local active = status == 'queued' or status == 'running'
+if ARGV[2] == '' and active and redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  return 0
+end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
-local status = redis.call('HGET', KEYS[6], 'status')
-local active = status == 'queued' or status == 'running'
 local published = ARGV[2] == 'succeeded' and (status == 'cancelled' or status == 'failed')
 if ARGV[2] ~= '' and (active or published) then
   redis.call('HSET', KEYS[6], 'status', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
