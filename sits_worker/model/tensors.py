@@ -85,6 +85,8 @@ class InputSpec:
         fix = hint if not dtype_ok and hint else f"each row must have shape [{','.join(map(str, self.dims))}]"
         if dtype_ok and shape_hint:
             fix += f"; {shape_hint}"
+        if list(shape) == [0] and self.dims:
+            fix = f"it holds no rows: send at least one row of shape [{','.join(map(str, self.dims))}]"
         if dtype_ok and 0 in row_dims and len(row_dims) < len(self.dims):
             fix += ("; JSON lists cannot carry the axes after an empty one, so send an input with an empty axis "
                     "as {\"b64\": <base64 .npy>} (or, in the v2 protocol, with its shape and flat data)")

@@ -59,6 +59,13 @@ def test_tokens_on_a_model_without_a_sequence_axis_are_refused(api: Api, mlp: di
     assert status == 400 and "no sequence axis" in body["error"]
 
 
+def test_a_request_without_rows_is_told_to_send_one(api: Api, mlp: dict[str, Any]) -> None:
+    response = api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": []}})
+
+    assert response.status_code == 400
+    assert error_of(response).endswith("it holds no rows: send at least one row of shape [64]")
+
+
 def test_a_sequence_longer_than_the_model_declares_is_refused_at_submit(api: Api,
                                                                        transformer: dict[str, Any]) -> None:
     status, body = submit(api, {"model": "transformer", "inputs": {"input_ids": ids(TRANSFORMER_MAX_SEQUENCE + 1)}})
