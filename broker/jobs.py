@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -247,7 +248,7 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
             reply = int(store.scripts.enqueue_items(
                 keys=job_keys,
                 args=[model_ref, job_id, json.dumps({k: str(v) for k, v in fields.items()}) if number == 0 else "{}",
-                      mode if number == 0 or mode == "resume" else "add", now, fill, *group],
+                      mode if number == 0 or mode == "resume" else "add", now, fill, time.time(), *group],
             ))
         if reply == -1:
             raise Conflict(f"job {job_id} already exists")
@@ -341,8 +342,8 @@ LIST_SCAN_PAGE = 500
 """Job ids `list_jobs` reads from an index per round trip while it looks for matches."""
 LIST_SCAN_JOBS = 20_000
 """The newest jobs a status-filtered `list_jobs` looks through at most (about 40 round trips)."""
-INDEX_PAGE = 1_000
-"""Jobs `index_job_owners` adds to their owners' indexes per round trip."""
+INDEX_PAGE = 2_000
+"""Jobs one `index_job_owners` pass adds to their owners' indexes (about 30 ms of a reaper pass)."""
 
 
 def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None,
@@ -350,22 +351,20 @@ def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None 
     """The newest `limit` jobs, newest first, optionally only those with `status` and of `owner`.
 
     An owner's jobs come from that owner's own index (`keys.owner_jobs`), however many other
-    tenants' jobs are newer; the first owner-filtered list after an upgrade builds the indexes of
-    the jobs stored before they existed (`index_job_owners`). There is no index per status: with a
-    status filter, the index is walked newest first in pages of `LIST_SCAN_PAGE`, reading only each
-    job's status and owner, until `limit` jobs match or the newest `LIST_SCAN_JOBS` jobs (of the
-    owner, with both filters) have been looked at, so one call never costs more than that many
-    small reads, however many jobs the system has kept (`GET /v1/jobs/{id}` still finds older ones).
+    tenants' jobs are newer, once reaper passes have indexed the jobs stored before those indexes
+    existed (`index_job_owners`). Until then, and for a status filter (there is no index per
+    status), an index is walked newest first in pages of `LIST_SCAN_PAGE`, reading only each job's
+    status and owner, until `limit` jobs match or the newest `LIST_SCAN_JOBS` have been looked at,
+    so one call never costs more than that many small reads, however many jobs the system has kept
+    (`GET /v1/jobs/{id}` still finds older ones).
     """
     with translate_redis_errors():
-        index = store.keys.jobs
-        if owner is not None:
-            index_job_owners(store)
-            index = store.keys.owner_jobs(owner)
-        if status is None:
-            ids = store.client.zrevrange(index, 0, limit - 1)
-        else:
+        by_owner = owner is not None and bool(store.client.exists(store.keys.owner_index_built))
+        index = store.keys.owner_jobs(owner) if owner is not None and by_owner else store.keys.jobs
+        if status is not None or (owner is not None and not by_owner):
             ids = _matching_job_ids(store, index, limit=limit, status=status, owner=owner)
+        else:  # every job of the index
+            ids = store.client.zrevrange(index, 0, limit - 1)
         pipe = store.client.pipeline(transaction=False)
         for job_id in ids:
             pipe.hgetall(store.keys.job(job_id))
@@ -375,20 +374,22 @@ def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None 
             if raw and _matches(raw.get("status"), raw.get("owner"), status, owner)]
 
 
-def index_job_owners(store: Store) -> None:
-    """Add every job to its owner's index, once: jobs created before the indexes existed have none.
+def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
+    """Add up to `limit` jobs not indexed yet by this pass to their owners' indexes; True once every
+    job is (then `list_jobs` reads owners' jobs from their indexes). Run by every reaper pass.
 
-    Idempotent (ZADD NX with the job's creation time), so two API processes doing it at once, or
-    jobs created meanwhile (their enqueue adds them), leave the same indexes; the marker key is set
-    last, so an interrupted pass runs again whole at the next owner-filtered list.
+    A job's enqueue indexes it, but jobs stored before the indexes existed (or by an older API
+    process during an upgrade) have none: the passes walk the `jobs` index oldest first from a
+    watermark (`keys.owner_index_mark`, the creation time indexed up to), a page per pass, so no
+    request and no pass pays for a large backlog at once. Idempotent (ZADD NX with the creation
+    time), so passes of several workers at once leave the same indexes.
     """
     keys = store.keys
     with translate_redis_errors():
-        if store.client.exists(keys.owner_index_built):
-            return
-        start = 0
-        while page := store.client.zrange(keys.jobs, start, start + INDEX_PAGE - 1, withscores=True):
-            start += len(page)
+        mark = store.client.get(keys.owner_index_mark)
+        page = store.client.zrangebyscore(keys.jobs, f"({mark}" if mark else "-inf", "+inf", start=0, num=limit,
+                                          withscores=True)
+        if page:
             pipe = store.client.pipeline(transaction=False)
             for job_id, _ in page:
                 pipe.hget(keys.job(job_id), "owner")
@@ -396,11 +397,17 @@ def index_job_owners(store: Store) -> None:
             for (job_id, created), owner in zip(page, owners, strict=True):
                 if owner:
                     pipe.zadd(keys.owner_jobs(owner), {job_id: created}, nx=True)
+            # a full page may end inside a run of equal times: the next pass starts before that run
+            earlier = [created for _, created in page if created < page[-1][1]]
+            pipe.set(keys.owner_index_mark, repr(page[-1][1] if len(page) < limit or not earlier else earlier[-1]))
             pipe.execute()
-        store.client.set(keys.owner_index_built, "1")
+        caught_up = len(page) < limit
+        if caught_up and not store.client.exists(keys.owner_index_built):
+            store.client.set(keys.owner_index_built, "1")
+    return caught_up
 
 
-def _matching_job_ids(store: Store, index: str, *, limit: int, status: str, owner: str | None) -> list[str]:
+def _matching_job_ids(store: Store, index: str, *, limit: int, status: str | None, owner: str | None) -> list[str]:
     matched: list[str] = []
     seen: set[str] = set()  # jobs created meanwhile shift the ranks, so a page may repeat ids
     start = 0
@@ -478,10 +485,14 @@ def forget_chunks(store: Store, job_id: str, indexes: Sequence[int]) -> int:
     again; a job not stopped is left alone. Returns how many were forgotten."""
     job = get_job(store, job_id, now=0.0)
     ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
-    args = [value for index in indexes for value in (index, ranges[index][1] - ranges[index][0])]
-    with translate_redis_errors():
-        return int(store.scripts.forget_chunks(keys=[store.keys.job(job_id), store.keys.job_done(job_id)],
-                                               args=args)) if args else 0
+    forgotten = 0
+    for start in range(0, len(indexes), ENQUEUE_SLICE):
+        args = [value for index in indexes[start:start + ENQUEUE_SLICE]
+                for value in (index, ranges[index][1] - ranges[index][0])]
+        with translate_redis_errors():
+            forgotten += int(store.scripts.forget_chunks(keys=[store.keys.job(job_id), store.keys.job_done(job_id)],
+                                                         args=args))
+    return forgotten
 
 
 def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,

@@ -99,6 +99,11 @@ class Keys:
         """STRING present once every job stored before `owner_jobs` existed has been added to its owner's."""
         return self._key("jobs-of-built")
 
+    @property
+    def owner_index_mark(self) -> str:
+        """STRING creation time up to which `jobs.index_job_owners` has indexed the `jobs` index."""
+        return self._key("jobs-of-mark")
+
     # --- online requests ---------------------------------------------------
     def request(self, request_id: str) -> str:
         """HASH of one online request: fields, inputs until it runs, then outputs."""

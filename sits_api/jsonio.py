@@ -11,6 +11,7 @@ are written as null (valid JSON) instead of bare NaN.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import orjson
@@ -41,15 +42,16 @@ class OrjsonProvider(DefaultJSONProvider):
 
         Both refuse what is not a finite JSON number: the literals NaN and Infinity (a NaN weight or
         input would reach scores and tensors), numbers beyond a double's range such as 1e400 (orjson
-        refuses them; the standard parser would make them infinity), and nesting deeper than orjson's
-        limit (the standard parser would recurse until Python's stack gives out). The ValueError
-        becomes Flask's 400.
+        refuses them; the standard parser would make them infinity, or integers no float holds), and
+        nesting deeper than orjson's limit (the standard parser would recurse until Python's stack
+        gives out). The ValueError becomes Flask's 400.
         """
         try:
             return orjson.loads(s)
         except orjson.JSONDecodeError:
             try:
-                return super().loads(s, parse_constant=_refuse_constant, parse_float=_finite_float, **kwargs)
+                return super().loads(s, parse_constant=_refuse_constant, parse_float=_finite_float,
+                                     parse_int=_finite_int, **kwargs)
             except RecursionError:
                 raise ValueError("the JSON body is nested too deeply") from None
 
@@ -70,6 +72,15 @@ def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
         raise ValueError(f"{text[:40]} is beyond the range of a 64-bit float; send finite numbers only")
+    return value
+
+
+def _finite_int(text: str) -> int:
+    """`json.loads`' hook for whole numbers: refuses those beyond a double's range (orjson refuses those
+    past 64 bits; wider ones are kept, but one no float holds would overflow wherever it is used)."""
+    value = int(text)
+    if abs(value) > sys.float_info.max:
+        raise ValueError(f"{text[:40]}... is beyond the range of a 64-bit float; send finite numbers only")
     return value
 
 

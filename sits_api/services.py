@@ -34,7 +34,7 @@ from sits_worker.model.padding import PADDING_EXACT_KEY, SEQUENCE_OUTPUTS_KEY, m
 from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
-from sits_worker.outputs import MANIFEST_NAME, output_path, part_exists, read_manifest
+from sits_worker.outputs import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 
 
 def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
@@ -287,9 +287,8 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
                        "submit this job again into another folder")
     jobs.claim_output_dir(store, job["output_dir"], job_id, caller=caller)  # another job may have taken it
     if manifest is None:  # chunks whose parts were deleted (with the folder) run again
-        output_dir, names = Path(job["output_dir"]), job["output_names"]
-        jobs.forget_chunks(store, job_id, sorted(index for index in jobs.done_chunks(store, job_id)
-                                                 if not part_exists(output_dir, index, names, job_id=job_id)))
+        on_disk = chunks_with_parts(Path(job["output_dir"]), job["output_names"], job_id=job_id)
+        jobs.forget_chunks(store, job_id, sorted(jobs.done_chunks(store, job_id) - on_disk))
     jobs.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity)
     _keep_output_dir_or_stop(store, job_id, job["output_dir"], now=now)
     dispatcher.wake_workers()

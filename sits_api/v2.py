@@ -184,7 +184,8 @@ def infer(name: str, version: str | None = None) -> Any:
         raise InferenceTimeout(f"request {spec.request_id} is not done yet; fetch it later with "
                                f"GET /v1/requests/{spec.request_id}")
     if result["status"] != "succeeded":  # answered with the status of the error that failed it
-        raise error_for_code(result["error_code"] or "", result["error"] or "the request failed")
+        # (a request failed by a worker of a release before error codes: a 400, as it was then)
+        raise error_for_code(result["error_code"] or BadInput.code, result["error"] or "the request failed")
     return _answer({"model_name": spec.model_name, "model_version": spec.model_version,
                     "id": spec.request_id if checked.client_id is None else checked.client_id},
                    {output: result["outputs"][output] for output in checked.outputs or result["outputs"]}, checked)

@@ -8,6 +8,9 @@ such rounds failed as if its workers had died. So each run registers what it hol
 duration, and one thread per worker process extends the leases (and touches the ticket) of every
 run that has held them for a quarter of the lease since the last extension. Registering costs a
 lock and a dict entry, so short runs (nearly all of them) cost no Redis round trip and no thread.
+A run held for `MAX_LEASES_HELD` leases is no longer extended: a run that hangs (a driver that never
+returns) then goes back to the reaper, which retries its items elsewhere and in the end fails them,
+instead of holding them and its ticket for ever.
 """
 
 from __future__ import annotations
@@ -27,11 +30,16 @@ from broker.store import Store
 
 log = logging.getLogger(__name__)
 
+MAX_LEASES_HELD = 10
+"""Leases' worth of time (10 min at the default 60 s) after which a run's leases are no longer extended."""
+
 
 @dataclass
 class _Held:
     items: Sequence[LeasedItem]
     ticket: str
+    held_since: float
+    """`time.monotonic()` when the run registered."""
     extended_at: float
     """`time.monotonic()` of the lease or of its last extension."""
 
@@ -54,7 +62,8 @@ class LeaseKeeper:
             return
         number = next(self._numbers)
         with self._lock:
-            self._held[number] = _Held(items, ticket, time.monotonic())
+            now = time.monotonic()
+            self._held[number] = _Held(items, ticket, now, now)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._extend_forever, name="sits-lease-keeper", daemon=True)
                 self._thread.start()
@@ -67,9 +76,10 @@ class LeaseKeeper:
     def extend_due(self) -> int:
         """Extend the leases of runs held for a quarter of the lease since their last extension; returns
         how many runs were extended. A lease the reaper already took back stays taken (`extend_lease`)."""
-        now = time.monotonic()
+        now, lease = time.monotonic(), self._lease_seconds
         with self._lock:
-            due = [held for held in self._held.values() if now - held.extended_at >= self._lease_seconds / 4]
+            due = [held for held in self._held.values()
+                   if now - held.extended_at >= lease / 4 and now - held.held_since < MAX_LEASES_HELD * lease]
             for held in due:
                 held.extended_at = now
         for held in due:

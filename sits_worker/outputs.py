@@ -138,6 +138,21 @@ def part_exists(output_dir: Path, chunk_index: int, output_names: Sequence[str],
     return all(_part_path(Path(output_dir), name, chunk_index, job_id).is_file() for name in output_names)
 
 
+def chunks_with_parts(output_dir: Path, output_names: Sequence[str], *, job_id: str = "") -> set[int]:
+    """Indexes of the chunks whose parts are all on disk, from one listing of the job's parts folder
+    (a stat per part, as `part_exists` does, takes long for 100,000 chunks on a network disk)."""
+    try:
+        present = {entry.name for entry in os.scandir(_parts_folder(Path(output_dir), job_id))}
+    except FileNotFoundError:
+        return set()
+    except OSError as err:
+        raise _storage_error(Path(output_dir), err) from err
+    stems = [_file_stem(name) for name in output_names]
+    found = {int(name.rsplit(".", 2)[1]) for name in present
+             if name.endswith(".npy") and name.count(".") >= 2 and name.rsplit(".", 2)[1].isdigit()}
+    return {index for index in found if all(f"{stem}.{index:06d}.npy" in present for stem in stems)}
+
+
 def _rows_covered(chunk_ranges: Sequence[tuple[int, int]]) -> int:
     """Check the chunks tile [0, total) in order, without gaps or empty chunks; return total."""
     expected_start = 0

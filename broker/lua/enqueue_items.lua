@@ -22,7 +22,9 @@
 -- ARGV[5] now (unix seconds)
 -- ARGV[6] '' (the job's only call) | 'first' (more calls follow) | 'more' | 'last': a 'more' or
 --         'last' call adds nothing to a job no longer queued or running (cancelled meanwhile)
--- ARGV[7..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
+-- ARGV[7] the time of this call (unix seconds; ARGV[5] is the request's, taken before the input was
+--         hashed): the job's score in the filling index, so that a fill going on is never taken for stalled
+-- ARGV[8..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
 -- Returns: number of items added; -1 if 'create' found the job already there; -2 if a later call
 -- found the job stopped.
 -- A chunk already in the done set, or already queued or leased, is skipped: nothing runs twice.
@@ -38,7 +40,7 @@ if fill == 'more' or fill == 'last' then
   end
 end
 if fill == 'first' or fill == 'more' then
-  redis.call('ZADD', KEYS[10], ARGV[5], job_id)
+  redis.call('ZADD', KEYS[10], ARGV[7], job_id)
 elseif fill == 'last' then
   redis.call('ZREM', KEYS[10], job_id)
 end
@@ -53,7 +55,7 @@ if job_id ~= '' then
   end
 end
 local added = 0
-for i = 7, #ARGV, 4 do
+for i = 8, #ARGV, 4 do
   local item_id, score, payload, chunk = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local done = chunk ~= '' and redis.call('SISMEMBER', KEYS[6], chunk) == 1
   if not done then

@@ -14,10 +14,11 @@
 -- 'failed': the step found the job active just before publishing, so that stop landed while the
 -- folder got (or after it had got) the job's complete results, and status and folder must agree.
 -- Returns 0, changing nothing, for an item dropped (ARGV[2] '': its worker found the job stopped)
--- that a resume has queued again since: the resumed job needs it.
+-- of a job that is active again: a resume since has queued it again (and another worker may hold it
+-- already), and took the dropper's lease back with it.
 local status = redis.call('HGET', KEYS[6], 'status')
 local active = status == 'queued' or status == 'running'
-if ARGV[2] == '' and active and redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+if ARGV[2] == '' and active then
   return 0
 end
 redis.call('ZREM', KEYS[1], ARGV[1])

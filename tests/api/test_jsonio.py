@@ -53,7 +53,8 @@ def test_what_is_not_json_is_refused_by_both_parsers() -> None:
 def test_api_bodies_that_are_not_json_objects_get_a_400_that_says_why(api: Api) -> None:
     cases = {'{"alpha": NaN}': "NaN is not a JSON number", '{"alpha": Infinity}': "Infinity is not a JSON number",
              "[" * 100_000 + "]" * 100_000: "nested too deeply", "[1, 2]": "not a JSON list",
-             '{"alpha": 0.5': "not valid JSON", '{"alpha": 1e400}': "1e400 is beyond the range of a 64-bit float"}
+             '{"alpha": 0.5': "not valid JSON", '{"alpha": 1e400}': "1e400 is beyond the range of a 64-bit float",
+             '{"alpha": 1' + "0" * 400 + "}": "is beyond the range of a 64-bit float"}
     for text, reason in cases.items():
         answer = api.client.put("/v1/policy", data=text, content_type="application/json", headers=api.headers)
         assert answer.status_code == 400 and reason in error_of(answer), (text[:20], error_of(answer))

@@ -6,6 +6,7 @@ the slice is made small so that a few chunks take several calls)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
@@ -54,13 +55,31 @@ def test_a_job_of_many_slices_is_queued_whole_in_several_calls_and_leaves_the_fi
 
     jobs.create_job(store, spec, now=NOW)
 
-    assert calls == [6 + 4 * 3, 6 + 4 * 3, 6 + 4 * 3, 6 + 4 * 1]  # six leading arguments, four an item
+    assert calls == [7 + 4 * 3, 7 + 4 * 3, 7 + 4 * 3, 7 + 4 * 1]  # seven leading arguments, four an item
     assert sorted(ready_ids(store)) == sorted(chunk_ids("big", range(10)))
     assert filling(store) == [] and jobs.stalled_fills(store, now=NOW + 3600) == []
     assert jobs.get_job(store, "big", now=NOW)["chunks_total"] == 10
     with pytest.raises(jobs.Conflict):
         jobs.create_job(store, spec, now=NOW)
     assert sorted(ready_ids(store)) == sorted(chunk_ids("big", range(10))) and filling(store) == []
+
+
+def test_a_fill_going_on_is_not_taken_for_stalled_however_old_its_request_time(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request's time is taken before its input is hashed (minutes, for a large file on slow storage):
+    the filling index holds the time of each call instead."""
+    registered = store.scripts._scripts["enqueue_items"]
+    seen_stalled: list[list[str]] = []
+
+    def enqueue_then_look(*, keys: list[str], args: list[object]) -> object:
+        reply = registered(keys=keys, args=args)
+        seen_stalled.append(jobs.stalled_fills(store, now=time.time()))
+        return reply
+
+    monkeypatch.setitem(store.scripts._scripts, "enqueue_items", enqueue_then_look)
+    jobs.create_job(store, job_spec("slow", rows_total=7, chunk_size=1), now=time.time() - 3600)
+
+    assert seen_stalled == [[], [], []]
 
 
 def test_a_stop_takes_every_item_out_over_several_calls(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +135,8 @@ def test_a_later_call_of_a_fill_adds_nothing_once_the_job_was_cancelled_meanwhil
                 keys.inflight(MODEL_REF), keys.dead, keys.attempts, keys.jobs_filling]
     later = jobs._item_args("race", MODEL_REF, jobs.chunk_ranges(4, 1), [3], 1.0, {}, 2)
 
-    reply = store.scripts.enqueue_items(keys=job_keys, args=[MODEL_REF, "race", "{}", "add", NOW + 2, "more", *later])
+    args = [MODEL_REF, "race", "{}", "add", NOW + 2, "more", NOW + 2, *later]
+    reply = store.scripts.enqueue_items(keys=job_keys, args=args)
     assert reply == -2
     assert ready_ids(store) == [] and filling(store) == []
 

@@ -210,7 +210,8 @@ def test_finish_item_keeps_a_final_job_status(store: Store) -> None:
     assert job_field(store, spec.job_id, "error") == "by user"
 
 
-def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queued(store: Store) -> None:
+def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queued_or_leased(
+        store: Store) -> None:
     """The worker saw the job cancelled and drops its item; a resume in between queued it again: were it
     removed, the resumed job would wait for ever for a chunk that is nowhere."""
     spec = job_spec(rows_total=2, chunk_size=1)
@@ -222,6 +223,10 @@ def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queu
     queues.finish_item(store, item, spec.job_id, now=NOW + 3)  # the late drop
 
     assert sorted(ready_ids(store)) == sorted([item.item_id, other.item_id])
+    assert store.client.hget(store.keys.items, item.item_id) is not None
+    again = queues.lease_batch(store, MODEL_REF, now=NOW + 4, lease_seconds=10, max_items=2)  # another worker's
+    queues.finish_item(store, item, spec.job_id, now=NOW + 4)  # a drop later still
+    assert sorted(inflight_deadlines(store)) == sorted(leased.item_id for leased in again)
     assert store.client.hget(store.keys.items, item.item_id) is not None
     jobs.stop_job(store, spec.job_id, status="cancelled", error="again", now=NOW + 4)
     queues.finish_item(store, item, spec.job_id, now=NOW + 5)  # a drop of a stopped job's item removes it

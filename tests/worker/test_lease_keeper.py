@@ -15,6 +15,7 @@ from broker import queues, registry, requests
 from broker.config import Settings
 from broker.requests import RequestSpec
 from broker.store import Store
+from sits_worker import lease_keeper
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.lease_keeper import LeaseKeeper
@@ -99,3 +100,22 @@ def test_leases_are_extended_only_while_held_and_a_reaped_lease_stays_reaped(sto
         time.sleep(LEASE_SECONDS * 0.6)
     assert deadlines()[1] > first[1]
     assert keeper.extend_due() == 0  # nothing held any more
+
+
+def test_a_run_that_outlasts_max_leases_held_is_no_longer_extended(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung run (a driver that never returns) must not keep its requests and ticket from the reaper for ever."""
+    monkeypatch.setattr(lease_keeper, "MAX_LEASES_HELD", 2)
+    [item] = leased_requests(store, 1)
+    keeper = LeaseKeeper(store, LEASE_SECONDS)
+
+    with keeper.holding([item]):
+        extended = []
+        for _ in range(12):  # three leases
+            time.sleep(LEASE_SECONDS / 4)
+            extended.append(keeper.extend_due())
+        time.sleep(LEASE_SECONDS / 2)  # past the last extension's lease
+        deadline = store.client.zscore(store.keys.inflight("mlp@v1"), item.item_id)
+
+    assert sum(extended) >= 4 and extended[-4:] == [0, 0, 0, 0]
+    assert deadline < time.time()  # the reaper may take it back now

@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 from broker.errors import BadInput, Conflict, FileMissing, RetryableError
 from sits_worker import outputs
-from sits_worker.outputs import finalize_outputs, part_exists, remove_parts, write_part
+from sits_worker.outputs import chunks_with_parts, finalize_outputs, part_exists, remove_parts, write_part
 
 EXTRA = {
     "job_id": "job-1",
@@ -90,6 +90,19 @@ def test_part_exists_only_when_every_output_is_written(tmp_path: Path) -> None:
     assert not part_exists(tmp_path, 0, ["logits", "label"])
     write_part(tmp_path, 0, _outputs(range(4)))
     assert part_exists(tmp_path, 0, ["logits", "label"])
+
+
+def test_chunks_with_parts_lists_the_chunks_every_output_of_which_is_written(tmp_path: Path) -> None:
+    assert chunks_with_parts(tmp_path, ["logits", "label"], job_id="j1") == set()  # no parts folder yet
+    for chunk in (0, 2, 12):
+        write_part(tmp_path, chunk, _outputs(range(4)), job_id="j1")
+    write_part(tmp_path, 5, {"logits": _outputs(range(4))["logits"]}, job_id="j1")  # one output of two
+    write_part(tmp_path, 7, _outputs(range(4)), job_id="j2")  # another job's
+
+    found = chunks_with_parts(tmp_path, ["logits", "label"], job_id="j1")
+
+    assert found == {0, 2, 12} == {chunk for chunk in range(20) if part_exists(tmp_path, chunk, ["logits", "label"],
+                                                                               job_id="j1")}
 
 
 def test_finalize_is_idempotent(tmp_path: Path) -> None:
