@@ -218,9 +218,10 @@ def holds_output_dir(store: Store, output_dir: str, job_id: str) -> bool:
         return store.client.hget(store.keys.output_dirs, output_dir) == job_id
 
 
-ENQUEUE_SLICE = 256
-"""Items one enqueue or stop call handles at most: about 3 ms of Redis time (12.8 µs an item measured
-on 2 cores), so that a job of 100,000 chunks never holds Redis (and every online request) for seconds."""
+ENQUEUE_SLICE = 128
+"""Items one enqueue or stop call handles at most: at most about 4 ms of Redis time (p99, measured on 2
+cores with 100,000 items queued: benchmarks/job_slices.py), so that a job of 100,000 chunks never holds
+Redis, and every online request, for seconds (one call took 4-7 s)."""
 FILL_STALLED_SECONDS = 30.0
 """A job still filling whose last enqueue call is this old lost its caller; a reaper pass completes it."""
 
