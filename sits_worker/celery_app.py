@@ -6,6 +6,9 @@ the same `SITS_*` variables and `sits-config.yaml` apply. Settings follow
 CELERY-NOTES.md: late acks, requeue on a lost worker, prefetch 1, cancel on
 connection loss, events on for Flower; a threads pool of
 `max_concurrent_streams` threads sharing one ONNX Runtime session per model.
+A process without a Redis URL stops with an error instead of falling back to
+Celery's default broker (amqp://localhost), and a worker pinned to a GPU it
+cannot use stops at start.
 """
 
 from __future__ import annotations
@@ -20,12 +23,29 @@ from celery import Celery, signals
 
 from broker import workers
 from broker.config import Settings, load_settings
+from broker.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 TASK_QUEUE = "sits"
 
-app = Celery("sits", include=["sits_worker.tasks"])
+
+class _SitsCelery(Celery):
+    """The Celery app, configured from SITS settings when its configuration is first read."""
+
+    def on_configure(self) -> None:  # type: ignore[override]
+        """Celery's pre-4.0 configure hook, kept as a method on purpose: an error raised here stops the
+        process, where one raised by an `on_configure` signal receiver is only logged and Celery goes on
+        with its defaults (a worker then retries amqp://guest@localhost:5672 for minutes)."""
+        settings = load_settings()
+        if not settings.redis.url:
+            raise ConfigError("no Redis to use: set SITS_REDIS_URL (or redis.url in the config) to the Redis of "
+                              "the SITS stack; `sitsctl worker` also finds the one `sitsctl up` runs")
+        settings.paths.home.mkdir(parents=True, exist_ok=True)
+        self.conf.update(celery_config(settings))
+
+
+app = _SitsCelery("sits", include=["sits_worker.tasks"])
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -57,13 +77,24 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-@app.on_configure.connect
-def _configure_from_settings(sender: Celery, **_: Any) -> None:
-    settings = load_settings()
-    if not settings.redis.url:
-        raise RuntimeError("SITS_REDIS_URL (or redis.url in the config) must name the Redis the workers use")
-    settings.paths.home.mkdir(parents=True, exist_ok=True)
-    sender.conf.update(celery_config(settings))
+# --- the device, checked before the worker starts -------------------------------------
+
+
+@signals.worker_init.connect
+def _refuse_an_unusable_device(**_: Any) -> None:
+    """Stop a worker pinned (SITS_WORKER_DEVICE) to a GPU it cannot use, before it takes any work: it
+    would run on the CPU while its heartbeat reports the GPU. SystemExit passes through Celery's signal
+    dispatch, which logs and swallows ordinary exceptions."""
+    from sits_worker.devices import Device, gpu_problem
+
+    text = os.environ.get("SITS_WORKER_DEVICE", "auto")
+    try:
+        problem = gpu_problem(Device.parse(text))
+    except ValueError as err:
+        problem = str(err)
+    if problem:
+        raise SystemExit(f"error: cannot pin this worker to {text}: {problem}; start it with `sitsctl worker --cpu` "
+                         "(SITS_WORKER_DEVICE=cpu) or on a machine with that GPU")
 
 
 # --- worker heartbeats -------------------------------------------------------------

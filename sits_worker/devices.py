@@ -1,9 +1,11 @@
 """The device a worker process is pinned to, and what NVML says about it.
 
-`--gpu N` selects the CUDA provider with `device_id=N`; without a GPU (or
-without the CUDA provider in this ONNX Runtime build) the CPU provider runs
-the same code. NVML is optional: when it is missing or finds no driver the
-configured capacity is used.
+`--gpu N` selects the CUDA provider with `device_id=N`. A worker pinned to a
+GPU it cannot use (no CUDA provider in this ONNX Runtime build, or no GPU N)
+is refused at start (`gpu_problem`), rather than running on the CPU while it
+reports a GPU; `auto` (and `sitsctl up`) picks the CPU there instead. NVML is
+optional: when it is missing or finds no driver the configured capacity is
+used.
 """
 
 from __future__ import annotations
@@ -46,10 +48,36 @@ class Device:
 
 
 def cuda_provider_available() -> bool:
-    """True when the installed ONNX Runtime build has the CUDA provider."""
-    import onnxruntime
-
+    """True when the installed ONNX Runtime build has the CUDA provider (False without ONNX Runtime)."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return False
     return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+def gpu_problem(device: Device) -> str | None:
+    """Why a worker cannot run on `device` (a GPU), or None when it can (and for the CPU).
+
+    Without NVML the GPU's existence cannot be checked; ONNX Runtime then reports a missing one
+    when the first session is made.
+    """
+    if device.kind != "gpu":
+        return None
+    if not cuda_provider_available():
+        return (f"this ONNX Runtime build has no CUDA provider, so {device} would run on the CPU "
+                "(install onnxruntime-gpu for GPUs)")
+    nvml = _nvml()
+    count = int(nvml.nvmlDeviceGetCount()) if nvml else None
+    if count is not None and device.index >= count:
+        return f"NVML sees {count} GPU(s) here, so there is no {device}"
+    return None
+
+
+def usable_gpus() -> list[str]:
+    """'gpu:N' for every GPU NVML sees when ONNX Runtime has the CUDA provider; [] otherwise."""
+    count = gpu_count()
+    return [f"gpu:{i}" for i in range(count)] if count and cuda_provider_available() else []
 
 
 def _nvml() -> Any | None:

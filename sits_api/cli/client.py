@@ -169,6 +169,16 @@ def check_api_url(url: str, source: str) -> None:
         raise ConfigError(f"{source} {url!r} is not an API URL: give one like http://127.0.0.1:8000")
 
 
+def segment(text: str) -> str:
+    """`text` as one URL path segment, so a typed id with spaces or slashes gets the API's "not found"."""
+    return urllib.parse.quote(text, safe="@")
+
+
+def recorded(home: Path, name: str) -> str | None:
+    """What `sitsctl up` recorded in `home/name` (`api-url`, `api-key`, `redis-url`); None if nothing."""
+    return _read(home / name) or None
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()

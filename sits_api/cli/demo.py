@@ -4,18 +4,23 @@ Starts Redis, the API, beat and workers; builds and registers the zoo;
 runs an offline job on the convnet with a live progress bar and a summary;
 checks a second job on the MLP against an independent numpy forward pass
 of the same weights; stops everything it started and exits 0 on success.
+Run again in the same SITS_HOME, it first clears its earlier results; any
+failure ends with its "demo FAILED" line and exit code 1.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 
 from broker.config import load_settings
+from broker.errors import SitsError
 from sits_api.cli.client import ApiClient
 from sits_api.cli.progress import wait_for_job
 from sits_api.cli.stack import Stack
@@ -27,27 +32,47 @@ MIN_ROWS = 10_000
 
 def run_demo(console: Console, *, rows: int, worker_count: int) -> int:
     """Run the demo; returns the process exit code."""
-    rows = max(rows, MIN_ROWS)
+    started = time.monotonic()
+    try:
+        ok = _run(console, max(rows, MIN_ROWS), worker_count, started)
+    except (SitsError, OSError) as err:  # the API refused something, the stack did not start, a file ...
+        console.print(f"[red]error:[/red] {escape(err.message if isinstance(err, SitsError) else str(err))}",
+                      soft_wrap=True)
+        ok = False
+    console.print(f"demo {'[green]passed[/green]' if ok else '[red]FAILED[/red]'} "
+                  f"in {time.monotonic() - started:.1f}s")
+    return 0 if ok else 1
+
+
+def _run(console: Console, rows: int, worker_count: int, started: float) -> bool:
     settings = load_settings()
     demo_dir = settings.paths.home / "demo"
     roots = (demo_dir,)
     settings = settings.with_overrides(paths={"model_roots": roots, "input_roots": roots, "output_roots": roots})
-    started = time.monotonic()
     with console.status(f"starting the embedded stack ({worker_count} workers) ..."):
         stack = Stack(settings, worker_count=worker_count, api_port=0).start()
     try:
         console.print(f"stack up in {time.monotonic() - started:.1f}s: API {stack.api_url}, "
                       f"Redis {stack.settings.redis.url}")
         client = stack.client()
+        _clear_earlier_results(client, demo_dir / "results")
         _register_zoo(console, client, demo_dir / "models")
         ok = _convnet_job(console, client, demo_dir, rows)
-        ok = _verified_mlp_job(console, client, demo_dir) and ok
+        return _verified_mlp_job(console, client, demo_dir) and ok
     finally:
         with console.status("stopping everything the demo started ..."):
             stack.stop()
-    console.print(f"demo {'[green]passed[/green]' if ok else '[red]FAILED[/red]'} "
-                  f"in {time.monotonic() - started:.1f}s")
-    return 0 if ok else 1
+
+
+def _clear_earlier_results(client: ApiClient, results_dir: Path) -> None:
+    """Remove what an earlier demo in this SITS_HOME left in `results_dir` (the API refuses an output
+    folder that holds a finished job's results), cancelling first any of its jobs still active (a demo
+    that was interrupted)."""
+    for status in ("queued", "running"):
+        for job in client.get(f"/v1/jobs?status={status}")["jobs"]:
+            if Path(job["output_dir"]).is_relative_to(results_dir):
+                client.delete(f"/v1/jobs/{job['id']}")
+    shutil.rmtree(results_dir, ignore_errors=True)
 
 
 def _register_zoo(console: Console, client: ApiClient, models_dir: Path) -> None:

@@ -1,33 +1,37 @@
 """`sitsctl`: start the stack, build the zoo, register models, submit and steer jobs, run workers.
 
 Each command is thin: parse options, call the REST API (or the stack
-launcher), print the result. `--json` prints what the API answered.
+launcher), print the result. `--json` prints what the API answered. The
+`job` commands are in `job_commands.py`, the printing helpers in `output.py`.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote, urlencode
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from broker.config import load_settings
-from broker.errors import SitsError
-from sits_api.cli.client import ApiClient
-from sits_api.cli.params import SHAPE, non_empty
-from sits_api.cli.progress import wait_for_job
+from broker.config import MAX_CONCURRENT_STREAMS, Settings, load_settings
+from broker.errors import ConnectionLost, SitsError
+from sits_api.cli.client import ApiClient, recorded, segment
+from sits_api.cli.job_commands import job
+from sits_api.cli.output import console, print_error, print_json, print_table
+from sits_api.cli.params import non_empty
 
-console = Console()
+if TYPE_CHECKING:
+    from broker.store import Store
+    from sits_api.cli.stack import Stack
+
+MAX_WORKERS = 64
+"""The most workers `sitsctl up` starts (one machine's worth; more would only compete for its cores)."""
+STREAMS = click.IntRange(1, MAX_CONCURRENT_STREAMS)
 
 
 class _SitsGroup(click.Group):
@@ -50,11 +54,6 @@ class _SitsGroup(click.Group):
         sys.exit(1)
 
 
-def print_error(message: str) -> None:
-    """One red `error:` line; the message is printed as text (API messages may hold `[...]`)."""
-    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
-
-
 @click.group(cls=_SitsGroup)
 def cli() -> None:
     """SITS: a Scalable Inference Task Scheduler."""
@@ -64,43 +63,77 @@ def _client() -> ApiClient:
     return ApiClient.from_environment()
 
 
-def _segment(text: str) -> str:
-    """`text` as one URL path segment, so a typed id with spaces or slashes gets the API's "not found"."""
-    return quote(text, safe="@")
+def _stack_redis(settings: Settings) -> tuple[str, Store]:
+    """The Redis URL to use and a `Store` on it, checked to answer: SITS_REDIS_URL (or redis.url), else
+    the Redis the `sitsctl up` of this SITS_HOME runs (it records it in `$SITS_HOME/redis-url`)."""
+    from broker.store import Store
 
-
-def _print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2))
+    url, source = settings.redis.url, "SITS_REDIS_URL or redis.url"
+    if not url:
+        url, source = recorded(settings.paths.home, "redis-url") or "", str(settings.paths.home / "redis-url")
+    if not url:
+        raise SitsError(f"no Redis to use: start a stack with `sitsctl up` (it records its Redis in {source}), "
+                        "or set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
+    store = Store.connect(url, settings.redis.key_prefix)  # ConfigError for a bad URL
+    try:
+        store.ping()
+    except ConnectionLost as err:
+        raise ConnectionLost(f"{err.message} (the Redis at {url}, from {source}); is `sitsctl up` running?") from err
+    return url, store
 
 
 # --- stack --------------------------------------------------------------------------
 
 
 @cli.command()
-@click.option("--workers", "worker_count", default=2, show_default=True, help="worker processes to start")
-@click.option("--streams", type=int, default=None, help="concurrent batches per worker (default from config)")
+@click.option("--workers", "worker_count", type=click.IntRange(0, MAX_WORKERS), default=2, show_default=True,
+              help="worker processes to start (0: Redis, the API and beat only)")
+@click.option("--streams", type=STREAMS, default=None,
+              help="concurrent batches per worker (default from config)")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
-@click.option("--port", type=int, default=None, help="API port (default api.port; 0 picks a free one)")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="API port (default api.port; 0 picks a free one)")
 def up(worker_count: int, streams: int | None, config_path: Path | None, port: int | None) -> None:
-    """Start embedded Redis, the API, beat and workers in the foreground; Ctrl-C stops them all."""
+    """Start embedded Redis, the API, beat and workers in the foreground; Ctrl-C stops them all.
+
+    A worker, beat or the API that exits on its own is started again (at most 5 times a minute each);
+    the embedded Redis exiting stops everything. SIGTERM, SIGHUP (the terminal closed) and the death
+    of this process stop everything too.
+    """
     from sits_api.cli.stack import Stack
 
     settings = load_settings(config_path)
     stack = Stack(settings, worker_count=worker_count, streams=streams, api_port=port)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # `kill %1` of a backgrounded `up` stops it cleanly
-    with console.status("starting Redis, API, beat and workers ..."):
-        stack.start()
-    console.print(f"SITS is up: API {stack.api_url}  Redis {stack.settings.redis.url}  "
-                  f"{worker_count} workers  (key in {stack.home / 'api-key'}, logs in {stack.home / 'logs'})")
-    console.print("Ctrl-C stops everything.")
+    # `kill %1` of a backgrounded `up`, or its terminal closing, stops it as Ctrl-C does.
+    previous = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with console.status("starting Redis, API, beat and workers ..."):
+            stack.start()
+        console.print(f"SITS is up: API {stack.api_url}  Redis {stack.settings.redis.url}  "
+                      f"{worker_count} workers  (key in {stack.home / 'api-key'}, logs in {stack.home / 'logs'})",
+                      markup=False)
+        console.print("Ctrl-C stops everything.")
+        _supervise(stack)
+    finally:
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(stack: Stack) -> None:
+    """Restart the stack's children as they exit, until Ctrl-C (or SIGTERM, SIGHUP); exit 1 when the stack
+    cannot go on (its Redis exited, a child kept dying)."""
     try:
         while True:
-            stack.check_children()
+            for note in stack.supervise(time.monotonic()):
+                console.print(note, markup=False, soft_wrap=True)
             time.sleep(1.0)
     except KeyboardInterrupt:
         console.print("stopping ...")
-    finally:
-        stack.stop()
+    except SitsError as err:
+        print_error(err.message)
+        console.print("stopping everything ...")
+        sys.exit(1)
 
 
 def _raise_keyboard_interrupt(*_: object) -> None:
@@ -123,43 +156,54 @@ def status(as_json: bool) -> None:
     """API and Redis URLs, workers, queue depths and jobs by status."""
     data = _client().get("/v1/status")
     if as_json:
-        _print_json(data)
+        print_json(data)
         return
-    console.print(f"API   {data['api_url']}\nRedis {data['redis_url']}\npolicy {data['policy']}")
+    console.print(f"API   {data['api_url']}", markup=False)
+    if "redis_url" in data:  # the API shows it to admin keys only
+        console.print(f"Redis {data['redis_url']}", markup=False)
+    console.print(f"policy {data['policy']}", markup=False)
     table = Table("worker", "device", "streams", "pid", "last heartbeat", "alive")
     for worker in data["workers"]:
         table.add_row(worker["name"], worker["device"], str(worker["streams"]), str(worker["pid"]),
                       f"{worker['heartbeat_age_seconds']}s ago", "yes" if worker["alive"] else "no")
-    console.print(table)
+    print_table(table)
     queues = Table("queue (model@version)", "ready", "in flight")
     for ref, depth in data["queues"].items():
         queues.add_row(ref, str(depth["ready"]), str(depth["inflight"]))
-    console.print(queues)
+    print_table(queues)
     console.print("jobs: " + (", ".join(f"{k} {v}" for k, v in sorted(data["jobs"].items())) or "none"))
 
 
 @cli.command()
-@click.option("--gpu", type=int, default=None, help="pin to GPU N (CUDA provider device_id N)")
+@click.option("--gpu", type=click.IntRange(min=0), default=None,
+              help="pin to GPU N (CUDA provider device_id N); refused where ONNX Runtime cannot use that GPU")
 @click.option("--cpu", "use_cpu", is_flag=True, help="run on the CPU provider")
-@click.option("--streams", type=int, default=None, help="batches in flight at once (default from config)")
+@click.option("--streams", type=STREAMS, default=None,
+              help="batches in flight at once (default from config)")
 @click.option("--name", default=None, help="Celery worker name (default sits-<device>-<pid>@host)")
 @click.option("--loglevel", default="INFO", show_default=True)
 def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None, loglevel: str) -> None:
-    """Run a Celery worker pinned to one device (replaces this process)."""
+    """Run a Celery worker pinned to one device (replaces this process).
+
+    Its Redis: SITS_REDIS_URL (or redis.url), else the one `sitsctl up` runs in this SITS_HOME. Without
+    --gpu or --cpu it takes the first GPU ONNX Runtime can use, else the CPU.
+    """
     from sits_api.cli.stack import worker_command
 
     if gpu is not None and use_cpu:
         raise click.UsageError("choose one of --gpu N and --cpu")
     device = "cpu" if use_cpu else (f"gpu:{gpu}" if gpu is not None else "auto")
-    streams = streams or load_settings().resources.max_concurrent_streams
+    settings = load_settings()
+    redis_url, _ = _stack_redis(settings)
+    streams = streams or settings.resources.max_concurrent_streams
     argv, extra = worker_command(device, streams, name or f"sits-{device.replace(':', '')}-{os.getpid()}@%h",
                                  loglevel)
-    os.execvpe(argv[0], argv, os.environ | extra)
+    os.execvpe(argv[0], argv, os.environ | extra | {"SITS_REDIS_URL": redis_url})
 
 
 @cli.group()
 def key() -> None:
-    """API keys (talks to Redis directly: needs SITS_REDIS_URL or redis.url)."""
+    """API keys (talks to Redis directly: SITS_REDIS_URL or redis.url, else the one `sitsctl up` runs)."""
 
 
 @key.command("create")
@@ -172,18 +216,14 @@ def key_create(name: str, role: str, config_path: Path | None) -> None:
     import redis
 
     from broker.apikeys import create_api_key
-    from broker.store import Store
 
-    settings = load_settings(config_path)
-    if not settings.redis.url:
-        raise click.UsageError("set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
-    store = Store.connect(settings.redis.url, settings.redis.key_prefix)  # ConfigError for a bad URL
+    redis_url, store = _stack_redis(load_settings(config_path))
     try:
         click.echo(create_api_key(store, name, role))
     except ValueError as err:  # a name the key cannot have: say so as a usage error, not a traceback
         raise click.UsageError(str(err)) from err
     except redis.RedisError as err:  # connection failures arrive as ConnectionLost; this is what else Redis says
-        raise SitsError(f"Redis at {settings.redis.url} refused to store the key: {err}") from err
+        raise SitsError(f"Redis at {redis_url} refused to store the key: {err}") from err
 
 
 # --- zoo and models -----------------------------------------------------------------
@@ -234,7 +274,7 @@ def model_register(name: str, model_path: Path, profile_mode: str, enable_fusion
                 time.sleep(0.5)
                 record = client.get(f"/v1/models/{ref}")
     if as_json:
-        _print_json(record)
+        print_json(record)
         return
     profile = record["static_profile"]
     console.print(f"registered [bold]{ref}[/bold]: {profile['param_count']:,} parameters, "
@@ -258,120 +298,14 @@ def model_list() -> None:
         inputs = ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in record["signature"]["inputs"])
         table.add_row(record["name"], record["version"], "yes" if record["latest"] else "",
                       record.get("owner") or "-", record["profile_status"], inputs)
-    console.print(table)
+    print_table(table)
 
 
 @model.command("show")
 @click.argument("ref")
 def model_show(ref: str) -> None:
     """One model (`name` or `name@version`) as JSON."""
-    _print_json(_client().get(f"/v1/models/{_segment(ref)}"))
+    print_json(_client().get(f"/v1/models/{segment(ref)}"))
 
 
-# --- jobs ---------------------------------------------------------------------------
-
-
-@cli.group()
-def job() -> None:
-    """Submit and steer offline jobs."""
-
-
-@job.command("submit")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="sits-config.yaml for job defaults (chunk and batch size)")
-@click.option("--model", "model_ref", required=True, help="name or name@version")
-@click.option("--input-batch", required=True, type=click.Path(path_type=Path))
-@click.option("--output-dir", required=True, type=click.Path(path_type=Path))
-@click.option("--priority", default=0, show_default=True, type=click.IntRange(0, 15))
-@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
-              help="rows per queue item (default: the config's jobs.chunk_size, else the server's)")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="rows per ONNX Runtime run (default: the config's jobs.batch_size, else the server's)")
-@click.option("--shape", type=SHAPE, default=None, help="per-sample shape of a raw .bin input, e.g. 3,32,32")
-@click.option("--dtype", default=None, help="dtype of a raw .bin input, e.g. float32")
-@click.option("--wait", is_flag=True, help="show a progress bar until the job ends, then a summary")
-@click.option("--json", "as_json", is_flag=True)
-def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, output_dir: Path, priority: int,
-               chunk_size: int | None, batch_size: int | None, shape: list[int] | None, dtype: str | None, wait: bool,
-               as_json: bool) -> None:
-    """Submit an offline job over an input file (.npy, .npz, .bin, .jsonl)."""
-    settings = load_settings(config_path) if config_path else None
-    body: dict[str, Any] = {
-        "model": model_ref,
-        "input_batch": str(input_batch.resolve()),
-        "output_dir": str(output_dir.resolve()),
-        "priority": priority,
-        "chunk_size": chunk_size or (settings.jobs.chunk_size if settings else None),
-        "batch_size": batch_size or (settings.jobs.batch_size if settings else None),
-    }
-    if shape:
-        body["input_shape"] = shape
-    if dtype:
-        body["input_dtype"] = dtype
-    client = _client()
-    submitted = client.post("/v1/jobs", body)
-    if not wait:
-        _print_json(submitted) if as_json else console.print(f"job {submitted['id']} {submitted['status']}")
-        return
-    final = wait_for_job(console, client, submitted["id"])
-    _print_json(final) if as_json else None
-    sys.exit(0 if final["status"] == "succeeded" else 1)
-
-
-@job.command("status")
-@click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True)
-def job_status(job_id: str, as_json: bool) -> None:
-    """One job's status, progress, throughput and ETA."""
-    data = _client().get(f"/v1/jobs/{_segment(job_id)}")
-    if as_json:
-        _print_json(data)
-        return
-    eta = f", ETA {data['eta_seconds']}s" if data.get("eta_seconds") is not None else ""
-    console.print(f"{data['id']} [bold]{data['status']}[/bold] {data['model']}@{data['model_version']}: "
-                  f"rows {data['rows_done']:,}/{data['rows_total']:,}, chunks {data['chunks_done']}/"
-                  f"{data['chunks_total']}, {data['rows_per_second']:,.0f} rows/s{eta}")
-    if data.get("error"):
-        print_error(data["error"])
-
-
-@job.command("list")
-@click.option("--status", "status_filter", default=None)
-@click.option("--owner", default=None, help="only the jobs submitted with keys of this name (needs an admin key)")
-@click.option("--json", "as_json", is_flag=True)
-def job_list(status_filter: str | None, owner: str | None, as_json: bool) -> None:
-    """Newest jobs first (a user key sees only its own)."""
-    query = {name: value for name, value in (("status", status_filter), ("owner", owner)) if value is not None}
-    path = "/v1/jobs" + (f"?{urlencode(query)}" if query else "")
-    data = _client().get(path)
-    if as_json:
-        _print_json(data)
-        return
-    table = Table("id", "model", "status", "owner", "rows", "chunks", "rows/s", "output")
-    for item in data["jobs"]:
-        table.add_row(item["id"], item["model"], item["status"], item.get("owner") or "-",
-                      f"{item['rows_done']:,}/{item['rows_total']:,}",
-                      f"{item['chunks_done']}/{item['chunks_total']}", f"{item['rows_per_second']:,.0f}",
-                      item["output_dir"])
-    console.print(table)
-
-
-@job.command("cancel")
-@click.argument("job_id")
-def job_cancel(job_id: str) -> None:
-    """Cancel a job (its waiting chunks leave the queue)."""
-    data = _client().delete(f"/v1/jobs/{_segment(job_id)}")
-    console.print(f"job {job_id} {data['status']}")
-
-
-@job.command("resume")
-@click.argument("job_id")
-@click.option("--wait", is_flag=True)
-def job_resume(job_id: str, wait: bool) -> None:
-    """Re-queue only the chunks of a job that are not done."""
-    client = _client()
-    data = client.post(f"/v1/jobs/{_segment(job_id)}/resume")
-    console.print(f"job {job_id} {data['status']}: {data['chunks_done']}/{data['chunks_total']} chunks already done")
-    if wait:
-        final = wait_for_job(console, client, job_id)
-        sys.exit(0 if final["status"] == "succeeded" else 1)
+cli.add_command(job)

@@ -3,15 +3,17 @@
 Every child is started by this module, its PID kept, and stopped by that
 PID (never by name); logs go to `$SITS_HOME/logs/`. Workers are started as
 `celery -A sits_worker worker` subprocesses, so this process never imports
-the worker package or ONNX Runtime.
+the worker package or ONNX Runtime. `supervise` restarts a child that exits
+on its own, within a restart budget; the embedded Redis exiting stops all.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import signal
-import subprocess
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from broker.embedded import EmbeddedRedis, free_port
 from broker.errors import ConfigError, SitsError
 from broker.store import Store
 from sits_api.cli.client import ApiClient, ApiError
+from sits_api.cli.processes import Child, RestartBudget, describe_exit, stop_process, wait_for_exit
 
 
 def worker_command(device: str, streams: int, name: str, loglevel: str = "INFO") -> tuple[list[str], dict[str, str]]:
@@ -55,23 +58,14 @@ def api_command(settings: Settings, app: str = "sits_api.wsgi:app") -> list[str]
 
 
 def gpu_devices() -> list[str]:
-    """'gpu:N' for every GPU NVML sees; [] without NVML or GPUs."""
-    try:
-        import pynvml
+    """'gpu:N' for every GPU a worker can run on: NVML sees it and ONNX Runtime has the CUDA provider.
 
-        pynvml.nvmlInit()
-        return [f"gpu:{i}" for i in range(pynvml.nvmlDeviceGetCount())]
-    except Exception:  # no NVML library or driver: a CPU-only machine
-        return []
+    [] on a CPU-only machine, and with a CPU-only ONNX Runtime (a worker pinned to a GPU there is
+    refused). ONNX Runtime is imported only once NVML found a GPU.
+    """
+    from sits_worker.devices import usable_gpus  # light: no ONNX Runtime at import
 
-
-@dataclass
-class Child:
-    """A process this stack started."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
+    return usable_gpus()
 
 
 @dataclass
@@ -88,6 +82,7 @@ class Stack:
     redis: EmbeddedRedis | None = None
     api_url: str = ""
     api_key: str = ""
+    restart_budget: RestartBudget = field(default_factory=RestartBudget)
     _lock_file: IO[str] | None = None
     _gpus: list[str] = field(default_factory=list)
 
@@ -97,17 +92,22 @@ class Stack:
         return self.settings.paths.home
 
     def start(self, *, wait_workers: float = 90.0) -> Stack:
-        """Start everything and wait until the API answers and every worker sends heartbeats."""
+        """Start everything and wait until the API answers and every worker sends heartbeats.
+
+        Children are started from the calling thread, which must be the main thread for them to be
+        stopped when this process dies (`processes.py`).
+        """
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "logs").mkdir(exist_ok=True)
         self._lock_home()
         try:
+            port = self.api_port if self.api_port is not None else self.settings.api.port
+            port = port or free_port(self.settings.api.host)
+            _check_port_free(self.settings.api.host, port)
             redis_url = self.settings.redis.url
             if not redis_url:
                 self.redis = EmbeddedRedis(self.home / "redis", appendonly=self.settings.redis.appendonly).start()
                 redis_url = self.redis.url
-            port = self.api_port if self.api_port is not None else self.settings.api.port
-            port = port or free_port()
             self.settings = self.settings.with_overrides(redis={"url": redis_url}, api={"port": port})
             self.store = Store.connect(redis_url, self.settings.redis.key_prefix)
             try:
@@ -116,10 +116,10 @@ class Stack:
                 raise ConfigError(f"cannot make the stack's admin key: {err}; remove that user key from the "
                                   f"Redis at {redis_url} or use another Redis") from err
             self.api_url = self.settings.api.public_url()
-            self._write_client_files()
             self.config_path = self._write_effective_config()
             self._spawn("api", api_command(self.settings))
             self._wait_api()
+            self._write_client_files()  # only once the API answering is this stack's
             self._spawn("beat", [sys.executable, "-m", "celery", "-A", "sits_worker", "beat", "--loglevel", "INFO"])
             self._gpus = gpu_devices()
             for index in range(self.worker_count):
@@ -164,16 +164,12 @@ class Stack:
         return env
 
     def _spawn(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Child:
-        log_path = self.home / "logs" / f"{name}.log"
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       env=self._child_env(extra_env), start_new_session=True)
-        child = Child(name, process, log_path)
+        child = Child.start(name, argv, self._child_env(extra_env), self.home / "logs" / f"{name}.log")
         self.children.append(child)
         return child
 
     def start_worker(self, index: int) -> Child:
-        """Start worker number `index` (again, after a crash): GPUs round-robin, else the CPU."""
+        """Start worker number `index`: GPUs round-robin, else the CPU (`supervise` restarts it after a crash)."""
         device = self._gpus[index % len(self._gpus)] if self._gpus else "cpu"
         streams = self.streams or self.settings.resources.max_concurrent_streams
         argv, extra = worker_command(device, streams, f"sits{index}-{os.getpid()}@%h")
@@ -193,17 +189,26 @@ class Stack:
         return ApiClient(self.api_url, self.api_key)
 
     def _wait_api(self, timeout: float = 30.0) -> None:
+        """Wait until this stack's API answers: with the stack's own key and Redis, not just any server
+        that took the port meanwhile."""
         deadline = time.monotonic() + timeout
         while True:
             self.check_children()
             try:
                 self.client().get("/readyz")
-                return
+                break
             except ApiError:
                 if time.monotonic() > deadline:
                     log = self.home / "logs" / "api.log"
                     raise SitsError(f"the API did not start in {timeout}s; see {log}") from None
                 time.sleep(0.1)
+        try:
+            answered = self.client().get("/v1/status").get("redis_url")
+        except ApiError as err:
+            answered = f"an error ({err.message})"
+        if answered != self.settings.redis.url:
+            raise SitsError(f"another server answers on {self.api_url} (it answered {answered!r} where this "
+                            f"stack's API names its Redis): choose a free port with --port (0 picks one)")
 
     def wait_for_workers(self, count: int, timeout: float = 90.0) -> None:
         """Wait until `count` workers are alive (heartbeats in Redis)."""
@@ -220,18 +225,51 @@ class Stack:
             time.sleep(0.2)
 
     def check_children(self) -> None:
-        """Raise if a child exited on its own (its log tail says why)."""
+        """Raise if a child (or the embedded Redis) exited on its own, as while starting (its log tail says why)."""
+        self._check_redis()
         for child in self.children:
             code = child.process.poll()
             if code is not None:
-                tail = child.log_path.read_text(errors="replace")[-1500:]
-                raise SitsError(f"{child.name} exited with code {code}; last log lines:\n{tail}")
+                raise SitsError(f"{child.name} exited with {describe_exit(code)}; last log lines:\n{child.log_tail()}")
+
+    def supervise(self, now: float) -> list[str]:
+        """Start again every child that exited on its own; one line per restart, saying why.
+
+        A worker killed mid-job (SIGKILL, a SIGBUS from a truncated input) loses nothing: its leases
+        expire and the chunks run again. Raises SitsError when the embedded Redis exited (the stack's
+        state is gone; starting it again is a decision for the user) or when a child used up its
+        `restart_budget` (it would only die again).
+        """
+        self._check_redis()
+        notes = []
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                continue
+            budget = self.restart_budget
+            if not budget.allow(child.name, now):
+                raise SitsError(f"{child.name} exited with {describe_exit(code)}, after {budget.max_restarts} "
+                                f"restarts in {budget.window_seconds:g}s; see {child.log_path}. Last log lines:\n"
+                                f"{child.log_tail()}")
+            reason = f"exited with {describe_exit(code)}"
+            child.restart(reason)
+            notes.append(f"{child.name} {reason}; started it again as PID {child.process.pid} "
+                         f"(restart {budget.used(child.name)} of at most {budget.max_restarts} "
+                         f"in {budget.window_seconds:g}s; log {child.log_path})")
+        return notes
+
+    def _check_redis(self) -> None:
+        code = self.redis.exit_code() if self.redis is not None else None
+        if code is not None:
+            log = self.home / "redis" / "redis.log"
+            raise SitsError(f"the embedded Redis exited with {describe_exit(code)}; its data are in "
+                            f"{self.home / 'redis'} (see {log}), and `sitsctl up` starts it again from them")
 
     def stop_child(self, name: str, *, kill: bool = False, timeout: float = 15.0) -> None:
         """Stop one child by its PID: SIGTERM (warm shutdown) or SIGKILL (a crash)."""
         for child in list(self.children):
             if child.name == name:
-                _stop_process(child.process, kill=kill, timeout=timeout)
+                stop_process(child.process, kill=kill, timeout=timeout)
                 self.children.remove(child)
 
     def stop(self) -> None:
@@ -239,8 +277,7 @@ class Stack:
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
-        for child in reversed(self.children):
-            _stop_process(child.process, kill=False, timeout=15.0)
+        wait_for_exit([child.process for child in reversed(self.children)], timeout=15.0)
         self.children.clear()
         if self.redis is not None:
             self.redis.stop()
@@ -256,12 +293,15 @@ class Stack:
         self.stop()
 
 
-def _stop_process(process: subprocess.Popen[bytes], *, kill: bool, timeout: float) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def _check_port_free(host: str, port: int) -> None:
+    """Raise SitsError when another program already listens on `host:port` (the API could not bind it,
+    and `/readyz` there would be that program's answer)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            raise SitsError(f"port {port} on {host} is already in use by another program: choose another with "
+                            "--port (or api.port; 0 picks a free one)") from None

@@ -6,6 +6,9 @@ No stack runs here: commands that need the API or Redis get an invalid or unreac
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -40,6 +43,25 @@ def assert_refused(result: Result, *phrases: str) -> None:
     assert "Traceback" not in output and isinstance(result.exception, SystemExit), repr(result.exception)
     for phrase in phrases:
         assert phrase in output, output
+
+
+def sitsctl_process(tmp_path: Path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    """sitsctl as its own process (`worker` replaces the process it runs in, `up` runs until stopped);
+    one still running after `timeout` is stopped as Ctrl-C would (SIGTERM, then SIGKILL) and fails the test."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")} | {"SITS_HOME": str(tmp_path / "home")}
+    process = subprocess.Popen([sys.executable, "-m", "sits_api.cli", *args], env=base | env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        raise AssertionError(f"sitsctl {' '.join(args)} was still running after {timeout}s: {stdout}{stderr}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize("shape", ["abc", "64,,2", "3,0,3", ""])
@@ -143,3 +165,85 @@ def test_a_stack_whose_redis_has_a_user_key_of_its_admin_key_s_name_says_so(
     with pytest.raises(ConfigError, match="cannot make the stack's admin key: .*sitsctl-up"):
         stack.start()
     assert not stack.children
+
+
+@pytest.mark.parametrize("args", [
+    ("up", "--workers", "-1"),
+    ("up", "--streams", "500"),
+    ("up", "--streams", "0"),
+    ("up", "--port", "70000"),
+    ("worker", "--streams", "65"),
+    ("worker", "--streams", "0"),
+    ("worker", "--gpu", "-1"),
+])
+def test_up_and_worker_refuse_counts_out_of_range(tmp_path: Path, args: tuple[str, ...]) -> None:
+    result = sitsctl_process(tmp_path, *args, timeout=20)
+
+    assert result.returncode == 2 and f"Invalid value for '{args[1]}'" in result.stderr, result.stderr
+    assert "is not in the range" in result.stderr
+
+
+def _not_utf8(tmp_path: Path) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"\x00\xff\xfe")
+    return path
+
+
+def test_up_and_job_submit_name_a_config_file_that_is_not_utf8(run, tmp_path: Path) -> None:
+    bad = str(_not_utf8(tmp_path))
+    assert_refused(run("up", "--config", bad), f"config file {bad} is not UTF-8 text")
+    assert_refused(run(*SUBMIT, "--config", bad), f"config file {bad} is not UTF-8 text")
+
+
+def test_up_names_the_variable_that_is_not_valid_yaml(run) -> None:
+    assert_refused(run("up", SITS_PATHS__INPUT_ROOTS="[/a"), "SITS_PATHS__INPUT_ROOTS='[/a' is not a valid YAML")
+
+
+def test_up_refuses_a_port_another_server_listens_on_before_starting_anything(
+        run, not_the_api: str, tmp_path: Path) -> None:
+    port = not_the_api.rsplit(":", 1)[1]
+
+    assert_refused(run("up", "--workers", "0", "--port", port),
+                   f"port {port} on 127.0.0.1 is already in use by another program", "--port")
+    home = tmp_path / "home"
+    assert not (home / "api-url").exists() and not (home / "redis").exists()
+
+
+def test_worker_without_a_redis_says_how_to_get_one(tmp_path: Path) -> None:
+    result = sitsctl_process(tmp_path, "worker", "--cpu")
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "no Redis to use: start a stack with `sitsctl up`" in " ".join(result.stdout.split())
+    assert "Traceback" not in result.stderr
+
+
+def test_worker_with_the_redis_of_a_stopped_stack_says_it_does_not_answer(tmp_path: Path) -> None:
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
+
+    result = sitsctl_process(tmp_path, "worker", "--cpu")
+
+    assert result.returncode == 1 and "Redis is unreachable" in result.stdout, result.stdout + result.stderr
+    assert "is `sitsctl up` running?" in " ".join(result.stdout.split())
+
+
+def test_a_plain_celery_worker_without_a_redis_url_stops_instead_of_trying_amqp(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")} | {"SITS_HOME": str(tmp_path / "home")}
+    result = subprocess.run([sys.executable, "-m", "celery", "-A", "sits_worker", "worker", "--pool", "threads"],
+                            env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+    assert result.returncode != 0
+    assert "no Redis to use: set SITS_REDIS_URL" in result.stderr and "amqp" not in result.stderr + result.stdout
+
+
+def test_worker_pinned_to_a_gpu_it_cannot_use_is_refused(tmp_path: Path, redis_server) -> None:
+    from sits_worker.devices import Device, gpu_problem
+
+    if gpu_problem(Device("gpu", 0)) is None:
+        pytest.skip("this machine can run a worker on gpu:0")
+    result = sitsctl_process(tmp_path, "worker", "--gpu", "0", "--name", "gpu-refused@%h",
+                             SITS_REDIS_URL=redis_server.url)
+
+    assert result.returncode == 1
+    assert "cannot pin this worker to gpu:0: " in result.stderr and "--cpu" in result.stderr, result.stderr
+    assert "ready." not in result.stderr

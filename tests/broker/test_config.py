@@ -110,6 +110,14 @@ def test_malformed_yaml_is_rejected(tmp_path: Path) -> None:
         load_settings(path, environ={})
 
 
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"\x00\xff\xfe")
+
+    with pytest.raises(ConfigError, match=rf"config file {path} is not UTF-8 text \(byte 0xff at offset 1\)"):
+        load_settings(path, environ={})
+
+
 # --- unknown keys and bad values ------------------------------------------------------
 
 
@@ -279,6 +287,29 @@ def test_invalid_policy_from_environment_is_rejected() -> None:
 def test_misspelt_environment_key_is_rejected() -> None:
     with pytest.raises(ConfigError, match=r"scheduler\.polcy: unknown key"):
         load_settings(environ={"SITS_SCHEDULER__POLCY": "fifo"})
+
+
+def test_a_list_variable_that_is_not_yaml_is_a_config_error_naming_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"SITS_PATHS__INPUT_ROOTS='\[/a' is not a valid YAML list or mapping"):
+        load_settings(environ={"SITS_PATHS__INPUT_ROOTS": "[/a"})
+
+
+def test_errors_from_variables_name_the_variable_not_the_file(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "scheduler:\n  policy: fifo\n")
+
+    with pytest.raises(ConfigError) as unknown_section:
+        load_settings(path, environ={"SITS_FOO__BAR": "1"})
+    with pytest.raises(ConfigError) as bad_value:
+        load_settings(path, environ={"SITS_SCHEDULER__LEASE_TIMEOUT": "soon"})
+    with pytest.raises(ConfigError) as both:
+        load_settings(write_config(tmp_path, "scheduler:\n  polcy: fifo\n"), environ={"SITS_API__PORT": "-1"})
+
+    assert unknown_section.value.message == "invalid configuration in SITS_FOO__BAR: foo: unknown key"
+    assert bad_value.value.message.startswith("invalid configuration in SITS_SCHEDULER__LEASE_TIMEOUT: "
+                                              "scheduler.lease_timeout: ")
+    assert str(path) not in unknown_section.value.message + bad_value.value.message
+    assert "scheduler.polcy: unknown key (in " + str(path) + ")" in both.value.message
+    assert "api.port: Input should be greater than or equal to 0 (in SITS_API__PORT)" in both.value.message
 
 
 def test_numeric_looking_string_setting_from_environment_stays_a_string() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import redis
 
 from broker import apikeys, registry
 from broker.embedded import EmbeddedRedis, find_redis_server, free_port
-from broker.errors import ConnectionLost, Forbidden, ModelNotFound, Unauthorized
+from broker.errors import ConfigError, ConnectionLost, Forbidden, ModelNotFound, Unauthorized
 from broker.store import Store
 
 
@@ -309,3 +310,67 @@ def test_require_role_lets_admins_do_everything() -> None:
 
     with pytest.raises(Forbidden, match="needs the 'admin' role; key 'alice' has 'user'"):
         apikeys.require_role({"name": "alice", "role": "user"}, "admin")
+
+
+def test_a_second_server_is_refused_a_data_folder_a_live_one_uses(durable_redis: EmbeddedRedis) -> None:
+    """Two servers appending to one AOF corrupt it: the second is refused, naming the first's PID."""
+    durable_redis.start()
+    assert durable_redis.process is not None
+    pid = durable_redis.process.pid
+
+    second = EmbeddedRedis(durable_redis.data_dir, appendonly=True)
+    try:
+        with pytest.raises(ConfigError, match=rf"a redis-server \(PID {pid}\) already uses the Redis data folder "
+                                              rf".*stop that one first \(`kill {pid}`"):
+            second.start()
+    finally:
+        second.stop(kill=True)  # only if it was started after all
+
+    assert second.process is None
+    assert Store.connect(durable_redis.url).ping()
+
+
+def test_a_pid_file_left_by_a_killed_server_does_not_block_the_folder(durable_redis: EmbeddedRedis) -> None:
+    durable_redis.start()
+    durable_redis.stop(kill=True)  # no chance to remove its pid file
+    assert durable_redis.pid_file.exists()
+
+    durable_redis.start()
+
+    assert Store.connect(durable_redis.url).ping()
+
+
+def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
+    """A SIGKILLed launcher (`sitsctl up` killed) leaves no redis-server behind on Linux."""
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    script = ("import sys, time; from pathlib import Path; from broker.embedded import EmbeddedRedis; "
+              "server = EmbeddedRedis(Path(sys.argv[1]), appendonly=False).start(); "
+              "print(server.process.pid, flush=True); time.sleep(120)")
+    launcher = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "redis")], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        assert launcher.stdout is not None
+        pid = int(launcher.stdout.readline())
+        assert process_exists(pid)
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+    deadline = time.monotonic() + 10
+    while process_exists(pid) and not _is_zombie(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outlived = process_exists(pid) and not _is_zombie(pid)
+    if outlived:
+        os.kill(pid, signal.SIGKILL)  # the server this test started, by its PID: leave nothing behind
+    assert not outlived, f"redis-server {pid} outlived its launcher"
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False

@@ -29,6 +29,7 @@ from sits_worker.devices import Device
 from sits_worker.execution import process_item
 from sits_worker.runtime import SessionCache
 from tests.e2e.stack_helpers import direct_run, frozen, wait_job
+from tests.job_items import leased_finalize_item
 
 CHUNKS = 6
 ROWS, CHUNK = 4_000, 4
@@ -56,21 +57,6 @@ def ctx(store: Store) -> WorkerContext:
                          sessions=SessionCache(Device("cpu"), 1))
 
 
-def leased_finalize_item(store: Store, output_dir: Path) -> LeasedItem:
-    """A job of `CHUNKS` one-row chunks whose parts are written and acked; its finalize item, leased."""
-    spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1", input_batch="/data/in.npy",
-                        input_format="npy", input_checksum="sha256:0123abcd", output_dir=str(output_dir),
-                        output_names=["logits"], rows_total=CHUNKS, chunk_size=1, batch_size=1)
-    jobs.create_job(store, spec, now=time.time())
-    for item in queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=CHUNKS):
-        chunk = item.payload["chunk"]
-        outputs.write_part(output_dir, chunk, {"logits": np.full((1, 2), chunk, np.float32)}, job_id=spec.job_id)
-        jobs.ack_chunk(store, item, now=time.time(), worker="w1")
-    [final] = queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
-    assert final.payload["kind"] == "finalize"
-    return final
-
-
 def cancel(store: Store, job_id: str) -> str:
     """What `DELETE /v1/jobs/{id}` does; returns the status it answers with."""
     return jobs.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
@@ -80,7 +66,7 @@ def test_a_job_cancelled_while_it_merges_keeps_its_parts_and_gets_no_results_unt
         ctx: WorkerContext, store: Store, tmp_path: Path) -> None:
     """Results and a manifest in a cancelled job's folder would refuse every new job there (409) and
     tell a reader the job finished; the parts stay as its resumable work."""
-    final = leased_finalize_item(store, tmp_path)
+    final = leased_finalize_item(store, tmp_path, chunks=CHUNKS)
     job_id = final.payload["job"]
     answered: list[str] = []
     hooks = MergeHooks(lambda: answered.append(cancel(store, job_id)))
@@ -107,7 +93,7 @@ def test_a_cancel_that_lands_after_the_merge_looked_at_the_status_leaves_the_job
         ctx: WorkerContext, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cancel comes as the manifest is written: the folder holds the job's complete results, so the
     finished merge wins over the cancel (which answered 'cancelled' a moment before)."""
-    final = leased_finalize_item(store, tmp_path)
+    final = leased_finalize_item(store, tmp_path, chunks=CHUNKS)
     job_id = final.payload["job"]
     answered: list[str] = []
     write_atomically = outputs._write_atomically

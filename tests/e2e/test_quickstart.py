@@ -9,6 +9,11 @@ import sys
 
 def test_demo_runs_the_main_job_and_stops_everything(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")} | {"SITS_HOME": str(tmp_path / "home")}
+    # What an earlier demo in this SITS_HOME left: the API refuses an output folder holding a finished
+    # job's manifest, so a second run must clear its own results first.
+    earlier = tmp_path / "home" / "demo" / "results" / "convnet"
+    earlier.mkdir(parents=True)
+    (earlier / "manifest.json").write_text('{"rows": 10000}')
     result = subprocess.run([sys.executable, "-m", "sits_api.cli", "demo", "--rows", "10000"], env=env,
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     output = result.stdout + result.stderr
@@ -64,3 +69,20 @@ def test_sitsctl_up_records_url_and_key_and_stops_its_children_on_sigterm(tmp_pa
     except ProcessLookupError:
         alive = False
     assert not alive
+
+
+def test_a_demo_that_cannot_start_ends_with_its_failed_line(tmp_path):
+    """Another stack holds this SITS_HOME (its lock): the demo says why, then `demo FAILED`, exit 1."""
+    import fcntl
+
+    home = tmp_path / "home"
+    (home / "run").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")} | {"SITS_HOME": str(home)}
+    with open(home / "run" / "stack.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = subprocess.run([sys.executable, "-m", "sits_api.cli", "demo"], env=env, capture_output=True,
+                                text=True, timeout=120, cwd=tmp_path)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 1, output
+    assert "another SITS stack already runs" in output and "demo FAILED" in output, output
+    assert "Traceback" not in output

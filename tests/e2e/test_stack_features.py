@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -202,3 +203,89 @@ def test_plain_celery_worker_serves_jobs(tmp_path, zoo_dir):
         assert list(done["workers"]) and client.get("/v1/status")["workers"][0]["celery_name"].startswith("plain@")
     finally:
         stack.stop()
+
+
+def _without_urls(stack, **extra: str) -> dict[str, str]:
+    """The environment of a user who ran `sitsctl up` in this SITS_HOME and set nothing else."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")}
+    return env | {"SITS_HOME": str(stack.home)} | extra
+
+
+def test_sitsctl_output_for_scripts_and_user_keys(stack):
+    """`job submit --wait --json` prints only JSON on stdout, `job list` never cuts a job id (80 columns
+    in a pipe), and `status` works with a user key (the API leaves the Redis URL out for it)."""
+    register(stack.client(), "mlp", stack.home / "models" / "mlp.onnx")
+    np.save(stack.home / "json.npy", np.random.default_rng(12).standard_normal((500, 64)).astype(np.float32))
+    env = _without_urls(stack)
+    submitted = subprocess.run([sys.executable, "-m", "sits_api.cli", "job", "submit", "--model", "mlp",
+                                "--input-batch", str(stack.home / "json.npy"), "--output-dir",
+                                str(stack.home / "out-json"), "--wait", "--json"], env=env, capture_output=True,
+                               text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert json.loads(submitted.stdout)["status"] == "succeeded"
+
+    listing = sitsctl(stack, "job", "list")
+    ids = [job["id"] for job in json.loads(sitsctl(stack, "job", "list", "--json").stdout)["jobs"]]
+    assert ids and all(job_id in listing.stdout for job_id in ids), listing.stdout
+
+    # `key create` finds the stack's Redis in $SITS_HOME/redis-url, as `sitsctl up` left it.
+    created = subprocess.run([sys.executable, "-m", "sits_api.cli", "key", "create", "--name", "status-reader"],
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert created.returncode == 0, created.stdout + created.stderr
+    status = subprocess.run([sys.executable, "-m", "sits_api.cli", "status"], env=env | {
+        "SITS_API_KEY": created.stdout.strip()}, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "API   http://127.0.0.1" in status.stdout and "Redis" not in status.stdout
+
+
+def test_ctrl_c_on_job_submit_wait_says_the_job_keeps_running(stack):
+    register(stack.client(), "convnet", stack.home / "models" / "convnet.onnx")
+    np.save(stack.home / "interrupted.npy",
+            np.random.default_rng(13).standard_normal((3_000, 3, 32, 32)).astype(np.float32))
+    waiting = subprocess.Popen([sys.executable, "-m", "sits_api.cli", "job", "submit", "--model", "convnet",
+                                "--input-batch", str(stack.home / "interrupted.npy"), "--output-dir",
+                                str(stack.home / "out-interrupted"), "--chunk-size", "100", "--wait"],
+                               env=_without_urls(stack), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = stack.client()
+    try:
+        deadline = time.monotonic() + 60
+        while not (jobs := [j for j in client.get("/v1/jobs")["jobs"] if j["output_dir"].endswith("out-interrupted")]):
+            assert time.monotonic() < deadline and waiting.poll() is None, "the job was never submitted"
+            time.sleep(0.1)
+        time.sleep(0.5)  # in its progress loop
+        waiting.send_signal(signal.SIGINT)
+        output, _ = waiting.communicate(timeout=60)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+    job_id = jobs[0]["id"]
+    try:
+        text = " ".join(output.split())
+        assert waiting.returncode == 130, text
+        assert f"job {job_id} keeps running: follow it with `sitsctl job status {job_id}`" in text
+        assert "Aborted" not in text
+        assert client.get(f"/v1/jobs/{job_id}")["status"] in ("queued", "running", "succeeded")
+    finally:
+        client.delete(f"/v1/jobs/{job_id}")
+
+
+def test_sitsctl_worker_joins_the_stack_of_its_sits_home(stack):
+    """No SITS_REDIS_URL: the worker uses the Redis `sitsctl up` recorded in $SITS_HOME/redis-url."""
+    worker = subprocess.Popen([sys.executable, "-m", "sits_api.cli", "worker", "--cpu", "--streams", "1",
+                               "--name", "joined@%h"], env=_without_urls(stack), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT)
+    client = stack.client()
+    try:
+        deadline = time.monotonic() + 60
+        while not [w for w in client.get("/v1/status")["workers"] if w["name"].startswith("joined@") and w["alive"]]:
+            assert worker.poll() is None, f"the worker exited with code {worker.returncode}"
+            assert time.monotonic() < deadline, "the worker never sent a heartbeat to the stack's Redis"
+            time.sleep(0.2)
+    finally:
+        worker.terminate()  # by its PID: a warm shutdown that deregisters it
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()

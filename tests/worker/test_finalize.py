@@ -18,6 +18,7 @@ from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.execution import process_item
 from sits_worker.runtime import SessionCache
+from tests.job_items import leased_finalize_item
 
 LEASE_SECONDS = 0.4
 CHUNKS = 6
@@ -30,27 +31,11 @@ def ctx(store: Store) -> WorkerContext:
                          sessions=SessionCache(Device("cpu"), 1))
 
 
-def leased_finalize_item(store: Store, output_dir: Path) -> queues.LeasedItem:
-    """A job of `CHUNKS` one-row chunks whose parts are written and acked; its finalize item, leased
-    for `LEASE_SECONDS`."""
-    spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1", input_batch="/data/in.npy",
-                        input_format="npy", input_checksum="sha256:0123abcd", output_dir=str(output_dir),
-                        output_names=["logits"], rows_total=CHUNKS, chunk_size=1, batch_size=1)
-    jobs.create_job(store, spec, now=time.time())
-    for item in queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=CHUNKS):
-        chunk = item.payload["chunk"]
-        outputs.write_part(output_dir, chunk, {"logits": np.full((1, 2), chunk, np.float32)}, job_id=spec.job_id)
-        jobs.ack_chunk(store, item, now=time.time(), worker="w1")
-    [final] = queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=LEASE_SECONDS, max_items=1)
-    assert final.payload["kind"] == "finalize"
-    return final
-
-
 def test_a_merge_that_outlasts_the_lease_keeps_its_finalize_item_from_the_reaper(
         ctx: WorkerContext, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Otherwise the reaper hands the finalize item to a second worker, which runs the same merge
     again, and each such take counts an attempt (a long merge on a slow disk could fail the job)."""
-    final = leased_finalize_item(store, tmp_path)
+    final = leased_finalize_item(store, tmp_path, chunks=CHUNKS, lease_seconds=LEASE_SECONDS)
     returned_by_reaper: list[int] = []
     load_part = outputs._load_part
 
@@ -76,7 +61,7 @@ def test_a_finished_job_removes_only_its_own_parts_not_a_cancelled_job_s_in_the_
     outputs.write_part(tmp_path, 0, {"logits": np.full((1, 2), 7, np.float32)}, job_id="jcancelled")
     cancelled_part = tmp_path / ".parts" / "jcancelled" / "logits.000000.npy"
     kept = cancelled_part.read_bytes()
-    final = leased_finalize_item(store, tmp_path)
+    final = leased_finalize_item(store, tmp_path, chunks=CHUNKS, lease_seconds=LEASE_SECONDS)
 
     assert process_item(ctx, final, BetweenBatches(ctx, final, ticket="")) == "finalized"
 
