@@ -388,7 +388,8 @@ def _validate(data: Mapping[str, Any], source: str,
             loc = tuple(str(part) for part in error["loc"])
             key = ".".join(loc)
             reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
-            problems.append((_origin(loc, variables, source), f"{key}: {reason}"))
+            origin = _origin(loc, variables, source, unknown=error["type"] == "extra_forbidden")
+            problems.append((origin, f"{key}: {reason}"))
         origins = {origin for origin, _ in problems}
         if len(origins) == 1:
             raise ConfigError(f"invalid configuration in {origins.pop()}: "
@@ -397,11 +398,13 @@ def _validate(data: Mapping[str, Any], source: str,
                                                                  for origin, text in problems)) from err
 
 
-def _origin(loc: tuple[str, ...], variables: Mapping[tuple[str, str], str], source: str) -> str:
-    """The variable that set the key at `loc`, or that alone made its section; else `source`."""
+def _origin(loc: tuple[str, ...], variables: Mapping[tuple[str, str], str], source: str, *, unknown: bool) -> str:
+    """The variable that set the key at `loc`, or the variables that made an `unknown` section; for a
+    problem of a whole section (a check across its keys), the variables that set keys of it and
+    `source`, as either may be at fault; else `source`."""
     if len(loc) >= 2 and (loc[0], loc[1]) in variables:
         return variables[(loc[0], loc[1])]
-    setters = sorted(name for (section, _), name in variables.items() if section == loc[0])
+    setters = sorted(name for (section, _), name in variables.items() if loc and section == loc[0])
     if len(loc) == 1 and setters:
-        return ", ".join(setters)
+        return ", ".join(setters if unknown else [*setters, source])
     return source

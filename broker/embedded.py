@@ -72,8 +72,8 @@ def die_with_parent() -> Callable[[], None] | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port nobody listens on right now on `host` (an IPv4 or IPv6 address)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
@@ -192,7 +192,12 @@ def live_server_of(data_dir: Path, pid_file: Path) -> int | None:
         pass  # alive, another user's
     try:
         name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return pid  # no /proc to ask
+    if not name.startswith("redis-server"):
+        return None  # the PID is another program's now (after a reboot, say)
+    try:
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))  # redis-server works in its --dir
     except OSError:
-        return pid
-    return pid if name.startswith("redis-server") and cwd == data_dir.resolve() else None
+        return pid  # another user's redis-server: it may be working there
+    return pid if cwd == data_dir.resolve() else None

@@ -7,6 +7,7 @@ launcher), print the result. `--json` prints what the API answered. The
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -68,17 +69,19 @@ def _stack_redis(settings: Settings) -> tuple[str, Store]:
     the Redis the `sitsctl up` of this SITS_HOME runs (it records it in `$SITS_HOME/redis-url`)."""
     from broker.store import Store
 
-    url, source = settings.redis.url, "SITS_REDIS_URL or redis.url"
-    if not url:
-        url, source = recorded(settings.paths.home, "redis-url") or "", str(settings.paths.home / "redis-url")
+    if settings.redis.url:  # named: not checked here, a worker's Celery waits for it to come up (compose)
+        return settings.redis.url, Store.connect(settings.redis.url, settings.redis.key_prefix)
+    source = settings.paths.home / "redis-url"
+    url = recorded(settings.paths.home, "redis-url") or ""
     if not url:
         raise SitsError(f"no Redis to use: start a stack with `sitsctl up` (it records its Redis in {source}), "
                         "or set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
     store = Store.connect(url, settings.redis.key_prefix)  # ConfigError for a bad URL
-    try:
+    try:  # a recorded URL may be left from a stack that has stopped
         store.ping()
     except ConnectionLost as err:
-        raise ConnectionLost(f"{err.message} (the Redis at {url}, from {source}); is `sitsctl up` running?") from err
+        raise ConnectionLost(f"{err.message} (the Redis at {url}, recorded in {source}); "
+                             "is `sitsctl up` running?") from err
     return url, store
 
 
@@ -104,8 +107,11 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
 
     settings = load_settings(config_path)
     stack = Stack(settings, worker_count=worker_count, streams=streams, api_port=port)
-    # `kill %1` of a backgrounded `up`, or its terminal closing, stops it as Ctrl-C does.
-    previous = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # `kill %1` of a backgrounded `up`, or its terminal closing, stops it as Ctrl-C does (unless started
+    # under nohup, which ignores SIGHUP so that the stack outlives the terminal).
+    stopping = [signal.SIGTERM] + ([signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else [])
+    previous = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in stopping}
+    previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     try:
         with console.status("starting Redis, API, beat and workers ..."):
             stack.start()
@@ -115,9 +121,13 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
         console.print("Ctrl-C stops everything.")
         _supervise(stack)
     finally:
-        stack.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig in previous:  # a second Ctrl-C (or SIGTERM) must not cut the ordered stop short: Redis last
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            stack.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _supervise(stack: Stack) -> None:
@@ -129,10 +139,12 @@ def _supervise(stack: Stack) -> None:
                 console.print(note, markup=False, soft_wrap=True)
             time.sleep(1.0)
     except KeyboardInterrupt:
-        console.print("stopping ...")
+        with contextlib.suppress(OSError):  # (a terminal that hung up cannot be written to)
+            console.print("stopping ...")
     except SitsError as err:
-        print_error(err.message)
-        console.print("stopping everything ...")
+        with contextlib.suppress(OSError):
+            print_error(err.message)
+            console.print("stopping everything ...")
         sys.exit(1)
 
 

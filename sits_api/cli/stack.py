@@ -102,12 +102,13 @@ class Stack:
         self._lock_home()
         try:
             port = self.api_port if self.api_port is not None else self.settings.api.port
-            port = port or free_port(self.settings.api.host)
-            _check_port_free(self.settings.api.host, port)
+            if port:  # a busy port is refused before anything starts
+                _check_port_free(self.settings.api.host, port)
             redis_url = self.settings.redis.url
             if not redis_url:
                 self.redis = EmbeddedRedis(self.home / "redis", appendonly=self.settings.redis.appendonly).start()
                 redis_url = self.redis.url
+            port = port or free_port(self.settings.api.host)  # (after Redis took its own free port)
             self.settings = self.settings.with_overrides(redis={"url": redis_url}, api={"port": port})
             self.store = Store.connect(redis_url, self.settings.redis.key_prefix)
             try:

@@ -312,6 +312,16 @@ def test_errors_from_variables_name_the_variable_not_the_file(tmp_path: Path) ->
     assert "api.port: Input should be greater than or equal to 0 (in SITS_API__PORT)" in both.value.message
 
 
+def test_a_check_across_a_section_s_keys_names_both_the_variables_and_the_file(tmp_path: Path) -> None:
+    """The file's ticket_linger breaks the check against ticket_timeout; the variable only set another key."""
+    path = write_config(tmp_path, "scheduler:\n  ticket_linger: 40s\n  ticket_timeout: 30s\n")
+
+    with pytest.raises(ConfigError) as across:
+        load_settings(path, environ={"SITS_SCHEDULER__POLICY": "fifo"})
+
+    assert across.value.message.startswith(f"invalid configuration in SITS_SCHEDULER__POLICY, {path}: scheduler")
+
+
 def test_numeric_looking_string_setting_from_environment_stays_a_string() -> None:
     settings = load_settings(environ={"SITS_REDIS__KEY_PREFIX": "2024"})
 

@@ -24,7 +24,7 @@ from sits_api.cli.processes import RestartBudget
 class Up:
     """A `sitsctl up` subprocess; its output goes to a file, read as it grows."""
 
-    def __init__(self, home: Path, *, workers: int) -> None:
+    def __init__(self, home: Path, *, workers: int, ignore_sighup: bool = False) -> None:
         self.home = home
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")} | {"SITS_HOME": str(home)}
         home.mkdir(parents=True)
@@ -32,7 +32,7 @@ class Up:
         with open(self.out_path, "wb") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "sits_api.cli", "up", "--workers", str(workers),
                                              "--port", "0"], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                            cwd=home.parent)
+                                            cwd=home.parent, preexec_fn=_ignore_sighup if ignore_sighup else None)
         self.wait_for("Ctrl-C stops everything", timeout=120)
 
     def output(self) -> str:
@@ -75,12 +75,17 @@ class Up:
                 self.process.wait()
 
 
+def _ignore_sighup() -> None:
+    """As `nohup` starts a command: SIGHUP ignored, which exec keeps."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 @pytest.fixture
 def start_up(tmp_path: Path) -> Iterator:
     started: list[Up] = []
 
-    def start(workers: int = 0) -> Up:
-        started.append(Up(tmp_path / f"up{len(started)}" / "home", workers=workers))
+    def start(workers: int = 0, ignore_sighup: bool = False) -> Up:
+        started.append(Up(tmp_path / f"up{len(started)}" / "home", workers=workers, ignore_sighup=ignore_sighup))
         return started[-1]
 
     yield start
@@ -144,6 +149,16 @@ def test_sighup_stops_every_child(start_up) -> None:
     code = up.process.wait(60)
     assert_all_exit(list(children))
     assert code == 0 and "stopping" in up.output(), (code, up.output())
+
+
+def test_under_nohup_sighup_leaves_the_stack_running(start_up) -> None:
+    up = start_up(ignore_sighup=True)
+
+    up.process.send_signal(signal.SIGHUP)  # the terminal closed: nohup meant the stack to outlive it
+    time.sleep(2)
+
+    assert up.process.poll() is None and "stopping" not in up.output(), up.output()
+    up.status()  # the API still answers (`status` exits 0)
 
 
 def test_a_sigkilled_up_leaves_no_child_running(start_up) -> None:
