@@ -2,8 +2,9 @@
 
 Every child is started by this module, its PID kept, and stopped by that
 PID (never by name); logs go to `$SITS_HOME/logs/`. Workers are started as
-`celery -A sits_worker worker` subprocesses, so this process never imports
-the worker package or ONNX Runtime. `supervise` restarts a child that exits
+`celery -A sits_worker worker` subprocesses, so this process runs no model: it
+imports ONNX Runtime only to ask whether it has the CUDA provider, and only
+once NVML found a GPU (`usable_gpus`). `supervise` restarts a child that exits
 on its own, within a restart budget; the embedded Redis exiting stops all.
 """
 
@@ -63,7 +64,7 @@ def gpu_devices() -> list[str]:
     [] on a CPU-only machine, and with a CPU-only ONNX Runtime (a worker pinned to a GPU there is
     refused). ONNX Runtime is imported only once NVML found a GPU.
     """
-    from sits_worker.devices import usable_gpus  # light: no ONNX Runtime at import
+    from sits_worker.devices import usable_gpus  # (ONNX Runtime only once NVML found a GPU)
 
     return usable_gpus()
 
