@@ -64,15 +64,27 @@ def _client() -> ApiClient:
     return ApiClient.from_environment()
 
 
-def _stack_redis(settings: Settings) -> tuple[str, Store]:
+def _stack_settings(config_path: Path | None) -> tuple[Settings, Path | None]:
+    """The settings of a command that talks to Redis itself (`worker`, `key create`): the config given
+    (or SITS_CONFIG) with SITS_* variables; with neither a config nor a Redis URL, those of the stack
+    `sitsctl up` runs in this SITS_HOME (its effective config, and its path), so that a worker joins it
+    with the same Redis, key prefix and limits."""
+    settings = load_settings(config_path)
+    if config_path or os.environ.get("SITS_CONFIG") or settings.redis.url:
+        return settings, None
+    effective = settings.paths.home / "run" / "sits-config.yaml"
+    return (load_settings(effective), effective) if effective.is_file() else (settings, None)
+
+
+def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[str, Store]:
     """The Redis URL to use and a `Store` on it, checked to answer: SITS_REDIS_URL (or redis.url), else
     the Redis the `sitsctl up` of this SITS_HOME runs (it records it in `$SITS_HOME/redis-url`)."""
     from broker.store import Store
 
-    if settings.redis.url:  # named: not checked here, a worker's Celery waits for it to come up (compose)
+    if settings.redis.url and not recorded_by_up:  # named: a worker's Celery waits for it to come up (compose)
         return settings.redis.url, Store.connect(settings.redis.url, settings.redis.key_prefix)
-    source = settings.paths.home / "redis-url"
-    url = recorded(settings.paths.home, "redis-url") or ""
+    source = settings.paths.home / ("run/sits-config.yaml" if recorded_by_up else "redis-url")
+    url = settings.redis.url or recorded(settings.paths.home, "redis-url") or ""
     if not url:
         raise SitsError(f"no Redis to use: start a stack with `sitsctl up` (it records its Redis in {source}), "
                         "or set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
@@ -197,7 +209,8 @@ def status(as_json: bool) -> None:
 def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None, loglevel: str) -> None:
     """Run a Celery worker pinned to one device (replaces this process).
 
-    Its Redis: SITS_REDIS_URL (or redis.url), else the one `sitsctl up` runs in this SITS_HOME. Without
+    Its Redis: SITS_REDIS_URL (or redis.url), else the one `sitsctl up` runs in this SITS_HOME, whose
+    settings (key prefix, limits) it then takes too, unless SITS_CONFIG names others. Without
     --gpu or --cpu it takes the first GPU ONNX Runtime can use, else the CPU.
     """
     from sits_api.cli.stack import worker_command
@@ -205,12 +218,13 @@ def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None
     if gpu is not None and use_cpu:
         raise click.UsageError("choose one of --gpu N and --cpu")
     device = "cpu" if use_cpu else (f"gpu:{gpu}" if gpu is not None else "auto")
-    settings = load_settings()
-    redis_url, _ = _stack_redis(settings)
+    settings, stack_config = _stack_settings(None)
+    redis_url, _ = _stack_redis(settings, recorded_by_up=stack_config is not None)
     streams = streams or settings.resources.max_concurrent_streams
     argv, extra = worker_command(device, streams, name or f"sits-{device.replace(':', '')}-{os.getpid()}@%h",
                                  loglevel)
-    os.execvpe(argv[0], argv, os.environ | extra | {"SITS_REDIS_URL": redis_url})
+    joined = {"SITS_CONFIG": str(stack_config)} if stack_config else {}  # the stack's prefix and limits too
+    os.execvpe(argv[0], argv, os.environ | extra | joined | {"SITS_REDIS_URL": redis_url})
 
 
 @cli.group()
@@ -229,7 +243,8 @@ def key_create(name: str, role: str, config_path: Path | None) -> None:
 
     from broker.apikeys import create_api_key
 
-    redis_url, store = _stack_redis(load_settings(config_path))
+    settings, stack_config = _stack_settings(config_path)
+    redis_url, store = _stack_redis(settings, recorded_by_up=stack_config is not None)
     try:
         click.echo(create_api_key(store, name, role))
     except ValueError as err:  # a name the key cannot have: say so as a usage error, not a traceback

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from broker.chunking import auto_batch_size
+from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import mlp_reference
-from tests.e2e.stack_helpers import direct_run, register, start_stack, wait_job
+from tests.e2e.stack_helpers import direct_run, register, stack_settings, start_stack, wait_job
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,8 @@ def stack(tmp_path_factory):
     from sits_worker.model.zoo import build_zoo
 
     home = tmp_path_factory.mktemp("stack") / "home"
-    running = start_stack(home, workers=1, streams=2)
+    settings = stack_settings(home, streams=2).with_overrides(redis={"key_prefix": "own"})  # not the default
+    running = Stack(settings, worker_count=1, api_port=0).start()
     build_zoo(home / "models")
     yield running
     running.stop()
@@ -271,7 +273,8 @@ def test_ctrl_c_on_job_submit_wait_says_the_job_keeps_running(stack):
 
 
 def test_sitsctl_worker_joins_the_stack_of_its_sits_home(stack):
-    """No SITS_REDIS_URL: the worker uses the Redis `sitsctl up` recorded in $SITS_HOME/redis-url."""
+    """No SITS_REDIS_URL: the worker uses the Redis and the settings (here its key prefix) of the stack
+    `sitsctl up` runs in $SITS_HOME (its effective config); with the default prefix it would never be seen."""
     worker = subprocess.Popen([sys.executable, "-m", "sits_api.cli", "worker", "--cpu", "--streams", "1",
                                "--name", "joined@%h"], env=_without_urls(stack), stdout=subprocess.DEVNULL,
                               stderr=subprocess.STDOUT)
