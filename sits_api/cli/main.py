@@ -69,11 +69,15 @@ def _stack_settings(config_path: Path | None) -> tuple[Settings, Path | None]:
     (or SITS_CONFIG) with SITS_* variables; with neither a config nor a Redis URL, those of the stack
     `sitsctl up` runs in this SITS_HOME (its effective config, and its path), so that a worker joins it
     with the same Redis, key prefix and limits."""
+    from sits_api.cli.stack import stack_runs
+
     settings = load_settings(config_path)
     if config_path or os.environ.get("SITS_CONFIG") or settings.redis.url:
         return settings, None
-    effective = settings.paths.home / "run" / "sits-config.yaml"
-    return (load_settings(effective), effective) if effective.is_file() else (settings, None)
+    effective = settings.paths.home / "run" / "sits-config.yaml"  # left when the stack stops: used only while it runs
+    if effective.is_file() and stack_runs(settings.paths.home):
+        return load_settings(effective), effective
+    return settings, None
 
 
 def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[str, Store]:

@@ -10,6 +10,7 @@ on its own, within a restart budget; the embedded Redis exiting stops all.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -186,6 +187,15 @@ class Stack:
         os.chmod(key_file, 0o600)
         (self.home / "redis-url").write_text(self.settings.redis.url + "\n")
 
+    def _remove_client_files(self) -> None:
+        """Forget the URLs this stack wrote: once it stops, a later command must say that no stack runs
+        rather than reach whatever server takes those ports next."""
+        for name, ours in (("api-url", self.api_url), ("redis-url", self.settings.redis.url)):
+            path = self.home / name
+            with contextlib.suppress(OSError):
+                if ours and path.read_text().strip() == ours:
+                    path.unlink()
+
     def client(self) -> ApiClient:
         """A client for this stack's API with its admin key."""
         return ApiClient(self.api_url, self.api_key)
@@ -284,6 +294,7 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        self._remove_client_files()
         if self._lock_file is not None:
             self._lock_file.close()  # releases the flock
             self._lock_file = None
@@ -293,6 +304,20 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stack_runs(home: Path) -> bool:
+    """Whether a `sitsctl up` (or demo) holds the stack lock of `home` now, i.e. its stack runs."""
+    try:
+        with open(home / "run" / "stack.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return False
+    except OSError:  # no run folder: no stack ever ran here
+        return False
 
 
 def _check_port_free(host: str, port: int) -> None:

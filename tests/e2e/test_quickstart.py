@@ -20,10 +20,15 @@ def test_demo_runs_the_main_job_and_stops_everything(tmp_path):
     assert result.returncode == 0, output
     assert "succeeded" in output and "demo passed" in output and "logits.npy" in output, output
     assert "max |diff|" in output and "ok" in output
-    # Everything the demo started is gone: the embedded Redis no longer answers on its port.
-    redis_url = (tmp_path / "home" / "redis-url").read_text().strip()
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    # Everything the demo started is gone: the embedded Redis no longer answers on its port (as its
+    # settings recorded it), and the URLs it wrote for other commands are removed.
     import socket
+
+    import yaml
+
+    redis_url = yaml.safe_load((tmp_path / "home" / "run" / "sits-config.yaml").read_text())["redis"]["url"]
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    assert not (tmp_path / "home" / "redis-url").exists() and not (tmp_path / "home" / "api-url").exists()
 
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0

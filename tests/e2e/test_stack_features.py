@@ -230,7 +230,7 @@ def test_sitsctl_output_for_scripts_and_user_keys(stack):
     ids = [job["id"] for job in json.loads(sitsctl(stack, "job", "list", "--json").stdout)["jobs"]]
     assert ids and all(job_id in listing.stdout for job_id in ids), listing.stdout
 
-    # `key create` finds the stack's Redis in $SITS_HOME/redis-url, as `sitsctl up` left it.
+    # `key create` finds the stack's Redis in the settings of the stack running in $SITS_HOME.
     created = subprocess.run([sys.executable, "-m", "sits_api.cli", "key", "create", "--name", "status-reader"],
                              env=env, capture_output=True, text=True, timeout=60)
     assert created.returncode == 0, created.stdout + created.stderr

@@ -149,6 +149,11 @@ def test_sighup_stops_every_child(start_up) -> None:
     code = up.process.wait(60)
     assert_all_exit(list(children))
     assert code == 0 and "stopping" in up.output(), (code, up.output())
+    assert not (up.home / "api-url").exists() and not (up.home / "redis-url").exists()  # nothing runs there now
+    assert (up.home / "api-key").exists()
+    later = subprocess.run([sys.executable, "-m", "sits_api.cli", "key", "create", "--name", "late"], env=up.env,
+                           capture_output=True, text=True, timeout=60)  # not led to whatever takes its ports
+    assert later.returncode != 0 and "no Redis to use" in later.stdout + later.stderr, later.stdout + later.stderr
 
 
 def test_under_nohup_sighup_leaves_the_stack_running(start_up) -> None:
