@@ -126,6 +126,13 @@ class RedisSettings(_Section):
     key_prefix: str = "sits"
     appendonly: bool = True
 
+    @property
+    def task_queue(self) -> str:
+        """The Celery queue of this deployment's tasks: its key prefix, so that deployments sharing one
+        Redis under different prefixes never take each other's tasks (a worker of another prefix would
+        take a drain task and find none of this deployment's queues)."""
+        return self.key_prefix
+
 
 class ApiSettings(_Section):
     """The REST edge."""

@@ -13,8 +13,6 @@ from broker.config import Settings
 from broker.store import Store
 from broker.wakeup import ticket_target
 
-TASK_QUEUE = "sits"
-
 
 class Dispatcher:
     """A light Celery client that publishes SITS tasks by name."""
@@ -23,13 +21,14 @@ class Dispatcher:
         self.settings = settings
         self.store = store
         self._celery = Celery("sits-api", broker=settings.redis.url)
-        self._celery.conf.update(task_default_queue=TASK_QUEUE, broker_connection_retry_on_startup=True,
+        self._queue = settings.redis.task_queue
+        self._celery.conf.update(task_default_queue=self._queue, broker_connection_retry_on_startup=True,
                                  task_send_sent_event=True, task_ignore_result=True)
         self._target, self._target_read_at = 1, float("-inf")
 
     def send(self, name: str, *args: Any) -> None:
         """Publish task `name` with `args`."""
-        self._celery.send_task(name, args=list(args), queue=TASK_QUEUE)
+        self._celery.send_task(name, args=list(args), queue=self._queue)
 
     def ticket_target(self, now: float) -> int:
         """How many tickets should circulate: one per live stream slot.

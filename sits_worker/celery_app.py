@@ -27,9 +27,6 @@ from broker.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-TASK_QUEUE = "sits"
-
-
 class _SitsCelery(Celery):
     """The Celery app, configured from SITS settings when its configuration is first read."""
 
@@ -55,7 +52,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": settings.redis.url,
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {"visibility_timeout": 3600},
-        "task_default_queue": TASK_QUEUE,
+        "task_default_queue": settings.redis.task_queue,
         "task_ignore_result": True,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,

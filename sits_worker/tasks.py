@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from sits_worker.celery_app import TASK_QUEUE, app
+from sits_worker.celery_app import app
 from sits_worker.context import worker_context
 from sits_worker.dispatch import drain, reap
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 def send_drain(ticket: str) -> None:
     """Publish the drain task of `ticket`."""
-    app.send_task("sits.drain", args=[ticket], queue=TASK_QUEUE)
+    app.send_task("sits.drain", args=[ticket], queue=app.conf.task_default_queue)  # this deployment's
 
 
 @app.task(name="sits.drain")
@@ -27,7 +27,7 @@ def drain_task(ticket: str) -> str:
         # Redis gone or a bug: keep the ticket circulating (a second later) rather than losing it
         # until the reaper's ticket timeout; the leases of what was running expire on their own.
         log.exception("drain under ticket %s failed; re-sending it in 1 s", ticket)
-        app.send_task("sits.drain", args=[ticket], queue=TASK_QUEUE, countdown=1.0)
+        app.send_task("sits.drain", args=[ticket], queue=app.conf.task_default_queue, countdown=1.0)
         return "error"
     if outcome == "yield":
         send_drain(ticket)

@@ -6,6 +6,7 @@ under `$SITS_HOME` (`api-url`, `api-key`).
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import json
 import os
@@ -49,10 +50,12 @@ class ApiClient:
         url = env.get("SITS_API_URL")
         source = "SITS_API_URL"
         if not url:
-            url, source = _read(home / "api-url"), str(home / "api-url")
+            url, source = recorded(home, "api-url"), str(home / "api-url")
         key = env.get("SITS_API_KEY") or _read(home / "api-key")
         if not url:
-            raise SitsError(f"no API to talk to: start one with `sitsctl up` or set SITS_API_URL (looked in {home})")
+            left = " (its api-url is left from a stack that no longer runs)" if (home / "api-url").exists() else ""
+            raise SitsError(f"no API to talk to: start one with `sitsctl up` or set SITS_API_URL (looked in "
+                            f"{home}{left})")
         check_api_url(url, source)
         return cls(url, key or "")
 
@@ -175,8 +178,25 @@ def segment(text: str) -> str:
 
 
 def recorded(home: Path, name: str) -> str | None:
-    """What `sitsctl up` recorded in `home/name` (`api-url`, `api-key`, `redis-url`); None if nothing."""
-    return _read(home / name) or None
+    """What `sitsctl up` recorded in `home/name` (`api-url`, `redis-url`) while its stack runs; None if
+    nothing, or if no stack runs there now: a file left by a stack that was killed must not lead a
+    command (and its key) to whatever server has taken that port since."""
+    value = _read(home / name)
+    return value if value and stack_runs(home) else None
+
+
+def stack_runs(home: Path) -> bool:
+    """Whether a `sitsctl up` (or demo) holds the stack lock of `home` now, i.e. its stack runs."""
+    try:
+        with open(home / "run" / "stack.lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return False
+    except OSError:  # no run folder: no stack ever ran here
+        return False
 
 
 def _read(path: Path) -> str | None:

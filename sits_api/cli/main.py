@@ -21,7 +21,7 @@ from rich.table import Table
 
 from broker.config import MAX_CONCURRENT_STREAMS, Settings, load_settings
 from broker.errors import ConnectionLost, SitsError
-from sits_api.cli.client import ApiClient, recorded, segment
+from sits_api.cli.client import ApiClient, recorded, segment, stack_runs
 from sits_api.cli.job_commands import job
 from sits_api.cli.output import console, print_error, print_json, print_table
 from sits_api.cli.params import non_empty
@@ -69,8 +69,6 @@ def _stack_settings(config_path: Path | None) -> tuple[Settings, Path | None]:
     (or SITS_CONFIG) with SITS_* variables; with neither a config nor a Redis URL, those of the stack
     `sitsctl up` runs in this SITS_HOME (its effective config, and its path), so that a worker joins it
     with the same Redis, key prefix and limits."""
-    from sits_api.cli.stack import stack_runs
-
     settings = load_settings(config_path)
     if config_path or os.environ.get("SITS_CONFIG") or settings.redis.url:
         return settings, None
@@ -90,8 +88,10 @@ def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[s
     source = settings.paths.home / ("run/sits-config.yaml" if recorded_by_up else "redis-url")
     url = settings.redis.url or recorded(settings.paths.home, "redis-url") or ""
     if not url:
-        raise SitsError(f"no Redis to use: start a stack with `sitsctl up` (it records its Redis in {source}), "
-                        "or set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
+        left = (" (its redis-url is left from a stack that no longer runs)"
+                if (settings.paths.home / "redis-url").exists() else "")
+        raise SitsError(f"no Redis to use: start a stack with `sitsctl up` (it records its Redis in {source}"
+                        f"{left}), or set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
     store = Store.connect(url, settings.redis.key_prefix)  # ConfigError for a bad URL
     try:  # a recorded URL may be left from a stack that has stopped
         store.ping()
@@ -182,7 +182,10 @@ def demo(rows: int, worker_count: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
 def status(as_json: bool) -> None:
     """API and Redis URLs, workers, queue depths and jobs by status."""
-    data = _client().get("/v1/status")
+    client = _client()
+    data = client.get("/v1/status")
+    if not isinstance(data, dict) or not {"api_url", "workers", "queues", "jobs", "policy"} <= data.keys():
+        raise SitsError(f"the server at {client.url} did not answer as a SITS API; check SITS_API_URL")
     if as_json:
         print_json(data)
         return
@@ -226,7 +229,7 @@ def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None
     redis_url, _ = _stack_redis(settings, recorded_by_up=stack_config is not None)
     streams = streams or settings.resources.max_concurrent_streams
     argv, extra = worker_command(device, streams, name or f"sits-{device.replace(':', '')}-{os.getpid()}@%h",
-                                 loglevel)
+                                 settings.redis.task_queue, loglevel)
     joined = {"SITS_CONFIG": str(stack_config)} if stack_config else {}  # the stack's prefix and limits too
     os.execvpe(argv[0], argv, os.environ | extra | joined | {"SITS_REDIS_URL": redis_url})
 

@@ -11,11 +11,13 @@ from rich.markup import escape
 from rich.table import Table
 
 console = Console()
+errors = Console(stderr=True)
+"""Errors go to stderr: `--json` output piped into a program never holds an error line."""
 
 
 def print_error(message: str) -> None:
-    """One red `error:` line; the message is printed as text (API messages may hold `[...]`)."""
-    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
+    """One red `error:` line on stderr; the message is printed as text (API messages may hold `[...]`)."""
+    errors.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
 
 
 def print_json(data: Any) -> None:

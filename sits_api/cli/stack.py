@@ -34,10 +34,12 @@ from sits_api.cli.client import ApiClient, ApiError
 from sits_api.cli.processes import Child, RestartBudget, describe_exit, stop_process, wait_for_exit
 
 
-def worker_command(device: str, streams: int, name: str, loglevel: str = "INFO") -> tuple[list[str], dict[str, str]]:
-    """argv and extra environment of a Celery worker pinned to `device` with `streams` threads."""
+def worker_command(device: str, streams: int, name: str, queue: str, loglevel: str = "INFO"
+                   ) -> tuple[list[str], dict[str, str]]:
+    """argv and extra environment of a Celery worker pinned to `device` with `streams` threads, taking
+    the tasks of Celery queue `queue` (`redis.task_queue`)."""
     argv = [sys.executable, "-m", "celery", "-A", "sits_worker", "worker", "--pool", "threads",
-            "--concurrency", str(streams), "--hostname", name, "--queues", "sits", "--loglevel", loglevel,
+            "--concurrency", str(streams), "--hostname", name, "--queues", queue, "--loglevel", loglevel,
             "--without-mingle", "--without-gossip"]
     return argv, {"SITS_WORKER_DEVICE": device, "SITS_WORKER_STREAMS": str(streams)}
 
@@ -175,7 +177,7 @@ class Stack:
         """Start worker number `index`: GPUs round-robin, else the CPU (`supervise` restarts it after a crash)."""
         device = self._gpus[index % len(self._gpus)] if self._gpus else "cpu"
         streams = self.streams or self.settings.resources.max_concurrent_streams
-        argv, extra = worker_command(device, streams, f"sits{index}-{os.getpid()}@%h")
+        argv, extra = worker_command(device, streams, f"sits{index}-{os.getpid()}@%h", self.settings.redis.task_queue)
         return self._spawn(f"worker{index}", argv, extra)
 
     def _write_client_files(self) -> None:
@@ -304,20 +306,6 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def stack_runs(home: Path) -> bool:
-    """Whether a `sitsctl up` (or demo) holds the stack lock of `home` now, i.e. its stack runs."""
-    try:
-        with open(home / "run" / "stack.lock", "a+") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            return False
-    except OSError:  # no run folder: no stack ever ran here
-        return False
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -213,18 +213,27 @@ def test_worker_without_a_redis_says_how_to_get_one(tmp_path: Path) -> None:
     result = sitsctl_process(tmp_path, "worker", "--cpu")
 
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "no Redis to use: start a stack with `sitsctl up`" in " ".join(result.stdout.split())
+    assert "no Redis to use: start a stack with `sitsctl up`" in " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
 
 
-def test_worker_with_the_redis_of_a_stopped_stack_says_it_does_not_answer(tmp_path: Path) -> None:
-    (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
+def test_urls_left_by_a_killed_stack_are_not_followed(tmp_path: Path) -> None:
+    """A stack killed by SIGKILL leaves its api-url and redis-url; whatever server takes those ports next
+    must not get the commands (nor the admin key): they are used only while the stack's lock is held."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "redis-url").write_text(f"redis://127.0.0.1:{free_port()}/0\n")
+    (home / "api-url").write_text(f"http://127.0.0.1:{free_port()}\n")
 
-    result = sitsctl_process(tmp_path, "worker", "--cpu")
+    worker = sitsctl_process(tmp_path, "worker", "--cpu")
+    key = sitsctl_process(tmp_path, "key", "create", "--name", "x")
+    status = sitsctl_process(tmp_path, "status")
 
-    assert result.returncode == 1 and "Redis is unreachable" in result.stdout, result.stdout + result.stderr
-    assert "is `sitsctl up` running?" in " ".join(result.stdout.split())
+    for result in (worker, key):
+        assert result.returncode != 0 and "no Redis to use" in result.stderr, result.stdout + result.stderr
+        assert "redis-url is left from a stack that no longer runs" in " ".join(result.stderr.split())
+    assert status.returncode != 0, status.stdout + status.stderr
+    assert "api-url is left from a stack that no longer runs" in " ".join(status.stderr.split())
 
 
 def test_a_plain_celery_worker_without_a_redis_url_stops_instead_of_trying_amqp(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ from flask.testing import FlaskClient
 
 from broker import jobs, queues
 from broker.apikeys import create_api_key
+from broker.config import Settings
 from broker.embedded import EmbeddedRedis
 from broker.store import Store
 from sits_api.app import create_app
-from sits_api.dispatch import TASK_QUEUE
 from sits_worker import outputs
 
 JOB_FIELDS = {"id", "model", "status", "rows_total", "rows_done", "chunks_total", "chunks_done", "output_dir",
@@ -77,14 +77,16 @@ def test_a_job_can_pin_a_model_version(api: Api, mlp: dict[str, Any], mlp_input:
 
 
 def test_submitting_a_job_publishes_a_drain_task_to_celery(
-        api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+        api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path, redis_server: EmbeddedRedis,
+        settings: Settings) -> None:
     broker = redis.Redis.from_url(redis_server.url, decode_responses=True)
-    before = broker.llen(TASK_QUEUE)
+    queue = settings.redis.task_queue  # this deployment's: its key prefix
+    before = broker.llen(queue)
 
     submit(api, **job_body("mlp", mlp_input, tmp_path / "out"))
 
-    assert broker.llen(TASK_QUEUE) == before + 1
-    message = json.loads(broker.lindex(TASK_QUEUE, 0))  # kombu LPUSHes, workers BRPOP
+    assert queue == settings.redis.key_prefix and broker.llen(queue) == before + 1
+    message = json.loads(broker.lindex(queue, 0))  # kombu LPUSHes, workers BRPOP
     assert message["headers"]["task"] == "sits.drain"
     broker.close()
 

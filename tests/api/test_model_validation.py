@@ -19,7 +19,6 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 from broker.config import Settings
 from broker.embedded import EmbeddedRedis
 from broker.errors import SitsError
-from sits_api.dispatch import TASK_QUEUE
 from sits_worker.model.graph import dtype_name
 from sits_worker.model.servable import CARRIED_DTYPE_KINDS, check_servable
 from sits_worker.model.tensors import InputSpec
@@ -202,7 +201,7 @@ def test_a_refused_full_profile_sends_no_task_and_stores_nothing(
 
     def profile_tasks() -> int:
         return sum(json.loads(message)["headers"]["task"] == "sits.profile_model"
-                   for message in broker.lrange(TASK_QUEUE, 0, -1))
+                   for message in broker.lrange(settings.redis.task_queue, 0, -1))
 
     before = profile_tasks()
     refused(register(api, tmp_path, one_op(in_shape=[], out_shape=[]), profile_mode="full", enable_fusion=True))

@@ -415,3 +415,12 @@ def test_a_model_batching_override_keeps_the_other_keys_of_online_batching(tmp_p
         "max_batch_size": 8, "max_queue_delay": 0.005, "preferred_batch_sizes": (), "max_batch_latency": 0.05,
         "max_batch_tokens": 64, "queue_capacity": 1024}
     assert online.batching_for("mlp") == online.batching
+
+
+def test_the_celery_queue_is_the_key_prefix_so_two_deployments_on_one_redis_keep_their_tasks_apart() -> None:
+    from sits_worker.celery_app import celery_config
+
+    ours = load_settings(environ={"SITS_REDIS__KEY_PREFIX": "teamb", "SITS_REDIS_URL": "redis://127.0.0.1:1/0"})
+
+    assert ours.redis.task_queue == "teamb" and Settings().redis.task_queue == "sits"
+    assert celery_config(ours)["task_default_queue"] == "teamb"

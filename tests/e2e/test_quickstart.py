@@ -59,7 +59,7 @@ def test_sitsctl_up_records_url_and_key_and_stops_its_children_on_sigterm(tmp_pa
         assert (home / "api-url").read_text().startswith("http://127.0.0.1:")
         second = subprocess.run([sys.executable, "-m", "sits_api.cli", "up", "--port", "0"], env=env,
                                 capture_output=True, text=True, timeout=60)
-        assert second.returncode == 1 and "already runs" in second.stdout
+        assert second.returncode == 1 and "already runs" in second.stderr
         worker_pid = status["workers"][0]["pid"]
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0

@@ -165,7 +165,7 @@ def test_sitsctl_job_commands_and_status(stack):
     assert any(ref.startswith("convnet@") for ref in overview["queues"])
 
     again = sitsctl(stack, "job", "resume", job_id)
-    assert again.returncode == 1 and "already succeeded" in again.stdout
+    assert again.returncode == 1 and "already succeeded" in again.stderr  # errors go to stderr
 
 
 def test_cancel_takes_waiting_chunks_out_of_the_queue(stack):
