@@ -363,7 +363,10 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from err
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
     return loaded

@@ -170,7 +170,8 @@ def _raise_keyboard_interrupt(*_: object) -> None:
 
 @cli.command()
 @click.option("--rows", default=12_288, show_default=True, help="rows in the demo job (at least 10,000)")
-@click.option("--workers", "worker_count", default=2, show_default=True)
+@click.option("--workers", "worker_count", type=click.IntRange(1, MAX_WORKERS), default=2, show_default=True,
+              help="worker processes (at least one: the demo's models are profiled and run by workers)")
 def demo(rows: int, worker_count: int) -> None:
     """The main job: start the stack, build and register the zoo, run an offline job, print a summary."""
     from sits_api.cli.demo import run_demo

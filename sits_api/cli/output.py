@@ -25,9 +25,9 @@ def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2))
 
 
-def print_table(table: Table) -> None:
+def print_table(table: Table, on: Console = console) -> None:
     """A table at the terminal's width; into a pipe or a file at its own width, so no cell is cut."""
-    if console.is_terminal:
-        console.print(table)
+    if on.is_terminal:
+        on.print(table)
     else:
-        Console(width=100_000).print(table)
+        Console(file=on.file, width=100_000).print(table)

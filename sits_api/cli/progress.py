@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sits_api.cli.client import ApiClient
+from sits_api.cli.output import print_table
 
 FINAL = ("succeeded", "failed", "cancelled")
 
@@ -51,4 +52,4 @@ def print_summary(console: Console, job: dict[str, Any]) -> None:
         table = Table("output file", "shape", "dtype", "checksum", title=f"outputs in {job['output_dir']}")
         for output in manifest["outputs"].values():
             table.add_row(output["file"], str(output["shape"]), output["dtype"], output["checksum"])
-        console.print(table)
+        print_table(table, on=console)  # checksums whole in a pipe or a log

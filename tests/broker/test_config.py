@@ -106,8 +106,11 @@ def test_config_file_that_is_not_a_mapping_is_rejected(tmp_path: Path) -> None:
 def test_malformed_yaml_is_rejected(tmp_path: Path) -> None:
     path = write_config(tmp_path, "scheduler: [unclosed\n")
 
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as refused:
         load_settings(path, environ={})
+
+    assert refused.value.message.startswith(f"config file {path} is not valid YAML at line 2, column 1: ")
+    assert "\n" not in refused.value.message  # one line, naming the file (not "<unicode string>")
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
