@@ -112,12 +112,18 @@ def test_get_job_on_an_unknown_id_raises_job_not_found(store: Store) -> None:
         jobs.get_job(store, "jnothere", now=NOW)
 
 
-def test_get_job_derives_rate_and_eta_from_progress(store: Store) -> None:
-    spec = job_spec(rows_total=8, chunk_size=4)
+def started_with_a_chunk_done(store: Store, rows_total: int) -> jobs.JobSpec:
+    """A job of 4-row chunks started at NOW whose first chunk was acked 2 s later."""
+    spec = job_spec(rows_total=rows_total, chunk_size=4)
     jobs.create_job(store, spec, now=NOW)
     [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
     store.scripts.start_item(keys=[store.keys.job(spec.job_id)], args=[NOW])
     ack(store, item, now=NOW + 2)
+    return spec
+
+
+def test_get_job_derives_rate_and_eta_from_progress(store: Store) -> None:
+    spec = started_with_a_chunk_done(store, rows_total=8)
 
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
 
@@ -127,11 +133,7 @@ def test_get_job_derives_rate_and_eta_from_progress(store: Store) -> None:
 
 
 def test_after_a_resume_rate_and_eta_are_of_the_resumed_run_not_of_the_time_stopped(store: Store) -> None:
-    spec = job_spec(rows_total=12, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
-    [first] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
-    store.scripts.start_item(keys=[store.keys.job(spec.job_id)], args=[NOW])
-    ack(store, first, now=NOW + 2)
+    spec = started_with_a_chunk_done(store, rows_total=12)
     jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 2)
     jobs.resume_job(store, spec.job_id, now=NOW + 100)  # stood stopped for 98 s
     [second] = queues.lease_batch(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1)
