@@ -16,7 +16,7 @@ from flask import Blueprint, Flask, g, jsonify, request
 from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
-from broker import jobs, policy, queues, registry, requests, workers
+from broker import job_lists, jobs, policy, queues, registry, requests, workers
 from broker.apikeys import authenticate, owns, require_role
 from broker.config import Settings
 from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
@@ -189,7 +189,7 @@ def status() -> Any:
         "workers": workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout),
         "queues": queues.queue_depths(store),
         "tickets": queues.ticket_count(store),
-        "jobs": jobs.count_jobs_by_status(store),
+        "jobs": job_lists.count_jobs_by_status(store),
     }
     if g.identity.get("role") != "admin":
         del overview["redis_url"]
@@ -267,7 +267,7 @@ def list_jobs() -> Any:
             raise Forbidden(f"key '{g.identity['name']}' may list only its own jobs; leave out owner= "
                             "(an admin key may name any owner)")
         owner = g.identity["name"]
-    listed = jobs.list_jobs(_ctx()["store"], now=time.time(), limit=limit, status=status_filter, owner=owner)
+    listed = job_lists.list_jobs(_ctx()["store"], now=time.time(), limit=limit, status=status_filter, owner=owner)
     # `owns` decides; the owner filter above only spares reading other tenants' jobs
     return jsonify({"jobs": [job for job in listed if owns(g.identity, job["owner"])]})
 

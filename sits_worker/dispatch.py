@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from broker import jobs, policy, queues, requests, reservation
+from broker import job_lists, jobs, policy, queues, requests, reservation
 from broker.errors import RunFailed
 from broker.queues import StaleTicket
 from broker.wakeup import SendTicket, wake_workers
@@ -172,7 +172,7 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
         else:
             item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
             queues.finish_item(ctx.store, item, job_id, now=now)
-    jobs.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
+    job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
     stalled = jobs.stalled_fills(ctx.store, now=now)
     if stalled:
         weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(settings.scheduler.policy))

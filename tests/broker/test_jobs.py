@@ -11,7 +11,7 @@ from broker_helpers import MODEL_REF, NOW, ack, done_chunks, inflight_deadlines,
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker import jobs, queues
+from broker import job_lists, jobs, queues
 from broker.errors import Conflict, JobNotFound
 from broker.scoring import Weights, queue_key
 from broker.store import Store
@@ -151,29 +151,29 @@ def test_list_jobs_is_newest_first_and_filters_by_status(store: Store) -> None:
         jobs.create_job(store, job_spec(job_id, rows_total=1, chunk_size=1), now=NOW + i)
     jobs.stop_job(store, "jmid", status="cancelled", error="", now=NOW + 10)
 
-    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10)] == ["jnew", "jmid", "jold"]
-    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, limit=2)] == ["jnew", "jmid"]
-    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, status="queued")] == ["jnew", "jold"]
-    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, status="queued", limit=1)] == ["jnew"]
-    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, status="cancelled")] == ["jmid"]
-    assert jobs.list_jobs(store, now=NOW + 10, status="failed") == []
-    assert jobs.count_jobs_by_status(store) == {"queued": 2, "cancelled": 1}
+    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10)] == ["jnew", "jmid", "jold"]
+    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, limit=2)] == ["jnew", "jmid"]
+    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, status="queued")] == ["jnew", "jold"]
+    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, status="queued", limit=1)] == ["jnew"]
+    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, status="cancelled")] == ["jmid"]
+    assert job_lists.list_jobs(store, now=NOW + 10, status="failed") == []
+    assert job_lists.count_jobs_by_status(store) == {"queued": 2, "cancelled": 1}
 
 
 @pytest.mark.parametrize("indexed", [True, False], ids=["owner-index", "scan-before-the-index-is-built"])
 def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
         store: Store, monkeypatch: pytest.MonkeyPatch, indexed: bool) -> None:
-    monkeypatch.setattr(jobs, "LIST_SCAN_PAGE", 2)  # the owner's jobs lie several pages down the index
+    monkeypatch.setattr(job_lists, "LIST_SCAN_PAGE", 2)  # the owner's jobs lie several pages down the index
     owners = ["bob", "alice", "bob", "bob", "alice", "bob", "bob", ""]
     for i, owner in enumerate(owners):
         spec = dataclasses.replace(job_spec(f"j{i}", rows_total=1, chunk_size=1), owner=owner)
         jobs.create_job(store, spec, now=NOW + i)
     jobs.stop_job(store, "j4", status="cancelled", error="", now=NOW + 10)
     if indexed:
-        assert jobs.index_job_owners(store)  # as a reaper pass does
+        assert job_lists.index_job_owners(store)  # as a reaper pass does
 
     def listed(**filters: Any) -> list[str]:
-        return [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, **filters)]
+        return [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, **filters)]
 
     assert listed(owner="alice") == ["j4", "j1"]
     assert listed(owner="alice", limit=1) == ["j4"]
@@ -182,7 +182,7 @@ def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
     assert listed(limit=1) == ["j7"]  # no filter: every job, the ownerless one included
     assert jobs.get_job(store, "j7", now=NOW)["owner"] is None
     assert jobs.get_job(store, "j1", now=NOW)["owner"] == "alice"
-    monkeypatch.setattr(jobs, "LIST_SCAN_JOBS", 3)  # a scan looks through the newest 3 jobs only
+    monkeypatch.setattr(job_lists, "LIST_SCAN_JOBS", 3)  # a scan looks through the newest 3 jobs only
     assert listed(status="queued") == ["j7", "j6", "j5"]
     assert listed(owner="bob", status="queued") == (["j6", "j5", "j3"] if indexed else ["j6", "j5"])
     assert listed(owner="alice") == (["j4", "j1"] if indexed else [])  # the index holds its jobs alone
@@ -196,18 +196,18 @@ def test_reaper_passes_index_jobs_stored_before_the_owner_indexes_a_page_at_a_ti
         jobs.create_job(store, spec, now=NOW + (i if i < 3 else 2))  # j2, j3 and j4 share a creation time
     store.client.delete(store.keys.owner_jobs("alice"), store.keys.owner_jobs("bob"))
 
-    assert not jobs.index_job_owners(store, limit=4)  # a full page: more may follow
+    assert not job_lists.index_job_owners(store, limit=4)  # a full page: more may follow
     assert not store.client.exists(store.keys.owner_index_built)
-    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, owner="alice")] == ["j4", "j2", "j0"]  # scan
-    assert jobs.index_job_owners(store, limit=4)  # from before the run of equal times the page ended in
+    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, owner="alice")] == ["j4", "j2", "j0"]  # scan
+    assert job_lists.index_job_owners(store, limit=4)  # from before the run of equal times the page ended in
     assert store.client.zrange(store.keys.owner_jobs("alice"), 0, -1, withscores=True) == [
         ("j0", NOW), ("j2", NOW + 2), ("j4", NOW + 2)]
     assert store.client.zrange(store.keys.owner_jobs("bob"), 0, -1) == ["j1"]
     jobs.create_job(store, dataclasses.replace(job_spec("j5", rows_total=1, chunk_size=1), owner="bob"),
                     now=NOW + 5)
     store.client.zrem(store.keys.owner_jobs("bob"), "j5")  # as an older API process wrote it
-    assert jobs.index_job_owners(store)
-    assert [job["id"] for job in jobs.list_jobs(store, now=NOW + 10, owner="bob")] == ["j5", "j1"]
+    assert job_lists.index_job_owners(store)
+    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, owner="bob")] == ["j5", "j1"]
 
 
 # --- output folders -------------------------------------------------------------------------------
