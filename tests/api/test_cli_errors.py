@@ -256,3 +256,14 @@ def test_worker_pinned_to_a_gpu_it_cannot_use_is_refused(tmp_path: Path, redis_s
     assert result.returncode == 1
     assert "cannot pin this worker to gpu:0: " in result.stderr and "--cpu" in result.stderr, result.stderr
     assert "ready." not in result.stderr
+
+
+def test_client_commands_look_in_the_home_the_named_config_sets(run, tmp_path: Path) -> None:
+    """`up --config` with a `paths.home` records its URLs there: `status` with that SITS_CONFIG (and no
+    SITS_HOME) must look there, not in ~/.sits."""
+    config = tmp_path / "sits-config.yaml"
+    config.write_text(f"paths:\n  home: {tmp_path / 'elsewhere'}\n")
+
+    result = run("status", SITS_HOME=None, SITS_CONFIG=str(config))
+
+    assert_refused(result, "no API to talk to", f"looked in {tmp_path / 'elsewhere'}")
