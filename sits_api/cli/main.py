@@ -226,6 +226,12 @@ def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None
     if gpu is not None and use_cpu:
         raise click.UsageError("choose one of --gpu N and --cpu")
     device = "cpu" if use_cpu else (f"gpu:{gpu}" if gpu is not None else "auto")
+    if gpu is not None:  # refused here, before Celery prints its banner (the worker checks again at start)
+        from sits_worker.devices import Device, gpu_problem
+
+        if problem := gpu_problem(Device("gpu", gpu)):
+            raise SitsError(f"cannot pin this worker to gpu:{gpu}: {problem}; start it with --cpu "
+                            "or on a machine with that GPU")
     settings, stack_config = _stack_settings(None)
     redis_url, _ = _stack_redis(settings, recorded_by_up=stack_config is not None)
     streams = streams or settings.resources.max_concurrent_streams
