@@ -190,10 +190,15 @@ def recorded(home: Path, name: str) -> str | None:
     return value if value and stack_runs(home) else None
 
 
+def stack_lock(home: Path) -> Path:
+    """The file a running stack holds a flock on: one stack per SITS_HOME (`Stack.start`)."""
+    return home / "run" / "stack.lock"
+
+
 def stack_runs(home: Path) -> bool:
     """Whether a `sitsctl up` (or demo) holds the stack lock of `home` now, i.e. its stack runs."""
     try:
-        with open(home / "run" / "stack.lock", "a+") as lock:
+        with open(stack_lock(home), "a+") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -30,7 +30,7 @@ from broker.config import Settings
 from broker.embedded import EmbeddedRedis, free_port
 from broker.errors import ConfigError, SitsError
 from broker.store import Store
-from sits_api.cli.client import ApiClient, ApiError
+from sits_api.cli.client import ApiClient, ApiError, stack_lock
 from sits_api.cli.processes import Child, RestartBudget, describe_exit, stop_process, wait_for_exit
 
 
@@ -138,7 +138,7 @@ class Stack:
     def _lock_home(self) -> None:
         """One stack per SITS_HOME: two embedded Redis servers on one AOF folder would corrupt it."""
         (self.home / "run").mkdir(exist_ok=True)
-        self._lock_file = open(self.home / "run" / "stack.lock", "a+")  # noqa: SIM115 - held until stop()
+        self._lock_file = open(stack_lock(self.home), "a+")  # noqa: SIM115 - held until stop()
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

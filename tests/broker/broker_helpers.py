@@ -61,11 +61,6 @@ def inflight_deadlines(store: Store, model_ref: str = MODEL_REF) -> dict[str, fl
     return dict(store.client.zrange(store.keys.inflight(model_ref), 0, -1, withscores=True))
 
 
-def done_chunks(store: Store, job_id: str) -> set[int]:
-    """Chunk indexes in the job's checkpoint."""
-    return {int(index) for index in store.client.smembers(store.keys.job_done(job_id))}
-
-
 def job_field(store: Store, job_id: str, name: str) -> Any:
     """One raw field of a job hash."""
     return store.client.hget(store.keys.job(job_id), name)

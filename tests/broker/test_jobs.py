@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from broker_helpers import MODEL_REF, NOW, ack, done_chunks, inflight_deadlines, job_field, job_spec, ready_ids
+from broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_field, job_spec, ready_ids
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -54,7 +54,7 @@ def test_create_job_writes_the_checkpoint_fields(store: Store) -> None:
     assert job["progress"] == 0.0
     assert job["error"] is None
     assert job["eta_seconds"] is None
-    assert done_chunks(store, spec.job_id) == set()
+    assert jobs.done_chunks(store, spec.job_id) == set()
 
 
 def test_create_job_queues_one_item_per_chunk(store: Store) -> None:
@@ -292,7 +292,7 @@ def test_ack_after_cancel_is_ignored(store: Store) -> None:
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
     assert job["status"] == "cancelled"
     assert (job["chunks_done"], job["rows_done"]) == (0, 0)
-    assert done_chunks(store, spec.job_id) == set()
+    assert jobs.done_chunks(store, spec.job_id) == set()
     assert ready_ids(store) == []
 
 
@@ -365,7 +365,7 @@ def test_late_ack_from_a_pre_resume_lease_is_counted_once(store: Store) -> None:
 
     assert [ack(store, old, now=NOW + 3), ack(store, new, now=NOW + 4)] == [1, 0]
 
-    assert done_chunks(store, spec.job_id) == {0}
+    assert jobs.done_chunks(store, spec.job_id) == {0}
     assert job_field(store, spec.job_id, "chunks_done") == "1"
 
 

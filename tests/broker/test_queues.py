@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from broker_helpers import MODEL_REF, NOW, ack, done_chunks, inflight_deadlines, job_field, job_spec, ready_ids
+from broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_field, job_spec, ready_ids
 
 from broker import jobs, queues, workers
 from broker.queues import StaleTicket
@@ -246,7 +246,7 @@ def test_ack_records_the_chunk_in_the_job_checkpoint(store: Store) -> None:
     assert inflight_deadlines(store) == {}
     assert store.client.hget(store.keys.items, item.item_id) is None
     assert store.client.hget(store.keys.attempts, item.item_id) is None
-    assert done_chunks(store, spec.job_id) == {0}
+    assert jobs.done_chunks(store, spec.job_id) == {0}
     job = jobs.get_job(store, spec.job_id, now=NOW + 5)
     assert (job["chunks_done"], job["rows_done"], job["chunk_runs"]) == (1, 4, 1)
     assert job["status"] == "running"
@@ -267,7 +267,7 @@ def test_acking_the_same_chunk_twice_counts_it_once(store: Store) -> None:
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
     assert (job["chunks_done"], job["rows_done"], job["chunk_runs"]) == (1, 4, 2)
     assert job["checkpoint_ts"] == NOW + 1
-    assert done_chunks(store, spec.job_id) == {0}
+    assert jobs.done_chunks(store, spec.job_id) == {0}
 
 
 def test_late_ack_of_a_reaped_chunk_takes_it_out_of_the_queue(store: Store) -> None:
@@ -280,7 +280,7 @@ def test_late_ack_of_a_reaped_chunk_takes_it_out_of_the_queue(store: Store) -> N
     assert ack(store, slow, now=NOW + 12) == 1  # the slow worker finished after all
 
     assert slow.item_id not in ready_ids(store)  # so nobody runs it again
-    assert done_chunks(store, spec.job_id) == {0}
+    assert jobs.done_chunks(store, spec.job_id) == {0}
 
 
 def test_late_ack_after_the_chunk_was_re_leased_is_counted_once(store: Store) -> None:
