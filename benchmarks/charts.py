@@ -30,8 +30,10 @@ def main() -> None:
     if results.get("load"):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         rows = results["load"]
-        series = {"naive Celery task per request": [r["naive"]["rps"] for r in rows],
-                  "SITS (REST, merged batches)": [r["sits"]["rps"] for r in rows]}
+        series = {"naive Celery task per request": [r["naive"]["rps"] for r in rows]}
+        if all("naive_rest" in r for r in rows):
+            series["naive, behind a REST endpoint"] = [r["naive_rest"]["rps"] for r in rows]
+        series["SITS (REST, merged batches)"] = [r["sits"]["rps"] for r in rows]
         floors = results.get("floors") or {}
         if all(row["model"] in floors for row in rows):
             series["REST floor (parse and answer only)"] = [floors[row["model"]]["rps"] for row in rows]

@@ -119,7 +119,7 @@ class CpuMeter:
 
     @staticmethod
     def _read(name: str, pid: int) -> float:
-        return cpu_seconds(pid, with_children=name == "SITS api")
+        return cpu_seconds(pid, with_children=name.endswith(" api"))  # gunicorn: the master and its workers
 
 
 def payloads(model: str, count: int, seed: int = 0, *, b64: bool = False) -> list[dict[str, Any]]:
@@ -304,41 +304,56 @@ def stop_process(process: subprocess.Popen[bytes] | None) -> None:
         process.wait()
 
 
-def rest_floor(requests: list[dict[str, list]], clients: int, seconds: float, model: str) -> dict[str, Any]:
-    """Closed loop against benchmarks/rest_floor.py under the API's gunicorn settings: what REST alone costs."""
+def serve_app(app: str, *, env: dict[str, str] | None = None, log_path: Path | None = None,
+              ) -> tuple[subprocess.Popen[bytes], str]:
+    """Another WSGI app under the API's own gunicorn command (sits_api.cli.stack.api_command) on a free
+    loopback port; returns the server and its URL once it accepts connections."""
     port = free_port()
     settings = Settings().with_overrides(api={"host": "127.0.0.1", "port": port})
-    server = subprocess.Popen(api_command(settings, app="benchmarks.rest_floor:app"), cwd=ROOT,
-                              stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("the REST floor server did not start") from None
-                time.sleep(0.1)
-        meter = CpuMeter({"clients (bench)": os.getpid(), "SITS api": server.pid})
-        connections: list[Http] = []
-
-        def make_call(index: int) -> Callable[[int], Any]:
-            http_ = Http(f"http://127.0.0.1:{port}", "none")
-            connections.append(http_)
-
-            def call(n: int) -> None:
-                status, _ = http_.call("POST", "/v1/requests", {
-                    "model": model, "inputs": requests[(index * 7919 + n) % len(requests)], "wait": True})
-                if status != 200:
-                    raise RuntimeError(f"status {status}")
-            return call
-
+    with open(log_path or os.devnull, "ab") as log:
+        server = subprocess.Popen(api_command(settings, app=app), cwd=ROOT, env=dict(os.environ, **(env or {})),
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while True:
         try:
-            return closed_loop(clients, seconds, make_call, meter)
-        finally:
-            for connection in connections:
-                connection.close()
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                stop_process(server)
+                raise RuntimeError(f"{app} did not start under gunicorn") from None
+            time.sleep(0.1)
+
+
+def rest_load(url: str, model: str, requests: list[dict[str, list]], clients: int, seconds: float,
+              meter: CpuMeter) -> dict[str, Any]:
+    """Closed loop of the SITS clients' POSTs against another REST service (the floor, naive REST)."""
+    connections: list[Http] = []
+
+    def make_call(index: int) -> Callable[[int], Any]:
+        http_ = Http(url, "none")
+        connections.append(http_)
+
+        def call(n: int) -> None:
+            status, body = http_.call("POST", "/v1/requests", {
+                "model": model, "inputs": requests[(index * 7919 + n) % len(requests)], "wait": True})
+            if status != 200 or body.get("status") != "succeeded":
+                raise RuntimeError(f"{status}: {body}")
+        return call
+
+    try:
+        return closed_loop(clients, seconds, make_call, meter)
+    finally:
+        for connection in connections:
+            connection.close()
+
+
+def rest_floor(requests: list[dict[str, list]], clients: int, seconds: float, model: str) -> dict[str, Any]:
+    """Closed loop against benchmarks/rest_floor.py under the API's gunicorn settings: what REST alone costs."""
+    server, url = serve_app("benchmarks.rest_floor:app")
+    try:
+        return rest_load(url, model, requests, clients, seconds,
+                         CpuMeter({"clients (bench)": os.getpid(), "SITS api": server.pid}))
     finally:
         stop_process(server)
 
@@ -707,7 +722,9 @@ def main() -> None:
         )
         stack = Stack(settings, worker_count=1, api_port=0)
         naive: subprocess.Popen[bytes] | None = None
-        load_rows: list[tuple[str, dict, dict]] = []
+        naive_api: subprocess.Popen[bytes] | None = None
+        naive_api_url = ""
+        load_rows: list[tuple[str, dict, dict, dict]] = []  # model, naive, naive REST, SITS
         floors: dict[str, dict[str, Any]] = {}
         idle: dict[str, float] = {}
         phases: list[dict[str, Any]] = []
@@ -731,10 +748,15 @@ def main() -> None:
 
             if "load" in parts:
                 naive = start_naive_worker(stack.settings.redis.url, home / "logs" / "naive-worker.log")
+                naive_api, naive_api_url = serve_app(
+                    "benchmarks.naive_rest:app", log_path=home / "logs" / "naive-api.log",
+                    env={"NAIVE_REDIS_URL": stack.settings.redis.url,
+                         "NAIVE_MODELS": json.dumps({model: str(zoo[model]) for model in models})})
             for model in models if "load" in parts else ():  # warm-up both sides: sessions built, connections open
                 requests = payloads(model, 64, seed=2)
                 for _ in range(4):
                     infer.delay(str(zoo[model]), requests[0]).get(timeout=120)
+                    Http(naive_api_url, "none").call("POST", "/v1/requests", {"model": model, "inputs": requests[0]})
                     client.post("/v1/requests", {"model": model, "inputs": requests[0], "wait": True})
             for model, batch in cases:
                 client.post("/v1/requests", {"model": queued_name(model, batch), "inputs": payloads(model, 1)[0],
@@ -746,27 +768,31 @@ def main() -> None:
                     client.post("/v1/requests", {"model": queued_name(model, batch), "inputs": inputs, "wait": True})
             print(f"[{time.monotonic() - begun:5.0f}s] stack and naive worker up", file=sys.stderr, flush=True)
             redis_pid = stack.redis.process.pid if stack.redis and stack.redis.process else 0
-            pids = {"clients (bench)": os.getpid(), "redis": redis_pid, "naive worker": naive.pid if naive else 0}
+            pids = {"clients (bench)": os.getpid(), "redis": redis_pid, "naive worker": naive.pid if naive else 0,
+                    "naive api": naive_api.pid if naive_api else 0}
             pids.update({f"SITS {child.name}": child.process.pid for child in stack.children})
             meter = CpuMeter(pids)
 
             # 2./3. naive vs SITS, alternating
             for model in models if "load" in parts else ():
                 requests = payloads(model, 256, seed=3)
-                naive_runs, sits_runs = [], []
+                naive_runs, naive_rest_runs, sits_runs = [], [], []
                 for repeat in range(repeats):
                     naive_runs.append(naive_load(infer, zoo[model], requests, args.clients, seconds, meter))
+                    naive_rest_runs.append(rest_load(naive_api_url, model, requests, args.clients, seconds, meter))
                     sits_runs.append(sits_load(stack, model, requests, args.clients, seconds, meter))
                     print(f"[{time.monotonic() - begun:5.0f}s] {model} repeat {repeat}: naive "
-                          f"{naive_runs[-1]['rps']:.0f} req/s, SITS {sits_runs[-1]['rps']:.0f} req/s "
-                          f"(batch {sits_runs[-1]['mean_batch']:.1f})", file=sys.stderr, flush=True)
-                load_rows.append((model, median_run(naive_runs), median_run(sits_runs)))
+                          f"{naive_runs[-1]['rps']:.0f} req/s, naive REST {naive_rest_runs[-1]['rps']:.0f} req/s,"
+                          f" SITS {sits_runs[-1]['rps']:.0f} req/s (batch {sits_runs[-1]['mean_batch']:.1f})",
+                          file=sys.stderr, flush=True)
+                load_rows.append((model, median_run(naive_runs), median_run(naive_rest_runs), median_run(sits_runs)))
                 if "floor" in parts:
                     floors[model] = rest_floor(requests, args.clients, seconds, model)
                     print(f"[{time.monotonic() - begun:5.0f}s] {model} REST floor {floors[model]['rps']:.0f} req/s",
                           file=sys.stderr, flush=True)
+            stop_process(naive_api)
             stop_process(naive)
-            naive = None
+            naive, naive_api = None, None
 
             # 4. idle latency
             if "idle" in parts:
@@ -793,6 +819,7 @@ def main() -> None:
                           file=sys.stderr, flush=True)
                 scenario_results.append((title, runs))
         finally:
+            stop_process(naive_api)
             stop_process(naive)
             stack.stop()
 
@@ -806,7 +833,8 @@ def main() -> None:
     print(f"\n(total wall time {time.monotonic() - begun:.0f} s)")
     if args.json:
         results = {"quick": args.quick, "ceilings": ceilings, "idle": idle, "priority": phases, "floors": floors,
-                   "load": [{"model": model, "naive": naive, "sits": sits} for model, naive, sits in load_rows],
+                   "load": [{"model": model, "naive": naive, "naive_rest": naive_rest, "sits": sits}
+                            for model, naive, naive_rest, sits in load_rows],
                    "scenarios": [{"title": title, "runs": runs} for title, runs in scenario_results]}
         args.json.write_text(json.dumps(results, indent=1, default=str))
 
@@ -838,19 +866,21 @@ def print_report(args: argparse.Namespace, seconds: float, repeats: int, ceiling
             print(f"| {model} | {one:,.0f} | {best} | {best_rate:,.0f} |")
 
     if load_rows:
-        print(f"\n### Closed loop, {args.clients} concurrent clients: naive Celery task per request vs SITS\n")
-        print("| model | naive req/s | naive p50 ms | naive p99 ms | SITS req/s | SITS p50 ms | SITS p99 ms |"
-              " SITS mean batch | SITS/naive | errors (naive/SITS) |")
+        print(f"\n### Closed loop, {args.clients} concurrent clients: naive Celery task per request (clients call"
+              " Celery directly; and behind a REST endpoint, benchmarks/naive_rest.py) vs SITS through REST\n")
+        print("| model | naive req/s | naive REST req/s | naive REST p50 / p99 ms | SITS req/s | SITS p50 / p99 ms |"
+              " SITS mean batch | SITS / naive | SITS / naive REST | errors (naive/naive REST/SITS) |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for model, naive, sits in load_rows:
-            spread = ("", "")
+        for model, naive, naive_rest, sits in load_rows:
+            spread: tuple[str, ...] = ("", "", "")
             if repeats > 1:
-                spread = (f" ({naive['rps_range'][0]:,.0f}–{naive['rps_range'][1]:,.0f})",
-                          f" ({sits['rps_range'][0]:,.0f}–{sits['rps_range'][1]:,.0f})")
-            print(f"| {model} | {naive['rps']:,.0f}{spread[0]} | {naive['p50']:.1f} | {naive['p99']:.1f} |"
-                  f" {sits['rps']:,.0f}{spread[1]} | {sits['p50']:.1f} | {sits['p99']:.1f} |"
-                  f" {sits['mean_batch']:.1f} | {sits['rps'] / naive['rps']:.2f} |"
-                  f" {naive['errors']}/{sits['errors']} |")
+                spread = tuple(f" ({run['rps_range'][0]:,.0f}–{run['rps_range'][1]:,.0f})"
+                               for run in (naive, naive_rest, sits))
+            print(f"| {model} | {naive['rps']:,.0f}{spread[0]} | {naive_rest['rps']:,.0f}{spread[1]} |"
+                  f" {naive_rest['p50']:.1f} / {naive_rest['p99']:.1f} | {sits['rps']:,.0f}{spread[2]} |"
+                  f" {sits['p50']:.1f} / {sits['p99']:.1f} | {sits['mean_batch']:.1f} |"
+                  f" {sits['rps'] / naive['rps']:.2f} | {sits['rps'] / naive_rest['rps']:.2f} |"
+                  f" {naive['errors']}/{naive_rest['errors']}/{sits['errors']} |")
         if repeats > 1:
             print("\n(req/s: median run, with the range over the runs in brackets)")
 
@@ -858,8 +888,8 @@ def print_report(args: argparse.Namespace, seconds: float, repeats: int, ceiling
         names = [name for name in load_rows[0][1]["cpu"] if "beat" not in name]
         print("| model | side | " + " | ".join(names) + " | total | cores busy (of 2) |")
         print("| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: | ---: |")
-        for model, naive, sits in load_rows:
-            for side, run in (("naive", naive), ("SITS", sits)):
+        for model, naive, naive_rest, sits in load_rows:
+            for side, run in (("naive", naive), ("naive REST", naive_rest), ("SITS", sits)):
                 per = [run["cpu"].get(name, 0.0) * 1000 / max(run["done"], 1) for name in names]
                 busy = sum(run["cpu"].values()) / run["elapsed"]
                 print(f"| {model} | {side} | " + " | ".join(f"{value:.2f}" for value in per)
@@ -871,7 +901,7 @@ def print_report(args: argparse.Namespace, seconds: float, repeats: int, ceiling
         print("| model (payload) | REST floor req/s | API CPU ms per request | clients CPU ms per request |"
               " SITS req/s | SITS / floor | naive req/s | floor / naive |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for model, naive, sits in load_rows:
+        for model, naive, _, sits in load_rows:
             if model not in floors:
                 continue
             floor = floors[model]

@@ -65,7 +65,8 @@ class SchedulerSettings(_Section):
     lease_timeout: Seconds = 60.0
     """How long a worker may hold leased items before the reaper returns them."""
     reap_interval: Seconds = 1.0
-    """Period of the beat task that returns expired leases and replaces lost tickets."""
+    """Period of the reaper pass (expired leases back, lost tickets replaced, stalled fills completed):
+    every worker's reaper thread ticks at it, and one of them passes per interval."""
     ticket_time_slice: Seconds = 2.0
     """How long one batch ticket drains queues before it yields its thread and re-queues itself."""
     ticket_timeout: Seconds = 30.0

@@ -1,9 +1,10 @@
-"""Listing jobs: newest first, by status and by owner, and the per-owner indexes behind it.
+"""Listing and counting jobs: newest first, by status and by owner, and the indexes behind it.
 
-Jobs are never deleted, so a list must never cost a read per job kept: an owner's jobs come from
-that owner's own index (written by the job's enqueue, `jobs.create_job`), and a status filter looks
-through a bounded number of the newest jobs. Reaper passes build the owner indexes of jobs stored
-before those indexes existed, a page at a time (`index_job_owners`).
+Jobs are never deleted, so a list or a count must never cost a read per job kept: an owner's jobs
+come from that owner's own index (written by the job's enqueue, `jobs.create_job`), a status filter
+looks through a bounded number of the newest jobs, and the jobs in each status are counted by the
+scripts that change a status (`keys.job_counts`). Reaper passes add the jobs stored before those
+indexes and counts existed, a page at a time (`index_job_owners`, `count_old_jobs`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None 
 
 def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
     """Add up to `limit` jobs not indexed yet by this pass to their owners' indexes; True once every
-    job is (then `list_jobs` reads owners' jobs from their indexes). Run by every reaper pass.
+    job is (then `list_jobs` reads owners' jobs from their indexes). Run by every reaper pass, which
+    through it also counts old jobs into the per-status counts (`count_old_jobs`, a page a pass).
 
     A job's enqueue indexes it, but jobs stored before the indexes existed (or by an older API
     process during an upgrade) have none: the passes walk the `jobs` index oldest first from a
@@ -60,6 +62,7 @@ def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
     time), so passes of several workers at once leave the same indexes.
     """
     keys = store.keys
+    count_old_jobs(store, limit=limit)
     with translate_redis_errors():
         mark = store.client.get(keys.owner_index_mark)
         page = store.client.zrangebyscore(keys.jobs, f"({mark}" if mark else "-inf", "+inf", start=0, num=limit,
@@ -79,6 +82,30 @@ def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
         caught_up = len(page) < limit
         if caught_up and not store.client.exists(keys.owner_index_built):
             store.client.set(keys.owner_index_built, "1")
+    return caught_up
+
+
+def count_old_jobs(store: Store, *, limit: int = INDEX_PAGE) -> bool:
+    """Count up to `limit` jobs not looked at yet by these passes into the per-status job counts; True
+    once every job is counted (then `job_status_counts` answers).
+
+    Jobs created since the counts exist are counted by their enqueue; older ones (or ones an older API
+    process stored during an upgrade) are added here, oldest first after the last job looked at (by
+    its rank, so that a run of jobs created at the same instant is never skipped), each at most once
+    and atomically with any status change (`count_jobs.lua`), so the counts never miss or double a job.
+    """
+    keys = store.keys
+    with translate_redis_errors():
+        mark = store.client.get(keys.job_counts_mark)
+        rank = store.client.zrank(keys.jobs, mark) if mark else None
+        start = 0 if rank is None else rank + 1
+        page = store.client.zrange(keys.jobs, start, start + limit - 1)
+        if page:
+            store.scripts.count_jobs(keys=[keys.job_counts, *(keys.job(job_id) for job_id in page)], args=[])
+            store.client.set(keys.job_counts_mark, page[-1])
+        caught_up = len(page) < limit
+        if caught_up and not store.client.exists(keys.job_counts_built):
+            store.client.set(keys.job_counts_built, "1")
     return caught_up
 
 
@@ -106,8 +133,29 @@ def _matches(job_status: str | None, job_owner: str | None, status: str | None, 
             and (owner is None or job_owner == owner))
 
 
+def job_status_counts(store: Store) -> dict[str, int] | None:
+    """How many jobs are in each status, from the counts the status changes keep (one round trip,
+    however many jobs are kept); None until every job stored before those counts existed has been
+    counted by reaper passes (`count_old_jobs`)."""
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.exists(store.keys.job_counts_built)
+        pipe.hgetall(store.keys.job_counts)
+        built, counts = pipe.execute()
+    return decode_status_counts(counts) if built else None
+
+
+def decode_status_counts(raw: dict[str, str]) -> dict[str, int]:
+    """The `keys.job_counts` hash as status -> jobs, statuses no job has left out."""
+    return {status: int(count) for status, count in sorted(raw.items()) if int(count)}
+
+
 def count_jobs_by_status(store: Store) -> dict[str, int]:
-    """How many jobs are in each status."""
+    """How many jobs are in each status: the kept counts (`job_status_counts`), or, until old jobs are
+    all counted, a read of every job's status."""
+    kept = job_status_counts(store)
+    if kept is not None:
+        return kept
     with translate_redis_errors():
         ids = store.client.zrange(store.keys.jobs, 0, -1)
         pipe = store.client.pipeline(transaction=False)
@@ -118,4 +166,4 @@ def count_jobs_by_status(store: Store) -> dict[str, int]:
     for status in statuses:
         if status:
             counts[status] = counts.get(status, 0) + 1
-    return counts
+    return dict(sorted(counts.items()))

@@ -10,6 +10,7 @@ re-queues exactly the chunks not in that set.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -40,8 +41,12 @@ _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "re
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
 
 
+JOB_ID_PATTERN = re.compile(r"j[0-9a-f]{12}")
+"""Every job id `new_job_id` makes; clients may refuse anything else before asking (`sitsctl job ...`)."""
+
+
 def new_job_id() -> str:
-    """A short random id, safe in keys and file names."""
+    """A short random id, safe in keys and file names (`JOB_ID_PATTERN`)."""
     return "j" + secrets.token_hex(6)
 
 
@@ -237,7 +242,7 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
     """
     keys = store.keys
     job_keys = [keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs, keys.job_done(job_id),
-                keys.inflight(model_ref), keys.dead, keys.attempts, keys.jobs_filling,
+                keys.inflight(model_ref), keys.dead, keys.attempts, keys.jobs_filling, keys.job_counts,
                 *([keys.owner_jobs(owner)] if owner else [])]
     step = 4 * ENQUEUE_SLICE  # four arguments an item
     slices = [item_args[start:start + step] for start in range(0, len(item_args), step)] or [[]]
@@ -298,6 +303,7 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
         job[name] = json.loads(raw[name]) if raw.get(name) else None
     job["error"] = raw.get("error") or None
     job["owner"] = raw.get("owner") or None  # the submitting key's name; None for jobs stored without one
+    job.pop("counted", None)  # bookkeeping of the per-status job counts (`keys.job_counts`)
     job["workers"] = {name[2:]: int(count) for name, count in raw.items() if name.startswith("w:")}
     for name in job["workers"]:
         job.pop("w:" + name)
@@ -357,7 +363,7 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, 
         with translate_redis_errors():
             result = str(store.scripts.stop_job(
                 keys=[keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
-                      keys.dead],
+                      keys.dead, keys.job_counts],
                 args=[status, error, now, dead_item if start == 0 else "", "more" if start else "first",
                       *item_ids[start:start + ENQUEUE_SLICE]],
             ))
@@ -424,7 +430,7 @@ def start_item(store: Store, job_id: str, *, now: float) -> str:
     means the item must be dropped unrun.
     """
     with translate_redis_errors():
-        return str(store.scripts.start_item(keys=[store.keys.job(job_id)], args=[now]))
+        return str(store.scripts.start_item(keys=[store.keys.job(job_id), store.keys.job_counts], args=[now]))
 
 
 def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int:
@@ -441,9 +447,9 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int
     with translate_redis_errors():
         reply = store.scripts.ack_chunk(
             keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,
-                  keys.job(job_id), keys.job_done(job_id), keys.doorbell],
+                  keys.job(job_id), keys.job_done(job_id), keys.doorbell, keys.job_counts, keys.counters],
             args=[item.item_id, payload["chunk"], payload["stop"] - payload["start"], now,
-                  finalize_item_id(job_id), payload["score"], finalize, worker],
+                  finalize_item_id(job_id), payload["score"], finalize, worker, item.model_ref],
         )
     return int(reply)
 

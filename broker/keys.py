@@ -104,6 +104,28 @@ class Keys:
         """STRING creation time up to which `job_lists.index_job_owners` has indexed the `jobs` index."""
         return self._key("jobs-of-mark")
 
+    @property
+    def job_counts(self) -> str:
+        """HASH status -> how many jobs are in it, kept by every script that changes a job's status
+        (`lib.lua` `count_job_move`), for the jobs whose hash is marked `counted`."""
+        return self._key("job-counts")
+
+    @property
+    def job_counts_mark(self) -> str:
+        """STRING id of the last job, in `jobs` index order, that `job_lists.count_old_jobs` has looked at."""
+        return self._key("job-counts-mark")
+
+    @property
+    def job_counts_built(self) -> str:
+        """STRING present once every job stored before `job_counts` existed has been counted in it."""
+        return self._key("job-counts-built")
+
+    @property
+    def counters(self) -> str:
+        """HASH '<what>:<model ref>' -> running total for /metrics: requests completed by status
+        (`requests_succeeded:`, `requests_failed:`) and job rows done (`job_rows:`)."""
+        return self._key("counters")
+
     # --- online requests ---------------------------------------------------
     def request(self, request_id: str) -> str:
         """HASH of one online request: fields, inputs until it runs, then outputs."""
@@ -142,6 +164,12 @@ class Keys:
     def workers(self) -> str:
         """HASH worker name -> JSON heartbeat (device, streams, pid, last_heartbeat)."""
         return self._key("workers")
+
+    @property
+    def reaper_turn(self) -> str:
+        """STRING name of the worker whose reaper pass runs now; set NX with a PX expiry shorter than
+        `scheduler.reap_interval`, so of all the workers' reaper threads one passes per interval."""
+        return self._key("reaper-turn")
 
     @property
     def api_keys(self) -> str:

@@ -222,6 +222,7 @@ def finish_item(
                 keys.attempts,
                 keys.dead,
                 keys.job(job_id),
+                keys.job_counts,
             ],
             args=[item.item_id, job_status, error, now, json.dumps(job_fields or {})],
         )

@@ -148,10 +148,12 @@ class RequestResult:
 def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
                       batch_size: int, worker: str, job_rows: int = 0) -> int:
     """Store results, drop the leases and wake every waiter, in one atomic call; returns how many
-    were completed (not those already completed, or waiting again after their lease expired)."""
+    were completed (not those already completed, or waiting again after their lease expired). The
+    requests are of one model (a batch is); /metrics counts them by status (`keys.counters`)."""
     keys = store.keys
     request_keys: list[str] = []
-    args: list[Any] = [now, int(keep_seconds), batch_size, worker, job_rows]
+    model_ref = results[0].item.model_ref
+    args: list[Any] = [now, int(keep_seconds), batch_size, worker, job_rows, model_ref]
     for result in results:
         request_id = result.item.payload["req"]
         request_keys += [keys.request(request_id), keys.request_done(request_id)]
@@ -160,9 +162,8 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
                  (result.code or SitsError.code) if result.error else ""]
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
-            keys=[keys.inflight(results[0].item.model_ref), keys.items, keys.attempts,
-                  keys.deadlines(results[0].item.model_ref), keys.ready(results[0].item.model_ref),
-                  *request_keys],
+            keys=[keys.inflight(model_ref), keys.items, keys.attempts, keys.deadlines(model_ref),
+                  keys.ready(model_ref), keys.counters, *request_keys],
             args=args,
         )
     return int(reply)

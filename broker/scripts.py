@@ -4,7 +4,7 @@ Each script is one atomic operation (STYLE.md, "Redis and Lua"); its text is
 read once with `importlib.resources` and registered once per client, so
 every call is an EVALSHA of one stable SHA. A script cannot call another, so
 the helpers they share (`lib.lua`: the ticket check, the doorbell, the
-ticket top-up, `number_or`) are put in front of each script's text.
+ticket top-up, `number_or`, the per-status job counts) are put in front of each script's text.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ SCRIPT_NAMES = (
     "start_item",
     "finish_item",
     "stop_job",
+    "count_jobs",
     "forget_chunks",
     "reap_leases",
     "top_up_tickets",

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from flask import Blueprint, Flask, g, jsonify, request
+from flask import Blueprint, Flask, Response, g, jsonify, request
 from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
@@ -21,7 +21,7 @@ from broker.apikeys import authenticate, owns, require_role
 from broker.config import Settings
 from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
 from broker.store import Store
-from sits_api import online, services
+from sits_api import metrics, online, services
 from sits_api.dispatch import Dispatcher
 from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document
@@ -53,6 +53,7 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
         "dispatcher": dispatcher or Dispatcher(settings, store),
         "policy": policy.LivePolicy(store, default=policy.default_ordering(settings.scheduler.policy)),
         "known_keys": {},
+        "metrics": metrics.SitsCollector(store, settings),
     }
     app.before_request(_authenticate)  # every blueprint: v1 and the v2 protocol
     app.register_blueprint(api)
@@ -93,7 +94,16 @@ def _http_error(err: HTTPException) -> Any:
     if err.code == 413:
         limit = _ctx()["settings"].api.max_body_bytes
         return _sits_error(PayloadTooLarge(f"request body is larger than the {limit}-byte limit (api.max_body_bytes)"))
-    return jsonify({"error": f"{err.name}: {err.description}", "code": err.name.lower().replace(" ", "_")}), err.code
+    code = err.name.lower().replace(" ", "_")
+    if err.code == 404 and request.url_rule is None:  # no route matched (not a handler's own 404)
+        return jsonify({"error": f"no API route for {request.method} {request.path}: an id is one path segment, and "
+                                 "a '/' in it (even sent as %2F) makes another path; the routes are listed in "
+                                 "GET /openapi.json", "code": code}), 404
+    if err.code == 405:
+        allowed = ", ".join(sorted(set(getattr(err, "valid_methods", None) or ()) - {"HEAD", "OPTIONS"}))
+        return jsonify({"error": f"{request.path} does not take {request.method}; it takes {allowed or 'no method'}",
+                        "code": code}), 405, ({"Allow": allowed} if allowed else {})
+    return jsonify({"error": f"{err.name}: {err.description}", "code": code}), err.code
 
 
 def _unexpected_error(err: Exception) -> Any:
@@ -194,6 +204,14 @@ def status() -> Any:
     if g.identity.get("role") != "admin":
         del overview["redis_url"]
     return jsonify(overview)
+
+
+@api.get("/metrics")
+def prometheus_metrics() -> Any:
+    """Prometheus metrics (queues, workers, memory, jobs by status, requests and rows served), read from
+    Redis at each scrape. Counts only, as `/v1/status`: any key may read them."""
+    body, content_type = metrics.exposition(_ctx()["metrics"], request.headers.get("Accept", ""))
+    return Response(body, content_type=content_type)
 
 
 # --- models -------------------------------------------------------------------------

@@ -8,7 +8,8 @@ connection loss, events on for Flower; a threads pool of
 `max_concurrent_streams` threads sharing one ONNX Runtime session per model.
 A process without a Redis URL stops with an error instead of falling back to
 Celery's default broker (amqp://localhost), and a worker pinned to a GPU it
-cannot use stops at start.
+cannot use stops at start. A ready worker runs two threads beside the pool:
+the heartbeat and the reaper (`sits_worker/reaper.py`); beat schedules nothing.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
 
 from broker import workers
 from broker.config import Settings, load_settings
 from broker.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sits_worker.reaper import Reaper
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +68,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_send_sent_event": True,
         "worker_hijack_root_logger": False,
         "beat_schedule_filename": str(home / "celerybeat-schedule"),
-        "beat_schedule": {
-            "reap-expired-leases": {
-                "task": "sits.reap",
-                "schedule": settings.scheduler.reap_interval,
-                "options": {"expires": max(2.0, 5 * settings.scheduler.reap_interval)},
-            },
-        },
+        # No beat schedule: the reaper pass, beat's only SITS task, runs on a thread of every worker
+        # (sits_worker/reaper.py), where it never waits behind busy stream slots. A beat started with
+        # this configuration drops the old entry from its schedule file (Celery merges the two).
+        "beat_schedule": {},
     }
 
 
@@ -124,6 +125,31 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
             _heartbeat_stop.wait(2.0)
 
     threading.Thread(target=beat, name="sits-heartbeat", daemon=True).start()
+
+
+# --- the reaper pass ---------------------------------------------------------------
+
+_reaper: Reaper | None = None
+"""This process's reaper thread, once the worker is ready."""
+
+
+@signals.worker_ready.connect
+def _start_reaper(sender: Any = None, **_: Any) -> None:
+    """Run reaper passes on a thread of this process, never on a stream slot (sits_worker/reaper.py)."""
+    global _reaper
+    from sits_worker.context import worker_context
+    from sits_worker.reaper import worker_reaper
+    from sits_worker.tasks import send_drain
+
+    ctx = worker_context()
+    _reaper = worker_reaper(ctx, send_drain, holder=getattr(sender, "hostname", None) or ctx.name)
+    _reaper.start()
+
+
+@signals.worker_shutdown.connect
+def _stop_reaper(**_: Any) -> None:
+    if _reaper is not None and not _reaper.stop(timeout=2.0):
+        log.warning("the reaper thread was still in a pass at shutdown")
 
 
 @signals.worker_shutdown.connect

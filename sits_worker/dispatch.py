@@ -1,4 +1,4 @@
-"""The drain loop behind a batch ticket, and the reaper pass behind the beat task.
+"""The drain loop behind a batch ticket, and the reaper pass each worker's reaper thread runs.
 
 A ticket is a circulating Celery task (DESIGN.md, "Dispatch"): it leases the
 best waiting batch across models, runs it, and goes on until no queue has
@@ -152,7 +152,8 @@ def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:
 
 
 def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
-    """One reaper pass: expired leases back to their queue, poison items fail their job, lost tickets replaced."""
+    """One reaper pass: expired leases back to their queue, poison items fail their job, lost tickets
+    replaced, stalled job fills completed (run by `reaper.Reaper`, on a thread of its own)."""
     settings = ctx.settings
     result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=settings.jobs.max_attempts)
     for model_ref, item_id, payload in result.dead_items:

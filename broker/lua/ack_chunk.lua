@@ -6,12 +6,15 @@
 -- KEYS[5] job       HASH
 -- KEYS[6] done      SET  chunk indexes done
 -- KEYS[7] doorbell  LIST an idle drain task blocks on (rung when the finalize item is queued)
+-- KEYS[8] job counts HASH status -> jobs in it (a queued job becomes running)
+-- KEYS[9] counters  HASH running totals for /metrics: 'job_rows:<model ref>' counts the chunk's rows once
 -- ARGV[1] item id
 -- ARGV[2] chunk index
 -- ARGV[3] rows in the chunk
 -- ARGV[4] now
 -- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload (score replaced by the chunk's current one)
 -- ARGV[8] name of the worker that ran the chunk (counted in the job field 'w:<name>')
+-- ARGV[9] the job's model ref
 -- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
 -- (the finalize item was queued and the doorbell rung: a lingering drain task of the acking worker,
 -- which keeps its ticket while commits are pending, leases it at once). Idempotent: a re-run
@@ -38,9 +41,13 @@ if redis.call('SADD', KEYS[6], ARGV[2]) == 0 then
   return 0
 end
 redis.call('HINCRBY', KEYS[5], 'rows_done', ARGV[3])
+redis.call('HINCRBY', KEYS[9], 'job_rows:' .. ARGV[9], ARGV[3])
 redis.call('HINCRBY', KEYS[5], 'w:' .. ARGV[8], 1)
 local chunks_done = redis.call('HINCRBY', KEYS[5], 'chunks_done', 1)
 redis.call('HSET', KEYS[5], 'checkpoint_ts', ARGV[4], 'status', 'running')
+if status == 'queued' then
+  count_job_move(KEYS[5], KEYS[8], status, 'running')
+end
 if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then
   redis.call('HSET', KEYS[3], ARGV[5], finalize_payload)
   redis.call('ZADD', KEYS[2], finalize_score, ARGV[5])

@@ -12,10 +12,11 @@
 -- KEYS[8] dead     ZSET items that used up their attempts
 -- KEYS[9] attempts HASH item id -> lease count
 -- KEYS[10] filling ZSET job id -> time of its last enqueue call, while more calls are to come
--- KEYS[11] owner's jobs ZSET job id -> created time (optional; 'create' adds the job to it)
+-- KEYS[11] job counts HASH status -> jobs in it (a job's status set through ARGV[3] is counted)
+-- KEYS[12] owner's jobs ZSET job id -> created time (optional; 'create' adds the job to it)
 -- ARGV[1] model ref
 -- ARGV[2] job id, or '' for items without a job
--- ARGV[3] JSON object of job fields to set (or '{}')
+-- ARGV[3] JSON object of job fields to set (or '{}'); 'create' also marks the job counted in KEYS[11]
 -- ARGV[4] 'create' (the job must not exist yet) | 'resume' (leased items are taken back: their
 --         holders are dead, or if not, their duplicate run rewrites identical bytes; dead items
 --         come back with fresh attempts, since the user asked to try again) | 'add'
@@ -46,12 +47,19 @@ elseif fill == 'last' then
 end
 if job_id ~= '' then
   local fields = cjson.decode(ARGV[3])
+  local old_status = redis.call('HGET', KEYS[4], 'status')
+  if ARGV[4] == 'create' then
+    redis.call('HSET', KEYS[4], 'counted', '1')
+  end
   for name, value in pairs(fields) do
     redis.call('HSET', KEYS[4], name, tostring(value))
   end
+  if fields['status'] then
+    count_job_move(KEYS[4], KEYS[11], old_status, tostring(fields['status']))
+  end
   redis.call('ZADD', KEYS[5], 'NX', ARGV[5], job_id)
-  if KEYS[11] then
-    redis.call('ZADD', KEYS[11], 'NX', ARGV[5], job_id)
+  if KEYS[12] then
+    redis.call('ZADD', KEYS[12], 'NX', ARGV[5], job_id)
   end
 end
 local added = 0

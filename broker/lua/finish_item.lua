@@ -6,6 +6,7 @@
 -- KEYS[4] attempts  HASH
 -- KEYS[5] dead      ZSET
 -- KEYS[6] job       HASH (may not exist)
+-- KEYS[7] job counts HASH status -> jobs in it
 -- ARGV[1] item id
 -- ARGV[2] new job status ('' to leave it), ARGV[3] error text, ARGV[4] now
 -- ARGV[5] JSON object of extra job fields to set (e.g. the manifest)
@@ -29,6 +30,7 @@ redis.call('ZREM', KEYS[5], ARGV[1])
 local published = ARGV[2] == 'succeeded' and (status == 'cancelled' or status == 'failed')
 if ARGV[2] ~= '' and (active or published) then
   redis.call('HSET', KEYS[6], 'status', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
+  count_job_move(KEYS[6], KEYS[7], status, ARGV[2])
   for name, value in pairs(cjson.decode(ARGV[5])) do
     redis.call('HSET', KEYS[6], name, tostring(value))
   end

@@ -5,6 +5,7 @@
 -- KEYS[4] items     HASH
 -- KEYS[5] attempts  HASH
 -- KEYS[6] dead      ZSET
+-- KEYS[7] job counts HASH status -> jobs in it
 -- ARGV[1] new status ('cancelled' | 'failed'), ARGV[2] error text, ARGV[3] now
 -- ARGV[4] a dead item that causes the stop, or '': the stop happens only if that item is still
 --         dead (a resume in between took it back, and then the job must not fail)
@@ -33,6 +34,7 @@ elseif status ~= 'queued' and status ~= 'running' then
   return status
 else
   redis.call('HSET', KEYS[1], 'status', ARGV[1], 'error', ARGV[2], 'finished_at', ARGV[3])
+  count_job_move(KEYS[1], KEYS[7], status, ARGV[1])
 end
 for i = 6, #ARGV do
   redis.call('ZREM', KEYS[2], ARGV[i])

@@ -178,7 +178,11 @@ def check_api_url(url: str, source: str) -> None:
 
 
 def segment(text: str) -> str:
-    """`text` as one URL path segment, so a typed id with spaces or slashes gets the API's "not found"."""
+    """`text` as one URL path segment, so a typed id with spaces gets the API's "not found" for it.
+
+    A '/' is sent as %2F, but servers decode that before routing, so such an id still reaches another
+    route (a 404 naming no id): the job commands refuse ids that cannot be one first (`params.JOB_ID`).
+    """
     return urllib.parse.quote(text, safe="@")
 
 

@@ -1,6 +1,6 @@
 """`sitsctl demo`: the main job, end to end, on the embedded stack.
 
-Starts Redis, the API, beat and workers; builds and registers the zoo;
+Starts Redis, the API and workers; builds and registers the zoo;
 runs an offline job on the convnet with a live progress bar and a summary;
 checks a second job on the MLP against an independent numpy forward pass
 of the same weights; stops everything it started and exits 0 on success.

@@ -14,7 +14,7 @@ from rich.table import Column, Table
 from broker.config import load_settings
 from sits_api.cli.client import ApiClient, segment
 from sits_api.cli.output import console, print_error, print_json, print_table
-from sits_api.cli.params import SHAPE
+from sits_api.cli.params import JOB_ID_ARGUMENT, SHAPE
 from sits_api.cli.progress import wait_for_job
 
 
@@ -80,7 +80,7 @@ def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, outp
 
 
 @job.command("status")
-@click.argument("job_id")
+@click.argument("job_id", type=JOB_ID_ARGUMENT)
 @click.option("--json", "as_json", is_flag=True)
 def job_status(job_id: str, as_json: bool) -> None:
     """One job's status, progress, throughput and ETA."""
@@ -120,7 +120,7 @@ def job_list(status_filter: str | None, owner: str | None, as_json: bool) -> Non
 
 
 @job.command("cancel")
-@click.argument("job_id")
+@click.argument("job_id", type=JOB_ID_ARGUMENT)
 def job_cancel(job_id: str) -> None:
     """Cancel a job (its waiting chunks leave the queue)."""
     data = ApiClient.from_environment().delete(f"/v1/jobs/{segment(job_id)}")
@@ -128,7 +128,7 @@ def job_cancel(job_id: str) -> None:
 
 
 @job.command("resume")
-@click.argument("job_id")
+@click.argument("job_id", type=JOB_ID_ARGUMENT)
 @click.option("--wait", is_flag=True)
 def job_resume(job_id: str, wait: bool) -> None:
     """Re-queue only the chunks of a job that are not done."""

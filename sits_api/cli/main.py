@@ -106,16 +106,16 @@ def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[s
 
 @cli.command()
 @click.option("--workers", "worker_count", type=click.IntRange(0, MAX_WORKERS), default=2, show_default=True,
-              help="worker processes to start (0: Redis, the API and beat only)")
+              help="worker processes to start (0: Redis and the API only)")
 @click.option("--streams", type=STREAMS, default=None,
               help="concurrent batches per worker (default from config)")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
 @click.option("--port", type=click.IntRange(0, 65535), default=None,
               help="API port (default api.port; 0 picks a free one)")
 def up(worker_count: int, streams: int | None, config_path: Path | None, port: int | None) -> None:
-    """Start embedded Redis, the API, beat and workers in the foreground; Ctrl-C stops them all.
+    """Start embedded Redis, the API and workers in the foreground; Ctrl-C stops them all.
 
-    A worker, beat or the API that exits on its own is started again (at most 5 times a minute each);
+    A worker or the API that exits on its own is started again (at most 5 times a minute each);
     the embedded Redis exiting stops everything. SIGTERM, SIGHUP (the terminal closed) and the death
     of this process stop everything too.
     """
@@ -129,7 +129,7 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
     previous = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in stopping}
     previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     try:
-        with console.status("starting Redis, API, beat and workers ..."):
+        with console.status("starting Redis, the API and workers ..."):
             stack.start()
         console.print(f"SITS is up: API {stack.api_url}  Redis {stack.settings.redis.url}  "
                       f"{worker_count} workers  (key in {stack.home / 'api-key'}, logs in {stack.home / 'logs'})",
@@ -208,7 +208,8 @@ def status(as_json: bool) -> None:
 
 @cli.command()
 @click.option("--gpu", type=click.IntRange(min=0), default=None,
-              help="pin to GPU N (CUDA provider device_id N); refused where ONNX Runtime cannot use that GPU")
+              help="pin to GPU N: CUDA's device N (the CUDA provider's device_id), the N-th GPU "
+              "CUDA_VISIBLE_DEVICES lists when set; refused where ONNX Runtime cannot use that GPU")
 @click.option("--cpu", "use_cpu", is_flag=True, help="run on the CPU provider")
 @click.option("--streams", type=STREAMS, default=None,
               help="batches in flight at once (default from config)")

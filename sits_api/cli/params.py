@@ -6,6 +6,8 @@ from typing import Any
 
 import click
 
+from broker.jobs import JOB_ID_PATTERN as JOB_ID  # every job id the API makes: 'j' and 12 hex digits
+
 
 class ShapeType(click.ParamType):
     """A per-sample shape such as `3,32,32`: positive integers separated by commas."""
@@ -27,6 +29,26 @@ class ShapeType(click.ParamType):
 
 
 SHAPE = ShapeType()
+
+
+class JobIdType(click.ParamType):
+    """A job id as the API makes them (`JOB_ID`), checked before any HTTP call.
+
+    Anything else names no job the API can hold, and one holding '/' reaches another route (the
+    server decodes %2F before routing), whose answer is a 404 or 405 that names no job.
+    """
+
+    name = "job_id"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        """The id unchanged; fails on anything that is not 'j' and 12 lowercase hex digits."""
+        if isinstance(value, str) and JOB_ID.fullmatch(value):
+            return value
+        self.fail(f"{value!r} is not a job id: job ids are 'j' and 12 hex digits, like j3fa9c01b2e7d, as "
+                  "`sitsctl job submit` and `sitsctl job list` print them", param, ctx)
+
+
+JOB_ID_ARGUMENT = JobIdType()
 
 
 def non_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:

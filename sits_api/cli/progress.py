@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sits_api.cli.client import ApiClient
+from sits_api.cli.client import ApiClient, segment
 from sits_api.cli.output import print_table
 
 FINAL = ("succeeded", "failed", "cancelled")
@@ -19,7 +19,7 @@ FINAL = ("succeeded", "failed", "cancelled")
 def wait_for_job(console: Console, client: ApiClient, job_id: str, *, poll_seconds: float = 0.25,
                  summary: bool = True) -> dict[str, Any]:
     """Poll the job, showing rows done, rows/s and ETA, until it ends; then print a summary."""
-    job = client.get(f"/v1/jobs/{job_id}")
+    job = client.get(f"/v1/jobs/{segment(job_id)}")
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("rows  {task.fields[rate]:>10} rows/s  ETA {task.fields[eta]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -30,7 +30,7 @@ def wait_for_job(console: Console, client: ApiClient, job_id: str, *, poll_secon
             if job["status"] in FINAL:
                 break
             time.sleep(poll_seconds)
-            job = client.get(f"/v1/jobs/{job_id}")
+            job = client.get(f"/v1/jobs/{segment(job_id)}")
     if summary:
         print_summary(console, job)
     return job

@@ -1,4 +1,4 @@
-"""The embedded stack `sitsctl up` and `sitsctl demo` run: Redis, API, beat and workers as child processes.
+"""The embedded stack `sitsctl up` and `sitsctl demo` run: Redis, the API and workers as child processes.
 
 Every child is started by this module, its PID kept, and stopped by that
 PID (never by name); logs go to `$SITS_HOME/logs/`. Workers are started as
@@ -62,7 +62,8 @@ def api_command(settings: Settings, app: str = "sits_api.wsgi:app") -> list[str]
 
 
 def gpu_devices() -> list[str]:
-    """'gpu:N' for every GPU a worker can run on: NVML sees it and ONNX Runtime has the CUDA provider.
+    """'gpu:N' for every GPU a worker can run on: CUDA sees it (NVML's GPUs, after CUDA_VISIBLE_DEVICES,
+    numbered as CUDA numbers them) and ONNX Runtime has the CUDA provider.
 
     [] on a CPU-only machine, and with a CPU-only ONNX Runtime (a worker pinned to a GPU there is
     refused). ONNX Runtime is imported only once NVML found a GPU.
@@ -74,7 +75,12 @@ def gpu_devices() -> list[str]:
 
 @dataclass
 class Stack:
-    """Redis (embedded unless `settings.redis.url` is set), the API, beat and `worker_count` workers."""
+    """Redis (embedded unless `settings.redis.url` is set), the API and `worker_count` workers.
+
+    No Celery beat: nothing in SITS is periodic on a schedule of its own. Aging lives in the static
+    sort key, PSA jumps run before every batch choice, `PUT /v1/policy` re-scores in its own request,
+    and each worker runs the reaper pass on a thread (`sits_worker/reaper.py`).
+    """
 
     settings: Settings
     worker_count: int = 2
@@ -125,7 +131,6 @@ class Stack:
             self._spawn("api", api_command(self.settings))
             self._wait_api()
             self._write_client_files()  # only once the API answering is this stack's
-            self._spawn("beat", [sys.executable, "-m", "celery", "-A", "sits_worker", "beat", "--loglevel", "INFO"])
             self._gpus = gpu_devices()
             for index in range(self.worker_count):
                 self.start_worker(index)

@@ -6,6 +6,8 @@ messages (the Dispatcher) to the same real Redis.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from api_helpers import Api, make_settings
 from flask import Flask
 from flask.testing import FlaskClient
+from werkzeug.serving import make_server
 
 from broker.apikeys import create_api_key
 from broker.config import Settings
@@ -30,6 +33,18 @@ def settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir:
 @pytest.fixture
 def app(settings: Settings, store: Store) -> Flask:
     return create_app(settings, store=store)
+
+
+@pytest.fixture
+def served_api(app: Flask) -> Iterator[str]:
+    """The API app on a real HTTP server (threads) on a free loopback port, as sitsctl talks HTTP; its URL."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
 
 
 @pytest.fixture

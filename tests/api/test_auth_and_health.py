@@ -169,18 +169,27 @@ def test_public_endpoints_are_marked_without_security(client: FlaskClient) -> No
     assert "security" not in paths["/v1/jobs"]["post"]  # the document-wide bearer requirement applies
 
 
-def test_an_unknown_route_answers_a_json_404(api: Api) -> None:
+def test_an_unknown_route_answers_a_json_404_naming_the_path(api: Api) -> None:
     response = api.get("/v2/nothing")
 
     assert response.status_code == 404
-    assert "Not Found" in error_of(response)
+    assert error_of(response).startswith("no API route for GET /v2/nothing:")
+    assert response.get_json()["code"] == "not_found"
 
 
-def test_a_wrong_method_answers_a_json_405(api: Api) -> None:
+def test_an_id_holding_a_slash_is_told_that_ids_are_one_path_segment(api: Api) -> None:
+    response = api.get("/v1/jobs/a%2Fb")  # decoded before routing: /v1/jobs/a/b matches no route
+
+    assert response.status_code == 404
+    assert "no API route for GET /v1/jobs/a/b" in error_of(response) and "one path segment" in error_of(response)
+
+
+def test_a_wrong_method_answers_a_json_405_naming_the_methods_the_path_takes(api: Api) -> None:
     response = api.client.put("/v1/jobs", headers=api.headers, json={})
 
     assert response.status_code == 405
-    assert "Method Not Allowed" in error_of(response)
+    assert error_of(response) == "/v1/jobs does not take PUT; it takes GET, POST"
+    assert response.headers["Allow"] == "GET, POST"
 
 
 # --- status -------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_status_names_a_malformed_api_url(run, url: str) -> None:
 
 def test_commands_say_when_the_api_is_unreachable(run) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    assert_refused(run("job", "status", "a job id with spaces", SITS_API_URL=url), "cannot reach the SITS API")
+    assert_refused(run("job", "status", "j3fa9c01b2e7d", SITS_API_URL=url), "cannot reach the SITS API")
     assert_refused(run(*SUBMIT, "--shape", "3,32,32", SITS_API_URL=url), "cannot reach the SITS API")
 
 
@@ -140,7 +140,7 @@ def test_an_answer_that_is_not_json_is_reported_not_raised(run, not_the_api: str
 
 
 def test_api_error_messages_with_brackets_print_as_text(run, not_the_api: str) -> None:
-    assert_refused(run("job", "status", "j1", SITS_API_URL=not_the_api),
+    assert_refused(run("job", "status", "j3fa9c01b2e7d", SITS_API_URL=not_the_api),
                    "400: expects float32 [N,64], see [/v1/models]")
 
 

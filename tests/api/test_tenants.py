@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +20,7 @@ import onnx
 import pytest
 from api_helpers import Api, error_of
 from click.testing import CliRunner
-from flask import Flask
 from flask.testing import FlaskClient
-from werkzeug.serving import make_server
 
 from broker import registry, requests
 from broker.apikeys import create_api_key, owns
@@ -488,17 +484,6 @@ def test_status_shows_a_user_counts_but_no_other_tenant_s_ids_nor_the_redis_url(
 
 
 # --- sitsctl --------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def served_api(app: Flask) -> Iterator[str]:
-    """The app on a real port, as sitsctl talks HTTP."""
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    thread.join(timeout=5)
 
 
 def test_sitsctl_job_list_passes_owner_through(

@@ -132,7 +132,7 @@ def test_a_later_call_of_a_fill_adds_nothing_once_the_job_was_cancelled_meanwhil
     jobs.stop_job(store, "race", status="cancelled", error="", now=NOW + 1)
     keys = store.keys
     job_keys = [keys.ready(MODEL_REF), keys.items, keys.queues, keys.job("race"), keys.jobs, keys.job_done("race"),
-                keys.inflight(MODEL_REF), keys.dead, keys.attempts, keys.jobs_filling]
+                keys.inflight(MODEL_REF), keys.dead, keys.attempts, keys.jobs_filling, keys.job_counts]
     later = jobs._item_args("race", MODEL_REF, jobs.chunk_ranges(4, 1), [3], 1.0, {}, 2)
 
     args = [MODEL_REF, "race", "{}", "add", NOW + 2, "more", NOW + 2, *later]
@@ -145,7 +145,7 @@ def test_a_stop_s_later_calls_leave_what_a_resume_between_them_queued(store: Sto
     jobs.create_job(store, job_spec("back", rows_total=6, chunk_size=1), now=NOW)
     keys = store.keys
     stop_keys = [keys.job("back"), keys.ready(MODEL_REF), keys.inflight(MODEL_REF), keys.items, keys.attempts,
-                 keys.dead]
+                 keys.dead, keys.job_counts]
     first = store.scripts.stop_job(keys=stop_keys, args=["cancelled", "", NOW + 1, "", "first",
                                                          *chunk_ids("back", range(3))])
     assert first == "cancelled"

@@ -117,7 +117,7 @@ def started_with_a_chunk_done(store: Store, rows_total: int) -> jobs.JobSpec:
     spec = job_spec(rows_total=rows_total, chunk_size=4)
     jobs.create_job(store, spec, now=NOW)
     [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
-    store.scripts.start_item(keys=[store.keys.job(spec.job_id)], args=[NOW])
+    jobs.start_item(store, spec.job_id, now=NOW)
     ack(store, item, now=NOW + 2)
     return spec
 

@@ -31,7 +31,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from broker import jobs, policy, queues, requests
+from broker import job_lists, jobs, policy, queues, requests
 from broker.embedded import EmbeddedRedis
 from broker.errors import Conflict
 from broker.keys import Keys
@@ -79,9 +79,23 @@ class QueueMachine(RuleBasedStateMachine):
         rows_total=st.integers(1, 6),
         chunk_size=st.integers(1, 3),
         priority=st.sampled_from([0, 7]),
+        stored_before_counts=st.booleans(),
     )
-    def create_job(self, model: str, rows_total: int, chunk_size: int, priority: int) -> None:
+    def create_job(self, model: str, rows_total: int, chunk_size: int, priority: int,
+                   stored_before_counts: bool) -> None:
+        """A new job; or, until the old jobs are all counted, one as a version before the per-status job
+        counts stored it (not counted)."""
         self.add_job(model, rows_total, chunk_size, priority)
+        if stored_before_counts and not self.client.exists(self.store.keys.job_counts_built):
+            job_id = self.job_ids[-1]
+            status = self.client.hget(self.store.keys.job(job_id), "status")
+            self.client.hdel(self.store.keys.job(job_id), "counted")
+            self.client.hincrby(self.store.keys.job_counts, status, -1)
+
+    @rule(limit=st.integers(1, 3))
+    def count_old_jobs(self, limit: int) -> None:
+        """A reaper pass counts a page of old jobs (`job_lists.count_old_jobs`)."""
+        job_lists.count_old_jobs(self.store, limit=limit)
 
     def add_job(self, model: str, rows_total: int, chunk_size: int, priority: int) -> None:
         name, _, version = model.partition("@")
@@ -161,7 +175,7 @@ class QueueMachine(RuleBasedStateMachine):
                                        batch_size=1, worker="w1")
             return
         job_id = item.payload["job"]
-        status = self.store.scripts.start_item(keys=[self.store.keys.job(job_id)], args=[self.now])
+        status = jobs.start_item(self.store, job_id, now=self.now)
         if status != "running":
             queues.finish_item(self.store, item, job_id, now=self.now)
         elif item.payload["kind"] == "finalize":
@@ -268,6 +282,33 @@ class QueueMachine(RuleBasedStateMachine):
             assert sum(places) == 1, f"{request_id} is in {places} (ready, inflight, dead, finished)"
             assert finished <= 1, f"{request_id} got {finished} results"
             assert (record["status"] in ("succeeded", "failed")) == (finished == 1), record["status"]
+
+    @invariant()
+    def job_counts_hold_every_counted_job_once_under_its_status(self) -> None:
+        keys = self.store.keys
+        counted: dict[str, int] = {}
+        for job_id in self.job_ids:
+            status, mark = self.client.hmget(keys.job(job_id), ["status", "counted"])
+            if mark:
+                counted[status] = counted.get(status, 0) + 1
+            else:
+                assert not self.client.exists(keys.job_counts_built), f"{job_id} is not counted"
+        assert job_lists.decode_status_counts(self.client.hgetall(keys.job_counts)) == dict(sorted(counted.items()))
+
+    @invariant()
+    def counters_total_what_was_served(self) -> None:
+        keys = self.store.keys
+        expected: dict[str, int] = {}
+        for job_id in self.job_ids:
+            model, rows_done = self.client.hmget(keys.job(job_id), ["model_ref", "rows_done"])
+            if int(rows_done):
+                expected[f"job_rows:{model}"] = expected.get(f"job_rows:{model}", 0) + int(rows_done)
+        for request_id in self.request_ids:
+            record = self.client.hgetall(keys.request(request_id))
+            if record["status"] in ("succeeded", "failed"):
+                field = f"requests_{record['status']}:{record['model']}@{record['model_version']}"
+                expected[field] = expected.get(field, 0) + 1
+        assert {field: int(total) for field, total in self.client.hgetall(keys.counters).items()} == expected
 
     @invariant()
     def waiting_scores_follow_the_live_policy(self) -> None:

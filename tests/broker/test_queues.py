@@ -338,12 +338,12 @@ def test_the_ack_that_queues_the_finalize_item_rings_the_doorbell(store: Store) 
 def test_start_item_marks_a_queued_job_running_once(store: Store) -> None:
     spec = job_spec()
     jobs.create_job(store, spec, now=NOW)
-    key = [store.keys.job(spec.job_id)]
+    key = [store.keys.job(spec.job_id), store.keys.job_counts]
 
     assert store.scripts.start_item(keys=key, args=[NOW + 1]) == "running"
     assert store.scripts.start_item(keys=key, args=[NOW + 2]) == "running"
     assert float(job_field(store, spec.job_id, "started_at")) == NOW + 1
-    assert store.scripts.start_item(keys=[store.keys.job("jmissing")], args=[NOW]) == ""
+    assert store.scripts.start_item(keys=[store.keys.job("jmissing"), store.keys.job_counts], args=[NOW]) == ""
     jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 3)
     assert store.scripts.start_item(keys=key, args=[NOW + 4]) == "cancelled"
 

@@ -1,4 +1,4 @@
-"""Helpers for end-to-end tests: a real stack (Redis, API, beat, Celery workers) in tmp folders."""
+"""Helpers for end-to-end tests: a real stack (Redis, API, Celery workers) in tmp folders."""
 
 from __future__ import annotations
 

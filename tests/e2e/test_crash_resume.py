@@ -1,4 +1,4 @@
-"""Everything killed mid-job (workers, API, beat and Redis with AOF), restarted, resumed.
+"""Everything killed mid-job (workers, API and Redis with AOF), restarted, resumed.
 
 Only the unfinished chunks run again (counted by the job's `chunk_runs`,
 which every chunk ack increments), and the outputs equal a direct run.

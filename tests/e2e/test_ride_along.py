@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from broker import jobs
+from broker.requests import encode_array
 from tests.e2e.stack_helpers import direct_run, start_zoo_stack, wait_job
 
 JOB_BATCH = 16
@@ -95,21 +96,24 @@ def test_token_requests_ride_padded_with_a_chunk_of_another_length_in_their_clas
 
 
 def test_a_batch_of_requests_with_rows_to_spare_takes_a_waiting_chunk_along(fifo_stack):
-    """While a transformer chunk holds the slot, three convnet requests and then a convnet job queue up (FIFO:
-    requests first). The slot leases the requests' batch of 3 (of 8) and the chunk with it: 5 rows of
-    the chunk's first mini-batch fill the requests' run."""
+    """While a large transformer request holds the slot, three convnet requests and then a convnet job queue
+    up (FIFO: requests first). The slot leases the requests' batch of 3 (of 8) and the chunk with it: 5 rows
+    of the chunk's first mini-batch fill the requests' run. (The slot is held by a request, not a chunk: a
+    chunk's part file is still being written when it ends, and a slot whose commits are all pending leases
+    requests without a chunk until one is done, `Commits.has_room`.)"""
     client = fifo_stack.client()
     rng = np.random.default_rng(2)
-    busy = submit_job(fifo_stack, "busy", "transformer",
-                      rng.integers(1, 1000, size=(30_000, 12)).astype(np.int64))
-    wait_job(client, busy["id"], until=lambda j: j["status"] == "running")
+    long_ids = rng.integers(1, 1000, size=(20_000, 12)).astype(np.int64)  # one run of about a second
+    busy = client.post("/v1/requests", {"model": "transformer",
+                                        "inputs": {"input_ids": {"b64": encode_array(long_ids)}}})
+    time.sleep(0.3)  # an idle slot leases it at once
     singles = rng.standard_normal((3, 1, 3, 32, 32)).astype(np.float32)
     ids = [client.post("/v1/requests", {"model": "convnet", "inputs": {"pixels": one.tolist()}})["id"]
            for one in singles]
     pixels = rng.standard_normal((200, 3, 32, 32)).astype(np.float32)
     job = submit_job(fifo_stack, "after", "convnet", pixels)
-    still = client.get(f"/v1/jobs/{busy['id']}")
-    assert still["chunks_done"] == 0, f"the transformer chunk ended too soon for this test: {still}"
+    still = client.get(f"/v1/requests/{busy['id']}")
+    assert still["status"] == "queued", f"the transformer request ended too soon for this test: {still}"
 
     results = [wait_request(client, request_id) for request_id in ids]
     assert all(result["batch_size"] == MAX_BATCH and result["job_rows"] == MAX_BATCH - 3 for result in results), results
@@ -120,7 +124,7 @@ def test_a_batch_of_requests_with_rows_to_spare_takes_a_waiting_chunk_along(fifo
     assert wait_job(client, job["id"])["status"] == "succeeded"
     np.testing.assert_allclose(np.load(fifo_stack.home / "after-out" / "logits.npy"), direct_run(model, pixels, 64),
                                rtol=1e-4, atol=1e-5)
-    assert wait_job(client, busy["id"])["status"] == "succeeded"
+    assert wait_request(client, busy["id"])["rows"] == len(long_ids)
 
 
 def wait_request(client, request_id: str, timeout: float = 60.0) -> dict:

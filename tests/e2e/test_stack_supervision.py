@@ -142,7 +142,7 @@ def test_a_killed_worker_is_started_again_and_the_stack_stops_when_its_redis_die
 def test_sighup_stops_every_child(start_up) -> None:
     up = start_up()
     children = up.children()
-    assert len(children) >= 2, children  # the embedded Redis, the API, beat
+    assert len(children) >= 2, children  # the embedded Redis and the API
 
     up.process.send_signal(signal.SIGHUP)  # the terminal `up` ran in was closed
 

@@ -7,6 +7,7 @@ the `device` machine through `benchmarks/gpu/on_device.sh` (docs/benchmarks.md, 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from broker.config import Settings
 from sits_api.cli.stack import Stack
 from sits_worker.context import memory_ledger
-from sits_worker.devices import Device, cuda_provider_available, gpu_count
+from sits_worker.devices import Device, cuda_provider_available, gpu_count, nvml_gpus, visible_gpus
 from sits_worker.runtime import build_session
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, wait_job
 
@@ -38,7 +39,9 @@ def test_a_gpu_worker_s_ledger_takes_nvml_s_capacity_in_gpu_units() -> None:
     import pynvml
 
     pynvml.nvmlInit()
-    total = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    first = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), nvml_gpus(), os.environ.get("CUDA_DEVICE_ORDER"))
+    nvml_index = first.gpus[0].index if first.gpus and first.gpus[0] else 0  # gpu:0 is CUDA's first visible GPU
+    total = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(nvml_index)).total)
     settings = Settings()
     ledger = memory_ledger(settings, Device("gpu", 0))
     assert ledger.capacity_bytes == total

@@ -1,0 +1,58 @@
+"""The system's figures for monitoring (`GET /metrics`), read from Redis in a fixed number of round trips.
+
+Every API process answers a scrape from Redis, so the figures are the same whichever process (or
+replica) a scrape reaches; counters kept per process would not be. No read here grows with the jobs
+or requests kept: queue sizes are one ZCARD per model queue, jobs by status come from the counts the
+status changes keep (`keys.job_counts`), running totals from one hash (`keys.counters`) that the
+ack scripts bump, worker figures from their heartbeats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from broker import queues
+from broker.job_lists import decode_status_counts
+from broker.store import Store, translate_redis_errors
+from broker.workers import decode_workers
+
+
+@dataclass(frozen=True)
+class SystemStats:
+    """One reading of everything `/metrics` exposes."""
+
+    queues: dict[str, dict[str, int]]
+    """Model ref -> {"ready": items waiting, "inflight": items leased}, for every known queue."""
+    dead_items: int
+    tickets: int
+    workers: list[dict[str, Any]]
+    """Heartbeats (device, streams, memory ledger stats, commits pending) with `alive` and age."""
+    job_counts: dict[str, int] | None
+    """Status -> jobs in it; None until reaper passes have counted the jobs stored before the counts
+    existed (`job_lists.count_old_jobs`)."""
+    counters: dict[str, dict[str, int]]
+    """What ('requests_succeeded', 'requests_failed', 'job_rows') -> model ref -> running total."""
+
+
+def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemStats:
+    """Read `SystemStats`: one pipeline, then the queue sizes (`queues.queue_depths`, two round trips).
+    Read only: workers silent for long are left out, not pruned (`workers.list_workers` prunes)."""
+    keys = store.keys
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.zcard(keys.dead)
+        pipe.zcard(keys.tickets)
+        pipe.hgetall(keys.workers)
+        pipe.exists(keys.job_counts_built)
+        pipe.hgetall(keys.job_counts)
+        pipe.hgetall(keys.counters)
+        dead, tickets, raw_workers, counts_built, raw_counts, raw_counters = pipe.execute()
+    depths = queues.queue_depths(store)
+    workers, _ = decode_workers(raw_workers, now=now, timeout=heartbeat_timeout)
+    counters: dict[str, dict[str, int]] = {}
+    for field, total in raw_counters.items():
+        what, _, model_ref = field.partition(":")
+        counters.setdefault(what, {})[model_ref] = int(total)
+    return SystemStats(queues=depths, dead_items=int(dead), tickets=int(tickets), workers=workers,
+                       job_counts=decode_status_counts(raw_counts) if counts_built else None, counters=counters)

@@ -1,0 +1,142 @@
+"""`GET /metrics`: the system's figures in the Prometheus exposition format.
+
+A custom `prometheus_client` collector reads them from Redis at each scrape (`broker.stats`): the API
+runs several gunicorn processes (and maybe several replicas), so any counter kept in a process would
+be wrong, and every replica answers the same figures. Counts only: no job or request ids, owners,
+key names or the Redis URL. Labels are model names and versions, worker names and devices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+from broker.config import Settings
+from broker.jobs import ACTIVE_STATUSES, FINAL_STATUSES
+from broker.stats import SystemStats, read_stats
+from broker.store import Store
+
+MODEL = ["model", "version"]
+WORKER = ["worker", "device"]
+REQUEST_STATUSES = ("succeeded", "failed")
+
+_WORKER_GAUGES = (
+    # (metric, help, where in the heartbeat: key, or (key, key) inside its memory ledger stats)
+    ("sits_worker_streams", "Stream slots of the worker: how many batches it runs at once (max_concurrent_streams).",
+     "streams"),
+    ("sits_worker_batches_running", "Batches the worker runs now.", ("memory", "batches_running")),
+    ("sits_worker_memory_capacity_bytes", "Device memory the worker reserves batches against.",
+     ("memory", "capacity_bytes")),
+    ("sits_worker_memory_reserved_bytes",
+     "Device memory reserved by the batches running now, in whole gpu/cpu_memory_granularity units.",
+     ("memory", "reserved_bytes")),
+    ("sits_worker_memory_used_bytes", "Of the reserved memory, what the running batches need by their profiles.",
+     ("memory", "used_bytes")),
+    ("sits_worker_memory_fragmentation_ratio",
+     "Reserved but unused memory / reserved memory, of the batches running now (0 when none runs).",
+     ("memory", "fragmentation")),
+    ("sits_worker_commits_pending", "Computed job chunks waiting for their part files to be written.",
+     "commits_pending"),
+)
+_WORKER_COUNTERS = (
+    ("sits_worker_memory_waits", "Times a free stream slot of the worker, with work waiting, got nothing for "
+     "lack of memory (since the worker started).", ("memory", "memory_waits")),
+    ("sits_worker_backfills", "Times a stream slot of the worker took batches around a queue head that did not "
+     "fit (graph-aware backfill; since the worker started).", ("memory", "backfills")),
+)
+
+
+class SitsCollector:
+    """Yields the metric families of one reading of Redis per scrape."""
+
+    def __init__(self, store: Store, settings: Settings) -> None:
+        self._store = store
+        self._settings = settings
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families, read now (`broker.stats.read_stats`)."""
+        stats = read_stats(self._store, now=time.time(),
+                           heartbeat_timeout=self._settings.scheduler.worker_heartbeat_timeout)
+        yield from _queue_metrics(stats)
+        yield from _worker_metrics(stats)
+        yield from _job_and_request_metrics(stats)
+
+
+def exposition(collector: SitsCollector, accept: str) -> tuple[bytes, str]:
+    """(Body, content type) of a scrape, in the format the `Accept` header asks for (text or OpenMetrics)."""
+    encode, content_type = choose_encoder(accept)
+    return encode(collector), content_type
+
+
+def _model_labels(model_ref: str) -> list[str]:
+    name, _, version = model_ref.rpartition("@")
+    return [name, version] if name else [model_ref, ""]
+
+
+def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
+    waiting = GaugeMetricFamily("sits_queue_waiting_items", "Items waiting in a model's queue, not yet leased: "
+                                "online requests, job chunks and jobs' finalize steps.", labels=MODEL)
+    inflight = GaugeMetricFamily("sits_queue_inflight_items", "Items of a model leased by a worker now (until "
+                                 "acknowledged, or returned to the queue when the lease expires).", labels=MODEL)
+    for model_ref, depth in stats.queues.items():
+        waiting.add_metric(_model_labels(model_ref), depth["ready"])
+        inflight.add_metric(_model_labels(model_ref), depth["inflight"])
+    yield waiting
+    yield inflight
+    yield GaugeMetricFamily("sits_dead_items", "Items that used up their attempts (jobs.max_attempts leases) and "
+                            "wait for the reaper to fail their job or request.", value=stats.dead_items)
+    yield GaugeMetricFamily("sits_batch_tickets", "Batch tickets circulating: the drain tasks that lease batches "
+                            "for the live workers' stream slots.", value=stats.tickets)
+
+
+def _heartbeat_value(worker: dict[str, Any], where: str | tuple[str, str]) -> float | None:
+    value = worker.get(where) if isinstance(where, str) else (worker.get(where[0]) or {}).get(where[1])
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _worker_metrics(stats: SystemStats) -> Iterator[Metric]:
+    up = GaugeMetricFamily("sits_worker_up", "1 for a worker whose last heartbeat is within "
+                           "scheduler.worker_heartbeat_timeout, 0 for one late (workers silent for ten timeouts, or "
+                           "stopped cleanly, are left out).", labels=WORKER)
+    age = GaugeMetricFamily("sits_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.",
+                            labels=WORKER)
+    families: list[tuple[GaugeMetricFamily | CounterMetricFamily, str | tuple[str, str]]] = [
+        *((GaugeMetricFamily(name, text, labels=WORKER), where) for name, text, where in _WORKER_GAUGES),
+        *((CounterMetricFamily(name, text, labels=WORKER), where) for name, text, where in _WORKER_COUNTERS)]
+    for worker in stats.workers:
+        labels = [worker["name"], str(worker.get("device", ""))]
+        up.add_metric(labels, 1 if worker["alive"] else 0)
+        age.add_metric(labels, worker["heartbeat_age_seconds"])
+        for family, where in families:
+            value = _heartbeat_value(worker, where)
+            if value is not None:
+                family.add_metric(labels, value)
+    yield up
+    yield age
+    for family, _ in families:
+        yield family
+
+
+def _job_and_request_metrics(stats: SystemStats) -> Iterator[Metric]:
+    jobs = GaugeMetricFamily("sits_jobs", "Jobs in each status (no samples until reaper passes have counted the "
+                             "jobs stored before these counts existed).", labels=["status"])
+    if stats.job_counts is not None:
+        for status in ACTIVE_STATUSES + FINAL_STATUSES:
+            jobs.add_metric([status], stats.job_counts.get(status, 0))
+    yield jobs
+    completed = CounterMetricFamily("sits_requests_completed", "Online requests completed, by model and by how "
+                                    "they ended (failed: their error is in the request).",
+                                    labels=[*MODEL, "status"])
+    for status in REQUEST_STATUSES:
+        for model_ref, total in sorted(stats.counters.get(f"requests_{status}", {}).items()):
+            completed.add_metric([*_model_labels(model_ref), status], total)
+    yield completed
+    rows = CounterMetricFamily("sits_job_rows_done", "Rows of offline jobs computed and checkpointed (a chunk "
+                               "run again after a lost acknowledgement counts once).", labels=MODEL)
+    for model_ref, total in sorted(stats.counters.get("job_rows", {}).items()):
+        rows.add_metric(_model_labels(model_ref), total)
+    yield rows
