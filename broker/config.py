@@ -64,9 +64,10 @@ class SchedulerSettings(_Section):
     fallback_strategy: Literal["cpu-offload-on-oom", "fail"] = "cpu-offload-on-oom"
     lease_timeout: Seconds = 60.0
     """How long a worker may hold leased items before the reaper returns them."""
-    reap_interval: Seconds = 1.0
+    reap_interval: Seconds = Field(default=1.0, ge=0.05)
     """Period of the reaper pass (expired leases back, lost tickets replaced, stalled fills completed):
-    every worker's reaper thread ticks at it, and one of them passes per interval."""
+    every worker's reaper thread ticks at it, and the one holding the turn passes. At least 50 ms: a
+    pass is a dozen round trips."""
     ticket_time_slice: Seconds = 2.0
     """How long one batch ticket drains queues before it yields its thread and re-queues itself."""
     ticket_timeout: Seconds = 30.0

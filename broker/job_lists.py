@@ -56,17 +56,16 @@ def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
     through it also counts old jobs into the per-status counts (`count_old_jobs`, a page a pass).
 
     A job's enqueue indexes it, but jobs stored before the indexes existed (or by an older API
-    process during an upgrade) have none: the passes walk the `jobs` index oldest first from a
-    watermark (`keys.owner_index_mark`, the creation time indexed up to), a page per pass, so no
-    request and no pass pays for a large backlog at once. Idempotent (ZADD NX with the creation
-    time), so passes of several workers at once leave the same indexes.
+    process during an upgrade) have none: the passes walk the `jobs` index oldest first after the
+    last job indexed (`keys.owner_index_mark`, by rank as `count_old_jobs` does: a run of jobs
+    created at the same instant may be longer than a page), a page per pass, so no request and no
+    pass pays for a large backlog at once. Idempotent (ZADD NX with the creation time), so passes
+    of several workers at once leave the same indexes.
     """
     keys = store.keys
     count_old_jobs(store, limit=limit)
     with translate_redis_errors():
-        mark = store.client.get(keys.owner_index_mark)
-        page = store.client.zrangebyscore(keys.jobs, f"({mark}" if mark else "-inf", "+inf", start=0, num=limit,
-                                          withscores=True)
+        page = _page_after_mark(store, keys.owner_index_mark, limit)
         if page:
             pipe = store.client.pipeline(transaction=False)
             for job_id, _ in page:
@@ -75,9 +74,7 @@ def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
             for (job_id, created), owner in zip(page, owners, strict=True):
                 if owner:
                     pipe.zadd(keys.owner_jobs(owner), {job_id: created}, nx=True)
-            # a full page may end inside a run of equal times: the next pass starts before that run
-            earlier = [created for _, created in page if created < page[-1][1]]
-            pipe.set(keys.owner_index_mark, repr(page[-1][1] if len(page) < limit or not earlier else earlier[-1]))
+            pipe.set(keys.owner_index_mark, page[-1][0])
             pipe.execute()
         caught_up = len(page) < limit
         if caught_up and not store.client.exists(keys.owner_index_built):
@@ -90,16 +87,13 @@ def count_old_jobs(store: Store, *, limit: int = INDEX_PAGE) -> bool:
     once every job is counted (then `job_status_counts` answers).
 
     Jobs created since the counts exist are counted by their enqueue; older ones (or ones an older API
-    process stored during an upgrade) are added here, oldest first after the last job looked at (by
-    its rank, so that a run of jobs created at the same instant is never skipped), each at most once
-    and atomically with any status change (`count_jobs.lua`), so the counts never miss or double a job.
+    process stored during an upgrade) are added here, oldest first after the last job looked at
+    (`_page_after_mark`), each at most once and atomically with any status change (`count_jobs.lua`),
+    so the counts never miss or double a job.
     """
     keys = store.keys
     with translate_redis_errors():
-        mark = store.client.get(keys.job_counts_mark)
-        rank = store.client.zrank(keys.jobs, mark) if mark else None
-        start = 0 if rank is None else rank + 1
-        page = store.client.zrange(keys.jobs, start, start + limit - 1)
+        page = [job_id for job_id, _ in _page_after_mark(store, keys.job_counts_mark, limit)]
         if page:
             store.scripts.count_jobs(keys=[keys.job_counts, *(keys.job(job_id) for job_id in page)], args=[])
             store.client.set(keys.job_counts_mark, page[-1])
@@ -107,6 +101,19 @@ def count_old_jobs(store: Store, *, limit: int = INDEX_PAGE) -> bool:
         if caught_up and not store.client.exists(keys.job_counts_built):
             store.client.set(keys.job_counts_built, "1")
     return caught_up
+
+
+def _page_after_mark(store: Store, mark_key: str, limit: int) -> list[tuple[str, float]]:
+    """Up to `limit` (job id, creation time) of the `jobs` index, oldest first, after the job that
+    `mark_key` names: by its rank, not its time, so that a run of jobs created at the same instant
+    longer than a page is never skipped. A mark that names no job in the index (none yet, or a
+    creation time, as earlier releases kept, whose paging by time skipped such runs) starts from the
+    oldest job; the passes are idempotent, so walking again costs time, never a wrong index or count."""
+    mark = store.client.get(mark_key)
+    rank = store.client.zrank(store.keys.jobs, mark) if mark else None
+    start = 0 if rank is None else rank + 1
+    return [(job_id, float(created)) for job_id, created in
+            store.client.zrange(store.keys.jobs, start, start + limit - 1, withscores=True)]
 
 
 def _matching_job_ids(store: Store, index: str, *, limit: int, status: str | None, owner: str | None) -> list[str]:

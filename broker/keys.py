@@ -167,8 +167,8 @@ class Keys:
 
     @property
     def reaper_turn(self) -> str:
-        """STRING name of the worker whose reaper pass runs now; set NX with a PX expiry shorter than
-        `scheduler.reap_interval`, so of all the workers' reaper threads one passes per interval."""
+        """STRING name of the worker whose reaper thread passes now; it renews it at every tick, and
+        another worker takes it once it has expired (`take_reaper_turn.lua`)."""
         return self._key("reaper-turn")
 
     @property

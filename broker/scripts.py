@@ -29,6 +29,7 @@ SCRIPT_NAMES = (
     "count_jobs",
     "forget_chunks",
     "reap_leases",
+    "take_reaper_turn",
     "top_up_tickets",
     "release_ticket",
     "submit_request",

@@ -27,12 +27,13 @@ def remove_worker(store: Store, worker_name: str) -> None:
 
 
 def take_reaper_turn(store: Store, worker_name: str, *, hold_seconds: float) -> bool:
-    """True when `worker_name` may do the next reaper pass: no other worker took the turn in the last
-    `hold_seconds` (SET NX PX). The pass is atomic per script call without it; the turn only spares
-    the other workers doing the same pass again within one interval."""
+    """True when `worker_name` may do the next reaper pass: no other worker holds the turn, or it
+    already does; the turn is then (re)set to last `hold_seconds` (`take_reaper_turn.lua`). Overlapping
+    passes would be safe (every step of a pass is idempotent); the turn spares the other workers
+    doing the same pass again within one interval."""
     with translate_redis_errors():
-        return bool(store.client.set(store.keys.reaper_turn, worker_name, nx=True,
-                                     px=max(1, int(hold_seconds * 1000))))
+        return bool(store.scripts.take_reaper_turn(keys=[store.keys.reaper_turn],
+                                                   args=[worker_name, max(1, int(hold_seconds * 1000))]))
 
 
 def list_workers(store: Store, *, now: float, timeout: float) -> list[dict[str, Any]]:

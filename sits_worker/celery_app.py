@@ -9,7 +9,7 @@ connection loss, events on for Flower; a threads pool of
 A process without a Redis URL stops with an error instead of falling back to
 Celery's default broker (amqp://localhost), and a worker pinned to a GPU it
 cannot use stops at start. A ready worker runs two threads beside the pool:
-the heartbeat and the reaper (`sits_worker/reaper.py`); beat schedules nothing.
+the heartbeat and the reaper (`sits_worker/reaper.py`); SITS runs no Celery beat.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ app = _SitsCelery("sits", include=["sits_worker.tasks"])
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings derived from SITS settings."""
-    home = settings.paths.home
     return {
         "broker_url": settings.redis.url,
         "broker_connection_retry_on_startup": True,
@@ -67,11 +66,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "worker_hijack_root_logger": False,
-        "beat_schedule_filename": str(home / "celerybeat-schedule"),
-        # No beat schedule: the reaper pass, beat's only SITS task, runs on a thread of every worker
-        # (sits_worker/reaper.py), where it never waits behind busy stream slots. A beat started with
-        # this configuration drops the old entry from its schedule file (Celery merges the two).
-        "beat_schedule": {},
     }
 
 

@@ -8,13 +8,15 @@ end. So every worker process runs the pass on a thread of its own, started at `w
 the heartbeat, like the lease keeper's thread; its Redis commands go on a connection of its own
 (`broker.store.Store` holds one per thread).
 
-With several workers, one pass per `scheduler.reap_interval` is enough: a worker passes only when
-it takes the turn (`workers.take_reaper_turn`, SET NX PX for `TURN_SHARE` of the interval). The
-turn only saves work: each step of the pass is one atomic script, so a pass outlasting its turn may
-run beside the next, as two beat tasks could before. A worker does its first pass soon after it
-starts, at a random point of its first interval (at most `FIRST_PASS_WITHIN_SECONDS` in), so that
-workers started together do not all ask at once and keep spread-out phases. A pass that fails
-(Redis away, or a bug) is logged and tried again at the next interval: the thread never dies of it.
+With several workers, one pass per `scheduler.reap_interval` is enough: a worker passes only while
+it holds the turn (`workers.take_reaper_turn`), which it renews at each tick and which lasts
+`TURN_INTERVALS` intervals, so another worker takes over once its holder has stopped ticking. The
+turn only saves work: every step of the pass is idempotent (an expired lease is returned once, an
+index entry added once, a job counted once), so a pass that outlasts its interval may run beside
+the next, as two beat tasks could before. A worker does its first pass soon after it starts, at a
+random point of its first interval (at most `FIRST_PASS_WITHIN_SECONDS` in), so that workers
+started together do not all ask at once. A pass that fails (Redis away, or a bug) is logged and
+tried again at the next interval: the thread never dies of it.
 """
 
 from __future__ import annotations
@@ -34,17 +36,15 @@ from sits_worker.dispatch import reap
 
 log = logging.getLogger(__name__)
 
-TURN_SHARE = 0.9
-"""How much of the interval a worker's turn lasts: less than all of it, so the worker that had the
-turn finds it over at its next tick even when its timer fires a little early (a turn of the whole
-interval would make a lone worker skip every other tick), while another worker's tick in between
-finds it taken."""
+TURN_INTERVALS = 2.5
+"""How many intervals the turn lasts after its holder's last tick: a holder late by a GIL wait or a
+long pass keeps it, and a dead or frozen one hands it over within about two intervals."""
 
 FIRST_PASS_WITHIN_SECONDS = 1.0
 """A worker's first pass comes at a random point within this (or its interval, if shorter)."""
 
-MIN_INTERVAL_SECONDS = 0.01
-"""The shortest interval the thread ticks at (`reap_interval: 0` would otherwise spin)."""
+MIN_INTERVAL_SECONDS = 0.05
+"""The shortest interval the thread ticks at (as `scheduler.reap_interval` allows)."""
 
 
 class Reaper:
@@ -59,9 +59,9 @@ class Reaper:
         self._thread: threading.Thread | None = None
 
     def run_once(self, now: float) -> bool:
-        """One pass unless another worker took this interval's turn; returns whether it ran. Errors
+        """One pass unless another worker holds the turn; returns whether it ran. Errors
         (`ConnectionLost` when Redis is away) pass up to the caller."""
-        if not workers.take_reaper_turn(self._store, self._holder, hold_seconds=TURN_SHARE * self._interval):
+        if not workers.take_reaper_turn(self._store, self._holder, hold_seconds=TURN_INTERVALS * self._interval):
             return False
         self._run_pass(now)
         return True

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from sits_worker.celery_app import app
 from sits_worker.context import worker_context
 from sits_worker.dispatch import drain
-from sits_worker.reaper import worker_reaper
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +31,6 @@ def drain_task(ticket: str) -> str:
     if outcome == "yield":
         send_drain(ticket)
     return outcome
-
-
-@app.task(name="sits.reap")
-def reap_task() -> bool:
-    """A reaper pass on this stream slot, unless a worker's reaper thread took this interval's turn;
-    returns whether it ran.
-
-    Nothing in this version sends it: every worker runs the pass on a thread of its own
-    (sits_worker/reaper.py). It stays registered for a beat of an older version still running during
-    an upgrade, which sends it every `reap_interval`: an unregistered name would log an error for each
-    message, while under the turn each costs one SET. It also serves a pass by hand
-    (`celery -A sits_worker call sits.reap`)."""
-    ctx = worker_context()
-    return worker_reaper(ctx, send_drain, holder=ctx.name).run_once(time.time())
 
 
 @app.task(name="sits.profile_model")

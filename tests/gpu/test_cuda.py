@@ -16,7 +16,8 @@ import pytest
 from broker.config import Settings
 from sits_api.cli.stack import Stack
 from sits_worker.context import memory_ledger
-from sits_worker.devices import Device, cuda_provider_available, gpu_count, nvml_gpus, visible_gpus
+from sits_worker.cuda_visible import visible_gpus
+from sits_worker.devices import Device, cuda_provider_available, gpu_count, nvml_gpus
 from sits_worker.runtime import build_session
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, wait_job
 

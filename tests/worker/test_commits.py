@@ -137,7 +137,7 @@ def test_a_commit_drops_a_chunk_whose_job_stopped_while_it_waited(
 def test_a_drain_task_keeps_its_ticket_until_its_commits_are_done(
         mlp_job: tuple[WorkerContext, jobs.JobSpec, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
     """The last chunk's ack queues the job's finalize step from the commit thread, after the queues ran
-    dry; a drain task that retired its ticket meanwhile would leave the step to the next beat."""
+    dry; a drain task that retired its ticket meanwhile would leave the step to the next reaper pass."""
     from sits_worker import dispatch, execution
 
     ctx, spec, _ = mlp_job

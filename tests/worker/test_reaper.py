@@ -18,7 +18,7 @@ from broker.requests import RequestSpec
 from broker.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
-from sits_worker.reaper import FIRST_PASS_WITHIN_SECONDS, TURN_SHARE, Reaper, worker_reaper
+from sits_worker.reaper import FIRST_PASS_WITHIN_SECONDS, TURN_INTERVALS, Reaper, worker_reaper
 from sits_worker.runtime import SessionCache
 
 INTERVAL = 0.2
@@ -60,17 +60,18 @@ def wait_until(condition: Callable[[], bool], timeout: float = 3.0) -> bool:
     return True
 
 
-def test_of_two_workers_one_takes_the_turn_and_the_other_skips_until_it_is_over(store: Store) -> None:
+def test_the_holder_keeps_the_turn_and_another_worker_takes_it_once_the_holder_stops_ticking(store: Store) -> None:
     passes = Passes()
     first = Reaper(store, "w1", INTERVAL, passes.of("w1"))
     second = Reaper(store, "w2", INTERVAL, passes.of("w2"))
 
     assert first.run_once(time.time()) is True
     assert second.run_once(time.time()) is False
-    assert first.run_once(time.time()) is False  # its own turn too: one pass per interval, whoever asks
-    time.sleep(INTERVAL)
+    assert first.run_once(time.time()) is True  # a tick that came early does not cost its holder a pass
+    time.sleep(TURN_INTERVALS * INTERVAL + 0.05)  # the holder stopped ticking: its turn runs out
     assert second.run_once(time.time()) is True
-    assert [holder for _, holder in passes.runs] == ["w1", "w2"]
+    assert first.run_once(time.time()) is False
+    assert [holder for _, holder in passes.runs] == ["w1", "w1", "w2"]
 
 
 def test_two_reaper_threads_pass_once_per_interval_between_them(store: Store, reapers: list[Reaper]) -> None:
@@ -84,9 +85,9 @@ def test_two_reaper_threads_pass_once_per_interval_between_them(store: Store, re
         reaper.stop()
 
     times = [at for at, _ in passes.runs]
-    assert 5 <= len(times) <= 7, passes.runs  # one a tick (there were 7), not two
-    gaps = np.diff(times)
-    assert gaps.min() > TURN_SHARE * INTERVAL - 0.03, passes.runs
+    assert 6 <= len(times) <= 7, passes.runs  # one a tick (there were 7), not two, and none skipped
+    assert len({holder for _, holder in passes.runs}) == 1, passes.runs  # the holder kept its turn
+    assert np.diff(times).min() > INTERVAL - 0.05, passes.runs
 
 
 def test_a_pass_that_raises_does_not_end_the_thread(store: Store, reapers: list[Reaper]) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from sits_worker import devices
-from sits_worker.devices import Device, NvmlGpu, VisibleGpus, missing_gpu, visible_gpus
+from sits_worker.cuda_visible import NvmlGpu, VisibleGpus, missing_gpu, visible_gpus
+from sits_worker.devices import Device
 
 H100 = "NVIDIA H100 80GB HBM3"
 GPUS = [NvmlGpu(0, "GPU-aaaa1111-0000-0000-0000-000000000000", H100),
@@ -62,19 +63,19 @@ def test_an_empty_or_invalid_first_entry_hides_every_gpu(variable: str) -> None:
     visible = visible_gpus(variable, GPUS)
 
     assert visible.gpus == () and visible.complete and visible.stopped_at == variable
-    assert missing_gpu(Device("gpu", 0), visible, variable) == (
+    assert missing_gpu(0, visible, variable) == (
         f"CUDA_VISIBLE_DEVICES={variable!r} hides every GPU from CUDA"
         + (f" (its entry {variable.strip()!r} names no GPU here, so CUDA ignores it and any after it)"
            if variable.strip() else "")
         + ", so there is no gpu:0")
 
 
-@pytest.mark.parametrize("variable", ["1,1", "0,2,0", "GPU-bbbb,2x,GPU-bbbb3333"])
+@pytest.mark.parametrize("variable", ["1,1", "0,2,0", "GPU-bbbb,2x,GPU-bbbb3333", "GPU-bbbb,2", "0,GPU-aaaa1111"])
 def test_naming_a_gpu_twice_hides_every_gpu(variable: str) -> None:
     visible = visible_gpus(variable, GPUS)
 
     assert visible.gpus == () and visible.twice is not None
-    assert "names one GPU twice" in str(missing_gpu(Device("gpu", 0), visible, variable))
+    assert "names one GPU twice" in str(missing_gpu(0, visible, variable))
 
 
 def test_gpus_of_different_models_are_counted_but_mapped_only_in_pci_bus_order() -> None:
@@ -91,14 +92,14 @@ def test_gpus_of_different_models_are_counted_but_mapped_only_in_pci_bus_order()
     assert physical(visible_gpus("5", MIXED)) == []  # counting does not depend on the order
 
 
-def test_mig_instances_in_cuda_visible_devices_are_counted_but_not_mapped() -> None:
-    variable = "MIG-9d5c7a3e-0000-0000-0000-000000000000,MIG-GPU-aaaa1111-0000-0000-0000-000000000000/1/0"
+def test_a_mig_instance_in_cuda_visible_devices_leaves_the_count_open_from_it() -> None:
+    """A process sees one MIG instance at most, on a GPU not told here: nothing from it on is mapped or refused."""
+    variable = "0,MIG-9d5c7a3e-0000-0000-0000-000000000000,MIG-GPU-aaaa1111-0000-0000-0000-000000000000/1/0"
     visible = visible_gpus(variable, GPUS)
 
-    assert visible.gpus == (None, None) and visible.complete  # at most these two
+    assert physical(visible) == [0, None] and not visible.complete
     assert "MIG instances" in visible.note
-    assert missing_gpu(Device("gpu", 1), visible, variable) is None
-    assert "leaves 2 GPU(s) visible to CUDA" in str(missing_gpu(Device("gpu", 2), visible, variable))
+    assert missing_gpu(1, visible, variable) is None and missing_gpu(2, visible, variable) is None
 
 
 def test_a_gpu_in_mig_mode_leaves_the_devices_from_it_on_unknown() -> None:
@@ -111,7 +112,7 @@ def test_a_gpu_in_mig_mode_leaves_the_devices_from_it_on_unknown() -> None:
     assert physical(everything) == [0, None] and not everything.complete
     assert f"NVML's GPU 1 ({GPUS[1].uuid}) is in MIG mode" in everything.note
     assert physical(only_it) == [None] and not only_it.complete
-    assert missing_gpu(Device("gpu", 5), everything, None) is None  # not refused: it cannot be told
+    assert missing_gpu(5, everything, None) is None  # not refused: it cannot be told
     assert physical(visible_gpus("2,0", gpus)) == [2, 0]  # GPUs not in MIG mode are mapped as ever
 
 
@@ -120,23 +121,23 @@ def test_without_nvml_the_variable_still_bounds_the_gpus_cuda_sees() -> None:
     listed = visible_gpus("3,1,-1,0", None)
 
     assert unset.gpus == () and not unset.complete and not unset.checked
-    assert missing_gpu(Device("gpu", 7), unset, None) is None  # cannot be checked: ONNX Runtime will say
+    assert missing_gpu(7, unset, None) is None  # cannot be checked: ONNX Runtime will say
     assert listed.gpus == (None, None) and listed.complete and not listed.checked
     assert visible_gpus("", None).gpus == () and visible_gpus("0,0", None).twice == "0"
-    assert missing_gpu(Device("gpu", 2), listed, "3,1,-1,0") == (
+    assert missing_gpu(2, listed, "3,1,-1,0") == (
         "CUDA_VISIBLE_DEVICES='3,1,-1,0' lists at most 2 GPU(s) visible to CUDA (its entry '-1' names no GPU here, "
         "so CUDA ignores it and any after it), which it and ONNX Runtime number gpu:0 to gpu:1 in the order "
         "listed, so there is no gpu:2")
 
 
 def test_a_gpu_number_past_the_visible_ones_is_refused_naming_cuda_visible_devices() -> None:
-    assert missing_gpu(Device("gpu", 1), visible_gpus("2", GPUS), "2") == (
+    assert missing_gpu(1, visible_gpus("2", GPUS), "2") == (
         "CUDA_VISIBLE_DEVICES='2' leaves 1 GPU(s) visible to CUDA, which it and ONNX Runtime number gpu:0 "
         "in the order listed, so there is no gpu:1")
-    assert missing_gpu(Device("gpu", 0), visible_gpus("2", GPUS), "2") is None
-    assert missing_gpu(Device("gpu", 3), visible_gpus(None, GPUS), None) == \
+    assert missing_gpu(0, visible_gpus("2", GPUS), "2") is None
+    assert missing_gpu(3, visible_gpus(None, GPUS), None) == \
         "NVML sees 3 GPU(s) here, so there is no gpu:3"
-    assert missing_gpu(Device("gpu", 0), visible_gpus(None, []), None) == \
+    assert missing_gpu(0, visible_gpus(None, []), None) == \
         "NVML sees 0 GPU(s) here, so there is no gpu:0"
 
 

@@ -1,0 +1,12 @@
+-- take_reaper_turn: the reaper turn goes to a worker when no other worker holds it; its holder keeps it.
+-- KEYS[1] reaper-turn STRING the name of the worker whose reaper thread passes now
+-- ARGV[1] worker name, ARGV[2] milliseconds the turn lasts from now
+-- Returns: 1 when ARGV[1] has the turn (taken, or renewed by its holder), 0 when another worker holds it.
+-- The holder renews it at every tick, so a lone worker never skips a pass for a timer that fired a
+-- little early; another worker takes over once the holder has missed its ticks for ARGV[2] ms.
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
