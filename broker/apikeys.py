@@ -12,7 +12,9 @@ import redis
 from broker.errors import Forbidden, Unauthorized
 from broker.store import Store, translate_redis_errors
 
-ROLES = ("admin", "user")
+ROLES = ("admin", "user", "metrics")
+"""user: a tenant (its own jobs, requests and model names); admin: everything; metrics: `GET /metrics`
+only, a key for a Prometheus scrape that can submit nothing and read no tenant's records."""
 
 
 def _digest(key: str) -> str:

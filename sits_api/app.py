@@ -123,9 +123,17 @@ def _authenticate() -> None:
     cached = known.get(key) if key else None
     if cached and time.monotonic() - cached[0] < KEY_CACHE_SECONDS:
         g.identity = cached[1]
+        _refuse_a_metrics_key_elsewhere()
         return
     g.identity = authenticate(_ctx()["store"], key)
     known[key] = (time.monotonic(), g.identity)
+    _refuse_a_metrics_key_elsewhere()
+
+
+def _refuse_a_metrics_key_elsewhere() -> None:
+    """A `metrics` key (a Prometheus scrape's) reads `/metrics` and nothing else."""
+    if g.identity.get("role") == "metrics" and request.endpoint != "api.prometheus_metrics":
+        raise Forbidden(f"key '{g.identity.get('name')}' has the 'metrics' role: it may only read GET /metrics")
 
 
 def _visible_to_caller(record: dict[str, Any], not_found: SitsError) -> dict[str, Any]:
@@ -209,7 +217,8 @@ def status() -> Any:
 @api.get("/metrics")
 def prometheus_metrics() -> Any:
     """Prometheus metrics (queues, workers, memory, jobs by status, requests and rows served), read from
-    Redis at each scrape. Counts only, as `/v1/status`: any key may read them."""
+    Redis at each scrape. Counts only, but of every tenant's work: `metrics` keys and admins read them."""
+    require_role(g.identity, "metrics")
     body, content_type = metrics.exposition(_ctx()["metrics"], request.headers.get("Accept", ""))
     return Response(body, content_type=content_type)
 

@@ -22,7 +22,7 @@ from broker.store import Store
 
 MODEL = ["model", "version"]
 WORKER = ["worker", "device"]
-REQUEST_STATUSES = ("succeeded", "failed")
+REQUEST_STATUSES = ("succeeded", "failed", "expired")
 
 _WORKER_GAUGES = (
     # (metric, help, where in the heartbeat: key, or (key, key) inside its memory ledger stats)
@@ -129,14 +129,16 @@ def _job_and_request_metrics(stats: SystemStats) -> Iterator[Metric]:
             jobs.add_metric([status], stats.job_counts.get(status, 0))
     yield jobs
     completed = CounterMetricFamily("sits_requests_completed", "Online requests completed, by model and by how "
-                                    "they ended (failed: their error is in the request).",
+                                    "they ended (failed: their error is in the request; expired: the request's "
+                                    "record was gone when it was leased, so its result was dropped).",
                                     labels=[*MODEL, "status"])
     for status in REQUEST_STATUSES:
         for model_ref, total in sorted(stats.counters.get(f"requests_{status}", {}).items()):
             completed.add_metric([*_model_labels(model_ref), status], total)
     yield completed
     rows = CounterMetricFamily("sits_job_rows_done", "Rows of offline jobs computed and checkpointed (a chunk "
-                               "run again after a lost acknowledgement counts once).", labels=MODEL)
+                               "run again after a lost acknowledgement counts once; rows run again after a "
+                               "resume, where their outputs were deleted, count again).", labels=MODEL)
     for model_ref, total in sorted(stats.counters.get("job_rows", {}).items()):
         rows.add_metric(_model_labels(model_ref), total)
     yield rows

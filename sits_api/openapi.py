@@ -81,11 +81,11 @@ def openapi_document() -> dict[str, Any]:
                                 "responses": _responses(200, 503)}},
             "/v1/status": {"get": {"summary": "workers, queues, jobs by status", "responses": _responses(200, 401)}},
             "/metrics": {"get": {"summary": "Prometheus metrics: queues, workers, memory, jobs by status, requests "
-                                            "and job rows served (counts only; any key)",
+                                            "and job rows served (counts only; a metrics or admin key)",
                                  "responses": {"200": {"description": "Prometheus text exposition (OpenMetrics "
                                                                       "when the Accept header asks for it)",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}},
-                                               **_responses(401, 503)}}},
+                                               **_responses(401, 403, 503)}}},
             "/v1/models": {
                 "get": {"summary": "list model versions; owner and file paths (path, source_path): to the "
                                    "keys that own the name and admins, null to other keys",

@@ -5,7 +5,8 @@
 -- KEYS[4] deadlines  ZSET
 -- KEYS[5] ready      ZSET
 -- KEYS[6] counters   HASH running totals for /metrics: 'requests_<status>:<model ref>' counts the
---           requests completed here (one HINCRBY a call, two when a batch both succeeded and failed)
+--           requests completed here, by status: succeeded, failed, or expired (its hash was gone, so
+--           no result could be stored); one HINCRBY a status present in the call
 -- KEYS[7..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it and gets the
 --           finished request's fields as one JSON object, so it needs no second read)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
@@ -41,6 +42,8 @@ for i = 0, (#ARGV - 6) / 5 - 1 do
     redis.call('EXPIRE', waiters, ARGV[2])
     done = done + 1
     by_status[status] = (by_status[status] or 0) + 1
+  elseif held then  -- its hash expired before it ran (result_ttl): no one can read a result any more
+    by_status['expired'] = (by_status['expired'] or 0) + 1
   end
 end
 for status, count in pairs(by_status) do

@@ -59,6 +59,12 @@ def alice(client: FlaskClient, store: Store) -> Api:
     return Api(client, create_api_key(store, "alice-tenant", "user"))
 
 
+@pytest.fixture
+def scrape_key(store: Store) -> str:
+    """A Prometheus scrape's key: the `metrics` role."""
+    return create_api_key(store, "prometheus", "metrics")
+
+
 def submit_job(api: Api, tmp_path: Path, mlp_input: Path, name: str) -> dict[str, Any]:
     response = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
                                           "output_dir": str(tmp_path / name), "chunk_size": 4})
@@ -77,7 +83,8 @@ def a_memory_ledger_running_one_batch() -> MemoryLedger:
 
 
 def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_and_totals(
-        alice: Api, client: FlaskClient, mlp: dict[str, Any], mlp_input: Path, store: Store, tmp_path: Path) -> None:
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], mlp_input: Path, store: Store,
+        tmp_path: Path) -> None:
     now = time.time()
     ledger_stats = a_memory_ledger_running_one_batch().stats()
     workers.record_heartbeat(store, "gpu-worker@host-a", {"device": "cuda:0", "streams": 3, "memory": ledger_stats,
@@ -89,7 +96,7 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
         assert alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).status_code == 202
     ref, version = mlp["ref"], mlp["version"]
 
-    pending = samples(scrape(client, alice.headers["Authorization"].split()[1]))
+    pending = samples(scrape(client, scrape_key))
     assert value(pending, "sits_queue_waiting_items", model="mlp", version=version) == 8  # 3 + 3 chunks, 2 requests
     assert names_of(pending, "sits_jobs") == []  # until a reaper pass has looked for jobs stored before the counts
 
@@ -107,7 +114,7 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
     assert queues.reap_expired_leases(store, now=now + 5, max_attempts=1).dead_items
     assert job_lists.count_old_jobs(store)  # a reaper pass: every job is counted
 
-    found = samples(scrape(client, alice.headers["Authorization"].split()[1]))
+    found = samples(scrape(client, scrape_key))
 
     assert value(found, "sits_queue_waiting_items", model="mlp", version=version) == 3  # the second job's chunks
     assert value(found, "sits_queue_inflight_items", model="mlp", version=version) == 1
@@ -136,6 +143,23 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
     assert dying.payload["job"] == first["id"]
 
 
+def test_a_request_whose_record_expired_before_it_ran_is_counted_as_expired(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
+    request_id = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).get_json()["id"]
+    store.client.delete(store.keys.request(request_id))  # its result_ttl ran out while it waited
+    [item] = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=1)
+    assert requests.load_inputs(store, [item]) == [None]  # what the worker finds: nothing to run
+    requests.complete_requests(store, [RequestResult(item, error="the request expired before it ran", code="timeout")],
+                               now=time.time(), keep_seconds=60, batch_size=1, worker="w")
+
+    found = samples(scrape(client, scrape_key))
+
+    completed = {dict(labels)["status"]: found[(name, labels)] for name, labels in found
+                 if name == "sits_requests_completed_total"}
+    assert completed == {"expired": 1}
+    assert value(found, "sits_queue_inflight_items", model="mlp", version=mlp["version"]) == 0
+
+
 def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, mlp: dict[str, Any],
                                                                       client: FlaskClient, admin_key: str) -> None:
     families = list(text_string_to_metric_families(scrape(client, admin_key)))
@@ -146,13 +170,23 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
         "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills"}
 
 
-def test_metrics_need_a_key_and_any_key_may_read_them(client: FlaskClient, store: Store, admin_key: str) -> None:
+def test_metrics_need_a_metrics_or_admin_key_and_a_metrics_key_reads_nothing_else(
+        client: FlaskClient, store: Store, admin_key: str, scrape_key: str, mlp: dict[str, Any]) -> None:
     user_key = create_api_key(store, "bob", "user")
 
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", headers={"Authorization": "Bearer sits_not-a-key"}).status_code == 401
-    assert "sits_queue_waiting_items" in scrape(client, user_key)
+    assert "sits_queue_waiting_items" in scrape(client, scrape_key)
     assert "sits_queue_waiting_items" in scrape(client, admin_key)
+    as_user = client.get("/metrics", headers={"Authorization": f"Bearer {user_key}"})  # every tenant's counts
+    assert as_user.status_code == 403 and "needs the 'metrics' role" in as_user.get_json()["error"]
+    scraper = {"Authorization": f"Bearer {scrape_key}"}
+    for method, path in (("GET", "/v1/status"), ("GET", "/v1/jobs"), ("GET", "/v1/models"), ("POST", "/v1/requests"),
+                         ("POST", "/v2/models/mlp/infer"), ("GET", "/v2/models/mlp")):
+        response = client.open(path, method=method, headers=scraper, json={})
+        assert response.status_code == 403 and "may only read GET /metrics" in response.get_json()["error"], path
+    for _ in range(2):  # and so it stays once the key is cached
+        assert client.get("/v1/jobs", headers=scraper).status_code == 403
 
 
 def test_metrics_name_no_job_or_request_ids_owners_or_redis_url(
@@ -190,7 +224,7 @@ def test_a_scrape_costs_the_same_redis_commands_however_many_jobs_are_kept(tmp_p
     with EmbeddedRedis(tmp_path / "redis", appendonly=False) as server:
         store = Store.connect(server.url, "cost")
         app = create_app(make_settings(server, store, tmp_path, zoo_dir), store=store)
-        client, key = app.test_client(), create_api_key(store, "ops", "user")
+        client, key = app.test_client(), create_api_key(store, "ops", "metrics")
 
         def commands_of_a_scrape() -> int:
             before = int(store.client.info("stats")["total_commands_processed"])
