@@ -101,7 +101,7 @@ class Keys:
 
     @property
     def owner_index_mark(self) -> str:
-        """STRING creation time up to which `job_lists.index_job_owners` has indexed the `jobs` index."""
+        """STRING id of the last job, in `jobs` index order, that `job_lists.index_job_owners` has indexed."""
         return self._key("jobs-of-mark")
 
     @property

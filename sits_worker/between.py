@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -84,6 +85,13 @@ class BetweenBatches:
             self._extended_at = time.monotonic()
             queues.extend_lease(self._ctx.store, self._item, self._ticket, now=time.time(),
                                 lease_seconds=self._lease_seconds)
+
+    def running(self) -> AbstractContextManager[None]:
+        """Hold the chunk's lease and the ticket in the worker's lease keeper while a mini-batch runs:
+        one `session.run` longer than the lease (a large batch of a slow model on a CPU) would lose
+        them mid-run, since `__call__` extends them only between mini-batches. Costs a lock and a
+        dict entry; no Redis call unless the run passes a quarter of the lease."""
+        return self._ctx.lease_keeper.holding([self._item], self._ticket)
 
     def finish(self) -> None:
         """Settle carried requests the chunk never reached (it was dropped, failed or had no rows): run

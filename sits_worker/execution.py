@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +42,11 @@ class MiniBatchHook(Protocol):
 
     def keep_alive(self) -> None:
         """Extend the item's lease when due, cheap otherwise (a finalize merge calls it as it goes)."""
+        ...
+
+    def running(self) -> AbstractContextManager[object]:
+        """Held while a mini-batch runs: one `session.run` may outlast the lease, and between mini-batches
+        is the only place `__call__` extends it."""
         ...
 
 
@@ -167,10 +173,11 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
 
     for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
         riders = between(feed)
-        if riders:
-            row_indices, feed = _run_riders(ctx, model_ref, riders, row_indices, feed, store_rows, session)
-        if len(row_indices):
-            store_rows(row_indices, ctx.run(model_ref, feed, output_names, session))
+        with between.running():
+            if riders:
+                row_indices, feed = _run_riders(ctx, model_ref, riders, row_indices, feed, store_rows, session)
+            if len(row_indices):
+                store_rows(row_indices, ctx.run(model_ref, feed, output_names, session))
     # And after: rows read while the file was rewritten in place (same size, same inode) must not count
     # as done under the checksum of the file as submitted.
     check_unchanged(input_path, input_stat)

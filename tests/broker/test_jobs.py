@@ -199,7 +199,7 @@ def test_reaper_passes_index_jobs_stored_before_the_owner_indexes_a_page_at_a_ti
     assert not job_lists.index_job_owners(store, limit=4)  # a full page: more may follow
     assert not store.client.exists(store.keys.owner_index_built)
     assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, owner="alice")] == ["j4", "j2", "j0"]  # scan
-    assert job_lists.index_job_owners(store, limit=4)  # from before the run of equal times the page ended in
+    assert job_lists.index_job_owners(store, limit=4)  # the rest, from the job after the last one indexed
     assert store.client.zrange(store.keys.owner_jobs("alice"), 0, -1, withscores=True) == [
         ("j0", NOW), ("j2", NOW + 2), ("j4", NOW + 2)]
     assert store.client.zrange(store.keys.owner_jobs("bob"), 0, -1) == ["j1"]

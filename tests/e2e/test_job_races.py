@@ -10,6 +10,7 @@ made at a fixed point of the merge), then the sweep's scenario on a real stack.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -49,6 +50,9 @@ class MergeHooks:
         self.calls += 1
         if self.calls == 1:
             self.at_first_block()
+
+    def running(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
 
 @pytest.fixture
