@@ -51,13 +51,18 @@ def create_api_key(store: Store, name: str, role: str = "user") -> str:
 
 
 def _refuse_a_name_of_the_other_role(name: str, role: str, stored: list[str]) -> None:
-    """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and not `role`."""
+    """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and not `role`.
+    `metrics` keys own nothing, so their names are free of the rule either way."""
+    if role == "metrics":
+        return
     for raw in stored:
         try:
             identity = json.loads(raw)
         except ValueError:
             continue  # damaged: `authenticate` refuses it anyway
-        if isinstance(identity, dict) and identity.get("name") == name and identity.get("role") != role:
+        if not isinstance(identity, dict) or identity.get("role") == "metrics":
+            continue
+        if identity.get("name") == name and identity.get("role") != role:
             raise ValueError(f"key name {name!r} is taken by a key of role '{identity.get('role')}': a name is "
                              f"either a tenant's (user keys) or admins' (admin keys), never both; give this {role} "
                              "key another name")
@@ -95,4 +100,4 @@ def owns(identity: dict[str, Any], owner: str | None) -> bool:
     """
     if identity.get("role") == "admin":
         return True
-    return bool(owner) and owner == identity.get("name")
+    return identity.get("role") == "user" and bool(owner) and owner == identity.get("name")

@@ -45,6 +45,12 @@ class ConnectionLost(RetryableError):
     code = "connection_lost"
 
 
+class StoreFull(RetryableError):
+    """Redis refused a write: it holds `maxmemory` and evicts nothing (as SITS needs)."""
+
+    code = "store_full"
+
+
 class DeviceOutOfMemory(RetryableError):
     """The device could not allocate memory for a batch."""
 

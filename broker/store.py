@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from broker.errors import ConfigError, ConnectionLost
+from broker.errors import ConfigError, ConnectionLost, StoreFull
 from broker.keys import Keys
 from broker.scripts import Scripts
 
@@ -97,8 +97,20 @@ def _drop_if_stale(connection: Any) -> None:
 
 @contextlib.contextmanager
 def translate_redis_errors() -> Iterator[None]:
-    """Turn redis-py connection failures into the retryable `ConnectionLost`."""
+    """Turn redis-py connection failures into the retryable `ConnectionLost`, and a write Redis refuses
+    at `maxmemory` (no eviction, by design) into the retryable `StoreFull`: clients get a 503 that says
+    what happened, not a 500."""
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as err:
         raise ConnectionLost(f"Redis is unreachable ({err}); check SITS_REDIS_URL and that Redis runs") from err
+    except redis.ResponseError as err:
+        if not _out_of_memory(err):
+            raise
+        raise StoreFull("Redis is full (it reached maxmemory and evicts nothing): retry once finished jobs and "
+                        "results have expired, or give Redis more memory") from err
+
+
+def _out_of_memory(err: redis.ResponseError) -> bool:
+    """A write refused at maxmemory: 'OOM command not allowed ...', also when a script's write hit it."""
+    return str(err).startswith("OOM") or "OOM command not allowed" in str(err)

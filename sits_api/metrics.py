@@ -130,7 +130,7 @@ def _job_and_request_metrics(stats: SystemStats) -> Iterator[Metric]:
     yield jobs
     completed = CounterMetricFamily("sits_requests_completed", "Online requests completed, by model and by how "
                                     "they ended (failed: their error is in the request; expired: the request's "
-                                    "record was gone when it was leased, so its result was dropped).",
+                                    "record had expired when its result came, so the result was dropped).",
                                     labels=[*MODEL, "status"])
     for status in REQUEST_STATUSES:
         for model_ref, total in sorted(stats.counters.get(f"requests_{status}", {}).items()):

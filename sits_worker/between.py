@@ -56,8 +56,9 @@ class BetweenBatches:
             if self._carried[0].payload.get("bucket") == feed_bucket(self._ctx, self._item.model_ref, feed)[0]:
                 carried, self._carried = self._carried, []
                 return carried
-            # another shape: they run as their own batch, first
-            run_requests(self._ctx, self._carried, self._ticket)
+            # another shape: they run as their own batch, first (the chunk's lease held meanwhile)
+            with self._ctx.lease_keeper.holding([self._item]):
+                run_requests(self._ctx, self._carried, self._ticket)
             self._carried = []
         if self._stale or time.monotonic() < self._next_look:
             return []

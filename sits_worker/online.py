@@ -61,7 +61,7 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     results, live = _load(ctx, riders)
     job_rows = len(next(iter(feed.values())))
     job_outputs: Tensors | None = None
-    with ctx.lease_keeper.holding(riders):  # the chunk keeps its own lease between its mini-batches
+    with ctx.lease_keeper.holding(riders):  # (the chunk's own lease is held around each mini-batch)
         if live:
             try:
                 job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)

@@ -118,6 +118,20 @@ def test_an_authenticated_request_answers_503_not_500_when_redis_is_unreachable(
     assert response.get_json()["code"] == "connection_lost"
 
 
+def test_a_write_refused_by_a_full_redis_answers_503_saying_so_not_500(
+        api: Api, store: Store, mlp: dict[str, Any]) -> None:
+    store.client.config_set("maxmemory", "1")  # Redis holds more than that already: every write is refused
+    try:
+        request = api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": [[0.0] * 64]}})
+        status = api.get("/v1/status")
+    finally:
+        store.client.config_set("maxmemory", "0")
+
+    assert request.status_code == 503 and request.get_json()["code"] == "store_full", request.get_json()
+    assert "Redis is full" in error_of(request)
+    assert status.status_code == 200  # reads go on
+
+
 def test_openapi_json_needs_no_key_and_is_an_openapi_3_1_document(client: FlaskClient) -> None:
     response = client.get("/openapi.json")
 

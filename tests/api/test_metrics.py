@@ -1,5 +1,5 @@
 """GET /metrics: the Prometheus exposition of what Redis holds (queues, leases, workers, memory, jobs by
-status, requests and job rows served), behind any API key, naming no ids, owners or the Redis URL.
+status, requests and job rows served), behind a metrics or admin key, naming no ids, owners or the Redis URL.
 
 The workers' side is played by the test with the broker's own calls (lease, complete, ack, reap,
 heartbeat) on the real Redis; the scrape is parsed with prometheus_client's own parsers.

@@ -79,6 +79,22 @@ def test_owns_lets_a_user_key_have_only_its_own_name_s_records_and_an_admin_all(
     assert not owns(alice, None) and not owns(alice, "")  # stored without an owner: admins only
     assert not owns({"name": "", "role": "user"}, "")
     assert all(owns(admin, owner) for owner in ("alice", "bob", None, ""))
+    assert not owns({"name": "alice", "role": "metrics"}, "alice")  # a scrape key owns nothing, whatever its name
+
+
+def test_a_metrics_key_may_share_a_name_with_a_tenant_or_admins_and_gets_none_of_their_records(
+        client: FlaskClient, store: Store) -> None:
+    tenant = create_api_key(store, "prometheus", "user")  # e.g. made before the metrics role existed
+    scraper = create_api_key(store, "prometheus", "metrics")
+    create_api_key(store, "root", "admin")
+    create_api_key(store, "root", "metrics")
+
+    job_list = client.get("/v1/jobs", headers={"Authorization": f"Bearer {scraper}"})
+    assert job_list.status_code == 403
+    assert client.get("/metrics", headers={"Authorization": f"Bearer {scraper}"}).status_code == 200
+    assert client.get("/metrics", headers={"Authorization": f"Bearer {tenant}"}).status_code == 403
+    with pytest.raises(ValueError, match="taken by a key of role 'user'"):
+        create_api_key(store, "prometheus", "admin")  # the rule still holds between tenants and admins
 
 
 def test_a_key_without_a_name_or_with_spaces_around_it_cannot_be_created(store: Store) -> None:
