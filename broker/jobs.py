@@ -27,6 +27,8 @@ from broker.store import Store, translate_redis_errors
 
 ACTIVE_STATUSES = ("queued", "running")
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
+STOP_STATUSES = ("cancelled", "failed")
+"""The statuses `stop_job` gives."""
 _INT_FIELDS = (
     "rows_total",
     "rows_done",
@@ -39,6 +41,8 @@ _INT_FIELDS = (
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
+_BOOKKEEPING_FIELDS = ("counted", "fill_mode", "filled_to", "stop_id")
+"""Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 
 JOB_ID_PATTERN = re.compile(r"j[0-9a-f]{12}")
@@ -228,7 +232,15 @@ ENQUEUE_SLICE = 128
 cores with 100,000 items queued: benchmarks/job_slices.py), so that a job of 100,000 chunks never holds
 Redis, and every online request, for seconds (one call took 4-7 s)."""
 FILL_STALLED_SECONDS = 30.0
-"""A job still filling whose last enqueue call is this old lost its caller; a reaper pass completes it."""
+"""A job still filling (or stopping) whose last enqueue (or stop) call is this old lost its caller; a reaper
+pass completes the fill (or the stop)."""
+
+
+def _slice_call(number: int, count: int, *, continued: bool) -> str:
+    """What call `number` of `count` of a sliced fill or stop says of itself to its script: '' (the only one),
+    'first' (more follow), 'more' or 'last'; with `continued` (taken up by a reaper pass) none is the first."""
+    taken_up, more_follow = number > 0 or continued, number < count - 1
+    return ("more" if taken_up else "first") if more_follow else ("last" if taken_up else "")
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
@@ -236,8 +248,9 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
     """Queue a job's items in calls of `ENQUEUE_SLICE`, the job's `fields` set by the first.
 
     While more calls are to come the job is in `keys.jobs_filling` (a reaper pass completes the fill if
-    this caller dies: `stalled_fills`, `refill_job`); a later call adds nothing to a job stopped meanwhile, nor
-    does any call with `continued` (a fill taken up again). 'create' adds later slices in 'add' mode.
+    this caller dies: `stalled_fills`, `refill_job`; the first call records the fill's mode in the job); a
+    later call adds nothing to a job stopped meanwhile, nor does any call with `continued` (a fill taken up
+    again). 'create' adds later slices in 'add' mode.
     Returns the items added; Conflict if 'create' finds the job there.
     """
     keys = store.keys
@@ -248,8 +261,7 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
     slices = [item_args[start:start + step] for start in range(0, len(item_args), step)] or [[]]
     added = 0
     for number, group in enumerate(slices):
-        taken_up, more_follow = number > 0 or continued, number < len(slices) - 1
-        fill = ("more" if taken_up else "first") if more_follow else ("last" if taken_up else "")
+        fill = _slice_call(number, len(slices), continued=continued)
         with translate_redis_errors():
             reply = int(store.scripts.enqueue_items(
                 keys=job_keys,
@@ -273,23 +285,27 @@ def stalled_fills(store: Store, *, now: float) -> list[str]:
 
 def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
                ordering: Ordering = "dynamic") -> int:
-    """Queue every chunk of a stalled fill that is not done, queued or leased ('add'); a job stopped or
+    """Queue every chunk of a stalled fill that is not done, queued or leased, in the mode its first call
+    recorded (`fill_mode`): a resume's also takes back at once the chunks of the earlier run that are
+    leased or dead and that its calls had not reached yet (only those: the script keeps every call
+    idempotent), any other adds ('add', also for a fill recorded before the mode was). A job stopped or
     gone meanwhile only leaves the filling index. Returns the items added."""
-    try:
-        job = get_job(store, job_id, now=now)
-    except JobNotFound:
-        job = None
+    with translate_redis_errors():
+        raw = store.client.hgetall(store.keys.job(job_id))
+    job = decode_job(raw) if raw else None
     if job is None or job["status"] not in ACTIVE_STATUSES:
         with translate_redis_errors():
             store.client.zrem(store.keys.jobs_filling, job_id)
         return 0
+    mode = "resume" if raw.get("fill_mode") == "resume" else "add"
     done = done_chunks(store, job_id)
     ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
-    factors = job_factors(job["priority"], job["created_at"])
+    # a resume's first call scored its chunks as enqueued at the resume (`resume_job`)
+    factors = job_factors(job["priority"], (mode == "resume" and job["resumed_at"]) or job["created_at"])
     item_args = _item_args(job_id, job["model_ref"], ranges, [i for i in range(len(ranges)) if i not in done],
                            queue_key(factors, weights or Weights(), ordering), factors.to_dict(),
                            int(job["batch_size"]))
-    return _enqueue(store, job_id, job["model_ref"], {}, "add", now, item_args, continued=True)
+    return _enqueue(store, job_id, job["model_ref"], {}, mode, now, item_args, continued=True)
 
 
 def decode_job(raw: dict[str, str]) -> dict[str, Any]:
@@ -303,7 +319,8 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
         job[name] = json.loads(raw[name]) if raw.get(name) else None
     job["error"] = raw.get("error") or None
     job["owner"] = raw.get("owner") or None  # the submitting key's name; None for jobs stored without one
-    job.pop("counted", None)  # bookkeeping of the per-status job counts (`keys.job_counts`)
+    for name in _BOOKKEEPING_FIELDS:
+        job.pop(name, None)
     job["workers"] = {name[2:]: int(count) for name, count in raw.items() if name.startswith("w:")}
     for name in job["workers"]:
         job.pop("w:" + name)
@@ -345,32 +362,77 @@ def get_job(store: Store, job_id: str, *, now: float) -> dict[str, Any]:
     return with_rates(decode_job(raw), now=now)
 
 
+def _job_item_ids(job_id: str, chunks_total: int) -> list[str]:
+    """Every item id a job may have queued: its chunks' and its finalize step's."""
+    return [chunk_item_id(job_id, i) for i in range(chunks_total)] + [finalize_item_id(job_id)]
+
+
 def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, dead_item: str = "") -> str:
     """Cancel or fail a job and take its waiting items out; returns the job's status afterwards.
 
     With `dead_item`, the stop happens only while that item is still in the dead set, so a
-    resume that took it back in the meantime wins ('skipped').
+    resume that took it back in the meantime wins ('skipped'). A stop of a job that already has
+    `status` takes the items out again, and any earlier stop still going on over (a second DELETE).
+    While more calls are to come the job is in `keys.jobs_stopping` (a reaper pass completes the stop
+    if this caller dies: `stalled_stops`, `finish_stop`).
     """
     with translate_redis_errors():
         raw = store.client.hmget(store.keys.job(job_id), ["model_ref", "chunks_total"])
     model_ref, chunks_total = raw
     if model_ref is None:
         raise job_not_found(job_id)
-    item_ids = [chunk_item_id(job_id, i) for i in range(int(chunks_total))] + [finalize_item_id(job_id)]
+    return _take_items_out(store, job_id, model_ref, _job_item_ids(job_id, int(chunks_total)), status=status,
+                           error=error, now=now, stop_id=secrets.token_hex(6), dead_item=dead_item)
+
+
+def _take_items_out(store: Store, job_id: str, model_ref: str, item_ids: Sequence[str], *, status: str, error: str,
+                    now: float, stop_id: str, dead_item: str = "", continued: bool = False) -> str:
+    """The calls of one stop (`stop_id`), `ENQUEUE_SLICE` items each: the first stops the job, later ones (all,
+    with `continued`: a stop taken up again) take items out while the job has `status` and `stop_id`.
+    Returns the first call's reply."""
     keys = store.keys
+    stop_keys = [keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
+                 keys.dead, keys.job_counts, keys.jobs_stopping]
+    slices = [item_ids[start:start + ENQUEUE_SLICE] for start in range(0, len(item_ids), ENQUEUE_SLICE)] or [[]]
     first = ""
-    for start in range(0, len(item_ids), ENQUEUE_SLICE):  # the first call stops it, later ones take items out
+    for number, group in enumerate(slices):
         with translate_redis_errors():
             result = str(store.scripts.stop_job(
-                keys=[keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
-                      keys.dead, keys.job_counts],
-                args=[status, error, now, dead_item if start == 0 else "", "more" if start else "first",
-                      *item_ids[start:start + ENQUEUE_SLICE]],
+                keys=stop_keys,
+                args=[status, error, now, dead_item if number == 0 else "",
+                      _slice_call(number, len(slices), continued=continued), stop_id, job_id, time.time(), *group],
             ))
         first = first or result
-        if result != status:  # finished, skipped or gone (first call), or resumed since the first call
+        if result != status:  # finished, skipped or gone (first call); resumed or taken over since
             break
     return first
+
+
+def stalled_stops(store: Store, *, now: float) -> list[str]:
+    """Jobs whose stop ended part-way: its last call is `FILL_STALLED_SECONDS` old (the API process, or the
+    reaper pass, stopping them died between two calls). `finish_stop` completes each."""
+    with translate_redis_errors():
+        return list(store.client.zrangebyscore(store.keys.jobs_stopping, "-inf", now - FILL_STALLED_SECONDS))
+
+
+def finish_stop(store: Store, job_id: str, *, now: float) -> str:
+    """Take out every item a stalled stop left in the queue, in slices as its caller would have, each call
+    only while the job still has the stop's status and id (`stop_id`; a job stopped before it was recorded
+    has none): a job resumed since keeps what the resume queued, a stop that took this one over is left to
+    its own caller. Idempotent; the job leaves the stopping index. Returns the first call's reply (the stop's
+    status, 'superseded', or the job's status when it is not stopped)."""
+    with translate_redis_errors():
+        model_ref, chunks_total, status, stop_id = store.client.hmget(
+            store.keys.job(job_id), ["model_ref", "chunks_total", "status", "stop_id"])
+    if model_ref is None:  # gone: nothing of it to take out
+        with translate_redis_errors():
+            store.client.zrem(store.keys.jobs_stopping, job_id)
+        return ""
+    # not stopped (resumed or finished since): one call with no status and no items only ends the entry
+    stopped = status if status in STOP_STATUSES else ""
+    item_ids = _job_item_ids(job_id, int(chunks_total or 0)) if stopped else []
+    return _take_items_out(store, job_id, model_ref, item_ids, status=stopped, error="", now=now,
+                           stop_id=stop_id or "", continued=True)
 
 
 def done_chunks(store: Store, job_id: str) -> set[int]:

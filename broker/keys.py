@@ -90,6 +90,12 @@ class Keys:
         slices (`jobs.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
         return self._key("jobs-filling")
 
+    @property
+    def jobs_stopping(self) -> str:
+        """ZSET job id -> time of its stop's last call, for jobs whose items are still being taken out in
+        slices by a cancel or fail (`jobs.stop_job`); a reaper pass completes a stop whose caller died."""
+        return self._key("jobs-stopping")
+
     def owner_jobs(self, owner: str) -> str:
         """ZSET job id -> creation time of the jobs of one API key name (`GET /v1/jobs?owner=`)."""
         return self._key("jobs-of", owner)

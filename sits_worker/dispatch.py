@@ -153,7 +153,7 @@ def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:
 
 def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     """One reaper pass: expired leases back to their queue, poison items fail their job, lost tickets
-    replaced, stalled job fills completed (run by `reaper.Reaper`, on a thread of its own)."""
+    replaced, stalled job fills and stops completed (run by `reaper.Reaper`, on a thread of its own)."""
     settings = ctx.settings
     result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=settings.jobs.max_attempts)
     for model_ref, item_id, payload in result.dead_items:
@@ -180,6 +180,9 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
         for job_id in stalled:
             log.warning("job %s: its items stopped being queued part-way (%d more queued now)", job_id,
                         jobs.refill_job(ctx.store, job_id, now=now, weights=weights, ordering=ordering))
+    for job_id in jobs.stalled_stops(ctx.store, now=now):
+        log.warning("job %s: its stop was cut short part-way; the reaper took up its calls (%s)", job_id,
+                    jobs.finish_stop(ctx.store, job_id, now=now))
     lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     sent = 0
     if queues.queue_heads(ctx.store):

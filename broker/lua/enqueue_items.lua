@@ -19,10 +19,17 @@
 -- ARGV[3] JSON object of job fields to set (or '{}'); 'create' also marks the job counted in KEYS[11]
 -- ARGV[4] 'create' (the job must not exist yet) | 'resume' (leased items are taken back: their
 --         holders are dead, or if not, their duplicate run rewrites identical bytes; dead items
---         come back with fresh attempts, since the user asked to try again) | 'add'
+--         come back with fresh attempts, since the user asked to try again) | 'add'. A 'more' or
+--         'last' call of a resume takes back only chunks after those its fill handled already
+--         (`filled_to`): the new run may hold those (a reaper pass completing the fill beside another
+--         pass, or beside a slow caller), and taking them back again would run them twice
 -- ARGV[5] now (unix seconds)
 -- ARGV[6] '' (the job's only call) | 'first' (more calls follow) | 'more' | 'last': a 'more' or
---         'last' call adds nothing to a job no longer queued or running (cancelled meanwhile)
+--         'last' call adds nothing to a job no longer queued or running (cancelled meanwhile).
+--         A fill records itself in the job, so that a reaper pass completes it as it began: '' and
+--         'first' set `fill_mode` ('resume', or 'add' for any other mode), every call `filled_to` (the
+--         highest chunk index the fill has handled; chunks come in ascending order). A '' call queues
+--         all the job lacks, so it also ends the record of an earlier fill of the job cut short
 -- ARGV[7] the time of this call (unix seconds; ARGV[5] is the request's, taken before the input was
 --         hashed): the job's score in the filling index, so that a fill going on is never taken for stalled
 -- ARGV[8..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
@@ -42,7 +49,7 @@ if fill == 'more' or fill == 'last' then
 end
 if fill == 'first' or fill == 'more' then
   redis.call('ZADD', KEYS[10], ARGV[7], job_id)
-elseif fill == 'last' then
+elseif job_id ~= '' then
   redis.call('ZREM', KEYS[10], job_id)
 end
 if job_id ~= '' then
@@ -62,13 +69,26 @@ if job_id ~= '' then
     redis.call('ZADD', KEYS[12], 'NX', ARGV[5], job_id)
   end
 end
+local filled_to = -1  -- chunks up to this index were handled by earlier calls of this fill
+if job_id ~= '' then
+  if fill == '' or fill == 'first' then
+    redis.call('HSET', KEYS[4], 'fill_mode', ARGV[4] == 'resume' and 'resume' or 'add')
+  else
+    filled_to = tonumber(redis.call('HGET', KEYS[4], 'filled_to')) or -1
+  end
+end
+local handled_to = filled_to
 local added = 0
 for i = 8, #ARGV, 4 do
   local item_id, score, payload, chunk = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local index = tonumber(chunk)
   local done = chunk ~= '' and redis.call('SISMEMBER', KEYS[6], chunk) == 1
+  if index and index > handled_to then
+    handled_to = index
+  end
   if not done then
     local leased = redis.call('ZSCORE', KEYS[7], item_id)
-    if ARGV[4] == 'resume' then
+    if ARGV[4] == 'resume' and (not index or index > filled_to) then
       redis.call('ZREM', KEYS[7], item_id)
       redis.call('ZREM', KEYS[8], item_id)
       redis.call('HDEL', KEYS[9], item_id)
@@ -80,6 +100,9 @@ for i = 8, #ARGV, 4 do
       added = added + 1
     end
   end
+end
+if job_id ~= '' then
+  redis.call('HSET', KEYS[4], 'filled_to', handled_to)
 end
 redis.call('SADD', KEYS[3], ARGV[1])
 return added

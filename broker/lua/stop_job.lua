@@ -1,4 +1,7 @@
 -- stop_job: cancel or fail a job and take its waiting items out of the queue.
+-- A job's items are taken out in calls of `jobs.ENQUEUE_SLICE`, as they were queued; while more calls
+-- are to come, the job is in the stopping index, and a reaper pass completes a stop whose caller died
+-- (`jobs.finish_stop`).
 -- KEYS[1] job       HASH
 -- KEYS[2] ready     ZSET
 -- KEYS[3] inflight  ZSET
@@ -6,15 +9,23 @@
 -- KEYS[5] attempts  HASH
 -- KEYS[6] dead      ZSET
 -- KEYS[7] job counts HASH status -> jobs in it
--- ARGV[1] new status ('cancelled' | 'failed'), ARGV[2] error text, ARGV[3] now
+-- KEYS[8] stopping  ZSET job id -> time of its stop's last call, while more calls are to come
+-- ARGV[1] new status ('cancelled' | 'failed'); in a 'more' or 'last' call, the status the stop gave
+-- ARGV[2] error text, ARGV[3] now
 -- ARGV[4] a dead item that causes the stop, or '': the stop happens only if that item is still
 --         dead (a resume in between took it back, and then the job must not fail)
--- ARGV[5] 'first', or 'more' for a later call of the same stop (a job's items come in slices of
---         `jobs.ENQUEUE_SLICE`): it only takes items out, and only while the job still has the status
---         the first call gave it (a resume in between re-queued them)
--- ARGV[6..] the job's item ids (chunks and its finalize item)
--- Returns: the job's status after the call, or 'skipped'. A job already finished keeps its status.
+-- ARGV[5] '' (the stop's only call) | 'first' (more calls follow) | 'more' | 'last': a 'more' or 'last'
+--         call only takes items out, and only while the job still has the status and the stop id the
+--         first call gave it (a resume in between re-queued them; a later stop took this one over)
+-- ARGV[6] the stop's id, recorded in the job (`stop_id`) by a '' or 'first' call, also on a job that
+--         already has the status ARGV[1]: a second stop (a second DELETE) takes an unfinished one over
+-- ARGV[7] the job id (its member in KEYS[8])
+-- ARGV[8] the time of this call (unix seconds): the job's score in KEYS[8]
+-- ARGV[9..] the job's item ids (chunks and its finalize item)
+-- Returns: the job's status after the call, 'skipped', or 'superseded' (a 'more' or 'last' call of a stop
+-- that a later one took over). A job already finished keeps its status.
 -- In-flight items are dropped too; a worker still running one sees the final status at ack.
+local call, stop_id, job_id = ARGV[5], ARGV[6], ARGV[7]
 if ARGV[4] ~= '' then
   if redis.call('ZREM', KEYS[6], ARGV[4]) == 0 then
     return 'skipped'
@@ -23,24 +34,40 @@ if ARGV[4] ~= '' then
   redis.call('HDEL', KEYS[5], ARGV[4])
 end
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then
-  return ''
-end
-if ARGV[5] == 'more' then
-  if status ~= ARGV[1] then
-    return status
+if call == 'more' or call == 'last' then
+  local recorded = redis.call('HGET', KEYS[1], 'stop_id') or ''
+  if status ~= ARGV[1] or recorded ~= stop_id then
+    -- this stop is over; its index entry goes unless another stop of the job is going on (that one's)
+    if recorded == stop_id or (status ~= 'cancelled' and status ~= 'failed') then
+      redis.call('ZREM', KEYS[8], job_id)
+    end
+    if status == ARGV[1] then
+      return 'superseded'
+    end
+    return status or ''
   end
-elseif status ~= 'queued' and status ~= 'running' then
-  return status
-else
-  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'error', ARGV[2], 'finished_at', ARGV[3])
+elseif not status then
+  return ''
+elseif status == 'queued' or status == 'running' then
+  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'error', ARGV[2], 'finished_at', ARGV[3], 'stop_id', stop_id)
   count_job_move(KEYS[1], KEYS[7], status, ARGV[1])
+elseif status == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'stop_id', stop_id)
+else
+  return status
 end
-for i = 6, #ARGV do
+for i = 9, #ARGV do
   redis.call('ZREM', KEYS[2], ARGV[i])
   redis.call('ZREM', KEYS[3], ARGV[i])
   redis.call('ZREM', KEYS[6], ARGV[i])
   redis.call('HDEL', KEYS[4], ARGV[i])
   redis.call('HDEL', KEYS[5], ARGV[i])
+end
+if call == 'first' then
+  redis.call('ZADD', KEYS[8], ARGV[8], job_id)
+elseif call == 'more' then
+  redis.call('ZADD', KEYS[8], 'XX', ARGV[8], job_id)  -- gone: another caller of this stop completed it
+else
+  redis.call('ZREM', KEYS[8], job_id)
 end
 return ARGV[1]

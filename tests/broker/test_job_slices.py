@@ -88,7 +88,7 @@ def test_a_stop_takes_every_item_out_over_several_calls(store: Store, monkeypatc
     calls = count_calls(store, "stop_job", monkeypatch)
 
     assert jobs.stop_job(store, "big", status="cancelled", error="by the user", now=NOW + 1) == "cancelled"
-    assert calls == [5 + 3, 5 + 3, 5 + 3, 5 + 2]  # ten chunks and the finalize item, five leading arguments
+    assert calls == [8 + 3, 8 + 3, 8 + 3, 8 + 2]  # ten chunks and the finalize item, eight leading arguments
 
     assert ready_ids(store) == [] and job_items(store, "big") == []
     assert store.client.zcard(store.keys.inflight(MODEL_REF)) == 0
@@ -145,15 +145,17 @@ def test_a_stop_s_later_calls_leave_what_a_resume_between_them_queued(store: Sto
     jobs.create_job(store, job_spec("back", rows_total=6, chunk_size=1), now=NOW)
     keys = store.keys
     stop_keys = [keys.job("back"), keys.ready(MODEL_REF), keys.inflight(MODEL_REF), keys.items, keys.attempts,
-                 keys.dead, keys.job_counts]
-    first = store.scripts.stop_job(keys=stop_keys, args=["cancelled", "", NOW + 1, "", "first",
+                 keys.dead, keys.job_counts, keys.jobs_stopping]
+    first = store.scripts.stop_job(keys=stop_keys, args=["cancelled", "", NOW + 1, "", "first", "s1", "back", NOW + 1,
                                                          *chunk_ids("back", range(3))])
     assert first == "cancelled"
 
     jobs.resume_job(store, "back", now=NOW + 2)  # chunks 0-2 queued again; 3-5 were never taken out
     rest = [*chunk_ids("back", range(3, 6)), jobs.finalize_item_id("back")]
-    later = store.scripts.stop_job(keys=stop_keys, args=["cancelled", "", NOW + 3, "", "more", *rest])
+    later = store.scripts.stop_job(keys=stop_keys, args=["cancelled", "", NOW + 3, "", "last", "s1", "back", NOW + 3,
+                                                         *rest])
 
     assert later == "queued"
+    assert store.client.zcard(keys.jobs_stopping) == 0
     assert sorted(ready_ids(store)) == sorted(chunk_ids("back", range(6)))
     assert jobs.get_job(store, "back", now=NOW)["status"] == "queued"

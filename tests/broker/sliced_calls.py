@@ -1,0 +1,53 @@
+"""Callers of a sliced script (a job's fill or stop, `jobs.ENQUEUE_SLICE` items a call) that die part-way,
+or that another caller overtakes, for the tests of what the reaper completes. The real script runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from broker.store import Store
+
+
+class CallerDied(Exception):
+    """The process making a sliced call died (SIGKILL) before its next call."""
+
+
+@contextmanager
+def dying_after_first_call(store: Store, script: str) -> Iterator[None]:
+    """Within: `script` runs its first call, then its caller dies (`CallerDied` is swallowed)."""
+    registered = store.scripts._scripts[script]
+    calls: list[int] = []
+
+    def first_only(*, keys: list[str], args: list[object]) -> object:
+        calls.append(1)
+        if len(calls) > 1:
+            raise CallerDied
+        return registered(keys=keys, args=args)
+
+    store.scripts._scripts[script] = first_only
+    try:
+        yield
+    except CallerDied:
+        pass
+    finally:
+        store.scripts._scripts[script] = registered
+    assert len(calls) == 2, "the caller was to die after its first call"
+
+
+@contextmanager
+def before_first_call(store: Store, script: str, action: Callable[[], object]) -> Iterator[None]:
+    """Within: `action` runs once, just before the first call of `script` (another caller's turn)."""
+    registered = store.scripts._scripts[script]
+    pending = [action]
+
+    def delayed(*, keys: list[str], args: list[object]) -> object:
+        while pending:
+            pending.pop()()
+        return registered(keys=keys, args=args)
+
+    store.scripts._scripts[script] = delayed
+    try:
+        yield
+    finally:
+        store.scripts._scripts[script] = registered
