@@ -6,7 +6,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
+
+from broker import jobs
 from broker.store import Store
+
+SLICE = 3
+"""Items a sliced call takes in these tests, so that a few chunks take several calls."""
+
+
+@pytest.fixture(autouse=True)
+def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`jobs.ENQUEUE_SLICE` is `SLICE` (autouse in the modules that import it)."""
+    monkeypatch.setattr(jobs, "ENQUEUE_SLICE", SLICE)
+
+
+def chunk_ids(job_id: str, indexes: range) -> list[str]:
+    """The item ids of the job's chunks `indexes`."""
+    return [jobs.chunk_item_id(job_id, index) for index in indexes]
 
 
 class CallerDied(Exception):

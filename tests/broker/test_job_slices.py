@@ -10,20 +10,10 @@ import time
 
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
+from sliced_calls import SLICE, chunk_ids, small_slices  # noqa: F401 (small_slices: autouse)
 
 from broker import jobs, queues
 from broker.store import Store
-
-SLICE = 3
-
-
-@pytest.fixture(autouse=True)
-def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jobs, "ENQUEUE_SLICE", SLICE)
-
-
-def chunk_ids(job_id: str, indexes: range) -> list[str]:
-    return [jobs.chunk_item_id(job_id, index) for index in indexes]
 
 
 def job_items(store: Store, job_id: str) -> list[str]:

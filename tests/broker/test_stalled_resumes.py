@@ -7,21 +7,10 @@ from __future__ import annotations
 
 import pytest
 from broker_helpers import MODEL_REF, NOW, inflight_deadlines, job_spec, ready_ids
-from sliced_calls import before_first_call, dying_after_first_call
+from sliced_calls import SLICE, before_first_call, chunk_ids, dying_after_first_call, small_slices  # noqa: F401 (small_slices: autouse)
 
 from broker import jobs, queues
 from broker.store import Store
-
-SLICE = 3
-
-
-@pytest.fixture(autouse=True)
-def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jobs, "ENQUEUE_SLICE", SLICE)
-
-
-def chunk_ids(job_id: str, indexes: range) -> list[str]:
-    return [jobs.chunk_item_id(job_id, index) for index in indexes]
 
 
 def crashed_run(store: Store, job_id: str) -> None:

@@ -9,18 +9,12 @@ import time
 
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
-from sliced_calls import before_first_call, dying_after_first_call
+from sliced_calls import SLICE, before_first_call, dying_after_first_call, small_slices  # noqa: F401 (small_slices: autouse)
 
 from broker import jobs, queues
 from broker.store import Store
 
-SLICE = 3
 OTHER_REF = "mlp@v2"
-
-
-@pytest.fixture(autouse=True)
-def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jobs, "ENQUEUE_SLICE", SLICE)
 
 
 def job_items(store: Store, job_id: str) -> list[str]:
