@@ -41,7 +41,7 @@ _INT_FIELDS = (
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
-_BOOKKEEPING_FIELDS = ("counted", "fill_mode", "filled_to", "stop_id")
+_BOOKKEEPING_FIELDS = ("counted", "fill_mode", "filled_to", "stop_id", "stop_done")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 
@@ -402,6 +402,8 @@ def _take_items_out(store: Store, job_id: str, model_ref: str, item_ids: Sequenc
                 args=[status, error, now, dead_item if number == 0 else "",
                       _slice_call(number, len(slices), continued=continued), stop_id, job_id, time.time(), *group],
             ))
+        if result == "already":  # stopped with this status by a stop that finished: nothing left to take out
+            return status
         first = first or result
         if result != status:  # finished, skipped or gone (first call); resumed or taken over since
             break

@@ -173,6 +173,8 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
         else:
             item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
             queues.finish_item(ctx.store, item, job_id, now=now)
+    # Lost tickets before the fills and stops below, which may take many calls (a stop of 100,000 chunks, 800).
+    lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
     stalled = jobs.stalled_fills(ctx.store, now=now)
     if stalled:
@@ -183,9 +185,8 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     for job_id in jobs.stalled_stops(ctx.store, now=now):
         log.warning("job %s: its stop was cut short part-way; the reaper took up its calls (%s)", job_id,
                     jobs.finish_stop(ctx.store, job_id, now=now))
-    lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     sent = 0
-    if queues.queue_heads(ctx.store):
+    if queues.queue_heads(ctx.store):  # (after the fills: what they queued needs tickets too)
         sent = wake_workers(ctx.store, send, now=now, heartbeat_timeout=settings.scheduler.worker_heartbeat_timeout)
     if result.returned or result.dead_items or lost:
         log.info("reaper: %d leases returned, %d items dead, %d tickets lost, %d sent",

@@ -22,8 +22,10 @@
 -- ARGV[7] the job id (its member in KEYS[8])
 -- ARGV[8] the time of this call (unix seconds): the job's score in KEYS[8]
 -- ARGV[9..] the job's item ids (chunks and its finalize item)
--- Returns: the job's status after the call, 'skipped', or 'superseded' (a 'more' or 'last' call of a stop
--- that a later one took over). A job already finished keeps its status.
+-- Returns: the job's status after the call, 'skipped', 'superseded' (a 'more' or 'last' call of a stop
+-- that a later one took over), or 'already': the job has the status ARGV[1] from a stop that finished
+-- (its '' or 'last' call recorded `stop_done`), so there is nothing to take out (a second DELETE costs
+-- one call, not a walk of every item). A job already finished keeps its status.
 -- In-flight items are dropped too; a worker still running one sees the final status at ack.
 local call, stop_id, job_id = ARGV[5], ARGV[6], ARGV[7]
 if ARGV[4] ~= '' then
@@ -52,6 +54,11 @@ elseif status == 'queued' or status == 'running' then
   redis.call('HSET', KEYS[1], 'status', ARGV[1], 'error', ARGV[2], 'finished_at', ARGV[3], 'stop_id', stop_id)
   count_job_move(KEYS[1], KEYS[7], status, ARGV[1])
 elseif status == ARGV[1] then
+  local finished = redis.call('HGET', KEYS[1], 'stop_done')
+  if finished and finished == redis.call('HGET', KEYS[1], 'stop_id') and not redis.call('ZSCORE', KEYS[8], job_id) then
+    -- the last stop took every item out and nothing queues a stopped job's items again: nothing to do
+    return 'already'
+  end
   redis.call('HSET', KEYS[1], 'stop_id', stop_id)
 else
   return status
@@ -69,5 +76,6 @@ elseif call == 'more' then
   redis.call('ZADD', KEYS[8], 'XX', ARGV[8], job_id)  -- gone: another caller of this stop completed it
 else
   redis.call('ZREM', KEYS[8], job_id)
+  redis.call('HSET', KEYS[1], 'stop_done', stop_id)  -- this stop took every item out
 end
 return ARGV[1]

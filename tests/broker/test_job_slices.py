@@ -82,8 +82,11 @@ def test_a_stop_takes_every_item_out_over_several_calls(store: Store, monkeypatc
 
     assert ready_ids(store) == [] and job_items(store, "big") == []
     assert store.client.zcard(store.keys.inflight(MODEL_REF)) == 0
+    calls.clear()
     assert jobs.stop_job(store, "big", status="cancelled", error="again", now=NOW + 2) == "cancelled"
+    assert len(calls) == 1  # a second DELETE of a stop that finished walks nothing again
     assert jobs.get_job(store, "big", now=NOW)["error"] == "by the user"
+    assert "stop_done" not in jobs.get_job(store, "big", now=NOW)  # bookkeeping stays out of the API's view
 
 
 def test_a_fill_whose_caller_died_is_completed_by_the_reaper_pass_once(store: Store) -> None:
