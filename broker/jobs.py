@@ -41,7 +41,7 @@ _INT_FIELDS = (
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
-_BOOKKEEPING_FIELDS = ("counted", "fill_mode", "filled_to", "stop_id", "stop_done")
+_BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 
@@ -244,13 +244,14 @@ def _slice_call(number: int, count: int, *, continued: bool) -> str:
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
-             item_args: list[Any], owner: str = "", *, continued: bool = False) -> int:
+             item_args: list[Any], owner: str = "", *, fill_id: str | None = None) -> int:
     """Queue a job's items in calls of `ENQUEUE_SLICE`, the job's `fields` set by the first.
 
     While more calls are to come the job is in `keys.jobs_filling` (a reaper pass completes the fill if
-    this caller dies: `stalled_fills`, `refill_job`; the first call records the fill's mode in the job); a
-    later call adds nothing to a job stopped meanwhile, nor does any call with `continued` (a fill taken up
-    again). 'create' adds later slices in 'add' mode.
+    this caller dies: `stalled_fills`, `refill_job`; the first call records the fill's id and mode in the
+    job); a later call adds nothing to a job stopped meanwhile, nor does any call with `fill_id` (a fill
+    taken up again under its recorded id), and a later call of a fill that another took over only adds.
+    'create' adds later slices in 'add' mode.
     Returns the items added; Conflict if 'create' finds the job there.
     """
     keys = store.keys
@@ -259,6 +260,8 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
                 *([keys.owner_jobs(owner)] if owner else [])]
     step = 4 * ENQUEUE_SLICE  # four arguments an item
     slices = [item_args[start:start + step] for start in range(0, len(item_args), step)] or [[]]
+    continued = fill_id is not None
+    fill_id = secrets.token_hex(6) if fill_id is None else fill_id
     added = 0
     for number, group in enumerate(slices):
         fill = _slice_call(number, len(slices), continued=continued)
@@ -266,7 +269,7 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
             reply = int(store.scripts.enqueue_items(
                 keys=job_keys,
                 args=[model_ref, job_id, json.dumps({k: str(v) for k, v in fields.items()}) if number == 0 else "{}",
-                      mode if number == 0 or mode == "resume" else "add", now, fill, time.time(), *group],
+                      mode if number == 0 or mode == "resume" else "add", now, fill, time.time(), fill_id, *group],
             ))
         if reply == -1:
             raise Conflict(f"job {job_id} already exists")
@@ -285,11 +288,12 @@ def stalled_fills(store: Store, *, now: float) -> list[str]:
 
 def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
                ordering: Ordering = "dynamic") -> int:
-    """Queue every chunk of a stalled fill that is not done, queued or leased, in the mode its first call
-    recorded (`fill_mode`): a resume's also takes back at once the chunks of the earlier run that are
-    leased or dead and that its calls had not reached yet (only those: the script keeps every call
-    idempotent), any other adds ('add', also for a fill recorded before the mode was). A job stopped or
-    gone meanwhile only leaves the filling index. Returns the items added."""
+    """Queue every chunk of a stalled fill that is not done, queued, leased or dead, as the fill its first
+    call recorded (`fill_id`, `fill_mode`): a resume's also takes back at once the chunks of the earlier
+    run that are leased or dead and that its calls had not reached yet (only those: the script keeps every
+    call idempotent), any other adds ('add', also for a fill recorded before the mode was). Should another
+    fill begin after this reads the job, these calls only add, leaving that fill's record to its caller or
+    a later pass. A job stopped or gone meanwhile only leaves the filling index. Returns the items added."""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.job(job_id))
     job = decode_job(raw) if raw else None
@@ -305,7 +309,7 @@ def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     item_args = _item_args(job_id, job["model_ref"], ranges, [i for i in range(len(ranges)) if i not in done],
                            queue_key(factors, weights or Weights(), ordering), factors.to_dict(),
                            int(job["batch_size"]))
-    return _enqueue(store, job_id, job["model_ref"], {}, mode, now, item_args, continued=True)
+    return _enqueue(store, job_id, job["model_ref"], {}, mode, now, item_args, fill_id=raw.get("fill_id") or "")
 
 
 def decode_job(raw: dict[str, str]) -> dict[str, Any]:

@@ -19,37 +19,48 @@
 -- ARGV[3] JSON object of job fields to set (or '{}'); 'create' also marks the job counted in KEYS[11]
 -- ARGV[4] 'create' (the job must not exist yet) | 'resume' (leased items are taken back: their
 --         holders are dead, or if not, their duplicate run rewrites identical bytes; dead items
---         come back with fresh attempts, since the user asked to try again) | 'add'. A 'more' or
---         'last' call of a resume takes back only chunks after those its fill handled already
---         (`filled_to`): the new run may hold those (a reaper pass completing the fill beside another
---         pass, or beside a slow caller), and taking them back again would run them twice
+--         come back with fresh attempts, since the user asked to try again) | 'add' (a dead item stays
+--         out: it fails its job). A 'more' or 'last' call of a resume takes back only chunks after those
+--         its fill handled already (`filled_to`): the new run may hold those (a reaper pass completing the
+--         fill beside another pass, or beside a slow caller), and taking them back again would run them twice
 -- ARGV[5] now (unix seconds)
 -- ARGV[6] '' (the job's only call) | 'first' (more calls follow) | 'more' | 'last': a 'more' or
 --         'last' call adds nothing to a job no longer queued or running (cancelled meanwhile).
 --         A fill records itself in the job, so that a reaper pass completes it as it began: '' and
---         'first' set `fill_mode` ('resume', or 'add' for any other mode), every call `filled_to` (the
---         highest chunk index the fill has handled; chunks come in ascending order). A '' call queues
---         all the job lacks, so it also ends the record of an earlier fill of the job cut short
+--         'first' set `fill_id` (ARGV[8]) and `fill_mode` ('resume', or 'add' for any other mode), every
+--         call of that fill `filled_to` (the highest chunk index the fill has handled; chunks come in
+--         ascending order). A '' call queues all the job lacks, so it also ends the record of an earlier
+--         fill of the job cut short. A 'more' or 'last' call of a fill that a later one took over (its id is
+--         not the recorded one) only adds what is missing: it takes nothing back and leaves the record and
+--         the filling entry to the later fill (a reaper pass must not end a resume begun after it read the job)
 -- ARGV[7] the time of this call (unix seconds; ARGV[5] is the request's, taken before the input was
 --         hashed): the job's score in the filling index, so that a fill going on is never taken for stalled
--- ARGV[8..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
+-- ARGV[8] the fill's id ('' matches a job recorded before fills had one)
+-- ARGV[9..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
 -- Returns: number of items added; -1 if 'create' found the job already there; -2 if a later call
 -- found the job stopped.
--- A chunk already in the done set, or already queued or leased, is skipped: nothing runs twice.
-local job_id, fill = ARGV[2], ARGV[6]
+-- A chunk already in the done set, or already queued or leased, is skipped: nothing runs twice. So is a
+-- dead one that the call does not take back: it is never in the dead set and ready at once.
+local job_id, fill, fill_id = ARGV[2], ARGV[6], ARGV[8]
 if ARGV[4] == 'create' and redis.call('EXISTS', KEYS[4]) == 1 then
   return -1
+end
+local own = true  -- the job's fill record (`fill_id`, `fill_mode`, `filled_to`, its filling entry) is this fill's
+if job_id ~= '' and (fill == 'more' or fill == 'last') then
+  own = (redis.call('HGET', KEYS[4], 'fill_id') or '') == fill_id
 end
 if fill == 'more' or fill == 'last' then
   local status = redis.call('HGET', KEYS[4], 'status')
   if status ~= 'queued' and status ~= 'running' then
-    redis.call('ZREM', KEYS[10], job_id)
+    if own then
+      redis.call('ZREM', KEYS[10], job_id)
+    end
     return -2
   end
 end
-if fill == 'first' or fill == 'more' then
+if own and (fill == 'first' or fill == 'more') then
   redis.call('ZADD', KEYS[10], ARGV[7], job_id)
-elseif job_id ~= '' then
+elseif own and job_id ~= '' then
   redis.call('ZREM', KEYS[10], job_id)
 end
 if job_id ~= '' then
@@ -72,14 +83,15 @@ end
 local filled_to = -1  -- chunks up to this index were handled by earlier calls of this fill
 if job_id ~= '' then
   if fill == '' or fill == 'first' then
-    redis.call('HSET', KEYS[4], 'fill_mode', ARGV[4] == 'resume' and 'resume' or 'add')
-  else
+    redis.call('HSET', KEYS[4], 'fill_mode', ARGV[4] == 'resume' and 'resume' or 'add', 'fill_id', fill_id)
+  elseif own then
     filled_to = tonumber(redis.call('HGET', KEYS[4], 'filled_to')) or -1
   end
 end
+local take_back = own and ARGV[4] == 'resume'
 local handled_to = filled_to
 local added = 0
-for i = 8, #ARGV, 4 do
+for i = 9, #ARGV, 4 do
   local item_id, score, payload, chunk = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local index = tonumber(chunk)
   local done = chunk ~= '' and redis.call('SISMEMBER', KEYS[6], chunk) == 1
@@ -88,20 +100,22 @@ for i = 8, #ARGV, 4 do
   end
   if not done then
     local leased = redis.call('ZSCORE', KEYS[7], item_id)
-    if ARGV[4] == 'resume' and (not index or index > filled_to) then
+    if take_back and (not index or index > filled_to) then
       redis.call('ZREM', KEYS[7], item_id)
       redis.call('ZREM', KEYS[8], item_id)
       redis.call('HDEL', KEYS[9], item_id)
       leased = false
     end
-    if not leased and redis.call('ZSCORE', KEYS[1], item_id) == false then
+    -- a dead item not taken back stays out of ready: it fails its job (`stop_job` with a dead item)
+    local queued_or_dead = redis.call('ZSCORE', KEYS[1], item_id) or redis.call('ZSCORE', KEYS[8], item_id)
+    if not leased and not queued_or_dead then
       redis.call('HSET', KEYS[2], item_id, payload)
       redis.call('ZADD', KEYS[1], score, item_id)
       added = added + 1
     end
   end
 end
-if job_id ~= '' then
+if job_id ~= '' and own then
   redis.call('HSET', KEYS[4], 'filled_to', handled_to)
 end
 redis.call('SADD', KEYS[3], ARGV[1])

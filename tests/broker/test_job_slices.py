@@ -45,7 +45,7 @@ def test_a_job_of_many_slices_is_queued_whole_in_several_calls_and_leaves_the_fi
 
     jobs.create_job(store, spec, now=NOW)
 
-    assert calls == [7 + 4 * 3, 7 + 4 * 3, 7 + 4 * 3, 7 + 4 * 1]  # seven leading arguments, four an item
+    assert calls == [8 + 4 * 3, 8 + 4 * 3, 8 + 4 * 3, 8 + 4 * 1]  # eight leading arguments, four an item
     assert sorted(ready_ids(store)) == sorted(chunk_ids("big", range(10)))
     assert filling(store) == [] and jobs.stalled_fills(store, now=NOW + 3600) == []
     assert jobs.get_job(store, "big", now=NOW)["chunks_total"] == 10
@@ -128,7 +128,8 @@ def test_a_later_call_of_a_fill_adds_nothing_once_the_job_was_cancelled_meanwhil
                 keys.inflight(MODEL_REF), keys.dead, keys.attempts, keys.jobs_filling, keys.job_counts]
     later = jobs._item_args("race", MODEL_REF, jobs.chunk_ranges(4, 1), [3], 1.0, {}, 2)
 
-    args = [MODEL_REF, "race", "{}", "add", NOW + 2, "more", NOW + 2, *later]
+    fill_id = store.client.hget(keys.job("race"), "fill_id")
+    args = [MODEL_REF, "race", "{}", "add", NOW + 2, "more", NOW + 2, fill_id, *later]
     reply = store.scripts.enqueue_items(keys=job_keys, args=args)
     assert reply == -2
     assert ready_ids(store) == [] and filling(store) == []

@@ -43,7 +43,7 @@ def test_a_resume_cut_after_its_first_call_is_completed_in_resume_mode(store: St
     scores = {store.client.zscore(store.keys.ready(MODEL_REF), item) for item in ready_ids(store)}
     assert len(scores) == 1  # scored as the resume scored its first slice
     assert store.client.zcard(store.keys.jobs_filling) == 0
-    assert not {"fill_mode", "filled_to"} & set(jobs.get_job(store, "run", now=NOW + 40))
+    assert not {"fill_mode", "filled_to", "fill_id"} & set(jobs.get_job(store, "run", now=NOW + 40))
 
 
 def test_a_second_pass_takes_back_nothing_the_new_run_leased(store: Store) -> None:
@@ -82,16 +82,57 @@ def test_a_stalled_stop_during_a_stalled_resume_is_completed_and_nothing_comes_b
     assert jobs.get_job(store, "run", now=NOW + 40)["status"] == "cancelled"
 
 
+def dead_ids(store: Store) -> list[str]:
+    return sorted(store.client.zrange(store.keys.dead, 0, -1))
+
+
 def test_a_fill_recorded_without_its_mode_is_completed_adding(store: Store) -> None:
-    """A job hash written before fills recorded their mode: the earlier run's leases run out as before."""
+    """A job hash written before fills recorded their mode or id: the earlier run's leases run out as before,
+    and its dead chunk stays dead (the job fails by it) rather than also waiting in the ready queue."""
     crashed_run(store, "run")
     cut_resume(store, "run")
-    store.client.hdel(store.keys.job("run"), "fill_mode", "filled_to")
+    store.client.hdel(store.keys.job("run"), "fill_mode", "filled_to", "fill_id")
 
-    assert jobs.refill_job(store, "run", now=NOW + 40) == 1  # chunk 9: neither queued nor leased
+    assert jobs.refill_job(store, "run", now=NOW + 40) == 0  # chunks 3-8 leased, chunk 9 dead
 
     assert sorted(inflight_deadlines(store)) == chunk_ids("run", range(3, 9))
-    assert sorted(ready_ids(store)) == chunk_ids("run", range(3)) + [jobs.chunk_item_id("run", 9)]
+    assert sorted(ready_ids(store)) == chunk_ids("run", range(3))
+    assert dead_ids(store) == [jobs.chunk_item_id("run", 9)]
+    assert store.client.zcard(store.keys.jobs_filling) == 0
+
+
+def test_a_resume_recorded_without_its_fill_id_is_completed_as_a_resume(store: Store) -> None:
+    """A resume cut before fills had ids: its record ('' for an id) is its own, so a pass completes it."""
+    crashed_run(store, "run")
+    cut_resume(store, "run")
+    store.client.hdel(store.keys.job("run"), "fill_id")
+
+    assert jobs.refill_job(store, "run", now=NOW + 40) == 7
+
+    assert sorted(ready_ids(store)) == chunk_ids("run", range(10)) and dead_ids(store) == []
+    assert inflight_deadlines(store) == {} and store.client.zcard(store.keys.jobs_filling) == 0
+
+
+def test_a_pass_taking_up_an_older_fill_leaves_a_resume_begun_meanwhile_to_its_own_pass(store: Store) -> None:
+    """A reaper pass reads the job's record of an adding fill; before its first call a resume begins, and its
+    caller dies after that first call. The pass only adds what is missing (nothing: the rest is leased or
+    dead), leaving the resume's record and filling entry, so that a later pass completes the resume."""
+    crashed_run(store, "run")
+    store.client.zadd(store.keys.jobs_filling, {"run": NOW})  # the pass took the job for stalled
+
+    with before_first_call(store, "enqueue_items", lambda: cut_resume(store, "run")):
+        assert jobs.refill_job(store, "run", now=NOW + 40) == 0
+
+    assert not set(ready_ids(store)) & set(dead_ids(store))
+    assert dead_ids(store) == [jobs.chunk_item_id("run", 9)]
+    assert sorted(inflight_deadlines(store)) == chunk_ids("run", range(3, 9))
+    assert jobs.stalled_fills(store, now=NOW + 10 + jobs.FILL_STALLED_SECONDS) == ["run"]  # the resume's
+
+    assert jobs.refill_job(store, "run", now=NOW + 80) == 7
+
+    assert sorted(ready_ids(store)) == chunk_ids("run", range(10))  # at once, not when their leases run out
+    assert inflight_deadlines(store) == {} and dead_ids(store) == []
+    assert store.client.zcard(store.keys.jobs_filling) == 0
 
 
 def test_a_resume_of_one_call_after_a_cut_one_ends_it_and_a_stale_pass_takes_nothing_back(
