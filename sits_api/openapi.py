@@ -67,7 +67,7 @@ def openapi_document() -> dict[str, Any]:
         "/v2/models/{name}/versions/{version}/infer": {"post": v2_infer | {"parameters": path_params("name",
                                                                                                        "version")}},
     }
-    return {
+    return _with_forbidden({
         "openapi": "3.1.0",
         "info": {"title": "SITS", "version": "1",
                  "description": "Scalable Inference Task Scheduler. Request bodies may be sent with "
@@ -144,4 +144,13 @@ def openapi_document() -> dict[str, Any]:
             },
             **v2_paths,
         },
-    }
+    })
+
+
+def _with_forbidden(document: dict[str, Any]) -> dict[str, Any]:
+    """Every operation that takes a key may answer 403: a `metrics` key reads `GET /metrics` only."""
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            if operation.get("security") != [] and "401" in operation["responses"]:
+                operation["responses"].setdefault("403", _responses(403)["403"])
+    return document

@@ -142,6 +142,9 @@ def test_openapi_json_needs_no_key_and_is_an_openapi_3_1_document(client: FlaskC
     assert {"/v1/jobs", "/v1/models", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/resume", "/v1/models/{ref}",
             "/v1/status", "/healthz", "/readyz"} <= set(document["paths"])
     assert document["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    keyed = [operation for operations in document["paths"].values() for operation in operations.values()
+             if operation.get("security") != []]
+    assert keyed and all("403" in operation["responses"] for operation in keyed)  # (a metrics key reads /metrics only)
     submission = document["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"model", "input_batch", "output_dir"} <= set(submission["required"])
     assert submission["properties"]["priority"]["maximum"] == 15
