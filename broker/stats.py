@@ -32,7 +32,9 @@ class SystemStats:
     """Status -> jobs in it; None until reaper passes have counted the jobs stored before the counts
     existed (`job_lists.count_old_jobs`)."""
     counters: dict[str, dict[str, int]]
-    """What ('requests_succeeded', 'requests_failed', 'job_rows') -> model ref -> running total."""
+    """What ('requests_succeeded', 'requests_failed', 'requests_expired', 'job_rows') -> model ref -> running total."""
+    latest_versions: dict[str, str]
+    """Model name -> its newest registered version."""
 
 
 def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemStats:
@@ -47,7 +49,8 @@ def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemS
         pipe.exists(keys.job_counts_built)
         pipe.hgetall(keys.job_counts)
         pipe.hgetall(keys.counters)
-        dead, tickets, raw_workers, counts_built, raw_counts, raw_counters = pipe.execute()
+        pipe.hgetall(keys.model_latest)
+        dead, tickets, raw_workers, counts_built, raw_counts, raw_counters, latest = pipe.execute()
     depths = queues.queue_depths(store)
     workers, _ = decode_workers(raw_workers, now=now, timeout=heartbeat_timeout)
     counters: dict[str, dict[str, int]] = {}
@@ -55,4 +58,5 @@ def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemS
         what, _, model_ref = field.partition(":")
         counters.setdefault(what, {})[model_ref] = int(total)
     return SystemStats(queues=depths, dead_items=int(dead), tickets=int(tickets), workers=workers,
-                       job_counts=decode_status_counts(raw_counts) if counts_built else None, counters=counters)
+                       job_counts=decode_status_counts(raw_counts) if counts_built else None, counters=counters,
+                       latest_versions=latest)

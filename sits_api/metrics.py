@@ -83,8 +83,11 @@ def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
     inflight = GaugeMetricFamily("sits_queue_inflight_items", "Items of a model leased by a worker now (until "
                                  "acknowledged, or returned to the queue when the lease expires).", labels=MODEL)
     for model_ref, depth in stats.queues.items():
-        waiting.add_metric(_model_labels(model_ref), depth["ready"])
-        inflight.add_metric(_model_labels(model_ref), depth["inflight"])
+        name, version = _model_labels(model_ref)
+        if not (depth["ready"] or depth["inflight"]) and stats.latest_versions.get(name) != version:
+            continue  # an older version with nothing left: its series end (a queue is never forgotten)
+        waiting.add_metric([name, version], depth["ready"])
+        inflight.add_metric([name, version], depth["inflight"])
     yield waiting
     yield inflight
     yield GaugeMetricFamily("sits_dead_items", "Items that used up their attempts (jobs.max_attempts leases) and "

@@ -160,6 +160,20 @@ def test_a_request_whose_record_expired_before_it_ran_is_counted_as_expired(
     assert value(found, "sits_queue_inflight_items", model="mlp", version=mlp["version"]) == 0
 
 
+def test_an_older_version_s_queue_shows_only_while_it_holds_items_and_the_newest_version_s_always(
+        client: FlaskClient, mlp: dict[str, Any], scrape_key: str, store: Store) -> None:
+    old_ref = "mlp@0ld"  # a version registered before the current one, whose queue stays known
+    store.client.sadd(store.keys.queues, old_ref, mlp["ref"])
+
+    idle = samples(scrape(client, scrape_key))
+    store.client.zadd(store.keys.ready(old_ref), {"left-over": 1.0})
+    busy = samples(scrape(client, scrape_key))
+
+    assert names_of(idle, "sits_queue_waiting_items") == [{"model": "mlp", "version": mlp["version"]}]
+    assert value(idle, "sits_queue_waiting_items", model="mlp", version=mlp["version"]) == 0
+    assert value(busy, "sits_queue_waiting_items", model="mlp", version="0ld") == 1
+
+
 def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, mlp: dict[str, Any],
                                                                       client: FlaskClient, admin_key: str) -> None:
     families = list(text_string_to_metric_families(scrape(client, admin_key)))
