@@ -52,8 +52,7 @@ def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None 
 
 def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
     """Add up to `limit` jobs not indexed yet by this pass to their owners' indexes; True once every
-    job is (then `list_jobs` reads owners' jobs from their indexes). Run by every reaper pass, which
-    through it also counts old jobs into the per-status counts (`count_old_jobs`, a page a pass).
+    job is (then `list_jobs` reads owners' jobs from their indexes). Run by every reaper pass.
 
     A job's enqueue indexes it, but jobs stored before the indexes existed (or by an older API
     process during an upgrade) have none: the passes walk the `jobs` index oldest first after the
@@ -63,7 +62,6 @@ def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
     of several workers at once leave the same indexes.
     """
     keys = store.keys
-    count_old_jobs(store, limit=limit)
     with translate_redis_errors():
         page = _page_after_mark(store, keys.owner_index_mark, limit)
         if page:

@@ -129,7 +129,7 @@ class Keys:
     @property
     def counters(self) -> str:
         """HASH '<what>:<model ref>' -> running total for /metrics: requests completed by status
-        (`requests_succeeded:`, `requests_failed:`) and job rows done (`job_rows:`)."""
+        (`requests_succeeded:`, `requests_failed:`, `requests_expired:`) and job rows done (`job_rows:`)."""
         return self._key("counters")
 
     # --- online requests ---------------------------------------------------

@@ -176,6 +176,7 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     # Lost tickets before the fills and stops below, which may take many calls (a stop of 100,000 chunks, 800).
     lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
+    job_lists.count_old_jobs(ctx.store)  # and before the per-status job counts
     stalled = jobs.stalled_fills(ctx.store, now=now)
     if stalled:
         weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(settings.scheduler.policy))
