@@ -257,7 +257,7 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
     keys = store.keys
     job_keys = [keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs, keys.job_done(job_id),
                 keys.inflight(model_ref), keys.dead, keys.attempts, keys.jobs_filling, keys.job_counts,
-                *([keys.owner_jobs(owner)] if owner else [])]
+                keys.queues_version, *([keys.owner_jobs(owner)] if owner else [])]
     step = 4 * ENQUEUE_SLICE  # four arguments an item
     slices = [item_args[start:start + step] for start in range(0, len(item_args), step)] or [[]]
     continued = fill_id is not None
@@ -515,7 +515,8 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int
     with translate_redis_errors():
         reply = store.scripts.ack_chunk(
             keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,
-                  keys.job(job_id), keys.job_done(job_id), keys.doorbell, keys.job_counts, keys.counters],
+                  keys.job(job_id), keys.job_done(job_id), keys.doorbell, keys.job_counts, keys.counters,
+                  keys.queues, keys.queues_version],
             args=[item.item_id, payload["chunk"], payload["stop"] - payload["start"], now,
                   finalize_item_id(job_id), payload["score"], finalize, worker, item.model_ref],
         )

@@ -31,8 +31,17 @@ class Keys:
 
     @property
     def queues(self) -> str:
-        """SET of model refs that have (or had) a queue; only grows while the model is registered."""
+        """SET of model refs that have a queue: every ref with waiting or leased items, and the latest
+        version of each model that had one (a reaper pass prunes an older version's empty queue,
+        `queues.prune_old_queues`, so the set, read before every batch choice, does not grow with
+        every version ever registered)."""
         return self._key("queues")
+
+    @property
+    def queues_version(self) -> str:
+        """STRING counter that moves whenever `queues` gains or loses a ref, so that a process keeping
+        the set knows when to read it again (its size alone would miss one ref pruned, another added)."""
+        return self._key("queues-version")
 
     @property
     def items(self) -> str:

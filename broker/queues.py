@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker.registry import split_model_ref
 from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
 
 
@@ -139,16 +140,29 @@ class QueueSnapshot:
     """Model ref -> id of its best waiting item (the one `heads` scores)."""
 
 
+def queue_refs(store: Store) -> tuple[list[str], str]:
+    """The model refs in the set of queues, sorted, and the set's version ('' before it had one), read
+    atomically: a call that gets that version back knows it was given every ref."""
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=True)
+        pipe.smembers(store.keys.queues)
+        pipe.get(store.keys.queues_version)
+        members, version = pipe.execute()
+    return sorted(members), version or ""
+
+
 class QueueWatcher:
     """Reads `QueueSnapshot`s for one process's drain loops.
 
-    The set of model refs with a queue only grows (nothing removes a ref), so it is kept between
-    reads and re-read only when its size, read in the same round trip, says it grew.
+    The set of model refs with a queue changes seldom (a model's first item, a pruned older
+    version), so it is kept between reads and re-read only when its version, read in the same
+    round trip as the queue heads, says it changed.
     """
 
     def __init__(self, store: Store) -> None:
         self._store = store
         self._refs: list[str] = []
+        self._version: str | None = None  # none read yet
 
     def snapshot(self) -> QueueSnapshot:
         """Every queue's head, earliest deadline, and the live policy, as of one instant (one script
@@ -158,11 +172,11 @@ class QueueWatcher:
             while True:
                 refs = self._refs
                 per_ref = [key for ref in refs for key in (keys.ready(ref), keys.deadlines(ref))]
-                count, raw_policy, *firsts = self._store.scripts.queue_snapshot(keys=[keys.queues, keys.policy,
-                                                                                      *per_ref])
-                if int(count) == len(refs):
+                version, raw_policy, *firsts = self._store.scripts.queue_snapshot(
+                    keys=[keys.queues_version, keys.policy, *per_ref])
+                if version == self._version:
                     break
-                self._refs = sorted(self._store.client.smembers(keys.queues))
+                self._refs, self._version = queue_refs(self._store)
         heads, head_items, deadlines = {}, {}, {}
         for ref, head_item, head_score, earliest in zip(refs, firsts[0::3], firsts[1::3], firsts[2::3], strict=True):
             if head_item:
@@ -269,16 +283,32 @@ def top_up_tickets(store: Store, *, now: float, target: int) -> list[str]:
 def release_ticket(store: Store, ticket: str) -> bool:
     """Retire `ticket` if no queue has waiting work; False means work waits and draining goes on."""
     keys = store.keys
+    while True:
+        refs, version = queue_refs(store)
+        with translate_redis_errors():
+            released = int(store.scripts.release_ticket(
+                keys=[keys.tickets, keys.queues_version, *(keys.ready(ref) for ref in refs)], args=[ticket, version]))
+        if released >= 0:
+            return released == 1
+
+
+def prune_old_queues(store: Store) -> list[str]:
+    """Take every empty queue of a model version that is not its model's latest out of the set of
+    queues (a reaper pass calls it); returns the refs taken out. Whatever queues an item for one of
+    them again puts it back. The latest version's queue stays, however empty: its set entry would
+    come and go with every idle spell, and every drain loop would read the set again each time."""
     with translate_redis_errors():
-        while True:
-            refs: Sequence[str] = sorted(store.client.smembers(keys.queues))
-            released = int(
-                store.scripts.release_ticket(
-                    keys=[keys.tickets, keys.queues, *(keys.ready(ref) for ref in refs)], args=[ticket]
-                )
-            )
-            if released >= 0:
-                return released == 1
+        refs = store.client.smembers(store.keys.queues)
+        latest = store.client.hgetall(store.keys.model_latest)
+        pruned = []
+        for ref in sorted(refs):
+            name, version = split_model_ref(ref)
+            if version is None or version == latest.get(name):
+                continue
+            if store.scripts.prune_queue(keys=[store.keys.queues, store.keys.queues_version, store.keys.ready(ref),
+                                               store.keys.inflight(ref)], args=[ref]):
+                pruned.append(ref)
+    return pruned
 
 
 def wait_for_doorbell(store: Store, ticket: str, *, now: float, timeout: float, touch: bool = True) -> bool:

@@ -111,7 +111,8 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
     with translate_redis_errors():
         reply = store.scripts.submit_request(
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
-                  keys.deadlines(spec.model_ref), keys.policy, keys.tickets, keys.ticket_seq, keys.doorbell],
+                  keys.deadlines(spec.model_ref), keys.policy, keys.tickets, keys.ticket_seq, keys.doorbell,
+                  keys.queues_version],
             args=[spec.model_ref, spec.request_id, json.dumps({k: str(v) for k, v in fields.items()}), score,
                   json.dumps(payload), spec.deadline_at or "", int(max_age_seconds), policy_json, now,
                   ticket_target],

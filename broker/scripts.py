@@ -36,6 +36,7 @@ SCRIPT_NAMES = (
     "complete_requests",
     "rescore",
     "psa_jump",
+    "prune_queue",
 )
 
 

@@ -153,7 +153,8 @@ def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:
 
 def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     """One reaper pass: expired leases back to their queue, poison items fail their job, lost tickets
-    replaced, stalled job fills and stops completed (run by `reaper.Reaper`, on a thread of its own)."""
+    replaced, older model versions' empty queues pruned, stalled job fills and stops completed (run by
+    `reaper.Reaper`, on a thread of its own)."""
     settings = ctx.settings
     result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=settings.jobs.max_attempts)
     for model_ref, item_id, payload in result.dead_items:
@@ -177,6 +178,7 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
     job_lists.count_old_jobs(ctx.store)  # and before the per-status job counts
+    queues.prune_old_queues(ctx.store)  # older model versions' drained queues, read before every batch choice
     stalled = jobs.stalled_fills(ctx.store, now=now)
     if stalled:
         weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(settings.scheduler.policy))

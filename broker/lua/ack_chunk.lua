@@ -8,6 +8,7 @@
 -- KEYS[7] doorbell  LIST an idle drain task blocks on (rung when the finalize item is queued)
 -- KEYS[8] job counts HASH status -> jobs in it (a queued job becomes running)
 -- KEYS[9] counters  HASH running totals for /metrics: 'job_rows:<model ref>' counts the chunk's rows once
+-- KEYS[10] queues   SET model refs with a queue, KEYS[11] its version: the finalize item's queue is in it
 -- ARGV[1] item id
 -- ARGV[2] chunk index
 -- ARGV[3] rows in the chunk
@@ -51,6 +52,7 @@ end
 if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then
   redis.call('HSET', KEYS[3], ARGV[5], finalize_payload)
   redis.call('ZADD', KEYS[2], finalize_score, ARGV[5])
+  add_queue(KEYS[10], KEYS[11], ARGV[9])
   ring_doorbell(KEYS[7])
   return 2
 end

@@ -13,7 +13,8 @@
 -- KEYS[9] attempts HASH item id -> lease count
 -- KEYS[10] filling ZSET job id -> time of its last enqueue call, while more calls are to come
 -- KEYS[11] job counts HASH status -> jobs in it (a job's status set through ARGV[3] is counted)
--- KEYS[12] owner's jobs ZSET job id -> created time (optional; 'create' adds the job to it)
+-- KEYS[12] queues version STRING counter (moves when KEYS[3] gains a ref)
+-- KEYS[13] owner's jobs ZSET job id -> created time (optional; 'create' adds the job to it)
 -- ARGV[1] model ref
 -- ARGV[2] job id, or '' for items without a job
 -- ARGV[3] JSON object of job fields to set (or '{}'); 'create' also marks the job counted in KEYS[11]
@@ -76,8 +77,8 @@ if job_id ~= '' then
     count_job_move(KEYS[4], KEYS[11], old_status, tostring(fields['status']))
   end
   redis.call('ZADD', KEYS[5], 'NX', ARGV[5], job_id)
-  if KEYS[12] then
-    redis.call('ZADD', KEYS[12], 'NX', ARGV[5], job_id)
+  if KEYS[13] then
+    redis.call('ZADD', KEYS[13], 'NX', ARGV[5], job_id)
   end
 end
 local filled_to = -1  -- chunks up to this index were handled by earlier calls of this fill
@@ -118,5 +119,5 @@ end
 if job_id ~= '' and own then
   redis.call('HSET', KEYS[4], 'filled_to', handled_to)
 end
-redis.call('SADD', KEYS[3], ARGV[1])
+add_queue(KEYS[3], KEYS[12], ARGV[1])
 return added

@@ -55,3 +55,12 @@ local function count_job_move(job_key, counts_key, old, new)
   end
   redis.call('HINCRBY', counts_key, new, 1)
 end
+
+
+-- `model_ref` has a queue: add it to the set of queues (`queues_key`), and move the set's version
+-- (`version_key`) when it was not there, so that drain loops read the set again (`queues.QueueWatcher`).
+local function add_queue(queues_key, version_key, model_ref)
+  if redis.call('SADD', queues_key, model_ref) == 1 then
+    redis.call('INCR', version_key)
+  end
+end

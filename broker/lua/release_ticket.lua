@@ -1,12 +1,13 @@
 -- release_ticket: retire a ticket, but only if no queue has waiting work (no lost wake-up:
 -- an enqueue either happens before this check and is seen, or after it and tops up a ticket).
--- KEYS[1] tickets  ZSET
--- KEYS[2] queues   SET of model refs
--- KEYS[3..] the ready ZSET of every model ref in KEYS[2]
+-- KEYS[1] tickets         ZSET
+-- KEYS[2] queues version  STRING counter that moves when the set of queues gains or loses a ref
+-- KEYS[3..] the ready ZSET of every model ref in the set of queues, as the caller read it
 -- ARGV[1] ticket id
+-- ARGV[2] the set's version read with those refs ('' for none)
 -- Returns: 1 released; 0 work is waiting (keep draining); -1 the queue set changed (call again
 -- with the new set of ready keys).
-if redis.call('SCARD', KEYS[2]) ~= #KEYS - 2 then
+if (redis.call('GET', KEYS[2]) or '') ~= ARGV[2] then
   return -1
 end
 for i = 3, #KEYS do

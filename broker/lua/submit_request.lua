@@ -8,6 +8,7 @@
 -- KEYS[7] tickets     ZSET ticket id -> last seen
 -- KEYS[8] ticket seq  STRING counter
 -- KEYS[9] doorbell    LIST an idle drain task blocks on
+-- KEYS[10] queues version STRING counter (moves when KEYS[3] gains a ref)
 -- ARGV[1] model ref, ARGV[2] request id (also its item id), ARGV[3] JSON object of request fields
 -- ARGV[4] score, ARGV[5] item payload JSON, ARGV[6] deadline (unix seconds) or ''
 -- ARGV[7] seconds the request hash may live at most (a result nobody fetches must not stay forever)
@@ -31,7 +32,7 @@ redis.call('ZADD', KEYS[1], ARGV[4], ARGV[2])
 if ARGV[6] ~= '' then
   redis.call('ZADD', KEYS[5], ARGV[6], ARGV[2])
 end
-redis.call('SADD', KEYS[3], ARGV[1])
+add_queue(KEYS[3], KEYS[10], ARGV[1])
 -- What top_up_tickets.lua does, here too, so that a submit is one round trip.
 ring_doorbell(KEYS[9])
 local out = {1}

@@ -61,6 +61,8 @@ class QueueMachine(RuleBasedStateMachine):
         self.job_ids: list[str] = []
         self.held: list[LeasedItem] = []  # leases some worker believes it holds (maybe stale)
         self.request_ids: list[str] = []
+        # mlp@v1 is an older version (a reaper pass prunes its queue whenever it runs dry), cnn@v1 the latest
+        self.client.hset(self.store.keys.model_latest, mapping={"mlp": "v2", "cnn": "v1"})
 
     @initialize(model=st.sampled_from(MODELS), rows_total=st.integers(1, 6), chunk_size=st.integers(1, 3))
     def first_job(self, model: str, rows_total: int, chunk_size: int) -> None:
@@ -232,7 +234,19 @@ class QueueMachine(RuleBasedStateMachine):
             item = LeasedItem(item_id, model_ref, payload, MAX_ATTEMPTS)
             queues.finish_item(self.store, item, job_id, now=self.now)
 
+    @rule()
+    def prune_old_queues(self) -> None:
+        """A reaper pass prunes the older version's queue if it ran dry."""
+        queues.prune_old_queues(self.store)
+
     # --- invariants --------------------------------------------------------------------------------
+
+    @invariant()
+    def every_queue_with_items_is_in_the_set_drain_loops_read(self) -> None:
+        keys = self.store.keys
+        for model in MODELS:
+            if self.client.zcard(keys.ready(model)) or self.client.zcard(keys.inflight(model)):
+                assert self.client.sismember(keys.queues, model), model
 
     def status(self, job_id: str) -> str:
         return str(self.client.hget(self.store.keys.job(job_id), "status"))
