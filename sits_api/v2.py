@@ -3,10 +3,10 @@
 Existing v2 JSON clients work unchanged: server metadata, health, model metadata and
 readiness, Triton's model configuration (`.../config`, as perf_analyzer reads it), and `infer`
 with `inputs: [{name, shape, datatype, data}]`, its body compressed or not (`sits_api.content_encoding`).
-Triton's schedule-policy parameters are honoured: `priority` (here a SITS
-level, 0-15, higher is more urgent) and `timeout` (microseconds, the
-request's tolerable delay), as is SITS's `user_tier` (vip, premium or free, as in
-v1). Errors use the protocol's `{"error": "..."}`. Tensors travel as JSON or, as tritonclient
+Triton's schedule-policy parameters are honoured as Triton reads them: `priority` (1 the most
+urgent, larger numbers less so, 0 the default; `sits_level` maps it onto SITS's 16 levels) and
+`timeout` (microseconds, the request's tolerable delay), as is SITS's `user_tier` (vip, premium or
+free, as in v1). Errors use the protocol's `{"error": "..."}`. Tensors travel as JSON or, as tritonclient
 sends them by default, in Triton's binary tensor data extension (`sits_api.v2_binary`); the body is
 read whatever its Content-Type says (tritonclient sends none), as Triton reads it.
 """
@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flask import Blueprint, g, jsonify, request
+from flask import Blueprint, Response, g, jsonify, request
 
-from broker import registry, requests
+from broker import registry, requests, workers
 from broker.batching import Batching
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
 from broker.scoring import SLA_WEIGHTS
@@ -42,7 +43,17 @@ DATATYPES = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "INT64": "
 NUMPY_TO_V2 = {numpy_name: v2_name for v2_name, numpy_name in DATATYPES.items()}
 EXTENSIONS = ("binary_tensor_data", "schedule_policy", "model_configuration")
 """The Triton protocol extensions `GET /v2` names: binary tensors (`sits_api.v2_binary`), the
-`priority` and `timeout` parameters (with a SITS level as priority, see above) and `.../config`."""
+`priority` and `timeout` parameters and `.../config`."""
+PRIORITY_LEVELS = 16
+"""SITS's priority levels (0-15), as Triton's `priority_levels`: Triton priority 1 is SITS level 15."""
+
+
+def sits_level(triton_priority: int) -> int:
+    """Triton's `priority` as a SITS level. Triton counts down from 1, the most urgent (SITS level 15),
+    to `priority_levels` (16: level 0); 0 asks for the default, and so does a value past the last
+    level, as Triton treats it. The default is SITS's: level 0, the least urgent, as a v1 request
+    that names no priority gets."""
+    return PRIORITY_LEVELS - triton_priority if 1 <= triton_priority <= PRIORITY_LEVELS else 0
 
 
 def _ctx() -> dict[str, Any]:
@@ -88,8 +99,10 @@ def _dims(shape: list[int | str]) -> list[int]:
 
 def _metadata(record: dict[str, Any]) -> dict[str, Any]:
     def tensor(entry: dict[str, Any]) -> dict[str, Any]:
+        # the batch axis is -1 even where the graph fixes it: workers batch every model along axis 0
+        # (`sits_worker.model.servable`), so a request may carry any number of rows, as `.../config` says
         return {"name": entry["name"], "datatype": NUMPY_TO_V2.get(entry["dtype"], entry["dtype"]),
-                "shape": _dims(entry["shape"])}
+                "shape": [-1, *_dims(entry["shape"][1:])] if entry["shape"] else []}
 
     versions = [v["version"] for v in registry.list_model_versions(_ctx()["store"], record["name"])]
     return {"name": record["name"], "versions": versions, "platform": "onnxruntime_onnx",
@@ -107,11 +120,19 @@ def model_metadata(name: str, version: str | None = None) -> Any:
 @v2.get("/v2/models/<name>/ready")
 @v2.get("/v2/models/<name>/versions/<version>/ready")
 def model_ready(name: str, version: str | None = None) -> Any:
-    """Registered means ready: any worker loads it on first use."""
+    """Ready: registered, and a worker is alive to run it (each loads a model on first use). Not ready
+    is a 4xx, as the protocol has it: 404 for a model never registered, 400 while no worker is alive
+    (requests would wait in the queue for one). The server's own readiness stays that of the queue,
+    which takes work with no worker alive."""
+    ctx = _ctx()
     try:
-        registry.get_model(_ctx()["store"], f"{name}@{version}" if version else name)
+        registry.get_model(ctx["store"], f"{name}@{version}" if version else name)
     except ModelNotFound:
         return jsonify({"name": name, "ready": False}), 404
+    if not workers.live_stream_slots(ctx["store"], now=time.time(),
+                                     timeout=ctx["settings"].scheduler.worker_heartbeat_timeout):
+        return jsonify({"name": name, "ready": False,
+                        "error": "no worker is alive to run it; start one (sitsctl worker, or sitsctl up)"}), 400
     return jsonify({"name": name, "ready": True})
 
 
@@ -141,7 +162,8 @@ def triton_config(record: dict[str, Any], batching: Batching) -> dict[str, Any]:
             "input": [tensor(entry) for entry in record["signature"]["inputs"]],
             "output": [tensor(entry) for entry in record["signature"]["outputs"]],
             "dynamic_batching": {"max_queue_delay_microseconds": round(batching.max_queue_delay * 1_000_000),
-                                 "preferred_batch_size": list(batching.preferred_batch_sizes)}}
+                                 "preferred_batch_size": list(batching.preferred_batch_sizes),
+                                 "priority_levels": PRIORITY_LEVELS, "default_priority_level": PRIORITY_LEVELS}}
 
 
 @dataclass(frozen=True)
@@ -192,9 +214,16 @@ def infer(name: str, version: str | None = None) -> Any:
 
 
 def _answer(fields: dict[str, Any], outputs: dict[str, np.ndarray], checked: InferRequest) -> Any:
-    """The v2 answer: JSON, or framed with the outputs the request wants in binary after the JSON."""
+    """The v2 answer: JSON, or framed with the outputs the request wants in binary after the JSON.
+
+    A model may well output NaN or an infinity (a log of 0). JSON has no such number, and the fast
+    JSON writer would put `null` there, which tritonclient reads as NaN (so -inf came back as NaN)
+    and stricter clients refuse. Such an answer is written as Triton writes it (rapidjson's
+    `NaN`, `Infinity`, `-Infinity`, which tritonclient and Python's json read back).
+    """
     entries: list[dict[str, Any]] = []
     binary: list[bytes] = []
+    non_finite = False
     for name, array in outputs.items():
         datatype = NUMPY_TO_V2.get(array.dtype.name)
         entry = {"name": name, "datatype": datatype or "BYTES", "shape": list(array.shape)}
@@ -203,8 +232,12 @@ def _answer(fields: dict[str, Any], outputs: dict[str, np.ndarray], checked: Inf
             entries.append(entry | {"parameters": {"binary_data_size": len(binary[-1])}})
         else:
             entries.append(entry | {"data": array.ravel().tolist()})
+            non_finite = non_finite or (array.dtype.kind == "f" and not bool(np.isfinite(array).all()))
     answer = fields | {"outputs": entries}
-    return v2_binary.framed_response(answer, binary) if binary else jsonify(answer)
+    text = json.dumps(answer) if non_finite else None  # (json writes NaN, Infinity, -Infinity)
+    if binary:
+        return v2_binary.framed_response(answer, binary, text=text)
+    return Response(text + "\n", mimetype="application/json") if text is not None else jsonify(answer)
 
 
 def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: BinaryData | None = None
@@ -219,7 +252,7 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: 
         raise BadInput("the body must be a JSON object with an 'inputs' list of {name, shape, datatype, data}")
     client_id = _optional(body, "id", str, "a string")
     parameters = _optional(body, "parameters", dict, "an object of named parameters") or {}
-    priority = _int_parameter(parameters, "priority", 0, 0, 15)
+    priority = sits_level(_int_parameter(parameters, "priority", 0, 0, 2**64 - 1))  # (Triton's is a uint64)
     timeout_us = _int_parameter(parameters, "timeout", 0, 0, 10**12)
     user_tier = parameters.get("user_tier", "free")
     if not isinstance(user_tier, str) or user_tier not in SLA_WEIGHTS:  # the tiers of v1's OnlineRequest

@@ -91,9 +91,10 @@ def tensor_bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
-def framed_response(header: dict[str, Any], binary: list[bytes]) -> Response:
-    """An answer of the JSON `header` followed by the `binary` output data, in the order of its outputs."""
-    header_bytes = current_app.json.dumps(header).encode()
+def framed_response(header: dict[str, Any], binary: list[bytes], *, text: str | None = None) -> Response:
+    """An answer of the JSON `header` (or its `text`, written already) followed by the `binary` output
+    data, in the order of its outputs."""
+    header_bytes = (current_app.json.dumps(header) if text is None else text).encode()
     response = Response(header_bytes + b"".join(binary), mimetype="application/octet-stream")
     response.headers[HEADER_LENGTH] = str(len(header_bytes))
     return response

@@ -50,7 +50,8 @@ def test_model_config_is_a_triton_config_without_the_batch_axis(api: Api, mlp: d
         "input": [{"name": "features", "data_type": "TYPE_FP32", "dims": [64]}],
         "output": [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}],
         "dynamic_batching": {"max_queue_delay_microseconds": round(batching["max_queue_delay_ms"] * 1000),
-                             "preferred_batch_size": batching["preferred_batch_sizes"]},
+                             "preferred_batch_size": batching["preferred_batch_sizes"],
+                             "priority_levels": 16, "default_priority_level": 16},
     }
     assert api.get(f"/v2/models/mlp/versions/{mlp['version']}/config").get_json() == config
 
@@ -65,7 +66,8 @@ def test_model_config_carries_the_configured_batching_settings(
     config = api.get("/v2/models/mlp/config").get_json()
 
     assert config["max_batch_size"] == 16
-    assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 2500, "preferred_batch_size": [4, 8]}
+    assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 2500, "preferred_batch_size": [4, 8],
+                                          "priority_levels": 16, "default_priority_level": 16}
 
 
 def test_dynamic_axes_past_the_batch_axis_are_minus_one(api: Api, zoo_dir: Path) -> None:

@@ -82,13 +82,16 @@ def test_request_id_version_and_scheduling_parameters_pass_through(
     version = triton.get_model_metadata("mlp", headers=auth)["versions"][0]
 
     result = triton.infer("mlp", [features_input(FEATURES[:1])], model_version=str(version), request_id="r-7",
-                          priority=9, timeout=5_000_000, parameters={"user_tier": "vip"}, headers=auth)
+                          priority=1, timeout=5_000_000, parameters={"user_tier": "vip"}, headers=auth)
 
     answer = result.get_response()
     assert answer["id"] == "r-7" and answer["model_name"] == "mlp" and str(answer["model_version"]) == str(version)
     np.testing.assert_allclose(result.as_numpy("logits"), mlp_reference(FEATURES[:1]), rtol=1e-4, atol=1e-5)
-    with pytest.raises(InferenceServerException) as refused:  # the parameters are read: 16 is no SITS level
-        triton.infer("mlp", [features_input(FEATURES[:1])], priority=16, headers=auth)
+    # Triton's priorities: 1 the most urgent ... 16 the least, past that the default, as Triton takes them
+    assert triton.infer("mlp", [features_input(FEATURES[:1])], priority=40, headers=auth).as_numpy("logits").shape \
+        == (1, 10)
+    with pytest.raises(InferenceServerException) as refused:  # the parameters are read: no priority is negative
+        triton.infer("mlp", [features_input(FEATURES[:1])], priority=-1, headers=auth)
     assert refused.value.status() == "400" and "'priority'" in refused.value.message()
 
 
