@@ -78,6 +78,10 @@ class RequestSpec:
     padded_tokens: int | None = None
     """Tokens the request may cost in a padded batch (rows x its length class); counted against
     `max_batch_tokens` instead of `tokens` when set."""
+    expires_at: float | None = None
+    """When set (a v2 request's `timeout`, which Triton enforces), a worker that leases the request
+    later than this does not run it: it fails as timed out (`sits_worker.online`). A v1 `deadline_ms`
+    is a tolerable delay that orders the queue, and such a request still runs late."""
 
     @property
     def model_ref(self) -> str:
@@ -107,7 +111,7 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
     }
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
-               "factors": spec.factors}
+               "factors": spec.factors, **({"expires_at": spec.expires_at} if spec.expires_at else {})}
     with translate_redis_errors():
         reply = store.scripts.submit_request(
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),

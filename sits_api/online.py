@@ -30,8 +30,10 @@ from sits_worker.model.tensors import request_tensors
 
 def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy: policy.LivePolicy, *,
            model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: str,
-           tokens: int | None, owner: str, now: float, request_id: str | None = None) -> RequestSpec:
-    """Check the request against the model's signature, score it with the live policy and queue it."""
+           tokens: int | None, owner: str, now: float, request_id: str | None = None,
+           expire_at_deadline: bool = False) -> RequestSpec:
+    """Check the request against the model's signature, score it with the live policy and queue it.
+    With `expire_at_deadline` (a v2 `timeout`), a request not running by its deadline is not run."""
     record, mask = model_record(store, model, now=now)
     tensors = request_tensors(record["signature"], inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
@@ -59,6 +61,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
         factors=factors.to_dict(),
         deadline_at=now + deadline_ms / 1000 if deadline_ms else None,
         owner=owner,
+        expires_at=now + deadline_ms / 1000 if deadline_ms and expire_at_deadline else None,
     )
     raw_policy, weights, ordering = live_policy.current()
     for _ in range(_POLICY_RETRIES):

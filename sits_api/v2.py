@@ -5,10 +5,12 @@ readiness, Triton's model configuration (`.../config`, as perf_analyzer reads it
 with `inputs: [{name, shape, datatype, data}]`, its body compressed or not (`sits_api.content_encoding`).
 Triton's schedule-policy parameters are honoured as Triton reads them: `priority` (1 the most
 urgent, larger numbers less so, 0 the default; `sits_level` maps it onto SITS's 16 levels) and
-`timeout` (microseconds, the request's tolerable delay), as is SITS's `user_tier` (vip, premium or
-free, as in v1). Errors use the protocol's `{"error": "..."}`. Tensors travel as JSON or, as tritonclient
-sends them by default, in Triton's binary tensor data extension (`sits_api.v2_binary`); the body is
-read whatever its Content-Type says (tritonclient sends none), as Triton reads it.
+`timeout` (microseconds: the request's tolerable delay, which orders the queue, and, as Triton
+enforces it, a request no worker has taken by then is not run but fails as timed out), as is
+SITS's `user_tier` (vip, premium or free, as in v1). Errors use the protocol's `{"error": "..."}`.
+Tensors travel as JSON or, as tritonclient sends them by default, in Triton's binary tensor data
+extension (`sits_api.v2_binary`); the body is read whatever its Content-Type says (tritonclient
+sends none), as Triton reads it.
 """
 
 from __future__ import annotations
@@ -199,12 +201,17 @@ def infer(name: str, version: str | None = None) -> Any:
     checked = parse_infer_request(store, body, f"{name}@{version}" if version else name, binary)
     spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,
                          inputs=checked.inputs, priority=checked.priority, deadline_ms=checked.deadline_ms,
-                         user_tier=checked.user_tier, tokens=None, owner=g.identity["name"], now=time.time())
+                         user_tier=checked.user_tier, tokens=None, owner=g.identity["name"], now=time.time(),
+                         expire_at_deadline=True)
     result = requests.wait_for_request(store, spec.request_id,
                                        timeout=online.wait_seconds(settings, checked.deadline_ms))
     if result is None:
-        raise InferenceTimeout(f"request {spec.request_id} is not done yet; fetch it later with "
-                               f"GET /v1/requests/{spec.request_id}")
+        timed_out = checked.deadline_ms is not None and checked.deadline_ms / 1000 <= settings.online.max_wait
+        raise InferenceTimeout(
+            f"request {spec.request_id} is not done within its wait" + (
+                " (its 'timeout'): a worker that takes it later does not run it" if timed_out else
+                f" (the server's online.max_wait): it still runs, and GET /v1/requests/{spec.request_id} "
+                "shows its result"))
     if result["status"] != "succeeded":  # answered with the status of the error that failed it
         # (a request failed by a worker of a release before error codes: a 400, as it was then)
         raise error_for_code(result["error_code"] or BadInput.code, result["error"] or "the request failed")

@@ -10,6 +10,7 @@ rows first, the riders' after, one `session.run` for all.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,12 +97,23 @@ def rows_to_fill(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem
 
 def _load(ctx: WorkerContext, items: Sequence[LeasedItem]) -> tuple[list[RequestResult],
                                                                       list[tuple[LeasedItem, Tensors]]]:
-    """(Results of requests that expired before they ran, the live requests with their tensors)."""
-    inputs = requests.load_inputs(ctx.store, items)
-    expired = [RequestResult(item, error="the request expired before it ran", code=InferenceTimeout.code)
-               for item, tensors in zip(items, inputs, strict=True) if tensors is None]
+    """(Results of requests that expired before they ran, the live requests with their tensors).
+
+    A request expired when its record is gone (`online.result_ttl`), or when its `expires_at` (a v2
+    `timeout`, which Triton enforces the same way) passed before this worker leased it: running it
+    then would only spend a slot on an answer its client no longer waits for."""
+    now = time.time()
+    timed_out = [item for item in items if float(item.payload.get("expires_at") or math.inf) < now]
+    results = [RequestResult(item, error=f"the request's timeout passed {now - item.payload['expires_at']:.3f} s "
+                                         "before a worker could take it; it was not run (give it a longer "
+                                         "'timeout', or send it when the queue is shorter)",
+                             code=InferenceTimeout.code) for item in timed_out]
+    items = [item for item in items if float(item.payload.get("expires_at") or math.inf) >= now]
+    inputs = requests.load_inputs(ctx.store, items) if items else []
+    results += [RequestResult(item, error="the request expired before it ran", code=InferenceTimeout.code)
+                for item, tensors in zip(items, inputs, strict=True) if tensors is None]
     live = [(item, tensors) for item, tensors in zip(items, inputs, strict=True) if tensors is not None]
-    return expired, live
+    return results, live
 
 
 def _run_one_by_one(ctx: WorkerContext, model_ref: str,

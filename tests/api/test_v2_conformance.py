@@ -112,3 +112,21 @@ def test_nan_in_a_json_output_beside_a_binary_one_keeps_the_framing_right(app: F
     assert header["outputs"][0]["data"][0] == -np.inf
     assert header["outputs"][1]["parameters"]["binary_data_size"] == raw.nbytes
     np.testing.assert_array_equal(np.frombuffer(body[header_length:], dtype="<f4"), raw.ravel())
+
+
+def test_a_v2_timeout_is_enforced_and_a_v1_deadline_only_orders(api: Api, store: Store, mlp: dict[str, Any]) -> None:
+    """Triton drops a request whose timeout passed before it ran; a v1 `deadline_ms` is a tolerable delay
+    (the request still runs late). The queued payload says which (`sits_worker.online` reads it)."""
+    v2_body = {"inputs": [{"name": "features", "shape": [1, 64], "datatype": "FP32", "data": ROW}],
+               "parameters": {"timeout": 2000}}
+    before = time.time()
+    assert api.post("/v2/models/mlp/infer", json=v2_body).status_code == 504
+    assert api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": [ROW]},
+                                          "deadline_ms": 2}).status_code == 202
+
+    ref = f"mlp@{mlp['version']}"
+    payloads = [json.loads(store.client.hget(store.keys.items, item_id))
+                for item_id in store.client.zrange(store.keys.ready(ref), 0, -1)]
+    expiring = [payload["expires_at"] for payload in payloads if "expires_at" in payload]
+    assert len(payloads) == 2 and len(expiring) == 1
+    assert before + 0.002 <= expiring[0] <= time.time() + 0.002
