@@ -141,6 +141,12 @@ class Keys:
         (`requests_succeeded:`, `requests_failed:`, `requests_expired:`) and job rows done (`job_rows:`)."""
         return self._key("counters")
 
+    @property
+    def model_stats(self) -> str:
+        """HASH '<model ref>|<stat>' -> running total of a model version's online requests, for the v2
+        statistics extension (`broker.model_stats`): counts, nanoseconds, runs by batch size."""
+        return self._key("model-stats")
+
     # --- online requests ---------------------------------------------------
     def request(self, request_id: str) -> str:
         """HASH of one online request: fields, inputs until it runs, then outputs."""

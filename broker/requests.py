@@ -148,27 +148,33 @@ class RequestResult:
     error: str = ""
     code: str = ""
     """With an `error`: the `code` of the SitsError it came from (`errors.error_for_code` turns it back)."""
+    ran: bool = True
+    """Whether the request was in the run (its queue and compute time count in the model's statistics);
+    False for one failed without running (expired, past its timeout)."""
 
 
 def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
-                      batch_size: int, worker: str, job_rows: int = 0) -> int:
+                      batch_size: int, worker: str, job_rows: int = 0, run_started: float | None = None) -> int:
     """Store results, drop the leases and wake every waiter, in one atomic call; returns how many
     were completed (not those already completed, or waiting again after their lease expired). The
-    requests are of one model (a batch is); /metrics counts them by status (`keys.counters`)."""
+    requests are of one model (a batch is); /metrics counts them by status (`keys.counters`), and the
+    model's statistics (`broker.model_stats`) their times, the queue and compute time of those that
+    ran in the run begun at `run_started`."""
     keys = store.keys
     request_keys: list[str] = []
     model_ref = results[0].item.model_ref
-    args: list[Any] = [now, int(keep_seconds), batch_size, worker, job_rows, model_ref]
+    args: list[Any] = [now, int(keep_seconds), batch_size, worker, job_rows, model_ref,
+                       "" if run_started is None else repr(run_started)]
     for result in results:
         request_id = result.item.payload["req"]
         request_keys += [keys.request(request_id), keys.request_done(request_id)]
         outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
         args += [result.item.item_id, "failed" if result.error else "succeeded", json.dumps(outputs), result.error,
-                 (result.code or SitsError.code) if result.error else ""]
+                 (result.code or SitsError.code) if result.error else "", "1" if result.ran else ""]
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
             keys=[keys.inflight(model_ref), keys.items, keys.attempts, keys.deadlines(model_ref),
-                  keys.ready(model_ref), keys.counters, *request_keys],
+                  keys.ready(model_ref), keys.counters, keys.model_stats, *request_keys],
             args=args,
         )
     return int(reply)

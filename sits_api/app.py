@@ -130,10 +130,15 @@ def _authenticate() -> None:
     _refuse_a_metrics_key_elsewhere()
 
 
+METRICS_ENDPOINTS = frozenset({"api.prometheus_metrics", "v2.model_statistics"})
+"""What a `metrics` key may read: GET /metrics and the v2 statistics."""
+
+
 def _refuse_a_metrics_key_elsewhere() -> None:
-    """A `metrics` key (a Prometheus scrape's) reads `/metrics` and nothing else."""
-    if g.identity.get("role") == "metrics" and request.endpoint != "api.prometheus_metrics":
-        raise Forbidden(f"key '{g.identity.get('name')}' has the 'metrics' role: it may only read GET /metrics")
+    """A `metrics` key (a Prometheus scrape's, a statistics reader's) reads `METRICS_ENDPOINTS` and nothing else."""
+    if g.identity.get("role") == "metrics" and request.endpoint not in METRICS_ENDPOINTS:
+        raise Forbidden(f"key '{g.identity.get('name')}' has the 'metrics' role: it may only read GET /metrics "
+                        "and the v2 model statistics (GET /v2/models/stats)")
 
 
 def _visible_to_caller(record: dict[str, Any], not_found: SitsError) -> dict[str, Any]:

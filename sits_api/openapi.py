@@ -45,7 +45,14 @@ def openapi_document() -> dict[str, Any]:
                 "responses": v2_infer_responses}
     v2_config = {"summary": "Triton model configuration (max_batch_size, input/output dims, dynamic_batching)",
                  "responses": _responses(200, 401, 404)}
+    v2_stats = {"summary": "Triton's statistics extension: online request counts and times (ns) per model "
+                           "version; metrics keys and admins",
+                "responses": _responses(200, 401, 403, 404)}
     v2_paths: dict[str, Any] = {
+        "/v2/models/stats": {"get": v2_stats},
+        "/v2/models/{name}/stats": {"get": v2_stats | {"parameters": path_params("name")}},
+        "/v2/models/{name}/versions/{version}/stats": {"get": v2_stats | {"parameters": path_params("name",
+                                                                                                   "version")}},
         "/v2": {"get": {"summary": "v2 server metadata: name, version, the Triton extensions implemented",
                         "security": [], "responses": _responses(200)}},
         "/v2/health/live": {"get": {"summary": "v2 liveness", "security": [], "responses": _responses(200)}},

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 from flask import Blueprint, Response, g, jsonify, request
 
-from broker import registry, requests, workers
+from broker import model_stats, registry, requests, workers
+from broker.apikeys import require_role
 from broker.batching import Batching
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
 from broker.scoring import SLA_WEIGHTS
@@ -43,9 +44,9 @@ DATATYPES = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "INT64": "
              "INT16": "int16", "INT8": "int8", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
              "UINT64": "uint64", "BOOL": "bool"}
 NUMPY_TO_V2 = {numpy_name: v2_name for v2_name, numpy_name in DATATYPES.items()}
-EXTENSIONS = ("binary_tensor_data", "schedule_policy", "model_configuration")
+EXTENSIONS = ("binary_tensor_data", "schedule_policy", "model_configuration", "statistics")
 """The Triton protocol extensions `GET /v2` names: binary tensors (`sits_api.v2_binary`), the
-`priority` and `timeout` parameters and `.../config`."""
+`priority` and `timeout` parameters, `.../config` and `.../stats` (`broker.model_stats`)."""
 PRIORITY_LEVELS = 16
 """SITS's priority levels (0-15), as Triton's `priority_levels`: Triton priority 1 is SITS level 15."""
 
@@ -136,6 +137,26 @@ def model_ready(name: str, version: str | None = None) -> Any:
         return jsonify({"name": name, "ready": False,
                         "error": "no worker is alive to run it; start one (sitsctl worker, or sitsctl up)"}), 400
     return jsonify({"name": name, "ready": True})
+
+
+@v2.get("/v2/models/stats")
+@v2.get("/v2/models/<name>/stats")
+@v2.get("/v2/models/<name>/versions/<version>/stats")
+def model_statistics(name: str | None = None, version: str | None = None) -> Any:
+    """Triton's statistics extension: every registered model version's online request statistics
+    (`broker.model_stats`), or one model's versions, or one version. They count every tenant's
+    requests, so, as GET /metrics, `metrics` keys and admins read them. (A model named 'stats' keeps
+    its metadata at `.../versions/{v}`: `/v2/models/stats` is this route, as in Triton.)"""
+    require_role(g.identity, "metrics")
+    store = _ctx()["store"]
+    if version is not None:
+        record = registry.get_model(store, f"{name}@{version}")
+        versions = [(record["name"], record["version"])]
+    else:
+        versions = [(record["name"], record["version"]) for record in registry.list_model_versions(store, name)]
+        if name is not None and not versions:
+            raise ModelNotFound(f"model '{name}' is not registered")
+    return jsonify({"model_stats": model_stats.model_statistics(store, versions)})
 
 
 @v2.get("/v2/models/<name>/config")

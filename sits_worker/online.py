@@ -36,6 +36,7 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
     leases (and the drain task's `ticket`) are kept alive however long the run takes."""
     model_ref = items[0].model_ref
     results, live = _load(ctx, items)
+    run_started = time.time()
     if live:
         with ctx.lease_keeper.holding(items, ticket):
             try:
@@ -46,7 +47,7 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
                          len(live), model_ref, err.message)
                 results += _run_one_by_one(ctx, model_ref, live)
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
-                               batch_size=len(items), worker=ctx.name)
+                               batch_size=len(items), worker=ctx.name, run_started=run_started)
     return sum(1 for result in results if not result.error)
 
 
@@ -60,6 +61,7 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     back (`give_back`) and the chunk retries.
     """
     results, live = _load(ctx, riders)
+    run_started = time.time()
     job_rows = len(next(iter(feed.values())))
     job_outputs: Tensors | None = None
     with ctx.lease_keeper.holding(riders):  # (the chunk's own lease is held around each mini-batch)
@@ -74,7 +76,8 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
         if job_outputs is None:
             job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
-                               batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows)
+                               batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows,
+                               run_started=run_started)
     return [job_outputs[name] for name in output_names]
 
 
@@ -107,11 +110,11 @@ def _load(ctx: WorkerContext, items: Sequence[LeasedItem]) -> tuple[list[Request
     results = [RequestResult(item, error=f"the request's timeout passed {now - item.payload['expires_at']:.3f} s "
                                          "before a worker could take it; it was not run (give it a longer "
                                          "'timeout', or send it when the queue is shorter)",
-                             code=InferenceTimeout.code) for item in timed_out]
+                             code=InferenceTimeout.code, ran=False) for item in timed_out]
     items = [item for item in items if float(item.payload.get("expires_at") or math.inf) >= now]
     inputs = requests.load_inputs(ctx.store, items) if items else []
-    results += [RequestResult(item, error="the request expired before it ran", code=InferenceTimeout.code)
-                for item, tensors in zip(items, inputs, strict=True) if tensors is None]
+    results += [RequestResult(item, error="the request expired before it ran", code=InferenceTimeout.code,
+                              ran=False) for item, tensors in zip(items, inputs, strict=True) if tensors is None]
     live = [(item, tensors) for item, tensors in zip(items, inputs, strict=True) if tensors is not None]
     return results, live
 

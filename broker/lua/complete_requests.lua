@@ -7,20 +7,28 @@
 -- KEYS[6] counters   HASH running totals for /metrics: 'requests_<status>:<model ref>' counts the
 --           requests completed here, by status: succeeded, failed, or expired (its hash was gone, so
 --           no result could be stored); one HINCRBY a status present in the call
--- KEYS[7..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it and gets the
+-- KEYS[7] model stats HASH '<model ref>|<stat>' -> running total, for the v2 statistics extension
+--           (`broker.model_stats`): requests succeeded and failed (count, ns from submit to result),
+--           the queue and compute time of those that ran, rows inferred, runs, runs by batch size
+-- KEYS[8..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it and gets the
 --           finished request's fields as one JSON object, so it needs no second read)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
 -- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run,
--- ARGV[6] the requests' model ref (a batch is of one model)
--- ARGV[7..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error code
+-- ARGV[6] the requests' model ref (a batch is of one model), ARGV[7] when the run began ('' for none:
+-- the reaper failing requests whose workers died)
+-- ARGV[8..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error
+-- code, '1' if it was in the run ('' for one not run: expired, or past its timeout)
 -- Returns: how many requests were completed.
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
 local done, by_status = 0, {}
-for i = 0, (#ARGV - 6) / 5 - 1 do
-  local item_id, status = ARGV[7 + 5 * i], ARGV[8 + 5 * i]
-  local request, waiters = KEYS[7 + 2 * i], KEYS[8 + 2 * i]
+local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
+local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, queue_count = 0, queue_ns = 0,
+               infer_count = 0, infer_ns = 0, inference_count = 0}
+for i = 0, (#ARGV - 7) / 6 - 1 do
+  local item_id, status = ARGV[8 + 6 * i], ARGV[9 + 6 * i]
+  local request, waiters = KEYS[8 + 2 * i], KEYS[9 + 2 * i]
   local held = redis.call('HEXISTS', KEYS[2], item_id) == 1 and not redis.call('ZSCORE', KEYS[5], item_id)
   if held then
     redis.call('ZREM', KEYS[1], item_id)
@@ -29,8 +37,8 @@ for i = 0, (#ARGV - 6) / 5 - 1 do
     redis.call('ZREM', KEYS[4], item_id)
   end
   if held and redis.call('EXISTS', request) == 1 then
-    redis.call('HSET', request, 'status', status, 'outputs', ARGV[9 + 5 * i], 'error', ARGV[10 + 5 * i],
-      'error_code', ARGV[11 + 5 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
+    redis.call('HSET', request, 'status', status, 'outputs', ARGV[10 + 6 * i], 'error', ARGV[11 + 6 * i],
+      'error_code', ARGV[12 + 6 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
       'job_rows', ARGV[5])
     redis.call('HDEL', request, 'inputs')
     redis.call('EXPIRE', request, ARGV[2])
@@ -42,11 +50,40 @@ for i = 0, (#ARGV - 6) / 5 - 1 do
     redis.call('EXPIRE', waiters, ARGV[2])
     done = done + 1
     by_status[status] = (by_status[status] or 0) + 1
+    local created = tonumber(fields['created_at']) or now
+    local outcome = status == 'succeeded' and 'success' or 'fail'
+    stats[outcome .. '_count'] = stats[outcome .. '_count'] + 1
+    stats[outcome .. '_ns'] = stats[outcome .. '_ns'] + (now - created) * 1e9
+    if run_started and ARGV[13 + 6 * i] == '1' then
+      stats['queue_count'] = stats['queue_count'] + 1
+      stats['queue_ns'] = stats['queue_ns'] + math.max(run_started - created, 0) * 1e9
+      stats['infer_count'] = stats['infer_count'] + 1
+      stats['infer_ns'] = stats['infer_ns'] + (now - run_started) * 1e9
+    end
+    if status == 'succeeded' then
+      stats['inference_count'] = stats['inference_count'] + (tonumber(fields['rows']) or 1)
+    end
   elseif held then  -- its hash expired before it ran (result_ttl): no one can read a result any more
     by_status['expired'] = (by_status['expired'] or 0) + 1
   end
 end
 for status, count in pairs(by_status) do
   redis.call('HINCRBY', KEYS[6], 'requests_' .. status .. ':' .. ARGV[6], count)
+end
+if done > 0 then
+  local prefix = ARGV[6] .. '|'
+  for stat, total in pairs(stats) do
+    if total > 0 then
+      redis.call('HINCRBY', KEYS[7], prefix .. stat, string.format('%.0f', total))  -- (a number argument would
+      -- be written with 14 digits, 1e+15 past them, which HINCRBY refuses)
+    end
+  end
+  if run_started and stats['infer_count'] > 0 then
+    local run_ns = string.format('%.0f', (now - run_started) * 1e9)
+    redis.call('HINCRBY', KEYS[7], prefix .. 'execution_count', 1)
+    redis.call('HINCRBY', KEYS[7], prefix .. 'batch_' .. ARGV[3] .. '_count', 1)
+    redis.call('HINCRBY', KEYS[7], prefix .. 'batch_' .. ARGV[3] .. '_ns', run_ns)
+  end
+  redis.call('HSET', KEYS[7], prefix .. 'last_inference', string.format('%.0f', now * 1000))
 end
 return done

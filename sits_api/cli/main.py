@@ -251,7 +251,8 @@ def key() -> None:
 @click.option("--name", required=True, callback=non_empty,
               help="who the key is for (its tenant: a user key sees only what keys of this name submit)")
 @click.option("--role", type=click.Choice(["admin", "user", "metrics"]), default="user", show_default=True,
-              help="user: a tenant; admin: everything; metrics: only GET /metrics (a Prometheus scrape key)")
+              help="user: a tenant; admin: everything; metrics: only GET /metrics and the v2 statistics"
+                   " (a Prometheus scrape key)")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
 def key_create(name: str, role: str, config_path: Path | None) -> None:
     """Create an API key and print it once (only its digest is stored)."""

@@ -26,14 +26,16 @@ def test_server_metadata_needs_no_key_and_names_the_package_version(client: Flas
 
     assert response.status_code == 200
     assert response.get_json() == {"name": "sits", "version": importlib.metadata.version("sits"),
-                                   "extensions": ["binary_tensor_data", "schedule_policy", "model_configuration"]}
+                                   "extensions": ["binary_tensor_data", "schedule_policy", "model_configuration",
+                                                  "statistics"]}
 
 
 def test_every_extension_the_server_names_has_its_route(app: Flask, client: FlaskClient) -> None:
     # by Triton's extension documents: the config route, and the infer parameters they define
     routes = {rule.rule for rule in app.url_map.iter_rules()}
     needs = {"model_configuration": "/v2/models/<name>/versions/<version>/config",
-             "binary_tensor_data": "/v2/models/<name>/infer", "schedule_policy": "/v2/models/<name>/infer"}
+             "binary_tensor_data": "/v2/models/<name>/infer", "schedule_policy": "/v2/models/<name>/infer",
+             "statistics": "/v2/models/<name>/versions/<version>/stats"}
     for extension in client.get("/v2").get_json()["extensions"]:
         assert needs[extension] in routes, extension
 

@@ -116,7 +116,8 @@ def test_server_metadata_names_sits_and_the_extensions_it_implements(triton: Inf
     metadata = triton.get_server_metadata()  # no key: like the health endpoints
 
     assert metadata["name"] == "sits" and metadata["version"]
-    assert set(metadata["extensions"]) == {"binary_tensor_data", "schedule_policy", "model_configuration"}
+    assert set(metadata["extensions"]) == {"binary_tensor_data", "schedule_policy", "model_configuration",
+                                           "statistics"}
 
 
 def test_model_config_gives_the_batching_workers_apply(
@@ -145,3 +146,23 @@ def test_compressed_requests_give_the_reference_outputs(
                           request_compression_algorithm=algorithm, response_compression_algorithm=algorithm)
 
     np.testing.assert_allclose(result.as_numpy("logits"), mlp_reference(FEATURES), rtol=1e-4, atol=1e-5)
+
+
+def test_inference_statistics_count_the_requests_a_real_worker_ran(
+        triton: InferenceServerClient, auth: dict[str, str]) -> None:
+    def totals() -> tuple[int, int, int, int]:
+        [entry] = triton.get_inference_statistics("mlp", headers=auth)["model_stats"]
+        inference = entry["inference_stats"]
+        return (entry["inference_count"], inference["success"]["count"], inference["compute_infer"]["count"],
+                entry["execution_count"])
+
+    rows, succeeded, ran, runs = totals()
+    for _ in range(2):
+        triton.infer("mlp", [features_input(FEATURES)], headers=auth)
+
+    after = totals()
+    assert after[:3] == (rows + 2 * len(FEATURES), succeeded + 2, ran + 2)
+    assert runs + 1 <= after[3] <= runs + 2  # (the two may share a run)
+    [entry] = triton.get_inference_statistics(headers=auth)["model_stats"]  # every model: the one registered
+    assert entry["name"] == "mlp" and entry["inference_stats"]["queue"]["ns"] > 0
+    assert entry["inference_stats"]["compute_infer"]["ns"] > 0 and entry["last_inference"] > 0
