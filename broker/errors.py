@@ -138,6 +138,13 @@ class Conflict(PermanentError):
     code = "conflict"
 
 
+class BodyTimeout(PermanentError):
+    """The request's body stopped arriving (`api.body_timeout`)."""
+
+    http_status = 408
+    code = "body_timeout"
+
+
 class PayloadTooLarge(PermanentError):
     """A request body is larger than the configured limit."""
 

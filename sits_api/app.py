@@ -25,15 +25,13 @@ from sits_api import metrics, online, services
 from sits_api.dispatch import Dispatcher
 from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document
-from sits_api.schemas import JobSubmission, ModelRegistration, OnlineRequest
+from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
 from sits_api.v2 import v2
 
 log = logging.getLogger(__name__)
 
 KEY_CACHE_SECONDS = 5.0
 """A key that passed is trusted this long per API process (a revoked key stops working within it)."""
-MAX_JOBS_LISTED = 10_000
-"""The most jobs `GET /v1/jobs?limit=` lists in one answer."""
 
 PUBLIC_ENDPOINTS = {"api.healthz", "api.readyz", "api.openapi", "v2.live", "v2.ready", "v2.server_metadata"}
 
@@ -44,6 +42,7 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
     """The API app over the Redis named in `settings` (or the `store` given)."""
     app = Flask("sits_api")
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_body_bytes
+    app.config["SITS_BODY_TIMEOUT"] = settings.api.body_timeout
     app.json = OrjsonProvider(app)
     app.json.sort_keys = False  # type: ignore[attr-defined]
     store = store or Store.connect(settings.redis.url, settings.redis.key_prefix)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import zlib
 
-from flask import request
+from flask import current_app, request
 from werkzeug.exceptions import HTTPException, UnsupportedMediaType
 
-from broker.errors import BadInput, PayloadTooLarge
+from broker.errors import BadInput, BodyTimeout, PayloadTooLarge
 
 WINDOW_BITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 """zlib's `wbits` for each supported coding: a gzip wrapper, or the zlib one that HTTP calls deflate."""
@@ -45,11 +45,24 @@ def request_body() -> bytes:
 def _raw_body() -> bytes:
     """The bytes the client sent. The server decodes a chunked body while it is read, so a malformed
     one (a chunk size that is no hex number, a chunk longer than it said) fails here, with the
-    server's own exception type (gunicorn's `InvalidChunkSize`, ...): that is the client's error."""
+    server's own exception type (gunicorn's `InvalidChunkSize`, ...): that is the client's error.
+
+    Under gunicorn the read has `api.body_timeout` (app config `SITS_BODY_TIMEOUT`): a body that stops
+    arriving part-way is a 408, instead of holding a request thread for as long as the client keeps its
+    connection open. gunicorn makes the socket blocking again for the connection's next request."""
+    sock = request.environ.get("gunicorn.socket")
+    timeout = current_app.config.get("SITS_BODY_TIMEOUT")
+    if sock is not None and timeout:
+        sock.settimeout(timeout)
     try:
         return request.get_data(cache=True)
-    except HTTPException:
-        raise  # 413 and the like: already the right answer
+    except HTTPException as err:
+        if not isinstance(err.__context__, TimeoutError):  # (werkzeug's ClientDisconnected, raised on the timeout)
+            raise  # 413 and the like: already the right answer
+        # gunicorn then finds the body unfinished, and closes the connection
+        raise BodyTimeout(f"the request body stopped arriving: none of it came for {timeout:g} s (api.body_timeout)"
+                          f"; send the whole body (Content-Length {request.content_length} bytes) without pausing"
+                          ) from err
     except Exception as err:
         if not _from_the_server(err):
             raise  # a fault of ours: a 500, logged

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sits_api.schemas import JobSubmission, ModelRegistration, OnlineRequest
+from broker.policy import ORDERINGS, POLICY_RANGES
+from broker.scoring import Weights
+from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
 
@@ -44,10 +46,10 @@ def openapi_document() -> dict[str, Any]:
                                                "followed by the binary tensors' bytes"},
                 "responses": v2_infer_responses}
     v2_config = {"summary": "Triton model configuration (max_batch_size, input/output dims, dynamic_batching)",
-                 "responses": _responses(200, 401, 404)}
+                 "responses": _responses(200, 400, 401, 404)}
     v2_stats = {"summary": "Triton's statistics extension: online request counts and times (ns) per model "
                            "version; metrics keys and admins",
-                "responses": _responses(200, 401, 403, 404)}
+                "responses": _responses(200, 400, 401, 403, 404)}
     v2_paths: dict[str, Any] = {
         "/v2/models/stats": {"get": v2_stats},
         "/v2/models/{name}/stats": {"get": v2_stats | {"parameters": path_params("name")}},
@@ -58,15 +60,16 @@ def openapi_document() -> dict[str, Any]:
         "/v2/health/live": {"get": {"summary": "v2 liveness", "security": [], "responses": _responses(200)}},
         "/v2/health/ready": {"get": {"summary": "v2 readiness", "security": [], "responses": _responses(200, 503)}},
         "/v2/models/{name}": {"get": {"summary": "v2 model metadata", "parameters": path_params("name"),
-                                      "responses": _responses(200, 401, 404)}},
+                                      "responses": _responses(200, 400, 401, 404)}},
         "/v2/models/{name}/versions/{version}": {"get": {"summary": "v2 model metadata of one version",
                                                          "parameters": path_params("name", "version"),
-                                                         "responses": _responses(200, 401, 404)}},
-        "/v2/models/{name}/ready": {"get": {"summary": "v2 model readiness", "parameters": path_params("name"),
-                                            "responses": _responses(200, 401, 404)}},
+                                                         "responses": _responses(200, 400, 401, 404)}},
+        "/v2/models/{name}/ready": {"get": {"summary": "v2 model readiness: 400 while no worker is alive",
+                                            "parameters": path_params("name"),
+                                            "responses": _responses(200, 400, 401, 404)}},
         "/v2/models/{name}/versions/{version}/ready": {
             "get": {"summary": "v2 readiness of one version", "parameters": path_params("name", "version"),
-                    "responses": _responses(200, 401, 404)}},
+                    "responses": _responses(200, 400, 401, 404)}},
         "/v2/models/{name}/config": {"get": v2_config | {"parameters": path_params("name")}},
         "/v2/models/{name}/versions/{version}/config": {"get": v2_config | {"parameters": path_params("name",
                                                                                                       "version")}},
@@ -106,12 +109,13 @@ def openapi_document() -> dict[str, Any]:
                          "responses": _responses(201, 400, 401, 403, 404, 422)},
             },
             "/v1/models/{ref}": {"get": {"summary": "one model", "parameters": model_ref,
-                                         "responses": _responses(200, 401, 404)}},
+                                         "responses": _responses(200, 400, 401, 404)}},
             "/v1/jobs": {
                 "get": {"summary": "list jobs: a user key its own, an admin key all (or one owner's)",
                         "responses": _responses(200, 400, 401, 403),
                         "parameters": [{"name": "status", "in": "query", "schema": {"type": "string"}},
-                                       {"name": "limit", "in": "query", "schema": {"type": "integer"}},
+                                       {"name": "limit", "in": "query",
+                                        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_JOBS_LISTED}},
                                        {"name": "owner", "in": "query", "schema": {"type": "string"},
                                         "description": "key name whose jobs to list; a user key may "
                                                        "name only itself (403 otherwise)"}]},
@@ -142,7 +146,7 @@ def openapi_document() -> dict[str, Any]:
                 "get": {"summary": "the live scoring weights and queue ordering", "responses": _responses(200, 401)},
                 "put": {"summary": "admin: hot-update weights/ordering; waiting items are re-scored in slices",
                         "requestBody": {"required": True,
-                                        "content": {"application/json": {"schema": {"type": "object"}}}},
+                                        "content": {"application/json": {"schema": _policy_schema()}}},
                         "responses": _responses(200, 400, 401, 403)},
             },
             "/v1/jobs/{job_id}/resume": {
@@ -161,3 +165,13 @@ def _with_forbidden(document: dict[str, Any]) -> dict[str, Any]:
             if operation.get("security") != [] and "401" in operation["responses"]:
                 operation["responses"].setdefault("403", _responses(403)["403"])
     return document
+
+
+def _policy_schema() -> dict[str, Any]:
+    """PUT /v1/policy's body: the ordering and each weight or threshold with the range it accepts."""
+    defaults = Weights()
+    properties: dict[str, Any] = {"ordering": {"type": "string", "enum": list(ORDERINGS)}}
+    for name, (low, high) in POLICY_RANGES.items():
+        kind = "integer" if isinstance(getattr(defaults, name), int) else "number"
+        properties[name] = {"type": kind, "minimum": low, "maximum": high}
+    return {"type": "object", "properties": properties, "additionalProperties": False}

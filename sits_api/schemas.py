@@ -6,6 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_JOBS_LISTED = 10_000
+"""The most jobs `GET /v1/jobs?limit=` lists in one answer."""
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "3" or true is not a priority

@@ -98,10 +98,18 @@ MAX_TENSOR_BYTES = 2**48
 or input file, and far below where numpy's size arithmetic overflows."""
 
 
+MAX_DIMS = 32
+"""The most axes a tensor may have: numpy 1's limit (numpy 2 allows 64), far past any model's."""
+
+
 def check_buildable(what: str, shape: Sequence[int], itemsize: int) -> None:
     """BadInput for a shape no array can have. Data present bounds a shape's size, but not past an
     empty axis: [0, 2**40, 2**40] holds no value, yet numpy refuses to build it ("array is too big"),
-    which would surface as a 500; such a shape is a mistake, said so here."""
+    which would surface as a 500; such a shape is a mistake, said so here. So is one of more axes
+    than numpy's limit (`MAX_DIMS`), which numpy refuses as well."""
+    if len(shape) > MAX_DIMS:
+        raise BadInput(f"{what} has {len(shape)} axes; a tensor has at most {MAX_DIMS} (and a model input "
+                       "as many as its signature lists); fix its shape")
     size = max(itemsize, 1)
     for dim in shape:
         size *= max(int(dim), 1)

@@ -238,3 +238,20 @@ def test_status_of_an_empty_system_lists_nothing(api: Api) -> None:
     status = api.get("/v1/status").get_json()
 
     assert status["workers"] == [] and status["queues"] == {} and status["jobs"] == {}
+
+
+def test_the_policy_body_is_documented_with_every_key_and_range_the_server_accepts(client: FlaskClient) -> None:
+    from dataclasses import fields
+
+    from broker.policy import ORDERINGS, POLICY_RANGES
+    from broker.scoring import Weights
+
+    schema = client.get("/openapi.json").get_json()["paths"]["/v1/policy"]["put"]["requestBody"]["content"][
+        "application/json"]["schema"]
+
+    assert set(schema["properties"]) == {field.name for field in fields(Weights)} | {"ordering"}
+    assert schema["properties"]["ordering"]["enum"] == list(ORDERINGS) and schema["additionalProperties"] is False
+    for name, (low, high) in POLICY_RANGES.items():
+        assert (schema["properties"][name]["minimum"], schema["properties"][name]["maximum"]) == (low, high)
+    assert schema["properties"]["express_level"]["type"] == "integer"
+    assert schema["properties"]["alpha"]["type"] == "number"

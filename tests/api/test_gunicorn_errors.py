@@ -28,12 +28,16 @@ from sits_api.cli.client import ApiClient, ApiError
 from sits_api.cli.stack import api_command
 from sits_api.gunicorn_worker import error_message
 
+BODY_TIMEOUT = 1.0
+"""The API's `api.body_timeout` here (30 s by default)."""
+
 
 @pytest.fixture(scope="module")
 def api_settings(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     home = tmp_path_factory.mktemp("gunicorn-api")
     return Settings().with_overrides(redis={"url": redis_server.url, "key_prefix": "t" + uuid.uuid4().hex[:10]},
-                                     api={"host": "127.0.0.1", "port": free_port()}, paths={"home": home})
+                                     api={"host": "127.0.0.1", "port": free_port(), "body_timeout": BODY_TIMEOUT},
+                                     paths={"home": home})
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +161,34 @@ def test_a_body_over_the_limit_from_the_python_client_reports_the_apis_413(api_p
 
     assert refused.value.http_status == 413, str(refused.value)
     assert "api.max_body_bytes" in str(refused.value)
+
+
+def stalled_body(port: int, key: str) -> socket.socket:
+    """A connection that sends a request's headers and 1 of its body's 100 bytes, then nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+                 + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    return sock
+
+
+def test_a_body_that_stops_arriving_is_a_json_408_and_stalled_clients_do_not_hold_the_api(
+        api_port: int, api_key: str, api_settings: Settings) -> None:
+    """Before, each such client held a request thread for as long as it kept its connection open: 40
+    of them (the API has 2 x 16 threads) made even /healthz wait for ever."""
+    stalled = [stalled_body(api_port, api_key) for _ in range(40)]
+    try:
+        began = time.monotonic()
+        client = ApiClient(api_settings.api.public_url(), api_key, timeout=20)
+        assert client.get("/healthz") == {"status": "ok"}
+        assert time.monotonic() - began < 15  # the stalled bodies' threads came free after BODY_TIMEOUT
+
+        first = stalled[0]
+        response = http.client.HTTPResponse(first)
+        response.begin()
+        error = json.loads(response.read())
+        assert response.status == 408 and error["code"] == "body_timeout", error
+        assert "stopped arriving" in error["error"] and "Content-Length 100" in error["error"]
+        assert first.recv(1) == b""  # and the connection is closed: the rest of its body is unknown
+    finally:
+        for sock in stalled:
+            sock.close()

@@ -44,6 +44,9 @@ def infer_body(**changes: Any) -> dict[str, Any]:
     pytest.param({"inputs": [features(data=[1e39] * 64)]}, "does not fit float32", id="beyond-float32"),
     pytest.param({"inputs": [features(datatype="BOOL", data=[1, 0] * 32)]},
                  "not BOOL values: write a flat or nested list of true or false", id="numbers-for-bool"),
+    pytest.param({"inputs": [features(shape=[1] * 70, data=[1.0])]}, "has 70 axes; a tensor has at most 32",
+                 id="more-axes-than-numpy-builds"),  # (numpy's own refusal surfaced as a 500)
+    pytest.param({"inputs": [features(shape=[1] * 33, data=[1.0])]}, "has 33 axes", id="33-axes"),
 ])
 def test_a_malformed_infer_body_is_a_400_naming_the_field_and_queues_nothing(
         api: Api, mlp: dict[str, Any], changes: dict[str, Any], field: str) -> None:

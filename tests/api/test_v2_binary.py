@@ -126,6 +126,7 @@ def _bad_framings() -> list[Any]:
                      id="empty-but-impossible-shape"),
         pytest.param(*of({"name": "features", "shape": [0, 2**63 - 1], "datatype": "FP32", "data": []}, tensors=()),
                      "which no tensor can have", id="empty-but-impossible-shape-as-json"),
+        pytest.param(*of(binary_input(shape=[1] * 69 + [64])), "has 70 axes", id="more-axes-than-numpy-builds"),
         pytest.param(*of(binary_input(size=True)), "binary_data_size' must be a whole number", id="size-a-boolean"),
         pytest.param(*of(binary_input(size=-1)), "binary_data_size' must be a whole number", id="size-negative"),
         pytest.param(*of(binary_input(data=[0.0] * 64)), "both data and parameters.binary_data_size",
