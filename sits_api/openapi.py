@@ -36,6 +36,10 @@ def openapi_document() -> dict[str, Any]:
     binary = {"schema": {"type": "string", "format": "binary"}}
     owned = ("A user key sees only what it submitted: another key's answers 404, as an unknown id does; "
              "an admin key sees everything.")
+    header_length = {"name": "Inference-Header-Content-Length", "in": "header", "required": False,
+                     "schema": {"type": "integer", "minimum": 0},
+                     "description": "Triton's binary tensor data extension: the byte length of the JSON at the "
+                                    "start of the body (binary tensors follow it); without it the body is JSON"}
     v2_infer_responses = _responses(200, 400, 401, 404, 413, 415, 504)
     v2_infer_responses["200"]["content"]["application/octet-stream"] = binary
     v2_infer = {"summary": "Open Inference Protocol (KServe v2) inference; parameters.priority, .timeout (us)",
@@ -73,11 +77,11 @@ def openapi_document() -> dict[str, Any]:
         "/v2/models/{name}/config": {"get": v2_config | {"parameters": path_params("name")}},
         "/v2/models/{name}/versions/{version}/config": {"get": v2_config | {"parameters": path_params("name",
                                                                                                       "version")}},
-        "/v2/models/{name}/infer": {"post": v2_infer | {"parameters": path_params("name")}},
-        "/v2/models/{name}/versions/{version}/infer": {"post": v2_infer | {"parameters": path_params("name",
-                                                                                                       "version")}},
+        "/v2/models/{name}/infer": {"post": v2_infer | {"parameters": [*path_params("name"), header_length]}},
+        "/v2/models/{name}/versions/{version}/infer": {
+            "post": v2_infer | {"parameters": [*path_params("name", "version"), header_length]}},
     }
-    return _with_forbidden({
+    return _with_common_errors({
         "openapi": "3.1.0",
         "info": {"title": "SITS", "version": "1",
                  "description": "Scalable Inference Task Scheduler. Request bodies may be sent with "
@@ -158,12 +162,15 @@ def openapi_document() -> dict[str, Any]:
     })
 
 
-def _with_forbidden(document: dict[str, Any]) -> dict[str, Any]:
-    """Every operation that takes a key may answer 403: a `metrics` key reads `GET /metrics` only."""
+def _with_common_errors(document: dict[str, Any]) -> dict[str, Any]:
+    """Every operation that takes a key may answer 403: a `metrics` key reads `GET /metrics` only. And
+    every operation that reads a body may answer 408: a body that stops arriving (`api.body_timeout`)."""
     for operations in document["paths"].values():
         for operation in operations.values():
             if operation.get("security") != [] and "401" in operation["responses"]:
                 operation["responses"].setdefault("403", _responses(403)["403"])
+            if "requestBody" in operation:
+                operation["responses"].setdefault("408", _responses(408)["408"])
     return document
 
 
