@@ -143,9 +143,10 @@ class ApiSettings(_Section):
     port: Integer = Field(8470, ge=0, le=65535)
     max_body_bytes: Bytes = parse_size("16MiB")
     body_timeout: Seconds = Field(default=30.0, gt=0)
-    """The longest a request's body may take to arrive once its headers did (a 408 past it): a client
-    that stops part-way must not hold a request thread for ever. (A client that stalls inside its
-    headers is gunicorn's to wait for: in front of untrusted clients, put a buffering proxy.)"""
+    """The longest a request's body may pause, no byte of it arriving, once its headers came (a 408
+    past it): a client that stops part-way must not hold a request thread for ever. (A client that
+    trickles its body, or stalls inside its headers, is a slow client for a buffering proxy in front
+    of the API to absorb, as gunicorn's documentation advises.)"""
     workers: Integer = Field(2, ge=1, le=64)
     """API server processes (gunicorn); each runs `threads` request threads."""
     threads: Integer = Field(16, ge=1, le=1024)

@@ -161,8 +161,9 @@ class QueueWatcher:
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._refs: list[str] = []
-        self._version: str | None = None  # none read yet
+        self._known: tuple[list[str], str | None] = ([], None)
+        """(The refs, the set's version they were read at: None before the first read), one value,
+        so that the drain threads sharing the watcher never pair one read's refs with another's version."""
 
     def snapshot(self) -> QueueSnapshot:
         """Every queue's head, earliest deadline, and the live policy, as of one instant (one script
@@ -170,13 +171,13 @@ class QueueWatcher:
         keys = self._store.keys
         with translate_redis_errors():
             while True:
-                refs = self._refs
+                refs, known_version = self._known
                 per_ref = [key for ref in refs for key in (keys.ready(ref), keys.deadlines(ref))]
                 version, raw_policy, *firsts = self._store.scripts.queue_snapshot(
                     keys=[keys.queues_version, keys.policy, *per_ref])
-                if version == self._version:
+                if version == known_version:
                     break
-                self._refs, self._version = queue_refs(self._store)
+                self._known = queue_refs(self._store)
         heads, head_items, deadlines = {}, {}, {}
         for ref, head_item, head_score, earliest in zip(refs, firsts[0::3], firsts[1::3], firsts[2::3], strict=True):
             if head_item:

@@ -154,17 +154,18 @@ class RequestResult:
 
 
 def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
-                      batch_size: int, worker: str, job_rows: int = 0, run_started: float | None = None) -> int:
+                      batch_size: int, worker: str, job_rows: int = 0, run_started: float | None = None,
+                      run_rows: int = 0) -> int:
     """Store results, drop the leases and wake every waiter, in one atomic call; returns how many
     were completed (not those already completed, or waiting again after their lease expired). The
     requests are of one model (a batch is); /metrics counts them by status (`keys.counters`), and the
     model's statistics (`broker.model_stats`) their times, the queue and compute time of those that
-    ran in the run begun at `run_started`."""
+    ran in the run begun at `run_started`, of `run_rows` rows (the statistics' batch size)."""
     keys = store.keys
     request_keys: list[str] = []
     model_ref = results[0].item.model_ref
     args: list[Any] = [now, int(keep_seconds), batch_size, worker, job_rows, model_ref,
-                       "" if run_started is None else repr(run_started)]
+                       "" if run_started is None else repr(run_started), run_rows]
     for result in results:
         request_id = result.item.payload["req"]
         request_keys += [keys.request(request_id), keys.request_done(request_id)]
@@ -220,6 +221,12 @@ def _record(raw: Mapping[str, str]) -> dict[str, Any]:
 
 
 _BLOCK_SLICE_SECONDS = 2.0  # below redis-py's default socket timeout (5 s), so a long wait never trips it
+
+
+def running(store: Store, spec: RequestSpec) -> bool:
+    """Whether a worker holds the request now (leased: its run is going on)."""
+    with translate_redis_errors():
+        return store.client.zscore(store.keys.inflight(spec.model_ref), spec.request_id) is not None
 
 
 def wait_for_request(store: Store, request_id: str, *, timeout: float,

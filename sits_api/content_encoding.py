@@ -47,9 +47,12 @@ def _raw_body() -> bytes:
     one (a chunk size that is no hex number, a chunk longer than it said) fails here, with the
     server's own exception type (gunicorn's `InvalidChunkSize`, ...): that is the client's error.
 
-    Under gunicorn the read has `api.body_timeout` (app config `SITS_BODY_TIMEOUT`): a body that stops
-    arriving part-way is a 408, instead of holding a request thread for as long as the client keeps its
-    connection open. gunicorn makes the socket blocking again for the connection's next request."""
+    Under gunicorn each read of the body waits at most `api.body_timeout` (app config
+    `SITS_BODY_TIMEOUT`): a body that stops arriving part-way is a 408, instead of holding a request
+    thread for as long as the client keeps its connection open. The timeout bounds a pause, not the
+    whole body (a client trickling a byte now and then is a slow client, as one stalling inside its
+    headers: a buffering proxy's to absorb), and it is lifted once the body is read, so that writing
+    a large answer to a slow reader is not cut short."""
     sock = request.environ.get("gunicorn.socket")
     timeout = current_app.config.get("SITS_BODY_TIMEOUT")
     if sock is not None and timeout:
@@ -60,14 +63,18 @@ def _raw_body() -> bytes:
         if not isinstance(err.__context__, TimeoutError):  # (werkzeug's ClientDisconnected, raised on the timeout)
             raise  # 413 and the like: already the right answer
         # gunicorn then finds the body unfinished, and closes the connection
+        size = (f"Content-Length {request.content_length} bytes" if request.content_length is not None
+                else "its chunks")
         raise BodyTimeout(f"the request body stopped arriving: none of it came for {timeout:g} s (api.body_timeout)"
-                          f"; send the whole body (Content-Length {request.content_length} bytes) without pausing"
-                          ) from err
+                          f"; send the whole body ({size}) without pausing") from err
     except Exception as err:
         if not _from_the_server(err):
             raise  # a fault of ours: a 500, logged
         raise BadInput(f"the request body could not be read ({type(err).__name__}: {err}); send it with "
                        f"Content-Length, or as valid HTTP/1.1 chunks") from err
+    finally:
+        if sock is not None and timeout:
+            sock.settimeout(None)  # (blocking, as gunicorn left it)
 
 
 def _from_the_server(err: Exception) -> bool:

@@ -47,7 +47,8 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
                          len(live), model_ref, err.message)
                 results += _run_one_by_one(ctx, model_ref, live)
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
-                               batch_size=len(items), worker=ctx.name, run_started=run_started)
+                               batch_size=len(items), worker=ctx.name, run_started=run_started,
+                               run_rows=_rows(live))
     return sum(1 for result in results if not result.error)
 
 
@@ -77,7 +78,7 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
             job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows,
-                               run_started=run_started)
+                               run_started=run_started, run_rows=job_rows + _rows(live))
     return [job_outputs[name] for name in output_names]
 
 
@@ -117,6 +118,11 @@ def _load(ctx: WorkerContext, items: Sequence[LeasedItem]) -> tuple[list[Request
                               ran=False) for item, tensors in zip(items, inputs, strict=True) if tensors is None]
     live = [(item, tensors) for item, tensors in zip(items, inputs, strict=True) if tensors is not None]
     return results, live
+
+
+def _rows(live: Sequence[tuple[LeasedItem, Tensors]]) -> int:
+    """Rows of the live requests' tensors (each request's first input's axis 0)."""
+    return sum(next(iter(tensors.values())).shape[0] for _, tensors in live)
 
 
 def _run_one_by_one(ctx: WorkerContext, model_ref: str,

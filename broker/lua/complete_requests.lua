@@ -15,8 +15,9 @@
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
 -- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run,
 -- ARGV[6] the requests' model ref (a batch is of one model), ARGV[7] when the run began ('' for none:
--- the reaper failing requests whose workers died)
--- ARGV[8..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error
+-- the reaper failing requests whose workers died), ARGV[8] rows in the run (the requests' that ran, and
+-- a job mini-batch's it shared; the statistics' batch size, as Triton counts it)
+-- ARGV[9..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error
 -- code, '1' if it was in the run ('' for one not run: expired, or past its timeout)
 -- Returns: how many requests were completed.
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
@@ -26,8 +27,8 @@ local done, by_status = 0, {}
 local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
 local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, queue_count = 0, queue_ns = 0,
                infer_count = 0, infer_ns = 0, inference_count = 0}
-for i = 0, (#ARGV - 7) / 6 - 1 do
-  local item_id, status = ARGV[8 + 6 * i], ARGV[9 + 6 * i]
+for i = 0, (#ARGV - 8) / 6 - 1 do
+  local item_id, status = ARGV[9 + 6 * i], ARGV[10 + 6 * i]
   local request, waiters = KEYS[8 + 2 * i], KEYS[9 + 2 * i]
   local held = redis.call('HEXISTS', KEYS[2], item_id) == 1 and not redis.call('ZSCORE', KEYS[5], item_id)
   if held then
@@ -37,8 +38,8 @@ for i = 0, (#ARGV - 7) / 6 - 1 do
     redis.call('ZREM', KEYS[4], item_id)
   end
   if held and redis.call('EXISTS', request) == 1 then
-    redis.call('HSET', request, 'status', status, 'outputs', ARGV[10 + 6 * i], 'error', ARGV[11 + 6 * i],
-      'error_code', ARGV[12 + 6 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
+    redis.call('HSET', request, 'status', status, 'outputs', ARGV[11 + 6 * i], 'error', ARGV[12 + 6 * i],
+      'error_code', ARGV[13 + 6 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
       'job_rows', ARGV[5])
     redis.call('HDEL', request, 'inputs')
     redis.call('EXPIRE', request, ARGV[2])
@@ -54,7 +55,7 @@ for i = 0, (#ARGV - 7) / 6 - 1 do
     local outcome = status == 'succeeded' and 'success' or 'fail'
     stats[outcome .. '_count'] = stats[outcome .. '_count'] + 1
     stats[outcome .. '_ns'] = stats[outcome .. '_ns'] + (now - created) * 1e9
-    if run_started and ARGV[13 + 6 * i] == '1' then
+    if run_started and ARGV[14 + 6 * i] == '1' then
       stats['queue_count'] = stats['queue_count'] + 1
       stats['queue_ns'] = stats['queue_ns'] + math.max(run_started - created, 0) * 1e9
       stats['infer_count'] = stats['infer_count'] + 1
@@ -81,9 +82,9 @@ if done > 0 then
   if run_started and stats['infer_count'] > 0 then
     local run_ns = string.format('%.0f', (now - run_started) * 1e9)
     redis.call('HINCRBY', KEYS[7], prefix .. 'execution_count', 1)
-    redis.call('HINCRBY', KEYS[7], prefix .. 'batch_' .. ARGV[3] .. '_count', 1)
-    redis.call('HINCRBY', KEYS[7], prefix .. 'batch_' .. ARGV[3] .. '_ns', run_ns)
+    redis.call('HINCRBY', KEYS[7], prefix .. 'batch_' .. ARGV[8] .. '_count', 1)
+    redis.call('HINCRBY', KEYS[7], prefix .. 'batch_' .. ARGV[8] .. '_ns', run_ns)
+    redis.call('HSET', KEYS[7], prefix .. 'last_inference', string.format('%.0f', now * 1000))
   end
-  redis.call('HSET', KEYS[7], prefix .. 'last_inference', string.format('%.0f', now * 1000))
 end
 return done

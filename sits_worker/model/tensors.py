@@ -98,8 +98,19 @@ MAX_TENSOR_BYTES = 2**48
 or input file, and far below where numpy's size arithmetic overflows."""
 
 
-MAX_DIMS = 32
-"""The most axes a tensor may have: numpy 1's limit (numpy 2 allows 64), far past any model's."""
+def _numpy_max_dims() -> int:
+    """The most axes this numpy builds an array with (64 in numpy 2, 32 before)."""
+    for dims in (64, 32):
+        try:
+            np.empty((1,) * dims, dtype=np.uint8)
+            return dims
+        except ValueError:
+            continue
+    return 32
+
+
+MAX_DIMS = _numpy_max_dims()
+"""The most axes a tensor may have: numpy's own limit, past which it refuses to build one."""
 
 
 def check_buildable(what: str, shape: Sequence[int], itemsize: int) -> None:

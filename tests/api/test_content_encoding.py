@@ -202,3 +202,21 @@ def test_a_compressed_body_without_a_key_is_refused_before_it_is_decompressed(cl
                            headers={"Content-Encoding": "gzip"})
 
     assert response.status_code == 401
+
+
+def test_the_body_timeout_is_lifted_once_the_body_is_read(app: Any) -> None:
+    """Left on the socket, it would also bound the answer's write: a large answer to a slow reader was
+    cut off after `api.body_timeout` (sendall counts the timeout for the whole send)."""
+    import socket
+
+    from sits_api.content_encoding import request_body
+
+    server, client = socket.socketpair()
+    try:
+        with app.test_request_context("/v1/requests", method="POST", data=b'{"a": 1}',
+                                      environ_base={"gunicorn.socket": server}):
+            assert request_body() == b'{"a": 1}'
+            assert server.gettimeout() is None  # blocking again, as gunicorn left it
+    finally:
+        server.close()
+        client.close()

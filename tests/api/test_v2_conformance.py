@@ -130,3 +130,45 @@ def test_a_v2_timeout_is_enforced_and_a_v1_deadline_only_orders(api: Api, store:
     expiring = [payload["expires_at"] for payload in payloads if "expires_at" in payload]
     assert len(payloads) == 2 and len(expiring) == 1
     assert before + 0.002 <= expiring[0] <= time.time() + 0.002
+
+
+def test_a_request_a_worker_took_within_its_timeout_is_answered_when_its_run_ends(
+        api: Api, store: Store, mlp: dict[str, Any]) -> None:
+    """Triton's timeout drops what waits; what runs is answered. A stand-in worker leases the request
+    at once and completes it 0.4 s later, past the request's 0.1 s timeout."""
+    import threading
+
+    from broker import queues, requests
+
+    ref = f"mlp@{mlp['version']}"
+    done = threading.Event()
+
+    def worker() -> None:
+        while not (leased := queues.lease_batch(store, ref, now=time.time(), lease_seconds=30, max_items=1)):
+            time.sleep(0.005)
+        time.sleep(0.4)
+        result = requests.RequestResult(leased[0], outputs={"logits": np.full((1, 10), 0.5, dtype=np.float32)})
+        requests.complete_requests(store, [result], now=time.time(), keep_seconds=60, batch_size=1, worker="w")
+        done.set()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    body = {"inputs": [{"name": "features", "shape": [1, 64], "datatype": "FP32", "data": ROW}],
+            "parameters": {"timeout": 100_000}}
+    response = api.post("/v2/models/mlp/infer", json=body)
+    thread.join(timeout=10)
+
+    assert done.is_set()
+    assert response.status_code == 200, response.get_json()
+    assert response.get_json()["outputs"][0]["data"] == [0.5] * 10
+
+
+def test_a_request_no_worker_took_within_its_timeout_is_a_504_saying_it_is_not_run(
+        api: Api, mlp: dict[str, Any]) -> None:
+    body = {"inputs": [{"name": "features", "shape": [1, 64], "datatype": "FP32", "data": ROW}],
+            "parameters": {"timeout": 1000}}
+
+    response = api.post("/v2/models/mlp/infer", json=body)
+
+    assert response.status_code == 504
+    assert "not taken by a worker within its 'timeout'; it is not run" in error_of(response)

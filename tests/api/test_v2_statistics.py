@@ -55,7 +55,7 @@ def test_a_batch_s_results_add_counts_and_times_where_triton_reports_them(api: A
                                                                          mlp: dict[str, Any]) -> None:
     ref = f"mlp@{mlp['version']}"
     now = time.time()
-    submit(store, ref, "a", 2, created=now - 0.5)
+    submit(store, ref, "a", 3, created=now - 0.5)
     submit(store, ref, "b", 1, created=now - 0.25)
     submit(store, ref, "late", 1, created=now - 1.0)
     leased = {item.item_id: item for _ in range(3)
@@ -65,7 +65,7 @@ def test_a_batch_s_results_add_counts_and_times_where_triton_reports_them(api: A
                RequestResult(leased["late"], error="timed out", code=InferenceTimeout.code, ran=False)]
 
     assert requests.complete_requests(store, results, now=now + 0.125, keep_seconds=60, batch_size=3,
-                                      worker="w", run_started=now + 0.0625) == 3
+                                      worker="w", run_started=now + 0.0625, run_rows=4) == 3
 
     [entry] = stats_of(api)
     inference = entry["inference_stats"]
@@ -74,16 +74,16 @@ def test_a_batch_s_results_add_counts_and_times_where_triton_reports_them(api: A
     assert counted(inference["queue"], 2, 0.5625 + 0.3125)  # only those that ran
     assert counted(inference["compute_infer"], 2, 2 * 0.0625)
     assert inference["compute_input"] == inference["compute_output"] == {"count": 2, "ns": 0}
-    assert entry["inference_count"] == 3  # rows of the requests that succeeded
+    assert entry["inference_count"] == 4  # rows of the requests that succeeded
     assert entry["execution_count"] == 1
     [batch] = entry["batch_stats"]
-    assert batch["batch_size"] == 3 and counted(batch["compute_infer"], 1, 0.0625)
+    assert batch["batch_size"] == 4 and counted(batch["compute_infer"], 1, 0.0625)  # rows run, as Triton counts
     assert batch["compute_input"] == batch["compute_output"] == {"count": 1, "ns": 0}
     assert abs(entry["last_inference"] - (now + 0.125) * 1000) <= 1  # ms since the epoch
 
     # a late or repeated completion of the same requests changes nothing
     requests.complete_requests(store, results, now=now + 1, keep_seconds=60, batch_size=3, worker="w2",
-                               run_started=now + 0.5)
+                               run_started=now + 0.5, run_rows=4)
     assert stats_of(api) == [entry]
 
 
@@ -101,6 +101,7 @@ def test_requests_the_reaper_fails_count_as_failures_without_a_run(api: Api, sto
     assert entry["inference_stats"]["fail"]["count"] == 1
     assert entry["inference_stats"]["queue"] == entry["inference_stats"]["compute_infer"] == ZERO
     assert entry["execution_count"] == 0 and entry["batch_stats"] == []
+    assert entry["last_inference"] == 0  # nothing ran
 
 
 def test_unknown_models_and_versions_are_a_404_and_only_metrics_and_admin_keys_read_them(
