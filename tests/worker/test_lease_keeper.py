@@ -8,20 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import pytest
+from worker_helpers import mlp_worker_context
 
-from broker import queues, registry, requests
+from broker import queues, requests
 from broker.config import Settings
 from broker.requests import RequestSpec
 from broker.store import Store
 from sits_worker import lease_keeper
 from sits_worker.context import WorkerContext
-from sits_worker.devices import Device
 from sits_worker.lease_keeper import LeaseKeeper
-from sits_worker.model.graph import static_profile
 from sits_worker.online import run_requests
-from sits_worker.runtime import SessionCache
 
 LEASE_SECONDS = 0.4
 TICKET = "ticket-1"
@@ -29,13 +26,7 @@ TICKET = "ticket-1"
 
 @pytest.fixture
 def ctx(store: Store, zoo_dir: Path) -> WorkerContext:
-    path = zoo_dir / "mlp.onnx"
-    profile = static_profile(onnx.load(str(path)))
-    registry.save_model_version(store, {"name": "mlp", "version": "v1", "ref": "mlp@v1", "path": str(path),
-                                        "signature": profile["signature"], "static_profile": profile})
-    settings = Settings().with_overrides(scheduler={"lease_timeout": LEASE_SECONDS})
-    return WorkerContext(settings=settings, store=store, device=Device("cpu"), streams=1,
-                         sessions=SessionCache(Device("cpu"), 1))
+    return mlp_worker_context(store, zoo_dir, Settings().with_overrides(scheduler={"lease_timeout": LEASE_SECONDS}))
 
 
 def leased_requests(store: Store, count: int) -> list[queues.LeasedItem]:

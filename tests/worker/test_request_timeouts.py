@@ -8,29 +8,20 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
+from worker_helpers import mlp_worker_context
 
-from broker import queues, registry, requests
-from broker.config import Settings
+from broker import queues, requests
 from broker.errors import InferenceTimeout
 from broker.requests import RequestSpec
 from broker.store import Store
 from sits_worker.context import WorkerContext
-from sits_worker.devices import Device
-from sits_worker.model.graph import static_profile
 from sits_worker.online import run_requests
-from sits_worker.runtime import SessionCache
 
 
 @pytest.fixture
 def ctx(store: Store, zoo_dir: Path) -> WorkerContext:
-    path = zoo_dir / "mlp.onnx"
-    profile = static_profile(onnx.load(str(path)))
-    registry.save_model_version(store, {"name": "mlp", "version": "v1", "ref": "mlp@v1", "path": str(path),
-                                        "signature": profile["signature"], "static_profile": profile})
-    return WorkerContext(settings=Settings(), store=store, device=Device("cpu"), streams=1,
-                         sessions=SessionCache(Device("cpu"), 1))
+    return mlp_worker_context(store, zoo_dir)
 
 
 def submit(store: Store, request_id: str, *, expires_at: float | None) -> None:
