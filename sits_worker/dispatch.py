@@ -53,6 +53,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                                              if linger_left > 0 else _DOORBELL_SLICE_SECONDS)
                 elif queues.release_ticket(ctx.store, ticket):
                     return "released"
+                elif time.monotonic() >= slice_ends:  # (work came in since the snapshot: look again, within
+                    return "yield"  # the slice, so that no state this loop misreads can hold it for ever)
                 continue
             idle_since = None
             # A slot that outpaces the disk leases no chunk until a commit is done (requests go on).
