@@ -21,7 +21,7 @@ from rich.table import Table
 
 from broker.config import MAX_CONCURRENT_STREAMS, Settings, load_settings
 from broker.errors import ConnectionLost, SitsError
-from sits_api.cli.client import ApiClient, recorded, segment, stack_runs
+from sits_api.cli.client import ApiClient, ApiError, recorded, segment, stack_runs
 from sits_api.cli.job_commands import job
 from sits_api.cli.output import console, print_error, print_json, print_table
 from sits_api.cli.params import non_empty
@@ -182,7 +182,8 @@ def demo(rows: int, worker_count: int) -> None:
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
 def status(as_json: bool) -> None:
-    """API and Redis URLs, workers, queue depths and jobs by status."""
+    """API and Redis URLs, workers, queue depths, jobs by status and, to an admin key, the online
+    requests served per model version (GET /v2/models/stats; not in --json, which is GET /v1/status)."""
     client = _client()
     data = client.get("/v1/status")
     if not isinstance(data, dict) or not {"api_url", "workers", "queues", "jobs", "policy"} <= data.keys():
@@ -204,6 +205,37 @@ def status(as_json: bool) -> None:
         queues.add_row(ref, str(depth["ready"]), str(depth["inflight"]))
     print_table(queues)
     console.print("jobs: " + (", ".join(f"{k} {v}" for k, v in sorted(data["jobs"].items())) or "none"))
+    served = _request_statistics(client)
+    if served is not None and served.row_count:
+        print_table(served)
+    elif served is not None:
+        console.print("online requests: none served yet")
+
+
+def _request_statistics(client: ApiClient) -> Table | None:
+    """Online requests served per model version, from the v2 statistics (`broker.model_stats`); None for a
+    key that may not read them (they count every tenant's requests: admin and metrics keys only)."""
+    try:
+        entries = client.get("/v2/models/stats")["model_stats"]
+    except ApiError as err:
+        if err.http_status == 403:
+            return None
+        raise
+    table = Table("requests (model@version)", "succeeded", "failed", "mean ms", "mean queue ms", "runs",
+                  "rows per run")
+    for entry in entries:
+        stats = entry["inference_stats"]
+        ok, failed, queue = stats["success"], stats["fail"], stats["queue"]
+        if not ok["count"] and not failed["count"]:
+            continue  # a version no request reached
+        answered = ok["count"] + failed["count"]
+        runs = entry["execution_count"]
+        rows_run = sum(batch["batch_size"] * batch["compute_infer"]["count"] for batch in entry["batch_stats"])
+        table.add_row(f"{entry['name']}@{entry['version']}", f"{ok['count']:,}", f"{failed['count']:,}",
+                      f"{(ok['ns'] + failed['ns']) / answered / 1e6:.1f}",
+                      f"{queue['ns'] / queue['count'] / 1e6:.1f}" if queue["count"] else "-",
+                      f"{runs:,}", f"{rows_run / runs:.1f}" if runs else "-")
+    return table
 
 
 @cli.command()

@@ -8,6 +8,7 @@ The API here is the real app served over HTTP on a free port, over the session's
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from api_helpers import Api
@@ -75,3 +76,16 @@ def test_job_commands_against_the_api_name_the_job_not_a_missing_url(
         assert result.exit_code == 2, one_line(result)
         assert f"'{job_id}/x' is not a job id" in one_line(result)
         assert "requested URL was not found" not in result.output
+
+
+def test_status_shows_the_requests_served_to_an_admin_key_and_leaves_them_out_for_a_user_key(
+        served_api: str, admin_key: str, store: Any) -> None:
+    """They count every tenant's requests (GET /v2/models/stats: admin and metrics keys)."""
+    from broker.apikeys import create_api_key
+
+    as_admin = sitsctl("status", api_url=served_api, api_key=admin_key)
+    as_user = sitsctl("status", api_url=served_api, api_key=create_api_key(store, "bob", "user"))
+
+    assert as_admin.exit_code == 0 and "online requests: none served yet" in as_admin.output, as_admin.output
+    assert as_user.exit_code == 0 and "jobs:" in as_user.output, as_user.output
+    assert "online requests" not in as_user.output

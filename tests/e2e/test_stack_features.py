@@ -164,6 +164,15 @@ def test_sitsctl_job_commands_and_status(stack):
     assert overview["jobs"].get("succeeded", 0) >= 1
     assert any(ref.startswith("convnet@") for ref in overview["queues"])
 
+    for _ in range(2):  # online requests show in the plain status, from the v2 statistics (an admin key's)
+        answer = stack.client().post("/v1/requests", {"model": "convnet", "inputs": {"pixels": pixels[:1].tolist()},
+                                                      "wait": True})
+        assert answer["status"] == "succeeded", answer
+    plain = sitsctl(stack, "status").stdout
+    served_table = plain.split("requests (model@version)")[1]  # (after the queues table's convnet row)
+    served = next(line for line in served_table.splitlines() if line.strip(" │").startswith("convnet@"))
+    assert served.split("│")[2].strip() == "2", plain  # succeeded
+
     again = sitsctl(stack, "job", "resume", job_id)
     assert again.returncode == 1 and "already succeeded" in again.stderr  # errors go to stderr
 
