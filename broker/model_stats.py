@@ -30,11 +30,17 @@ def model_statistics(store: Store, versions: list[tuple[str, str]]) -> list[dict
     """Triton's `model_stats` entries of the given (name, version) pairs, in that order."""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.model_stats)
+    by_ref = decode_model_stats(raw)
+    return [_entry(name, version, by_ref.get(f"{name}@{version}", {})) for name, version in versions]
+
+
+def decode_model_stats(raw: dict[str, str]) -> dict[str, dict[str, int]]:
+    """The `keys.model_stats` hash as model ref -> stat -> running total."""
     by_ref: dict[str, dict[str, int]] = {}
     for field, total in raw.items():
         ref, _, stat = field.partition("|")
         by_ref.setdefault(ref, {})[stat] = int(total)
-    return [_entry(name, version, by_ref.get(f"{name}@{version}", {})) for name, version in versions]
+    return by_ref
 
 
 def _entry(name: str, version: str, totals: dict[str, int]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from broker import queues
 from broker.job_lists import decode_status_counts
+from broker.model_stats import decode_model_stats
 from broker.store import Store, translate_redis_errors
 from broker.workers import decode_workers
 
@@ -35,6 +36,9 @@ class SystemStats:
     """What ('requests_succeeded', 'requests_failed', 'requests_expired', 'job_rows') -> model ref -> running total."""
     latest_versions: dict[str, str]
     """Model name -> its newest registered version."""
+    model_stats: dict[str, dict[str, int]]
+    """Model ref -> the v2 statistics' running totals of its online requests (`broker.model_stats`:
+    'success_count', 'success_ns', 'queue_ns', 'infer_ns', 'execution_count', ...)."""
 
 
 def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemStats:
@@ -50,7 +54,8 @@ def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemS
         pipe.hgetall(keys.job_counts)
         pipe.hgetall(keys.counters)
         pipe.hgetall(keys.model_latest)
-        dead, tickets, raw_workers, counts_built, raw_counts, raw_counters, latest = pipe.execute()
+        pipe.hgetall(keys.model_stats)
+        dead, tickets, raw_workers, counts_built, raw_counts, raw_counters, latest, raw_model_stats = pipe.execute()
     depths = queues.queue_depths(store)
     workers, _ = decode_workers(raw_workers, now=now, timeout=heartbeat_timeout)
     counters: dict[str, dict[str, int]] = {}
@@ -59,4 +64,4 @@ def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemS
         counters.setdefault(what, {})[model_ref] = int(total)
     return SystemStats(queues=depths, dead_items=int(dead), tickets=int(tickets), workers=workers,
                        job_counts=decode_status_counts(raw_counts) if counts_built else None, counters=counters,
-                       latest_versions=latest)
+                       latest_versions=latest, model_stats=decode_model_stats(raw_model_stats))

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from broker.config import Settings
@@ -145,3 +145,25 @@ def _job_and_request_metrics(stats: SystemStats) -> Iterator[Metric]:
     for model_ref, total in sorted(stats.counters.get("job_rows", {}).items()):
         rows.add_metric(_model_labels(model_ref), total)
     yield rows
+    yield from _request_time_metrics(stats)
+
+
+def _request_time_metrics(stats: SystemStats) -> Iterator[Metric]:
+    """Online request times and runs per model version, from the running totals the v2 statistics keep
+    (`broker.model_stats`): a summary's count and sum, so that a dashboard divides their rates."""
+    latency = SummaryMetricFamily(
+        "sits_request_seconds", "Online requests' time by phase: total (submit to result, every request "
+        "answered), queue (submit to the start of its run) and compute (its run), the last two for requests "
+        "that ran.", labels=[*MODEL, "phase"])
+    runs = CounterMetricFamily("sits_request_runs", "Runs of online requests (a run may merge several, and "
+                               "rows of a job).", labels=MODEL)
+    for model_ref, totals in sorted(stats.model_stats.items()):
+        labels = _model_labels(model_ref)
+        answered = totals.get("success_count", 0) + totals.get("fail_count", 0)
+        latency.add_metric([*labels, "total"], answered,
+                           (totals.get("success_ns", 0) + totals.get("fail_ns", 0)) / 1e9)
+        latency.add_metric([*labels, "queue"], totals.get("queue_count", 0), totals.get("queue_ns", 0) / 1e9)
+        latency.add_metric([*labels, "compute"], totals.get("infer_count", 0), totals.get("infer_ns", 0) / 1e9)
+        runs.add_metric(labels, totals.get("execution_count", 0))
+    yield latency
+    yield runs

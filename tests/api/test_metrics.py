@@ -160,6 +160,29 @@ def test_a_request_whose_record_expired_before_it_ran_is_counted_as_expired(
     assert value(found, "sits_queue_inflight_items", model="mlp", version=mlp["version"]) == 0
 
 
+def test_request_times_by_phase_and_runs_come_from_the_v2_statistics_totals(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
+    for _ in range(2):
+        alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}})
+    leased = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=2)
+    created = [float(store.client.hget(store.keys.request(item.payload["req"]), "created_at")) for item in leased]
+    started = max(created) + 0.25
+    requests.complete_requests(store, [RequestResult(item, outputs={}) for item in leased], now=started + 0.5,
+                               keep_seconds=60, batch_size=2, worker="w", run_started=started, run_rows=2)
+
+    found = samples(scrape(client, scrape_key))
+
+    labels = {"model": "mlp", "version": mlp["version"]}
+    assert value(found, "sits_request_seconds_count", **labels, phase="total") == 2
+    assert value(found, "sits_request_seconds_sum", **labels, phase="total") == pytest.approx(
+        sum(started + 0.5 - at for at in created), abs=1e-5)
+    assert value(found, "sits_request_seconds_sum", **labels, phase="queue") == pytest.approx(
+        sum(started - at for at in created), abs=1e-5)
+    assert value(found, "sits_request_seconds_count", **labels, phase="compute") == 2
+    assert value(found, "sits_request_seconds_sum", **labels, phase="compute") == pytest.approx(1.0, abs=1e-5)
+    assert value(found, "sits_request_runs_total", **labels) == 1
+
+
 def test_an_older_version_s_queue_shows_only_while_it_holds_items_and_the_newest_version_s_always(
         client: FlaskClient, mlp: dict[str, Any], scrape_key: str, store: Store) -> None:
     old_ref = "mlp@0ld"  # a version registered before the current one, whose queue stays known
@@ -181,7 +204,8 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
     assert families and all(family.name.startswith("sits_") and len(family.documentation) > 20
                             for family in families)
     assert {family.name for family in families if family.type == "counter"} == {
-        "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills"}
+        "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
+        "sits_request_runs"}
 
 
 def test_metrics_need_a_metrics_or_admin_key_and_a_metrics_key_reads_nothing_else(
