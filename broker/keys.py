@@ -147,6 +147,13 @@ class Keys:
         statistics extension (`broker.model_stats`): counts, nanoseconds, runs by batch size."""
         return self._key("model-stats")
 
+    @property
+    def model_batch_stats(self) -> str:
+        """HASH '<model ref>|<rows>_count' / '<model ref>|<rows>_ns' -> a model version's online runs of that
+        many rows and their time, for the v2 statistics' `batch_stats` (apart from `model_stats`, which
+        every /metrics scrape reads: these grow with the batch sizes run)."""
+        return self._key("model-batch-stats")
+
     # --- online requests ---------------------------------------------------
     def request(self, request_id: str) -> str:
         """HASH of one online request: fields, inputs until it runs, then outputs."""

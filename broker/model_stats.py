@@ -1,8 +1,9 @@
 """A model version's online request statistics, in the shape of Triton's statistics extension.
 
-`complete_requests.lua` keeps the running totals (`keys.model_stats`) in the same call that stores
-a batch's results, so a read here is one HGETALL whatever the traffic, and every API process and
-replica reports the same figures. Times are nanoseconds, as Triton's are:
+`complete_requests.lua` keeps the running totals (`keys.model_stats`, and runs by size apart in
+`keys.model_batch_stats`) in the same call that stores a batch's results, so a read here is one
+round trip whatever the traffic, and every API process and replica reports the same figures.
+Times are nanoseconds, as Triton's are:
 
 - `success` / `fail`: requests answered, from submit to result;
 - `queue`: for the requests that ran, from submit to the start of their run;
@@ -29,13 +30,17 @@ _ZERO = {"count": 0, "ns": 0}
 def model_statistics(store: Store, versions: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """Triton's `model_stats` entries of the given (name, version) pairs, in that order."""
     with translate_redis_errors():
-        raw = store.client.hgetall(store.keys.model_stats)
-    by_ref = decode_model_stats(raw)
-    return [_entry(name, version, by_ref.get(f"{name}@{version}", {})) for name, version in versions]
+        pipe = store.client.pipeline(transaction=False)
+        pipe.hgetall(store.keys.model_stats)
+        pipe.hgetall(store.keys.model_batch_stats)
+        raw, raw_batches = pipe.execute()
+    by_ref, batches_by_ref = decode_model_stats(raw), decode_model_stats(raw_batches)
+    return [_entry(name, version, by_ref.get(f"{name}@{version}", {}), batches_by_ref.get(f"{name}@{version}", {}))
+            for name, version in versions]
 
 
 def decode_model_stats(raw: dict[str, str]) -> dict[str, dict[str, int]]:
-    """The `keys.model_stats` hash as model ref -> stat -> running total."""
+    """The `keys.model_stats` (or `keys.model_batch_stats`) hash as model ref -> stat -> running total."""
     by_ref: dict[str, dict[str, int]] = {}
     for field, total in raw.items():
         ref, _, stat = field.partition("|")
@@ -43,13 +48,13 @@ def decode_model_stats(raw: dict[str, str]) -> dict[str, dict[str, int]]:
     return by_ref
 
 
-def _entry(name: str, version: str, totals: dict[str, int]) -> dict[str, Any]:
-    def stat(what: str) -> dict[str, int]:
-        return {"count": totals.get(f"{what}_count", 0), "ns": totals.get(f"{what}_ns", 0)}
+def _entry(name: str, version: str, totals: dict[str, int], batches: dict[str, int]) -> dict[str, Any]:
+    """One version's entry from its running totals and its runs by size (`<rows>_count`, `<rows>_ns`)."""
+    def stat(what: str, of: dict[str, int] = totals) -> dict[str, int]:
+        return {"count": of.get(f"{what}_count", 0), "ns": of.get(f"{what}_ns", 0)}
 
     ran = totals.get("infer_count", 0)
-    batch_sizes = sorted(int(key[len("batch_"):-len("_count")]) for key in totals
-                         if key.startswith("batch_") and key.endswith("_count"))
+    batch_sizes = sorted(int(key[:-len("_count")]) for key in batches if key.endswith("_count"))
     return {
         "name": name,
         "version": version,
@@ -62,9 +67,9 @@ def _entry(name: str, version: str, totals: dict[str, int]) -> dict[str, Any]:
             "compute_output": {"count": ran, "ns": 0}, "cache_hit": dict(_ZERO), "cache_miss": dict(_ZERO),
         },
         "batch_stats": [
-            {"batch_size": size, "compute_input": {"count": totals[f"batch_{size}_count"], "ns": 0},
-             "compute_infer": stat(f"batch_{size}"),
-             "compute_output": {"count": totals[f"batch_{size}_count"], "ns": 0}}
+            {"batch_size": size, "compute_input": {"count": batches[f"{size}_count"], "ns": 0},
+             "compute_infer": stat(str(size), batches),
+             "compute_output": {"count": batches[f"{size}_count"], "ns": 0}}
             for size in batch_sizes
         ],
         "memory_usage": [],

@@ -175,7 +175,7 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
             keys=[keys.inflight(model_ref), keys.items, keys.attempts, keys.deadlines(model_ref),
-                  keys.ready(model_ref), keys.counters, keys.model_stats, *request_keys],
+                  keys.ready(model_ref), keys.counters, keys.model_stats, keys.model_batch_stats, *request_keys],
             args=args,
         )
     return int(reply)

@@ -151,19 +151,20 @@ def _job_and_request_metrics(stats: SystemStats) -> Iterator[Metric]:
 def _request_time_metrics(stats: SystemStats) -> Iterator[Metric]:
     """Online request times and runs per model version, from the running totals the v2 statistics keep
     (`broker.model_stats`): a summary's count and sum, so that a dashboard divides their rates."""
-    latency = SummaryMetricFamily(
-        "sits_request_seconds", "Online requests' time by phase: total (submit to result, every request "
-        "answered), queue (submit to the start of its run) and compute (its run), the last two for requests "
-        "that ran.", labels=[*MODEL, "phase"])
+    latency = SummaryMetricFamily("sits_request_seconds", "Online requests answered, succeeded or failed, and "
+                                  "their time from submit to result.", labels=MODEL)
+    phases = SummaryMetricFamily("sits_request_phase_seconds", "The requests that ran, and their time by phase: "
+                                 "queue (submit to the start of the run) and compute (the run).",
+                                 labels=[*MODEL, "phase"])
     runs = CounterMetricFamily("sits_request_runs", "Runs of online requests (a run may merge several, and "
                                "rows of a job).", labels=MODEL)
     for model_ref, totals in sorted(stats.model_stats.items()):
         labels = _model_labels(model_ref)
         answered = totals.get("success_count", 0) + totals.get("fail_count", 0)
-        latency.add_metric([*labels, "total"], answered,
-                           (totals.get("success_ns", 0) + totals.get("fail_ns", 0)) / 1e9)
-        latency.add_metric([*labels, "queue"], totals.get("queue_count", 0), totals.get("queue_ns", 0) / 1e9)
-        latency.add_metric([*labels, "compute"], totals.get("infer_count", 0), totals.get("infer_ns", 0) / 1e9)
+        latency.add_metric(labels, answered, (totals.get("success_ns", 0) + totals.get("fail_ns", 0)) / 1e9)
+        phases.add_metric([*labels, "queue"], totals.get("queue_count", 0), totals.get("queue_ns", 0) / 1e9)
+        phases.add_metric([*labels, "compute"], totals.get("infer_count", 0), totals.get("infer_ns", 0) / 1e9)
         runs.add_metric(labels, totals.get("execution_count", 0))
     yield latency
+    yield phases
     yield runs

@@ -9,8 +9,10 @@
 --           no result could be stored); one HINCRBY a status present in the call
 -- KEYS[7] model stats HASH '<model ref>|<stat>' -> running total, for the v2 statistics extension
 --           (`broker.model_stats`): requests succeeded and failed (count, ns from submit to result),
---           the queue and compute time of those that ran, rows inferred, runs, runs by batch size
--- KEYS[8..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it and gets the
+--           the queue and compute time of those that ran, rows inferred, runs
+-- KEYS[8] model batch stats HASH '<model ref>|<rows>_count' / '..._ns' -> runs of that many rows and their
+--           time (apart from KEYS[7], which a /metrics scrape reads whole: these grow with the sizes run)
+-- KEYS[9..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it and gets the
 --           finished request's fields as one JSON object, so it needs no second read)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
 -- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run,
@@ -29,7 +31,7 @@ local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, q
                infer_count = 0, infer_ns = 0, inference_count = 0}
 for i = 0, (#ARGV - 8) / 6 - 1 do
   local item_id, status = ARGV[9 + 6 * i], ARGV[10 + 6 * i]
-  local request, waiters = KEYS[8 + 2 * i], KEYS[9 + 2 * i]
+  local request, waiters = KEYS[9 + 2 * i], KEYS[10 + 2 * i]
   local held = redis.call('HEXISTS', KEYS[2], item_id) == 1 and not redis.call('ZSCORE', KEYS[5], item_id)
   if held then
     redis.call('ZREM', KEYS[1], item_id)
@@ -82,8 +84,8 @@ if done > 0 then
   if run_started and stats['infer_count'] > 0 then
     local run_ns = string.format('%.0f', (now - run_started) * 1e9)
     redis.call('HINCRBY', KEYS[7], prefix .. 'execution_count', 1)
-    redis.call('HINCRBY', KEYS[7], prefix .. 'batch_' .. ARGV[8] .. '_count', 1)
-    redis.call('HINCRBY', KEYS[7], prefix .. 'batch_' .. ARGV[8] .. '_ns', run_ns)
+    redis.call('HINCRBY', KEYS[8], prefix .. ARGV[8] .. '_count', 1)
+    redis.call('HINCRBY', KEYS[8], prefix .. ARGV[8] .. '_ns', run_ns)
     redis.call('HSET', KEYS[7], prefix .. 'last_inference', string.format('%.0f', now * 1000))
   end
 end

@@ -214,13 +214,15 @@ def status(as_json: bool) -> None:
 
 def _request_statistics(client: ApiClient) -> Table | None:
     """Online requests served per model version, from the v2 statistics (`broker.model_stats`); None for a
-    key that may not read them (they count every tenant's requests: admin and metrics keys only)."""
+    key that may not read them (they count every tenant's requests: admin and metrics keys only), and for
+    an API that has none (a release before them), whose other figures `status` still shows."""
     try:
-        entries = client.get("/v2/models/stats")["model_stats"]
-    except ApiError as err:
-        if err.http_status == 403:
-            return None
-        raise
+        answer = client.get("/v2/models/stats")
+    except ApiError:
+        return None
+    entries = answer.get("model_stats") if isinstance(answer, dict) else None
+    if not isinstance(entries, list):  # (an older API's metadata of a model named 'stats')
+        return None
     table = Table("requests (model@version)", "succeeded", "failed", "mean ms", "mean queue ms", "runs",
                   "rows per run")
     for entry in entries:

@@ -89,3 +89,38 @@ def test_status_shows_the_requests_served_to_an_admin_key_and_leaves_them_out_fo
     assert as_admin.exit_code == 0 and "online requests: none served yet" in as_admin.output, as_admin.output
     assert as_user.exit_code == 0 and "jobs:" in as_user.output, as_user.output
     assert "online requests" not in as_user.output
+
+
+def test_status_shows_each_version_s_request_figures(served_api: str, admin_key: str, store: Any,
+                                                     mlp: dict[str, Any]) -> None:
+    """Two requests of 3 and 1 rows run together (submitted 0.5 s and 0.25 s before the run began at t,
+    answered at t + 0.125); one more failed without running, submitted 1 s before t + 0.125."""
+    import time
+
+    import numpy as np
+
+    from broker import queues, requests
+    from broker.requests import RequestResult, RequestSpec
+
+    ref, now = mlp["ref"], time.time()
+    for request_id, rows, created in (("a", 3, now - 0.5), ("b", 1, now - 0.25), ("late", 1, now - 0.875)):
+        spec = RequestSpec(request_id=request_id, model_name="mlp", model_version=mlp["version"],
+                           inputs={"features": np.ones((rows, 64), dtype=np.float32)}, rows=rows, tokens=None,
+                           bucket="", factors={"level": 0})
+        requests.submit_request(store, spec, score=0.0, now=created, max_age_seconds=600)
+    leased = {item.item_id: item for _ in range(3)
+              for item in queues.lease_batch(store, ref, now=now, lease_seconds=30, max_items=1)}
+    outputs = {"logits": np.zeros((1, 10), dtype=np.float32)}
+    requests.complete_requests(store, [RequestResult(leased["a"], outputs=outputs),
+                                       RequestResult(leased["b"], outputs=outputs),
+                                       RequestResult(leased["late"], error="timed out", code="timeout", ran=False)],
+                               now=now + 0.125, keep_seconds=60, batch_size=3, worker="w", run_started=now,
+                               run_rows=4)
+
+    result = sitsctl("status", api_url=served_api, api_key=admin_key)
+
+    row = next(line for line in result.output.split("requests (model@version)")[1].splitlines()
+               if line.strip(" │").startswith("mlp@"))
+    cells = [cell.strip() for cell in row.strip(" │").split("│")]
+    # succeeded, failed, mean ms (625 + 375 + 1000) / 3, queue ms (500 + 250) / 2, runs, rows per run
+    assert cells == [ref, "2", "1", "666.7", "375.0", "1", "4.0"], result.output

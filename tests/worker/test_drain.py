@@ -14,6 +14,7 @@ from broker.store import Store
 from sits_worker import dispatch
 
 
+@pytest.mark.timeout(30)  # (without the bound the loop never returns)
 def test_a_loop_that_sees_no_work_while_release_says_work_waits_yields_at_its_slice_end(
         store: Store, zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Work that came in between the snapshot and the release is looked for again at once; but were the
