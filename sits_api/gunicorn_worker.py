@@ -12,6 +12,7 @@ Selected with `--worker-class sits_api.gunicorn_worker.JsonErrorThreadWorker`
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from gunicorn import util
@@ -37,8 +38,23 @@ SHOWN_CHARS = 80
 """Client text quoted back in a message is cut to this many characters (a refused line may be 8 KiB)."""
 
 
+UNREAD_BODY_DRAIN_SECONDS = 0.1
+"""How long a thread drains a body its request left unread (answered before the view read it: a 401, a
+415) before it closes the connection instead. gunicorn waits 5 s, so clients that send headers, get
+their 401 and then stall the body held every request thread for seconds on end."""
+
+
 class JsonErrorThreadWorker(ThreadWorker):
-    """gunicorn's gthread worker whose error responses are the API's JSON error body."""
+    """gunicorn's gthread worker whose error responses are the API's JSON error body, and which keeps a
+    connection alive after a request that left its body unread only if the rest of it is there at once."""
+
+    def _keepalive_after(self, conn: Any, keepalive: bool) -> bool:
+        """gunicorn's (27) drain of an unread body before keep-alive, bounded by `UNREAD_BODY_DRAIN_SECONDS`
+        instead of 5 s: past it the connection closes (a client then reconnects), as gunicorn does when its
+        own bound runs out. A request whose view read its body (`content_encoding`) drains nothing."""
+        if not keepalive:
+            return False
+        return bool(conn.parser.finish_body(deadline=time.monotonic() + UNREAD_BODY_DRAIN_SECONDS))
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
         """Let gunicorn classify, log and access-log the error, then send its status with a JSON body.

@@ -192,3 +192,25 @@ def test_a_body_that_stops_arriving_is_a_json_408_and_stalled_clients_do_not_hol
     finally:
         for sock in stalled:
             sock.close()
+
+
+def test_clients_that_stall_a_body_the_api_answered_without_reading_do_not_hold_its_threads(
+        api_port: int, api_settings: Settings) -> None:
+    """A request without a key is a 401 before its body is read; gunicorn then drained the unread body
+    for up to 5 s a connection before keep-alive, so 40 such clients made /healthz wait many seconds."""
+    stalled = []
+    try:
+        for _ in range(40):
+            sock = socket.create_connection(("127.0.0.1", api_port), timeout=30)
+            sock.sendall(b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n" + b"{" * 10)
+            stalled.append(sock)
+        first = http.client.HTTPResponse(stalled[0])
+        first.begin()
+        assert first.status == 401
+        began = time.monotonic()
+        assert ApiClient(api_settings.api.public_url(), "none", timeout=20).get("/healthz") == {"status": "ok"}
+        assert time.monotonic() - began < 2.5  # (was 5 s and more: every thread draining a stalled body)
+    finally:
+        for sock in stalled:
+            sock.close()
