@@ -7,6 +7,7 @@ v2 JSON. Every combination must give the reference outputs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -166,3 +167,22 @@ def test_inference_statistics_count_the_requests_a_real_worker_ran(
     [entry] = triton.get_inference_statistics(headers=auth)["model_stats"]  # every model: the one registered
     assert entry["name"] == "mlp" and entry["inference_stats"]["queue"]["ns"] > 0
     assert entry["inference_stats"]["compute_infer"]["ns"] > 0 and entry["last_inference"] > 0
+
+
+def test_a_timeout_that_passes_before_a_worker_takes_the_request_fails_it_unrun(
+        triton: InferenceServerClient, auth: dict[str, str]) -> None:
+    """Through the real worker process: a 1 µs timeout has passed by the time any worker leases the
+    request, so the worker does not run it and the client gets the protocol's 504."""
+    def counts() -> tuple[int, int]:
+        [entry] = triton.get_inference_statistics("mlp", headers=auth)["model_stats"]
+        return entry["inference_stats"]["fail"]["count"], entry["inference_stats"]["compute_infer"]["count"]
+
+    failed, ran = counts()
+    with pytest.raises(InferenceServerException) as timed_out:
+        triton.infer("mlp", [features_input(FEATURES[:1])], timeout=1, headers=auth)
+
+    assert timed_out.value.status() == "504" and "not run" in timed_out.value.message()  # (worker's or API's word)
+    deadline = time.monotonic() + 10
+    while counts() != (failed + 1, ran) and time.monotonic() < deadline:  # (the worker drops it when it leases it)
+        time.sleep(0.05)
+    assert counts() == (failed + 1, ran)  # failed, and never in a run
