@@ -1,4 +1,4 @@
-"""PNG charts of an online benchmark run: `python benchmarks/online.py --json r.json` then
+"""PNG charts of an online benchmark run: `python benchmarks/online_serving.py --json r.json` then
 `python benchmarks/charts.py r.json docs/img` (needs matplotlib: `pip install -e '.[bench]'`)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The naive baseline of benchmarks/online.py: one Celery task per request, no batching, no scheduler.
+"""The naive baseline of benchmarks/online_serving.py: one Celery task per request, no batching, no scheduler.
 
 What a first version of an inference service usually is: the client calls
 `infer.delay(model_path, inputs).get()`, the task runs ONE request (batch 1)

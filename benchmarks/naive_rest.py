@@ -5,7 +5,7 @@ the JSON body, calls `infer.delay(model_path, inputs).get()` (benchmarks/naive_c
 request per task, batch 1, no scheduler) and answers the outputs as JSON. It runs under the SITS
 API's own gunicorn command (`sits_api.cli.stack.api_command`: worker class, processes, threads,
 keep-alive) with SITS's JSON provider, so the two REST fronts differ only in what they do behind
-the endpoint. benchmarks/online.py measures it beside the client-side naive baseline (clients
+the endpoint. benchmarks/online_serving.py measures it beside the client-side naive baseline (clients
 calling Celery directly, no HTTP) and SITS.
 
 Environment: `NAIVE_REDIS_URL` (broker and result backend, read by benchmarks.naive_celery) and

@@ -1,4 +1,4 @@
-r"""The REST floor of benchmarks/online.py: a Flask app that only parses a request and answers it.
+r"""The REST floor of benchmarks/online_serving.py: a Flask app that only parses a request and answers it.
 
 Same server as the SITS API (gunicorn started with the API's argv,
 `sits_api.cli.stack.api_command`: its worker class, process and thread counts

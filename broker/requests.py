@@ -80,7 +80,7 @@ class RequestSpec:
     `max_batch_tokens` instead of `tokens` when set."""
     expires_at: float | None = None
     """When set (a v2 request's `timeout`, which Triton enforces), a worker that leases the request
-    later than this does not run it: it fails as timed out (`sits_worker.online`). A v1 `deadline_ms`
+    later than this does not run it: it fails as timed out (`sits_worker.request_runs`). A v1 `deadline_ms`
     is a tolerable delay that orders the queue, and such a request still runs late."""
 
     @property

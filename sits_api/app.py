@@ -21,11 +21,11 @@ from broker.apikeys import authenticate, owns, require_role
 from broker.config import Settings
 from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
 from broker.store import Store
-from sits_api import metrics, online, services
-from sits_api.dispatch import Dispatcher
+from sits_api import metrics, request_intake, services
 from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
+from sits_api.task_sender import Dispatcher
 from sits_api.v2 import v2
 
 log = logging.getLogger(__name__)
@@ -349,13 +349,14 @@ def submit_request() -> Any:
     asked_in_query = _query_flag("wait")  # checked before anything is queued, whatever the body says
     wait = body.wait or asked_in_query
     settings, store = ctx["settings"], ctx["store"]
-    spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model, inputs=body.inputs,
-                         priority=body.priority, deadline_ms=body.deadline_ms, user_tier=body.user_tier,
-                         tokens=body.tokens, owner=g.identity["name"], now=time.time())
+    spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model,
+                                 inputs=body.inputs, priority=body.priority, deadline_ms=body.deadline_ms,
+                                 user_tier=body.user_tier, tokens=body.tokens, owner=g.identity["name"],
+                                 now=time.time())
     done = wait and requests.wait_for_request(store, spec.request_id,
-                                              timeout=online.wait_seconds(settings, body.deadline_ms))
+                                              timeout=request_intake.wait_seconds(settings, body.deadline_ms))
     if done:
-        return jsonify(online.to_json_result(done)), 200
+        return jsonify(request_intake.to_json_result(done)), 200
     return jsonify({"id": spec.request_id, "status": "queued", "model": spec.model_name,
                     "model_version": spec.model_version}), 202
 
@@ -365,7 +366,7 @@ def get_request(request_id: str) -> Any:
     """A request's status and, once done, its outputs (to the key that submitted it, or an admin)."""
     record = _visible_to_caller(requests.get_request(_ctx()["store"], request_id),
                                 requests.request_not_found(request_id))
-    return jsonify(online.to_json_result(record))
+    return jsonify(request_intake.to_json_result(record))
 
 
 @api.put("/v1/policy")

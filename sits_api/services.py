@@ -24,8 +24,8 @@ from broker.batching import Batching, resolve
 from broker.config import Settings
 from broker.errors import BadInput, Conflict, Forbidden, PathNotAllowed, RetryableError
 from broker.store import Store
-from sits_api.dispatch import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
+from sits_api.task_sender import Dispatcher
 from sits_worker.model.batch_probe import check_rows_independent
 from sits_worker.model.graph import model_signature, static_profile
 from sits_worker.model.inputs import file_checksum, open_input

@@ -32,7 +32,7 @@ from broker.batching import Batching
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
 from broker.scoring import SLA_WEIGHTS
 from broker.store import Store
-from sits_api import online, services, v2_binary
+from sits_api import request_intake, services, v2_binary
 from sits_api.content_encoding import request_body
 from sits_api.jsonio import parse_object
 from sits_api.v2_binary import BinaryData
@@ -220,13 +220,13 @@ def infer(name: str, version: str | None = None) -> Any:
     header, binary = v2_binary.split_body(request_body(), request.headers.get(v2_binary.HEADER_LENGTH))
     body = parse_object(header, "a JSON object with an 'inputs' list of {name, shape, datatype, data}")
     checked = parse_infer_request(store, body, f"{name}@{version}" if version else name, binary)
-    spec = online.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,
-                         inputs=checked.inputs, priority=checked.priority, deadline_ms=checked.deadline_ms,
-                         user_tier=checked.user_tier, tokens=None, owner=g.identity["name"], now=time.time(),
-                         expire_at_deadline=True)
+    spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,
+                                 inputs=checked.inputs, priority=checked.priority, deadline_ms=checked.deadline_ms,
+                                 user_tier=checked.user_tier, tokens=None, owner=g.identity["name"],
+                                 now=time.time(), expire_at_deadline=True)
     began = time.monotonic()
     result = requests.wait_for_request(store, spec.request_id,
-                                       timeout=online.wait_seconds(settings, checked.deadline_ms))
+                                       timeout=request_intake.wait_seconds(settings, checked.deadline_ms))
     timed_out = checked.deadline_ms is not None and checked.deadline_ms / 1000 <= settings.online.max_wait
     if result is None and timed_out:
         # Its timeout passed. A worker that took it in time runs it (one that takes it later does not):
@@ -304,7 +304,7 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: 
                                    binary_by_default)
     outputs = list(requested)
     if outputs:
-        record, _ = online.model_record(store, model, now=time.time())  # cached: most clients name outputs
+        record, _ = request_intake.model_record(store, model, now=time.time())  # cached: most clients name outputs
         model = f"{record['name']}@{record['version']}"
         known = [entry["name"] for entry in record["signature"]["outputs"]]
         unknown = [output for output in outputs if output not in known]

@@ -28,13 +28,13 @@ from broker.errors import DeviceOutOfMemory
 from broker.ledger import MemoryLedger
 from broker.queues import QueueWatcher
 from broker.store import Store
-from sits_worker.commits import Commits
+from sits_worker.chunk_commits import Commits
 from sits_worker.devices import Device, device_memory
 from sits_worker.lease_keeper import LeaseKeeper
 from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
-from sits_worker.observed import ObservedLatencies
+from sits_worker.observed_profiles import ObservedLatencies
 from sits_worker.runtime import SessionCache, run_session
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class WorkerContext:
             config = self.settings.online.batching_for(model_ref.partition("@")[0])
             profile = record.get("profile") or {}
             # Observed profiles are for models without a measured one, and not for token models
-            # (their run time depends on the sequence length: sits_worker/observed.py).
+            # (their run time depends on the sequence length: sits_worker/observed_profiles.py).
             learns = not (record.get("static_profile") or {}).get("sequence_axis") and not (
                 profile.get("points") and profile.get("source") != "observed")
             cached = (record, resolve(config, record, self.device.kind), learns)

@@ -4,7 +4,7 @@ Plain functions over a `WorkerContext`, no Celery here (STYLE.md, "Thin
 framework glue"). A chunk's outputs are written atomically as a part file
 before its ack, so a chunk re-run after a lost ack rewrites identical bytes
 and is counted once. The writing and the ack happen on the worker's commit
-thread (`sits_worker.commits`), so the stream slot computes its next batch
+thread (`sits_worker.chunk_commits`), so the stream slot computes its next batch
 while the disk works.
 """
 
@@ -26,14 +26,14 @@ from broker.errors import BadInput, PermanentError
 from broker.queues import LeasedItem
 from sits_worker.context import WorkerContext
 from sits_worker.model.source import check_unchanged
-from sits_worker.online import give_back, rows_to_fill, run_requests, run_with_riders
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
+from sits_worker.request_runs import give_back, rows_to_fill, run_requests, run_with_riders
 
 log = logging.getLogger(__name__)
 
 
 class MiniBatchHook(Protocol):
-    """What a running item calls as it goes (`sits_worker.between.BetweenBatches`)."""
+    """What a running item calls as it goes (`sits_worker.between_minibatches.BetweenBatches`)."""
 
     def __call__(self, feed: Mapping[str, np.ndarray]) -> Sequence[LeasedItem]:
         """Called with each mini-batch's feed before it runs: keeps the chunk's lease alive, may run
@@ -124,7 +124,7 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
 
 def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, results: Mapping[str, np.ndarray]) -> str:
     """Write a computed chunk's part files (durably), then ack it; on the commit thread
-    (`sits_worker.commits`). Returns 'acked', or how the failure was settled."""
+    (`sits_worker.chunk_commits`). Returns 'acked', or how the failure was settled."""
     try:
         queues.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
         if jobs.start_item(ctx.store, job["id"], now=time.time()) != "running":
@@ -143,8 +143,8 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
               between: MiniBatchHook) -> dict[str, np.ndarray]:
     """Run rows [start, stop) of a job in mini-batches; returns every output's rows, for `commit_chunk`.
 
-    Online requests that `between` hands over ride in a mini-batch: the first rows of the
-    mini-batch fill their batch's empty rows (as many as `online.rows_to_fill` allows), one run for
+    Online requests that `between_minibatches` hands over ride in a mini-batch: the first rows of the
+    mini-batch fill their batch's empty rows (as many as `request_runs.rows_to_fill` allows), one run for
     both, the rest of the mini-batch runs after; they are completed right after their run, long
     before the chunk's ack.
     """
@@ -187,7 +187,7 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
 def _run_riders(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem], row_indices: np.ndarray,
                 feed: dict[str, np.ndarray], store_rows: Callable[[np.ndarray, Sequence[np.ndarray]], None],
                 session: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Run online requests that ride in a mini-batch with the rows `online.rows_to_fill` allows (none
+    """Run online requests that ride in a mini-batch with the rows `request_runs.rows_to_fill` allows (none
     fit: as a batch of their own); returns the mini-batch's rows still to run. Riders are given
     back to their queue if this fails before their run completed them."""
     try:

@@ -1,7 +1,7 @@
 """Leasing a stream slot's next batch, and holding its memory reservation while it runs.
 
-Shared by the drain loop (`dispatch`) and by what a running job chunk does
-between its mini-batches (`between`): both lease batches of online requests
+Shared by the drain loop (`drain_loop`) and by what a running job chunk does
+between its mini-batches (`between_minibatches`): both lease batches of online requests
 under a model's batching settings, and reserve their memory by the rows and
 tokens that really run.
 """

@@ -1,6 +1,6 @@
 """Each worker process's reaper thread: the reaper pass never waits for a free stream slot.
 
-The pass (`dispatch.reap`: expired leases back to their queue, poison items failed, lost tickets
+The pass (`drain_loop.reap`: expired leases back to their queue, poison items failed, lost tickets
 replaced, stalled job fills completed, the owner-index backfill) used to be a Celery beat task. It
 ran on the worker's threads pool, whose threads are the stream slots, so while every stream of
 every worker ran a long batch, a dead worker's expired leases waited for one of those batches to
@@ -32,7 +32,7 @@ from broker.errors import SitsError
 from broker.store import Store
 from broker.wakeup import SendTicket
 from sits_worker.context import WorkerContext
-from sits_worker.dispatch import reap
+from sits_worker.drain_loop import reap
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Reaper:
 
 
 def worker_reaper(ctx: WorkerContext, send: SendTicket, *, holder: str) -> Reaper:
-    """The reaper of a worker process: the full pass (`dispatch.reap`) over its context, every
+    """The reaper of a worker process: the full pass (`drain_loop.reap`) over its context, every
     `scheduler.reap_interval`, under its name `holder`; `send` publishes a replacement ticket's task."""
     return Reaper(ctx.store, holder, ctx.settings.scheduler.reap_interval,
                   lambda now: reap(ctx, send, now=now))

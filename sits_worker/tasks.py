@@ -1,4 +1,4 @@
-"""Celery tasks: thin glue over `dispatch` and `profiler` (parse, call, map the result)."""
+"""Celery tasks: thin glue over `drain_loop` and `profiler` (parse, call, map the result)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from sits_worker.celery_app import app
 from sits_worker.context import worker_context
-from sits_worker.dispatch import drain
+from sits_worker.drain_loop import drain
 
 log = logging.getLogger(__name__)
 

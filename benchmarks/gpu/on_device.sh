@@ -10,7 +10,7 @@
 # time it needs is left of SITS_GPU_BUDGET seconds (default 540, inside a call's 600):
 #   1. tests/gpu and the device tests (a worker pinned to the GPU serves a job and requests)
 #   2. benchmarks/policies.py, device-bound and memory-bound configs (issue 3's policy table)
-#   3. benchmarks/online.py --quick: ceiling, naive vs SITS, idle latency on the GPU
+#   3. benchmarks/online_serving.py --quick: ceiling, naive vs SITS, idle latency on the GPU
 #   4. benchmarks/offline_job.py --quick: a job against the bare loop on the GPU
 #   5. the whole test suite with workers on the GPU (the Stack picks it up through NVML)
 set -uo pipefail
@@ -79,7 +79,7 @@ step() {  # step NAME SECONDS_NEEDED COMMAND...: run it within the budget, outpu
 }
 step gpu-tests.log 60 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/worker/test_devices.py tests/worker/test_runtime.py
 step policies.md 150 python3 benchmarks/policies.py --configs device-bound,memory-bound --quick
-step online.md 150 python3 benchmarks/online.py --quick --parts ceiling,load,idle
+step online.md 150 python3 benchmarks/online_serving.py --quick --parts ceiling,load,idle
 step offline.md 60 python3 benchmarks/offline_job.py --quick --chunk-size default
 step suite.log 120 python3 -m pytest -q --maxfail=10 -p no:cacheprovider --timeout 120
 echo "done in $(( $(date +%s) - started )) s"

@@ -116,7 +116,7 @@ def test_nan_in_a_json_output_beside_a_binary_one_keeps_the_framing_right(app: F
 
 def test_a_v2_timeout_is_enforced_and_a_v1_deadline_only_orders(api: Api, store: Store, mlp: dict[str, Any]) -> None:
     """Triton drops a request whose timeout passed before it ran; a v1 `deadline_ms` is a tolerable delay
-    (the request still runs late). The queued payload says which (`sits_worker.online` reads it)."""
+    (the request still runs late). The queued payload says which (`sits_worker.request_runs` reads it)."""
     v2_body = {"inputs": [{"name": "features", "shape": [1, 64], "datatype": "FP32", "data": ROW}],
                "parameters": {"timeout": 2000}}
     before = time.time()

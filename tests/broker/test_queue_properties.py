@@ -3,8 +3,8 @@
 A hypothesis state machine drives the real Lua scripts on the session's
 Redis. Simulated workers hold leases (possibly stale ones: reaped, taken back
 by a resume, or of a cancelled job) and process them the way
-`sits_worker.execution.process_item` and `sits_worker.online` do; the reaper
-step mirrors `sits_worker.dispatch.reap`. Online requests share the queues
+`sits_worker.execution.process_item` and `sits_worker.request_runs` do; the reaper
+step mirrors `sits_worker.drain_loop.reap`. Online requests share the queues
 with job chunks: leased in merged batches (taking a chunk along), or as
 riders of a chunk's mini-batch. After every step each chunk of every active
 job must be in exactly one place: waiting, leased, done, or dead; each
@@ -216,7 +216,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule(seconds=st.sampled_from([0, 1, 15, 61]), reap=st.booleans())
     def time_passes(self, seconds: int, reap: bool) -> None:
-        """Time advances; maybe a reaper pass runs, as `sits_worker.dispatch.reap` does it."""
+        """Time advances; maybe a reaper pass runs, as `sits_worker.drain_loop.reap` does it."""
         self.now += seconds
         if not reap:
             return

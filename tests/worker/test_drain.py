@@ -11,7 +11,7 @@ from worker_helpers import mlp_worker_context
 from broker import queues
 from broker.config import Settings
 from broker.store import Store
-from sits_worker import dispatch
+from sits_worker import drain_loop
 
 
 @pytest.mark.timeout(30)  # (without the bound the loop never returns)
@@ -32,5 +32,5 @@ def test_a_loop_that_sees_no_work_while_release_says_work_waits_yields_at_its_sl
     monkeypatch.setattr(queues, "release_ticket", work_waits)
     began = time.monotonic()
 
-    assert dispatch.drain(ctx, ticket) == "yield"
+    assert drain_loop.drain(ctx, ticket) == "yield"
     assert 0.2 <= time.monotonic() - began < 5 and len(calls) > 1

@@ -13,7 +13,7 @@ from broker import jobs, queues
 from broker.config import Settings
 from broker.store import Store
 from sits_worker import outputs
-from sits_worker.between import BetweenBatches
+from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.execution import process_item

@@ -18,7 +18,7 @@ from broker.store import Store
 from sits_worker import lease_keeper
 from sits_worker.context import WorkerContext
 from sits_worker.lease_keeper import LeaseKeeper
-from sits_worker.online import run_requests
+from sits_worker.request_runs import run_requests
 
 LEASE_SECONDS = 0.4
 TICKET = "ticket-1"

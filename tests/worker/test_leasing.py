@@ -175,7 +175,7 @@ def test_urgent_requests_served_between_a_chunk_s_mini_batches_use_its_memory_bu
         store: Store) -> None:
     """They run instead of the chunk's next mini-batch, so the chunk's reservation is theirs to use;
     what it does not cover must fit the free memory, else they are left for another slot."""
-    from sits_worker.between import _serve_one_urgent_batch
+    from sits_worker.between_minibatches import _serve_one_urgent_batch
 
     ctx = small_ctx(store)
     spec = RequestSpec(request_id="r1", model_name="tok", model_version="v1",  # 8,192 tokens: 1 GiB

@@ -13,7 +13,7 @@ from broker.config import Settings
 from broker.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
-from sits_worker.dispatch import reap
+from sits_worker.drain_loop import reap
 from sits_worker.runtime import SessionCache
 
 

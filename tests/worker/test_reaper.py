@@ -1,5 +1,5 @@
 """The reaper thread of a worker process: one pass per interval among workers, never dead of an error,
-prompt to stop (real Redis; the real `dispatch.reap` pass where the pass matters)."""
+prompt to stop (real Redis; the real `drain_loop.reap` pass where the pass matters)."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def test_a_starting_worker_passes_within_its_first_second_whatever_its_interval(
 
 def test_a_worker_s_reaper_thread_returns_an_expired_lease_and_replaces_the_lost_ticket(
         store: Store, zoo_dir: Path, reapers: list[Reaper]) -> None:
-    """The real pass (`dispatch.reap`) on the thread: a dead worker's lease comes back to its queue."""
+    """The real pass (`drain_loop.reap`) on the thread: a dead worker's lease comes back to its queue."""
     settings = Settings().with_overrides(scheduler={"reap_interval": "100ms", "ticket_timeout": "2s",
                                                     "ticket_linger": "1s"})
     ctx = WorkerContext(settings=settings, store=store, device=Device("cpu"), streams=1,

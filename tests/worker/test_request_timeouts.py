@@ -16,7 +16,7 @@ from broker.errors import InferenceTimeout
 from broker.requests import RequestSpec
 from broker.store import Store
 from sits_worker.context import WorkerContext
-from sits_worker.online import run_requests
+from sits_worker.request_runs import run_requests
 
 
 @pytest.fixture

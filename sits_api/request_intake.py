@@ -17,7 +17,7 @@ from broker.errors import BadInput, RetryableError
 from broker.requests import RequestSpec
 from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
 from broker.store import Store
-from sits_api.dispatch import Dispatcher
+from sits_api.task_sender import Dispatcher
 from sits_worker.model.padding import (
     MaskSpec,
     mask_spec,

@@ -22,8 +22,8 @@ Everything is measured in one run, on one machine, with one SITS stack:
 Both services share the embedded Redis and the 2 cores with the client threads; clients encode each
 request's JSON and decode each answer on both sides.
 
-    python benchmarks/online.py --quick     # about 1 minute: 5 s runs, one of each
-    python benchmarks/online.py             # about 8 minutes: 15 s runs, 3 alternating repeats
+    python benchmarks/online_serving.py --quick     # about 1 minute: 5 s runs, one of each
+    python benchmarks/online_serving.py             # about 8 minutes: 15 s runs, 3 alternating repeats
 """
 
 from __future__ import annotations

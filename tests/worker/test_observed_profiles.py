@@ -18,7 +18,7 @@ from sits_worker import profiler
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.model.graph import static_profile
-from sits_worker.observed import MIN_SAMPLES, ObservedLatencies
+from sits_worker.observed_profiles import MIN_SAMPLES, ObservedLatencies
 from sits_worker.runtime import SessionCache
 
 

@@ -31,7 +31,7 @@ from broker import queues
 from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
 from sits_worker.leasing import batch_cost, batch_need, feed_bucket, lease, lease_riders
-from sits_worker.online import give_back, run_requests
+from sits_worker.request_runs import give_back, run_requests
 
 
 class BetweenBatches:

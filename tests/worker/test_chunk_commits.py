@@ -17,8 +17,8 @@ from broker import jobs, queues, registry
 from broker.config import Settings
 from broker.store import Store
 from sits_worker import outputs
-from sits_worker.between import BetweenBatches
-from sits_worker.commits import Commits
+from sits_worker.between_minibatches import BetweenBatches
+from sits_worker.chunk_commits import Commits
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.execution import process_item
@@ -138,7 +138,7 @@ def test_a_drain_task_keeps_its_ticket_until_its_commits_are_done(
         mlp_job: tuple[WorkerContext, jobs.JobSpec, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
     """The last chunk's ack queues the job's finalize step from the commit thread, after the queues ran
     dry; a drain task that retired its ticket meanwhile would leave the step to the next reaper pass."""
-    from sits_worker import dispatch, execution
+    from sits_worker import drain_loop, execution
 
     ctx, spec, _ = mlp_job
     ctx.settings = ctx.settings.with_overrides(scheduler={"ticket_linger": 0.1})
@@ -147,7 +147,7 @@ def test_a_drain_task_keeps_its_ticket_until_its_commits_are_done(
                                                                           write_part(*args, **kwargs)))
     [ticket] = queues.top_up_tickets(ctx.store, now=time.time(), target=1)
 
-    assert dispatch.drain(ctx, ticket) == "released"
+    assert drain_loop.drain(ctx, ticket) == "released"
 
     assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["status"] == "succeeded"
 
@@ -156,7 +156,7 @@ def test_a_drain_task_retires_once_a_commit_that_queues_nothing_is_done(
         mlp_job: tuple[WorkerContext, jobs.JobSpec, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
     """The job's other chunk runs elsewhere, so this commit's ack rings no doorbell: the lingering
     task must still look again and retire (a blocking pop of ~1 ms used to mean 'forever' on Redis 6)."""
-    from sits_worker import dispatch, execution
+    from sits_worker import drain_loop, execution
 
     ctx, spec, _ = mlp_job
     ctx.settings = ctx.settings.with_overrides(scheduler={"ticket_linger": 0.1})
@@ -168,7 +168,7 @@ def test_a_drain_task_retires_once_a_commit_that_queues_nothing_is_done(
     [ticket] = queues.top_up_tickets(ctx.store, now=time.time(), target=1)
     ctx.store.client.delete(ctx.store.keys.doorbell)
     outcome: list[str] = []
-    runner = threading.Thread(target=lambda: outcome.append(dispatch.drain(ctx, ticket)), daemon=True)
+    runner = threading.Thread(target=lambda: outcome.append(drain_loop.drain(ctx, ticket)), daemon=True)
 
     runner.start()
     runner.join(10)

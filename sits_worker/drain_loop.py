@@ -17,11 +17,11 @@ from broker import job_lists, jobs, policy, queues, requests, reservation
 from broker.errors import RunFailed
 from broker.queues import StaleTicket
 from broker.wakeup import SendTicket, wake_workers
-from sits_worker.between import BetweenBatches
+from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
 from sits_worker.leasing import admitted, batch_cost, lease
-from sits_worker.online import run_requests
+from sits_worker.request_runs import run_requests
 
 log = logging.getLogger(__name__)
 
