@@ -71,14 +71,18 @@ def lease_batch(
     them its rows reach (Triton's preferred batch sizes; the head request always stays).
     """
     keys = store.keys
-    within_rows, within_tokens = whole_within if whole_within is not None else ("", "")
+    options: dict[str, Any] = {
+        "max_items": max_items, "max_rows": max_rows or max_items, "max_tokens": max_tokens,
+        "max_chunks": max_chunks or max_items, "requests_only": bool(requests_only),
+        "carry_chunk": bool(carry_chunk), "head_must_fit": bool(head_within_limits),
+        "preferred_sizes": [int(size) for size in preferred_sizes],
+    }
+    if whole_within is not None:
+        options["batch_limit"] = {"rows": whole_within[0], "tokens": whole_within[1]}
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
-            args=[ticket, now, now + lease_seconds, max_items, max_rows or max_items, max_tokens,
-                  max_chunks or max_items, "1" if requests_only else "0", "1" if carry_chunk else "0",
-                  "1" if head_within_limits else "0", within_rows, within_tokens,
-                  ",".join(str(size) for size in preferred_sizes)],
+            args=[ticket, now, now + lease_seconds, json.dumps(options)],
         )
     return _leased(reply, model_ref, ticket)
 

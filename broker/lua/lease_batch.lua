@@ -1,108 +1,131 @@
--- lease_batch: move the best waiting items of one model's queue into its in-flight set (late binding).
+-- lease_batch: move the best waiting batch of one model's queue into its in-flight set (late binding).
 -- KEYS[1] tickets   ZSET ticket id -> last seen
 -- KEYS[2] ready     ZSET item id -> score
 -- KEYS[3] inflight  ZSET item id -> lease deadline
 -- KEYS[4] items     HASH item id -> payload
 -- KEYS[5] attempts  HASH item id -> lease count
--- ARGV[1] ticket id ('' to lease without a ticket)
--- ARGV[2] now
--- ARGV[3] lease deadline
--- ARGV[4] most items in the batch
--- ARGV[5] most rows in the batch (merged online requests)
--- ARGV[6] most tokens in the batch (0: no limit), padded tokens for requests that will be padded
--- ARGV[7] most items when the head is a job chunk or finalize step
--- ARGV[8] '1': lease only online requests (a head that is a job chunk or finalize step stays, {0})
--- ARGV[9] '1' (ignored with ARGV[8]): when the head is a request and the batch has rows to spare, take the
---         first job chunk among the candidates, last (its rows fill the batch: the worker runs the
---         requests inside the chunk's first mini-batch)
--- ARGV[10] '1': a head request too must fit the row and token limits, else nothing is leased, {0}
---          (a batch cut to a memory hole must not outgrow it; a job chunk still goes: the row
---          limits are online batch limits, not its mini-batches'; the worker checks the chunk by
---          its own need and returns it if it does not fit, sits_worker/leasing.py `admitted`)
--- ARGV[11], ARGV[12] most rows and tokens (0: no token limit) of the whole batch, or '' for none: a
---          batch of requests formed under the limits above is leased only if it stays within these
---          (the head of the priority order, whose full batch does not fit: it runs now, if what
---          waits for it fits the free memory), else nothing, {0}. A job chunk at the head still goes.
--- ARGV[13] preferred batch sizes, comma-separated ('' for none): a batch of requests that takes no
---          job chunk along is cut to the largest preferred size its rows reach, its last requests
---          left waiting (Triton's preferred_batch_size; the head always stays).
--- Returns: {-1} when the ticket is no longer valid (a stale copy of a replaced ticket);
---          {0} when the queue is empty; else {n, id1, payload1, attempts1, ...}.
--- The head item always goes (but see ARGV[10]). Job chunks and finalize steps are taken in queue order up to
--- ARGV[7] (a worker runs them one by one); online requests are merged: later requests of the
--- same shape bucket join while the batch stays within its item, row and token budgets (those
--- that do not fit wait for the next batch).
--- With ARGV[9], the candidates are scanned past a full batch, looking for that chunk.
+-- ARGV[1] ticket id ('' for none); ARGV[2] now; ARGV[3] lease deadline; ARGV[4] options, a JSON object:
+--   max_items, max_rows, max_tokens (0: no limit): budget of a batch of requests of the head's shape
+--     bucket; tokens are padded tokens for requests that will be padded
+--   max_chunks: most items when the head is a job chunk or finalize step (taken in queue order)
+--   requests_only: lease only online requests (a chunk or finalize step at the head stays: {0})
+--   carry_chunk (ignored with requests_only): a batch of requests with rows to spare also takes the
+--     first job chunk among the candidates, last (the worker runs the requests in its first mini-batch)
+--   head_must_fit: a head request too must fit max_rows and max_tokens, else {0}
+--   batch_limit {rows, tokens (0: no limit)}, optional: a batch of requests goes only within it, else {0}
+--   preferred_sizes [...]: a batch of requests without a chunk is cut to the largest size its rows reach
+-- Returns {-1}: the ticket is no longer valid; {0}: nothing leased; else {n, id1, payload1, attempts1, ...}.
+-- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
   return {-1}
 end
-local max_items, max_rows, max_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local max_chunks = tonumber(ARGV[7])
+local options = cjson.decode(ARGV[4])
+local max_items, max_rows, max_tokens = options.max_items, options.max_rows, options.max_tokens
+local max_chunks = options.max_chunks
+local requests_only = options.requests_only == true
+local carry = options.carry_chunk == true and not requests_only
+
 -- What a request costs against the token budget: its padded tokens (rows x length class) when it
 -- will be padded to share a batch, else its own tokens.
 local function token_cost(item)
   return number_or(item['padded_tokens'], number_or(item['tokens'], 0))
 end
-local candidates = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
-local carry = ARGV[9] == '1' and ARGV[8] ~= '1'
-local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
-for index, item_id in ipairs(candidates) do
-  local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
-  local item = cjson.decode(payload)
-  local is_request = item['kind'] == 'request'
-  if index == 1 then
-    if ARGV[8] == '1' and not is_request then
-      return {0}
-    end
-    if ARGV[10] == '1' and is_request and (number_or(item['rows'], 1) > max_rows
-        or (max_tokens > 0 and token_cost(item) > max_tokens)) then
-      return {0}
-    end
-    picked[1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item)}
-    online = is_request
-    bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
-  elseif not online then
-    if is_request or #picked >= max_chunks then
+
+-- The batch from the front of the queue: {id, payload, rows, tokens} each, whether the head is an
+-- online request, the chunk to carry (or nil), the rows and tokens of the requests; nil: lease nothing.
+-- Chunks follow a chunk head; requests of the head's bucket join a request head while they fit.
+-- With carry, the scan goes on past a full batch, looking for that chunk.
+local function pick_candidates()
+  local candidates = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
+  local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
+  for index, item_id in ipairs(candidates) do
+    local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+    local item = cjson.decode(payload)
+    local is_request = item['kind'] == 'request'
+    if index == 1 then
+      if requests_only and not is_request then
+        return nil
+      end
+      -- A batch cut to a memory hole must not outgrow it. A chunk still goes: these are online batch
+      -- limits, not its mini-batches'; the worker checks it by its own need (sits_worker/leasing.py).
+      if options.head_must_fit == true and is_request and (number_or(item['rows'], 1) > max_rows
+          or (max_tokens > 0 and token_cost(item) > max_tokens)) then
+        return nil
+      end
+      picked[1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item)}
+      online = is_request
+      bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
+    elseif not online then
+      if is_request or #picked >= max_chunks then
+        break
+      end
+      picked[#picked + 1] = {item_id, payload}
+    elseif #picked >= max_items and not (carry and carried == nil) then
       break
-    end
-    picked[#picked + 1] = {item_id, payload}
-  elseif #picked >= max_items and not (carry and carried == nil) then
-    break
-  elseif is_request and #picked < max_items and item['bucket'] == bucket
-      and rows + number_or(item['rows'], 1) <= max_rows
-      and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
-    picked[#picked + 1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item)}
-    rows = rows + number_or(item['rows'], 1)
-    tokens = tokens + token_cost(item)
-  elseif carry and carried == nil and item['kind'] == 'chunk' then
-    carried = {item_id, payload}
-  end
-end
-if carried ~= nil and rows < max_rows then
-  picked[#picked + 1] = carried
-elseif online and (ARGV[13] or '') ~= '' then
-  local cut = nil
-  for size in string.gmatch(ARGV[13], '%d+') do
-    if tonumber(size) <= rows and (cut == nil or tonumber(size) > cut) then
-      cut = tonumber(size)
+    elseif is_request and #picked < max_items and item['bucket'] == bucket
+        and rows + number_or(item['rows'], 1) <= max_rows
+        and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
+      picked[#picked + 1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item)}
+      rows = rows + number_or(item['rows'], 1)
+      tokens = tokens + token_cost(item)
+    elseif carry and carried == nil and item['kind'] == 'chunk' then
+      carried = {item_id, payload}
     end
   end
-  while cut ~= nil and #picked > 1 and rows > cut do
-    local last = table.remove(picked)
-    rows, tokens = rows - last[3], tokens - last[4]
-  end
+  return picked, online, carried, rows, tokens
 end
-if online and ARGV[11] ~= '' and (rows > tonumber(ARGV[11])
-    or (tonumber(ARGV[12]) > 0 and tokens > tonumber(ARGV[12]))) then
+
+-- Carry the chunk when the requests leave rows to spare; else cut a batch of requests to the
+-- largest preferred size its rows reach (its last requests stay waiting; the head always stays).
+-- Returns the rows and tokens left in the batch.
+local function carry_or_cut(picked, online, carried, rows, tokens)
+  if carried ~= nil and rows < max_rows then
+    picked[#picked + 1] = carried
+  elseif online then
+    local cut = nil
+    for _, size in ipairs(options.preferred_sizes or {}) do
+      if size <= rows and (cut == nil or size > cut) then
+        cut = size
+      end
+    end
+    while cut ~= nil and #picked > 1 and rows > cut do
+      local last = table.remove(picked)
+      rows, tokens = rows - last[3], tokens - last[4]
+    end
+  end
+  return rows, tokens
+end
+
+-- Does a batch of requests stay within batch_limit (a job chunk at the head always does)? The head
+-- of the priority order, whose full batch does not fit, runs now if what waits for it fits free memory.
+local function within_batch_limit(online, rows, tokens)
+  local limit = options.batch_limit
+  if not online or type(limit) ~= 'table' then
+    return true
+  end
+  return not (rows > limit.rows or (limit.tokens > 0 and tokens > limit.tokens))
+end
+
+-- Move the picked items from ready to in-flight, counting a lease each; the reply.
+local function move_to_inflight(picked)
+  local out = {#picked}
+  for _, entry in ipairs(picked) do
+    redis.call('ZREM', KEYS[2], entry[1])
+    redis.call('ZADD', KEYS[3], ARGV[3], entry[1])
+    out[#out + 1] = entry[1]
+    out[#out + 1] = entry[2]
+    out[#out + 1] = redis.call('HINCRBY', KEYS[5], entry[1], 1)
+  end
+  return out
+end
+
+local picked, online, carried, rows, tokens = pick_candidates()
+if picked == nil then
   return {0}
 end
-local out = {#picked}
-for _, entry in ipairs(picked) do
-  redis.call('ZREM', KEYS[2], entry[1])
-  redis.call('ZADD', KEYS[3], ARGV[3], entry[1])
-  out[#out + 1] = entry[1]
-  out[#out + 1] = entry[2]
-  out[#out + 1] = redis.call('HINCRBY', KEYS[5], entry[1], 1)
+rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)
+if not within_batch_limit(online, rows, tokens) then
+  return {0}
 end
-return out
+return move_to_inflight(picked)
