@@ -1,6 +1,6 @@
 """Queueing and cancelling a job of many chunks: the longest single Redis call, sliced vs one call.
 
-A job's chunks are queued (and, on a cancel, taken out) in calls of `jobs.ENQUEUE_SLICE` items, so
+A job's chunks are queued (and, on a cancel, taken out) in calls of `job_slices.ENQUEUE_SLICE` items, so
 that no call holds Redis, and with it every online request, for long. This creates and then cancels
 jobs of N one-row chunks on an embedded Redis, once in slices and once in a single call (the
 baseline, as before slicing), and reads Redis's own SLOWLOG (which times every command inside the
@@ -21,7 +21,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker import jobs  # noqa: E402
+from broker import job_fills, job_slices, job_stops, jobs  # noqa: E402
 from broker.embedded import EmbeddedRedis  # noqa: E402
 from broker.store import Store  # noqa: E402
 
@@ -43,11 +43,11 @@ def script_calls_ms(store: Store) -> list[float]:
 def measure(store: Store, job_id: str, chunks: int) -> dict[str, float]:
     store.client.slowlog_reset()
     started = time.perf_counter()
-    jobs.create_job(store, spec(job_id, chunks), now=time.time())
+    job_fills.create_job(store, spec(job_id, chunks), now=time.time())
     created = time.perf_counter() - started
     create = script_calls_ms(store)
     started = time.perf_counter()
-    jobs.stop_job(store, job_id, status="cancelled", error="", now=time.time())
+    job_stops.stop_job(store, job_id, status="cancelled", error="", now=time.time())
     stopped = time.perf_counter() - started
     stop = script_calls_ms(store)
     p99 = lambda calls: calls[min(len(calls) - 1, int(0.99 * len(calls)))]  # noqa: E731
@@ -66,12 +66,12 @@ def main() -> None:
         store = Store(redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=120))
         store.client.config_set("slowlog-log-slower-than", 0)
         store.client.config_set("slowlog-max-len", 1_000_000)
-        sliced = jobs.ENQUEUE_SLICE
+        sliced = job_slices.ENQUEUE_SLICE
         for chunks in (int(count) for count in args.chunks.split(",")):
             for label, size in (("one call (before)", 10**9), (f"slices of {sliced}", sliced)):
-                jobs.ENQUEUE_SLICE = size
+                job_slices.ENQUEUE_SLICE = size
                 rows.append((chunks, label, measure(store, f"j{chunks}-{size}", chunks)))
-        jobs.ENQUEUE_SLICE = sliced
+        job_slices.ENQUEUE_SLICE = sliced
     print("\nQueueing and cancelling a job of N chunks (embedded Redis, no AOF): wall time, and the longest "
           "single script call inside Redis (SLOWLOG)\n")
     print("| chunks | enqueue | create s | calls | call p99 ms | longest ms | cancel s | calls | call p99 ms | "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker import jobs, policy, queues  # noqa: E402
+from broker import job_fills, jobs, policy, queues  # noqa: E402
 from broker.embedded import EmbeddedRedis  # noqa: E402
 from broker.scoring import Weights  # noqa: E402
 from broker.store import Store  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> None:
         store = Store.connect(server.url)
         now = time.time()
         for start in range(0, args.items, 20_000):
-            jobs.create_job(store, spec(f"j{start}", min(20_000, args.items - start)), now=now)
+            job_fills.create_job(store, spec(f"j{start}", min(20_000, args.items - start)), now=now)
         store.client.config_set("slowlog-log-slower-than", 0)
         store.client.config_set("slowlog-max-len", 100_000)
         store.client.slowlog_reset()
@@ -52,7 +52,7 @@ def main() -> None:
             while not stop.is_set():
                 n += 1
                 weights, ordering = policy.get_policy(store, default="dynamic")
-                jobs.create_job(store, spec(f"live{n}", 2), now=time.time(), weights=weights, ordering=ordering)
+                job_fills.create_job(store, spec(f"live{n}", 2), now=time.time(), weights=weights, ordering=ordering)
                 served["enqueued"] += 2
                 served["leased"] += len(queues.lease_batch(store, "m@v1", now=time.time(), lease_seconds=60,
                                                            max_items=1))

@@ -1,23 +1,17 @@
-"""The one settings object of SITS, loaded from `sits-config.yaml` and `SITS_*`.
+"""The one settings object of SITS: its sections, their keys and defaults, and their validation.
 
 Loaded once at a process's edge (the CLI, the API factory, the Celery app's
-configure hook) and passed down; nothing reads the environment deep inside.
-Unknown keys are errors, not silently ignored, and units are parsed from
-strings ("3600s", "128MiB") into seconds and bytes.
-
-Environment overrides: `SITS_CONFIG` (the file), `SITS_REDIS_URL`,
-`SITS_HOME`, and `SITS_<SECTION>__<KEY>` for any key
-(e.g. `SITS_SCHEDULER__POLICY=fifo`).
+configure hook: `broker/config_loading.py`) and passed down; nothing reads
+the environment deep inside. Unknown keys are errors, not silently ignored,
+and units are parsed from strings ("3600s", "128MiB") into seconds and bytes.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from broker.errors import ConfigError
@@ -319,81 +313,11 @@ class Settings(_Section):
         data = self.model_dump(mode="json")
         for section, values in sections.items():
             data.setdefault(section, {}).update(values)
-        return _validate(data, source="overrides")
+        return validate_settings(data, source="overrides")
 
 
-_ENV_SHORTCUTS = {
-    "SITS_REDIS_URL": ("redis", "url"),
-    "SITS_HOME": ("paths", "home"),
-    "SITS_API_URL": ("api", "url"),
-}
-
-
-def load_settings(path: Path | str | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Settings from `path` (or `$SITS_CONFIG`), then `SITS_*` overrides from `environ`.
-
-    A missing explicit file is an error; with no file at all the defaults apply. An invalid value is
-    blamed on where it came from: the file, or the `SITS_*` variable that set it.
-    """
-    env = os.environ if environ is None else environ
-    path = path or env.get("SITS_CONFIG") or None
-    data: dict[str, Any] = {}
-    source = "defaults"
-    if path:
-        source = str(path)
-        data = _read_config_file(Path(path))
-    variables: dict[tuple[str, str], str] = {}  # (section, key) -> the SITS_* variable that set it
-    for name, value in env.items():
-        if name in _ENV_SHORTCUTS:
-            section, key = _ENV_SHORTCUTS[name]
-        elif name.startswith("SITS_") and "__" in name:
-            section, _, key = name[len("SITS_") :].lower().partition("__")
-        else:
-            continue
-        section_data = data.setdefault(section, {})
-        if not isinstance(section_data, dict):
-            raise ConfigError(f"{source}: section '{section}' must be a mapping (so {name} cannot set a key in it)")
-        section_data[key] = _variable_value(name, value)
-        variables[(section, key)] = name
-    return _validate(data, source=source, variables=variables)
-
-
-def _read_config_file(path: Path) -> dict[str, Any]:
-    """The mapping of sections in a YAML file; ConfigError for one that cannot be read or is not one."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from err
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
-                          f"{err.start}): give a YAML file saved as UTF-8") from err
-    try:
-        loaded = yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from err
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
-    return loaded
-
-
-def _variable_value(name: str, value: str) -> Any:
-    """A SITS_* variable's value: lists and mappings are YAML ("[/data, /models]"); scalars stay strings
-    and pydantic converts them, so a key prefix "2024" or "on" is not turned into a number or a bool."""
-    if not value.lstrip().startswith(("[", "{")):
-        return value
-    try:
-        return yaml.safe_load(value)
-    except yaml.YAMLError as err:
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"{name}={value!r} is not a valid YAML list or mapping ({problem}): write one like "
-                          "'[/data, /models]' or '{key: value}'") from err
-
-
-def _validate(data: Mapping[str, Any], source: str,
-              variables: Mapping[tuple[str, str], str] | None = None) -> Settings:
+def validate_settings(data: Mapping[str, Any], source: str,
+                      variables: Mapping[tuple[str, str], str] | None = None) -> Settings:
     """Settings from `data`; a ConfigError lists every problem, each with where it came from: `source`,
     or the variable in `variables` that set the key (or created the section)."""
     try:

@@ -81,7 +81,7 @@ class Keys:
 
     @property
     def output_dirs(self) -> str:
-        """HASH output folder path -> id of the job that last claimed it (`jobs.claim_output_dir`)."""
+        """HASH output folder path -> id of the job that last claimed it (`output_dirs.claim_output_dir`)."""
         return self._key("output-dirs")
 
     def job_done(self, job_id: str) -> str:
@@ -96,13 +96,13 @@ class Keys:
     @property
     def jobs_filling(self) -> str:
         """ZSET job id -> time of its last enqueue call, for jobs whose items are still being queued in
-        slices (`jobs.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
+        slices (`job_slices.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
         return self._key("jobs-filling")
 
     @property
     def jobs_stopping(self) -> str:
         """ZSET job id -> time of its stop's last call, for jobs whose items are still being taken out in
-        slices by a cancel or fail (`jobs.stop_job`); a reaper pass completes a stop whose caller died."""
+        slices by a cancel or fail (`job_stops.stop_job`); a reaper pass completes a stop whose caller died."""
         return self._key("jobs-stopping")
 
     def owner_jobs(self, owner: str) -> str:

@@ -1,4 +1,4 @@
-"""`python -m sits_api serve`: run the API server (started by `sitsctl up` as a child process)."""
+"""`python -m sits_api serve`: the API in one process on werkzeug's server (`sitsctl up` runs gunicorn)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from werkzeug.serving import make_server
 
-from broker.config import load_settings
+from broker.config_loading import load_settings
 from sits_api.app import create_app
 
 

@@ -16,7 +16,7 @@ from flask import Blueprint, Flask, Response, g, jsonify, request
 from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
-from broker import job_lists, jobs, policy, queues, registry, requests, workers
+from broker import job_lists, job_stops, jobs, policy, queues, registry, requests, workers
 from broker.apikeys import authenticate, owns, require_role
 from broker.config import Settings
 from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
@@ -314,7 +314,7 @@ def cancel_job(job_id: str) -> Any:
     """Cancel a job: its waiting chunks leave the queue; a finished job keeps its status."""
     store = _ctx()["store"]
     _caller_job(job_id)
-    jobs.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
+    job_stops.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
     return jsonify(jobs.get_job(store, job_id, now=time.time()))
 
 

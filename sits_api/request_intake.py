@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from broker import policy, registry, requests
+from broker import policy, requests
 from broker.config import Settings
 from broker.errors import BadInput, RetryableError
+from broker.model_cache import API_RECORD_TTL_SECONDS, ModelRecordCache
 from broker.requests import RequestSpec
 from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
 from broker.store import Store
@@ -34,7 +35,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
            expire_at_deadline: bool = False) -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it.
     With `expire_at_deadline` (a v2 `timeout`), a request not running by its deadline is not run."""
-    record, mask = model_record(store, model, now=now)
+    record, mask = model_record(store, model)
     tensors = request_tensors(record["signature"], inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
     sequence = _sequence_length(record, tensors)
@@ -82,20 +83,19 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
 _POLICY_RETRIES = 5
 """Submits refused because `PUT /v1/policy` changed the policy in between; one retry is the usual case."""
 
-_RECORD_TTL_SECONDS = 2.0
-_records: dict[str, tuple[float, dict[str, Any], MaskSpec | None]] = {}
+_RECORDS = ModelRecordCache(API_RECORD_TTL_SECONDS)
+"""This process's model records: the hot path reads one on every request."""
+_masks: dict[str, tuple[dict[str, Any], MaskSpec | None]] = {}
 
 
-def model_record(store: Store, ref: str, *, now: float) -> tuple[dict[str, Any], MaskSpec | None]:
-    """The registry record and padding spec, kept a moment per process: the hot path reads them on every
-    request, and a bare name moves to a newly registered version (or a profile lands) within seconds anyway."""
-    cached = _records.get(ref)
-    if cached and now - cached[0] < _RECORD_TTL_SECONDS:
-        return cached[1], cached[2]
-    record = registry.get_model(store, ref)
-    mask = mask_spec(record.get("static_profile"))
-    _records[ref] = _records[f"{record['name']}@{record['version']}"] = (now, record, mask)  # (v2 pins a name)
-    return record, mask
+def model_record(store: Store, ref: str) -> tuple[dict[str, Any], MaskSpec | None]:
+    """The registry record and padding spec of `ref`, kept a moment per process (`broker/model_cache.py`);
+    the spec is derived again only when the record is read again."""
+    record = _RECORDS.get(store, ref)
+    cached = _masks.get(ref)
+    if cached is None or cached[0] is not record:
+        cached = _masks[ref] = (record, mask_spec(record.get("static_profile")))
+    return record, cached[1]
 
 
 def wait_seconds(settings: Settings, deadline_ms: float | None) -> float:

@@ -18,11 +18,12 @@ from typing import Any
 
 import onnx
 
-from broker import chunking, jobs, policy, registry, workers
+from broker import chunking, job_fills, job_progress, job_stops, jobs, output_dirs, policy, registry, workers
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
 from broker.errors import BadInput, Conflict, Forbidden, PathNotAllowed, RetryableError
+from broker.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 from broker.store import Store
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_api.task_sender import Dispatcher
@@ -34,7 +35,6 @@ from sits_worker.model.padding import PADDING_EXACT_KEY, SEQUENCE_OUTPUTS_KEY, m
 from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
-from sits_worker.outputs import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 
 
 def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
@@ -202,8 +202,8 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         input_options={k: v for k, v in input_options.items() if v is not None},
     )
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
-    jobs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
-    jobs.create_job(store, spec, now=now, weights=weights, ordering=ordering)
+    output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
+    job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering)
     _keep_output_dir_or_stop(store, spec.job_id, spec.output_dir, now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
@@ -244,9 +244,9 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
 
 def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now: float) -> None:
     """After a job became active: Conflict, its job stopped, if another job claimed its folder meanwhile."""
-    if jobs.holds_output_dir(store, output_dir, job_id):
+    if output_dirs.holds_output_dir(store, output_dir, job_id):
         return
-    jobs.stop_job(store, job_id, status="failed", now=now,
+    job_stops.stop_job(store, job_id, status="failed", now=now,
                   error=f"another job claimed output_dir {output_dir} at the same time")
     raise Conflict(f"output_dir {output_dir} was claimed by another job at the same time; choose another folder")
 
@@ -285,11 +285,11 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
         named = f"job {other}" if owns(caller, jobs.job_owner(store, str(other))) else "another job"
         raise Conflict(f"output_dir {job['output_dir']} now holds the results of {named}; "
                        "submit this job again into another folder")
-    jobs.claim_output_dir(store, job["output_dir"], job_id, caller=caller)  # another job may have taken it
+    output_dirs.claim_output_dir(store, job["output_dir"], job_id, caller=caller)  # another job may have taken it
     if manifest is None:  # chunks whose parts were deleted (with the folder) run again
         on_disk = chunks_with_parts(Path(job["output_dir"]), job["output_names"], job_id=job_id)
-        jobs.forget_chunks(store, job_id, sorted(jobs.done_chunks(store, job_id) - on_disk))
-    jobs.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity)
+        job_progress.forget_chunks(store, job_id, sorted(job_progress.done_chunks(store, job_id) - on_disk))
+    job_fills.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity)
     _keep_output_dir_or_stop(store, job_id, job["output_dir"], now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, job_id, now=now)

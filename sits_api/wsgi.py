@@ -3,7 +3,7 @@
 Settings are loaded here, at the process's edge (SITS_CONFIG, SITS_* variables).
 """
 
-from broker.config import load_settings
+from broker.config_loading import load_settings
 from sits_api.app import create_app
 
 app = create_app(load_settings())

@@ -2,9 +2,8 @@
 
 Created lazily once per process under a lock, because the Celery pool may be
 threads (where `worker_process_init` does not fire) or prefork (where it
-must not be created in the parent). The environment is read only here, at
-the process's edge: `SITS_WORKER_DEVICE` and `SITS_WORKER_STREAMS`, set by
-`sitsctl worker`.
+must not be created in the parent), from the settings `sits_worker/worker_settings.py`
+reads once from the process's environment.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from broker import registry
 from broker.batching import Batching, resolve
-from broker.config import Settings, load_settings
+from broker.config import Settings
 from broker.errors import DeviceOutOfMemory
 from broker.ledger import MemoryLedger
+from broker.model_cache import WORKER_RECORD_TTL_SECONDS, ModelRecordCache
 from broker.queues import QueueWatcher
 from broker.store import Store
 from sits_worker.chunk_commits import Commits
@@ -36,12 +35,11 @@ from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
 from sits_worker.observed_profiles import ObservedLatencies
 from sits_worker.runtime import SessionCache, run_session
+from sits_worker.worker_settings import WorkerSettings, worker_settings
 
 log = logging.getLogger(__name__)
 
 _OPEN_INPUTS_KEPT = 8
-MODEL_RECORD_TTL_SECONDS = 5.0
-"""How long a worker keeps a model's registry record before reading it again."""
 
 
 def memory_ledger(settings: Settings, device: Device) -> MemoryLedger:
@@ -78,7 +76,8 @@ class WorkerContext:
     lease_keeper: LeaseKeeper = field(init=False)
     """Extends the leases of runs longer than a quarter of `scheduler.lease_timeout` while they run."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
-    _models: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    model_records: ModelRecordCache = field(default_factory=lambda: ModelRecordCache(WORKER_RECORD_TTL_SECONDS))
+    """Registry records kept a moment: the hot path reads one on every batch."""
     _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
@@ -91,29 +90,24 @@ class WorkerContext:
         self.lease_keeper = LeaseKeeper(self.store, self.settings.scheduler.lease_timeout)
 
     @classmethod
-    def create(cls, settings: Settings, device: Device, streams: int) -> WorkerContext:
-        """A context over the Redis in `settings`."""
+    def create(cls, worker: WorkerSettings) -> WorkerContext:
+        """A context over the Redis in the worker's settings, on its device."""
+        settings, device, streams = worker.settings, worker.device, worker.streams
         store = Store.connect(settings.redis.url, settings.redis.key_prefix)
         return cls(settings=settings, store=store, device=device, streams=streams,
                    sessions=SessionCache(device, settings.resources.intra_op_threads),
                    ledger=memory_ledger(settings, device))
 
     def model(self, model_ref: str) -> dict[str, Any]:
-        """The registry record of a model version, kept `MODEL_RECORD_TTL_SECONDS`: the hot path asks
-        on every batch, and while a version's graph never changes, its measured profile lands after
-        registration (and the estimates, batch costs and riders' fill follow it)."""
-        now = time.monotonic()
-        cached = self._models.get(model_ref)
-        if cached is not None and now - cached[0] < MODEL_RECORD_TTL_SECONDS:
-            return cached[1]
-        record = registry.get_model(self.store, model_ref)
-        self._models[model_ref] = (now, record)
-        return record
+        """The registry record of a model version, kept a moment (`model_records`): while a version's
+        graph never changes, its measured profile lands after registration (and the estimates, batch
+        costs and riders' fill follow it)."""
+        return self.model_records.get(self.store, model_ref)
 
     def remember_model(self, model_ref: str, record: dict[str, Any]) -> None:
         """Keep `record` as the model version's current one (this process just wrote it: a profile
-        it measured applies to its next batch, not `MODEL_RECORD_TTL_SECONDS` later)."""
-        self._models[model_ref] = (time.monotonic(), record)
+        it measured applies to its next batch, not when the cached record runs out)."""
+        self.model_records.remember(model_ref, record)
 
     def batching(self, model_ref: str) -> Batching:
         """The batching settings of a model version: the configuration's, with its `auto` values from
@@ -198,13 +192,10 @@ def existing_worker_context() -> WorkerContext | None:
 
 
 def worker_context() -> WorkerContext:
-    """This process's context, created on first use from `SITS_*` and the config file."""
+    """This process's context, created on first use from its environment (`worker_settings`)."""
     global _context
     if _context is None:
         with _context_lock:
             if _context is None:
-                settings = load_settings()
-                device = Device.parse(os.environ.get("SITS_WORKER_DEVICE", "auto"))
-                streams = int(os.environ.get("SITS_WORKER_STREAMS") or settings.resources.max_concurrent_streams)
-                _context = WorkerContext.create(settings, device, streams)
+                _context = WorkerContext.create(worker_settings())
     return _context

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,3 +165,27 @@ def _mig_enabled(nvml: Any, handle: Any) -> bool:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def main(argv: Sequence[str]) -> int:
+    """`python -m sits_worker.devices usable-gpus | problem DEVICE`: what `sitsctl` asks before it starts
+    workers, answered in a subprocess so the API package never imports the worker's execution side.
+    Prints JSON: the usable GPUs as a list, or the problem of one device as a string (null: none)."""
+    import json
+
+    if list(argv) == ["usable-gpus"]:
+        print(json.dumps(usable_gpus()))
+    elif len(argv) == 2 and argv[0] == "problem":
+        try:
+            problem = gpu_problem(Device.parse(argv[1]))
+        except ValueError as err:
+            problem = str(err)
+        print(json.dumps(problem))
+    else:
+        print("usage: python -m sits_worker.devices usable-gpus | problem DEVICE", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

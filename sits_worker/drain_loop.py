@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from broker import job_lists, jobs, policy, queues, requests, reservation
+from broker import job_fills, job_lists, job_progress, job_stops, jobs, policy, queues, requests, reservation
 from broker.errors import RunFailed
 from broker.queues import StaleTicket
 from broker.wakeup import SendTicket, wake_workers
@@ -169,10 +169,10 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
             queues.finish_item(ctx.store, item, "", now=now)  # also leaves the dead set
             continue
         job_id = payload.get("job", "")
-        last_error = jobs.last_error(ctx.store, job_id) or "the worker died"
+        last_error = job_progress.last_error(ctx.store, job_id) or "the worker died"
         error = f"{item_id} failed {settings.jobs.max_attempts} times; last error: {last_error}"
         if job_id:
-            jobs.stop_job(ctx.store, job_id, status="failed", error=error, now=now, dead_item=item_id)
+            job_stops.stop_job(ctx.store, job_id, status="failed", error=error, now=now, dead_item=item_id)
         else:
             item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
             queues.finish_item(ctx.store, item, job_id, now=now)
@@ -181,15 +181,15 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
     job_lists.count_old_jobs(ctx.store)  # and before the per-status job counts
     queues.prune_old_queues(ctx.store)  # older model versions' drained queues, read before every batch choice
-    stalled = jobs.stalled_fills(ctx.store, now=now)
+    stalled = job_fills.stalled_fills(ctx.store, now=now)
     if stalled:
         weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(settings.scheduler.policy))
         for job_id in stalled:
             log.warning("job %s: its items stopped being queued part-way (%d more queued now)", job_id,
-                        jobs.refill_job(ctx.store, job_id, now=now, weights=weights, ordering=ordering))
-    for job_id in jobs.stalled_stops(ctx.store, now=now):
+                        job_fills.refill_job(ctx.store, job_id, now=now, weights=weights, ordering=ordering))
+    for job_id in job_stops.stalled_stops(ctx.store, now=now):
         log.warning("job %s: its stop was cut short part-way; the reaper took up its calls (%s)", job_id,
-                    jobs.finish_stop(ctx.store, job_id, now=now))
+                    job_stops.finish_stop(ctx.store, job_id, now=now))
     sent = 0
     if queues.queue_heads(ctx.store):  # (after the fills: what they queued needs tickets too)
         sent = wake_workers(ctx.store, send, now=now, heartbeat_timeout=settings.scheduler.worker_heartbeat_timeout)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from broker import jobs, queues
+from broker import job_progress, jobs, queues
 from broker.errors import BadInput, PermanentError
 from broker.queues import LeasedItem
 from sits_worker.context import WorkerContext
@@ -60,7 +60,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
     """
     job_id = item.payload["job"]
     now = time.time()
-    if jobs.start_item(ctx.store, job_id, now=now) != "running":
+    if job_progress.start_item(ctx.store, job_id, now=now) != "running":
         queues.finish_item(ctx.store, item, job_id, now=now)
         return "dropped"
     try:
@@ -92,7 +92,7 @@ def _may_publish(ctx: WorkerContext, job: dict[str, Any]) -> bool:
     resume merges again. Its input must still be the one submitted (else BadInput fails the job):
     the manifest names that file's checksum. A stat and one Redis call, as late as can be."""
     check_unchanged(Path(job["input_batch"]), job.get("input_stat"))
-    return jobs.start_item(ctx.store, job["id"], now=time.time()) == "running"
+    return job_progress.start_item(ctx.store, job["id"], now=time.time()) == "running"
 
 
 def _tolerant(keep_alive: Callable[[], None]) -> Callable[[], None]:
@@ -117,7 +117,7 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
         queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="failed", error=err.message)
         return "failed"
     log.error("item %s of job %s failed (attempt %d)", item.item_id, job_id, item.attempts, exc_info=err)
-    jobs.record_last_error(ctx.store, job_id, f"{type(err).__name__}: {err}")
+    job_progress.record_last_error(ctx.store, job_id, f"{type(err).__name__}: {err}")
     queues.expire_lease_now(ctx.store, item)
     return "retry"
 
@@ -127,13 +127,13 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
     (`sits_worker.chunk_commits`). Returns 'acked', or how the failure was settled."""
     try:
         queues.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
-        if jobs.start_item(ctx.store, job["id"], now=time.time()) != "running":
+        if job_progress.start_item(ctx.store, job["id"], now=time.time()) != "running":
             # Cancelled, failed, or finished by another run of this chunk meanwhile: no part to
             # leave behind in a folder nobody merges any more.
             queues.finish_item(ctx.store, item, job["id"], now=time.time())
             return "dropped"
         write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"])
-        jobs.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
+        job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
         return "acked"
     except Exception as err:
         return settle_failure(ctx, item, err)

@@ -1,6 +1,6 @@
 """Keeps the leases of long runs alive while ONNX Runtime holds the thread.
 
-A job chunk extends its own lease between its mini-batches (`between.BetweenBatches`), but a batch
+A job chunk extends its own lease between its mini-batches (`between_minibatches.BetweenBatches`), but a batch
 of online requests is one `session.run`: a run longer than `scheduler.lease_timeout` (a large
 request body on a large model, on a CPU) would be taken back by the reaper while it still runs,
 leased again by another stream (a second run of the same rows), and after `jobs.max_attempts`

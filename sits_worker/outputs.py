@@ -16,7 +16,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -28,43 +27,23 @@ from typing import IO, Any, TypeVar
 
 import numpy as np
 
-from broker.errors import BadInput, Conflict, FileMissing, RetryableError, SitsError
+from broker.errors import BadInput, Conflict, FileMissing, SitsError
+from broker.output_layout import (
+    MANIFEST_NAME,
+    PARTS_DIR,
+    output_path,
+    part_path,
+    parts_folder,
+    read_manifest,
+    storage_error,
+)
 
-PARTS_DIR = ".parts"
-MANIFEST_NAME = "manifest.json"
 _RESERVED_KEYS = ("rows", "outputs", "chunks")
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 _COPY_BLOCK_BYTES = 64 * 2**20
 """A merge copies parts in blocks of this size and calls its `keep_alive` after each (a part may be GBs)."""
 _WAIT_SLICE_SECONDS = 1.0
 """How often a merge calls its `keep_alive` while it waits for its fsync and its hash."""
 _T = TypeVar("_T")
-
-
-def _file_stem(name: str) -> str:
-    """Return the file stem for an output name.
-
-    ONNX output names may hold '/' or ':' (e.g. "dense/Softmax:0"); such names get a sanitised stem
-    made unique by a hash of the name. The manifest records the file actually used.
-    """
-    if _SAFE_NAME.fullmatch(name):
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".") + "-" + digest
-
-
-def output_path(output_dir: Path, name: str) -> Path:
-    """The file a job's output `name` is merged into: `<output_dir>/<stem>.npy`."""
-    return Path(output_dir) / f"{_file_stem(name)}.npy"
-
-
-def _parts_folder(output_dir: Path, job_id: str) -> Path:
-    """Where `job_id`'s parts (and its merge's temp files) lie: `.parts/<job_id>/`."""
-    return Path(output_dir) / PARTS_DIR / job_id
-
-
-def _part_path(output_dir: Path, name: str, chunk_index: int, job_id: str = "") -> Path:
-    return _parts_folder(output_dir, job_id) / f"{_file_stem(name)}.{chunk_index:06d}.npy"
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -95,13 +74,6 @@ def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         raise
 
 
-def _storage_error(output_dir: Path, err: OSError) -> RetryableError:
-    return RetryableError(
-        f"writing outputs under '{output_dir}' failed ({err}); check free space and permissions there, "
-        "the work will be retried"
-    )
-
-
 def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndarray], *, job_id: str = "") -> None:
     """Write one chunk's outputs, one `.parts/<job_id>/<name>.<chunk_index:06d>.npy` file per output.
 
@@ -117,40 +89,17 @@ def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndar
                 "use a model whose outputs are numeric tensors"
             )
     try:
-        folder = _parts_folder(output_dir, job_id)
+        folder = parts_folder(output_dir, job_id)
         created = not folder.is_dir()
         folder.mkdir(parents=True, exist_ok=True)
         for name, arr in arrays.items():
-            path = _part_path(output_dir, name, chunk_index, job_id)
+            path = part_path(output_dir, name, chunk_index, job_id)
             _write_atomically(path, partial(np.lib.format.write_array, array=arr, allow_pickle=False))
         _fsync_dir(folder)
         if created:
             _fsync_dir(folder.parent)  # the job's new folder entry is durable too
     except OSError as err:
-        raise _storage_error(output_dir, err) from err
-
-
-def part_exists(output_dir: Path, chunk_index: int, output_names: Sequence[str], *, job_id: str = "") -> bool:
-    """Whether every output's part for this chunk is on disk.
-
-    Parts appear atomically, so existing means complete: a worker can skip a chunk whose parts exist.
-    """
-    return all(_part_path(Path(output_dir), name, chunk_index, job_id).is_file() for name in output_names)
-
-
-def chunks_with_parts(output_dir: Path, output_names: Sequence[str], *, job_id: str = "") -> set[int]:
-    """Indexes of the chunks whose parts are all on disk, from one listing of the job's parts folder
-    (a stat per part, as `part_exists` does, takes long for 100,000 chunks on a network disk)."""
-    try:
-        present = {entry.name for entry in os.scandir(_parts_folder(Path(output_dir), job_id))}
-    except FileNotFoundError:
-        return set()
-    except OSError as err:
-        raise _storage_error(Path(output_dir), err) from err
-    stems = [_file_stem(name) for name in output_names]
-    found = {int(name.rsplit(".", 2)[1]) for name in present
-             if name.endswith(".npy") and name.count(".") >= 2 and name.rsplit(".", 2)[1].isdigit()}
-    return {index for index in found if all(f"{stem}.{index:06d}.npy" in present for stem in stems)}
+        raise storage_error(output_dir, err) from err
 
 
 def _rows_covered(chunk_ranges: Sequence[tuple[int, int]]) -> int:
@@ -165,20 +114,9 @@ def _rows_covered(chunk_ranges: Sequence[tuple[int, int]]) -> int:
     return expected_start
 
 
-def read_manifest(output_dir: Path) -> dict[str, Any] | None:
-    """The folder's manifest.json as a dict; None when there is none or it is unreadable."""
-    try:
-        manifest = json.loads((output_dir / MANIFEST_NAME).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):  # unreadable: merge again from the parts, if they are still there
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
 def _load_part(output_dir: Path, name: str, chunk_index: int, chunk: tuple[int, int], job_id: str) -> np.ndarray:
     """Map one part read-only and check it holds exactly the chunk's rows."""
-    path = _part_path(output_dir, name, chunk_index, job_id)
+    path = part_path(output_dir, name, chunk_index, job_id)
     try:
         part = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError as err:
@@ -215,7 +153,7 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
     dtype, row_shape = first.dtype, first.shape[1:]
     del first
     final = output_path(output_dir, name)
-    temp = _temp_path(_parts_folder(output_dir, job_id), final.name)  # removed with the job's parts if we crash
+    temp = _temp_path(parts_folder(output_dir, job_id), final.name)  # removed with the job's parts if we crash
     shape = [total, *row_shape]
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(
@@ -355,7 +293,7 @@ def finalize_outputs(
             # Another worker may have finished the same merge and removed the parts meanwhile.
             manifest = read_manifest(output_dir)
             if manifest is None and isinstance(err, OSError):
-                raise _storage_error(output_dir, err) from err
+                raise storage_error(output_dir, err) from err
             if manifest is None:
                 raise
     _check_same_job(output_dir, manifest, total, output_names, manifest_extra)
@@ -374,7 +312,7 @@ def remove_parts(output_dir: Path, *, job_id: str = "") -> None:
     """
     parts = Path(output_dir) / PARTS_DIR
     if job_id:
-        shutil.rmtree(_parts_folder(output_dir, job_id), ignore_errors=True)
+        shutil.rmtree(parts_folder(output_dir, job_id), ignore_errors=True)
     elif parts.is_dir():
         for entry in parts.iterdir():
             if not entry.is_dir():

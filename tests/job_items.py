@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from broker import jobs, queues
+from broker import job_fills, job_progress, jobs, queues
 from broker.store import Store
 from sits_worker import outputs
 
@@ -19,11 +19,11 @@ def leased_finalize_item(store: Store, output_dir: Path, *, chunks: int, lease_s
     spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1", input_batch="/data/in.npy",
                         input_format="npy", input_checksum="sha256:0123abcd", output_dir=str(output_dir),
                         output_names=["logits"], rows_total=chunks, chunk_size=1, batch_size=1)
-    jobs.create_job(store, spec, now=time.time())
+    job_fills.create_job(store, spec, now=time.time())
     for item in queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=chunks):
         chunk = item.payload["chunk"]
         outputs.write_part(output_dir, chunk, {"logits": np.full((1, 2), chunk, np.float32)}, job_id=spec.job_id)
-        jobs.ack_chunk(store, item, now=time.time(), worker="w1")
+        job_progress.ack_chunk(store, item, now=time.time(), worker="w1")
     [final] = queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=lease_seconds, max_items=1)
     assert final.payload["kind"] == "finalize"
     return final

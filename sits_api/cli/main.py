@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.table import Table
 
-from broker.config import MAX_CONCURRENT_STREAMS, Settings, load_settings
+from broker.config import MAX_CONCURRENT_STREAMS, Settings
+from broker.config_loading import load_settings
 from broker.errors import ConnectionLost, SitsError
 from sits_api.cli.client import ApiClient, ApiError, recorded, segment, stack_runs
 from sits_api.cli.job_commands import job
@@ -262,9 +263,9 @@ def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None
         raise click.UsageError("choose one of --gpu N and --cpu")
     device = "cpu" if use_cpu else (f"gpu:{gpu}" if gpu is not None else "auto")
     if gpu is not None:  # refused here, before Celery prints its banner (the worker checks again at start)
-        from sits_worker.devices import Device, gpu_problem
+        from sits_api.cli.devices import gpu_problem
 
-        if problem := gpu_problem(Device("gpu", gpu)):
+        if problem := gpu_problem(f"gpu:{gpu}"):
             raise SitsError(f"cannot pin this worker to gpu:{gpu}: {problem}; start it with --cpu "
                             "or on a machine with that GPU")
     settings, stack_config = _stack_settings(None)

@@ -2,9 +2,9 @@
 
 Every child is started by this module, its PID kept, and stopped by that
 PID (never by name); logs go to `$SITS_HOME/logs/`. Workers are started as
-`celery -A sits_worker worker` subprocesses, so this process runs no model: it
-imports ONNX Runtime only to ask whether it has the CUDA provider, and only
-once NVML found a GPU (`usable_gpus`). `supervise` restarts a child that exits
+`celery -A sits_worker worker` subprocesses, so this process runs no model and
+imports no ONNX Runtime: which GPUs a worker can use is asked in a subprocess
+(`sits_api/cli/devices.py`). `supervise` restarts a child that exits
 on its own, within a restart budget; the embedded Redis exiting stops all.
 """
 
@@ -66,9 +66,9 @@ def gpu_devices() -> list[str]:
     numbered as CUDA numbers them) and ONNX Runtime has the CUDA provider.
 
     [] on a CPU-only machine, and with a CPU-only ONNX Runtime (a worker pinned to a GPU there is
-    refused). ONNX Runtime is imported only once NVML found a GPU.
+    refused). Asked of the worker package in a subprocess (`sits_api/cli/devices.py`).
     """
-    from sits_worker.devices import usable_gpus  # (ONNX Runtime only once NVML found a GPU)
+    from sits_api.cli.devices import usable_gpus
 
     return usable_gpus()
 

@@ -14,7 +14,7 @@ import redis
 from api_helpers import Api, error_of, make_settings, queued_items
 from flask.testing import FlaskClient
 
-from broker import jobs, queues
+from broker import job_progress, jobs, queues
 from broker.apikeys import create_api_key
 from broker.config import Settings
 from broker.embedded import EmbeddedRedis
@@ -170,7 +170,7 @@ def test_resuming_a_job_whose_parts_were_deleted_runs_those_chunks_again(
     for item in queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=30, max_items=2):
         outputs.write_part(tmp_path / "out", item.payload["chunk"], {"logits": np.zeros((4, 10), np.float32)},
                            job_id=job["id"])
-        jobs.ack_chunk(store, item, now=time.time(), worker="w1")
+        job_progress.ack_chunk(store, item, now=time.time(), worker="w1")
     api.delete(f"/v1/jobs/{job['id']}")
     stopped = api.get(f"/v1/jobs/{job['id']}").get_json()
     assert (stopped["chunks_done"], stopped["rows_done"]) == (2, 8)
@@ -653,20 +653,20 @@ def test_of_jobs_racing_for_one_folder_only_the_last_to_claim_it_stays(
     """A claim held by a job not created yet is free to take: here another submit claims the folder
     between this one's claim and its job's creation. This job, created, finds it lost the folder:
     it is stopped and the answer is 409; the other keeps it."""
-    from broker import jobs
+    from broker import job_fills, output_dirs
 
     out = str((tmp_path / "shared").resolve())
-    create_job = jobs.create_job
+    create_job = job_fills.create_job
 
     def another_claims_first(store_: Any, spec: Any, **kwargs: Any) -> None:
-        jobs.claim_output_dir(store_, out, "job-claiming-meanwhile", caller={"name": "test", "role": "admin"})
+        output_dirs.claim_output_dir(store_, out, "job-claiming-meanwhile", caller={"name": "test", "role": "admin"})
         create_job(store_, spec, **kwargs)
 
-    monkeypatch.setattr(jobs, "create_job", another_claims_first)
+    monkeypatch.setattr(job_fills, "create_job", another_claims_first)
     response = submit(api, **job_body("mlp", mlp_input, tmp_path / "shared"))
 
     assert response.status_code == 409 and "claimed by another job at the same time" in error_of(response)
-    assert jobs.holds_output_dir(store, out, "job-claiming-meanwhile")
+    assert output_dirs.holds_output_dir(store, out, "job-claiming-meanwhile")
     [stopped] = api.get("/v1/jobs").get_json()["jobs"]
     assert stopped["status"] == "failed" and ready_count(api, mlp) == 0
 

@@ -19,7 +19,7 @@ from flask.testing import FlaskClient
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import job_lists, jobs, queues, requests, workers
+from broker import job_fills, job_lists, job_progress, jobs, queues, requests, workers
 from broker.apikeys import create_api_key
 from broker.embedded import EmbeddedRedis
 from broker.ledger import MemoryLedger
@@ -109,7 +109,7 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
                                now=now, keep_seconds=60, batch_size=2, worker="gpu-worker@host-a")
     chunks = queues.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2)
     assert [chunk.payload["job"] for chunk in chunks] == [first["id"], first["id"]]
-    assert jobs.ack_chunk(store, chunks[0], now=now, worker="gpu-worker@host-a") == 1
+    assert job_progress.ack_chunk(store, chunks[0], now=now, worker="gpu-worker@host-a") == 1
     [dying] = queues.lease_batch(store, ref, now=now, lease_seconds=1, max_items=1)
     assert queues.reap_expired_leases(store, now=now + 5, max_attempts=1).dead_items
     assert job_lists.count_old_jobs(store)  # a reaper pass: every job is counted
@@ -274,7 +274,7 @@ def test_a_scrape_costs_the_same_redis_commands_however_many_jobs_are_kept(tmp_p
                 spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1",
                                     input_batch="/in.npy", input_format="npy", input_checksum="sha256:0",
                                     output_dir="/out", output_names=["y"], rows_total=4, chunk_size=2, batch_size=2)
-                jobs.create_job(store, spec, now=time.time())
+                job_fills.create_job(store, spec, now=time.time())
             job_lists.count_old_jobs(store)
 
         add_jobs(1)
@@ -351,7 +351,7 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
     requests.complete_requests(store, [RequestResult(request, outputs={})], now=now, keep_seconds=60, batch_size=1,
                                worker="w@h")
     [chunk] = queues.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1)
-    jobs.ack_chunk(store, chunk, now=now, worker="w@h")
+    job_progress.ack_chunk(store, chunk, now=now, worker="w@h")
     job_lists.count_old_jobs(store)
     return samples(scrape(client, api.headers["Authorization"].split()[1]))
 

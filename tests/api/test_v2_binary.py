@@ -19,8 +19,8 @@ from broker.apikeys import create_api_key
 from broker.embedded import EmbeddedRedis
 from broker.store import Store
 from sits_api.app import create_app
-from sits_api.v2 import parse_infer_request
 from sits_api.v2_binary import HEADER_LENGTH, BinaryData
+from sits_api.v2_requests import parse_infer_request
 
 INFER = "/v2/models/mlp/infer"
 ROW = np.arange(64, dtype=np.float32).reshape(1, 64)

@@ -16,7 +16,8 @@ from flask import Flask
 
 from broker import workers
 from broker.store import Store
-from sits_api.v2 import InferRequest, _answer, sits_level
+from sits_api.v2 import _answer
+from sits_api.v2_requests import InferRequest, sits_level
 from tests.onnx_models import fixed_batch_model
 
 ROW = [0.5] * 64

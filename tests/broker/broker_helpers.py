@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from broker import jobs
+from broker import job_progress, jobs
 from broker.queues import LeasedItem
 from broker.store import Store
 
@@ -48,7 +48,7 @@ def job_spec(
 
 def ack(store: Store, item: LeasedItem, *, now: float, worker: str = "w1") -> int:
     """Acknowledge a leased chunk exactly as `sits_worker.execution.run_chunk` does; returns the script's reply."""
-    return jobs.ack_chunk(store, item, now=now, worker=worker)
+    return job_progress.ack_chunk(store, item, now=now, worker=worker)
 
 
 def ready_ids(store: Store, model_ref: str = MODEL_REF) -> list[str]:

@@ -1,4 +1,4 @@
-"""Callers of a sliced script (a job's fill or stop, `jobs.ENQUEUE_SLICE` items a call) that die part-way,
+"""Callers of a sliced script (a job's fill or stop, `job_slices.ENQUEUE_SLICE` items a call) that die part-way,
 or that another caller overtakes, for the tests of what the reaper completes. The real script runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from broker import jobs
+from broker import job_slices, jobs
 from broker.store import Store
 
 SLICE = 3
@@ -17,8 +17,8 @@ SLICE = 3
 
 @pytest.fixture(autouse=True)
 def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`jobs.ENQUEUE_SLICE` is `SLICE` (autouse in the modules that import it)."""
-    monkeypatch.setattr(jobs, "ENQUEUE_SLICE", SLICE)
+    """`job_slices.ENQUEUE_SLICE` is `SLICE` (autouse in the modules that import it)."""
+    monkeypatch.setattr(job_slices, "ENQUEUE_SLICE", SLICE)
 
 
 def chunk_ids(job_id: str, indexes: range) -> list[str]:

@@ -8,7 +8,8 @@ from broker_helpers import NOW
 
 from broker import queues, requests
 from broker.batching import FALLBACK_MAX_BATCH_SIZE, MAX_AUTO_DELAY, Batching, resolve
-from broker.config import ConfigError, ModelBatching, load_settings
+from broker.config import ConfigError, ModelBatching
+from broker.config_loading import load_settings
 from broker.requests import RequestSpec
 from broker.store import Store
 

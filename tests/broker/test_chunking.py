@@ -20,7 +20,8 @@ from broker.chunking import (
     least_chunk_size,
     profiled_rows_per_second,
 )
-from broker.config import Settings, load_settings
+from broker.config import Settings
+from broker.config_loading import load_settings
 from broker.errors import ConfigError
 
 MiB = 1024**2

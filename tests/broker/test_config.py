@@ -8,7 +8,8 @@ from typing import get_args
 import pytest
 from pydantic import BaseModel
 
-from broker.config import Settings, load_settings
+from broker.config import Settings
+from broker.config_loading import load_settings
 from broker.errors import ConfigError
 from broker.units import parse_duration, parse_size
 

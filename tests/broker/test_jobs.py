@@ -11,7 +11,7 @@ from broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_field, j
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker import job_lists, jobs, queues
+from broker import job_fills, job_lists, job_progress, job_stops, jobs, output_dirs, queues
 from broker.errors import Conflict, JobNotFound
 from broker.scoring import Weights, queue_key
 from broker.store import Store
@@ -35,7 +35,7 @@ def finish_job(store: Store, job_id: str, *, now: float) -> None:
 def test_create_job_writes_the_checkpoint_fields(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4, priority=2)
 
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
 
     raw = store.client.hgetall(store.keys.job(spec.job_id))
     assert raw["status"] == "queued"
@@ -54,13 +54,13 @@ def test_create_job_writes_the_checkpoint_fields(store: Store) -> None:
     assert job["progress"] == 0.0
     assert job["error"] is None
     assert job["eta_seconds"] is None
-    assert jobs.done_chunks(store, spec.job_id) == set()
+    assert job_progress.done_chunks(store, spec.job_id) == set()
 
 
 def test_create_job_queues_one_item_per_chunk(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4, priority=2)
 
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
 
     ids = [jobs.chunk_item_id(spec.job_id, i) for i in range(3)]
     assert ready_ids(store) == ids
@@ -73,10 +73,10 @@ def test_create_job_queues_one_item_per_chunk(store: Store) -> None:
 
 def test_creating_an_existing_job_is_a_conflict(store: Store) -> None:
     spec = job_spec()
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
 
     with pytest.raises(Conflict, match=spec.job_id):
-        jobs.create_job(store, spec, now=NOW + 1)
+        job_fills.create_job(store, spec, now=NOW + 1)
 
     assert len(ready_ids(store)) == 3  # nothing queued twice
 
@@ -115,9 +115,9 @@ def test_get_job_on_an_unknown_id_raises_job_not_found(store: Store) -> None:
 def started_with_a_chunk_done(store: Store, rows_total: int) -> jobs.JobSpec:
     """A job of 4-row chunks started at NOW whose first chunk was acked 2 s later."""
     spec = job_spec(rows_total=rows_total, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
-    jobs.start_item(store, spec.job_id, now=NOW)
+    job_progress.start_item(store, spec.job_id, now=NOW)
     ack(store, item, now=NOW + 2)
     return spec
 
@@ -134,8 +134,8 @@ def test_get_job_derives_rate_and_eta_from_progress(store: Store) -> None:
 
 def test_after_a_resume_rate_and_eta_are_of_the_resumed_run_not_of_the_time_stopped(store: Store) -> None:
     spec = started_with_a_chunk_done(store, rows_total=12)
-    jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 2)
-    jobs.resume_job(store, spec.job_id, now=NOW + 100)  # stood stopped for 98 s
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 2)
+    job_fills.resume_job(store, spec.job_id, now=NOW + 100)  # stood stopped for 98 s
     [second] = queues.lease_batch(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1)
     ack(store, second, now=NOW + 101)
 
@@ -148,8 +148,8 @@ def test_after_a_resume_rate_and_eta_are_of_the_resumed_run_not_of_the_time_stop
 
 def test_list_jobs_is_newest_first_and_filters_by_status(store: Store) -> None:
     for i, job_id in enumerate(["jold", "jmid", "jnew"]):
-        jobs.create_job(store, job_spec(job_id, rows_total=1, chunk_size=1), now=NOW + i)
-    jobs.stop_job(store, "jmid", status="cancelled", error="", now=NOW + 10)
+        job_fills.create_job(store, job_spec(job_id, rows_total=1, chunk_size=1), now=NOW + i)
+    job_stops.stop_job(store, "jmid", status="cancelled", error="", now=NOW + 10)
 
     assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10)] == ["jnew", "jmid", "jold"]
     assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, limit=2)] == ["jnew", "jmid"]
@@ -167,8 +167,8 @@ def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
     owners = ["bob", "alice", "bob", "bob", "alice", "bob", "bob", ""]
     for i, owner in enumerate(owners):
         spec = dataclasses.replace(job_spec(f"j{i}", rows_total=1, chunk_size=1), owner=owner)
-        jobs.create_job(store, spec, now=NOW + i)
-    jobs.stop_job(store, "j4", status="cancelled", error="", now=NOW + 10)
+        job_fills.create_job(store, spec, now=NOW + i)
+    job_stops.stop_job(store, "j4", status="cancelled", error="", now=NOW + 10)
     if indexed:
         assert job_lists.index_job_owners(store)  # as a reaper pass does
 
@@ -193,7 +193,7 @@ def test_reaper_passes_index_jobs_stored_before_the_owner_indexes_a_page_at_a_ti
     owners = ["alice", "bob", "alice", "", "alice"]
     for i, owner in enumerate(owners):
         spec = dataclasses.replace(job_spec(f"j{i}", rows_total=1, chunk_size=1), owner=owner)
-        jobs.create_job(store, spec, now=NOW + (i if i < 3 else 2))  # j2, j3 and j4 share a creation time
+        job_fills.create_job(store, spec, now=NOW + (i if i < 3 else 2))  # j2, j3 and j4 share a creation time
     store.client.delete(store.keys.owner_jobs("alice"), store.keys.owner_jobs("bob"))
 
     assert not job_lists.index_job_owners(store, limit=4)  # a full page: more may follow
@@ -203,7 +203,7 @@ def test_reaper_passes_index_jobs_stored_before_the_owner_indexes_a_page_at_a_ti
     assert store.client.zrange(store.keys.owner_jobs("alice"), 0, -1, withscores=True) == [
         ("j0", NOW), ("j2", NOW + 2), ("j4", NOW + 2)]
     assert store.client.zrange(store.keys.owner_jobs("bob"), 0, -1) == ["j1"]
-    jobs.create_job(store, dataclasses.replace(job_spec("j5", rows_total=1, chunk_size=1), owner="bob"),
+    job_fills.create_job(store, dataclasses.replace(job_spec("j5", rows_total=1, chunk_size=1), owner="bob"),
                     now=NOW + 5)
     store.client.zrem(store.keys.owner_jobs("bob"), "j5")  # as an older API process wrote it
     assert job_lists.index_job_owners(store)
@@ -219,8 +219,8 @@ BOB, ADMIN = {"name": "bob", "role": "user"}, {"name": "ops", "role": "admin"}
 def held_by(store: Store, owner: str, status: str) -> str:
     """A job of `owner` in `status` that holds /data/out; returns its id."""
     spec = dataclasses.replace(job_spec(rows_total=4, chunk_size=4), owner=owner)
-    jobs.claim_output_dir(store, spec.output_dir, spec.job_id, caller={"name": owner, "role": "user"})
-    jobs.create_job(store, spec, now=NOW)
+    output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller={"name": owner, "role": "user"})
+    job_fills.create_job(store, spec, now=NOW)
     if status != "queued":
         store.client.hset(store.keys.job(spec.job_id), "status", status)
     return spec.job_id
@@ -232,32 +232,32 @@ def test_a_stopped_job_s_folder_is_taken_only_by_keys_that_own_the_job(store: St
     holder = held_by(store, "alice", status)
 
     with pytest.raises(Conflict) as refused:
-        jobs.claim_output_dir(store, "/data/out", "jbob", caller=BOB)
+        output_dirs.claim_output_dir(store, "/data/out", "jbob", caller=BOB)
     assert refused.value.message == ("output_dir /data/out was last used by another tenant's job, whose parts "
                                      "or results may still be there; choose another folder")
-    assert jobs.holds_output_dir(store, "/data/out", holder)
+    assert output_dirs.holds_output_dir(store, "/data/out", holder)
     for caller in (ALICE_2ND_KEY, ADMIN):  # the same tenant (any of its keys), and admins
-        jobs.claim_output_dir(store, "/data/out", f"j-{caller['role']}", caller=caller)
-        assert jobs.holds_output_dir(store, "/data/out", f"j-{caller['role']}")
+        output_dirs.claim_output_dir(store, "/data/out", f"j-{caller['role']}", caller=caller)
+        assert output_dirs.holds_output_dir(store, "/data/out", f"j-{caller['role']}")
 
 
 def test_an_active_job_s_folder_is_taken_by_no_one_and_a_gone_job_s_by_anyone(store: Store) -> None:
     holder = held_by(store, "alice", "running")
     for caller in (ALICE, BOB, ADMIN):
         with pytest.raises(Conflict, match="is in use by"):
-            jobs.claim_output_dir(store, "/data/out", "jnew", caller=caller)
+            output_dirs.claim_output_dir(store, "/data/out", "jnew", caller=caller)
 
     store.client.delete(store.keys.job(holder))  # gone from Redis: nothing of it to protect
-    jobs.claim_output_dir(store, "/data/out", "jbob", caller=BOB)
-    assert jobs.holds_output_dir(store, "/data/out", "jbob")
+    output_dirs.claim_output_dir(store, "/data/out", "jbob", caller=BOB)
+    assert output_dirs.holds_output_dir(store, "/data/out", "jbob")
 
 
 def test_a_folder_of_a_job_stored_without_an_owner_is_an_admin_s_to_take(store: Store) -> None:
     held_by(store, "", "cancelled")
 
     with pytest.raises(Conflict, match="last used by another tenant's job"):
-        jobs.claim_output_dir(store, "/data/out", "jalice", caller=ALICE)
-    jobs.claim_output_dir(store, "/data/out", "jadmin", caller=ADMIN)
+        output_dirs.claim_output_dir(store, "/data/out", "jalice", caller=ALICE)
+    output_dirs.claim_output_dir(store, "/data/out", "jadmin", caller=ADMIN)
 
 
 # --- cancel ---------------------------------------------------------------------------------------
@@ -266,11 +266,11 @@ def test_a_folder_of_a_job_stored_without_an_owner_is_an_admin_s_to_take(store: 
 def test_cancel_removes_waiting_and_leased_items(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4)
     other = job_spec("jother", rows_total=1, chunk_size=1)
-    jobs.create_job(store, spec, now=NOW)
-    jobs.create_job(store, other, now=NOW + 1)
+    job_fills.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, other, now=NOW + 1)
     queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
 
-    status = jobs.stop_job(store, spec.job_id, status="cancelled", error="cancelled by the user", now=NOW + 2)
+    status = job_stops.stop_job(store, spec.job_id, status="cancelled", error="cancelled by the user", now=NOW + 2)
 
     assert status == "cancelled"
     assert ready_ids(store) == ["jother:c0000000"]  # other jobs keep their items
@@ -283,31 +283,31 @@ def test_cancel_removes_waiting_and_leased_items(store: Store) -> None:
 
 def test_ack_after_cancel_is_ignored(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
-    jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 1)
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 1)
 
     assert ack(store, item, now=NOW + 2) == 0
 
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
     assert job["status"] == "cancelled"
     assert (job["chunks_done"], job["rows_done"]) == (0, 0)
-    assert jobs.done_chunks(store, spec.job_id) == set()
+    assert job_progress.done_chunks(store, spec.job_id) == set()
     assert ready_ids(store) == []
 
 
 def test_stopping_a_finished_job_keeps_its_status(store: Store) -> None:
     spec = job_spec(rows_total=2, chunk_size=1)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     finish_job(store, spec.job_id, now=NOW + 1)
 
-    assert jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 2) == "succeeded"
+    assert job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 2) == "succeeded"
     assert job_field(store, spec.job_id, "status") == "succeeded"
 
 
 def test_stopping_an_unknown_job_raises_job_not_found(store: Store) -> None:
     with pytest.raises(JobNotFound):
-        jobs.stop_job(store, "jghost", status="cancelled", error="", now=NOW)
+        job_stops.stop_job(store, "jghost", status="cancelled", error="", now=NOW)
 
 
 # --- resume ------------------------------------------------------------------------------------
@@ -315,13 +315,13 @@ def test_stopping_an_unknown_job_raises_job_not_found(store: Store) -> None:
 
 def test_resume_re_queues_exactly_the_chunks_not_done(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=2)  # 5 chunks
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     leased = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=5)
     ack(store, leased[0], now=NOW + 1)
     ack(store, leased[3], now=NOW + 1)
     # everything crashes: the other three leases are held by workers that are gone
 
-    added = jobs.resume_job(store, spec.job_id, now=NOW + 5)
+    added = job_fills.resume_job(store, spec.job_id, now=NOW + 5)
 
     assert added == 3
     assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, i) for i in (1, 2, 4)]
@@ -335,12 +335,12 @@ def test_resume_re_queues_exactly_the_chunks_not_done(store: Store) -> None:
 
 def test_resume_of_a_cancelled_job_re_queues_its_missing_chunks(store: Store) -> None:
     spec = job_spec(rows_total=6, chunk_size=2)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [first] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
     ack(store, first, now=NOW + 1)
-    jobs.stop_job(store, spec.job_id, status="cancelled", error="cancelled by the user", now=NOW + 2)
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="cancelled by the user", now=NOW + 2)
 
-    assert jobs.resume_job(store, spec.job_id, now=NOW + 3) == 2
+    assert job_fills.resume_job(store, spec.job_id, now=NOW + 3) == 2
 
     assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, i) for i in (1, 2)]
     job = jobs.get_job(store, spec.job_id, now=NOW + 3)
@@ -349,35 +349,35 @@ def test_resume_of_a_cancelled_job_re_queues_its_missing_chunks(store: Store) ->
 
 def test_resume_does_not_duplicate_chunks_already_waiting(store: Store) -> None:
     spec = job_spec(rows_total=6, chunk_size=2)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
 
-    assert jobs.resume_job(store, spec.job_id, now=NOW + 1) == 0
+    assert job_fills.resume_job(store, spec.job_id, now=NOW + 1) == 0
 
     assert len(ready_ids(store)) == 3
 
 
 def test_late_ack_from_a_pre_resume_lease_is_counted_once(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=2)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [old, _] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)
-    jobs.resume_job(store, spec.job_id, now=NOW + 1)
+    job_fills.resume_job(store, spec.job_id, now=NOW + 1)
     [new, _] = queues.lease_batch(store, MODEL_REF, now=NOW + 2, lease_seconds=30, max_items=2)
 
     assert [ack(store, old, now=NOW + 3), ack(store, new, now=NOW + 4)] == [1, 0]
 
-    assert jobs.done_chunks(store, spec.job_id) == {0}
+    assert job_progress.done_chunks(store, spec.job_id) == {0}
     assert job_field(store, spec.job_id, "chunks_done") == "1"
 
 
 def test_resume_with_every_chunk_done_queues_only_the_finalize_step(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=2)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     for item in queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2):
         ack(store, item, now=NOW + 1)
-    jobs.stop_job(store, spec.job_id, status="failed", error="finalize crashed", now=NOW + 2)
+    job_stops.stop_job(store, spec.job_id, status="failed", error="finalize crashed", now=NOW + 2)
     assert ready_ids(store) == []  # stop took the finalize item out too
 
-    assert jobs.resume_job(store, spec.job_id, now=NOW + 3) == 1
+    assert job_fills.resume_job(store, spec.job_id, now=NOW + 3) == 1
 
     finalize_id = jobs.finalize_item_id(spec.job_id)
     assert ready_ids(store) == [finalize_id]
@@ -386,31 +386,31 @@ def test_resume_with_every_chunk_done_queues_only_the_finalize_step(store: Store
 
 def test_resume_of_a_succeeded_job_is_a_conflict(store: Store) -> None:
     spec = job_spec(rows_total=2, chunk_size=1)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     finish_job(store, spec.job_id, now=NOW + 1)
     assert jobs.get_job(store, spec.job_id, now=NOW + 1)["manifest"] == {"rows": 1}
 
     with pytest.raises(Conflict, match="already succeeded"):
-        jobs.resume_job(store, spec.job_id, now=NOW + 2)
+        job_fills.resume_job(store, spec.job_id, now=NOW + 2)
 
     assert ready_ids(store) == []
 
 
 def test_resume_of_an_unknown_job_raises_job_not_found(store: Store) -> None:
     with pytest.raises(JobNotFound):
-        jobs.resume_job(store, "jghost", now=NOW)
+        job_fills.resume_job(store, "jghost", now=NOW)
 
 
 def test_a_resume_between_reap_and_fail_wins_over_the_reaper(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     for attempt in range(3):
         queues.lease_batch(store, MODEL_REF, now=NOW + attempt * 10, lease_seconds=1, max_items=1)
         result = queues.reap_expired_leases(store, now=NOW + attempt * 10 + 5, max_attempts=3)
     (_, dead_item, _), = result.dead_items
 
-    jobs.resume_job(store, spec.job_id, now=NOW + 40)  # the user resumes before the reaper fails the job
-    outcome = jobs.stop_job(store, spec.job_id, status="failed", error="x", now=NOW + 41, dead_item=dead_item)
+    job_fills.resume_job(store, spec.job_id, now=NOW + 40)  # the user resumes before the reaper fails the job
+    outcome = job_stops.stop_job(store, spec.job_id, status="failed", error="x", now=NOW + 41, dead_item=dead_item)
 
     assert outcome == "skipped"
     assert job_field(store, spec.job_id, "status") == "queued"
@@ -420,11 +420,11 @@ def test_a_resume_between_reap_and_fail_wins_over_the_reaper(store: Store) -> No
 
 def test_the_reaper_fails_a_job_whose_item_stays_dead(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=1, max_items=1)
     (_, dead_item, _), = queues.reap_expired_leases(store, now=NOW + 5, max_attempts=1).dead_items
 
-    outcome = jobs.stop_job(store, spec.job_id, status="failed", error="poison", now=NOW + 6, dead_item=dead_item)
+    outcome = job_stops.stop_job(store, spec.job_id, status="failed", error="poison", now=NOW + 6, dead_item=dead_item)
 
     assert outcome == "failed"
     assert ready_ids(store) == [] and store.client.zcard(store.keys.dead) == 0

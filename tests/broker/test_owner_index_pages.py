@@ -6,7 +6,7 @@ import dataclasses
 
 from broker_helpers import NOW, job_spec
 
-from broker import job_lists, jobs
+from broker import job_fills, job_lists
 from broker.store import Store
 
 
@@ -15,7 +15,8 @@ def store_jobs_without_owner_indexes(store: Store, created: list[float], owners:
     """Jobs as a release without per-owner indexes stored them; their ids, oldest first."""
     ids = [f"{id_prefix}{i:05d}" for i in range(len(created))]
     for job_id, at, owner in zip(ids, created, owners, strict=True):
-        jobs.create_job(store, dataclasses.replace(job_spec(job_id, rows_total=1, chunk_size=1), owner=owner), now=at)
+        job_fills.create_job(store, dataclasses.replace(job_spec(job_id, rows_total=1, chunk_size=1), owner=owner),
+                             now=at)
     store.client.delete(*(store.keys.owner_jobs(owner) for owner in set(owners)))
     return ids
 

@@ -31,7 +31,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from broker import job_lists, jobs, policy, queues, requests
+from broker import job_fills, job_lists, job_progress, job_stops, jobs, policy, queues, requests
 from broker.embedded import EmbeddedRedis
 from broker.errors import Conflict
 from broker.keys import Keys
@@ -110,7 +110,7 @@ class QueueMachine(RuleBasedStateMachine):
             priority=priority,
         )
         weights, ordering = policy.get_policy(self.store, default="dynamic")
-        jobs.create_job(self.store, spec, now=self.now, weights=weights, ordering=ordering)
+        job_fills.create_job(self.store, spec, now=self.now, weights=weights, ordering=ordering)
         self.job_ids.append(spec.job_id)
 
     @precondition(lambda self: len(self.request_ids) < MAX_REQUESTS)
@@ -134,12 +134,12 @@ class QueueMachine(RuleBasedStateMachine):
         """A user cancels a job, or resumes one (a succeeded job must refuse)."""
         job_id = self.job_ids[pick % len(self.job_ids)]
         if action == "cancel":
-            jobs.stop_job(self.store, job_id, status="cancelled", error="cancelled by the user", now=self.now)
+            job_stops.stop_job(self.store, job_id, status="cancelled", error="cancelled by the user", now=self.now)
             return
         succeeded = self.status(job_id) == "succeeded"
         try:
             weights, ordering = policy.get_policy(self.store, default="dynamic")
-            jobs.resume_job(self.store, job_id, now=self.now, weights=weights, ordering=ordering)
+            job_fills.resume_job(self.store, job_id, now=self.now, weights=weights, ordering=ordering)
         except Conflict:
             assert succeeded
         else:
@@ -177,7 +177,7 @@ class QueueMachine(RuleBasedStateMachine):
                                        batch_size=1, worker="w1")
             return
         job_id = item.payload["job"]
-        status = jobs.start_item(self.store, job_id, now=self.now)
+        status = job_progress.start_item(self.store, job_id, now=self.now)
         if status != "running":
             queues.finish_item(self.store, item, job_id, now=self.now)
         elif item.payload["kind"] == "finalize":
@@ -230,7 +230,7 @@ class QueueMachine(RuleBasedStateMachine):
                 continue
             job_id = payload.get("job", "")
             if job_id:
-                jobs.stop_job(self.store, job_id, status="failed", error=f"{item_id} failed", now=self.now)
+                job_stops.stop_job(self.store, job_id, status="failed", error=f"{item_id} failed", now=self.now)
             item = LeasedItem(item_id, model_ref, payload, MAX_ATTEMPTS)
             queues.finish_item(self.store, item, job_id, now=self.now)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from broker_helpers import NOW, job_spec, ready_ids
 
-from broker import jobs, queues
+from broker import job_fills, job_progress, jobs, queues
 from broker.store import Store
 
 OLD, LATEST = "mlp@v1", "mlp@v2"
@@ -32,8 +32,8 @@ def drain(store: Store, model_ref: str) -> None:
 
 def test_an_older_version_s_drained_queue_is_pruned_and_the_latest_s_stays(two_versions: Store) -> None:
     store = two_versions
-    jobs.create_job(store, job_spec("jold", model_version="v1", rows_total=2, chunk_size=1), now=NOW)
-    jobs.create_job(store, job_spec("jnew", model_version="v2", rows_total=2, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=2, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jnew", model_version="v2", rows_total=2, chunk_size=1), now=NOW)
     assert queue_set(store) == {OLD, LATEST}
 
     assert queues.prune_old_queues(store) == []  # both have waiting items
@@ -47,7 +47,7 @@ def test_an_older_version_s_drained_queue_is_pruned_and_the_latest_s_stays(two_v
 
 def test_an_older_version_with_leased_items_is_kept(two_versions: Store) -> None:
     store = two_versions
-    jobs.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
     [leased] = queues.lease_batch(store, OLD, now=NOW, lease_seconds=30, max_items=1)
 
     assert queues.prune_old_queues(store) == []
@@ -61,11 +61,11 @@ def test_an_older_version_with_leased_items_is_kept(two_versions: Store) -> None
 
 def test_queueing_for_a_pruned_version_puts_its_queue_back(two_versions: Store) -> None:
     store = two_versions
-    jobs.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
     drain(store, OLD)
     assert queues.prune_old_queues(store) == [OLD]
 
-    jobs.create_job(store, job_spec("jagain", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jagain", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
 
     assert OLD in queue_set(store)
     assert list(queues.queue_heads(store)) == [OLD]
@@ -74,11 +74,11 @@ def test_queueing_for_a_pruned_version_puts_its_queue_back(two_versions: Store) 
 def test_a_job_s_finalize_item_puts_its_queue_back(two_versions: Store) -> None:
     """The finalize item is queued by the last chunk's ack, not by an enqueue."""
     store = two_versions
-    jobs.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
     [chunk] = queues.lease_batch(store, OLD, now=NOW, lease_seconds=30, max_items=1)
     store.client.srem(store.keys.queues, OLD)  # as if pruned in a moment nothing was queued or leased
 
-    assert jobs.ack_chunk(store, chunk, now=NOW + 1, worker="w1") == 2
+    assert job_progress.ack_chunk(store, chunk, now=NOW + 1, worker="w1") == 2
 
     assert OLD in queue_set(store)
     assert ready_ids(store, OLD) == [jobs.finalize_item_id("jold")]
@@ -87,13 +87,13 @@ def test_a_job_s_finalize_item_puts_its_queue_back(two_versions: Store) -> None:
 def test_a_watcher_sees_a_queue_that_replaced_a_pruned_one_in_a_set_of_the_same_size(two_versions: Store) -> None:
     store = two_versions
     watcher = queues.QueueWatcher(store)
-    jobs.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
     assert list(watcher.snapshot().heads) == [OLD]
     drain(store, OLD)
     assert watcher.snapshot().heads == {}
 
     queues.prune_old_queues(store)
-    jobs.create_job(store, job_spec("jcnn", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jcnn", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
     assert queue_set(store) == {"cnn@v1"}  # one ref, as before
 
     assert list(watcher.snapshot().heads) == ["cnn@v1"]
@@ -103,14 +103,14 @@ def test_a_ticket_is_not_released_with_a_set_of_queues_read_before_it_changed(tw
     """release_ticket's check is atomic with the version read with the refs: a ref added since (even
     in place of a pruned one, the set's size unchanged) sends the caller back to read the set again."""
     store = two_versions
-    jobs.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
     drain(store, OLD)
     [ticket] = queues.top_up_tickets(store, now=NOW, target=1)
     refs, version = queues.queue_refs(store)
     assert refs == [OLD]
 
     queues.prune_old_queues(store)
-    jobs.create_job(store, job_spec("jcnn", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jcnn", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
     keys = store.keys
     stale = store.scripts.release_ticket(keys=[keys.tickets, keys.queues_version, *(keys.ready(r) for r in refs)],
                                          args=[ticket, version])
@@ -123,7 +123,7 @@ def test_a_ticket_is_not_released_with_a_set_of_queues_read_before_it_changed(tw
 def test_a_version_of_a_model_with_no_latest_is_pruned_and_a_ref_without_a_version_is_left_alone(
         store: Store) -> None:
     """Any drained version but its model's latest goes (no latest recorded: none is the latest)."""
-    jobs.create_job(store, job_spec("jx", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jx", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
     drain(store, "mlp@v1")
     store.client.sadd(store.keys.queues, "bare")
 

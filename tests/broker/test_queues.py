@@ -7,7 +7,7 @@ import json
 import pytest
 from broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_field, job_spec, ready_ids
 
-from broker import jobs, queues, workers
+from broker import job_fills, job_progress, job_stops, jobs, queues, workers
 from broker.queues import StaleTicket
 from broker.store import Store
 from broker.wakeup import wake_workers
@@ -17,7 +17,7 @@ from broker.wakeup import wake_workers
 
 def test_lease_moves_items_from_ready_to_inflight_with_the_deadline(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4)  # chunks [0,4) [4,8) [8,10)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
 
     leased = queues.lease_batch(store, MODEL_REF, now=NOW + 1, lease_seconds=30, max_items=2)
 
@@ -45,7 +45,7 @@ def test_lease_on_an_empty_or_unknown_queue_returns_nothing(store: Store) -> Non
 
 
 def test_lease_takes_at_most_what_is_waiting(store: Store) -> None:
-    jobs.create_job(store, job_spec(rows_total=3, chunk_size=2), now=NOW)
+    job_fills.create_job(store, job_spec(rows_total=3, chunk_size=2), now=NOW)
 
     leased = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=10)
 
@@ -56,8 +56,8 @@ def test_lease_takes_at_most_what_is_waiting(store: Store) -> None:
 def test_items_are_leased_fifo_within_a_priority(store: Store) -> None:
     first = job_spec("jfirst", rows_total=4, chunk_size=2)
     second = job_spec("jsecond", rows_total=4, chunk_size=2)
-    jobs.create_job(store, second, now=NOW + 5)  # written to Redis first ...
-    jobs.create_job(store, first, now=NOW)  # ... but this one was enqueued earlier
+    job_fills.create_job(store, second, now=NOW + 5)  # written to Redis first ...
+    job_fills.create_job(store, first, now=NOW)  # ... but this one was enqueued earlier
 
     leased = queues.lease_batch(store, MODEL_REF, now=NOW + 10, lease_seconds=30, max_items=10)
 
@@ -70,9 +70,9 @@ def test_items_are_leased_fifo_within_a_priority(store: Store) -> None:
 
 
 def test_higher_priority_is_leased_first_even_when_enqueued_later(store: Store) -> None:
-    jobs.create_job(store, job_spec("jlow", rows_total=2, chunk_size=1, priority=0), now=NOW)
-    jobs.create_job(store, job_spec("jmid", rows_total=1, chunk_size=1, priority=5), now=NOW + 5)
-    jobs.create_job(store, job_spec("jhigh", rows_total=1, chunk_size=1, priority=15), now=NOW + 10)
+    job_fills.create_job(store, job_spec("jlow", rows_total=2, chunk_size=1, priority=0), now=NOW)
+    job_fills.create_job(store, job_spec("jmid", rows_total=1, chunk_size=1, priority=5), now=NOW + 5)
+    job_fills.create_job(store, job_spec("jhigh", rows_total=1, chunk_size=1, priority=15), now=NOW + 10)
 
     order = [
         item.item_id for item in queues.lease_batch(store, MODEL_REF, now=NOW + 200, lease_seconds=30, max_items=10)
@@ -82,9 +82,9 @@ def test_higher_priority_is_leased_first_even_when_enqueued_later(store: Store) 
 
 
 def test_aging_lets_an_old_low_priority_item_pass_newer_urgent_ones(store: Store) -> None:
-    jobs.create_job(store, job_spec("jold", rows_total=1, chunk_size=1, priority=0), now=NOW)
+    job_fills.create_job(store, job_spec("jold", rows_total=1, chunk_size=1, priority=0), now=NOW)
     # delta = 0.1 point per second: after 60 s the old item is worth 6 levels more than a new one
-    jobs.create_job(store, job_spec("jnew", rows_total=1, chunk_size=1, priority=5), now=NOW + 60)
+    job_fills.create_job(store, job_spec("jnew", rows_total=1, chunk_size=1, priority=5), now=NOW + 60)
 
     order = [item.item_id for item in queues.lease_batch(store, MODEL_REF, now=NOW + 61, lease_seconds=30,
                                                          max_items=10)]
@@ -94,7 +94,7 @@ def test_aging_lets_an_old_low_priority_item_pass_newer_urgent_ones(store: Store
 
 def test_chunks_of_a_large_job_wait_in_row_order(store: Store) -> None:
     spec = job_spec(rows_total=25, chunk_size=2)  # 13 chunks: ids must sort numerically
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
 
     leased = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=100)
 
@@ -102,8 +102,8 @@ def test_chunks_of_a_large_job_wait_in_row_order(store: Store) -> None:
 
 
 def test_queue_heads_and_depths_report_each_queue(store: Store) -> None:
-    jobs.create_job(store, job_spec("ja", rows_total=4, chunk_size=2), now=NOW)
-    jobs.create_job(store, job_spec("jb", model_name="cnn", rows_total=3, chunk_size=1), now=NOW + 1)
+    job_fills.create_job(store, job_spec("ja", rows_total=4, chunk_size=2), now=NOW)
+    job_fills.create_job(store, job_spec("jb", model_name="cnn", rows_total=3, chunk_size=1), now=NOW + 1)
     queues.lease_batch(store, "cnn@v1", now=NOW + 2, lease_seconds=30, max_items=3)
 
     heads = queues.queue_heads(store)
@@ -119,8 +119,8 @@ def test_a_watcher_sees_heads_deadlines_and_the_policy_and_picks_up_queues_creat
     empty = watcher.snapshot()
     assert (empty.heads, empty.head_items, empty.earliest_deadlines, empty.raw_policy) == ({}, {}, {}, "")
 
-    jobs.create_job(store, job_spec("ja", rows_total=4, chunk_size=2), now=NOW)
-    jobs.create_job(store, job_spec("jb", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("ja", rows_total=4, chunk_size=2), now=NOW)
+    job_fills.create_job(store, job_spec("jb", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
     store.client.zadd(store.keys.deadlines(MODEL_REF), {"ja:c0000001": NOW + 2.5, "ja:c0000000": NOW + 7})
     store.client.set(store.keys.policy, '{"ordering": "fifo"}')
     queues.lease_batch(store, "cnn@v1", now=NOW, lease_seconds=30, max_items=1)
@@ -137,7 +137,7 @@ def test_a_watcher_sees_heads_deadlines_and_the_policy_and_picks_up_queues_creat
 
 def test_expired_lease_returns_item_to_its_queue(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     score_before = store.client.zscore(store.keys.ready(MODEL_REF), jobs.chunk_item_id(spec.job_id, 0))
     [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
 
@@ -155,7 +155,7 @@ def test_expired_lease_returns_item_to_its_queue(store: Store) -> None:
 
 
 def test_re_leased_item_counts_its_attempts(store: Store) -> None:
-    jobs.create_job(store, job_spec(rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec(rows_total=1, chunk_size=1), now=NOW)
     queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
     queues.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
 
@@ -166,7 +166,7 @@ def test_re_leased_item_counts_its_attempts(store: Store) -> None:
 
 def test_item_leased_max_attempts_times_lands_in_the_dead_set(store: Store) -> None:
     spec = job_spec(rows_total=1, chunk_size=1)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     now = NOW
     results = []
     for _ in range(3):
@@ -184,7 +184,7 @@ def test_item_leased_max_attempts_times_lands_in_the_dead_set(store: Store) -> N
 
 def test_finish_item_clears_a_dead_item_and_fails_its_job(store: Store) -> None:
     spec = job_spec(rows_total=1, chunk_size=1)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
     [(model_ref, item_id, payload)] = queues.reap_expired_leases(store, now=NOW + 11, max_attempts=1).dead_items
 
@@ -200,9 +200,9 @@ def test_finish_item_clears_a_dead_item_and_fails_its_job(store: Store) -> None:
 
 def test_finish_item_keeps_a_final_job_status(store: Store) -> None:
     spec = job_spec(rows_total=2, chunk_size=1)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [item, _] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=2)
-    jobs.stop_job(store, spec.job_id, status="cancelled", error="by user", now=NOW + 1)
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="by user", now=NOW + 1)
 
     queues.finish_item(store, item, spec.job_id, now=NOW + 2, job_status="failed", error="late failure")
 
@@ -215,10 +215,10 @@ def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queu
     """The worker saw the job cancelled and drops its item; a resume in between queued it again: were it
     removed, the resumed job would wait for ever for a chunk that is nowhere."""
     spec = job_spec(rows_total=2, chunk_size=1)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [item, other] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=2)
-    jobs.stop_job(store, spec.job_id, status="cancelled", error="by user", now=NOW + 1)
-    jobs.resume_job(store, spec.job_id, now=NOW + 2)
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="by user", now=NOW + 1)
+    job_fills.resume_job(store, spec.job_id, now=NOW + 2)
 
     queues.finish_item(store, item, spec.job_id, now=NOW + 3)  # the late drop
 
@@ -228,7 +228,7 @@ def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queu
     queues.finish_item(store, item, spec.job_id, now=NOW + 4)  # a drop later still
     assert sorted(inflight_deadlines(store)) == sorted(leased.item_id for leased in again)
     assert store.client.hget(store.keys.items, item.item_id) is not None
-    jobs.stop_job(store, spec.job_id, status="cancelled", error="again", now=NOW + 4)
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="again", now=NOW + 4)
     queues.finish_item(store, item, spec.job_id, now=NOW + 5)  # a drop of a stopped job's item removes it
     assert store.client.hget(store.keys.items, item.item_id) is None
 
@@ -238,7 +238,7 @@ def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queu
 
 def test_ack_records_the_chunk_in_the_job_checkpoint(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
 
     assert ack(store, item, now=NOW + 5, worker="gpu0") == 1
@@ -246,7 +246,7 @@ def test_ack_records_the_chunk_in_the_job_checkpoint(store: Store) -> None:
     assert inflight_deadlines(store) == {}
     assert store.client.hget(store.keys.items, item.item_id) is None
     assert store.client.hget(store.keys.attempts, item.item_id) is None
-    assert jobs.done_chunks(store, spec.job_id) == {0}
+    assert job_progress.done_chunks(store, spec.job_id) == {0}
     job = jobs.get_job(store, spec.job_id, now=NOW + 5)
     assert (job["chunks_done"], job["rows_done"], job["chunk_runs"]) == (1, 4, 1)
     assert job["status"] == "running"
@@ -257,7 +257,7 @@ def test_ack_records_the_chunk_in_the_job_checkpoint(store: Store) -> None:
 
 def test_acking_the_same_chunk_twice_counts_it_once(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [item] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
 
     first = ack(store, item, now=NOW + 1)
@@ -267,12 +267,12 @@ def test_acking_the_same_chunk_twice_counts_it_once(store: Store) -> None:
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
     assert (job["chunks_done"], job["rows_done"], job["chunk_runs"]) == (1, 4, 2)
     assert job["checkpoint_ts"] == NOW + 1
-    assert jobs.done_chunks(store, spec.job_id) == {0}
+    assert job_progress.done_chunks(store, spec.job_id) == {0}
 
 
 def test_late_ack_of_a_reaped_chunk_takes_it_out_of_the_queue(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [slow] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
     queues.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
     assert slow.item_id in ready_ids(store)
@@ -280,12 +280,12 @@ def test_late_ack_of_a_reaped_chunk_takes_it_out_of_the_queue(store: Store) -> N
     assert ack(store, slow, now=NOW + 12) == 1  # the slow worker finished after all
 
     assert slow.item_id not in ready_ids(store)  # so nobody runs it again
-    assert jobs.done_chunks(store, spec.job_id) == {0}
+    assert job_progress.done_chunks(store, spec.job_id) == {0}
 
 
 def test_late_ack_after_the_chunk_was_re_leased_is_counted_once(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     [slow] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
     queues.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
     [fast] = queues.lease_batch(store, MODEL_REF, now=NOW + 12, lease_seconds=10, max_items=1)
@@ -299,7 +299,7 @@ def test_late_ack_after_the_chunk_was_re_leased_is_counted_once(store: Store) ->
 
 def test_last_chunk_ack_queues_the_finalize_item(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4, priority=3)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     leased = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=3)
 
     replies = [ack(store, item, now=NOW + 1) for item in reversed(leased)]
@@ -324,7 +324,7 @@ def test_the_ack_that_queues_the_finalize_item_rings_the_doorbell(store: Store) 
     """Like every enqueue: a drain task lingering on the doorbell leases the finalize step at once.
     Acks that queue nothing (earlier chunks, a duplicate of the last) do not ring."""
     spec = job_spec(rows_total=10, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     leased = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=3)
 
     rings = []
@@ -337,14 +337,14 @@ def test_the_ack_that_queues_the_finalize_item_rings_the_doorbell(store: Store) 
 
 def test_start_item_marks_a_queued_job_running_once(store: Store) -> None:
     spec = job_spec()
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     key = [store.keys.job(spec.job_id), store.keys.job_counts]
 
     assert store.scripts.start_item(keys=key, args=[NOW + 1]) == "running"
     assert store.scripts.start_item(keys=key, args=[NOW + 2]) == "running"
     assert float(job_field(store, spec.job_id, "started_at")) == NOW + 1
     assert store.scripts.start_item(keys=[store.keys.job("jmissing"), store.keys.job_counts], args=[NOW]) == ""
-    jobs.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 3)
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 3)
     assert store.scripts.start_item(keys=key, args=[NOW + 4]) == "cancelled"
 
 
@@ -352,7 +352,7 @@ def test_start_item_marks_a_queued_job_running_once(store: Store) -> None:
 
 
 def test_stale_ticket_cannot_lease(store: Store) -> None:
-    jobs.create_job(store, job_spec(), now=NOW)
+    job_fills.create_job(store, job_spec(), now=NOW)
 
     with pytest.raises(StaleTicket):
         queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1, ticket="t99")
@@ -361,7 +361,7 @@ def test_stale_ticket_cannot_lease(store: Store) -> None:
 
 
 def test_live_ticket_leases_and_is_marked_seen(store: Store) -> None:
-    jobs.create_job(store, job_spec(), now=NOW)
+    job_fills.create_job(store, job_spec(), now=NOW)
     [ticket] = queues.top_up_tickets(store, now=NOW, target=1)
 
     leased = queues.lease_batch(store, MODEL_REF, now=NOW + 7, lease_seconds=30, max_items=1, ticket=ticket)
@@ -371,7 +371,7 @@ def test_live_ticket_leases_and_is_marked_seen(store: Store) -> None:
 
 
 def test_replaced_ticket_becomes_stale(store: Store) -> None:
-    jobs.create_job(store, job_spec(), now=NOW)
+    job_fills.create_job(store, job_spec(), now=NOW)
     [old] = queues.top_up_tickets(store, now=NOW, target=1)
     assert queues.expire_lost_tickets(store, now=NOW + 200, ticket_timeout=120) == 1
     [new] = queues.top_up_tickets(store, now=NOW + 200, target=1)
@@ -384,9 +384,9 @@ def test_replaced_ticket_becomes_stale(store: Store) -> None:
 
 
 def test_release_ticket_refuses_while_any_queue_has_waiting_work(store: Store) -> None:
-    jobs.create_job(store, job_spec("jidle", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jidle", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
     queues.lease_batch(store, "cnn@v1", now=NOW, lease_seconds=30, max_items=1)  # cnn: only in-flight work
-    jobs.create_job(store, job_spec("jbusy", rows_total=2, chunk_size=1), now=NOW)
+    job_fills.create_job(store, job_spec("jbusy", rows_total=2, chunk_size=1), now=NOW)
     [ticket] = queues.top_up_tickets(store, now=NOW, target=1)
 
     assert queues.release_ticket(store, ticket) is False
@@ -420,7 +420,7 @@ def test_top_up_creates_exactly_the_missing_tickets(store: Store) -> None:
 
 
 def test_expire_lost_tickets_drops_only_tickets_older_than_the_timeout(store: Store) -> None:
-    jobs.create_job(store, job_spec(), now=NOW)
+    job_fills.create_job(store, job_spec(), now=NOW)
     lost, alive = queues.top_up_tickets(store, now=NOW, target=2)
     assert queues.lease_batch(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1, ticket=alive)
 

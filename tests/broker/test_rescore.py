@@ -14,7 +14,7 @@ import threading
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec
 
-from broker import jobs, policy, queues
+from broker import job_fills, policy, queues
 from broker.scoring import Factors, Weights, queue_key
 from broker.store import Store
 
@@ -24,7 +24,7 @@ WAITING = 100_000
 def _fill(store: Store, count: int) -> None:
     for start in range(0, count, 20_000):  # 20,000 chunks a call: the setup itself is not under test
         spec = job_spec(f"jbulk{start}", rows_total=20_000, chunk_size=1, priority=start % 7)
-        jobs.create_job(store, spec, now=NOW + start / 1000)
+        job_fills.create_job(store, spec, now=NOW + start / 1000)
 
 
 def test_hot_update_rescores_100k_items_in_bounded_slices_while_traffic_goes_on(store: Store) -> None:
@@ -38,7 +38,7 @@ def test_hot_update_rescores_100k_items_in_bounded_slices_while_traffic_goes_on(
         while not stop.is_set():
             n += 1
             live, ordering = policy.get_policy(store, default="dynamic")
-            jobs.create_job(store, job_spec(f"jlive{n}", rows_total=2, chunk_size=1), now=NOW + 200,
+            job_fills.create_job(store, job_spec(f"jlive{n}", rows_total=2, chunk_size=1), now=NOW + 200,
                             weights=live, ordering=ordering)
             counts["enqueued"] += 2
             counts["leased"] += len(queues.lease_batch(store, MODEL_REF, now=NOW + 200, lease_seconds=60,
@@ -70,8 +70,8 @@ def test_hot_update_rescores_100k_items_in_bounded_slices_while_traffic_goes_on(
 
 
 def test_fifo_ordering_serves_by_arrival_whatever_the_priority(store: Store) -> None:
-    jobs.create_job(store, job_spec("jfirst", rows_total=1, chunk_size=1, priority=0), now=NOW)
-    jobs.create_job(store, job_spec("jurgent", rows_total=1, chunk_size=1, priority=15), now=NOW + 1)
+    job_fills.create_job(store, job_spec("jfirst", rows_total=1, chunk_size=1, priority=0), now=NOW)
+    job_fills.create_job(store, job_spec("jurgent", rows_total=1, chunk_size=1, priority=15), now=NOW + 1)
     policy.save_policy(store, Weights(), "fifo")
     policy.rescore_all(store, Weights(), "fifo")
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_spec, ready_ids
 
-from broker import jobs, queues
+from broker import job_fills, queues
 from broker.store import Store
 
 
 def test_items_given_back_unrun_wait_again_at_once_with_their_attempt_uncounted(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     first, second = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)
     store.client.delete(store.keys.doorbell)
 
@@ -26,7 +26,7 @@ def test_items_given_back_unrun_wait_again_at_once_with_their_attempt_uncounted(
 
 def test_giving_back_is_a_no_op_for_items_no_longer_in_flight(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     first, second = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)
     queues.return_unrun(store, [first])
     ack(store, second, now=NOW)  # done: it must not come back

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
 
-from broker import jobs, queues, requests
+from broker import job_fills, jobs, queues, requests
 from broker.queues import StaleTicket
 from broker.requests import RequestResult, RequestSpec
 from broker.store import Store
@@ -31,7 +31,7 @@ def ids(items: list[queues.LeasedItem]) -> list[str]:
 
 def test_riders_of_the_bucket_are_found_behind_job_chunks_best_first_within_the_row_budget(store: Store) -> None:
     spec = job_spec(rows_total=12, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     behind = chunk_score(store) + 100
     submit(store, "r-late", score=behind + 2)
     submit(store, "r-other", score=behind, bucket="features:32")
@@ -67,7 +67,7 @@ def test_a_stale_ticket_leases_no_riders(store: Store) -> None:
 
 def test_a_batch_of_requests_with_rows_to_spare_takes_the_first_chunk_along_last(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     ahead = chunk_score(store) - 100
     submit(store, "r0", score=ahead)
     submit(store, "r1", score=ahead + 1)
@@ -85,7 +85,7 @@ def test_a_batch_of_requests_with_rows_to_spare_takes_the_first_chunk_along_last
 
 def test_a_full_batch_of_requests_takes_no_chunk(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=4)
-    jobs.create_job(store, spec, now=NOW)
+    job_fills.create_job(store, spec, now=NOW)
     ahead = chunk_score(store) - 100
     for index in range(3):
         submit(store, f"r{index}", score=ahead + index)

@@ -19,7 +19,7 @@ from typing import IO
 import numpy as np
 import pytest
 
-from broker import jobs, queues
+from broker import job_fills, job_stops, jobs, output_layout, queues
 from broker.config import Settings
 from broker.queues import LeasedItem
 from broker.store import Store
@@ -63,7 +63,7 @@ def ctx(store: Store) -> WorkerContext:
 
 def cancel(store: Store, job_id: str) -> str:
     """What `DELETE /v1/jobs/{id}` does; returns the status it answers with."""
-    return jobs.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
+    return job_stops.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
 
 
 def test_a_job_cancelled_while_it_merges_keeps_its_parts_and_gets_no_results_until_resumed(
@@ -86,7 +86,7 @@ def test_a_job_cancelled_while_it_merges_keeps_its_parts_and_gets_no_results_unt
     assert store.client.zcard(store.keys.inflight(final.model_ref)) == 0
     assert store.client.zcard(store.keys.ready(final.model_ref)) == 0
 
-    assert jobs.resume_job(store, job_id, now=time.time()) == 1  # only the finalize step: every chunk is done
+    assert job_fills.resume_job(store, job_id, now=time.time()) == 1  # only the finalize step: every chunk is done
     [again] = queues.lease_batch(store, final.model_ref, now=time.time(), lease_seconds=60, max_items=1)
     assert process_item(ctx, again, MergeHooks()) == "finalized"
     assert jobs.get_job(store, job_id, now=time.time())["status"] == "succeeded"
@@ -114,7 +114,7 @@ def test_a_cancel_that_lands_after_the_merge_looked_at_the_status_leaves_the_job
     assert answered == ["cancelled"]
     job = jobs.get_job(store, job_id, now=time.time())
     assert job["status"] == "succeeded" and job["error"] is None, job
-    assert job["manifest"] == outputs.read_manifest(tmp_path)
+    assert job["manifest"] == output_layout.read_manifest(tmp_path)
     assert not (tmp_path / outputs.PARTS_DIR).exists()
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy")[:, 0], np.arange(CHUNKS))
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from broker import jobs
+from broker import job_progress
 from broker.requests import encode_array
 from tests.e2e.stack_helpers import direct_run, start_zoo_stack, wait_job
 
@@ -168,4 +168,4 @@ def test_a_chunk_whose_ticket_is_replaced_midway_still_runs_once_to_its_end(fifo
 
     done = wait_job(client, job["id"])
     assert done["status"] == "succeeded" and done["chunk_runs"] == 1, done
-    assert jobs.last_error(store, job["id"]) is None  # no attempt failed on the way
+    assert job_progress.last_error(store, job["id"]) is None  # no attempt failed on the way

@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from broker import jobs, queues, registry
+from broker import job_fills, job_progress, job_stops, jobs, output_layout, queues, registry
 from broker.config import Settings
 from broker.store import Store
 from sits_worker import outputs
@@ -64,7 +64,7 @@ def mlp_job(store: Store, zoo_dir: Path, tmp_path: Path) -> tuple[WorkerContext,
                         input_batch=str(tmp_path / "in.npy"), input_format="npy", input_checksum="sha256:0",
                         output_dir=str(tmp_path / "out"), output_names=["logits"], rows_total=64, chunk_size=32,
                         batch_size=16)
-    jobs.create_job(store, spec, now=time.time())
+    job_fills.create_job(store, spec, now=time.time())
     ctx = WorkerContext(settings=Settings(), store=store, device=Device("cpu"), streams=1,
                         sessions=SessionCache(Device("cpu"), 1))
     return ctx, spec, rows
@@ -86,7 +86,7 @@ def test_the_slot_goes_on_while_its_chunk_is_made_durable_and_the_ack_waits_for_
 
     job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
     assert job["chunks_done"] == 0 and ctx.commits.pending() == 1
-    assert not outputs.part_exists(Path(spec.output_dir), 0, ["logits"], job_id=spec.job_id)
+    assert not output_layout.part_exists(Path(spec.output_dir), 0, ["logits"], job_id=spec.job_id)
     disk.set()
     assert ctx.commits.wait(timeout=10)
     assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 1
@@ -112,7 +112,7 @@ def test_a_commit_that_cannot_write_leaves_the_chunk_to_be_retried(
     assert ctx.commits.wait(timeout=10)
 
     job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
-    assert job["chunks_done"] == 0 and "No space left" in (jobs.last_error(ctx.store, spec.job_id) or "")
+    assert job["chunks_done"] == 0 and "No space left" in (job_progress.last_error(ctx.store, spec.job_id) or "")
     # Its lease expired at once: the next reaper pass puts it back for another attempt.
     assert queues.reap_expired_leases(ctx.store, now=time.time(), max_attempts=3).returned == 1
 
@@ -125,7 +125,7 @@ def test_a_commit_drops_a_chunk_whose_job_stopped_while_it_waited(
     ctx.commits.submit(lambda: gate.wait(10))  # the disk is busy with another chunk's commit
 
     assert run_next(ctx, spec.model_ref) == "committing"
-    jobs.stop_job(ctx.store, spec.job_id, status="cancelled", error="", now=time.time())
+    job_stops.stop_job(ctx.store, spec.job_id, status="cancelled", error="", now=time.time())
     gate.set()
     assert ctx.commits.wait(timeout=10)
 

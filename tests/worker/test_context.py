@@ -9,7 +9,6 @@ import pytest
 from broker import registry
 from broker.config import Settings
 from broker.store import Store
-from sits_worker import context
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.runtime import SessionCache
@@ -25,7 +24,7 @@ def test_a_worker_sees_a_profile_that_lands_after_it_first_read_the_model(
     registry.save_model_version(store, RECORD)
     ctx = WorkerContext(settings=Settings(), store=store, device=Device("cpu"), streams=1,
                         sessions=SessionCache(Device("cpu"), 1))
-    monkeypatch.setattr(context, "MODEL_RECORD_TTL_SECONDS", 0.5)
+    monkeypatch.setattr(ctx.model_records, "ttl_seconds", 0.5)
     assert "profile" not in ctx.model("m@v1")
     registry.update_model_version(store, "m@v1", {"profile": {"points": [
         {"batch_size": 1, "latency_ms": 2.0, "rows_per_second": 500.0}]}})

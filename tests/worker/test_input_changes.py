@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import pytest
 
-from broker import jobs, queues, registry
+from broker import job_fills, jobs, output_layout, queues, registry
 from broker.config import Settings
 from broker.queues import LeasedItem
 from broker.store import Store
@@ -93,7 +93,7 @@ def submit(store: Store, tmp_path: Path, *, chunk_size: int) -> jobs.JobSpec:
                         input_format="npy", input_checksum="sha256:0", output_dir=str(tmp_path / "out"),
                         output_names=["logits"], rows_total=ROWS, chunk_size=chunk_size, batch_size=16,
                         input_stat=file_identity(path))
-    jobs.create_job(store, spec, now=time.time())
+    job_fills.create_job(store, spec, now=time.time())
     return spec
 
 
@@ -125,7 +125,7 @@ def test_a_chunk_whose_input_is_rewritten_in_place_while_it_runs_fails_its_job_a
     assert hooks.calls == 4  # the chunk ran to its end: the change was seen after its reads
     assert_failed_for_its_input(ctx, spec)
     assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 0
-    assert not outputs.part_exists(Path(spec.output_dir), 0, ["logits"], job_id=spec.job_id)
+    assert not output_layout.part_exists(Path(spec.output_dir), 0, ["logits"], job_id=spec.job_id)
 
 
 def test_an_input_rewritten_while_the_job_merges_fails_it_before_its_manifest_is_published(

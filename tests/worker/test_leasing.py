@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from broker import jobs, queues, registry, requests
+from broker import job_fills, jobs, queues, registry, requests
 from broker.config import Settings
 from broker.ledger import MemoryLedger
 from broker.requests import RequestSpec
@@ -89,7 +89,7 @@ def queue_job(store: Store, *, batch_size: int = 256) -> str:
     spec = jobs.JobSpec(job_id="j1", model_name="tok", model_version="v1", input_batch="/in.jsonl",
                         input_format="jsonl", input_checksum="sha256:0", output_dir="/out",
                         output_names=["embedding"], rows_total=2048, chunk_size=1024, batch_size=batch_size)
-    jobs.create_job(store, spec, now=time.time())
+    job_fills.create_job(store, spec, now=time.time())
     return jobs.chunk_item_id("j1", 0)
 
 

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from broker.errors import BadInput, Conflict, FileMissing, RetryableError
+from broker.output_layout import chunks_with_parts, part_exists
 from sits_worker import outputs
-from sits_worker.outputs import chunks_with_parts, finalize_outputs, part_exists, remove_parts, write_part
+from sits_worker.outputs import finalize_outputs, remove_parts, write_part
 
 EXTRA = {
     "job_id": "job-1",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from broker import jobs, queues
+from broker import job_fills, job_slices, job_stops, jobs, queues
 from broker.config import Settings
 from broker.store import Store
 from sits_worker.context import WorkerContext
@@ -32,7 +32,7 @@ def job_spec(job_id: str, *, rows_total: int) -> jobs.JobSpec:
 def test_a_reaper_pass_queues_the_chunks_a_dead_fill_left_out(store: Store) -> None:
     ctx = worker_context(store)
     now = time.time()
-    jobs.create_job(store, job_spec("cut", rows_total=6), now=now)
+    job_fills.create_job(store, job_spec("cut", rows_total=6), now=now)
     ready = store.keys.ready("mlp@v1")
     store.client.zrem(ready, *(jobs.chunk_item_id("cut", index) for index in range(2, 6)))  # as if never queued
     store.client.zadd(store.keys.jobs_filling, {"cut": now})
@@ -41,7 +41,7 @@ def test_a_reaper_pass_queues_the_chunks_a_dead_fill_left_out(store: Store) -> N
     reap(ctx, sent.append, now=now + 1)  # its caller may only be slow
     assert store.client.zcard(ready) == 2
 
-    reap(ctx, sent.append, now=now + jobs.FILL_STALLED_SECONDS + 1)
+    reap(ctx, sent.append, now=now + job_slices.FILL_STALLED_SECONDS + 1)
     assert sorted(store.client.zrange(ready, 0, -1)) == [jobs.chunk_item_id("cut", index) for index in range(6)]
     assert store.client.zcard(store.keys.jobs_filling) == 0
 
@@ -71,19 +71,20 @@ def cut_after_first_call(store: Store, script: str, call: Callable[[], object]) 
 
 
 def test_a_reaper_pass_takes_out_the_items_a_dead_stop_left(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jobs, "ENQUEUE_SLICE", 3)
+    monkeypatch.setattr(job_slices, "ENQUEUE_SLICE", 3)
     ctx, sent = worker_context(store), list[str]()
     now = time.time()
-    jobs.create_job(store, job_spec("cut", rows_total=8), now=now)
-    jobs.create_job(store, job_spec("other", rows_total=4), now=now)
-    cut_after_first_call(store, "stop_job", lambda: jobs.stop_job(store, "cut", status="cancelled", error="", now=now))
+    job_fills.create_job(store, job_spec("cut", rows_total=8), now=now)
+    job_fills.create_job(store, job_spec("other", rows_total=4), now=now)
+    cut_after_first_call(store, "stop_job",
+                         lambda: job_stops.stop_job(store, "cut", status="cancelled", error="", now=now))
     ready = store.keys.ready("mlp@v1")
     assert len([item for item in store.client.zrange(ready, 0, -1) if item.startswith("cut:")]) == 5
 
     reap(ctx, sent.append, now=now + 1)  # its caller may only be slow
     assert store.client.zcard(ready) == 5 + 4
 
-    reap(ctx, sent.append, now=now + jobs.FILL_STALLED_SECONDS + 1)
+    reap(ctx, sent.append, now=now + job_slices.FILL_STALLED_SECONDS + 1)
     assert store.client.zrange(ready, 0, -1) == [jobs.chunk_item_id("other", index) for index in range(4)]
     assert store.client.zcard(store.keys.jobs_stopping) == 0
     assert jobs.get_job(store, "cut", now=now)["status"] == "cancelled"
@@ -91,16 +92,16 @@ def test_a_reaper_pass_takes_out_the_items_a_dead_stop_left(store: Store, monkey
 
 def test_a_reaper_pass_completes_a_dead_resume_taking_leases_back_at_once(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jobs, "ENQUEUE_SLICE", 3)
+    monkeypatch.setattr(job_slices, "ENQUEUE_SLICE", 3)
     ctx, sent = worker_context(store), list[str]()
     now = time.time()
-    jobs.create_job(store, job_spec("run", rows_total=6), now=now)
+    job_fills.create_job(store, job_spec("run", rows_total=6), now=now)
     queues.lease_batch(store, "mlp@v1", now=now, lease_seconds=600, max_items=6)  # the run that died
-    cut_after_first_call(store, "enqueue_items", lambda: jobs.resume_job(store, "run", now=now))
+    cut_after_first_call(store, "enqueue_items", lambda: job_fills.resume_job(store, "run", now=now))
     ready, inflight = store.keys.ready("mlp@v1"), store.keys.inflight("mlp@v1")
     assert store.client.zcard(ready) == 3 and store.client.zcard(inflight) == 3
 
-    reap(ctx, sent.append, now=now + jobs.FILL_STALLED_SECONDS + 1)  # long before those leases run out
+    reap(ctx, sent.append, now=now + job_slices.FILL_STALLED_SECONDS + 1)  # long before those leases run out
 
     assert sorted(store.client.zrange(ready, 0, -1)) == [jobs.chunk_item_id("run", index) for index in range(6)]
     assert store.client.zcard(inflight) == 0 and store.client.zcard(store.keys.jobs_filling) == 0

@@ -1,0 +1,91 @@
+"""Where a job's outputs lie in its output folder: file names, part paths, the manifest.
+
+The API reads this layout (a job's manifest, which chunks already have parts, which files a new
+job would replace) and the worker writes it (`sits_worker/outputs.py`). It lives in `broker/`, beside
+the output-folder claim, so the API needs nothing of the worker for it.
+Parts: `<output_dir>/.parts/<job id>/<stem>.<chunk:06d>.npy`; merged outputs:
+`<output_dir>/<stem>.npy`; `manifest.json` written last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from broker.errors import RetryableError
+
+PARTS_DIR = ".parts"
+MANIFEST_NAME = "manifest.json"
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+
+
+def file_stem(name: str) -> str:
+    """Return the file stem for an output name.
+
+    ONNX output names may hold '/' or ':' (e.g. "dense/Softmax:0"); such names get a sanitised stem
+    made unique by a hash of the name. The manifest records the file actually used.
+    """
+    if _SAFE_NAME.fullmatch(name):
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".") + "-" + digest
+
+
+def output_path(output_dir: Path, name: str) -> Path:
+    """The file a job's output `name` is merged into: `<output_dir>/<stem>.npy`."""
+    return Path(output_dir) / f"{file_stem(name)}.npy"
+
+
+def parts_folder(output_dir: Path, job_id: str) -> Path:
+    """Where `job_id`'s parts (and its merge's temp files) lie: `.parts/<job_id>/`."""
+    return Path(output_dir) / PARTS_DIR / job_id
+
+
+def part_path(output_dir: Path, name: str, chunk_index: int, job_id: str = "") -> Path:
+    return parts_folder(output_dir, job_id) / f"{file_stem(name)}.{chunk_index:06d}.npy"
+
+
+def storage_error(output_dir: Path, err: OSError) -> RetryableError:
+    return RetryableError(
+        f"writing outputs under '{output_dir}' failed ({err}); check free space and permissions there, "
+        "the work will be retried"
+    )
+
+
+def part_exists(output_dir: Path, chunk_index: int, output_names: Sequence[str], *, job_id: str = "") -> bool:
+    """Whether every output's part for this chunk is on disk.
+
+    Parts appear atomically, so existing means complete: a worker can skip a chunk whose parts exist.
+    """
+    return all(part_path(Path(output_dir), name, chunk_index, job_id).is_file() for name in output_names)
+
+
+def chunks_with_parts(output_dir: Path, output_names: Sequence[str], *, job_id: str = "") -> set[int]:
+    """Indexes of the chunks whose parts are all on disk, from one listing of the job's parts folder
+    (a stat per part, as `part_exists` does, takes long for 100,000 chunks on a network disk)."""
+    try:
+        present = {entry.name for entry in os.scandir(parts_folder(Path(output_dir), job_id))}
+    except FileNotFoundError:
+        return set()
+    except OSError as err:
+        raise storage_error(Path(output_dir), err) from err
+    stems = [file_stem(name) for name in output_names]
+    found = {int(name.rsplit(".", 2)[1]) for name in present
+             if name.endswith(".npy") and name.count(".") >= 2 and name.rsplit(".", 2)[1].isdigit()}
+    return {index for index in found if all(f"{stem}.{index:06d}.npy" in present for stem in stems)}
+
+
+def read_manifest(output_dir: Path) -> dict[str, Any] | None:
+    """The folder's manifest.json as a dict; None when there is none or it is unreadable."""
+    try:
+        manifest = json.loads((output_dir / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):  # unreadable: merge again from the parts, if they are still there
+        return None
+    return manifest if isinstance(manifest, dict) else None

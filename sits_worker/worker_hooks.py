@@ -1,0 +1,103 @@
+"""The worker process's Celery signal hooks: refuse an unusable device, start and stop the threads.
+
+Celery imports this module with the tasks (the app's `include`), before `worker_init` fires. A
+ready worker runs two threads beside its pool: the heartbeat (`sits_worker/heartbeat.py`) and the
+reaper (`sits_worker/reaper.py`). At shutdown the pending chunk commits get a bounded wait, so
+their chunks are acked rather than run again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import signals
+
+from broker import workers
+from broker.errors import ConfigError
+from sits_worker.context import existing_worker_context, worker_context
+from sits_worker.devices import gpu_problem
+from sits_worker.heartbeat import Heartbeat
+from sits_worker.reaper import Reaper, worker_reaper
+from sits_worker.tasks import send_drain
+from sits_worker.worker_settings import DEVICE_VARIABLE, device_text, worker_device
+
+log = logging.getLogger(__name__)
+
+_COMMIT_WAIT_SECONDS = 10.0
+"""How long shutdown waits for pending chunk commits: within `sitsctl`'s 15 s before SIGKILL."""
+
+_heartbeat: Heartbeat | None = None
+_reaper: Reaper | None = None
+"""This process's threads, once the worker is ready."""
+
+
+@signals.worker_init.connect
+def _refuse_an_unusable_device(**_: Any) -> None:
+    """Stop a worker pinned (SITS_WORKER_DEVICE) to a GPU it cannot use, before it takes any work: it
+    would run on the CPU while its heartbeat reports the GPU. SystemExit passes through Celery's signal
+    dispatch, which logs and swallows ordinary exceptions."""
+    text = device_text()
+    try:
+        problem = gpu_problem(worker_device())
+    except ConfigError as err:
+        problem = str(err)
+    if problem:
+        raise SystemExit(f"error: cannot pin this worker to {text}: {problem}; start it with `sitsctl worker --cpu` "
+                         f"({DEVICE_VARIABLE}=cpu) or on a machine with that GPU")
+
+
+def _celery_name(sender: Any) -> str | None:
+    return getattr(sender, "hostname", None)
+
+
+@signals.worker_ready.connect
+def _start_heartbeat(sender: Any = None, **_: Any) -> None:
+    global _heartbeat
+    ctx = worker_context()
+    ctx.name = _celery_name(sender) or ctx.name  # chunks acked here are counted under the name Flower shows
+    _heartbeat = Heartbeat(ctx, ctx.name)
+    _heartbeat.start()
+
+
+@signals.worker_ready.connect
+def _start_reaper(sender: Any = None, **_: Any) -> None:
+    """Run reaper passes on a thread of this process, never on a stream slot (sits_worker/reaper.py)."""
+    global _reaper
+    ctx = worker_context()
+    _reaper = worker_reaper(ctx, send_drain, holder=_celery_name(sender) or ctx.name)
+    _reaper.start()
+
+
+@signals.worker_shutdown.connect
+def _stop_reaper(**_: Any) -> None:
+    if _reaper is not None and not _reaper.stop(timeout=2.0):
+        log.warning("the reaper thread was still in a pass at shutdown")
+
+
+@signals.worker_shutdown.connect
+def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
+    if _heartbeat is not None:
+        _heartbeat.stop()
+    try:
+        _wait_for_commits()
+        workers.remove_worker(worker_context().store, _celery_name(sender) or "")
+    except Exception as err:
+        log.warning("could not deregister the worker: %s", err)
+
+
+@signals.worker_process_shutdown.connect
+def _finish_commits(**_: Any) -> None:
+    """A prefork child leaves through `os._exit`: its pending commits would be dropped (and their
+    chunks run again) without this wait."""
+    try:
+        _wait_for_commits()
+    except Exception as err:
+        log.warning("could not finish the pending chunk commits: %s", err)
+
+
+def _wait_for_commits() -> None:
+    """Let this process's pending chunk commits finish (chunks computed, not yet acked)."""
+    ctx = existing_worker_context()
+    if ctx is not None and not ctx.commits.wait(timeout=_COMMIT_WAIT_SECONDS):
+        log.warning("chunk commits still pending at shutdown; their chunks run again once their leases expire")

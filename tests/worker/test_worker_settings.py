@@ -1,0 +1,47 @@
+"""A worker process's settings, read once from its environment; its heartbeat (real Redis)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from worker_helpers import mlp_worker_context
+
+from broker import workers
+from broker.errors import ConfigError
+from broker.store import Store
+from sits_worker.devices import Device
+from sits_worker.heartbeat import Heartbeat
+from sits_worker.worker_settings import worker_settings
+
+
+def test_the_device_and_streams_come_from_the_variables_sitsctl_sets() -> None:
+    settings = worker_settings({"SITS_WORKER_DEVICE": "cpu", "SITS_WORKER_STREAMS": "3",
+                                "SITS_RESOURCES__MAX_CONCURRENT_STREAMS": "2"})
+
+    assert (settings.device, settings.streams) == (Device("cpu"), 3)
+    assert settings.settings.resources.max_concurrent_streams == 2
+
+
+def test_without_the_variables_a_worker_takes_the_configured_streams_and_any_device() -> None:
+    settings = worker_settings({"SITS_RESOURCES__MAX_CONCURRENT_STREAMS": "2"})
+
+    assert settings.streams == 2 and settings.device == Device.parse("auto")
+
+
+@pytest.mark.parametrize(("variables", "named"), [
+    ({"SITS_WORKER_DEVICE": "tpu:1"}, "SITS_WORKER_DEVICE"),
+    ({"SITS_WORKER_STREAMS": "four"}, "SITS_WORKER_STREAMS"),
+])
+def test_a_variable_that_does_not_parse_is_a_config_error_naming_it(variables: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        worker_settings(variables)
+
+
+def test_a_heartbeat_records_what_the_worker_is_and_holds(store: Store, zoo_dir: Path) -> None:
+    ctx = mlp_worker_context(store, zoo_dir)
+    Heartbeat(ctx, "w1@host").beat_once(now=1000.0)
+
+    (worker,) = workers.list_workers(store, now=1001.0, timeout=15.0)
+    assert worker["name"] == "w1@host" and worker["alive"] and worker["device"] == "cpu"
+    assert worker["streams"] == 1 and worker["commits_pending"] == 0 and "memory" in worker
