@@ -17,6 +17,7 @@ issue 2 asked for 80 %).
     python benchmarks/offline_job.py --quick    # smaller inputs
     python benchmarks/offline_job.py --chunk-size default   # the server picks the chunk size (jobs.chunk_size)
     python benchmarks/offline_job.py --batch fixed --chunk-size fixed   # both sides at one fixed batch size
+    python benchmarks/offline_job.py --chunk-size default --resources default   # the job at every default
 
 Models are registered with `profile_mode=full` (by default), so `jobs.chunk_size: auto` finds a
 measured throughput to size chunks from; with `--profile-mode static` it falls back to 4,096 rows.
@@ -103,6 +104,9 @@ def main() -> None:
                              "(jobs.chunk_size); or a number of rows")
     parser.add_argument("--chunk-seconds", type=float, default=None,
                         help="jobs.chunk_seconds of the stack (for --chunk-size default); unset: its default")
+    parser.add_argument("--resources", choices=("one-stream", "default"), default="one-stream",
+                        help="'one-stream': the worker runs one stream of --threads threads; 'default': the "
+                             "server's resources.* defaults, as the worker fits them to its cores")
     parser.add_argument("--profile-mode", choices=("full", "static"), default="full",
                         help="how models are registered; 'full' measures the throughput that auto chunks use")
     args = parser.parse_args()
@@ -114,7 +118,8 @@ def main() -> None:
         models = build_zoo(home / "models")
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
-            resources={"max_concurrent_streams": 1, "intra_op_threads": args.threads},
+            resources={"max_concurrent_streams": 1, "intra_op_threads": args.threads}
+            if args.resources == "one-stream" else {},
             redis={"appendonly": True},
             **({"jobs": {"chunk_seconds": args.chunk_seconds}} if args.chunk_seconds else {}),
         )

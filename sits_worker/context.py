@@ -95,7 +95,7 @@ class WorkerContext:
         settings, device, streams = worker.settings, worker.device, worker.streams
         store = Store.connect(settings.redis.url, settings.redis.key_prefix)
         return cls(settings=settings, store=store, device=device, streams=streams,
-                   sessions=SessionCache(device, settings.resources.intra_op_threads),
+                   sessions=SessionCache(device, worker.intra_op_threads),
                    ledger=memory_ledger(settings, device))
 
     def model(self, model_ref: str) -> dict[str, Any]:

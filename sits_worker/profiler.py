@@ -110,7 +110,7 @@ def fuse(ctx: WorkerContext, record: dict[str, Any]) -> dict[str, Any]:
     """Save the fully optimised graph beside the stored model and count its operators."""
     source = Path(record["path"])
     fused_path = source.with_name(source.stem + ".fused.onnx")
-    build_session(source, ctx.device, ctx.settings.resources.intra_op_threads, optimized_model_path=fused_path)
+    build_session(source, ctx.device, ctx.sessions.intra_op_threads, optimized_model_path=fused_path)
     fused = onnx.load(str(fused_path), load_external_data=False)
     histogram = operator_histogram(fused)
     return {"path": str(fused_path), "device": str(ctx.device), "op_histogram": histogram,

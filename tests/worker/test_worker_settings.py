@@ -12,21 +12,38 @@ from broker.errors import ConfigError
 from broker.store import Store
 from sits_worker.devices import Device
 from sits_worker.heartbeat import Heartbeat
-from sits_worker.worker_settings import worker_settings
+from sits_worker.worker_settings import fit_to_cores, worker_settings
 
 
 def test_the_device_and_streams_come_from_the_variables_sitsctl_sets() -> None:
     settings = worker_settings({"SITS_WORKER_DEVICE": "cpu", "SITS_WORKER_STREAMS": "3",
-                                "SITS_RESOURCES__MAX_CONCURRENT_STREAMS": "2"})
+                                "SITS_RESOURCES__MAX_CONCURRENT_STREAMS": "2"}, cores=8)
 
-    assert (settings.device, settings.streams) == (Device("cpu"), 3)
+    assert (settings.device, settings.streams, settings.intra_op_threads) == (Device("cpu"), 3, 2)
     assert settings.settings.resources.max_concurrent_streams == 2
 
 
 def test_without_the_variables_a_worker_takes_the_configured_streams_and_any_device() -> None:
-    settings = worker_settings({"SITS_RESOURCES__MAX_CONCURRENT_STREAMS": "2"})
+    settings = worker_settings({"SITS_RESOURCES__MAX_CONCURRENT_STREAMS": "2"}, cores=8)
 
     assert settings.streams == 2 and settings.device == Device.parse("auto")
+
+
+@pytest.mark.parametrize(("streams", "threads", "cores", "fitted"), [
+    (4, 0, 2, (2, 1)),   # the defaults on 2 cores: a stream per core, one thread each
+    (4, 0, 16, (4, 4)),  # more cores than streams: each stream's runs get several
+    (1, 0, 2, (1, 2)),
+    (4, 2, 2, (1, 2)),   # threads set: as many streams as fit beside them
+    (4, 4, 2, (1, 4)),   # threads set past the cores: one stream, the threads as asked
+    (3, 0, 1, (1, 1)),
+])
+def test_a_cpu_worker_fits_its_streams_and_threads_to_its_cores(
+        streams: int, threads: int, cores: int, fitted: tuple[int, int]) -> None:
+    assert fit_to_cores(streams, threads, cores) == fitted
+    variables = {"SITS_WORKER_DEVICE": "cpu", "SITS_WORKER_STREAMS": str(streams),
+                 "SITS_RESOURCES__INTRA_OP_THREADS": str(threads)}
+    settings = worker_settings(variables, cores=cores)
+    assert (settings.streams, settings.intra_op_threads) == fitted
 
 
 @pytest.mark.parametrize(("variables", "named"), [
