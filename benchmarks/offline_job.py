@@ -147,7 +147,9 @@ def main() -> None:
                     chunks.append((job["batch_size"], job["chunk_size"], job["chunks_total"]))
                 rows_out.append((model, n, bare_batch, *chunks[-1], float(np.median(bares)),
                                  float(np.median(systems))))
-    print(f"\nOffline job through SITS (1 CPU worker, 1 stream, {args.threads} ORT threads) vs bare ONNX Runtime,"
+    worker = (f"1 stream, {args.threads} ORT threads" if args.resources == "one-stream"
+              else "the default streams and threads, fitted to its cores")
+    print(f"\nOffline job through SITS (1 CPU worker, {worker}) vs bare ONNX Runtime,"
           f" median of {args.repeats} alternating runs\n")
     print(f"chunk size: {args.chunk_size}, jobs.chunk_seconds {settings.jobs.chunk_seconds:g}; "
           f"models registered with profile_mode={args.profile_mode}\n")

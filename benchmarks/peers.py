@@ -484,7 +484,9 @@ def start_sits(name: str, home: Path, zoo: dict[str, Path], models: list[str], *
         raise
     redis_pid = stack.redis.process.pid if stack.redis and stack.redis.process else 0
     meter = TreeCpuMeter([redis_pid, *(child.process.pid for child in stack.children)])
-    streams = stack.settings.resources.max_concurrent_streams
+    # The live worker's stream slots, as it fitted them to its cores (its heartbeat), not the configured most.
+    workers = stack.client().get("/v1/status").get("workers") or []
+    streams = ", ".join(str(worker.get("streams")) for worker in workers) or "?"
     return Running(name, int(stack.api_url.rsplit(":", 1)[1]), meter, stack.stop,
                    lambda inputs, fmt: sits_route(stack.api_key, inputs, fmt), stack=stack,
                    notes=[f"{name}: {streams} stream(s), batching {batching}"])
