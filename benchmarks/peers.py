@@ -68,7 +68,7 @@ worker it spawns, and says so when it starts; site-packages is untouched. On the
 requests at 32 and 128 clients, JSON and binary), so there the patch changes nothing measured; it stays,
 as it only differs from the original when a read comes back short.
 
-Offline (`--parts offline`): for each model, the bare ONNX Runtime loop (`offline_job.bare_loop`'s,
+Offline (`--parts offline`): for each model, the bare ONNX Runtime loop (`offline_job.bare_loop`,
 with SITS's session options) picks its best batch from 1, 8, 32, 128, 512, 2,048 (those that fit 4
 times in the rows swept); then, alternating each round: the bare loop at that batch, a SITS job
 (`offline_job.system_run` with the server's `auto` batch and chunk sizes, model registered with
@@ -109,7 +109,7 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.offline_job import CASES, SWEEP_ROWS, _register, system_run  # noqa: E402
+from benchmarks.offline_job import CASES, SWEEP_ROWS, _register, bare_loop, system_run  # noqa: E402
 from benchmarks.online_serving import INPUTS, closed_loop  # noqa: E402
 from broker.config import Settings  # noqa: E402
 from broker.embedded import free_port  # noqa: E402
@@ -708,18 +708,6 @@ def print_online(rows: list[dict[str, Any]], rounds: int) -> None:
 # --- offline ------------------------------------------------------------------------------------------
 
 
-def bare_loop(model_path: Path, inputs: np.ndarray, batch: int) -> float:
-    """Rows/s of a plain session.run loop over all rows (after one warm-up batch): `offline_job.bare_loop`
-    with SITS's session options, the spin included, as every system here has them."""
-    session = ort.InferenceSession(str(model_path), session_options(ORT_THREADS), providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    session.run(None, {name: inputs[:batch]})
-    started = time.perf_counter()
-    for start in range(0, len(inputs), batch):
-        session.run(None, {name: inputs[start : start + batch]})
-    return len(inputs) / (time.perf_counter() - started)
-
-
 def offline(args: argparse.Namespace, home: Path, zoo: dict[str, Path]) -> list[dict[str, Any]]:
     """Bare loop at its best batch vs SITS jobs vs Ray Data, alternating; rows/s per model."""
     sits_systems = [name for name in args.systems if name.startswith("sits")]
@@ -733,7 +721,7 @@ def offline(args: argparse.Namespace, home: Path, zoo: dict[str, Path]) -> list[
         wait_until_quiet(args.max_wait)
         sweep_rows = min(rows, SWEEP_ROWS[model])
         sizes_swept = [batch for batch in OFFLINE_SWEEP if 4 * batch <= sweep_rows] or [1]  # 4 runs at least
-        sweep = {batch: bare_loop(zoo[model], inputs[:sweep_rows], batch) for batch in sizes_swept}
+        sweep = {batch: bare_loop(zoo[model], inputs[:sweep_rows], batch, ORT_THREADS) for batch in sizes_swept}
         best = max(sweep, key=lambda b: sweep[b])
         log(f"offline {model}: bare sweep {({b: round(v) for b, v in sweep.items()})}, best batch {best}")
         data[model] = (path, rows, best)
@@ -751,7 +739,7 @@ def offline(args: argparse.Namespace, home: Path, zoo: dict[str, Path]) -> list[
             for round_index in range(args.rounds):
                 wait_until_quiet(args.max_wait)
                 inputs = np.load(path)
-                figures.setdefault(("bare", model), []).append(bare_loop(zoo[model], inputs, best))
+                figures.setdefault(("bare", model), []).append(bare_loop(zoo[model], inputs, best, ORT_THREADS))
                 del inputs
                 for name in sits_systems:
                     job = system_run(stacks[name].stack, model, path,  # type: ignore[arg-type]
