@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.online_serving import INPUTS, CpuMeter, Http, closed_loop, payloads  # noqa: E402
+from benchmarks.online_serving import INPUTS, CpuMeter, payloads, sits_load  # noqa: E402
 from broker.config import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
@@ -190,22 +190,7 @@ def main() -> None:
             time.sleep(0.5)  # py-spy attached
             before = redis_commandstats(stack)
 
-            def make_call(index: int):  # type: ignore[no-untyped-def]
-                http_ = Http(stack.api_url, stack.api_key)
-
-                def call(n: int) -> int:
-                    status, body = http_.call(
-                        "POST",
-                        "/v1/requests",
-                        {"model": args.model, "inputs": requests[(index * 7919 + n) % len(requests)], "wait": True},
-                    )
-                    if status != 200 or body.get("status") != "succeeded":
-                        raise RuntimeError(f"{status}: {body}")
-                    return int(body["batch_size"])
-
-                return call
-
-            result = closed_loop(args.clients, args.seconds, make_call, meter)
+            result = sits_load(stack, args.model, requests, args.clients, args.seconds, meter)
             after = redis_commandstats(stack)
             for spy in spies.values():
                 spy.wait(timeout=args.seconds + 60)
@@ -218,7 +203,7 @@ def main() -> None:
             print(
                 f"{args.model}, {args.clients} clients, {'tuned' if args.tuned else 'defaults'}: "
                 f"{result['rps']:,.0f} req/s, P50 {result['p50']:.1f} ms, P99 {result['p99']:.1f} ms, "
-                f"{result['errors']} errors, mean batch {sum(result['extras']) / max(1, len(result['extras'])):.1f}"
+                f"{result['errors']} errors, mean batch {result['mean_batch']:.1f}"
             )
             cpu = result["cpu"]
             print(f"\nCPU per request: {sum(cpu.values()) / done * 1e6:,.0f} us in all")
