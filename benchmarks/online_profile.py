@@ -1,16 +1,19 @@
 """Where an online request's CPU goes: every SITS process sampled with py-spy under a closed-loop load.
 
-Starts the stack (one worker; the API's gunicorn processes; the embedded Redis), drives it with
+Starts the stack (one worker; the API's processes under `--server`; the embedded Redis), drives it with
 `--clients` threads posting one-row `/v1/requests` with `"wait": true` for `--seconds`, and while the
 load runs records each Python process with `py-spy record --format raw` (on-CPU samples only). Each
 sample is put in the category of the deepest frame that names one (the table below), library frames
 without one (numpy, threading, ...) count for the frame that called them. Redis is not Python: its
 CPU comes from /proc, split by command with `INFO commandstats`. The report gives, per process and
-category, CPU microseconds per request, so the hot path's cost can be read where it lies.
+category, CPU microseconds per request, so the hot path's cost can be read where it lies. Under
+granian, whose HTTP layer runs on Rust threads that py-spy does not see, an API process's categories
+share out only its Python samples; its total is still all of its CPU.
 
     pip install py-spy
     python benchmarks/online_profile.py                    # MLP, 32 clients, 15 s, the server's defaults
     python benchmarks/online_profile.py --model convnet --tuned --seconds 10
+    python benchmarks/online_profile.py --server granian --no-spy   # the API under granian, totals only
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ CATEGORIES: list[tuple[str, str]] = [
     # (category, regular expression on a frame "function (file:line)"); the deepest matching frame wins
     ("model run (onnxruntime)", r"onnxruntime/"),
     ("redis client", r"[(/]redis/|broker[(/]store\.py"),
-    ("http: gunicorn", r"[(/]gunicorn/"),
+    ("http: gunicorn, granian", r"[(/]gunicorn/|[(/]granian/"),
     ("wsgi: flask, werkzeug", r"[(/]flask/|[(/]werkzeug/|[(/]blinker/"),
     ("celery, kombu", r"[(/]celery/|[(/]kombu/|[(/]billiard/|[(/]vine/"),
     (
@@ -52,7 +55,11 @@ CATEGORIES: list[tuple[str, str]] = [
         r"sits_api[(/]request_intake\.py|broker[(/]requests\.py \(submit|pack_array|"
         r"broker[(/]scoring\.py|broker[(/]policy\.py|broker[(/]wakeup\.py|sits_api[(/]task_sender",
     ),
-    ("wait and answer", r"wait_for_request|_record|unpack_array|to_json_result|sits_api/app\.py"),
+    (
+        "wait and answer",
+        r"wait_for_request|record_from_fields|unpack_array|to_json_result|sits_api[(/]app\.py|"
+        r"sits_api[(/]result_inbox\.py",
+    ),
     (
         "worker: lease, choose",
         r"sits_worker[(/]leasing\.py|sits_worker[(/]drain_loop\.py|broker[(/]queues\.py|"
@@ -129,6 +136,7 @@ def main() -> None:
         action="store_true",
         help="1 stream, batches of at most 32 rows with 5 ms of wait (else the defaults)",
     )
+    parser.add_argument("--server", choices=("gunicorn", "granian"), default="gunicorn", help="the API's HTTP server")
     parser.add_argument("--keep", type=Path, default=None, help="copy py-spy's raw files into this folder")
     parser.add_argument("--no-spy", action="store_true", help="run the load without sampling (its own figures)")
     args = parser.parse_args()
@@ -148,7 +156,9 @@ def main() -> None:
             else {}
         )
         settings = Settings().with_overrides(
-            paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)}, **overrides
+            paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
+            api={"server": args.server},
+            **overrides,
         )
         with Stack(settings, worker_count=1, api_port=0) as stack:
             client = stack.client()
@@ -201,7 +211,7 @@ def main() -> None:
                         shutil.copy(home / f"{pid}.txt", args.keep / f"{name.replace(' ', '-')}.txt")
             done = max(1, result["done"])
             print(
-                f"{args.model}, {args.clients} clients, {'tuned' if args.tuned else 'defaults'}: "
+                f"{args.model}, {args.clients} clients, {'tuned' if args.tuned else 'defaults'}, {args.server}: "
                 f"{result['rps']:,.0f} req/s, P50 {result['p50']:.1f} ms, P99 {result['p99']:.1f} ms, "
                 f"{result['errors']} errors, mean batch {result['mean_batch']:.1f}"
             )

@@ -16,8 +16,8 @@ Systems (`--systems`), each on loopback with one replica per model, started and 
 - `sits`: the stack as `sitsctl up` runs it (`sits_api/cli/stack.py`: embedded Redis, the API under
   gunicorn, 1 worker) with the default settings (4 stream slots; batching `auto`, which is max batch 64
   and no delay for a model registered without a measured profile), except ONNX Runtime's threads;
-- `sits-tuned`: the same with 1 stream slot and online batching `max_batch_size` 32, `max_queue_delay`
-  5 ms, the batching every peer gets;
+- `sits-tuned`: the same with 1 stream slot, online batching `max_batch_size` 32, `max_queue_delay`
+  5 ms (the batching every peer gets), and the API under granian (`api.server: granian`);
 - `mosec` 0.9.8 (`peer_servers/mosec_server.py`): its Rust front and one Python worker per model,
   `max_batch_size=32`, `max_wait_time=5` ms, `--timeout 30000` (30 s, as LitServe's; mosec's own is 3 s);
 - `litserve` 0.2.19 (`peer_servers/litserve_server.py`): one LitAPI per model (`max_batch_size=32`,
@@ -467,6 +467,7 @@ def sits_settings(home: Path, tuned: bool) -> Settings:
     }
     if tuned:
         overrides["online"] = {"batching": {"max_batch_size": BATCH, "max_queue_delay": WAIT_SECONDS}}
+        overrides["api"] = {"server": "granian"}
     return Settings().with_overrides(**overrides)
 
 

@@ -144,8 +144,14 @@ class ApiSettings(_Section):
     past it): a client that stops part-way must not hold a request thread for ever. (A client that
     trickles its body, or stalls inside its headers, is a slow client for a buffering proxy in front
     of the API to absorb, as gunicorn's documentation advises.)"""
+    server: Literal["gunicorn", "granian"] = "gunicorn"
+    """The HTTP server the embedded stack runs the API under. gunicorn (its gthread workers) answers
+    malformed HTTP in the API's JSON error form and enforces `body_timeout`. granian (a Rust HTTP
+    server; `pip install 'sits[granian]'`) costs about a quarter less CPU per online request, but its
+    own HTTP layer answers malformed requests with a bare status and reads bodies before the app does
+    (docs/operations.md, "The API's HTTP server")."""
     workers: Integer = Field(2, ge=1, le=64)
-    """API server processes (gunicorn); each runs `threads` request threads."""
+    """API server processes; each runs `threads` request threads."""
     threads: Integer = Field(16, ge=1, le=1024)
     """Request threads per API process; a `wait=true` call holds one while it waits."""
     url: str = ""

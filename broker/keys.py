@@ -163,6 +163,11 @@ class Keys:
         """LIST a waiter blocks on; one element is pushed when the request is done."""
         return self._key("req", request_id, "done")
 
+    def inbox(self, name: str) -> str:
+        """LIST of the finished requests an API process waits for: one waiter thread there blocks on it for
+        all of them (`sits_api/result_inbox.py`), instead of one blocking call per request."""
+        return self._key("inbox", name)
+
     def deadlines(self, model_ref: str) -> str:
         """ZSET item id -> deadline (unix seconds) of `model_ref`'s waiting items that have one (PSA index)."""
         return self._key("deadlines", model_ref)

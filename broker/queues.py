@@ -81,7 +81,8 @@ def lease_batch(
         options["batch_limit"] = {"rows": whole_within[0], "tokens": whole_within[1]}
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
-            keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
+            keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
+                  keys.doorbell],
             args=[ticket, now, now + lease_seconds, json.dumps(options)],
         )
     return _leased(reply, model_ref, ticket)
@@ -178,7 +179,7 @@ class QueueWatcher:
                 refs, known_version = self._known
                 per_ref = [key for ref in refs for key in (keys.ready(ref), keys.deadlines(ref))]
                 version, raw_policy, *firsts = self._store.scripts.queue_snapshot(
-                    keys=[keys.queues_version, keys.policy, *per_ref])
+                    keys=[keys.queues_version, keys.policy, keys.doorbell, *per_ref])
                 if version == known_version:
                     break
                 self._known = queue_refs(self._store)

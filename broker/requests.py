@@ -2,8 +2,10 @@
 
 A request's tensors travel through Redis as text ("dtype;shape;base64", the
 clients are text-decoding), are merged into batches by the worker that leases them,
-and its outputs come back into the same hash; a waiter blocks on the
-request's `done` list instead of polling.
+and its outputs come back into the same hash. The finished request's fields are
+also pushed to whoever waits: the inbox of the API process that submitted it
+(`reply_to`, one list for all of that process's requests), or else the
+request's own `done` list, so no waiter polls.
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class RequestSpec:
     """When set (a v2 request's `timeout`, which Triton enforces), a worker that leases the request
     later than this does not run it: it fails as timed out (`sits_worker.request_runs`). A v1 `deadline_ms`
     is a tolerable delay that orders the queue, and such a request still runs late."""
+    reply_to: str = ""
+    """The inbox LIST (`keys.inbox`) the finished request's fields are pushed to, where its submitter's
+    process waits for it; '' for the request's own done list (`keys.request_done`)."""
 
     @property
     def model_ref(self) -> str:
@@ -111,7 +116,8 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
     }
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
-               "factors": spec.factors, **({"expires_at": spec.expires_at} if spec.expires_at else {})}
+               "factors": spec.factors, **({"expires_at": spec.expires_at} if spec.expires_at else {}),
+               **({"reply_to": spec.reply_to} if spec.reply_to else {})}
     with translate_redis_errors():
         reply = store.scripts.submit_request(
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
@@ -168,7 +174,7 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
                        "" if run_started is None else repr(run_started), run_rows]
     for result in results:
         request_id = result.item.payload["req"]
-        request_keys += [keys.request(request_id), keys.request_done(request_id)]
+        request_keys += [keys.request(request_id), result.item.payload.get("reply_to") or keys.request_done(request_id)]
         outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
         args += [result.item.item_id, "failed" if result.error else "succeeded", json.dumps(outputs), result.error,
                  (result.code or SitsError.code) if result.error else "", "1" if result.ran else ""]
@@ -187,7 +193,7 @@ def get_request(store: Store, request_id: str) -> dict[str, Any]:
         raw = store.client.hgetall(store.keys.request(request_id))
     if not raw:
         raise request_not_found(request_id)
-    return _record(raw)
+    return record_from_fields(raw)
 
 
 def request_not_found(request_id: str) -> NotFound:
@@ -196,8 +202,9 @@ def request_not_found(request_id: str) -> NotFound:
     return NotFound(f"no request with id '{request_id}' (results are kept for a limited time)")
 
 
-def _record(raw: Mapping[str, str]) -> dict[str, Any]:
-    """A request hash's fields as the API reports them (typed, outputs decoded)."""
+def record_from_fields(raw: Mapping[str, str]) -> dict[str, Any]:
+    """A request hash's fields as the API reports them (typed, outputs decoded): what `get_request`
+    answers, and a waiter makes of the fields `complete_requests` pushed to it."""
     result: dict[str, Any] = {
         "id": raw["id"],
         "model": raw["model"],
@@ -243,5 +250,5 @@ def wait_for_request(store: Store, request_id: str, *, timeout: float,
             block = min(left, _BLOCK_SLICE_SECONDS)
             popped = store.client.blpop([store.keys.request_done(request_id)], timeout=max(block, MIN_BLOCK_SECONDS))
             if popped is not None:
-                return _record(json.loads(popped[1]))
+                return record_from_fields(json.loads(popped[1]))
     return None

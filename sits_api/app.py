@@ -24,6 +24,7 @@ from broker.store import Store
 from sits_api import metrics, request_intake, services
 from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document
+from sits_api.result_inbox import ResultInbox
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
 from sits_api.task_sender import Dispatcher
 from sits_api.v2 import v2
@@ -51,6 +52,7 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
         "store": store,
         "dispatcher": dispatcher or Dispatcher(settings, store),
         "policy": policy.LivePolicy(store, default=policy.default_ordering(settings.scheduler.policy)),
+        "inbox": ResultInbox(store),
         "known_keys": {},
         "metrics": metrics.SitsCollector(store, settings),
     }
@@ -349,12 +351,13 @@ def submit_request() -> Any:
     asked_in_query = _query_flag("wait")  # checked before anything is queued, whatever the body says
     wait = body.wait or asked_in_query
     settings, store = ctx["settings"], ctx["store"]
-    spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model,
-                                 inputs=body.inputs, priority=body.priority, deadline_ms=body.deadline_ms,
-                                 user_tier=body.user_tier, tokens=body.tokens, owner=g.identity["name"],
-                                 now=time.time())
-    done = wait and requests.wait_for_request(store, spec.request_id,
-                                              timeout=request_intake.wait_seconds(settings, body.deadline_ms))
+    request_id = requests.new_request_id()
+    with ctx["inbox"].expecting(request_id, wait=wait) as answer:
+        spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model,
+                                     inputs=body.inputs, priority=body.priority, deadline_ms=body.deadline_ms,
+                                     user_tier=body.user_tier, tokens=body.tokens, owner=g.identity["name"],
+                                     now=time.time(), request_id=request_id, reply_to=answer.reply_to)
+        done = answer.wait(request_intake.wait_seconds(settings, body.deadline_ms))
     if done:
         return jsonify(request_intake.to_json_result(done)), 200
     return jsonify({"id": spec.request_id, "status": "queued", "model": spec.model_name,

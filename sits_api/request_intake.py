@@ -32,9 +32,10 @@ from sits_worker.model.tensors import request_tensors
 def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy: policy.LivePolicy, *,
            model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: str,
            tokens: int | None, owner: str, now: float, request_id: str | None = None,
-           expire_at_deadline: bool = False) -> RequestSpec:
+           expire_at_deadline: bool = False, reply_to: str = "") -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it.
-    With `expire_at_deadline` (a v2 `timeout`), a request not running by its deadline is not run."""
+    With `expire_at_deadline` (a v2 `timeout`), a request not running by its deadline is not run.
+    `reply_to` is the inbox its result is pushed to (`sits_api.result_inbox`), '' for its own list."""
     record, mask = model_record(store, model)
     tensors = request_tensors(record["signature"], inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
@@ -63,6 +64,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
         deadline_at=now + deadline_ms / 1000 if deadline_ms else None,
         owner=owner,
         expires_at=now + deadline_ms / 1000 if deadline_ms and expire_at_deadline else None,
+        reply_to=reply_to,
     )
     raw_policy, weights, ordering = live_policy.current()
     for _ in range(_POLICY_RETRIES):

@@ -28,10 +28,14 @@ from flask import Blueprint, Response, g, jsonify, request
 from broker import model_stats, registry, requests, workers
 from broker.apikeys import require_role
 from broker.batching import Batching
+from broker.config import Settings
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
+from broker.requests import RequestSpec
+from broker.store import Store
 from sits_api import request_intake, services, v2_binary
 from sits_api.content_encoding import request_body
 from sits_api.jsonio import parse_object
+from sits_api.result_inbox import Answer
 from sits_api.v2_requests import NUMPY_TO_V2, PRIORITY_LEVELS, InferRequest, parse_infer_request
 
 v2 = Blueprint("v2", __name__)
@@ -179,26 +183,14 @@ def infer(name: str, version: str | None = None) -> Any:
     header, binary = v2_binary.split_body(request_body(), request.headers.get(v2_binary.HEADER_LENGTH))
     body = parse_object(header, "a JSON object with an 'inputs' list of {name, shape, datatype, data}")
     checked = parse_infer_request(store, body, f"{name}@{version}" if version else name, binary)
-    spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,
-                                 inputs=checked.inputs, priority=checked.priority, deadline_ms=checked.deadline_ms,
-                                 user_tier=checked.user_tier, tokens=None, owner=g.identity["name"],
-                                 now=time.time(), expire_at_deadline=True)
-    began = time.monotonic()
-    result = requests.wait_for_request(store, spec.request_id,
-                                       timeout=request_intake.wait_seconds(settings, checked.deadline_ms))
-    timed_out = checked.deadline_ms is not None and checked.deadline_ms / 1000 <= settings.online.max_wait
-    if result is None and timed_out:
-        # Its timeout passed. A worker that took it in time runs it (one that takes it later does not):
-        # then its answer comes, as Triton gives it, within online.max_wait in all.
-        running = requests.running(store, spec)
-        left = settings.online.max_wait - (time.monotonic() - began) if running else _JUST_DONE_SECONDS
-        result = requests.wait_for_request(store, spec.request_id, timeout=max(left, _JUST_DONE_SECONDS))
-        if result is None and not running:
-            raise InferenceTimeout(f"request {spec.request_id} was not taken by a worker within its 'timeout'; "
-                                   "it is not run (give it a longer timeout, or retry when the queue is shorter)")
-    if result is None:
-        raise InferenceTimeout(f"request {spec.request_id} is not done within the server's online.max_wait; it "
-                               f"still runs, and GET /v1/requests/{spec.request_id} shows its result")
+    request_id = requests.new_request_id()
+    with ctx["inbox"].expecting(request_id) as answer:
+        spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,
+                                     inputs=checked.inputs, priority=checked.priority,
+                                     deadline_ms=checked.deadline_ms, user_tier=checked.user_tier, tokens=None,
+                                     owner=g.identity["name"], now=time.time(), expire_at_deadline=True,
+                                     request_id=request_id, reply_to=answer.reply_to)
+        result = _wait_for_answer(answer, settings, store, spec, checked.deadline_ms)
     if result["status"] != "succeeded":  # answered with the status of the error that failed it
         # (a request failed by a worker of a release before error codes: a 400, as it was then)
         raise error_for_code(result["error_code"] or BadInput.code, result["error"] or "the request failed")
@@ -209,6 +201,25 @@ def infer(name: str, version: str | None = None) -> Any:
 
 _JUST_DONE_SECONDS = 0.05
 """How long a waiter whose request's timeout passed looks for an answer that came just then."""
+
+
+def _wait_for_answer(answer: Answer, settings: Settings, store: Store, spec: RequestSpec,
+                     timeout_ms: float | None) -> dict[str, Any]:
+    """The finished request, waited for as Triton does: a request past its `timeout` that a worker
+    took in time still answers, within `online.max_wait` in all; InferenceTimeout otherwise."""
+    began = time.monotonic()
+    result = answer.wait(request_intake.wait_seconds(settings, timeout_ms))
+    if result is None and timeout_ms is not None and timeout_ms / 1000 <= settings.online.max_wait:
+        running = requests.running(store, spec)
+        left = settings.online.max_wait - (time.monotonic() - began) if running else _JUST_DONE_SECONDS
+        result = answer.wait(max(left, _JUST_DONE_SECONDS))
+        if result is None and not running:
+            raise InferenceTimeout(f"request {spec.request_id} was not taken by a worker within its 'timeout'; "
+                                   "it is not run (give it a longer timeout, or retry when the queue is shorter)")
+    if result is None:
+        raise InferenceTimeout(f"request {spec.request_id} is not done within the server's online.max_wait; it "
+                               f"still runs, and GET /v1/requests/{spec.request_id} shows its result")
+    return result
 
 
 def _answer(fields: dict[str, Any], outputs: dict[str, np.ndarray], checked: InferRequest) -> Any:

@@ -12,8 +12,9 @@
 --           the queue and compute time of those that ran, rows inferred, runs
 -- KEYS[8] model batch stats HASH '<model ref>|<rows>_count' / '..._ns' -> runs of that many rows and their
 --           time (apart from KEYS[7], which a /metrics scrape reads whole: these grow with the sizes run)
--- KEYS[9..] for each request in order: its HASH, then its done LIST (a waiter BLPOPs it and gets the
---           finished request's fields as one JSON object, so it needs no second read)
+-- KEYS[9..] for each request in order: its HASH, then the LIST its waiter blocks on: the inbox of the
+--           API process that waits for it, or its own done list. The finished request's fields go there
+--           as one JSON object (with its id), so the waiter needs no second read)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
 -- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run,
 -- ARGV[6] the requests' model ref (a batch is of one model), ARGV[7] when the run began ('' for none:

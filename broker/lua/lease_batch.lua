@@ -4,6 +4,8 @@
 -- KEYS[3] inflight  ZSET item id -> lease deadline
 -- KEYS[4] items     HASH item id -> payload
 -- KEYS[5] attempts  HASH item id -> lease count
+-- KEYS[6] doorbell  LIST idle drain loops block on: rung when a lease leaves work waiting, so that an
+--           idle peer takes the next batch (snapshots empty the list: queue_snapshot.lua)
 -- ARGV[1] ticket id ('' for none); ARGV[2] now; ARGV[3] lease deadline; ARGV[4] options, a JSON object:
 --   max_items, max_rows, max_tokens (0: no limit): budget of a batch of requests of the head's shape
 --     bucket; tokens are padded tokens for requests that will be padded
@@ -128,4 +130,8 @@ rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)
 if not within_batch_limit(online, rows, tokens) then
   return {0}
 end
-return move_to_inflight(picked)
+local reply = move_to_inflight(picked)
+if redis.call('ZCARD', KEYS[2]) > 0 then
+  ring_doorbell(KEYS[6])
+end
+return reply

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import importlib.util
 import os
 import signal
 import socket
@@ -49,16 +50,23 @@ API_WORKER_CLASS = "sits_api.gunicorn_worker.JsonErrorThreadWorker"
 
 
 def api_command(settings: Settings, app: str = "sits_api.wsgi:app") -> list[str]:
-    """argv of the API server: gunicorn with `api.workers` processes of `api.threads` threads each.
+    """argv of the API server (`api.server`): `api.workers` processes of `api.threads` request threads each.
 
-    Several processes use every core (one Python process is held to one by the GIL), and
-    gthread workers keep connections alive between requests. `app` is another WSGI app to serve
-    the same way (benchmarks/rest_floor.py).
+    Several processes use every core (one Python process is held to one by the GIL); both servers
+    keep connections alive between requests. `app` is another WSGI app to serve the same way
+    (benchmarks/rest_floor.py).
     """
-    return [sys.executable, "-m", "gunicorn", app, "--bind",
-            f"{settings.api.host}:{settings.api.port}", "--workers", str(settings.api.workers),
-            "--worker-class", API_WORKER_CLASS, "--threads", str(settings.api.threads), "--graceful-timeout", "5",
-            "--keep-alive", "30", "--log-level", "warning"]
+    api = settings.api
+    if api.server == "granian":
+        if importlib.util.find_spec("granian") is None:
+            raise ConfigError("api.server is granian, which is not installed: pip install 'sits[granian]', "
+                              "or set api.server to gunicorn")
+        return [sys.executable, "-m", "granian", "--interface", "wsgi", app, "--host", api.host,
+                "--port", str(api.port), "--workers", str(api.workers), "--blocking-threads", str(api.threads),
+                "--runtime-mode", "st", "--no-ws", "--log-level", "warning", "--workers-kill-timeout", "5"]
+    return [sys.executable, "-m", "gunicorn", app, "--bind", f"{api.host}:{api.port}", "--workers",
+            str(api.workers), "--worker-class", API_WORKER_CLASS, "--threads", str(api.threads),
+            "--graceful-timeout", "5", "--keep-alive", "30", "--log-level", "warning"]
 
 
 def gpu_devices() -> list[str]:

@@ -89,3 +89,22 @@ def test_a_waiter_gets_the_finished_request_from_its_done_list(store: Store) -> 
     assert done == {**requests.get_request(store, "r1"), "outputs": done["outputs"]}
     assert done["status"] == "succeeded" and done["batch_size"] == 1 and done["latency_ms"] == 250.0
     np.testing.assert_array_equal(done["outputs"]["embedding"], embedding)
+
+
+def test_a_snapshot_empties_the_doorbell_and_a_lease_that_leaves_work_rings_it(store: Store) -> None:
+    """Rings that came before a look at the queues announce work that look sees: they are dropped, else
+    each would wake an idle loop later for nothing. A lease that leaves work waiting rings once, so
+    that an idle peer takes the next batch."""
+    for n in range(3):
+        requests.submit_request(store, spec(f"r{n}"), score=float(n), now=NOW, max_age_seconds=60)
+    assert store.client.llen(store.keys.doorbell) == 3
+
+    assert queues.QueueWatcher(store).snapshot().heads
+    assert store.client.llen(store.keys.doorbell) == 0
+
+    assert len(queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=2)) == 2
+    assert store.client.llen(store.keys.doorbell) == 1  # r2 waits
+
+    queues.QueueWatcher(store).snapshot()
+    assert len(queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=2)) == 1
+    assert store.client.llen(store.keys.doorbell) == 0  # nothing left: no peer to wake

@@ -1,0 +1,160 @@
+"""Waiting for online results: one waiter thread per API process, for all of its waiting requests.
+
+A request that waits for its answer names this process's inbox (`keys.inbox`) as its `reply_to`;
+the worker that completes it pushes the finished request's fields there (`complete_requests.lua`).
+One thread blocks on the inbox, takes whatever has arrived in one more call, and hands each result
+to the request thread that waits for it. Per waiting request that is a fraction of one Redis round
+trip instead of a blocking call of its own, and Redis holds one blocked client per API process
+instead of one per waiting request.
+
+Nothing lives only here: the result is stored in the request's hash before it is pushed, so a
+result that comes after its waiter gave up (or after this process died) is still there for
+`GET /v1/requests/<id>`; an inbox nobody drains expires with the results (`online.result_ttl`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from broker import requests
+from broker.errors import SitsError
+from broker.store import Store, translate_redis_errors
+
+log = logging.getLogger(__name__)
+
+BLOCK_SECONDS = 2.0
+"""How long one blocking pop waits (below redis-py's socket timeout, so an idle inbox never trips it)."""
+
+DRAIN_COUNT = 256
+"""Results taken per call once the blocking pop has returned one: those that arrived together."""
+
+RETRY_SECONDS = 0.5
+"""How long the waiter pauses after Redis failed it, before it tries again (waiters time out as usual)."""
+
+
+class Answer:
+    """What one request holds while it waits: where its result goes, and the result once it is there."""
+
+    def __init__(self, future: Future[dict[str, Any]] | None, reply_to: str) -> None:
+        self._future = future
+        self.reply_to = reply_to
+        """The request's `reply_to`: this process's inbox, or '' for a request nobody waits for here."""
+
+    def wait(self, timeout: float) -> dict[str, Any] | None:
+        """The finished request as `requests.get_request` reports it, or None if it is not done in
+        `timeout` (at once for a request nobody waits for)."""
+        if self._future is None:
+            return None
+        try:
+            fields = self._future.result(timeout=max(timeout, 0.0))
+        except FutureTimeout:
+            return None
+        return requests.record_from_fields(fields)
+
+
+class ResultInbox:
+    """This process's inbox and the thread that delivers what arrives in it.
+
+    Made once per app. The key belongs to the process that uses it, so a copy inherited through
+    `fork` (gunicorn's workers) takes a key of its own on first use. The waiter thread runs while
+    requests wait: it stops after a blocking pop that brought nothing while none waited, and the
+    next waiting request starts it again.
+    """
+
+    def __init__(self, store: Store, *, block_seconds: float = BLOCK_SECONDS) -> None:
+        self._store = store
+        self._block_seconds = block_seconds
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._key = ""
+        self._waiting: dict[str, Future[dict[str, Any]]] = {}
+        self._delivering = False
+
+    @property
+    def key(self) -> str:
+        """The inbox LIST of this process: the `reply_to` of the requests it waits for."""
+        with self._lock:
+            return self._own_key()
+
+    @contextlib.contextmanager
+    def expecting(self, request_id: str, *, wait: bool = True) -> Iterator[Answer]:
+        """Register `request_id` as waited for (before it is submitted, so no result can come first),
+        and forget it on leaving, whether the answer came or not. Without `wait`, nothing is registered
+        and the answer says so: the request keeps its result to itself (`GET /v1/requests/<id>`)."""
+        if not wait:
+            yield Answer(None, "")
+            return
+        future: Future[dict[str, Any]] = Future()
+        with self._lock:
+            key = self._own_key()
+            self._waiting[request_id] = future
+            if not self._delivering:
+                self._delivering = True
+                threading.Thread(target=self._deliver_while_waited_for, args=(key,), name="sits-result-inbox",
+                                 daemon=True).start()
+        try:
+            yield Answer(future, key)
+        finally:
+            with self._lock:
+                self._waiting.pop(request_id, None)
+
+    def waiting(self) -> int:
+        """How many requests of this process wait for their result now."""
+        with self._lock:
+            return len(self._waiting)
+
+    def _own_key(self) -> str:
+        """This process's key (made on first use in each process); called with the lock held."""
+        if self._pid != os.getpid():  # (in a forked child: the parent's waiters and thread are not its own)
+            self._pid = os.getpid()
+            self._key = self._store.keys.inbox(f"{socket.gethostname()}:{self._pid}:{secrets.token_hex(4)}")
+            self._waiting, self._delivering = {}, False
+        return self._key
+
+    def _deliver_while_waited_for(self, key: str) -> None:
+        """The waiter thread: block on the inbox, drain what came with it, hand each result over; stop
+        once a pop brought nothing and no request waits."""
+        while True:
+            try:
+                texts = self._take(key)
+            except SitsError as err:  # Redis unreachable: waiters time out meanwhile, as they would anyway
+                log.warning("result inbox %s: %s", key, err.message)
+                texts = []
+                time.sleep(RETRY_SECONDS)
+            for text in texts:
+                self._deliver(text)
+            with self._lock:
+                if not texts and not self._waiting:
+                    self._delivering = False
+                    return
+
+    def _take(self, key: str) -> list[str]:
+        client = self._store.client
+        with translate_redis_errors():
+            popped = client.blpop([key], timeout=self._block_seconds)
+            if popped is None:
+                return []
+            texts = [popped[1]]
+            while len(more := client.lpop(key, DRAIN_COUNT) or []) > 0:
+                texts += more
+                if len(more) < DRAIN_COUNT:
+                    break
+        return texts
+
+    def _deliver(self, text: str) -> None:
+        fields = json.loads(text)
+        with self._lock:
+            future = self._waiting.get(fields.get("id", ""))
+        if future is not None and not future.done():  # (none: its waiter gave up; the hash has the result)
+            future.set_result(fields)
