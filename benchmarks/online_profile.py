@@ -84,6 +84,16 @@ _PASS_THROUGH = re.compile(
 )
 
 
+BLOCKED_LEAVES = re.compile(
+    r"^(Condition\.wait|Event\.wait|EpollSelector\.select|PollSelector\.select|_epoll\.poll|sleep) |"
+    r"^_HiredisParser\.read_from_socket |^SocketUnreader\.chunk "
+)
+"""Leaf frames where a thread waits (a lock, a poll, a sleep, a socket read for a reply or a request).
+On this kind of VM py-spy takes some blocked threads for running ones, so their samples are dropped:
+the waits cost no CPU of their own, and the process's CPU comes from /proc anyway. What the kernel
+does in a send is left with its caller."""
+
+
 def categorize(stack: list[str]) -> str:
     """The category of one sampled stack (root first), from its deepest frame that names one."""
     for frame in reversed(stack):
@@ -108,6 +118,8 @@ def read_raw(path: Path) -> collections.Counter[str]:
                 for frame in stack_text.split(";")
                 if not frame.startswith("process ") and not frame.startswith("thread ")
             ]
+            if stack and BLOCKED_LEAVES.search(stack[-1]):
+                continue
             counts[categorize(stack)] += int(count)
     return counts
 
