@@ -255,26 +255,10 @@ def naive_load(infer: Any, model_path: Path, requests: list[dict[str, list]], cl
 
 def sits_load(stack: Stack, model: str, requests: list[dict[str, list]], clients: int,
               seconds: float, meter: CpuMeter) -> dict[str, Any]:
-    connections: list[Http] = []
-
-    def make_call(index: int) -> Callable[[int], Any]:
-        http_ = Http(stack.api_url, stack.api_key)
-        connections.append(http_)
-
-        def call(n: int) -> int:
-            status, body = http_.call("POST", "/v1/requests", {
-                "model": model, "inputs": requests[(index * 7919 + n) % len(requests)], "wait": True})
-            if status != 200 or body.get("status") != "succeeded":
-                raise RuntimeError(f"{status}: {body}")
-            return int(body["batch_size"])
-        return call
-
-    try:
-        result = closed_loop(clients, seconds, make_call, meter)
-    finally:
-        for connection in connections:
-            connection.close()
-    result["mean_batch"] = float(np.mean(result["extras"])) if result["extras"] else float("nan")
+    """`rest_load` against the stack's API, with the mean batch its answers report."""
+    result = rest_load(stack.api_url, model, requests, clients, seconds, meter, api_key=stack.api_key)
+    batches = [batch for batch in result["extras"] if batch is not None]
+    result["mean_batch"] = float(np.mean(batches)) if batches else float("nan")
     return result
 
 
@@ -326,19 +310,21 @@ def serve_app(app: str, *, env: dict[str, str] | None = None, log_path: Path | N
 
 
 def rest_load(url: str, model: str, requests: list[dict[str, list]], clients: int, seconds: float,
-              meter: CpuMeter) -> dict[str, Any]:
-    """Closed loop of the SITS clients' POSTs against another REST service (the floor, naive REST)."""
+              meter: CpuMeter, *, api_key: str = "none") -> dict[str, Any]:
+    """Closed loop of the SITS clients' POSTs with `"wait": true` against a REST service (SITS, the floor,
+    naive REST); each call's extra is the `batch_size` the answer reports (None where it has none)."""
     connections: list[Http] = []
 
     def make_call(index: int) -> Callable[[int], Any]:
-        http_ = Http(url, "none")
+        http_ = Http(url, api_key)
         connections.append(http_)
 
-        def call(n: int) -> None:
+        def call(n: int) -> int | None:
             status, body = http_.call("POST", "/v1/requests", {
                 "model": model, "inputs": requests[(index * 7919 + n) % len(requests)], "wait": True})
             if status != 200 or body.get("status") != "succeeded":
                 raise RuntimeError(f"{status}: {body}")
+            return body.get("batch_size")
         return call
 
     try:
