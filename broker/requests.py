@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from broker.errors import Conflict, NotFound, SitsError
 from broker.queues import LeasedItem
@@ -112,7 +112,7 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
         "created_at": now,
         "deadline_at": spec.deadline_at or "",
         "owner": spec.owner,
-        "inputs": json.dumps({name: pack_array(array) for name, array in spec.inputs.items()}),
+        "inputs": orjson.dumps({name: pack_array(array) for name, array in spec.inputs.items()}).decode(),
     }
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
@@ -123,8 +123,8 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
                   keys.deadlines(spec.model_ref), keys.policy, keys.tickets, keys.ticket_seq, keys.doorbell,
                   keys.queues_version],
-            args=[spec.model_ref, spec.request_id, json.dumps({k: str(v) for k, v in fields.items()}), score,
-                  json.dumps(payload), spec.deadline_at or "", int(max_age_seconds), policy_json, now,
+            args=[spec.model_ref, spec.request_id, orjson.dumps({k: str(v) for k, v in fields.items()}), score,
+                  orjson.dumps(payload), spec.deadline_at or "", int(max_age_seconds), policy_json, now,
                   ticket_target],
         )
     status = int(reply[0])
@@ -142,7 +142,7 @@ def load_inputs(store: Store, items: Sequence[LeasedItem]) -> list[dict[str, np.
         for item in items:
             pipe.hget(store.keys.request(item.payload["req"]), "inputs")
         raws = pipe.execute()
-    return [{name: unpack_array(text) for name, text in json.loads(raw).items()} if raw else None for raw in raws]
+    return [{name: unpack_array(text) for name, text in orjson.loads(raw).items()} if raw else None for raw in raws]
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
         request_id = result.item.payload["req"]
         request_keys += [keys.request(request_id), result.item.payload.get("reply_to") or keys.request_done(request_id)]
         outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
-        args += [result.item.item_id, "failed" if result.error else "succeeded", json.dumps(outputs), result.error,
+        args += [result.item.item_id, "failed" if result.error else "succeeded", orjson.dumps(outputs), result.error,
                  (result.code or SitsError.code) if result.error else "", "1" if result.ran else ""]
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
@@ -221,7 +221,7 @@ def record_from_fields(raw: Mapping[str, str]) -> dict[str, Any]:
         "outputs": None,
     }
     if raw.get("outputs"):
-        result["outputs"] = {name: unpack_array(text) for name, text in json.loads(raw["outputs"]).items()}
+        result["outputs"] = {name: unpack_array(text) for name, text in orjson.loads(raw["outputs"]).items()}
     if result["finished_at"]:
         result["latency_ms"] = round((result["finished_at"] - result["created_at"]) * 1000, 3)
     return result
@@ -250,5 +250,5 @@ def wait_for_request(store: Store, request_id: str, *, timeout: float,
             block = min(left, _BLOCK_SLICE_SECONDS)
             popped = store.client.blpop([store.keys.request_done(request_id)], timeout=max(block, MIN_BLOCK_SECONDS))
             if popped is not None:
-                return record_from_fields(json.loads(popped[1]))
+                return record_from_fields(orjson.loads(popped[1]))
     return None

@@ -67,9 +67,10 @@ class Factors:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (infinite latency as null)."""
-        data = asdict(self)
-        data["est_latency_ms"] = None if math.isinf(self.est_latency_ms) else self.est_latency_ms
-        return data
+        # spelled out rather than dataclasses.asdict, which deep-copies field by field: this runs on every request
+        return {"level": self.level, "sla_weight": self.sla_weight,
+                "est_latency_ms": None if math.isinf(self.est_latency_ms) else self.est_latency_ms,
+                "complexity": self.complexity, "enqueued_at": self.enqueued_at, "tokens": self.tokens}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Factors:

@@ -335,6 +335,8 @@ def resume_job(job_id: str) -> Any:
 
 def _query_flag(name: str) -> bool:
     """A yes/no query parameter (`?wait=true`); BadInput for a value that is neither."""
+    if not request.query_string:
+        return False  # the usual case, without parsing the query into a MultiDict
     value = request.args.get(name, "").strip().lower()
     if value in ("", "0", "false", "no"):
         return False

@@ -15,7 +15,6 @@ result that comes after its waiter gave up (or after this process died) is still
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -26,6 +25,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
+
+import orjson
 
 from broker import requests
 from broker.errors import SitsError
@@ -153,7 +154,7 @@ class ResultInbox:
         return texts
 
     def _deliver(self, text: str) -> None:
-        fields = json.loads(text)
+        fields = orjson.loads(text)
         with self._lock:
             future = self._waiting.get(fields.get("id", ""))
         if future is not None and not future.done():  # (none: its waiter gave up; the hash has the result)
