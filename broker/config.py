@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from broker.errors import ConfigError
+from broker.scoring import MAX_PRIORITY
 from broker.units import parse_duration, parse_size
 
 
@@ -215,6 +216,19 @@ class JobSettings(_Section):
         return _count_or_auto(value, "a number of rows (>= 1)")
 
 
+TimeoutAction = Literal["reject", "delay"]
+
+
+class LevelQueuePolicy(_Section):
+    """The queue policy of one priority level (Triton's `priority_queue_policy` entry); a key it leaves
+    out is its model's (`ModelBatching`). `max_queue_size` here bounds this level's waiting requests."""
+
+    max_queue_size: Integer | None = Field(None, ge=0)
+    default_timeout: Seconds | None = Field(None, ge=0)
+    timeout_action: TimeoutAction | None = None
+    allow_timeout_override: bool | None = None
+
+
 MAX_BATCH_SIZE = 65536
 """The largest batch size the configuration takes (a batch is leased in one Redis call)."""
 MAX_QUEUE_DELAY = 1.0
@@ -245,6 +259,41 @@ class ModelBatching(_Section):
     """Token models: most tokens in one batch (0: no limit)."""
     queue_capacity: Integer = Field(1024, ge=1)
     """Items (waiting + leased) that make the model's queue 100 % loaded, for PSA jumps."""
+    # The queue policy (Triton's ModelQueuePolicy): docs/scheduling.md, "Queue policy and backpressure".
+    max_queue_size: Integer = Field(0, ge=0)
+    """Most online requests waiting (not leased) in a model version's queue; one more is a 429. 0: no limit."""
+    default_timeout: Seconds = Field(0.0, ge=0)
+    """How long a request may wait for a worker when it names no timeout of its own; 0: no timeout."""
+    timeout_action: TimeoutAction = "reject"
+    """What happens to a request still waiting at its timeout: `reject` fails it as timed out;
+    `delay` keeps it queued at the lowest priority level, and it still runs."""
+    allow_timeout_override: bool = True
+    """Whether a request's own timeout (v1 `timeout_ms`, v2 `timeout`) applies: below `default_timeout`
+    when one is set (as in Triton), any when none is. (Triton's default is false; SITS keeps the v2
+    `timeout` it always honoured.)"""
+    priority_levels: dict[int, LevelQueuePolicy] = {}
+    """Per priority level (0-15, 15 the most urgent), overrides of the four keys above."""
+
+    @field_validator("priority_levels", mode="before")
+    @classmethod
+    def _levels(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{value!r} is not a mapping of priority levels (0-15) to queue policies")
+        for level in value:
+            text = str(level).strip()
+            if isinstance(level, bool) or not text.isdigit() or int(text) > MAX_PRIORITY:
+                raise ValueError(f"{level!r} is not a priority level: use 0 to {MAX_PRIORITY} (15 the most "
+                                 "urgent; a v2 `priority` p is level 16 - p)")
+        return value
+
+    @model_validator(mode="after")
+    def _level_limits_within_the_model_s(self) -> ModelBatching:
+        for level, entry in sorted(self.priority_levels.items()):
+            if self.max_queue_size and entry.max_queue_size and entry.max_queue_size > self.max_queue_size:
+                raise ValueError(f"priority_levels.{level}.max_queue_size ({entry.max_queue_size}) is above "
+                                 f"max_queue_size ({self.max_queue_size}), which bounds all levels together; "
+                                 "lower it or leave it out")
+        return self
 
     @field_validator("max_batch_size", mode="before")
     @classmethod
@@ -306,6 +355,38 @@ class OnlineSettings(_Section):
         return self.models.get(model_name, self.batching)
 
 
+Admission = Literal["reject", "flag", "off"]
+
+
+class ModelSla(_Section):
+    """One model's deadline settings (`sla.models.<name>`); a key it leaves out is `sla`'s."""
+
+    admission: Admission | None = None
+
+
+class SlaSettings(_Section):
+    """Deadlines on offline jobs: how they are ordered and whether one that cannot be met is refused."""
+
+    admission: Admission = "reject"
+    """At submit, a job with a deadline is checked against its predicted finish (`broker/admission.py`):
+    `reject` refuses one that cannot finish in time, or that would make an accepted job miss its own
+    deadline (422, `deadline_infeasible`); `flag` accepts it with `at_risk: true`; `off` never checks."""
+    admission_margin: Number = Field(0.1, ge=0, le=10)
+    """Share of the predicted time kept in hand: with 0.1 a job predicted to need 100 s is accepted only
+    with a deadline at least 110 s away."""
+    deadline_horizon: Seconds = Field(300.0, ge=0)
+    """A job with a deadline waits as if it had arrived this long before it (or when it came, if that is
+    earlier): deadlines within the horizon are served earliest first and gain up to δ·horizon priority
+    points as they near (30 at the defaults)."""
+    models: dict[str, ModelSla] = {}
+    """Per-model overrides, by model name."""
+
+    def admission_for(self, model_name: str) -> Admission:
+        """The admission mode of `model_name`'s jobs."""
+        entry = self.models.get(model_name)
+        return entry.admission if entry is not None and entry.admission is not None else self.admission
+
+
 class Settings(_Section):
     """Everything configurable in SITS."""
 
@@ -316,6 +397,7 @@ class Settings(_Section):
     paths: PathSettings = PathSettings()
     jobs: JobSettings = JobSettings()
     online: OnlineSettings = OnlineSettings()
+    sla: SlaSettings = SlaSettings()
 
     def with_overrides(self, **sections: Mapping[str, Any]) -> Settings:
         """A copy with some keys replaced, validated like a loaded file."""

@@ -11,6 +11,8 @@ boundary (`raise DeviceOutOfMemory(...) from err`).
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SitsError(Exception):
     """Root of every SITS error; `message` says what was wrong and what to do."""
@@ -23,7 +25,7 @@ class SitsError(Exception):
         super().__init__(message)
         self.message = message
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, Any]:
         """The JSON body the API answers with."""
         return {"error": self.message, "code": self.code}
 
@@ -64,6 +66,18 @@ class InferenceTimeout(RetryableError):
     code = "timeout"
 
 
+class QueueFull(RetryableError):
+    """A model's queue (or one of its priority levels) holds `max_queue_size` waiting requests: the
+    request was not queued. The API answers 429 with a `Retry-After` of `retry_after` seconds."""
+
+    http_status = 429
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = max(1, int(retry_after))
+
+
 class RunFailed(RetryableError):
     """An online request's runs kept failing (its workers died or errored) until its attempts ran out."""
 
@@ -97,6 +111,24 @@ class InvalidModel(PermanentError):
 
     http_status = 422
     code = "invalid_model"
+
+
+class DeadlineInfeasible(PermanentError):
+    """A job's deadline cannot be met with the work ahead of it (`broker/admission.py`)."""
+
+    http_status = 422
+    code = "deadline_infeasible"
+
+    def __init__(self, message: str, *, predicted_finish: float | None, earliest_deadline: float | None) -> None:
+        super().__init__(message)
+        self.predicted_finish = predicted_finish
+        self.earliest_deadline = earliest_deadline
+
+    def to_dict(self) -> dict[str, Any]:
+        """The error with the predicted finish and the earliest deadline that would be accepted now
+        (unix seconds; None when none was found)."""
+        return {**super().to_dict(), "predicted_finish": self.predicted_finish,
+                "earliest_deadline": self.earliest_deadline}
 
 
 class PathNotAllowed(PermanentError):

@@ -27,8 +27,9 @@ from broker.jobs import (
     finalize_payload,
     get_job,
     job_factors,
+    order_time,
 )
-from broker.scoring import Ordering, Weights, queue_key
+from broker.scoring import Ordering, Weights, deadline_order_time, queue_key
 from broker.store import Store, translate_redis_errors
 
 
@@ -44,8 +45,10 @@ def _item_args(job_id: str, model_ref: str, ranges: Sequence[tuple[int, int]], i
 
 
 def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | None = None,
-               ordering: Ordering = "dynamic") -> None:
-    """Write the job hash and queue all its chunks in one atomic call (scored with `weights`)."""
+               ordering: Ordering = "dynamic", deadline_horizon: float = 0.0) -> None:
+    """Write the job hash and queue all its chunks in one atomic call (scored with `weights`; a job with
+    a deadline ages from `deadline_horizon` before it, `scoring.deadline_order_time`)."""
+    order_at = None if spec.deadline_at is None else deadline_order_time(now, spec.deadline_at, deadline_horizon)
     ranges = chunk_ranges(spec.rows_total, spec.chunk_size)
     fields = {
         "id": spec.job_id,
@@ -72,16 +75,23 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
         "error": "",
         "created_at": now,
         "checkpoint_ts": now,
+        "deadline": spec.deadline_at if spec.deadline_at is not None else "",
+        "predicted_finish": spec.predicted_finish if spec.predicted_finish is not None else "",
+        "at_risk": "1" if spec.at_risk else "",
+        "predicted_with": spec.predicted_with if spec.predicted_with is not None else "",
+        "order_at": order_at if order_at is not None else "",
     }
-    factors = job_factors(spec.priority, now)
+    factors = job_factors(spec.priority, now, order_at)
     score = queue_key(factors, weights or Weights(), ordering)
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
              _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict(),
                         spec.batch_size), owner=spec.owner)
+    _mark_active(store, spec.job_id, score)
 
 
 def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
-               ordering: Ordering = "dynamic", input_stat: dict[str, int] | None = None) -> int:
+               ordering: Ordering = "dynamic", input_stat: dict[str, int] | None = None,
+               deadline_horizon: float = 0.0) -> int:
     """Re-queue every chunk not yet done (and the finalize step if all are); returns items queued.
     `input_stat` replaces the input file's recorded identity (its checksum was found unchanged).
 
@@ -95,7 +105,8 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     done = done_chunks(store, job_id)
     ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
     missing = [index for index in range(len(ranges)) if index not in done]
-    factors = job_factors(job["priority"], now)
+    order_at = order_time(job, now, deadline_horizon)
+    factors = job_factors(job["priority"], now, order_at)
     score = queue_key(factors, weights or Weights(), ordering)
     model_ref = job["model_ref"]
     item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict(), int(job["batch_size"]))
@@ -103,10 +114,20 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
         finalize = finalize_payload(job_id, model_ref, score, factors.to_dict())
         item_args = [finalize_item_id(job_id), score, json.dumps(finalize), ""]
     fields: dict[str, Any] = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now,
-                              "rows_at_resume": job["rows_done"]}
+                              "rows_at_resume": job["rows_done"], "order_at": order_at if order_at is not None else ""}
     if input_stat:
         fields["input_stat"] = json.dumps(input_stat)
-    return _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)
+    added = _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)
+    _mark_active(store, job_id, score)
+    return added
+
+
+def _mark_active(store: Store, job_id: str, score: float) -> None:
+    """Index the job among the active ones, at its chunks' score, for deadline admission. (After its
+    items are queued: a crash in between leaves a job that admission does not count, not one that
+    counts without work.)"""
+    with translate_redis_errors():
+        store.client.zadd(store.keys.jobs_active, {job_id: score})
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
@@ -171,7 +192,8 @@ def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     done = done_chunks(store, job_id)
     ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
     # a resume's first call scored its chunks as enqueued at the resume (`resume_job`)
-    factors = job_factors(job["priority"], (mode == "resume" and job["resumed_at"]) or job["created_at"])
+    factors = job_factors(job["priority"], (mode == "resume" and job["resumed_at"]) or job["created_at"],
+                          job.get("order_at"))
     item_args = _item_args(job_id, job["model_ref"], ranges, [i for i in range(len(ranges)) if i not in done],
                            queue_key(factors, weights or Weights(), ordering), factors.to_dict(),
                            int(job["batch_size"]))

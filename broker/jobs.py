@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import JobNotFound
-from broker.scoring import Factors, check_level
+from broker.finish_prediction import sla_risk
+from broker.scoring import Factors, check_level, deadline_order_time
 from broker.store import Store, translate_redis_errors
 
 ACTIVE_STATUSES = ("queued", "running")
@@ -34,9 +35,10 @@ _INT_FIELDS = (
     "batch_size",
     "priority",
 )
-_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at")
+_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at", "deadline",
+                 "predicted_finish", "order_at")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
-_BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done")
+_BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "predicted_with")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 
@@ -95,6 +97,14 @@ class JobSpec:
     input_options: dict[str, Any] | None = None
     input_stat: dict[str, int] | None = None
     """The input file's size, modification time and inode at submit: workers check it before each chunk."""
+    deadline_at: float | None = None
+    """When the job must be done (unix seconds); None for a job without a deadline."""
+    predicted_finish: float | None = None
+    """When admission predicted it would finish (`broker/admission.py`), for a job with a deadline."""
+    at_risk: bool = False
+    """Accepted under `sla.admission: flag` although its deadline was predicted to be missed."""
+    predicted_with: float | None = None
+    """The calibration the prediction was made under (`admission.calibration`), to learn from its finish."""
 
     @property
     def model_ref(self) -> str:
@@ -107,9 +117,18 @@ def finalize_payload(job_id: str, model_ref: str, score: float, factors: dict[st
     return {"kind": "finalize", "job": job_id, "model_ref": model_ref, "score": score, "factors": factors}
 
 
-def job_factors(priority: int, enqueued_at: float) -> Factors:
-    """What a job's items are scored from: its priority level, free tier, no latency bonus."""
-    return Factors(level=check_level(priority), enqueued_at=enqueued_at)
+def job_factors(priority: int, enqueued_at: float, order_at: float | None = None) -> Factors:
+    """What a job's items are scored from: its priority level, free tier, no latency bonus; a job with a
+    deadline ages from `order_at` when that is earlier (`scoring.deadline_order_time`)."""
+    return Factors(level=check_level(priority), enqueued_at=enqueued_at,
+                   order_at=order_at if order_at is not None and order_at < enqueued_at else None)
+
+
+def order_time(job: dict[str, Any], enqueued_at: float, horizon: float) -> float | None:
+    """The `order_at` of a job (a decoded record) whose items are queued at `enqueued_at`; None without
+    a deadline."""
+    deadline = job.get("deadline")
+    return None if deadline is None else deadline_order_time(enqueued_at, float(deadline), horizon)
 
 
 def decode_job(raw: dict[str, str]) -> dict[str, Any]:
@@ -122,6 +141,7 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
     for name in _JSON_FIELDS:
         job[name] = json.loads(raw[name]) if raw.get(name) else None
     job["error"] = raw.get("error") or None
+    job["at_risk"] = bool(raw.get("at_risk"))
     job["owner"] = raw.get("owner") or None  # the submitting key's name; None for jobs stored without one
     for name in _BOOKKEEPING_FIELDS:
         job.pop(name, None)
@@ -148,6 +168,27 @@ def with_rates(job: dict[str, Any], *, now: float) -> dict[str, Any]:
     job["elapsed_seconds"] = round(elapsed, 3)
     job["rows_per_second"] = round(rate, 1)
     job["eta_seconds"] = round(remaining / rate, 1) if rate > 0 and job["status"] in ACTIVE_STATUSES else None
+    return with_deadline(job, now=now)
+
+
+def with_deadline(job: dict[str, Any], *, now: float) -> dict[str, Any]:
+    """A job with a deadline: `predicted_finish` from its own rate once it runs (admission's until then),
+    `sla_risk` from that, and once it ended `deadline_met` (None for a cancelled job, or one without a
+    deadline). Without one, the three are None."""
+    deadline = job.get("deadline")
+    if deadline is None:
+        job.update(predicted_finish=None, sla_risk=None, deadline_met=None)
+        return job
+    if job["status"] in ACTIVE_STATUSES:
+        if job.get("eta_seconds") is not None:
+            job["predicted_finish"] = round(now + job["eta_seconds"], 3)
+        job["sla_risk"] = sla_risk(job.get("predicted_finish"), deadline, now=now)
+        job["deadline_met"] = None
+    else:
+        finished = job.get("finished_at")
+        met = job["status"] == "succeeded" and finished is not None and finished <= deadline
+        job["deadline_met"] = None if job["status"] == "cancelled" else met
+        job["sla_risk"] = 0.0 if met else 1.0 if job["deadline_met"] is False else None
     return job
 
 

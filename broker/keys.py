@@ -94,6 +94,19 @@ class Keys:
         return self._key("jobs")
 
     @property
+    def jobs_active(self) -> str:
+        """ZSET job id -> its chunks' queue score, of jobs queued or running since their last submit or
+        resume: the work deadline admission counts ahead of a new job (`broker/admission.py`). Entries
+        of jobs that ended are dropped when admission reads them."""
+        return self._key("jobs-active")
+
+    @property
+    def admission_calibration(self) -> str:
+        """HASH `factor`, `samples`: real over predicted durations of jobs that finished, lately; deadline
+        admission multiplies its predictions by the factor (`broker/admission.py`)."""
+        return self._key("admission-calibration")
+
+    @property
     def jobs_filling(self) -> str:
         """ZSET job id -> time of its last enqueue call, for jobs whose items are still being queued in
         slices (`job_slices.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
@@ -167,6 +180,17 @@ class Keys:
         """LIST of the finished requests an API process waits for: one waiter thread there blocks on it for
         all of them (`sits_api/result_inbox.py`), instead of one blocking call per request."""
         return self._key("inbox", name)
+
+    def waiting_requests(self, model_ref: str) -> str:
+        """ZSET request id -> its priority level as submitted, of `model_ref`'s online requests waiting in
+        its ready queue (not leased): what `max_queue_size` counts, in total (ZCARD) and per level (ZCOUNT).
+        Every script that moves a request into or out of the ready queue keeps it."""
+        return self._key("waiting-requests", model_ref)
+
+    def request_timeouts(self, model_ref: str) -> str:
+        """ZSET request id -> when its timeout passes (unix seconds), of `model_ref`'s requests that have
+        one (`broker.request_timeouts`); an entry whose request is gone leaves at the next pass."""
+        return self._key("request-timeouts", model_ref)
 
     def deadlines(self, model_ref: str) -> str:
         """ZSET item id -> deadline (unix seconds) of `model_ref`'s waiting items that have one (PSA index)."""

@@ -39,6 +39,18 @@ def model_statistics(store: Store, versions: list[tuple[str, str]]) -> list[dict
             for name, version in versions]
 
 
+RUN_TOTALS = ("infer_count", "infer_ns", "execution_count")
+"""The running totals `run_totals` reads: requests that ran, the nanoseconds of their runs, runs."""
+
+
+def run_totals(store: Store, model_ref: str) -> dict[str, int]:
+    """One model version's `RUN_TOTALS` (0 for those it has none of), in one round trip: what its
+    queue's drain rate is estimated from (`broker.queue_policy.seconds_per_request`)."""
+    with translate_redis_errors():
+        values = store.client.hmget(store.keys.model_stats, [f"{model_ref}|{stat}" for stat in RUN_TOTALS])
+    return {stat: int(value or 0) for stat, value in zip(RUN_TOTALS, values, strict=True)}
+
+
 def decode_model_stats(raw: dict[str, str]) -> dict[str, dict[str, int]]:
     """The `keys.model_stats` (or `keys.model_batch_stats`) hash as model ref -> stat -> running total."""
     by_ref: dict[str, dict[str, int]] = {}

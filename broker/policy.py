@@ -188,10 +188,17 @@ def apply_psa(store: Store, model_ref: str, weights: Weights, ordering: Ordering
             args=[now, weights.psa_rtd_ms, weights.psa_load, weights.psa_max_base_level, max(capacity, 1)],
         )
         jumped = [str(item_id) for item_id in reply[1:]]
-        if jumped:
-            store.scripts.rescore(keys=[keys.ready(model_ref), keys.items],
-                                  args=["0", 0, "ids", ordering, *_weight_args(weights), *jumped])
+    rescore_items(store, model_ref, jumped, weights, ordering)
     return jumped
+
+
+def rescore_items(store: Store, model_ref: str, item_ids: list[str], weights: Weights, ordering: Ordering) -> None:
+    """Re-score the waiting items `item_ids` of `model_ref` from their payloads' factors (after a PSA
+    jump or a `delay` timeout changed their level); an id no longer waiting is not queued again."""
+    if item_ids:
+        with translate_redis_errors():
+            store.scripts.rescore(keys=[store.keys.ready(model_ref), store.keys.items],
+                                  args=["0", 0, "ids", ordering, *_weight_args(weights), *item_ids])
 
 
 def model_order(heads: dict[str, float], policy_name: str, last_served: str | None) -> list[str]:

@@ -82,7 +82,7 @@ def lease_batch(
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
-                  keys.doorbell],
+                  keys.doorbell, keys.waiting_requests(model_ref)],
             args=[ticket, now, now + lease_seconds, json.dumps(options)],
         )
     return _leased(reply, model_ref, ticket)
@@ -107,7 +107,8 @@ def lease_riders(
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_riders(
-            keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts],
+            keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
+                  keys.waiting_requests(model_ref)],
             args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window],
         )
     return _leased(reply, model_ref, ticket)
@@ -264,7 +265,8 @@ def reap_expired_leases(store: Store, *, now: float, max_attempts: int, limit: i
     with translate_redis_errors():
         for ref in sorted(store.client.smembers(keys.queues)):
             back, _ = store.scripts.reap_leases(
-                keys=[keys.inflight(ref), keys.ready(ref), keys.items, keys.attempts, keys.dead],
+                keys=[keys.inflight(ref), keys.ready(ref), keys.items, keys.attempts, keys.dead,
+                      keys.waiting_requests(ref)],
                 args=[now, max_attempts, limit],
             )
             returned += int(back)
@@ -364,7 +366,8 @@ def return_unrun(store: Store, items: Sequence[LeasedItem]) -> int:
         for model_ref in sorted({item.model_ref for item in items}):
             keys = store.keys
             returned += int(store.scripts.return_items(
-                keys=[keys.inflight(model_ref), keys.ready(model_ref), keys.items, keys.attempts, keys.doorbell],
+                keys=[keys.inflight(model_ref), keys.ready(model_ref), keys.items, keys.attempts, keys.doorbell,
+                      keys.waiting_requests(model_ref)],
                 args=[item.item_id for item in items if item.model_ref == model_ref]))
     return returned
 

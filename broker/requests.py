@@ -56,6 +56,16 @@ def unpack_array(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(data), dtype=np.dtype(dtype)).reshape(dims)
 
 
+class QueueAtLimit(Exception):
+    """The request's model queue (`level` None) or priority level holds `waiting` requests, its limit:
+    nothing was queued. Internal control flow between `submit_request` and its caller, which answers
+    with a `QueueFull` (it knows how fast the queue drains)."""
+
+    def __init__(self, waiting: int, level: int | None) -> None:
+        super().__init__(waiting, level)
+        self.waiting, self.level = waiting, level
+
+
 class PolicyChanged(Exception):
     """The live policy changed after the request was scored; score it again and resubmit.
 
@@ -81,9 +91,13 @@ class RequestSpec:
     """Tokens the request may cost in a padded batch (rows x its length class); counted against
     `max_batch_tokens` instead of `tokens` when set."""
     expires_at: float | None = None
-    """When set (a v2 request's `timeout`, which Triton enforces), a worker that leases the request
-    later than this does not run it: it fails as timed out (`sits_worker.request_runs`). A v1 `deadline_ms`
-    is a tolerable delay that orders the queue, and such a request still runs late."""
+    """When set (its timeout under `timeout_action: reject`, `broker.queue_policy`), a request still
+    waiting then fails as timed out (`broker.request_timeouts`), and a worker that leases it later than
+    this does not run it (`sits_worker.request_runs`). A v1 `deadline_ms` is a tolerable delay that
+    orders the queue, and such a request still runs late."""
+    delay_at: float | None = None
+    """When set (its timeout under `timeout_action: delay`), a request still waiting then drops to the
+    lowest priority level (`broker.request_timeouts`); it still runs."""
     reply_to: str = ""
     """The inbox LIST (`keys.inbox`) the finished request's fields are pushed to, where its submitter's
     process waits for it; '' for the request's own done list (`keys.request_done`)."""
@@ -95,12 +109,15 @@ class RequestSpec:
 
 
 def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float, max_age_seconds: float,
-                   policy_json: str = "", ticket_target: int = 0) -> list[str]:
+                   policy_json: str = "", ticket_target: int = 0, max_waiting: int = 0,
+                   max_waiting_at_level: int = 0) -> list[str]:
     """Store the request, queue it, ring the doorbell and top tickets up to `ticket_target`, in one call.
 
     `policy_json` is the live policy as read when `score` was computed ('' for the defaults); if it
-    is no longer live, nothing is written and PolicyChanged is raised. Returns the new ticket ids,
-    each to be sent as a drain task.
+    is no longer live, nothing is written and PolicyChanged is raised. With `max_waiting` (the
+    model's `max_queue_size`) or `max_waiting_at_level` (its level's), a queue that holds that many
+    waiting requests takes nothing, atomically with the check: QueueAtLimit. Returns the new ticket
+    ids, each to be sent as a drain task.
     """
     keys = store.keys
     fields = {
@@ -117,17 +134,23 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
                "factors": spec.factors, **({"expires_at": spec.expires_at} if spec.expires_at else {}),
+               **({"delay_at": spec.delay_at} if spec.delay_at else {}),
                **({"reply_to": spec.reply_to} if spec.reply_to else {})}
+    timeout_at = spec.expires_at or spec.delay_at
     with translate_redis_errors():
         reply = store.scripts.submit_request(
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
                   keys.deadlines(spec.model_ref), keys.policy, keys.tickets, keys.ticket_seq, keys.doorbell,
-                  keys.queues_version],
+                  keys.queues_version, keys.waiting_requests(spec.model_ref), keys.request_timeouts(spec.model_ref),
+                  keys.counters],
             args=[spec.model_ref, spec.request_id, orjson.dumps({k: str(v) for k, v in fields.items()}), score,
                   orjson.dumps(payload), spec.deadline_at or "", int(max_age_seconds), policy_json, now,
-                  ticket_target],
+                  ticket_target, int(spec.factors.get("level") or 0), max_waiting, max_waiting_at_level,
+                  "" if timeout_at is None else repr(timeout_at)],
         )
     status = int(reply[0])
+    if status in (-2, -3):
+        raise QueueAtLimit(int(reply[1]), None if status == -2 else int(spec.factors.get("level") or 0))
     if status < 0:
         raise PolicyChanged(spec.request_id)
     if status == 0:
@@ -228,12 +251,6 @@ def record_from_fields(raw: Mapping[str, str]) -> dict[str, Any]:
 
 
 _BLOCK_SLICE_SECONDS = 2.0  # below redis-py's default socket timeout (5 s), so a long wait never trips it
-
-
-def running(store: Store, spec: RequestSpec) -> bool:
-    """Whether a worker holds the request now (leased: its run is going on)."""
-    with translate_redis_errors():
-        return store.client.zscore(store.keys.inflight(spec.model_ref), spec.request_id) is not None
 
 
 def wait_for_request(store: Store, request_id: str, *, timeout: float,

@@ -64,13 +64,17 @@ class Factors:
     complexity: float = 0.0
     enqueued_at: float = 0.0
     tokens: int | None = None
+    order_at: float | None = None
+    """The arrival time the dynamic key ages from, when it is not `enqueued_at`: a job with a deadline
+    waits as if it had come `deadline_horizon` before its deadline (`deadline_order_time`)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (infinite latency as null)."""
         # spelled out rather than dataclasses.asdict, which deep-copies field by field: this runs on every request
         return {"level": self.level, "sla_weight": self.sla_weight,
                 "est_latency_ms": None if math.isinf(self.est_latency_ms) else self.est_latency_ms,
-                "complexity": self.complexity, "enqueued_at": self.enqueued_at, "tokens": self.tokens}
+                "complexity": self.complexity, "enqueued_at": self.enqueued_at, "tokens": self.tokens,
+                **({"order_at": self.order_at} if self.order_at is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Factors:
@@ -79,7 +83,8 @@ class Factors:
         return cls(level=int(data["level"]), sla_weight=float(data.get("sla_weight", 1.0)),
                    est_latency_ms=math.inf if latency is None else float(latency),
                    complexity=float(data.get("complexity", 0.0)), enqueued_at=float(data.get("enqueued_at", 0.0)),
-                   tokens=data.get("tokens"))
+                   tokens=data.get("tokens"),
+                   order_at=float(data["order_at"]) if data.get("order_at") is not None else None)
 
 
 def priority_points(factors: Factors, weights: Weights) -> float:
@@ -97,16 +102,26 @@ def is_express(factors: Factors, weights: Weights) -> bool:
 
 def queue_key(factors: Factors, weights: Weights, ordering: Ordering = "dynamic") -> float:
     """The ready-queue score of an item (ascending = served first)."""
-    since_epoch = factors.enqueued_at - _EPOCH
     if ordering == "fifo":
-        return since_epoch
-    key = weights.delta * since_epoch - priority_points(factors, weights)
+        return factors.enqueued_at - _EPOCH
+    arrived = factors.enqueued_at if factors.order_at is None else factors.order_at
+    key = weights.delta * (arrived - _EPOCH) - priority_points(factors, weights)
     return key - weights.express_bonus if is_express(factors, weights) else key
+
+
+def deadline_order_time(enqueued_at: float, deadline_at: float, horizon: float) -> float:
+    """When an item with a deadline counts as having arrived, for aging: `horizon` seconds before its
+    deadline, or when it came if that is earlier. Items whose deadlines fall within the horizon are
+    so ordered by deadline (EDF) among equal priority points, and gain up to δ·horizon points as their
+    deadline nears; one whose deadline is further away waits in arrival order, so no later arrival of
+    its level passes it before its time."""
+    return min(enqueued_at, deadline_at - horizon)
 
 
 def current_priority(factors: Factors, weights: Weights, *, now: float) -> float:
     """Priority points including aging at `now` (what the static key orders by)."""
-    return priority_points(factors, weights) + weights.delta * (now - factors.enqueued_at)
+    arrived = factors.enqueued_at if factors.order_at is None else factors.order_at
+    return priority_points(factors, weights) + weights.delta * (now - arrived)
 
 
 def check_level(level: int) -> int:

@@ -37,6 +37,7 @@ SCRIPT_NAMES = (
     "rescore",
     "psa_jump",
     "prune_queue",
+    "expire_requests",
 )
 
 

@@ -20,8 +20,9 @@ from broker import job_lists, job_stops, jobs, policy, queues, registry, request
 from broker.apikeys import authenticate, owns, require_role
 from broker.config import Settings
 from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
+from broker.sla_task_sets import TaskSet
 from broker.store import Store
-from sits_api import metrics, request_intake, services
+from sits_api import metrics, request_intake, services, sla
 from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document
 from sits_api.result_inbox import ResultInbox
@@ -88,7 +89,8 @@ def _parse(model: type[BaseModel]) -> Any:
 
 
 def _sits_error(err: SitsError) -> Any:
-    return jsonify(err.to_dict()), err.http_status
+    retry_after = getattr(err, "retry_after", None)  # a full queue's 429 (QueueFull) says when to come back
+    return jsonify(err.to_dict()), err.http_status, ({"Retry-After": str(retry_after)} if retry_after else {})
 
 
 def _http_error(err: HTTPException) -> Any:
@@ -330,6 +332,14 @@ def resume_job(job_id: str) -> Any:
     return jsonify(job), 202
 
 
+@api.post("/v1/sla/analysis")
+def sla_analysis() -> Any:
+    """Schedulability of a periodic task set: utilisation against the Liu-Layland bound, each task's
+    response time, and whether all meet their deadlines (docs/sla.md)."""
+    ctx = _ctx()
+    return jsonify(sla.analyse_task_set(ctx["settings"], ctx["store"], _parse(TaskSet)))
+
+
 # --- online requests ------------------------------------------------------------------
 
 
@@ -358,8 +368,10 @@ def submit_request() -> Any:
         spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model,
                                      inputs=body.inputs, priority=body.priority, deadline_ms=body.deadline_ms,
                                      user_tier=body.user_tier, tokens=body.tokens, owner=g.identity["name"],
-                                     now=time.time(), request_id=request_id, reply_to=answer.reply_to)
-        done = answer.wait(request_intake.wait_seconds(settings, body.deadline_ms))
+                                     now=time.time(), request_id=request_id, timeout_ms=body.timeout_ms,
+                                     reply_to=answer.reply_to)
+        done = request_intake.wait_for_result(settings, store, ctx["policy"], answer, spec,
+                                              seconds=request_intake.wait_seconds(settings, body.deadline_ms))
     if done:
         return jsonify(request_intake.to_json_result(done)), 200
     return jsonify({"id": spec.request_id, "status": "queued", "model": spec.model_name,

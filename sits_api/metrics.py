@@ -62,6 +62,7 @@ class SitsCollector:
         stats = read_stats(self._store, now=time.time(),
                            heartbeat_timeout=self._settings.scheduler.worker_heartbeat_timeout)
         yield from _queue_metrics(stats)
+        yield from _queue_policy_metrics(stats, self._settings)
         yield from _worker_metrics(stats)
         yield from _job_and_request_metrics(stats)
 
@@ -94,6 +95,28 @@ def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
                             "wait for the reaper to fail their job or request.", value=stats.dead_items)
     yield GaugeMetricFamily("sits_batch_tickets", "Batch tickets circulating: the drain tasks that lease batches "
                             "for the live workers' stream slots.", value=stats.tickets)
+
+
+REJECTION_REASONS = ("queue_full", "level_full")
+"""Why a request was refused with a 429 (`submit_request.lua` counts them): its model's queue, or its
+priority level's, held `max_queue_size` waiting requests."""
+
+
+def _queue_policy_metrics(stats: SystemStats, settings: Settings) -> Iterator[Metric]:
+    limit = GaugeMetricFamily("sits_queue_max_requests", "The model's max_queue_size: most online requests "
+                              "waiting in a version's queue before a 429 (0: no limit).", labels=MODEL)
+    for model_ref in stats.queues:
+        name, version = _model_labels(model_ref)
+        if stats.latest_versions.get(name) == version:
+            limit.add_metric([name, version], settings.online.batching_for(name).max_queue_size)
+    yield limit
+    rejected = CounterMetricFamily("sits_requests_rejected", "Online requests refused with a 429 because their "
+                                   "queue was full (reason queue_full: the model's max_queue_size; level_full: "
+                                   "their priority level's); nothing of them was queued.", labels=[*MODEL, "reason"])
+    for reason in REJECTION_REASONS:
+        for model_ref, total in sorted(stats.counters.get(f"requests_rejected_{reason}", {}).items()):
+            rejected.add_metric([*_model_labels(model_ref), reason], total)
+    yield rejected
 
 
 def _heartbeat_value(worker: dict[str, Any], where: str | tuple[str, str]) -> float | None:

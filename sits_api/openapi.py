@@ -6,6 +6,7 @@ from typing import Any
 
 from broker.policy import ORDERINGS, POLICY_RANGES
 from broker.scoring import Weights
+from broker.sla_task_sets import TaskSet
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
@@ -33,6 +34,8 @@ def openapi_document() -> dict[str, Any]:
     def path_params(*names: str) -> list[dict[str, Any]]:
         return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
 
+    task_set = TaskSet.model_json_schema(ref_template="#/components/schemas/{model}")
+    shared_schemas = task_set.pop("$defs", {})
     binary = {"schema": {"type": "string", "format": "binary"}}
     owned = ("A user key sees only what it submitted: another key's answers 404, as an unknown id does; "
              "an admin key sees everything.")
@@ -40,7 +43,7 @@ def openapi_document() -> dict[str, Any]:
                      "schema": {"type": "integer", "minimum": 0},
                      "description": "Triton's binary tensor data extension: the byte length of the JSON at the "
                                     "start of the body (binary tensors follow it); without it the body is JSON"}
-    v2_infer_responses = _responses(200, 400, 401, 404, 413, 415, 504)
+    v2_infer_responses = _responses(200, 400, 401, 404, 413, 415, 429, 504)  # 429: a full queue, with Retry-After
     v2_infer_responses["200"]["content"]["application/octet-stream"] = binary
     v2_infer = {"summary": "Open Inference Protocol (KServe v2) inference; parameters.priority, .timeout (us)",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}},
@@ -87,7 +90,7 @@ def openapi_document() -> dict[str, Any]:
                  "description": "Scalable Inference Task Scheduler. Request bodies may be sent with "
                                 "Content-Encoding gzip or deflate (415 for any other), within "
                                 "api.max_body_bytes once decompressed (413)."},
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}, "schemas": shared_schemas},
         "security": [{"bearer": []}],
         "paths": {
             "/healthz": {"get": {"summary": "liveness", "security": [], "responses": _responses(200)}},
@@ -138,7 +141,7 @@ def openapi_document() -> dict[str, Any]:
                 "post": {"summary": "one online inference request (202, or 200 with the result when waiting)",
                          "requestBody": _body(OnlineRequest),
                          "parameters": [{"name": "wait", "in": "query", "schema": {"type": "boolean"}}],
-                         "responses": _responses(200, 202, 400, 401, 404, 413, 415)},
+                         "responses": _responses(200, 202, 400, 401, 404, 413, 415, 429)},
             },
             "/v1/requests/{request_id}": {
                 "get": {"summary": "a request's status and outputs", "description": owned,
@@ -152,6 +155,15 @@ def openapi_document() -> dict[str, Any]:
                         "requestBody": {"required": True,
                                         "content": {"application/json": {"schema": _policy_schema()}}},
                         "responses": _responses(200, 400, 401, 403)},
+            },
+            "/v1/sla/analysis": {
+                "post": {"summary": "schedulability of a periodic task set: utilisation and the Liu-Layland "
+                                    "bound, each task's response time, feasible or not",
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": task_set}}},
+                         "description": "A task's wcet_ms is given, or derived from a model's measured profile "
+                                        "(P99 per mini-batch) and rows: 404 for an unknown model, 409 for one "
+                                        "without a measured profile or profiled on another device kind.",
+                         "responses": _responses(200, 400, 401, 404, 409)},
             },
             "/v1/jobs/{job_id}/resume": {
                 "post": {"summary": "re-queue the unfinished chunks", "description": owned, "parameters": job_id,

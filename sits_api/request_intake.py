@@ -7,17 +7,19 @@ which differ only in how tensors are spelled.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
 
-from broker import policy, requests
+from broker import model_stats, policy, queue_policy, request_timeouts, requests, workers
 from broker.config import Settings
-from broker.errors import BadInput, RetryableError
+from broker.errors import BadInput, QueueFull, RetryableError
 from broker.model_cache import API_RECORD_TTL_SECONDS, ModelRecordCache
 from broker.requests import RequestSpec
 from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
 from broker.store import Store
+from sits_api.result_inbox import Answer
 from sits_api.task_sender import Dispatcher
 from sits_worker.model.padding import (
     MaskSpec,
@@ -32,9 +34,10 @@ from sits_worker.model.tensors import request_tensors
 def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy: policy.LivePolicy, *,
            model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: str,
            tokens: int | None, owner: str, now: float, request_id: str | None = None,
-           expire_at_deadline: bool = False, reply_to: str = "") -> RequestSpec:
-    """Check the request against the model's signature, score it with the live policy and queue it.
-    With `expire_at_deadline` (a v2 `timeout`), a request not running by its deadline is not run.
+           timeout_ms: float | None = None, reply_to: str = "") -> RequestSpec:
+    """Check the request against the model's signature, score it with the live policy and queue it,
+    under its model's queue policy (`broker.queue_policy`): QueueFull when its queue is full, and
+    `timeout_ms`, the request's own timeout (v1 `timeout_ms`, v2 `timeout`), where the policy lets it.
     `reply_to` is the inbox its result is pushed to (`sits_api.result_inbox`), '' for its own list."""
     record, mask = model_record(store, model)
     tensors = request_tensors(record["signature"], inputs, mask=mask)
@@ -43,6 +46,8 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     longest = max_sequence(record.get("static_profile"))
     tokens = _checked_tokens(record, tensors, mask, rows=rows, sequence=sequence, claimed=tokens)
     bucket, padded_length = shape_bucket(tensors, mask, longest)
+    queue = queue_policy.policy_for(settings.online, record["name"], priority)
+    timeout = queue_policy.request_timeout(queue, timeout_ms / 1000 if timeout_ms else None)
     factors = Factors(
         level=priority,
         sla_weight=SLA_WEIGHTS[user_tier],
@@ -63,7 +68,8 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
         factors=factors.to_dict(),
         deadline_at=now + deadline_ms / 1000 if deadline_ms else None,
         owner=owner,
-        expires_at=now + deadline_ms / 1000 if deadline_ms and expire_at_deadline else None,
+        expires_at=now + timeout if timeout is not None and queue.timeout_action == "reject" else None,
+        delay_at=now + timeout if timeout is not None and queue.timeout_action == "delay" else None,
         reply_to=reply_to,
     )
     raw_policy, weights, ordering = live_policy.current()
@@ -72,14 +78,54 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
             new_tickets = requests.submit_request(
                 store, spec, score=queue_key(factors, weights, ordering), now=now,
                 max_age_seconds=max(settings.online.result_ttl, 3600), policy_json=raw_policy,
-                ticket_target=dispatcher.ticket_target(now))
+                ticket_target=dispatcher.ticket_target(now), max_waiting=queue.max_queue_size,
+                max_waiting_at_level=queue.level_max_queue_size)
             break
         except requests.PolicyChanged:
             raw_policy, weights, ordering = live_policy.refresh()
+        except requests.QueueAtLimit as full:
+            raise queue_full(settings, store, record, spec, full, now=now) from None
     else:
         raise RetryableError("the scoring policy is being updated right now; retry the request")
     dispatcher.send_tickets(new_tickets)
     return spec
+
+
+def queue_full(settings: Settings, store: Store, record: dict[str, Any], spec: RequestSpec,
+               full: requests.QueueAtLimit, *, now: float) -> QueueFull:
+    """The 429 of a request its full queue refused, with a Retry-After from the queue's drain rate: the
+    waiting requests times the seconds one takes (the model version's statistics, else its profile's
+    batch of one), over the live workers' stream slots (`queue_policy.retry_after_seconds`)."""
+    each = queue_policy.seconds_per_request(model_stats.run_totals(store, spec.model_ref))
+    if each is None:
+        each = estimate_latency_ms(record, rows=spec.rows, tokens=spec.tokens) / 1000
+    slots = workers.live_stream_slots(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout)
+    retry_after = queue_policy.retry_after_seconds(full.waiting, each, slots)
+    if full.level is None:
+        what, key = f"model '{spec.model_ref}'", f"online.models.{spec.model_name}.max_queue_size"
+    else:
+        what, key = (f"priority level {full.level} of model '{spec.model_ref}'",
+                     f"online.models.{spec.model_name}.priority_levels.{full.level}.max_queue_size")
+    return QueueFull(f"{what} has {full.waiting} requests waiting, its limit ({key}); the request was not "
+                     f"queued: retry after {retry_after} s (Retry-After)", retry_after=retry_after)
+
+
+def wait_for_result(settings: Settings, store: Store, live_policy: policy.LivePolicy, answer: Answer,
+                    spec: RequestSpec, *, seconds: float) -> dict[str, Any] | None:
+    """The finished request, as `answer` brings it within `seconds`, else None. A request still waiting
+    at its timeout is dealt with then, whether workers are free or not (`broker.request_timeouts`):
+    rejected, its failure is the answer at once; delayed, the wait goes on."""
+    began = time.monotonic()
+    timeout_at = spec.expires_at or spec.delay_at
+    if timeout_at is None or not answer.reply_to or timeout_at - time.time() >= seconds:
+        return answer.wait(seconds)
+    result = answer.wait(timeout_at - time.time())
+    if result is not None:
+        return result
+    _, weights, ordering = live_policy.current()
+    request_timeouts.expire_timed_out(store, spec.model_ref, now=max(time.time(), timeout_at), weights=weights,
+                                      ordering=ordering, keep_seconds=settings.online.result_ttl)
+    return answer.wait(seconds - (time.monotonic() - began))
 
 
 _POLICY_RETRIES = 5

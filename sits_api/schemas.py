@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_JOBS_LISTED = 10_000
 """The most jobs `GET /v1/jobs?limit=` lists in one answer."""
@@ -30,6 +30,17 @@ class JobSubmission(_Body):
     input_shape: list[Annotated[int, Field(ge=1, le=2**31)]] | None = Field(
         None, max_length=8, description="per-sample shape of a raw .bin input")
     input_dtype: str | None = Field(None, description="dtype of a raw .bin input, e.g. float32")
+    deadline: str | None = Field(None, min_length=1, max_length=64,
+                                 description="when the job must be done: an RFC 3339 time with its offset, "
+                                             "e.g. 2026-12-01T10:42:00Z")
+    deadline_s: float | None = Field(None, gt=0, le=366 * 86400,
+                                     description="the same, as seconds from now (give one of the two)")
+
+    @model_validator(mode="after")
+    def _one_deadline(self) -> JobSubmission:
+        if self.deadline is not None and self.deadline_s is not None:
+            raise ValueError("give either deadline (a time) or deadline_s (seconds from now), not both")
+        return self
 
 
 class ModelRegistration(_Body):
@@ -48,6 +59,8 @@ class OnlineRequest(_Body):
     inputs: dict[str, Any] = Field(..., description="input name -> nested lists, or {\"b64\": base64 .npy}")
     priority: int = Field(0, ge=0, le=15)
     deadline_ms: float | None = Field(None, gt=0, description="remaining tolerable delay")
+    timeout_ms: float | None = Field(None, gt=0, description="how long the request may wait for a worker, under "
+                                     "its model's queue policy (docs/scheduling.md)")
     user_tier: Literal["vip", "premium", "free"] = "free"
     tokens: int | None = Field(None, ge=1, description="default: the input's sequence length times its rows")
     wait: bool = False

@@ -18,13 +18,24 @@ from typing import Any
 
 import onnx
 
-from broker import chunking, job_fills, job_progress, job_stops, jobs, output_dirs, policy, registry, workers
+from broker import (
+    chunking,
+    job_fills,
+    job_progress,
+    job_stops,
+    jobs,
+    output_dirs,
+    policy,
+    registry,
+    workers,
+)
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
 from broker.errors import BadInput, Conflict, Forbidden, PathNotAllowed, RetryableError
 from broker.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 from broker.store import Store
+from sits_api import job_deadlines
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_api.task_sender import Dispatcher
 from sits_worker.model.batch_probe import check_rows_independent
@@ -184,6 +195,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
                        "name a folder the workers can write") from err
     _refuse_finished_output_dir(output_dir, [output["name"] for output in model["signature"]["outputs"]])
     batch_size = _batch_size(settings, model, body.batch_size)
+    deadline_at = job_deadlines.deadline_at(body, now=now)
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),
         model_name=model["name"],
@@ -200,10 +212,14 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         priority=body.priority,
         owner=caller["name"],
         input_options={k: v for k, v in input_options.items() if v is not None},
+        deadline_at=deadline_at,
     )
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
+    if deadline_at is not None:
+        spec = job_deadlines.admitted(settings, store, spec, model, weights=weights, ordering=ordering, now=now)
     output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
-    job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering)
+    job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering,
+                         deadline_horizon=settings.sla.deadline_horizon)
     _keep_output_dir_or_stop(store, spec.job_id, spec.output_dir, now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
@@ -289,7 +305,8 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
     if manifest is None:  # chunks whose parts were deleted (with the folder) run again
         on_disk = chunks_with_parts(Path(job["output_dir"]), job["output_names"], job_id=job_id)
         job_progress.forget_chunks(store, job_id, sorted(job_progress.done_chunks(store, job_id) - on_disk))
-    job_fills.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity)
+    job_fills.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity,
+                         deadline_horizon=settings.sla.deadline_horizon)
     _keep_output_dir_or_stop(store, job_id, job["output_dir"], now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, job_id, now=now)

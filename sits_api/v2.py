@@ -5,9 +5,10 @@ readiness, Triton's model configuration (`.../config`, as perf_analyzer reads it
 with `inputs: [{name, shape, datatype, data}]`, its body compressed or not (`sits_api.content_encoding`).
 Triton's schedule-policy parameters are honoured as Triton reads them: `priority` (1 the most
 urgent, larger numbers less so, 0 the default; `sits_level` maps it onto SITS's 16 levels) and
-`timeout` (microseconds: the request's tolerable delay, which orders the queue, and, as Triton
-enforces it, a request no worker has taken by then is not run but fails as timed out), as is
-SITS's `user_tier` (vip, premium or free, as in v1). Errors use the protocol's `{"error": "..."}`.
+`timeout` (microseconds: the request's tolerable delay, which orders the queue, and its timeout under
+its model's queue policy, `broker.queue_policy`: by default, as Triton enforces it, a request no worker
+has taken by then is not run but fails as timed out), as is SITS's `user_tier` (vip, premium or free,
+as in v1). Errors use the protocol's `{"error": "..."}`; a full queue's is a 429 with `Retry-After`.
 Tensors travel as JSON or, as tritonclient sends them by default, in Triton's binary tensor data
 extension (`sits_api.v2_binary`); the body is read whatever its Content-Type says (tritonclient
 sends none), as Triton reads it. This module holds the routes; an `infer` body is parsed and
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 from flask import Blueprint, Response, g, jsonify, request
 
-from broker import model_stats, registry, requests, workers
+from broker import model_stats, policy, registry, requests, workers
 from broker.apikeys import require_role
 from broker.batching import Batching
 from broker.config import Settings
@@ -188,9 +189,9 @@ def infer(name: str, version: str | None = None) -> Any:
         spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,
                                      inputs=checked.inputs, priority=checked.priority,
                                      deadline_ms=checked.deadline_ms, user_tier=checked.user_tier, tokens=None,
-                                     owner=g.identity["name"], now=time.time(), expire_at_deadline=True,
+                                     owner=g.identity["name"], now=time.time(), timeout_ms=checked.deadline_ms,
                                      request_id=request_id, reply_to=answer.reply_to)
-        result = _wait_for_answer(answer, settings, store, spec, checked.deadline_ms)
+        result = _wait_for_answer(answer, settings, store, ctx["policy"], spec)
     if result["status"] != "succeeded":  # answered with the status of the error that failed it
         # (a request failed by a worker of a release before error codes: a 400, as it was then)
         raise error_for_code(result["error_code"] or BadInput.code, result["error"] or "the request failed")
@@ -199,23 +200,13 @@ def infer(name: str, version: str | None = None) -> Any:
                    {output: result["outputs"][output] for output in checked.outputs or result["outputs"]}, checked)
 
 
-_JUST_DONE_SECONDS = 0.05
-"""How long a waiter whose request's timeout passed looks for an answer that came just then."""
-
-
-def _wait_for_answer(answer: Answer, settings: Settings, store: Store, spec: RequestSpec,
-                     timeout_ms: float | None) -> dict[str, Any]:
-    """The finished request, waited for as Triton does: a request past its `timeout` that a worker
-    took in time still answers, within `online.max_wait` in all; InferenceTimeout otherwise."""
-    began = time.monotonic()
-    result = answer.wait(request_intake.wait_seconds(settings, timeout_ms))
-    if result is None and timeout_ms is not None and timeout_ms / 1000 <= settings.online.max_wait:
-        running = requests.running(store, spec)
-        left = settings.online.max_wait - (time.monotonic() - began) if running else _JUST_DONE_SECONDS
-        result = answer.wait(max(left, _JUST_DONE_SECONDS))
-        if result is None and not running:
-            raise InferenceTimeout(f"request {spec.request_id} was not taken by a worker within its 'timeout'; "
-                                   "it is not run (give it a longer timeout, or retry when the queue is shorter)")
+def _wait_for_answer(answer: Answer, settings: Settings, store: Store, live_policy: policy.LivePolicy,
+                     spec: RequestSpec) -> dict[str, Any]:
+    """The finished request, waited for as Triton does: one still waiting at its timeout fails as
+    timed out then (`timeout_action: reject`; `delay` waits on), one a worker took in time answers
+    when its run ends, within `online.max_wait` in all; InferenceTimeout otherwise."""
+    result = request_intake.wait_for_result(settings, store, live_policy, answer, spec,
+                                            seconds=settings.online.max_wait)
     if result is None:
         raise InferenceTimeout(f"request {spec.request_id} is not done within the server's online.max_wait; it "
                                f"still runs, and GET /v1/requests/{spec.request_id} shows its result")

@@ -13,7 +13,19 @@ from __future__ import annotations
 import logging
 import time
 
-from broker import job_fills, job_lists, job_progress, job_stops, jobs, policy, queues, requests, reservation
+from broker import admission as deadline_admission
+from broker import (
+    job_fills,
+    job_lists,
+    job_progress,
+    job_stops,
+    jobs,
+    policy,
+    queues,
+    request_timeouts,
+    requests,
+    reservation,
+)
 from broker.errors import RunFailed
 from broker.queues import StaleTicket
 from broker.wakeup import SendTicket, wake_workers
@@ -154,11 +166,14 @@ def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:
 
 
 def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
-    """One reaper pass: expired leases back to their queue, poison items fail their job, lost tickets
-    replaced, older model versions' empty queues pruned, stalled job fills and stops completed (run by
-    `reaper.Reaper`, on a thread of its own)."""
+    """One reaper pass: expired leases back to their queue, poison items fail their job, requests past
+    their timeout rejected or delayed, lost tickets replaced, older model versions' empty queues
+    pruned, stalled job fills and stops completed (run by `reaper.Reaper`, on a thread of its own)."""
     settings = ctx.settings
     result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=settings.jobs.max_attempts)
+    weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(settings.scheduler.policy))
+    timed_out = request_timeouts.expire_all(ctx.store, now=now, weights=weights, ordering=ordering,
+                                            keep_seconds=settings.online.result_ttl)
     for model_ref, item_id, payload in result.dead_items:
         if payload.get("kind") == "request":
             item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
@@ -181,9 +196,9 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
     job_lists.count_old_jobs(ctx.store)  # and before the per-status job counts
     queues.prune_old_queues(ctx.store)  # older model versions' drained queues, read before every batch choice
+    deadline_admission.prune_active_jobs(ctx.store)  # ended jobs out of deadline admission's index, a page per pass
     stalled = job_fills.stalled_fills(ctx.store, now=now)
     if stalled:
-        weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(settings.scheduler.policy))
         for job_id in stalled:
             log.warning("job %s: its items stopped being queued part-way (%d more queued now)", job_id,
                         job_fills.refill_job(ctx.store, job_id, now=now, weights=weights, ordering=ordering))
@@ -193,7 +208,9 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     sent = 0
     if queues.queue_heads(ctx.store):  # (after the fills: what they queued needs tickets too)
         sent = wake_workers(ctx.store, send, now=now, heartbeat_timeout=settings.scheduler.worker_heartbeat_timeout)
-    if result.returned or result.dead_items or lost:
-        log.info("reaper: %d leases returned, %d items dead, %d tickets lost, %d sent",
-                 result.returned, len(result.dead_items), lost, sent)
-    return {"returned": result.returned, "dead": len(result.dead_items), "tickets_lost": lost, "tickets_sent": sent}
+    if result.returned or result.dead_items or lost or timed_out.rejected or timed_out.delayed:
+        log.info("reaper: %d leases returned, %d items dead, %d requests timed out (%d delayed), %d tickets "
+                 "lost, %d sent", result.returned, len(result.dead_items), len(timed_out.rejected),
+                 len(timed_out.delayed), lost, sent)
+    return {"returned": result.returned, "dead": len(result.dead_items), "tickets_lost": lost, "tickets_sent": sent,
+            "timed_out": len(timed_out.rejected), "delayed": len(timed_out.delayed)}

@@ -44,8 +44,12 @@ def sample_feed(signature: dict[str, Any], batch: int, sequence: int = _PROFILE_
 
 def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 1.0,
             batch_sizes: tuple[int, ...] = _BATCH_SIZES) -> list[dict[str, float]]:
-    """Latency (median of timed runs) and throughput for each batch size, within a time budget per size;
-    sizes past the first one the device runs out of memory for are skipped."""
+    """Latency (median of timed runs), its 99th percentile and throughput for each batch size, within a
+    time budget per size; sizes past the first one the device runs out of memory for are skipped.
+
+    `p99_ms` is what schedulability analysis takes as a batch's worst case (`broker/sla_analysis.py`):
+    of the 3 to 50 runs timed, it lies close to the slowest one.
+    """
     points: list[dict[str, float]] = []
     for batch in batch_sizes:
         feed = sample_feed(signature, batch)
@@ -63,7 +67,8 @@ def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 
             timings.append(time.perf_counter() - t0)
         latency = float(np.median(timings))
         points.append({"batch_size": batch, "latency_ms": round(latency * 1000, 3),
-                       "rows_per_second": round(batch / latency, 1)})
+                       "rows_per_second": round(batch / latency, 1),
+                       "p99_ms": round(float(np.percentile(timings, 99)) * 1000, 3)})
         if latency * 3 > budget_seconds:  # larger batches would take too long to profile
             break
     return points

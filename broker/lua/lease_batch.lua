@@ -6,6 +6,7 @@
 -- KEYS[5] attempts  HASH item id -> lease count
 -- KEYS[6] doorbell  LIST idle drain loops block on: rung when a lease leaves work waiting, so that an
 --           idle peer takes the next batch (snapshots empty the list: queue_snapshot.lua)
+-- KEYS[7] waiting requests ZSET the model's online requests not leased (leased ones leave it)
 -- ARGV[1] ticket id ('' for none); ARGV[2] now; ARGV[3] lease deadline; ARGV[4] options, a JSON object:
 --   max_items, max_rows, max_tokens (0: no limit): budget of a batch of requests of the head's shape
 --     bucket; tokens are padded tokens for requests that will be padded
@@ -115,6 +116,7 @@ local function move_to_inflight(picked)
   for _, entry in ipairs(picked) do
     redis.call('ZREM', KEYS[2], entry[1])
     redis.call('ZADD', KEYS[3], ARGV[3], entry[1])
+    redis.call('ZREM', KEYS[7], entry[1])
     out[#out + 1] = entry[1]
     out[#out + 1] = entry[2]
     out[#out + 1] = redis.call('HINCRBY', KEYS[5], entry[1], 1)

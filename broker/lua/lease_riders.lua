@@ -7,6 +7,7 @@
 -- KEYS[3] inflight  ZSET item id -> lease deadline
 -- KEYS[4] items     HASH item id -> payload
 -- KEYS[5] attempts  HASH item id -> lease count
+-- KEYS[6] waiting requests ZSET the model's online requests not leased (leased ones leave it)
 -- ARGV[1] ticket id ('' to lease without a ticket)
 -- ARGV[2] now
 -- ARGV[3] lease deadline
@@ -35,6 +36,7 @@ for _, item_id in ipairs(redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[8]) - 1)
       and (max_tokens == 0 or tokens + item_tokens <= max_tokens) then
     redis.call('ZREM', KEYS[2], item_id)
     redis.call('ZADD', KEYS[3], ARGV[3], item_id)
+    redis.call('ZREM', KEYS[6], item_id)
     out[1] = out[1] + 1
     out[#out + 1] = item_id
     out[#out + 1] = payload

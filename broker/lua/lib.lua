@@ -64,3 +64,14 @@ local function add_queue(queues_key, version_key, model_ref)
     redis.call('INCR', version_key)
   end
 end
+
+
+-- An item goes back to its ready queue (`item` its decoded payload): an online request counts as
+-- waiting again (`waiting_key`, `keys.waiting_requests`), at the level it was submitted at (a PSA jump
+-- or a `delay` timeout changes `level` and keeps the first in `base_level`).
+local function count_waiting_again(waiting_key, item_id, item)
+  if item['kind'] == 'request' then
+    local factors = item['factors'] or {}
+    redis.call('ZADD', waiting_key, number_or(factors['base_level'], number_or(factors['level'], 0)), item_id)
+  end
+end

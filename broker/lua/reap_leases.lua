@@ -5,6 +5,7 @@
 -- KEYS[3] items     HASH (the payload keeps the item's score)
 -- KEYS[4] attempts  HASH
 -- KEYS[5] dead      ZSET
+-- KEYS[6] waiting requests ZSET a request returned to KEYS[2] counts as waiting again
 -- ARGV[1] now, ARGV[2] max attempts, ARGV[3] most items to handle in this call
 -- Returns: {returned, dead}.
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
@@ -18,7 +19,9 @@ for _, item_id in ipairs(expired) do
       redis.call('ZADD', KEYS[5], ARGV[1], item_id)
       dead = dead + 1
     else
-      redis.call('ZADD', KEYS[2], cjson.decode(payload)['score'], item_id)
+      local item = cjson.decode(payload)
+      redis.call('ZADD', KEYS[2], item['score'], item_id)
+      count_waiting_again(KEYS[6], item_id, item)
       returned = returned + 1
     end
   end

@@ -18,10 +18,10 @@ local express_level, express_max_tokens = tonumber(ARGV[9]), tonumber(ARGV[10])
 local express_bonus = tonumber(ARGV[11])
 
 local function queue_key(f)
-  local since = number_or(f['enqueued_at'], 0) - EPOCH
   if ordering == 'fifo' then
-    return since
+    return number_or(f['enqueued_at'], 0) - EPOCH
   end
+  local since = number_or(f['order_at'], number_or(f['enqueued_at'], 0)) - EPOCH
   local latency_points = 0
   local latency = f['est_latency_ms']
   if type(latency) == 'number' then

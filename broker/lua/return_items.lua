@@ -6,6 +6,7 @@
 -- KEYS[3] items     HASH item id -> payload (it keeps the item's current score)
 -- KEYS[4] attempts  HASH item id -> lease count
 -- KEYS[5] doorbell  LIST an idle drain task blocks on
+-- KEYS[6] waiting requests ZSET a request returned to KEYS[2] counts as waiting again
 -- ARGV    the item ids
 -- Returns: how many were returned. An item no longer in flight (reaped, finished, or returned
 -- already) is left alone, so a late or repeated call changes nothing.
@@ -13,7 +14,9 @@ local returned = 0
 for _, item_id in ipairs(ARGV) do
   local payload = redis.call('HGET', KEYS[3], item_id)
   if payload and redis.call('ZREM', KEYS[1], item_id) == 1 then
-    redis.call('ZADD', KEYS[2], cjson.decode(payload)['score'], item_id)
+    local item = cjson.decode(payload)
+    redis.call('ZADD', KEYS[2], item['score'], item_id)
+    count_waiting_again(KEYS[6], item_id, item)
     if tonumber(redis.call('HINCRBY', KEYS[4], item_id, -1)) <= 0 then
       redis.call('HDEL', KEYS[4], item_id)
     end

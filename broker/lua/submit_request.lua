@@ -9,19 +9,42 @@
 -- KEYS[8] ticket seq  STRING counter
 -- KEYS[9] doorbell    LIST an idle drain task blocks on
 -- KEYS[10] queues version STRING counter (moves when KEYS[3] gains a ref)
+-- KEYS[11] waiting requests ZSET request id -> priority level (the model's requests not leased)
+-- KEYS[12] request timeouts ZSET request id -> when its timeout passes
+-- KEYS[13] counters  HASH running totals for /metrics ('requests_rejected_<reason>:<model ref>')
 -- ARGV[1] model ref, ARGV[2] request id (also its item id), ARGV[3] JSON object of request fields
 -- ARGV[4] score, ARGV[5] item payload JSON, ARGV[6] deadline (unix seconds) or ''
 -- ARGV[7] seconds the request hash may live at most (a result nobody fetches must not stay forever)
 -- ARGV[8] the policy JSON the score was computed with ('' for the defaults)
 -- ARGV[9] now, ARGV[10] how many tickets should circulate
+-- ARGV[11] the request's priority level, ARGV[12] most requests waiting for the model (0: no limit),
+-- ARGV[13] most waiting at its level (0: no limit), ARGV[14] when its timeout passes ('' for none)
 -- Returns: {1, new ticket ids...}; {0} when a request with that id exists already; {-1} when the
 -- live policy is no longer ARGV[8] (nothing written: score again with the live policy and retry,
--- so no item is ever queued with the weights of a policy that a re-score has already replaced).
+-- so no item is ever queued with the weights of a policy that a re-score has already replaced);
+-- {-2, waiting} when the model's queue is full, {-3, waiting at the level} when its level is (nothing
+-- written but the rejection's count: the check and the enqueue are one step, so two API processes
+-- can never both take the last place).
 if (redis.call('GET', KEYS[6]) or '') ~= ARGV[8] then
   return {-1}
 end
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {0}
+end
+local level, most, most_at_level = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
+if most > 0 then
+  local waiting = redis.call('ZCARD', KEYS[11])
+  if waiting >= most then
+    redis.call('HINCRBY', KEYS[13], 'requests_rejected_queue_full:' .. ARGV[1], 1)
+    return {-2, waiting}
+  end
+end
+if most_at_level > 0 then
+  local waiting = redis.call('ZCOUNT', KEYS[11], level, level)
+  if waiting >= most_at_level then
+    redis.call('HINCRBY', KEYS[13], 'requests_rejected_level_full:' .. ARGV[1], 1)
+    return {-3, waiting}
+  end
 end
 for name, value in pairs(cjson.decode(ARGV[3])) do
   redis.call('HSET', KEYS[4], name, tostring(value))
@@ -29,6 +52,10 @@ end
 redis.call('EXPIRE', KEYS[4], ARGV[7])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[5])
 redis.call('ZADD', KEYS[1], ARGV[4], ARGV[2])
+redis.call('ZADD', KEYS[11], level, ARGV[2])
+if ARGV[14] ~= '' then
+  redis.call('ZADD', KEYS[12], ARGV[14], ARGV[2])
+end
 if ARGV[6] ~= '' then
   redis.call('ZADD', KEYS[5], ARGV[6], ARGV[2])
 end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -14,7 +15,7 @@ from rich.table import Column, Table
 from broker.config_loading import load_settings
 from sits_api.cli.client import ApiClient, segment
 from sits_api.cli.output import console, print_error, print_json, print_table
-from sits_api.cli.params import JOB_ID_ARGUMENT, SHAPE
+from sits_api.cli.params import DEADLINE, JOB_ID_ARGUMENT, SHAPE
 from sits_api.cli.progress import wait_for_job
 
 
@@ -46,12 +47,15 @@ def job() -> None:
               help="rows per ONNX Runtime run (default: the config's jobs.batch_size, else the server's)")
 @click.option("--shape", type=SHAPE, default=None, help="per-sample shape of a raw .bin input, e.g. 3,32,32")
 @click.option("--dtype", default=None, help="dtype of a raw .bin input, e.g. float32")
+@click.option("--deadline", type=DEADLINE, default=None,
+              help="when the job must be done: a duration from now (10m, 90s, 1h) or an RFC 3339 time; a job "
+                   "predicted to miss it is refused, with the earliest deadline that would be accepted")
 @click.option("--wait", is_flag=True, help="show a progress bar until the job ends, then a summary")
 @click.option("--json", "as_json", is_flag=True, help="print the API's JSON (with --wait: the final job; the "
               "progress bar goes to stderr)")
 def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, output_dir: Path, priority: int,
-               chunk_size: int | None, batch_size: int | None, shape: list[int] | None, dtype: str | None, wait: bool,
-               as_json: bool) -> None:
+               chunk_size: int | None, batch_size: int | None, shape: list[int] | None, dtype: str | None,
+               deadline: dict[str, Any] | None, wait: bool, as_json: bool) -> None:
     """Submit an offline job over an input file (.npy, .npz, .bin, .jsonl)."""
     settings = load_settings(config_path) if config_path else None
     body: dict[str, Any] = {
@@ -66,11 +70,15 @@ def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, outp
         body["input_shape"] = shape
     if dtype:
         body["input_dtype"] = dtype
+    body.update(deadline or {})
     client = ApiClient.from_environment()
     submitted = client.post("/v1/jobs", body)
     if not wait:
-        print_json(submitted) if as_json else console.print(f"job {submitted['id']} {submitted['status']}")
+        print_json(submitted) if as_json else console.print(f"job {submitted['id']} {submitted['status']}"
+                                                            f"{deadline_note(submitted)}", markup=False)
         return
+    if not as_json and submitted.get("deadline") is not None:
+        console.print(f"job {submitted['id']} accepted{deadline_note(submitted)}", markup=False)
     if as_json:  # stdout holds only the JSON
         final = _follow(submitted["id"], client, to=Console(stderr=True), summary=False)
         print_json(final)
@@ -92,8 +100,33 @@ def job_status(job_id: str, as_json: bool) -> None:
     console.print(f"{data['id']} [bold]{data['status']}[/bold] {data['model']}@{data['model_version']}: "
                   f"rows {data['rows_done']:,}/{data['rows_total']:,}, chunks {data['chunks_done']}/"
                   f"{data['chunks_total']}, {data['rows_per_second']:,.0f} rows/s{eta}")
+    if data.get("deadline") is not None:
+        console.print(deadline_note(data).lstrip(", "), markup=False)
     if data.get("error"):
         print_error(data["error"])
+
+
+def deadline_note(job: dict[str, Any]) -> str:
+    """', due 10:42:00, predicted 10:40:12 (risk 0.02)' for a job with a deadline ('' without one);
+    local times, with the date when it is not today's."""
+    if job.get("deadline") is None:
+        return ""
+    parts = [f"due {_local(job['deadline'])}"]
+    if job.get("predicted_finish") is not None and job.get("deadline_met") is None:
+        parts.append(f"predicted {_local(job['predicted_finish'])}")
+    if job.get("sla_risk") is not None and job.get("deadline_met") is None:
+        parts.append(f"risk {job['sla_risk']:.2f}")
+    if job.get("at_risk"):
+        parts.append("accepted at risk: predicted to miss it")
+    if job.get("deadline_met") is not None:
+        parts.append("deadline met" if job["deadline_met"] else "deadline missed")
+    return ", " + ", ".join(parts)
+
+
+def _local(unix: float) -> str:
+    moment = datetime.fromtimestamp(unix).astimezone()
+    same_day = moment.date() == datetime.now().astimezone().date()
+    return moment.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M:%S")
 
 
 @job.command("list")

@@ -2,7 +2,8 @@
 
 Each command is thin: parse options, call the REST API (or the stack
 launcher), print the result. `--json` prints what the API answered. The
-`job` commands are in `job_commands.py`, the printing helpers in `output.py`.
+`job` commands are in `job_commands.py`, the `sla` ones in `sla_commands.py`, the printing
+helpers in `output.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sits_api.cli.client import ApiClient, ApiError, recorded, segment, stack_ru
 from sits_api.cli.job_commands import job
 from sits_api.cli.output import console, print_error, print_json, print_table
 from sits_api.cli.params import non_empty
+from sits_api.cli.sla_commands import sla
 
 if TYPE_CHECKING:
     from broker.store import Store
@@ -388,3 +390,4 @@ def model_show(ref: str) -> None:
 
 
 cli.add_command(job)
+cli.add_command(sla)

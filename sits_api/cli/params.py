@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from broker.jobs import JOB_ID_PATTERN as JOB_ID  # every job id the API makes: 'j' and 12 hex digits
+from broker.units import parse_duration
 
 
 class ShapeType(click.ParamType):
@@ -49,6 +50,34 @@ class JobIdType(click.ParamType):
 
 
 JOB_ID_ARGUMENT = JobIdType()
+
+
+class DeadlineType(click.ParamType):
+    """A job's deadline: a duration from now (`10m`, `90s`, `1h`) or an RFC 3339 time with its offset.
+
+    Converts to the `POST /v1/jobs` field that carries it: `{"deadline_s": seconds}` or
+    `{"deadline": time}` (the API checks the time itself, and says what is wrong with it)."""
+
+    name = "deadline"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> dict[str, Any]:
+        """The body field for `value`; fails on what is neither a positive duration nor a time."""
+        if isinstance(value, dict):
+            return value
+        text = str(value).strip()
+        if "T" in text or ":" in text:
+            return {"deadline": text}
+        try:
+            seconds = parse_duration(text)
+        except ValueError:
+            seconds = 0.0
+        if seconds <= 0:
+            self.fail(f"{value!r} is not a deadline: give a duration from now such as 10m, 90s or 1h, or a time "
+                      "such as 2026-12-01T10:42:00Z", param, ctx)
+        return {"deadline_s": seconds}
+
+
+DEADLINE = DeadlineType()
 
 
 def non_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:

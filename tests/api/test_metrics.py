@@ -205,7 +205,7 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
                             for family in families)
     assert {family.name for family in families if family.type == "counter"} == {
         "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
-        "sits_request_runs"}
+        "sits_request_runs", "sits_requests_rejected"}
 
 
 def test_metrics_need_a_metrics_or_admin_key_and_a_metrics_key_reads_nothing_else(

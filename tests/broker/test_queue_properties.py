@@ -6,9 +6,11 @@ by a resume, or of a cancelled job) and process them the way
 `sits_worker.execution.process_item` and `sits_worker.request_runs` do; the reaper
 step mirrors `sits_worker.drain_loop.reap`. Online requests share the queues
 with job chunks: leased in merged batches (taking a chunk along), or as
-riders of a chunk's mini-batch. After every step each chunk of every active
-job must be in exactly one place: waiting, leased, done, or dead; each
-request waiting, leased, dead, or finished with exactly one result.
+riders of a chunk's mini-batch, some with a timeout (rejected or delayed by the
+reaper's pass) or refused by a full queue. After every step each chunk of every
+active job must be in exactly one place: waiting, leased, done, or dead; each
+request waiting, leased, dead, or finished with exactly one result; and what
+`max_queue_size` counts is exactly the requests waiting.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from broker import job_fills, job_lists, job_progress, job_stops, jobs, policy, queues, requests
+from broker import job_fills, job_lists, job_progress, job_stops, jobs, policy, queues, request_timeouts, requests
 from broker.embedded import EmbeddedRedis
 from broker.errors import Conflict
 from broker.keys import Keys
@@ -61,6 +63,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.job_ids: list[str] = []
         self.held: list[LeasedItem] = []  # leases some worker believes it holds (maybe stale)
         self.request_ids: list[str] = []
+        self.rejected: dict[str, int] = {}  # counters field -> requests refused by a full queue
         # mlp@v1 is an older version (a reaper pass prunes its queue whenever it runs dry), cnn@v1 the latest
         self.client.hset(self.store.keys.model_latest, mapping={"mlp": "v2", "cnn": "v1"})
 
@@ -115,17 +118,31 @@ class QueueMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.request_ids) < MAX_REQUESTS)
     @rule(model=st.sampled_from(MODELS), bucket=st.sampled_from(BUCKETS), rows=st.integers(1, 2),
-          level=st.sampled_from([0, 12]))
-    def submit_request(self, model: str, bucket: str, rows: int, level: int) -> None:
-        """An online request, scored with the live policy as the API does."""
+          level=st.sampled_from([0, 12]), timeout=st.sampled_from([{}, {"expires_at": 1}, {"delay_at": 1},
+                                                                     {"expires_at": 20}, {"delay_at": 20}]),
+          limits=st.sampled_from([(0, 0), (3, 0), (0, 1)]))
+    def submit_request(self, model: str, bucket: str, rows: int, level: int, timeout: dict[str, int],
+                       limits: tuple[int, int]) -> None:
+        """An online request, scored with the live policy as the API does, maybe with a timeout (rejected
+        or delayed past it) and under a queue limit (the model's, or its level's)."""
         name, _, version = model.partition("@")
         factors = Factors(level=level, est_latency_ms=5.0, enqueued_at=self.now)
         weights, ordering = policy.get_policy(self.store, default="dynamic")
         spec = RequestSpec(request_id=f"r{len(self.request_ids)}", model_name=name, model_version=version,
                            inputs={"x": np.zeros((rows, 1), np.float32)}, rows=rows, tokens=None, bucket=bucket,
-                           factors=factors.to_dict())
-        requests.submit_request(self.store, spec, score=queue_key(factors, weights, ordering), now=self.now,
-                                max_age_seconds=3600, policy_json=self.client.get(self.store.keys.policy) or "")
+                           factors=factors.to_dict(), **{action: self.now + after for action, after in timeout.items()})
+        waiting = self.store.keys.waiting_requests(model)
+        try:
+            requests.submit_request(self.store, spec, score=queue_key(factors, weights, ordering), now=self.now,
+                                    max_age_seconds=3600, policy_json=self.client.get(self.store.keys.policy) or "",
+                                    max_waiting=limits[0], max_waiting_at_level=limits[1])
+        except requests.QueueAtLimit as full:
+            assert full.waiting == (self.client.zcard(waiting) if full.level is None
+                                    else self.client.zcount(waiting, level, level)) >= max(limits)
+            assert not self.client.exists(self.store.keys.request(spec.request_id))
+            field = f"requests_rejected_{'queue' if full.level is None else 'level'}_full:{model}"
+            self.rejected[field] = self.rejected.get(field, 0) + 1
+            return
         self.request_ids.append(spec.request_id)
 
     @precondition(lambda self: self.job_ids)
@@ -221,6 +238,8 @@ class QueueMachine(RuleBasedStateMachine):
         if not reap:
             return
         result = queues.reap_expired_leases(self.store, now=self.now, max_attempts=MAX_ATTEMPTS)
+        weights, ordering = policy.get_policy(self.store, default="dynamic")
+        request_timeouts.expire_all(self.store, now=self.now, weights=weights, ordering=ordering, keep_seconds=3600)
         for model_ref, item_id, payload in result.dead_items:
             if payload.get("kind") == "request":
                 item = LeasedItem(item_id, model_ref, payload, MAX_ATTEMPTS)
@@ -322,7 +341,21 @@ class QueueMachine(RuleBasedStateMachine):
             if record["status"] in ("succeeded", "failed"):
                 field = f"requests_{record['status']}:{record['model']}@{record['model_version']}"
                 expected[field] = expected.get(field, 0) + 1
+        expected |= self.rejected
         assert {field: int(total) for field, total in self.client.hgetall(keys.counters).items()} == expected
+
+    @invariant()
+    def the_waiting_requests_counted_are_the_requests_in_the_ready_queue(self) -> None:
+        """What `max_queue_size` counts, at the level each was submitted at, is what waits: no bookkeeping
+        path (lease, riders, return, reap, timeout) loses or keeps one."""
+        keys = self.store.keys
+        for model in MODELS:
+            waiting = dict(self.client.zrange(keys.waiting_requests(model), 0, -1, withscores=True))
+            ready = self.client.zrange(keys.ready(model), 0, -1)
+            payloads = [json.loads(raw) for raw in self.client.hmget(keys.items, ready)] if ready else []
+            expected = {item_id: float(payload["factors"].get("base_level", payload["factors"]["level"]))
+                        for item_id, payload in zip(ready, payloads, strict=True) if payload["kind"] == "request"}
+            assert waiting == expected, model
 
     @invariant()
     def waiting_scores_follow_the_live_policy(self) -> None:

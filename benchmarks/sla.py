@@ -1,0 +1,205 @@
+"""Deadline admission measured: how close predicted finishes come to real ones, how many accepted jobs meet
+their deadline, and whether admission refuses jobs that would have made it.
+
+One stack (one CPU worker at its fitted defaults, the zoo's mlp and convnet registered with a measured
+profile) receives the same stream of jobs twice, alternating the phase:
+
+- `reject` (the default `sla.admission`): a job predicted to miss its deadline is refused;
+- `flag`: every job is accepted, the ones admission would refuse marked `at_risk`, so that what they
+  would have done is seen.
+
+The stream: `--jobs` jobs, arriving `--gap` seconds apart on average (exponential gaps, seeded), each
+of a random model and size (mlp 100,000 to 400,000 rows, convnet 512 to 2,048 images) with a deadline
+of a random multiple (0.4x to 3x) of its own run time alone plus the work queued when it arrives, as
+measured in a warm-up job of each model. Reported per phase: jobs accepted, the share of accepted
+jobs that met their deadline, the prediction error of accepted jobs (real − predicted finish, as a
+share of the real time from submit to finish: median, P90 of its absolute value), and for `flag` how
+many of the at-risk jobs met their deadline with 20 % of their time to spare (jobs refused that
+should not have been).
+
+    python benchmarks/sla.py --quick     # 12 jobs a phase, about 2 minutes
+    python benchmarks/sla.py             # 30 jobs a phase, 2 rounds, about 8 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from broker.config import Settings  # noqa: E402
+from sits_api.cli.stack import Stack  # noqa: E402
+from sits_worker.model.zoo import build_zoo  # noqa: E402
+
+SIZES = {"mlp": (100_000, 400_000), "convnet": (512, 2_048)}
+SHAPES = {"mlp": (64,), "convnet": (3, 32, 32)}
+
+
+@dataclass
+class Planned:
+    """One job of the stream: when it comes, what it is, how tight its deadline is."""
+
+    at: float
+    model: str
+    rows: int
+    tightness: float
+
+
+def plan(count: int, gap: float, seed: int) -> list[Planned]:
+    """The same stream for every phase of one round."""
+    rng = np.random.default_rng(seed)
+    at, out = 0.0, []
+    for _ in range(count):
+        at += float(rng.exponential(gap))
+        model = str(rng.choice(list(SIZES)))
+        low, high = SIZES[model]
+        out.append(Planned(at, model, int(rng.integers(low, high + 1)), float(rng.uniform(0.4, 3.0))))
+    return out
+
+
+def post(stack: Stack, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(f"{stack.api_url}{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {stack.api_key}",
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def wait_all(stack: Stack, ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+    client, done, ends = stack.client(), {}, time.monotonic() + timeout
+    while len(done) < len(ids) and time.monotonic() < ends:
+        for job_id in ids:
+            if job_id not in done:
+                job = client.get(f"/v1/jobs/{job_id}")
+                if job["status"] in ("succeeded", "failed", "cancelled"):
+                    done[job_id] = job
+        time.sleep(0.2)
+    return done
+
+
+def measured_rate(stack: Stack, home: Path, model: str) -> float:
+    """Rows/s of one job of the model alone (the warm-up), to size the stream's deadlines."""
+    rows = SIZES[model][0]
+    status, job = post(stack, "/v1/jobs", {"model": model, "input_batch": str(home / f"{model}.npy"),
+                                           "output_dir": str(home / "out" / f"warm-{model}"),
+                                           "chunk_size": rows // 4})
+    assert status in (200, 201), job
+    done = wait_all(stack, [job["id"]], 300)[job["id"]]
+    return rows / (done["finished_at"] - done["started_at"])
+
+
+def run_phase(stack: Stack, home: Path, mode: str, jobs: list[Planned], rates: dict[str, float],
+              tag: str) -> list[dict[str, Any]]:
+    """Submit the stream under `mode` ('reject' or 'flag': the model names registered for each)."""
+    started, outcomes, queued_seconds = time.time(), [], []
+    for number, planned in enumerate(jobs):
+        time.sleep(max(0.0, started + planned.at - time.time()))
+        now = time.time()
+        alone = planned.rows / rates[planned.model]
+        ahead = sum(s for finish, s in queued_seconds if finish > now)
+        deadline_s = planned.tightness * (alone + ahead)
+        status, body = post(stack, "/v1/jobs", {
+            "model": f"{planned.model}_{mode}", "input_batch": str(home / f"{planned.model}.npy"),
+            "output_dir": str(home / "out" / f"{tag}-{mode}-{number}"), "deadline_s": round(deadline_s, 3)})
+        if status in (200, 201):
+            queued_seconds.append((now + ahead + alone, alone))
+        outcomes.append({"planned": planned, "submitted_at": now, "deadline": now + deadline_s, "status": status,
+                         "body": body})
+    accepted = [o["body"]["id"] for o in outcomes if o["status"] in (200, 201)]
+    finished = wait_all(stack, accepted, 600)
+    for outcome in outcomes:
+        if outcome["status"] in (200, 201):
+            outcome["final"] = finished.get(outcome["body"]["id"])
+    return outcomes
+
+
+def summarize(mode: str, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    accepted = [o for o in outcomes if o["status"] in (200, 201) and o.get("final")]
+    refused = [o for o in outcomes if o["status"] == 422]
+    errors, met, risky, risky_met_with_room = [], 0, 0, 0
+    for outcome in accepted:
+        final, body = outcome["final"], outcome["body"]
+        real = final["finished_at"] - outcome["submitted_at"]
+        if body.get("predicted_finish") and real > 0:
+            errors.append((final["finished_at"] - body["predicted_finish"]) / real)
+        on_time = final["status"] == "succeeded" and final["finished_at"] <= outcome["deadline"]
+        if body.get("at_risk"):
+            risky += 1
+            room = outcome["deadline"] - 0.2 * (outcome["deadline"] - outcome["submitted_at"])
+            risky_met_with_room += final["finished_at"] <= room
+        else:
+            met += on_time
+    trusted = len(accepted) - risky
+    absolute = np.abs(errors) if errors else np.array([np.nan])
+    return {"mode": mode, "jobs": len(outcomes), "accepted": trusted, "refused": len(refused), "at_risk": risky,
+            "met_share": met / trusted if trusted else float("nan"),
+            "error_median": float(np.median(errors)) if errors else float("nan"),
+            "abs_error_p90": float(np.percentile(absolute, 90)),
+            "at_risk_met_with_20pct": risky_met_with_room}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--jobs", type=int, default=None)
+    parser.add_argument("--gap", type=float, default=1.5, help="mean seconds between arrivals")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    count = args.jobs or (12 if args.quick else 30)
+    rounds = args.rounds or (1 if args.quick else 2)
+
+    with tempfile.TemporaryDirectory(prefix="sits-sla-") as tmp:
+        home = Path(tmp)
+        zoo = build_zoo(home / "zoo")
+        rng = np.random.default_rng(0)
+        for model, (_, high) in SIZES.items():
+            np.save(home / f"{model}.npy", rng.standard_normal((high, *SHAPES[model])).astype(np.float32))
+        settings = Settings().with_overrides(
+            paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
+            sla={"models": {f"{model}_flag": {"admission": "flag"} for model in SIZES}})
+        with Stack(settings, worker_count=1, api_port=0) as stack:
+            client = stack.client()
+            for model in SIZES:
+                for name in (model, f"{model}_reject", f"{model}_flag"):
+                    client.post("/v1/models", {"name": name, "path": str(zoo[model]), "profile_mode": "full"})
+            for model in SIZES:
+                for name in (model, f"{model}_reject", f"{model}_flag"):
+                    while client.get(f"/v1/models/{name}").get("profile_status") != "ready":
+                        time.sleep(0.2)
+            rates = {model: measured_rate(stack, home, model) for model in SIZES}
+            print("alone: " + ", ".join(f"{model} {rate:,.0f} rows/s" for model, rate in rates.items()))
+            results = []
+            for round_number in range(rounds):
+                jobs = plan(count, args.gap, args.seed + round_number)
+                modes = ("reject", "flag") if round_number % 2 == 0 else ("flag", "reject")
+                for mode in modes:
+                    outcomes = run_phase(stack, home, mode, jobs, rates, tag=f"r{round_number}")
+                    results.append(summarize(mode, outcomes))
+                    print(json.dumps(results[-1]))
+    print()
+    print("| phase | jobs | accepted | refused | at risk | accepted that met their deadline | "
+          "real − predicted, median | abs. error P90 | at risk that met it with 20 % to spare |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        print(f"| {r['mode']} | {r['jobs']} | {r['accepted']} | {r['refused']} | {r['at_risk']} | "
+              f"{r['met_share']:.0%} | {r['error_median']:+.0%} | {r['abs_error_p90']:.0%} | "
+              f"{r['at_risk_met_with_20pct']} |")
+
+
+if __name__ == "__main__":
+    main()

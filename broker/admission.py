@@ -1,0 +1,283 @@
+"""Deadline admission: at submit, predict when a job with a deadline would finish, and refuse (or flag)
+one that cannot make it.
+
+This module reads what the prediction needs from Redis — the active jobs ahead (`keys.jobs_active`),
+their models' measured rows per second, the live workers — and hands it to the pure arithmetic in
+`broker/finish_prediction.py`. Every active job counts, with or without a deadline: what is queued
+ahead of a new job in score order runs before it. Online requests are not counted: on a fleet that
+also serves them, the margin (`sla.admission_margin`) has to cover their share.
+
+A model's speed is its measured profile's rows per second at the job's batch size
+(`chunking.profiled_rows_per_second`), times a CPU worker's streams (each runs on cores of its own:
+`fit_to_cores`); a GPU worker's streams share one device and count once. A model without a measured
+profile is estimated from its static FLOPs (`scoring.estimate_latency_ms`), which is rough:
+`estimate` says which was used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from broker import chunking, workers
+from broker.config import Settings
+from broker.errors import DeadlineInfeasible
+from broker.finish_prediction import Fleet, Verdict, Work, admit, recalibrated, work_seconds
+from broker.jobs import ACTIVE_STATUSES
+from broker.registry import get_model
+from broker.scoring import estimate_latency_ms
+from broker.store import Store, translate_redis_errors
+
+REFINE_STEPS = 8
+"""How many times the earliest feasible deadline is recomputed at its own queue position (a later
+deadline may sort the job behind more work)."""
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A model's seconds per row on one worker, and where the figure came from."""
+
+    seconds_per_row: float
+    estimate: str
+    """'measured' (the model's profile) or 'static' (its FLOPs at an assumed speed)."""
+
+
+def model_speed(record: dict[str, Any], batch_size: int, *, streams: int, device_kind: str) -> Speed:
+    """Seconds per row of the model `record` at `batch_size` on one worker with `streams` streams."""
+    parallel = max(1, streams) if device_kind == "cpu" else 1
+    rate = chunking.profiled_rows_per_second(record, batch_size)
+    if rate:
+        return Speed(1.0 / (rate * parallel), "measured")
+    per_row = estimate_latency_ms(record, rows=batch_size, tokens=None) / 1000 / max(1, batch_size)
+    return Speed(per_row / parallel, "static")
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the store says now: the active jobs' remaining work and the fleet."""
+
+    active: list[Work]
+    running_scores: list[float]
+    """Scores of active jobs with a chunk running: one may hold a worker a new job needs."""
+    fleet_workers: int
+    streams: int
+    device_kind: str
+    calibration: float = 1.0
+    """Real over predicted durations of recent jobs: every prediction's device time is multiplied by it."""
+
+
+def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
+    """The active jobs (dropping from the index those that ended, whose real finishes recalibrate the
+    predictions: `calibration`) and the live workers."""
+    with translate_redis_errors():
+        entries = store.client.zrange(store.keys.jobs_active, 0, -1, withscores=True)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id, _ in entries:
+            pipe.hmget(store.keys.job(job_id), "status", "rows_total", "rows_done", "chunks_total", "chunks_done",
+                       "model_ref", "batch_size", "deadline")
+        rows = pipe.execute() if entries else []
+    drop_ended(store, [job_id for (job_id, _), row in zip(entries, rows, strict=True) if row[0] not in ACTIVE_STATUSES])
+    factor = calibration(store)
+    live = [worker for worker in workers.list_workers(store, now=now,
+                                                      timeout=settings.scheduler.worker_heartbeat_timeout)
+            if worker["alive"]]
+    streams = max((int(worker.get("streams", 1)) for worker in live), default=1)
+    device_kind = "cpu" if all(str(worker.get("device", "cpu")).startswith("cpu") for worker in live) else "gpu"
+    active, running, records = [], [], {}
+    for (job_id, score), (status, total, done, chunks, chunks_done, model_ref, batch, deadline) in zip(
+            entries, rows, strict=True):
+        if status not in ACTIVE_STATUSES:
+            continue
+        if model_ref not in records:
+            records[model_ref] = _model_or_none(store, model_ref)
+        record = records[model_ref]
+        if record is None:
+            continue
+        speed = model_speed(record, int(batch or 1), streams=streams, device_kind=device_kind)
+        remaining_chunks = int(chunks or 0) - int(chunks_done or 0)
+        seconds = work_seconds(int(total or 0) - int(done or 0), seconds_per_row=speed.seconds_per_row,
+                               chunks=remaining_chunks)
+        active.append(Work(job_id, float(score), seconds * factor, float(deadline) if deadline else None))
+        if status == "running":
+            running.append(float(score))
+    return Figures(active, running, len(live), streams, device_kind, factor)
+
+
+def calibration(store: Store) -> float:
+    """How much longer jobs really took than predicted, lately (`keys.admission_calibration`); 1 at first."""
+    with translate_redis_errors():
+        raw = store.client.hget(store.keys.admission_calibration, "factor")
+    return float(raw) if raw else 1.0
+
+
+def drop_ended(store: Store, job_ids: list[str]) -> int:
+    """Take jobs that ended out of `keys.jobs_active`, and let each that succeeded with a predicted finish
+    move the calibration towards its real duration over its predicted one (`finish_prediction.recalibrated`).
+    Two processes dropping at once may each write the factor; the later write wins, which an average
+    of many jobs can afford. Returns how many were dropped."""
+    if not job_ids:
+        return 0
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(store.keys.job(job_id), "status", "created_at", "finished_at", "predicted_finish",
+                       "predicted_with")
+        finished = pipe.execute()
+        removed = store.client.zrem(store.keys.jobs_active, *job_ids)  # (only who removes it counts it)
+        if not removed:
+            return 0
+        factor, samples = _calibration_state(store)
+        for status, created, ended, predicted, used in finished:
+            if status == "succeeded" and created and ended and predicted and used:
+                factor = recalibrated(factor, used=float(used), real=float(ended) - float(created),
+                                      predicted=float(predicted) - float(created))
+                samples += 1
+        store.client.hset(store.keys.admission_calibration, mapping={"factor": factor, "samples": samples})
+    return int(removed)
+
+
+def _calibration_state(store: Store) -> tuple[float, int]:
+    raw = store.client.hmget(store.keys.admission_calibration, "factor", "samples")
+    return (float(raw[0]) if raw[0] else 1.0), int(raw[1] or 0)
+
+
+def _model_or_none(store: Store, model_ref: str) -> dict[str, Any] | None:
+    try:
+        return get_model(store, model_ref)
+    except Exception:  # a version deleted under a running job: its work cannot be estimated
+        return None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Admission's answer for a new job."""
+
+    verdict: Verdict
+    estimate: str
+    workers: int
+    rows_ahead_seconds: float
+    """Device seconds of the active work ahead of the job, on one worker."""
+    own_seconds: float
+
+
+def _earliest_feasible(refused: Verdict, verdict_at: Any, asked: float) -> float:
+    """The earliest whole-second deadline after `asked` that `verdict_at` accepts, from what `refused` says:
+    its own predicted finish with the margin, or just past the deadline of the job it would tip over
+    (served earliest deadline first, it then goes behind that job). Infinite when none is found in
+    `REFINE_STEPS` tries (no live worker, or work keeps arriving ahead)."""
+    candidate = refused
+    for _ in range(REFINE_STEPS):
+        if not math.isfinite(candidate.earliest_deadline):
+            return math.inf
+        nxt = max(candidate.earliest_deadline, (candidate.tipped_deadline or 0.0) + 1.0, asked + 1.0)
+        asked = float(math.ceil(nxt))
+        candidate = verdict_at(asked)
+        if candidate.feasible:
+            return asked
+    return math.inf
+
+
+def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[str, Any], rows: int, chunks: int,
+            batch_size: int, deadline_at: float, score_for: Any, now: float) -> Prediction:
+    """Admission's verdict for a job of `rows` rows in `chunks` chunks with `deadline_at`; `score_for(deadline)`
+    is its queue score with that deadline (its deadline moves it in the queue, `scoring.deadline_order_time`).
+
+    When the deadline cannot be met, the earliest one that can is searched from the predicted finish:
+    a later deadline may put the job behind more work, so each candidate is checked at its own position.
+    """
+    speed = model_speed(record, batch_size, streams=figures.streams, device_kind=figures.device_kind)
+    own = work_seconds(rows, seconds_per_row=speed.seconds_per_row, chunks=chunks) * figures.calibration
+    margin = settings.sla.admission_margin
+
+    def verdict_at(deadline: float) -> Verdict:
+        score = float(score_for(deadline))
+        blocking = settings.jobs.chunk_seconds if any(s > score for s in figures.running_scores) else 0.0
+        fleet = Fleet(figures.fleet_workers, blocking)
+        return admit(Work(job_id, score, own, deadline), figures.active, fleet, now=now, margin=margin)
+
+    verdict = verdict_at(deadline_at)
+    if not verdict.feasible:
+        verdict = Verdict(verdict.predicted_finish, False, _earliest_feasible(verdict, verdict_at, deadline_at),
+                          verdict.reason, verdict.tipped_deadline)
+    ahead_score = float(score_for(deadline_at))
+    ahead = sum(work.seconds for work in figures.active if (work.score, work.job_id) < (ahead_score, job_id))
+    return Prediction(verdict, speed.estimate, figures.fleet_workers, ahead, own)
+
+
+def check_job(settings: Settings, store: Store, *, job_id: str, record: dict[str, Any], rows: int, chunks: int,
+              batch_size: int, deadline_at: float, score_for: Any, now: float) -> tuple[float, bool, float]:
+    """Admit a job with a deadline under its model's `sla.admission`: (its predicted finish, whether it is
+    at risk, the calibration the prediction used). `reject` raises DeadlineInfeasible when it cannot make
+    it; `flag` accepts it at risk; `off` predicts nothing (NaN, not at risk)."""
+    mode = settings.sla.admission_for(record["name"])
+    if mode == "off":
+        return math.nan, False, math.nan
+    if deadline_at <= now:
+        raise DeadlineInfeasible(f"the deadline {_when(deadline_at)} has passed (it is {_when(now)}); give a time "
+                                 "in the future, or deadline_s", predicted_finish=None, earliest_deadline=None)
+    figures = read_figures(settings, store, now=now)
+    prediction = predict(settings, figures, job_id=job_id, record=record, rows=rows, chunks=chunks,
+                         batch_size=batch_size, deadline_at=deadline_at, score_for=score_for, now=now)
+    verdict = prediction.verdict
+    if verdict.feasible or mode == "flag":
+        return verdict.predicted_finish, not verdict.feasible, figures.calibration
+    raise DeadlineInfeasible(refusal(prediction, deadline_at=deadline_at, rows=rows, now=now),
+                             predicted_finish=round(verdict.predicted_finish, 3) if math.isfinite(
+                                 verdict.predicted_finish) else None,
+                             earliest_deadline=verdict.earliest_deadline if math.isfinite(
+                                 verdict.earliest_deadline) else None)
+
+
+def refusal(prediction: Prediction, *, deadline_at: float, rows: int, now: float) -> str:
+    """What a refused job is told: the deadline, the predicted finish and why, the earliest deadline."""
+    verdict = prediction.verdict
+    if prediction.workers < 1:
+        return (f"cannot finish before {_when(deadline_at)}: no live worker to run it; start one "
+                "(`sitsctl worker`) and submit again, or submit without a deadline")
+    why = (f"{prediction.rows_ahead_seconds:,.1f} s of work ahead and {prediction.own_seconds:,.1f} s of its own "
+           f"({rows:,} rows) on {prediction.workers} worker{'s' if prediction.workers != 1 else ''}")
+    tipped = f"; {verdict.reason}" if verdict.tipped_deadline is not None else ""
+    earliest = verdict.earliest_deadline
+    advice = (f"earliest feasible deadline {_when(earliest)} (in {_span(earliest - now)}: "
+              f"deadline_s {math.ceil(earliest - now)})"
+              if math.isfinite(earliest) else "no feasible deadline was found; try again when the queue is shorter")
+    predicted = _when(verdict.predicted_finish)
+    return f"cannot finish before {_when(deadline_at)}: predicted {predicted} ({why}){tipped}; {advice}"
+
+
+def _span(seconds: float) -> str:
+    """A duration as sitsctl takes it: 45s, 14m, 1h05m."""
+    whole = math.ceil(seconds)
+    if whole < 120:
+        return f"{whole}s"
+    minutes = math.ceil(whole / 60)
+    return f"{minutes}m" if minutes < 120 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def _when(unix: float) -> str:
+    """A time as RFC 3339 in UTC, to the second."""
+    if not math.isfinite(unix):
+        return "never"
+    return datetime.fromtimestamp(unix, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+PRUNE_PAGE = 500
+"""Entries of `keys.jobs_active` a reaper pass checks (the lowest scores: the oldest work first)."""
+
+
+def prune_active_jobs(store: Store) -> int:
+    """Drop jobs that ended from the front of `keys.jobs_active`, a page per reaper pass (`drop_ended`), so
+    that the index stays the size of the active work, and the calibration learns from finished jobs,
+    even where no deadline job is submitted to read them. Returns how many were dropped."""
+    with translate_redis_errors():
+        job_ids = store.client.zrange(store.keys.jobs_active, 0, PRUNE_PAGE - 1)
+        if not job_ids:
+            return 0
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(store.keys.job(job_id), "status")
+        statuses = pipe.execute()
+    return drop_ended(store, [job_id for job_id, status in zip(job_ids, statuses, strict=True)
+                              if status not in ACTIVE_STATUSES])

@@ -1,0 +1,133 @@
+"""Deadline admission's arithmetic (`broker/finish_prediction.py`) and a deadline's place in the queue
+(`scoring.deadline_order_time`), the Lua re-score included.
+
+Times are plain numbers from `NOW`: the functions take the clock as an argument.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from broker_helpers import MODEL_REF, NOW, job_spec
+
+from broker import job_fills, policy
+from broker.finish_prediction import (
+    CHUNK_OVERHEAD_SECONDS,
+    Fleet,
+    Work,
+    admit,
+    finishes,
+    recalibrated,
+    sla_risk,
+    work_seconds,
+)
+from broker.jobs import job_factors
+from broker.scoring import Factors, Weights, deadline_order_time, queue_key
+from broker.store import Store
+
+
+def test_work_is_rows_at_the_models_speed_plus_a_fixed_cost_per_chunk() -> None:
+    assert work_seconds(1000, seconds_per_row=0.001, chunks=4) == pytest.approx(1.0 + 4 * CHUNK_OVERHEAD_SECONDS)
+    assert work_seconds(-5, seconds_per_row=0.001, chunks=0) == 0.0
+
+
+def test_jobs_finish_one_after_another_in_score_order_shared_by_the_workers() -> None:
+    ordered = [Work("a", 1.0, 10.0), Work("b", 2.0, 20.0)]
+    assert finishes(ordered, Fleet(workers=2, blocking_seconds=1.0), now=NOW) == [NOW + 6.0, NOW + 16.0]
+    assert finishes(ordered, Fleet(workers=0), now=NOW) == [math.inf, math.inf]
+
+
+def test_a_job_is_admitted_when_its_finish_with_the_margin_is_within_its_deadline() -> None:
+    ahead = [Work("old", 1.0, 60.0)]
+    new = Work("new", 5.0, 40.0, deadline_at=NOW + 110.0)  # finishes at +100, needs +110 with a 0.1 margin
+
+    assert admit(new, ahead, Fleet(1), now=NOW, margin=0.1).feasible
+    refused = admit(new, ahead, Fleet(1), now=NOW, margin=0.2)
+    assert not refused.feasible and refused.predicted_finish == NOW + 100.0
+    assert refused.earliest_deadline == pytest.approx(NOW + 120.0)
+    assert refused.reason == "its own work and the work ahead of it"
+
+
+def test_a_job_that_would_push_an_accepted_one_past_its_deadline_is_refused_naming_it() -> None:
+    accepted = Work("due", 10.0, 50.0, deadline_at=NOW + 55.0)  # alone: done at +50, on time
+    newcomer = Work("new", 1.0, 10.0, deadline_at=NOW + 30.0)  # ahead of it: done at +10, but "due" at +60
+
+    verdict = admit(newcomer, [accepted], Fleet(1), now=NOW, margin=0.0)
+
+    assert not verdict.feasible and verdict.predicted_finish == NOW + 10.0
+    assert verdict.reason == "job due would then miss its deadline" and verdict.tipped_deadline == NOW + 55.0
+
+
+def test_a_job_already_late_does_not_make_a_newcomer_infeasible() -> None:
+    late = Work("late", 10.0, 100.0, deadline_at=NOW + 50.0)
+    assert admit(Work("new", 1.0, 5.0, deadline_at=NOW + 20.0), [late], Fleet(1), now=NOW, margin=0.0).feasible
+
+
+def test_without_a_live_worker_nothing_is_feasible() -> None:
+    verdict = admit(Work("new", 1.0, 5.0, deadline_at=NOW + 1e6), [], Fleet(0), now=NOW, margin=0.0)
+    assert not verdict.feasible and verdict.reason == "no live worker can run it"
+    assert math.isinf(verdict.earliest_deadline)
+
+
+def test_sla_risk_is_one_half_on_time_and_grows_as_the_prediction_passes_the_deadline() -> None:
+    assert sla_risk(NOW + 100, NOW + 100, now=NOW) == 0.5
+    assert sla_risk(NOW + 50, NOW + 100, now=NOW) < 0.01
+    assert sla_risk(NOW + 130, NOW + 100, now=NOW) > 0.95
+    assert sla_risk(math.inf, NOW + 100, now=NOW) == 1.0
+    assert sla_risk(None, NOW + 100, now=NOW) is None and sla_risk(NOW, None, now=NOW) is None
+    # the same lateness is surer on a short prediction than on a long one
+    assert sla_risk(NOW + 66, NOW + 60, now=NOW) == sla_risk(NOW + 3960, NOW + 3600, now=NOW)
+    assert sla_risk(NOW + 66, NOW + 60, now=NOW) > 0.8 > 0.6 > sla_risk(NOW + 3606, NOW + 3600, now=NOW)
+
+
+def test_deadlines_within_the_horizon_order_earliest_first_and_ahead_of_earlier_arrivals() -> None:
+    weights = Weights()
+    plain = queue_key(job_factors(0, NOW), weights)
+    soon = queue_key(job_factors(0, NOW + 10, deadline_order_time(NOW + 10, NOW + 70, 300)), weights)
+    sooner = queue_key(job_factors(0, NOW + 20, deadline_order_time(NOW + 20, NOW + 40, 300)), weights)
+    far = queue_key(job_factors(0, NOW + 5, deadline_order_time(NOW + 5, NOW + 3600, 300)), weights)
+
+    assert sooner < soon < plain < far  # EDF within the horizon; beyond it, arrival order
+    assert far == queue_key(job_factors(0, NOW + 5), weights)
+    # a deadline counts as waiting: due in 4.5 minutes is 30 s of it (3 points), in 1 minute 240 s (24)
+    level_9, express = queue_key(job_factors(9, NOW), weights), queue_key(job_factors(12, NOW), weights)
+    later = queue_key(job_factors(0, NOW, deadline_order_time(NOW, NOW + 270, 300)), weights)
+    assert level_9 < later and soon < level_9 and express < sooner
+    assert queue_key(job_factors(0, NOW + 10, NOW - 230), weights, "fifo") == NOW + 10 - 1_704_067_200.0
+
+
+def test_factors_keep_their_order_time_through_the_payload() -> None:
+    factors = job_factors(3, NOW, NOW - 100)
+    assert Factors.from_dict(json.loads(json.dumps(factors.to_dict()))) == factors
+    assert job_factors(3, NOW, NOW + 100).order_at is None  # never later than the arrival
+    assert "order_at" not in job_factors(3, NOW).to_dict()
+
+
+def test_the_lua_rescore_computes_the_same_key_for_a_job_with_a_deadline(store: Store) -> None:
+    spec = job_spec("jdeadline", rows_total=4, chunk_size=1, priority=2)
+    spec = type(spec)(**{**spec.__dict__, "deadline_at": NOW + 60})
+    job_fills.create_job(store, spec, now=NOW, deadline_horizon=300)
+    weights = Weights(alpha=1.0, delta=0.5)
+
+    policy.rescore_all(store, weights, "dynamic")
+
+    scored = store.client.zrange(store.keys.ready(MODEL_REF), 0, -1, withscores=True)
+    assert len(scored) == 4
+    for item_id, score in scored:
+        factors = Factors.from_dict(json.loads(store.client.hget(store.keys.items, item_id))["factors"])
+        assert factors.order_at == NOW - 240
+        assert score == pytest.approx(queue_key(factors, weights), rel=1e-12)
+        assert score < queue_key(job_factors(2, NOW), weights)
+
+
+def test_the_calibration_follows_real_over_predicted_durations_within_bounds() -> None:
+    assert recalibrated(1.0, used=1.0, real=20.0, predicted=10.0) == pytest.approx(1.3)  # 0.7 x 1 + 0.3 x 2
+    # a prediction made under a calibration of 2 that came true says the calibration is right
+    assert recalibrated(2.0, used=2.0, real=10.0, predicted=10.0) == pytest.approx(2.0)
+    factor = 1.0
+    for _ in range(50):
+        factor = recalibrated(factor, used=factor, real=100.0, predicted=factor)  # 100x slower than foreseen
+    assert factor == 5.0
+    assert recalibrated(1.5, used=1.0, real=0.0, predicted=10.0) == 1.5
