@@ -10,9 +10,9 @@ profile) receives the same stream of jobs twice, alternating the phase:
 
 The stream: `--jobs` jobs, arriving `--gap` seconds apart on average (exponential gaps, seeded), each
 of a random model and size (mlp 100,000 to 400,000 rows, convnet 512 to 2,048 images) with a deadline
-of a random multiple (0.4x to 3x) of its own run time alone plus the work queued when it arrives, as
-measured in a warm-up job of each model. Reported per phase: jobs accepted, the share of accepted
-jobs that met their deadline, the prediction error of accepted jobs (real − predicted finish, as a
+of a random multiple (0.5x to 6x) of its own run time alone, as measured in warm-up jobs of each model:
+whether it can be met depends on what is queued when it arrives. Reported per phase: jobs accepted,
+the share of accepted jobs that met their deadline, the prediction error of accepted jobs (real − predicted finish, as a
 share of the real time from submit to finish: median, P90 of its absolute value), and for `flag` how
 many of the at-risk jobs met their deadline with 20 % of their time to spare (jobs refused that
 should not have been).
@@ -64,7 +64,7 @@ def plan(count: int, gap: float, seed: int) -> list[Planned]:
         at += float(rng.exponential(gap))
         model = str(rng.choice(list(SIZES)))
         low, high = SIZES[model]
-        out.append(Planned(at, model, int(rng.integers(low, high + 1)), float(rng.uniform(0.4, 3.0))))
+        out.append(Planned(at, model, int(rng.integers(low, high + 1)), float(rng.uniform(0.5, 6.0))))
     return out
 
 
@@ -91,11 +91,11 @@ def wait_all(stack: Stack, ids: list[str], timeout: float) -> dict[str, dict[str
     return done
 
 
-def measured_rate(stack: Stack, home: Path, model: str) -> float:
+def measured_rate(stack: Stack, home: Path, model: str, number: int) -> float:
     """Rows/s of one job of the model alone (the warm-up), to size the stream's deadlines."""
     rows = SIZES[model][0]
     status, job = post(stack, "/v1/jobs", {"model": model, "input_batch": str(home / f"{model}.npy"),
-                                           "output_dir": str(home / "out" / f"warm-{model}"),
+                                           "output_dir": str(home / "out" / f"warm-{model}-{number}"),
                                            "chunk_size": rows // 4})
     assert status in (200, 201), job
     done = wait_all(stack, [job["id"]], 300)[job["id"]]
@@ -103,20 +103,17 @@ def measured_rate(stack: Stack, home: Path, model: str) -> float:
 
 
 def run_phase(stack: Stack, home: Path, mode: str, jobs: list[Planned], rates: dict[str, float],
-              tag: str) -> list[dict[str, Any]]:
+              tag: str, verbose: bool = False) -> list[dict[str, Any]]:
     """Submit the stream under `mode` ('reject' or 'flag': the model names registered for each)."""
-    started, outcomes, queued_seconds = time.time(), [], []
+    started, outcomes = time.time(), []
     for number, planned in enumerate(jobs):
         time.sleep(max(0.0, started + planned.at - time.time()))
         now = time.time()
         alone = planned.rows / rates[planned.model]
-        ahead = sum(s for finish, s in queued_seconds if finish > now)
-        deadline_s = planned.tightness * (alone + ahead)
+        deadline_s = planned.tightness * alone
         status, body = post(stack, "/v1/jobs", {
             "model": f"{planned.model}_{mode}", "input_batch": str(home / f"{planned.model}.npy"),
             "output_dir": str(home / "out" / f"{tag}-{mode}-{number}"), "deadline_s": round(deadline_s, 3)})
-        if status in (200, 201):
-            queued_seconds.append((now + ahead + alone, alone))
         outcomes.append({"planned": planned, "submitted_at": now, "deadline": now + deadline_s, "status": status,
                          "body": body})
     accepted = [o["body"]["id"] for o in outcomes if o["status"] in (200, 201)]
@@ -124,7 +121,24 @@ def run_phase(stack: Stack, home: Path, mode: str, jobs: list[Planned], rates: d
     for outcome in outcomes:
         if outcome["status"] in (200, 201):
             outcome["final"] = finished.get(outcome["body"]["id"])
+        if verbose:
+            print(describe(outcome))
     return outcomes
+
+
+def describe(outcome: dict[str, Any]) -> str:
+    """One job of a phase, times from its submit: deadline, prediction, real finish (or the refusal)."""
+    planned, at = outcome["planned"], outcome["submitted_at"]
+    head = f"  {planned.model:8s} {planned.rows:7,d} rows, deadline +{outcome['deadline'] - at:6.1f} s"
+    if outcome["status"] not in (200, 201):
+        body = outcome["body"]
+        predicted = body.get("predicted_finish")
+        return f"{head}: {outcome['status']}, predicted +{predicted - at:.1f} s" if predicted else f"{head}: {body}"
+    final, body = outcome.get("final") or {}, outcome["body"]
+    predicted = body.get("predicted_finish")
+    real = final.get("finished_at")
+    return (f"{head}: predicted +{(predicted or at) - at:6.1f} s, real +{(real or at) - at:6.1f} s"
+            f"{' (at risk)' if body.get('at_risk') else ''}")
 
 
 def summarize(mode: str, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -159,6 +173,7 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=1.5, help="mean seconds between arrivals")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--verbose", action="store_true", help="print every job")
     args = parser.parse_args()
     count = args.jobs or (12 if args.quick else 30)
     rounds = args.rounds or (1 if args.quick else 2)
@@ -181,14 +196,15 @@ def main() -> None:
                 for name in (model, f"{model}_reject", f"{model}_flag"):
                     while client.get(f"/v1/models/{name}").get("profile_status") != "ready":
                         time.sleep(0.2)
-            rates = {model: measured_rate(stack, home, model) for model in SIZES}
+            # twice: the first job of a model also builds its sessions; the best of the two is its speed
+            rates = {model: max(measured_rate(stack, home, model, n) for n in range(2)) for model in SIZES}
             print("alone: " + ", ".join(f"{model} {rate:,.0f} rows/s" for model, rate in rates.items()))
             results = []
             for round_number in range(rounds):
                 jobs = plan(count, args.gap, args.seed + round_number)
                 modes = ("reject", "flag") if round_number % 2 == 0 else ("flag", "reject")
                 for mode in modes:
-                    outcomes = run_phase(stack, home, mode, jobs, rates, tag=f"r{round_number}")
+                    outcomes = run_phase(stack, home, mode, jobs, rates, tag=f"r{round_number}", verbose=args.verbose)
                     results.append(summarize(mode, outcomes))
                     print(json.dumps(results[-1]))
     print()

@@ -55,22 +55,45 @@ def model_speed(record: dict[str, Any], batch_size: int, *, streams: int, device
 
 
 @dataclass(frozen=True)
+class LiveFleet:
+    """The live workers as the speed of a model is reckoned on them."""
+
+    workers: int
+    streams: int
+    device_kind: str
+
+
+def live_fleet(settings: Settings, store: Store, *, now: float) -> LiveFleet:
+    """How many workers are alive, with how many streams, on which kind of device."""
+    live = [worker for worker in workers.list_workers(store, now=now,
+                                                      timeout=settings.scheduler.worker_heartbeat_timeout)
+            if worker["alive"]]
+    streams = max((int(worker.get("streams", 1)) for worker in live), default=1)
+    device_kind = "cpu" if all(str(worker.get("device", "cpu")).startswith("cpu") for worker in live) else "gpu"
+    return LiveFleet(len(live), streams, device_kind)
+
+
+@dataclass(frozen=True)
 class Figures:
     """What the store says now: the active jobs' remaining work and the fleet."""
 
     active: list[Work]
     running_scores: list[float]
     """Scores of active jobs with a chunk running: one may hold a worker a new job needs."""
-    fleet_workers: int
-    streams: int
-    device_kind: str
-    calibration: float = 1.0
-    """Real over predicted durations of recent jobs: every prediction's device time is multiplied by it."""
+    fleet: LiveFleet
+    calibrations: dict[str, float]
+    """By model version (its content hash, whatever name it is registered under), how much longer its
+    jobs really ran than their profile says (`calibrations`)."""
+
+    def calibration(self, version: str) -> float:
+        """The factor of a version's predicted device time; 1 for one no job has calibrated yet."""
+        return self.calibrations.get(version, 1.0)
 
 
 def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
-    """The active jobs (dropping from the index those that ended, whose real finishes recalibrate the
-    predictions: `calibration`) and the live workers."""
+    """The active jobs (dropping from the index those that ended, which calibrate their models' speed)
+    and the live workers."""
+    fleet = live_fleet(settings, store, now=now)
     with translate_redis_errors():
         entries = store.client.zrange(store.keys.jobs_active, 0, -1, withscores=True)
         pipe = store.client.pipeline(transaction=False)
@@ -78,13 +101,9 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
             pipe.hmget(store.keys.job(job_id), "status", "rows_total", "rows_done", "chunks_total", "chunks_done",
                        "model_ref", "batch_size", "deadline")
         rows = pipe.execute() if entries else []
-    drop_ended(store, [job_id for (job_id, _), row in zip(entries, rows, strict=True) if row[0] not in ACTIVE_STATUSES])
-    factor = calibration(store)
-    live = [worker for worker in workers.list_workers(store, now=now,
-                                                      timeout=settings.scheduler.worker_heartbeat_timeout)
-            if worker["alive"]]
-    streams = max((int(worker.get("streams", 1)) for worker in live), default=1)
-    device_kind = "cpu" if all(str(worker.get("device", "cpu")).startswith("cpu") for worker in live) else "gpu"
+    drop_ended(store, [job_id for (job_id, _), row in zip(entries, rows, strict=True) if row[0] not in ACTIVE_STATUSES],
+               fleet)
+    factors = calibrations(store)
     active, running, records = [], [], {}
     for (job_id, score), (status, total, done, chunks, chunks_done, model_ref, batch, deadline) in zip(
             entries, rows, strict=True):
@@ -95,52 +114,61 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         record = records[model_ref]
         if record is None:
             continue
-        speed = model_speed(record, int(batch or 1), streams=streams, device_kind=device_kind)
+        speed = model_speed(record, int(batch or 1), streams=fleet.streams, device_kind=fleet.device_kind)
         remaining_chunks = int(chunks or 0) - int(chunks_done or 0)
         seconds = work_seconds(int(total or 0) - int(done or 0), seconds_per_row=speed.seconds_per_row,
                                chunks=remaining_chunks)
-        active.append(Work(job_id, float(score), seconds * factor, float(deadline) if deadline else None))
+        active.append(Work(job_id, float(score), seconds * factors.get(_version(model_ref), 1.0),
+                           float(deadline) if deadline else None))
         if status == "running":
             running.append(float(score))
-    return Figures(active, running, len(live), streams, device_kind, factor)
+    return Figures(active, running, fleet, factors)
 
 
-def calibration(store: Store) -> float:
-    """How much longer jobs really took than predicted, lately (`keys.admission_calibration`); 1 at first."""
+def calibrations(store: Store) -> dict[str, float]:
+    """Each calibrated model version's factor (`keys.admission_calibration`)."""
     with translate_redis_errors():
-        raw = store.client.hget(store.keys.admission_calibration, "factor")
-    return float(raw) if raw else 1.0
+        raw = store.client.hgetall(store.keys.admission_calibration)
+    return {version: float(value) for version, value in raw.items()}
 
 
-def drop_ended(store: Store, job_ids: list[str]) -> int:
-    """Take jobs that ended out of `keys.jobs_active`, and let each that succeeded with a predicted finish
-    move the calibration towards its real duration over its predicted one (`finish_prediction.recalibrated`).
-    Two processes dropping at once may each write the factor; the later write wins, which an average
+def _version(model_ref: str) -> str:
+    return model_ref.rpartition("@")[2]
+
+
+def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
+    """Take jobs that ended out of `keys.jobs_active`; each that succeeded in one run calibrates its model:
+    how long it ran, from first lease to finish, over what its profile foresaw on the live workers
+    (`finish_prediction.recalibrated`). Only the process whose ZREM took a job counts it; two counting
+    different jobs at once may each write a model's factor, and the later write wins, which an average
     of many jobs can afford. Returns how many were dropped."""
     if not job_ids:
         return 0
     with translate_redis_errors():
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(store.keys.job(job_id), "status", "created_at", "finished_at", "predicted_finish",
-                       "predicted_with")
-        finished = pipe.execute()
-        removed = store.client.zrem(store.keys.jobs_active, *job_ids)  # (only who removes it counts it)
-        if not removed:
-            return 0
-        factor, samples = _calibration_state(store)
-        for status, created, ended, predicted, used in finished:
-            if status == "succeeded" and created and ended and predicted and used:
-                factor = recalibrated(factor, used=float(used), real=float(ended) - float(created),
-                                      predicted=float(predicted) - float(created))
-                samples += 1
-        store.client.hset(store.keys.admission_calibration, mapping={"factor": factor, "samples": samples})
-    return int(removed)
-
-
-def _calibration_state(store: Store) -> tuple[float, int]:
-    raw = store.client.hmget(store.keys.admission_calibration, "factor", "samples")
-    return (float(raw[0]) if raw[0] else 1.0), int(raw[1] or 0)
+            pipe.hmget(store.keys.job(job_id), "status", "started_at", "finished_at", "resumed_at", "rows_total",
+                       "chunks_total", "model_ref", "batch_size")
+            pipe.zrem(store.keys.jobs_active, job_id)
+        replies = pipe.execute()
+        taken = [fields for fields, removed in zip(replies[0::2], replies[1::2], strict=True) if removed]
+        factors = calibrations(store)
+        changed: dict[str, float] = {}
+        for status, started, finished, resumed, rows, chunks, model_ref, batch in taken:
+            if status != "succeeded" or not (started and finished) or resumed or fleet.workers < 1:
+                continue
+            record = _model_or_none(store, model_ref)
+            if record is None:
+                continue
+            speed = model_speed(record, int(batch or 1), streams=fleet.streams, device_kind=fleet.device_kind)
+            foreseen = work_seconds(int(rows or 0), seconds_per_row=speed.seconds_per_row,
+                                    chunks=int(chunks or 0)) / fleet.workers
+            version = _version(model_ref)
+            factor = changed.get(version, factors.get(version, 1.0))
+            changed[version] = recalibrated(factor, real=float(finished) - float(started), predicted=foreseen)
+        if changed:
+            store.client.hset(store.keys.admission_calibration, mapping=changed)
+    return len(taken)
 
 
 def _model_or_none(store: Store, model_ref: str) -> dict[str, Any] | None:
@@ -187,14 +215,15 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
     When the deadline cannot be met, the earliest one that can is searched from the predicted finish:
     a later deadline may put the job behind more work, so each candidate is checked at its own position.
     """
-    speed = model_speed(record, batch_size, streams=figures.streams, device_kind=figures.device_kind)
-    own = work_seconds(rows, seconds_per_row=speed.seconds_per_row, chunks=chunks) * figures.calibration
+    speed = model_speed(record, batch_size, streams=figures.fleet.streams, device_kind=figures.fleet.device_kind)
+    own = work_seconds(rows, seconds_per_row=speed.seconds_per_row, chunks=chunks) * figures.calibration(
+        record["version"])
     margin = settings.sla.admission_margin
 
     def verdict_at(deadline: float) -> Verdict:
         score = float(score_for(deadline))
         blocking = settings.jobs.chunk_seconds if any(s > score for s in figures.running_scores) else 0.0
-        fleet = Fleet(figures.fleet_workers, blocking)
+        fleet = Fleet(figures.fleet.workers, blocking)
         return admit(Work(job_id, score, own, deadline), figures.active, fleet, now=now, margin=margin)
 
     verdict = verdict_at(deadline_at)
@@ -203,17 +232,17 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
                           verdict.reason, verdict.tipped_deadline)
     ahead_score = float(score_for(deadline_at))
     ahead = sum(work.seconds for work in figures.active if (work.score, work.job_id) < (ahead_score, job_id))
-    return Prediction(verdict, speed.estimate, figures.fleet_workers, ahead, own)
+    return Prediction(verdict, speed.estimate, figures.fleet.workers, ahead, own)
 
 
 def check_job(settings: Settings, store: Store, *, job_id: str, record: dict[str, Any], rows: int, chunks: int,
-              batch_size: int, deadline_at: float, score_for: Any, now: float) -> tuple[float, bool, float]:
+              batch_size: int, deadline_at: float, score_for: Any, now: float) -> tuple[float, bool]:
     """Admit a job with a deadline under its model's `sla.admission`: (its predicted finish, whether it is
-    at risk, the calibration the prediction used). `reject` raises DeadlineInfeasible when it cannot make
-    it; `flag` accepts it at risk; `off` predicts nothing (NaN, not at risk)."""
+    at risk). `reject` raises DeadlineInfeasible when it cannot make it; `flag` accepts it at risk; `off`
+    predicts nothing (NaN, not at risk)."""
     mode = settings.sla.admission_for(record["name"])
     if mode == "off":
-        return math.nan, False, math.nan
+        return math.nan, False
     if deadline_at <= now:
         raise DeadlineInfeasible(f"the deadline {_when(deadline_at)} has passed (it is {_when(now)}); give a time "
                                  "in the future, or deadline_s", predicted_finish=None, earliest_deadline=None)
@@ -222,7 +251,7 @@ def check_job(settings: Settings, store: Store, *, job_id: str, record: dict[str
                          batch_size=batch_size, deadline_at=deadline_at, score_for=score_for, now=now)
     verdict = prediction.verdict
     if verdict.feasible or mode == "flag":
-        return verdict.predicted_finish, not verdict.feasible, figures.calibration
+        return verdict.predicted_finish, not verdict.feasible
     raise DeadlineInfeasible(refusal(prediction, deadline_at=deadline_at, rows=rows, now=now),
                              predicted_finish=round(verdict.predicted_finish, 3) if math.isfinite(
                                  verdict.predicted_finish) else None,
@@ -267,10 +296,10 @@ PRUNE_PAGE = 500
 """Entries of `keys.jobs_active` a reaper pass checks (the lowest scores: the oldest work first)."""
 
 
-def prune_active_jobs(store: Store) -> int:
+def prune_active_jobs(settings: Settings, store: Store, *, now: float) -> int:
     """Drop jobs that ended from the front of `keys.jobs_active`, a page per reaper pass (`drop_ended`), so
-    that the index stays the size of the active work, and the calibration learns from finished jobs,
-    even where no deadline job is submitted to read them. Returns how many were dropped."""
+    that the index stays the size of the active work, and finished jobs calibrate their models, even
+    where no deadline job is submitted to read them. Returns how many were dropped."""
     with translate_redis_errors():
         job_ids = store.client.zrange(store.keys.jobs_active, 0, PRUNE_PAGE - 1)
         if not job_ids:
@@ -279,5 +308,5 @@ def prune_active_jobs(store: Store) -> int:
         for job_id in job_ids:
             pipe.hget(store.keys.job(job_id), "status")
         statuses = pipe.execute()
-    return drop_ended(store, [job_id for job_id, status in zip(job_ids, statuses, strict=True)
-                              if status not in ACTIVE_STATUSES])
+    ended = [job_id for job_id, status in zip(job_ids, statuses, strict=True) if status not in ACTIVE_STATUSES]
+    return drop_ended(store, ended, live_fleet(settings, store, now=now)) if ended else 0

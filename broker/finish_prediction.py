@@ -128,17 +128,18 @@ def sla_risk(predicted_finish: float | None, deadline_at: float | None, *, now: 
 
 
 CALIBRATION_WEIGHT = 0.3
-"""How much one finished job moves the calibration (an exponentially weighted mean of real over predicted)."""
-CALIBRATION_BOUNDS = (0.5, 5.0)
-"""The calibration stays within these: one job that waited behind a flood says little about the next."""
+"""How much one finished job moves its model's calibration (an exponentially weighted mean)."""
+CALIBRATION_BOUNDS = (0.5, 10.0)
+"""A calibration stays within these: one job slowed by a flood of other work says little about the next."""
 
 
-def recalibrated(factor: float, *, used: float, real: float, predicted: float) -> float:
-    """The calibration `factor` after a job that took `real` seconds from submit to finish where `predicted`
-    were foreseen under the calibration `used` then: predictions are multiplied by the result, so a fleet
-    slower than its profiles (per-job costs, online traffic, other processes on its cores) is learnt."""
-    if predicted <= 0 or real <= 0 or used <= 0:
+def recalibrated(factor: float, *, real: float, predicted: float) -> float:
+    """A model's calibration `factor` after one of its jobs ran `real` seconds (first lease to finish) where
+    its profile foresaw `predicted`: its predicted device time is multiplied by the result, so a fleet
+    slower than its profiles (per-chunk costs, streams that share cores, online traffic, other
+    processes) is learnt."""
+    if predicted <= 0 or real <= 0:
         return factor
-    observed = used * real / predicted
     low, high = CALIBRATION_BOUNDS
-    return round(min(high, max(low, (1 - CALIBRATION_WEIGHT) * factor + CALIBRATION_WEIGHT * observed)), 4)
+    observed = min(high, max(low, real / predicted))
+    return round((1 - CALIBRATION_WEIGHT) * factor + CALIBRATION_WEIGHT * observed, 4)

@@ -78,7 +78,6 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
         "deadline": spec.deadline_at if spec.deadline_at is not None else "",
         "predicted_finish": spec.predicted_finish if spec.predicted_finish is not None else "",
         "at_risk": "1" if spec.at_risk else "",
-        "predicted_with": spec.predicted_with if spec.predicted_with is not None else "",
         "order_at": order_at if order_at is not None else "",
     }
     factors = job_factors(spec.priority, now, order_at)

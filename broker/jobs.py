@@ -38,7 +38,7 @@ _INT_FIELDS = (
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at", "deadline",
                  "predicted_finish", "order_at")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
-_BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "predicted_with")
+_BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 
@@ -103,8 +103,6 @@ class JobSpec:
     """When admission predicted it would finish (`broker/admission.py`), for a job with a deadline."""
     at_risk: bool = False
     """Accepted under `sla.admission: flag` although its deadline was predicted to be missed."""
-    predicted_with: float | None = None
-    """The calibration the prediction was made under (`admission.calibration`), to learn from its finish."""
 
     @property
     def model_ref(self) -> str:

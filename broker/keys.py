@@ -102,8 +102,8 @@ class Keys:
 
     @property
     def admission_calibration(self) -> str:
-        """HASH `factor`, `samples`: real over predicted durations of jobs that finished, lately; deadline
-        admission multiplies its predictions by the factor (`broker/admission.py`)."""
+        """HASH model version (content hash) -> how much longer its jobs ran than its profile foresaw, lately;
+        deadline admission multiplies that model's predicted device time by it (`broker/admission.py`)."""
         return self._key("admission-calibration")
 
     @property

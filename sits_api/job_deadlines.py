@@ -46,10 +46,9 @@ def admitted(settings: Settings, store: Store, spec: jobs.JobSpec, model: dict[s
         order_at = scoring.deadline_order_time(now, deadline, horizon)
         return scoring.queue_key(jobs.job_factors(spec.priority, now, order_at), weights, ordering)
 
-    finish, at_risk, calibration = admission.check_job(
+    finish, at_risk = admission.check_job(
         settings, store, job_id=spec.job_id, record=model, rows=spec.rows_total,
         chunks=len(jobs.chunk_ranges(spec.rows_total, spec.chunk_size)), batch_size=spec.batch_size,
         deadline_at=due, score_for=score_for, now=now)
-    predicted = math.isfinite(finish)
-    return dataclasses.replace(spec, predicted_finish=round(finish, 3) if predicted else None, at_risk=at_risk,
-                               predicted_with=calibration if predicted else None)
+    return dataclasses.replace(spec, predicted_finish=round(finish, 3) if math.isfinite(finish) else None,
+                               at_risk=at_risk)

@@ -122,12 +122,11 @@ def test_the_lua_rescore_computes_the_same_key_for_a_job_with_a_deadline(store: 
         assert score < queue_key(job_factors(2, NOW), weights)
 
 
-def test_the_calibration_follows_real_over_predicted_durations_within_bounds() -> None:
-    assert recalibrated(1.0, used=1.0, real=20.0, predicted=10.0) == pytest.approx(1.3)  # 0.7 x 1 + 0.3 x 2
-    # a prediction made under a calibration of 2 that came true says the calibration is right
-    assert recalibrated(2.0, used=2.0, real=10.0, predicted=10.0) == pytest.approx(2.0)
+def test_a_models_calibration_follows_its_jobs_real_over_foreseen_run_times_within_bounds() -> None:
+    assert recalibrated(1.0, real=20.0, predicted=10.0) == pytest.approx(1.3)  # 0.7 x 1 + 0.3 x 2
+    assert recalibrated(2.0, real=20.0, predicted=10.0) == pytest.approx(2.0)  # as calibrated: no change
     factor = 1.0
     for _ in range(50):
-        factor = recalibrated(factor, used=factor, real=100.0, predicted=factor)  # 100x slower than foreseen
-    assert factor == 5.0
-    assert recalibrated(1.5, used=1.0, real=0.0, predicted=10.0) == 1.5
+        factor = recalibrated(factor, real=1000.0, predicted=1.0)  # 1000x slower than its profile
+    assert factor == pytest.approx(10.0, rel=1e-3)
+    assert recalibrated(1.5, real=0.0, predicted=10.0) == 1.5
