@@ -42,35 +42,58 @@ def sample_feed(signature: dict[str, Any], batch: int, sequence: int = _PROFILE_
     return feed
 
 
+PROFILE_PASSES = 4
+"""Rounds over the batch sizes in one sweep: the machine's speed drifts by tens of per cent between
+seconds, so each size is timed a little in every round (in alternating order) rather than all at
+once, and the sizes are compared under the same drift."""
+
+
 def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 1.0,
-            batch_sizes: tuple[int, ...] = _BATCH_SIZES) -> list[dict[str, float]]:
+            batch_sizes: tuple[int, ...] = _BATCH_SIZES, passes: int = PROFILE_PASSES) -> list[dict[str, float]]:
     """Latency (median of timed runs), its 99th percentile and throughput for each batch size, within a
-    time budget per size; sizes past the first one the device runs out of memory for are skipped.
+    time budget per size; sizes past the first one the device runs out of memory for are skipped, as
+    are those past the first whose one warm-up run takes over a third of the budget.
+
+    Each size is timed in `passes` rounds (`PROFILE_PASSES`), each of a share of its budget: 3 to 50
+    runs in all. A job's `auto` batch size is chosen from these points (`broker/chunking.py`), so a
+    size measured in a slow second must not lose to one measured in a fast one.
 
     `p99_ms` is what schedulability analysis takes as a batch's worst case (`broker/sla_analysis.py`):
     of the 3 to 50 runs timed, it lies close to the slowest one.
     """
-    points: list[dict[str, float]] = []
+    feeds: dict[int, dict[str, np.ndarray]] = {}
     for batch in batch_sizes:
         feed = sample_feed(signature, batch)
         try:
+            started = time.perf_counter()
             run_session(session, feed)  # warm-up: allocations, kernel choice
+            once = time.perf_counter() - started
         except DeviceOutOfMemory:
-            if not points:
+            if not feeds:
                 raise
             break  # the device holds no larger batch: keep what was measured
-        timings: list[float] = []
-        started = time.perf_counter()
-        while len(timings) < 3 or (time.perf_counter() - started < budget_seconds and len(timings) < 50):
-            t0 = time.perf_counter()
-            run_session(session, feed)
-            timings.append(time.perf_counter() - t0)
-        latency = float(np.median(timings))
+        feeds[batch] = feed
+        if once * 3 > budget_seconds:  # larger batches would take too long to profile
+            break
+    timings: dict[int, list[float]] = {batch: [] for batch in feeds}
+    order = list(feeds)
+    for number in range(max(1, passes)):
+        last = number == max(1, passes) - 1
+        for batch in order if number % 2 == 0 else reversed(order):
+            taken, started = timings[batch], time.perf_counter()
+            share = budget_seconds / max(1, passes)
+            least = 3 if last else 1
+            while len(taken) < least or (time.perf_counter() - started < share and len(taken) < 50 * (number + 1)
+                                         // max(1, passes)):
+                t0 = time.perf_counter()
+                run_session(session, feeds[batch])
+                taken.append(time.perf_counter() - t0)
+    points: list[dict[str, float]] = []
+    for batch, taken in timings.items():
+        latency = float(np.median(taken))
         points.append({"batch_size": batch, "latency_ms": round(latency * 1000, 3),
                        "rows_per_second": round(batch / latency, 1),
-                       "p99_ms": round(float(np.percentile(timings, 99)) * 1000, 3)})
-        if latency * 3 > budget_seconds:  # larger batches would take too long to profile
-            break
+                       "p99_ms": round(float(np.percentile(taken, 99)) * 1000, 3)})
     return points
 
 
