@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from broker import chunking, workers
+from broker import chunking, sla_watch, workers
 from broker.config import Settings
 from broker.errors import DeadlineInfeasible
 from broker.finish_prediction import Fleet, Verdict, Work, admit, recalibrated, work_seconds
@@ -148,10 +148,13 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hmget(store.keys.job(job_id), "status", "started_at", "finished_at", "resumed_at", "rows_total",
-                       "chunks_total", "model_ref", "batch_size")
+                       "chunks_total", "model_ref", "batch_size", "deadline", "sla_snapshots")
             pipe.zrem(store.keys.jobs_active, job_id)
         replies = pipe.execute()
-        taken = [fields for fields, removed in zip(replies[0::2], replies[1::2], strict=True) if removed]
+        taken = [fields[:8] for fields, removed in zip(replies[0::2], replies[1::2], strict=True) if removed]
+        sla_watch.learn_from(store, [
+            {"status": f[0] or "", "finished_at": f[2] or "", "deadline": f[8] or "", "sla_snapshots": f[9] or ""}
+            for f, removed in zip(replies[0::2], replies[1::2], strict=True) if removed])
         factors = calibrations(store)
         changed: dict[str, float] = {}
         for status, started, finished, resumed, rows, chunks, model_ref, batch in taken:
@@ -310,3 +313,10 @@ def prune_active_jobs(settings: Settings, store: Store, *, now: float) -> int:
         statuses = pipe.execute()
     ended = [job_id for job_id, status in zip(job_ids, statuses, strict=True) if status not in ACTIVE_STATUSES]
     return drop_ended(store, ended, live_fleet(settings, store, now=now)) if ended else 0
+
+
+def score_deadline_jobs(settings: Settings, store: Store, *, now: float) -> int:
+    """A reaper pass's scoring of the active jobs with a deadline by the violation predictor
+    (`sla_watch.score_active`), on admission's view of the work ahead of each. Returns how many."""
+    figures = read_figures(settings, store, now=now)
+    return sla_watch.score_active(store, figures.active, workers=figures.fleet.workers, now=now)

@@ -85,7 +85,7 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
              _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict(),
                         spec.batch_size), owner=spec.owner)
-    _mark_active(store, spec.job_id, score)
+    _mark_active(store, spec.job_id, score, spec.deadline_at)
 
 
 def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
@@ -117,16 +117,20 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     if input_stat:
         fields["input_stat"] = json.dumps(input_stat)
     added = _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)
-    _mark_active(store, job_id, score)
+    _mark_active(store, job_id, score, job.get("deadline"))
     return added
 
 
-def _mark_active(store: Store, job_id: str, score: float) -> None:
-    """Index the job among the active ones, at its chunks' score, for deadline admission. (After its
-    items are queued: a crash in between leaves a job that admission does not count, not one that
-    counts without work.)"""
+def _mark_active(store: Store, job_id: str, score: float, deadline: float | None) -> None:
+    """Index the job among the active ones, at its chunks' score, for deadline admission, and with its
+    deadline, if it has one, for /metrics (`keys.jobs_due`). (After its items are queued: a crash in
+    between leaves a job that admission does not count, not one that counts without work.)"""
     with translate_redis_errors():
-        store.client.zadd(store.keys.jobs_active, {job_id: score})
+        pipe = store.client.pipeline(transaction=False)
+        pipe.zadd(store.keys.jobs_active, {job_id: score})
+        if deadline is not None:
+            pipe.zadd(store.keys.jobs_due, {job_id: deadline})
+        pipe.execute()
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,

@@ -50,7 +50,7 @@ def _take_items_out(store: Store, job_id: str, model_ref: str, item_ids: Sequenc
     Returns the first call's reply."""
     keys = store.keys
     stop_keys = [keys.job(job_id), keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
-                 keys.dead, keys.job_counts, keys.jobs_stopping]
+                 keys.dead, keys.job_counts, keys.jobs_stopping, keys.counters, keys.latency_buckets, keys.jobs_due]
     slices = [item_ids[start:start + job_slices.ENQUEUE_SLICE]
               for start in range(0, len(item_ids), job_slices.ENQUEUE_SLICE)] or [[]]
     first = ""

@@ -36,9 +36,10 @@ _INT_FIELDS = (
     "priority",
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at", "deadline",
-                 "predicted_finish", "order_at")
+                 "predicted_finish", "order_at", "sla_risk_model", "sla_risk_at")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
-_BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done")
+_BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "sla_snapshots",
+                       "sla_snapshot_at")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 
@@ -169,18 +170,26 @@ def with_rates(job: dict[str, Any], *, now: float) -> dict[str, Any]:
     return with_deadline(job, now=now)
 
 
+MODEL_RISK_FRESH_SECONDS = 30.0
+"""How long the violation predictor's risk of a job stands for its `sla_risk` (`broker/sla_watch.py`, which
+scores each reaper pass); after that, or before the first pass, the plain rule's (`sla_risk`) is shown."""
+
+
 def with_deadline(job: dict[str, Any], *, now: float) -> dict[str, Any]:
     """A job with a deadline: `predicted_finish` from its own rate once it runs (admission's until then),
-    `sla_risk` from that, and once it ended `deadline_met` (None for a cancelled job, or one without a
+    `sla_risk` (the violation predictor's when fresh, else from that), and once it
+    ended `deadline_met` (None for a cancelled job, or one without a
     deadline). Without one, the three are None."""
     deadline = job.get("deadline")
+    model_risk, risk_at = job.pop("sla_risk_model", None), job.pop("sla_risk_at", None)
     if deadline is None:
         job.update(predicted_finish=None, sla_risk=None, deadline_met=None)
         return job
     if job["status"] in ACTIVE_STATUSES:
         if job.get("eta_seconds") is not None:
             job["predicted_finish"] = round(now + job["eta_seconds"], 3)
-        job["sla_risk"] = sla_risk(job.get("predicted_finish"), deadline, now=now)
+        fresh = model_risk is not None and risk_at is not None and now - risk_at <= MODEL_RISK_FRESH_SECONDS
+        job["sla_risk"] = model_risk if fresh else sla_risk(job.get("predicted_finish"), deadline, now=now)
         job["deadline_met"] = None
     else:
         finished = job.get("finished_at")

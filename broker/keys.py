@@ -107,6 +107,12 @@ class Keys:
         return self._key("admission-calibration")
 
     @property
+    def sla_model(self) -> str:
+        """HASH `weights` (JSON), `jobs`, `updated_at`: the SLA violation predictor's weights, learnt from the
+        jobs with a deadline that ended (`broker/sla_watch.py`)."""
+        return self._key("sla-model")
+
+    @property
     def jobs_filling(self) -> str:
         """ZSET job id -> time of its last enqueue call, for jobs whose items are still being queued in
         slices (`job_slices.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
@@ -117,6 +123,13 @@ class Keys:
         """ZSET job id -> time of its stop's last call, for jobs whose items are still being taken out in
         slices by a cancel or fail (`job_stops.stop_job`); a reaper pass completes a stop whose caller died."""
         return self._key("jobs-stopping")
+
+    @property
+    def jobs_due(self) -> str:
+        """ZSET job id -> deadline (unix seconds), of the active jobs with a deadline: the jobs whose risk of
+        missing it /metrics reports (`broker.sla_metrics`). A job enters at submit and resume, and leaves
+        when it ends (`lib.lua` `count_job_end`)."""
+        return self._key("jobs-due")
 
     def owner_jobs(self, owner: str) -> str:
         """ZSET job id -> creation time of the jobs of one API key name (`GET /v1/jobs?owner=`)."""
@@ -151,7 +164,9 @@ class Keys:
     @property
     def counters(self) -> str:
         """HASH '<what>:<model ref>' -> running total for /metrics: requests completed by status
-        (`requests_succeeded:`, `requests_failed:`, `requests_expired:`) and job rows done (`job_rows:`)."""
+        (`requests_succeeded:`, `requests_failed:`, `requests_expired:`), job rows done (`job_rows:`), jobs'
+        deadlines met or missed (`job_deadline_met:`, `job_deadline_missed:`) and jobs refused by deadline
+        admission (`admission_rejected:`)."""
         return self._key("counters")
 
     @property
@@ -166,6 +181,14 @@ class Keys:
         many rows and their time, for the v2 statistics' `batch_stats` (apart from `model_stats`, which
         every /metrics scrape reads: these grow with the batch sizes run)."""
         return self._key("model-batch-stats")
+
+    @property
+    def latency_buckets(self) -> str:
+        """HASH '<model ref>|<what>|<priority class>|<bucket>' -> observations in that bucket, and
+        '...|ns' -> their sum in nanoseconds: the latency histograms of /metrics (`broker.sla_metrics`),
+        kept by the scripts that complete requests and end jobs. What: `request` (submit to result),
+        `queue` (submit to run start), `job` (a job's submit to its success)."""
+        return self._key("latency-buckets")
 
     # --- online requests ---------------------------------------------------
     def request(self, request_id: str) -> str:

@@ -209,16 +209,21 @@ def head_company(store: Store, model_ref: str, *, now: float, window: int,
     return int(rows), now - float(enqueued_at)
 
 
-def queue_depths(store: Store) -> dict[str, dict[str, int]]:
-    """Model ref -> {"ready": n, "inflight": n} for every known queue."""
+def queue_depths(store: Store, *, with_requests: bool = False) -> dict[str, dict[str, int]]:
+    """Model ref -> {"ready": n, "inflight": n} for every known queue; `with_requests` adds "requests":
+    the online requests among the ready items (`keys.waiting_requests`, what `max_queue_size` counts)."""
+    names = ("ready", "inflight", "requests") if with_requests else ("ready", "inflight")
     with translate_redis_errors():
         refs = sorted(store.client.smembers(store.keys.queues))
         pipe = store.client.pipeline(transaction=False)
         for ref in refs:
             pipe.zcard(store.keys.ready(ref))
             pipe.zcard(store.keys.inflight(ref))
+            if with_requests:
+                pipe.zcard(store.keys.waiting_requests(ref))
         counts = pipe.execute()
-    return {ref: {"ready": counts[2 * i], "inflight": counts[2 * i + 1]} for i, ref in enumerate(refs)}
+    step = len(names)
+    return {ref: dict(zip(names, counts[step * i:step * (i + 1)], strict=True)) for i, ref in enumerate(refs)}
 
 
 def finish_item(
@@ -244,8 +249,11 @@ def finish_item(
                 keys.dead,
                 keys.job(job_id),
                 keys.job_counts,
+                keys.counters,
+                keys.latency_buckets,
+                keys.jobs_due,
             ],
-            args=[item.item_id, job_status, error, now, json.dumps(job_fields or {})],
+            args=[item.item_id, job_status, error, now, json.dumps(job_fields or {}), job_id],
         )
 
 

@@ -189,7 +189,8 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
     were completed (not those already completed, or waiting again after their lease expired). The
     requests are of one model (a batch is); /metrics counts them by status (`keys.counters`), and the
     model's statistics (`broker.model_stats`) their times, the queue and compute time of those that
-    ran in the run begun at `run_started`, of `run_rows` rows (the statistics' batch size)."""
+    ran in the run begun at `run_started`, of `run_rows` rows (the statistics' batch size), and the latency
+    histograms (`broker.sla_metrics`) both, by the priority level each request was submitted at."""
     keys = store.keys
     request_keys: list[str] = []
     model_ref = results[0].item.model_ref
@@ -199,12 +200,15 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
         request_id = result.item.payload["req"]
         request_keys += [keys.request(request_id), result.item.payload.get("reply_to") or keys.request_done(request_id)]
         outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
+        factors = result.item.payload.get("factors") or {}
         args += [result.item.item_id, "failed" if result.error else "succeeded", orjson.dumps(outputs), result.error,
-                 (result.code or SitsError.code) if result.error else "", "1" if result.ran else ""]
+                 (result.code or SitsError.code) if result.error else "", "1" if result.ran else "",
+                 int(factors.get("base_level", factors.get("level")) or 0)]
     with translate_redis_errors():
         reply = store.scripts.complete_requests(
             keys=[keys.inflight(model_ref), keys.items, keys.attempts, keys.deadlines(model_ref),
-                  keys.ready(model_ref), keys.counters, keys.model_stats, keys.model_batch_stats, *request_keys],
+                  keys.ready(model_ref), keys.counters, keys.model_stats, keys.model_batch_stats, keys.latency_buckets,
+                  *request_keys],
             args=args,
         )
     return int(reply)

@@ -3,7 +3,8 @@
 A custom `prometheus_client` collector reads them from Redis at each scrape (`broker.stats`): the API
 runs several gunicorn processes (and maybe several replicas), so any counter kept in a process would
 be wrong, and every replica answers the same figures. Counts only: no job or request ids, owners,
-key names or the Redis URL. Labels are model names and versions, worker names and devices.
+key names or the Redis URL. Labels are model names and versions, worker names and devices, and values of
+small fixed sets (status, phase, reason, priority class, outcome, the histograms' bounds).
 """
 
 from __future__ import annotations
@@ -12,11 +13,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.utils import floatToGoString
 
 from broker.config import Settings
 from broker.jobs import ACTIVE_STATUSES, FINAL_STATUSES
+from broker.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
 from broker.stats import SystemStats, read_stats
 from broker.store import Store
 
@@ -65,6 +74,8 @@ class SitsCollector:
         yield from _queue_policy_metrics(stats, self._settings)
         yield from _worker_metrics(stats)
         yield from _job_and_request_metrics(stats)
+        yield from _latency_histograms(stats)
+        yield from _deadline_metrics(stats)
 
 
 def exposition(collector: SitsCollector, accept: str) -> tuple[bytes, str]:
@@ -83,14 +94,18 @@ def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
                                 "online requests, job chunks and jobs' finalize steps.", labels=MODEL)
     inflight = GaugeMetricFamily("sits_queue_inflight_items", "Items of a model leased by a worker now (until "
                                  "acknowledged, or returned to the queue when the lease expires).", labels=MODEL)
+    requests = GaugeMetricFamily("sits_queue_waiting_requests", "Online requests among a model's waiting items: "
+                                 "what its max_queue_size counts.", labels=MODEL)
     for model_ref, depth in stats.queues.items():
         name, version = _model_labels(model_ref)
         if not (depth["ready"] or depth["inflight"]) and stats.latest_versions.get(name) != version:
             continue  # an older version with nothing left: its series end (a queue is never forgotten)
         waiting.add_metric([name, version], depth["ready"])
         inflight.add_metric([name, version], depth["inflight"])
+        requests.add_metric([name, version], depth["requests"])
     yield waiting
     yield inflight
+    yield requests
     yield GaugeMetricFamily("sits_dead_items", "Items that used up their attempts (jobs.max_attempts leases) and "
                             "wait for the reaper to fail their job or request.", value=stats.dead_items)
     yield GaugeMetricFamily("sits_batch_tickets", "Batch tickets circulating: the drain tasks that lease batches "
@@ -105,10 +120,9 @@ priority level's, held `max_queue_size` waiting requests."""
 def _queue_policy_metrics(stats: SystemStats, settings: Settings) -> Iterator[Metric]:
     limit = GaugeMetricFamily("sits_queue_max_requests", "The model's max_queue_size: most online requests "
                               "waiting in a version's queue before a 429 (0: no limit).", labels=MODEL)
-    for model_ref in stats.queues:
+    for model_ref in _newest_queues(stats):
         name, version = _model_labels(model_ref)
-        if stats.latest_versions.get(name) == version:
-            limit.add_metric([name, version], settings.online.batching_for(name).max_queue_size)
+        limit.add_metric([name, version], settings.online.batching_for(name).max_queue_size)
     yield limit
     rejected = CounterMetricFamily("sits_requests_rejected", "Online requests refused with a 429 because their "
                                    "queue was full (reason queue_full: the model's max_queue_size; level_full: "
@@ -117,6 +131,16 @@ def _queue_policy_metrics(stats: SystemStats, settings: Settings) -> Iterator[Me
         for model_ref, total in sorted(stats.counters.get(f"requests_rejected_{reason}", {}).items()):
             rejected.add_metric([*_model_labels(model_ref), reason], total)
     yield rejected
+
+
+def _newest_queues(stats: SystemStats) -> list[str]:
+    """The model refs with a queue that are their model's newest version."""
+    newest = []
+    for model_ref in stats.queues:
+        name, version = _model_labels(model_ref)
+        if stats.latest_versions.get(name) == version:
+            newest.append(model_ref)
+    return newest
 
 
 def _heartbeat_value(worker: dict[str, Any], where: str | tuple[str, str]) -> float | None:
@@ -191,3 +215,73 @@ def _request_time_metrics(stats: SystemStats) -> Iterator[Metric]:
     yield latency
     yield phases
     yield runs
+
+
+CLASS = [*MODEL, "priority_class"]
+_HISTOGRAMS = (
+    # (what, metric, help) of each latency histogram; what is as `keys.latency_buckets` names it
+    ("request", "sits_request_end_to_end_seconds", "Online requests answered, succeeded or failed, by the "
+     "priority class they were submitted at, and their time from submit to result."),
+    ("queue", "sits_request_queue_wait_seconds", "Online requests that ran, by the priority class they were "
+     "submitted at, and their time from submit to the start of their run."),
+    ("job", "sits_job_end_to_end_seconds", "Offline jobs that succeeded, by the priority class of their "
+     "priority, and their time from submit to the publishing of their outputs."),
+)
+_BOUNDS = [floatToGoString(bound) for bound in LATENCY_BUCKETS] + ["+Inf"]
+
+
+def _latency_histograms(stats: SystemStats) -> Iterator[Metric]:
+    """The latency histograms (`broker.sla_metrics`): cumulative buckets, sum and count, by model version
+    and priority class (express, high, normal, low)."""
+    families = {what: HistogramMetricFamily(name, text, labels=CLASS) for what, name, text in _HISTOGRAMS}
+    for (model_ref, what, klass), histogram in sorted(stats.histograms.items()):
+        if what in families:
+            families[what].add_metric([*_model_labels(model_ref), klass], _buckets(histogram),
+                                      sum_value=histogram.sum_seconds)
+    yield from families.values()
+
+
+def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
+    return list(zip(_BOUNDS, histogram.cumulative, strict=True))
+
+
+def _from_zero(stats: SystemStats, what: str) -> list[tuple[str, int]]:
+    """(Model ref, running total) of a counter in `keys.counters`, with 0 for each newest version that has
+    none yet: its first increase is then one an alert sees (`increase` ignores a series' first sample)."""
+    totals = stats.counters.get(what, {})
+    return sorted({**dict.fromkeys(_newest_queues(stats), 0), **totals}.items())
+
+
+DEADLINE_OUTCOMES = ("met", "missed")
+"""How a job with a deadline ended (`lib.lua` `count_job_end`): met (succeeded by it) or missed (failed, or
+succeeded late); a cancelled job counts neither way."""
+
+
+def _deadline_metrics(stats: SystemStats) -> Iterator[Metric]:
+    outcomes = CounterMetricFamily("sits_job_deadlines", "Jobs with a deadline that ended, by whether they met "
+                                   "it (succeeded by then) or missed it (failed, or succeeded late).",
+                                   labels=[*MODEL, "outcome"])
+    for outcome in DEADLINE_OUTCOMES:
+        for model_ref, total in _from_zero(stats, f"job_deadline_{outcome}"):
+            outcomes.add_metric([*_model_labels(model_ref), outcome], total)
+    yield outcomes
+    rejected = CounterMetricFamily("sits_jobs_rejected", "Jobs refused at submit by deadline admission (422 "
+                                   "deadline_infeasible): their deadline could not be met, or had passed.",
+                                   labels=MODEL)
+    for model_ref, total in _from_zero(stats, "admission_rejected"):
+        rejected.add_metric(_model_labels(model_ref), total)
+    yield rejected
+    due = GaugeMetricFamily("sits_jobs_with_deadline", f"Active jobs with a deadline (of the {RISK_JOBS} with "
+                            "the soonest deadlines).", labels=MODEL)
+    at_risk = GaugeMetricFamily("sits_jobs_at_risk", "Of the active jobs with a deadline, those predicted to miss "
+                                "it: sla_risk at least 0.5, as GET /v1/jobs/<id> reports it.", labels=MODEL)
+    highest = GaugeMetricFamily("sits_job_sla_risk_max", "The highest sla_risk (0 to 1) of the model's active "
+                                "jobs with a deadline.", labels=MODEL)
+    for model_ref, risk in sorted(stats.job_risks.items()):
+        labels = _model_labels(model_ref)
+        due.add_metric(labels, risk.jobs)
+        at_risk.add_metric(labels, risk.at_risk)
+        highest.add_metric(labels, risk.highest)
+    yield due
+    yield at_risk
+    yield highest

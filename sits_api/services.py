@@ -27,12 +27,13 @@ from broker import (
     output_dirs,
     policy,
     registry,
+    sla_metrics,
     workers,
 )
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
-from broker.errors import BadInput, Conflict, Forbidden, PathNotAllowed, RetryableError
+from broker.errors import BadInput, Conflict, DeadlineInfeasible, Forbidden, PathNotAllowed, RetryableError
 from broker.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 from broker.store import Store
 from sits_api import job_deadlines
@@ -216,7 +217,11 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     )
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
     if deadline_at is not None:
-        spec = job_deadlines.admitted(settings, store, spec, model, weights=weights, ordering=ordering, now=now)
+        try:
+            spec = job_deadlines.admitted(settings, store, spec, model, weights=weights, ordering=ordering, now=now)
+        except DeadlineInfeasible:
+            sla_metrics.count_admission_refusal(store, spec.model_ref)
+            raise
     output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
     job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering,
                          deadline_horizon=settings.sla.deadline_horizon)

@@ -12,7 +12,9 @@
 --           the queue and compute time of those that ran, rows inferred, runs
 -- KEYS[8] model batch stats HASH '<model ref>|<rows>_count' / '..._ns' -> runs of that many rows and their
 --           time (apart from KEYS[7], which a /metrics scrape reads whole: these grow with the sizes run)
--- KEYS[9..] for each request in order: its HASH, then the LIST its waiter blocks on: the inbox of the
+-- KEYS[9] latency buckets HASH the latency histograms of online requests by model and priority class
+--           (`broker.sla_metrics`): submit to result of those answered, submit to run start of those that ran
+-- KEYS[10..] for each request in order: its HASH, then the LIST its waiter blocks on: the inbox of the
 --           API process that waits for it, or its own done list. The finished request's fields go there
 --           as one JSON object (with its id), so the waiter needs no second read)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
@@ -21,18 +23,20 @@
 -- the reaper failing requests whose workers died), ARGV[8] rows in the run (the requests' that ran, and
 -- a job mini-batch's it shared; the statistics' batch size, as Triton counts it)
 -- ARGV[9..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error
--- code, '1' if it was in the run ('' for one not run: expired, or past its timeout)
+-- code, '1' if it was in the run ('' for one not run: expired, or past its timeout), its priority level
+-- as submitted (its histograms' class)
 -- Returns: how many requests were completed.
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
 local done, by_status = 0, {}
 local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
+local latency = {}  -- the histograms' increments, written once for the batch
 local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, queue_count = 0, queue_ns = 0,
                infer_count = 0, infer_ns = 0, inference_count = 0}
-for i = 0, (#ARGV - 8) / 6 - 1 do
-  local item_id, status = ARGV[9 + 6 * i], ARGV[10 + 6 * i]
-  local request, waiters = KEYS[9 + 2 * i], KEYS[10 + 2 * i]
+for i = 0, (#ARGV - 8) / 7 - 1 do
+  local item_id, status = ARGV[9 + 7 * i], ARGV[10 + 7 * i]
+  local request, waiters = KEYS[10 + 2 * i], KEYS[11 + 2 * i]
   local held = redis.call('HEXISTS', KEYS[2], item_id) == 1 and not redis.call('ZSCORE', KEYS[5], item_id)
   if held then
     redis.call('ZREM', KEYS[1], item_id)
@@ -41,8 +45,8 @@ for i = 0, (#ARGV - 8) / 6 - 1 do
     redis.call('ZREM', KEYS[4], item_id)
   end
   if held and redis.call('EXISTS', request) == 1 then
-    redis.call('HSET', request, 'status', status, 'outputs', ARGV[11 + 6 * i], 'error', ARGV[12 + 6 * i],
-      'error_code', ARGV[13 + 6 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
+    redis.call('HSET', request, 'status', status, 'outputs', ARGV[11 + 7 * i], 'error', ARGV[12 + 7 * i],
+      'error_code', ARGV[13 + 7 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
       'job_rows', ARGV[5])
     redis.call('HDEL', request, 'inputs')
     redis.call('EXPIRE', request, ARGV[2])
@@ -58,7 +62,10 @@ for i = 0, (#ARGV - 8) / 6 - 1 do
     local outcome = status == 'succeeded' and 'success' or 'fail'
     stats[outcome .. '_count'] = stats[outcome .. '_count'] + 1
     stats[outcome .. '_ns'] = stats[outcome .. '_ns'] + (now - created) * 1e9
-    if run_started and ARGV[14 + 6 * i] == '1' then
+    local class = priority_class(ARGV[15 + 7 * i])
+    observe_latency(latency, ARGV[6] .. '|request|' .. class, now - created)
+    if run_started and ARGV[14 + 7 * i] == '1' then
+      observe_latency(latency, ARGV[6] .. '|queue|' .. class, run_started - created)
       stats['queue_count'] = stats['queue_count'] + 1
       stats['queue_ns'] = stats['queue_ns'] + math.max(run_started - created, 0) * 1e9
       stats['infer_count'] = stats['infer_count'] + 1
@@ -89,5 +96,6 @@ if done > 0 then
     redis.call('HINCRBY', KEYS[8], prefix .. ARGV[8] .. '_ns', run_ns)
     redis.call('HSET', KEYS[7], prefix .. 'last_inference', string.format('%.0f', now * 1000))
   end
+  write_tally(KEYS[9], latency)
 end
 return done

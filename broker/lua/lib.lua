@@ -75,3 +75,73 @@ local function count_waiting_again(waiting_key, item_id, item)
     redis.call('ZADD', waiting_key, number_or(factors['base_level'], number_or(factors['level'], 0)), item_id)
   end
 end
+
+
+-- Upper bounds, in seconds, of the latency histograms' buckets; `broker.sla_metrics.LATENCY_BUCKETS`
+-- lists the same. Bucket i (1-based) counts observations above bound i-1 and up to bound i;
+-- #LATENCY_BUCKETS + 1 counts those past the last.
+local LATENCY_BUCKETS = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600}
+
+-- The priority class of a level as submitted (`broker.sla_metrics.PRIORITY_CLASSES`).
+local function priority_class(level)
+  level = tonumber(level) or 0
+  if level >= 12 then
+    return 'express'
+  elseif level >= 8 then
+    return 'high'
+  elseif level >= 4 then
+    return 'normal'
+  end
+  return 'low'
+end
+
+-- Count one observation of `seconds` into `tally` (field -> increment) for the histogram `series`
+-- ('<model ref>|<what>|<class>'): its bucket's field, and the series' sum in nanoseconds ('|ns').
+local function observe_latency(tally, series, seconds)
+  seconds = math.max(seconds, 0)
+  local bucket = #LATENCY_BUCKETS + 1
+  for i = 1, #LATENCY_BUCKETS do
+    if seconds <= LATENCY_BUCKETS[i] then
+      bucket = i
+      break
+    end
+  end
+  local field = series .. '|' .. bucket
+  tally[field] = (tally[field] or 0) + 1
+  tally[series .. '|ns'] = (tally[series .. '|ns'] or 0) + seconds * 1e9
+end
+
+-- Add a tally to its HASH (`keys.latency_buckets`): one HINCRBY a field, however many observations.
+local function write_tally(hash_key, tally)
+  for field, total in pairs(tally) do
+    redis.call('HINCRBY', hash_key, field, string.format('%.0f', total))
+  end
+end
+
+-- A job moved from `old` to the final status `new` at `now`: it leaves the index of active jobs with a
+-- deadline (`due_key`, `keys.jobs_due`), and /metrics counts its end (`broker.sla_metrics`). A job that
+-- succeeded adds its time from submit to finish to its latency histogram (`buckets_key`). A job with a
+-- deadline counts as met (it succeeded by then) or missed (it failed, or succeeded late) in `counters_key`;
+-- a cancelled one counts neither way. Only a move from an active status counts: a finalize step that
+-- replaces a stop counts nothing again, and a resumed job counts again when it ends again.
+local function count_job_end(job_key, job_id, old, new, now, counters_key, buckets_key, due_key)
+  redis.call('ZREM', due_key, job_id)
+  if old ~= 'queued' and old ~= 'running' then
+    return
+  end
+  local model_ref, level, created, deadline = unpack(redis.call('HMGET', job_key, 'model_ref', 'priority',
+    'created_at', 'deadline'))
+  if not model_ref then
+    return
+  end
+  if new == 'succeeded' then
+    local tally = {}
+    observe_latency(tally, model_ref .. '|job|' .. priority_class(level), now - (tonumber(created) or now))
+    write_tally(buckets_key, tally)
+  end
+  deadline = tonumber(deadline)
+  if deadline and new ~= 'cancelled' then
+    local outcome = (new == 'succeeded' and now <= deadline) and 'met' or 'missed'
+    redis.call('HINCRBY', counters_key, 'job_deadline_' .. outcome .. ':' .. model_ref, 1)
+  end
+end

@@ -10,6 +10,9 @@
 -- KEYS[6] dead      ZSET
 -- KEYS[7] job counts HASH status -> jobs in it
 -- KEYS[8] stopping  ZSET job id -> time of its stop's last call, while more calls are to come
+-- KEYS[9] counters  HASH running totals for /metrics (a failed job's deadline missed: `count_job_end`)
+-- KEYS[10] latency buckets HASH the latency histograms (`count_job_end`)
+-- KEYS[11] jobs due ZSET job id -> deadline, of active jobs with one (a stopped job leaves it)
 -- ARGV[1] new status ('cancelled' | 'failed'); in a 'more' or 'last' call, the status the stop gave
 -- ARGV[2] error text, ARGV[3] now
 -- ARGV[4] a dead item that causes the stop, or '': the stop happens only if that item is still
@@ -53,6 +56,7 @@ elseif not status then
 elseif status == 'queued' or status == 'running' then
   redis.call('HSET', KEYS[1], 'status', ARGV[1], 'error', ARGV[2], 'finished_at', ARGV[3], 'stop_id', stop_id)
   count_job_move(KEYS[1], KEYS[7], status, ARGV[1])
+  count_job_end(KEYS[1], job_id, status, ARGV[1], tonumber(ARGV[3]), KEYS[9], KEYS[10], KEYS[11])
 elseif status == ARGV[1] then
   local finished = redis.call('HGET', KEYS[1], 'stop_done')
   if finished and finished == redis.call('HGET', KEYS[1], 'stop_id') and not redis.call('ZSCORE', KEYS[8], job_id) then

@@ -14,16 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from api_helpers import Api, make_settings
 from flask.testing import FlaskClient
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import job_fills, job_lists, job_progress, jobs, queues, requests, workers
+from broker import job_fills, job_lists, job_progress, job_stops, jobs, queues, requests, workers
 from broker.apikeys import create_api_key
 from broker.embedded import EmbeddedRedis
 from broker.ledger import MemoryLedger
 from broker.requests import RequestResult
+from broker.sla_metrics import LATENCY_BUCKETS
 from broker.store import Store
 from sits_api.app import create_app
 
@@ -183,6 +185,86 @@ def test_request_times_by_phase_and_runs_come_from_the_v2_statistics_totals(
     assert value(found, "sits_request_runs_total", **labels) == 1
 
 
+HISTOGRAM_BOUNDS = [*(str(float(bound)) if bound >= 1 else str(bound) for bound in LATENCY_BUCKETS), "+Inf"]
+"""The `le` labels of a histogram's buckets, as Prometheus writes them (1.0, not 1)."""
+
+
+def bucket_counts(found: Samples, name: str, **labels: str) -> dict[str, float]:
+    """le -> cumulative count of one histogram series."""
+    series = {(f"{name}_bucket", frozenset({**labels, "le": le}.items())): le for le in HISTOGRAM_BOUNDS}
+    return {le: found[key] for key, le in series.items() if key in found}
+
+
+def test_request_latency_histograms_count_each_request_in_its_bucket_by_priority_class(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
+    for priority in (0, 9, 13, 14):
+        response = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW},
+                                                    "priority": priority})
+        assert response.status_code == 202
+    leased = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=4, requests_only=True)
+    created = {item.payload["factors"]["level"]: float(store.client.hget(store.keys.request(item.payload["req"]),
+                                                                         "created_at")) for item in leased}
+    started = max(created.values()) + 0.3  # each waited 0.3 s and a little: in the bucket up to 0.5 s
+    results = [RequestResult(item, outputs={}) if item.payload["factors"]["level"] != 14
+               else RequestResult(item, error="it failed", code="run_failed") for item in leased]
+    requests.complete_requests(store, results, now=started + 1.5, keep_seconds=60, batch_size=4, worker="w",
+                               run_started=started, run_rows=4)
+
+    found = samples(scrape(client, scrape_key))
+
+    version = mlp["version"]
+    queue_wait = bucket_counts(found, "sits_request_queue_wait_seconds", model="mlp", version=version,
+                               priority_class="low")
+    assert list(queue_wait) == HISTOGRAM_BOUNDS
+    assert (queue_wait["0.25"], queue_wait["0.5"], queue_wait["+Inf"]) == (0, 1, 1)
+    end_to_end = bucket_counts(found, "sits_request_end_to_end_seconds", model="mlp", version=version,
+                               priority_class="express")  # priorities 13 and 14, the failed one too
+    assert (end_to_end["1.0"], end_to_end["2.5"], end_to_end["+Inf"]) == (0, 2, 2)
+    assert value(found, "sits_request_end_to_end_seconds_count", model="mlp", version=version,
+                 priority_class="express") == 2
+    assert value(found, "sits_request_end_to_end_seconds_sum", model="mlp", version=version,
+                 priority_class="high") == pytest.approx(started + 1.5 - created[9], abs=1e-5)
+    classes = {labels["priority_class"] for labels in names_of(found, "sits_request_queue_wait_seconds_count")}
+    assert classes == {"low", "high", "express"}  # no request at a normal level (4-7): no series
+
+
+def test_job_deadlines_met_missed_and_refused_and_the_risk_of_active_ones_show_per_model(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], mlp_input: Path, store: Store,
+        settings: Any, tmp_path: Path) -> None:
+    workers.record_heartbeat(store, "w@h", {"device": "cpu", "streams": 1}, now=time.time())
+
+    def submit(name: str, api: Api = alice, **fields: Any) -> Any:
+        return api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                          "output_dir": str(tmp_path / name), "chunk_size": 4, **fields})
+
+    assert submit("too-soon", deadline_s=0.001).status_code == 422  # three chunks cannot run in a millisecond
+    assert submit("passed", deadline="2020-01-01T00:00:00Z").status_code == 422
+    met, missed, cancelled = (submit(name, deadline_s=3600, priority=12).get_json()["id"]
+                              for name in ("met", "missed", "cancelled"))
+    flagging = create_app(settings.with_overrides(sla={"models": {"mlp": {"admission": "flag"}}}), store=store)
+    flagged = submit("flagged", Api(flagging.test_client(), alice.headers["Authorization"].split()[1]),
+                     deadline_s=0.001).get_json()
+    assert flagged["at_risk"] is True
+    labels = {"model": "mlp", "version": mlp["version"]}
+
+    watched = samples(scrape(client, scrape_key))
+    item = queues.LeasedItem(jobs.finalize_item_id(met), mlp["ref"], {}, 1)
+    queues.finish_item(store, item, met, now=time.time(), job_status="succeeded")  # its outputs are published
+    job_stops.stop_job(store, missed, status="failed", error="a chunk failed", now=time.time())
+    job_stops.stop_job(store, cancelled, status="cancelled", error="", now=time.time())
+    ended = samples(scrape(client, scrape_key))
+
+    assert value(watched, "sits_jobs_with_deadline", **labels) == 4
+    assert value(watched, "sits_jobs_at_risk", **labels) == 1
+    assert value(watched, "sits_job_sla_risk_max", **labels) >= 0.5  # predicted past its deadline
+    assert value(ended, "sits_jobs_rejected_total", **labels) == 2
+    assert value(ended, "sits_job_deadlines_total", **labels, outcome="met") == 1
+    assert value(ended, "sits_job_deadlines_total", **labels, outcome="missed") == 1
+    assert value(ended, "sits_job_end_to_end_seconds_count", **labels, priority_class="express") == 1
+    assert (value(ended, "sits_jobs_with_deadline", **labels), value(ended, "sits_jobs_at_risk", **labels)) == (1, 1)
+    assert value(ended, "sits_queue_waiting_requests", **labels) == 0
+
+
 def test_an_older_version_s_queue_shows_only_while_it_holds_items_and_the_newest_version_s_always(
         client: FlaskClient, mlp: dict[str, Any], scrape_key: str, store: Store) -> None:
     old_ref = "mlp@0ld"  # a version registered before the current one, whose queue stays known
@@ -205,7 +287,9 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
                             for family in families)
     assert {family.name for family in families if family.type == "counter"} == {
         "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
-        "sits_request_runs", "sits_requests_rejected"}
+        "sits_request_runs", "sits_requests_rejected", "sits_job_deadlines", "sits_jobs_rejected"}
+    assert {family.name for family in families if family.type == "histogram"} == {
+        "sits_request_end_to_end_seconds", "sits_request_queue_wait_seconds", "sits_job_end_to_end_seconds"}
 
 
 def test_metrics_need_a_metrics_or_admin_key_and_a_metrics_key_reads_nothing_else(
@@ -349,9 +433,15 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
     assert api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).status_code == 202
     [request] = queues.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1, requests_only=True)
     requests.complete_requests(store, [RequestResult(request, outputs={})], now=now, keep_seconds=60, batch_size=1,
-                               worker="w@h")
+                               worker="w@h", run_started=now, run_rows=1)
     [chunk] = queues.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1)
     job_progress.ack_chunk(store, chunk, now=now, worker="w@h")
+    due = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input), "deadline_s": 3600,
+                                     "output_dir": str(tmp_path / "due"), "chunk_size": 4}).get_json()["id"]
+    finished = submit_job(api, tmp_path, mlp_input, "finished")["id"]
+    queues.finish_item(store, queues.LeasedItem(jobs.finalize_item_id(finished), mlp["ref"], {}, 1), finished,
+                       now=time.time(), job_status="succeeded")
+    assert api.get(f"/v1/jobs/{due}").get_json()["sla_risk"] is not None
     job_lists.count_old_jobs(store)
     return samples(scrape(client, api.headers["Authorization"].split()[1]))
 
@@ -373,6 +463,28 @@ def test_every_metric_and_label_the_dashboard_queries_is_one_sits_or_flower_expo
         grouped = {label.strip() for labels in GROUPING.findall(query) for label in labels.split(",") if label.strip()}
         available = set().union(*(sits_labels[name] for name in in_query)) if in_query else set()
         assert not in_query or grouped <= available, f"{query}: no such labels {grouped - available}"
+
+
+ALERTS = Path(__file__).resolve().parents[2] / "ops" / "prometheus" / "alerts.yml"
+LABEL_MATCHER = re.compile(r"\b([a-z_]+)\s*=~?\s*\"")
+
+
+def test_every_metric_and_label_the_alert_rules_query_is_one_sits_exposes(
+        client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    sits_labels = label_names(a_scrape_with_every_metric(client, store, api, mlp, mlp_input, tmp_path))
+    rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+    for rule in rules:
+        query = rule["expr"]
+        in_query = set(METRIC_NAME.findall(query))
+        missing = in_query - sits_labels.keys()
+        assert in_query and not missing, f"{rule['alert']}: /metrics has no {missing}"
+        available = set().union(*(sits_labels[name] for name in in_query))
+        used = {label.strip() for labels in GROUPING.findall(query) for label in labels.split(",") if label.strip()}
+        used |= set(LABEL_MATCHER.findall(query))
+        assert used <= available, f"{rule['alert']}: no such labels {used - available}"
+        templated = set(re.findall(r"\$labels\.([a-z_]+)", str(rule["annotations"])))
+        assert templated <= used, f"{rule['alert']}: its annotations name labels its expression drops"
 
 
 def test_every_flower_metric_and_label_the_dashboard_queries_is_one_flower_defines() -> None:

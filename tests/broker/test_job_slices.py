@@ -141,7 +141,7 @@ def test_a_stop_s_later_calls_leave_what_a_resume_between_them_queued(store: Sto
     job_fills.create_job(store, job_spec("back", rows_total=6, chunk_size=1), now=NOW)
     keys = store.keys
     stop_keys = [keys.job("back"), keys.ready(MODEL_REF), keys.inflight(MODEL_REF), keys.items, keys.attempts,
-                 keys.dead, keys.job_counts, keys.jobs_stopping]
+                 keys.dead, keys.job_counts, keys.jobs_stopping, keys.counters, keys.latency_buckets, keys.jobs_due]
     first = store.scripts.stop_job(keys=stop_keys, args=["cancelled", "", NOW + 1, "", "first", "s1", "back", NOW + 1,
                                                          *chunk_ids("back", range(3))])
     assert first == "cancelled"

@@ -171,3 +171,22 @@ def test_finished_jobs_calibrate_their_models_speed(stack: Stack) -> None:
     factors = stack.store.client.hgetall(stack.store.keys.admission_calibration)
     ref = job["model_version"]  # by content: mlp and mlp_flag share it
     assert ref in factors and 0.5 <= float(factors[ref]) <= 10.0 and float(factors[ref]) != 1.0
+
+
+def test_reaper_passes_score_running_deadline_jobs_and_ended_ones_train_the_predictor(stack: Stack) -> None:
+    """A job of 40 chunks runs for a few reaper passes (every 0.5 s here): each scores it with the
+    violation predictor and keeps a snapshot of its features; once it ended and left the active index, its
+    snapshots, labelled met, update the predictor's weights."""
+    status, job = _submit(stack, "predicted", chunk_size=5_000, deadline_s=600)
+    assert status in (200, 201)
+    key = stack.store.keys.job(job["id"])
+    ends = time.monotonic() + 60
+    while not stack.store.client.hget(key, "sla_risk_model"):
+        assert time.monotonic() < ends, "no reaper pass scored the running job"
+        time.sleep(0.05)
+    assert 0.0 <= float(stack.store.client.hget(key, "sla_risk_model")) < 0.5
+    wait_job(stack.client(), job["id"], timeout=120)
+    while int(stack.store.client.hget(stack.store.keys.sla_model, "jobs") or 0) < 1:
+        assert time.monotonic() < ends + 30, "no ended job trained the predictor"
+        time.sleep(0.1)
+    assert "lateness" in json.loads(stack.store.client.hget(stack.store.keys.sla_model, "weights"))

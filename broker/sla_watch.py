@@ -1,0 +1,93 @@
+"""Watching the active jobs that have a deadline: each reaper pass scores their risk of a miss with the
+online model of `broker/sla_predictor.py`, and every job that ends teaches the model what its risk
+should have been.
+
+Per job the pass stores in its hash `sla_risk_model` (the model's probability), `sla_risk_at` (when)
+and `sla_snapshots` (its last `SNAPSHOTS_KEPT` feature vectors, one at most every `SNAPSHOT_SECONDS`).
+`jobs.with_deadline` reports the fresh model risk as `sla_risk`. When the job leaves the active index
+(`admission.drop_ended`) its snapshots, labelled missed or met, update the weights in `keys.sla_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from broker import sla_predictor
+from broker.finish_prediction import Work
+from broker.jobs import ACTIVE_STATUSES, decode_job, with_rates
+from broker.store import Store, translate_redis_errors
+
+WATCHED_JOBS = 200
+"""Most active jobs with a deadline one pass scores (the soonest deadlines first)."""
+SNAPSHOT_SECONDS = 1.0
+"""Least time between two recorded feature snapshots of one job."""
+SNAPSHOTS_KEPT = 16
+"""Snapshots a job keeps for learning when it ends (the newest)."""
+
+
+def weights(store: Store) -> dict[str, float]:
+    """The predictor's current weights (`sla_predictor.PRIOR` until a job has ended)."""
+    with translate_redis_errors():
+        raw = store.client.hget(store.keys.sla_model, "weights")
+    return {**sla_predictor.PRIOR, **(json.loads(raw) if raw else {})}
+
+
+def score_active(store: Store, active: Sequence[Work], *, workers: int, now: float) -> int:
+    """Score every watched job of `active` (already the admission's view: score order, device seconds):
+    features, risk, a snapshot. Returns how many were scored."""
+    ordered = sorted(active, key=lambda work: (work.score, work.job_id))
+    ahead, due = 0.0, []
+    for work in ordered:
+        if work.deadline_at is not None:
+            due.append((work, ahead / max(1, workers)))
+        ahead += work.seconds
+    due = sorted(due, key=lambda pair: pair[0].deadline_at or 0.0)[:WATCHED_JOBS]
+    if not due:
+        return 0
+    learnt = weights(store)
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        for work, _ in due:
+            pipe.hgetall(store.keys.job(work.job_id))
+        records = pipe.execute()
+        pipe = store.client.pipeline(transaction=False)
+        for (work, ahead_seconds), raw in zip(due, records, strict=True):
+            if not raw or raw.get("status") not in ACTIVE_STATUSES or not raw.get("deadline"):
+                continue
+            job = with_rates(decode_job(raw), now=now)
+            x = sla_predictor.features(sla_predictor.Live(
+                created_at=job["created_at"], deadline=job["deadline"], predicted_finish=job["predicted_finish"],
+                rows_total=job["rows_total"], rows_done=job["rows_done"], rows_per_second=job["rows_per_second"],
+                ahead_seconds=ahead_seconds, chunks_done=job["chunks_done"], chunk_runs=job["chunk_runs"],
+                workers=workers), now=now)
+            fields: dict[str, Any] = {"sla_risk_model": round(sla_predictor.risk(learnt, x), 4), "sla_risk_at": now}
+            snapshots = json.loads(raw.get("sla_snapshots") or "[]")
+            if not snapshots or now - float(raw.get("sla_snapshot_at") or 0) >= SNAPSHOT_SECONDS:
+                fields["sla_snapshots"] = json.dumps((snapshots + [x])[-SNAPSHOTS_KEPT:])
+                fields["sla_snapshot_at"] = now
+            pipe.hset(store.keys.job(work.job_id), mapping=fields)
+        pipe.execute()
+    return len(due)
+
+
+def learn_from(store: Store, ended: Sequence[dict[str, str]]) -> int:
+    """Update the weights with the snapshots of jobs that ended (raw hash fields: `status`, `deadline`,
+    `finished_at`, `sla_snapshots`): a job missed its deadline unless it succeeded by it; a cancelled one
+    teaches nothing. Returns how many jobs were learnt from."""
+    learnt, count = weights(store), 0
+    for fields in ended:
+        snapshots = json.loads(fields.get("sla_snapshots") or "[]")
+        if not snapshots or not fields.get("deadline") or fields.get("status") == "cancelled":
+            continue
+        met = fields.get("status") == "succeeded" and float(fields.get("finished_at") or "inf") <= float(
+            fields["deadline"])
+        learnt = sla_predictor.update(learnt, snapshots, missed=not met)
+        count += 1
+    if count:
+        with translate_redis_errors():
+            store.client.hset(store.keys.sla_model, mapping={"weights": json.dumps(learnt), "updated_at": time.time()})
+            store.client.hincrby(store.keys.sla_model, "jobs", count)
+    return count
