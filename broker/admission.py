@@ -8,9 +8,9 @@ ahead of a new job in score order runs before it. Online requests are not counte
 also serves them, the margin (`sla.admission_margin`) has to cover their share.
 
 A model's speed is its measured profile's rows per second at the job's batch size
-(`chunking.profiled_rows_per_second`), times a CPU worker's streams (each runs on cores of its own:
-`fit_to_cores`); a GPU worker's streams share one device and count once. A model without a measured
-profile is estimated from its static FLOPs (`scoring.estimate_latency_ms`), which is rough:
+(`chunking.profiled_rows_per_second`) on one stream slot; a CPU worker's streams are slots side by
+side (each on cores of its own: `fit_to_cores`), a GPU worker's share one device and count once. A
+model without a measured profile is estimated from its static FLOPs (`scoring.estimate_latency_ms`), which is rough:
 `estimate` says which was used.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 from broker import chunking, sla_watch, workers
 from broker.config import Settings
 from broker.errors import DeadlineInfeasible
-from broker.finish_prediction import Fleet, Verdict, Work, admit, recalibrated, work_seconds
+from broker.finish_prediction import Fleet, Verdict, Work, admit, finishes, recalibrated, work_seconds
 from broker.jobs import ACTIVE_STATUSES
 from broker.registry import get_model
 from broker.scoring import estimate_latency_ms
@@ -44,14 +44,14 @@ class Speed:
     """'measured' (the model's profile) or 'static' (its FLOPs at an assumed speed)."""
 
 
-def model_speed(record: dict[str, Any], batch_size: int, *, streams: int, device_kind: str) -> Speed:
-    """Seconds per row of the model `record` at `batch_size` on one worker with `streams` streams."""
-    parallel = max(1, streams) if device_kind == "cpu" else 1
+def model_speed(record: dict[str, Any], batch_size: int) -> Speed:
+    """Seconds per row of the model `record` at `batch_size` on one stream slot (its profile was measured
+    on one)."""
     rate = chunking.profiled_rows_per_second(record, batch_size)
     if rate:
-        return Speed(1.0 / (rate * parallel), "measured")
+        return Speed(1.0 / rate, "measured")
     per_row = estimate_latency_ms(record, rows=batch_size, tokens=None) / 1000 / max(1, batch_size)
-    return Speed(per_row / parallel, "static")
+    return Speed(per_row, "static")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,12 @@ class LiveFleet:
     workers: int
     streams: int
     device_kind: str
+
+    @property
+    def slots(self) -> int:
+        """Stream slots that run chunks side by side at a slot's speed: a CPU worker's streams each have
+        cores of their own (`fit_to_cores`); a GPU worker's share one device and count once."""
+        return self.workers * (self.streams if self.device_kind == "cpu" else 1)
 
 
 def live_fleet(settings: Settings, store: Store, *, now: float) -> LiveFleet:
@@ -114,12 +120,12 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         record = records[model_ref]
         if record is None:
             continue
-        speed = model_speed(record, int(batch or 1), streams=fleet.streams, device_kind=fleet.device_kind)
-        remaining_chunks = int(chunks or 0) - int(chunks_done or 0)
+        speed = model_speed(record, int(batch or 1))
+        remaining_chunks = max(1, int(chunks or 0) - int(chunks_done or 0))
         seconds = work_seconds(int(total or 0) - int(done or 0), seconds_per_row=speed.seconds_per_row,
                                chunks=remaining_chunks)
         active.append(Work(job_id, float(score), seconds * factors.get(_version(model_ref), 1.0),
-                           float(deadline) if deadline else None))
+                           float(deadline) if deadline else None, remaining_chunks))
         if status == "running":
             running.append(float(score))
     return Figures(active, running, fleet, factors)
@@ -163,9 +169,11 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
             record = _model_or_none(store, model_ref)
             if record is None:
                 continue
-            speed = model_speed(record, int(batch or 1), streams=fleet.streams, device_kind=fleet.device_kind)
-            foreseen = work_seconds(int(rows or 0), seconds_per_row=speed.seconds_per_row,
-                                    chunks=int(chunks or 0)) / fleet.workers
+            speed = model_speed(record, int(batch or 1))
+            alone = Work(job_id="", score=0.0, chunks=max(1, int(chunks or 0)),
+                         seconds=work_seconds(int(rows or 0), seconds_per_row=speed.seconds_per_row,
+                                              chunks=int(chunks or 0)))
+            foreseen = finishes([alone], Fleet(fleet.slots), now=0.0)[0]
             version = _version(model_ref)
             factor = changed.get(version, factors.get(version, 1.0))
             changed[version] = recalibrated(factor, real=float(finished) - float(started), predicted=foreseen)
@@ -189,7 +197,7 @@ class Prediction:
     estimate: str
     workers: int
     rows_ahead_seconds: float
-    """Device seconds of the active work ahead of the job, on one worker."""
+    """Seconds of the active work ahead of the job, shared by the fleet's slots."""
     own_seconds: float
 
 
@@ -218,7 +226,7 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
     When the deadline cannot be met, the earliest one that can is searched from the predicted finish:
     a later deadline may put the job behind more work, so each candidate is checked at its own position.
     """
-    speed = model_speed(record, batch_size, streams=figures.fleet.streams, device_kind=figures.fleet.device_kind)
+    speed = model_speed(record, batch_size)
     own = work_seconds(rows, seconds_per_row=speed.seconds_per_row, chunks=chunks) * figures.calibration(
         record["version"])
     margin = settings.sla.admission_margin
@@ -226,15 +234,17 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
     def verdict_at(deadline: float) -> Verdict:
         score = float(score_for(deadline))
         blocking = settings.jobs.chunk_seconds if any(s > score for s in figures.running_scores) else 0.0
-        fleet = Fleet(figures.fleet.workers, blocking)
-        return admit(Work(job_id, score, own, deadline), figures.active, fleet, now=now, margin=margin)
+        fleet = Fleet(figures.fleet.slots, blocking)
+        return admit(Work(job_id, score, own, deadline, max(1, chunks)), figures.active, fleet, now=now,
+                     margin=margin)
 
     verdict = verdict_at(deadline_at)
     if not verdict.feasible:
         verdict = Verdict(verdict.predicted_finish, False, _earliest_feasible(verdict, verdict_at, deadline_at),
                           verdict.reason, verdict.tipped_deadline)
     ahead_score = float(score_for(deadline_at))
-    ahead = sum(work.seconds for work in figures.active if (work.score, work.job_id) < (ahead_score, job_id))
+    ahead = sum(work.seconds for work in figures.active
+                if (work.score, work.job_id) < (ahead_score, job_id)) / max(1, figures.fleet.slots)
     return Prediction(verdict, speed.estimate, figures.fleet.workers, ahead, own)
 
 

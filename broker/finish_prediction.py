@@ -1,18 +1,21 @@
 """When would a job finish? The pure arithmetic behind deadline admission and a job's `predicted_finish`.
 
-SITS serves waiting work in queue-score order (`broker/scoring.py`), and a worker's device runs one
-mini-batch at a time whatever model it belongs to. So a job's finish is predicted as a serial
-schedule over the fleet: the device time of every active job ahead of it in score order, then its
-own, shared by the live workers, from `now`. Each job's device time is its remaining rows at its
-model's measured seconds per row (at the job's batch size), plus a fixed cost per chunk (lease,
-part file, fsync, ack). A chunk runs to its end once started, so work that arrives ahead of running
-chunks still waits for one of them: `blocking_seconds`.
+SITS serves waiting work in queue-score order (`broker/scoring.py`), one chunk per stream slot at a
+time, and a chunk runs to its end once started. So a job's finish is predicted by list scheduling
+over the fleet's slots: jobs in score order, each chunk to the slot that frees first. A job with
+fewer chunks than slots leaves slots to the jobs behind it, which then run side by side with it, as
+they do. Each job's time is its remaining rows at its model's measured seconds per row on one slot
+(at the job's batch size), plus a fixed cost per chunk (lease, part file, fsync, ack), spread evenly
+over its chunks. A chunk of later work that is running holds one slot for `blocking_seconds`.
+A job of more chunks than `EXACT_CHUNKS` is spread over the slots as a fluid (the chunks are then
+small beside the job, and placing each would cost time at every submit).
 
 Nothing here reads Redis or the clock: `broker/admission.py` gathers the figures and passes `now`.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,15 +33,17 @@ class Work:
     score: float
     """Its chunks' queue score: lower is served first."""
     seconds: float
-    """Device seconds its remaining rows need on one worker."""
+    """Slot seconds its remaining rows need (on one stream slot)."""
     deadline_at: float | None = None
+    chunks: int = 1
+    """Its remaining chunks: the most slots it can use at once."""
 
 
 @dataclass(frozen=True)
 class Fleet:
-    """What runs the work: how many workers share it, and how long a running chunk can hold them."""
+    """What runs the work: how many stream slots, and how long a running chunk of later work holds one."""
 
-    workers: int
+    slots: int
     blocking_seconds: float = 0.0
 
 
@@ -62,16 +67,52 @@ def work_seconds(rows: int, *, seconds_per_row: float, chunks: int) -> float:
     return max(0, rows) * seconds_per_row + max(0, chunks) * CHUNK_OVERHEAD_SECONDS
 
 
+EXACT_CHUNKS = 64
+"""Jobs of up to this many remaining chunks are placed chunk by chunk; larger ones as a fluid."""
+
+
 def finishes(ordered: Sequence[Work], fleet: Fleet, *, now: float) -> list[float]:
-    """The predicted finish of each job of `ordered` (already in score order), served one after another
-    by `fleet.workers` workers sharing the load evenly. Infinite without a live worker."""
-    if fleet.workers < 1:
+    """The predicted finish of each job of `ordered` (already in score order), its chunks placed on the
+    `fleet.slots` slots as each frees (list scheduling). Infinite without a slot."""
+    if fleet.slots < 1:
         return [math.inf] * len(ordered)
-    done, out = now + (fleet.blocking_seconds if ordered else 0.0), []
+    free = [now] * fleet.slots
+    if ordered:
+        free[0] += fleet.blocking_seconds
+    heapq.heapify(free)
+    out = []
     for work in ordered:
-        done += work.seconds / fleet.workers
-        out.append(done)
+        chunks = max(1, work.chunks)
+        if chunks <= EXACT_CHUNKS:
+            each, finish = work.seconds / chunks, now
+            for _ in range(chunks):
+                end = heapq.heappop(free) + each
+                heapq.heappush(free, end)
+                finish = max(finish, end)
+        else:
+            free, finish = _pour(free, work.seconds)
+        out.append(finish)
     return out
+
+
+def _pour(free: list[float], seconds: float) -> tuple[list[float], float]:
+    """Spread `seconds` of work over slots free at `free` so that they all end together, the earliest-free
+    first (water filling); the slots' new free times and that end."""
+    times = sorted(free)
+    level, filled = times[0], 0
+    left = seconds
+    while filled < len(times):
+        filled += 1
+        nxt = times[filled] if filled < len(times) else math.inf
+        room = (nxt - level) * filled
+        if left <= room:
+            level += left / filled
+            break
+        left -= room
+        level = nxt
+    out = [max(level, t) for t in times]
+    heapq.heapify(out)
+    return out, level
 
 
 def admit(new: Work, active: Sequence[Work], fleet: Fleet, *, now: float, margin: float) -> Verdict:

@@ -15,6 +15,7 @@ from broker_helpers import MODEL_REF, NOW, job_spec
 from broker import job_fills, policy
 from broker.finish_prediction import (
     CHUNK_OVERHEAD_SECONDS,
+    EXACT_CHUNKS,
     Fleet,
     Work,
     admit,
@@ -33,10 +34,22 @@ def test_work_is_rows_at_the_models_speed_plus_a_fixed_cost_per_chunk() -> None:
     assert work_seconds(-5, seconds_per_row=0.001, chunks=0) == 0.0
 
 
-def test_jobs_finish_one_after_another_in_score_order_shared_by_the_workers() -> None:
-    ordered = [Work("a", 1.0, 10.0), Work("b", 2.0, 20.0)]
-    assert finishes(ordered, Fleet(workers=2, blocking_seconds=1.0), now=NOW) == [NOW + 6.0, NOW + 16.0]
-    assert finishes(ordered, Fleet(workers=0), now=NOW) == [math.inf, math.inf]
+def test_chunks_go_to_the_slot_that_frees_first_in_score_order() -> None:
+    """Two slots, one held 1 s by a running chunk: a one-chunk job takes the free slot, the next one the
+    other; a job of four 5 s chunks then takes whichever frees first, and ends with its last chunk."""
+    ordered = [Work("a", 1.0, 10.0), Work("b", 2.0, 20.0), Work("c", 3.0, 20.0, chunks=4)]
+    fleet = Fleet(slots=2, blocking_seconds=1.0)
+    # c: three chunks on the slot a freed at +10 (to +25), the fourth on b's from +21 (to +26)
+    assert finishes(ordered, fleet, now=NOW) == [NOW + 10.0, NOW + 21.0, NOW + 26.0]
+    assert finishes(ordered, Fleet(slots=1), now=NOW) == [NOW + 10.0, NOW + 30.0, NOW + 50.0]  # one by one
+    assert finishes(ordered, Fleet(slots=0), now=NOW) == [math.inf] * 3
+
+
+def test_a_job_of_many_chunks_is_poured_over_the_slots_as_they_free() -> None:
+    """Beyond `EXACT_CHUNKS`, a job fills the slots to one level: 30 s of work over slots free at +0 and
+    +10 ends at +20 (20 s on the first, 10 s on the second)."""
+    ordered = [Work("head", 1.0, 10.0), Work("many", 2.0, 30.0, chunks=EXACT_CHUNKS + 1)]
+    assert finishes(ordered, Fleet(slots=2), now=NOW) == [NOW + 10.0, pytest.approx(NOW + 20.0)]
 
 
 def test_a_job_is_admitted_when_its_finish_with_the_margin_is_within_its_deadline() -> None:
