@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 from flask import Blueprint, Response, g, jsonify, request
 
-from broker import model_stats, policy, registry, requests, workers
+from broker import model_stats, policy, queue_policy, registry, requests, workers
 from broker.apikeys import require_role
 from broker.batching import Batching
-from broker.config import Settings
+from broker.config import ModelBatching, Settings
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
 from broker.requests import RequestSpec
 from broker.store import Store
@@ -151,12 +151,14 @@ def model_config(name: str, version: str | None = None) -> Any:
     """Triton's model configuration extension: what SITS knows of the model, as a Triton config."""
     ctx = _ctx()
     record = registry.get_model(ctx["store"], f"{name}@{version}" if version else name)
-    return jsonify(triton_config(record, services.model_batching(ctx["settings"], record)))
+    settings = ctx["settings"]
+    return jsonify(triton_config(record, services.model_batching(settings, record),
+                                 queue=settings.online.batching_for(record["name"])))
 
 
-def triton_config(record: dict[str, Any], batching: Batching) -> dict[str, Any]:
+def triton_config(record: dict[str, Any], batching: Batching, *, queue: ModelBatching | None = None) -> dict[str, Any]:
     """The Triton model configuration (model_config.proto as JSON) of a registry `record` whose
-    workers batch it under `batching`.
+    workers batch it under `batching`, with its queue policy (`queue`'s keys) where one is set.
 
     Every SITS model batches along axis 0 (`sits_worker.model.servable`), so `max_batch_size` is the
     one workers apply and `dims` leave the batch axis out, as Triton's do for a batching model.
@@ -172,7 +174,27 @@ def triton_config(record: dict[str, Any], batching: Batching) -> dict[str, Any]:
             "output": [tensor(entry) for entry in record["signature"]["outputs"]],
             "dynamic_batching": {"max_queue_delay_microseconds": round(batching.max_queue_delay * 1_000_000),
                                  "preferred_batch_size": list(batching.preferred_batch_sizes),
-                                 "priority_levels": PRIORITY_LEVELS, "default_priority_level": PRIORITY_LEVELS}}
+                                 "priority_levels": PRIORITY_LEVELS, "default_priority_level": PRIORITY_LEVELS,
+                                 **(triton_queue_policy(queue) if queue is not None else {})}}
+
+
+def triton_queue_policy(queue: ModelBatching) -> dict[str, Any]:
+    """`default_queue_policy` and `priority_queue_policy` as Triton writes them (`ModelQueuePolicy`: a
+    timeout in microseconds, `REJECT` / `DELAY`, Triton's priority p for SITS level 16 - p), for a model
+    whose queue keys are not SITS's defaults; {} for one whose are, as Triton leaves them out."""
+    if (queue.max_queue_size, queue.default_timeout, queue.timeout_action, queue.allow_timeout_override,
+            dict(queue.priority_levels)) == (0, 0.0, "reject", True, {}):
+        return {}
+
+    def policy(level: int | None) -> dict[str, Any]:
+        resolved = queue_policy.resolve(queue, level if level is not None else -1)
+        size = resolved.max_queue_size if level is None else resolved.level_max_queue_size
+        return {"timeout_action": resolved.timeout_action.upper(),
+                "default_timeout_microseconds": round(resolved.default_timeout * 1_000_000),
+                "allow_timeout_override": resolved.allow_timeout_override, "max_queue_size": size}
+
+    levels = {str(PRIORITY_LEVELS - level): policy(level) for level in sorted(queue.priority_levels)}
+    return {"default_queue_policy": policy(None), **({"priority_queue_policy": levels} if levels else {})}
 
 
 @v2.post("/v2/models/<name>/infer")

@@ -94,3 +94,21 @@ def test_model_config_of_an_unknown_model_or_version_is_a_404_in_the_v2_error_fo
 def test_model_config_needs_a_key_like_model_metadata(client: FlaskClient, mlp: dict[str, Any]) -> None:
     for path in ("/v2/models/mlp/config", "/v2/models/mlp"):
         assert client.get(path).status_code == 401, path
+
+
+def test_model_config_carries_the_queue_policy_as_triton_writes_it(
+        redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path) -> None:
+    """Triton's `ModelQueuePolicy`: microseconds, REJECT / DELAY, and its priority 1 for SITS level 15."""
+    settings = make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(online={"models": {"mlp": {
+        "max_queue_size": 100, "default_timeout": "200ms", "timeout_action": "delay",
+        "priority_levels": {15: {"max_queue_size": 10, "timeout_action": "reject"}}}}})
+    api = Api(create_app(settings, store=store).test_client(), create_api_key(store, "test", "admin"))
+    assert api.post("/v1/models", json={"name": "mlp", "path": str(zoo_dir / "mlp.onnx")}).status_code == 201
+
+    batching = api.get("/v2/models/mlp/config").get_json()["dynamic_batching"]
+
+    assert batching["default_queue_policy"] == {"timeout_action": "DELAY", "default_timeout_microseconds": 200_000,
+                                                "allow_timeout_override": True, "max_queue_size": 100}
+    assert batching["priority_queue_policy"] == {"1": {"timeout_action": "REJECT",
+                                                       "default_timeout_microseconds": 200_000,
+                                                       "allow_timeout_override": True, "max_queue_size": 10}}
