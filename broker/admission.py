@@ -135,7 +135,13 @@ def calibrations(store: Store) -> dict[str, float]:
     """Each calibrated model version's factor (`keys.admission_calibration`)."""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.admission_calibration)
-    return {version: float(value) for version, value in raw.items()}
+    return {version: float(value) for version, value in raw.items() if "|" not in version}
+
+
+def _samples(store: Store) -> dict[str, int]:
+    with translate_redis_errors():
+        raw = store.client.hgetall(store.keys.admission_calibration)
+    return {field.partition("|")[0]: int(value) for field, value in raw.items() if field.endswith("|jobs")}
 
 
 def _version(model_ref: str) -> str:
@@ -144,8 +150,10 @@ def _version(model_ref: str) -> str:
 
 def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
     """Take jobs that ended out of `keys.jobs_active`; each that succeeded in one run calibrates its model:
-    how long it ran, from first lease to finish, over what its profile foresaw on the live workers
-    (`finish_prediction.recalibrated`). Only the process whose ZREM took a job counts it; two counting
+    the slot time its chunks took (`busy_seconds`, kept by the acks) over what its profile foresaw
+    (`finish_prediction.recalibrated`). Slot time, not the time from first lease to finish: a job that
+    later jobs passed (earlier deadlines, higher priority) waited, but did not run slower. Only the
+    process whose ZREM took a job counts it; two counting
     different jobs at once may each write a model's factor, and the later write wins, which an average
     of many jobs can afford. Returns how many were dropped."""
     if not job_ids:
@@ -154,16 +162,17 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hmget(store.keys.job(job_id), "status", "started_at", "finished_at", "resumed_at", "rows_total",
-                       "chunks_total", "model_ref", "batch_size", "deadline", "sla_snapshots")
+                       "chunks_total", "model_ref", "batch_size", "deadline", "sla_snapshots", "busy_seconds")
             pipe.zrem(store.keys.jobs_active, job_id)
         replies = pipe.execute()
-        taken = [fields[:8] for fields, removed in zip(replies[0::2], replies[1::2], strict=True) if removed]
+        taken = [[*fields[:8], fields[10]] for fields, removed in zip(replies[0::2], replies[1::2], strict=True)
+                 if removed]
         sla_watch.learn_from(store, [
             {"status": f[0] or "", "finished_at": f[2] or "", "deadline": f[8] or "", "sla_snapshots": f[9] or ""}
             for f, removed in zip(replies[0::2], replies[1::2], strict=True) if removed])
-        factors = calibrations(store)
+        factors, counts = calibrations(store), _samples(store)
         changed: dict[str, float] = {}
-        for status, started, finished, resumed, rows, chunks, model_ref, batch in taken:
+        for status, started, finished, resumed, rows, chunks, model_ref, batch, busy in taken:
             if status != "succeeded" or not (started and finished) or resumed or fleet.workers < 1:
                 continue
             record = _model_or_none(store, model_ref)
@@ -173,10 +182,15 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
             alone = Work(job_id="", score=0.0, chunks=max(1, int(chunks or 0)),
                          seconds=work_seconds(int(rows or 0), seconds_per_row=speed.seconds_per_row,
                                               chunks=int(chunks or 0)))
-            foreseen = finishes([alone], Fleet(fleet.slots), now=0.0)[0]
+            # its chunks' slot time against the slot time foreseen; without it (a job acked before slot
+            # times were kept), its run from first lease to finish against that alone on the slots
+            real, foreseen = (float(busy), alone.seconds) if busy else (
+                float(finished) - float(started), finishes([alone], Fleet(fleet.slots), now=0.0)[0])
             version = _version(model_ref)
             factor = changed.get(version, factors.get(version, 1.0))
-            changed[version] = recalibrated(factor, real=float(finished) - float(started), predicted=foreseen)
+            counts[version] = counts.get(version, 0) + 1
+            changed[version] = recalibrated(factor, real=real, predicted=foreseen, samples=counts[version])
+            changed[f"{version}|jobs"] = counts[version]
         if changed:
             store.client.hset(store.keys.admission_calibration, mapping=changed)
     return len(taken)

@@ -174,13 +174,15 @@ CALIBRATION_BOUNDS = (0.5, 10.0)
 """A calibration stays within these: one job slowed by a flood of other work says little about the next."""
 
 
-def recalibrated(factor: float, *, real: float, predicted: float) -> float:
+def recalibrated(factor: float, *, real: float, predicted: float, samples: int = 0) -> float:
     """A model's calibration `factor` after one of its jobs ran `real` seconds (first lease to finish) where
     its profile foresaw `predicted`: its predicted device time is multiplied by the result, so a fleet
     slower than its profiles (per-chunk costs, streams that share cores, online traffic, other
-    processes) is learnt."""
+    processes) is learnt. The job is the model's `samples`-th: the first ones are averaged plainly (the
+    first sets the factor), later ones weigh `CALIBRATION_WEIGHT`."""
     if predicted <= 0 or real <= 0:
         return factor
     low, high = CALIBRATION_BOUNDS
     observed = min(high, max(low, real / predicted))
-    return round((1 - CALIBRATION_WEIGHT) * factor + CALIBRATION_WEIGHT * observed, 4)
+    weight = max(CALIBRATION_WEIGHT, 1 / samples) if samples > 0 else CALIBRATION_WEIGHT
+    return round((1 - weight) * factor + weight * observed, 4)

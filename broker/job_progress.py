@@ -26,8 +26,9 @@ def start_item(store: Store, job_id: str, *, now: float) -> str:
         return str(store.scripts.start_item(keys=[store.keys.job(job_id), store.keys.job_counts], args=[now]))
 
 
-def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int:
-    """Record a chunk whose part files are written: drop its lease, checkpoint it, count `worker`.
+def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_seconds: float = 0.0) -> int:
+    """Record a chunk whose part files are written: drop its lease, checkpoint it, count `worker`, and add
+    `run_seconds` (how long its stream slot ran it) to the job's `busy_seconds`.
 
     Returns 0 for a duplicate (or a job no longer active), 1 when recorded, 2 when it was the
     job's last chunk and the finalize item was queued (and the doorbell rung, so a lingering drain
@@ -43,7 +44,8 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str) -> int
                   keys.job(job_id), keys.job_done(job_id), keys.doorbell, keys.job_counts, keys.counters,
                   keys.queues, keys.queues_version],
             args=[item.item_id, payload["chunk"], payload["stop"] - payload["start"], now,
-                  finalize_item_id(job_id), payload["score"], finalize, worker, item.model_ref],
+                  finalize_item_id(job_id), payload["score"], finalize, worker, item.model_ref,
+                  repr(max(0.0, float(run_seconds)))],
         )
     return int(reply)
 

@@ -36,7 +36,7 @@ _INT_FIELDS = (
     "priority",
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at", "deadline",
-                 "predicted_finish", "order_at", "sla_risk_model", "sla_risk_at")
+                 "predicted_finish", "order_at", "sla_risk_model", "sla_risk_at", "busy_seconds")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
 _BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "sla_snapshots",
                        "sla_snapshot_at")

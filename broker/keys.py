@@ -102,8 +102,9 @@ class Keys:
 
     @property
     def admission_calibration(self) -> str:
-        """HASH model version (content hash) -> how much longer its jobs ran than its profile foresaw, lately;
-        deadline admission multiplies that model's predicted device time by it (`broker/admission.py`)."""
+        """HASH model version (content hash) -> how much longer its jobs ran than its profile foresaw, lately,
+        and '<version>|jobs' -> how many jobs taught it; deadline admission multiplies that model's
+        predicted device time by it (`broker/admission.py`)."""
         return self._key("admission-calibration")
 
     @property

@@ -79,8 +79,9 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
             # job's in the same folder are that job's resumable work)
             remove_parts(Path(job["output_dir"]), job_id=job_id)
             return "finalized"
+        started = time.monotonic()
         results = run_chunk(ctx, job, item, between)
-        ctx.commits.submit(partial(commit_chunk, ctx, job, item, results))
+        ctx.commits.submit(partial(commit_chunk, ctx, job, item, results, time.monotonic() - started))
         return "committing"
     except Exception as err:
         return settle_failure(ctx, item, err)
@@ -122,9 +123,11 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
     return "retry"
 
 
-def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, results: Mapping[str, np.ndarray]) -> str:
-    """Write a computed chunk's part files (durably), then ack it; on the commit thread
-    (`sits_worker.chunk_commits`). Returns 'acked', or how the failure was settled."""
+def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, results: Mapping[str, np.ndarray],
+                 run_seconds: float = 0.0) -> str:
+    """Write a computed chunk's part files (durably), then ack it with the `run_seconds` its slot spent
+    on it; on the commit thread (`sits_worker.chunk_commits`). Returns 'acked', or how the failure was
+    settled."""
     try:
         queues.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
         if job_progress.start_item(ctx.store, job["id"], now=time.time()) != "running":
@@ -133,7 +136,7 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
             queues.finish_item(ctx.store, item, job["id"], now=time.time())
             return "dropped"
         write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"])
-        job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
+        job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name, run_seconds=run_seconds)
         return "acked"
     except Exception as err:
         return settle_failure(ctx, item, err)

@@ -16,6 +16,8 @@
 -- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload (score replaced by the chunk's current one)
 -- ARGV[8] name of the worker that ran the chunk (counted in the job field 'w:<name>')
 -- ARGV[9] the job's model ref
+-- ARGV[10] seconds the chunk's stream slot ran it, added once to the job field 'busy_seconds' (the slot
+--          time deadline admission calibrates a model's speed by)
 -- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
 -- (the finalize item was queued and the doorbell rung: a lingering drain task of the acking worker,
 -- which keeps its ticket while commits are pending, leases it at once). Idempotent: a re-run
@@ -42,6 +44,9 @@ if redis.call('SADD', KEYS[6], ARGV[2]) == 0 then
   return 0
 end
 redis.call('HINCRBY', KEYS[5], 'rows_done', ARGV[3])
+if tonumber(ARGV[10] or '') then
+  redis.call('HINCRBYFLOAT', KEYS[5], 'busy_seconds', ARGV[10])
+end
 redis.call('HINCRBY', KEYS[9], 'job_rows:' .. ARGV[9], ARGV[3])
 redis.call('HINCRBY', KEYS[5], 'w:' .. ARGV[8], 1)
 local chunks_done = redis.call('HINCRBY', KEYS[5], 'chunks_done', 1)

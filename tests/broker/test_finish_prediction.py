@@ -143,3 +143,7 @@ def test_a_models_calibration_follows_its_jobs_real_over_foreseen_run_times_with
         factor = recalibrated(factor, real=1000.0, predicted=1.0)  # 1000x slower than its profile
     assert factor == pytest.approx(10.0, rel=1e-3)
     assert recalibrated(1.5, real=0.0, predicted=10.0) == 1.5
+    # a model's first jobs are averaged plainly: the first sets the factor, the second halves the way
+    assert recalibrated(1.0, real=30.0, predicted=10.0, samples=1) == pytest.approx(3.0)
+    assert recalibrated(3.0, real=10.0, predicted=10.0, samples=2) == pytest.approx(2.0)
+    assert recalibrated(2.0, real=10.0, predicted=10.0, samples=9) == pytest.approx(1.7)

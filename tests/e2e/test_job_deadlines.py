@@ -93,6 +93,7 @@ def test_the_earliest_feasible_deadline_is_accepted_and_a_feasible_job_meets_its
     assert done["status"] == "succeeded"
     assert done["finished_at"] <= done["deadline"] and done["deadline_met"] is True
     assert done["sla_risk"] == 0.0
+    assert 0 < done["busy_seconds"] < done["finished_at"] - done["created_at"] + 1  # slot time its chunks ran
 
 
 def test_flag_mode_accepts_an_infeasible_job_and_marks_it_at_risk(stack: Stack) -> None:
