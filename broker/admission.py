@@ -133,15 +133,16 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
 
 def calibrations(store: Store) -> dict[str, float]:
     """Each calibrated model version's factor (`keys.admission_calibration`)."""
-    with translate_redis_errors():
-        raw = store.client.hgetall(store.keys.admission_calibration)
-    return {version: float(value) for version, value in raw.items() if "|" not in version}
+    return _calibration_state(store)[0]
 
 
-def _samples(store: Store) -> dict[str, int]:
+def _calibration_state(store: Store) -> tuple[dict[str, float], dict[str, int]]:
+    """The factors by model version, and how many jobs taught each, in one read."""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.admission_calibration)
-    return {field.partition("|")[0]: int(value) for field, value in raw.items() if field.endswith("|jobs")}
+    factors = {field: float(value) for field, value in raw.items() if "|" not in field}
+    counts = {field.partition("|")[0]: int(value) for field, value in raw.items() if field.endswith("|jobs")}
+    return factors, counts
 
 
 def _version(model_ref: str) -> str:
@@ -170,7 +171,7 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
         sla_watch.learn_from(store, [
             {"status": f[0] or "", "finished_at": f[2] or "", "deadline": f[8] or "", "sla_snapshots": f[9] or ""}
             for f, removed in zip(replies[0::2], replies[1::2], strict=True) if removed])
-        factors, counts = calibrations(store), _samples(store)
+        factors, counts = _calibration_state(store)
         changed: dict[str, float] = {}
         for status, started, finished, resumed, rows, chunks, model_ref, batch, busy in taken:
             if status != "succeeded" or not (started and finished) or resumed or fleet.workers < 1:
@@ -344,3 +345,13 @@ def score_deadline_jobs(settings: Settings, store: Store, *, now: float) -> int:
     (`sla_watch.score_active`), on admission's view of the work ahead of each. Returns how many."""
     figures = read_figures(settings, store, now=now)
     return sla_watch.score_active(store, figures.active, workers=figures.fleet.workers, now=now)
+
+
+def reaper_pass(settings: Settings, store: Store, *, now: float) -> int:
+    """A reaper pass's part: with jobs with a deadline active (`keys.jobs_due`), score them with the
+    violation predictor (`score_deadline_jobs`, whose read drops every ended job from the active index);
+    without any, only a page of that pruning (`prune_active_jobs`), so a fleet without deadlines pays
+    no full read of the active jobs each pass. Returns the jobs scored or dropped."""
+    with translate_redis_errors():
+        due = store.client.zcard(store.keys.jobs_due)
+    return score_deadline_jobs(settings, store, now=now) if due else prune_active_jobs(settings, store, now=now)

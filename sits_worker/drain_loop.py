@@ -196,8 +196,7 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
     job_lists.count_old_jobs(ctx.store)  # and before the per-status job counts
     queues.prune_old_queues(ctx.store)  # older model versions' drained queues, read before every batch choice
-    deadline_admission.prune_active_jobs(settings, ctx.store, now=now)  # ended jobs out of admission's index
-    deadline_admission.score_deadline_jobs(settings, ctx.store, now=now)  # the violation predictor's risks
+    deadline_admission.reaper_pass(settings, ctx.store, now=now)  # deadline jobs' risks; ended jobs out of the index
     stalled = job_fills.stalled_fills(ctx.store, now=now)
     if stalled:
         for job_id in stalled:

@@ -147,3 +147,16 @@ def test_a_models_calibration_follows_its_jobs_real_over_foreseen_run_times_with
     assert recalibrated(1.0, real=30.0, predicted=10.0, samples=1) == pytest.approx(3.0)
     assert recalibrated(3.0, real=10.0, predicted=10.0, samples=2) == pytest.approx(2.0)
     assert recalibrated(2.0, real=10.0, predicted=10.0, samples=9) == pytest.approx(1.7)
+
+
+def test_a_reaper_pass_without_deadline_jobs_prunes_ended_jobs_from_the_active_index(store: Store) -> None:
+    """No job with a deadline is active, so the pass reads only a page of the index and drops what ended."""
+    from broker import admission
+    from broker.config import Settings
+
+    for job_id in ("jdone", "jlive"):
+        job_fills.create_job(store, job_spec(job_id, rows_total=2, chunk_size=1), now=NOW)
+    store.client.hset(store.keys.job("jdone"), "status", "succeeded")  # as its finalize step leaves it
+
+    assert admission.reaper_pass(Settings(), store, now=NOW + 1) == 1
+    assert store.client.zrange(store.keys.jobs_active, 0, -1) == ["jlive"]
