@@ -37,6 +37,7 @@ from broker.output_layout import (
     read_manifest,
     storage_error,
 )
+from sits_worker.model.tensors import NPY_HEADER_LOCK
 
 _RESERVED_KEYS = ("rows", "outputs", "chunks")
 _COPY_BLOCK_BYTES = 64 * 2**20
@@ -118,7 +119,8 @@ def _load_part(output_dir: Path, name: str, chunk_index: int, chunk: tuple[int, 
     """Map one part read-only and check it holds exactly the chunk's rows."""
     path = part_path(output_dir, name, chunk_index, job_id)
     try:
-        part = np.load(path, mmap_mode="r", allow_pickle=False)
+        with NPY_HEADER_LOCK:
+            part = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError as err:
         raise FileMissing(
             f"output part '{path.name}' of chunk {chunk_index} (rows [{chunk[0]}, {chunk[1]})) is missing; "

@@ -211,8 +211,13 @@ class _LazyMember:
     shape: tuple[int, ...]
 
     def load(self) -> np.ndarray:
+        """Decompress the member (read-only, like a mapped one); its header was checked at open."""
         with self.archive.open(self.info) as member:
-            return np.lib.format.read_array(member, allow_pickle=False)
+            header = read_npy_header(member, self.info.file_size, f"npz member '{self.info.filename}'",
+                                     "write it again with np.savez")
+            count = math.prod(header.shape)
+            data = np.frombuffer(member.read(count * header.dtype.itemsize), dtype=header.dtype, count=count)
+        return data.reshape(header.shape, order="F" if header.fortran_order else "C")
 
 
 def _open_bin(path: Path, specs: list[InputSpec], shape: Sequence[int] | None, dtype: str | None) -> InputSource:

@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -319,6 +320,13 @@ class NpyHeader:
     data_offset: int
 
 
+NPY_HEADER_LOCK = threading.Lock()
+"""Held by whoever lets numpy parse an .npy header (`np.load`, `read_array`, the header readers).
+numpy parses it with `ast.literal_eval`, and CPython 3.11 keeps the AST constructor's recursion
+counter in state shared by all threads: two threads parsing at once (a merge's copy and hash
+threads, two API threads decoding requests) can fail with "AST constructor recursion depth
+mismatch". A header parse takes microseconds, so one lock per process costs nothing measurable."""
+
 _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
@@ -335,7 +343,8 @@ def read_npy_header(stream: IO[bytes], size: int, what: str, fix: str) -> NpyHea
         version = np.lib.format.read_magic(stream)
         if version not in _HEADER_READERS:
             raise ValueError(f"npy format version {version} is not supported")
-        shape, fortran_order, dtype = _HEADER_READERS[version](stream)
+        with NPY_HEADER_LOCK:
+            shape, fortran_order, dtype = _HEADER_READERS[version](stream)
         header = NpyHeader(tuple(shape), dtype, bool(fortran_order), stream.tell())
     except OSError:
         raise
