@@ -9,7 +9,7 @@ profile) receives the same stream of jobs twice, alternating the phase:
   would have done is seen.
 
 The stream: `--jobs` jobs, arriving `--gap` seconds apart on average (exponential gaps, seeded), each
-of a random model and size (mlp 100,000 to 400,000 rows, convnet 512 to 2,048 images) with a deadline
+of a random model and size (mlp 400,000 to 1,600,000 rows, convnet 2,048 to 8,192 images) with a deadline
 of a random multiple (0.5x to 6x) of its own run time alone, as measured in warm-up jobs of each model:
 whether it can be met depends on what is queued when it arrives. Reported per phase: jobs accepted,
 the share of accepted jobs that met their deadline, the prediction error of accepted jobs (real − predicted finish, as a
@@ -26,8 +26,8 @@ Reported per round, for the predictor and the rule: AUC over the samples, precis
 threshold (0.5) over the jobs, and the median lead time from a missed job's first alert to its
 deadline. The predictor learns from every job that ends, so later rounds use what earlier ones taught.
 
-    python benchmarks/sla.py --quick     # 12 jobs a phase, about 2 minutes
-    python benchmarks/sla.py             # 30 jobs a phase, 2 rounds, about 8 minutes
+    python benchmarks/sla.py --quick     # 12 jobs a phase, one round: about 4 minutes
+    python benchmarks/sla.py             # 30 jobs a phase, 2 rounds: about 15 minutes
     python benchmarks/sla.py --part predictor --rounds 3
 """
 
@@ -54,8 +54,18 @@ from broker.config import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
-SIZES = {"mlp": (100_000, 400_000), "convnet": (512, 2_048)}
+SIZES = {"mlp": (400_000, 1_600_000), "convnet": (2_048, 8_192)}
 SHAPES = {"mlp": (64,), "convnet": (3, 32, 32)}
+STEPS = {"mlp": 200_000, "convnet": 1_024}
+"""Job sizes are multiples of these, so a round needs a few input files, not one a job."""
+
+
+def input_file(home: Path, model: str, rows: int) -> Path:
+    """An input of exactly `rows` rows of `model`, the first rows of its largest input (written once)."""
+    path = home / f"{model}-{rows}.npy"
+    if not path.exists():
+        np.save(path, np.load(home / f"{model}.npy", mmap_mode="r")[:rows])
+    return path
 
 
 @dataclass
@@ -76,7 +86,8 @@ def plan(count: int, gap: float, seed: int) -> list[Planned]:
         at += float(rng.exponential(gap))
         model = str(rng.choice(list(SIZES)))
         low, high = SIZES[model]
-        out.append(Planned(at, model, int(rng.integers(low, high + 1)), float(rng.uniform(0.5, 6.0))))
+        rows = int(rng.integers(low, high + 1)) // STEPS[model] * STEPS[model]
+        out.append(Planned(at, model, rows, float(rng.uniform(0.5, 6.0))))
     return out
 
 
@@ -104,11 +115,12 @@ def wait_all(stack: Stack, ids: list[str], timeout: float) -> dict[str, dict[str
 
 
 def measured_rate(stack: Stack, home: Path, model: str, number: int) -> float:
-    """Rows/s of one job of the model alone (the warm-up), to size the stream's deadlines."""
-    rows = SIZES[model][0]
-    status, job = post(stack, "/v1/jobs", {"model": model, "input_batch": str(home / f"{model}.npy"),
-                                           "output_dir": str(home / "out" / f"warm-{model}-{number}"),
-                                           "chunk_size": rows // 4})
+    """Rows/s of one job of the model alone (the warm-up: one of the middle size, from its first lease to
+    its finish), to size the stream's deadlines."""
+    low, high = SIZES[model]
+    rows = (low + high) // 2 // STEPS[model] * STEPS[model]  # a job of the middle size, chunked as the stream's
+    status, job = post(stack, "/v1/jobs", {"model": model, "input_batch": str(input_file(home, model, rows)),
+                                           "output_dir": str(home / "out" / f"warm-{model}-{number}")})
     assert status in (200, 201), job
     done = wait_all(stack, [job["id"]], 300)[job["id"]]
     return rows / (done["finished_at"] - done["started_at"])
@@ -124,7 +136,7 @@ def run_phase(stack: Stack, home: Path, mode: str, jobs: list[Planned], rates: d
         alone = planned.rows / rates[planned.model]
         deadline_s = planned.tightness * alone
         status, body = post(stack, "/v1/jobs", {
-            "model": f"{planned.model}_{mode}", "input_batch": str(home / f"{planned.model}.npy"),
+            "model": f"{planned.model}_{mode}", "input_batch": str(input_file(home, planned.model, planned.rows)),
             "output_dir": str(home / "out" / f"{tag}-{mode}-{number}"), "deadline_s": round(deadline_s, 3)})
         outcomes.append({"planned": planned, "submitted_at": now, "deadline": now + deadline_s, "status": status,
                          "body": body})
@@ -149,7 +161,9 @@ def describe(outcome: dict[str, Any]) -> str:
     final, body = outcome.get("final") or {}, outcome["body"]
     predicted = body.get("predicted_finish")
     real = final.get("finished_at")
+    started, busy = final.get("started_at"), final.get("busy_seconds")
     return (f"{head}: predicted +{(predicted or at) - at:6.1f} s, real +{(real or at) - at:6.1f} s"
+            f" (started +{(started or at) - at:5.1f} s, {busy or 0:5.2f} slot s)"
             f"{' (at risk)' if body.get('at_risk') else ''}")
 
 
@@ -184,9 +198,9 @@ def predictor_round(stack: Stack, home: Path, rate: float, *, jobs: int, seed: i
     rng = np.random.default_rng(seed)
     ids, deadlines = [], {}
     for number in range(jobs):
-        rows = int(rng.integers(150_000, 400_001))
+        rows = int(rng.integers(150_000, 400_001)) // 25_000 * 25_000  # a few input files
         status, job = post(stack, "/v1/jobs", {
-            "model": "mlp_flag", "input_batch": str(home / "mlp.npy"), "chunk_size": 20_000,
+            "model": "mlp_flag", "input_batch": str(input_file(home, "mlp", rows)), "chunk_size": 20_000,
             "output_dir": str(home / "out" / f"{tag}-p{number}"),
             "deadline_s": round(rows / rate * (number + 1) * float(rng.uniform(0.8, 1.6))
                                 + float(rng.uniform(0.0, 6.0)), 3)})
@@ -292,7 +306,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--jobs", type=int, default=None)
-    parser.add_argument("--gap", type=float, default=1.5, help="mean seconds between arrivals")
+    parser.add_argument("--gap", type=float, default=4.0, help="mean seconds between arrivals")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--verbose", action="store_true", help="print every job")

@@ -30,6 +30,10 @@ from broker.registry import get_model
 from broker.scoring import estimate_latency_ms
 from broker.store import Store, translate_redis_errors
 
+JOB_LATENCY_SECONDS = 0.15
+"""A job's time besides its chunks' slot time: the rest of its submit, the first lease, the final merge's
+queue item: 0.1-0.2 s measured on the 2-core reference machine."""
+
 REFINE_STEPS = 8
 """How many times the earliest feasible deadline is recomputed at its own queue position (a later
 deadline may sort the job behind more work)."""
@@ -84,8 +88,8 @@ class Figures:
     """What the store says now: the active jobs' remaining work and the fleet."""
 
     active: list[Work]
-    running_scores: list[float]
-    """Scores of active jobs with a chunk running: one may hold a worker a new job needs."""
+    running: list[Work]
+    """The active jobs with a chunk running: chunks of those behind a new job hold slots it needs."""
     fleet: LiveFleet
     calibrations: dict[str, float]
     """By model version (its content hash, whatever name it is registered under), how much longer its
@@ -110,7 +114,9 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
     drop_ended(store, [job_id for (job_id, _), row in zip(entries, rows, strict=True) if row[0] not in ACTIVE_STATUSES],
                fleet)
     factors = calibrations(store)
-    active, running, records = [], [], {}
+    active: list[Work] = []
+    running: list[Work] = []
+    records: dict[str, dict[str, Any] | None] = {}
     for (job_id, score), (status, total, done, chunks, chunks_done, model_ref, batch, deadline) in zip(
             entries, rows, strict=True):
         if status not in ACTIVE_STATUSES:
@@ -127,7 +133,7 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         active.append(Work(job_id, float(score), seconds * factors.get(_version(model_ref), 1.0),
                            float(deadline) if deadline else None, remaining_chunks))
         if status == "running":
-            running.append(float(score))
+            running.append(active[-1])
     return Figures(active, running, fleet, factors)
 
 
@@ -216,6 +222,17 @@ class Prediction:
     own_seconds: float
 
 
+def blocking(running: list[Work], score: float, slots: int) -> tuple[float, int]:
+    """How long, and on how many slots, chunks of work behind `score` that are running may hold the slots:
+    a chunk runs to its end once started, so a whole chunk of the slowest of those jobs (its remaining
+    device time over its remaining chunks), on as many slots as their chunks can fill."""
+    behind = [work for work in running if work.score > score]
+    if not behind:
+        return 0.0, 0
+    longest = max(work.seconds / max(1, work.chunks) for work in behind)
+    return longest, min(slots, sum(min(work.chunks, slots) for work in behind))
+
+
 def _earliest_feasible(refused: Verdict, verdict_at: Any, asked: float) -> float:
     """The earliest whole-second deadline after `asked` that `verdict_at` accepts, from what `refused` says:
     its own predicted finish with the margin, or just past the deadline of the job it would tip over
@@ -248,8 +265,8 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
 
     def verdict_at(deadline: float) -> Verdict:
         score = float(score_for(deadline))
-        blocking = settings.jobs.chunk_seconds if any(s > score for s in figures.running_scores) else 0.0
-        fleet = Fleet(figures.fleet.slots, blocking)
+        fleet = Fleet(figures.fleet.slots, *blocking(figures.running, score, figures.fleet.slots),
+                      job_latency_seconds=JOB_LATENCY_SECONDS)
         return admit(Work(job_id, score, own, deadline, max(1, chunks)), figures.active, fleet, now=now,
                      margin=margin)
 

@@ -6,7 +6,8 @@ over the fleet's slots: jobs in score order, each chunk to the slot that frees f
 fewer chunks than slots leaves slots to the jobs behind it, which then run side by side with it, as
 they do. Each job's time is its remaining rows at its model's measured seconds per row on one slot
 (at the job's batch size), plus a fixed cost per chunk (lease, part file, fsync, ack), spread evenly
-over its chunks. A chunk of later work that is running holds one slot for `blocking_seconds`.
+over its chunks. Chunks of later work that are running hold their slots for `blocking_seconds` (a
+chunk runs to its end once started), and each job ends `job_latency_seconds` after its last chunk.
 A job of more chunks than `EXACT_CHUNKS` is spread over the slots as a fluid (the chunks are then
 small beside the job, and placing each would cost time at every submit).
 
@@ -41,10 +42,14 @@ class Work:
 
 @dataclass(frozen=True)
 class Fleet:
-    """What runs the work: how many stream slots, and how long a running chunk of later work holds one."""
+    """What runs the work: how many stream slots, how long a running chunk of later work holds one (and on
+    how many slots such chunks run), and the latency each job has besides its chunks."""
 
     slots: int
     blocking_seconds: float = 0.0
+    blocked_slots: int = 1
+    job_latency_seconds: float = 0.0
+    """From submit to its first chunk's lease and from its last ack to its finish (the final merge)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,8 @@ def finishes(ordered: Sequence[Work], fleet: Fleet, *, now: float) -> list[float
         return [math.inf] * len(ordered)
     free = [now] * fleet.slots
     if ordered:
-        free[0] += fleet.blocking_seconds
+        for slot in range(min(fleet.slots, max(0, fleet.blocked_slots))):
+            free[slot] += fleet.blocking_seconds
     heapq.heapify(free)
     out = []
     for work in ordered:
@@ -91,7 +97,7 @@ def finishes(ordered: Sequence[Work], fleet: Fleet, *, now: float) -> list[float
                 finish = max(finish, end)
         else:
             free, finish = _pour(free, work.seconds)
-        out.append(finish)
+        out.append(finish + fleet.job_latency_seconds)
     return out
 
 
@@ -136,7 +142,8 @@ def admit(new: Work, active: Sequence[Work], fleet: Fleet, *, now: float, margin
     for work in active:
         if work.deadline_at is None:
             continue
-        was, now_would = before[work.job_id], after[work.job_id]
+        was = _with_margin(before[work.job_id], now=now, margin=margin)
+        now_would = _with_margin(after[work.job_id], now=now, margin=margin)
         if was <= work.deadline_at < now_would:
             return Verdict(finish, False, needed, f"job {work.job_id} would then miss its deadline",
                            work.deadline_at)

@@ -9,6 +9,8 @@ Features, each scaled to about -3..3 (`features`):
 - `elapsed`: the share of its time (submit to deadline) already gone;
 - `progress`: the share of its rows done;
 - `ahead`: the device time queued ahead of it, over the time it has left;
+- `growth`: how fast that work ahead grows (seconds of it added per second since the last pass):
+  near 1, work arrives ahead of the job as fast as the fleet serves it;
 - `retries`: chunk runs beyond one per chunk done, per chunk done (failures and lost leases);
 - `workers`: 1 / (1 + live workers): a fleet that shrinks raises it.
 
@@ -23,10 +25,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-FEATURES = ("lateness", "pace", "elapsed", "progress", "ahead", "retries", "workers")
+FEATURES = ("lateness", "pace", "elapsed", "progress", "ahead", "growth", "retries", "workers")
 
 PRIOR = {"bias": 0.0, "lateness": 6.0, "pace": 0.0, "elapsed": 0.0, "progress": 0.0, "ahead": 0.0,
-         "retries": 0.0, "workers": 0.0}
+         "growth": 0.0, "retries": 0.0, "workers": 0.0}
 """The weights before any job ended: the plain rule (predicted finish against the deadline) made smooth."""
 
 LEARNING_RATE = 0.1
@@ -48,6 +50,8 @@ class Live:
     chunks_done: int
     chunk_runs: int
     workers: int
+    ahead_growth: float = 0.0
+    """Seconds of work ahead added per second since the job was last scored (negative as it drains)."""
 
 
 def features(job: Live, *, now: float) -> dict[str, float]:
@@ -64,6 +68,7 @@ def features(job: Live, *, now: float) -> dict[str, float]:
         "elapsed": (now - job.created_at) / given,
         "progress": job.rows_done / job.rows_total if job.rows_total else 1.0,
         "ahead": job.ahead_seconds / max(left, 0.1) / 3,
+        "growth": job.ahead_growth,
         "retries": max(0, job.chunk_runs - job.chunks_done) / max(1, job.chunks_done),
         "workers": 1.0 / (1 + max(0, job.workers)),
     }

@@ -2,8 +2,9 @@
 online model of `broker/sla_predictor.py`, and every job that ends teaches the model what its risk
 should have been.
 
-Per job the pass stores in its hash `sla_risk_model` (the model's probability), `sla_risk_at` (when)
-and `sla_snapshots` (its last `SNAPSHOTS_KEPT` feature vectors, one at most every `SNAPSHOT_SECONDS`).
+Per job the pass stores in its hash `sla_risk_model` (the model's probability), `sla_risk_at` (when),
+`sla_ahead` (the work ahead of it then, for the next pass's `growth`) and `sla_snapshots` (its last
+`SNAPSHOTS_KEPT` feature vectors, one at most every `SNAPSHOT_SECONDS`).
 `jobs.with_deadline` reports the fresh model risk as `sla_risk`. When the job leaves the active index
 (`admission.drop_ended`) its snapshots, labelled missed or met, update the weights in `keys.sla_model`.
 """
@@ -59,11 +60,13 @@ def score_active(store: Store, active: Sequence[Work], *, workers: int, now: flo
                 continue
             job = with_rates(decode_job(raw), now=now)
             x = sla_predictor.features(sla_predictor.Live(
+                ahead_growth=ahead_growth(raw.get("sla_ahead"), raw.get("sla_risk_at"), ahead_seconds, now=now),
                 created_at=job["created_at"], deadline=job["deadline"], predicted_finish=job["predicted_finish"],
                 rows_total=job["rows_total"], rows_done=job["rows_done"], rows_per_second=job["rows_per_second"],
                 ahead_seconds=ahead_seconds, chunks_done=job["chunks_done"], chunk_runs=job["chunk_runs"],
                 workers=workers), now=now)
-            fields: dict[str, Any] = {"sla_risk_model": round(sla_predictor.risk(learnt, x), 4), "sla_risk_at": now}
+            fields: dict[str, Any] = {"sla_risk_model": round(sla_predictor.risk(learnt, x), 4), "sla_risk_at": now,
+                                      "sla_ahead": round(ahead_seconds, 4)}
             snapshots = json.loads(raw.get("sla_snapshots") or "[]")
             if not snapshots or now - float(raw.get("sla_snapshot_at") or 0) >= SNAPSHOT_SECONDS:
                 fields["sla_snapshots"] = json.dumps((snapshots + [x])[-SNAPSHOTS_KEPT:])
@@ -71,6 +74,14 @@ def score_active(store: Store, active: Sequence[Work], *, workers: int, now: flo
             pipe.hset(store.keys.job(work.job_id), mapping=fields)
         pipe.execute()
     return len(due)
+
+
+def ahead_growth(before: str | None, before_at: str | None, ahead_seconds: float, *, now: float) -> float:
+    """Seconds of work ahead added per second since the last pass (`before` seconds ahead at `before_at`,
+    hash fields as stored); 0 on a job's first pass."""
+    if not before or not before_at or now - float(before_at) <= 0:
+        return 0.0
+    return (ahead_seconds - float(before)) / (now - float(before_at))
 
 
 def learn_from(store: Store, ended: Sequence[dict[str, str]]) -> int:

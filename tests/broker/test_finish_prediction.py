@@ -13,6 +13,7 @@ import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec
 
 from broker import job_fills, policy
+from broker.admission import blocking
 from broker.finish_prediction import (
     CHUNK_OVERHEAD_SECONDS,
     EXACT_CHUNKS,
@@ -45,6 +46,14 @@ def test_chunks_go_to_the_slot_that_frees_first_in_score_order() -> None:
     assert finishes(ordered, Fleet(slots=0), now=NOW) == [math.inf] * 3
 
 
+def test_running_chunks_of_later_work_hold_every_slot_they_run_on_and_each_job_has_its_latency() -> None:
+    ordered = [Work("a", 1.0, 10.0), Work("b", 2.0, 10.0)]
+
+    both_held = Fleet(slots=2, blocking_seconds=1.0, blocked_slots=2, job_latency_seconds=0.5)
+    assert finishes(ordered, both_held, now=NOW) == [NOW + 11.5, NOW + 11.5]
+    assert finishes(ordered, Fleet(slots=2, blocking_seconds=1.0, blocked_slots=5), now=NOW) == [NOW + 11.0] * 2
+
+
 def test_a_job_of_many_chunks_is_poured_over_the_slots_as_they_free() -> None:
     """Beyond `EXACT_CHUNKS`, a job fills the slots to one level: 30 s of work over slots free at +0 and
     +10 ends at +20 (20 s on the first, 10 s on the second)."""
@@ -71,6 +80,15 @@ def test_a_job_that_would_push_an_accepted_one_past_its_deadline_is_refused_nami
 
     assert not verdict.feasible and verdict.predicted_finish == NOW + 10.0
     assert verdict.reason == "job due would then miss its deadline" and verdict.tipped_deadline == NOW + 55.0
+
+
+def test_an_accepted_job_keeps_its_margin_when_a_newcomer_passes_it() -> None:
+    accepted = Work("due", 10.0, 45.0, deadline_at=NOW + 52.0)  # 45 s, 49.5 s with a 10 % margin
+    newcomer = Work("new", 1.0, 2.0, deadline_at=NOW + 20.0)  # passes it: 47 s, 51.7 s with the margin
+
+    assert admit(newcomer, [accepted], Fleet(1), now=NOW, margin=0.1).feasible
+    assert not admit(Work("new", 1.0, 4.0, deadline_at=NOW + 20.0), [accepted], Fleet(1), now=NOW,
+                     margin=0.1).feasible  # 49 s, but 53.9 s with the margin: past 52 s
 
 
 def test_a_job_already_late_does_not_make_a_newcomer_infeasible() -> None:
@@ -160,3 +178,11 @@ def test_a_reaper_pass_without_deadline_jobs_prunes_ended_jobs_from_the_active_i
 
     assert admission.reaper_pass(Settings(), store, now=NOW + 1) == 1
     assert store.client.zrange(store.keys.jobs_active, 0, -1) == ["jlive"]
+
+
+def test_running_chunks_behind_a_job_block_it_for_a_whole_chunk_of_the_slowest_on_the_slots_they_fill() -> None:
+    running = [Work("ahead", 1.0, 30.0, chunks=3), Work("slow", 5.0, 12.0, chunks=4), Work("one", 6.0, 5.0)]
+
+    assert blocking(running, 2.0, slots=4) == (5.0, 4)  # 'one' is a 5 s chunk; 'slow' fills 4 slots, 'one' 1
+    assert blocking(running, 5.5, slots=4) == (5.0, 1)
+    assert blocking(running, 9.0, slots=4) == (0.0, 0)  # everything running is ahead of it

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from broker.sla_predictor import FEATURES, PRIOR, Live, auc, features, risk, update
+from broker.sla_watch import ahead_growth
 
 NOW = 1_800_000_000.0
 
@@ -29,6 +30,14 @@ def test_features_read_the_live_figures_and_stay_within_bounds() -> None:
     slow = features(_live(rows_per_second=0.0, predicted_finish=None, chunk_runs=15, workers=0), now=NOW)
     assert slow["lateness"] == 3.0 and slow["pace"] == 3.0 and slow["retries"] == 2.0 and slow["workers"] == 1.0
     assert all(-3.0 <= value <= 3.0 for value in slow.values())
+
+
+def test_growth_is_the_work_added_ahead_per_second_since_the_last_pass() -> None:
+    assert ahead_growth("10.0", str(NOW - 2), 14.0, now=NOW) == pytest.approx(2.0)
+    assert ahead_growth("10.0", str(NOW - 5), 5.0, now=NOW) == pytest.approx(-1.0)  # draining
+    assert ahead_growth(None, None, 14.0, now=NOW) == 0.0  # a job's first pass
+    assert features(_live(ahead_growth=0.8), now=NOW)["growth"] == pytest.approx(0.8)
+    assert features(_live(ahead_growth=50.0), now=NOW)["growth"] == 3.0
 
 
 def test_the_prior_is_the_plain_rule_made_smooth() -> None:
