@@ -10,29 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from broker.errors import ConfigError
+from broker.failure_settings import FaultSettings, RetryPolicy, RetrySettings
 from broker.scoring import MAX_PRIORITY
+from broker.setting_types import Bytes, Integer, Number, Seconds
+from broker.setting_types import Section as _Section
 from broker.units import parse_duration, parse_size
-
-
-def _not_a_bool(value: Any) -> Any:
-    """Refuse a boolean where a number is meant: pydantic would read YAML `true` as 1."""
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is a boolean, not a number; write a number (YAML reads true, false, yes, no, "
-                         "on and off as booleans)")
-    return value
-
-
-Seconds = Annotated[float, BeforeValidator(parse_duration)]
-Bytes = Annotated[int, BeforeValidator(parse_size)]
-Integer = Annotated[int, BeforeValidator(_not_a_bool)]
-"""A whole number, also written as a string (`SITS_*` values are), never a boolean."""
-Number = Annotated[float, BeforeValidator(_not_a_bool)]
-"""A number, also written as a string, never a boolean."""
 
 
 def _count_or_auto(value: Any, what: str, *, most: int | None = None) -> Any:
@@ -45,10 +32,6 @@ def _count_or_auto(value: Any, what: str, *, most: int | None = None) -> Any:
     if isinstance(text, int) and not isinstance(text, bool) and 1 <= text <= (most or text):
         return text
     raise ValueError(f"{value!r} is neither {what} nor 'auto'")
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class SchedulerSettings(_Section):
@@ -208,7 +191,9 @@ class JobSettings(_Section):
     batch size (the smallest within 5 % of its best rows/s, broker/chunking.py); 128 for a model
     without a usable profile."""
     max_attempts: Integer = Field(3, ge=1)
-    """A chunk leased this many times without an ack fails its job (poison batch)."""
+    """A chunk (or request) whose lease ran out this many times fails its job (poison batch): the
+    attempts of `retry.worker_lost` unless that sets its own. Failures of other classes count
+    against their own `retry.<class>.attempts`."""
 
     @field_validator("chunk_size", "batch_size", mode="before")
     @classmethod
@@ -398,6 +383,18 @@ class Settings(_Section):
     jobs: JobSettings = JobSettings()
     online: OnlineSettings = OnlineSettings()
     sla: SlaSettings = SlaSettings()
+    retry: RetrySettings = RetrySettings()
+    """The retry matrix: per failure class, how often and after how long (docs/failures.md)."""
+    faults: FaultSettings = FaultSettings()
+    """Fault injection for tests and benchmarks; refused unless `faults.enabled`."""
+
+    def retry_policy(self, failure_class: str) -> RetryPolicy:
+        """The retry policy of `failure_class`, its attempts resolved (`retry.worker_lost.attempts`
+        left empty is `jobs.max_attempts`)."""
+        policy = self.retry.policy(failure_class)
+        if policy.attempts is None:
+            return policy.model_copy(update={"attempts": self.jobs.max_attempts})
+        return policy
 
     def with_overrides(self, **sections: Mapping[str, Any]) -> Settings:
         """A copy with some keys replaced, validated like a loaded file."""

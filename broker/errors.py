@@ -4,9 +4,10 @@ Every error that crosses a module boundary is a `SitsError`. Two branches
 matter to the rest of the system: `RetryableError` (the same work may
 succeed later: connection lost, device out of memory, time-out) and
 `PermanentError` (retrying cannot help: bad input, unknown model). The API
-maps `http_status` to a response in one handler; the worker's retry policy
-switches on `retryable`. Third-party exceptions are translated at the
-boundary (`raise DeviceOutOfMemory(...) from err`).
+maps `http_status` to a response in one handler. Each class also names its
+`failure_class`, the row of the retry matrix it falls in (`broker/retry_policy.py`
+classifies every failure by it; docs/failures.md). Third-party exceptions are
+translated at the boundary (`raise DeviceOutOfMemory(...) from err`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class SitsError(Exception):
     http_status: int = 500
     retryable: bool = False
     code: str = "internal_error"
+    failure_class: str = "transient"
+    """The retry policy this error falls under (`retry.<class>` in the settings); an error of no
+    better-known kind is taken as a transient one, as a crash of unknown cause was always retried."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -39,6 +43,7 @@ class RetryableError(SitsError):
     retryable = True
     http_status = 503
     code = "unavailable"
+    failure_class = "transient"
 
 
 class ConnectionLost(RetryableError):
@@ -53,10 +58,25 @@ class StoreFull(RetryableError):
     code = "store_full"
 
 
+class StorageUnavailable(RetryableError):
+    """A file system call failed for a reason that may pass (EAGAIN, EIO, ENOSPC: busy, a disk error,
+    the disk full)."""
+
+    code = "storage_unavailable"
+
+
+class WorkerLost(RetryableError):
+    """An item's lease expired before its worker finished it: the worker died, froze or lost Redis."""
+
+    code = "worker_lost"
+    failure_class = "worker_lost"
+
+
 class DeviceOutOfMemory(RetryableError):
     """The device could not allocate memory for a batch."""
 
     code = "device_out_of_memory"
+    failure_class = "device_oom"
 
 
 class InferenceTimeout(RetryableError):
@@ -64,6 +84,7 @@ class InferenceTimeout(RetryableError):
 
     http_status = 504
     code = "timeout"
+    failure_class = "run_timeout"
 
 
 class QueueFull(RetryableError):
@@ -92,6 +113,7 @@ class PermanentError(SitsError):
 
     http_status = 400
     code = "bad_request"
+    failure_class = "bad_input"
 
 
 class ConfigError(PermanentError):
@@ -111,6 +133,15 @@ class InvalidModel(PermanentError):
 
     http_status = 422
     code = "invalid_model"
+    failure_class = "invalid_model"
+
+
+class Cancelled(PermanentError):
+    """The work was cancelled (its job stopped) while it ran."""
+
+    http_status = 409
+    code = "cancelled"
+    failure_class = "cancelled"
 
 
 class DeadlineInfeasible(PermanentError):

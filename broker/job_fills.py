@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from broker import job_slices
+from broker import job_slices, retries
 from broker.errors import Conflict
 from broker.job_progress import done_chunks
 from broker.jobs import (
@@ -116,6 +116,7 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
                               "rows_at_resume": job["rows_done"], "order_at": order_at if order_at is not None else ""}
     if input_stat:
         fields["input_stat"] = json.dumps(input_stat)
+    retries.forget_item_counts(store, job_id)  # a resume starts its chunks on fresh attempts of every class
     added = _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)
     _mark_active(store, job_id, score, job.get("deadline"))
     return added

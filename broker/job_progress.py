@@ -1,4 +1,4 @@
-"""A job's progress as workers run it: an item started, a chunk acknowledged, an attempt's error.
+"""A job's progress as workers run it: an item started, a chunk acknowledged, the last attempt's error.
 
 The job's `done` set holds the indexes of the chunks whose part files are written and acknowledged
 (`ack_chunk`, idempotent): it is the checkpoint a resume reads (`done_chunks`), and `forget_chunks`
@@ -50,14 +50,9 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_se
     return int(reply)
 
 
-def record_last_error(store: Store, job_id: str, error: str) -> None:
-    """Remember why an attempt at one of the job's items failed (shown if its attempts run out)."""
-    with translate_redis_errors():
-        store.client.hset(store.keys.job(job_id), "last_error", error)
-
-
 def last_error(store: Store, job_id: str) -> str | None:
-    """The error of the job's latest failed attempt, if any."""
+    """The error of the job's latest failed attempt, if any (`broker/retries.py` records it with each
+    failure's class)."""
     with translate_redis_errors():
         return store.client.hget(store.keys.job(job_id), "last_error")
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from broker.errors import JobNotFound
 from broker.finish_prediction import sla_risk
+from broker.retries import failure_record, is_failure_field
 from broker.scoring import Factors, check_level, deadline_order_time
 from broker.store import Store, translate_redis_errors
 
@@ -39,7 +40,7 @@ _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "re
                  "predicted_finish", "order_at", "sla_risk_model", "sla_risk_at", "busy_seconds")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
 _BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "sla_snapshots",
-                       "sla_snapshot_at")
+                       "sla_snapshot_at", "sla_ahead")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 
@@ -144,6 +145,10 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
     job["owner"] = raw.get("owner") or None  # the submitting key's name; None for jobs stored without one
     for name in _BOOKKEEPING_FIELDS:
         job.pop(name, None)
+    # Failures by class (`broker/retries.py`): attempts and last error of each, and the last few.
+    for name in [name for name in job if is_failure_field(name)]:
+        job.pop(name)
+    job["retries"], job["failures"] = failure_record(raw)
     job["workers"] = {name[2:]: int(count) for name, count in raw.items() if name.startswith("w:")}
     for name in job["workers"]:
         job.pop("w:" + name)

@@ -43,6 +43,11 @@ class Keys:
         the set knows when to read it again (its size alone would miss one ref pruned, another added)."""
         return self._key("queues-version")
 
+    def retrying(self, model_ref: str) -> str:
+        """ZSET item id -> when it may run again, of `model_ref`'s items parked in `inflight` while they
+        wait out a retry's backoff (`broker/retries.py`); the reaper tells them from lost leases by it."""
+        return self._key("retrying", model_ref)
+
     @property
     def items(self) -> str:
         """HASH item id -> JSON payload of every queued or in-flight item."""

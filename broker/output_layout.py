@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from broker.errors import RetryableError
+from broker.errors import StorageUnavailable
 
 PARTS_DIR = ".parts"
 MANIFEST_NAME = "manifest.json"
@@ -50,8 +50,8 @@ def part_path(output_dir: Path, name: str, chunk_index: int, job_id: str = "") -
     return parts_folder(output_dir, job_id) / f"{file_stem(name)}.{chunk_index:06d}.npy"
 
 
-def storage_error(output_dir: Path, err: OSError) -> RetryableError:
-    return RetryableError(
+def storage_error(output_dir: Path, err: OSError) -> StorageUnavailable:
+    return StorageUnavailable(
         f"writing outputs under '{output_dir}' failed ({err}); check free space and permissions there, "
         "the work will be retried"
     )

@@ -264,27 +264,38 @@ class ReapResult:
     returned: int
     dead_items: list[tuple[str, str, dict[str, Any]]]
     """(model ref, item id, payload) of items that used up their attempts."""
+    lost: list[tuple[str, str, dict[str, Any], float | None]] = field(default_factory=list)
+    """(model ref, item id, payload, when it is queued again: None for now) of the leases that
+    expired because their worker was lost (not those parked for a retry, nor those gone dead)."""
 
 
-def reap_expired_leases(store: Store, *, now: float, max_attempts: int, limit: int = 1000) -> ReapResult:
-    """Return every expired lease to its queue, or to the dead set after `max_attempts` leases."""
+def reap_expired_leases(store: Store, *, now: float, max_attempts: int, limit: int = 1000,
+                        lost_delays: Sequence[float] = ()) -> ReapResult:
+    """Return every expired lease to its queue, or to the dead set after `max_attempts` lost leases;
+    items parked for a retry whose backoff has passed go back too (`reap_leases.lua`). `lost_delays`:
+    the wait after the n-th lost lease of an item before it is queued again (none: at once)."""
     keys = store.keys
     returned = 0
+    lost: list[tuple[str, str, dict[str, Any], float | None]] = []
     with translate_redis_errors():
         for ref in sorted(store.client.smembers(keys.queues)):
-            back, _ = store.scripts.reap_leases(
+            back, _, *lost_pairs = store.scripts.reap_leases(
                 keys=[keys.inflight(ref), keys.ready(ref), keys.items, keys.attempts, keys.dead,
-                      keys.waiting_requests(ref)],
-                args=[now, max_attempts, limit],
+                      keys.waiting_requests(ref), keys.retrying(ref)],
+                args=[now, max_attempts, limit, json.dumps([float(delay) for delay in lost_delays])],
             )
             returned += int(back)
+            if lost_pairs:
+                payloads = store.client.hmget(keys.items, lost_pairs[0::2])
+                lost += [(ref, item_id, json.loads(payload) if payload else {}, float(at) if at else None)
+                         for item_id, at, payload in zip(lost_pairs[0::2], lost_pairs[1::2], payloads, strict=True)]
         dead_ids = store.client.zrange(keys.dead, 0, limit - 1)
         dead_items = []
         for item_id in dead_ids:
             payload = store.client.hget(keys.items, item_id)
             decoded = json.loads(payload) if payload else {}
             dead_items.append((decoded.get("model_ref", ""), item_id, decoded))
-    return ReapResult(returned=returned, dead_items=dead_items)
+    return ReapResult(returned=returned, dead_items=dead_items, lost=lost)
 
 
 def top_up_tickets(store: Store, *, now: float, target: int) -> list[str]:

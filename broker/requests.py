@@ -23,6 +23,7 @@ import orjson
 
 from broker.errors import Conflict, NotFound, SitsError
 from broker.queues import LeasedItem
+from broker.retries import failure_record
 from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
 
 
@@ -247,6 +248,7 @@ def record_from_fields(raw: Mapping[str, str]) -> dict[str, Any]:
         "error_code": raw.get("error_code") or None,  # the kind of error: bad_input, invalid_model, timeout, ...
         "outputs": None,
     }
+    result["retries"], result["failures"] = failure_record(raw)  # failures by class (`broker/retries.py`)
     if raw.get("outputs"):
         result["outputs"] = {name: unpack_array(text) for name, text in orjson.loads(raw["outputs"]).items()}
     if result["finished_at"]:

@@ -29,6 +29,8 @@ SCRIPT_NAMES = (
     "count_jobs",
     "forget_chunks",
     "reap_leases",
+    "retry_item",
+    "note_failure",
     "take_reaper_turn",
     "top_up_tickets",
     "release_ticket",

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from broker.errors import ConfigError, ConnectionLost, StoreFull
 from broker.keys import Keys
@@ -42,6 +45,7 @@ class Store:
         return `bytes | str | Awaitable` unions whatever the client's mode, which no caller can use."""
         self.keys = keys or Keys()
         self._local = threading.local()
+        self._unreachable: tuple[Any, Scripts, socket.socket] | None = None
 
     @property
     def client(self) -> Any:
@@ -54,6 +58,9 @@ class Store:
         return self._held()[1]
 
     def _held(self) -> tuple[Any, Scripts]:
+        if getattr(self._local, "drops", 0):  # (an injected fault: `drop_connection`)
+            self._local.drops -= 1
+            return self._unreachable_client()
         held = getattr(self._local, "held", None)
         if held is None or held[0] != os.getpid():  # (a forked child must not share its parent's socket)
             with translate_redis_errors():
@@ -62,6 +69,28 @@ class Store:
         else:
             _drop_if_stale(held[1].connection)
         return held[1], held[2]
+
+    def drop_connection(self, calls: int) -> None:
+        """Fault injection (`faults.redis_drop_share`): close this thread's connection, and make its next
+        `calls` Redis calls fail with a real connection error, as when Redis is out of reach.
+
+        redis-py retries a failed connection for seconds on its own, so a connection merely closed
+        would come back unseen: those calls go to a local port that refuses connections, with no
+        retries, and the call after them opens a new connection to Redis."""
+        held = getattr(self._local, "held", None)
+        if held is not None and held[1].connection is not None:
+            held[1].connection.disconnect()
+        self._local.drops = max(0, int(calls))
+
+    def _unreachable_client(self) -> tuple[Any, Scripts]:
+        """A client of a port that is bound but never listens, so connecting is refused at once."""
+        if self._unreachable is None:
+            refusing = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            refusing.bind(("127.0.0.1", 0))  # held open: no other process gets the port meanwhile
+            client = redis.Redis(host="127.0.0.1", port=refusing.getsockname()[1], decode_responses=True,
+                                 socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
+            self._unreachable = (client, Scripts(client), refusing)
+        return self._unreachable[0], self._unreachable[1]
 
     @classmethod
     def connect(cls, url: str, key_prefix: str = "sits") -> Store:

@@ -102,8 +102,8 @@ class BetweenBatches:
             return
         try:
             run_requests(self._ctx, carried, self._ticket)
-        except Exception:
-            give_back(self._ctx, carried)
+        except Exception as err:
+            give_back(self._ctx, carried, err)
             raise
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -29,6 +30,7 @@ from broker.queues import QueueWatcher
 from broker.store import Store
 from sits_worker.chunk_commits import Commits
 from sits_worker.devices import Device, device_memory
+from sits_worker.fault_injection import FaultInjector
 from sits_worker.lease_keeper import LeaseKeeper
 from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
@@ -78,6 +80,10 @@ class WorkerContext:
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     model_records: ModelRecordCache = field(default_factory=lambda: ModelRecordCache(WORKER_RECORD_TTL_SECONDS))
     """Registry records kept a moment: the hot path reads one on every batch."""
+    jitter: random.Random = field(default_factory=random.Random)
+    """Draws the jitter of retry backoffs (`broker/retry_policy.py`): unseeded, so workers differ."""
+    faults: FaultInjector | None = None
+    """The faults this worker injects into its own work (`faults` in the settings); None: none."""
     _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
@@ -88,6 +94,8 @@ class WorkerContext:
         self.queue_watcher = QueueWatcher(self.store)
         self.commits = Commits(max_pending=self.streams)
         self.lease_keeper = LeaseKeeper(self.store, self.settings.scheduler.lease_timeout)
+        if self.faults is None and self.settings.faults.active:
+            self.faults = FaultInjector(self.settings.faults, self.store)
 
     @classmethod
     def create(cls, worker: WorkerSettings) -> WorkerContext:
@@ -150,8 +158,12 @@ class WorkerContext:
         try:
             session = session or self.session(model_ref)  # a cold load is not a batch's run time
             learn = bool(feed) and self._derive(model_ref)[2]
+            if self.faults is not None:
+                self.faults.before_run(model_ref, feed)
             started = time.perf_counter()
             outputs = run_session(session, feed, output_names)
+            if self.faults is not None:
+                self.faults.after_run()
             if learn:
                 self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
             return outputs
@@ -160,6 +172,17 @@ class WorkerContext:
                 raise
             log.warning("out of memory on %s; running this batch of %s on the CPU", self.device, model_ref)
             return run_session(self.session(model_ref, device=Device("cpu")), feed, output_names)
+
+    def memory_reading(self) -> int:
+        """Bytes in use on this worker's device: NVML's used memory on a GPU, this process's resident
+        memory on a CPU; the injected reading instead when `faults.memory_reading` is set."""
+        injected = self.faults.memory_reading() if self.faults is not None else None
+        if injected is not None:
+            return injected
+        if self.device.kind == "gpu":
+            reading = device_memory(self.device, self.settings.resources.device_memory)
+            return int(reading["total_bytes"]) - int(reading["free_bytes"])
+        return resident_bytes()
 
     def job_input(self, job: dict[str, Any]) -> InputSource:
         """The opened input file of a job, kept open for the job's next chunks."""
@@ -180,6 +203,15 @@ class WorkerContext:
                 _, oldest = self._inputs.popitem(last=False)
                 oldest.close()
         return source
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux `/proc/self/statm`; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 _context: WorkerContext | None = None

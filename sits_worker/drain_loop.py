@@ -25,9 +25,11 @@ from broker import (
     request_timeouts,
     requests,
     reservation,
+    retries,
 )
 from broker.errors import RunFailed
 from broker.queues import StaleTicket
+from broker.retry_policy import retry_delays
 from broker.wakeup import SendTicket, wake_workers
 from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.context import WorkerContext
@@ -166,18 +168,28 @@ def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:
 
 
 def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
-    """One reaper pass: expired leases back to their queue, poison items fail their job, requests past
+    """One reaper pass: expired leases back to their queue (retries whose backoff passed, and lost
+    leases, recorded as `worker_lost` on their job or request), poison items fail their job, requests past
     their timeout rejected or delayed, lost tickets replaced, older model versions' empty queues
     pruned, stalled job fills and stops completed (run by `reaper.Reaper`, on a thread of its own)."""
     settings = ctx.settings
-    result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=settings.jobs.max_attempts)
+    lost_policy = settings.retry_policy("worker_lost")
+    max_attempts = lost_policy.attempts or settings.jobs.max_attempts
+    result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=max_attempts,
+                                        lost_delays=retry_delays(lost_policy, ctx.jitter.random))
+    lost_error = "its lease expired: the worker running it died, froze or lost Redis"
+    if result.lost:
+        retries.note_lost(ctx.store, result.lost, now=now, error=lost_error)
+    if result.dead_items:
+        retries.note_lost(ctx.store, [(ref, item_id, payload, None) for ref, item_id, payload in result.dead_items],
+                          now=now, error=lost_error, retried=False)
     weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(settings.scheduler.policy))
     timed_out = request_timeouts.expire_all(ctx.store, now=now, weights=weights, ordering=ordering,
                                             keep_seconds=settings.online.result_ttl)
     for model_ref, item_id, payload in result.dead_items:
         if payload.get("kind") == "request":
-            item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
-            error = f"the request failed {settings.jobs.max_attempts} times (its workers died or errored)"
+            item = queues.LeasedItem(item_id, model_ref, payload, max_attempts)
+            error = f"the request failed {max_attempts} times (its workers died or errored)"
             failed = requests.RequestResult(item, error=error, code=RunFailed.code)
             requests.complete_requests(ctx.store, [failed], now=now, keep_seconds=settings.online.result_ttl,
                                        batch_size=1, worker="reaper")
@@ -185,11 +197,11 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
             continue
         job_id = payload.get("job", "")
         last_error = job_progress.last_error(ctx.store, job_id) or "the worker died"
-        error = f"{item_id} failed {settings.jobs.max_attempts} times; last error: {last_error}"
+        error = f"{item_id} failed {max_attempts} times; last error: {last_error}"
         if job_id:
             job_stops.stop_job(ctx.store, job_id, status="failed", error=error, now=now, dead_item=item_id)
         else:
-            item = queues.LeasedItem(item_id, model_ref, payload, settings.jobs.max_attempts)
+            item = queues.LeasedItem(item_id, model_ref, payload, max_attempts)
             queues.finish_item(ctx.store, item, job_id, now=now)
     # Lost tickets before the fills and stops below, which may take many calls (a stop of 100,000 chunks, 800).
     lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)

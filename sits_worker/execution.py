@@ -21,9 +21,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from broker import job_progress, jobs, queues
-from broker.errors import BadInput, PermanentError
+from broker import job_progress, job_stops, jobs, queues, retries
+from broker.errors import BadInput, SitsError
 from broker.queues import LeasedItem
+from broker.retry_policy import classify, describe, retry_delays
 from sits_worker.context import WorkerContext
 from sits_worker.model.source import check_unchanged
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
@@ -54,9 +55,8 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
     """Run one leased item; returns what happened ('committing': a chunk computed, its outputs handed
     to the commit thread, which writes them and acks it; 'finalized', 'dropped', 'failed', 'retry').
 
-    Permanent errors fail the job at once with the error's message; any other
-    error leaves the lease to expire, so the reaper retries the item until
-    its attempts are used up (`settle_failure`; a chunk's commit settles its own).
+    A failure is settled by its class (`settle_failure`; a chunk's commit settles its own): retried
+    after its backoff while the class has attempts left, else its job fails with the error's message.
     """
     job_id = item.payload["job"]
     now = time.time()
@@ -109,18 +109,30 @@ def _tolerant(keep_alive: Callable[[], None]) -> Callable[[], None]:
 
 
 def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
-    """What a failed job item leaves behind: a permanent error fails its job at once ('failed');
-    any other records why and lets the lease expire now, so the reaper retries the item or, with
-    its attempts used up, fails the job ('retry')."""
+    """What a failed job item leaves behind, by the retry matrix (`broker/retry_policy.py`): its
+    failure is recorded by class on its job, and while the class has retries left the item waits out
+    its backoff in Redis ('retry', `broker/retries.py`); else its job fails with the error, and its
+    other items leave their queue ('failed').
+    'dropped': the item was no longer this worker's (reaped, or its job stopped)."""
     job_id = item.payload["job"]
-    if isinstance(err, PermanentError):
-        log.warning("job %s failed on %s: %s", job_id, item.item_id, err.message)
-        queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="failed", error=err.message)
-        return "failed"
-    log.error("item %s of job %s failed (attempt %d)", item.item_id, job_id, item.attempts, exc_info=err)
-    job_progress.record_last_error(ctx.store, job_id, f"{type(err).__name__}: {err}")
-    queues.expire_lease_now(ctx.store, item)
-    return "retry"
+    failure_class = classify(err)
+    delays = retry_delays(ctx.settings.retry_policy(failure_class), ctx.jitter.random)
+    message = describe(err)
+    outcome = retries.retry_later(ctx.store, item, failure_class=failure_class, error=message, delays=delays,
+                                  now=time.time())
+    if outcome.retried:
+        log.warning("item %s of job %s failed (%s, %d so far), retried at %.3f: %s", item.item_id, job_id,
+                    failure_class, outcome.failures, outcome.retry_at or 0.0, message,
+                    exc_info=err if failure_class == "transient" and not isinstance(err, SitsError) else None)
+        return "retry"
+    if outcome.gone:
+        return "dropped"
+    error = message if outcome.failures <= 1 else (
+        f"{item.item_id} failed {outcome.failures} times ({failure_class}); last error: {message}")
+    log.warning("job %s failed on %s: %s", job_id, item.item_id, error)
+    # As the reaper fails a job whose item went dead: its other items leave their queue too.
+    job_stops.stop_job(ctx.store, job_id, status="failed", error=error, now=time.time())
+    return "failed"
 
 
 def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, results: Mapping[str, np.ndarray],
@@ -180,6 +192,8 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
             if riders:
                 row_indices, feed = _run_riders(ctx, model_ref, riders, row_indices, feed, store_rows, session)
             if len(row_indices):
+                if ctx.faults is not None:
+                    ctx.faults.check_rows(row_indices)
                 store_rows(row_indices, ctx.run(model_ref, feed, output_names, session))
     # And after: rows read while the file was rewritten in place (same size, same inode) must not count
     # as done under the checksum of the file as submitted.
@@ -199,9 +213,11 @@ def _run_riders(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem]
             run_requests(ctx, riders)
             return row_indices, feed
         output_names = [output["name"] for output in ctx.model(model_ref)["signature"]["outputs"]]
+        if ctx.faults is not None:
+            ctx.faults.check_rows(row_indices[:fill])
         outputs = run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders, session)
-    except Exception:
-        give_back(ctx, riders)  # a no-op for those already completed
+    except Exception as err:
+        give_back(ctx, riders, err)  # a no-op for those already completed
         raise
     store_rows(row_indices[:fill], outputs)
     return row_indices[fill:], _rows(feed, fill, len(row_indices))

@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from broker import queues, requests
-from broker.errors import InferenceTimeout, PermanentError
+from broker import queues, requests, retries
+from broker.errors import InferenceTimeout, PermanentError, SitsError
 from broker.queues import LeasedItem
 from broker.requests import RequestResult
+from broker.retry_policy import classify, describe, retry_delays
 from broker.scoring import rows_to_fill as rows_to_fill_by_profile
 from sits_worker.context import WorkerContext
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
@@ -38,6 +39,7 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
     results, live = _load(ctx, items)
     run_started = time.time()
     if live:
+        failure: Exception | None = None
         with ctx.lease_keeper.holding(items, ticket):
             try:
                 results += _run_merged(ctx, model_ref, live)
@@ -45,11 +47,42 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
                 # One bad request must not fail its neighbours: run each alone, fail only the bad ones.
                 log.info("merged batch of %d on %s failed (%s); running its requests one by one",
                          len(live), model_ref, err.message)
-                results += _run_one_by_one(ctx, model_ref, live)
-    requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
-                               batch_size=len(items), worker=ctx.name, run_started=run_started,
-                               run_rows=_rows(live))
+                try:
+                    results += _run_one_by_one(ctx, model_ref, live)
+                except Exception as single:
+                    failure = single
+            except Exception as err:
+                failure = err
+        if failure is not None:  # (once the keeper no longer extends the leases a retry parks)
+            results += _settle_failed_run(ctx, [item for item, _ in live], failure)
+    if results:  # (none when every request waits for a retry)
+        requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
+                                   batch_size=len(items), worker=ctx.name, run_started=run_started,
+                                   run_rows=_rows(live))
     return sum(1 for result in results if not result.error)
+
+
+def _settle_failed_run(ctx: WorkerContext, items: Sequence[LeasedItem], err: Exception) -> list[RequestResult]:
+    """Requests whose run failed, by the retry matrix (`broker/retry_policy.py`), their failure recorded:
+    those with retries left in the failure's class wait out its backoff in Redis; the results of the
+    others, failed with the error. When Redis itself is away, `err` goes on up: the leases expire."""
+    failure_class = classify(err)
+    policy = ctx.settings.retry_policy(failure_class)
+    message = describe(err)
+    code = err.code if isinstance(err, SitsError) else SitsError.code
+    failed = []
+    try:
+        for item in items:
+            outcome = retries.retry_later(ctx.store, item, failure_class=failure_class, error=message,
+                                          delays=retry_delays(policy, ctx.jitter.random), now=time.time())
+            if not outcome.retried and not outcome.gone:
+                failed.append(RequestResult(item, error=message, code=code))
+    except SitsError:
+        raise err from None
+    log.log(logging.INFO if isinstance(err, PermanentError) else logging.WARNING,
+            "a batch of %d requests of %s failed (%s): %d retried later, %d failed: %s", len(items),
+            items[0].model_ref, failure_class, len(items) - len(failed), len(failed), message)
+    return failed
 
 
 def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_names: list[str],
@@ -82,9 +115,21 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     return [job_outputs[name] for name in output_names]
 
 
-def give_back(ctx: WorkerContext, items: Sequence[LeasedItem]) -> None:
-    """Return leased requests to their queue at once (their leases expire now; the reaper re-queues
-    them on its next pass, an attempt counted), after a run that could not complete them."""
+def give_back(ctx: WorkerContext, items: Sequence[LeasedItem], err: BaseException | None = None) -> None:
+    """Return leased requests to their queue after a run that could not complete them. With the run's
+    `err`, as the retry matrix says for its class (`_settle_failed_run`: a backoff in Redis, or failed
+    once their attempts are used up); else, or when that cannot reach Redis, their leases expire now
+    and the reaper re-queues them on its next pass, an attempt counted. A no-op for those completed."""
+    if isinstance(err, Exception) and not isinstance(err, PermanentError):
+        try:
+            failed = _settle_failed_run(ctx, items, err)
+            if failed:
+                requests.complete_requests(ctx.store, failed, now=time.time(),
+                                           keep_seconds=ctx.settings.online.result_ttl, batch_size=len(items),
+                                           worker=ctx.name)
+            return
+        except Exception as settling:
+            log.warning("could not settle %d requests by their failure's class: %s", len(items), settling)
     for item in items:
         queues.expire_lease_now(ctx.store, item)
 
@@ -131,8 +176,8 @@ def _run_one_by_one(ctx: WorkerContext, model_ref: str,
     for entry in live:
         try:
             results += _run_merged(ctx, model_ref, [entry])
-        except PermanentError as single:
-            results.append(RequestResult(entry[0], error=single.message, code=single.code))
+        except PermanentError as single:  # recorded by class too (bad input: never retried, by default)
+            results += _settle_failed_run(ctx, [entry[0]], single)
     return results
 
 

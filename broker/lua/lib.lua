@@ -145,3 +145,25 @@ local function count_job_end(job_key, job_id, old, new, now, counters_key, bucke
     redis.call('HINCRBY', counters_key, 'job_deadline_' .. outcome .. ':' .. model_ref, 1)
   end
 end
+
+-- Record one failure of item `item_id` in the class `class` on its record (`record_key`: its job's or
+-- request's HASH; nothing when that is gone): the class's attempts, last error and time, the job's
+-- `last_error`, and an entry in `failures`, the record's last FAILURE_LOG_LENGTH failures (JSON).
+-- `retry_at` is when the item runs again (nil: it does not). `counted`: the attempts field was
+-- counted already (a request's own count is its class's).
+local FAILURE_LOG_LENGTH = 20
+local function note_failure(record_key, item_id, class, error, now, retry_at, counted)
+  if redis.call('EXISTS', record_key) == 0 then
+    return
+  end
+  if not counted then
+    redis.call('HINCRBY', record_key, 'attempts:' .. class, 1)
+  end
+  redis.call('HSET', record_key, 'error:' .. class, error, 'failed_at:' .. class, now, 'last_error', error)
+  local log = cjson.decode(redis.call('HGET', record_key, 'failures') or '[]')
+  log[#log + 1] = {class = class, item = item_id, at = now, retry_at = retry_at or cjson.null}
+  while #log > FAILURE_LOG_LENGTH do
+    table.remove(log, 1)
+  end
+  redis.call('HSET', record_key, 'failures', cjson.encode(log))
+end

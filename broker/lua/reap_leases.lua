@@ -1,29 +1,65 @@
--- reap_leases: return items whose lease expired to their ready queue, or to the dead set when
--- they used up their attempts (a poison batch must not loop forever).
+-- reap_leases: return items whose lease expired to their ready queue, at the score their payload
+-- keeps, or to the dead set when they used up their attempts (a poison batch must not loop forever).
+-- An expired item is either parked for a retry (`retry_item.lua`: its backoff has passed) or its worker
+-- was lost (it died, froze, or lost Redis); only lost leases count against the attempts, and only they
+-- may wait a backoff of their own (`retry.worker_lost`).
 -- KEYS[1] inflight  ZSET item id -> lease deadline
 -- KEYS[2] ready     ZSET
 -- KEYS[3] items     HASH (the payload keeps the item's score)
--- KEYS[4] attempts  HASH
+-- KEYS[4] attempts  HASH item id -> lease count
 -- KEYS[5] dead      ZSET
 -- KEYS[6] waiting requests ZSET a request returned to KEYS[2] counts as waiting again
--- ARGV[1] now, ARGV[2] max attempts, ARGV[3] most items to handle in this call
--- Returns: {returned, dead}.
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-local returned, dead = 0, 0
-for _, item_id in ipairs(expired) do
-  redis.call('ZREM', KEYS[1], item_id)
+-- KEYS[7] retrying  ZSET item id -> when a parked item may run again (its deadline in KEYS[1] too)
+-- ARGV[1] now, ARGV[2] max attempts (of lost leases), ARGV[3] most items to handle in this call
+-- ARGV[4] JSON list: the wait after the n-th lost lease before the item is queued again ([] : none)
+-- Returns: {returned, dead, lost item id, its retry time ('' : queued now), ...}: the lost leases (not
+-- those gone dead), whose failures the caller records.
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
+local delays = cjson.decode(ARGV[4] or '[]')
+local now = tonumber(ARGV[1])
+local reply = {0, 0}
+for i = 1, #expired, 2 do
+  local item_id, deadline = expired[i], tonumber(expired[i + 1])
+  -- Parked: its mark says the very deadline it has (a mark left from before its job was stopped and
+  -- resumed does not, and is dropped here).
+  local mark = redis.call('ZSCORE', KEYS[7], item_id)
+  local parked = mark and tonumber(mark) == deadline
+  if mark then
+    redis.call('ZREM', KEYS[7], item_id)
+  end
   local payload = redis.call('HGET', KEYS[3], item_id)
   local attempts = tonumber(redis.call('HGET', KEYS[4], item_id) or '0')
-  if payload then
-    if attempts >= tonumber(ARGV[2]) then
-      redis.call('ZADD', KEYS[5], ARGV[1], item_id)
-      dead = dead + 1
-    else
-      local item = cjson.decode(payload)
-      redis.call('ZADD', KEYS[2], item['score'], item_id)
-      count_waiting_again(KEYS[6], item_id, item)
-      returned = returned + 1
+  local delay = delays[attempts]
+  if not payload then
+    redis.call('ZREM', KEYS[1], item_id)
+  elseif not parked and attempts >= tonumber(ARGV[2]) then
+    redis.call('ZREM', KEYS[1], item_id)
+    redis.call('ZADD', KEYS[5], ARGV[1], item_id)
+    reply[2] = reply[2] + 1
+  elseif not parked and delay ~= nil and delay > 0 then
+    redis.call('ZADD', KEYS[1], now + delay, item_id)
+    redis.call('ZADD', KEYS[7], now + delay, item_id)
+    reply[#reply + 1] = item_id
+    reply[#reply + 1] = tostring(now + delay)
+  else
+    redis.call('ZREM', KEYS[1], item_id)
+    local item = cjson.decode(payload)
+    redis.call('ZADD', KEYS[2], item['score'], item_id)
+    count_waiting_again(KEYS[6], item_id, item)
+    reply[1] = reply[1] + 1
+    if not parked then
+      reply[#reply + 1] = item_id
+      reply[#reply + 1] = ''
     end
   end
 end
-return {returned, dead}
+-- Marks whose time has passed and that no longer say an item's deadline go too: their item left the
+-- in-flight set otherwise (its job was stopped), or was leased again since (its job resumed).
+local marks = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
+for i = 1, #marks, 2 do
+  local deadline = redis.call('ZSCORE', KEYS[1], marks[i])
+  if not deadline or tonumber(deadline) ~= tonumber(marks[i + 1]) then
+    redis.call('ZREM', KEYS[7], marks[i])
+  end
+end
+return reply

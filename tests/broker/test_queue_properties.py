@@ -1,4 +1,4 @@
-"""Property: no sequence of enqueue / lease / ack / expire / cancel / resume loses or duplicates an item.
+"""Property: no sequence of enqueue / lease / ack / expire / retry / cancel / resume loses or duplicates an item.
 
 A hypothesis state machine drives the real Lua scripts on the session's
 Redis. Simulated workers hold leases (possibly stale ones: reaped, taken back
@@ -33,7 +33,18 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from broker import job_fills, job_lists, job_progress, job_stops, jobs, policy, queues, request_timeouts, requests
+from broker import (
+    job_fills,
+    job_lists,
+    job_progress,
+    job_stops,
+    jobs,
+    policy,
+    queues,
+    request_timeouts,
+    requests,
+    retries,
+)
 from broker.embedded import EmbeddedRedis
 from broker.errors import Conflict
 from broker.keys import Keys
@@ -211,6 +222,22 @@ class QueueMachine(RuleBasedStateMachine):
         if retryable:
             self.client.zadd(self.store.keys.inflight(item.model_ref), {item.item_id: 0}, xx=True)
 
+    @precondition(lambda self: self.held)
+    @rule(pick=st.integers(0, 20), delay=st.sampled_from([0.0, 5.0, 30.0]), retries_left=st.booleans())
+    def fail_by_class(self, pick: int, delay: float, retries_left: bool) -> None:
+        """A run fails in a class of the retry matrix, as `execution.settle_failure` and
+        `request_runs._settle_failed_run` settle it: parked for its backoff, or failed for good."""
+        item = self.held.pop(pick % len(self.held))
+        outcome = retries.retry_later(self.store, item, failure_class="device_oom", error="oom",
+                                      delays=[delay] * 3 if retries_left else [], now=self.now)
+        if outcome.retried or outcome.gone:
+            return
+        if item.payload["kind"] == "request":
+            requests.complete_requests(self.store, [RequestResult(item, error="oom")], now=self.now,
+                                       keep_seconds=3600, batch_size=1, worker="w1")
+        else:
+            job_stops.stop_job(self.store, item.payload["job"], status="failed", error="oom", now=self.now)
+
     @rule(model=st.sampled_from(MODELS), carry_chunk=st.booleans(), chunks_only=st.booleans())
     def lease_and_give_back_unrun(self, model: str, carry_chunk: bool, chunks_only: bool) -> None:
         """A worker leases a batch and at once returns what it cannot run now (a job chunk that does not
@@ -238,6 +265,8 @@ class QueueMachine(RuleBasedStateMachine):
         if not reap:
             return
         result = queues.reap_expired_leases(self.store, now=self.now, max_attempts=MAX_ATTEMPTS)
+        for model in MODELS:  # every retry due is back in its queue, and no mark of one is left behind
+            assert self.client.zrangebyscore(self.store.keys.retrying(model), "-inf", self.now) == []
         weights, ordering = policy.get_policy(self.store, default="dynamic")
         request_timeouts.expire_all(self.store, now=self.now, weights=weights, ordering=ordering, keep_seconds=3600)
         for model_ref, item_id, payload in result.dead_items:

@@ -113,8 +113,11 @@ def test_a_commit_that_cannot_write_leaves_the_chunk_to_be_retried(
 
     job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
     assert job["chunks_done"] == 0 and "No space left" in (job_progress.last_error(ctx.store, spec.job_id) or "")
-    # Its lease expired at once: the next reaper pass puts it back for another attempt.
-    assert queues.reap_expired_leases(ctx.store, now=time.time(), max_attempts=3).returned == 1
+    # A full disk is transient: the chunk waits out that class's backoff (2 s + up to 1 s), then the
+    # reaper puts it back for another attempt.
+    assert job["retries"]["transient"]["attempts"] == 1
+    assert queues.reap_expired_leases(ctx.store, now=time.time(), max_attempts=3).returned == 0
+    assert queues.reap_expired_leases(ctx.store, now=time.time() + 3.1, max_attempts=3).returned == 1
 
 
 def test_a_commit_drops_a_chunk_whose_job_stopped_while_it_waited(

@@ -1,0 +1,133 @@
+"""The settings sections of failure handling: `retry` (one policy per failure class) and `faults`.
+
+Part of the one settings object (`broker/config.py` puts them in `Settings`); apart only to keep
+that module small. docs/failures.md says what each key does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from broker.setting_types import Bytes, Integer, Number, Seconds
+from broker.setting_types import Section as _Section
+
+FAILURE_CLASSES = ("worker_lost", "transient", "device_oom", "run_timeout", "bad_input", "invalid_model",
+                   "cancelled")
+"""Every class a failure falls in (`broker/retry_policy.classify`), each with its `retry.<class>` policy."""
+
+InjectedClass = Literal["transient", "device_oom", "run_timeout", "bad_input", "invalid_model"]
+"""The failure classes a `faults.fail_models` entry may inject into a model's runs."""
+
+
+class RetryPolicy(_Section):
+    """How often one class of failure is retried, and how long a retried item waits first.
+
+    The n-th retry waits `backoff` x `backoff_factor`^(n-1), plus a random share of `jitter`; the
+    wait is spent in Redis, not in a worker thread (docs/failures.md)."""
+
+    attempts: Integer | None = Field(3, ge=1)
+    """Runs of one item that may fail this way before its job (or request) fails; 1: no retry.
+    `retry.worker_lost` only: empty (null) means `jobs.max_attempts`."""
+    backoff: Seconds = Field(0.0, ge=0)
+    """The wait before the first retry."""
+    backoff_factor: Number = Field(1.0, ge=1.0, le=100.0)
+    """Each further retry waits this many times the one before (1: the same each time)."""
+    jitter: Seconds = Field(0.0, ge=0)
+    """Up to this much more, drawn at random for each retry, so that items that failed together do not
+    all come back together."""
+
+
+def _policy(attempts: int | None, backoff: float = 0.0, factor: float = 1.0, jitter: float = 0.0) -> RetryPolicy:
+    return RetryPolicy(attempts=attempts, backoff=backoff, backoff_factor=factor, jitter=jitter)
+
+
+class RetrySettings(_Section):
+    """The retry matrix: one policy per failure class (`broker/errors.py` names each error's class)."""
+
+    worker_lost: RetryPolicy = _policy(None)
+    """A lease that expired (its worker died or froze): back in its queue at once."""
+    transient: RetryPolicy = _policy(4, 2.0, 1.0, 1.0)
+    """Redis unreachable or full, a file system error that may pass (EAGAIN, EIO, ENOSPC), an unknown error."""
+    device_oom: RetryPolicy = _policy(4, 1.0, 4.0)
+    """The device ran out of memory (1 s, 4 s, 16 s)."""
+    run_timeout: RetryPolicy = _policy(4, 1.0, 4.0)
+    """A run went past its time limit (1 s, 4 s, 16 s)."""
+    bad_input: RetryPolicy = _policy(1)
+    """The input does not fit the model (or ONNX Runtime refused it): never retried."""
+    invalid_model: RetryPolicy = _policy(1)
+    """The model cannot be loaded or gives malformed outputs: never retried."""
+    cancelled: RetryPolicy = _policy(1)
+    """The work was cancelled while it ran: never retried."""
+
+    @model_validator(mode="after")
+    def _attempts_set(self) -> RetrySettings:
+        for name in FAILURE_CLASSES:
+            if name != "worker_lost" and self.policy(name).attempts is None:
+                raise ValueError(f"retry.{name}.attempts must be a number (only retry.worker_lost.attempts may be "
+                                 "empty, meaning jobs.max_attempts)")
+        return self
+
+    def policy(self, failure_class: str) -> RetryPolicy:
+        """The policy of `failure_class` (one of `FAILURE_CLASSES`)."""
+        policy = getattr(self, failure_class)
+        assert isinstance(policy, RetryPolicy)
+        return policy
+
+
+class FaultSettings(_Section):
+    """Faults a worker injects into its own work, for tests and benchmarks: off unless `enabled`.
+
+    Each fault takes the worker's real error path (an injected out-of-memory is the error a real one
+    becomes); nothing is replaced by a stand-in."""
+
+    enabled: bool = False
+    """Must be true for any other key here to be set: a fault left in a production file is refused."""
+    seed: Integer = 0
+    """Seed of the draws that pick which runs fail: the same seed, the same faults."""
+    run_latency: Seconds = Field(0.0, ge=0)
+    """Added to every run, before it starts."""
+    oom_share: Number = Field(0.0, ge=0, le=1)
+    """Share of runs that fail as out of device memory."""
+    oom_above_rows: Integer = Field(0, ge=0)
+    """Runs of more rows than this fail as out of device memory (0: none)."""
+    fail_rows: tuple[int, ...] = ()
+    """Job row indexes (0-based, in the input file) whose runs fail as bad input."""
+    fail_values: tuple[float, ...] = ()
+    """Input values: a run whose inputs hold one fails as bad input (online requests too)."""
+    fail_models: dict[str, InjectedClass] = {}
+    """Model name -> the class of failure every run of it raises."""
+    memory_reading: Bytes = Field(0, ge=0)
+    """What the worker's memory reading returns instead of the real one (0: the real one)."""
+    redis_drop_share: Number = Field(0.0, ge=0, le=1)
+    """Share of runs after which the running thread's Redis connection drops."""
+    redis_drop_calls: Integer = Field(1, ge=1)
+    """How many Redis calls fail with a connection error after each drop."""
+
+    @field_validator("fail_rows", "fail_values", mode="before")
+    @classmethod
+    def _list(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple) and not any(isinstance(entry, bool) for entry in value):
+            return tuple(value)
+        raise ValueError(f"{value!r} is not a list of numbers")
+
+    @model_validator(mode="after")
+    def _refused_unless_enabled(self) -> FaultSettings:
+        if self.enabled:
+            return self
+        set_keys = sorted(name for name in self.model_fields_set
+                          if name != "enabled" and getattr(self, name) != _FAULT_DEFAULTS[name])
+        if set_keys:
+            raise ValueError(f"faults {', '.join(set_keys)} set while faults.enabled is false: fault injection "
+                             "is for tests and benchmarks; set faults.enabled: true to use it")
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether any fault is to be injected."""
+        return self.enabled and any(getattr(self, name) != default for name, default in _FAULT_DEFAULTS.items()
+                                    if name not in ("enabled", "seed", "redis_drop_calls"))
+
+
+_FAULT_DEFAULTS: dict[str, Any] = {name: field.default for name, field in FaultSettings.model_fields.items()}

@@ -1,0 +1,60 @@
+"""Fault injection's decisions: which run fails, and how (`faults` in the settings).
+
+Small pure functions over the settings, the run's facts and a random draw passed in; the worker
+(`sits_worker/fault_injection.py`) raises the error each names, on its real error path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+
+from broker.failure_settings import FaultSettings
+
+
+def model_fault(faults: FaultSettings, model_ref: str) -> str | None:
+    """The failure class every run of `model_ref` (`name@version`) is to raise; None for none."""
+    return faults.fail_models.get(model_ref.partition("@")[0])
+
+
+def oom_fault(faults: FaultSettings, rows: int, draw: Callable[[], float]) -> str | None:
+    """Why a run of `rows` rows is to fail as out of device memory (None: it is not): it has more rows
+    than `oom_above_rows`, or it is among the `oom_share` of runs (one `draw()` in [0, 1) when a share is set)."""
+    if faults.oom_above_rows and rows > faults.oom_above_rows:
+        return f"{rows} rows is above faults.oom_above_rows ({faults.oom_above_rows})"
+    if faults.oom_share and draw() < faults.oom_share:
+        return f"one of faults.oom_share ({faults.oom_share:g}) of runs"
+    return None
+
+
+def failing_rows(faults: FaultSettings, row_indices: Iterable[int]) -> list[int]:
+    """The job rows among `row_indices` that `fail_rows` names, in order."""
+    if not faults.fail_rows:
+        return []
+    named = set(faults.fail_rows)
+    return [int(index) for index in row_indices if int(index) in named]
+
+
+def failing_value(faults: FaultSettings, feed: Mapping[str, np.ndarray]) -> float | None:
+    """A `fail_values` value that the inputs of a run hold (None: none does)."""
+    if not faults.fail_values:
+        return None
+    values = np.asarray(faults.fail_values)
+    for array in feed.values():
+        if array.dtype.kind in "biuf":
+            hits = np.isin(values, array)
+            if hits.any():
+                return float(values[int(np.argmax(hits))])
+    return None
+
+
+def redis_drop_due(faults: FaultSettings, draw: Callable[[], float]) -> bool:
+    """Whether the running thread's Redis connection drops after this run (`redis_drop_share`)."""
+    return bool(faults.redis_drop_share) and draw() < faults.redis_drop_share
+
+
+def run_latency(faults: FaultSettings) -> float:
+    """Seconds added before each run."""
+    return faults.run_latency
+

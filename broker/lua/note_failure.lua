@@ -1,0 +1,12 @@
+-- note_failure: record one failure of an item on its job's or request's record (`note_failure` in
+-- lib.lua), for a failure whose item another script already moved: a lost lease the reaper returned.
+-- KEYS[1] record HASH the item's job, or the request itself
+-- ARGV[1] item id, ARGV[2] now, ARGV[3] JSON {class, error, retry_at (null: not retried)}
+-- Returns 1.
+local options = cjson.decode(ARGV[3])
+local retry_at = options.retry_at
+if retry_at == cjson.null then
+  retry_at = nil
+end
+note_failure(KEYS[1], ARGV[1], options.class, options.error, tonumber(ARGV[2]), retry_at, false)
+return 1

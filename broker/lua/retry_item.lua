@@ -1,0 +1,39 @@
+-- retry_item: a leased item's run failed in a class that may be retried: record the failure and, while
+-- the class has retries left, park the item in flight until its backoff has passed (the reaper then
+-- returns it to its queue at its own score, `reap_leases.lua`); no worker thread waits.
+-- KEYS[1] inflight  ZSET item id -> lease deadline; a parked item's is when it may run again
+-- KEYS[2] retrying  ZSET item id -> when it may run again, of the parked items (the reaper tells them
+--           from lost leases by it)
+-- KEYS[3] attempts  HASH item id -> lease count; a parked item's lease is not counted (that count
+--           bounds lost leases only, `retry.worker_lost`)
+-- KEYS[4] record    HASH the item's job, or the request itself (`note_failure` in lib.lua)
+-- ARGV[1] item id, ARGV[2] now
+-- ARGV[3] JSON {class, error, delays: [the wait before retry 1, 2, ...], count_field: the record field
+--           that counts this item's failures of the class}
+-- Returns {1, n, retry_at}: parked after its n-th failure in the class; {0, n}: not retried, the item failed n times in the class (the caller
+-- fails it); {-1}: the item is no longer in flight (reaped, finished or stopped meanwhile).
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  return {-1}
+end
+local options = cjson.decode(ARGV[3])
+local now = tonumber(ARGV[2])
+local failures = 1
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  failures = redis.call('HINCRBY', KEYS[4], options.count_field, 1)
+end
+local delay = options.delays[failures]
+local retry_at = nil
+if delay ~= nil then
+  retry_at = now + delay
+end
+local class = options.class
+note_failure(KEYS[4], ARGV[1], class, options.error, now, retry_at, options.count_field == 'attempts:' .. class)
+if retry_at == nil then
+  return {0, failures}
+end
+redis.call('ZADD', KEYS[1], 'XX', retry_at, ARGV[1])
+redis.call('ZADD', KEYS[2], retry_at, ARGV[1])
+if tonumber(redis.call('HINCRBY', KEYS[3], ARGV[1], -1)) <= 0 then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+end
+return {1, failures, tostring(retry_at)}
