@@ -18,8 +18,9 @@ many of the at-risk jobs met their deadline with 20 % of their time to spare (jo
 should not have been).
 
 `--part predictor` rates the violation predictor instead. Two workers run jobs with deadlines (all
-accepted, `admission: flag`); a few seconds in, one worker is frozen (SIGSTOP: its leases expire and
-its chunks go to the other) and a flood of higher-priority jobs without deadlines arrives. Every
+accepted, `admission: flag`; 0.6 to 1.6 million rows each); a second in, one worker is frozen for 20 s
+(SIGSTOP: its leases expire and its chunks go to the other) and a flood of higher-priority jobs
+without deadlines arrives. Every
 half second each active deadline job's `sla_risk` is read, and beside it the plain rule (alert when
 the predicted finish is past the deadline). Each job is then labelled by whether it met its deadline.
 Reported per round, for the predictor and the rule: AUC over the samples, precision at the alert
@@ -192,15 +193,19 @@ def summarize(mode: str, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
             "at_risk_met_with_20pct": risky_met_with_room}
 
 
+FREEZE_SECONDS = 20.0
+"""How long the predictor scenario freezes one of its two workers."""
+
+
 def predictor_round(stack: Stack, home: Path, rate: float, *, jobs: int, seed: int,
                     tag: str) -> list[dict[str, Any]]:
     """One scenario: deadline jobs, a frozen worker, a flood; the risk samples of every deadline job."""
     rng = np.random.default_rng(seed)
     ids, deadlines = [], {}
     for number in range(jobs):
-        rows = int(rng.integers(150_000, 400_001)) // 25_000 * 25_000  # a few input files
+        rows = int(rng.integers(600_000, 1_600_001)) // STEPS["mlp"] * STEPS["mlp"]
         status, job = post(stack, "/v1/jobs", {
-            "model": "mlp_flag", "input_batch": str(input_file(home, "mlp", rows)), "chunk_size": 20_000,
+            "model": "mlp_flag", "input_batch": str(input_file(home, "mlp", rows)), "chunk_size": 100_000,
             "output_dir": str(home / "out" / f"{tag}-p{number}"),
             "deadline_s": round(rows / rate * (number + 1) * float(rng.uniform(0.8, 1.6))
                                 + float(rng.uniform(0.0, 6.0)), 3)})
@@ -216,7 +221,7 @@ def predictor_round(stack: Stack, home: Path, rate: float, *, jobs: int, seed: i
             if not frozen and elapsed > 1:
                 os.kill(worker, signal.SIGSTOP)
                 frozen = True
-            if frozen and elapsed > 9 and worker:
+            if frozen and elapsed > 1 + FREEZE_SECONDS and worker:
                 os.kill(worker, signal.SIGCONT)
                 worker = 0
             if not flooded and elapsed > 1.5:
@@ -271,7 +276,7 @@ def predictor_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="sits-sla-") as tmp:
         home = Path(tmp)
         zoo = build_zoo(home / "zoo")
-        np.save(home / "mlp.npy", np.random.default_rng(0).standard_normal((400_000, 64)).astype(np.float32))
+        np.save(home / "mlp.npy", np.random.default_rng(0).standard_normal((1_600_000, 64)).astype(np.float32))
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
             scheduler={"lease_timeout": "3s", "reap_interval": "0.5s", "ticket_timeout": "6s",
@@ -283,7 +288,7 @@ def predictor_main(args: argparse.Namespace) -> None:
             while client.get("/v1/models/mlp_flag").get("profile_status") != "ready":
                 time.sleep(0.2)
             status, warm = post(stack, "/v1/jobs", {"model": "mlp_flag", "input_batch": str(home / "mlp.npy"),
-                                                    "output_dir": str(home / "out" / "warm"), "chunk_size": 20_000})
+                                                    "output_dir": str(home / "out" / "warm"), "chunk_size": 100_000})
             done = wait_all(stack, [warm["id"]], 300)[warm["id"]]
             rate = done["rows_total"] / (done["finished_at"] - done["started_at"])
             print(f"alone: {rate:,.0f} rows/s on 2 workers")

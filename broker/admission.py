@@ -361,7 +361,8 @@ def score_deadline_jobs(settings: Settings, store: Store, *, now: float) -> int:
     """A reaper pass's scoring of the active jobs with a deadline by the violation predictor
     (`sla_watch.score_active`), on admission's view of the work ahead of each. Returns how many."""
     figures = read_figures(settings, store, now=now)
-    return sla_watch.score_active(store, figures.active, workers=figures.fleet.workers, now=now)
+    return sla_watch.score_active(store, figures.active, workers=figures.fleet.workers, now=now,
+                                  slots=figures.fleet.slots)
 
 
 def reaper_pass(settings: Settings, store: Store, *, now: float) -> int:

@@ -4,7 +4,8 @@ by a logistic model small enough to learn online. Pure functions; `broker/sla_wa
 Features, each scaled to about -3..3 (`features`):
 
 - `lateness`: how far past its deadline the job is predicted to finish, over the time it was given
-  (negative when it is predicted early): the plain rule's figure;
+  (negative when it is predicted early): the plain rule's figure, on the finish `sla_watch` passes in
+  (the later of its own rate's and the plan's);
 - `pace`: log2 of the rows per second it needs from now over the rows per second it gets;
 - `elapsed`: the share of its time (submit to deadline) already gone;
 - `progress`: the share of its rows done;

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker import sla_predictor
-from broker.finish_prediction import Work
+from broker.finish_prediction import Fleet, Work, finishes
 from broker.jobs import ACTIVE_STATUSES, decode_job, with_rates
 from broker.store import Store, translate_redis_errors
 
@@ -36,10 +36,17 @@ def weights(store: Store) -> dict[str, float]:
     return {**sla_predictor.PRIOR, **(json.loads(raw) if raw else {})}
 
 
-def score_active(store: Store, active: Sequence[Work], *, workers: int, now: float) -> int:
+def score_active(store: Store, active: Sequence[Work], *, workers: int, now: float, slots: int | None = None) -> int:
     """Score every watched job of `active` (already the admission's view: score order, device seconds):
-    features, risk, a snapshot. Returns how many were scored."""
+    features, risk, a snapshot. Returns how many were scored.
+
+    A job's `lateness` is judged on the later of two finishes: its own rate's (or admission's, before it
+    runs) and the plan's, its and the work ahead of it placed on the `slots` live stream slots as they
+    are now (`finish_prediction.finishes`). The plan sees a flood that has just arrived ahead of it, or
+    a worker gone; its own rate only once it has slowed down."""
     ordered = sorted(active, key=lambda work: (work.score, work.job_id))
+    planned = dict(zip([work.job_id for work in ordered],
+                       finishes(ordered, Fleet(workers if slots is None else slots), now=now), strict=True))
     ahead, due = 0.0, []
     for work in ordered:
         if work.deadline_at is not None:
@@ -59,9 +66,10 @@ def score_active(store: Store, active: Sequence[Work], *, workers: int, now: flo
             if not raw or raw.get("status") not in ACTIVE_STATUSES or not raw.get("deadline"):
                 continue
             job = with_rates(decode_job(raw), now=now)
+            finish = max(planned[work.job_id], job["predicted_finish"] or 0.0)
             x = sla_predictor.features(sla_predictor.Live(
                 ahead_growth=ahead_growth(raw.get("sla_ahead"), raw.get("sla_risk_at"), ahead_seconds, now=now),
-                created_at=job["created_at"], deadline=job["deadline"], predicted_finish=job["predicted_finish"],
+                created_at=job["created_at"], deadline=job["deadline"], predicted_finish=finish,
                 rows_total=job["rows_total"], rows_done=job["rows_done"], rows_per_second=job["rows_per_second"],
                 ahead_seconds=ahead_seconds, chunks_done=job["chunks_done"], chunk_runs=job["chunk_runs"],
                 workers=workers), now=now)

@@ -11,7 +11,8 @@ import json
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec
 
-from broker import job_fills, job_stops, jobs, queues, sla_metrics
+from broker import job_fills, job_stops, jobs, queues, sla_metrics, sla_watch
+from broker.finish_prediction import Work
 from broker.queues import LeasedItem
 from broker.scripts import script_text
 from broker.sla_metrics import LATENCY_BUCKETS, Histogram, decode_histograms, priority_class, read_job_risks
@@ -141,3 +142,20 @@ def test_the_risk_read_is_bounded_to_the_soonest_deadlines(store: Store, monkeyp
         _deadline_job(store, deadline_in=deadline_in)
 
     assert read_job_risks(store, now=NOW)[MODEL_REF].jobs == 2
+
+
+def test_the_predictor_judges_a_queued_job_on_the_plan_of_the_work_now_ahead_of_it(store: Store) -> None:
+    """Admission foresaw +20 s, but a flood now queued ahead holds the only slot for 80 s: the plan
+    (+85 s, past the +60 s deadline) is what the predictor's lateness sees."""
+    spec = dataclasses.replace(job_spec(rows_total=10), deadline_at=NOW + 60, predicted_finish=NOW + 20)
+    job_fills.create_job(store, spec, now=NOW)
+    alone = [Work(spec.job_id, 5.0, 5.0, deadline_at=NOW + 60)]
+    flooded = [Work("flood", 1.0, 80.0), *alone]
+
+    assert sla_watch.score_active(store, alone, workers=1, now=NOW + 1, slots=1) == 1
+    calm = float(store.client.hget(store.keys.job(spec.job_id), "sla_risk_model"))
+    assert sla_watch.score_active(store, flooded, workers=1, now=NOW + 2, slots=1) == 1
+    alarmed = float(store.client.hget(store.keys.job(spec.job_id), "sla_risk_model"))
+
+    assert calm < 0.1 < 0.9 < alarmed
+    assert float(store.client.hget(store.keys.job(spec.job_id), "sla_ahead")) == 80.0
