@@ -265,6 +265,13 @@ def _deadline_metrics(stats: SystemStats) -> Iterator[Metric]:
         for model_ref, total in _from_zero(stats, f"job_deadline_{outcome}"):
             outcomes.add_metric([*_model_labels(model_ref), outcome], total)
     yield outcomes
+    requests = CounterMetricFamily("sits_request_deadlines", "Online requests with a deadline (deadline_ms) that "
+                                   "ended, by whether they met it (answered by then) or missed it (failed, or "
+                                   "answered late).", labels=[*MODEL, "outcome"])
+    for outcome in DEADLINE_OUTCOMES:
+        for model_ref, total in _from_zero(stats, f"request_deadline_{outcome}"):
+            requests.add_metric([*_model_labels(model_ref), outcome], total)
+    yield requests
     rejected = CounterMetricFamily("sits_jobs_rejected", "Jobs refused at submit by deadline admission (422 "
                                    "deadline_infeasible): their deadline could not be met, or had passed.",
                                    labels=MODEL)

@@ -6,7 +6,8 @@
 -- KEYS[5] ready      ZSET
 -- KEYS[6] counters   HASH running totals for /metrics: 'requests_<status>:<model ref>' counts the
 --           requests completed here, by status: succeeded, failed, or expired (its hash was gone, so
---           no result could be stored); one HINCRBY a status present in the call
+--           no result could be stored); one HINCRBY a status present in the call; and 'request_deadline_<met|missed>:<model ref>'
+--           those with a deadline (`deadline_ms`): met when answered by it, else missed (failed, or late)
 -- KEYS[7] model stats HASH '<model ref>|<stat>' -> running total, for the v2 statistics extension
 --           (`broker.model_stats`): requests succeeded and failed (count, ns from submit to result),
 --           the queue and compute time of those that ran, rows inferred, runs
@@ -29,7 +30,7 @@
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
-local done, by_status = 0, {}
+local done, by_status, deadlines = 0, {}, {}
 local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
 local latency = {}  -- the histograms' increments, written once for the batch
 local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, queue_count = 0, queue_ns = 0,
@@ -58,6 +59,11 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     redis.call('EXPIRE', waiters, ARGV[2])
     done = done + 1
     by_status[status] = (by_status[status] or 0) + 1
+    local due = tonumber(fields['deadline_at'])
+    if due then
+      local outcome = (status == 'succeeded' and now <= due) and 'met' or 'missed'
+      deadlines[outcome] = (deadlines[outcome] or 0) + 1
+    end
     local created = tonumber(fields['created_at']) or now
     local outcome = status == 'succeeded' and 'success' or 'fail'
     stats[outcome .. '_count'] = stats[outcome .. '_count'] + 1
@@ -80,6 +86,9 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
 end
 for status, count in pairs(by_status) do
   redis.call('HINCRBY', KEYS[6], 'requests_' .. status .. ':' .. ARGV[6], count)
+end
+for outcome, count in pairs(deadlines) do
+  redis.call('HINCRBY', KEYS[6], 'request_deadline_' .. outcome .. ':' .. ARGV[6], count)
 end
 if done > 0 then
   local prefix = ARGV[6] .. '|'

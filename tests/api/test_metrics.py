@@ -287,7 +287,8 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
                             for family in families)
     assert {family.name for family in families if family.type == "counter"} == {
         "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
-        "sits_request_runs", "sits_requests_rejected", "sits_job_deadlines", "sits_jobs_rejected"}
+        "sits_request_runs", "sits_requests_rejected", "sits_job_deadlines", "sits_jobs_rejected",
+        "sits_request_deadlines"}
     assert {family.name for family in families if family.type == "histogram"} == {
         "sits_request_end_to_end_seconds", "sits_request_queue_wait_seconds", "sits_job_end_to_end_seconds"}
 

@@ -38,9 +38,13 @@ def test_a_job_and_requests_show_in_the_metrics_of_every_api_process(mlp_stack):
     due = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(mlp_stack.home / "metrics-in.npy"),
                                    "output_dir": str(mlp_stack.home / "metrics-due"), "chunk_size": 250,
                                    "deadline_s": 600, "priority": 12})
-    for priority in (0, 0, 9):
+    for priority, deadline_ms in ((0, 60_000), (0, 0.001), (9, None)):  # met, missed (answered late), none
         answer = client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[0.25] * 64]}, "wait": True,
-                                              "priority": priority})
+                                              "priority": priority, "deadline_ms": deadline_ms})
+        ends = time.monotonic() + 30  # a wait lasts no longer than the deadline: the late one is read after
+        while answer["status"] == "queued" and time.monotonic() < ends:
+            time.sleep(0.05)
+            answer = client.get(f"/v1/requests/{answer['id']}")
         assert answer["status"] == "succeeded", answer
     assert wait_job(client, job["id"])["status"] == "succeeded"
     assert wait_job(client, due["id"])["deadline_met"] is True
@@ -70,6 +74,8 @@ def test_a_job_and_requests_show_in_the_metrics_of_every_api_process(mlp_stack):
     assert found[("sits_job_deadlines_total", frozenset({*model, ("outcome", "met")}))] == 1
     assert found[("sits_job_deadlines_total", frozenset({*model, ("outcome", "missed")}))] == 0
     assert found[("sits_jobs_rejected_total", frozenset(model))] == 1
+    assert found[("sits_request_deadlines_total", frozenset({*model, ("outcome", "met")}))] == 1
+    assert found[("sits_request_deadlines_total", frozenset({*model, ("outcome", "missed")}))] == 1
     up = {dict(labels)["worker"]: value for (name, labels), value in found.items() if name == "sits_worker_up"}
     assert list(up.values()) == [1]
     [worker] = up
