@@ -130,9 +130,14 @@ def auto_chunk_size(*, rows_total: int, batch_size: int, rows_per_second: float 
 
 
 def chunk_size_for(record: dict[str, Any], *, rows_total: int, batch_size: int, live_workers: int,
-                   chunk_seconds: float, max_chunk_output_bytes: int) -> int:
-    """`auto_chunk_size` for a job of the model whose registry record is `record`."""
+                   chunk_seconds: float, max_chunk_output_bytes: int, calibration: float = 1.0) -> int:
+    """`auto_chunk_size` for a job of the model whose registry record is `record`, at its profile's rate
+    over `calibration`: how much longer its chunks really run than the profile says (deadline
+    admission learns it from their slot time, `admission.calibrations`). A profile measured on an idle
+    stream is faster than a stream beside others runs, and chunks sized from it alone hold a slot (and
+    the work behind them) several times `chunk_seconds`."""
+    rate = profiled_rows_per_second(record, batch_size)
     return auto_chunk_size(rows_total=rows_total, batch_size=batch_size,
-                           rows_per_second=profiled_rows_per_second(record, batch_size),
+                           rows_per_second=rate / max(calibration, 1e-3) if rate else rate,
                            output_bytes_per_row=output_bytes_per_row(record), live_workers=live_workers,
                            chunk_seconds=chunk_seconds, max_chunk_output_bytes=max_chunk_output_bytes)

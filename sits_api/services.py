@@ -19,6 +19,7 @@ from typing import Any
 import onnx
 
 from broker import (
+    admission,
     chunking,
     job_fills,
     job_progress,
@@ -260,7 +261,8 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
     live = sum(1 for worker in known if worker["alive"])
     return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=live,
                                    chunk_seconds=settings.jobs.chunk_seconds,
-                                   max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes)
+                                   max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes,
+                                   calibration=admission.calibrations(store).get(model["version"], 1.0))
 
 
 def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now: float) -> None:

@@ -94,6 +94,18 @@ def test_chunk_size_auto_in_the_body_asks_for_the_profile_derived_size(
     assert job["chunk_size"] == 8 * 128
 
 
+def test_auto_chunks_are_sized_at_the_rate_the_models_chunks_really_ran(
+        api: Api, store: Store, mlp: dict[str, Any], big_input: Path, tmp_path: Path) -> None:
+    """Its chunks ran twice as long as its profile says (admission's calibration): half-size chunks, so
+    that a chunk still holds its slot about `jobs.chunk_seconds`."""
+    measure(store, mlp, rows_per_second=1_000.0)
+    store.client.hset(store.keys.admission_calibration, mlp["version"], 2.0)
+
+    job = submit(api, big_input, tmp_path / "out", chunk_size="auto")
+
+    assert job["chunk_size"] == 4 * 128  # 1,000 rows/s at 2x the time: 500 rows in a second, in whole batches
+
+
 def test_a_job_that_sets_chunk_size_keeps_it(
         api: Api, store: Store, mlp: dict[str, Any], big_input: Path, tmp_path: Path) -> None:
     measure(store, mlp, rows_per_second=1_000.0)
