@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from typing import Any
 
@@ -21,8 +22,13 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_api_key(store: Store, name: str, role: str = "user") -> str:
-    """Make and store a new key; the clear text is returned once and kept nowhere.
+GROUP_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""What a key's group may be called: the user group A/B routes send to an arm (`broker/routing.py`)."""
+
+
+def create_api_key(store: Store, name: str, role: str = "user", group: str = "") -> str:
+    """Make and store a new key; the clear text is returned once and kept nowhere. `group` is the user
+    group its requests count in for A/B routes ('' for none).
 
     A name is either a tenant's (user keys) or admins' (admin keys), never both: a user key named like
     an admin key would own what that admin submitted, and an admin is no tenant's member. So a name
@@ -35,8 +41,11 @@ def create_api_key(store: Store, name: str, role: str = "user") -> str:
         raise ValueError("a key needs a name: who it is for")
     if name != name.strip():  # "alice " would be a tenant of its own, told from "alice" by nobody
         raise ValueError(f"key name {name!r} starts or ends with spaces; give it as {name.strip()!r}")
+    if group and not GROUP_PATTERN.fullmatch(group):
+        raise ValueError(f"group {group!r} must be letters, digits, '_', '.' or '-' (64 at most), starting with a "
+                         "letter or digit")
     key = "sits_" + secrets.token_urlsafe(24)
-    record = json.dumps({"name": name, "role": role})
+    record = json.dumps({"name": name, "role": role, **({"group": group} if group else {})})
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -69,7 +78,7 @@ def _refuse_a_name_of_the_other_role(name: str, role: str, stored: list[str]) ->
 
 
 def authenticate(store: Store, key: str | None) -> dict[str, Any]:
-    """The {name, role} of `key`; Unauthorized when it is missing or unknown."""
+    """The {name, role} (and `group`, where it has one) of `key`; Unauthorized when it is missing or unknown."""
     if not key:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>' (see `sitsctl up`, $SITS_HOME/api-key)")
     with translate_redis_errors():

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from broker.errors import ConfigError
-from broker.failure_settings import FaultSettings, RetryPolicy, RetrySettings
+from broker.failure_settings import BreakerSettings, FaultSettings, RetryPolicy, RetrySettings
 from broker.scoring import MAX_PRIORITY
 from broker.setting_types import Bytes, Integer, Number, Seconds
 from broker.setting_types import Section as _Section
@@ -194,11 +194,33 @@ class JobSettings(_Section):
     """A chunk (or request) whose lease ran out this many times fails its job (poison batch): the
     attempts of `retry.worker_lost` unless that sets its own. Failures of other classes count
     against their own `retry.<class>.attempts`."""
+    max_bad_rows: int | float = 0.001
+    """Most rows of a job that may fail for their input and be quarantined (docs/failures.md,
+    "Bad-row quarantine"): a whole number is a count, a number between 0 and 1 a share of the job's
+    rows (rounded down). One more fails the job, naming them; 0 fails it at its first failing batch,
+    with that batch's error, unbisected."""
+    quarantine_fill: Literal["nan"] | Number = "nan"
+    """What a quarantined row holds in a float output (integer outputs: -1, or 0 when unsigned,
+    unless this is a whole number they can hold)."""
 
     @field_validator("chunk_size", "batch_size", mode="before")
     @classmethod
     def _rows_or_auto(cls, value: Any) -> Any:
         return _count_or_auto(value, "a number of rows (>= 1)")
+
+    @field_validator("max_bad_rows", mode="before")
+    @classmethod
+    def _count_or_share(cls, value: Any) -> Any:
+        text = value.strip() if isinstance(value, str) else value
+        try:
+            number = float(text) if isinstance(text, str | int | float) and not isinstance(text, bool) else None
+        except ValueError:
+            number = None
+        if number is not None and number >= 1 and number == int(number):
+            return int(number)
+        if number is not None and 0 <= number < 1:
+            return int(number) if number == 0 else number
+        raise ValueError(f"{value!r} is neither a count of rows (a whole number >= 0) nor a share between 0 and 1")
 
 
 TimeoutAction = Literal["reject", "delay"]
@@ -385,6 +407,8 @@ class Settings(_Section):
     sla: SlaSettings = SlaSettings()
     retry: RetrySettings = RetrySettings()
     """The retry matrix: per failure class, how often and after how long (docs/failures.md)."""
+    breaker: BreakerSettings = BreakerSettings()
+    """The circuit breaker of each (model version, worker): when it opens and for how long (docs/failures.md)."""
     faults: FaultSettings = FaultSettings()
     """Fault injection for tests and benchmarks; refused unless `faults.enabled`."""
 

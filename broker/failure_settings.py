@@ -1,4 +1,4 @@
-"""The settings sections of failure handling: `retry` (one policy per failure class) and `faults`.
+"""The settings sections of failure handling: `retry` (one policy per failure class), `breaker` and `faults`.
 
 Part of the one settings object (`broker/config.py` puts them in `Settings`); apart only to keep
 that module small. docs/failures.md says what each key does.
@@ -76,6 +76,25 @@ class RetrySettings(_Section):
         return policy
 
 
+class BreakerSettings(_Section):
+    """The circuit breaker of each (model version, worker): when it opens, how long it stays open.
+
+    A breaker opens when more than `failure_rate` of the runs in the last `window` failed on that
+    worker's device, once at least `min_runs` ran; after `cool_down` one probe batch closes it or
+    opens it again (`broker/breaker.py`, docs/failures.md)."""
+
+    enabled: bool = True
+    """False: workers keep no breakers and take every model's batches, as before breakers."""
+    failure_rate: Number = Field(0.003, gt=0, le=1)
+    """Share of runs in the window that may fail; more opens the breaker (0.003: 0.3 %)."""
+    window: Seconds = Field(60.0, gt=0)
+    """How far back runs are counted."""
+    min_runs: Integer = Field(20, ge=1)
+    """Runs (failed ones included) the window must hold before the breaker may open."""
+    cool_down: Seconds = Field(30.0, gt=0)
+    """How long an open breaker stays open before one probe batch may run (half-open)."""
+
+
 class FaultSettings(_Section):
     """Faults a worker injects into its own work, for tests and benchmarks: off unless `enabled`.
 
@@ -98,12 +117,24 @@ class FaultSettings(_Section):
     """Input values: a run whose inputs hold one fails as bad input (online requests too)."""
     fail_models: dict[str, InjectedClass] = {}
     """Model name -> the class of failure every run of it raises."""
+    fail_models_for: Seconds = Field(0.0, ge=0)
+    """`fail_models` stop failing this long after a worker's first injected model failure (0: never):
+    a device that fails for a while, then recovers."""
+    workers: tuple[str, ...] = ()
+    """Worker names (fnmatch patterns, e.g. `sits0-*`) that inject these faults; empty: every worker."""
     memory_reading: Bytes = Field(0, ge=0)
     """What the worker's memory reading returns instead of the real one (0: the real one)."""
     redis_drop_share: Number = Field(0.0, ge=0, le=1)
     """Share of runs after which the running thread's Redis connection drops."""
     redis_drop_calls: Integer = Field(1, ge=1)
     """How many Redis calls fail with a connection error after each drop."""
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple) and all(isinstance(entry, str) and entry for entry in value):
+            return tuple(value)
+        raise ValueError(f"{value!r} is not a list of worker names (or fnmatch patterns)")
 
     @field_validator("fail_rows", "fail_values", mode="before")
     @classmethod
@@ -127,7 +158,9 @@ class FaultSettings(_Section):
     def active(self) -> bool:
         """Whether any fault is to be injected."""
         return self.enabled and any(getattr(self, name) != default for name, default in _FAULT_DEFAULTS.items()
-                                    if name not in ("enabled", "seed", "redis_drop_calls"))
+                                    if name not in _NOT_FAULTS)
 
 
+_NOT_FAULTS = ("enabled", "seed", "redis_drop_calls", "fail_models_for", "workers")
+"""Keys that only shape the faults others set."""
 _FAULT_DEFAULTS: dict[str, Any] = {name: field.default for name, field in FaultSettings.model_fields.items()}

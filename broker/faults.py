@@ -7,14 +7,24 @@ Small pure functions over the settings, the run's facts and a random draw passed
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from fnmatch import fnmatchcase
 
 import numpy as np
 
 from broker.failure_settings import FaultSettings
 
 
-def model_fault(faults: FaultSettings, model_ref: str) -> str | None:
-    """The failure class every run of `model_ref` (`name@version`) is to raise; None for none."""
+def applies_to(faults: FaultSettings, worker: str) -> bool:
+    """Whether the worker named `worker` injects the faults: `workers` is empty, or a pattern matches."""
+    return not faults.workers or any(fnmatchcase(worker, pattern) for pattern in faults.workers)
+
+
+def model_fault(faults: FaultSettings, model_ref: str, *, first_failure_at: float | None = None,
+                now: float = 0.0) -> str | None:
+    """The failure class every run of `model_ref` (`name@version`) is to raise; None for none, and
+    once `fail_models_for` has passed since the worker's first injected model failure (`first_failure_at`)."""
+    if faults.fail_models_for and first_failure_at is not None and now - first_failure_at >= faults.fail_models_for:
+        return None
     return faults.fail_models.get(model_ref.partition("@")[0])
 
 

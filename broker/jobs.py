@@ -28,6 +28,7 @@ ACTIVE_STATUSES = ("queued", "running")
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
 _INT_FIELDS = (
     "rows_total",
+    "rows_quarantined",
     "rows_done",
     "chunks_total",
     "chunks_done",

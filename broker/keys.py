@@ -231,6 +231,11 @@ class Keys:
         """STRING JSON of the live scoring weights and ordering (hot-updated by `PUT /v1/policy`)."""
         return self._key("policy")
 
+    @property
+    def routes(self) -> str:
+        """HASH model name -> JSON A/B route of its bare name (`broker/routing.py`, `PUT /v1/routes`)."""
+        return self._key("routes")
+
     # --- models, workers, keys --------------------------------------------
     @property
     def model_versions(self) -> str:
@@ -251,6 +256,12 @@ class Keys:
     def workers(self) -> str:
         """HASH worker name -> JSON heartbeat (device, streams, pid, last_heartbeat)."""
         return self._key("workers")
+
+    @property
+    def breakers(self) -> str:
+        """HASH '<model ref>|<worker name>' -> JSON circuit breaker of that model version on that worker
+        (`broker/breaker.py`): its state and the window's run counts; only that worker writes it."""
+        return self._key("breakers")
 
     @property
     def reaper_turn(self) -> str:

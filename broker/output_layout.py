@@ -4,7 +4,8 @@ The API reads this layout (a job's manifest, which chunks already have parts, wh
 job would replace) and the worker writes it (`sits_worker/outputs.py`). It lives in `broker/`, beside
 the output-folder claim, so the API needs nothing of the worker for it.
 Parts: `<output_dir>/.parts/<job id>/<stem>.<chunk:06d>.npy`; merged outputs:
-`<output_dir>/<stem>.npy`; `manifest.json` written last.
+`<output_dir>/<stem>.npy`; `manifest.json` written last. A chunk with quarantined rows also writes
+`.parts/<job id>/quarantine.<chunk:06d>.jsonl`, merged into `<output_dir>/quarantine.jsonl`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from broker.errors import StorageUnavailable
 
 PARTS_DIR = ".parts"
 MANIFEST_NAME = "manifest.json"
+QUARANTINE_NAME = "quarantine.jsonl"
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
 
@@ -48,6 +50,11 @@ def parts_folder(output_dir: Path, job_id: str) -> Path:
 
 def part_path(output_dir: Path, name: str, chunk_index: int, job_id: str = "") -> Path:
     return parts_folder(output_dir, job_id) / f"{file_stem(name)}.{chunk_index:06d}.npy"
+
+
+def quarantine_part_path(output_dir: Path, chunk_index: int, job_id: str = "") -> Path:
+    """Where one chunk's quarantined rows lie until the merge (`.jsonl`, so never taken for an output part)."""
+    return parts_folder(output_dir, job_id) / f"quarantine.{chunk_index:06d}.jsonl"
 
 
 def storage_error(output_dir: Path, err: OSError) -> StorageUnavailable:

@@ -16,13 +16,13 @@ from flask import Blueprint, Flask, Response, g, jsonify, request
 from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
-from broker import job_lists, job_stops, jobs, policy, queues, registry, requests, workers
+from broker import breaker, job_lists, job_stops, jobs, policy, queues, registry, requests, workers
 from broker.apikeys import authenticate, owns, require_role
 from broker.config import Settings
 from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
 from broker.sla_task_sets import TaskSet
 from broker.store import Store
-from sits_api import metrics, request_intake, services, sla
+from sits_api import ab_routes, metrics, request_intake, services, sla
 from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document
 from sits_api.result_inbox import ResultInbox
@@ -201,7 +201,7 @@ def openapi() -> Any:
 
 @api.get("/v1/status")
 def status() -> Any:
-    """The whole system at a glance: workers, queue depths, jobs by status.
+    """The whole system at a glance: workers, queue depths, jobs by status, circuit breakers.
 
     Counts only, no job or request ids or owners, so any key may read it; the Redis URL (which
     may carry Redis's password) only an admin key.
@@ -216,6 +216,8 @@ def status() -> Any:
         "queues": queues.queue_depths(store),
         "tickets": queues.ticket_count(store),
         "jobs": job_lists.count_jobs_by_status(store),
+        "breakers": breaker.list_breakers(store, settings.breaker, now=now,
+                                          heartbeat_timeout=settings.scheduler.worker_heartbeat_timeout),
     }
     if g.identity.get("role") != "admin":
         del overview["redis_url"]
@@ -274,7 +276,7 @@ def submit_job() -> Any:
     ctx = _ctx()
     body = _parse(JobSubmission)
     job = services.submit_job(ctx["settings"], ctx["store"], ctx["dispatcher"], body,
-                              caller=g.identity, now=time.time())
+                              caller=g.identity, now=time.time(), headers=request.headers)
     return jsonify(job), 201
 
 
@@ -365,7 +367,8 @@ def submit_request() -> Any:
     settings, store = ctx["settings"], ctx["store"]
     request_id = requests.new_request_id()
     with ctx["inbox"].expecting(request_id, wait=wait) as answer:
-        spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=body.model,
+        model = ab_routes.routed(store, body.model, g.identity, request.headers, "v1")
+        spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=model,
                                      inputs=body.inputs, priority=body.priority, deadline_ms=body.deadline_ms,
                                      user_tier=body.user_tier, tokens=body.tokens, owner=g.identity["name"],
                                      now=time.time(), request_id=request_id, timeout_ms=body.timeout_ms,
@@ -398,6 +401,29 @@ def update_policy() -> Any:
     policy.save_policy(ctx["store"], weights, ordering)
     report = policy.rescore_all(ctx["store"], weights, ordering)
     return jsonify({"ordering": ordering, **weights.to_dict(), "rescore": report})
+
+
+@api.get("/v1/routes")
+def list_routes() -> Any:
+    """Admin: the A/B routes of bare model names (docs/routing.md)."""
+    require_role(g.identity, "admin")
+    return jsonify({"routes": ab_routes.list_routes(_ctx()["store"])})
+
+
+@api.put("/v1/routes")
+def put_route() -> Any:
+    """Admin: set a model's A/B route (`split`, `groups`, `paths`); every API process follows it within a second."""
+    require_role(g.identity, "admin")
+    body = request_object('a route, e.g. {"model": "convnet", "split": {"<version>": 0.8, "<version>": 0.2}}')
+    return jsonify(ab_routes.put_route(_ctx()["store"], body))
+
+
+@api.delete("/v1/routes/<model>")
+def delete_route(model: str) -> Any:
+    """Admin: remove a model's route; its bare name runs on its newest version again."""
+    require_role(g.identity, "admin")
+    ab_routes.delete_route(_ctx()["store"], model)
+    return "", 204
 
 
 @api.get("/v1/policy")

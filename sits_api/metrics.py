@@ -23,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
+from broker import breaker
 from broker.config import Settings
 from broker.jobs import ACTIVE_STATUSES, FINAL_STATUSES
 from broker.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
@@ -76,6 +77,7 @@ class SitsCollector:
         yield from _job_and_request_metrics(stats)
         yield from _latency_histograms(stats)
         yield from _deadline_metrics(stats)
+        yield _breaker_metric(breaker.read_breakers(self._store), stats, now=time.time())
 
 
 def exposition(collector: SitsCollector, accept: str) -> tuple[bytes, str]:
@@ -292,3 +294,16 @@ def _deadline_metrics(stats: SystemStats) -> Iterator[Metric]:
     yield due
     yield at_risk
     yield highest
+
+
+def _breaker_metric(breakers: dict[tuple[str, str], breaker.Breaker], stats: SystemStats, *, now: float) -> Metric:
+    """`sits_breaker_state`: each known worker's circuit breaker of each model version it ran."""
+    family = GaugeMetricFamily("sits_breaker_state", "The circuit breaker of a model version on a worker: 0 closed "
+                               "(it takes the model's batches), 1 half-open (one probe batch may run), 2 open (it "
+                               "takes none: its runs of the model failed).", labels=[*MODEL, "worker"])
+    known = {worker["name"] for worker in stats.workers}
+    for (model_ref, worker), record in sorted(breakers.items()):
+        if worker in known:
+            state = breaker.state_at(record, now=now)
+            family.add_metric([*_model_labels(model_ref), worker], breaker.STATE_VALUES.get(state, 0))
+    return family

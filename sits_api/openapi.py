@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.policy import ORDERINGS, POLICY_RANGES
+from broker.routing import Route
 from broker.scoring import Weights
 from broker.sla_task_sets import TaskSet
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
@@ -43,7 +44,8 @@ def openapi_document() -> dict[str, Any]:
                      "schema": {"type": "integer", "minimum": 0},
                      "description": "Triton's binary tensor data extension: the byte length of the JSON at the "
                                     "start of the body (binary tensors follow it); without it the body is JSON"}
-    v2_infer_responses = _responses(200, 400, 401, 404, 413, 415, 429, 504)  # 429: a full queue, with Retry-After
+    # 429: a full queue, 503: the model's breakers open on every worker (docs/failures.md); both with Retry-After
+    v2_infer_responses = _responses(200, 400, 401, 404, 413, 415, 429, 503, 504)
     v2_infer_responses["200"]["content"]["application/octet-stream"] = binary
     v2_infer = {"summary": "Open Inference Protocol (KServe v2) inference; parameters.priority, .timeout (us)",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}},
@@ -141,7 +143,7 @@ def openapi_document() -> dict[str, Any]:
                 "post": {"summary": "one online inference request (202, or 200 with the result when waiting)",
                          "requestBody": _body(OnlineRequest),
                          "parameters": [{"name": "wait", "in": "query", "schema": {"type": "boolean"}}],
-                         "responses": _responses(200, 202, 400, 401, 404, 413, 415, 429)},
+                         "responses": _responses(200, 202, 400, 401, 404, 413, 415, 429, 503)},
             },
             "/v1/requests/{request_id}": {
                 "get": {"summary": "a request's status and outputs", "description": owned,
@@ -155,6 +157,17 @@ def openapi_document() -> dict[str, Any]:
                         "requestBody": {"required": True,
                                         "content": {"application/json": {"schema": _policy_schema()}}},
                         "responses": _responses(200, 400, 401, 403)},
+            },
+            "/v1/routes": {
+                "get": {"summary": "admin: the A/B routes of bare model names", "responses": _responses(200, 401, 403)},
+                "put": {"summary": "admin: set a model's A/B route (split by weight, groups, kinds of call)",
+                        "requestBody": {"required": True,
+                                        "content": {"application/json": {"schema": Route.model_json_schema()}}},
+                        "responses": _responses(200, 400, 401, 403, 404)},
+            },
+            "/v1/routes/{model}": {
+                "delete": {"summary": "admin: remove a model's route", "parameters": path_params("model"),
+                           "responses": _responses(204, 401, 403, 404)},
             },
             "/v1/sla/analysis": {
                 "post": {"summary": "schedulability of a periodic task set: utilisation and the Liu-Layland "

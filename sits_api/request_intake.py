@@ -37,7 +37,8 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
            timeout_ms: float | None = None, reply_to: str = "") -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it,
     under its model's queue policy (`broker.queue_policy`): QueueFull when its queue is full, and
-    `timeout_ms`, the request's own timeout (v1 `timeout_ms`, v2 `timeout`), where the policy lets it.
+    `timeout_ms`, the request's own timeout (v1 `timeout_ms`, v2 `timeout`), where the policy lets it;
+    `ModelUnavailable` (503) when its model version's breaker is open on every live worker.
     `reply_to` is the inbox its result is pushed to (`sits_api.result_inbox`), '' for its own list."""
     record, mask = model_record(store, model)
     tensors = request_tensors(record["signature"], inputs, mask=mask)
@@ -72,6 +73,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
         delay_at=now + timeout if timeout is not None and queue.timeout_action == "delay" else None,
         reply_to=reply_to,
     )
+    dispatcher.breakers.check(spec.model_ref, now=now)  # 503 when every live worker's breaker of it is open
     raw_policy, weights, ordering = live_policy.current()
     for _ in range(_POLICY_RETRIES):
         try:

@@ -37,7 +37,7 @@ from broker.config import Settings
 from broker.errors import BadInput, Conflict, DeadlineInfeasible, Forbidden, PathNotAllowed, RetryableError
 from broker.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 from broker.store import Store
-from sits_api import job_deadlines
+from sits_api import ab_routes, job_deadlines
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_api.task_sender import Dispatcher
 from sits_worker.model.batch_probe import check_rows_independent
@@ -174,10 +174,11 @@ def _store_copy(model: onnx.ModelProto, folder: Path) -> tuple[Path, bool]:
 
 
 def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: JobSubmission, *,
-               caller: dict[str, Any], now: float) -> dict[str, Any]:
+               caller: dict[str, Any], now: float, headers: Any = None) -> dict[str, Any]:
     """Validate a job against its model's signature, queue its chunks and wake the workers; the job
-    belongs to the `caller` key's name."""
-    model = registry.get_model(store, body.model)
+    belongs to the `caller` key's name. A bare model name goes where its A/B route sends the caller's
+    jobs (`sits_api.ab_routes`, by the request's `headers`, a mapping of its HTTP headers)."""
+    model = registry.get_model(store, ab_routes.routed(store, body.model, caller, headers or {}, "jobs"))
     input_path = resolve_inside(body.input_batch, settings.paths.input_roots, "input")
     output_dir = resolve_inside(body.output_dir, settings.paths.output_roots, "output")
     if output_dir.exists() and not output_dir.is_dir():

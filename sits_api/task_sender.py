@@ -9,6 +9,7 @@ from typing import Any
 from celery import Celery
 
 from broker import queues
+from broker.breaker import BreakerView
 from broker.config import Settings
 from broker.store import Store
 from broker.wakeup import ticket_target
@@ -25,6 +26,8 @@ class Dispatcher:
         self._celery.conf.update(task_default_queue=self._queue, broker_connection_retry_on_startup=True,
                                  task_send_sent_event=True, task_ignore_result=True)
         self._target, self._target_read_at = 1, float("-inf")
+        self.breakers = BreakerView(store, settings.breaker, settings.scheduler.worker_heartbeat_timeout)
+        """Fails a request fast when its model's breakers are open on every live worker."""
 
     def send(self, name: str, *args: Any) -> None:
         """Publish task `name` with `args`."""

@@ -33,7 +33,7 @@ from broker.config import ModelBatching, Settings
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
 from broker.requests import RequestSpec
 from broker.store import Store
-from sits_api import request_intake, services, v2_binary
+from sits_api import ab_routes, request_intake, services, v2_binary
 from sits_api.content_encoding import request_body
 from sits_api.jsonio import parse_object
 from sits_api.result_inbox import Answer
@@ -205,7 +205,8 @@ def infer(name: str, version: str | None = None) -> Any:
     settings, store = ctx["settings"], ctx["store"]
     header, binary = v2_binary.split_body(request_body(), request.headers.get(v2_binary.HEADER_LENGTH))
     body = parse_object(header, "a JSON object with an 'inputs' list of {name, shape, datatype, data}")
-    checked = parse_infer_request(store, body, f"{name}@{version}" if version else name, binary)
+    model = f"{name}@{version}" if version else ab_routes.routed(store, name, g.identity, request.headers, "v2")
+    checked = parse_infer_request(store, body, model, binary)
     request_id = requests.new_request_id()
     with ctx["inbox"].expecting(request_id) as answer:
         spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,

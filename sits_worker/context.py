@@ -21,12 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from broker import breaker
 from broker.batching import Batching, resolve
 from broker.config import Settings
 from broker.errors import DeviceOutOfMemory
 from broker.ledger import MemoryLedger
 from broker.model_cache import WORKER_RECORD_TTL_SECONDS, ModelRecordCache
 from broker.queues import QueueWatcher
+from broker.retry_policy import classify, describe
 from broker.store import Store
 from sits_worker.chunk_commits import Commits
 from sits_worker.devices import Device, device_memory
@@ -84,6 +86,8 @@ class WorkerContext:
     """Draws the jitter of retry backoffs (`broker/retry_policy.py`): unseeded, so workers differ."""
     faults: FaultInjector | None = None
     """The faults this worker injects into its own work (`faults` in the settings); None: none."""
+    breakers: breaker.BreakerBoard = field(init=False)
+    """This worker's circuit breakers, one per model version it ran (`broker/breaker.py`)."""
     _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
@@ -95,7 +99,8 @@ class WorkerContext:
         self.commits = Commits(max_pending=self.streams)
         self.lease_keeper = LeaseKeeper(self.store, self.settings.scheduler.lease_timeout)
         if self.faults is None and self.settings.faults.active:
-            self.faults = FaultInjector(self.settings.faults, self.store)
+            self.faults = FaultInjector(self.settings.faults, self.store, worker=lambda: self.name)
+        self.breakers = breaker.BreakerBoard(self.store, self.settings.breaker, lambda: self.name)
 
     @classmethod
     def create(cls, worker: WorkerSettings) -> WorkerContext:
@@ -154,7 +159,24 @@ class WorkerContext:
     def run(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
             session: Any = None) -> list[np.ndarray]:
         """Run one batch of `model_ref` (on `session` when given, looked up once per chunk); on device
-        OOM, again on the CPU when the fallback strategy says so."""
+        OOM, again on the CPU when the fallback strategy says so. The run's outcome counts on this
+        worker's breaker of the model (`broker/breaker.py`): a failure of the device's class against it,
+        a success for it; a bad input neither (it is the client's)."""
+        self.model(model_ref)  # (a Redis error reading the record is not the device's: read it first)
+        try:
+            outputs = self._run(model_ref, feed, output_names, session)
+        except Exception as err:
+            failure_class = classify(err)
+            if breaker.counts(failure_class):
+                self.breakers.note_run(model_ref, failed=True, error=f"{failure_class}: {describe(err)}")
+            raise
+        self.breakers.note_run(model_ref, failed=False)
+        if self.faults is not None:  # (after the breaker's write: a drop fails this thread's next calls)
+            self.faults.after_run()
+        return outputs
+
+    def _run(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
+             session: Any = None) -> list[np.ndarray]:
         try:
             session = session or self.session(model_ref)  # a cold load is not a batch's run time
             learn = bool(feed) and self._derive(model_ref)[2]
@@ -162,8 +184,6 @@ class WorkerContext:
                 self.faults.before_run(model_ref, feed)
             started = time.perf_counter()
             outputs = run_session(session, feed, output_names)
-            if self.faults is not None:
-                self.faults.after_run()
             if learn:
                 self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
             return outputs

@@ -10,6 +10,7 @@ get the thread).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -52,7 +53,7 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
     touched_at = float("-inf")  # when this loop last marked its ticket seen while lingering
     try:
         while True:
-            snapshot = _snapshot_after_psa(ctx)
+            snapshot = _without_open_breakers(ctx, _snapshot_after_psa(ctx))
             heads = snapshot.heads
             if not heads:
                 idle_since = time.monotonic() if idle_since is None else idle_since
@@ -153,6 +154,19 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str) -> None:
         if company is None or batching.wait_over(*company):  # (None: a job chunk heads, or nothing waits)
             return
         time.sleep(min(batching.max_queue_delay - company[1], 0.001))
+
+
+def _without_open_breakers(ctx: WorkerContext, snapshot: queues.QueueSnapshot) -> queues.QueueSnapshot:
+    """The snapshot without the models whose breaker on this worker bars a lease now (`broker/breaker.py`):
+    to this worker their queues look empty, so its tickets linger and retire instead of spinning on
+    work only other workers may take."""
+    now = time.time()
+    barred = [ref for ref in snapshot.heads if not ctx.breakers.may_lease(ref, now=now)]
+    if not barred:
+        return snapshot
+    heads = {ref: score for ref, score in snapshot.heads.items() if ref not in barred}
+    head_items = {ref: item for ref, item in snapshot.head_items.items() if ref not in barred}
+    return dataclasses.replace(snapshot, heads=heads, head_items=head_items)
 
 
 def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -21,7 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from broker import job_progress, job_stops, jobs, queues, retries
+from broker import job_progress, job_stops, jobs, quarantine, queues, retries
+from broker.config import JobSettings
 from broker.errors import BadInput, SitsError
 from broker.queues import LeasedItem
 from broker.retry_policy import classify, describe, retry_delays
@@ -67,21 +69,23 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         job = jobs.get_job(ctx.store, job_id, now=now)
         if item.payload["kind"] == "finalize":
             manifest = finalize_job(job, keep_alive=_tolerant(between.keep_alive),
-                                    may_publish=partial(_may_publish, ctx, job))
+                                    may_publish=partial(_may_publish, ctx, job), settings=ctx.settings.jobs)
             if manifest is None:  # stopped while it merged: its parts stay, a resume merges again
                 queues.finish_item(ctx.store, item, job_id, now=time.time())
                 return "dropped"
             # A stop that landed since `_may_publish` looked does not keep this status away: the folder
             # holds the job's results now (finish_item.lua).
             queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
-                               job_fields={"manifest": json.dumps(manifest)})
+                               job_fields={"manifest": json.dumps(manifest),
+                                           "rows_quarantined": str(len(manifest.get("quarantined_rows") or []))})
             # after the job is done: its outputs need not wait for this; only its own parts (a cancelled
             # job's in the same folder are that job's resumable work)
             remove_parts(Path(job["output_dir"]), job_id=job_id)
             return "finalized"
         started = time.monotonic()
-        results = run_chunk(ctx, job, item, between)
-        ctx.commits.submit(partial(commit_chunk, ctx, job, item, results, time.monotonic() - started))
+        results, quarantined = run_chunk(ctx, job, item, between)
+        ctx.commits.submit(partial(commit_chunk, ctx, job, item, results, time.monotonic() - started,
+                                   quarantined))
         return "committing"
     except Exception as err:
         return settle_failure(ctx, item, err)
@@ -136,10 +140,10 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
 
 
 def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, results: Mapping[str, np.ndarray],
-                 run_seconds: float = 0.0) -> str:
-    """Write a computed chunk's part files (durably), then ack it with the `run_seconds` its slot spent
-    on it; on the commit thread (`sits_worker.chunk_commits`). Returns 'acked', or how the failure was
-    settled."""
+                 run_seconds: float = 0.0, quarantined: Sequence[tuple[int, str]] = ()) -> str:
+    """Write a computed chunk's part files (durably, its `quarantined` rows with them), then ack it with
+    the `run_seconds` its slot spent on it; on the commit thread (`sits_worker.chunk_commits`). Returns
+    'acked', or how the failure was settled."""
     try:
         queues.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
         if job_progress.start_item(ctx.store, job["id"], now=time.time()) != "running":
@@ -147,7 +151,7 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
             # leave behind in a folder nobody merges any more.
             queues.finish_item(ctx.store, item, job["id"], now=time.time())
             return "dropped"
-        write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"])
+        write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"], quarantined=quarantined)
         job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name, run_seconds=run_seconds)
         return "acked"
     except Exception as err:
@@ -155,25 +159,65 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
 
 
 def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
-              between: MiniBatchHook) -> dict[str, np.ndarray]:
-    """Run rows [start, stop) of a job in mini-batches; returns every output's rows, for `commit_chunk`.
+              between: MiniBatchHook) -> tuple[dict[str, np.ndarray], list[tuple[int, str]]]:
+    """Run rows [start, stop) of a job in mini-batches; returns every output's rows and the rows
+    quarantined (job row, error), for `commit_chunk`.
 
     Online requests that `between_minibatches` hands over ride in a mini-batch: the first rows of the
     mini-batch fill their batch's empty rows (as many as `request_runs.rows_to_fill` allows), one run for
     both, the rest of the mini-batch runs after; they are completed right after their run, long
-    before the chunk's ack.
+    before the chunk's ack. A mini-batch that fails for its input is split until its bad rows stand
+    alone (`ChunkRows`); so is the rest of the chunk when reading its rows fails so.
     """
     start, stop = item.payload["start"], item.payload["stop"]
-    output_names: list[str] = job["output_names"]
     input_path, input_stat = Path(job["input_batch"]), job.get("input_stat")
     check_unchanged(input_path, input_stat)  # a stat: before its rows are read
     source = ctx.job_input(job)
-    session = ctx.session(job["model_ref"])  # looked up once per chunk, not per mini-batch
-    results: dict[str, np.ndarray] = {}
-    model_ref = job["model_ref"]
+    chunk = ChunkRows(ctx, job, start, stop, ctx.session(job["model_ref"]))  # the session: once per chunk
+    batches = source.iter_batches(start, stop, job["batch_size"])
+    while True:
+        try:
+            row_indices, feed = next(batches)
+        except StopIteration:
+            break
+        except BadInput:  # a row that cannot be read or fails its checks: the rest is read in pieces
+            if not chunk.quarantines:
+                raise
+            chunk.read_apart(source, between)
+            break
+        riders = between(feed)
+        with between.running():
+            if riders:
+                row_indices, feed = _run_riders(ctx, chunk, riders, row_indices, feed)
+            if len(row_indices):
+                chunk.run_batch(row_indices, feed)
+    # And after: rows read while the file was rewritten in place (same size, same inode) must not count
+    # as done under the checksum of the file as submitted.
+    check_unchanged(input_path, input_stat)
+    return chunk.outputs(), chunk.quarantined
 
-    def store_rows(row_indices: np.ndarray, outputs: Sequence[np.ndarray]) -> None:
-        for name, array in zip(output_names, outputs, strict=True):
+
+class ChunkRows:
+    """One chunk's outputs as its mini-batches run, and its quarantined rows (docs/failures.md,
+    "Bad-row quarantine"): a run or a read that fails as BadInput is bisected (`broker.quarantine`)
+    until each bad row failed alone; every other row gets its outputs, each bad row the fill value.
+    More bad rows than the job's `jobs.max_bad_rows` is a BadInput naming them: the job fails."""
+
+    def __init__(self, ctx: WorkerContext, job: dict[str, Any], start: int, stop: int, session: Any) -> None:
+        self._ctx, self.job, self.session = ctx, job, session
+        self.start, self.stop = start, stop
+        self.output_names: list[str] = job["output_names"]
+        self.results: dict[str, np.ndarray] = {}
+        self.quarantined: list[tuple[int, str]] = []
+        self._done = np.zeros(stop - start, dtype=bool)
+        self._limit = quarantine.bad_row_limit(ctx.settings.jobs.max_bad_rows, int(job["rows_total"]))
+        self.quarantines = self._limit > 0
+        """False where the job may quarantine no row: its first failing batch fails it with its own error."""
+
+    def store(self, row_indices: np.ndarray, outputs: Sequence[np.ndarray]) -> None:
+        """Keep a run's outputs for its rows."""
+        start, stop, results = self.start, self.stop, self.results
+        for name, array in zip(self.output_names, outputs, strict=True):
             if name not in results:
                 results[name] = np.empty((stop - start, *array.shape[1:]), dtype=array.dtype)
             elif results[name].shape[1:] != array.shape[1:]:
@@ -185,41 +229,114 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
                 results[name][first : first + len(row_indices)] = array
             else:  # jsonl rows grouped by length
                 results[name][row_indices - start] = array
+        self._done[row_indices - start] = True
 
-    for row_indices, feed in source.iter_batches(start, stop, job["batch_size"]):
-        riders = between(feed)
-        with between.running():
-            if riders:
-                row_indices, feed = _run_riders(ctx, model_ref, riders, row_indices, feed, store_rows, session)
-            if len(row_indices):
-                if ctx.faults is not None:
-                    ctx.faults.check_rows(row_indices)
-                store_rows(row_indices, ctx.run(model_ref, feed, output_names, session))
-    # And after: rows read while the file was rewritten in place (same size, same inode) must not count
-    # as done under the checksum of the file as submitted.
-    check_unchanged(input_path, input_stat)
-    return results
+    def run_batch(self, row_indices: np.ndarray, feed: dict[str, np.ndarray]) -> None:
+        """Run one mini-batch and keep its outputs; bisect it when it fails for its input."""
+        failure = self._attempt(row_indices, feed)
+        if failure is not None:
+            self._isolate(len(row_indices), failure,
+                          lambda lo, hi: self._attempt(row_indices[lo:hi], _rows(feed, lo, hi)),
+                          lambda offset: int(row_indices[offset]))
+
+    def _attempt(self, row_indices: np.ndarray, feed: dict[str, np.ndarray]) -> BadInput | None:
+        ctx = self._ctx
+        try:
+            if ctx.faults is not None:
+                ctx.faults.check_rows(row_indices)
+            outputs = ctx.run(self.job["model_ref"], feed, self.output_names, self.session)
+        except BadInput as err:
+            return err
+        self.store(row_indices, outputs)
+        return None
+
+    def read_apart(self, source: Any, between: MiniBatchHook) -> None:
+        """Read and run the chunk's rows not done yet in pieces of at most a mini-batch (each read bisected
+        when it fails as BadInput): a failed read ends its batch iterator, so which rows failed is unknown."""
+        pending = np.flatnonzero(~self._done) + self.start
+        batch_size = int(self.job["batch_size"])
+        pieces: list[tuple[int, int]] = []
+        for run in np.split(pending, np.flatnonzero(np.diff(pending) != 1) + 1) if len(pending) else []:
+            first, last = int(run[0]), int(run[-1]) + 1
+            pieces += [(lo, min(lo + batch_size, last)) for lo in range(first, last, batch_size)]
+
+        for first, last in pieces:
+            def read(lo: int, hi: int, first: int = first) -> BadInput | None:
+                try:
+                    batches = list(source.iter_batches(first + lo, first + hi, batch_size))
+                except BadInput as err:
+                    return err
+                for row_indices, feed in batches:
+                    self.run_batch(row_indices, feed)
+                return None
+
+            between.keep_alive()
+            with between.running():
+                failure = read(0, last - first)
+                if failure is not None:
+                    self._isolate(last - first, failure, read, partial(operator.add, first))
+
+    def _isolate(self, count: int, failure: BadInput, attempt: Callable[[int, int], BadInput | None],
+                 row_of: Callable[[int], int]) -> None:
+        if not self.quarantines:
+            raise failure
+        found = quarantine.isolate_bad_rows(count, failure, attempt,
+                                            allowed=max(0, self._limit - len(self.quarantined)))
+        for offset, error in found.bad:
+            row = row_of(offset)
+            self.quarantined.append((row, describe(error)))
+            self._done[row - self.start] = True
+        log.info("job %s: %d of rows [%d, %d) quarantined in %d runs", self.job["id"], len(found.bad),
+                 row_of(0), row_of(count - 1) + 1, found.runs)
+        if len(self.quarantined) > self._limit:
+            self.quarantined.sort()
+            raise BadInput(quarantine.too_many_message([row for row, _ in self.quarantined], self.quarantined[0][1],
+                                                       limit=self._limit, rows_total=int(self.job["rows_total"])))
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        """Every output's rows, quarantined rows holding `jobs.quarantine_fill` (`quarantine.fill_value`)."""
+        if not self.quarantined:
+            return self.results
+        self.quarantined.sort()
+        fill = float(self._ctx.settings.jobs.quarantine_fill)
+        rows = np.asarray([row for row, _ in self.quarantined], dtype=np.int64) - self.start
+        for output in self._ctx.model(self.job["model_ref"])["signature"]["outputs"]:
+            name = output["name"]
+            if name in self.output_names and name not in self.results:  # no row of the chunk ran
+                dims = output.get("shape") or []
+                if not all(isinstance(dim, int) for dim in dims[1:]):
+                    raise BadInput(f"every row of rows [{self.start}, {self.stop}) failed, and output '{name}' "
+                                   f"has no fixed row shape ({dims}) to fill them; first: {self.quarantined[0][1]}")
+                self.results[name] = np.empty((self.stop - self.start, *dims[1:]), dtype=np.dtype(output["dtype"]))
+        for array in self.results.values():
+            array[rows] = quarantine.fill_value(array.dtype, fill)
+        return self.results
 
 
-def _run_riders(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem], row_indices: np.ndarray,
-                feed: dict[str, np.ndarray], store_rows: Callable[[np.ndarray, Sequence[np.ndarray]], None],
-                session: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _run_riders(ctx: WorkerContext, chunk: ChunkRows, riders: Sequence[LeasedItem], row_indices: np.ndarray,
+                feed: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Run online requests that ride in a mini-batch with the rows `request_runs.rows_to_fill` allows (none
-    fit: as a batch of their own); returns the mini-batch's rows still to run. Riders are given
-    back to their queue if this fails before their run completed them."""
+    fit, or those rows fail for their input: as a batch of their own); returns the mini-batch's rows
+    still to run. Riders are given back to their queue if this fails before their run completed them."""
+    model_ref = chunk.job["model_ref"]
     try:
         fill = rows_to_fill(ctx, model_ref, riders, len(row_indices))
+        if fill and ctx.faults is not None:
+            try:
+                ctx.faults.check_rows(row_indices[:fill])
+            except BadInput:  # the job's rows would fail the riders' run: theirs is bisected apart
+                fill = 0
         if not fill:
             run_requests(ctx, riders)
             return row_indices, feed
         output_names = [output["name"] for output in ctx.model(model_ref)["signature"]["outputs"]]
-        if ctx.faults is not None:
-            ctx.faults.check_rows(row_indices[:fill])
-        outputs = run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders, session)
+        outputs = run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders, chunk.session)
     except Exception as err:
         give_back(ctx, riders, err)  # a no-op for those already completed
         raise
-    store_rows(row_indices[:fill], outputs)
+    if outputs is None:  # the job's rows failed for their input, the riders are answered
+        return row_indices, feed
+    chunk.store(row_indices[:fill], outputs)
     return row_indices[fill:], _rows(feed, fill, len(row_indices))
 
 
@@ -228,12 +345,13 @@ def _rows(feed: Mapping[str, np.ndarray], first: int, last: int) -> dict[str, np
     return {name: array[first:last] for name, array in feed.items()}
 
 
-def finalize_job(job: dict[str, Any], *, keep_alive: Callable[[], None],
-                 may_publish: Callable[[], bool]) -> dict[str, Any] | None:
+def finalize_job(job: dict[str, Any], *, keep_alive: Callable[[], None], may_publish: Callable[[], bool],
+                 settings: JobSettings | None = None) -> dict[str, Any] | None:
     """Merge the job's part files into its outputs and manifest (idempotent), calling `keep_alive`
     as the merge goes: a merge of GBs may outlast the lease, and a reaped finalize item would be
     merged again by a second worker, at the cost of an attempt. None when `may_publish`, asked once
-    the merge is done, stopped it (`outputs.finalize_outputs`)."""
+    the merge is done, stopped it (`outputs.finalize_outputs`). More quarantined rows than the job's
+    `jobs.max_bad_rows` (`settings`) is a BadInput naming them: the job fails."""
     ranges = jobs.chunk_ranges(job["rows_total"], job["chunk_size"])
     extra = {
         "job": job["id"],
@@ -242,5 +360,8 @@ def finalize_job(job: dict[str, Any], *, keep_alive: Callable[[], None],
         "input_batch": job["input_batch"],
         "input_checksum": job["input_checksum"],
     }
+    settings = settings or JobSettings()
     return finalize_outputs(Path(job["output_dir"]), ranges, job["output_names"], extra, job_id=job["id"],
-                            keep_alive=keep_alive, may_publish=may_publish)
+                            keep_alive=keep_alive, may_publish=may_publish,
+                            bad_row_limit=quarantine.bad_row_limit(settings.max_bad_rows, int(job["rows_total"])),
+                            quarantine_fill=float(settings.quarantine_fill))

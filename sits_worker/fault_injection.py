@@ -5,7 +5,8 @@ out-of-memory is the `DeviceOutOfMemory` that ONNX Runtime's allocation failure 
 raised in `WorkerContext.run` (so `cpu-offload-on-oom` applies as to a real one); a failing row is
 the `BadInput` of a run ONNX Runtime refused; a Redis drop closes the thread's real connection and
 makes its next calls fail to connect (`Store.drop_connection`). The decisions are `broker/faults.py`'s,
-drawn from one random generator seeded by `faults.seed`.
+drawn from one random generator seeded by `faults.seed`. A worker whose name `faults.workers` does
+not match injects none.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -38,11 +39,15 @@ INJECTED_ERRORS: dict[str, type[SitsError]] = {
 class FaultInjector:
     """One worker process's injected faults; shared by its threads."""
 
-    def __init__(self, faults: FaultSettings, store: Store, rng: random.Random | None = None) -> None:
+    def __init__(self, faults: FaultSettings, store: Store, rng: random.Random | None = None,
+                 worker: Callable[[], str] = lambda: "") -> None:
         self.faults = faults
         self._store = store
         self._rng = rng or random.Random(faults.seed)
         self._lock = threading.Lock()
+        self._worker = worker
+        """This worker's name (the Celery name it takes once ready), matched against `faults.workers`."""
+        self._first_model_failure: float | None = None
         log.warning("fault injection is on: %s", faults.model_dump(exclude_defaults=True))
 
     def _draw(self) -> float:
@@ -52,11 +57,16 @@ class FaultInjector:
     def before_run(self, model_ref: str, feed: Mapping[str, np.ndarray]) -> None:
         """Called just before a run of `model_ref`: wait the injected latency, then raise the run's
         injected failure, if any (a failing model's, an out-of-memory, a failing input value)."""
+        if not decide.applies_to(self.faults, self._worker()):
+            return
         if latency := decide.run_latency(self.faults):
             time.sleep(latency)
         rows = next((int(array.shape[0]) for array in feed.values() if array.ndim), 0)
-        failure_class = decide.model_fault(self.faults, model_ref)
+        now = time.monotonic()
+        failure_class = decide.model_fault(self.faults, model_ref, first_failure_at=self._first_model_failure, now=now)
         if failure_class is not None:
+            with self._lock:
+                self._first_model_failure = self._first_model_failure or now
             raise INJECTED_ERRORS[failure_class](f"injected fault: every run of {model_ref} fails "
                                                  f"({failure_class}, faults.fail_models)")
         why = decide.oom_fault(self.faults, rows, self._draw)
@@ -69,15 +79,19 @@ class FaultInjector:
 
     def check_rows(self, row_indices: Iterable[int]) -> None:
         """Called before a job's mini-batch of `row_indices` runs: BadInput naming its failing rows."""
+        if not decide.applies_to(self.faults, self._worker()):
+            return
         failing = decide.failing_rows(self.faults, row_indices)
         if failing:
             raise BadInput(f"ONNX Runtime rejected the batch: injected fault: rows {failing} fail (faults.fail_rows)")
 
     def after_run(self) -> None:
         """Called after a run: drop this thread's Redis connection when one is due."""
-        if decide.redis_drop_due(self.faults, self._draw):
+        if decide.applies_to(self.faults, self._worker()) and decide.redis_drop_due(self.faults, self._draw):
             self._store.drop_connection(self.faults.redis_drop_calls)
 
     def memory_reading(self) -> int | None:
         """The injected memory reading in bytes (None: read the real one)."""
+        if not decide.applies_to(self.faults, self._worker()):
+            return None
         return self.faults.memory_reading or None

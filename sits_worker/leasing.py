@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from broker import queues, reservation
+from broker import breaker, queues, reservation
+from broker.batching import Batching
 from broker.chunking import FALLBACK_BATCH_ROWS
 from broker.ledger import Claim
 from sits_worker.context import WorkerContext
@@ -27,10 +28,27 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
           within_cut: bool = False) -> list[queues.LeasedItem]:
     """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time, and
     cut to a preferred batch size), within the rows and tokens of its `admission` when given;
-    `carry_chunk`, `within_cut`: see `queues.lease_batch`."""
+    `carry_chunk`, `within_cut`: see `queues.lease_batch`. Nothing while this worker's breaker of
+    the model is open, or half-open with its probe batch taken by another slot."""
+    claim = ctx.breakers.claim(model_ref, now=time.time())
+    if claim is None:
+        return []
     batching = ctx.batching(model_ref)
     max_rows = admission.max_rows if admission else batching.max_batch_size
     max_tokens = admission.max_tokens if admission else batching.max_batch_tokens
+    leased: list[queues.LeasedItem] = []
+    try:
+        leased = _lease_batch(ctx, model_ref, ticket, batching, max_rows, max_tokens, requests_only=requests_only,
+                              admission=admission, carry_chunk=carry_chunk, within_cut=within_cut)
+    finally:
+        if claim == "probe" and not leased:  # the probe got no batch: another slot may take it
+            ctx.breakers.release_probe(model_ref)
+    return leased
+
+
+def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batching, max_rows: int,
+                 max_tokens: int, *, requests_only: bool, admission: reservation.Admission | None,
+                 carry_chunk: bool, within_cut: bool) -> list[queues.LeasedItem]:
     return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
                               max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
                               preferred_sizes=batching.preferred_batch_sizes,
@@ -49,6 +67,8 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
                  ticket: str) -> list[queues.LeasedItem]:
     """Requests of `model_ref` that can ride in the job mini-batch `feed`: its shape bucket, up to the
     model's `max_batch_size` rows, and within `max_batch_tokens` together with the mini-batch."""
+    if breaker.state_at(ctx.breakers.breaker(model_ref), now=time.time()) != breaker.CLOSED:
+        return []  # (the chunk runs on: its own runs decide; no one else's work rides along meanwhile)
     batching = ctx.batching(model_ref)
     static = ctx.model(model_ref).get("static_profile") or {}
     bucket, padded = feed_bucket(ctx, model_ref, feed)

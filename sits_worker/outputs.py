@@ -8,6 +8,8 @@ done one worker merges the parts, in row order, into `<output_dir>/<name>.npy` a
 a cancelled job's parts are its resumable work. Every file appears atomically (temp file in the same
 folder, fsync, `os.replace`), so readers and a restarted merge never see half a file. Outputs are a
 pure function of model version and rows, so a chunk re-run after a lost ack rewrites identical bytes.
+A chunk's quarantined rows (docs/failures.md, "Bad-row quarantine") are one more part, a `.jsonl`
+written before its `.npy` parts, and merged into `quarantine.jsonl` before the manifest.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import secrets
 import shutil
@@ -27,19 +30,22 @@ from typing import IO, Any, TypeVar
 
 import numpy as np
 
+from broker import quarantine
 from broker.errors import BadInput, Conflict, FileMissing, SitsError
 from broker.output_layout import (
     MANIFEST_NAME,
     PARTS_DIR,
+    QUARANTINE_NAME,
     output_path,
     part_path,
     parts_folder,
+    quarantine_part_path,
     read_manifest,
     storage_error,
 )
 from sits_worker.model.tensors import NPY_HEADER_LOCK
 
-_RESERVED_KEYS = ("rows", "outputs", "chunks")
+_RESERVED_KEYS = ("rows", "outputs", "chunks", "quarantined_rows", "quarantine")
 _COPY_BLOCK_BYTES = 64 * 2**20
 """A merge copies parts in blocks of this size and calls its `keep_alive` after each (a part may be GBs)."""
 _WAIT_SLICE_SECONDS = 1.0
@@ -75,11 +81,15 @@ def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         raise
 
 
-def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndarray], *, job_id: str = "") -> None:
-    """Write one chunk's outputs, one `.parts/<job_id>/<name>.<chunk_index:06d>.npy` file per output.
+def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndarray], *, job_id: str = "",
+               quarantined: Sequence[tuple[int, str]] = ()) -> None:
+    """Write one chunk's outputs, one `.parts/<job_id>/<name>.<chunk_index:06d>.npy` file per output,
+    and its `quarantined` rows (job row, error) as `quarantine.<chunk_index:06d>.jsonl`.
 
     Each part is written atomically and in C order, so writing the same data again (a chunk re-run
-    after a lost ack) gives byte-identical files, and `part_exists` never sees half a part.
+    after a lost ack) gives byte-identical files, and `part_exists` never sees half a part. The
+    quarantine part is durable before the first `.npy` part appears: a chunk whose parts exist has
+    its quarantined rows on disk too.
     """
     output_dir = Path(output_dir)
     arrays = {name: np.ascontiguousarray(values) for name, values in outputs.items()}
@@ -93,6 +103,13 @@ def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndar
         folder = parts_folder(output_dir, job_id)
         created = not folder.is_dir()
         folder.mkdir(parents=True, exist_ok=True)
+        rejected = quarantine_part_path(output_dir, chunk_index, job_id)
+        if quarantined:
+            text = "".join(quarantine.entry_line(row, error) for row, error in quarantined).encode()
+            _write_atomically(rejected, lambda handle: handle.write(text))
+            _fsync_dir(folder)
+        else:
+            rejected.unlink(missing_ok=True)  # (a run of the chunk that quarantined rows it no longer does)
         for name, arr in arrays.items():
             path = part_path(output_dir, name, chunk_index, job_id)
             _write_atomically(path, partial(np.lib.format.write_array, array=arr, allow_pickle=False))
@@ -256,6 +273,8 @@ def finalize_outputs(
     job_id: str = "",
     keep_alive: Callable[[], None] = _keep_nothing_alive,
     may_publish: Callable[[], bool] = _always_publish,
+    bad_row_limit: int | None = None,
+    quarantine_fill: float = math.nan,
 ) -> dict[str, Any] | None:
     """Merge every output's parts (those `write_part` wrote for `job_id`) into `<output_dir>/<name>.npy`
     and write `manifest.json`; None when `may_publish` stopped it.
@@ -273,6 +292,10 @@ def finalize_outputs(
     only if it returns True do they become `<name>.npy` and the manifest follows. So a caller can
     stop a merge whose job was cancelled meanwhile (or raise, e.g. for an input that changed) and
     leave the folder as it was: the parts, and no output of a job that did not finish.
+
+    The chunks' quarantined rows are merged into `quarantine.jsonl` (row order) before the manifest,
+    which lists them as `quarantined_rows` with each output's fill value (`quarantine`). More of them
+    than `bad_row_limit` is a BadInput naming them, before anything is merged.
     """
     output_dir = Path(output_dir)
     total = _rows_covered(chunk_ranges)
@@ -281,13 +304,19 @@ def finalize_outputs(
     manifest = read_manifest(output_dir)
     if manifest is None:
         try:
+            rejected = read_quarantine(output_dir, job_id)
+            if bad_row_limit is not None and len(rejected) > bad_row_limit:
+                raise BadInput(quarantine.too_many_message([int(entry["row"]) for entry in rejected],
+                                                           str(rejected[0]["error"]), limit=bad_row_limit,
+                                                           rows_total=total))
             merged = _merge_outputs(output_dir, output_names, chunk_ranges, total, job_id, keep_alive, may_publish)
             if merged is None:
                 return None
             for temp, entry in merged.values():
                 os.replace(temp, output_dir / entry["file"])
             outputs = {name: entry for name, (_, entry) in merged.items()}
-            manifest = {"rows": total, "outputs": outputs, "chunks": len(chunk_ranges), **manifest_extra}
+            manifest = {"rows": total, "outputs": outputs, "chunks": len(chunk_ranges), **manifest_extra,
+                        **_publish_quarantine(output_dir, rejected, outputs, quarantine_fill)}
             text = json.dumps(manifest, indent=2).encode()
             _write_atomically(output_dir / MANIFEST_NAME, lambda handle: handle.write(text))
             _fsync_dir(output_dir)
@@ -300,6 +329,35 @@ def finalize_outputs(
                 raise
     _check_same_job(output_dir, manifest, total, output_names, manifest_extra)
     return manifest
+
+
+def read_quarantine(output_dir: Path, job_id: str = "") -> list[dict[str, Any]]:
+    """Every chunk's quarantined rows (`write_part`), in row order, from one listing of the parts folder."""
+    folder = parts_folder(Path(output_dir), job_id)
+    try:
+        names = sorted(entry.name for entry in os.scandir(folder)
+                       if entry.name.startswith("quarantine.") and entry.name.endswith(".jsonl"))
+        entries = [entry for name in names for entry in quarantine.read_entries((folder / name).read_text())]
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise storage_error(Path(output_dir), err) from err
+    return sorted(entries, key=lambda entry: int(entry["row"]))
+
+
+def _publish_quarantine(output_dir: Path, rejected: Sequence[dict[str, Any]], outputs: Mapping[str, Any],
+                        fill: float) -> dict[str, Any]:
+    """Write `quarantine.jsonl` (removing a stale one when no row was quarantined); the manifest's keys for it."""
+    path = output_dir / QUARANTINE_NAME
+    if not rejected:
+        path.unlink(missing_ok=True)
+        return {"quarantined_rows": []}
+    text = "".join(quarantine.entry_line(int(entry["row"]), str(entry["error"])) for entry in rejected).encode()
+    _write_atomically(path, lambda handle: handle.write(text))
+    fills = {name: quarantine.json_number(quarantine.fill_value(np.dtype(entry["dtype"]), fill))
+             for name, entry in outputs.items()}
+    return {"quarantined_rows": [int(entry["row"]) for entry in rejected],
+            "quarantine": {"file": QUARANTINE_NAME, "rows": len(rejected), "fill_values": fills}}
 
 
 def remove_parts(output_dir: Path, *, job_id: str = "") -> None:

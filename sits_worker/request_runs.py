@@ -4,7 +4,9 @@ Requests in one batch share a shape bucket (the lease guarantees it), so
 their tensors concatenate (token requests padded to the longest, when the
 model declares a mask) and every request's rows come out exactly as if it
 ran alone. A job's mini-batch is just one more entry of such a batch: its
-rows first, the riders' after, one `session.run` for all.
+rows first, the riders' after, one `session.run` for all. A merged run that
+fails permanently is bisected (`broker.quarantine.isolate_bad_rows`): only
+the bad requests fail, with their own error, in about log2(n) runs each.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from broker import queues, requests, retries
-from broker.errors import InferenceTimeout, PermanentError, SitsError
+from broker import quarantine, queues, requests, retries
+from broker.errors import BadInput, InferenceTimeout, PermanentError, SitsError
 from broker.queues import LeasedItem
 from broker.requests import RequestResult
 from broker.retry_policy import classify, describe, retry_delays
@@ -44,11 +46,11 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
             try:
                 results += _run_merged(ctx, model_ref, live)
             except PermanentError as err:
-                # One bad request must not fail its neighbours: run each alone, fail only the bad ones.
-                log.info("merged batch of %d on %s failed (%s); running its requests one by one",
+                # One bad request must not fail its neighbours: bisect the batch, fail only the bad ones.
+                log.info("merged batch of %d on %s failed (%s); splitting it to find the bad requests",
                          len(live), model_ref, err.message)
                 try:
-                    results += _run_one_by_one(ctx, model_ref, live)
+                    results += _run_isolating(ctx, model_ref, live, err)
                 except Exception as single:
                     failure = single
             except Exception as err:
@@ -86,13 +88,14 @@ def _settle_failed_run(ctx: WorkerContext, items: Sequence[LeasedItem], err: Exc
 
 
 def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_names: list[str],
-                    riders: Sequence[LeasedItem], session: Any = None) -> list[np.ndarray]:
+                    riders: Sequence[LeasedItem], session: Any = None) -> list[np.ndarray] | None:
     """Run a job's mini-batch `feed` with online requests riding along in the same run; complete the
     riders and return the job rows' outputs (in `output_names` order).
 
-    A rider that breaks the merged run (a permanent error) is run apart with its neighbours, as in
-    `run_requests`, and the mini-batch alone. Any other error is raised: the caller gives the riders
-    back (`give_back`) and the chunk retries.
+    When the merged run fails permanently, the riders run apart (bisected, as in `run_requests`) and
+    the mini-batch alone; None when that fails for its input too: the riders are answered, and the
+    caller bisects the job rows (`execution.ChunkRows`). Any other error is raised: the caller gives
+    the riders back (`give_back`) and the chunk retries.
     """
     results, live = _load(ctx, riders)
     run_started = time.time()
@@ -106,13 +109,16 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
             except PermanentError as err:
                 log.info("mini-batch with %d riders on %s failed (%s); running them apart",
                          len(live), model_ref, err.message)
-                results += _run_one_by_one(ctx, model_ref, live)
+                results += _run_apart(ctx, model_ref, live)
         if job_outputs is None:
-            job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
+            try:
+                job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
+            except BadInput:  # (the riders are completed all the same; the caller bisects the job rows)
+                pass
     requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows,
                                run_started=run_started, run_rows=job_rows + _rows(live))
-    return [job_outputs[name] for name in output_names]
+    return None if job_outputs is None else [job_outputs[name] for name in output_names]
 
 
 def give_back(ctx: WorkerContext, items: Sequence[LeasedItem], err: BaseException | None = None) -> None:
@@ -170,14 +176,33 @@ def _rows(live: Sequence[tuple[LeasedItem, Tensors]]) -> int:
     return sum(next(iter(tensors.values())).shape[0] for _, tensors in live)
 
 
-def _run_one_by_one(ctx: WorkerContext, model_ref: str,
-                    live: Sequence[tuple[LeasedItem, Tensors]]) -> list[RequestResult]:
-    results = []
-    for entry in live:
+def _run_apart(ctx: WorkerContext, model_ref: str, live: Sequence[tuple[LeasedItem, Tensors]]) -> list[RequestResult]:
+    """Run requests as one batch of their own, bisected if that fails permanently (`_run_isolating`)."""
+    try:
+        return _run_merged(ctx, model_ref, live)
+    except PermanentError as err:
+        return _run_isolating(ctx, model_ref, live, err)
+
+
+def _run_isolating(ctx: WorkerContext, model_ref: str, live: Sequence[tuple[LeasedItem, Tensors]],
+                   error: PermanentError) -> list[RequestResult]:
+    """The results of requests whose merged run failed with `error`: the batch split in halves until each
+    failing request ran alone (`quarantine.isolate_bad_rows`); those fail with their own error, recorded
+    by class (bad input: never retried, by default), the others get their outputs."""
+    results: list[RequestResult] = []
+
+    def attempt(lo: int, hi: int) -> PermanentError | None:
         try:
-            results += _run_merged(ctx, model_ref, [entry])
-        except PermanentError as single:  # recorded by class too (bad input: never retried, by default)
-            results += _settle_failed_run(ctx, [entry[0]], single)
+            results.extend(_run_merged(ctx, model_ref, live[lo:hi]))
+        except PermanentError as err:
+            return err
+        return None
+
+    found = quarantine.isolate_bad_rows(len(live), error, attempt)
+    log.info("%d of %d merged requests of %s failed on their own (%d runs)", len(found.bad), len(live), model_ref,
+             found.runs)
+    for offset, own in found.bad:
+        results += _settle_failed_run(ctx, [live[offset][0]], own)
     return results
 
 

@@ -185,8 +185,9 @@ def demo(rows: int, worker_count: int) -> None:
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
 def status(as_json: bool) -> None:
-    """API and Redis URLs, workers, queue depths, jobs by status and, to an admin key, the online
-    requests served per model version (GET /v2/models/stats; not in --json, which is GET /v1/status)."""
+    """API and Redis URLs, workers, queue depths, jobs by status, the circuit breakers not closed and, to
+    an admin key, the online requests served per model version (GET /v2/models/stats; not in --json, which
+    is GET /v1/status)."""
     client = _client()
     data = client.get("/v1/status")
     if not isinstance(data, dict) or not {"api_url", "workers", "queues", "jobs", "policy"} <= data.keys():
@@ -208,11 +209,26 @@ def status(as_json: bool) -> None:
         queues.add_row(ref, str(depth["ready"]), str(depth["inflight"]))
     print_table(queues)
     console.print("jobs: " + (", ".join(f"{k} {v}" for k, v in sorted(data["jobs"].items())) or "none"))
+    _print_breakers(data.get("breakers") or [])  # (an API of a release before breakers has none)
     served = _request_statistics(client)
     if served is not None and served.row_count:
         print_table(served)
     elif served is not None:
         console.print("online requests: none served yet")
+
+
+def _print_breakers(breakers: list[dict[str, Any]]) -> None:
+    """The circuit breakers that are not closed, one row each; a line when all are."""
+    tripped = [entry for entry in breakers if entry["state"] != "closed"]
+    if not tripped:
+        console.print(f"circuit breakers: {len(breakers)} closed" if breakers else "circuit breakers: none yet")
+        return
+    table = Table("breaker (model@version)", "worker", "state", "until", "runs", "failed", "last error")
+    for entry in tripped:
+        until = f"{max(0.0, entry['retry_at'] - time.time()):.0f}s" if entry.get("retry_at") else "-"
+        table.add_row(entry["model"], entry["worker"], entry["state"].replace("_", "-"), until, str(entry["runs"]),
+                      str(entry["failures"]), entry.get("last_error") or "-")
+    print_table(table)
 
 
 def _request_statistics(client: ApiClient) -> Table | None:
@@ -290,8 +306,9 @@ def key() -> None:
 @click.option("--role", type=click.Choice(["admin", "user", "metrics"]), default="user", show_default=True,
               help="user: a tenant; admin: everything; metrics: only GET /metrics and the v2 statistics"
                    " (a Prometheus scrape key)")
+@click.option("--group", default="", help="the user group its requests count in for A/B routes (docs/routing.md)")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
-def key_create(name: str, role: str, config_path: Path | None) -> None:
+def key_create(name: str, role: str, group: str, config_path: Path | None) -> None:
     """Create an API key and print it once (only its digest is stored)."""
     import redis
 
@@ -300,7 +317,7 @@ def key_create(name: str, role: str, config_path: Path | None) -> None:
     settings, stack_config = _stack_settings(config_path)
     redis_url, store = _stack_redis(settings, recorded_by_up=stack_config is not None)
     try:
-        click.echo(create_api_key(store, name, role))
+        click.echo(create_api_key(store, name, role, group))
     except ValueError as err:  # a name the key cannot have: say so as a usage error, not a traceback
         raise click.UsageError(str(err)) from err
     except redis.RedisError as err:  # connection failures arrive as ConnectionLost; this is what else Redis says

@@ -29,6 +29,13 @@ class Api:
     def delete(self, path: str, **kwargs: Any) -> TestResponse:
         return self.client.delete(path, headers=self.headers, **kwargs)
 
+    def put(self, path: str, **kwargs: Any) -> TestResponse:
+        return self.client.put(path, headers=self.headers, **kwargs)
+
+    def as_user(self, user: str | None = None, group: str | None = None) -> dict[str, str]:
+        """This key's headers, with an `X-SITS-User` and an `X-SITS-Group` where given."""
+        return {**self.headers, **({"X-SITS-User": user} if user else {}), **({"X-SITS-Group": group} if group else {})}
+
 
 def make_settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path,
                   **api: Any) -> Settings:

@@ -22,7 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker import job_fills, job_lists, job_progress, job_stops, jobs, queues, requests, workers
 from broker.apikeys import create_api_key
+from broker.breaker import BreakerBoard
 from broker.embedded import EmbeddedRedis
+from broker.failure_settings import BreakerSettings
 from broker.ledger import MemoryLedger
 from broker.requests import RequestResult
 from broker.sla_metrics import LATENCY_BUCKETS
@@ -444,6 +446,7 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
                        now=time.time(), job_status="succeeded")
     assert api.get(f"/v1/jobs/{due}").get_json()["sla_risk"] is not None
     job_lists.count_old_jobs(store)
+    BreakerBoard(store, BreakerSettings(), lambda: "w@h").note_run(mlp["ref"], failed=False, now=now)
     return samples(scrape(client, api.headers["Authorization"].split()[1]))
 
 
