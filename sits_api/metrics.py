@@ -28,7 +28,7 @@ from broker.config import Settings
 from broker.jobs import ACTIVE_STATUSES, FINAL_STATUSES
 from broker.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
 from broker.stats import SystemStats, read_stats
-from broker.store import Store
+from broker.store import Store, translate_redis_errors
 
 MODEL = ["model", "version"]
 WORKER = ["worker", "device"]
@@ -73,6 +73,7 @@ class SitsCollector:
                            heartbeat_timeout=self._settings.scheduler.worker_heartbeat_timeout)
         yield from _queue_metrics(stats)
         yield from _queue_policy_metrics(stats, self._settings)
+        yield from _level_limit_metrics(self._store, stats, self._settings)
         yield from _worker_metrics(stats)
         yield from _job_and_request_metrics(stats)
         yield from _latency_histograms(stats)
@@ -133,6 +134,30 @@ def _queue_policy_metrics(stats: SystemStats, settings: Settings) -> Iterator[Me
         for model_ref, total in sorted(stats.counters.get(f"requests_rejected_{reason}", {}).items()):
             rejected.add_metric([*_model_labels(model_ref), reason], total)
     yield rejected
+
+
+def _level_limit_metrics(store: Store, stats: SystemStats, settings: Settings) -> Iterator[Metric]:
+    """Each priority level with a max_queue_size of its own (`priority_levels`): its limit, and the online
+    requests waiting at it (one ZCOUNT each, in one round trip)."""
+    limited = [(ref, level, entry.max_queue_size) for ref in _newest_queues(stats)
+               for level, entry in sorted(settings.online.batching_for(_model_labels(ref)[0]).priority_levels.items())
+               if entry.max_queue_size]
+    limit = GaugeMetricFamily("sits_queue_level_max_requests", "A priority level's own max_queue_size: most online "
+                              "requests waiting at that level before a 429 (level_full).", labels=[*MODEL, "level"])
+    waiting = GaugeMetricFamily("sits_queue_level_waiting_requests", "Online requests waiting at a priority level "
+                                "that has a max_queue_size of its own.", labels=[*MODEL, "level"])
+    if limited:
+        with translate_redis_errors():
+            pipe = store.client.pipeline(transaction=False)
+            for ref, level, _ in limited:
+                pipe.zcount(store.keys.waiting_requests(ref), level, level)
+            counts = pipe.execute()
+        for (ref, level, most), count in zip(limited, counts, strict=True):
+            labels = [*_model_labels(ref), str(level)]
+            limit.add_metric(labels, most)
+            waiting.add_metric(labels, count)
+    yield limit
+    yield waiting
 
 
 def _newest_queues(stats: SystemStats) -> list[str]:

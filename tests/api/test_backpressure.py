@@ -99,6 +99,10 @@ def test_a_priority_level_s_own_limit_refuses_that_level_only(settings: Settings
     assert "priority_levels.15.max_queue_size" in error_of(urgent) and urgent.headers["Retry-After"]
     assert routine.status_code == 202
     assert v2_urgent.status_code == 429 and "priority level 15" in error_of(v2_urgent)
+    scraped = samples(api.client.get("/metrics", headers=api.headers).get_data(as_text=True))
+    level = {"model": "mlp", "version": mlp["version"], "level": "15"}
+    assert value(scraped, "sits_queue_level_waiting_requests", **level) == 1
+    assert value(scraped, "sits_queue_level_max_requests", **level) == 1
 
 
 def test_a_waiting_client_is_answered_at_its_reject_timeout_though_no_worker_takes_anything(

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker import job_fills, job_lists, job_progress, job_stops, jobs, queues, requests, workers
 from broker.apikeys import create_api_key
 from broker.breaker import BreakerBoard
+from broker.config import Settings
 from broker.embedded import EmbeddedRedis
 from broker.failure_settings import BreakerSettings
 from broker.ledger import MemoryLedger
@@ -427,8 +428,9 @@ def flower_label_names() -> dict[str, set[str]]:
 
 
 def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any],
-                               mlp_input: Path, tmp_path: Path) -> Samples:
-    """A scrape after the system did a bit of everything: every family has samples."""
+                               mlp_input: Path, tmp_path: Path, settings: Settings) -> Samples:
+    """A scrape after the system did a bit of everything: every family has samples (by an API whose mlp
+    has a priority level with a queue limit of its own)."""
     now = time.time()
     workers.record_heartbeat(store, "w@h", {"device": "cpu", "streams": 2, "commits_pending": 0,
                                             "memory": a_memory_ledger_running_one_batch().stats()}, now=now)
@@ -447,12 +449,15 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
     assert api.get(f"/v1/jobs/{due}").get_json()["sla_risk"] is not None
     job_lists.count_old_jobs(store)
     BreakerBoard(store, BreakerSettings(), lambda: "w@h").note_run(mlp["ref"], failed=False, now=now)
-    return samples(scrape(client, api.headers["Authorization"].split()[1]))
+    limited = create_app(settings.with_overrides(online={"models": {"mlp": {"priority_levels": {0: {
+        "max_queue_size": 5}}}}}), store=store).test_client()
+    return samples(scrape(limited, api.headers["Authorization"].split()[1]))
 
 
 def test_every_metric_and_label_the_dashboard_queries_is_one_sits_or_flower_exposes(
-        client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
-    sits_labels = label_names(a_scrape_with_every_metric(client, store, api, mlp, mlp_input, tmp_path))
+        client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        settings: Settings) -> None:
+    sits_labels = label_names(a_scrape_with_every_metric(client, store, api, mlp, mlp_input, tmp_path, settings))
     queries = dashboard_queries()
     used = {name for query in queries for name in METRIC_NAME.findall(query)}
 
@@ -474,8 +479,9 @@ LABEL_MATCHER = re.compile(r"\b([a-z_]+)\s*=~?\s*\"")
 
 
 def test_every_metric_and_label_the_alert_rules_query_is_one_sits_exposes(
-        client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
-    sits_labels = label_names(a_scrape_with_every_metric(client, store, api, mlp, mlp_input, tmp_path))
+        client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        settings: Settings) -> None:
+    sits_labels = label_names(a_scrape_with_every_metric(client, store, api, mlp, mlp_input, tmp_path, settings))
     rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
 
     for rule in rules:
