@@ -40,6 +40,9 @@ class SchedulerSettings(_Section):
     policy: Literal["fifo", "round-robin", "graph-aware-backfill"] = "graph-aware-backfill"
     model_profile_cache_ttl: Seconds = 3600.0
     fallback_strategy: Literal["cpu-offload-on-oom", "fail"] = "cpu-offload-on-oom"
+    oom_ceiling_decay: Seconds = Field(default=60.0, ge=0)
+    """After a device OOM, a model's batch ceiling doubles this often until it is back at the size that
+    failed (`broker/oom_ceiling.py`); the ledger's learnt need lasts as long. 0: no ceiling is kept."""
     lease_timeout: Seconds = 60.0
     """How long a worker may hold leased items before the reaper returns them."""
     reap_interval: Seconds = Field(default=1.0, ge=0.05)

@@ -4,7 +4,8 @@ fragmentation, batches running and memory reserved over time that the worker rep
 Memory is reserved in `gpu_memory_granularity` units (`cpu_memory_granularity` on a CPU worker)
 against the device's capacity; a batch's need is its activation bytes from the model profile.
 Fragmentation = reserved but unused bytes / reserved bytes. The ledger also remembers `Claim`s,
-what job chunks that did not fit really need. The decisions taken on it are `reservation.py`'s.
+what job chunks that did not fit really need, and what a row of a model that ran out of device
+memory needs at least (`learn_oom`). The decisions taken on it are `reservation.py`'s.
 One in-process ledger per worker (one worker owns one device); thread-safe.
 """
 
@@ -76,6 +77,33 @@ class MemoryLedger:
     _changed_at: float | None = None
     _events: dict[str, int] = field(default_factory=lambda: {"memory_waits": 0, "backfills": 0})
     _claims: dict[str, Claim] = field(default_factory=dict)
+    _learnt_row_bytes: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Model -> (bytes a row needs at least, when that was learnt), from device OOMs (`learn_oom`)."""
+
+    def learn_oom(self, model: str, rows: int, estimated_bytes: int, *, now: float) -> int:
+        """A run of `rows` rows of `model` ran out of device memory: its real need was larger than
+        its estimate (`estimated_bytes`). A row then counts twice its estimate (at least a
+        granularity unit for the run), but never more than the room the run had. Returns the bytes
+        per row that `row_bytes` gives from now on."""
+        with self._lock:
+            others = sum(run.reserved for run in self._running.values())
+            room = max(self.granularity, self.capacity_bytes - others + round_up(estimated_bytes, self.granularity))
+            need = min(room, 2 * max(estimated_bytes, self.granularity))
+            floor = -(-need // max(1, rows))
+            known = self._learnt_row_bytes.get(model)
+            floor = max(floor, known[0]) if known is not None else floor
+            self._learnt_row_bytes[model] = (floor, now)
+            return floor
+
+    def row_bytes(self, model: str, estimated: int, *, now: float, keep_seconds: float) -> int:
+        """The bytes a row of `model` needs: `estimated` (the profile's), or more when an OOM taught
+        so within the last `keep_seconds`."""
+        with self._lock:
+            learnt = self._learnt_row_bytes.get(model)
+            if learnt is not None and now - learnt[1] > keep_seconds:
+                del self._learnt_row_bytes[model]
+                learnt = None
+        return max(estimated, learnt[0]) if learnt is not None else estimated
 
     def claim(self, model: str, claim: Claim) -> None:
         """Remember what the chunk heading `model`'s queue needs (it did not fit when leased)."""

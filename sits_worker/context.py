@@ -8,6 +8,7 @@ reads once from the process's environment.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from broker import breaker
+from broker import breaker, oom_ceiling, reservation
 from broker.batching import Batching, resolve
 from broker.config import Settings
 from broker.errors import DeviceOutOfMemory
@@ -88,6 +89,8 @@ class WorkerContext:
     """The faults this worker injects into its own work (`faults` in the settings); None: none."""
     breakers: breaker.BreakerBoard = field(init=False)
     """This worker's circuit breakers, one per model version it ran (`broker/breaker.py`)."""
+    ceilings: oom_ceiling.Ceilings = field(init=False)
+    """The batch ceilings device OOMs taught this worker, by model version (`broker/oom_ceiling.py`)."""
     _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
@@ -101,6 +104,7 @@ class WorkerContext:
         if self.faults is None and self.settings.faults.active:
             self.faults = FaultInjector(self.settings.faults, self.store, worker=lambda: self.name)
         self.breakers = breaker.BreakerBoard(self.store, self.settings.breaker, lambda: self.name)
+        self.ceilings = oom_ceiling.Ceilings(self.settings.scheduler.oom_ceiling_decay)
 
     @classmethod
     def create(cls, worker: WorkerSettings) -> WorkerContext:
@@ -159,12 +163,12 @@ class WorkerContext:
     def run(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
             session: Any = None) -> list[np.ndarray]:
         """Run one batch of `model_ref` (on `session` when given, looked up once per chunk); on device
-        OOM, again on the CPU when the fallback strategy says so. The run's outcome counts on this
-        worker's breaker of the model (`broker/breaker.py`): a failure of the device's class against it,
-        a success for it; a bad input neither (it is the client's)."""
+        OOM, halved down to one row, then on the CPU when the fallback strategy says so (`_run_fitting`).
+        The run's outcome counts on this worker's breaker of the model (`broker/breaker.py`): a failure
+        of the device's class against it, a success for it; a bad input neither (it is the client's)."""
         self.model(model_ref)  # (a Redis error reading the record is not the device's: read it first)
         try:
-            outputs = self._run(model_ref, feed, output_names, session)
+            outputs = self._run_fitting(model_ref, feed, output_names, session)
         except Exception as err:
             failure_class = classify(err)
             if breaker.counts(failure_class):
@@ -175,23 +179,78 @@ class WorkerContext:
             self.faults.after_run()
         return outputs
 
-    def _run(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
-             session: Any = None) -> list[np.ndarray]:
+    def _run_fitting(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
+                     session: Any = None) -> list[np.ndarray]:
+        """The batch in runs of at most the model's OOM ceiling; a run that runs out of device memory
+        lowers the ceiling, teaches the ledger, and is halved, offloaded or failed (`oom_ceiling.after_oom`).
+        An offload takes the rest of the batch in one CPU run: it did not fit at one row."""
+        rows = next((int(array.shape[0]) for array in feed.values() if array.ndim), 0)
         try:
             session = session or self.session(model_ref)  # a cold load is not a batch's run time
-            learn = bool(feed) and self._derive(model_ref)[2]
-            if self.faults is not None:
-                self.faults.before_run(model_ref, feed)
-            started = time.perf_counter()
-            outputs = run_session(session, feed, output_names)
-            if learn:
-                self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
-            return outputs
         except DeviceOutOfMemory:
-            if self.device.kind == "cpu" or self.settings.scheduler.fallback_strategy != "cpu-offload-on-oom":
+            if self.settings.scheduler.fallback_strategy != "cpu-offload-on-oom":
                 raise
-            log.warning("out of memory on %s; running this batch of %s on the CPU", self.device, model_ref)
-            return run_session(self.session(model_ref, device=Device("cpu")), feed, output_names)
+            return self._offload(model_ref, feed, output_names, rows)
+        if not rows:
+            return self._run_on_device(model_ref, feed, output_names, session)
+        todo = oom_ceiling.pieces(rows, self.ceilings.rows(model_ref, now=time.time()))
+        done: list[list[np.ndarray]] = []
+        while todo:
+            start, stop = todo.pop(0)
+            piece = feed if (start, stop) == (0, rows) else {name: array[start:stop] for name, array in feed.items()}
+            try:
+                done.append(self._run_on_device(model_ref, piece, output_names, session))
+                continue
+            except DeviceOutOfMemory:
+                step = self._note_oom(model_ref, stop - start)
+                if step == "fail":
+                    raise
+            if step == "halve":
+                todo[:0] = oom_ceiling.halves(start, stop)
+                continue
+            rest = {name: array[start:] for name, array in feed.items()}
+            done.append(self._offload(model_ref, rest, output_names, rows - start))
+            break
+        return done[0] if len(done) == 1 else [np.concatenate(parts) for parts in zip(*done, strict=True)]
+
+    def _note_oom(self, model_ref: str, rows: int) -> oom_ceiling.OomStep:
+        """A run of `rows` rows ran out of device memory: lower the ceiling, teach the ledger; what next."""
+        now = time.time()
+        ceiling = self.ceilings.lower(model_ref, rows, now=now)
+        # (the profile's estimate, not one learnt before: a storm of OOMs must not compound it)
+        estimate = reservation.BatchCost.of(self.model(model_ref), max_rows=rows, max_tokens=0).need_bytes(rows=rows)
+        row_bytes = self.ledger.learn_oom(model_ref, rows, estimate, now=now)
+        step = oom_ceiling.after_oom(rows, self.settings.scheduler.fallback_strategy)
+        log.warning("device out of memory running %d rows of %s on %s: ceiling %d rows, %d bytes a row; %s",
+                    rows, model_ref, self.device, ceiling, row_bytes, step)
+        return step
+
+    def _offload(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
+                 rows: int) -> list[np.ndarray]:
+        log.warning("running %d rows of %s on a CPU session (cpu-offload-on-oom)", rows, model_ref)
+        session = self.sessions.offload(model_ref, Path(self.model(model_ref)["path"]))
+        return run_session(session, feed, output_names)
+
+    def _run_on_device(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
+                       session: Any) -> list[np.ndarray]:
+        """One run on the device's session, where faults are injected (never into an offload)."""
+        learn = bool(feed) and self._derive(model_ref)[2]
+        if self.faults is not None:
+            self.faults.before_run(model_ref, feed)
+        started = time.perf_counter()
+        outputs = run_session(session, feed, output_names)
+        if learn:
+            self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
+        return outputs
+
+    def learnt_cost(self, model_ref: str, cost: reservation.BatchCost) -> reservation.BatchCost:
+        """`cost` with the bytes a row needs raised to what a recent device OOM taught (`MemoryLedger.learn_oom`)."""
+        row_bytes = self.ledger.row_bytes(model_ref, cost.bytes_per_row, now=time.time(),
+                                          keep_seconds=self.settings.scheduler.oom_ceiling_decay)
+        if row_bytes <= cost.bytes_per_row:
+            return cost
+        per_token = -(-cost.bytes_per_token * row_bytes // cost.bytes_per_row) if cost.bytes_per_row else 0
+        return dataclasses.replace(cost, bytes_per_row=row_bytes, bytes_per_token=per_token)
 
     def memory_reading(self) -> int:
         """Bytes in use on this worker's device: NVML's used memory on a GPU, this process's resident

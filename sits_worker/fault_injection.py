@@ -2,11 +2,11 @@
 
 Each fault raises the error its real counterpart becomes, where that would arise: an injected
 out-of-memory is the `DeviceOutOfMemory` that ONNX Runtime's allocation failure is translated to,
-raised in `WorkerContext.run` (so `cpu-offload-on-oom` applies as to a real one); a failing row is
-the `BadInput` of a run ONNX Runtime refused; a Redis drop closes the thread's real connection and
-makes its next calls fail to connect (`Store.drop_connection`). The decisions are `broker/faults.py`'s,
-drawn from one random generator seeded by `faults.seed`. A worker whose name `faults.workers` does
-not match injects none.
+raised in `WorkerContext.run` on the device session only (so halving and `cpu-offload-on-oom`
+apply as to a real one); a failing row is the `BadInput` of a run ONNX Runtime refused; a Redis
+drop closes the thread's real connection and makes its next calls fail to connect
+(`Store.drop_connection`). The decisions are `broker/faults.py`'s, drawn from one random generator
+seeded by `faults.seed`. A worker whose name `faults.workers` does not match injects none.
 """
 
 from __future__ import annotations

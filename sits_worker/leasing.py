@@ -89,8 +89,9 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
 def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:
     """What a batch of `model_ref` costs by its profile, within its batching limits."""
     batching = ctx.batching(model_ref)
-    return reservation.BatchCost.of(ctx.model(model_ref), max_rows=batching.max_batch_size,
+    cost = reservation.BatchCost.of(ctx.model(model_ref), max_rows=batching.max_batch_size,
                                     max_tokens=batching.max_batch_tokens)
+    return ctx.learnt_cost(model_ref, cost)
 
 
 @dataclass(frozen=True)

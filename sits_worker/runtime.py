@@ -161,6 +161,20 @@ class SessionCache:
                     self._sessions[key] = session
         return session
 
+    def offload(self, model_ref: str, model_path: Path) -> ort.InferenceSession:
+        """The CPU session that runs what did not fit the device (`cpu-offload-on-oom`). It is a
+        session of its own also on a CPU worker, so that faults injected into the device's runs
+        stay out of it (docs/failures.md, "Device out of memory")."""
+        key = (model_ref, "cpu-offload")
+        session = self._sessions.get(key)
+        if session is None:
+            with self._lock:
+                session = self._sessions.get(key)
+                if session is None:
+                    session = build_session(model_path, Device("cpu"), self.intra_op_threads)
+                    self._sessions[key] = session
+        return session
+
     def loaded(self) -> list[str]:
         """Model refs with a session in this process."""
         return sorted({ref for ref, _ in self._sessions})

@@ -35,7 +35,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
     home = tmp_path_factory.mktemp("retry-stack") / "home"
     settings = stack_settings(home, streams=2).with_overrides(
-        scheduler={**FAST_RECOVERY, "reap_interval": f"{REAP_INTERVAL}s"}, retry=RETRY,
+        # `fail`: with the default `cpu-offload-on-oom` the OOM model's runs would offload and succeed
+        scheduler={**FAST_RECOVERY, "reap_interval": f"{REAP_INTERVAL}s", "fallback_strategy": "fail"}, retry=RETRY,
         faults={"enabled": True, "fail_models": FAILING_MODELS, "fail_values": [BAD_VALUE],
                 "run_latency": f"{RUN_LATENCY}s"})
     running = Stack(settings, worker_count=2, api_port=0).start()

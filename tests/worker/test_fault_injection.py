@@ -31,8 +31,9 @@ from sits_worker.execution import process_item
 FEATURES = 64
 
 
-def _ctx(store: Store, zoo_dir: Path, **faults: Any) -> WorkerContext:
-    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(faults={"enabled": True, **faults}))
+def _ctx(store: Store, zoo_dir: Path, fallback_strategy: str = "cpu-offload-on-oom", **faults: Any) -> WorkerContext:
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(
+        faults={"enabled": True, **faults}, scheduler={"fallback_strategy": fallback_strategy}))
     assert ctx.faults is not None
     return ctx
 
@@ -48,14 +49,16 @@ def test_no_injector_without_faults(store: Store, zoo_dir: Path) -> None:
 def test_an_oom_above_a_batch_size_is_the_error_a_real_one_becomes(store: Store, zoo_dir: Path) -> None:
     ctx = _ctx(store, zoo_dir, oom_above_rows=8)
 
-    assert ctx.run("mlp@v1", _feed(8), ["logits"])[0].shape[0] == 8
+    assert ctx.faults is not None
+    ctx.faults.before_run("mlp@v1", _feed(8))
     with pytest.raises(DeviceOutOfMemory, match="batch of 9 rows"):
-        ctx.run("mlp@v1", _feed(9), ["logits"])
+        ctx.faults.before_run("mlp@v1", _feed(9))
+    assert ctx.run("mlp@v1", _feed(9), ["logits"])[0].shape[0] == 9  # halved until it fits (docs/failures.md)
 
 
 def test_a_share_of_runs_fail_as_oom_the_same_runs_for_the_same_seed(store: Store, zoo_dir: Path) -> None:
     def failing_runs(seed: int) -> list[int]:
-        ctx = _ctx(store, zoo_dir, oom_share=0.5, seed=seed)
+        ctx = _ctx(store, zoo_dir, "fail", oom_share=0.5, seed=seed)
         failed = []
         for run in range(16):
             try:
@@ -81,7 +84,7 @@ def test_injected_latency_is_added_to_every_run(store: Store, zoo_dir: Path) -> 
     ("bad_input", BadInput), ("invalid_model", InvalidModel)])
 def test_a_failing_model_raises_its_class_s_error(store: Store, zoo_dir: Path, failure_class: str,
                                                   error: type[Exception]) -> None:
-    ctx = _ctx(store, zoo_dir, fail_models={"mlp": failure_class})
+    ctx = _ctx(store, zoo_dir, "fail", fail_models={"mlp": failure_class})
     with pytest.raises(error, match="injected fault"):
         ctx.run("mlp@v1", _feed(1), ["logits"])
 
@@ -146,7 +149,8 @@ def test_a_failing_job_row_fails_its_job_at_once_as_bad_input(store: Store, zoo_
 
 def test_an_injected_oom_on_a_job_waits_its_backoff_in_redis(store: Store, zoo_dir: Path, tmp_path: Path) -> None:
     ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(
-        faults={"enabled": True, "oom_above_rows": 4}, retry={"device_oom": {"attempts": 2, "backoff": "30s"}}))
+        faults={"enabled": True, "oom_share": 1.0}, scheduler={"fallback_strategy": "fail"},
+        retry={"device_oom": {"attempts": 2, "backoff": "30s"}}))
     spec = _job(store, tmp_path)
 
     began = time.time()
@@ -156,4 +160,4 @@ def test_an_injected_oom_on_a_job_waits_its_backoff_in_redis(store: Store, zoo_d
     assert item_id == jobs.chunk_item_id(spec.job_id, 0) and began + 30 <= ready_at <= time.time() + 30
     job = jobs.get_job(store, spec.job_id, now=time.time())
     assert job["status"] == "running" and job["retries"]["device_oom"]["attempts"] == 1
-    assert "batch of 8 rows" in job["retries"]["device_oom"]["last_error"]
+    assert "batch of 1 rows" in job["retries"]["device_oom"]["last_error"]  # halved down to one row first
