@@ -13,9 +13,14 @@ import redis
 from broker.errors import Forbidden, Unauthorized
 from broker.store import Store, translate_redis_errors
 
-ROLES = ("admin", "user", "metrics")
-"""user: a tenant (its own jobs, requests and model names); admin: everything; metrics: `GET /metrics`
-only, a key for a Prometheus scrape that can submit nothing and read no tenant's records."""
+ROLES = ("admin", "tenant-admin", "user", "viewer", "metrics")
+"""admin: everything; tenant-admin: its tenant's work, whoever of the tenant submitted it, and its
+tenant's usage; user: its own jobs, requests and model names; viewer: reads its tenant's work and usage,
+submits nothing; metrics: `GET /metrics` only, a key for a Prometheus scrape that can submit nothing and
+read no tenant's records."""
+
+TENANT_ROLES = ("tenant-admin", "user", "viewer")
+"""Roles whose keys act for one tenant (admins act for every tenant, metrics keys for none)."""
 
 
 def _digest(key: str) -> str:
@@ -26,9 +31,10 @@ GROUP_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """What a key's group may be called: the user group A/B routes send to an arm (`broker/routing.py`)."""
 
 
-def create_api_key(store: Store, name: str, role: str = "user", group: str = "") -> str:
+def create_api_key(store: Store, name: str, role: str = "user", group: str = "", tenant: str = "") -> str:
     """Make and store a new key; the clear text is returned once and kept nowhere. `group` is the user
-    group its requests count in for A/B routes ('' for none).
+    group its requests count in for A/B routes ('' for none); `tenant` the tenant it belongs to (''
+    for the key's own name: a tenant of one key, as every key was before tenants had records).
 
     A name is either a tenant's (user keys) or admins' (admin keys), never both: a user key named like
     an admin key would own what that admin submitted, and an admin is no tenant's member. So a name
@@ -41,11 +47,15 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "")
         raise ValueError("a key needs a name: who it is for")
     if name != name.strip():  # "alice " would be a tenant of its own, told from "alice" by nobody
         raise ValueError(f"key name {name!r} starts or ends with spaces; give it as {name.strip()!r}")
+    if tenant and not GROUP_PATTERN.fullmatch(tenant):
+        raise ValueError(f"tenant {tenant!r} must be letters, digits, '_', '.' or '-' (64 at most), starting with a "
+                         "letter or digit")
     if group and not GROUP_PATTERN.fullmatch(group):
         raise ValueError(f"group {group!r} must be letters, digits, '_', '.' or '-' (64 at most), starting with a "
                          "letter or digit")
     key = "sits_" + secrets.token_urlsafe(24)
-    record = json.dumps({"name": name, "role": role, **({"group": group} if group else {})})
+    record = json.dumps({"name": name, "role": role, **({"group": group} if group else {}),
+                         **({"tenant": tenant} if tenant and tenant != name else {})})
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -60,8 +70,9 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "")
 
 
 def _refuse_a_name_of_the_other_role(name: str, role: str, stored: list[str]) -> None:
-    """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and not `role`.
-    `metrics` keys own nothing, so their names are free of the rule either way."""
+    """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and is an
+    admin's where `role` is a tenant's, or the other way round. `metrics` keys own nothing, so their names
+    are free of the rule either way."""
     if role == "metrics":
         return
     for raw in stored:
@@ -71,14 +82,15 @@ def _refuse_a_name_of_the_other_role(name: str, role: str, stored: list[str]) ->
             continue  # damaged: `authenticate` refuses it anyway
         if not isinstance(identity, dict) or identity.get("role") == "metrics":
             continue
-        if identity.get("name") == name and identity.get("role") != role:
+        if identity.get("name") == name and (identity.get("role") == "admin") != (role == "admin"):
             raise ValueError(f"key name {name!r} is taken by a key of role '{identity.get('role')}': a name is "
                              f"either a tenant's (user keys) or admins' (admin keys), never both; give this {role} "
                              "key another name")
 
 
 def authenticate(store: Store, key: str | None) -> dict[str, Any]:
-    """The {name, role} (and `group`, where it has one) of `key`; Unauthorized when it is missing or unknown."""
+    """The {name, role, tenant} (and `group`, where it has one) of `key`; Unauthorized when it is missing
+    or unknown. A key stored without a tenant belongs to the tenant of its own name."""
     if not key:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>' (see `sitsctl up`, $SITS_HOME/api-key)")
     with translate_redis_errors():
@@ -91,7 +103,7 @@ def authenticate(store: Store, key: str | None) -> dict[str, Any]:
         identity = None
     if not isinstance(identity, dict):  # written by hand, or by something else: not a key SITS made
         raise Unauthorized("this API key's record in Redis is damaged; create a new key with `sitsctl key create`")
-    return identity
+    return identity | {"tenant": identity.get("tenant") or identity.get("name", "")}
 
 
 def require_role(identity: dict[str, Any], role: str) -> None:
@@ -100,13 +112,39 @@ def require_role(identity: dict[str, Any], role: str) -> None:
         raise Forbidden(f"this needs the '{role}' role; key '{identity.get('name')}' has '{identity.get('role')}'")
 
 
-def owns(identity: dict[str, Any], owner: str | None) -> bool:
-    """May the caller see and steer a job or request submitted under `owner`?
+def record_tenant(owner: str | None, tenant: str | None) -> str:
+    """The tenant a job or request belongs to: as stored, else its owner's name (records stored before
+    keys had tenants, whose owner was their tenant)."""
+    return tenant or owner or ""
 
-    A key's name is its tenant: a `user` key owns what was submitted under its name, an `admin`
-    key everything. Records stored without an owner (`None` or '') belong to no user key, so only
-    admins see them.
+
+def owns(identity: dict[str, Any], owner: str | None, tenant: str | None = None) -> bool:
+    """May the caller see and steer (cancel, stop, resume) a job or request submitted under `owner`, for
+    `tenant`?
+
+    An `admin` key may everything; a `tenant-admin` key what was submitted for its tenant; a `user` key
+    what was submitted under its own name. Records stored without an owner (`None` or '') belong to no
+    tenant's key, so only admins see them.
     """
-    if identity.get("role") == "admin":
+    role = identity.get("role")
+    if role == "admin":
         return True
-    return identity.get("role") == "user" and bool(owner) and owner == identity.get("name")
+    if not owner:
+        return False
+    if role == "tenant-admin":
+        return record_tenant(owner, tenant) == identity.get("tenant")
+    return role == "user" and owner == identity.get("name")
+
+
+def may_read(identity: dict[str, Any], owner: str | None, tenant: str | None = None) -> bool:
+    """May the caller see a job or request (`owns`, or a `viewer` key of its tenant)?"""
+    if identity.get("role") == "viewer":
+        return bool(owner) and record_tenant(owner, tenant) == identity.get("tenant")
+    return owns(identity, owner, tenant)
+
+
+def may_submit(identity: dict[str, Any]) -> None:
+    """Forbidden unless the caller may submit work (admins, tenant admins, users)."""
+    if identity.get("role") not in ("admin", "tenant-admin", "user"):
+        raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role, which submits "
+                        "nothing; use a key with the 'user' role")

@@ -19,6 +19,8 @@ from broker.failure_settings import BreakerSettings, FaultSettings, RetryPolicy,
 from broker.scoring import MAX_PRIORITY
 from broker.setting_types import Bytes, Integer, Number, Seconds
 from broker.setting_types import Section as _Section
+from broker.tenant_settings import FairShareSettings, Tenant
+from broker.tenant_shares import validate_shares
 from broker.units import parse_duration, parse_size
 
 
@@ -414,6 +416,19 @@ class Settings(_Section):
     """The circuit breaker of each (model version, worker): when it opens and for how long (docs/failures.md)."""
     faults: FaultSettings = FaultSettings()
     """Fault injection for tests and benchmarks; refused unless `faults.enabled`."""
+    tenants: dict[str, Tenant] = {}
+    """Tenant name -> its share of the fleet and quotas (docs/tenants.md); API processes store them at start."""
+    fair_share: FairShareSettings = FairShareSettings()
+    """How tenants share the fleet: usage decay, the window weighed, chargeback prices (docs/tenants.md)."""
+
+    @field_validator("tenants")
+    @classmethod
+    def _shares_fit_the_fleet(cls, tenants: dict[str, Tenant]) -> dict[str, Tenant]:
+        try:
+            validate_shares({name: tenant.share() for name, tenant in tenants.items()})
+        except ConfigError as err:
+            raise ValueError(err.message) from err
+        return tenants
 
     def retry_policy(self, failure_class: str) -> RetryPolicy:
         """The retry policy of `failure_class`, its attempts resolved (`retry.worker_lost.attempts`

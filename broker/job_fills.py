@@ -34,12 +34,13 @@ from broker.store import Store, translate_redis_errors
 
 
 def _item_args(job_id: str, model_ref: str, ranges: Sequence[tuple[int, int]], indexes: Sequence[int],
-               score: float, factors: dict[str, Any], batch_size: int) -> list[Any]:
+               score: float, factors: dict[str, Any], batch_size: int, tenant: str, owner: str) -> list[Any]:
     args: list[Any] = []
     for index in indexes:
         start, stop = ranges[index]
         payload = {"kind": "chunk", "job": job_id, "model_ref": model_ref, "chunk": index,
-                   "start": start, "stop": stop, "batch_size": batch_size, "score": score, "factors": factors}
+                   "start": start, "stop": stop, "batch_size": batch_size, "score": score, "factors": factors,
+                   "tenant": tenant, "owner": owner}
         args += [chunk_item_id(job_id, index), score, json.dumps(payload), str(index)]
     return args
 
@@ -71,6 +72,7 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
         "batch_size": spec.batch_size,
         "priority": spec.priority,
         "owner": spec.owner,
+        "tenant": spec.tenant or spec.owner,
         "status": "queued",
         "error": "",
         "created_at": now,
@@ -84,7 +86,7 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
     score = queue_key(factors, weights or Weights(), ordering)
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
              _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict(),
-                        spec.batch_size), owner=spec.owner)
+                        spec.batch_size, spec.tenant or spec.owner, spec.owner), owner=spec.owner)
     _mark_active(store, spec.job_id, score, spec.deadline_at)
 
 
@@ -108,9 +110,10 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     factors = job_factors(job["priority"], now, order_at)
     score = queue_key(factors, weights or Weights(), ordering)
     model_ref = job["model_ref"]
-    item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict(), int(job["batch_size"]))
+    item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict(), int(job["batch_size"]),
+                           job["tenant"] or "", job["owner"] or "")
     if not missing:
-        finalize = finalize_payload(job_id, model_ref, score, factors.to_dict())
+        finalize = finalize_payload(job_id, model_ref, score, factors.to_dict(), job["tenant"] or "")
         item_args = [finalize_item_id(job_id), score, json.dumps(finalize), ""]
     fields: dict[str, Any] = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now,
                               "rows_at_resume": job["rows_done"], "order_at": order_at if order_at is not None else ""}
@@ -200,5 +203,5 @@ def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None
                           job.get("order_at"))
     item_args = _item_args(job_id, job["model_ref"], ranges, [i for i in range(len(ranges)) if i not in done],
                            queue_key(factors, weights or Weights(), ordering), factors.to_dict(),
-                           int(job["batch_size"]))
+                           int(job["batch_size"]), job["tenant"] or "", job["owner"] or "")
     return _enqueue(store, job_id, job["model_ref"], {}, mode, now, item_args, fill_id=raw.get("fill_id") or "")

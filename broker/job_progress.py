@@ -37,7 +37,8 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_se
     payload = item.payload
     job_id = payload["job"]
     keys = store.keys
-    finalize = json.dumps(finalize_payload(job_id, item.model_ref, payload["score"], payload.get("factors")))
+    finalize = json.dumps(finalize_payload(job_id, item.model_ref, payload["score"], payload.get("factors"),
+                                           payload.get("tenant") or ""))
     with translate_redis_errors():
         reply = store.scripts.ack_chunk(
             keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,

@@ -97,6 +97,8 @@ class JobSpec:
     batch_size: int
     priority: int = 0
     owner: str = ""
+    tenant: str = ""
+    """The tenant it is billed to and shares the fleet as ('' for the owner's name)."""
     input_options: dict[str, Any] | None = None
     input_stat: dict[str, int] | None = None
     """The input file's size, modification time and inode at submit: workers check it before each chunk."""
@@ -113,9 +115,11 @@ class JobSpec:
         return f"{self.model_name}@{self.model_version}"
 
 
-def finalize_payload(job_id: str, model_ref: str, score: float, factors: dict[str, Any] | None) -> dict[str, Any]:
-    """Payload of the finalize item, queued by the ack of the job's last chunk (same priority)."""
-    return {"kind": "finalize", "job": job_id, "model_ref": model_ref, "score": score, "factors": factors}
+def finalize_payload(job_id: str, model_ref: str, score: float, factors: dict[str, Any] | None,
+                     tenant: str = "") -> dict[str, Any]:
+    """Payload of the finalize item, queued by the ack of the job's last chunk (same priority, same tenant)."""
+    return {"kind": "finalize", "job": job_id, "model_ref": model_ref, "score": score, "factors": factors,
+            "tenant": tenant}
 
 
 def job_factors(priority: int, enqueued_at: float, order_at: float | None = None) -> Factors:
@@ -144,6 +148,7 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
     job["error"] = raw.get("error") or None
     job["at_risk"] = bool(raw.get("at_risk"))
     job["owner"] = raw.get("owner") or None  # the submitting key's name; None for jobs stored without one
+    job["tenant"] = raw.get("tenant") or job["owner"]  # jobs stored before tenants: the owner was the tenant
     for name in _BOOKKEEPING_FIELDS:
         job.pop(name, None)
     # Failures by class (`broker/retries.py`): attempts and last error of each, and the last few.

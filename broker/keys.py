@@ -236,6 +236,36 @@ class Keys:
         """HASH model name -> JSON A/B route of its bare name (`broker/routing.py`, `PUT /v1/routes`)."""
         return self._key("routes")
 
+    # --- tenants -------------------------------------------------------------
+    @property
+    def tenants(self) -> str:
+        """HASH tenant name -> JSON record: share, limit, quotas (`broker/tenants.py`, `PUT /v1/tenants`)."""
+        return self._key("tenants")
+
+    @property
+    def tenant_usage(self) -> str:
+        """HASH tenant name -> JSON {value, at}: its decayed device-seconds, which fair share ranks by."""
+        return self._key("tenant-usage")
+
+    @property
+    def usage_tenants(self) -> str:
+        """ZSET tenant name -> last day (unix day number) it was billed for: who `GET /v1/usage` lists."""
+        return self._key("usage-tenants")
+
+    def tenant_bill(self, tenant: str, day: int) -> str:
+        """HASH of one tenant's chargeback for one UTC day (unix day number): totals and per model, key and
+        device kind (`broker/tenant_usage.py`)."""
+        return self._key("bill", tenant, str(day))
+
+    def tenant_queued(self, tenant: str) -> str:
+        """ZSET request id -> when its record expires: the tenant's online requests not answered yet
+        (`max_queued`)."""
+        return self._key("tenant-queued", tenant)
+
+    def tenant_jobs(self, tenant: str) -> str:
+        """ZSET job id -> when its place was taken: the tenant's jobs queued or running (`max_inflight`)."""
+        return self._key("tenant-jobs", tenant)
+
     # --- models, workers, keys --------------------------------------------
     @property
     def model_versions(self) -> str:

@@ -54,6 +54,7 @@ def lease_batch(
     head_within_limits: bool = False,
     whole_within: tuple[int, int] | None = None,
     preferred_sizes: tuple[int, ...] = (),
+    tenants: dict[str, Any] | None = None,
 ) -> list[LeasedItem]:
     """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
 
@@ -69,6 +70,8 @@ def lease_batch(
     the priority order runs now only if the batch that waits for it fits the free memory).
     With `preferred_sizes`, a batch of requests that takes no chunk along is cut to the largest of
     them its rows reach (Triton's preferred batch sizes; the head request always stays).
+    With `tenants` ({order, held, window}: `sits_worker.fair_share`), the batch is formed from the
+    first `window` waiting items by their tenants' fair-share order, a held tenant's left waiting.
     """
     keys = store.keys
     options: dict[str, Any] = {
@@ -79,6 +82,8 @@ def lease_batch(
     }
     if whole_within is not None:
         options["batch_limit"] = {"rows": whole_within[0], "tokens": whole_within[1]}
+    if tenants is not None:
+        options["tenants"] = tenants
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,

@@ -58,13 +58,14 @@ def unpack_array(text: str) -> np.ndarray:
 
 
 class QueueAtLimit(Exception):
-    """The request's model queue (`level` None) or priority level holds `waiting` requests, its limit:
-    nothing was queued. Internal control flow between `submit_request` and its caller, which answers
-    with a `QueueFull` (it knows how fast the queue drains)."""
+    """The request's model queue (`level` None) or priority level holds `waiting` requests, its limit,
+    or (`tenant` True) its tenant has `waiting` requests not answered, its `max_queued`: nothing was
+    queued. Internal control flow between `submit_request` and its caller, which answers with a
+    `QueueFull` (it knows how fast the queue drains)."""
 
-    def __init__(self, waiting: int, level: int | None) -> None:
-        super().__init__(waiting, level)
-        self.waiting, self.level = waiting, level
+    def __init__(self, waiting: int, level: int | None, tenant: bool = False) -> None:
+        super().__init__(waiting, level, tenant)
+        self.waiting, self.level, self.tenant = waiting, level, tenant
 
 
 class PolicyChanged(Exception):
@@ -88,6 +89,8 @@ class RequestSpec:
     factors: dict[str, Any]
     deadline_at: float | None = None
     owner: str = ""
+    tenant: str = ""
+    """The tenant it is billed to and shares the fleet as ('' for the owner's name)."""
     padded_tokens: int | None = None
     """Tokens the request may cost in a padded batch (rows x its length class); counted against
     `max_batch_tokens` instead of `tokens` when set."""
@@ -111,14 +114,15 @@ class RequestSpec:
 
 def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float, max_age_seconds: float,
                    policy_json: str = "", ticket_target: int = 0, max_waiting: int = 0,
-                   max_waiting_at_level: int = 0) -> list[str]:
+                   max_waiting_at_level: int = 0, tenant_max_queued: int = 0) -> list[str]:
     """Store the request, queue it, ring the doorbell and top tickets up to `ticket_target`, in one call.
 
     `policy_json` is the live policy as read when `score` was computed ('' for the defaults); if it
     is no longer live, nothing is written and PolicyChanged is raised. With `max_waiting` (the
     model's `max_queue_size`) or `max_waiting_at_level` (its level's), a queue that holds that many
-    waiting requests takes nothing, atomically with the check: QueueAtLimit. Returns the new ticket
-    ids, each to be sent as a drain task.
+    waiting requests takes nothing, atomically with the check: QueueAtLimit; so does a tenant with
+    `tenant_max_queued` requests not answered yet (`keys.tenant_queued`; `complete_requests` takes a
+    request off it). Returns the new ticket ids, each to be sent as a drain task.
     """
     keys = store.keys
     fields = {
@@ -130,11 +134,13 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
         "created_at": now,
         "deadline_at": spec.deadline_at or "",
         "owner": spec.owner,
+        "tenant": spec.tenant or spec.owner,
         "inputs": orjson.dumps({name: pack_array(array) for name, array in spec.inputs.items()}).decode(),
     }
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
-               "factors": spec.factors, **({"expires_at": spec.expires_at} if spec.expires_at else {}),
+               "factors": spec.factors, "tenant": spec.tenant or spec.owner, "owner": spec.owner,
+               **({"expires_at": spec.expires_at} if spec.expires_at else {}),
                **({"delay_at": spec.delay_at} if spec.delay_at else {}),
                **({"reply_to": spec.reply_to} if spec.reply_to else {})}
     timeout_at = spec.expires_at or spec.delay_at
@@ -143,15 +149,17 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
                   keys.deadlines(spec.model_ref), keys.policy, keys.tickets, keys.ticket_seq, keys.doorbell,
                   keys.queues_version, keys.waiting_requests(spec.model_ref), keys.request_timeouts(spec.model_ref),
-                  keys.counters],
+                  keys.counters, keys.tenant_queued(spec.tenant or spec.owner)],
             args=[spec.model_ref, spec.request_id, orjson.dumps({k: str(v) for k, v in fields.items()}), score,
                   orjson.dumps(payload), spec.deadline_at or "", int(max_age_seconds), policy_json, now,
                   ticket_target, int(spec.factors.get("level") or 0), max_waiting, max_waiting_at_level,
-                  "" if timeout_at is None else repr(timeout_at)],
+                  "" if timeout_at is None else repr(timeout_at), tenant_max_queued],
         )
     status = int(reply[0])
     if status in (-2, -3):
         raise QueueAtLimit(int(reply[1]), None if status == -2 else int(spec.factors.get("level") or 0))
+    if status == -4:
+        raise QueueAtLimit(int(reply[1]), None, tenant=True)
     if status < 0:
         raise PolicyChanged(spec.request_id)
     if status == 0:
@@ -212,7 +220,22 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
                   *request_keys],
             args=args,
         )
+        forget_answered(store, [result.item for result in results])
     return int(reply)
+
+
+def forget_answered(store: Store, items: Sequence[LeasedItem]) -> None:
+    """Take answered requests off their tenants' unanswered sets (`keys.tenant_queued`, `max_queued`)."""
+    by_tenant: dict[str, list[str]] = {}
+    for item in items:
+        tenant = item.payload.get("tenant")
+        if tenant:
+            by_tenant.setdefault(tenant, []).append(item.item_id)
+    if by_tenant:
+        with translate_redis_errors(), store.client.pipeline(transaction=False) as pipe:
+            for tenant, ids in by_tenant.items():
+                pipe.zrem(store.keys.tenant_queued(tenant), *ids)
+            pipe.execute()
 
 
 def get_request(store: Store, request_id: str) -> dict[str, Any]:
@@ -239,9 +262,12 @@ def record_from_fields(raw: Mapping[str, str]) -> dict[str, Any]:
         "model_version": raw["model_version"],
         "status": raw["status"],
         "owner": raw.get("owner") or None,  # the submitting key's name; None for requests stored without one
+        "tenant": raw.get("tenant") or raw.get("owner") or None,
         "rows": int(raw["rows"]),
         "created_at": float(raw["created_at"]),
         "finished_at": float(raw["finished_at"]) if raw.get("finished_at") else None,
+        # when the run that answered it began (its queue time ends there)
+        "started_at": float(raw["started_at"]) if raw.get("started_at") else None,
         "batch_size": int(raw["batch_size"]) if raw.get("batch_size") else None,
         "job_rows": int(raw.get("job_rows") or 0),  # rows of offline jobs that shared its run
         "error": raw.get("error") or None,

@@ -40,6 +40,7 @@ SCRIPT_NAMES = (
     "psa_jump",
     "prune_queue",
     "expire_requests",
+    "note_usage",
 )
 
 

@@ -17,12 +17,14 @@ from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
 from broker import breaker, job_lists, job_stops, jobs, policy, queues, registry, requests, workers
-from broker.apikeys import authenticate, owns, require_role
+from broker.apikeys import authenticate, may_read, owns, require_role
 from broker.config import Settings
 from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
 from broker.sla_task_sets import TaskSet
 from broker.store import Store
-from sits_api import ab_routes, metrics, request_intake, services, sla
+from broker.tenant_settings import Tenant
+from broker.tenants import TenantTable
+from sits_api import ab_routes, metrics, request_intake, services, sla, tenant_gate
 from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document
 from sits_api.result_inbox import ResultInbox
@@ -56,6 +58,7 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
         "inbox": ResultInbox(store),
         "known_keys": {},
         "metrics": metrics.SitsCollector(store, settings),
+        "tenants": TenantTable(settings.tenants),
     }
     app.before_request(_authenticate)  # every blueprint: v1 and the v2 protocol
     app.register_blueprint(api)
@@ -138,16 +141,25 @@ METRICS_ENDPOINTS = frozenset({"api.prometheus_metrics", "v2.model_statistics"})
 
 
 def _refuse_a_metrics_key_elsewhere() -> None:
-    """A `metrics` key (a Prometheus scrape's, a statistics reader's) reads `METRICS_ENDPOINTS` and nothing else."""
+    """A `metrics` key (a Prometheus scrape's, a statistics reader's) reads `METRICS_ENDPOINTS` and nothing
+    else; a `viewer` key reads (GET) and changes nothing."""
     if g.identity.get("role") == "metrics" and request.endpoint not in METRICS_ENDPOINTS:
         raise Forbidden(f"key '{g.identity.get('name')}' has the 'metrics' role: it may only read GET /metrics "
                         "and the v2 model statistics (GET /v2/models/stats)")
+    if g.identity.get("role") == "viewer" and request.method not in ("GET", "HEAD"):
+        raise Forbidden(f"key '{g.identity.get('name')}' has the 'viewer' role: it reads its tenant's work and "
+                        "submits or changes nothing; use a key with the 'user' role")
 
 
-def _visible_to_caller(record: dict[str, Any], not_found: SitsError) -> dict[str, Any]:
-    """`record` (a job or a request) if the caller's key owns it (`apikeys.owns`), else `not_found`:
-    the very error an unknown id gets, so that no tenant learns that another's ids exist."""
-    if not owns(g.identity, record["owner"]):
+def _visible_to_caller(record: dict[str, Any], not_found: SitsError, *, steer: bool = False) -> dict[str, Any]:
+    """`record` (a job or a request) if the caller's key may read it (`apikeys.may_read`), or with `steer`
+    cancel, stop or resume it (`apikeys.owns`), else `not_found`: the very error an unknown id gets, so
+    that no tenant learns that another's ids exist (a viewer of the tenant gets a 403 when steering)."""
+    if steer and may_read(g.identity, record["owner"], record.get("tenant")) \
+            and not owns(g.identity, record["owner"], record.get("tenant")):
+        raise Forbidden(f"key '{g.identity.get('name')}' has the '{g.identity.get('role')}' role: it may read its "
+                        "tenant's work, not steer it")
+    if not may_read(g.identity, record["owner"], record.get("tenant")):
         raise not_found
     return record
 
@@ -166,9 +178,10 @@ def _model_as_seen(record: dict[str, Any]) -> dict[str, Any]:
     return hidden
 
 
-def _caller_job(job_id: str) -> dict[str, Any]:
-    """The job `job_id`, if the caller may see and steer it; JobNotFound otherwise."""
-    return _visible_to_caller(jobs.get_job(_ctx()["store"], job_id, now=time.time()), jobs.job_not_found(job_id))
+def _caller_job(job_id: str, *, steer: bool = False) -> dict[str, Any]:
+    """The job `job_id`, if the caller may see it (with `steer`: and steer it); JobNotFound otherwise."""
+    return _visible_to_caller(jobs.get_job(_ctx()["store"], job_id, now=time.time()), jobs.job_not_found(job_id),
+                              steer=steer)
 
 
 # --- health -------------------------------------------------------------------------
@@ -276,7 +289,7 @@ def submit_job() -> Any:
     ctx = _ctx()
     body = _parse(JobSubmission)
     job = services.submit_job(ctx["settings"], ctx["store"], ctx["dispatcher"], body,
-                              caller=g.identity, now=time.time(), headers=request.headers)
+                              caller=g.identity, now=time.time(), headers=request.headers, tenants=ctx["tenants"])
     return jsonify(job), 201
 
 
@@ -284,8 +297,9 @@ def submit_job() -> Any:
 def list_jobs() -> Any:
     """Newest jobs first; `?status=` filters, `?limit=` bounds (default 100).
 
-    A user key lists only its own jobs (naming another `?owner=` is a 403); an admin key lists
-    every job, jobs stored without an owner included, or with `?owner=` those of one key name.
+    A user key lists only its own jobs (naming another `?owner=` is a 403); a tenant-admin or viewer
+    key its tenant's; an admin key every job, jobs stored without an owner included, or with `?owner=`
+    those of one key name.
     """
     try:
         limit = int(request.args.get("limit", 100))
@@ -299,14 +313,14 @@ def list_jobs() -> Any:
     owner = request.args.get("owner")
     if owner is not None and not owner.strip():
         raise BadInput("owner must be the name of an API key, e.g. ?owner=alice; leave it out for every job")
-    if g.identity.get("role") != "admin":
+    if g.identity.get("role") == "user":
         if owner not in (None, g.identity["name"]):
             raise Forbidden(f"key '{g.identity['name']}' may list only its own jobs; leave out owner= "
                             "(an admin key may name any owner)")
         owner = g.identity["name"]
     listed = job_lists.list_jobs(_ctx()["store"], now=time.time(), limit=limit, status=status_filter, owner=owner)
-    # `owns` decides; the owner filter above only spares reading other tenants' jobs
-    return jsonify({"jobs": [job for job in listed if owns(g.identity, job["owner"])]})
+    # `may_read` decides; the owner filter above only spares reading other tenants' jobs
+    return jsonify({"jobs": [job for job in listed if may_read(g.identity, job["owner"], job.get("tenant"))]})
 
 
 @api.get("/v1/jobs/<job_id>")
@@ -319,7 +333,7 @@ def get_job(job_id: str) -> Any:
 def cancel_job(job_id: str) -> Any:
     """Cancel a job: its waiting chunks leave the queue; a finished job keeps its status."""
     store = _ctx()["store"]
-    _caller_job(job_id)
+    _caller_job(job_id, steer=True)
     job_stops.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
     return jsonify(jobs.get_job(store, job_id, now=time.time()))
 
@@ -328,7 +342,7 @@ def cancel_job(job_id: str) -> Any:
 def resume_job(job_id: str) -> Any:
     """Re-queue only the chunks of a job that are not done."""
     ctx = _ctx()
-    _caller_job(job_id)
+    _caller_job(job_id, steer=True)
     job = services.resume_job(ctx["settings"], ctx["store"], ctx["dispatcher"], job_id, caller=g.identity,
                               now=time.time())
     return jsonify(job), 202
@@ -357,6 +371,13 @@ def _query_flag(name: str) -> bool:
     raise BadInput(f"query parameter '{name}' must be true or false, got {request.args.get(name)!r}")
 
 
+def _priority(body: Any, tenant: Tenant | None) -> int:
+    """The priority a request or job runs at: its own, else its tenant's `default_priority`, else the default."""
+    if "priority" in body.model_fields_set or tenant is None or tenant.default_priority is None:
+        return int(body.priority)
+    return tenant.default_priority
+
+
 @api.post("/v1/requests")
 def submit_request() -> Any:
     """One inference request; 202 with its id, or with `wait` the result (200) when it is done in time."""
@@ -368,11 +389,14 @@ def submit_request() -> Any:
     request_id = requests.new_request_id()
     with ctx["inbox"].expecting(request_id, wait=wait) as answer:
         model = ab_routes.routed(store, body.model, g.identity, request.headers, "v1")
+        tenant = tenant_gate.check_model(ctx["tenants"], store, g.identity, model)
         spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=model,
-                                     inputs=body.inputs, priority=body.priority, deadline_ms=body.deadline_ms,
-                                     user_tier=body.user_tier, tokens=body.tokens, owner=g.identity["name"],
-                                     now=time.time(), request_id=request_id, timeout_ms=body.timeout_ms,
-                                     reply_to=answer.reply_to)
+                                     inputs=body.inputs, priority=_priority(body, tenant),
+                                     deadline_ms=body.deadline_ms, user_tier=body.user_tier, tokens=body.tokens,
+                                     owner=g.identity["name"], now=time.time(), request_id=request_id,
+                                     timeout_ms=body.timeout_ms, reply_to=answer.reply_to,
+                                     tenant=tenant_gate.tenant_of(g.identity),
+                                     max_queued=tenant.max_queued if tenant else 0)
         done = request_intake.wait_for_result(settings, store, ctx["policy"], answer, spec,
                                               seconds=request_intake.wait_seconds(settings, body.deadline_ms))
     if done:
@@ -424,6 +448,48 @@ def delete_route(model: str) -> Any:
     require_role(g.identity, "admin")
     ab_routes.delete_route(_ctx()["store"], model)
     return "", 204
+
+
+@api.get("/v1/tenants")
+def list_tenants() -> Any:
+    """Admin: every tenant with its share, limit and quotas (docs/tenants.md)."""
+    require_role(g.identity, "admin")
+    ctx = _ctx()
+    return jsonify({"tenants": tenant_gate.list_tenants(ctx["tenants"], ctx["store"])})
+
+
+@api.get("/v1/tenants/<name>")
+def get_tenant(name: str) -> Any:
+    """A tenant's record: to admins, and to its own tenant's keys."""
+    if g.identity.get("role") != "admin" and tenant_gate.tenant_of(g.identity) != name:
+        require_role(g.identity, "admin")
+    ctx = _ctx()
+    return jsonify(tenant_gate.get_tenant(ctx["tenants"], ctx["store"], name))
+
+
+@api.put("/v1/tenants/<name>")
+def put_tenant(name: str) -> Any:
+    """Admin: create or replace a tenant's record; every process follows it within a second."""
+    require_role(g.identity, "admin")
+    ctx = _ctx()
+    body = request_object('a tenant, e.g. {"guaranteed_share": 0.3, "limit": 3.0, "preemption_target": "200ms"}')
+    return jsonify(tenant_gate.put_tenant(ctx["tenants"], ctx["store"], name, body))
+
+
+@api.delete("/v1/tenants/<name>")
+def delete_tenant(name: str) -> Any:
+    """Admin: remove a tenant's record; its keys stay, with no share and no caps."""
+    require_role(g.identity, "admin")
+    ctx = _ctx()
+    tenant_gate.delete_tenant(ctx["tenants"], ctx["store"], name)
+    return "", 204
+
+
+@api.get("/v1/usage")
+def get_usage() -> Any:
+    """Chargeback: device-seconds, rows, requests, jobs, queue time and cost, per tenant (docs/tenants.md)."""
+    ctx = _ctx()
+    return jsonify(tenant_gate.usage(ctx["settings"], ctx["store"], g.identity, request.args, now=time.time()))
 
 
 @api.get("/v1/policy")

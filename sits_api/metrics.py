@@ -23,12 +23,14 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
-from broker import breaker
+from broker import breaker, tenants
 from broker.config import Settings
 from broker.jobs import ACTIVE_STATUSES, FINAL_STATUSES
 from broker.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
 from broker.stats import SystemStats, read_stats
 from broker.store import Store, translate_redis_errors
+from broker.tenant_shares import decayed
+from broker.tenant_usage import read_usage
 
 MODEL = ["model", "version"]
 WORKER = ["worker", "device"]
@@ -78,7 +80,41 @@ class SitsCollector:
         yield from _job_and_request_metrics(stats)
         yield from _latency_histograms(stats)
         yield from _deadline_metrics(stats)
+        yield from _tenant_metrics(self._store, stats, self._settings, now=time.time())
         yield _breaker_metric(breaker.read_breakers(self._store), stats, now=time.time())
+
+
+def _tenant_metrics(store: Store, stats: SystemStats, settings: Settings, *, now: float) -> Iterator[Metric]:
+    """Each tenant's device time and rows billed (`broker/tenant_usage.py`), its guaranteed share and the
+    most it may use (share x limit), and its share of the fleet's recent device time (decayed usage
+    over every tenant's). The tenants are read at each scrape: two Redis calls, however many tenants."""
+    half_life = settings.fair_share.usage_half_life
+    seconds = CounterMetricFamily("sits_tenant_device_seconds", "Device-seconds of runs billed to the tenant (a "
+                                  "merged run split by rows).", labels=["tenant"])
+    for tenant, total in sorted(stats.counters.get("tenant_device_us", {}).items()):
+        seconds.add_metric([tenant], total / 1e6)
+    yield seconds
+    rows = CounterMetricFamily("sits_tenant_rows", "Rows of the tenant's work run.", labels=["tenant"])
+    for tenant, total in sorted(stats.counters.get("tenant_rows", {}).items()):
+        rows.add_metric([tenant], total)
+    yield rows
+    guaranteed = GaugeMetricFamily("sits_tenant_guaranteed_share", "The tenant's guaranteed share of the fleet's "
+                                   "device time (tenants.<name>.guaranteed_share).", labels=["tenant"])
+    ceiling = GaugeMetricFamily("sits_tenant_share_limit", "The most of the fleet the tenant may use when others "
+                                "are idle: guaranteed_share x limit.", labels=["tenant"])
+    for tenant_name, record in tenants.effective(tenants.load_tenants(store), settings.tenants).items():
+        guaranteed.add_metric([tenant_name], record.guaranteed_share)
+        ceiling.add_metric([tenant_name], min(1.0, record.guaranteed_share * record.limit))
+    yield guaranteed
+    yield ceiling
+    used = {name: decayed(usage, now=now, half_life=half_life) for name, usage in read_usage(store).items()}
+    whole = sum(used.values(), 0.0)
+    recent = GaugeMetricFamily("sits_tenant_usage_share", "The tenant's share of the fleet's recent device time "
+                               "(decayed by fair_share.usage_half_life), what fair share weighs against its "
+                               "guaranteed share.", labels=["tenant"])
+    for name, value in sorted(used.items()):
+        recent.add_metric([name], value / whole if whole > 0 else 0.0)
+    yield recent
 
 
 def exposition(collector: SitsCollector, accept: str) -> tuple[bytes, str]:
@@ -115,7 +151,7 @@ def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
                             "for the live workers' stream slots.", value=stats.tickets)
 
 
-REJECTION_REASONS = ("queue_full", "level_full")
+REJECTION_REASONS = ("queue_full", "level_full", "tenant_full")
 """Why a request was refused with a 429 (`submit_request.lua` counts them): its model's queue, or its
 priority level's, held `max_queue_size` waiting requests."""
 
@@ -129,7 +165,8 @@ def _queue_policy_metrics(stats: SystemStats, settings: Settings) -> Iterator[Me
     yield limit
     rejected = CounterMetricFamily("sits_requests_rejected", "Online requests refused with a 429 because their "
                                    "queue was full (reason queue_full: the model's max_queue_size; level_full: "
-                                   "their priority level's); nothing of them was queued.", labels=[*MODEL, "reason"])
+                                   "their priority level's; tenant_full: their tenant's max_queued); nothing of "
+                                   "them was queued.", labels=[*MODEL, "reason"])
     for reason in REJECTION_REASONS:
         for model_ref, total in sorted(stats.counters.get(f"requests_rejected_{reason}", {}).items()):
             rejected.add_metric([*_model_labels(model_ref), reason], total)

@@ -8,6 +8,7 @@ from broker.policy import ORDERINGS, POLICY_RANGES
 from broker.routing import Route
 from broker.scoring import Weights
 from broker.sla_task_sets import TaskSet
+from broker.tenant_settings import Tenant
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
@@ -168,6 +169,27 @@ def openapi_document() -> dict[str, Any]:
             "/v1/routes/{model}": {
                 "delete": {"summary": "admin: remove a model's route", "parameters": path_params("model"),
                            "responses": _responses(204, 401, 403, 404)},
+            },
+            "/v1/tenants": {
+                "get": {"summary": "admin: every tenant with its share, limit and quotas",
+                        "responses": _responses(200, 401, 403)},
+            },
+            "/v1/tenants/{name}": {
+                "get": {"summary": "a tenant's record (admins, and its own tenant's keys)",
+                        "parameters": path_params("name"), "responses": _responses(200, 401, 403, 404)},
+                "put": {"summary": "admin: create or replace a tenant (shares sum to at most 1)",
+                        "parameters": path_params("name"),
+                        "requestBody": {"required": True,
+                                        "content": {"application/json": {"schema": Tenant.model_json_schema()}}},
+                        "responses": _responses(200, 400, 401, 403, 409)},
+                "delete": {"summary": "admin: remove a tenant's record (its keys keep working, with no share)",
+                           "parameters": path_params("name"), "responses": _responses(204, 401, 403, 404, 409)},
+            },
+            "/v1/usage": {
+                "get": {"summary": "chargeback: device-seconds, rows, requests, jobs, queue time and cost per tenant",
+                        "description": "Query: tenant, from and to (UTC dates, YYYY-MM-DD), by (model, key or day). "
+                                       "A non-admin key sees only its own tenant.",
+                        "responses": _responses(200, 400, 401, 403)},
             },
             "/v1/sla/analysis": {
                 "post": {"summary": "schedulability of a periodic task set: utilisation and the Liu-Layland "

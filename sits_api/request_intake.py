@@ -34,12 +34,15 @@ from sits_worker.model.tensors import request_tensors
 def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy: policy.LivePolicy, *,
            model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: str,
            tokens: int | None, owner: str, now: float, request_id: str | None = None,
-           timeout_ms: float | None = None, reply_to: str = "") -> RequestSpec:
+           timeout_ms: float | None = None, reply_to: str = "", tenant: str = "",
+           max_queued: int = 0) -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it,
     under its model's queue policy (`broker.queue_policy`): QueueFull when its queue is full, and
     `timeout_ms`, the request's own timeout (v1 `timeout_ms`, v2 `timeout`), where the policy lets it;
     `ModelUnavailable` (503) when its model version's breaker is open on every live worker.
-    `reply_to` is the inbox its result is pushed to (`sits_api.result_inbox`), '' for its own list."""
+    `reply_to` is the inbox its result is pushed to (`sits_api.result_inbox`), '' for its own list.
+    `tenant` is who it is billed to ('' for the owner), `max_queued` its tenant's cap on requests not
+    answered yet (QueueFull beyond it; 0: none)."""
     record, mask = model_record(store, model)
     tensors = request_tensors(record["signature"], inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
@@ -69,6 +72,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
         factors=factors.to_dict(),
         deadline_at=now + deadline_ms / 1000 if deadline_ms else None,
         owner=owner,
+        tenant=tenant or owner,
         expires_at=now + timeout if timeout is not None and queue.timeout_action == "reject" else None,
         delay_at=now + timeout if timeout is not None and queue.timeout_action == "delay" else None,
         reply_to=reply_to,
@@ -81,7 +85,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
                 store, spec, score=queue_key(factors, weights, ordering), now=now,
                 max_age_seconds=max(settings.online.result_ttl, 3600), policy_json=raw_policy,
                 ticket_target=dispatcher.ticket_target(now), max_waiting=queue.max_queue_size,
-                max_waiting_at_level=queue.level_max_queue_size)
+                max_waiting_at_level=queue.level_max_queue_size, tenant_max_queued=max_queued)
             break
         except requests.PolicyChanged:
             raw_policy, weights, ordering = live_policy.refresh()
@@ -103,6 +107,10 @@ def queue_full(settings: Settings, store: Store, record: dict[str, Any], spec: R
         each = estimate_latency_ms(record, rows=spec.rows, tokens=spec.tokens) / 1000
     slots = workers.live_stream_slots(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout)
     retry_after = queue_policy.retry_after_seconds(full.waiting, each, slots)
+    if full.tenant:
+        return QueueFull(f"tenant '{spec.tenant}' has {full.waiting} requests not answered yet, its limit "
+                         f"(tenants.{spec.tenant}.max_queued); the request was not queued: retry after "
+                         f"{retry_after} s (Retry-After)", retry_after=retry_after)
     if full.level is None:
         what, key = f"model '{spec.model_ref}'", f"online.models.{spec.model_name}.max_queue_size"
     else:

@@ -29,15 +29,19 @@ from broker import (
     policy,
     registry,
     sla_metrics,
+    tenant_quotas,
+    tenant_usage,
     workers,
 )
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
 from broker.config import Settings
-from broker.errors import BadInput, Conflict, DeadlineInfeasible, Forbidden, PathNotAllowed, RetryableError
+from broker.errors import BadInput, Conflict, DeadlineInfeasible, Forbidden, PathNotAllowed, QueueFull, RetryableError
 from broker.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 from broker.store import Store
-from sits_api import ab_routes, job_deadlines
+from broker.tenant_settings import Tenant
+from broker.tenants import TenantTable
+from sits_api import ab_routes, job_deadlines, tenant_gate
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_api.task_sender import Dispatcher
 from sits_worker.model.batch_probe import check_rows_independent
@@ -174,11 +178,15 @@ def _store_copy(model: onnx.ModelProto, folder: Path) -> tuple[Path, bool]:
 
 
 def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: JobSubmission, *,
-               caller: dict[str, Any], now: float, headers: Any = None) -> dict[str, Any]:
+               caller: dict[str, Any], now: float, headers: Any = None,
+               tenants: TenantTable | None = None) -> dict[str, Any]:
     """Validate a job against its model's signature, queue its chunks and wake the workers; the job
-    belongs to the `caller` key's name. A bare model name goes where its A/B route sends the caller's
-    jobs (`sits_api.ab_routes`, by the request's `headers`, a mapping of its HTTP headers)."""
+    belongs to the `caller` key's name, and is billed to its tenant, within the tenant's record in
+    `tenants` (its models, `max_inflight`, `default_priority`; the file's tenants when not given). A bare
+    model name goes where its A/B route sends the caller's jobs (`sits_api.ab_routes`, by the request's
+    `headers`, a mapping of its HTTP headers)."""
     model = registry.get_model(store, ab_routes.routed(store, body.model, caller, headers or {}, "jobs"))
+    tenant = tenant_gate.check_model(tenants or TenantTable(settings.tenants), store, caller, model["name"])
     input_path = resolve_inside(body.input_batch, settings.paths.input_roots, "input")
     output_dir = resolve_inside(body.output_dir, settings.paths.output_roots, "output")
     if output_dir.exists() and not output_dir.is_dir():
@@ -212,8 +220,9 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         rows_total=rows,
         chunk_size=_chunk_size(settings, store, model, body.chunk_size, rows=rows, batch_size=batch_size, now=now),
         batch_size=batch_size,
-        priority=body.priority,
+        priority=_priority(body, tenant),
         owner=caller["name"],
+        tenant=tenant_gate.tenant_of(caller),
         input_options={k: v for k, v in input_options.items() if v is not None},
         deadline_at=deadline_at,
     )
@@ -224,12 +233,35 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         except DeadlineInfeasible:
             sla_metrics.count_admission_refusal(store, spec.model_ref)
             raise
+    _take_job_place(settings, store, spec, tenant, now=now)
     output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
     job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering,
                          deadline_horizon=settings.sla.deadline_horizon)
     _keep_output_dir_or_stop(store, spec.job_id, spec.output_dir, now=now)
+    tenant_usage.count_job(store, tenant=spec.tenant, owner=spec.owner, model=spec.model_ref, now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, spec.job_id, now=now)
+
+
+def _priority(body: JobSubmission, tenant: Tenant | None) -> int:
+    """The job's own priority, else its tenant's `default_priority`, else the default."""
+    if "priority" in body.model_fields_set or tenant is None or tenant.default_priority is None:
+        return body.priority
+    return tenant.default_priority
+
+
+def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec, tenant: Tenant | None, *,
+                    now: float) -> None:
+    """A place among its tenant's active jobs (`max_inflight`), or QueueFull (429) with a Retry-After of
+    about one chunk's time: the soonest a job of the tenant may end and free one."""
+    try:
+        tenant_quotas.take_job_place(store, spec.tenant, spec.job_id, most=tenant.max_inflight if tenant else 0,
+                                     now=now)
+    except tenant_quotas.TenantAtLimit as full:
+        retry_after = max(1, math.ceil(settings.jobs.chunk_seconds))
+        raise QueueFull(f"tenant '{spec.tenant}' has {full.active} jobs queued or running, its limit "
+                        f"(tenants.{spec.tenant}.max_inflight); the job was not queued: retry after {retry_after} s "
+                        "(Retry-After), or once one of them ends", retry_after=retry_after) from None
 
 
 def _checksum_unchanged(path: Path, identity: dict[str, int]) -> str:

@@ -33,7 +33,7 @@ from broker.config import ModelBatching, Settings
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
 from broker.requests import RequestSpec
 from broker.store import Store
-from sits_api import ab_routes, request_intake, services, v2_binary
+from sits_api import ab_routes, request_intake, services, tenant_gate, v2_binary
 from sits_api.content_encoding import request_body
 from sits_api.jsonio import parse_object
 from sits_api.result_inbox import Answer
@@ -207,13 +207,16 @@ def infer(name: str, version: str | None = None) -> Any:
     body = parse_object(header, "a JSON object with an 'inputs' list of {name, shape, datatype, data}")
     model = f"{name}@{version}" if version else ab_routes.routed(store, name, g.identity, request.headers, "v2")
     checked = parse_infer_request(store, body, model, binary)
+    tenant = tenant_gate.check_model(ctx["tenants"], store, g.identity, checked.model)
     request_id = requests.new_request_id()
     with ctx["inbox"].expecting(request_id) as answer:
         spec = request_intake.submit(settings, store, ctx["dispatcher"], ctx["policy"], model=checked.model,
                                      inputs=checked.inputs, priority=checked.priority,
                                      deadline_ms=checked.deadline_ms, user_tier=checked.user_tier, tokens=None,
                                      owner=g.identity["name"], now=time.time(), timeout_ms=checked.deadline_ms,
-                                     request_id=request_id, reply_to=answer.reply_to)
+                                     request_id=request_id, reply_to=answer.reply_to,
+                                     tenant=tenant_gate.tenant_of(g.identity),
+                                     max_queued=tenant.max_queued if tenant else 0)
         result = _wait_for_answer(answer, settings, store, ctx["policy"], spec)
     if result["status"] != "succeeded":  # answered with the status of the error that failed it
         # (a request failed by a worker of a release before error codes: a 400, as it was then)

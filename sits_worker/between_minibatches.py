@@ -10,12 +10,14 @@ offline rows share batches with online requests):
   (`scheduler.merge_requests_into_jobs`);
 - one batch of other online requests that outrank the chunk runs on this
   slot before the next mini-batch (a FIFO order never lets a later request
-  pass the chunk);
+  pass the chunk), or of a tenant that ranks above the chunk's tenant in the
+  fair-share order: it takes its share back here, not after the chunk;
 - requests leased together with the chunk (a batch of requests that took a
   waiting chunk to fill its empty rows) ride in its first mini-batch.
 
 Looking costs a Redis round trip, so it happens at most every
-`scheduler.yield_check_interval`.
+`scheduler.yield_check_interval`, or every half of the smallest `preemption_target` of a tenant
+with a share (`fair_share.FairShare.look_interval`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class BetweenBatches:
         self._extended_at = time.monotonic()
         score = item.payload.get("score")
         self._chunk_score = float(score) if isinstance(score, int | float) else None
-        self._interval = ctx.settings.scheduler.yield_check_interval
+        self._interval = ctx.fair_share.look_interval(ctx.settings.scheduler.yield_check_interval)
         self._next_look = time.monotonic() + self._interval
         self._carried = list(carried)
         self._stale = False
@@ -66,7 +68,8 @@ class BetweenBatches:
             # Urgent work first: if it fails, no rider has been leased yet to be stranded.
             with self._ctx.lease_keeper.holding([self._item]):  # an urgent batch may outlast the lease
                 served = self._chunk_score is not None and _serve_one_urgent_batch(
-                    self._ctx, self._chunk_score, self._ticket, self._reservation)
+                    self._ctx, self._chunk_score, self._ticket, self._reservation,
+                    str(self._item.payload.get("tenant") or ""))
             riders = []
             if self._ctx.settings.scheduler.merge_requests_into_jobs:
                 riders = lease_riders(self._ctx, self._item.model_ref, feed, self._ticket)
@@ -107,8 +110,11 @@ class BetweenBatches:
             raise
 
 
-def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str, chunk_reservation: int | None) -> bool:
-    """Run one batch of the best waiting online requests that outrank `chunk_score`; False if none.
+def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str, chunk_reservation: int | None,
+                            chunk_tenant: str = "") -> bool:
+    """Run one batch of the best waiting online requests that outrank `chunk_score`, or of a tenant that
+    ranks above the chunk's tenant in the fair-share order (it takes its share back at this boundary);
+    False if none.
 
     The batch runs instead of the chunk's next mini-batch, so it may use the chunk's reservation
     and the free memory (`MemoryLedger.room_in_place_of`): it is leased cut to that room (nothing
@@ -116,14 +122,17 @@ def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str,
     and reserved by its real need; should that no longer fit, it goes back to its queue unrun.
     """
     snapshot = ctx.queue_watcher.snapshot()
+    reclaim = ctx.fair_share.reclaim_option(chunk_tenant)
     for model_ref, score in sorted(snapshot.heads.items(), key=lambda head: head[1]):
-        if score >= chunk_score:
+        outranks = score < chunk_score
+        if not outranks and reclaim is None:
             return False
         room = ctx.ledger.room_in_place_of(chunk_reservation)
         cut = None if room is None else batch_cost(ctx, model_ref).within(model_ref, room, math.inf)
         if room is not None and cut is None:
             continue  # not one request of this model fits beside the others now
-        leased = lease(ctx, model_ref, ticket, requests_only=True, admission=cut, within_cut=cut is not None)
+        leased = lease(ctx, model_ref, ticket, requests_only=True, admission=cut, within_cut=cut is not None,
+                       tenants=None if outranks else reclaim)
         if not leased:
             continue
         handle = None

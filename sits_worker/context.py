@@ -33,6 +33,7 @@ from broker.retry_policy import classify, describe
 from broker.store import Store
 from sits_worker.chunk_commits import Commits
 from sits_worker.devices import Device, device_memory
+from sits_worker.fair_share import FairShare
 from sits_worker.fault_injection import FaultInjector
 from sits_worker.lease_keeper import LeaseKeeper
 from sits_worker.model.inputs import open_input
@@ -40,6 +41,7 @@ from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
 from sits_worker.observed_profiles import ObservedLatencies
 from sits_worker.runtime import SessionCache, run_session
+from sits_worker.usage_meter import UsageMeter
 from sits_worker.worker_settings import WorkerSettings, worker_settings
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,10 @@ class WorkerContext:
     """This worker's circuit breakers, one per model version it ran (`broker/breaker.py`)."""
     ceilings: oom_ceiling.Ceilings = field(init=False)
     """The batch ceilings device OOMs taught this worker, by model version (`broker/oom_ceiling.py`)."""
+    usage: UsageMeter = field(init=False)
+    """Bills this worker's runs to the tenants in them (`sits_worker/usage_meter.py`)."""
+    fair_share: FairShare = field(init=False)
+    """The tenants' order this worker's leases follow (`sits_worker/fair_share.py`)."""
     _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
@@ -105,6 +111,10 @@ class WorkerContext:
             self.faults = FaultInjector(self.settings.faults, self.store, worker=lambda: self.name)
         self.breakers = breaker.BreakerBoard(self.store, self.settings.breaker, lambda: self.name)
         self.ceilings = oom_ceiling.Ceilings(self.settings.scheduler.oom_ceiling_decay)
+        self.usage = UsageMeter(self.store, device_kind=self.device.kind,
+                                half_life=self.settings.fair_share.usage_half_life,
+                                flush_every=self.settings.fair_share.usage_refresh)
+        self.fair_share = FairShare(self.store, self.settings, self.usage)
 
     @classmethod
     def create(cls, worker: WorkerSettings) -> WorkerContext:
@@ -165,15 +175,19 @@ class WorkerContext:
         """Run one batch of `model_ref` (on `session` when given, looked up once per chunk); on device
         OOM, halved down to one row, then on the CPU when the fallback strategy says so (`_run_fitting`).
         The run's outcome counts on this worker's breaker of the model (`broker/breaker.py`): a failure
-        of the device's class against it, a success for it; a bad input neither (it is the client's)."""
+        of the device's class against it, a success for it; a bad input neither (it is the client's).
+        Its time is billed to the tenants of the thread's `usage.billing` scope."""
         self.model(model_ref)  # (a Redis error reading the record is not the device's: read it first)
+        started = time.perf_counter()
         try:
             outputs = self._run_fitting(model_ref, feed, output_names, session)
         except Exception as err:
+            self.usage.add_run(time.perf_counter() - started)  # (a failed run used the device too)
             failure_class = classify(err)
             if breaker.counts(failure_class):
                 self.breakers.note_run(model_ref, failed=True, error=f"{failure_class}: {describe(err)}")
             raise
+        self.usage.add_run(time.perf_counter() - started)
         self.breakers.note_run(model_ref, failed=False)
         if self.faults is not None:  # (after the breaker's write: a drop fails this thread's next calls)
             self.faults.after_run()

@@ -45,6 +45,10 @@ _DOORBELL_SLICE_SECONDS = 0.25
 enqueue path rings the doorbell)."""
 
 
+HELD_POLL_SECONDS = 0.01
+"""How often a slot looks again while a tenant is held back (its usage decays by the milliseconds)."""
+
+
 def drain(ctx: WorkerContext, ticket: str) -> str:
     """Serve batches under `ticket`; returns 'released', 'stale' or 'yield' (re-queue the ticket)."""
     settings = ctx.settings.scheduler
@@ -95,8 +99,9 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                         ran = True
             if not ran and not room and all(map(jobs.is_chunk_item_id, snapshot.head_items.values())):
                 ctx.commits.wait_for_room(timeout=0.05)  # only chunks wait: wait for the disk
-            elif not ran:
-                time.sleep(0.001)  # memory is reserved by running batches, or another slot took the work
+            elif not ran:  # memory is reserved by running batches, another slot took the work, or the
+                # waiting work is a held tenant's (past its limit: it waits for its usage to decay)
+                time.sleep(HELD_POLL_SECONDS if ctx.fair_share.holding else 0.001)
             if time.monotonic() >= slice_ends:
                 return "yield"
     except StaleTicket:

@@ -31,6 +31,7 @@ from sits_worker.context import WorkerContext
 from sits_worker.model.source import check_unchanged
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
 from sits_worker.request_runs import give_back, rows_to_fill, run_requests, run_with_riders
+from sits_worker.usage_meter import Work
 
 log = logging.getLogger(__name__)
 
@@ -239,12 +240,17 @@ class ChunkRows:
                           lambda lo, hi: self._attempt(row_indices[lo:hi], _rows(feed, lo, hi)),
                           lambda offset: int(row_indices[offset]))
 
+    def payer(self, rows: int) -> Work:
+        """What `rows` of this job bring to a run's bill: its tenant's and its owner's rows."""
+        return Work(str(self.job.get("tenant") or ""), str(self.job.get("owner") or ""), rows)
+
     def _attempt(self, row_indices: np.ndarray, feed: dict[str, np.ndarray]) -> BadInput | None:
         ctx = self._ctx
         try:
             if ctx.faults is not None:
                 ctx.faults.check_rows(row_indices)
-            outputs = ctx.run(self.job["model_ref"], feed, self.output_names, self.session)
+            with ctx.usage.billing(self.job["model_ref"], [self.payer(len(row_indices))]):
+                outputs = ctx.run(self.job["model_ref"], feed, self.output_names, self.session)
         except BadInput as err:
             return err
         self.store(row_indices, outputs)
@@ -330,7 +336,8 @@ def _run_riders(ctx: WorkerContext, chunk: ChunkRows, riders: Sequence[LeasedIte
             run_requests(ctx, riders)
             return row_indices, feed
         output_names = [output["name"] for output in ctx.model(model_ref)["signature"]["outputs"]]
-        outputs = run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders, chunk.session)
+        outputs = run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders, chunk.session,
+                                  payer=chunk.payer(fill))
     except Exception as err:
         give_back(ctx, riders, err)  # a no-op for those already completed
         raise

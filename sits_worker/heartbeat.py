@@ -35,7 +35,8 @@ class Heartbeat:
                                       "celery_name": worker_name}
 
     def beat_once(self, now: float) -> None:
-        """Record one heartbeat and flush the observed profiles; log, never raise, when Redis is away."""
+        """Record one heartbeat and flush the observed profiles and the tenants' bills; log, never raise,
+        when Redis is away."""
         ctx = self.ctx
         try:
             self._info["models_loaded"] = ctx.sessions.loaded()
@@ -48,6 +49,7 @@ class Heartbeat:
             ctx.observed.flush(ctx.store, worker=self.worker_name, device=str(ctx.device))
         except Exception as err:
             log.warning("could not write the observed profiles: %s", err)
+        ctx.usage.flush()  # (bills an idle worker's last runs; logs, never raises)
 
     def start(self) -> None:
         """Beat on a daemon thread until `stop`."""

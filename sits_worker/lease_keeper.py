@@ -8,9 +8,9 @@ such rounds failed as if its workers had died. So each run registers what it hol
 duration, and one thread per worker process extends the leases (and touches the ticket) of every
 run that has held them for a quarter of the lease since the last extension. Registering costs a
 lock and a dict entry, so short runs (nearly all of them) cost no Redis round trip and no thread.
-A run held for `MAX_LEASES_HELD` leases is no longer extended: a run that hangs (a driver that never
-returns) then goes back to the reaper, which retries its items elsewhere and in the end fails them,
-instead of holding them and its ticket for ever.
+A run held for `MAX_LEASES_HELD` leases (and at least `MIN_HELD_SECONDS`) is no longer extended: a run
+that hangs (a driver that never returns) then goes back to the reaper, which retries its items elsewhere
+and in the end fails them, instead of holding them and its ticket for ever.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 MAX_LEASES_HELD = 10
 """Leases' worth of time (10 min at the default 60 s) after which a run's leases are no longer extended."""
+
+MIN_HELD_SECONDS = 60.0
+"""The least time a run's leases are extended, however short the lease: a short lease is there to find a
+dead worker soon, not to cut a slow run on a loaded machine short."""
 
 
 @dataclass
@@ -77,9 +81,10 @@ class LeaseKeeper:
         """Extend the leases of runs held for a quarter of the lease since their last extension; returns
         how many runs were extended. A lease the reaper already took back stays taken (`extend_lease`)."""
         now, lease = time.monotonic(), self._lease_seconds
+        most = max(MAX_LEASES_HELD * lease, MIN_HELD_SECONDS)
         with self._lock:
             due = [held for held in self._held.values()
-                   if now - held.extended_at >= lease / 4 and now - held.held_since < MAX_LEASES_HELD * lease]
+                   if now - held.extended_at >= lease / 4 and now - held.held_since < most]
             for held in due:
                 held.extended_at = now
         for held in due:

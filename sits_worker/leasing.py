@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,10 +26,11 @@ from sits_worker.model.padding import max_sequence, shape_bucket
 
 def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
           admission: reservation.Admission | None = None, carry_chunk: bool = False,
-          within_cut: bool = False) -> list[queues.LeasedItem]:
+          within_cut: bool = False, tenants: dict[str, Any] | None = None) -> list[queues.LeasedItem]:
     """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time, and
     cut to a preferred batch size), within the rows and tokens of its `admission` when given;
-    `carry_chunk`, `within_cut`: see `queues.lease_batch`. Nothing while this worker's breaker of
+    `carry_chunk`, `within_cut`: see `queues.lease_batch`; in the fair-share order of the tenants
+    (`fair_share.FairShare.lease_option`), or as `tenants` says when given. Nothing while this worker's breaker of
     the model is open, or half-open with its probe batch taken by another slot."""
     claim = ctx.breakers.claim(model_ref, now=time.time())
     if claim is None:
@@ -39,7 +41,8 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
     leased: list[queues.LeasedItem] = []
     try:
         leased = _lease_batch(ctx, model_ref, ticket, batching, max_rows, max_tokens, requests_only=requests_only,
-                              admission=admission, carry_chunk=carry_chunk, within_cut=within_cut)
+                              admission=admission, carry_chunk=carry_chunk, within_cut=within_cut,
+                              tenants=tenants if tenants is not None else ctx.fair_share.lease_option())
     finally:
         if claim == "probe" and not leased:  # the probe got no batch: another slot may take it
             ctx.breakers.release_probe(model_ref)
@@ -48,13 +51,13 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
 
 def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batching, max_rows: int,
                  max_tokens: int, *, requests_only: bool, admission: reservation.Admission | None,
-                 carry_chunk: bool, within_cut: bool) -> list[queues.LeasedItem]:
+                 carry_chunk: bool, within_cut: bool, tenants: dict[str, Any] | None) -> list[queues.LeasedItem]:
     return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
                               max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
                               preferred_sizes=batching.preferred_batch_sizes,
                               max_chunks=1, ticket=ticket, requests_only=requests_only, carry_chunk=carry_chunk,
                               head_within_limits=within_cut,
-                              whole_within=admission.whole_within if admission else None)
+                              whole_within=admission.whole_within if admission else None, tenants=tenants)
 
 
 def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray]) -> tuple[str, int | None]:

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from broker.retry_policy import classify, describe, retry_delays
 from broker.scoring import rows_to_fill as rows_to_fill_by_profile
 from sits_worker.context import WorkerContext
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
+from sits_worker.usage_meter import Work
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
     run_started = time.time()
     if live:
         failure: Exception | None = None
-        with ctx.lease_keeper.holding(items, ticket):
+        with ctx.usage.billing(model_ref, _work(live, run_started)), ctx.lease_keeper.holding(items, ticket):
             try:
                 results += _run_merged(ctx, model_ref, live)
             except PermanentError as err:
@@ -88,9 +90,11 @@ def _settle_failed_run(ctx: WorkerContext, items: Sequence[LeasedItem], err: Exc
 
 
 def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_names: list[str],
-                    riders: Sequence[LeasedItem], session: Any = None) -> list[np.ndarray] | None:
+                    riders: Sequence[LeasedItem], session: Any = None,
+                    payer: Work | None = None) -> list[np.ndarray] | None:
     """Run a job's mini-batch `feed` with online requests riding along in the same run; complete the
-    riders and return the job rows' outputs (in `output_names` order).
+    riders and return the job rows' outputs (in `output_names` order). The run is billed to the job's
+    tenant (`payer`, its rows) and the riders' by their rows.
 
     When the merged run fails permanently, the riders run apart (bisected, as in `run_requests`) and
     the mini-batch alone; None when that fails for its input too: the riders are answered, and the
@@ -101,7 +105,9 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     run_started = time.time()
     job_rows = len(next(iter(feed.values())))
     job_outputs: Tensors | None = None
-    with ctx.lease_keeper.holding(riders):  # (the chunk's own lease is held around each mini-batch)
+    work = [*([replace(payer, rows=job_rows)] if payer else []), *_work(live, run_started)]
+    # (the chunk's own lease is held around each mini-batch)
+    with ctx.usage.billing(model_ref, work), ctx.lease_keeper.holding(riders):
         if live:
             try:
                 job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)
@@ -169,6 +175,16 @@ def _load(ctx: WorkerContext, items: Sequence[LeasedItem]) -> tuple[list[Request
                               ran=False) for item, tensors in zip(items, inputs, strict=True) if tensors is None]
     live = [(item, tensors) for item, tensors in zip(items, inputs, strict=True) if tensors is not None]
     return results, live
+
+
+def _work(live: Sequence[tuple[LeasedItem, Tensors]], run_started: float) -> list[Work]:
+    """What each live request brings to its run's bill: its tenant's rows, one request, its queue time."""
+    work = []
+    for item, tensors in live:
+        enqueued = float((item.payload.get("factors") or {}).get("enqueued_at") or run_started)
+        work.append(Work(str(item.payload.get("tenant") or ""), str(item.payload.get("owner") or ""),
+                         len(next(iter(tensors.values()))), 1, max(0.0, run_started - enqueued)))
+    return work
 
 
 def _rows(live: Sequence[tuple[LeasedItem, Tensors]]) -> int:

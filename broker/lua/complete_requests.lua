@@ -49,6 +49,9 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     redis.call('HSET', request, 'status', status, 'outputs', ARGV[11 + 7 * i], 'error', ARGV[12 + 7 * i],
       'error_code', ARGV[13 + 7 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
       'job_rows', ARGV[5])
+    if run_started and ARGV[14 + 7 * i] == '1' then
+      redis.call('HSET', request, 'started_at', ARGV[7])  -- (when its run began: its queue time ends)
+    end
     redis.call('HDEL', request, 'inputs')
     redis.call('EXPIRE', request, ARGV[2])
     local flat, fields = redis.call('HGETALL', request), {}

@@ -17,6 +17,11 @@
 --   head_must_fit: a head request too must fit max_rows and max_tokens, else {0}
 --   batch_limit {rows, tokens (0: no limit)}, optional: a batch of requests goes only within it, else {0}
 --   preferred_sizes [...]: a batch of requests without a chunk is cut to the largest size its rows reach
+--   tenants {order [...], held [...], window}, optional (fair share, broker/tenant_shares.py): up to
+--     `window` waiting items are weighed instead, their tenants' items (payload `tenant`) in `order`
+--     first (queue order within a tenant), those of tenants not in it after; a held tenant's items
+--     are not leased at all (it is past its limit; with nothing else waiting, the slot stays idle);
+--     with `only`, neither are the items of tenants not in `order`
 -- Returns {-1}: the ticket is no longer valid; {0}: nothing leased; else {n, id1, payload1, attempts1, ...}.
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
@@ -39,12 +44,91 @@ end
 -- online request, the chunk to carry (or nil), the rows and tokens of the requests; nil: lease nothing.
 -- Chunks follow a chunk head; requests of the head's bucket join a request head while they fit.
 -- With carry, the scan goes on past a full batch, looking for that chunk.
-local function pick_candidates()
-  local candidates = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
-  local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
-  for index, item_id in ipairs(candidates) do
+local function queue_candidates()
+  local ids = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
+  local out = {}
+  for index, item_id in ipairs(ids) do
     local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
-    local item = cjson.decode(payload)
+    out[index] = {item_id, payload, cjson.decode(payload)}
+  end
+  return out
+end
+
+-- The candidates by fair share: waiting items by their tenant's rank in `order` (queue order within
+-- a rank; tenants not in `order` after every ranked one), held tenants' items left out. The queue is
+-- read in pages from its head, at most `window` items deep, and no further once enough items of the
+-- first-ranked tenant are found: a flood of one tenant in front costs little when the first-ranked
+-- tenant's work is near the head, and at most `window` items when it has none. A job's chunks share
+-- its tenant, so their payloads are decoded once per job, not once per chunk.
+local FAIR_PAGE = 128
+local function fair_candidates(tenants)
+  local rank, held = {}, {}
+  for index, name in ipairs(tenants.order or {}) do
+    rank[name] = index
+  end
+  for _, name in ipairs(tenants.held or {}) do
+    held[name] = true
+  end
+  local best_possible, last = nil, #(tenants.order or {}) + 1
+  for index, name in ipairs(tenants.order or {}) do
+    if not held[name] then
+      best_possible = index
+      break
+    end
+  end
+  local window = math.max(tonumber(tenants.window) or 0, 2 * math.max(max_items, max_chunks))
+  local enough = 2 * math.max(max_items, max_chunks)
+  local job_tenants, out, found_best, position = {}, {}, 0, 0
+  while position < window do
+    local ids = redis.call('ZRANGE', KEYS[2], position, math.min(position + FAIR_PAGE, window) - 1)
+    for _, item_id in ipairs(ids) do
+      position = position + 1
+      local job = string.match(item_id, '^(.+):c%d+$')
+      local tenant = job and job_tenants[job]
+      local payload, item = nil, nil
+      if tenant == nil then
+        payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+        item = cjson.decode(payload)
+        tenant = item['tenant'] or ''
+        if job then
+          job_tenants[job] = tenant
+        end
+      end
+      if not held[tenant] and (rank[tenant] ~= nil or tenants.only ~= true) then
+        local item_rank = rank[tenant] or last
+        if item_rank == best_possible then
+          found_best = found_best + 1
+        end
+        out[#out + 1] = {item_id, payload, item, item_rank, position}
+      end
+    end
+    if #ids < FAIR_PAGE or (best_possible ~= nil and found_best >= enough) then
+      break
+    end
+  end
+  table.sort(out, function(a, b)
+    if a[4] ~= b[4] then
+      return a[4] < b[4]
+    end
+    return a[5] < b[5]
+  end)
+  return out
+end
+
+local function pick_candidates()
+  local candidates
+  if type(options.tenants) == 'table' then
+    candidates = fair_candidates(options.tenants)
+  else
+    candidates = queue_candidates()
+  end
+  local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
+  for index, candidate in ipairs(candidates) do
+    local item_id, payload, item = candidate[1], candidate[2], candidate[3]
+    if payload == nil then  -- (a chunk whose tenant was known from its job's: read only if it is looked at)
+      payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+      item = cjson.decode(payload)
+    end
     local is_request = item['kind'] == 'request'
     if index == 1 then
       if requests_only and not is_request then
@@ -125,7 +209,7 @@ local function move_to_inflight(picked)
 end
 
 local picked, online, carried, rows, tokens = pick_candidates()
-if picked == nil then
+if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's)
   return {0}
 end
 rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)

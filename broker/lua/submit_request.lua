@@ -12,6 +12,7 @@
 -- KEYS[11] waiting requests ZSET request id -> priority level (the model's requests not leased)
 -- KEYS[12] request timeouts ZSET request id -> when its timeout passes
 -- KEYS[13] counters  HASH running totals for /metrics ('requests_rejected_<reason>:<model ref>')
+-- KEYS[14] tenant's queued ZSET request id -> when its record expires (its requests not answered yet)
 -- ARGV[1] model ref, ARGV[2] request id (also its item id), ARGV[3] JSON object of request fields
 -- ARGV[4] score, ARGV[5] item payload JSON, ARGV[6] deadline (unix seconds) or ''
 -- ARGV[7] seconds the request hash may live at most (a result nobody fetches must not stay forever)
@@ -19,10 +20,13 @@
 -- ARGV[9] now, ARGV[10] how many tickets should circulate
 -- ARGV[11] the request's priority level, ARGV[12] most requests waiting for the model (0: no limit),
 -- ARGV[13] most waiting at its level (0: no limit), ARGV[14] when its timeout passes ('' for none)
+-- ARGV[15] most requests of its tenant not answered yet (0: no limit)
 -- Returns: {1, new ticket ids...}; {0} when a request with that id exists already; {-1} when the
 -- live policy is no longer ARGV[8] (nothing written: score again with the live policy and retry,
 -- so no item is ever queued with the weights of a policy that a re-score has already replaced);
--- {-2, waiting} when the model's queue is full, {-3, waiting at the level} when its level is (nothing
+-- {-2, waiting} when the model's queue is full, {-3, waiting at the level} when its level is, {-4,
+-- unanswered} when its tenant has max_queued requests not answered yet (entries past their record's
+-- expiry are dropped first, so a request nobody completed cannot hold a place for ever) (nothing
 -- written but the rejection's count: the check and the enqueue are one step, so two API processes
 -- can never both take the last place).
 if (redis.call('GET', KEYS[6]) or '') ~= ARGV[8] then
@@ -45,6 +49,16 @@ if most_at_level > 0 then
     redis.call('HINCRBY', KEYS[13], 'requests_rejected_level_full:' .. ARGV[1], 1)
     return {-3, waiting}
   end
+end
+local tenant_most = tonumber(ARGV[15])
+if tenant_most > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[14], '-inf', ARGV[9])
+  local unanswered = redis.call('ZCARD', KEYS[14])
+  if unanswered >= tenant_most then
+    redis.call('HINCRBY', KEYS[13], 'requests_rejected_tenant_full:' .. ARGV[1], 1)
+    return {-4, unanswered}
+  end
+  redis.call('ZADD', KEYS[14], tonumber(ARGV[9]) + tonumber(ARGV[7]), ARGV[2])
 end
 for name, value in pairs(cjson.decode(ARGV[3])) do
   redis.call('HSET', KEYS[4], name, tostring(value))

@@ -2,8 +2,8 @@
 
 Each command is thin: parse options, call the REST API (or the stack
 launcher), print the result. `--json` prints what the API answered. The
-`job` commands are in `job_commands.py`, the `sla` ones in `sla_commands.py`, the printing
-helpers in `output.py`.
+`job` commands are in `job_commands.py`, the `sla` ones in `sla_commands.py`, `usage` in
+`usage_commands.py`, the printing helpers in `output.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from sits_api.cli.job_commands import job
 from sits_api.cli.output import console, print_error, print_json, print_table
 from sits_api.cli.params import non_empty
 from sits_api.cli.sla_commands import sla
+from sits_api.cli.usage_commands import usage
 
 if TYPE_CHECKING:
     from broker.store import Store
@@ -302,13 +303,16 @@ def key() -> None:
 
 @key.command("create")
 @click.option("--name", required=True, callback=non_empty,
-              help="who the key is for (its tenant: a user key sees only what keys of this name submit)")
-@click.option("--role", type=click.Choice(["admin", "user", "metrics"]), default="user", show_default=True,
-              help="user: a tenant; admin: everything; metrics: only GET /metrics and the v2 statistics"
-                   " (a Prometheus scrape key)")
+              help="who the key is for (a user key sees only what keys of this name submit)")
+@click.option("--role", type=click.Choice(["admin", "tenant-admin", "user", "viewer", "metrics"]), default="user",
+              show_default=True,
+              help="user: submits and sees its own work; tenant-admin: its tenant's work; viewer: reads its "
+                   "tenant's work; admin: everything; metrics: only GET /metrics and the v2 statistics")
+@click.option("--tenant", default="", help="the tenant it belongs to and is billed to (docs/tenants.md); "
+                                            "default: the key's name")
 @click.option("--group", default="", help="the user group its requests count in for A/B routes (docs/routing.md)")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
-def key_create(name: str, role: str, group: str, config_path: Path | None) -> None:
+def key_create(name: str, role: str, tenant: str, group: str, config_path: Path | None) -> None:
     """Create an API key and print it once (only its digest is stored)."""
     import redis
 
@@ -317,7 +321,7 @@ def key_create(name: str, role: str, group: str, config_path: Path | None) -> No
     settings, stack_config = _stack_settings(config_path)
     redis_url, store = _stack_redis(settings, recorded_by_up=stack_config is not None)
     try:
-        click.echo(create_api_key(store, name, role, group))
+        click.echo(create_api_key(store, name, role, group, tenant))
     except ValueError as err:  # a name the key cannot have: say so as a usage error, not a traceback
         raise click.UsageError(str(err)) from err
     except redis.RedisError as err:  # connection failures arrive as ConnectionLost; this is what else Redis says
@@ -408,3 +412,4 @@ def model_show(ref: str) -> None:
 
 cli.add_command(job)
 cli.add_command(sla)
+cli.add_command(usage)

@@ -230,7 +230,35 @@ def test_split_model_ref() -> None:
 def test_created_key_authenticates_with_its_name_and_role(store: Store) -> None:
     key = apikeys.create_api_key(store, "ci-bot", role="admin")
 
-    assert apikeys.authenticate(store, key) == {"name": "ci-bot", "role": "admin"}
+    assert apikeys.authenticate(store, key) == {"name": "ci-bot", "role": "admin", "tenant": "ci-bot"}
+
+
+def test_a_key_belongs_to_the_tenant_it_was_created_for_else_to_its_own_name(store: Store) -> None:
+    of_acme = apikeys.create_api_key(store, "alice", role="tenant-admin", tenant="acme")
+    alone = apikeys.create_api_key(store, "bob")
+
+    assert apikeys.authenticate(store, of_acme) == {"name": "alice", "role": "tenant-admin", "tenant": "acme"}
+    assert apikeys.authenticate(store, alone)["tenant"] == "bob"
+    with pytest.raises(ValueError, match="tenant 'a b' must be letters"):
+        apikeys.create_api_key(store, "carol", tenant="a b")
+
+
+def test_who_may_read_and_steer_a_record_by_role_and_tenant() -> None:
+    admin = {"name": "ops", "role": "admin", "tenant": "ops"}
+    tenant_admin = {"name": "alice", "role": "tenant-admin", "tenant": "acme"}
+    user = {"name": "bob", "role": "user", "tenant": "acme"}
+    viewer = {"name": "vic", "role": "viewer", "tenant": "acme"}
+    metrics = {"name": "prom", "role": "metrics", "tenant": "prom"}
+    bobs, carols, others = ("bob", "acme"), ("carol", "acme"), ("dave", "globex")
+
+    assert [apikeys.owns(key, *bobs) for key in (admin, tenant_admin, user, viewer, metrics)] == [
+        True, True, True, False, False]
+    assert [apikeys.owns(key, *carols) for key in (admin, tenant_admin, user, viewer)] == [True, True, False, False]
+    assert [apikeys.may_read(key, *carols) for key in (admin, tenant_admin, user, viewer)] == [True, True, False, True]
+    assert [apikeys.may_read(key, *others) for key in (admin, tenant_admin, user, viewer)] == [
+        True, False, False, False]
+    assert apikeys.may_read(tenant_admin, "acme", None)  # a record stored before tenants: its owner was its tenant
+    assert not apikeys.may_read(viewer, None, None) and apikeys.may_read(admin, None, None)
 
 
 def test_keys_are_stored_as_digests_only(store: Store) -> None:
@@ -272,8 +300,9 @@ def test_a_key_name_is_either_a_tenant_s_or_admins_never_both(store: Store) -> N
     assert store.client.hgetall(store.keys.api_keys) == stored
 
     more = [apikeys.create_api_key(store, "ops", role="admin"), apikeys.create_api_key(store, "alice", role="user")]
-    assert [apikeys.authenticate(store, key) for key in more] == [{"name": "ops", "role": "admin"},
-                                                                   {"name": "alice", "role": "user"}]
+    assert [apikeys.authenticate(store, key) for key in more] == [{"name": "ops", "role": "admin", "tenant": "ops"},
+                                                                   {"name": "alice", "role": "user", "tenant": "alice"}]
+    apikeys.create_api_key(store, "alice", role="viewer")  # (the tenant's roles share a name; admins' do not)
 
 
 def test_keys_of_both_roles_created_at_once_under_one_name_get_one_role(store: Store) -> None:

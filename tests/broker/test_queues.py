@@ -37,6 +37,8 @@ def test_lease_moves_items_from_ready_to_inflight_with_the_deadline(store: Store
         "batch_size": 2,
         "score": None,
         "factors": jobs.job_factors(0, NOW).to_dict(),
+        "tenant": "alice",  # (the owner's name: the job's key has no tenant of its own)
+        "owner": "alice",
     }
 
 
@@ -314,6 +316,7 @@ def test_last_chunk_ack_queues_the_finalize_item(store: Store) -> None:
         "model_ref": MODEL_REF,
         "score": leased[0].payload["score"],
         "factors": leased[0].payload["factors"],
+        "tenant": "alice",  # the job's: its finalize step shares the fleet as its chunks do
     }
     assert store.client.zscore(store.keys.ready(MODEL_REF), finalize_id) == payload["score"]
     job = jobs.get_job(store, spec.job_id, now=NOW + 1)

@@ -97,6 +97,7 @@ def test_a_run_that_outlasts_max_leases_held_is_no_longer_extended(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hung run (a driver that never returns) must not keep its requests and ticket from the reaper for ever."""
     monkeypatch.setattr(lease_keeper, "MAX_LEASES_HELD", 2)
+    monkeypatch.setattr(lease_keeper, "MIN_HELD_SECONDS", 0.0)
     [item] = leased_requests(store, 1)
     keeper = LeaseKeeper(store, LEASE_SECONDS)
 

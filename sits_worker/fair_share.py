@@ -1,0 +1,116 @@
+"""The fair-share order a worker's leases follow: which tenant's work goes first, which one waits.
+
+Each lease asks `FairShare.lease_option` for the order of the tenants (`broker.tenant_shares.fair_order`:
+usage over guaranteed share, lowest first; past `guaranteed_share * limit` of the fleet, held) and
+hands it to `lease_batch.lua`, which weighs the first `fair_share.window` waiting items by it. The
+tenants' usage is read from Redis at most every `fair_share.usage_refresh` (after this worker's own
+bills are flushed), the fleet's stream slots at most every second.
+
+Fair share applies only while some tenant has a guaranteed share; without one the queue's own order
+(priority, deadlines, CP-Score) stands, as it did before tenants had records.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from broker import tenant_usage, workers
+from broker.config import Settings
+from broker.store import Store
+from broker.tenant_shares import Usage, fair_order
+from broker.tenants import TenantTable
+from sits_worker.usage_meter import UsageMeter
+
+SLOTS_REFRESH_SECONDS = 1.0
+"""How long the fleet's live stream slots are reused before they are counted again."""
+
+
+class FairShare:
+    """One worker process's view of the tenants' shares and usage. Thread-safe; `clock` for tests."""
+
+    def __init__(self, store: Store, settings: Settings, meter: UsageMeter,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._settings = settings.fair_share
+        self._heartbeat_timeout = settings.scheduler.worker_heartbeat_timeout
+        self._meter = meter
+        self._clock = clock
+        self.table = TenantTable(settings.tenants)
+        self._lock = threading.Lock()
+        self._usage: dict[str, Usage] = {}
+        self._usage_at = float("-inf")
+        self._slots = 1
+        self._slots_at = float("-inf")
+        self.holding = False
+        """Whether the last order held a tenant back (the drain loop then polls less often)."""
+        self._last: tuple[list[str], set[str]] = ([], set())
+
+    def lease_option(self) -> dict[str, Any] | None:
+        """The `tenants` option of `lease_batch.lua` ({order, held, window}), or None: no fair share."""
+        if not self._settings.enabled:
+            return None
+        shares = {name: tenant.share() for name, tenant in self.table.tenants(self._store).items()
+                  if tenant.guaranteed_share > 0}
+        if not shares:
+            self.holding = False
+            return None
+        now = self._clock()
+        usage, slots = self._fresh(now)
+        waiting = [*shares, *(name for name in usage if name not in shares)]
+        order, held = fair_order(shares, usage, waiting, stream_slots=slots,
+                                 half_life=self._settings.usage_half_life, now=now)
+        self.holding = bool(held)
+        self._last = (order, held)
+        return {"order": order, "held": sorted(held), "window": self._settings.window}
+
+    def reclaim_option(self, tenant: str) -> dict[str, Any] | None:
+        """The `tenants` option that leases only the work of tenants ranking above `tenant` in the last
+        order (none held): what a running chunk of `tenant` lets in at a mini-batch boundary, so that a
+        tenant below its share gets its share back within its preemption target. None when no tenant
+        ranks above it, or fair share is off."""
+        if self.lease_option() is None:
+            return None
+        order, held = self._last
+        above = order[:order.index(tenant)] if tenant in order else [name for name in order if name in self._ranked()]
+        above = [name for name in above if name not in held]
+        return {"order": above, "held": [], "window": self._settings.window, "only": True} if above else None
+
+    def _ranked(self) -> set[str]:
+        """Tenants with a guaranteed share (those fair share ranks before every other)."""
+        return {name for name, tenant in self.table.tenants(self._store).items() if tenant.guaranteed_share > 0}
+
+    def look_interval(self, interval: float) -> float:
+        """How often a running job chunk looks for waiting online work between its mini-batches: every
+        `interval` (`scheduler.yield_check_interval`), or sooner, every half of the smallest
+        `preemption_target` of a tenant with a share, so that such a tenant's requests get a device
+        within it: a look comes at a mini-batch boundary, so the wait is at most the look's interval
+        plus the running mini-batch."""
+        if not self._settings.enabled:
+            return interval
+        targets = [tenant.preemption_target / 2 for tenant in self.table.tenants(self._store).values()
+                   if tenant.guaranteed_share > 0]
+        return min([interval, *targets])
+
+    def _fresh(self, now: float) -> tuple[dict[str, Usage], int]:
+        """The tenants' usage and the fleet's stream slots, read again when older than their refresh."""
+        with self._lock:
+            usage_due = now - self._usage_at >= self._settings.usage_refresh
+            slots_due = now - self._slots_at >= SLOTS_REFRESH_SECONDS
+            if usage_due:
+                self._usage_at = now
+            if slots_due:
+                self._slots_at = now
+        if usage_due:
+            self._meter.flush()
+            usage = tenant_usage.read_usage(self._store)
+            with self._lock:
+                self._usage = usage
+        if slots_due:
+            slots = workers.live_stream_slots(self._store, now=now, timeout=self._heartbeat_timeout)
+            with self._lock:
+                self._slots = max(1, slots)
+        with self._lock:
+            return self._usage, self._slots

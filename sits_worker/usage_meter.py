@@ -1,0 +1,136 @@
+"""Billing a worker's runs to the tenants in them, for fair share and chargeback.
+
+A run is billed inside a `billing` scope that names the work in it (each tenant's rows, requests and
+queue time): `WorkerContext.run` adds every run's measured seconds to the scope of its thread, and
+the scope's end splits them over its tenants by rows (`broker.tenant_shares.attribute`, exact: the
+parts sum to the seconds measured). Parts wait in memory and go to Redis in one call
+(`broker.tenant_usage.note_usage`) at most every `fair_share.usage_refresh`, so a run costs no extra
+round trip; the drain loop's fair-share order and the heartbeat flush what waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from broker import tenant_usage
+from broker.store import Store
+from broker.tenant_shares import attribute
+from broker.tenant_usage import BillEntry
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 4096
+"""Entries kept while Redis is away; past it the oldest are dropped (and logged)."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """One tenant's part of a run's work: its rows, by whose key, and (for online requests) how many
+    requests and how long they waited in the queue."""
+
+    tenant: str
+    owner: str
+    rows: int
+    requests: int = 0
+    queue_seconds: float = 0.0
+
+
+@dataclass
+class _Scope:
+    model_ref: str
+    work: Sequence[Work]
+    seconds: float = 0.0
+
+
+class UsageMeter:
+    """This worker process's bills not yet in Redis. Thread-safe; `clock` is passed in for tests."""
+
+    def __init__(self, store: Store, *, device_kind: str, half_life: float, flush_every: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._device = device_kind
+        self._half_life = half_life
+        self._flush_every = flush_every
+        self._clock = clock
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, str, str], BillEntry] = {}
+        self._flushed_at = float("-inf")
+
+    @contextlib.contextmanager
+    def billing(self, model_ref: str, work: Sequence[Work]) -> Iterator[None]:
+        """Bill the runs of this thread within the block to `work`'s tenants."""
+        scopes = self._scopes()
+        scope = _Scope(model_ref, [part for part in work if part.tenant])
+        scopes.append(scope)
+        try:
+            yield
+        finally:
+            scopes.pop()
+            if scope.seconds > 0 and scope.work:
+                self._add(scope)
+
+    def add_run(self, seconds: float) -> None:
+        """Count a run's measured seconds on this thread's innermost scope (none: the run is not billed)."""
+        scopes = self._scopes()
+        if scopes:
+            scopes[-1].seconds += seconds
+
+    def flush(self) -> None:
+        """Write what waits, in one call; kept for the next flush when Redis is away."""
+        with self._lock:
+            entries, self._pending = list(self._pending.values()), {}
+            self._flushed_at = self._clock()
+        if not entries:
+            return
+        try:
+            tenant_usage.note_usage(self._store, entries, now=self._clock(), half_life=self._half_life)
+        except Exception as err:
+            log.warning("could not bill %d runs' device time to their tenants (kept for the next try): %s",
+                        len(entries), err)
+            with self._lock:
+                for entry in entries:
+                    self._merge(entry)
+
+    def _scopes(self) -> list[_Scope]:
+        scopes = getattr(self._local, "scopes", None)
+        if scopes is None:
+            scopes = self._local.scopes = []
+        return scopes
+
+    def _add(self, scope: _Scope) -> None:
+        rows_by_tenant: dict[str, float] = {}
+        for part in scope.work:
+            rows_by_tenant[part.tenant] = rows_by_tenant.get(part.tenant, 0) + part.rows
+        seconds_by_tenant = attribute(scope.seconds, rows_by_tenant)
+        tenant_rows = {tenant: rows for tenant, rows in rows_by_tenant.items() if rows} or rows_by_tenant
+        with self._lock:
+            for part in scope.work:
+                # each tenant's seconds split again over its keys, by rows (a tenant of one key: all of it)
+                weight = part.rows / tenant_rows[part.tenant] if tenant_rows.get(part.tenant) else 1.0
+                self._merge(BillEntry(part.tenant, part.owner, scope.model_ref, self._device,
+                                      seconds_by_tenant.get(part.tenant, 0.0) * weight, part.rows, part.requests,
+                                      part.queue_seconds))
+            due = self._clock() - self._flushed_at >= self._flush_every
+        if due:
+            self.flush()
+
+    def _merge(self, entry: BillEntry) -> None:
+        """Add `entry` to what waits (under the lock)."""
+        key = (entry.tenant, entry.owner, entry.model)
+        held = self._pending.get(key)
+        if held is None:
+            if len(self._pending) >= MAX_PENDING:
+                dropped = self._pending.pop(next(iter(self._pending)))
+                log.warning("dropped a bill of %.3f device-seconds of tenant %s: Redis has been away too long",
+                            dropped.seconds, dropped.tenant)
+            self._pending[key] = entry
+            return
+        self._pending[key] = replace(held, seconds=held.seconds + entry.seconds, rows=held.rows + entry.rows,
+                                     requests=held.requests + entry.requests,
+                                     queue_seconds=held.queue_seconds + entry.queue_seconds)

@@ -1,0 +1,183 @@
+"""Tenants over the API: records (GET/PUT/DELETE /v1/tenants), roles by tenant, models a tenant may
+use, `max_queued` and `max_inflight` (429 + Retry-After, REST and v2), default priorities, and the
+usage report (`GET /v1/usage`, `sitsctl usage`), each tenant seeing only its own (real Redis, no worker)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from api_helpers import Api, error_of, make_settings
+from click.testing import CliRunner
+from flask import Flask
+from flask.testing import FlaskClient
+
+from broker import tenant_usage
+from broker.apikeys import create_api_key
+from broker.config import Settings
+from broker.embedded import EmbeddedRedis
+from broker.store import Store
+from broker.tenant_usage import BillEntry
+from sits_api.app import create_app
+from sits_api.cli.main import cli
+
+ROW = [0.25] * 64
+V2 = {"inputs": [{"name": "features", "shape": [1, 64], "datatype": "FP32", "data": ROW}]}
+
+
+@pytest.fixture
+def settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path) -> Settings:
+    return make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(
+        tenants={"acme": {"guaranteed_share": 0.7, "limit": 1.2, "preemption_target": "5ms", "max_queued": 2,
+                          "max_inflight": 1, "default_priority": 12},
+                 "globex": {"guaranteed_share": 0.3, "limit": 3.0, "models": ["convnet"]}},
+        fair_share={"price_per_device_hour": {"cpu": 3600.0}})
+
+
+@pytest.fixture
+def app(settings: Settings, store: Store) -> Flask:
+    return create_app(settings, store=store)
+
+
+def key(client: FlaskClient, store: Store, name: str, role: str, tenant: str = "") -> Api:
+    return Api(client, create_api_key(store, name, role, tenant=tenant))
+
+
+def request_body() -> dict[str, Any]:
+    return {"model": "mlp", "inputs": {"features": [ROW]}}
+
+
+def test_tenants_are_listed_with_their_source_and_changed_live_by_an_admin(api: Api, client: FlaskClient,
+                                                                           store: Store) -> None:
+    listed = api.get("/v1/tenants").get_json()["tenants"]
+    assert [(t["name"], t["guaranteed_share"], t["source"]) for t in listed] == [("acme", 0.7, "config"),
+                                                                                 ("globex", 0.3, "config")]
+    assert listed[0]["preemption_target"] == 0.005
+
+    put = api.put("/v1/tenants/initech", json={"tier": "bronze", "max_queued": 5})
+    assert put.status_code == 200 and put.get_json()["source"] == "api", put.get_json()
+    too_much = api.put("/v1/tenants/initech", json={"guaranteed_share": 0.2})
+    assert too_much.status_code == 400
+    assert "tenant 'initech': guaranteed shares sum to 1.200" in error_of(too_much)
+    fixed = api.put("/v1/tenants/acme", json={"guaranteed_share": 0.1})
+    assert fixed.status_code == 409 and "set in the configuration file" in error_of(fixed)
+    assert api.put("/v1/tenants/initech", json={"limit": "lots"}).status_code == 400
+
+    own = key(client, store, "ivan", "viewer", tenant="initech")
+    assert own.get("/v1/tenants/initech").get_json()["tier"] == "bronze"
+    assert own.get("/v1/tenants/acme").status_code == 403
+    assert own.get("/v1/tenants").status_code == 403
+    assert api.delete("/v1/tenants/initech").status_code == 204
+    assert api.get("/v1/tenants/initech").status_code == 404
+
+
+def test_a_viewer_reads_its_tenant_s_work_and_steers_or_submits_nothing(client: FlaskClient, store: Store,
+                                                                        mlp: dict[str, Any], mlp_input: Path,
+                                                                        tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    boss = key(client, store, "boss", "tenant-admin", tenant="acme")
+    viewer = key(client, store, "vic", "viewer", tenant="acme")
+    outsider = key(client, store, "gary", "tenant-admin", tenant="globex")
+    job = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                       "output_dir": str(tmp_path / "out")}).get_json()
+    assert job["tenant"] == "acme" and job["priority"] == 12  # the tenant's default_priority
+
+    assert viewer.get(f"/v1/jobs/{job['id']}").status_code == 200
+    assert [j["id"] for j in viewer.get("/v1/jobs").get_json()["jobs"]] == [job["id"]]
+    refused = viewer.delete(f"/v1/jobs/{job['id']}")
+    assert refused.status_code == 403 and "'viewer' role" in error_of(refused)
+    assert viewer.post("/v1/requests", json=request_body()).status_code == 403
+    assert outsider.get(f"/v1/jobs/{job['id']}").status_code == 404  # another tenant's: as if unknown
+    assert outsider.delete(f"/v1/jobs/{job['id']}").status_code == 404
+    assert boss.delete(f"/v1/jobs/{job['id']}").get_json()["status"] == "cancelled"  # its tenant's, not its own
+
+
+def test_a_tenant_uses_only_its_models(client: FlaskClient, store: Store, mlp: dict[str, Any]) -> None:
+    gary = key(client, store, "gary", "user", tenant="globex")
+
+    refused = gary.post("/v1/requests", json=request_body())
+    assert refused.status_code == 403 and "may use only the models convnet" in error_of(refused)
+    assert gary.post("/v2/models/mlp/infer", json=V2).status_code == 403
+
+
+def test_max_queued_answers_429_with_retry_after_over_rest_and_v2(client: FlaskClient, store: Store,
+                                                                  mlp: dict[str, Any]) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    bob = key(client, store, "bob", "user", tenant="acme")  # one tenant, two keys: one count
+    assert alice.post("/v1/requests", json=request_body()).status_code == 202
+    assert bob.post("/v1/requests", json=request_body()).status_code == 202
+
+    rest = alice.post("/v1/requests", json=request_body())
+    v2 = bob.post("/v2/models/mlp/infer", json=V2)
+    for refused in (rest, v2):
+        assert refused.status_code == 429, refused.get_json()
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert "tenant 'acme' has 2 requests not answered yet" in error_of(refused)
+    other = key(client, store, "carol", "user")  # a tenant of her own, without a record: no cap
+    assert other.post("/v1/requests", json=request_body()).status_code == 202
+    metrics = Api(client, create_api_key(store, "prom", "metrics")).get("/metrics").get_data(as_text=True)
+    assert 'sits_requests_rejected_total{model="mlp",reason="tenant_full"' in metrics
+
+
+def test_max_inflight_answers_429_for_a_second_active_job(client: FlaskClient, store: Store, mlp: dict[str, Any],
+                                                          mlp_input: Path, tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    first = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                         "output_dir": str(tmp_path / "one")})
+    assert first.status_code == 201
+
+    second = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                          "output_dir": str(tmp_path / "two")})
+    assert second.status_code == 429 and second.headers["Retry-After"]
+    assert "tenant 'acme' has 1 jobs queued or running, its limit (tenants.acme.max_inflight)" in error_of(second)
+    assert alice.delete(f"/v1/jobs/{first.get_json()['id']}").status_code == 200
+    third = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                         "output_dir": str(tmp_path / "two")})
+    assert third.status_code == 201, error_of(third)  # the cancelled job's place was freed
+
+
+def test_usage_is_reported_per_tenant_and_each_tenant_sees_only_its_own(api: Api, client: FlaskClient,
+                                                                        store: Store) -> None:
+    now = time.time()
+    tenant_usage.note_usage(store, [BillEntry("acme", "alice", "mlp@v1", "cpu", 1.5, 30, 3, 0.25),
+                                    BillEntry("globex", "gary", "mlp@v1", "cpu", 0.5, 10, 1, 0.0)],
+                            now=now, half_life=30)
+    alice = key(client, store, "alice", "user", tenant="acme")
+
+    everyone = api.get("/v1/usage").get_json()
+    assert [(row["tenant"], row["device_seconds"], row["cost"]) for row in everyone["usage"]] == [
+        ("acme", 1.5, 1.5), ("globex", 0.5, 0.5)]  # 3,600 per cpu-hour: 1 a second
+    assert everyone["currency"] == "USD" and everyone["from"] == everyone["to"]
+    own = alice.get("/v1/usage?by=key").get_json()["usage"]
+    assert own == [{"tenant": "acme", "key": "alice", "device_seconds": 1.5, "rows": 30, "requests": 3, "jobs": 0,
+                    "queue_seconds": 0.25, "cost": 1.5}]
+    assert alice.get("/v1/usage?tenant=globex").status_code == 404
+    assert api.get("/v1/usage?by=week").status_code == 400
+    assert api.get("/v1/usage?from=soon").status_code == 400
+    metrics = Api(client, create_api_key(store, "prom", "metrics")).get("/metrics").get_data(as_text=True)
+    assert 'sits_tenant_device_seconds_total{tenant="acme"} 1.5' in metrics
+    assert 'sits_tenant_guaranteed_share{tenant="globex"} 0.3' in metrics
+    assert 'sits_tenant_usage_share{tenant="acme"} 0.75' in metrics
+
+
+def test_sitsctl_usage_prints_a_table_json_and_csv(served_api: str, api: Api, store: Store,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    tenant_usage.note_usage(store, [BillEntry("acme", "alice", "mlp@v1", "cpu", 2.0, 20, 2, 0.5)], now=time.time(),
+                            half_life=30)
+    monkeypatch.setenv("SITS_API_URL", served_api)
+    monkeypatch.setenv("SITS_API_KEY", api.headers["Authorization"].split()[1])
+    runner = CliRunner()
+
+    table = runner.invoke(cli, ["usage"])
+    as_json = runner.invoke(cli, ["usage", "--json", "--by", "model"])
+    as_csv = runner.invoke(cli, ["usage", "--csv", "--tenant", "acme"])
+
+    assert table.exit_code == 0 and "acme" in table.output and "2.000" in table.output, table.output
+    assert json.loads(as_json.output)["usage"][0]["model"] == "mlp@v1"
+    rows = list(csv.reader(io.StringIO(as_csv.output)))
+    assert rows[0][:3] == ["tenant", "device_seconds", "rows"] and rows[1][:3] == ["acme", "2.0", "20"]

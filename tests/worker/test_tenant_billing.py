@@ -1,0 +1,102 @@
+"""Tenants through a real worker context: a merged batch of two tenants' requests answers each with its
+own rows and bills each by its rows; the bills add up to the run time measured; the fair-share order a
+lease follows comes from the tenants' shares and usage (real Redis, real ONNX Runtime sessions)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from worker_helpers import mlp_worker_context
+
+from broker import queues, requests, tenant_usage
+from broker.config import Settings
+from broker.requests import RequestSpec
+from broker.store import Store
+from broker.tenant_usage import BillEntry
+from sits_worker.request_runs import run_requests
+
+
+def submit(store: Store, request_id: str, tenant: str, rows: int, seed: int) -> np.ndarray:
+    features = np.random.default_rng(seed).standard_normal((rows, 64), dtype=np.float32)
+    spec = RequestSpec(request_id=request_id, model_name="mlp", model_version="v1", inputs={"features": features},
+                       rows=rows, tokens=None, bucket="", factors={"level": 0, "enqueued_at": time.time()},
+                       owner=f"{tenant}-key", tenant=tenant)
+    requests.submit_request(store, spec, score=0.0, now=time.time(), max_age_seconds=60)
+    return features
+
+
+def bills(store: Store) -> dict[str, float]:
+    day = tenant_usage.day_number(time.time())
+    rows = tenant_usage.usage_report(store, tenant_usage.billed_tenants(store), first_day=day, last_day=day,
+                                     by="tenant", prices={})
+    return {row["tenant"]: row["device_seconds"] for row in rows}
+
+
+def test_a_merged_batch_of_two_tenants_answers_each_its_own_rows_and_bills_them_3_to_1(
+        store: Store, zoo_dir: Path) -> None:
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(faults={"enabled": True,
+                                                                             "run_latency": "20ms"}))
+    sent = {"a": submit(store, "a", "acme", 3, seed=1), "b": submit(store, "b", "globex", 1, seed=2)}
+    items = queues.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=8)
+    assert [item.item_id for item in items] == ["a", "b"]  # one merged batch of both tenants
+
+    assert run_requests(ctx, items) == 2
+    ctx.usage.flush()
+
+    bare = ort.InferenceSession(str(zoo_dir / "mlp.onnx"), providers=["CPUExecutionProvider"])
+    for request_id, features in sent.items():
+        answer = requests.get_request(store, request_id)
+        assert answer["batch_size"] == 2 and answer["tenant"] == ("acme" if request_id == "a" else "globex")
+        np.testing.assert_allclose(answer["outputs"]["logits"], bare.run(None, {"features": features})[0],
+                                   rtol=1e-5, atol=1e-6)  # its own rows, and only those
+    billed = bills(store)
+    assert billed["acme"] / (billed["acme"] + billed["globex"]) == pytest.approx(0.75, abs=1e-4)  # (bills: to the µs)
+    assert billed["acme"] + billed["globex"] >= 0.02  # (the injected 20 ms are part of the run)
+
+
+def test_the_bills_add_up_to_the_run_time_measured_within_one_percent(store: Store, zoo_dir: Path) -> None:
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(faults={"enabled": True,
+                                                                             "run_latency": "300ms"}))
+    spent = 0.0
+    for index in range(4):
+        submit(store, f"a{index}", "acme", 1 + index, seed=index)
+        submit(store, f"b{index}", "globex", 2, seed=10 + index)
+        items = queues.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=8)
+        started = time.perf_counter()
+        run_requests(ctx, items)
+        spent += time.perf_counter() - started  # (the whole call: loading, the run, completing)
+    ctx.usage.flush()
+
+    total = sum(bills(store).values())
+    assert 0.99 * spent <= total <= spent
+
+
+def test_the_lease_order_ranks_tenants_by_usage_over_share_and_holds_one_past_its_limit(
+        store: Store, zoo_dir: Path) -> None:
+    settings = Settings().with_overrides(tenants={"s1": {"guaranteed_share": 0.7, "limit": 1.2},
+                                                  "s2": {"guaranteed_share": 0.3, "limit": 3.0}},
+                                         fair_share={"usage_half_life": "10s", "usage_refresh": "0s"})
+    ctx = mlp_worker_context(store, zoo_dir, settings)
+    capacity = 10 / np.log(2)  # one stream slot (no live worker counts as one) over a 10 s half-life
+    now = time.time()
+    tenant_usage.note_usage(store, [BillEntry("s1", "k1", "mlp@v1", "cpu", 0.5 * capacity, 1),
+                                    BillEntry("s2", "k2", "mlp@v1", "cpu", 0.1 * capacity, 1),
+                                    BillEntry("solo", "k3", "mlp@v1", "cpu", 0.01, 1)], now=now, half_life=10)
+
+    option = ctx.fair_share.lease_option()
+    assert option == {"order": ["s2", "s1", "solo"], "held": [], "window": 4096}  # 0.33 of its share, 0.71 of s1's
+
+    tenant_usage.note_usage(store, [BillEntry("s1", "k1", "mlp@v1", "cpu", 0.4 * capacity, 1)], now=time.time(),
+                            half_life=10)
+    option = ctx.fair_share.lease_option()
+    assert option is not None and option["held"] == ["s1"]  # 0.9 of the fleet: past 0.7 x 1.2
+    assert ctx.fair_share.holding
+
+    no_shares = mlp_worker_context(store, zoo_dir, Settings())
+    assert no_shares.fair_share.lease_option() is None  # no tenant with a share: the queue's own order
+    off = mlp_worker_context(store, zoo_dir, settings.with_overrides(fair_share={"enabled": False}))
+    assert off.fair_share.lease_option() is None
