@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,6 +35,7 @@ from broker.requests import encode_array  # noqa: E402
 from sits_api.cli.client import ApiClient  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
+from sits_worker.runtime import session_options  # noqa: E402
 
 TOKENS = 128
 TENANTS = {"s1": {"guaranteed_share": 0.7, "limit": 1.2, "preemption_target": "5ms"},
@@ -52,6 +54,22 @@ def billed_over(stack: Stack, seconds: float) -> dict[str, float]:
     time.sleep(seconds)
     after = billed(stack)
     return {tenant: after.get(tenant, 0.0) - before.get(tenant, 0.0) for tenant in ("s1", "s2")}
+
+
+def rows_for(seconds: float) -> int:
+    """Rows the transformer runs in `seconds` on one ONNX Runtime thread here (timed on 512, in batches
+    of 32), with a margin: a job that ends before the phases do would measure nothing."""
+    with tempfile.TemporaryDirectory(prefix="sits-tenants-") as tmp:
+        session = ort.InferenceSession(str(build_zoo(Path(tmp))["transformer"]), session_options(1),
+                                       providers=["CPUExecutionProvider"])
+        ids = np.random.default_rng(1).integers(1, 1000, size=(32, TOKENS)).astype(np.int64)
+        feed = {node.name: ids if node.name == "input_ids" else np.ones_like(ids) for node in session.get_inputs()}
+        session.run(None, feed)
+        started = time.perf_counter()
+        for _ in range(16):
+            session.run(None, feed)
+        rate = 512 / (time.perf_counter() - started)
+    return int(rate * seconds * 1.3)
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -78,35 +96,48 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(1.0)
             alone = billed_over(stack, args.alone)
             ids = np.random.default_rng(9).integers(1, 1000, size=(1, TOKENS)).astype(np.int64)
-            waits = []
+            waits: list[float] = []
+            returns_end = time.monotonic() + 120  # (a starved tenant's requests may each wait long)
             for _ in range(args.returns):
                 answer = clients["s1"].post("/v1/requests?wait=true", {
                     "model": "transformer", "inputs": {"input_ids": {"b64": encode_array(ids)}}})
+                while answer.get("started_at") is None:  # (not done within online.max_wait: it waits on)
+                    time.sleep(0.5)
+                    answer = clients["s1"].get(f"/v1/requests/{answer['id']}")
                 waits.append((answer["started_at"] - answer["created_at"]) * 1000)
+                if time.monotonic() > returns_end:
+                    break
                 time.sleep(0.05)
             clients["s2"].delete(f"/v1/jobs/{jobs['s2']['id']}")
     total = shared["s1"] + shared["s2"]
     return {"mode": mode, "s1_share": shared["s1"] / total, "s2_share": shared["s2"] / total,
             "s2_alone": alone["s2"] / args.alone, "wait_p50": float(np.percentile(waits, 50)),
-            "wait_p99": float(np.percentile(waits, 99))}
+            "wait_p99": float(np.percentile(waits, 99)), "waits": waits}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter phases")
-    parser.add_argument("--rows", type=int, default=60_000)
+    parser.add_argument("--rows", type=int, default=0,
+                        help="rows of each tenant's job (default: enough for the phases at this machine's speed)")
     parser.add_argument("--chunk", type=int, default=96)
     parser.add_argument("--mini-batch", type=int, default=4)
     parser.add_argument("--window", type=float, default=30.0)
     parser.add_argument("--alone", type=float, default=10.0)
     parser.add_argument("--returns", type=int, default=200)
+    parser.add_argument("--modes", default="fifo,fair", help="which of fifo and fair to run, in order")
+    parser.add_argument("--waits", action="store_true", help="also print every return wait, in order")
     args = parser.parse_args()
     if args.quick:
-        args.window, args.alone, args.returns, args.rows = 15.0, 5.0, 60, 30_000
+        args.window, args.alone, args.returns = 15.0, 5.0, 60
+    if not args.rows:
+        args.rows = rows_for(args.window + args.alone + args.returns * 0.06 + 10)
     print("| mode | S1 share | S2 share | S2 alone (of the wall) | S1 return wait P50 | P99 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for mode in ("fifo", "fair"):
+    for mode in args.modes.split(","):
         row = run_mode(mode, args)
+        if args.waits:
+            print(mode, "waits (ms):", " ".join(f"{wait:.1f}" for wait in row["waits"]), file=sys.stderr)
         print(f"| {row['mode']} | {row['s1_share']:.1%} | {row['s2_share']:.1%} | {row['s2_alone']:.1%} | "
               f"{row['wait_p50']:.1f} ms | {row['wait_p99']:.1f} ms |", flush=True)
 

@@ -127,6 +127,13 @@ class BadInput(PermanentError):
 
     code = "bad_input"
 
+    @classmethod
+    def from_validation(cls, err: Any, what: str, prefix: str) -> BadInput:
+        """A BadInput listing a pydantic ValidationError's problems, each as `field: message` (`what` for
+        a problem of the whole object), after `prefix`."""
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or what}: {e['msg']}" for e in err.errors())
+        return cls(f"{prefix}{problems}")
+
 
 class InvalidModel(PermanentError):
     """An ONNX file is malformed, unreadable or unsafe (external data escaping its folder)."""

@@ -25,6 +25,7 @@ from broker.errors import Conflict, NotFound, SitsError
 from broker.queues import LeasedItem
 from broker.retries import failure_record
 from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
+from broker.tenant_usage import BILL_KEEP_SECONDS, day_number
 
 
 def new_request_id() -> str:
@@ -220,22 +221,34 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
                   *request_keys],
             args=args,
         )
-        forget_answered(store, [result.item for result in results])
+        _settle_tenants(store, results, now=now)
     return int(reply)
 
 
-def forget_answered(store: Store, items: Sequence[LeasedItem]) -> None:
-    """Take answered requests off their tenants' unanswered sets (`keys.tenant_queued`, `max_queued`)."""
-    by_tenant: dict[str, list[str]] = {}
-    for item in items:
-        tenant = item.payload.get("tenant")
+def _settle_tenants(store: Store, results: Sequence[RequestResult], *, now: float) -> None:
+    """Take answered requests off their tenants' unanswered sets (`keys.tenant_queued`, `max_queued`), and
+    count the failed ones on their tenants' bills of the day (total, and by model version and key, so
+    `GET /v1/usage?by=model` shows each A/B arm's errors)."""
+    by_tenant: dict[str, list[RequestResult]] = {}
+    for result in results:
+        tenant = result.item.payload.get("tenant")
         if tenant:
-            by_tenant.setdefault(tenant, []).append(item.item_id)
-    if by_tenant:
-        with translate_redis_errors(), store.client.pipeline(transaction=False) as pipe:
-            for tenant, ids in by_tenant.items():
-                pipe.zrem(store.keys.tenant_queued(tenant), *ids)
-            pipe.execute()
+            by_tenant.setdefault(tenant, []).append(result)
+    if not by_tenant:
+        return
+    keys = store.keys
+    with translate_redis_errors(), store.client.pipeline(transaction=False) as pipe:
+        for tenant, answered in by_tenant.items():
+            pipe.zrem(keys.tenant_queued(tenant), *(result.item.item_id for result in answered))
+            failed = [result for result in answered if result.error]
+            if failed:
+                bill = keys.tenant_bill(tenant, day_number(now))
+                pipe.hincrby(bill, "failed", len(failed))
+                for result in failed:
+                    pipe.hincrby(bill, f"model:{result.item.model_ref}:failed", 1)
+                    pipe.hincrby(bill, f"key:{result.item.payload.get('owner') or ''}:failed", 1)
+                pipe.expire(bill, BILL_KEEP_SECONDS)
+        pipe.execute()
 
 
 def get_request(store: Store, request_id: str) -> dict[str, Any]:

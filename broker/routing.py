@@ -79,8 +79,7 @@ def parse_route(body: Any) -> Route:
     try:
         return Route.model_validate(body)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'route'}: {e['msg']}" for e in err.errors())
-        raise BadInput(f"invalid route: {problems}") from err
+        raise BadInput.from_validation(err, "route", "invalid route: ") from err
 
 
 def place(model: str, user: str) -> float:

@@ -5,7 +5,8 @@ A worker bills every run it makes (`sits_worker/usage_meter.py`): the run's meas
 split over the tenants in it by rows (`tenant_shares.attribute`), and each part is added, in one Lua
 call (`note_usage.lua`), to the tenant's decayed usage (`keys.tenant_usage`) and to its bill of the
 UTC day (`keys.tenant_bill`): totals, and the same by model version, by API key and by device kind.
-Jobs are counted on the bill when they are submitted (`count_job`).
+Jobs are counted on the bill when they are submitted (`count_job`), failed requests when they are
+completed (`requests.complete_requests`).
 
 `usage_report` answers `GET /v1/usage` and `sitsctl usage` from the bills: per tenant, or per tenant
 and model, key or day, with a cost at a configured price per device-hour of each device kind.
@@ -30,7 +31,7 @@ BILL_KEEP_SECONDS = 400 * 86_400
 
 Breakdown = Literal["tenant", "model", "key", "day", "device"]
 BREAKDOWNS: tuple[Breakdown, ...] = ("tenant", "model", "key", "day", "device")
-TOTALS = ("device_seconds", "rows", "requests", "jobs", "queue_seconds")
+TOTALS = ("device_seconds", "rows", "requests", "failed", "jobs", "queue_seconds")
 
 
 @dataclass(frozen=True)
@@ -175,5 +176,5 @@ def _cost(bill: Mapping[str, str], prices: Mapping[str, float]) -> float:
 
 def _typed(row: Mapping[str, float]) -> dict[str, Any]:
     """Counts as whole numbers, times and cost rounded for reading."""
-    return {name: int(value) if name in ("rows", "requests", "jobs") else round(value, 6)
+    return {name: int(value) if name in ("rows", "requests", "failed", "jobs") else round(value, 6)
             for name, value in row.items()}

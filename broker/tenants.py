@@ -57,8 +57,7 @@ def parse_tenant(name: str, body: Any) -> Tenant:
     try:
         return Tenant.model_validate(body)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'tenant'}: {e['msg']}" for e in err.errors())
-        raise BadInput(f"tenant '{name}': {problems}") from err
+        raise BadInput.from_validation(err, "tenant", f"tenant '{name}': ") from err
 
 
 def validate_tenants(tenants: Mapping[str, Tenant]) -> None:

@@ -78,7 +78,7 @@ local function fair_candidates(tenants)
   end
   local window = math.max(tonumber(tenants.window) or 0, 2 * math.max(max_items, max_chunks))
   local enough = 2 * math.max(max_items, max_chunks)
-  local job_tenants, out, found_best, position = {}, {}, 0, 0
+  local job_tenants, by_rank, found_best, position = {}, {}, 0, 0
   while position < window do
     local ids = redis.call('ZRANGE', KEYS[2], position, math.min(position + FAIR_PAGE, window) - 1)
     for _, item_id in ipairs(ids) do
@@ -99,23 +99,31 @@ local function fair_candidates(tenants)
         if item_rank == best_possible then
           found_best = found_best + 1
         end
-        out[#out + 1] = {item_id, payload, item, item_rank, position}
+        local bucket = by_rank[item_rank]
+        if bucket == nil then
+          bucket = {}
+          by_rank[item_rank] = bucket
+        end
+        bucket[#bucket + 1] = {item_id, payload, item}
       end
     end
     if #ids < FAIR_PAGE or (best_possible ~= nil and found_best >= enough) then
       break
     end
   end
-  table.sort(out, function(a, b)
-    if a[4] ~= b[4] then
-      return a[4] < b[4]
+  local out = {}  -- (by rank, queue order within one: buckets, not a sort)
+  for item_rank = 1, last do
+    for _, entry in ipairs(by_rank[item_rank] or {}) do
+      out[#out + 1] = entry
     end
-    return a[5] < b[5]
-  end)
+  end
   return out
 end
 
 local function pick_candidates()
+  if requests_only and redis.call('ZCARD', KEYS[7]) == 0 then
+    return nil  -- (no online request waits: nothing to look for)
+  end
   local candidates
   if type(options.tenants) == 'table' then
     candidates = fair_candidates(options.tenants)

@@ -14,7 +14,7 @@ from rich.table import Table
 from sits_api.cli.client import ApiClient
 from sits_api.cli.output import console, print_json, print_table
 
-COLUMNS = ("device_seconds", "rows", "requests", "jobs", "queue_seconds", "cost")
+COLUMNS = ("device_seconds", "rows", "requests", "failed", "jobs", "queue_seconds", "cost")
 
 
 @click.command("usage")
@@ -52,13 +52,15 @@ def write_csv(answer: dict[str, Any]) -> None:
 
 
 def print_usage(answer: dict[str, Any]) -> None:
-    """A table of the rows, with the period and the prices above it."""
+    """A table of the rows, with the period and the prices above it; `--by model` splits each A/B arm's
+    requests, errors and mean queue wait."""
     prices = ", ".join(f"{kind} {price:g}" for kind, price in sorted(answer["price_per_device_hour"].items()))
     console.print(f"usage {answer['from']} to {answer['to']} (UTC), {answer['currency']} per device-hour: "
                   f"{prices or 'no prices set (fair_share.price_per_device_hour)'}", markup=False, soft_wrap=True)
     keys = _keys(answer)
-    table = Table(*keys, "device s", "rows", "requests", "jobs", "queue s", f"cost {answer['currency']}")
+    table = Table(*keys, "device s", "rows", "requests", "failed", "jobs", "mean wait ms", f"cost {answer['currency']}")
     for row in answer["usage"]:
+        wait = f"{row['queue_seconds'] / row['requests'] * 1000:.1f}" if row["requests"] else "-"
         table.add_row(*(escape(str(row[key])) for key in keys), f"{row['device_seconds']:.3f}", f"{row['rows']:,}",
-                      f"{row['requests']:,}", f"{row['jobs']:,}", f"{row['queue_seconds']:.3f}", f"{row['cost']:.4f}")
+                      f"{row['requests']:,}", f"{row['failed']:,}", f"{row['jobs']:,}", wait, f"{row['cost']:.4f}")
     print_table(table)

@@ -154,8 +154,8 @@ def test_usage_is_reported_per_tenant_and_each_tenant_sees_only_its_own(api: Api
         ("acme", 1.5, 1.5), ("globex", 0.5, 0.5)]  # 3,600 per cpu-hour: 1 a second
     assert everyone["currency"] == "USD" and everyone["from"] == everyone["to"]
     own = alice.get("/v1/usage?by=key").get_json()["usage"]
-    assert own == [{"tenant": "acme", "key": "alice", "device_seconds": 1.5, "rows": 30, "requests": 3, "jobs": 0,
-                    "queue_seconds": 0.25, "cost": 1.5}]
+    assert own == [{"tenant": "acme", "key": "alice", "device_seconds": 1.5, "rows": 30, "requests": 3, "failed": 0,
+                    "jobs": 0, "queue_seconds": 0.25, "cost": 1.5}]
     assert alice.get("/v1/usage?tenant=globex").status_code == 404
     assert api.get("/v1/usage?by=week").status_code == 400
     assert api.get("/v1/usage?from=soon").status_code == 400
@@ -180,4 +180,5 @@ def test_sitsctl_usage_prints_a_table_json_and_csv(served_api: str, api: Api, st
     assert table.exit_code == 0 and "acme" in table.output and "2.000" in table.output, table.output
     assert json.loads(as_json.output)["usage"][0]["model"] == "mlp@v1"
     rows = list(csv.reader(io.StringIO(as_csv.output)))
-    assert rows[0][:3] == ["tenant", "device_seconds", "rows"] and rows[1][:3] == ["acme", "2.0", "20"]
+    assert rows[0][:5] == ["tenant", "device_seconds", "rows", "requests", "failed"]
+    assert rows[1][:5] == ["acme", "2.0", "20", "2", "0"]

@@ -165,10 +165,13 @@ def test_a_tenant_at_max_queued_gets_nothing_queued_until_one_of_its_requests_is
     assert not store.client.exists(store.keys.request("r3"))
 
     [first] = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1)
-    requests.complete_requests(store, [RequestResult(first, outputs={"y": np.zeros((1, 2), np.float32)})], now=NOW,
+    requests.complete_requests(store, [RequestResult(first, error="bad row", code="bad_input")], now=NOW,
                                keep_seconds=60, batch_size=1, worker="w")
-    submit(store, "r3", "acme", score=3, max_queued=2)  # r1 answered: a place is free
+    submit(store, "r3", "acme", score=3, max_queued=2)  # r1 answered (failed): a place is free
     assert store.client.zcard(store.keys.tenant_queued("acme")) == 2
+    day = tenant_usage.day_number(NOW)
+    [by_model] = tenant_usage.usage_report(store, ["acme"], first_day=day, last_day=day, by="model", prices={})
+    assert (by_model["model"], by_model["failed"]) == (MODEL, 1)  # each arm's errors, on the tenant's bill
 
 
 def test_a_place_held_by_a_request_whose_record_expired_is_freed(store: Store) -> None:
@@ -218,10 +221,10 @@ def test_bills_add_up_by_tenant_model_key_and_device_and_cost_at_the_configured_
     by_tenant = tenant_usage.usage_report(store, ["acme", "globex"], first_day=day, last_day=day, by="tenant",
                                           prices=prices)
     assert by_tenant == [
-        {"tenant": "acme", "device_seconds": 4.0, "rows": 40, "requests": 4, "jobs": 0, "queue_seconds": 0.3,
-         "cost": 3.1},
-        {"tenant": "globex", "device_seconds": 2.0, "rows": 20, "requests": 0, "jobs": 1, "queue_seconds": 0.0,
-         "cost": 2.0}]
+        {"tenant": "acme", "device_seconds": 4.0, "rows": 40, "requests": 4, "failed": 0, "jobs": 0,
+         "queue_seconds": 0.3, "cost": 3.1},
+        {"tenant": "globex", "device_seconds": 2.0, "rows": 20, "requests": 0, "failed": 0, "jobs": 1,
+         "queue_seconds": 0.0, "cost": 2.0}]
     by_model = tenant_usage.usage_report(store, ["acme"], first_day=day, last_day=day, by="model", prices=prices)
     assert [(row["model"], row["device_seconds"], row["rows"]) for row in by_model] == [("mlp@v1", 3.0, 30),
                                                                                           ("mlp@v2", 1.0, 10)]

@@ -12,6 +12,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,10 +21,11 @@ import pytest
 from broker import queues
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import mlp_reference
-from tests.e2e.stack_helpers import collect, frozen, register, stack_settings, wait_job
+from tests.e2e.stack_helpers import collect, direct_run, frozen, register, stack_settings, wait_job
 
 MAX_QUEUE_SIZE = 3
-CHUNK_ROWS = 500  # transformer rows of 512 tokens: 6-11 ms each on one core here, so the chunk runs for seconds
+CHUNK_SECONDS = 6.0
+"""How long the one busy chunk should run: past both timeouts and the reaper's passes that apply them."""
 SEQUENCE = 512
 TIMEOUT_MS = 300
 REAP_INTERVAL = 0.5  # FAST_RECOVERY's
@@ -60,6 +62,16 @@ def post(stack: Stack, path: str, body: dict[str, Any]) -> tuple[int, dict[str, 
         return err.code, dict(err.headers), json.loads(err.read())
 
 
+def rows_for(model: Path, seconds: float) -> int:
+    """Transformer rows of `SEQUENCE` tokens that take about `seconds` on one ORT thread here (timed on 32
+    rows; at least 500, the 6-11 ms rows of a slow two-core machine)."""
+    sample = np.random.default_rng(3).integers(1, 1000, size=(32, SEQUENCE)).astype(np.int64)
+    direct_run(model, sample[:16], 16)  # warm-up
+    started = time.perf_counter()
+    direct_run(model, sample, 16)
+    return max(500, int(len(sample) / (time.perf_counter() - started) * seconds))
+
+
 def features(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, 64)).astype(np.float32)
 
@@ -88,10 +100,11 @@ def test_a_full_queue_is_a_429_with_retry_after_and_everything_queued_before_it_
 
 def test_timeouts_hold_while_the_worker_is_busy_reject_fails_them_and_delay_runs_them_later(stack: Stack) -> None:
     client, store = stack.client(), stack.store
-    tokens = np.random.default_rng(7).integers(1, 1000, size=(CHUNK_ROWS, SEQUENCE)).astype(np.int64)
+    chunk_rows = rows_for(stack.home / "models" / "transformer.onnx", CHUNK_SECONDS)
+    tokens = np.random.default_rng(7).integers(1, 1000, size=(chunk_rows, SEQUENCE)).astype(np.int64)
     np.save(stack.home / "tokens.npy", tokens)
     job = client.post("/v1/jobs", {"model": "transformer", "input_batch": str(stack.home / "tokens.npy"),
-                                   "output_dir": str(stack.home / "out"), "chunk_size": CHUNK_ROWS, "batch_size": 16})
+                                   "output_dir": str(stack.home / "out"), "chunk_size": chunk_rows, "batch_size": 16})
     transformer = f"transformer@{client.get('/v1/models/transformer')['version']}"
     started = time.monotonic() + 30
     while queues.queue_depths(store).get(transformer, {}).get("inflight", 0) < 1:
