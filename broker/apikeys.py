@@ -148,3 +148,47 @@ def may_submit(identity: dict[str, Any]) -> None:
     if identity.get("role") not in ("admin", "tenant-admin", "user"):
         raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role, which submits "
                         "nothing; use a key with the 'user' role")
+
+
+def list_api_keys(store: Store, tenant: str | None = None) -> list[dict[str, Any]]:
+    """Every key's name, role, tenant and group (never a digest), by name; only `tenant`'s when given."""
+    with translate_redis_errors():
+        stored = store.client.hvals(store.keys.api_keys)
+    listed = []
+    for raw in stored:
+        try:
+            identity = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(identity, dict) or "name" not in identity:
+            continue
+        record = {"name": identity["name"], "role": identity.get("role"),
+                  "tenant": identity.get("tenant") or identity["name"], "group": identity.get("group") or None}
+        if tenant is None or record["tenant"] == tenant:
+            listed.append(record)
+    return sorted(listed, key=lambda record: (record["name"], str(record["role"])))
+
+
+def revoke_api_keys(store: Store, name: str, tenant: str | None = None) -> int:
+    """Delete every key named `name` (only `tenant`'s when given); returns how many were deleted. The API
+    trusts a key it checked for up to 5 s, so a revoked key stops working within that."""
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(store.keys.api_keys)
+                doomed = []
+                for digest, raw in pipe.hgetall(store.keys.api_keys).items():
+                    try:
+                        identity = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if isinstance(identity, dict) and identity.get("name") == name and (
+                            tenant is None or (identity.get("tenant") or identity.get("name")) == tenant):
+                        doomed.append(digest)
+                pipe.multi()
+                if doomed:
+                    pipe.hdel(store.keys.api_keys, *doomed)
+                pipe.execute()
+                return len(doomed)
+            except redis.WatchError:
+                continue

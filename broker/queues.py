@@ -149,6 +149,9 @@ class QueueSnapshot:
     """The live policy JSON ('' for the defaults)."""
     head_items: dict[str, str] = field(default_factory=dict)
     """Model ref -> id of its best waiting item (the one `heads` scores)."""
+    waiting_requests: dict[str, int] = field(default_factory=dict)
+    """Model ref -> how many online requests wait in its queue (`keys.waiting_requests`), for every
+    queue with waiting work."""
 
 
 def queue_refs(store: Store) -> tuple[list[str], str]:
@@ -183,20 +186,22 @@ class QueueWatcher:
         with translate_redis_errors():
             while True:
                 refs, known_version = self._known
-                per_ref = [key for ref in refs for key in (keys.ready(ref), keys.deadlines(ref))]
+                per_ref = [key for ref in refs
+                           for key in (keys.ready(ref), keys.deadlines(ref), keys.waiting_requests(ref))]
                 version, raw_policy, *firsts = self._store.scripts.queue_snapshot(
                     keys=[keys.queues_version, keys.policy, keys.doorbell, *per_ref])
                 if version == known_version:
                     break
                 self._known = queue_refs(self._store)
-        heads, head_items, deadlines = {}, {}, {}
-        for ref, head_item, head_score, earliest in zip(refs, firsts[0::3], firsts[1::3], firsts[2::3], strict=True):
+        heads, head_items, deadlines, waiting = {}, {}, {}, {}
+        for ref, head_item, head_score, earliest, requests in zip(refs, firsts[0::4], firsts[1::4], firsts[2::4],
+                                                                  firsts[3::4], strict=True):
             if head_item:
-                heads[ref], head_items[ref] = float(head_score), head_item
+                heads[ref], head_items[ref], waiting[ref] = float(head_score), head_item, int(requests)
             if earliest:
                 deadlines[ref] = float(earliest)
         return QueueSnapshot(heads=heads, earliest_deadlines=deadlines, raw_policy=raw_policy,
-                             head_items=head_items)
+                             head_items=head_items, waiting_requests=waiting)
 
 
 def head_company(store: Store, model_ref: str, *, now: float, window: int,

@@ -429,23 +429,29 @@ def update_policy() -> Any:
 
 @api.get("/v1/routes")
 def list_routes() -> Any:
-    """Admin: the A/B routes of bare model names (docs/routing.md)."""
-    require_role(g.identity, "admin")
-    return jsonify({"routes": ab_routes.list_routes(_ctx()["store"])})
+    """Admin: the A/B routes of bare model names (docs/routing.md); tenant-admin: those of its tenant's models."""
+    store = _ctx()["store"]
+    if g.identity.get("role") != "tenant-admin":
+        require_role(g.identity, "admin")
+    routes = ab_routes.list_routes(store)
+    return jsonify({"routes": [route for route in routes if tenant_gate.may_route(store, g.identity, route["model"])]})
 
 
 @api.put("/v1/routes")
 def put_route() -> Any:
-    """Admin: set a model's A/B route (`split`, `groups`, `paths`); every API process follows it within a second."""
-    require_role(g.identity, "admin")
+    """Admin, or tenant-admin for its tenant's model names: set a model's A/B route (`split`, `groups`,
+    `paths`); every API process follows it within a second."""
     body = request_object('a route, e.g. {"model": "convnet", "split": {"<version>": 0.8, "<version>": 0.2}}')
-    return jsonify(ab_routes.put_route(_ctx()["store"], body))
+    store = _ctx()["store"]
+    tenant_gate.check_route_access(store, g.identity, str(body.get("model", "")))
+    return jsonify(ab_routes.put_route(store, body))
 
 
 @api.delete("/v1/routes/<model>")
 def delete_route(model: str) -> Any:
-    """Admin: remove a model's route; its bare name runs on its newest version again."""
-    require_role(g.identity, "admin")
+    """Admin, or tenant-admin for its tenant's model names: remove a model's route; its bare name runs on its
+    newest version again."""
+    tenant_gate.check_route_access(_ctx()["store"], g.identity, model)
     ab_routes.delete_route(_ctx()["store"], model)
     return "", 204
 
@@ -483,6 +489,28 @@ def delete_tenant(name: str) -> Any:
     ctx = _ctx()
     tenant_gate.delete_tenant(ctx["tenants"], ctx["store"], name)
     return "", 204
+
+
+@api.post("/v1/keys")
+def create_key() -> Any:
+    """Admin or tenant-admin: make an API key (a tenant admin: of its own tenant); the key is answered once."""
+    body = request_object('a key, e.g. {"name": "alice", "role": "user", "tenant": "acme"}')
+    return jsonify(tenant_gate.create_key(_ctx()["store"], g.identity, body)), 201
+
+
+@api.get("/v1/keys")
+def list_keys() -> Any:
+    """Admin: every key's name, role, tenant and group; tenant-admin: its tenant's. Never a key or digest."""
+    return jsonify({"keys": tenant_gate.keys_visible(_ctx()["store"], g.identity)})
+
+
+@api.delete("/v1/keys/<name>")
+def revoke_keys(name: str) -> Any:
+    """Admin or tenant-admin: delete the keys of that name; they stop working at once in this process,
+    within 5 s in the others (each trusts a key it checked for that long)."""
+    revoked = tenant_gate.revoke_keys(_ctx()["store"], g.identity, name)
+    _ctx()["known_keys"].clear()
+    return jsonify({"revoked": revoked})
 
 
 @api.get("/v1/usage")

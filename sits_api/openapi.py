@@ -160,14 +160,17 @@ def openapi_document() -> dict[str, Any]:
                         "responses": _responses(200, 400, 401, 403)},
             },
             "/v1/routes": {
-                "get": {"summary": "admin: the A/B routes of bare model names", "responses": _responses(200, 401, 403)},
-                "put": {"summary": "admin: set a model's A/B route (split by weight, groups, kinds of call)",
+                "get": {"summary": "admin: the A/B routes of bare model names (tenant-admin: its tenant's)",
+                        "responses": _responses(200, 401, 403)},
+                "put": {"summary": "admin, or tenant-admin for its tenant's model names: set a model's A/B route "
+                                   "(split by weight, groups, kinds of call)",
                         "requestBody": {"required": True,
                                         "content": {"application/json": {"schema": Route.model_json_schema()}}},
                         "responses": _responses(200, 400, 401, 403, 404)},
             },
             "/v1/routes/{model}": {
-                "delete": {"summary": "admin: remove a model's route", "parameters": path_params("model"),
+                "delete": {"summary": "admin, or tenant-admin for its tenant's model names: remove a model's route",
+                           "parameters": path_params("model"),
                            "responses": _responses(204, 401, 403, 404)},
             },
             "/v1/tenants": {
@@ -184,6 +187,17 @@ def openapi_document() -> dict[str, Any]:
                         "responses": _responses(200, 400, 401, 403, 409)},
                 "delete": {"summary": "admin: remove a tenant's record (its keys keep working, with no share)",
                            "parameters": path_params("name"), "responses": _responses(204, 401, 403, 404, 409)},
+            },
+            "/v1/keys": {
+                "post": {"summary": "admin or tenant-admin: make an API key (answered once); a tenant admin only "
+                                    "of its own tenant, as tenant-admin, user or viewer",
+                         "responses": _responses(201, 400, 401, 403)},
+                "get": {"summary": "admin: every key's name, role, tenant and group; tenant-admin: its tenant's",
+                        "responses": _responses(200, 401, 403)},
+            },
+            "/v1/keys/{name}": {
+                "delete": {"summary": "admin or tenant-admin: delete the keys of that name (within 5 s)",
+                           "parameters": path_params("name"), "responses": _responses(200, 401, 403, 404)},
             },
             "/v1/usage": {
                 "get": {"summary": "chargeback: device-seconds, rows, requests, jobs, queue time and cost per tenant",

@@ -1,5 +1,5 @@
 """The API's side of tenants: which tenant a call acts for, what its record lets it do, and the
-`/v1/tenants` and `/v1/usage` resources.
+`/v1/tenants`, `/v1/keys` and `/v1/usage` resources.
 
 A key belongs to one tenant (`broker/apikeys.py`); a tenant's record (`broker/tenants.py`) may narrow
 the models its keys use and cap its unanswered requests (`max_queued`) and active jobs
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from broker import tenant_usage, tenants
+from broker import apikeys, tenant_usage, tenants
 from broker.config import Settings
 from broker.errors import BadInput, Forbidden, NotFound
-from broker.store import Store
+from broker.store import Store, translate_redis_errors
 from broker.tenant_settings import Tenant
 from broker.tenants import TenantTable
 
@@ -89,3 +89,80 @@ def usage(settings: Settings, store: Store, identity: dict[str, Any], query: Map
                                      prices=prices)
     return {"from": tenant_usage.day_text(first_day), "to": tenant_usage.day_text(last_day), "by": by,
             "currency": settings.fair_share.currency, "price_per_device_hour": prices, "usage": rows}
+
+
+TENANT_ADMIN_MAY_CREATE = ("tenant-admin", "user", "viewer")
+"""The roles a tenant admin may give its tenant's new keys."""
+
+
+def create_key(store: Store, identity: dict[str, Any], body: Any) -> dict[str, Any]:
+    """`POST /v1/keys`: a new key from `{name, role, tenant, group}` (role `user`, tenant the name, by
+    default). An admin makes any key; a tenant admin keys of its own tenant, of the roles
+    `TENANT_ADMIN_MAY_CREATE`; anyone else none. The clear key is in the answer, once."""
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        raise BadInput('a key is a JSON object with a "name", e.g. {"name": "alice", "role": "user", '
+                       '"tenant": "acme"}')
+    unknown = sorted(set(body) - {"name", "role", "tenant", "group"})
+    if unknown:
+        raise BadInput(f"unknown field(s) {', '.join(unknown)}: a key has name, role, tenant and group")
+    role, group = body.get("role", "user"), body.get("group", "")
+    tenant = body.get("tenant") or ""
+    if not all(isinstance(value, str) for value in (role, group, tenant)):
+        raise BadInput("role, tenant and group must be strings")
+    if identity.get("role") != "admin":
+        own = tenant_of(identity)
+        if identity.get("role") != "tenant-admin":
+            raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role: only admin and "
+                            "tenant-admin keys make keys")
+        if (tenant or body["name"]) != own:
+            raise Forbidden(f"a tenant admin makes keys of its own tenant ('{own}') only; give \"tenant\": \"{own}\"")
+        if role not in TENANT_ADMIN_MAY_CREATE:
+            raise Forbidden(f"a tenant admin gives keys the roles {', '.join(TENANT_ADMIN_MAY_CREATE)}, not '{role}'")
+    try:
+        key = apikeys.create_api_key(store, body["name"], role, group, tenant)
+    except ValueError as err:
+        raise BadInput(str(err)) from err
+    return {"key": key, "name": body["name"], "role": role, "tenant": tenant or body["name"], "group": group or None}
+
+
+def keys_visible(store: Store, identity: dict[str, Any]) -> list[dict[str, Any]]:
+    """`GET /v1/keys`: every key to an admin, its tenant's to a tenant admin (Forbidden to others)."""
+    if identity.get("role") == "admin":
+        return apikeys.list_api_keys(store)
+    if identity.get("role") == "tenant-admin":
+        return apikeys.list_api_keys(store, tenant_of(identity))
+    raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role: only admin and "
+                    "tenant-admin keys list keys")
+
+
+def revoke_keys(store: Store, identity: dict[str, Any], name: str) -> int:
+    """`DELETE /v1/keys/{name}`: delete the keys of that name (a tenant admin: only its tenant's);
+    NotFound when there are none it may delete."""
+    if identity.get("role") not in ("admin", "tenant-admin"):
+        raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role: only admin and "
+                        "tenant-admin keys revoke keys")
+    scope = None if identity.get("role") == "admin" else tenant_of(identity)
+    revoked = apikeys.revoke_api_keys(store, name, scope)
+    if not revoked:
+        raise NotFound(f"no key named '{name}'" + (f" in tenant '{scope}'" if scope else ""))
+    return revoked
+
+
+def may_route(store: Store, identity: dict[str, Any], model: str) -> bool:
+    """May the caller set or remove `model`'s A/B route? An admin any model's; a tenant admin those whose
+    name its tenant owns (registered first by one of its tenant's keys, or under the tenant's own name)."""
+    if identity.get("role") == "admin":
+        return True
+    if identity.get("role") != "tenant-admin":
+        return False
+    with translate_redis_errors():
+        owner = store.client.hget(store.keys.model_owners, model)
+    own = tenant_of(identity)
+    return bool(owner) and (owner == own or owner in {key["name"] for key in apikeys.list_api_keys(store, own)})
+
+
+def check_route_access(store: Store, identity: dict[str, Any], model: str) -> None:
+    """Forbidden unless the caller may route `model` (`may_route`)."""
+    if not may_route(store, identity, model):
+        raise Forbidden(f"key '{identity.get('name')}' may not route model '{model}': routes are set by admin keys, "
+                        "and by tenant-admin keys for the model names their tenant registered")

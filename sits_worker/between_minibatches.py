@@ -65,13 +65,16 @@ class BetweenBatches:
         if self._stale or time.monotonic() < self._next_look:
             return []
         try:
+            snapshot = self._ctx.queue_watcher.snapshot()
             # Urgent work first: if it fails, no rider has been leased yet to be stranded.
             with self._ctx.lease_keeper.holding([self._item]):  # an urgent batch may outlast the lease
                 served = self._chunk_score is not None and _serve_one_urgent_batch(
-                    self._ctx, self._chunk_score, self._ticket, self._reservation,
+                    self._ctx, snapshot, self._chunk_score, self._ticket, self._reservation,
                     str(self._item.payload.get("tenant") or ""))
             riders = []
-            if self._ctx.settings.scheduler.merge_requests_into_jobs:
+            # (riders are online requests: none to look for when none waits in the chunk's queue)
+            if self._ctx.settings.scheduler.merge_requests_into_jobs and (
+                    served or snapshot.waiting_requests.get(self._item.model_ref, 0) > 0):
                 riders = lease_riders(self._ctx, self._item.model_ref, feed, self._ticket)
         except StaleTicket:
             # This drain task's ticket was replaced (taken for lost): finish the chunk, which is still
@@ -110,23 +113,25 @@ class BetweenBatches:
             raise
 
 
-def _serve_one_urgent_batch(ctx: WorkerContext, chunk_score: float, ticket: str, chunk_reservation: int | None,
-                            chunk_tenant: str = "") -> bool:
+def _serve_one_urgent_batch(ctx: WorkerContext, snapshot: queues.QueueSnapshot, chunk_score: float, ticket: str,
+                            chunk_reservation: int | None, chunk_tenant: str = "") -> bool:
     """Run one batch of the best waiting online requests that outrank `chunk_score`, or of a tenant that
     ranks above the chunk's tenant in the fair-share order (it takes its share back at this boundary);
-    False if none.
+    False if none. `snapshot` is the queues as this look read them (a model none of whose waiting items
+    is an online request is passed over without a lease).
 
     The batch runs instead of the chunk's next mini-batch, so it may use the chunk's reservation
     and the free memory (`MemoryLedger.room_in_place_of`): it is leased cut to that room (nothing
     is leased when its first request does not fit, so nothing is leased and returned every look),
     and reserved by its real need; should that no longer fit, it goes back to its queue unrun.
     """
-    snapshot = ctx.queue_watcher.snapshot()
     reclaim = ctx.fair_share.reclaim_option(chunk_tenant)
     for model_ref, score in sorted(snapshot.heads.items(), key=lambda head: head[1]):
         outranks = score < chunk_score
         if not outranks and reclaim is None:
             return False
+        if not snapshot.waiting_requests.get(model_ref, 0):
+            continue  # only online requests run here: none waits for this model
         room = ctx.ledger.room_in_place_of(chunk_reservation)
         cut = None if room is None else batch_cost(ctx, model_ref).within(model_ref, room, math.inf)
         if room is not None and cut is None:

@@ -20,7 +20,7 @@ from typing import Any
 from broker import tenant_usage, workers
 from broker.config import Settings
 from broker.store import Store
-from broker.tenant_shares import Usage, fair_order
+from broker.tenant_shares import TenantShare, Usage, fair_order
 from broker.tenants import TenantTable
 from sits_worker.usage_meter import UsageMeter
 
@@ -46,14 +46,37 @@ class FairShare:
         self._slots_at = float("-inf")
         self.holding = False
         """Whether the last order held a tenant back (the drain loop then polls less often)."""
-        self._last: tuple[list[str], set[str]] = ([], set())
 
     def lease_option(self) -> dict[str, Any] | None:
         """The `tenants` option of `lease_batch.lua` ({order, held, window}), or None: no fair share."""
-        if not self._settings.enabled:
+        ranked = self._order()
+        if ranked is None:
             return None
-        shares = {name: tenant.share() for name, tenant in self.table.tenants(self._store).items()
-                  if tenant.guaranteed_share > 0}
+        order, held = ranked
+        return {"order": order, "held": sorted(held), "window": self._settings.window}
+
+    def reclaim_option(self, tenant: str) -> dict[str, Any] | None:
+        """The `tenants` option that leases only the work of tenants ranking above `tenant` (none held):
+        what a running chunk of `tenant` lets in at a mini-batch boundary, so that a tenant below its
+        share gets its share back within its preemption target. None when no tenant ranks above it, or
+        fair share is off."""
+        ranked = self._order()
+        if ranked is None:
+            return None
+        order, held = ranked
+        with_shares = self._with_shares()
+        above = order[:order.index(tenant)] if tenant in order else [name for name in order if name in with_shares]
+        above = [name for name in above if name not in held]
+        return {"order": above, "held": [], "window": self._settings.window, "only": True} if above else None
+
+    def _with_shares(self) -> dict[str, TenantShare]:
+        """The shares of the tenants that have one (fair share ranks them before every other)."""
+        return {name: tenant.share() for name, tenant in self.table.tenants(self._store).items()
+                if tenant.guaranteed_share > 0}
+
+    def _order(self) -> tuple[list[str], set[str]] | None:
+        """(The tenants in the order their work goes, those held), or None: no fair share now."""
+        shares = self._with_shares() if self._settings.enabled else {}
         if not shares:
             self.holding = False
             return None
@@ -63,24 +86,7 @@ class FairShare:
         order, held = fair_order(shares, usage, waiting, stream_slots=slots,
                                  half_life=self._settings.usage_half_life, now=now)
         self.holding = bool(held)
-        self._last = (order, held)
-        return {"order": order, "held": sorted(held), "window": self._settings.window}
-
-    def reclaim_option(self, tenant: str) -> dict[str, Any] | None:
-        """The `tenants` option that leases only the work of tenants ranking above `tenant` in the last
-        order (none held): what a running chunk of `tenant` lets in at a mini-batch boundary, so that a
-        tenant below its share gets its share back within its preemption target. None when no tenant
-        ranks above it, or fair share is off."""
-        if self.lease_option() is None:
-            return None
-        order, held = self._last
-        above = order[:order.index(tenant)] if tenant in order else [name for name in order if name in self._ranked()]
-        above = [name for name in above if name not in held]
-        return {"order": above, "held": [], "window": self._settings.window, "only": True} if above else None
-
-    def _ranked(self) -> set[str]:
-        """Tenants with a guaranteed share (those fair share ranks before every other)."""
-        return {name for name, tenant in self.table.tenants(self._store).items() if tenant.guaranteed_share > 0}
+        return order, held
 
     def look_interval(self, interval: float) -> float:
         """How often a running job chunk looks for waiting online work between its mini-batches: every

@@ -4,19 +4,22 @@
 -- KEYS[3] doorbell        LIST idle drain loops block on; emptied here: its rings came before this look,
 --          which sees the work they announced (a loop blocked when one came was woken by it then). Left
 --          standing, each would wake a loop later for one more look at queues it has seen already.
--- KEYS[4], KEYS[5], ... per model ref the caller knows of, in pairs:
+-- KEYS[4], KEYS[5], ... per model ref the caller knows of, in threes:
 --          ready      ZSET item id -> score
 --          deadlines  ZSET item id -> deadline (the waiting items that have one)
--- Returns: {the set's version or '', policy JSON or '', then per pair of keys: the head item's id,
---          its score, the earliest deadline} ('' for what an empty set lacks). When the version
---          differs from the one the caller read with its refs, its list of refs is out of date.
+--          waiting requests ZSET the online requests among the ready items
+-- Returns: {the set's version or '', policy JSON or '', then per three keys: the head item's id,
+--          its score, the earliest deadline, how many online requests wait} ('' for what an empty
+--          set lacks). When the version differs from the one the caller read with its refs, its list
+--          of refs is out of date.
 redis.call('DEL', KEYS[3])
 local reply = {redis.call('GET', KEYS[1]) or '', redis.call('GET', KEYS[2]) or ''}
-for index = 4, #KEYS, 2 do
+for index = 4, #KEYS, 3 do
   local head = redis.call('ZRANGE', KEYS[index], 0, 0, 'WITHSCORES')
   local earliest = redis.call('ZRANGE', KEYS[index + 1], 0, 0, 'WITHSCORES')
   reply[#reply + 1] = head[1] or ''
   reply[#reply + 1] = head[2] or ''
   reply[#reply + 1] = earliest[2] or ''
+  reply[#reply + 1] = redis.call('ZCARD', KEYS[index + 2])
 end
 return reply

@@ -182,3 +182,48 @@ def test_sitsctl_usage_prints_a_table_json_and_csv(served_api: str, api: Api, st
     rows = list(csv.reader(io.StringIO(as_csv.output)))
     assert rows[0][:5] == ["tenant", "device_seconds", "rows", "requests", "failed"]
     assert rows[1][:5] == ["acme", "2.0", "20", "2", "0"]
+
+
+def test_a_tenant_admin_makes_lists_and_revokes_only_its_own_tenant_s_keys(api: Api, client: FlaskClient,
+                                                                            store: Store) -> None:
+    boss = key(client, store, "boss", "tenant-admin", tenant="acme")
+    made = boss.post("/v1/keys", json={"name": "dora", "role": "viewer", "tenant": "acme"})
+    assert made.status_code == 201, made.get_json()
+    dora = Api(client, made.get_json()["key"])
+    assert dora.get("/v1/usage").status_code == 200  # the new key works, as a viewer of acme
+    assert dora.post("/v1/keys", json={"name": "eve", "tenant": "acme"}).status_code == 403
+
+    outside = boss.post("/v1/keys", json={"name": "mallory", "tenant": "globex"})
+    assert outside.status_code == 403 and "its own tenant ('acme')" in error_of(outside)
+    promoted = boss.post("/v1/keys", json={"name": "root2", "role": "admin", "tenant": "acme"})
+    assert promoted.status_code == 403 and "not 'admin'" in error_of(promoted)
+    assert boss.post("/v1/keys", json={"name": "x", "colour": "red"}).status_code == 400
+    key(client, store, "gary", "user", tenant="globex")
+
+    assert [k["name"] for k in boss.get("/v1/keys").get_json()["keys"]] == ["boss", "dora"]
+    assert {k["name"] for k in api.get("/v1/keys").get_json()["keys"]} >= {"boss", "dora", "gary", "test"}
+    assert all("key" not in k for k in api.get("/v1/keys").get_json()["keys"])
+    assert boss.delete("/v1/keys/gary").status_code == 404  # another tenant's: not its to see
+    assert boss.delete("/v1/keys/dora").get_json() == {"revoked": 1}
+    assert dora.get("/v1/usage").status_code == 401  # revoked: at once in this process
+    assert key(client, store, "uma", "user", tenant="acme").get("/v1/keys").status_code == 403
+
+
+def test_a_tenant_admin_routes_its_tenant_s_model_names_only(api: Api, client: FlaskClient, store: Store,
+                                                              zoo_dir: Path, tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    boss = key(client, store, "boss", "tenant-admin", tenant="acme")
+    other = key(client, store, "gary", "tenant-admin", tenant="globex")
+    first = alice.post("/v1/models", json={"name": "acme-mlp", "path": str(zoo_dir / "mlp.onnx")}).get_json()
+    assert api.post("/v1/models", json={"name": "shared-mlp", "path": str(zoo_dir / "mlp.onnx")}).status_code == 201
+    route = {"model": "acme-mlp", "split": {first["version"]: 1.0}}
+
+    assert boss.put("/v1/routes", json=route).status_code == 200  # registered by a key of its tenant
+    refused = other.put("/v1/routes", json=route)
+    assert refused.status_code == 403 and "may not route model 'acme-mlp'" in error_of(refused)
+    assert boss.put("/v1/routes", json={"model": "shared-mlp", "split": {first["version"]: 1.0}}).status_code == 403
+    assert [r["model"] for r in boss.get("/v1/routes").get_json()["routes"]] == ["acme-mlp"]
+    assert other.get("/v1/routes").get_json()["routes"] == []
+    assert alice.put("/v1/routes", json=route).status_code == 403  # a user key routes nothing
+    assert other.delete("/v1/routes/acme-mlp").status_code == 403
+    assert boss.delete("/v1/routes/acme-mlp").status_code == 204

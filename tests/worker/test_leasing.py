@@ -186,7 +186,8 @@ def test_urgent_requests_served_between_a_chunk_s_mini_batches_use_its_memory_bu
     other = ctx.ledger.reserve(7 * 1024 * MIB + 256 * MIB, now=time.time(), expected_seconds=1.0)  # another slot's
     chunk = ctx.ledger.reserve(512 * MIB, now=time.time(), expected_seconds=1.0)  # 256 MiB free
 
-    assert not _serve_one_urgent_batch(ctx, chunk_score=0.0, ticket="", chunk_reservation=chunk)
+    assert not _serve_one_urgent_batch(ctx, ctx.queue_watcher.snapshot(), chunk_score=0.0, ticket="",
+                                   chunk_reservation=chunk)
     assert store.client.zcard(store.keys.ready("tok@v1")) == 1  # never leased: cut to the room, it did not fit
     assert store.client.hlen(store.keys.attempts) == 0 and store.client.llen(store.keys.doorbell) == 0
     assert ctx.ledger.stats()["batches_running"] == 2  # nothing left behind
@@ -197,6 +198,7 @@ def test_urgent_requests_served_between_a_chunk_s_mini_batches_use_its_memory_bu
     chunk = ctx.ledger.reserve(1024 * MIB, now=time.time(), expected_seconds=1.0)  # the chunk's own 1 GiB covers it
     assert ctx.ledger.free_bytes() < 1024 * MIB
 
-    assert _serve_one_urgent_batch(ctx, chunk_score=0.0, ticket="", chunk_reservation=chunk)
+    assert _serve_one_urgent_batch(ctx, ctx.queue_watcher.snapshot(), chunk_score=0.0, ticket="",
+                                   chunk_reservation=chunk)
     assert store.client.zcard(store.keys.ready("tok@v1")) == 0
     assert ctx.ledger.stats()["batches_running"] == 2
