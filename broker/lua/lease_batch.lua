@@ -78,7 +78,7 @@ local function fair_candidates(tenants)
   end
   local window = math.max(tonumber(tenants.window) or 0, 2 * math.max(max_items, max_chunks))
   local enough = 2 * math.max(max_items, max_chunks)
-  local job_tenants, by_rank, found_best, position = {}, {}, 0, 0
+  local job_tenants, by_rank, found_best, position, full_rank = {}, {}, 0, 0, last
   while position < window do
     local ids = redis.call('ZRANGE', KEYS[2], position, math.min(position + FAIR_PAGE, window) - 1)
     for _, item_id in ipairs(ids) do
@@ -94,8 +94,9 @@ local function fair_candidates(tenants)
           job_tenants[job] = tenant
         end
       end
-      if not held[tenant] and (rank[tenant] ~= nil or tenants.only ~= true) then
-        local item_rank = rank[tenant] or last
+      local item_rank = rank[tenant] or last
+      -- (past a rank with enough items already, a worse one's items would never be reached)
+      if not held[tenant] and (rank[tenant] ~= nil or tenants.only ~= true) and item_rank <= full_rank then
         if item_rank == best_possible then
           found_best = found_best + 1
         end
@@ -105,6 +106,9 @@ local function fair_candidates(tenants)
           by_rank[item_rank] = bucket
         end
         bucket[#bucket + 1] = {item_id, payload, item}
+        if #bucket >= enough and item_rank < full_rank then
+          full_rank = item_rank
+        end
       end
     end
     if #ids < FAIR_PAGE or (best_possible ~= nil and found_best >= enough) then
@@ -120,12 +124,52 @@ local function fair_candidates(tenants)
   return out
 end
 
+-- The candidates of a requests-only lease by fair share: the model's waiting online requests (KEYS[7],
+-- at most `window` of them), not the whole queue, which may hold thousands of chunks in front of
+-- them; by rank, then by score within a rank; held tenants' requests (and with `only`, those of tenants
+-- not in `order`) left out.
+local function fair_requests(tenants)
+  local rank, held = {}, {}
+  for index, name in ipairs(tenants.order or {}) do
+    rank[name] = index
+  end
+  for _, name in ipairs(tenants.held or {}) do
+    held[name] = true
+  end
+  local last = #(tenants.order or {}) + 1
+  local window = math.max(tonumber(tenants.window) or 0, 2 * max_items)
+  local entries = {}
+  for _, item_id in ipairs(redis.call('ZRANGE', KEYS[7], 0, window - 1)) do
+    local score = redis.call('ZSCORE', KEYS[2], item_id)
+    if score then
+      local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+      local item = cjson.decode(payload)
+      local tenant = item['tenant'] or ''
+      if not held[tenant] and (rank[tenant] ~= nil or tenants.only ~= true) then
+        entries[#entries + 1] = {item_id, payload, item, rank[tenant] or last, tonumber(score)}
+      end
+    end
+  end
+  table.sort(entries, function(a, b)
+    if a[4] ~= b[4] then
+      return a[4] < b[4]
+    end
+    if a[5] ~= b[5] then
+      return a[5] < b[5]
+    end
+    return a[1] < b[1]
+  end)
+  return entries
+end
+
 local function pick_candidates()
   if requests_only and redis.call('ZCARD', KEYS[7]) == 0 then
     return nil  -- (no online request waits: nothing to look for)
   end
   local candidates
-  if type(options.tenants) == 'table' then
+  if type(options.tenants) == 'table' and requests_only then
+    candidates = fair_requests(options.tenants)
+  elseif type(options.tenants) == 'table' then
     candidates = fair_candidates(options.tenants)
   else
     candidates = queue_candidates()

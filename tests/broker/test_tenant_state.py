@@ -247,3 +247,21 @@ def test_usage_decays_by_its_half_life_between_bills(store: Store) -> None:
     assert tenant_usage.parse_day("1970-01-03", "from", 0) == 2
     with pytest.raises(BadInput, match="from must be a date like"):
         tenant_usage.parse_day("yesterday", "from", 0)
+
+
+def test_a_requests_only_lease_finds_a_tenant_s_request_behind_thousands_of_chunks(store: Store) -> None:
+    job_fills.create_job(store, jobs.JobSpec(
+        job_id="flood", model_name="mlp", model_version="v1", input_batch="/in.npy", input_format="npy",
+        input_checksum="sha256:0", output_dir="/out", output_names=["y"], rows_total=3000, chunk_size=1,
+        batch_size=1, owner="s2-key", tenant="s2"), now=NOW)
+    submit(store, "late-s2", "s2", score=1e12)  # behind every chunk
+    submit(store, "late-s1", "s1", score=2e12)
+
+    only_s1 = {"order": ["s1"], "held": [], "window": 64, "only": True}
+    leased = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=4, requests_only=True,
+                                tenants=only_s1)
+    assert [item.item_id for item in leased] == ["late-s1"]  # s2's request and chunks left waiting
+    both = {"order": ["s1", "s2"], "held": [], "window": 64}
+    assert [item.item_id for item in queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=4,
+                                                        requests_only=True, tenants=both)] == ["late-s2"]
+    assert store.client.zcard(store.keys.ready(MODEL)) == 3000  # the chunks; both requests leased
