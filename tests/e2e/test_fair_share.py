@@ -10,9 +10,10 @@ The device is made slow and steady by fault injection (`faults.run_latency`: 10 
 run, on the real run path, and billed as device time): the zoo MLP's mini-batches of 8 rows then take
 about 10 ms each, so 30 s of flooding needs a few MB of input instead of hundreds, the two cores stay
 free for the API and Redis, and the shares measure the scheduler, not the machine's noise. The
-preemption target is 50 ms, not the 5 ms a GPU fleet would set: a returning request waits for the
-running 10 ms mini-batch, and on a loaded two-core CPU its wake-up alone takes milliseconds
-(`benchmarks/tenants.py` measures it on the real model).
+preemption target is 100 ms, not the 5 ms a GPU fleet would set: a returning request waits for the
+running 10 ms mini-batch plus at most half the target (how often a running chunk looks), and on a
+loaded two-core CPU the API and Redis add milliseconds more (`benchmarks/tenants.py` measures the
+5 ms target on the real model).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ CHUNK = 80
 MINI_BATCH = 8
 RUN_LATENCY = "10ms"
 WINDOW_SECONDS = 30.0
-S1_TARGET = 0.05
+S1_TARGET = 0.1
 
 
 @pytest.fixture(scope="module")
