@@ -55,6 +55,7 @@ def lease_batch(
     whole_within: tuple[int, int] | None = None,
     preferred_sizes: tuple[int, ...] = (),
     tenants: dict[str, Any] | None = None,
+    absent: list[str] | None = None,
 ) -> list[LeasedItem]:
     """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
 
@@ -71,7 +72,9 @@ def lease_batch(
     With `preferred_sizes`, a batch of requests that takes no chunk along is cut to the largest of
     them its rows reach (Triton's preferred batch sizes; the head request always stays).
     With `tenants` ({order, held, window}: `sits_worker.fair_share`), the batch is formed from the
-    first `window` waiting items by their tenants' fair-share order, a held tenant's left waiting.
+    first `window` waiting items by their tenants' fair-share order, a held tenant's left waiting;
+    the ranked tenants such a lease found no item of, having read every item within reach, are added
+    to `absent` when given.
     """
     keys = store.keys
     options: dict[str, Any] = {
@@ -90,6 +93,8 @@ def lease_batch(
                   keys.doorbell, keys.waiting_requests(model_ref)],
             args=[ticket, now, now + lease_seconds, json.dumps(options)],
         )
+    if absent is not None and int(reply[0]) >= 0:
+        absent.extend(str(name) for name in reply[1 + 3 * int(reply[0]):])
     return _leased(reply, model_ref, ticket)
 
 

@@ -24,6 +24,10 @@ from broker.tenant_shares import TenantShare, Usage, fair_order
 from broker.tenants import TenantTable
 from sits_worker.usage_meter import UsageMeter
 
+ABSENT_SECONDS = 0.5
+"""How long a tenant a full scan found no work of stays out of a model's fair order (`note_absent`): its
+requests still get in at once (`reclaim_option`), its job chunks wait at most this long."""
+
 SLOTS_REFRESH_SECONDS = 1.0
 """How long the fleet's live stream slots are reused before they are counted again."""
 
@@ -46,14 +50,34 @@ class FairShare:
         self._slots_at = float("-inf")
         self.holding = False
         """Whether the last order held a tenant back (the drain loop then polls less often)."""
+        self._absent: dict[tuple[str, str], float] = {}
+        """(Model ref, tenant) -> when a full scan of the model's queue last found no work of the tenant."""
 
-    def lease_option(self) -> dict[str, Any] | None:
-        """The `tenants` option of `lease_batch.lua` ({order, held, window}), or None: no fair share."""
+    def lease_option(self, model_ref: str | None = None) -> dict[str, Any] | None:
+        """The `tenants` option of `lease_batch.lua` ({order, held, window}), or None: no fair share. For
+        `model_ref`, the tenants a full scan of its queue just found no work of are left out of `order`
+        for `ABSENT_SECONDS`: they rank after the others, so the next scans stop early instead of
+        reading the whole window for them every lease (their requests still get in at the next
+        mini-batch boundary of a running chunk: `reclaim_option` keeps them)."""
         ranked = self._order()
         if ranked is None:
             return None
         order, held = ranked
+        if model_ref is not None:
+            with self._lock:
+                gone = {name for (ref, name), at in self._absent.items()
+                        if ref == model_ref and self._clock() - at < ABSENT_SECONDS}
+            order = [name for name in order if name not in gone]
         return {"order": order, "held": sorted(held), "window": self._settings.window}
+
+    def note_absent(self, model_ref: str, tenants: list[str]) -> None:
+        """Tenants a full scan of `model_ref`'s queue found no work of (`lease_batch.lua`'s reply)."""
+        now = self._clock()
+        with self._lock:
+            for name in tenants:
+                self._absent[(model_ref, name)] = now
+            if len(self._absent) > 4096:  # (models and tenants come and go: forget the stale)
+                self._absent = {key: at for key, at in self._absent.items() if now - at < ABSENT_SECONDS}
 
     def reclaim_option(self, tenant: str) -> dict[str, Any] | None:
         """The `tenants` option that leases only the work of tenants ranking above `tenant` (none held):

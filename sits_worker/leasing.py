@@ -42,7 +42,7 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
     try:
         leased = _lease_batch(ctx, model_ref, ticket, batching, max_rows, max_tokens, requests_only=requests_only,
                               admission=admission, carry_chunk=carry_chunk, within_cut=within_cut,
-                              tenants=tenants if tenants is not None else ctx.fair_share.lease_option())
+                              tenants=tenants)
     finally:
         if claim == "probe" and not leased:  # the probe got no batch: another slot may take it
             ctx.breakers.release_probe(model_ref)
@@ -52,12 +52,20 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
 def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batching, max_rows: int,
                  max_tokens: int, *, requests_only: bool, admission: reservation.Admission | None,
                  carry_chunk: bool, within_cut: bool, tenants: dict[str, Any] | None) -> list[queues.LeasedItem]:
-    return queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
-                              max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
-                              preferred_sizes=batching.preferred_batch_sizes,
-                              max_chunks=1, ticket=ticket, requests_only=requests_only, carry_chunk=carry_chunk,
-                              head_within_limits=within_cut,
-                              whole_within=admission.whole_within if admission else None, tenants=tenants)
+    """One lease script call; in the fair-share order unless `tenants` says otherwise, the tenants it
+    found no work of told to the fair share (`FairShare.note_absent`)."""
+    absent: list[str] = []
+    if tenants is None:
+        tenants = ctx.fair_share.lease_option(model_ref)
+    leased = queues.lease_batch(
+        ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
+        max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
+        preferred_sizes=batching.preferred_batch_sizes, max_chunks=1, ticket=ticket, requests_only=requests_only,
+        carry_chunk=carry_chunk, head_within_limits=within_cut,
+        whole_within=admission.whole_within if admission else None, tenants=tenants, absent=absent)
+    if absent:
+        ctx.fair_share.note_absent(model_ref, absent)
+    return leased
 
 
 def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray]) -> tuple[str, int | None]:

@@ -22,7 +22,9 @@
 --     first (queue order within a tenant), those of tenants not in it after; a held tenant's items
 --     are not leased at all (it is past its limit; with nothing else waiting, the slot stays idle);
 --     with `only`, neither are the items of tenants not in `order`
--- Returns {-1}: the ticket is no longer valid; {0}: nothing leased; else {n, id1, payload1, attempts1, ...}.
+-- Returns {-1}: the ticket is no longer valid; {0}: nothing leased; else {n, id1, payload1, attempts1, ...};
+-- after either of the last two, the names of the ranked tenants (`tenants.order`) a fair scan that read
+-- every item within reach found nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
@@ -61,6 +63,7 @@ end
 -- tenant's work is near the head, and at most `window` items when it has none. A job's chunks share
 -- its tenant, so their payloads are decoded once per job, not once per chunk.
 local FAIR_PAGE = 128
+local fair_absent = {}  -- ranked tenants a full scan found no item of: told to the caller after the reply
 local function fair_candidates(tenants)
   local rank, held = {}, {}
   for index, name in ipairs(tenants.order or {}) do
@@ -78,12 +81,14 @@ local function fair_candidates(tenants)
   end
   local window = math.max(tonumber(tenants.window) or 0, 2 * math.max(max_items, max_chunks))
   local enough = 2 * math.max(max_items, max_chunks)
-  local job_tenants, by_rank, found_best, position, full_rank = {}, {}, 0, 0, last
+  local job_tenants, by_rank, found_best, position, full_rank, seen = {}, {}, 0, 0, last, {}
+  local stopped_early = false
   while position < window do
     local ids = redis.call('ZRANGE', KEYS[2], position, math.min(position + FAIR_PAGE, window) - 1)
     for _, item_id in ipairs(ids) do
       position = position + 1
-      local job = string.match(item_id, '^(.+):c%d+$')
+      local cut = string.find(item_id, ':c', 1, true)  -- (a chunk's id: '<job>:c<index>'; a plain find)
+      local job = cut and string.sub(item_id, 1, cut - 1)
       local tenant = job and job_tenants[job]
       local payload, item = nil, nil
       if tenant == nil then
@@ -95,6 +100,7 @@ local function fair_candidates(tenants)
         end
       end
       local item_rank = rank[tenant] or last
+      seen[tenant] = true
       -- (past a rank with enough items already, a worse one's items would never be reached)
       if not held[tenant] and (rank[tenant] ~= nil or tenants.only ~= true) and item_rank <= full_rank then
         if item_rank == best_possible then
@@ -111,8 +117,19 @@ local function fair_candidates(tenants)
         end
       end
     end
-    if #ids < FAIR_PAGE or (best_possible ~= nil and found_best >= enough) then
+    if best_possible ~= nil and found_best >= enough then
+      stopped_early = true
       break
+    end
+    if #ids < FAIR_PAGE then
+      break
+    end
+  end
+  if not stopped_early then  -- every item looked at: the ranked tenants not seen have none in reach
+    for _, name in ipairs(tenants.order or {}) do
+      if not seen[name] and not held[name] then
+        fair_absent[#fair_absent + 1] = name
+      end
     end
   end
   local out = {}  -- (by rank, queue order within one: buckets, not a sort)
@@ -260,16 +277,24 @@ local function move_to_inflight(picked)
   return out
 end
 
+-- The reply, with the ranked tenants a full fair scan found nothing of after its items.
+local function with_absent(reply)
+  for _, name in ipairs(fair_absent) do
+    reply[#reply + 1] = name
+  end
+  return reply
+end
+
 local picked, online, carried, rows, tokens = pick_candidates()
 if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's)
-  return {0}
+  return with_absent({0})
 end
 rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)
 if not within_batch_limit(online, rows, tokens) then
-  return {0}
+  return with_absent({0})
 end
 local reply = move_to_inflight(picked)
 if redis.call('ZCARD', KEYS[2]) > 0 then
   ring_doorbell(KEYS[6])
 end
-return reply
+return with_absent(reply)

@@ -265,3 +265,17 @@ def test_a_requests_only_lease_finds_a_tenant_s_request_behind_thousands_of_chun
     assert [item.item_id for item in queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=4,
                                                         requests_only=True, tenants=both)] == ["late-s2"]
     assert store.client.zcard(store.keys.ready(MODEL)) == 3000  # the chunks; both requests leased
+
+
+def test_a_full_scan_tells_which_ranked_tenants_it_found_no_work_of(store: Store) -> None:
+    for index in range(3):
+        submit(store, f"a{index}", "a", score=index)
+    absent: list[str] = []
+
+    leased = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, absent=absent,
+                                tenants={"order": ["ghost", "a"], "held": [], "window": 16})
+    assert [item.item_id for item in leased] == ["a0"] and absent == ["ghost"]  # read to the end: none of ghost's
+    early: list[str] = []
+    queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, absent=early,
+                       tenants={"order": ["a", "ghost"], "held": [], "window": 16})
+    assert early == []  # stopped at a's work: nothing is known of ghost's

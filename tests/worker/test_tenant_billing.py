@@ -100,3 +100,16 @@ def test_the_lease_order_ranks_tenants_by_usage_over_share_and_holds_one_past_it
     assert no_shares.fair_share.lease_option() is None  # no tenant with a share: the queue's own order
     off = mlp_worker_context(store, zoo_dir, settings.with_overrides(fair_share={"enabled": False}))
     assert off.fair_share.lease_option() is None
+
+
+def test_a_tenant_with_no_work_in_a_queue_leaves_its_order_a_moment(store: Store, zoo_dir: Path) -> None:
+    settings = Settings().with_overrides(tenants={"s1": {"guaranteed_share": 0.7}, "s2": {"guaranteed_share": 0.3}})
+    ctx = mlp_worker_context(store, zoo_dir, settings)
+    assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s1", "s2"]  # (no usage yet: the file's order)
+
+    ctx.fair_share.note_absent("mlp@v1", ["s1"])
+    assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s2"]
+    assert ctx.fair_share.lease_option("other@v1")["order"] == ["s1", "s2"]  # another queue: as before
+    assert ctx.fair_share.reclaim_option("s2")["order"] == ["s1"]  # its requests still get in between mini-batches
+    time.sleep(0.55)
+    assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s1", "s2"]
