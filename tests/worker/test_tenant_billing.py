@@ -58,7 +58,7 @@ def test_a_merged_batch_of_two_tenants_answers_each_its_own_rows_and_bills_them_
     assert billed["acme"] + billed["globex"] >= 0.02  # (the injected 20 ms are part of the run)
 
 
-def test_the_bills_add_up_to_the_run_time_measured_within_one_percent(store: Store, zoo_dir: Path) -> None:
+def test_the_bills_add_up_to_the_device_time_within_one_percent(store: Store, zoo_dir: Path) -> None:
     ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(faults={"enabled": True,
                                                                              "run_latency": "300ms"}))
     spent = 0.0
@@ -71,8 +71,11 @@ def test_the_bills_add_up_to_the_run_time_measured_within_one_percent(store: Sto
         spent += time.perf_counter() - started  # (the whole call: loading, the run, completing)
     ctx.usage.flush()
 
+    # Each run is the injected 300 ms and a tiny MLP run (well under a ms): the device time, known
+    # apart from the meter. The bills hold it within 1 %, and never more than the calls took in all.
+    device = 4 * 0.3
     total = sum(bills(store).values())
-    assert 0.99 * spent <= total <= spent
+    assert device <= total <= min(1.01 * device, spent), (total, spent)
 
 
 def test_the_lease_order_ranks_tenants_by_usage_over_share_and_holds_one_past_its_limit(
