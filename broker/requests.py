@@ -141,6 +141,7 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
                "factors": spec.factors, "tenant": spec.tenant or spec.owner, "owner": spec.owner,
+               **({"counted": True} if tenant_max_queued else {}),
                **({"expires_at": spec.expires_at} if spec.expires_at else {}),
                **({"delay_at": spec.delay_at} if spec.delay_at else {}),
                **({"reply_to": spec.reply_to} if spec.reply_to else {})}
@@ -226,20 +227,23 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
 
 
 def _settle_tenants(store: Store, results: Sequence[RequestResult], *, now: float) -> None:
-    """Take answered requests off their tenants' unanswered sets (`keys.tenant_queued`, `max_queued`), and
-    count the failed ones on their tenants' bills of the day (total, and by model version and key, so
-    `GET /v1/usage?by=model` shows each A/B arm's errors)."""
+    """Take answered requests that took a place (payload `counted`) off their tenants' unanswered sets
+    (`keys.tenant_queued`, `max_queued`), and count the failed ones on their tenants' bills of the day
+    (total, and by model version and key, so `GET /v1/usage?by=model` shows each A/B arm's errors)."""
     by_tenant: dict[str, list[RequestResult]] = {}
     for result in results:
         tenant = result.item.payload.get("tenant")
-        if tenant:
+        # (only a request that took a place, or failed, costs a call: a batch that succeeded costs none)
+        if tenant and (result.item.payload.get("counted") or result.error):
             by_tenant.setdefault(tenant, []).append(result)
     if not by_tenant:
         return
     keys = store.keys
     with translate_redis_errors(), store.client.pipeline(transaction=False) as pipe:
         for tenant, answered in by_tenant.items():
-            pipe.zrem(keys.tenant_queued(tenant), *(result.item.item_id for result in answered))
+            placed = [result.item.item_id for result in answered if result.item.payload.get("counted")]
+            if placed:
+                pipe.zrem(keys.tenant_queued(tenant), *placed)
             failed = [result for result in answered if result.error]
             if failed:
                 bill = keys.tenant_bill(tenant, day_number(now))

@@ -64,7 +64,9 @@ end
 -- its tenant, so their payloads are decoded once per job, not once per chunk.
 local FAIR_PAGE = 128
 local fair_absent = {}  -- ranked tenants a full scan found no item of: told to the caller after the reply
-local function fair_candidates(tenants)
+-- The `tenants` option as lookups: tenant -> its rank in `order`, the set of held tenants, and the rank
+-- of every tenant not in `order` (after the last ranked one).
+local function tenant_ranks(tenants)
   local rank, held = {}, {}
   for index, name in ipairs(tenants.order or {}) do
     rank[name] = index
@@ -72,7 +74,12 @@ local function fair_candidates(tenants)
   for _, name in ipairs(tenants.held or {}) do
     held[name] = true
   end
-  local best_possible, last = nil, #(tenants.order or {}) + 1
+  return rank, held, #(tenants.order or {}) + 1
+end
+
+local function fair_candidates(tenants)
+  local rank, held, last = tenant_ranks(tenants)
+  local best_possible = nil
   for index, name in ipairs(tenants.order or {}) do
     if not held[name] then
       best_possible = index
@@ -146,14 +153,7 @@ end
 -- them; by rank, then by score within a rank; held tenants' requests (and with `only`, those of tenants
 -- not in `order`) left out.
 local function fair_requests(tenants)
-  local rank, held = {}, {}
-  for index, name in ipairs(tenants.order or {}) do
-    rank[name] = index
-  end
-  for _, name in ipairs(tenants.held or {}) do
-    held[name] = true
-  end
-  local last = #(tenants.order or {}) + 1
+  local rank, held, last = tenant_ranks(tenants)
   local window = math.max(tonumber(tenants.window) or 0, 2 * max_items)
   local entries = {}
   for _, item_id in ipairs(redis.call('ZRANGE', KEYS[7], 0, window - 1)) do
