@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from broker.errors import ConfigError
-from broker.failure_settings import BreakerSettings, FaultSettings, RetryPolicy, RetrySettings
+from broker.failure_settings import BreakerSettings, DegradeSettings, FaultSettings, RetryPolicy, RetrySettings
 from broker.scoring import MAX_PRIORITY
 from broker.setting_types import Bytes, Integer, Number, Seconds
 from broker.setting_types import Section as _Section
@@ -414,6 +414,8 @@ class Settings(_Section):
     """The retry matrix: per failure class, how often and after how long (docs/failures.md)."""
     breaker: BreakerSettings = BreakerSettings()
     """The circuit breaker of each (model version, worker): when it opens and for how long (docs/failures.md)."""
+    degrade: DegradeSettings = DegradeSettings()
+    """How a worker steps its lower priority classes down while its device memory jitters (docs/failures.md)."""
     faults: FaultSettings = FaultSettings()
     """Fault injection for tests and benchmarks; refused unless `faults.enabled`."""
     tenants: dict[str, Tenant] = {}

@@ -1,4 +1,5 @@
-"""The settings sections of failure handling: `retry` (one policy per failure class), `breaker` and `faults`.
+"""The settings sections of failure handling: `retry` (one policy per failure class), `breaker`, `degrade`
+and `faults`.
 
 Part of the one settings object (`broker/config.py` puts them in `Settings`); apart only to keep
 that module small. docs/failures.md says what each key does.
@@ -95,6 +96,47 @@ class BreakerSettings(_Section):
     """How long an open breaker stays open before one probe batch may run (half-open)."""
 
 
+class DegradeSettings(_Section):
+    """Stepping a worker's lower priority classes down while its device memory jitters.
+
+    Every `sample_interval` a worker reads its device memory (NVML's used memory on a GPU, its own
+    resident memory on a CPU). When the readings of the last `window` spread over more than
+    `jitter_threshold` of the capacity, it steps down: first P1 work is served as P2, then P2 work
+    is paused (kept queued). Calm for `calm_for`, it steps back one step at a time. P0, the top
+    class, is never paused (`broker/degrade.py`, docs/failures.md)."""
+
+    enabled: bool = True
+    """False: workers watch nothing and serve every class as usual."""
+    jitter_threshold: Number = Field(0.1, gt=0, le=1)
+    """Spread of the memory readings in the window (highest minus lowest), as a share of the capacity,
+    above which the worker steps down (0.1: 10 %)."""
+    window: Seconds = Field(10.0, gt=0)
+    """How far back readings count."""
+    sample_interval: Seconds = Field(0.5, gt=0)
+    """How often the memory is read."""
+    step_interval: Seconds = Field(5.0, ge=0)
+    """At most one step down this often: a worker still jittering after it steps down once more."""
+    calm_for: Seconds = Field(10.0, gt=0)
+    """How long the spread must stay within the threshold (and the last step be this old) before one step back."""
+    memory_limit: Bytes = 0
+    """The capacity the spread is measured against; 0: the worker's device memory (NVML's on a GPU,
+    `resources.device_memory` on a CPU), capped by `resources.device_memory_limit`."""
+    top_level: Integer = Field(12, ge=1, le=15)
+    """The lowest priority level of class P0, the top class (never paused)."""
+    middle_level: Integer = Field(8, ge=1, le=15)
+    """The lowest priority level of class P1; the levels below it are class P2."""
+
+    @model_validator(mode="after")
+    def _classes_in_order(self) -> DegradeSettings:
+        if self.middle_level >= self.top_level:
+            raise ValueError(f"degrade.middle_level ({self.middle_level}) must be below degrade.top_level "
+                             f"({self.top_level}): P1's levels lie below P0's")
+        if self.sample_interval > self.window:
+            raise ValueError(f"degrade.sample_interval ({self.sample_interval:g}s) is longer than degrade.window "
+                             f"({self.window:g}s): the window would never hold two readings")
+        return self
+
+
 class FaultSettings(_Section):
     """Faults a worker injects into its own work, for tests and benchmarks: off unless `enabled`.
 
@@ -124,6 +166,12 @@ class FaultSettings(_Section):
     """Worker names (fnmatch patterns, e.g. `sits0-*`) that inject these faults; empty: every worker."""
     memory_reading: Bytes = Field(0, ge=0)
     """What the worker's memory reading returns instead of the real one (0: the real one)."""
+    memory_jitter: Bytes = Field(0, ge=0)
+    """Every other memory reading is this much higher: the readings jitter by this much (0: they do not)."""
+    memory_jitter_after: Seconds = Field(0.0, ge=0)
+    """The jitter starts this long after the worker's first memory reading."""
+    memory_jitter_for: Seconds = Field(0.0, ge=0)
+    """The jitter stops after this long (0: never): memory that calms down again."""
     redis_drop_share: Number = Field(0.0, ge=0, le=1)
     """Share of runs after which the running thread's Redis connection drops."""
     redis_drop_calls: Integer = Field(1, ge=1)
@@ -161,6 +209,7 @@ class FaultSettings(_Section):
                                     if name not in _NOT_FAULTS)
 
 
-_NOT_FAULTS = ("enabled", "seed", "redis_drop_calls", "fail_models_for", "workers")
+_NOT_FAULTS = ("enabled", "seed", "redis_drop_calls", "fail_models_for", "workers", "memory_jitter_after",
+               "memory_jitter_for")
 """Keys that only shape the faults others set."""
 _FAULT_DEFAULTS: dict[str, Any] = {name: field.default for name, field in FaultSettings.model_fields.items()}

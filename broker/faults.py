@@ -68,3 +68,12 @@ def run_latency(faults: FaultSettings) -> float:
     """Seconds added before each run."""
     return faults.run_latency
 
+
+def memory_jitter_offset(faults: FaultSettings, *, reading: int, since_first: float) -> int:
+    """What the `reading`-th memory reading (0-based), taken `since_first` seconds after the first one,
+    adds to the real reading: `memory_jitter` on every other reading while the jitter lasts, else 0."""
+    if not faults.memory_jitter or since_first < faults.memory_jitter_after:
+        return 0
+    if faults.memory_jitter_for and since_first >= faults.memory_jitter_after + faults.memory_jitter_for:
+        return 0
+    return faults.memory_jitter if reading % 2 else 0

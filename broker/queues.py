@@ -55,7 +55,8 @@ def lease_batch(
     whole_within: tuple[int, int] | None = None,
     preferred_sizes: tuple[int, ...] = (),
     tenants: dict[str, Any] | None = None,
-    absent: list[str] | None = None,
+    classes: dict[str, Any] | None = None,
+    notes: LeaseNotes | None = None,
 ) -> list[LeasedItem]:
     """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
 
@@ -74,7 +75,9 @@ def lease_batch(
     With `tenants` ({order, held, window}: `sits_worker.fair_share`), the batch is formed from the
     first `window` waiting items by their tenants' fair-share order, a held tenant's left waiting;
     the ranked tenants such a lease found no item of, having read every item within reach, are added
-    to `absent` when given.
+    to `notes.absent` when given. With `classes` ({ranks, demote, window}: `broker.degrade.lease_classes`),
+    items rank by the class of their priority level first, a paused class's left waiting; `notes.paused`
+    tells that nothing was leased because paused items were all there was within reach.
     """
     keys = store.keys
     options: dict[str, Any] = {
@@ -87,14 +90,22 @@ def lease_batch(
         options["batch_limit"] = {"rows": whole_within[0], "tokens": whole_within[1]}
     if tenants is not None:
         options["tenants"] = tenants
+    if classes is not None:
+        options["classes"] = classes
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
                   keys.doorbell, keys.waiting_requests(model_ref)],
             args=[ticket, now, now + lease_seconds, json.dumps(options)],
         )
-    if absent is not None and int(reply[0]) >= 0:
-        absent.extend(str(name) for name in reply[1 + 3 * int(reply[0]):])
+    count = int(reply[0])
+    if count == -2:
+        if notes is not None:
+            notes.paused = True
+        reply = [0, *reply[1:]]
+        count = 0
+    if notes is not None and count >= 0:
+        notes.absent.extend(str(name) for name in reply[1 + 3 * count:])
     return _leased(reply, model_ref, ticket)
 
 
@@ -110,16 +121,18 @@ def lease_riders(
     max_tokens: int = 0,
     window: int = 256,
     ticket: str = "",
+    lowest_level: int = 0,
 ) -> list[LeasedItem]:
     """Lease online requests of `model_ref` in shape `bucket`, best first, to ride along in a job
     chunk's next mini-batch: found among the first `window` waiting items even behind job chunks,
-    up to `max_items` requests, `max_rows` rows and `max_tokens` tokens (0: no token limit)."""
+    up to `max_items` requests, `max_rows` rows and `max_tokens` tokens (0: no token limit), none
+    submitted below priority level `lowest_level` (a degraded worker's paused class)."""
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_riders(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
                   keys.waiting_requests(model_ref)],
-            args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window],
+            args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window, lowest_level],
         )
     return _leased(reply, model_ref, ticket)
 
@@ -140,6 +153,16 @@ def queue_heads(store: Store) -> dict[str, float]:
     """Model ref -> score of its best waiting item, for every queue with waiting work (a one-off read;
     drain loops keep a `QueueWatcher`)."""
     return QueueWatcher(store).snapshot().heads
+
+
+@dataclass
+class LeaseNotes:
+    """What a lease tells beside its items (`lease_batch`)."""
+
+    absent: list[str] = field(default_factory=list)
+    """The ranked tenants a fair scan that read every item within reach found no item of."""
+    paused: bool = False
+    """Nothing was leased because the items within reach were all of a paused class."""
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,18 @@ _WORKER_GAUGES = (
      ("memory", "fragmentation")),
     ("sits_worker_commits_pending", "Computed job chunks waiting for their part files to be written.",
      "commits_pending"),
+    ("sits_degrade_step", "The worker's degrade step: 0 every class served, 1 P1 served as P2, 2 P2 paused too "
+     "(its device memory jitters; degrade in the settings).", ("degrade", "step")),
+    ("sits_memory_jitter_ratio", "Spread of the worker's device-memory readings over degrade.window, as a share "
+     "of its capacity (the degrade steps compare it with degrade.jitter_threshold).", ("degrade", "jitter")),
 )
 _WORKER_COUNTERS = (
     ("sits_worker_memory_waits", "Times a free stream slot of the worker, with work waiting, got nothing for "
      "lack of memory (since the worker started).", ("memory", "memory_waits")),
     ("sits_worker_backfills", "Times a stream slot of the worker took batches around a queue head that did not "
      "fit (graph-aware backfill; since the worker started).", ("memory", "backfills")),
+    ("sits_degrade_changes", "Times the worker's degrade step changed, down or back (since the worker started).",
+     ("degrade", "steps_taken")),
 )
 
 

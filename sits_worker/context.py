@@ -36,6 +36,7 @@ from sits_worker.devices import Device, device_memory
 from sits_worker.fair_share import FairShare
 from sits_worker.fault_injection import FaultInjector
 from sits_worker.lease_keeper import LeaseKeeper
+from sits_worker.memory_watch import MemoryWatch
 from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
@@ -97,6 +98,8 @@ class WorkerContext:
     """Bills this worker's runs to the tenants in them (`sits_worker/usage_meter.py`)."""
     fair_share: FairShare = field(init=False)
     """The tenants' order this worker's leases follow (`sits_worker/fair_share.py`)."""
+    memory_watch: MemoryWatch = field(init=False)
+    """This worker's device-memory readings and the degrade step its leases follow (`sits_worker/memory_watch.py`)."""
     _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
@@ -115,6 +118,7 @@ class WorkerContext:
                                 half_life=self.settings.fair_share.usage_half_life,
                                 flush_every=self.settings.fair_share.usage_refresh)
         self.fair_share = FairShare(self.store, self.settings, self.usage)
+        self.memory_watch = MemoryWatch(self.settings, self.store, self.memory_reading, self.ledger.capacity_bytes)
 
     @classmethod
     def create(cls, worker: WorkerSettings) -> WorkerContext:
@@ -268,10 +272,12 @@ class WorkerContext:
 
     def memory_reading(self) -> int:
         """Bytes in use on this worker's device: NVML's used memory on a GPU, this process's resident
-        memory on a CPU; the injected reading instead when `faults.memory_reading` is set."""
-        injected = self.faults.memory_reading() if self.faults is not None else None
-        if injected is not None:
-            return injected
+        memory on a CPU; as the injected faults change it (`faults.memory_reading`, `faults.memory_jitter`)."""
+        if self.faults is not None:
+            return self.faults.memory_reading(self._real_memory_reading)
+        return self._real_memory_reading()
+
+    def _real_memory_reading(self) -> int:
         if self.device.kind == "gpu":
             reading = device_memory(self.device, self.settings.resources.device_memory)
             return int(reading["total_bytes"]) - int(reading["free_bytes"])

@@ -48,6 +48,10 @@ enqueue path rings the doorbell)."""
 HELD_POLL_SECONDS = 0.01
 """How often a slot looks again while a tenant is held back (its usage decays by the milliseconds)."""
 
+PAUSED_POLL_SECONDS = 0.1
+"""How long a slot that found only paused work (a degraded worker's P2) waits for an enqueue to ring
+before it looks again: new work wakes it at once, and a step back is seen within this."""
+
 
 def drain(ctx: WorkerContext, ticket: str) -> str:
     """Serve batches under `ticket`; returns 'released', 'stale' or 'yield' (re-queue the ticket)."""
@@ -84,8 +88,9 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             allowed, hold = reservation.admit_and_hold(
                 order, lambda ref: batch_cost(ctx, ref), ctx.ledger, now=now,
                 backfill=ctx.settings.scheduler.policy == "graph-aware-backfill", head_items=snapshot.head_items)
+            notes = queues.LeaseNotes()
             try:
-                leased, admission = _lease_admitted(ctx, allowed, ticket, requests_only=not room)
+                leased, admission = _lease_admitted(ctx, allowed, ticket, requests_only=not room, notes=notes)
             finally:
                 if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
                     ctx.ledger.release(hold, now=time.time())
@@ -99,6 +104,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                         ran = True
             if not ran and not room and all(map(jobs.is_chunk_item_id, snapshot.head_items.values())):
                 ctx.commits.wait_for_room(timeout=0.05)  # only chunks wait: wait for the disk
+            elif not ran and notes.paused:  # every lease found only paused work: wait for new work
+                queues.wait_for_doorbell(ctx.store, ticket, now=time.time(), timeout=PAUSED_POLL_SECONDS, touch=False)
             elif not ran:  # memory is reserved by running batches, another slot took the work, or the
                 # waiting work is a held tenant's (past its limit: it waits for its usage to decay)
                 time.sleep(HELD_POLL_SECONDS if ctx.fair_share.holding else 0.001)
@@ -109,23 +116,29 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
 
 
 def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ticket: str, *,
-                    requests_only: bool = False) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
+                    requests_only: bool = False,
+                    notes: queues.LeaseNotes) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
     """Lease the first admitted model's batch that has work, with its admission; ([], None) when none
-    has any now (with `requests_only`: none headed by an online request)."""
+    has any now (with `requests_only`: none headed by an online request). `notes.paused` ends true only
+    when every lease found nothing but paused work."""
     waited: set[str] = set()  # (a whole admission and a backfill behind it may name one model)
+    paused = bool(allowed)
     for admission in allowed:
         model_ref = admission.model
-        if model_ref not in waited:
-            _wait_for_company(ctx, model_ref)
+        if model_ref not in waited and ctx.memory_watch.lease_classes() is None:
+            _wait_for_company(ctx, model_ref)  # (a degraded worker ranks by class: the queue's head may not lead)
             waited.add(model_ref)
         # A batch cut to free memory (a backfill, or beside the head) takes no chunk along and no
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
+        said = queues.LeaseNotes()
         leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut,
-                       requests_only=requests_only)
+                       requests_only=requests_only, notes=said)
         if leased:
             ctx.last_served = model_ref
             return leased, admission
+        paused = paused and said.paused
+    notes.paused = paused
     return [], None
 
 

@@ -48,6 +48,8 @@ class FaultInjector:
         self._worker = worker
         """This worker's name (the Celery name it takes once ready), matched against `faults.workers`."""
         self._first_model_failure: float | None = None
+        self._first_memory_reading: float | None = None
+        self._memory_readings = 0
         log.warning("fault injection is on: %s", faults.model_dump(exclude_defaults=True))
 
     def _draw(self) -> float:
@@ -90,8 +92,15 @@ class FaultInjector:
         if decide.applies_to(self.faults, self._worker()) and decide.redis_drop_due(self.faults, self._draw):
             self._store.drop_connection(self.faults.redis_drop_calls)
 
-    def memory_reading(self) -> int | None:
-        """The injected memory reading in bytes (None: read the real one)."""
+    def memory_reading(self, real: Callable[[], int]) -> int:
+        """The worker's memory reading in bytes: `real()`, or the injected `memory_reading` instead, plus
+        the injected jitter of this reading."""
         if not decide.applies_to(self.faults, self._worker()):
-            return None
-        return self.faults.memory_reading or None
+            return real()
+        now = time.monotonic()
+        with self._lock:
+            self._first_memory_reading = self._first_memory_reading if self._first_memory_reading is not None else now
+            reading, self._memory_readings = self._memory_readings, self._memory_readings + 1
+        base = self.faults.memory_reading or real()
+        return base + decide.memory_jitter_offset(self.faults, reading=reading,
+                                                  since_first=now - self._first_memory_reading)

@@ -26,12 +26,15 @@ from sits_worker.model.padding import max_sequence, shape_bucket
 
 def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
           admission: reservation.Admission | None = None, carry_chunk: bool = False,
-          within_cut: bool = False, tenants: dict[str, Any] | None = None) -> list[queues.LeasedItem]:
+          within_cut: bool = False, tenants: dict[str, Any] | None = None,
+          notes: queues.LeaseNotes | None = None) -> list[queues.LeasedItem]:
     """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time, and
     cut to a preferred batch size), within the rows and tokens of its `admission` when given;
     `carry_chunk`, `within_cut`: see `queues.lease_batch`; in the fair-share order of the tenants
-    (`fair_share.FairShare.lease_option`), or as `tenants` says when given. Nothing while this worker's breaker of
-    the model is open, or half-open with its probe batch taken by another slot."""
+    (`fair_share.FairShare.lease_option`), or as `tenants` says when given, and by the priority classes
+    of this worker's degrade step (`memory_watch.MemoryWatch.lease_classes`); `notes` as the lease told them.
+    Nothing while this worker's breaker of the model is open, or half-open with its probe batch taken by
+    another slot."""
     claim = ctx.breakers.claim(model_ref, now=time.time())
     if claim is None:
         return []
@@ -42,7 +45,7 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
     try:
         leased = _lease_batch(ctx, model_ref, ticket, batching, max_rows, max_tokens, requests_only=requests_only,
                               admission=admission, carry_chunk=carry_chunk, within_cut=within_cut,
-                              tenants=tenants)
+                              tenants=tenants, notes=notes if notes is not None else queues.LeaseNotes())
     finally:
         if claim == "probe" and not leased:  # the probe got no batch: another slot may take it
             ctx.breakers.release_probe(model_ref)
@@ -51,10 +54,10 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
 
 def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batching, max_rows: int,
                  max_tokens: int, *, requests_only: bool, admission: reservation.Admission | None,
-                 carry_chunk: bool, within_cut: bool, tenants: dict[str, Any] | None) -> list[queues.LeasedItem]:
+                 carry_chunk: bool, within_cut: bool, tenants: dict[str, Any] | None,
+                 notes: queues.LeaseNotes) -> list[queues.LeasedItem]:
     """One lease script call; in the fair-share order unless `tenants` says otherwise, the tenants it
     found no work of told to the fair share (`FairShare.note_absent`)."""
-    absent: list[str] = []
     if tenants is None:
         tenants = ctx.fair_share.lease_option(model_ref)
     leased = queues.lease_batch(
@@ -62,9 +65,10 @@ def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batc
         max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
         preferred_sizes=batching.preferred_batch_sizes, max_chunks=1, ticket=ticket, requests_only=requests_only,
         carry_chunk=carry_chunk, head_within_limits=within_cut,
-        whole_within=admission.whole_within if admission else None, tenants=tenants, absent=absent)
-    if absent:
-        ctx.fair_share.note_absent(model_ref, absent)
+        whole_within=admission.whole_within if admission else None, tenants=tenants,
+        classes=ctx.memory_watch.lease_classes(), notes=notes)
+    if notes.absent:
+        ctx.fair_share.note_absent(model_ref, notes.absent)
     return leased
 
 
@@ -94,7 +98,8 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
     return queues.lease_riders(ctx.store, model_ref, bucket, now=time.time(),
                                lease_seconds=ctx.settings.scheduler.lease_timeout,
                                max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
-                               max_tokens=max_tokens, window=4 * batching.max_batch_size, ticket=ticket)
+                               max_tokens=max_tokens, window=4 * batching.max_batch_size, ticket=ticket,
+                               lowest_level=ctx.memory_watch.lowest_level())
 
 
 def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:

@@ -1,9 +1,9 @@
 """The worker process's Celery signal hooks: refuse an unusable device, start and stop the threads.
 
 Celery imports this module with the tasks (the app's `include`), before `worker_init` fires. A
-ready worker runs two threads beside its pool: the heartbeat (`sits_worker/heartbeat.py`) and the
-reaper (`sits_worker/reaper.py`). At shutdown the pending chunk commits get a bounded wait, so
-their chunks are acked rather than run again.
+ready worker runs three threads beside its pool: the heartbeat (`sits_worker/heartbeat.py`), the
+reaper (`sits_worker/reaper.py`) and the memory watch (`sits_worker/memory_watch.py`). At shutdown
+the pending chunk commits get a bounded wait, so their chunks are acked rather than run again.
 """
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
 
 
 @signals.worker_ready.connect
+def _start_memory_watch(**_: Any) -> None:
+    """Watch the device memory, stepping lower priority classes down while it jitters (sits_worker/memory_watch.py)."""
+    worker_context().memory_watch.start()
+
+
+@signals.worker_ready.connect
 def _start_reaper(sender: Any = None, **_: Any) -> None:
     """Run reaper passes on a thread of this process, never on a stream slot (sits_worker/reaper.py)."""
     global _reaper
@@ -73,6 +79,13 @@ def _start_reaper(sender: Any = None, **_: Any) -> None:
 def _stop_reaper(**_: Any) -> None:
     if _reaper is not None and not _reaper.stop(timeout=2.0):
         log.warning("the reaper thread was still in a pass at shutdown")
+
+
+@signals.worker_shutdown.connect
+def _stop_memory_watch(**_: Any) -> None:
+    ctx = existing_worker_context()
+    if ctx is not None:
+        ctx.memory_watch.stop()
 
 
 @signals.worker_shutdown.connect

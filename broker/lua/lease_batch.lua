@@ -22,9 +22,14 @@
 --     first (queue order within a tenant), those of tenants not in it after; a held tenant's items
 --     are not leased at all (it is past its limit; with nothing else waiting, the slot stays idle);
 --     with `only`, neither are the items of tenants not in `order`
--- Returns {-1}: the ticket is no longer valid; {0}: nothing leased; else {n, id1, payload1, attempts1, ...};
--- after either of the last two, the names of the ranked tenants (`tenants.order`) a fair scan that read
--- every item within reach found nothing of (the caller may leave them out of its next orders a moment).
+--   classes {ranks [16], demote [16], window}, optional (a degraded worker, broker/degrade.py): an item
+--     submitted at level L (factors base_level, else level) ranks ranks[L+1] (1 first; 0: not leased,
+--     its class is paused), by its score plus demote[L+1] within a rank; with `tenants` too, the
+--     classes rank first, the tenants within a class
+-- Returns {-1}: the ticket is no longer valid; {-2}: nothing leased, and paused items were all there was
+-- within reach; {0}: nothing leased; else {n, id1, payload1, attempts1, ...}; after any of the last three,
+-- the names of the ranked tenants (`tenants.order`) a fair scan that read every item within reach found
+-- nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
@@ -56,14 +61,18 @@ local function queue_candidates()
   return out
 end
 
--- The candidates by fair share: waiting items by their tenant's rank in `order` (queue order within
--- a rank; tenants not in `order` after every ranked one), held tenants' items left out. The queue is
--- read in pages from its head, at most `window` items deep, and no further once enough items of the
--- first-ranked tenant are found: a flood of one tenant in front costs little when the first-ranked
--- tenant's work is near the head, and at most `window` items when it has none. A job's chunks share
--- its tenant, so their payloads are decoded once per job, not once per chunk.
+-- The candidates by rank (fair share, degraded classes): waiting items by their rank (`ranking`), queue
+-- order within a rank (score order, demotions included, with `classes`), the items no rank admits left
+-- out. The queue is read in pages from its head, at most `window` items deep, and no further once
+-- enough items of the best possible rank are found: a flood of one tenant in front costs little when
+-- the first-ranked tenant's work is near the head, and at most `window` items when it has none. A job's
+-- chunks share its tenant and level, so their payloads are decoded once per job, not once per chunk.
 local FAIR_PAGE = 128
 local fair_absent = {}  -- ranked tenants a full scan found no item of: told to the caller after the reply
+local paused_seen = 0  -- items of a paused class in reach (the reply says when they were all there was)
+local tenants_option = type(options.tenants) == 'table' and options.tenants or nil
+local classes_option = type(options.classes) == 'table' and options.classes or nil
+
 -- The `tenants` option as lookups: tenant -> its rank in `order`, the set of held tenants, and the rank
 -- of every tenant not in `order` (after the last ranked one).
 local function tenant_ranks(tenants)
@@ -77,39 +86,97 @@ local function tenant_ranks(tenants)
   return rank, held, #(tenants.order or {}) + 1
 end
 
-local function fair_candidates(tenants)
-  local rank, held, last = tenant_ranks(tenants)
-  local best_possible = nil
-  for index, name in ipairs(tenants.order or {}) do
+-- The `tenants` and `classes` options as one ranking: rank_of(tenant, level) is an item's rank (1 first),
+-- or nil when it is not to be leased (a held tenant's; with `only`, a tenant's not in `order`; a paused
+-- class's); demotion(level) what its score gains within its rank. Also returned: the best rank an item
+-- can have (nil: none, every ranked tenant is held), the last rank, and the scan's depth.
+local function ranking()
+  local rank, held, last = {}, {}, 1
+  local only = false
+  if tenants_option then
+    rank, held, last = tenant_ranks(tenants_option)
+    only = tenants_option.only == true
+  end
+  local class_rank = classes_option and classes_option.ranks
+  local demote = classes_option and classes_option.demote
+  local function rank_of(tenant, level)
+    if held[tenant] or (only and rank[tenant] == nil) then
+      return nil
+    end
+    local band = class_rank and (tonumber(class_rank[level + 1]) or 1) or 1
+    if band == 0 then
+      paused_seen = paused_seen + 1
+      return nil
+    end
+    return (band - 1) * last + (rank[tenant] or last)
+  end
+  local function demotion(level)
+    return demote and (tonumber(demote[level + 1]) or 0) or 0
+  end
+  local best = nil
+  if not tenants_option then
+    best = 1
+  end
+  for index, name in ipairs(tenants_option and tenants_option.order or {}) do
     if not held[name] then
-      best_possible = index
+      best = index
       break
     end
   end
-  local window = math.max(tonumber(tenants.window) or 0, 2 * math.max(max_items, max_chunks))
+  local window = math.max(tonumber(tenants_option and tenants_option.window) or 0,
+    tonumber(classes_option and classes_option.window) or 0)
+  local bands = 1
+  for _, band in ipairs(class_rank or {}) do
+    bands = math.max(bands, tonumber(band) or 1)
+  end
+  return rank_of, demotion, best, bands * last, window
+end
+
+-- The level an item was submitted at (a PSA jump keeps it as `base_level`).
+local function base_level(item)
+  local factors = item['factors'] or {}
+  return math.floor(number_or(factors['base_level'], number_or(factors['level'], 0)))
+end
+
+-- Entries {id, payload, item, rank, score} in rank order, then score, then id.
+local function by_rank_then_score(a, b)
+  if a[4] ~= b[4] then
+    return a[4] < b[4]
+  end
+  if a[5] ~= b[5] then
+    return a[5] < b[5]
+  end
+  return a[1] < b[1]
+end
+
+local function ranked_candidates()
+  local rank_of, demotion, best_possible, last, window = ranking()
   local enough = 2 * math.max(max_items, max_chunks)
-  local job_tenants, by_rank, found_best, position, full_rank, seen = {}, {}, 0, 0, last, {}
+  window = math.max(window, enough)
+  local job_facts, by_rank, found_best, position, full_rank, seen = {}, {}, 0, 0, last, {}
   local stopped_early = false
   while position < window do
-    local ids = redis.call('ZRANGE', KEYS[2], position, math.min(position + FAIR_PAGE, window) - 1)
-    for _, item_id in ipairs(ids) do
+    local page = redis.call('ZRANGE', KEYS[2], position, math.min(position + FAIR_PAGE, window) - 1, 'WITHSCORES')
+    for pair = 1, #page, 2 do
+      local item_id, score = page[pair], tonumber(page[pair + 1])
       position = position + 1
       local cut = string.find(item_id, ':c', 1, true)  -- (a chunk's id: '<job>:c<index>'; a plain find)
       local job = cut and string.sub(item_id, 1, cut - 1)
-      local tenant = job and job_tenants[job]
+      local facts = job and job_facts[job]
       local payload, item = nil, nil
-      if tenant == nil then
+      if facts == nil then
         payload = redis.call('HGET', KEYS[4], item_id) or '{}'
         item = cjson.decode(payload)
-        tenant = item['tenant'] or ''
+        facts = {item['tenant'] or '', base_level(item)}
         if job then
-          job_tenants[job] = tenant
+          job_facts[job] = facts
         end
       end
-      local item_rank = rank[tenant] or last
+      local tenant, level = facts[1], facts[2]
       seen[tenant] = true
+      local item_rank = rank_of(tenant, level)
       -- (past a rank with enough items already, a worse one's items would never be reached)
-      if not held[tenant] and (rank[tenant] ~= nil or tenants.only ~= true) and item_rank <= full_rank then
+      if item_rank ~= nil and item_rank <= full_rank then
         if item_rank == best_possible then
           found_best = found_best + 1
         end
@@ -118,7 +185,7 @@ local function fair_candidates(tenants)
           bucket = {}
           by_rank[item_rank] = bucket
         end
-        bucket[#bucket + 1] = {item_id, payload, item}
+        bucket[#bucket + 1] = {item_id, payload, item, item_rank, score + demotion(level)}
         if #bucket >= enough and item_rank < full_rank then
           full_rank = item_rank
         end
@@ -128,54 +195,51 @@ local function fair_candidates(tenants)
       stopped_early = true
       break
     end
-    if #ids < FAIR_PAGE then
+    if #page < 2 * FAIR_PAGE then
       break
     end
   end
-  if not stopped_early then  -- every item looked at: the ranked tenants not seen have none in reach
-    for _, name in ipairs(tenants.order or {}) do
+  if not stopped_early and tenants_option then  -- every item looked at: the ranked tenants not seen have none
+    local _, held = tenant_ranks(tenants_option)
+    for _, name in ipairs(tenants_option.order or {}) do
       if not seen[name] and not held[name] then
         fair_absent[#fair_absent + 1] = name
       end
     end
   end
-  local out = {}  -- (by rank, queue order within one: buckets, not a sort)
+  local out = {}  -- (by rank, queue order within one: buckets, not a sort, unless demotions reorder them)
   for item_rank = 1, last do
-    for _, entry in ipairs(by_rank[item_rank] or {}) do
+    local bucket = by_rank[item_rank] or {}
+    if classes_option then
+      table.sort(bucket, by_rank_then_score)
+    end
+    for _, entry in ipairs(bucket) do
       out[#out + 1] = entry
     end
   end
   return out
 end
 
--- The candidates of a requests-only lease by fair share: the model's waiting online requests (KEYS[7],
--- at most `window` of them), not the whole queue, which may hold thousands of chunks in front of
--- them; by rank, then by score within a rank; held tenants' requests (and with `only`, those of tenants
--- not in `order`) left out.
-local function fair_requests(tenants)
-  local rank, held, last = tenant_ranks(tenants)
-  local window = math.max(tonumber(tenants.window) or 0, 2 * max_items)
+-- The candidates of a requests-only lease by rank: the model's waiting online requests (KEYS[7], at most
+-- `window` of them), not the whole queue, which may hold thousands of chunks in front of them; by rank,
+-- then by score (demotions included) within a rank; the requests no rank admits left out.
+local function ranked_requests()
+  local rank_of, demotion, _, _, window = ranking()
+  window = math.max(window, 2 * max_items)
   local entries = {}
   for _, item_id in ipairs(redis.call('ZRANGE', KEYS[7], 0, window - 1)) do
     local score = redis.call('ZSCORE', KEYS[2], item_id)
     if score then
       local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
       local item = cjson.decode(payload)
-      local tenant = item['tenant'] or ''
-      if not held[tenant] and (rank[tenant] ~= nil or tenants.only ~= true) then
-        entries[#entries + 1] = {item_id, payload, item, rank[tenant] or last, tonumber(score)}
+      local level = base_level(item)
+      local item_rank = rank_of(item['tenant'] or '', level)
+      if item_rank ~= nil then
+        entries[#entries + 1] = {item_id, payload, item, item_rank, tonumber(score) + demotion(level)}
       end
     end
   end
-  table.sort(entries, function(a, b)
-    if a[4] ~= b[4] then
-      return a[4] < b[4]
-    end
-    if a[5] ~= b[5] then
-      return a[5] < b[5]
-    end
-    return a[1] < b[1]
-  end)
+  table.sort(entries, by_rank_then_score)
   return entries
 end
 
@@ -184,10 +248,10 @@ local function pick_candidates()
     return nil  -- (no online request waits: nothing to look for)
   end
   local candidates
-  if type(options.tenants) == 'table' and requests_only then
-    candidates = fair_requests(options.tenants)
-  elseif type(options.tenants) == 'table' then
-    candidates = fair_candidates(options.tenants)
+  if (tenants_option or classes_option) and requests_only then
+    candidates = ranked_requests()
+  elseif tenants_option or classes_option then
+    candidates = ranked_candidates()
   else
     candidates = queue_candidates()
   end
@@ -286,8 +350,8 @@ local function with_absent(reply)
 end
 
 local picked, online, carried, rows, tokens = pick_candidates()
-if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's)
-  return with_absent({0})
+if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's or paused)
+  return with_absent({(picked ~= nil and paused_seen > 0) and -2 or 0})
 end
 rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)
 if not within_batch_limit(online, rows, tokens) then

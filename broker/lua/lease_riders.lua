@@ -16,6 +16,7 @@
 -- ARGV[6] most rows
 -- ARGV[7] most tokens (0: no limit), padded tokens for requests that will be padded
 -- ARGV[8] how many queue entries to look at
+-- ARGV[9] the lowest priority level to lease (a request submitted below it stays: its class is paused)
 -- Returns: {-1} when the ticket is no longer valid; else {n, id1, payload1, attempts1, ...}, best first.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
@@ -23,6 +24,7 @@ if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
 end
 local bucket = ARGV[4]
 local max_items, max_rows, max_tokens = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local lowest_level = tonumber(ARGV[9]) or 0
 local out, rows, tokens = {0}, 0, 0
 for _, item_id in ipairs(redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[8]) - 1)) do
   if out[1] >= max_items or rows >= max_rows then
@@ -32,7 +34,9 @@ for _, item_id in ipairs(redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[8]) - 1)
   local item = cjson.decode(payload)
   local item_rows = number_or(item['rows'], 1)
   local item_tokens = number_or(item['padded_tokens'], number_or(item['tokens'], 0))
-  if item['kind'] == 'request' and item['bucket'] == bucket and rows + item_rows <= max_rows
+  local factors = item['factors'] or {}
+  local level = number_or(factors['base_level'], number_or(factors['level'], 0))
+  if item['kind'] == 'request' and item['bucket'] == bucket and rows + item_rows <= max_rows and level >= lowest_level
       and (max_tokens == 0 or tokens + item_tokens <= max_tokens) then
     redis.call('ZREM', KEYS[2], item_id)
     redis.call('ZADD', KEYS[3], ARGV[3], item_id)

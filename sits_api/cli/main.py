@@ -200,10 +200,11 @@ def status(as_json: bool) -> None:
     if "redis_url" in data:  # the API shows it to admin keys only
         console.print(f"Redis {data['redis_url']}", markup=False)
     console.print(f"policy {data['policy']}", markup=False)
-    table = Table("worker", "device", "streams", "pid", "last heartbeat", "alive")
+    table = Table("worker", "device", "streams", "pid", "last heartbeat", "alive", "degrade")
     for worker in data["workers"]:
         table.add_row(worker["name"], worker["device"], str(worker["streams"]), str(worker["pid"]),
-                      f"{worker['heartbeat_age_seconds']}s ago", "yes" if worker["alive"] else "no")
+                      f"{worker['heartbeat_age_seconds']}s ago", "yes" if worker["alive"] else "no",
+                      _degrade_text(worker.get("degrade")))
     print_table(table)
     queues = Table("queue (model@version)", "ready", "in flight")
     for ref, depth in data["queues"].items():
@@ -216,6 +217,15 @@ def status(as_json: bool) -> None:
         print_table(served)
     elif served is not None:
         console.print("online requests: none served yet")
+
+
+def _degrade_text(degrade: Any) -> str:
+    """A worker's degrade step as the status table shows it: its name, and the jitter when degraded."""
+    if not isinstance(degrade, dict):
+        return "-"  # (a worker of a release before degrade steps)
+    if not degrade.get("step"):
+        return "normal"
+    return f"{degrade['name']} (jitter {100 * degrade.get('jitter', 0):.0f}%)"
 
 
 def _print_breakers(breakers: list[dict[str, Any]]) -> None:

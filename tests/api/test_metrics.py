@@ -93,7 +93,8 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
     now = time.time()
     ledger_stats = a_memory_ledger_running_one_batch().stats()
     workers.record_heartbeat(store, "gpu-worker@host-a", {"device": "cuda:0", "streams": 3, "memory": ledger_stats,
-                                                          "commits_pending": 2}, now=now)
+                                                          "commits_pending": 2, "degrade": {
+                                                              "step": 1, "jitter": 0.125, "steps_taken": 3}}, now=now)
     workers.record_heartbeat(store, "late-worker@host-b", {"device": "cpu", "streams": 1}, now=now - 60)
     first = submit_job(alice, tmp_path, mlp_input, "first")  # 10 rows: chunks of 4, 4 and 2 rows
     submit_job(alice, tmp_path, mlp_input, "second")
@@ -144,6 +145,9 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
     assert value(found, "sits_worker_commits_pending", **gpu) == 2
     assert value(found, "sits_worker_memory_waits_total", **gpu) == 2
     assert value(found, "sits_worker_backfills_total", **gpu) == 1
+    assert value(found, "sits_degrade_step", **gpu) == 1 and value(found, "sits_memory_jitter_ratio", **gpu) == 0.125
+    assert value(found, "sits_degrade_changes_total", **gpu) == 3
+    assert names_of(found, "sits_degrade_step") == [gpu]  # the late worker sent no degrade step
     assert names_of(found, "sits_worker_memory_reserved_bytes") == [gpu]  # the late worker sent no memory stats
     assert dying.payload["job"] == first["id"]
 
@@ -291,7 +295,7 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
     assert {family.name for family in families if family.type == "counter"} == {
         "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
         "sits_request_runs", "sits_requests_rejected", "sits_job_deadlines", "sits_jobs_rejected",
-        "sits_request_deadlines", "sits_tenant_device_seconds", "sits_tenant_rows"}
+        "sits_request_deadlines", "sits_tenant_device_seconds", "sits_tenant_rows", "sits_degrade_changes"}
     assert {family.name for family in families if family.type == "histogram"} == {
         "sits_request_end_to_end_seconds", "sits_request_queue_wait_seconds", "sits_job_end_to_end_seconds"}
 
@@ -433,7 +437,8 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
     has a priority level with a queue limit of its own)."""
     now = time.time()
     workers.record_heartbeat(store, "w@h", {"device": "cpu", "streams": 2, "commits_pending": 0,
-                                            "memory": a_memory_ledger_running_one_batch().stats()}, now=now)
+                                            "memory": a_memory_ledger_running_one_batch().stats(),
+                                            "degrade": {"step": 2, "jitter": 0.25, "steps_taken": 2}}, now=now)
     submit_job(api, tmp_path, mlp_input, "all")
     assert api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).status_code == 202
     [request] = queues.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1, requests_only=True)

@@ -270,12 +270,12 @@ def test_a_requests_only_lease_finds_a_tenant_s_request_behind_thousands_of_chun
 def test_a_full_scan_tells_which_ranked_tenants_it_found_no_work_of(store: Store) -> None:
     for index in range(3):
         submit(store, f"a{index}", "a", score=index)
-    absent: list[str] = []
+    notes = queues.LeaseNotes()
 
-    leased = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, absent=absent,
+    leased = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, notes=notes,
                                 tenants={"order": ["ghost", "a"], "held": [], "window": 16})
-    assert [item.item_id for item in leased] == ["a0"] and absent == ["ghost"]  # read to the end: none of ghost's
-    early: list[str] = []
-    queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, absent=early,
+    assert [item.item_id for item in leased] == ["a0"] and notes.absent == ["ghost"]  # read to the end: none of ghost's
+    early = queues.LeaseNotes()
+    queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, notes=early,
                        tenants={"order": ["a", "ghost"], "held": [], "window": 16})
-    assert early == []  # stopped at a's work: nothing is known of ghost's
+    assert early.absent == []  # stopped at a's work: nothing is known of ghost's
