@@ -159,6 +159,9 @@ class FaultSettings(_Section):
     """Input values: a run whose inputs hold one fails as bad input (online requests too)."""
     fail_models: dict[str, InjectedClass] = {}
     """Model name -> the class of failure every run of it raises."""
+    fail_models_share: Number = Field(0.0, ge=0, le=1)
+    """Share of the runs of `fail_models` that fail, drawn run by run (0: every run): a model that fails
+    now and then, whatever its input."""
     fail_models_for: Seconds = Field(0.0, ge=0)
     """`fail_models` stop failing this long after a worker's first injected model failure (0: never):
     a device that fails for a while, then recovers."""
@@ -209,7 +212,7 @@ class FaultSettings(_Section):
                                     if name not in _NOT_FAULTS)
 
 
-_NOT_FAULTS = ("enabled", "seed", "redis_drop_calls", "fail_models_for", "workers", "memory_jitter_after",
-               "memory_jitter_for")
+_NOT_FAULTS = ("enabled", "seed", "redis_drop_calls", "fail_models_share", "fail_models_for", "workers",
+               "memory_jitter_after", "memory_jitter_for")
 """Keys that only shape the faults others set."""
 _FAULT_DEFAULTS: dict[str, Any] = {name: field.default for name, field in FaultSettings.model_fields.items()}

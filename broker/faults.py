@@ -20,12 +20,17 @@ def applies_to(faults: FaultSettings, worker: str) -> bool:
 
 
 def model_fault(faults: FaultSettings, model_ref: str, *, first_failure_at: float | None = None,
-                now: float = 0.0) -> str | None:
-    """The failure class every run of `model_ref` (`name@version`) is to raise; None for none, and
-    once `fail_models_for` has passed since the worker's first injected model failure (`first_failure_at`)."""
+                now: float = 0.0, draw: Callable[[], float] | None = None) -> str | None:
+    """The failure class this run of `model_ref` (`name@version`) is to raise; None for none: a model
+    not in `fail_models`, a run not among the `fail_models_share` of runs (one `draw()` in [0, 1) when a
+    share is set), and every run once `fail_models_for` has passed since the worker's first injected
+    model failure (`first_failure_at`)."""
     if faults.fail_models_for and first_failure_at is not None and now - first_failure_at >= faults.fail_models_for:
         return None
-    return faults.fail_models.get(model_ref.partition("@")[0])
+    failure_class = faults.fail_models.get(model_ref.partition("@")[0])
+    if failure_class is None or not faults.fail_models_share:
+        return failure_class
+    return failure_class if draw is not None and draw() < faults.fail_models_share else None
 
 
 def oom_fault(faults: FaultSettings, rows: int, draw: Callable[[], float]) -> str | None:

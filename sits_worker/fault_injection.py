@@ -65,12 +65,14 @@ class FaultInjector:
             time.sleep(latency)
         rows = next((int(array.shape[0]) for array in feed.values() if array.ndim), 0)
         now = time.monotonic()
-        failure_class = decide.model_fault(self.faults, model_ref, first_failure_at=self._first_model_failure, now=now)
+        failure_class = decide.model_fault(self.faults, model_ref, first_failure_at=self._first_model_failure, now=now,
+                                           draw=self._draw)
         if failure_class is not None:
             with self._lock:
                 self._first_model_failure = self._first_model_failure or now
-            raise INJECTED_ERRORS[failure_class](f"injected fault: every run of {model_ref} fails "
-                                                 f"({failure_class}, faults.fail_models)")
+            which = (f"{self.faults.fail_models_share:g} of the runs of {model_ref} fail"
+                     if self.faults.fail_models_share else f"every run of {model_ref} fails")
+            raise INJECTED_ERRORS[failure_class](f"injected fault: {which} ({failure_class}, faults.fail_models)")
         why = decide.oom_fault(self.faults, rows, self._draw)
         if why is not None:
             raise DeviceOutOfMemory(f"device out of memory running a batch of {rows} rows (injected fault: {why})")

@@ -129,5 +129,11 @@ def test_failing_rows_values_and_models_are_found() -> None:
     assert faults.failing_value(settings, {"ids": np.array([[-1, 2]], np.int64)}) == -1
     assert faults.failing_value(settings, {"x": np.array([[0.5]], np.float32)}) is None
     assert faults.model_fault(settings, "mlp@v3") == "run_timeout" and faults.model_fault(settings, "cnn@v1") is None
+    flaky = _faults(fail_models={"mlp": "transient"}, fail_models_share=0.01)
+    assert faults.model_fault(flaky, "mlp@v1", draw=lambda: 0.005) == "transient"
+    assert faults.model_fault(flaky, "mlp@v1", draw=lambda: 0.5) is None
+    assert faults.model_fault(flaky, "cnn@v1", draw=lambda: 0.0) is None  # (a model not named never fails)
+    draws = random.Random(2)
+    assert 20 < sum(faults.model_fault(flaky, "mlp@v1", draw=draws.random) is not None for _ in range(4000)) < 60
     assert faults.redis_drop_due(_faults(redis_drop_share=0.5), lambda: 0.4)
     assert not faults.redis_drop_due(settings, lambda: 0.0)

@@ -280,6 +280,42 @@ def test_failing_runs_soak_quarantines_only_the_failing_rows(tmp_path):
     _failing_runs(tmp_path, rows=100_000)
 
 
+# --- a model whose runs fail 1 % of the time, whatever their input -------------------------------------
+
+
+def _flaky_model(tmp_path: Path, rows: int) -> None:
+    batch = 25
+    runs = rows // batch
+    stack, mlp = _start(tmp_path / "home", workers=2,
+                        faults={"enabled": True, "seed": 6, "fail_models": {"mlp": "transient"},
+                                "fail_models_share": 0.01},
+                        retry={"transient": {"attempts": 6, "backoff": "0.2s", "jitter": "0.1s"}},
+                        breaker={"failure_rate": 0.05})  # (at the default 0.3 %, 1 % of runs failing opens it)
+    try:
+        client = stack.client()
+        job_id, features = _submit(stack, rows, chunk=250, batch=batch, seed=6)
+        started = time.monotonic()
+        done = wait_job(client, job_id, timeout=300)
+        elapsed = time.monotonic() - started
+        retried = done["retries"].get("transient", {})
+        print(f"\n1 % of runs fail (transient): {rows} rows in {runs} runs, {retried.get('attempts', 0)} chunk runs "
+              f"failed and were retried after their backoff, job {elapsed:.1f} s")
+        assert retried.get("attempts", 0) >= 1, f"no injected failure reached the job: {done['retries']}"
+        assert "injected fault" in retried.get("last_error", ""), retried
+        _assert_exactly_once(stack, done, mlp, features, batch)
+    finally:
+        stack.stop()
+
+
+def test_a_model_failing_one_percent_of_runs_transiently_is_retried_to_every_row_exactly_once(tmp_path):
+    _flaky_model(tmp_path, rows=20_000)
+
+
+@pytest.mark.slow
+def test_flaky_model_soak_is_retried_to_every_row_exactly_once(tmp_path):
+    _flaky_model(tmp_path, rows=200_000)
+
+
 # --- a worker cut off the network ---------------------------------------------------------------------
 
 
