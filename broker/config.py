@@ -47,6 +47,9 @@ class SchedulerSettings(_Section):
     failed (`broker/oom_ceiling.py`); the ledger's learnt need lasts as long. 0: no ceiling is kept."""
     lease_timeout: Seconds = 60.0
     """How long a worker may hold leased items before the reaper returns them."""
+    run_time_limit: Seconds = Field(default=300.0, ge=0)
+    """A run (one `session.run`: a mini-batch, or a batch of requests) still running after this long is
+    stopped and fails as `run_timeout`, retried by `retry.run_timeout`; 0: no limit."""
     reap_interval: Seconds = Field(default=1.0, ge=0.05)
     """Period of the reaper pass (expired leases back, lost tickets replaced, stalled fills completed):
     every worker's reaper thread ticks at it, and the one holding the turn passes. At least 50 ms: a

@@ -41,6 +41,7 @@ from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
 from sits_worker.observed_profiles import ObservedLatencies
+from sits_worker.run_limits import RunLimits
 from sits_worker.runtime import SessionCache, run_session
 from sits_worker.usage_meter import UsageMeter
 from sits_worker.worker_settings import WorkerSettings, worker_settings
@@ -98,6 +99,8 @@ class WorkerContext:
     """Bills this worker's runs to the tenants in them (`sits_worker/usage_meter.py`)."""
     fair_share: FairShare = field(init=False)
     """The tenants' order this worker's leases follow (`sits_worker/fair_share.py`)."""
+    run_limits: RunLimits = field(init=False)
+    """Stops this worker's runs that pass `scheduler.run_time_limit` (`sits_worker/run_limits.py`)."""
     memory_watch: MemoryWatch = field(init=False)
     """This worker's device-memory readings and the degrade step its leases follow (`sits_worker/memory_watch.py`)."""
     _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
@@ -118,6 +121,7 @@ class WorkerContext:
                                 half_life=self.settings.fair_share.usage_half_life,
                                 flush_every=self.settings.fair_share.usage_refresh)
         self.fair_share = FairShare(self.store, self.settings, self.usage)
+        self.run_limits = RunLimits(self.settings.scheduler.run_time_limit)
         self.memory_watch = MemoryWatch(self.settings, self.store, self.memory_reading, self.ledger.capacity_bytes)
 
     @classmethod
@@ -247,7 +251,8 @@ class WorkerContext:
                  rows: int) -> list[np.ndarray]:
         log.warning("running %d rows of %s on a CPU session (cpu-offload-on-oom)", rows, model_ref)
         session = self.sessions.offload(model_ref, Path(self.model(model_ref)["path"]))
-        return run_session(session, feed, output_names)
+        with self.run_limits.watch() as watch:
+            return run_session(session, feed, output_names, watch=watch)
 
     def _run_on_device(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
                        session: Any) -> list[np.ndarray]:
@@ -256,7 +261,8 @@ class WorkerContext:
         if self.faults is not None:
             self.faults.before_run(model_ref, feed)
         started = time.perf_counter()
-        outputs = run_session(session, feed, output_names)
+        with self.run_limits.watch() as watch:
+            outputs = run_session(session, feed, output_names, watch=watch)
         if learn:
             self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
         return outputs
