@@ -20,6 +20,14 @@ STOP_STATUSES = ("cancelled", "failed")
 """The statuses `stop_job` gives."""
 
 
+def stopped_status(store: Store, job_id: str) -> str | None:
+    """The job's status when it was stopped (one of `STOP_STATUSES`), else None: a running chunk looks
+    now and then, so that the chunk of a cancelled job stops at its next mini-batch."""
+    with translate_redis_errors():
+        status = store.client.hget(store.keys.job(job_id), "status")
+    return status if status in STOP_STATUSES else None
+
+
 def _job_item_ids(job_id: str, chunks_total: int) -> list[str]:
     """Every item id a job may have queued: its chunks' and its finalize step's."""
     return [chunk_item_id(job_id, i) for i in range(chunks_total)] + [finalize_item_id(job_id)]

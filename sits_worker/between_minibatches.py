@@ -17,7 +17,8 @@ offline rows share batches with online requests):
 
 Looking costs a Redis round trip, so it happens at most every
 `scheduler.yield_check_interval`, or every half of the smallest `preemption_target` of a tenant
-with a share (`fair_share.FairShare.look_interval`).
+with a share (`fair_share.FairShare.look_interval`). Once a second the chunk also reads its job's
+status: the chunk of a job cancelled (or failed) meanwhile stops there, as `Cancelled`.
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
-from broker import queues
+from broker import job_stops, queues
+from broker.errors import Cancelled
 from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
 from sits_worker.leasing import batch_cost, batch_need, feed_bucket, lease, lease_riders
 from sits_worker.request_runs import give_back, run_requests
+
+STOP_CHECK_SECONDS = 1.0
+"""How often a running chunk reads whether its job was stopped: a round trip a second costs nothing
+measurable, and a cancelled job's chunk frees its slot within about this."""
 
 
 class BetweenBatches:
@@ -51,9 +57,11 @@ class BetweenBatches:
         self._next_look = time.monotonic() + self._interval
         self._carried = list(carried)
         self._stale = False
+        self._stop_checked_at = time.monotonic()
 
     def __call__(self, feed: Mapping[str, np.ndarray]) -> list[LeasedItem]:
         self.keep_alive()
+        self._stop_if_job_stopped()
         if self._carried:
             if self._carried[0].payload.get("bucket") == feed_bucket(self._ctx, self._item.model_ref, feed)[0]:
                 carried, self._carried = self._carried, []
@@ -83,6 +91,17 @@ class BetweenBatches:
             return []
         self._next_look = time.monotonic() + (0 if served or riders else self._interval)  # more may wait
         return riders
+
+    def _stop_if_job_stopped(self) -> None:
+        """Raise `Cancelled` when the chunk's job was stopped since it was leased (looked at once a second)."""
+        if time.monotonic() - self._stop_checked_at < STOP_CHECK_SECONDS:
+            return
+        self._stop_checked_at = time.monotonic()
+        job_id = str(self._item.payload.get("job") or "")
+        status = job_stops.stopped_status(self._ctx.store, job_id) if job_id else None
+        if status is not None:
+            raise Cancelled(f"job {job_id} was {status} while its chunk {self._item.item_id} ran; the chunk stopped "
+                            "before its next mini-batch")
 
     def keep_alive(self) -> None:
         """Extend the item's lease (and touch the ticket) when a quarter of the lease has passed since

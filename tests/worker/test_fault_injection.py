@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import job_fills, jobs, queues
+from broker import job_fills, job_stops, jobs, queues
 from broker.config import Settings
 from broker.errors import (
     BadInput,
@@ -162,3 +162,26 @@ def test_an_injected_oom_on_a_job_waits_its_backoff_in_redis(store: Store, zoo_d
     job = jobs.get_job(store, spec.job_id, now=time.time())
     assert job["status"] == "running" and job["retries"]["device_oom"]["attempts"] == 1
     assert "batch of 1 rows" in job["retries"]["device_oom"]["last_error"]  # halved down to one row first
+
+
+def test_the_running_chunk_of_a_cancelled_job_stops_before_its_next_mini_batch(store: Store, zoo_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    ctx = _ctx(store, zoo_dir, run_latency="0.05s")  # 512 mini-batches of 8 rows: about 25 s of runs
+    spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1",
+                        input_batch=str(tmp_path / "in.npy"), input_format="npy", input_checksum="sha256:0",
+                        output_dir=str(tmp_path / "out"), output_names=["logits"], rows_total=4096,
+                        chunk_size=4096, batch_size=8)
+    np.save(tmp_path / "in.npy", np.random.default_rng(0).standard_normal((4096, FEATURES), dtype=np.float32))
+    job_fills.create_job(store, spec, now=time.time())
+    outcome: list[str] = []
+    runner = threading.Thread(target=lambda: outcome.append(_run_next(ctx, spec.model_ref)))
+
+    runner.start()
+    time.sleep(0.3)
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="cancelled by its owner", now=time.time())
+    cancelled_at = time.monotonic()
+    runner.join(10)
+
+    assert outcome == ["dropped"] and time.monotonic() - cancelled_at < 2.0  # not the chunk's 25 s of runs
+    assert jobs.get_job(store, spec.job_id, now=time.time())["status"] == "cancelled"
+    assert not store.client.zcard(store.keys.inflight(spec.model_ref))
