@@ -172,8 +172,9 @@ class Keys:
         """HASH '<what>:<model ref>' -> running total for /metrics: requests completed by status
         (`requests_succeeded:`, `requests_failed:`, `requests_expired:`), job rows done (`job_rows:`), jobs'
         deadlines met or missed (`job_deadline_met:`, `job_deadline_missed:`), online requests' deadlines met or
-        missed (`request_deadline_met:`, `request_deadline_missed:`) and jobs refused by deadline admission
-        (`admission_rejected:`)."""
+        missed (`request_deadline_met:`, `request_deadline_missed:`), jobs refused by deadline admission
+        (`admission_rejected:`) and failures by class, retried or not (`failures_retried_<class>:`,
+        `failures_final_<class>:`)."""
         return self._key("counters")
 
     @property

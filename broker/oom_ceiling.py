@@ -91,6 +91,12 @@ class Ceilings:
                 del self._ceilings[model_ref]
             return rows
 
+    def in_force(self, *, now: float) -> dict[str, int]:
+        """Model ref -> its ceiling at `now`, of every model that has one (for the heartbeat)."""
+        with self._lock:
+            refs = list(self._ceilings)
+        return {ref: rows for ref in refs if (rows := self.rows(ref, now=now)) is not None}
+
     def lower(self, model_ref: str, failed_rows: int, *, now: float) -> int:
         """Note that a run of `failed_rows` rows of `model_ref` ran out of memory; the new ceiling."""
         with self._lock:

@@ -57,12 +57,12 @@ def retry_later(store: Store, item: LeasedItem, *, failure_class: str, error: st
     count_field = f"attempts:{failure_class}" if own else f"{_ITEM_COUNT}{item.item_id}:{failure_class}"
     # Times in milliseconds: Lua's numbers print with 14 digits, and the record must agree with itself.
     options = {"class": failure_class, "error": error, "delays": [round(float(delay), 3) for delay in delays],
-               "count_field": count_field}
+               "count_field": count_field, "model": item.model_ref}
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.retry_item(
             keys=[keys.inflight(item.model_ref), keys.retrying(item.model_ref), keys.attempts,
-                  record_key(store, item)],
+                  record_key(store, item), keys.counters],
             args=[item.item_id, repr(round(now, 3)), json.dumps(options)])
     status = int(reply[0])
     if status < 0:
@@ -83,8 +83,8 @@ def note_lost(store: Store, lost: Sequence[tuple[str, str, dict[str, Any], float
             if payload.get("kind") != "request" and not payload.get("job"):
                 continue
             again = round(now if retry_at is None else retry_at, 3) if retried else None
-            options = {"class": "worker_lost", "error": error, "retry_at": again}
-            store.scripts.note_failure(keys=[record_key(store, item)],
+            options = {"class": "worker_lost", "error": error, "retry_at": again, "model": model_ref}
+            store.scripts.note_failure(keys=[record_key(store, item), store.keys.counters],
                                        args=[item_id, repr(round(now, 3)), json.dumps(options)])
 
 

@@ -25,6 +25,7 @@ from prometheus_client.utils import floatToGoString
 
 from broker import breaker, tenants
 from broker.config import Settings
+from broker.failure_settings import FAILURE_CLASSES
 from broker.jobs import ACTIVE_STATUSES, FINAL_STATUSES
 from broker.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
 from broker.stats import SystemStats, read_stats
@@ -65,6 +66,10 @@ _WORKER_COUNTERS = (
      "fit (graph-aware backfill; since the worker started).", ("memory", "backfills")),
     ("sits_degrade_changes", "Times the worker's degrade step changed, down or back (since the worker started).",
      ("degrade", "steps_taken")),
+    ("sits_worker_oom_halvings", "Runs that ran out of device memory and were halved and run again (since the "
+     "worker started).", ("oom", "halved")),
+    ("sits_worker_oom_offloads", "Runs that did not fit the device at one row and ran on a CPU session "
+     "(cpu-offload-on-oom; since the worker started).", ("oom", "offloaded")),
 )
 
 
@@ -262,7 +267,21 @@ def _job_and_request_metrics(stats: SystemStats) -> Iterator[Metric]:
     for model_ref, total in sorted(stats.counters.get("job_rows", {}).items()):
         rows.add_metric(_model_labels(model_ref), total)
     yield rows
+    yield _failure_metric(stats)
     yield from _request_time_metrics(stats)
+
+
+def _failure_metric(stats: SystemStats) -> Metric:
+    """`sits_failures`: failed runs of job items and requests, by failure class and whether they were retried."""
+    failures = CounterMetricFamily("sits_failures", "Failures of job items and online requests, by model, failure "
+                                   "class (docs/failures.md) and outcome: retried after its backoff, or final (its "
+                                   "class's attempts used up, or never retried).",
+                                   labels=[*MODEL, "class", "outcome"])
+    for failure_class in FAILURE_CLASSES:
+        for outcome in ("retried", "final"):
+            for model_ref, total in sorted(stats.counters.get(f"failures_{outcome}_{failure_class}", {}).items()):
+                failures.add_metric([*_model_labels(model_ref), failure_class, outcome], total)
+    return failures
 
 
 def _request_time_metrics(stats: SystemStats) -> Iterator[Metric]:

@@ -8,6 +8,7 @@ reads once from the process's environment.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -95,6 +96,8 @@ class WorkerContext:
     """This worker's circuit breakers, one per model version it ran (`broker/breaker.py`)."""
     ceilings: oom_ceiling.Ceilings = field(init=False)
     """The batch ceilings device OOMs taught this worker, by model version (`broker/oom_ceiling.py`)."""
+    oom_steps: collections.Counter[str] = field(default_factory=collections.Counter)
+    """What this worker did after its device OOMs since it started: 'halve', 'offload', 'fail' -> times."""
     usage: UsageMeter = field(init=False)
     """Bills this worker's runs to the tenants in them (`sits_worker/usage_meter.py`)."""
     fair_share: FairShare = field(init=False)
@@ -243,6 +246,7 @@ class WorkerContext:
         estimate = reservation.BatchCost.of(self.model(model_ref), max_rows=rows, max_tokens=0).need_bytes(rows=rows)
         row_bytes = self.ledger.learn_oom(model_ref, rows, estimate, now=now)
         step = oom_ceiling.after_oom(rows, self.settings.scheduler.fallback_strategy)
+        self.oom_steps[step] += 1
         log.warning("device out of memory running %d rows of %s on %s: ceiling %d rows, %d bytes a row; %s",
                     rows, model_ref, self.device, ceiling, row_bytes, step)
         return step
@@ -266,6 +270,12 @@ class WorkerContext:
         if learn:
             self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
         return outputs
+
+    def oom_info(self) -> dict[str, Any]:
+        """What device OOMs did on this worker, for the heartbeat: runs halved, offloaded to the CPU and
+        failed since it started, and the batch ceilings in force."""
+        return {"halved": self.oom_steps["halve"], "offloaded": self.oom_steps["offload"],
+                "failed": self.oom_steps["fail"], "ceilings": self.ceilings.in_force(now=time.time())}
 
     def learnt_cost(self, model_ref: str, cost: reservation.BatchCost) -> reservation.BatchCost:
         """`cost` with the bytes a row needs raised to what a recent device OOM taught (`MemoryLedger.learn_oom`)."""

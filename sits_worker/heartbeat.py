@@ -43,6 +43,7 @@ class Heartbeat:
             self._info["memory"] = ctx.ledger.stats()
             self._info["commits_pending"] = ctx.commits.pending()
             self._info["degrade"] = ctx.memory_watch.info()
+            self._info["oom"] = ctx.oom_info()
             workers.record_heartbeat(ctx.store, self.worker_name, self._info, now=now)
         except Exception as err:  # Redis down: keep trying, the worker itself stays up
             log.warning("heartbeat failed: %s", err)

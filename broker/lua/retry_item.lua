@@ -7,9 +7,11 @@
 -- KEYS[3] attempts  HASH item id -> lease count; a parked item's lease is not counted (that count
 --           bounds lost leases only, `retry.worker_lost`)
 -- KEYS[4] record    HASH the item's job, or the request itself (`note_failure` in lib.lua)
+-- KEYS[5] counters  HASH running totals for /metrics: 'failures_retried_<class>:<model ref>' or
+--           'failures_final_<class>:<model ref>' counts this failure
 -- ARGV[1] item id, ARGV[2] now
 -- ARGV[3] JSON {class, error, delays: [the wait before retry 1, 2, ...], count_field: the record field
---           that counts this item's failures of the class}
+--           that counts this item's failures of the class, model: the item's model ref}
 -- Returns {1, n, retry_at}: parked after its n-th failure in the class; {0, n}: not retried, the item failed n times in the class (the caller
 -- fails it); {-1}: the item is no longer in flight (reaped, finished or stopped meanwhile).
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
@@ -28,6 +30,8 @@ if delay ~= nil then
 end
 local class = options.class
 note_failure(KEYS[4], ARGV[1], class, options.error, now, retry_at, options.count_field == 'attempts:' .. class)
+local outcome = retry_at == nil and 'final' or 'retried'
+redis.call('HINCRBY', KEYS[5], 'failures_' .. outcome .. '_' .. class .. ':' .. options.model, 1)
 if retry_at == nil then
   return {0, failures}
 end

@@ -20,7 +20,7 @@ from flask.testing import FlaskClient
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import job_fills, job_lists, job_progress, job_stops, jobs, queues, requests, workers
+from broker import job_fills, job_lists, job_progress, job_stops, jobs, queues, requests, retries, workers
 from broker.apikeys import create_api_key
 from broker.breaker import BreakerBoard
 from broker.config import Settings
@@ -94,7 +94,8 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
     ledger_stats = a_memory_ledger_running_one_batch().stats()
     workers.record_heartbeat(store, "gpu-worker@host-a", {"device": "cuda:0", "streams": 3, "memory": ledger_stats,
                                                           "commits_pending": 2, "degrade": {
-                                                              "step": 1, "jitter": 0.125, "steps_taken": 3}}, now=now)
+                                                              "step": 1, "jitter": 0.125, "steps_taken": 3},
+                                                          "oom": {"halved": 4, "offloaded": 1}}, now=now)
     workers.record_heartbeat(store, "late-worker@host-b", {"device": "cpu", "streams": 1}, now=now - 60)
     first = submit_job(alice, tmp_path, mlp_input, "first")  # 10 rows: chunks of 4, 4 and 2 rows
     submit_job(alice, tmp_path, mlp_input, "second")
@@ -119,6 +120,8 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
     [dying] = queues.lease_batch(store, ref, now=now, lease_seconds=1, max_items=1)
     assert queues.reap_expired_leases(store, now=now + 5, max_attempts=1).dead_items
     assert job_lists.count_old_jobs(store)  # a reaper pass: every job is counted
+    assert retries.retry_later(store, chunks[1], failure_class="transient", error="Redis blinked", delays=[1.0],
+                               now=now).retried  # (parked in flight for its backoff)
 
     found = samples(scrape(client, scrape_key))
 
@@ -148,6 +151,10 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
     assert value(found, "sits_degrade_step", **gpu) == 1 and value(found, "sits_memory_jitter_ratio", **gpu) == 0.125
     assert value(found, "sits_degrade_changes_total", **gpu) == 3
     assert names_of(found, "sits_degrade_step") == [gpu]  # the late worker sent no degrade step
+    assert value(found, "sits_worker_oom_halvings_total", **gpu) == 4
+    assert value(found, "sits_worker_oom_offloads_total", **gpu) == 1
+    assert value(found, "sits_failures_total", model="mlp", version=version, **{"class": "transient"},
+                 outcome="retried") == 1
     assert names_of(found, "sits_worker_memory_reserved_bytes") == [gpu]  # the late worker sent no memory stats
     assert dying.payload["job"] == first["id"]
 
@@ -295,7 +302,8 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
     assert {family.name for family in families if family.type == "counter"} == {
         "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
         "sits_request_runs", "sits_requests_rejected", "sits_job_deadlines", "sits_jobs_rejected",
-        "sits_request_deadlines", "sits_tenant_device_seconds", "sits_tenant_rows", "sits_degrade_changes"}
+        "sits_request_deadlines", "sits_tenant_device_seconds", "sits_tenant_rows", "sits_degrade_changes",
+        "sits_failures", "sits_worker_oom_halvings", "sits_worker_oom_offloads"}
     assert {family.name for family in families if family.type == "histogram"} == {
         "sits_request_end_to_end_seconds", "sits_request_queue_wait_seconds", "sits_job_end_to_end_seconds"}
 

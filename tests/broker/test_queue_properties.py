@@ -75,6 +75,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.held: list[LeasedItem] = []  # leases some worker believes it holds (maybe stale)
         self.request_ids: list[str] = []
         self.rejected: dict[str, int] = {}  # counters field -> requests refused by a full queue
+        self.failures: dict[str, int] = {}  # counters field -> failures retried or final
         # mlp@v1 is an older version (a reaper pass prunes its queue whenever it runs dry), cnn@v1 the latest
         self.client.hset(self.store.keys.model_latest, mapping={"mlp": "v2", "cnn": "v1"})
 
@@ -230,6 +231,9 @@ class QueueMachine(RuleBasedStateMachine):
         item = self.held.pop(pick % len(self.held))
         outcome = retries.retry_later(self.store, item, failure_class="device_oom", error="oom",
                                       delays=[delay] * 3 if retries_left else [], now=self.now)
+        if not outcome.gone:  # (counted for /metrics: retried, or final)
+            field = f"failures_{'retried' if outcome.retried else 'final'}_device_oom:{item.model_ref}"
+            self.failures[field] = self.failures.get(field, 0) + 1
         if outcome.retried or outcome.gone:
             return
         if item.payload["kind"] == "request":
@@ -370,7 +374,7 @@ class QueueMachine(RuleBasedStateMachine):
             if record["status"] in ("succeeded", "failed"):
                 field = f"requests_{record['status']}:{record['model']}@{record['model_version']}"
                 expected[field] = expected.get(field, 0) + 1
-        expected |= self.rejected
+        expected |= self.rejected | self.failures
         assert {field: int(total) for field, total in self.client.hgetall(keys.counters).items()} == expected
 
     @invariant()

@@ -54,6 +54,7 @@ def test_an_oom_above_a_batch_size_is_the_error_a_real_one_becomes(store: Store,
     with pytest.raises(DeviceOutOfMemory, match="batch of 9 rows"):
         ctx.faults.before_run("mlp@v1", _feed(9))
     assert ctx.run("mlp@v1", _feed(9), ["logits"])[0].shape[0] == 9  # halved until it fits (docs/failures.md)
+    assert ctx.oom_info() == {"halved": 1, "offloaded": 0, "failed": 0, "ceilings": {"mlp@v1": 4}}  # (the heartbeat's)
 
 
 def test_a_share_of_runs_fail_as_oom_the_same_runs_for_the_same_seed(store: Store, zoo_dir: Path) -> None:
@@ -142,6 +143,7 @@ def test_a_failing_job_row_fails_its_job_at_once_as_bad_input(store: Store, zoo_
 
     job = jobs.get_job(store, spec.job_id, now=time.time())
     assert job["status"] == "failed" and "rows [20] fail" in job["error"]
+    assert store.client.hget(store.keys.counters, "failures_final_bad_input:mlp@v1") == "1"
     assert job["retries"] == {"bad_input": {"attempts": 1, "last_error": job["error"],
                                             "last_failed_at": job["failures"][0]["at"]}}
     assert job["failures"][0]["retry_at"] is None
@@ -161,6 +163,7 @@ def test_an_injected_oom_on_a_job_waits_its_backoff_in_redis(store: Store, zoo_d
     assert item_id == jobs.chunk_item_id(spec.job_id, 0) and began + 30 <= ready_at <= time.time() + 30.001
     job = jobs.get_job(store, spec.job_id, now=time.time())
     assert job["status"] == "running" and job["retries"]["device_oom"]["attempts"] == 1
+    assert store.client.hget(store.keys.counters, "failures_retried_device_oom:mlp@v1") == "1"  # (for /metrics)
     assert "batch of 1 rows" in job["retries"]["device_oom"]["last_error"]  # halved down to one row first
 
 
