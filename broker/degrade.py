@@ -1,7 +1,7 @@
 """Degrading a worker's lower priority classes while its device memory jitters.
 
 A worker reads its device memory every `degrade.sample_interval` (`sits_worker/memory_watch.py`).
-Memory that swings hard is a device near its edge: the next large batch may not fit. So the worker
+Memory that swings hard, up and down, is a device near its edge: the next large batch may not fit. So the worker
 sheds its least important work first, one step at a time:
 
 - step 0, normal: every class is served as usual;
@@ -41,12 +41,18 @@ class Reading:
 
 
 def memory_jitter(readings: Sequence[Reading], capacity_bytes: int) -> float:
-    """The spread of `readings` (highest minus lowest) as a share of `capacity_bytes`; 0 for fewer than
-    two readings or no capacity."""
+    """How far `readings` both rose and fell, as a share of `capacity_bytes`: the smaller of their
+    largest rise and their largest fall. A one-way change (a model loading, a cache filling) is no
+    jitter; memory that swings by 2 GiB up and down is 2 GiB of it. 0 for fewer than two readings or no
+    capacity."""
     if len(readings) < 2 or capacity_bytes <= 0:
         return 0.0
-    used = [reading.used_bytes for reading in readings]
-    return (max(used) - min(used)) / capacity_bytes
+    lowest = highest = readings[0].used_bytes
+    rise = fall = 0
+    for reading in readings:  # (the first one changes nothing; a deque cannot be sliced)
+        rise, fall = max(rise, reading.used_bytes - lowest), max(fall, highest - reading.used_bytes)
+        lowest, highest = min(lowest, reading.used_bytes), max(highest, reading.used_bytes)
+    return min(rise, fall) / capacity_bytes
 
 
 def within_window(readings: Sequence[Reading], *, now: float, window: float) -> list[Reading]:

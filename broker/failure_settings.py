@@ -100,7 +100,7 @@ class DegradeSettings(_Section):
     """Stepping a worker's lower priority classes down while its device memory jitters.
 
     Every `sample_interval` a worker reads its device memory (NVML's used memory on a GPU, its own
-    resident memory on a CPU). When the readings of the last `window` spread over more than
+    resident memory on a CPU). When the readings of the last `window` both rose and fell by more than
     `jitter_threshold` of the capacity, it steps down: first P1 work is served as P2, then P2 work
     is paused (kept queued). Calm for `calm_for`, it steps back one step at a time. P0, the top
     class, is never paused (`broker/degrade.py`, docs/failures.md)."""
@@ -108,8 +108,8 @@ class DegradeSettings(_Section):
     enabled: bool = True
     """False: workers watch nothing and serve every class as usual."""
     jitter_threshold: Number = Field(0.1, gt=0, le=1)
-    """Spread of the memory readings in the window (highest minus lowest), as a share of the capacity,
-    above which the worker steps down (0.1: 10 %)."""
+    """How far the memory readings in the window both rose and fell (the smaller of their largest rise
+    and their largest fall), as a share of the capacity, above which the worker steps down (0.1: 10 %)."""
     window: Seconds = Field(10.0, gt=0)
     """How far back readings count."""
     sample_interval: Seconds = Field(0.5, gt=0)
@@ -117,9 +117,9 @@ class DegradeSettings(_Section):
     step_interval: Seconds = Field(5.0, ge=0)
     """At most one step down this often: a worker still jittering after it steps down once more."""
     calm_for: Seconds = Field(10.0, gt=0)
-    """How long the spread must stay within the threshold (and the last step be this old) before one step back."""
+    """How long the jitter must stay within the threshold (and the last step be this old) before one step back."""
     memory_limit: Bytes = 0
-    """The capacity the spread is measured against; 0: the worker's device memory (NVML's on a GPU,
+    """The capacity the jitter is measured against; 0: the worker's device memory (NVML's on a GPU,
     `resources.device_memory` on a CPU), capped by `resources.device_memory_limit`."""
     top_level: Integer = Field(12, ge=1, le=15)
     """The lowest priority level of class P0, the top class (never paused)."""

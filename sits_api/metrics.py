@@ -56,8 +56,9 @@ _WORKER_GAUGES = (
      "commits_pending"),
     ("sits_degrade_step", "The worker's degrade step: 0 every class served, 1 P1 served as P2, 2 P2 paused too "
      "(its device memory jitters; degrade in the settings).", ("degrade", "step")),
-    ("sits_memory_jitter_ratio", "Spread of the worker's device-memory readings over degrade.window, as a share "
-     "of its capacity (the degrade steps compare it with degrade.jitter_threshold).", ("degrade", "jitter")),
+    ("sits_memory_jitter_ratio", "How far the worker's device-memory readings over degrade.window both rose and "
+     "fell, as a share of its capacity (the degrade steps compare it with degrade.jitter_threshold).",
+     ("degrade", "jitter")),
 )
 _WORKER_COUNTERS = (
     ("sits_worker_memory_waits", "Times a free stream slot of the worker, with work waiting, got nothing for "

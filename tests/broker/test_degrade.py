@@ -27,8 +27,10 @@ def readings(*used: float, start: float = NOW) -> list[degrade.Reading]:
 # --- jitter and steps ---------------------------------------------------------------------------------
 
 
-def test_jitter_is_the_spread_of_the_window_s_readings_over_the_capacity() -> None:
-    assert degrade.memory_jitter(readings(4, 6, 5), 16 * GIB) == pytest.approx(2 / 16)
+def test_jitter_is_how_far_the_window_s_readings_rose_and_fell_over_the_capacity() -> None:
+    assert degrade.memory_jitter(readings(4, 6, 5), 16 * GIB) == pytest.approx(1 / 16)  # up 2, down 1
+    assert degrade.memory_jitter(readings(4, 6, 2, 6), 16 * GIB) == pytest.approx(4 / 16)  # down 4, up 4
+    assert degrade.memory_jitter(readings(2, 2, 9, 9, 10), 16 * GIB) == 0.0  # a model loading: one way only
     assert degrade.memory_jitter(readings(4), 16 * GIB) == 0.0  # one reading: no spread yet
     assert degrade.memory_jitter(readings(4, 6), 0) == 0.0
     kept = degrade.within_window(readings(1, 9, 5, 5), now=NOW + 3, window=1.5)
