@@ -396,6 +396,15 @@ def wait_for_doorbell(store: Store, ticket: str, *, now: float, timeout: float, 
         return store.client.blpop([store.keys.doorbell], timeout=max(timeout, MIN_BLOCK_SECONDS)) is not None
 
 
+def ring_doorbell(store: Store) -> None:
+    """Ring the doorbell once, as an enqueue does (`lib.lua`: at most 64 rings are kept)."""
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.lpush(store.keys.doorbell, "1")
+        pipe.ltrim(store.keys.doorbell, 0, 63)
+        pipe.execute()
+
+
 def extend_lease(store: Store, item: LeasedItem, ticket: str, *, now: float, lease_seconds: float) -> None:
     """Keep a long chunk's lease (and its ticket) alive; a lease already reaped stays reaped."""
     extend_leases(store, [item], ticket, now=now, lease_seconds=lease_seconds)

@@ -23,6 +23,7 @@ status: the chunk of a job cancelled (or failed) meanwhile stops there, as `Canc
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -31,11 +32,13 @@ from contextlib import AbstractContextManager
 import numpy as np
 
 from broker import job_stops, queues
-from broker.errors import Cancelled
+from broker.errors import Cancelled, RetryableError
 from broker.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
 from sits_worker.leasing import batch_cost, batch_need, feed_bucket, lease, lease_riders
 from sits_worker.request_runs import give_back, run_requests
+
+log = logging.getLogger(__name__)
 
 STOP_CHECK_SECONDS = 1.0
 """How often a running chunk reads whether its job was stopped: a round trip a second costs nothing
@@ -98,7 +101,11 @@ class BetweenBatches:
             return
         self._stop_checked_at = time.monotonic()
         job_id = str(self._item.payload.get("job") or "")
-        status = job_stops.stopped_status(self._ctx.store, job_id) if job_id else None
+        try:
+            status = job_stops.stopped_status(self._ctx.store, job_id) if job_id else None
+        except RetryableError as err:  # (a Redis blip: the chunk goes on, and looks again in a second)
+            log.warning("could not read the status of job %s between mini-batches: %s", job_id, err)
+            return
         if status is not None:
             raise Cancelled(f"job {job_id} was {status} while its chunk {self._item.item_id} ran; the chunk stopped "
                             "before its next mini-batch")

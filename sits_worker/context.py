@@ -111,6 +111,7 @@ class WorkerContext:
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
     an observed profile)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _oom_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.queue_watcher = QueueWatcher(self.store)
@@ -246,7 +247,8 @@ class WorkerContext:
         estimate = reservation.BatchCost.of(self.model(model_ref), max_rows=rows, max_tokens=0).need_bytes(rows=rows)
         row_bytes = self.ledger.learn_oom(model_ref, rows, estimate, now=now)
         step = oom_ceiling.after_oom(rows, self.settings.scheduler.fallback_strategy)
-        self.oom_steps[step] += 1
+        with self._oom_lock:  # (stream slots run in threads)
+            self.oom_steps[step] += 1
         log.warning("device out of memory running %d rows of %s on %s: ceiling %d rows, %d bytes a row; %s",
                     rows, model_ref, self.device, ceiling, row_bytes, step)
         return step
@@ -255,8 +257,7 @@ class WorkerContext:
                  rows: int) -> list[np.ndarray]:
         log.warning("running %d rows of %s on a CPU session (cpu-offload-on-oom)", rows, model_ref)
         session = self.sessions.offload(model_ref, Path(self.model(model_ref)["path"]))
-        with self.run_limits.watch() as watch:
-            return run_session(session, feed, output_names, watch=watch)
+        return run_session(session, feed, output_names, limits=self.run_limits)
 
     def _run_on_device(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
                        session: Any) -> list[np.ndarray]:
@@ -265,8 +266,7 @@ class WorkerContext:
         if self.faults is not None:
             self.faults.before_run(model_ref, feed)
         started = time.perf_counter()
-        with self.run_limits.watch() as watch:
-            outputs = run_session(session, feed, output_names, watch=watch)
+        outputs = run_session(session, feed, output_names, limits=self.run_limits)
         if learn:
             self.observed.record(model_ref, len(next(iter(feed.values()))), time.perf_counter() - started)
         return outputs

@@ -31,6 +31,7 @@ from broker import (
 from broker.errors import RunFailed
 from broker.queues import StaleTicket
 from broker.retry_policy import retry_delays
+from broker.store import Store
 from broker.wakeup import SendTicket, wake_workers
 from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.context import WorkerContext
@@ -52,6 +53,10 @@ PAUSED_POLL_SECONDS = 0.1
 """How long a slot that found only paused work (a degraded worker's P2) waits for an enqueue to ring
 before it looks again: new work wakes it at once, and a step back is seen within this."""
 
+PASS_ON_SECONDS = 1.0
+"""How often at most a paused slot passes on a ring it was woken by and could not use (only paused work
+again): the enqueue meant it for a slot that may serve it, a calm worker's, which waits on the same list."""
+
 
 def drain(ctx: WorkerContext, ticket: str) -> str:
     """Serve batches under `ticket`; returns 'released', 'stale' or 'yield' (re-queue the ticket)."""
@@ -59,6 +64,7 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
     slice_ends = time.monotonic() + settings.ticket_time_slice
     idle_since: float | None = None
     touched_at = float("-inf")  # when this loop last marked its ticket seen while lingering
+    paused_ring = PausedRing()
     try:
         while True:
             snapshot = _without_open_breakers(ctx, _snapshot_after_psa(ctx))
@@ -105,14 +111,39 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             if not ran and not room and all(map(jobs.is_chunk_item_id, snapshot.head_items.values())):
                 ctx.commits.wait_for_room(timeout=0.05)  # only chunks wait: wait for the disk
             elif not ran and notes.paused:  # every lease found only paused work: wait for new work
-                queues.wait_for_doorbell(ctx.store, ticket, now=time.time(), timeout=PAUSED_POLL_SECONDS, touch=False)
+                paused_ring.wait(ctx.store, ticket)
             elif not ran:  # memory is reserved by running batches, another slot took the work, or the
-                # waiting work is a held tenant's (past its limit: it waits for its usage to decay)
-                time.sleep(HELD_POLL_SECONDS if ctx.fair_share.holding else 0.001)
+                # waiting work is a held tenant's (past its limit: it waits for its usage to decay); a
+                # degraded worker's leases weigh a long window: it looks again less often
+                degraded = bool(allowed) and ctx.memory_watch.lease_classes() is not None
+                time.sleep(HELD_POLL_SECONDS if ctx.fair_share.holding or degraded else 0.001)
+            if not notes.paused or ran:
+                paused_ring.woken = False
             if time.monotonic() >= slice_ends:
                 return "yield"
     except StaleTicket:
         return "stale"
+
+
+class PausedRing:
+    """A paused slot's waits on the doorbell, and the rings it passes on.
+
+    An enqueue rings once for one idle slot. A degraded worker's slot that takes the ring and finds only
+    paused work again would keep it from a calm worker's slot that could serve it, so it rings again for
+    the next waiter (Redis serves blocked pops in the order they blocked), at most once every
+    `PASS_ON_SECONDS`: where every worker is degraded, the rings go round slowly and stop."""
+
+    def __init__(self) -> None:
+        self.woken = False  # the last wait ended by a ring, and no lease since ran anything
+        self._passed_at = float("-inf")
+
+    def wait(self, store: Store, ticket: str) -> None:
+        """Wait up to `PAUSED_POLL_SECONDS` for a ring, first passing on the one the last wait took."""
+        if self.woken and time.monotonic() - self._passed_at >= PASS_ON_SECONDS:
+            self._passed_at = time.monotonic()
+            queues.ring_doorbell(store)
+        self.woken = queues.wait_for_doorbell(store, ticket, now=time.time(), timeout=PAUSED_POLL_SECONDS,
+                                              touch=False)
 
 
 def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ticket: str, *,

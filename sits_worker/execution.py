@@ -24,7 +24,7 @@ import numpy as np
 
 from broker import job_progress, job_stops, jobs, quarantine, queues, retries
 from broker.config import JobSettings
-from broker.errors import BadInput, SitsError
+from broker.errors import BadInput, Cancelled, SitsError
 from broker.queues import LeasedItem
 from broker.retry_policy import classify, describe, retry_delays
 from sits_worker.context import WorkerContext
@@ -118,8 +118,13 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
     failure is recorded by class on its job, and while the class has retries left the item waits out
     its backoff in Redis ('retry', `broker/retries.py`); else its job fails with the error, and its
     other items leave their queue ('failed').
-    'dropped': the item was no longer this worker's (reaped, or its job stopped)."""
+    'dropped': the item was no longer this worker's (reaped, or its job stopped).
+    A chunk that stopped because its job was stopped (`Cancelled`) is no failure of its own: it leaves
+    its queue without a record, and the job keeps the status it was stopped with."""
     job_id = item.payload["job"]
+    if isinstance(err, Cancelled):
+        queues.finish_item(ctx.store, item, job_id, now=time.time())
+        return "dropped"
     failure_class = classify(err)
     delays = retry_delays(ctx.settings.retry_policy(failure_class), ctx.jitter.random)
     message = describe(err)

@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 CHANGES_KEPT = 10
 """How many of the latest step changes `info()` lists."""
 
+CLASSES_WINDOW = 1024
+"""The most waiting items a degraded worker's lease weighs (`fair_share.window` when smaller): every lease
+that finds nothing to serve reads them all, so a long paused queue must not cost a long scan each time.
+The requests behind the window are weighed anyway (`lease_batch.lua`)."""
+
 
 class MemoryWatch:
     """The memory readings and degrade step of one worker process; shared by its threads."""
@@ -33,7 +38,8 @@ class MemoryWatch:
         self.settings = settings.degrade
         self._store = store
         self._default_ordering = policy.default_ordering(settings.scheduler.policy)
-        self._window_items = settings.fair_share.window
+        self._window_items = min(settings.fair_share.window, CLASSES_WINDOW)
+        self._ordering = self._default_ordering  # the last ordering read (kept when a read fails)
         self._read = read
         self.capacity_bytes = self.settings.memory_limit or capacity_bytes
         self._readings: collections.deque[degrade.Reading] = collections.deque()
@@ -72,15 +78,18 @@ class MemoryWatch:
                 self._steps_taken += 1
                 self._changes.append({"at": now, "step": self._state.step, "name": self._state.name,
                                       "jitter": round(jitter, 4)})
+            state = self._state
         if changed:
             self._log_change(before.step, jitter)
-        if self._state.step > degrade.NORMAL:
-            # (read each time: PUT /v1/policy may change the ordering)
-            _, ordering = policy.get_policy(self._store, default=self._default_ordering)
-            self._classes = degrade.lease_classes(self._state.step, self.settings, ordering, self._window_items)
-        else:
-            self._classes = None
-        return self._state
+        if state.step > degrade.NORMAL:
+            try:  # (read each time: PUT /v1/policy may change the ordering)
+                _, self._ordering = policy.get_policy(self._store, default=self._default_ordering)
+            except Exception as err:  # (a Redis blip: the step must still reach the leases)
+                log.warning("memory watch: could not read the ordering, keeping %s: %s", self._ordering, err)
+        with self._lock:
+            if self._state is state:  # (not moved by another sample meanwhile)
+                self._classes = degrade.lease_classes(state.step, self.settings, self._ordering, self._window_items)
+        return state
 
     def _log_change(self, before: int, jitter: float) -> None:
         state, threshold = self._state, self.settings.jitter_threshold

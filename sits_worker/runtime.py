@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from broker.errors import BadInput, DeviceOutOfMemory, InferenceTimeout, InvalidModel
 from sits_worker.devices import Device
-from sits_worker.run_limits import RunWatch
+from sits_worker.run_limits import RunLimits, RunWatch
 
 INTRA_OP_SPIN_MICROSECONDS = 1000
 """How long an idle intra-op thread spins for more work before it sleeps.
@@ -60,9 +60,9 @@ def build_session(model_path: Path, device: Device, intra_op_threads: int,
 
 
 def run_session(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
-                output_names: list[str] | None = None, watch: RunWatch | None = None) -> list[np.ndarray]:
-    """`session.run` with onnxruntime's errors translated into SITS errors; under `watch`'s time limit
-    when given (a run it stopped is an `InferenceTimeout`, `sits_worker/run_limits.py`).
+                output_names: list[str] | None = None, limits: RunLimits | None = None) -> list[np.ndarray]:
+    """`session.run` with onnxruntime's errors translated into SITS errors; each `session.run` under
+    `limits`' time limit when given (a run it stopped is an `InferenceTimeout`, `sits_worker/run_limits.py`).
 
     A model whose inputs fix the batch axis (exported without a dynamic batch: `[1, 3, 224, 224]`)
     runs exactly that many rows at a time, so a batch of any other size is run in pieces of that
@@ -77,14 +77,14 @@ def run_session(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
     rows_per_run = fixed_batch_rows(session)
     rows = _rows(feed)
     if rows_per_run is None or rows in (0, rows_per_run):
-        return _batch_outputs(session, _run(session, feed, output_names, watch), rows, output_names)
+        return _batch_outputs(session, _run(session, feed, output_names, limits), rows, output_names)
     pieces = []
     for start in range(0, rows, rows_per_run):
         piece = {name: array[start : start + rows_per_run] for name, array in feed.items()}
         real = _rows(piece)
         if real < rows_per_run:
             piece = {name: _padded(array, rows_per_run) for name, array in piece.items()}
-        outputs = _batch_outputs(session, _run(session, piece, output_names, watch), rows_per_run, output_names)
+        outputs = _batch_outputs(session, _run(session, piece, output_names, limits), rows_per_run, output_names)
         pieces.append([output[:real] for output in outputs])
     return [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
 
@@ -123,7 +123,15 @@ def _padded(array: np.ndarray, rows: int) -> np.ndarray:
 
 
 def _run(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
-         output_names: list[str] | None, watch: RunWatch | None = None) -> list[np.ndarray]:
+         output_names: list[str] | None, limits: RunLimits | None = None) -> list[np.ndarray]:
+    if limits is None:
+        return _run_watched(session, feed, output_names, None)
+    with limits.watch() as watch:
+        return _run_watched(session, feed, output_names, watch)
+
+
+def _run_watched(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
+                 output_names: list[str] | None, watch: RunWatch | None) -> list[np.ndarray]:
     try:
         return session.run(output_names, dict(feed), watch.options if watch is not None else None)
     except Exception as err:

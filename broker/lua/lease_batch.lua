@@ -25,9 +25,11 @@
 --   classes {ranks [16], demote [16], window}, optional (a degraded worker, broker/degrade.py): an item
 --     submitted at level L (factors base_level, else level) ranks ranks[L+1] (1 first; 0: not leased,
 --     its class is paused), by its score plus demote[L+1] within a rank; with `tenants` too, the
---     classes rank first, the tenants within a class
+--     classes rank first, the tenants within a class; when the queue is longer than the window, the
+--     first requests by level (KEYS[7], the paused class last) are weighed too, wherever they wait
 -- Returns {-1}: the ticket is no longer valid; {-2}: nothing leased, and paused items were all there was
--- within reach; {0}: nothing leased; else {n, id1, payload1, attempts1, ...}; after any of the last three,
+-- within reach (no held tenant's among them: a held tenant's wait ends by the milliseconds, a paused
+-- class's by a step back); {0}: nothing leased; else {n, id1, payload1, attempts1, ...}; after any of the last three,
 -- the names of the ranked tenants (`tenants.order`) a fair scan that read every item within reach found
 -- nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
@@ -70,6 +72,7 @@ end
 local FAIR_PAGE = 128
 local fair_absent = {}  -- ranked tenants a full scan found no item of: told to the caller after the reply
 local paused_seen = 0  -- items of a paused class in reach (the reply says when they were all there was)
+local held_seen = 0  -- items of a held tenant in reach
 local tenants_option = type(options.tenants) == 'table' and options.tenants or nil
 local classes_option = type(options.classes) == 'table' and options.classes or nil
 
@@ -101,6 +104,7 @@ local function ranking()
   local demote = classes_option and classes_option.demote
   local function rank_of(tenant, level)
     if held[tenant] or (only and rank[tenant] == nil) then
+      held_seen = held_seen + 1
       return nil
     end
     local band = class_rank and (tonumber(class_rank[level + 1]) or 1) or 1
@@ -149,17 +153,44 @@ local function by_rank_then_score(a, b)
   return a[1] < b[1]
 end
 
+-- The model's waiting requests the scan of `ranked_candidates` did not reach, added to its buckets: the
+-- first `enough` of them by level (highest first), from KEYS[7], whatever the queue holds in front of
+-- them. Called for a degraded worker when the window ran out before the queue did, so that a window
+-- full of paused work does not hide the requests behind it (a job's chunks that far back stay unseen until the work
+-- in front of them goes).
+local function add_unreached_requests(rank_of, demotion, by_rank, collected, seen, enough)
+  for _, item_id in ipairs(redis.call('ZREVRANGE', KEYS[7], 0, enough - 1)) do
+    local score = not collected[item_id] and redis.call('ZSCORE', KEYS[2], item_id)
+    if score then
+      local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+      local item = cjson.decode(payload)
+      local level = base_level(item)
+      local tenant = item['tenant'] or ''
+      seen[tenant] = true
+      local item_rank = rank_of(tenant, level)
+      if item_rank ~= nil then
+        local bucket = by_rank[item_rank] or {}
+        by_rank[item_rank] = bucket
+        bucket[#bucket + 1] = {item_id, payload, item, item_rank, tonumber(score) + demotion(level)}
+      end
+    end
+  end
+end
+
 local function ranked_candidates()
   local rank_of, demotion, best_possible, last, window = ranking()
   local enough = 2 * math.max(max_items, max_chunks)
   window = math.max(window, enough)
   local job_facts, by_rank, found_best, position, full_rank, seen = {}, {}, 0, 0, last, {}
-  local stopped_early = false
+  local collected = {}  -- item id -> true, of every item the scan read
+  local stopped_early, read_all = false, false
   while position < window do
-    local page = redis.call('ZRANGE', KEYS[2], position, math.min(position + FAIR_PAGE, window) - 1, 'WITHSCORES')
+    local asked = math.min(position + FAIR_PAGE, window) - position
+    local page = redis.call('ZRANGE', KEYS[2], position, position + asked - 1, 'WITHSCORES')
     for pair = 1, #page, 2 do
       local item_id, score = page[pair], tonumber(page[pair + 1])
       position = position + 1
+      collected[item_id] = true
       local cut = string.find(item_id, ':c', 1, true)  -- (a chunk's id: '<job>:c<index>'; a plain find)
       local job = cut and string.sub(item_id, 1, cut - 1)
       local facts = job and job_facts[job]
@@ -195,9 +226,13 @@ local function ranked_candidates()
       stopped_early = true
       break
     end
-    if #page < 2 * FAIR_PAGE then
+    if #page < 2 * asked then  -- (the queue ended within the page)
+      read_all = true
       break
     end
+  end
+  if classes_option and not stopped_early and not read_all then  -- (the window ran out first)
+    add_unreached_requests(rank_of, demotion, by_rank, collected, seen, enough)
   end
   if not stopped_early and tenants_option then  -- every item looked at: the ranked tenants not seen have none
     local _, held = tenant_ranks(tenants_option)
@@ -207,8 +242,8 @@ local function ranked_candidates()
       end
     end
   end
-  local out = {}  -- (by rank, queue order within one: buckets, not a sort, unless demotions reorder them)
-  for item_rank = 1, last do
+  local out = {}  -- (by rank, queue order within one: buckets, not a sort, unless demotions or added
+  for item_rank = 1, last do  -- requests reorder them, both a degraded worker's)
     local bucket = by_rank[item_rank] or {}
     if classes_option then
       table.sort(bucket, by_rank_then_score)
@@ -221,13 +256,14 @@ local function ranked_candidates()
 end
 
 -- The candidates of a requests-only lease by rank: the model's waiting online requests (KEYS[7], at most
--- `window` of them), not the whole queue, which may hold thousands of chunks in front of them; by rank,
--- then by score (demotions included) within a rank; the requests no rank admits left out.
+-- `window` of them, the highest levels first), not the whole queue, which may hold thousands of chunks in
+-- front of them; by rank, then by score (demotions included) within a rank; the requests no rank admits
+-- left out.
 local function ranked_requests()
   local rank_of, demotion, _, _, window = ranking()
   window = math.max(window, 2 * max_items)
   local entries = {}
-  for _, item_id in ipairs(redis.call('ZRANGE', KEYS[7], 0, window - 1)) do
+  for _, item_id in ipairs(redis.call('ZREVRANGE', KEYS[7], 0, window - 1)) do
     local score = redis.call('ZSCORE', KEYS[2], item_id)
     if score then
       local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
@@ -351,7 +387,7 @@ end
 
 local picked, online, carried, rows, tokens = pick_candidates()
 if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's or paused)
-  return with_absent({(picked ~= nil and paused_seen > 0) and -2 or 0})
+  return with_absent({(picked ~= nil and paused_seen > 0 and held_seen == 0) and -2 or 0})
 end
 rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)
 if not within_batch_limit(online, rows, tokens) then

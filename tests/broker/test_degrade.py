@@ -3,6 +3,8 @@ leases a degraded worker makes (real Redis, the real lease scripts)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from broker_helpers import NOW, job_spec
@@ -86,19 +88,20 @@ def test_degrade_settings_refuse_classes_out_of_order_and_a_window_shorter_than_
 # --- leases of a degraded worker ------------------------------------------------------------------------
 
 
-def submit(store: Store, request_id: str, level: int, *, enqueued_at: float = NOW) -> None:
+def submit(store: Store, request_id: str, level: int, *, enqueued_at: float = NOW, tenant: str = "acme") -> None:
     factors = Factors(level=level, enqueued_at=enqueued_at)
     spec = RequestSpec(request_id=request_id, model_name="mlp", model_version="v1",
                        inputs={"x": np.zeros((1, 4), np.float32)}, rows=1, tokens=None, bucket="x:4",
-                       factors=factors.to_dict(), owner="key", tenant="acme")
+                       factors=factors.to_dict(), owner="key", tenant=tenant)
     requests.submit_request(store, spec, score=queue_key(factors, Weights()), now=NOW, max_age_seconds=600)
 
 
 def lease(store: Store, step: int, *, max_items: int = 1, requests_only: bool = False,
-          notes: queues.LeaseNotes | None = None) -> list[str]:
+          notes: queues.LeaseNotes | None = None, window: int = 512,
+          tenants: dict[str, Any] | None = None) -> list[str]:
     leased = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=max_items,
-                                requests_only=requests_only, notes=notes,
-                                classes=degrade.lease_classes(step, SETTINGS, "dynamic", 512))
+                                requests_only=requests_only, notes=notes, tenants=tenants,
+                                classes=degrade.lease_classes(step, SETTINGS, "dynamic", window))
     return [item.item_id for item in leased]
 
 
@@ -146,3 +149,38 @@ def test_riders_of_a_paused_class_stay_queued(store: Store) -> None:
     riders = queues.lease_riders(store, MODEL, "x:4", now=NOW, lease_seconds=30, max_items=4, max_rows=4,
                                  lowest_level=degrade.lowest_leased_level(2, SETTINGS))
     assert [item.item_id for item in riders] == ["p1"]
+
+
+def test_a_requests_only_lease_weighs_the_highest_levels_first_when_more_wait_than_its_window(store: Store) -> None:
+    for index in range(10):
+        submit(store, f"p2-{index}", 3, enqueued_at=NOW - 100)
+    submit(store, "p1", 9)
+    notes = queues.LeaseNotes()
+
+    assert lease(store, 2, requests_only=True, window=4, notes=notes) == ["p1"]  # not 4 paused P2 requests
+    assert lease(store, 2, requests_only=True, window=4, notes=notes) == [] and notes.paused
+
+
+def test_a_window_full_of_paused_chunks_does_not_hide_a_request_behind_it(store: Store) -> None:
+    job_fills.create_job(store, job_spec("low", rows_total=400, chunk_size=1, priority=2), now=NOW)
+    submit(store, "late-p1", 8, enqueued_at=NOW + 5000)  # behind all 400 chunks by aging
+    notes = queues.LeaseNotes()
+
+    assert lease(store, 2, window=16, notes=notes) == ["late-p1"]
+    assert lease(store, 2, window=16, notes=notes) == [] and notes.paused
+    assert lease(store, 0, window=16) == ["low:c0000000"]
+
+
+def test_paused_work_beside_a_held_tenant_s_is_not_reported_as_all_paused(store: Store) -> None:
+    """A held tenant's wait ends within milliseconds (its usage decays): the slot must poll for it, not
+    sleep on the doorbell as for paused work, so the lease says plain nothing ({0})."""
+    submit(store, "p2", 3, tenant="acme")
+    submit(store, "held-p1", 9, tenant="beta")
+    notes = queues.LeaseNotes()
+
+    assert lease(store, 2, notes=notes, tenants={"order": ["acme", "beta"], "held": ["beta"], "window": 64}) == []
+    assert not notes.paused
+    alone = queues.LeaseNotes()
+    assert lease(store, 2, notes=alone, tenants={"order": ["acme", "beta"], "held": [], "window": 64}) == ["held-p1"]
+    assert lease(store, 2, notes=alone, tenants={"order": ["acme", "beta"], "held": [], "window": 64}) == []
+    assert alone.paused

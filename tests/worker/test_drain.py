@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -34,3 +35,30 @@ def test_a_loop_that_sees_no_work_while_release_says_work_waits_yields_at_its_sl
 
     assert drain_loop.drain(ctx, ticket) == "yield"
     assert 0.2 <= time.monotonic() - began < 5 and len(calls) > 1
+
+
+def test_a_paused_slot_passes_on_a_ring_it_could_not_use_to_the_next_waiter_once_a_second(store: Store) -> None:
+    """Redis hands a ring to the client that blocked first: a calm worker's slot waiting meanwhile gets
+    the ring a paused slot was woken by, and the paused slot passes on no more than once a second."""
+    got: list[object] = []
+
+    def calm_slot() -> None:  # (its own thread: its own connection)
+        got.append(store.client.blpop([store.keys.doorbell], timeout=2))
+
+    paused = drain_loop.PausedRing()
+    paused.woken = True  # its last wait was ended by a ring, and its lease found only paused work again
+    waiter = threading.Thread(target=calm_slot)
+    waiter.start()
+    while not any(client.get("cmd") == "blpop" for client in store.client.client_list()):
+        time.sleep(0.005)
+
+    paused.wait(store, "")
+    waiter.join(3)
+
+    assert got and got[0] is not None  # the calm slot got the passed ring
+    assert not paused.woken  # and the paused slot's own wait timed out
+    queues.ring_doorbell(store)
+    paused.wait(store, "")  # woken by a ring again ...
+    assert paused.woken
+    paused.wait(store, "")  # ... but within a second of passing one on: no ring passed, the wait times out
+    assert not paused.woken and store.client.llen(store.keys.doorbell) == 0

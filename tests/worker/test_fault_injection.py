@@ -17,6 +17,7 @@ from broker import job_fills, job_stops, jobs, queues
 from broker.config import Settings
 from broker.errors import (
     BadInput,
+    Cancelled,
     ConnectionLost,
     DeviceOutOfMemory,
     InferenceTimeout,
@@ -24,7 +25,7 @@ from broker.errors import (
     StorageUnavailable,
 )
 from broker.store import Store
-from sits_worker.between_minibatches import BetweenBatches
+from sits_worker.between_minibatches import STOP_CHECK_SECONDS, BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
 
@@ -186,5 +187,24 @@ def test_the_running_chunk_of_a_cancelled_job_stops_before_its_next_mini_batch(s
     runner.join(10)
 
     assert outcome == ["dropped"] and time.monotonic() - cancelled_at < 2.0  # not the chunk's 25 s of runs
-    assert jobs.get_job(store, spec.job_id, now=time.time())["status"] == "cancelled"
+    job = jobs.get_job(store, spec.job_id, now=time.time())
+    assert job["status"] == "cancelled" and job["error"] == "cancelled by its owner"
+    assert "cancelled" not in (job.get("retries") or {})  # the stop is the job's, not a failure of the chunk
+    assert not any(name.startswith("failures_") for name in store.client.hkeys(store.keys.counters))
     assert not store.client.zcard(store.keys.inflight(spec.model_ref))
+
+
+def test_a_redis_blip_while_a_chunk_looks_at_its_job_s_status_does_not_stop_the_chunk(store: Store, zoo_dir: Path,
+                                                                                     tmp_path: Path) -> None:
+    ctx = mlp_worker_context(store, zoo_dir)
+    spec = _job(store, tmp_path)
+    [item] = queues.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    between = BetweenBatches(ctx, item, ticket="")
+
+    time.sleep(STOP_CHECK_SECONDS + 0.05)
+    store.drop_connection(1)  # the status read fails as Redis out of reach does
+    assert between(_feed(16)) == []  # the chunk goes on
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="cancelled by its owner", now=time.time())
+    time.sleep(STOP_CHECK_SECONDS + 0.05)
+    with pytest.raises(Cancelled, match="was cancelled while its chunk"):
+        between(_feed(16))  # the next look, a second later, reads it

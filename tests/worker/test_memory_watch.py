@@ -80,3 +80,23 @@ def test_a_jittering_worker_pauses_p2_serves_p0_and_restores_once_calm(store: St
     assert watch.step == 0 and [change["step"] for change in watch.info()["changes"]] == [1, 2, 1, 0]
     assert now - 1000.5 > 2 * 0.5  # a step back each calm_for, once the jittering readings left the window
     assert [item.item_id for item in lease(ctx, "mlp@v1", "")] == ["p2"]
+
+
+def test_a_failed_ordering_read_keeps_the_step_s_classes_and_the_last_ordering(store: Store, zoo_dir: Path) -> None:
+    ctx = _ctx(store, zoo_dir, memory_jitter="4GiB", memory_jitter_for="5s")
+    watch, now = ctx.memory_watch, 1000.0
+    for _ in range(3):  # down to step 1 by the third reading
+        watch.sample(now)
+        now += 0.1
+    assert watch.step == 1
+    before = watch.lease_classes()
+
+    store.drop_connection(1)  # the ordering read of the next sample fails: Redis out of reach a moment
+    for _ in range(3):  # (past step_interval: step 2)
+        watch.sample(now)
+        now += 0.1
+
+    classes = watch.lease_classes()
+    assert watch.step == 2 and before is not None and classes is not None
+    assert classes["demote"] == before["demote"]  # the same (dynamic) ordering
+    assert 0 in classes["ranks"] and 0 not in before["ranks"]  # and the new step's classes: P2 paused

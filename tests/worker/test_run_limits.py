@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,9 @@ from broker.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.model.graph import static_profile
-from sits_worker.run_limits import RunLimits
-from sits_worker.runtime import SessionCache
+from sits_worker.run_limits import RunLimits, RunWatch
+from sits_worker.runtime import SessionCache, build_session, run_session
+from tests.onnx_models import fixed_batch_model
 
 
 def _convnet_context(store: Store, zoo_dir: Path, limit: str) -> WorkerContext:
@@ -61,3 +64,30 @@ def test_a_long_run_is_stopped_mid_run_as_a_run_timeout_and_the_session_runs_on(
     assert classify(err.value) == "run_timeout"
     assert whole > 0.6 and stopped_after < 0.75 * whole, (whole, stopped_after)  # stopped at a node, mid-run
     assert ctx.run("convnet@v1", {"pixels": pixels[:8]}, ["logits"])[0].shape == (8, 10)
+
+
+class _CountedLimits(RunLimits):
+    """Real run limits that count the runs they watch."""
+
+    def __init__(self, limit_seconds: float) -> None:
+        super().__init__(limit_seconds)
+        self.watched = 0
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[RunWatch | None]:
+        self.watched += 1
+        with super().watch() as run:
+            yield run
+
+
+def test_a_fixed_batch_model_s_pieces_are_each_a_run_under_the_limit(tmp_path: Path) -> None:
+    """A batch of 10 rows on a model fixed at 4 rows a run is three `session.run`s: the limit is each one's,
+    so a long batch of quick pieces is not stopped for their sum."""
+    session = build_session(fixed_batch_model(tmp_path / "fixed.onnx", 4), Device("cpu"), 1)
+    a = np.arange(30, dtype=np.float32).reshape(10, 3)
+    limits = _CountedLimits(60.0)
+
+    total, _ = run_session(session, {"a": a, "b": a}, ["total", "product"], limits=limits)
+
+    assert limits.watched == 3
+    np.testing.assert_array_equal(total, a + a)
