@@ -315,6 +315,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--verbose", action="store_true", help="print every job")
+    parser.add_argument("--margin", type=float, default=None, help="sla.admission_margin (default: the setting's)")
     parser.add_argument("--part", choices=("admission", "predictor"), default="admission")
     args = parser.parse_args()
     if args.part == "predictor":
@@ -331,7 +332,9 @@ def main() -> None:
             np.save(home / f"{model}.npy", rng.standard_normal((high, *SHAPES[model])).astype(np.float32))
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
-            sla={"models": {f"{model}_flag": {"admission": "flag"} for model in SIZES}})
+            sla={"models": {f"{model}_flag": {"admission": "flag"} for model in SIZES},
+                 **({} if args.margin is None else {"admission_margin": args.margin})})
+        print(f"sla.admission_margin {settings.sla.admission_margin:g}")
         with Stack(settings, worker_count=1, api_port=0) as stack:
             client = stack.client()
             for model in SIZES:

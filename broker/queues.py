@@ -122,17 +122,22 @@ def lease_riders(
     window: int = 256,
     ticket: str = "",
     lowest_level: int = 0,
+    tenants: dict[str, Any] | None = None,
 ) -> list[LeasedItem]:
     """Lease online requests of `model_ref` in shape `bucket`, best first, to ride along in a job
     chunk's next mini-batch: found among the first `window` waiting items even behind job chunks,
     up to `max_items` requests, `max_rows` rows and `max_tokens` tokens (0: no token limit), none
-    submitted below priority level `lowest_level` (a degraded worker's paused class)."""
+    submitted below priority level `lowest_level` (a degraded worker's paused class). With `tenants`
+    ({order, held}: `sits_worker.fair_share`), the requests of tenants in `order` go first, in its
+    order, and a held tenant's do not ride."""
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_riders(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
                   keys.waiting_requests(model_ref)],
-            args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window, lowest_level],
+            args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window, lowest_level,
+                  json.dumps({"order": tenants.get("order", []), "held": tenants.get("held", [])})
+                  if tenants is not None else ""],
         )
     return _leased(reply, model_ref, ticket)
 

@@ -81,7 +81,8 @@ def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarra
 def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray],
                  ticket: str) -> list[queues.LeasedItem]:
     """Requests of `model_ref` that can ride in the job mini-batch `feed`: its shape bucket, up to the
-    model's `max_batch_size` rows, and within `max_batch_tokens` together with the mini-batch."""
+    model's `max_batch_size` rows, and within `max_batch_tokens` together with the mini-batch; by the
+    tenants' fair-share order, a held tenant's left waiting."""
     if breaker.state_at(ctx.breakers.breaker(model_ref), now=time.time()) != breaker.CLOSED:
         return []  # (the chunk runs on: its own runs decide; no one else's work rides along meanwhile)
     batching = ctx.batching(model_ref)
@@ -99,7 +100,8 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
                                lease_seconds=ctx.settings.scheduler.lease_timeout,
                                max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
                                max_tokens=max_tokens, window=4 * batching.max_batch_size, ticket=ticket,
-                               lowest_level=ctx.memory_watch.lowest_level())
+                               lowest_level=ctx.memory_watch.lowest_level(),
+                               tenants=ctx.fair_share.lease_option(model_ref))
 
 
 def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:

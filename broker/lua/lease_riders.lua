@@ -17,6 +17,9 @@
 -- ARGV[7] most tokens (0: no limit), padded tokens for requests that will be padded
 -- ARGV[8] how many queue entries to look at
 -- ARGV[9] the lowest priority level to lease (a request submitted below it stays: its class is paused)
+-- ARGV[10] the fair-share order, a JSON object {order [...], held [...]}, or '' for none: the requests of
+--   tenants in `order` first (in its order, queue order within a tenant), then the others; a held
+--   tenant's requests do not ride (it is past its limit)
 -- Returns: {-1} when the ticket is no longer valid; else {n, id1, payload1, attempts1, ...}, best first.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
@@ -25,19 +28,47 @@ end
 local bucket = ARGV[4]
 local max_items, max_rows, max_tokens = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local lowest_level = tonumber(ARGV[9]) or 0
+local tenants = (ARGV[10] or '') ~= '' and cjson.decode(ARGV[10]) or nil
+local rank, held, last = {}, {}, 1
+if tenants then
+  for index, name in ipairs(tenants.order or {}) do
+    rank[name] = index
+  end
+  for _, name in ipairs(tenants.held or {}) do
+    held[name] = true
+  end
+  last = #(tenants.order or {}) + 1
+end
+
+-- The requests that may ride: {id, payload, rows, tokens, rank, position}, in the window's queue order.
+local candidates = {}
+for position, item_id in ipairs(redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[8]) - 1)) do
+  local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+  local item = cjson.decode(payload)
+  local factors = item['factors'] or {}
+  local level = number_or(factors['base_level'], number_or(factors['level'], 0))
+  local tenant = item['tenant'] or ''
+  if item['kind'] == 'request' and item['bucket'] == bucket and level >= lowest_level and not held[tenant] then
+    candidates[#candidates + 1] = {item_id, payload, number_or(item['rows'], 1),
+      number_or(item['padded_tokens'], number_or(item['tokens'], 0)), rank[tenant] or last, position}
+  end
+end
+if tenants then
+  table.sort(candidates, function(a, b)
+    if a[5] ~= b[5] then
+      return a[5] < b[5]
+    end
+    return a[6] < b[6]
+  end)
+end
+
 local out, rows, tokens = {0}, 0, 0
-for _, item_id in ipairs(redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[8]) - 1)) do
+for _, candidate in ipairs(candidates) do
   if out[1] >= max_items or rows >= max_rows then
     break
   end
-  local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
-  local item = cjson.decode(payload)
-  local item_rows = number_or(item['rows'], 1)
-  local item_tokens = number_or(item['padded_tokens'], number_or(item['tokens'], 0))
-  local factors = item['factors'] or {}
-  local level = number_or(factors['base_level'], number_or(factors['level'], 0))
-  if item['kind'] == 'request' and item['bucket'] == bucket and rows + item_rows <= max_rows and level >= lowest_level
-      and (max_tokens == 0 or tokens + item_tokens <= max_tokens) then
+  local item_id, payload, item_rows, item_tokens = candidate[1], candidate[2], candidate[3], candidate[4]
+  if rows + item_rows <= max_rows and (max_tokens == 0 or tokens + item_tokens <= max_tokens) then
     redis.call('ZREM', KEYS[2], item_id)
     redis.call('ZADD', KEYS[3], ARGV[3], item_id)
     redis.call('ZREM', KEYS[6], item_id)

@@ -14,10 +14,10 @@ from broker.store import Store
 
 
 def submit(store: Store, request_id: str, *, score: float, bucket: str = "features:64", rows: int = 1,
-           tokens: int | None = None) -> None:
+           tokens: int | None = None, tenant: str = "") -> None:
     spec = RequestSpec(request_id=request_id, model_name="mlp", model_version="v1",
                        inputs={"features": np.zeros((rows, 64), np.float32)}, rows=rows, tokens=tokens,
-                       bucket=bucket, factors={"level": 0, "enqueued_at": NOW})
+                       bucket=bucket, factors={"level": 0, "enqueued_at": NOW}, tenant=tenant)
     requests.submit_request(store, spec, score=score, now=NOW, max_age_seconds=60)
 
 
@@ -43,6 +43,21 @@ def test_riders_of_the_bucket_are_found_behind_job_chunks_best_first_within_the_
     assert ids(riders) == ["r-first", "r-two"]  # r-late would pass the 3 rows; r-other has another shape
     assert ready_ids(store) == [*(jobs.chunk_item_id(spec.job_id, i) for i in range(3)), "r-other", "r-late"]
     assert store.client.zscore(store.keys.inflight(MODEL_REF), "r-two") == NOW + 30
+
+
+def test_riders_follow_the_tenants_fair_share_order_and_a_held_tenant_s_do_not_ride(store: Store) -> None:
+    for index in range(3):
+        submit(store, f"flood{index}", score=index, tenant="flood")
+    submit(store, "below", score=10, tenant="below")
+    submit(store, "capped", score=11, tenant="capped")
+
+    riders = queues.lease_riders(store, MODEL_REF, "features:64", now=NOW, lease_seconds=30, max_items=2,
+                                 max_rows=2, tenants={"order": ["below", "flood", "capped"], "held": ["capped"]})
+    assert ids(riders) == ["below", "flood0"]  # the tenant below its share first, though last in the queue
+    riders = queues.lease_riders(store, MODEL_REF, "features:64", now=NOW, lease_seconds=30, max_items=8,
+                                 max_rows=8, tenants={"order": ["below", "flood", "capped"], "held": ["capped"]})
+    assert ids(riders) == ["flood1", "flood2"]  # and the held tenant's request stays queued
+    assert ready_ids(store) == ["capped"]
 
 
 def test_riders_respect_the_token_budget_the_item_count_and_the_scan_window(store: Store) -> None:
