@@ -215,7 +215,8 @@ class Keys:
     def waiting_requests(self, model_ref: str) -> str:
         """ZSET request id -> its priority level as submitted, of `model_ref`'s online requests waiting in
         its ready queue (not leased): what `max_queue_size` counts, in total (ZCARD) and per level (ZCOUNT).
-        Every script that moves a request into or out of the ready queue keeps it."""
+        Every script that moves a request into or out of the ready queue keeps it. Its name is also the
+        channel a request that starts waiting is announced on (`sits_worker/request_bell.py`)."""
         return self._key("waiting-requests", model_ref)
 
     def request_timeouts(self, model_ref: str) -> str:

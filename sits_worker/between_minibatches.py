@@ -58,6 +58,9 @@ class BetweenBatches:
         self._chunk_score = float(score) if isinstance(score, int | float) else None
         self._interval = ctx.fair_share.look_interval(ctx.settings.scheduler.yield_check_interval)
         self._next_look = time.monotonic() + self._interval
+        self._quiet_interval = ctx.settings.scheduler.yield_check_interval
+        self._looked_at = time.monotonic()
+        self._bell_mark: int | None = None
         self._carried = list(carried)
         self._stale = False
         self._stop_checked_at = time.monotonic()
@@ -73,7 +76,7 @@ class BetweenBatches:
             with self._ctx.lease_keeper.holding([self._item]):
                 run_requests(self._ctx, self._carried, self._ticket)
             self._carried = []
-        if self._stale or time.monotonic() < self._next_look:
+        if self._stale or time.monotonic() < self._next_look or not self._worth_a_look():
             return []
         try:
             snapshot = self._ctx.queue_watcher.snapshot()
@@ -93,7 +96,18 @@ class BetweenBatches:
             self._stale = True
             return []
         self._next_look = time.monotonic() + (0 if served or riders else self._interval)  # more may wait
+        if served or riders:
+            self._bell_mark = None  # (and may have been announced already: the next look goes ahead)
         return riders
+
+    def _worth_a_look(self) -> bool:
+        """Whether this look goes ahead: an online request was announced since the last one (or the bell
+        cannot tell), or `yield_check_interval` has passed since it (`request_bell.py`)."""
+        mark = self._ctx.request_bell.mark()
+        if mark is not None and mark == self._bell_mark and time.monotonic() - self._looked_at < self._quiet_interval:
+            return False
+        self._bell_mark, self._looked_at = mark, time.monotonic()
+        return True
 
     def _stop_if_job_stopped(self) -> None:
         """Raise `Cancelled` when the chunk's job was stopped since it was leased (looked at once a second)."""

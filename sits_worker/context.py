@@ -42,6 +42,7 @@ from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
 from sits_worker.observed_profiles import ObservedLatencies
+from sits_worker.request_bell import RequestBell
 from sits_worker.run_limits import RunLimits
 from sits_worker.runtime import SessionCache, run_session
 from sits_worker.usage_meter import UsageMeter
@@ -84,6 +85,9 @@ class WorkerContext:
     commits: Commits = field(init=False)
     """Writes computed chunks' parts and acks them while the stream slots go on (at most `streams` pending)."""
     lease_keeper: LeaseKeeper = field(init=False)
+    request_bell: RequestBell = field(init=False)
+    """Tells a running job chunk whether an online request was queued since it last looked
+    (`sits_worker/request_bell.py`)."""
     """Extends the leases of runs longer than a quarter of `scheduler.lease_timeout` while they run."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     model_records: ModelRecordCache = field(default_factory=lambda: ModelRecordCache(WORKER_RECORD_TTL_SECONDS))
@@ -117,6 +121,7 @@ class WorkerContext:
         self.queue_watcher = QueueWatcher(self.store)
         self.commits = Commits(max_pending=self.streams)
         self.lease_keeper = LeaseKeeper(self.store, self.settings.scheduler.lease_timeout)
+        self.request_bell = RequestBell(self.store)
         if self.faults is None and self.settings.faults.active:
             self.faults = FaultInjector(self.settings.faults, self.store, worker=lambda: self.name)
         self.breakers = breaker.BreakerBoard(self.store, self.settings.breaker, lambda: self.name)

@@ -66,13 +66,21 @@ local function add_queue(queues_key, version_key, model_ref)
 end
 
 
+-- An online request waits in the queue of `waiting_key`'s model: a publish on that key's name (a
+-- channel, not a key) tells the running job chunks to look (`sits_worker/request_bell.py`).
+local function announce_waiting(waiting_key)
+  redis.call('PUBLISH', waiting_key, '1')
+end
+
+
 -- An item goes back to its ready queue (`item` its decoded payload): an online request counts as
 -- waiting again (`waiting_key`, `keys.waiting_requests`), at the level it was submitted at (a PSA jump
--- or a `delay` timeout changes `level` and keeps the first in `base_level`).
+-- or a `delay` timeout changes `level` and keeps the first in `base_level`), and is announced.
 local function count_waiting_again(waiting_key, item_id, item)
   if item['kind'] == 'request' then
     local factors = item['factors'] or {}
     redis.call('ZADD', waiting_key, number_or(factors['base_level'], number_or(factors['level'], 0)), item_id)
+    announce_waiting(waiting_key)
   end
 end
 

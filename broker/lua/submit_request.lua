@@ -67,6 +67,7 @@ redis.call('EXPIRE', KEYS[4], ARGV[7])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[5])
 redis.call('ZADD', KEYS[1], ARGV[4], ARGV[2])
 redis.call('ZADD', KEYS[11], level, ARGV[2])
+announce_waiting(KEYS[11])
 if ARGV[14] ~= '' then
   redis.call('ZADD', KEYS[12], ARGV[14], ARGV[2])
 end

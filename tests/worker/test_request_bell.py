@@ -1,0 +1,98 @@
+"""The request bell: the scripts that make an online request wait announce it, and a running chunk's
+looks follow the announcements (real Redis, a real `WorkerContext`, the zoo MLP)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from worker_helpers import mlp_worker_context
+
+from broker import job_fills, jobs, queues, requests
+from broker.config import Settings
+from broker.requests import RequestSpec
+from broker.scoring import Factors, Weights, queue_key
+from broker.store import Store
+from sits_worker.between_minibatches import BetweenBatches
+from sits_worker.request_bell import RequestBell
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _submit(store: Store, request_id: str, level: int = 13) -> None:
+    factors = Factors(level=level, enqueued_at=time.time())
+    spec = RequestSpec(request_id=request_id, model_name="mlp", model_version="v1",
+                       inputs={"features": np.zeros((1, 64), np.float32)}, rows=1, tokens=None,
+                       bucket="features:64", factors=factors.to_dict(), owner="key")
+    requests.submit_request(store, spec, score=queue_key(factors, Weights()), now=time.time(), max_age_seconds=600)
+
+
+def test_a_submit_and_a_returned_request_are_announced(store: Store) -> None:
+    bell = RequestBell(store)
+    assert bell.mark() is None  # not subscribed yet: a look must go ahead
+    assert _wait_for(lambda: bell.mark() is not None)
+    quiet = bell.mark()
+    time.sleep(0.05)
+    assert bell.mark() == quiet  # nothing announced, nothing counted
+
+    _submit(store, "r1")
+    assert _wait_for(lambda: bell.mark() != quiet)
+    submitted = bell.mark()
+    [leased] = queues.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
+    time.sleep(0.05)
+    assert bell.mark() == submitted  # a lease is no announcement
+    queues.return_unrun(store, [leased])  # back in the queue: waiting again
+    assert _wait_for(lambda: bell.mark() != submitted)
+
+
+def test_a_running_chunk_skips_looks_until_a_request_is_announced(store: Store, zoo_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """A 2 ms preemption target makes a running chunk look every millisecond, a Redis round trip each:
+    with nothing announced the looks are skipped down to one a `yield_check_interval` (here 10 s); an
+    announced request is served at the next mini-batch boundary."""
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(
+        scheduler={"yield_check_interval": "10s"},
+        tenants={"acme": {"guaranteed_share": 0.5, "preemption_target": "2ms"}}))
+    np.save(tmp_path / "in.npy", np.zeros((64, 64), np.float32))
+    spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1",
+                        input_batch=str(tmp_path / "in.npy"), input_format="npy", input_checksum="sha256:0",
+                        output_dir=str(tmp_path / "out"), output_names=["logits"], rows_total=64,
+                        chunk_size=64, batch_size=8)
+    job_fills.create_job(store, spec, now=time.time())
+    [chunk] = queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    snapshots = 0
+    read = ctx.queue_watcher.snapshot
+
+    def counted() -> queues.QueueSnapshot:  # (the real snapshot, counted)
+        nonlocal snapshots
+        snapshots += 1
+        return read()
+
+    ctx.queue_watcher.snapshot = counted  # type: ignore[method-assign]
+    between = BetweenBatches(ctx, chunk, ticket="")
+    feed = {"features": np.zeros((8, 64), np.float32)}
+    assert _wait_for(lambda: ctx.request_bell.mark() is not None)
+    time.sleep(0.002)
+    between(feed)  # the first look with the bell listening goes ahead
+    assert snapshots == 1
+    for _ in range(20):
+        time.sleep(0.002)
+        assert between(feed) == []
+    assert snapshots == 1  # nothing announced: 20 boundaries, no look
+
+    quiet = ctx.request_bell.mark()
+    _submit(store, "express")  # an express request outranks the chunk
+    assert _wait_for(lambda: ctx.request_bell.mark() != quiet)
+    time.sleep(0.002)
+    between(feed)
+    assert snapshots == 2
+    assert store.client.zscore(store.keys.ready(spec.model_ref), "express") is None  # served in the chunk's place
