@@ -54,17 +54,21 @@ class RequestBell:
 
     def _listen(self) -> None:
         while time.monotonic() - self._asked_at < IDLE_SECONDS:
-            pubsub = self._store.pooled_client.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._store.pooled_client.pubsub()
             try:
                 pubsub.psubscribe(self._pattern)
-                self._rings += 1  # (what came before the subscription is not known: the next look goes)
+                confirmed = pubsub.get_message(timeout=RETRY_SECONDS)  # (what Redis publishes from its
+                if confirmed is None or confirmed["type"] != "psubscribe":  # confirmation on reaches here)
+                    raise TimeoutError(f"Redis did not confirm the subscription within {RETRY_SECONDS:g}s")
+                self._rings += 1  # (what came before is not known: the next look goes ahead)
                 self._listening = True
                 while time.monotonic() - self._asked_at < IDLE_SECONDS:
-                    if pubsub.get_message(timeout=1.0) is not None:
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is not None and message["type"] == "pmessage":
                         self._rings += 1
             except Exception as err:  # Redis away: look every time meanwhile, subscribe again soon
                 self._listening = False
-                log.warning("request bell: %s; running chunks look for online work every time meanwhile", err)
+                log.warning("request bell: %s; running chunks look for online work at every interval meanwhile", err)
                 time.sleep(RETRY_SECONDS)
             finally:
                 self._listening = False
