@@ -136,8 +136,7 @@ def lease_riders(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
                   keys.waiting_requests(model_ref)],
             args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window, lowest_level,
-                  json.dumps({"order": tenants.get("order", []), "held": tenants.get("held", [])})
-                  if tenants is not None else ""],
+                  json.dumps(tenants) if tenants is not None else ""],
         )
     return _leased(reply, model_ref, ticket)
 

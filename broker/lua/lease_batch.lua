@@ -29,9 +29,9 @@
 --     first requests by level (KEYS[7], the paused class last) are weighed too, wherever they wait
 -- Returns {-1}: the ticket is no longer valid; {-2}: nothing leased, and paused items were all there was
 -- within reach (no held tenant's among them: a held tenant's wait ends by the milliseconds, a paused
--- class's by a step back); {0}: nothing leased; else {n, id1, payload1, attempts1, ...}; after any of the last three,
--- the names of the ranked tenants (`tenants.order`) a fair scan that read every item within reach found
--- nothing of (the caller may leave them out of its next orders a moment).
+-- class's by a step back); {0}: nothing leased; else {n, id1, payload1, attempts1, ...}; after any of
+-- the last three, the names of the ranked tenants (`tenants.order`) a fair scan that read every item
+-- within reach found nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
@@ -153,14 +153,13 @@ local function by_rank_then_score(a, b)
   return a[1] < b[1]
 end
 
--- The model's waiting requests the scan of `ranked_candidates` did not reach, added to its buckets: the
--- first `enough` of them by level (highest first), from KEYS[7], whatever the queue holds in front of
--- them. Called for a degraded worker when the window ran out before the queue did, so that a window
--- full of paused work does not hide the requests behind it (a job's chunks that far back stay unseen until the work
--- in front of them goes).
-local function add_unreached_requests(rank_of, demotion, by_rank, collected, seen, enough)
-  for _, item_id in ipairs(redis.call('ZREVRANGE', KEYS[7], 0, enough - 1)) do
-    local score = not collected[item_id] and redis.call('ZSCORE', KEYS[2], item_id)
+-- The first `count` waiting requests of the model by level (KEYS[7], highest first), those in `skip`
+-- left out, as entries {id, payload, item, rank, score}, demotion included; `seen` gains their tenants.
+-- The requests no rank admits are left out.
+local function requests_by_level(rank_of, demotion, count, skip, seen)
+  local entries = {}
+  for _, item_id in ipairs(redis.call('ZREVRANGE', KEYS[7], 0, count - 1)) do
+    local score = not skip[item_id] and redis.call('ZSCORE', KEYS[2], item_id)
     if score then
       local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
       local item = cjson.decode(payload)
@@ -169,11 +168,22 @@ local function add_unreached_requests(rank_of, demotion, by_rank, collected, see
       seen[tenant] = true
       local item_rank = rank_of(tenant, level)
       if item_rank ~= nil then
-        local bucket = by_rank[item_rank] or {}
-        by_rank[item_rank] = bucket
-        bucket[#bucket + 1] = {item_id, payload, item, item_rank, tonumber(score) + demotion(level)}
+        entries[#entries + 1] = {item_id, payload, item, item_rank, tonumber(score) + demotion(level)}
       end
     end
+  end
+  return entries
+end
+
+-- The requests the scan of `ranked_candidates` did not reach, added to its buckets: the first `enough`
+-- by level, whatever the queue holds in front of them. Called for a degraded worker when the window ran
+-- out before the queue did, so that a window full of paused work does not hide the requests behind it
+-- (a job's chunks that far back stay unseen until the work in front of them goes).
+local function add_unreached_requests(rank_of, demotion, by_rank, collected, seen, enough)
+  for _, entry in ipairs(requests_by_level(rank_of, demotion, enough, collected, seen)) do
+    local bucket = by_rank[entry[4]] or {}
+    by_rank[entry[4]] = bucket
+    bucket[#bucket + 1] = entry
   end
 end
 
@@ -261,20 +271,7 @@ end
 -- left out.
 local function ranked_requests()
   local rank_of, demotion, _, _, window = ranking()
-  window = math.max(window, 2 * max_items)
-  local entries = {}
-  for _, item_id in ipairs(redis.call('ZREVRANGE', KEYS[7], 0, window - 1)) do
-    local score = redis.call('ZSCORE', KEYS[2], item_id)
-    if score then
-      local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
-      local item = cjson.decode(payload)
-      local level = base_level(item)
-      local item_rank = rank_of(item['tenant'] or '', level)
-      if item_rank ~= nil then
-        entries[#entries + 1] = {item_id, payload, item, item_rank, tonumber(score) + demotion(level)}
-      end
-    end
-  end
+  local entries = requests_by_level(rank_of, demotion, math.max(window, 2 * max_items), {}, {})
   table.sort(entries, by_rank_then_score)
   return entries
 end
