@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -131,6 +133,29 @@ def children_of(pid: int) -> list[int]:
         return []
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds so far of each thread of process `pid`, by thread id (from /proc)."""
+    seconds: dict[int, float] = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # (a thread that ended meanwhile)
+        seconds[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches so far of every thread of process `pid`."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            total += sum(int(line.split()[1]) for line in status.read_text().splitlines() if "ctxt_switches:" in line)
+        except OSError:
+            continue
+    return total
+
+
 def redis_commandstats(stack: Stack) -> dict[str, tuple[int, float]]:
     """Calls and total microseconds per Redis command so far (`INFO commandstats`)."""
     stats = stack.store.client.info("commandstats")
@@ -151,6 +176,8 @@ def main() -> None:
     parser.add_argument("--server", choices=("gunicorn", "granian"), default="gunicorn", help="the API's HTTP server")
     parser.add_argument("--keep", type=Path, default=None, help="copy py-spy's raw files into this folder")
     parser.add_argument("--no-spy", action="store_true", help="run the load without sampling (its own figures)")
+    parser.add_argument("--intra-op", type=int, default=0,
+                        help="ONNX Runtime threads of the worker's sessions (0: its default, the cores a stream has)")
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
@@ -159,7 +186,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sits-profile-") as tmp:
         home = Path(tmp)
         zoo = build_zoo(home / "zoo")
-        overrides = (
+        overrides: dict[str, Any] = (
             {
                 "resources": {"max_concurrent_streams": 1},
                 "online": {"batching": {"max_batch_size": 32, "max_queue_delay": 0.005}},
@@ -167,6 +194,8 @@ def main() -> None:
             if args.tuned
             else {}
         )
+        if args.intra_op:
+            overrides["resources"] = {**overrides.get("resources", {}), "intra_op_threads": args.intra_op}
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
             api={"server": args.server},
@@ -211,9 +240,14 @@ def main() -> None:
             )
             time.sleep(0.5)  # py-spy attached
             before = redis_commandstats(stack)
+            threads_before = thread_cpu(worker)
+            watched = {**pythons, "redis": redis_pid or 0}
+            switches_before = {name: context_switches(pid) for name, pid in watched.items()}
 
             result = sits_load(stack, args.model, requests, args.clients, args.seconds, meter)
             after = redis_commandstats(stack)
+            threads_after = thread_cpu(worker)
+            switches = {name: context_switches(pid) - switches_before[name] for name, pid in watched.items()}
             for spy in spies.values():
                 spy.wait(timeout=args.seconds + 60)
             if args.keep:
@@ -238,6 +272,13 @@ def main() -> None:
                 print(f"| {name} | (all) | {process_us:,.0f} | 100 % |")
                 for category, count in counts.most_common():
                     print(f"| | {category} | {process_us * count / samples:,.0f} | {100 * count / samples:.0f} % |")
+            busiest = sorted(((seconds - threads_before.get(tid, 0.0), tid) for tid, seconds in threads_after.items()),
+                             reverse=True)[:4]
+            print("\nWorker threads, the busiest (us per request; the main thread's id is the process's): "
+                  + ", ".join(f"{tid}{' (main)' if tid == worker else ''} {seconds / done * 1e6:,.0f}"
+                              for seconds, tid in busiest))
+            print("Context switches per request (all threads of each process): "
+                  + ", ".join(f"{name} {count / done:.1f}" for name, count in switches.items() if count))
             if redis_pid:
                 redis_us = cpu.get("redis", 0.0) / done * 1e6
                 print(f"| redis | (all) | {redis_us:,.0f} | 100 % |")

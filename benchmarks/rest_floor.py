@@ -1,23 +1,48 @@
-r"""The REST floor of benchmarks/online_serving.py: a Flask app that only parses a request and answers it.
+r"""The REST floor: a Flask app that only parses a request and answers it, and what each hand-off adds.
 
-Same server as the SITS API (gunicorn started with the API's argv,
-`sits_api.cli.stack.api_command`: its worker class, process and thread counts
-and keep-alive; SITS's JSON provider), same client, same request bodies; it
-runs no model and touches no Redis. Its req/s bounds what any Flask service
-can answer on this machine with these clients, whatever it does behind the
-endpoint.
+Same server as the SITS API (started with the API's argv, `sits_api.cli.stack.api_command`: its
+worker class, process and thread counts and keep-alive; SITS's JSON provider), same client, same
+request bodies; it runs no model. Its req/s bounds what any Flask service can answer on this
+machine with these clients, whatever it does behind the endpoint.
 
+The ladder (`python benchmarks/rest_floor.py`) adds, one at a time, the two hand-offs every online
+SITS request makes besides its own work: a Redis round trip (the submit script; here a PING on the
+thread's own connection) and a result handed over by another thread (the result inbox's waiter
+thread; here a thread that sets a Future). For each it prints req/s, CPU per request of the server
+(and Redis) and the context switches per request of the server's threads, so the cost of a wake on
+this machine can be read beside the cost of the work.
+
+    python benchmarks/rest_floor.py                       # granian and gunicorn, 32 clients, 5 s a step
+    python benchmarks/rest_floor.py --servers granian --seconds 10
     python -m gunicorn benchmarks.rest_floor:app --workers 2 --threads 16 --keep-alive 30 \
         --worker-class sits_api.gunicorn_worker.JsonErrorThreadWorker
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from flask import Flask, jsonify, request
 
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from sits_api.jsonio import OrjsonProvider
+
+STEPS = ("plain", "redis", "handoff", "redis+handoff")
+"""What each request does besides parsing and answering: nothing, one Redis round trip, one result
+handed over by another thread, or both (as a waiting SITS request does)."""
 
 app = Flask("rest-floor")
 app.json = OrjsonProvider(app)
@@ -26,11 +51,137 @@ app.json.sort_keys = False  # type: ignore[attr-defined]
 _ANSWER = {"id": "r0", "model": "mlp", "model_version": "v", "status": "succeeded", "rows": 1, "batch_size": 1,
            "error": None, "outputs": {"logits": [[0.0] * 10]}}
 
+_STEP = os.environ.get("SITS_FLOOR_STEP", "plain")  # (a benchmark's own app: read where it is served)
+_REDIS_URL = os.environ.get("SITS_FLOOR_REDIS", "")
+_local = threading.local()
+_handed: queue.SimpleQueue[Future[int]] = queue.SimpleQueue()
+_hander_lock = threading.Lock()
+_hander: list[threading.Thread] = []
+
+
+def _redis() -> Any:
+    """This thread's own connection (as `broker.store.Store` holds one per thread)."""
+    client = getattr(_local, "redis", None)
+    if client is None:
+        import redis
+
+        client = _local.redis = redis.Redis.from_url(_REDIS_URL).client()
+    return client
+
+
+def _hand_over() -> None:
+    """Wait for a Future that another thread sets, as a request waits for the result inbox's thread."""
+    with _hander_lock:
+        if not _hander:
+            _hander.append(threading.Thread(target=_set_each, daemon=True, name="floor-hander"))
+            _hander[0].start()
+    future: Future[int] = Future()
+    _handed.put(future)
+    future.result(timeout=5)
+
+
+def _set_each() -> None:
+    while True:
+        _handed.get().set_result(1)
+
 
 @app.post("/v1/requests")
 def answer() -> Any:
-    """Parse the body as SITS does (JSON object), answer a result of the MLP's size."""
+    """Parse the body as SITS does (JSON object), make this step's hand-offs, answer a result of the MLP's size."""
     body = request.get_json(silent=True)
     if not isinstance(body, dict):
         return jsonify({"error": "the request body must be a JSON object"}), 400
+    if "redis" in _STEP:
+        _redis().ping()
+    if "handoff" in _STEP:
+        _hand_over()
     return jsonify(_ANSWER)
+
+
+# --- the ladder ------------------------------------------------------------------------------------
+
+
+def context_switches(pids: list[int]) -> int:
+    """Voluntary and involuntary context switches so far of every thread of `pids` (from /proc)."""
+    total = 0
+    for pid in pids:
+        for status in Path(f"/proc/{pid}/task").glob("*/status"):
+            try:
+                total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
+                             if "ctxt_switches:" in line)
+            except OSError:
+                continue  # (a thread that ended meanwhile)
+    return total
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its live children (the server's worker processes)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return [pid]
+    return [pid, *(int(child) for child in children)]
+
+
+def run_step(server_name: str, step: str, redis_url: str, clients: int, seconds: float) -> dict[str, Any]:
+    """One step of the ladder under one server: its req/s, CPU per request and context switches per request."""
+    from benchmarks.online_serving import CpuMeter, payloads, rest_load, stop_process
+    from broker.config import Settings
+    from broker.embedded import free_port
+    from sits_api.cli.stack import api_command
+
+    port = free_port()
+    settings = Settings().with_overrides(api={"host": "127.0.0.1", "port": port, "server": server_name})
+    env = dict(os.environ, SITS_FLOOR_STEP=step, SITS_FLOOR_REDIS=redis_url)
+    server = subprocess.Popen(api_command(settings, app="benchmarks.rest_floor:app"), cwd=Path(__file__).parents[1],
+                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"the floor did not start under {server_name}") from None
+                time.sleep(0.1)
+        url, requests = f"http://127.0.0.1:{port}", payloads("mlp", 256, seed=1)
+        rest_load(url, "mlp", requests, clients, 1.0, CpuMeter({}))  # warm-up: threads and connections made
+        pids = process_tree(server.pid)
+        before = context_switches(pids)
+        result = rest_load(url, "mlp", requests, clients, seconds, CpuMeter({"server api": server.pid}))
+        switches = context_switches(pids) - before
+        done = max(1, result["done"])
+        return {"server": server_name, "step": step, "rps": result["rps"], "errors": result["errors"],
+                "cpu_us": sum(result["cpu"].values()) / done * 1e6, "switches": switches / done}
+    finally:
+        stop_process(server)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", default="granian,gunicorn", help="comma-separated: granian, gunicorn")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    from broker.embedded import EmbeddedRedis
+
+    with tempfile.TemporaryDirectory(prefix="sits-floor-") as tmp:
+        redis_server = EmbeddedRedis(Path(tmp) / "redis", appendonly=False).start()
+        try:
+            rows = [run_step(name, step, redis_server.url, args.clients, args.seconds)
+                    for name in args.servers.split(",") for step in STEPS]
+        finally:
+            redis_server.stop(kill=True)
+    print(f"\n{args.clients} clients, {args.seconds:g} s a step; CPU: the server's processes (Redis apart, "
+          "a few us per PING)\n")
+    print("| server | step | req/s | CPU us per request | context switches per request | errors |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        print(f"| {row['server']} | {row['step']} | {row['rps']:,.0f} | {row['cpu_us']:,.0f} | {row['switches']:.1f} "
+              f"| {row['errors']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,12 @@ FALLBACK_BATCH_ROWS = 128
 """Rows per run for a model without a usable profile."""
 
 BEST_BATCH_SLACK = 0.05
-"""An `auto` batch is the smallest measured size within this share of the best measured rows/s."""
+"""An `auto` batch is the smallest measured size within this share of the best rows/s a job gets."""
+
+MINI_BATCH_OVERHEAD_SECONDS = 0.00005
+"""What one of a job's mini-batches costs besides its run: the boundary's checks, the copy of its
+outputs, its bill (about 20 us on the 2-core reference machine, docs/benchmarks.md; rounded up). A
+profile times bare runs, so a job's rows/s at a batch size is below the profile's by this much a run."""
 
 CHUNKS_PER_WORKER = 2
 """Fewest chunks per live worker that a job is split into when it has the rows for it."""
@@ -69,16 +74,26 @@ def auto_batch_size(record: dict[str, Any]) -> int:
     """Rows per run for a job of the model whose registry record is `record`: its best batch size.
 
     The measured profile's best throughput is the ceiling an offline job aims at (the bare ONNX
-    Runtime loop at its best batch size); the smallest batch size within `BEST_BATCH_SLACK` of it
-    is taken, since a smaller batch holds less memory and lets online work in sooner (a job yields
-    between batches). Without usable profile points (`throughput_points`): `FALLBACK_BATCH_ROWS`.
+    Runtime loop at its best batch size). A job also pays `MINI_BATCH_OVERHEAD_SECONDS` a run, which
+    weighs on fast models' small batches (a 512-row run of the zoo MLP takes 0.4 ms here), so each size is
+    judged by the rows/s a job gets at it (`job_rows_per_second`). The smallest batch size within
+    `BEST_BATCH_SLACK` of the best is taken, since a smaller batch holds less memory and lets online
+    work in sooner (a job yields between batches). Without usable profile points
+    (`throughput_points`): `FALLBACK_BATCH_ROWS`.
     """
     points = throughput_points(record)
     if not points:
         return FALLBACK_BATCH_ROWS
-    best = max(float(point["rows_per_second"]) for point in points)
-    return min(int(point["batch_size"]) for point in points
-               if float(point["rows_per_second"]) >= best * (1 - BEST_BATCH_SLACK))
+    rates = {int(point["batch_size"]): job_rows_per_second(int(point["batch_size"]), float(point["rows_per_second"]))
+             for point in points}
+    best = max(rates.values())
+    return min(size for size, rate in rates.items() if rate >= best * (1 - BEST_BATCH_SLACK))
+
+
+def job_rows_per_second(batch_size: int, rows_per_second: float) -> float:
+    """The rows/s a job gets at `batch_size` where a bare run does `rows_per_second`: each run's time
+    plus `MINI_BATCH_OVERHEAD_SECONDS`."""
+    return batch_size / (batch_size / rows_per_second + MINI_BATCH_OVERHEAD_SECONDS)
 
 
 def output_bytes_per_row(record: dict[str, Any]) -> int:

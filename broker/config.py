@@ -196,8 +196,8 @@ class JobSettings(_Section):
     written (0: no cap)."""
     batch_size: int | Literal["auto"] = "auto"
     """Rows per ONNX Runtime run for jobs that do not set one; `auto`: the model's best measured
-    batch size (the smallest within 5 % of its best rows/s, broker/chunking.py); 128 for a model
-    without a usable profile."""
+    batch size (the smallest within 5 % of the best rows/s a job gets, its profile's rows/s less a
+    mini-batch's own cost, broker/chunking.py); 128 for a model without a usable profile."""
     max_attempts: Integer = Field(3, ge=1)
     """A chunk (or request) whose lease ran out this many times fails its job (poison batch): the
     attempts of `retry.worker_lost` unless that sets its own. Failures of other classes count
