@@ -46,6 +46,9 @@ _DOORBELL_SLICE_SECONDS = 0.25
 enqueue path rings the doorbell)."""
 
 
+COMPANY_POLL_SECONDS = 0.001
+"""How often a head request's batch is looked at again while it waits for company (`max_queue_delay`)."""
+
 HELD_POLL_SECONDS = 0.01
 """How often a slot looks again while a tenant is held back (its usage decays by the milliseconds)."""
 
@@ -202,7 +205,11 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str) -> None:
                                       enough=batching.enough_rows)
         if company is None or batching.wait_over(*company):  # (None: a job chunk heads, or nothing waits)
             return
-        time.sleep(min(batching.max_queue_delay - company[1], 0.001))
+        left = batching.max_queue_delay - company[1]
+        if left <= COMPANY_POLL_SECONDS:
+            time.sleep(left)  # the delay is up after it: no look is needed to know that
+            return
+        time.sleep(COMPANY_POLL_SECONDS)
 
 
 def _without_open_breakers(ctx: WorkerContext, snapshot: queues.QueueSnapshot) -> queues.QueueSnapshot:
