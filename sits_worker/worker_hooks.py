@@ -15,6 +15,7 @@ from celery import signals
 
 from broker import workers
 from broker.errors import ConfigError
+from broker.startup_heap import freeze_startup_heap
 from sits_worker.context import existing_worker_context, worker_context
 from sits_worker.devices import gpu_problem
 from sits_worker.heartbeat import Heartbeat
@@ -73,6 +74,14 @@ def _start_reaper(sender: Any = None, **_: Any) -> None:
     ctx = worker_context()
     _reaper = worker_reaper(ctx, send_drain, holder=_celery_name(sender) or ctx.name)
     _reaper.start()
+
+
+@signals.worker_ready.connect
+def _freeze_startup_heap(**_: Any) -> None:
+    """Keep what the worker made while it started out of Python's full collections (`broker/startup_heap.py`).
+    Connected after the threads' hooks, so it runs once they are up."""
+    frozen = freeze_startup_heap()
+    log.debug("froze %d objects made at start-up", frozen)
 
 
 @signals.worker_shutdown.connect
