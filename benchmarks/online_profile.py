@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.online_serving import INPUTS, CpuMeter, payloads, sits_load  # noqa: E402
+from benchmarks.online_serving import INPUTS, CpuMeter, context_switches, payloads, sits_load  # noqa: E402
 from broker.config import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
@@ -143,17 +143,6 @@ def thread_cpu(pid: int) -> dict[int, float]:
             continue  # (a thread that ended meanwhile)
         seconds[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return seconds
-
-
-def context_switches(pid: int) -> int:
-    """Voluntary and involuntary context switches so far of every thread of process `pid`."""
-    total = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        try:
-            total += sum(int(line.split()[1]) for line in status.read_text().splitlines() if "ctxt_switches:" in line)
-        except OSError:
-            continue
-    return total
 
 
 def redis_commandstats(stack: Stack) -> dict[str, tuple[int, float]]:

@@ -104,6 +104,24 @@ def cpu_seconds(pid: int, *, with_children: bool = False) -> float:
     return own + sum(cpu_seconds(int(child)) for child in children)
 
 
+def context_switches(pid: int, *, with_children: bool = False) -> int:
+    """Voluntary and involuntary context switches so far of every thread of process `pid` (from /proc; 0
+    if it is gone); with `with_children` also its live children's (the API server's worker processes)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            total += sum(int(line.split()[1]) for line in status.read_text().splitlines() if "ctxt_switches:" in line)
+        except OSError:
+            continue  # (a thread that ended meanwhile)
+    if with_children:
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            children = []
+        total += sum(context_switches(int(child)) for child in children)
+    return total
+
+
 class CpuMeter:
     """CPU seconds used by each named process between `start` and `stop`."""
 
@@ -289,11 +307,12 @@ def stop_process(process: subprocess.Popen[bytes] | None) -> None:
 
 
 def serve_app(app: str, *, env: dict[str, str] | None = None, log_path: Path | None = None,
-              ) -> tuple[subprocess.Popen[bytes], str]:
-    """Another WSGI app under the API's own gunicorn command (sits_api.cli.stack.api_command) on a free
-    loopback port; returns the server and its URL once it accepts connections."""
+              server_name: str = "gunicorn") -> tuple[subprocess.Popen[bytes], str]:
+    """Another WSGI app under the API's own command for `server_name`, gunicorn or granian
+    (sits_api.cli.stack.api_command), on a free loopback port; returns the server and its URL once it
+    accepts connections."""
     port = free_port()
-    settings = Settings().with_overrides(api={"host": "127.0.0.1", "port": port})
+    settings = Settings().with_overrides(api={"host": "127.0.0.1", "port": port, "server": server_name})
     with open(log_path or os.devnull, "ab") as log:
         server = subprocess.Popen(api_command(settings, app=app), cwd=ROOT, env=dict(os.environ, **(env or {})),
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
@@ -305,7 +324,7 @@ def serve_app(app: str, *, env: dict[str, str] | None = None, log_path: Path | N
         except OSError:
             if time.monotonic() > deadline or server.poll() is not None:
                 stop_process(server)
-                raise RuntimeError(f"{app} did not start under gunicorn") from None
+                raise RuntimeError(f"{app} did not start under {server_name}") from None
             time.sleep(0.1)
 
 

@@ -23,12 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -101,57 +98,18 @@ def answer() -> Any:
 # --- the ladder ------------------------------------------------------------------------------------
 
 
-def context_switches(pids: list[int]) -> int:
-    """Voluntary and involuntary context switches so far of every thread of `pids` (from /proc)."""
-    total = 0
-    for pid in pids:
-        for status in Path(f"/proc/{pid}/task").glob("*/status"):
-            try:
-                total += sum(int(line.split()[1]) for line in status.read_text().splitlines()
-                             if "ctxt_switches:" in line)
-            except OSError:
-                continue  # (a thread that ended meanwhile)
-    return total
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its live children (the server's worker processes)."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return [pid]
-    return [pid, *(int(child) for child in children)]
-
-
 def run_step(server_name: str, step: str, redis_url: str, clients: int, seconds: float) -> dict[str, Any]:
     """One step of the ladder under one server: its req/s, CPU per request and context switches per request."""
-    from benchmarks.online_serving import CpuMeter, payloads, rest_load, stop_process
-    from broker.config import Settings
-    from broker.embedded import free_port
-    from sits_api.cli.stack import api_command
+    from benchmarks.online_serving import CpuMeter, context_switches, payloads, rest_load, serve_app, stop_process
 
-    port = free_port()
-    settings = Settings().with_overrides(api={"host": "127.0.0.1", "port": port, "server": server_name})
-    env = dict(os.environ, SITS_FLOOR_STEP=step, SITS_FLOOR_REDIS=redis_url)
-    server = subprocess.Popen(api_command(settings, app="benchmarks.rest_floor:app"), cwd=Path(__file__).parents[1],
-                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    server, url = serve_app("benchmarks.rest_floor:app", env={"SITS_FLOOR_STEP": step, "SITS_FLOOR_REDIS": redis_url},
+                            server_name=server_name)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"the floor did not start under {server_name}") from None
-                time.sleep(0.1)
-        url, requests = f"http://127.0.0.1:{port}", payloads("mlp", 256, seed=1)
+        requests = payloads("mlp", 256, seed=1)
         rest_load(url, "mlp", requests, clients, 1.0, CpuMeter({}))  # warm-up: threads and connections made
-        pids = process_tree(server.pid)
-        before = context_switches(pids)
+        before = context_switches(server.pid, with_children=True)
         result = rest_load(url, "mlp", requests, clients, seconds, CpuMeter({"server api": server.pid}))
-        switches = context_switches(pids) - before
+        switches = context_switches(server.pid, with_children=True) - before
         done = max(1, result["done"])
         return {"server": server_name, "step": step, "rps": result["rps"], "errors": result["errors"],
                 "cpu_us": sum(result["cpu"].values()) / done * 1e6, "switches": switches / done}
