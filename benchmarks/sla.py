@@ -130,17 +130,20 @@ def measured_rate(stack: Stack, home: Path, model: str, number: int) -> float:
 def run_phase(stack: Stack, home: Path, mode: str, jobs: list[Planned], rates: dict[str, float],
               tag: str, verbose: bool = False) -> list[dict[str, Any]]:
     """Submit the stream under `mode` ('reject' or 'flag': the model names registered for each)."""
+    paths = [input_file(home, planned.model, planned.rows) for planned in jobs]  # written before the phase
+    os.sync()  # (their write-back would slow the phase's first jobs)
     started, outcomes = time.time(), []
-    for number, planned in enumerate(jobs):
+    for number, (planned, path) in enumerate(zip(jobs, paths, strict=True)):
         time.sleep(max(0.0, started + planned.at - time.time()))
         now = time.time()
         alone = planned.rows / rates[planned.model]
         deadline_s = planned.tightness * alone
         status, body = post(stack, "/v1/jobs", {
-            "model": f"{planned.model}_{mode}", "input_batch": str(input_file(home, planned.model, planned.rows)),
+            "model": f"{planned.model}_{mode}", "input_batch": str(path),
             "output_dir": str(home / "out" / f"{tag}-{mode}-{number}"), "deadline_s": round(deadline_s, 3)})
-        outcomes.append({"planned": planned, "submitted_at": now, "deadline": now + deadline_s, "status": status,
-                         "body": body})
+        # an accepted job is judged by the deadline it was given: deadline_s from the API's receipt
+        outcomes.append({"planned": planned, "submitted_at": body.get("created_at") or now,
+                         "deadline": body.get("deadline") or now + deadline_s, "status": status, "body": body})
     accepted = [o["body"]["id"] for o in outcomes if o["status"] in (200, 201)]
     finished = wait_all(stack, accepted, 600)
     for outcome in outcomes:
@@ -162,9 +165,10 @@ def describe(outcome: dict[str, Any]) -> str:
     final, body = outcome.get("final") or {}, outcome["body"]
     predicted = body.get("predicted_finish")
     real = final.get("finished_at")
-    started, busy = final.get("started_at"), final.get("busy_seconds")
+    started, busy, last_ack = final.get("started_at"), final.get("busy_seconds"), final.get("checkpoint_ts")
+    merge = f", merged {real - last_ack:4.2f} s after the last ack" if real and last_ack else ""
     return (f"{head}: predicted +{(predicted or at) - at:6.1f} s, real +{(real or at) - at:6.1f} s"
-            f" (started +{(started or at) - at:5.1f} s, {busy or 0:5.2f} slot s)"
+            f" (started +{(started or at) - at:5.1f} s, {busy or 0:5.2f} slot s{merge})"
             f"{' (at risk)' if body.get('at_risk') else ''}")
 
 
@@ -307,6 +311,21 @@ def predictor_main(args: argparse.Namespace) -> None:
               f"{r['precision']:.2f} | {r['recall']:.2f} | {r['lead_s']:.1f} s |")
 
 
+def calibration_line(stack: Stack) -> str:
+    """What the stack's jobs taught admission: each model's factor, and each pair's relative to it (how much
+    slower than on average a model's chunks ran beside another model, or alone)."""
+    from broker.admission import calibrations, contention
+
+    client = stack.client()
+    names = {client.get(f"/v1/models/{model}")["version"]: model for model in SIZES}
+    names["alone"] = "nothing"
+    factors = calibrations(stack.store)
+    own = [f"{names[version]} {factor:.2f}" for version, factor in factors.items() if version in names]
+    pairs = [f"{names.get(version, version)} beside {names.get(other, other)} {factor:.2f}"
+             for (version, other), factor in sorted(contention(factors).items())]
+    return "calibration: " + ", ".join(own) + "; relative, by pair: " + ", ".join(pairs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -355,6 +374,7 @@ def main() -> None:
                     outcomes = run_phase(stack, home, mode, jobs, rates, tag=f"r{round_number}", verbose=args.verbose)
                     results.append(summarize(mode, outcomes))
                     print(json.dumps(results[-1]))
+            print(calibration_line(stack))
     print()
     print("| phase | jobs | accepted | refused | at risk | accepted that met their deadline | "
           "real − predicted, median | abs. error P90 | at risk that met it with 20 % to spare |")

@@ -12,12 +12,18 @@ A model's speed is its measured profile's rows per second at the job's batch siz
 side (each on cores of its own: `fit_to_cores`), a GPU worker's share one device and count once. A
 model without a measured profile is estimated from its static FLOPs (`scoring.estimate_latency_ms`), which is rough:
 `estimate` says which was used.
+
+Jobs that end calibrate what the profile misses (`drop_ended`): each model version's factor, how much
+longer its chunks really took, and each pair's, how much longer beside one neighbour model on a
+worker's other slots (`slot_mix`, from `sits_worker/slot_overlap.py`). The plan scales each chunk by the
+pair it starts in (`contention`).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -67,10 +73,16 @@ class LiveFleet:
     device_kind: str
 
     @property
+    def slots_per_worker(self) -> int:
+        """Stream slots of one worker that run chunks side by side at a slot's speed: a CPU worker's
+        streams each have cores of their own (`fit_to_cores`); a GPU worker's share one device and count
+        once."""
+        return self.streams if self.device_kind == "cpu" else 1
+
+    @property
     def slots(self) -> int:
-        """Stream slots that run chunks side by side at a slot's speed: a CPU worker's streams each have
-        cores of their own (`fit_to_cores`); a GPU worker's share one device and count once."""
-        return self.workers * (self.streams if self.device_kind == "cpu" else 1)
+        """Stream slots of the fleet (`slots_per_worker` on each live worker)."""
+        return self.workers * self.slots_per_worker
 
 
 def live_fleet(settings: Settings, store: Store, *, now: float) -> LiveFleet:
@@ -94,6 +106,9 @@ class Figures:
     calibrations: dict[str, float]
     """By model version (its content hash, whatever name it is registered under), how much longer its
     jobs really ran than their profile says (`calibrations`)."""
+    contention: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(version, neighbour version) -> how much longer than its calibration says the version's chunks run
+    beside that neighbour on the other slots of a worker (`contention`)."""
 
     def calibration(self, version: str) -> float:
         """The factor of a version's predicted device time; 1 for one no job has calibrated yet."""
@@ -131,15 +146,34 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         seconds = work_seconds(int(total or 0) - int(done or 0), seconds_per_row=speed.seconds_per_row,
                                chunks=remaining_chunks)
         active.append(Work(job_id, float(score), seconds * factors.get(_version(model_ref), 1.0),
-                           float(deadline) if deadline else None, remaining_chunks))
+                           float(deadline) if deadline else None, remaining_chunks, _version(model_ref)))
         if status == "running":
             running.append(active[-1])
-    return Figures(active, running, fleet, factors)
+    return Figures(active, running, fleet, factors, contention(factors))
 
 
 def calibrations(store: Store) -> dict[str, float]:
-    """Each calibrated model version's factor (`keys.admission_calibration`)."""
+    """Each calibrated model version's factor (`keys.admission_calibration`), and each pair's (version and
+    neighbour version, `MIX_SEPARATOR` between)."""
     return _calibration_state(store)[0]
+
+
+MIX_SEPARATOR = "~"
+"""Between a version and its neighbour's in a pair's calibration field: `<version>~<neighbour>`."""
+MIX_MIN_SECONDS = 0.2
+"""A job's time beside one neighbour that teaches the pair's factor: shorter spells say little."""
+
+
+def contention(factors: dict[str, float]) -> dict[tuple[str, str], float]:
+    """Each calibrated pair's factor over its version's own: how much slower than on average its chunks
+    run beside that neighbour (`finish_prediction.Fleet.contention`). The version's factor averages its
+    jobs over whatever ran beside them; a pair's, its time beside that one neighbour (`slot_mix`)."""
+    out = {}
+    for name, factor in factors.items():
+        version, separator, neighbour = name.partition(MIX_SEPARATOR)
+        if separator and factors.get(version):
+            out[(version, neighbour)] = round(factor / factors[version], 4)
+    return out
 
 
 def _calibration_state(store: Store) -> tuple[dict[str, float], dict[str, int]]:
@@ -162,24 +196,28 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
     later jobs passed (earlier deadlines, higher priority) waited, but did not run slower. Only the
     process whose ZREM took a job counts it; two counting
     different jobs at once may each write a model's factor, and the later write wins, which an average
-    of many jobs can afford. Returns how many were dropped."""
+    of many jobs can afford. A job one of whose chunks lost its lease (`slot_time_partial`: a frozen
+    worker's run counts its freeze) calibrates nothing. Returns how many were dropped."""
     if not job_ids:
         return 0
     with translate_redis_errors():
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hmget(store.keys.job(job_id), "status", "started_at", "finished_at", "resumed_at", "rows_total",
-                       "chunks_total", "model_ref", "batch_size", "deadline", "sla_snapshots", "busy_seconds")
+                       "chunks_total", "model_ref", "batch_size", "deadline", "sla_snapshots", "busy_seconds",
+                       "slot_mix", "slot_time_partial")
             pipe.zrem(store.keys.jobs_active, job_id)
         replies = pipe.execute()
-        taken = [[*fields[:8], fields[10]] for fields, removed in zip(replies[0::2], replies[1::2], strict=True)
-                 if removed]
+        dropped = sum(1 for removed in replies[1::2] if removed)
+        taken = [[*fields[:8], fields[10], fields[11]] for fields, removed in zip(replies[0::2], replies[1::2],
+                                                                                  strict=True)
+                 if removed and not fields[12]]  # a chunk's lease was lost: its slot time is no measure
         sla_watch.learn_from(store, [
             {"status": f[0] or "", "finished_at": f[2] or "", "deadline": f[8] or "", "sla_snapshots": f[9] or ""}
             for f, removed in zip(replies[0::2], replies[1::2], strict=True) if removed])
         factors, counts = _calibration_state(store)
         changed: dict[str, float] = {}
-        for status, started, finished, resumed, rows, chunks, model_ref, batch, busy in taken:
+        for status, started, finished, resumed, rows, chunks, model_ref, batch, busy, mix in taken:
             if status != "succeeded" or not (started and finished) or resumed or fleet.workers < 1:
                 continue
             record = _model_or_none(store, model_ref)
@@ -198,9 +236,18 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
             counts[version] = counts.get(version, 0) + 1
             changed[version] = recalibrated(factor, real=real, predicted=foreseen, samples=counts[version])
             changed[f"{version}|jobs"] = counts[version]
+            for neighbour, (seconds, mixed_rows) in (json.loads(mix) if mix and busy else {}).items():
+                pair = f"{version}{MIX_SEPARATOR}{neighbour}"
+                if seconds < MIX_MIN_SECONDS or mixed_rows <= 0:
+                    continue
+                counts[pair] = counts.get(pair, 0) + 1
+                share = alone.seconds * mixed_rows / max(1, int(rows or 0))
+                changed[pair] = recalibrated(changed.get(pair, factors.get(pair, 1.0)), real=seconds,
+                                             predicted=share, samples=counts[pair])
+                changed[f"{pair}|jobs"] = counts[pair]
         if changed:
             store.client.hset(store.keys.admission_calibration, mapping=changed)
-    return len(taken)
+    return dropped
 
 
 def _model_or_none(store: Store, model_ref: str) -> dict[str, Any] | None:
@@ -231,6 +278,16 @@ def blocking(running: list[Work], score: float, slots: int) -> tuple[float, int]
         return 0.0, 0
     longest = max(work.seconds / max(1, work.chunks) for work in behind)
     return longest, min(slots, sum(min(work.chunks, slots) for work in behind))
+
+
+def running_models(running: list[Work], fleet: LiveFleet) -> list[str]:
+    """A guess at the models on the fleet's slots now, slot by slot: each running job's on as many slots as
+    its chunks can fill, the latest in queue order first (as `blocking` holds the first slots for work
+    behind a new job). Which slot runs which is not read from the workers: the plan needs only the mix."""
+    models: list[str] = []
+    for work in sorted(running, key=lambda work: (work.score, work.job_id), reverse=True):
+        models += [work.model] * min(max(1, work.chunks), fleet.slots - len(models))
+    return models
 
 
 def _earliest_feasible(refused: Verdict, verdict_at: Any, asked: float) -> float:
@@ -266,9 +323,10 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
     def verdict_at(deadline: float) -> Verdict:
         score = float(score_for(deadline))
         fleet = Fleet(figures.fleet.slots, *blocking(figures.running, score, figures.fleet.slots),
-                      job_latency_seconds=JOB_LATENCY_SECONDS)
-        return admit(Work(job_id, score, own, deadline, max(1, chunks)), figures.active, fleet, now=now,
-                     margin=margin)
+                      job_latency_seconds=JOB_LATENCY_SECONDS, slots_per_worker=figures.fleet.slots_per_worker,
+                      contention=figures.contention, running_models=running_models(figures.running, figures.fleet))
+        return admit(Work(job_id, score, own, deadline, max(1, chunks), record["version"]), figures.active, fleet,
+                     now=now, margin=margin, margin_floor=settings.sla.admission_margin_floor)
 
     verdict = verdict_at(deadline_at)
     if not verdict.feasible:
@@ -362,7 +420,9 @@ def score_deadline_jobs(settings: Settings, store: Store, *, now: float) -> int:
     (`sla_watch.score_active`), on admission's view of the work ahead of each. Returns how many."""
     figures = read_figures(settings, store, now=now)
     return sla_watch.score_active(store, figures.active, workers=figures.fleet.workers, now=now,
-                                  slots=figures.fleet.slots)
+                                  fleet=Fleet(figures.fleet.slots, slots_per_worker=figures.fleet.slots_per_worker,
+                                              contention=figures.contention,
+                                              running_models=running_models(figures.running, figures.fleet)))
 
 
 def reaper_pass(settings: Settings, store: Store, *, now: float) -> int:

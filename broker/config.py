@@ -389,6 +389,10 @@ class SlaSettings(_Section):
     admission_margin: Number = Field(0.1, ge=0, le=10)
     """Share of the predicted time kept in hand: with 0.1 a job predicted to need 100 s is accepted only
     with a deadline at least 110 s away."""
+    admission_margin_floor: Seconds = Field(0.25, ge=0)
+    """The least time kept in hand, however short the job: its fixed costs (the submit, the first lease, a
+    chunk's start, the final merge) vary by a few hundred milliseconds on a loaded host, which a share of
+    a one-second prediction does not cover."""
     deadline_horizon: Seconds = Field(300.0, ge=0)
     """A job with a deadline waits as if it had arrived this long before it (or when it came, if that is
     earlier): deadlines within the horizon are served earliest first and gain up to δ·horizon priority

@@ -11,6 +11,11 @@ chunk runs to its end once started), and each job ends `job_latency_seconds` aft
 A job of more chunks than `EXACT_CHUNKS` is spread over the slots as a fluid (the chunks are then
 small beside the job, and placing each would cost time at every submit).
 
+Slots of one worker share its cores (or its device): a chunk runs slower beside a heavy neighbour.
+Where the fleet knows by how much (`Fleet.contention`, learnt per pair of models from what ran beside
+each chunk), a chunk's time is scaled by the pair it starts in: its model and the models running on the
+other slots of its worker at that moment.
+
 Nothing here reads Redis or the clock: `broker/admission.py` gathers the figures and passes `now`.
 """
 
@@ -18,8 +23,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 CHUNK_OVERHEAD_SECONDS = 0.005
 """A chunk's fixed cost besides its rows (lease, input read set-up, part file fsync, ack): about 4 ms on
@@ -38,6 +43,8 @@ class Work:
     deadline_at: float | None = None
     chunks: int = 1
     """Its remaining chunks: the most slots it can use at once."""
+    model: str = ""
+    """Its model version, for the slow-down beside other models (`Fleet.contention`); '' for none."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,21 @@ class Fleet:
     blocked_slots: int = 1
     job_latency_seconds: float = 0.0
     """From submit to its first chunk's lease and from its last ack to its finish (the final merge)."""
+    slots_per_worker: int = 1
+    """Slots that share one worker's cores or device: slots `i` and `j` are one worker's when
+    `i // slots_per_worker == j // slots_per_worker`."""
+    contention: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(model, neighbour model) -> how much longer the model's chunks run beside that neighbour than its
+    time says (its calibration's average over whatever it ran beside); a pair not in it: 1."""
+    running_models: Sequence[str] = ()
+    """The models whose chunks run now, slot by slot as far as known: what the first chunks planned run
+    beside (a slot that frees at the moment a chunk starts is taken to go on with the model it ran)."""
+
+    def slowdown(self, model: str, neighbours: Sequence[str]) -> float:
+        """The factor of a chunk of `model` started beside `neighbours` (the models running on its worker's
+        other slots; '' where one runs work of an unknown model): the mean over them of the pair's."""
+        known = [self.contention.get((model, other), 1.0) for other in neighbours if other]
+        return sum(known) / len(known) if model and known else 1.0
 
 
 @dataclass(frozen=True)
@@ -78,32 +100,68 @@ EXACT_CHUNKS = 64
 
 def finishes(ordered: Sequence[Work], fleet: Fleet, *, now: float) -> list[float]:
     """The predicted finish of each job of `ordered` (already in score order), its chunks placed on the
-    `fleet.slots` slots as each frees (list scheduling). Infinite without a slot."""
+    `fleet.slots` slots as each frees (list scheduling), each chunk's time scaled by what runs beside it
+    as it starts (`Fleet.slowdown`). Infinite without a slot."""
     if fleet.slots < 1:
         return [math.inf] * len(ordered)
-    free = [now] * fleet.slots
-    if ordered:
-        for slot in range(min(fleet.slots, max(0, fleet.blocked_slots))):
-            free[slot] += fleet.blocking_seconds
-    heapq.heapify(free)
+    slots = _Slots(fleet, now)
     out = []
     for work in ordered:
         chunks = max(1, work.chunks)
         if chunks <= EXACT_CHUNKS:
             each, finish = work.seconds / chunks, now
             for _ in range(chunks):
-                end = heapq.heappop(free) + each
-                heapq.heappush(free, end)
-                finish = max(finish, end)
+                finish = max(finish, slots.place(work.model, each))
         else:
-            free, finish = _pour(free, work.seconds)
+            finish = slots.pour(work.model, work.seconds)
         out.append(finish + fleet.job_latency_seconds)
     return out
 
 
-def _pour(free: list[float], seconds: float) -> tuple[list[float], float]:
-    """Spread `seconds` of work over slots free at `free` so that they all end together, the earliest-free
-    first (water filling); the slots' new free times and that end."""
+class _Slots:
+    """The fleet's slots as list scheduling fills them: when each frees, and which model it runs until then."""
+
+    def __init__(self, fleet: Fleet, now: float) -> None:
+        self.fleet = fleet
+        self.free = [now] * fleet.slots
+        self.models = [*fleet.running_models[:fleet.slots], *[""] * (fleet.slots - len(fleet.running_models))]
+        for slot in range(min(fleet.slots, max(0, fleet.blocked_slots))):
+            self.free[slot] += fleet.blocking_seconds
+        self.heap = [(free, slot) for slot, free in enumerate(self.free)]
+        heapq.heapify(self.heap)
+
+    def neighbours(self, slot: int, at: float) -> list[str]:
+        """The models running at `at` on the other slots of `slot`'s worker (one that frees at `at` goes on
+        with the model it ran, as far as the plan knows)."""
+        group = max(1, self.fleet.slots_per_worker)
+        first = slot // group * group
+        return [self.models[other] for other in range(first, min(first + group, self.fleet.slots))
+                if other != slot and self.free[other] >= at]
+
+    def place(self, model: str, seconds: float) -> float:
+        """One chunk of `model` of `seconds` on the slot that frees first; returns its end."""
+        start, slot = heapq.heappop(self.heap)
+        end = start + seconds * self.fleet.slowdown(model, self.neighbours(slot, start))
+        self.free[slot], self.models[slot] = end, model
+        heapq.heappush(self.heap, (end, slot))
+        return end
+
+    def pour(self, model: str, seconds: float) -> float:
+        """A job of many chunks spread over the slots as a fluid (`_pour`), beside itself on every worker of
+        more than one slot; returns its end."""
+        factor = self.fleet.slowdown(model, [model] if self.fleet.slots_per_worker > 1 else [])
+        level = _pour(self.free, seconds * factor)
+        for slot, free in enumerate(self.free):
+            if free < level:
+                self.free[slot], self.models[slot] = level, model
+        self.heap = [(free, slot) for slot, free in enumerate(self.free)]
+        heapq.heapify(self.heap)
+        return level
+
+
+def _pour(free: Sequence[float], seconds: float) -> float:
+    """The level at which `seconds` of work spread over slots free at `free`, the earliest-free first
+    (water filling), ends on all the slots it reaches."""
     times = sorted(free)
     level, filled = times[0], 0
     left = seconds
@@ -116,18 +174,19 @@ def _pour(free: list[float], seconds: float) -> tuple[list[float], float]:
             break
         left -= room
         level = nxt
-    out = [max(level, t) for t in times]
-    heapq.heapify(out)
-    return out, level
+    return level
 
 
-def admit(new: Work, active: Sequence[Work], fleet: Fleet, *, now: float, margin: float) -> Verdict:
+def admit(new: Work, active: Sequence[Work], fleet: Fleet, *, now: float, margin: float,
+          margin_floor: float = 0.0) -> Verdict:
     """Whether `new` (with a deadline) can finish by it, and would push no accepted job past its own.
 
     `margin` is a share of the predicted time from now kept in hand for what the prediction misses
-    (a 0.1 margin accepts a job predicted to need 100 s only with a deadline 110 s away). A job
-    already predicted to miss its deadline does not make the newcomer infeasible: only one the
-    newcomer would tip over does.
+    (a 0.1 margin accepts a job predicted to need 100 s only with a deadline 110 s away), and at least
+    `margin_floor` seconds (what a job's fixed costs vary by, which a share of a short job misses). An accepted
+    job that has come within its margin (its chunks ran slower than foreseen) is still protected: a
+    newcomer that would push it further is refused while it is predicted on time without the margin.
+    Only one predicted to miss its deadline outright does not make the newcomer infeasible.
     """
     if new.deadline_at is None:
         raise ValueError(f"job {new.job_id} has no deadline to admit it against")
@@ -136,15 +195,15 @@ def admit(new: Work, active: Sequence[Work], fleet: Fleet, *, now: float, margin
     finish = after[new.job_id]
     if math.isinf(finish):
         return Verdict(finish, False, math.inf, "no live worker can run it")
-    needed = _with_margin(finish, now=now, margin=margin)
+    needed = _with_margin(finish, now=now, margin=margin, floor=margin_floor)
     if needed > new.deadline_at:
         return Verdict(finish, False, needed, "its own work and the work ahead of it")
     for work in active:
         if work.deadline_at is None:
             continue
-        was = _with_margin(before[work.job_id], now=now, margin=margin)
-        now_would = _with_margin(after[work.job_id], now=now, margin=margin)
-        if was <= work.deadline_at < now_would:
+        was, now_would = before[work.job_id], after[work.job_id]
+        if now_would > was and was <= work.deadline_at < _with_margin(now_would, now=now, margin=margin,
+                                                                      floor=margin_floor):
             return Verdict(finish, False, needed, f"job {work.job_id} would then miss its deadline",
                            work.deadline_at)
     return Verdict(finish, True, needed)
@@ -155,8 +214,9 @@ def _finish_by_job(works: Sequence[Work], fleet: Fleet, *, now: float) -> dict[s
     return dict(zip([work.job_id for work in ordered], finishes(ordered, fleet, now=now), strict=True))
 
 
-def _with_margin(finish: float, *, now: float, margin: float) -> float:
-    return now + (finish - now) * (1 + margin)
+def _with_margin(finish: float, *, now: float, margin: float, floor: float = 0.0) -> float:
+    """`finish` with the time kept in hand: `margin` of the time from now, at least `floor` seconds."""
+    return finish + max((finish - now) * margin, floor)
 
 
 def sla_risk(predicted_finish: float | None, deadline_at: float | None, *, now: float,

@@ -8,7 +8,7 @@ takes out chunks whose parts were lost, so that the resume runs them again.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from broker import job_slices
 from broker.jobs import chunk_ranges, finalize_item_id, finalize_payload, get_job
@@ -26,9 +26,11 @@ def start_item(store: Store, job_id: str, *, now: float) -> str:
         return str(store.scripts.start_item(keys=[store.keys.job(job_id), store.keys.job_counts], args=[now]))
 
 
-def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_seconds: float = 0.0) -> int:
-    """Record a chunk whose part files are written: drop its lease, checkpoint it, count `worker`, and add
-    `run_seconds` (how long its stream slot ran it) to the job's `busy_seconds`.
+def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_seconds: float = 0.0,
+              beside: Mapping[str, float] | None = None) -> int:
+    """Record a chunk whose part files are written: drop its lease, checkpoint it, count `worker`, add
+    `run_seconds` (how long its stream slot ran it) to the job's `busy_seconds`, and its seconds `beside`
+    each neighbour model version on the worker's other slots (or `alone`) to its `slot_mix`.
 
     Returns 0 for a duplicate (or a job no longer active), 1 when recorded, 2 when it was the
     job's last chunk and the finalize item was queued (and the doorbell rung, so a lingering drain
@@ -46,7 +48,9 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_se
                   keys.queues, keys.queues_version],
             args=[item.item_id, payload["chunk"], payload["stop"] - payload["start"], now,
                   finalize_item_id(job_id), payload["score"], finalize, worker, item.model_ref,
-                  repr(max(0.0, float(run_seconds)))],
+                  repr(max(0.0, float(run_seconds))),
+                  json.dumps({neighbour: round(seconds, 6) for neighbour, seconds in (beside or {}).items()
+                              if seconds > 0})],
         )
     return int(reply)
 

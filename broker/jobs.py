@@ -41,7 +41,8 @@ _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "re
                  "predicted_finish", "order_at", "sla_risk_model", "sla_risk_at", "busy_seconds")
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
 _BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "sla_snapshots",
-                       "sla_snapshot_at", "sla_ahead")
+                       "sla_snapshot_at", "sla_ahead", "slot_mix",
+                       "slot_time_partial")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 

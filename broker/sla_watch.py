@@ -36,17 +36,20 @@ def weights(store: Store) -> dict[str, float]:
     return {**sla_predictor.PRIOR, **(json.loads(raw) if raw else {})}
 
 
-def score_active(store: Store, active: Sequence[Work], *, workers: int, now: float, slots: int | None = None) -> int:
+def score_active(store: Store, active: Sequence[Work], *, workers: int, now: float, slots: int | None = None,
+                 fleet: Fleet | None = None) -> int:
     """Score every watched job of `active` (already the admission's view: score order, device seconds):
     features, risk, a snapshot. Returns how many were scored.
 
     A job's `lateness` is judged on the later of two finishes: its own rate's (or admission's, before it
     runs) and the plan's, its and the work ahead of it placed on the `slots` live stream slots as they
-    are now (`finish_prediction.finishes`). The plan sees a flood that has just arrived ahead of it, or
-    a worker gone; its own rate only once it has slowed down."""
+    are now (`finish_prediction.finishes`; `fleet`, where given, says how they share workers and slow
+    each other down). The plan sees a flood that has just arrived ahead of it, or a worker gone; its own
+    rate only once it has slowed down."""
     ordered = sorted(active, key=lambda work: (work.score, work.job_id))
     planned = dict(zip([work.job_id for work in ordered],
-                       finishes(ordered, Fleet(workers if slots is None else slots), now=now), strict=True))
+                       finishes(ordered, fleet or Fleet(workers if slots is None else slots), now=now),
+                       strict=True))
     ahead, due = 0.0, []
     for work in ordered:
         if work.deadline_at is not None:

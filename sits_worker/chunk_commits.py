@@ -6,7 +6,10 @@ stream slot while the device idles: profiled on 2 cores, the fsync of one
 MLP chunk's 20 MB part took 100-140 ms against 500 ms of compute. So a
 stream slot hands a finished chunk to this process's commit thread and
 leases its next batch at once; the thread writes the parts, fsyncs them and
-acks the chunk, while the device computes the next one.
+acks the chunk, while the device computes the next one. A job's last chunks
+are the exception: their slot waits for the commit, so that the finalize step
+the last ack queues is leased next, not after a chunk of other work
+(`execution.among_last_chunks`).
 
 While `max_pending` commits (the worker's stream count) are queued or
 running, each holding its chunk's outputs in host memory, a slot leases no

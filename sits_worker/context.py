@@ -45,6 +45,7 @@ from sits_worker.observed_profiles import ObservedLatencies
 from sits_worker.request_bell import RequestBell
 from sits_worker.run_limits import RunLimits
 from sits_worker.runtime import SessionCache, run_session
+from sits_worker.slot_overlap import SlotOverlap
 from sits_worker.usage_meter import UsageMeter
 from sits_worker.worker_settings import WorkerSettings, worker_settings
 
@@ -85,10 +86,12 @@ class WorkerContext:
     commits: Commits = field(init=False)
     """Writes computed chunks' parts and acks them while the stream slots go on (at most `streams` pending)."""
     lease_keeper: LeaseKeeper = field(init=False)
+    """Extends the leases of runs longer than a quarter of `scheduler.lease_timeout` while they run."""
     request_bell: RequestBell = field(init=False)
     """Tells a running job chunk whether an online request was queued since it last looked
     (`sits_worker/request_bell.py`)."""
-    """Extends the leases of runs longer than a quarter of `scheduler.lease_timeout` while they run."""
+    slot_overlap: SlotOverlap = field(default_factory=SlotOverlap)
+    """Which model ran beside each job chunk on the other stream slots, for its ack (`slot_mix`)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     model_records: ModelRecordCache = field(default_factory=lambda: ModelRecordCache(WORKER_RECORD_TTL_SECONDS))
     """Registry records kept a moment: the hot path reads one on every batch."""

@@ -56,7 +56,9 @@ class MiniBatchHook(Protocol):
 
 def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -> str:
     """Run one leased item; returns what happened ('committing': a chunk computed, its outputs handed
-    to the commit thread, which writes them and acks it; 'finalized', 'dropped', 'failed', 'retry').
+    to the commit thread, which writes them and acks it; for one of the job's last chunks what that
+    commit did, 'acked' or how it failed, since the slot waits for it (`among_last_chunks`);
+    'finalized', 'dropped', 'failed', 'retry').
 
     A failure is settled by its class (`settle_failure`; a chunk's commit settles its own): retried
     after its backoff while the class has attempts left, else its job fails with the error's message.
@@ -83,13 +85,29 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
             # job's in the same folder are that job's resumable work)
             remove_parts(Path(job["output_dir"]), job_id=job_id)
             return "finalized"
-        started = time.monotonic()
-        results, quarantined = run_chunk(ctx, job, item, between)
-        ctx.commits.submit(partial(commit_chunk, ctx, job, item, results, time.monotonic() - started,
-                                   quarantined))
+        started, token = time.monotonic(), ctx.slot_overlap.begin(item.model_ref.rpartition("@")[2])
+        try:
+            results, quarantined = run_chunk(ctx, job, item, between)
+        finally:
+            beside = ctx.slot_overlap.end(token)
+        commit = ctx.commits.submit(partial(commit_chunk, ctx, job, item, results, time.monotonic() - started,
+                                            quarantined, beside))
+        if among_last_chunks(job, item.payload["chunk"], ctx.streams):
+            return str(commit.result())
         return "committing"
     except Exception as err:
         return settle_failure(ctx, item, err)
+
+
+def among_last_chunks(job: dict[str, Any], chunk: int, streams: int) -> bool:
+    """Whether chunk number `chunk` of `job` (as read when it was leased) may be the last to be acked: one
+    of its last `streams` chunks (chunks are leased in row order), or no more chunks were left than the
+    slots that could be running them (a resumed job's). Such a chunk's slot waits for its commit before
+    it leases again: the last ack queues the job's finalize step, which this slot then leases first,
+    where a slot gone on to a chunk of other work would leave the finalize waiting for a whole chunk
+    (about a second on a CPU) while the job's deadline runs."""
+    total, slots = int(job["chunks_total"]), max(1, streams)
+    return chunk >= total - slots or total - int(job["chunks_done"]) <= slots
 
 
 def _may_publish(ctx: WorkerContext, job: dict[str, Any]) -> bool:
@@ -146,9 +164,11 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
 
 
 def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, results: Mapping[str, np.ndarray],
-                 run_seconds: float = 0.0, quarantined: Sequence[tuple[int, str]] = ()) -> str:
+                 run_seconds: float = 0.0, quarantined: Sequence[tuple[int, str]] = (),
+                 beside: Mapping[str, float] | None = None) -> str:
     """Write a computed chunk's part files (durably, its `quarantined` rows with them), then ack it with
-    the `run_seconds` its slot spent on it; on the commit thread (`sits_worker.chunk_commits`). Returns
+    the `run_seconds` its slot spent on it and how many of them it ran `beside` each model on the other
+    slots (`sits_worker/slot_overlap.py`); on the commit thread (`sits_worker.chunk_commits`). Returns
     'acked', or how the failure was settled."""
     try:
         queues.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
@@ -158,7 +178,8 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
             queues.finish_item(ctx.store, item, job["id"], now=time.time())
             return "dropped"
         write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"], quarantined=quarantined)
-        job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name, run_seconds=run_seconds)
+        job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name, run_seconds=run_seconds,
+                               beside=beside)
         return "acked"
     except Exception as err:
         return settle_failure(ctx, item, err)

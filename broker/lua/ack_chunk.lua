@@ -17,7 +17,12 @@
 -- ARGV[8] name of the worker that ran the chunk (counted in the job field 'w:<name>')
 -- ARGV[9] the job's model ref
 -- ARGV[10] seconds the chunk's stream slot ran it, added once to the job field 'busy_seconds' (the slot
---          time deadline admission calibrates a model's speed by)
+--          time deadline admission calibrates a model's speed by); not for a run whose item was reaped
+--          back to its queue meanwhile or leased more than once: the job is marked 'slot_time_partial'
+--          instead, and calibrates nothing
+-- ARGV[11] JSON {neighbour model version or 'alone': seconds of the chunk's run beside it}, added to the
+--          job field 'slot_mix' ({neighbour: [seconds, rows]}, the chunk's rows split as its seconds;
+--          admission learns from it how each pair of models slows each other down)
 -- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
 -- (the finalize item was queued and the doorbell rung: a lingering drain task of the acking worker,
 -- which keeps its ticket while commits are pending, leases it at once). Idempotent: a re-run
@@ -32,7 +37,8 @@ if current then
   finalize_score, finalize_payload = decoded['score'], cjson.encode(decoded)
 end
 redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
+local reaped = redis.call('ZREM', KEYS[2], ARGV[1]) == 1
+local leases = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '1')
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('HINCRBY', KEYS[5], 'chunk_runs', 1)
@@ -44,8 +50,25 @@ if redis.call('SADD', KEYS[6], ARGV[2]) == 0 then
   return 0
 end
 redis.call('HINCRBY', KEYS[5], 'rows_done', ARGV[3])
-if tonumber(ARGV[10] or '') then
+if reaped or leases > 1 then
+  -- a run whose lease was lost (frozen, cut off) or that was leased before: its time is no measure of
+  -- the model's speed, and the job's slot time is no longer whole
+  redis.call('HSET', KEYS[5], 'slot_time_partial', '1')
+elseif tonumber(ARGV[10] or '') then
   redis.call('HINCRBYFLOAT', KEYS[5], 'busy_seconds', ARGV[10])
+end
+if not reaped and leases <= 1 and ARGV[11] and ARGV[11] ~= '' and ARGV[11] ~= '{}' then
+  local beside, total = cjson.decode(ARGV[11]), 0
+  for _, seconds in pairs(beside) do total = total + seconds end
+  if total > 0 then
+    local raw = redis.call('HGET', KEYS[5], 'slot_mix')
+    local mix = raw and cjson.decode(raw) or {}
+    for neighbour, seconds in pairs(beside) do
+      local was = mix[neighbour] or {0, 0}
+      mix[neighbour] = {was[1] + seconds, was[2] + tonumber(ARGV[3]) * seconds / total}
+    end
+    redis.call('HSET', KEYS[5], 'slot_mix', cjson.encode(mix))
+  end
 end
 redis.call('HINCRBY', KEYS[9], 'job_rows:' .. ARGV[9], ARGV[3])
 redis.call('HINCRBY', KEYS[5], 'w:' .. ARGV[8], 1)

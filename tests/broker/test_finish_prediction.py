@@ -96,6 +96,16 @@ def test_a_job_already_late_does_not_make_a_newcomer_infeasible() -> None:
     assert admit(Work("new", 1.0, 5.0, deadline_at=NOW + 20.0), [late], Fleet(1), now=NOW, margin=0.0).feasible
 
 
+def test_a_job_within_its_margin_is_still_kept_from_being_pushed_later() -> None:
+    """Accepted with room, it ran slower: 48 s left for a deadline 50 s away is on time, but not with a
+    10 % margin (52.8 s). A newcomer that passes it would push it further and is refused; one behind it
+    is not."""
+    slowed = Work("slowed", 10.0, 48.0, deadline_at=NOW + 50.0)
+    ahead = admit(Work("new", 1.0, 1.0, deadline_at=NOW + 20.0), [slowed], Fleet(1), now=NOW, margin=0.1)
+    assert not ahead.feasible and ahead.tipped_deadline == NOW + 50.0
+    assert admit(Work("new", 20.0, 1.0, deadline_at=NOW + 60.0), [slowed], Fleet(1), now=NOW, margin=0.1).feasible
+
+
 def test_without_a_live_worker_nothing_is_feasible() -> None:
     verdict = admit(Work("new", 1.0, 5.0, deadline_at=NOW + 1e6), [], Fleet(0), now=NOW, margin=0.0)
     assert not verdict.feasible and verdict.reason == "no live worker can run it"
@@ -186,3 +196,42 @@ def test_running_chunks_behind_a_job_block_it_for_a_whole_chunk_of_the_slowest_o
     assert blocking(running, 2.0, slots=4) == (5.0, 4)  # 'one' is a 5 s chunk; 'slow' fills 4 slots, 'one' 1
     assert blocking(running, 5.5, slots=4) == (5.0, 1)
     assert blocking(running, 9.0, slots=4) == (0.0, 0)  # everything running is ahead of it
+
+
+def test_a_chunk_is_planned_at_the_speed_of_the_pair_it_starts_in_on_its_own_worker() -> None:
+    """Two slots of one worker: b's first chunk starts beside a's (a convnet), at the pair's 1.5; its second,
+    once a ended, beside its own first chunk, at its plain speed. On two workers of a slot each nothing
+    runs beside anything."""
+    contention = {("mlp", "convnet"): 1.5}
+    ordered = [Work("a", 1.0, 5.0, model="convnet"), Work("b", 2.0, 8.0, chunks=2, model="mlp")]
+    shared = Fleet(slots=2, slots_per_worker=2, contention=contention)
+    # b: first chunk 4 s x 1.5 on the free slot (+0 to +6); second from +5, where a's slot frees, beside b's
+    # first: 4 s (+9)
+    assert finishes(ordered, shared, now=NOW) == [NOW + 5.0, NOW + 9.0]
+    assert finishes(ordered, Fleet(slots=2, slots_per_worker=1, contention=contention), now=NOW) == [
+        NOW + 5.0, NOW + 8.0]
+    assert finishes(ordered, Fleet(slots=2, slots_per_worker=2), now=NOW) == [NOW + 5.0, NOW + 8.0]
+
+
+def test_the_first_chunks_run_beside_what_runs_now_and_a_poured_job_beside_itself() -> None:
+    contention = {("mlp", "convnet"): 2.0, ("mlp", "mlp"): 1.25}
+    head = [Work("a", 1.0, 4.0, model="mlp")]
+    # the other slot runs a convnet chunk now (and frees at this moment, as far as the plan knows)
+    beside_cnn = Fleet(slots=2, slots_per_worker=2, contention=contention, running_models=["", "convnet"])
+    assert finishes(head, beside_cnn, now=NOW) == [NOW + 8.0]
+    many = [Work("many", 1.0, 20.0, chunks=EXACT_CHUNKS + 1, model="mlp")]
+    assert finishes(many, Fleet(slots=2, slots_per_worker=2, contention=contention), now=NOW) == [NOW + 12.5]
+    assert finishes(many, Fleet(slots=2, slots_per_worker=1, contention=contention), now=NOW) == [NOW + 10.0]
+
+
+def test_a_short_job_keeps_at_least_the_margin_floor_in_hand() -> None:
+    """0.6 s of work: 10 % of it is 0.06 s, but the floor keeps 0.25 s, so a deadline 0.8 s away is refused
+    and one 0.9 s away accepted; on a job of 100 s the share (10 s) is what counts."""
+    short = Work("short", 1.0, 0.6, deadline_at=NOW + 0.8)
+    refused = admit(short, [], Fleet(1), now=NOW, margin=0.1, margin_floor=0.25)
+    assert not refused.feasible and refused.earliest_deadline == pytest.approx(NOW + 0.85)
+    assert admit(Work("short", 1.0, 0.6, deadline_at=NOW + 0.9), [], Fleet(1), now=NOW, margin=0.1,
+                 margin_floor=0.25).feasible
+    assert admit(short, [], Fleet(1), now=NOW, margin=0.1).feasible  # without the floor: 0.66 s
+    assert admit(Work("long", 1.0, 100.0, deadline_at=NOW + 110.0), [], Fleet(1), now=NOW, margin=0.1,
+                 margin_floor=0.25).feasible

@@ -301,3 +301,37 @@ def test_sitsctl_worker_joins_the_stack_of_its_sits_home(stack):
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait()
+
+
+def test_chunks_record_what_ran_beside_them_and_teach_admission_each_pair(stack):
+    """Two streams of one worker: a convnet job runs, an mlp job starts beside it. Each job's `slot_mix`
+    names the other's model version with the seconds its chunks ran beside it, adding up to its slot time;
+    once they ended a reaper pass calibrates each pair (`admission.contention`)."""
+    client = stack.client()
+    models = stack.home / "models"
+    register(client, "mix_cnn", models / "convnet.onnx")
+    register(client, "mix_mlp", models / "mlp.onnx")
+    rng = np.random.default_rng(5)
+    np.save(stack.home / "mix-cnn.npy", rng.standard_normal((1_536, 3, 32, 32)).astype(np.float32))
+    np.save(stack.home / "mix-mlp.npy", rng.standard_normal((300_000, 64)).astype(np.float32))
+    cnn = client.post("/v1/jobs", {"model": "mix_cnn", "input_batch": str(stack.home / "mix-cnn.npy"),
+                                   "output_dir": str(stack.home / "out-mix-cnn"), "chunk_size": 512, "batch_size": 8})
+    wait_job(client, cnn["id"], until=lambda job: job["status"] != "queued", timeout=60)
+    mlp = client.post("/v1/jobs", {"model": "mix_mlp", "input_batch": str(stack.home / "mix-mlp.npy"),
+                                   "output_dir": str(stack.home / "out-mix-mlp"), "chunk_size": 50_000,
+                                   "batch_size": 64})
+    for job in (cnn, mlp):
+        assert wait_job(client, job["id"])["status"] == "succeeded"
+
+    versions = {"cnn": cnn["model_version"], "mlp": mlp["model_version"]}
+    for job, other in ((mlp, "cnn"), (cnn, "mlp")):
+        raw = stack.store.client.hmget(stack.store.keys.job(job["id"]), "slot_mix", "busy_seconds")
+        mix, busy = json.loads(raw[0]), float(raw[1])
+        assert mix[versions[other]][0] > 0, mix
+        assert sum(seconds for seconds, _ in mix.values()) == pytest.approx(busy, rel=0.01)
+        assert sum(rows for _, rows in mix.values()) == pytest.approx(job["rows_total"], rel=1e-6)
+    pair = f"{versions['mlp']}~{versions['cnn']}"
+    ends = time.monotonic() + 30
+    while pair not in stack.store.client.hgetall(stack.store.keys.admission_calibration):
+        assert time.monotonic() < ends, "no reaper pass calibrated the pair the mlp job ran in"
+        time.sleep(0.2)
