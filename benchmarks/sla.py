@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -172,10 +173,12 @@ def describe(outcome: dict[str, Any]) -> str:
             f"{' (at risk)' if body.get('at_risk') else ''}")
 
 
-def summarize(mode: str, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(mode: str, outcomes: list[dict[str, Any]], sla: Any) -> dict[str, Any]:
+    """A phase's figures; `sla` (the stack's `sla` settings) tells an at-risk job refused for its own finish
+    from one refused for another job's deadline (its own finish with the margin fits its deadline)."""
     accepted = [o for o in outcomes if o["status"] in (200, 201) and o.get("final")]
     refused = [o for o in outcomes if o["status"] == 422]
-    errors, met, risky, risky_met_with_room = [], 0, 0, 0
+    errors, met, risky, risky_met_with_room, for_another = [], 0, 0, 0, 0
     for outcome in accepted:
         final, body = outcome["final"], outcome["body"]
         real = final["finished_at"] - outcome["submitted_at"]
@@ -185,7 +188,11 @@ def summarize(mode: str, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
         if body.get("at_risk"):
             risky += 1
             room = outcome["deadline"] - 0.2 * (outcome["deadline"] - outcome["submitted_at"])
-            risky_met_with_room += final["finished_at"] <= room
+            met_with_room = final["finished_at"] <= room
+            risky_met_with_room += met_with_room
+            predicted = body.get("predicted_finish") or math.inf
+            kept = max((predicted - outcome["submitted_at"]) * sla.admission_margin, sla.admission_margin_floor)
+            for_another += met_with_room and predicted + kept <= outcome["deadline"]
         else:
             met += on_time
     trusted = len(accepted) - risky
@@ -194,7 +201,7 @@ def summarize(mode: str, outcomes: list[dict[str, Any]]) -> dict[str, Any]:
             "met_share": met / trusted if trusted else float("nan"),
             "error_median": float(np.median(errors)) if errors else float("nan"),
             "abs_error_p90": float(np.percentile(absolute, 90)),
-            "at_risk_met_with_20pct": risky_met_with_room}
+            "at_risk_met_with_20pct": risky_met_with_room, "of_them_for_another_job": for_another}
 
 
 FREEZE_SECONDS = 20.0
@@ -291,10 +298,14 @@ def predictor_main(args: argparse.Namespace) -> None:
             client.post("/v1/models", {"name": "mlp_flag", "path": str(zoo["mlp"]), "profile_mode": "full"})
             while client.get("/v1/models/mlp_flag").get("profile_status") != "ready":
                 time.sleep(0.2)
-            status, warm = post(stack, "/v1/jobs", {"model": "mlp_flag", "input_batch": str(home / "mlp.npy"),
-                                                    "output_dir": str(home / "out" / "warm"), "chunk_size": 100_000})
-            done = wait_all(stack, [warm["id"]], 300)[warm["id"]]
-            rate = done["rows_total"] / (done["finished_at"] - done["started_at"])
+            rates = []
+            for number in range(2):  # twice: the first also builds the sessions; the better is the speed
+                status, warm = post(stack, "/v1/jobs", {"model": "mlp_flag", "input_batch": str(home / "mlp.npy"),
+                                                        "output_dir": str(home / "out" / f"warm{number}"),
+                                                        "chunk_size": 100_000})
+                done = wait_all(stack, [warm["id"]], 300)[warm["id"]]
+                rates.append(done["rows_total"] / (done["finished_at"] - done["started_at"]))
+            rate = max(rates)
             print(f"alone: {rate:,.0f} rows/s on 2 workers")
             rows = []
             for number in range(rounds):
@@ -372,17 +383,18 @@ def main() -> None:
                 modes = ("reject", "flag") if round_number % 2 == 0 else ("flag", "reject")
                 for mode in modes:
                     outcomes = run_phase(stack, home, mode, jobs, rates, tag=f"r{round_number}", verbose=args.verbose)
-                    results.append(summarize(mode, outcomes))
+                    results.append(summarize(mode, outcomes, settings.sla))
                     print(json.dumps(results[-1]))
             print(calibration_line(stack))
     print()
     print("| phase | jobs | accepted | refused | at risk | accepted that met their deadline | "
-          "real − predicted, median | abs. error P90 | at risk that met it with 20 % to spare |")
+          "real − predicted, median | abs. error P90 | at risk that met it with 20 % to spare "
+          "(refused for another job's deadline) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(f"| {r['mode']} | {r['jobs']} | {r['accepted']} | {r['refused']} | {r['at_risk']} | "
               f"{r['met_share']:.0%} | {r['error_median']:+.0%} | {r['abs_error_p90']:.0%} | "
-              f"{r['at_risk_met_with_20pct']} |")
+              f"{r['at_risk_met_with_20pct']} ({r['of_them_for_another_job']}) |")
 
 
 if __name__ == "__main__":

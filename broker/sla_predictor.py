@@ -5,7 +5,8 @@ Features, each scaled to about -3..3 (`features`):
 
 - `lateness`: how far past its deadline the job is predicted to finish, over the time it was given
   (negative when it is predicted early): the plain rule's figure, on the finish `sla_watch` passes in
-  (the later of its own rate's and the plan's);
+  (a running job's own rate's; a queued one's the later of admission's and the plan's);
+- `plan`: the same for the plan's finish (the job and the work now ahead of it on the live slots);
 - `pace`: log2 of the rows per second it needs from now over the rows per second it gets;
 - `elapsed`: the share of its time (submit to deadline) already gone;
 - `progress`: the share of its rows done;
@@ -26,9 +27,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-FEATURES = ("lateness", "pace", "elapsed", "progress", "ahead", "growth", "retries", "workers")
+FEATURES = ("lateness", "plan", "pace", "elapsed", "progress", "ahead", "growth", "retries", "workers")
 
-PRIOR = {"bias": 0.0, "lateness": 6.0, "pace": 0.0, "elapsed": 0.0, "progress": 0.0, "ahead": 0.0,
+PRIOR = {"bias": 0.0, "lateness": 6.0, "plan": 0.0, "pace": 0.0, "elapsed": 0.0, "progress": 0.0, "ahead": 0.0,
          "growth": 0.0, "retries": 0.0, "workers": 0.0}
 """The weights before any job ended: the plain rule (predicted finish against the deadline) made smooth."""
 
@@ -53,6 +54,8 @@ class Live:
     workers: int
     ahead_growth: float = 0.0
     """Seconds of work ahead added per second since the job was last scored (negative as it drains)."""
+    planned_finish: float | None = None
+    """The plan's finish: the job and the work now ahead of it on the live slots (None: not planned)."""
 
 
 def features(job: Live, *, now: float) -> dict[str, float]:
@@ -61,10 +64,12 @@ def features(job: Live, *, now: float) -> dict[str, float]:
     left = job.deadline - now
     remaining = max(0, job.rows_total - job.rows_done)
     finish = job.predicted_finish if job.predicted_finish is not None else math.inf
+    planned = job.planned_finish if job.planned_finish is not None else finish
     needed = remaining / max(left, 0.1)
     pace = math.log2(max(needed, 1e-3) / max(job.rows_per_second, 1e-3)) if remaining else -3.0
     values = {
         "lateness": (finish - job.deadline) / given if math.isfinite(finish) else 3.0,
+        "plan": (planned - job.deadline) / given if math.isfinite(planned) else 3.0,
         "pace": pace / 3,
         "elapsed": (now - job.created_at) / given,
         "progress": job.rows_done / job.rows_total if job.rows_total else 1.0,

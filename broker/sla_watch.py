@@ -41,11 +41,13 @@ def score_active(store: Store, active: Sequence[Work], *, workers: int, now: flo
     """Score every watched job of `active` (already the admission's view: score order, device seconds):
     features, risk, a snapshot. Returns how many were scored.
 
-    A job's `lateness` is judged on the later of two finishes: its own rate's (or admission's, before it
-    runs) and the plan's, its and the work ahead of it placed on the `slots` live stream slots as they
-    are now (`finish_prediction.finishes`; `fleet`, where given, says how they share workers and slow
-    each other down). The plan sees a flood that has just arrived ahead of it, or a worker gone; its own
-    rate only once it has slowed down."""
+    A running job's `lateness` is judged on its own rate's finish; a queued one's on the later of
+    admission's and the plan's. The plan places the job and the work ahead of it on the `slots` live
+    stream slots as they are now (`finish_prediction.finishes`; `fleet`, where given, says how they
+    share workers and slow each other down), and is the job's `plan` feature either way: it sees a
+    flood that has just arrived ahead of the job, or a worker gone, which its own rate sees only once
+    it has slowed down, but it is pessimistic on a running job (the later of the two ranked missed
+    jobs worse than the plain rule), so the predictor learns how much to trust it."""
     ordered = sorted(active, key=lambda work: (work.score, work.job_id))
     planned = dict(zip([work.job_id for work in ordered],
                        finishes(ordered, fleet or Fleet(workers if slots is None else slots), now=now),
@@ -69,10 +71,12 @@ def score_active(store: Store, active: Sequence[Work], *, workers: int, now: flo
             if not raw or raw.get("status") not in ACTIVE_STATUSES or not raw.get("deadline"):
                 continue
             job = with_rates(decode_job(raw), now=now)
-            finish = max(planned[work.job_id], job["predicted_finish"] or 0.0)
+            plan, own = planned[work.job_id], job["predicted_finish"] or 0.0
+            running = job.get("eta_seconds") is not None  # (its own rate gave predicted_finish)
+            finish = own if running else max(plan, own)
             x = sla_predictor.features(sla_predictor.Live(
                 ahead_growth=ahead_growth(raw.get("sla_ahead"), raw.get("sla_risk_at"), ahead_seconds, now=now),
-                created_at=job["created_at"], deadline=job["deadline"], predicted_finish=finish,
+                created_at=job["created_at"], deadline=job["deadline"], predicted_finish=finish, planned_finish=plan,
                 rows_total=job["rows_total"], rows_done=job["rows_done"], rows_per_second=job["rows_per_second"],
                 ahead_seconds=ahead_seconds, chunks_done=job["chunks_done"], chunk_runs=job["chunk_runs"],
                 workers=workers), now=now)

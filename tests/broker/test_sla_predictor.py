@@ -32,6 +32,20 @@ def test_features_read_the_live_figures_and_stay_within_bounds() -> None:
     assert all(-3.0 <= value <= 3.0 for value in slow.values())
 
 
+def test_the_plan_is_a_feature_of_its_own_which_the_prior_leaves_to_learning() -> None:
+    """A flood ahead puts the plan 30 s past the deadline while the job's own rate says on time: `plan`
+    reads 0.3, `lateness` stays early, and the prior (the plain rule) does not alarm until jobs teach it."""
+    x = features(_live(planned_finish=NOW + 80), now=NOW)
+    assert x["plan"] == pytest.approx(0.3) and x["lateness"] == pytest.approx(-0.1)
+    assert features(_live(), now=NOW)["plan"] == x["lateness"]  # unplanned: the same as its lateness
+    assert risk(PRIOR, x) < 0.5
+    weights = dict(PRIOR)
+    for _ in range(20):
+        weights = update(weights, [x], missed=True)
+        weights = update(weights, [features(_live(planned_finish=NOW + 30), now=NOW)], missed=False)
+    assert weights["plan"] > 0 and risk(weights, x) > 0.5
+
+
 def test_growth_is_the_work_added_ahead_per_second_since_the_last_pass() -> None:
     assert ahead_growth("10.0", str(NOW - 2), 14.0, now=NOW) == pytest.approx(2.0)
     assert ahead_growth("10.0", str(NOW - 5), 5.0, now=NOW) == pytest.approx(-1.0)  # draining
