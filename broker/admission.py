@@ -110,6 +110,14 @@ class Figures:
     """(version, neighbour version) -> how much longer than its calibration says the version's chunks run
     beside that neighbour on the other slots of a worker (`contention`)."""
 
+    def plan_fleet(self, blocking_seconds: float = 0.0, blocked_slots: int = 1,
+                   job_latency_seconds: float = 0.0) -> Fleet:
+        """The live fleet as the plan places chunks on it: its slots, how they share workers, what each
+        pair of models costs beside each other and the models running now (`running_models`)."""
+        return Fleet(self.fleet.slots, blocking_seconds, blocked_slots, job_latency_seconds,
+                     slots_per_worker=self.fleet.slots_per_worker, contention=self.contention,
+                     running_models=running_models(self.running, self.fleet))
+
     def calibration(self, version: str) -> float:
         """The factor of a version's predicted device time; 1 for one no job has calibrated yet."""
         return self.calibrations.get(version, 1.0)
@@ -322,9 +330,8 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
 
     def verdict_at(deadline: float) -> Verdict:
         score = float(score_for(deadline))
-        fleet = Fleet(figures.fleet.slots, *blocking(figures.running, score, figures.fleet.slots),
-                      job_latency_seconds=JOB_LATENCY_SECONDS, slots_per_worker=figures.fleet.slots_per_worker,
-                      contention=figures.contention, running_models=running_models(figures.running, figures.fleet))
+        fleet = figures.plan_fleet(*blocking(figures.running, score, figures.fleet.slots),
+                                   job_latency_seconds=JOB_LATENCY_SECONDS)
         return admit(Work(job_id, score, own, deadline, max(1, chunks), record["version"]), figures.active, fleet,
                      now=now, margin=margin, margin_floor=settings.sla.admission_margin_floor)
 
@@ -420,9 +427,7 @@ def score_deadline_jobs(settings: Settings, store: Store, *, now: float) -> int:
     (`sla_watch.score_active`), on admission's view of the work ahead of each. Returns how many."""
     figures = read_figures(settings, store, now=now)
     return sla_watch.score_active(store, figures.active, workers=figures.fleet.workers, now=now,
-                                  fleet=Fleet(figures.fleet.slots, slots_per_worker=figures.fleet.slots_per_worker,
-                                              contention=figures.contention,
-                                              running_models=running_models(figures.running, figures.fleet)))
+                                  fleet=figures.plan_fleet())
 
 
 def reaper_pass(settings: Settings, store: Store, *, now: float) -> int:

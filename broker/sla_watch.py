@@ -36,22 +36,20 @@ def weights(store: Store) -> dict[str, float]:
     return {**sla_predictor.PRIOR, **(json.loads(raw) if raw else {})}
 
 
-def score_active(store: Store, active: Sequence[Work], *, workers: int, now: float, slots: int | None = None,
-                 fleet: Fleet | None = None) -> int:
+def score_active(store: Store, active: Sequence[Work], *, workers: int, now: float, fleet: Fleet) -> int:
     """Score every watched job of `active` (already the admission's view: score order, device seconds):
     features, risk, a snapshot. Returns how many were scored.
 
     A running job's `lateness` is judged on its own rate's finish; a queued one's on the later of
-    admission's and the plan's. The plan places the job and the work ahead of it on the `slots` live
-    stream slots as they are now (`finish_prediction.finishes`; `fleet`, where given, says how they
-    share workers and slow each other down), and is the job's `plan` feature either way: it sees a
+    admission's and the plan's. The plan places the job and the work ahead of it on the `fleet`'s live
+    stream slots as they are now (`finish_prediction.finishes`: how they share workers and slow each
+    other down too), and is the job's `plan` feature either way: it sees a
     flood that has just arrived ahead of the job, or a worker gone, which its own rate sees only once
     it has slowed down, but it is pessimistic on a running job (the later of the two ranked missed
     jobs worse than the plain rule), so the predictor learns how much to trust it."""
     ordered = sorted(active, key=lambda work: (work.score, work.job_id))
     planned = dict(zip([work.job_id for work in ordered],
-                       finishes(ordered, fleet or Fleet(workers if slots is None else slots), now=now),
-                       strict=True))
+                       finishes(ordered, fleet, now=now), strict=True))
     ahead, due = 0.0, []
     for work in ordered:
         if work.deadline_at is not None:

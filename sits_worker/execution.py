@@ -26,6 +26,7 @@ from broker import job_progress, job_stops, jobs, quarantine, queues, retries
 from broker.config import JobSettings
 from broker.errors import BadInput, Cancelled, SitsError
 from broker.queues import LeasedItem
+from broker.registry import split_model_ref
 from broker.retry_policy import classify, describe, retry_delays
 from sits_worker.context import WorkerContext
 from sits_worker.model.source import check_unchanged
@@ -85,7 +86,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
             # job's in the same folder are that job's resumable work)
             remove_parts(Path(job["output_dir"]), job_id=job_id)
             return "finalized"
-        started, token = time.monotonic(), ctx.slot_overlap.begin(item.model_ref.rpartition("@")[2])
+        started, token = time.monotonic(), ctx.slot_overlap.begin(split_model_ref(item.model_ref)[1] or "")
         try:
             results, quarantined = run_chunk(ctx, job, item, between)
         finally:

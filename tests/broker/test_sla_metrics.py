@@ -12,7 +12,7 @@ import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec
 
 from broker import job_fills, job_stops, jobs, queues, sla_metrics, sla_watch
-from broker.finish_prediction import Work
+from broker.finish_prediction import Fleet, Work
 from broker.queues import LeasedItem
 from broker.scripts import script_text
 from broker.sla_metrics import LATENCY_BUCKETS, Histogram, decode_histograms, priority_class, read_job_risks
@@ -152,9 +152,9 @@ def test_the_predictor_judges_a_queued_job_on_the_plan_of_the_work_now_ahead_of_
     alone = [Work(spec.job_id, 5.0, 5.0, deadline_at=NOW + 60)]
     flooded = [Work("flood", 1.0, 80.0), *alone]
 
-    assert sla_watch.score_active(store, alone, workers=1, now=NOW + 1, slots=1) == 1
+    assert sla_watch.score_active(store, alone, workers=1, now=NOW + 1, fleet=Fleet(1)) == 1
     calm = float(store.client.hget(store.keys.job(spec.job_id), "sla_risk_model"))
-    assert sla_watch.score_active(store, flooded, workers=1, now=NOW + 2, slots=1) == 1
+    assert sla_watch.score_active(store, flooded, workers=1, now=NOW + 2, fleet=Fleet(1)) == 1
     alarmed = float(store.client.hget(store.keys.job(spec.job_id), "sla_risk_model"))
 
     assert calm < 0.1 < 0.9 < alarmed
