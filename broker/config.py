@@ -64,8 +64,9 @@ class SchedulerSettings(_Section):
     the next request is then leased at once, without a Celery publish and delivery in between."""
     yield_check_interval: Seconds = 0.05
     """How often a running job chunk looks, between its mini-batches, for online requests that
-    outrank it (they then run on its stream slot before its next mini-batch); 0 looks every time.
-    Each look is a Redis round trip: every 10 ms cost the MLP's offline throughput about 4 %."""
+    outrank it (they then run on its stream slot before its next mini-batch): at most this often for
+    announced requests, and this often when none is announced; 0 looks every time. Each look is a
+    Redis round trip: every 10 ms cost the MLP's offline throughput about 4 %."""
     merge_requests_into_jobs: bool = True
     """At each such look, online requests of the chunk's own model and shape bucket ride along in
     its next mini-batch (one `session.run` for both), and a worker that leases a batch of requests

@@ -50,7 +50,8 @@ class FairShareSettings(_Section):
     window: Integer = Field(4096, ge=1, le=65536)
     """How deep into a model's queue a lease looks for the first-ranked tenant's work (in items)."""
     usage_refresh: Seconds = Field(0.05, ge=0)
-    """How long a worker reuses the usage it read before reading it again."""
+    """How long a worker reuses the usage it read before reading it again (on a thread of its own, beside the
+    leases; 0: every lease reads it)."""
     price_per_device_hour: dict[str, Number] = {}
     """Chargeback price of an hour of one device stream, per device kind (`cpu`, `cuda`), e.g. {cuda: 2.5}."""
     currency: str = "USD"

@@ -15,9 +15,16 @@ offline rows share batches with online requests):
 - requests leased together with the chunk (a batch of requests that took a
   waiting chunk to fill its empty rows) ride in its first mini-batch.
 
-Looking costs a Redis round trip, so it happens at most every
-`scheduler.yield_check_interval`, or every half of the smallest `preemption_target` of a tenant
-with a share (`fair_share.FairShare.look_interval`). Once a second the chunk also reads its job's
+Looking costs a Redis round trip, so a chunk looks only when the worker's request bell
+(`request_bell.py`) counted an announcement since its last look, or `scheduler.yield_check_interval`
+has passed without one (a quiet look: what a publish cannot tell). Looks that follow announcements come
+at most every half of the smallest `preemption_target` of a tenant with a share
+(`fair_share.FairShare.look_interval`; `yield_check_interval` without one): a stream of requests the
+chunk cannot serve costs it a look per interval, not one per mini-batch. A quiet look does not count
+against that interval, so a request announced just after one is looked at at the next boundary. The
+chunk's lease saw what the bell had counted before it (the drain loop passes that count in; a tenant
+fair share had taken for absent is leased first there), and it counts as a look after an announcement
+unless a tenant's preemption target shortened the interval. Once a second the chunk also reads its job's
 status: the chunk of a job cancelled (or failed) meanwhile stops there, as `Cancelled`.
 """
 
@@ -50,17 +57,25 @@ class BetweenBatches:
     requests that ride in it."""
 
     def __init__(self, ctx: WorkerContext, item: LeasedItem, ticket: str,
-                 carried: Sequence[LeasedItem] = (), reservation: int | None = None) -> None:
+                 carried: Sequence[LeasedItem] = (), reservation: int | None = None,
+                 bell_mark: int | None = None) -> None:
+        """`bell_mark` is the request bell's count read before `item` was leased (`RequestBell.count`;
+        None: not known): the lease saw what was announced until then."""
         self._ctx, self._item, self._ticket, self._reservation = ctx, item, ticket, reservation
         self._lease_seconds = ctx.settings.scheduler.lease_timeout
         self._extended_at = time.monotonic()
         score = item.payload.get("score")
         self._chunk_score = float(score) if isinstance(score, int | float) else None
         self._interval = ctx.fair_share.look_interval(ctx.settings.scheduler.yield_check_interval)
-        self._next_look = time.monotonic() + self._interval
         self._quiet_interval = ctx.settings.scheduler.yield_check_interval
+        self._next_look = time.monotonic() + (self._interval if self._interval >= self._quiet_interval else 0.0)
+        """The earliest a look after an announcement may come: the last such look plus the interval. The
+        lease counts as one (a long `yield_check_interval` keeps a chunk on its slot), unless a tenant's
+        preemption target shortened the interval: then a request announced after the lease is looked at
+        at the next boundary."""
         self._looked_at = time.monotonic()
-        self._bell_mark: int | None = None
+        self._bell_mark = bell_mark
+        """The bell's count at the last look (the lease's, at first; None: not known, look)."""
         self._carried = list(carried)
         self._stale = False
         self._stop_checked_at = time.monotonic()
@@ -76,7 +91,8 @@ class BetweenBatches:
             with self._ctx.lease_keeper.holding([self._item]):
                 run_requests(self._ctx, self._carried, self._ticket)
             self._carried = []
-        if self._stale or time.monotonic() < self._next_look or not self._worth_a_look():
+        prompted = None if self._stale else self._look_prompted()
+        if prompted is None:
             return []
         try:
             snapshot = self._ctx.queue_watcher.snapshot()
@@ -95,19 +111,28 @@ class BetweenBatches:
             # ours, and let the next lease of the drain loop end the task.
             self._stale = True
             return []
-        self._next_look = time.monotonic() + (0 if served or riders else self._interval)  # more may wait
-        if served or riders:
-            self._bell_mark = None  # (and may have been announced already: the next look goes ahead)
+        if served or riders:  # more may wait (and may have been announced already): the next look goes ahead
+            self._next_look, self._bell_mark = 0.0, None
+        elif prompted == "announced":
+            self._next_look = time.monotonic() + self._interval
         return riders
 
-    def _worth_a_look(self) -> bool:
-        """Whether this look goes ahead: an online request was announced since the last one (or the bell
-        cannot tell), or `yield_check_interval` has passed since it (`request_bell.py`)."""
-        mark = self._ctx.request_bell.mark()
-        if mark is not None and mark == self._bell_mark and time.monotonic() - self._looked_at < self._quiet_interval:
-            return False
-        self._bell_mark, self._looked_at = mark, time.monotonic()
-        return True
+    def _look_prompted(self) -> str | None:
+        """Why this boundary looks: 'announced' (an online request was announced since the last look, or the
+        bell cannot tell, and the interval since the last such look has passed), 'quiet'
+        (`yield_check_interval` has passed without an announcement); None: no look now. Only an
+        'announced' look holds the next one back by the interval."""
+        now, mark = time.monotonic(), self._ctx.request_bell.mark()
+        if mark is None or mark != self._bell_mark:
+            if now < self._next_look:
+                return None
+            prompted = "announced"
+        elif now - self._looked_at >= self._quiet_interval:
+            prompted = "quiet"
+        else:
+            return None
+        self._bell_mark, self._looked_at = mark, now
+        return prompted
 
     def _stop_if_job_stopped(self) -> None:
         """Raise `Cancelled` when the chunk's job was stopped since it was leased (looked at once a second)."""

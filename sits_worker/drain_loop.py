@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 
 from broker import admission as deadline_admission
 from broker import (
@@ -70,6 +71,9 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
     paused_ring = PausedRing()
     try:
         while True:
+            # (before the snapshot: a request announced after it is the chunk leased below's to look for;
+            # one before is in the snapshot and the lease)
+            bell_mark = ctx.request_bell.count()
             snapshot = _without_open_breakers(ctx, _snapshot_after_psa(ctx))
             heads = snapshot.heads
             if not heads:
@@ -99,7 +103,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
                 backfill=ctx.settings.scheduler.policy == "graph-aware-backfill", head_items=snapshot.head_items)
             notes = queues.LeaseNotes()
             try:
-                leased, admission = _lease_admitted(ctx, allowed, ticket, requests_only=not room, notes=notes)
+                leased, admission = _lease_admitted(ctx, allowed, ticket, requests_only=not room, notes=notes,
+                                                    waiting_requests=snapshot.waiting_requests)
             finally:
                 if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
                     ctx.ledger.release(hold, now=time.time())
@@ -109,10 +114,10 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             if leased and admission is not None:
                 with admitted(ctx, leased, admission, hold=hold) as runnable:
                     if runnable.items:
-                        _run_leased(ctx, runnable.items, ticket, runnable.handle)
+                        _run_leased(ctx, runnable.items, ticket, runnable.handle, bell_mark)
                         ran = True
             if not ran and not room and all(map(jobs.is_chunk_item_id, snapshot.head_items.values())):
-                ctx.commits.wait_for_room(timeout=0.05)  # only chunks wait: wait for the disk
+                _wait_for_room(ctx, bell_mark)  # only chunks wait: wait for the disk, or a request
             elif not ran and notes.paused:  # every lease found only paused work: wait for new work
                 paused_ring.wait(ctx.store, ticket)
             elif not ran:  # memory is reserved by running batches, another slot took the work, or the
@@ -150,11 +155,14 @@ class PausedRing:
 
 
 def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ticket: str, *,
-                    requests_only: bool = False,
-                    notes: queues.LeaseNotes) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
+                    requests_only: bool = False, notes: queues.LeaseNotes,
+                    waiting_requests: Mapping[str, int] | None = None,
+                    ) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
     """Lease the first admitted model's batch that has work, with its admission; ([], None) when none
     has any now (with `requests_only`: none headed by an online request). `notes.paused` ends true only
-    when every lease found nothing but paused work."""
+    when every lease found nothing but paused work. Where online requests wait (`waiting_requests`, by
+    model, as the snapshot counted them), those of a tenant returning after fair share took it for absent
+    are looked for first (`FairShare.returning_option`)."""
     waited: set[str] = set()  # (a whole admission and a backfill behind it may name one model)
     paused = bool(allowed)
     for admission in allowed:
@@ -162,6 +170,13 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
         if model_ref not in waited and ctx.memory_watch.lease_classes() is None:
             _wait_for_company(ctx, model_ref)  # (a degraded worker ranks by class: the queue's head may not lead)
             waited.add(model_ref)
+        returning = ctx.fair_share.returning_option(model_ref) if (waiting_requests or {}).get(model_ref) else None
+        if returning is not None:
+            leased = lease(ctx, model_ref, ticket, admission=admission, within_cut=admission.cut, requests_only=True,
+                           tenants=returning)
+            if leased:
+                ctx.last_served = model_ref
+                return leased, admission
         # A batch cut to free memory (a backfill, or beside the head) takes no chunk along and no
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
@@ -176,20 +191,41 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
     return [], None
 
 
-def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str, reservation: int | None) -> None:
+def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str, reservation: int | None,
+                bell_mark: int | None = None) -> None:
     """Run what one lease returned, under its memory `reservation`: a batch of requests, a job chunk
-    or finalize step, or requests with a chunk they took along (they ride in its first mini-batch)."""
+    or finalize step, or requests with a chunk they took along (they ride in its first mini-batch).
+    `bell_mark`: the request bell's count before the lease (`BetweenBatches`)."""
     online = [item for item in leased if item.payload.get("kind") == "request"]
     offline = [item for item in leased if item.payload.get("kind") != "request"]
     if not offline:
         run_requests(ctx, online, ticket)
         return
     [item] = offline  # leases take one job chunk (or finalize step) at a time
-    between = BetweenBatches(ctx, item, ticket, carried=online, reservation=reservation)
+    between = BetweenBatches(ctx, item, ticket, carried=online, reservation=reservation, bell_mark=bell_mark)
     try:
         process_item(ctx, item, between)
     finally:
         between.finish()
+
+
+COMMIT_WAIT_SECONDS = 0.05
+"""The longest a slot without commit room waits for it before it looks at the queues again."""
+
+
+def _wait_for_room(ctx: WorkerContext, bell_mark: int | None) -> None:
+    """Wait up to `COMMIT_WAIT_SECONDS` for room to queue a chunk's commit, but only until an online request
+    is announced since `bell_mark` (the request bell's count before this loop's snapshot): a slot waiting
+    for the disk serves requests, and a returning tenant's request must not wait for another tenant's
+    fsync. The bell is looked at every half look interval (`FairShare.look_interval`); without a count
+    (the bell not listening) the wait is the whole time, as a look would be."""
+    ends = time.monotonic() + COMMIT_WAIT_SECONDS
+    step = ctx.fair_share.look_interval(ctx.settings.scheduler.yield_check_interval) / 2
+    while (left := ends - time.monotonic()) > 0:
+        if ctx.commits.wait_for_room(timeout=min(left, step) if bell_mark is not None else left):
+            return
+        if bell_mark is not None and ctx.request_bell.count() != bell_mark:
+            return
 
 
 def _wait_for_company(ctx: WorkerContext, model_ref: str) -> None:

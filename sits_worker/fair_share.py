@@ -4,7 +4,10 @@ Each lease asks `FairShare.lease_option` for the order of the tenants (`broker.t
 usage over guaranteed share, lowest first; past `guaranteed_share * limit` of the fleet, held) and
 hands it to `lease_batch.lua`, which weighs the first `fair_share.window` waiting items by it. The
 tenants' usage is read from Redis at most every `fair_share.usage_refresh` (after this worker's own
-bills are flushed), the fleet's stream slots at most every second.
+bills are flushed), the fleet's stream slots at most every second. Those reads happen on a refresher
+thread, woken when they are due: a lease or a mini-batch boundary's look orders by what was read last
+and waits for no round trip of its own (two, 1-2 ms on a loaded host, were most of a returning tenant's
+wait). Only the first order reads them itself, and so does every order with `usage_refresh: 0`.
 
 Fair share applies only while some tenant has a guaranteed share; without one the queue's own order
 (priority, deadlines, CP-Score) stands, as it did before tenants had records.
@@ -12,6 +15,7 @@ Fair share applies only while some tenant has a guaranteed share; without one th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +34,10 @@ requests still get in at once (`reclaim_option`), its job chunks wait at most th
 
 SLOTS_REFRESH_SECONDS = 1.0
 """How long the fleet's live stream slots are reused before they are counted again."""
+REFRESHER_IDLE_SECONDS = 10.0
+"""How long the refresher thread waits for a wake-up before it ends (the next due read starts it again)."""
+
+log = logging.getLogger(__name__)
 
 
 class FairShare:
@@ -52,6 +60,9 @@ class FairShare:
         """Whether the last order held a tenant back (the drain loop then polls less often)."""
         self._absent: dict[tuple[str, str], float] = {}
         """(Model ref, tenant) -> when a full scan of the model's queue last found no work of the tenant."""
+        self._refresh_due = threading.Event()
+        self._refresher: threading.Thread | None = None
+        self._warned_at = float("-inf")
 
     def lease_option(self, model_ref: str | None = None) -> dict[str, Any] | None:
         """The `tenants` option of `lease_batch.lua` ({order, held, window}), or None: no fair share. For
@@ -64,11 +75,35 @@ class FairShare:
             return None
         order, held = ranked
         if model_ref is not None:
-            with self._lock:
-                gone = {name for (ref, name), at in self._absent.items()
-                        if ref == model_ref and self._clock() - at < ABSENT_SECONDS}
+            gone = self._absent_from(model_ref)
             order = [name for name in order if name not in gone]
         return {"order": order, "held": sorted(held), "window": self._settings.window}
+
+    def returning_option(self, model_ref: str) -> dict[str, Any] | None:
+        """The `tenants` option that leases only the online requests of the tenants `lease_option` leaves out
+        of `model_ref`'s order as absent and that rank above every tenant still in it, or None: there are
+        none. A tenant a scan found no work of that comes back with a request would otherwise wait for the
+        next mini-batch boundary of a running chunk; a requests-only lease finds its request among the
+        model's waiting requests without reading the queue (`lease_batch.lua`). Such a tenant had no work
+        in the queue moments ago, so its new requests are all it has: they go first, as the full order says."""
+        ranked = self._order()
+        if ranked is None:
+            return None
+        order, held = ranked
+        gone = self._absent_from(model_ref)
+        returning = []
+        for name in order:
+            if name not in gone:
+                break
+            if name not in held:
+                returning.append(name)
+        return {"order": returning, "held": [], "window": self._settings.window, "only": True} if returning else None
+
+    def _absent_from(self, model_ref: str) -> set[str]:
+        """The tenants a full scan of `model_ref`'s queue found no work of in the last `ABSENT_SECONDS`."""
+        with self._lock:
+            return {name for (ref, name), at in self._absent.items()
+                    if ref == model_ref and self._clock() - at < ABSENT_SECONDS}
 
     def note_absent(self, model_ref: str, tenants: list[str]) -> None:
         """Tenants a full scan of `model_ref`'s queue found no work of (`lease_batch.lua`'s reply)."""
@@ -125,7 +160,22 @@ class FairShare:
         return min([interval, *targets])
 
     def _fresh(self, now: float) -> tuple[dict[str, Usage], int]:
-        """The tenants' usage and the fleet's stream slots, read again when older than their refresh."""
+        """The tenants' usage and the fleet's stream slots as last read. Read here only the first time (or
+        at every call with `usage_refresh: 0`); when a read is due, the refresher thread is woken to do it
+        and this call goes on with what it has."""
+        with self._lock:
+            known = self._usage_at > float("-inf")
+            due = (now - self._usage_at >= self._settings.usage_refresh
+                   or now - self._slots_at >= SLOTS_REFRESH_SECONDS)
+        if not known or self._settings.usage_refresh == 0:
+            self._read(now)
+        elif due:
+            self._wake_refresher()
+        with self._lock:
+            return self._usage, self._slots
+
+    def _read(self, now: float) -> None:
+        """Read what is due: this worker's bills flushed, then every tenant's usage; the live stream slots."""
         with self._lock:
             usage_due = now - self._usage_at >= self._settings.usage_refresh
             slots_due = now - self._slots_at >= SLOTS_REFRESH_SECONDS
@@ -142,5 +192,28 @@ class FairShare:
             slots = workers.live_stream_slots(self._store, now=now, timeout=self._heartbeat_timeout)
             with self._lock:
                 self._slots = max(1, slots)
+
+    def _wake_refresher(self) -> None:
         with self._lock:
-            return self._usage, self._slots
+            self._refresh_due.set()
+            if self._refresher is None:
+                self._refresher = threading.Thread(target=self._refresh_when_due, name="sits-fair-share-refresher",
+                                                   daemon=True)
+                self._refresher.start()
+
+    def _refresh_when_due(self) -> None:
+        """The refresher thread: a read each time it is woken; it ends after `REFRESHER_IDLE_SECONDS` without."""
+        while True:
+            self._refresh_due.wait(timeout=REFRESHER_IDLE_SECONDS)
+            with self._lock:
+                if not self._refresh_due.is_set():
+                    self._refresher = None
+                    return
+                self._refresh_due.clear()
+            try:
+                self._read(self._clock())
+            except Exception as err:  # (Redis away: the orders go on with what was read; the next due read retries)
+                if time.monotonic() - self._warned_at >= REFRESHER_IDLE_SECONDS:
+                    self._warned_at = time.monotonic()
+                    log.warning("fair share: could not read the tenants' usage (%s); ordering by the last read "
+                                "meanwhile", err)

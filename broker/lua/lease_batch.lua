@@ -216,7 +216,8 @@ local function ranked_candidates()
       local tenant, level = facts[1], facts[2]
       seen[tenant] = true
       local item_rank = rank_of(tenant, level)
-      -- (past a rank with enough items already, a worse one's items would never be reached)
+      -- (past a rank with enough items already, a worse one's items would never be reached, nor its own
+      -- without demotions, which may reorder a rank)
       if item_rank ~= nil and item_rank <= full_rank then
         if item_rank == best_possible then
           found_best = found_best + 1
@@ -226,9 +227,11 @@ local function ranked_candidates()
           bucket = {}
           by_rank[item_rank] = bucket
         end
-        bucket[#bucket + 1] = {item_id, payload, item, item_rank, score + demotion(level)}
-        if #bucket >= enough and item_rank < full_rank then
-          full_rank = item_rank
+        if #bucket < enough or classes_option then
+          bucket[#bucket + 1] = {item_id, payload, item, item_rank, score + demotion(level)}
+          if #bucket >= enough and item_rank < full_rank then
+            full_rank = item_rank
+          end
         end
       end
     end

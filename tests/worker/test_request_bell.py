@@ -16,7 +16,8 @@ from broker.requests import RequestSpec
 from broker.scoring import Factors, Weights, queue_key
 from broker.store import Store
 from sits_worker.between_minibatches import BetweenBatches
-from sits_worker.request_bell import RequestBell
+from sits_worker.context import WorkerContext
+from sits_worker.request_bell import RequestBell, unread_bytes
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float = 3.0) -> bool:
@@ -53,6 +54,30 @@ def test_a_submit_and_a_returned_request_are_announced(store: Store) -> None:
     assert _wait_for(lambda: bell.mark() != submitted)
 
 
+class CountedLooks:
+    """A leased chunk of a 64-row MLP job on `ctx`'s queue, and how many looks (queue snapshots, the real
+    ones, counted) the context made since."""
+
+    def __init__(self, ctx: WorkerContext, store: Store, tmp_path: Path) -> None:
+        np.save(tmp_path / "in.npy", np.zeros((64, 64), np.float32))
+        spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1",
+                            input_batch=str(tmp_path / "in.npy"), input_format="npy", input_checksum="sha256:0",
+                            output_dir=str(tmp_path / "out"), output_names=["logits"], rows_total=64,
+                            chunk_size=64, batch_size=8)
+        job_fills.create_job(store, spec, now=time.time())
+        self.model_ref = spec.model_ref
+        self.bell_before_lease = ctx.request_bell.count()
+        [self.chunk] = queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+        self.snapshots = 0
+        read = ctx.queue_watcher.snapshot
+
+        def counted() -> queues.QueueSnapshot:
+            self.snapshots += 1
+            return read()
+
+        ctx.queue_watcher.snapshot = counted  # type: ignore[method-assign]
+
+
 def test_a_running_chunk_skips_looks_until_a_request_is_announced(store: Store, zoo_dir: Path,
                                                                   tmp_path: Path) -> None:
     """A 2 ms preemption target makes a running chunk look every millisecond, a Redis round trip each:
@@ -61,37 +86,85 @@ def test_a_running_chunk_skips_looks_until_a_request_is_announced(store: Store, 
     ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(
         scheduler={"yield_check_interval": "10s"},
         tenants={"acme": {"guaranteed_share": 0.5, "preemption_target": "2ms"}}))
-    np.save(tmp_path / "in.npy", np.zeros((64, 64), np.float32))
-    spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1",
-                        input_batch=str(tmp_path / "in.npy"), input_format="npy", input_checksum="sha256:0",
-                        output_dir=str(tmp_path / "out"), output_names=["logits"], rows_total=64,
-                        chunk_size=64, batch_size=8)
-    job_fills.create_job(store, spec, now=time.time())
-    [chunk] = queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
-    snapshots = 0
-    read = ctx.queue_watcher.snapshot
-
-    def counted() -> queues.QueueSnapshot:  # (the real snapshot, counted)
-        nonlocal snapshots
-        snapshots += 1
-        return read()
-
-    ctx.queue_watcher.snapshot = counted  # type: ignore[method-assign]
-    between = BetweenBatches(ctx, chunk, ticket="")
+    looks = CountedLooks(ctx, store, tmp_path)
+    between = BetweenBatches(ctx, looks.chunk, ticket="")
     feed = {"features": np.zeros((8, 64), np.float32)}
     assert _wait_for(lambda: ctx.request_bell.mark() is not None)
     time.sleep(0.002)
     between(feed)  # the first look with the bell listening goes ahead
-    assert snapshots == 1
+    assert looks.snapshots == 1
     for _ in range(20):
         time.sleep(0.002)
         assert between(feed) == []
-    assert snapshots == 1  # nothing announced: 20 boundaries, no look
+    assert looks.snapshots == 1  # nothing announced: 20 boundaries, no look
 
     quiet = ctx.request_bell.mark()
     _submit(store, "express")  # an express request outranks the chunk
     assert _wait_for(lambda: ctx.request_bell.mark() != quiet)
     time.sleep(0.002)
     between(feed)
-    assert snapshots == 2
-    assert store.client.zscore(store.keys.ready(spec.model_ref), "express") is None  # served in the chunk's place
+    assert looks.snapshots == 2
+    assert store.client.zscore(store.keys.ready(looks.model_ref), "express") is None  # served in the chunk's place
+
+
+def test_a_quiet_look_does_not_hold_back_the_next_announced_one(store: Store, zoo_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """Looks that follow announcements come at most every `yield_check_interval` (here 0.5 s), the chunk's
+    lease counting as one; a quiet look (the interval passed without an announcement) does not count, so
+    a request announced just after it is looked at at the next boundary. A request the chunk cannot
+    serve (it ranks below the chunk and rides in nothing: `merge_requests_into_jobs` is off) then holds
+    the next announced look back by the interval."""
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(
+        scheduler={"yield_check_interval": "500ms", "merge_requests_into_jobs": False}))
+    assert _wait_for(lambda: ctx.request_bell.mark() is not None)
+    looks = CountedLooks(ctx, store, tmp_path)
+    assert looks.bell_before_lease is not None
+    between = BetweenBatches(ctx, looks.chunk, ticket="", bell_mark=looks.bell_before_lease)
+    feed = {"features": np.zeros((8, 64), np.float32)}
+
+    def announce(request_id: str) -> None:
+        quiet = ctx.request_bell.mark()
+        _submit(store, request_id, level=0)  # ranks below the chunk: the look finds nothing to serve
+        assert _wait_for(lambda: ctx.request_bell.mark() != quiet)
+
+    between(feed)
+    assert looks.snapshots == 0  # nothing announced since the lease, which was a look
+    announce("low-1")
+    between(feed)
+    assert looks.snapshots == 0  # within the interval of the lease
+    time.sleep(0.55)
+    between(feed)
+    assert looks.snapshots == 1  # announced: looked once the interval passed
+    time.sleep(0.55)
+    between(feed)
+    assert looks.snapshots == 2  # a quiet look
+    announce("low-2")
+    between(feed)
+    assert looks.snapshots == 3  # at once: the quiet look held nothing back
+    announce("low-3")
+    between(feed)
+    assert looks.snapshots == 3  # an announced look holds the next one back by the interval
+    time.sleep(0.55)
+    between(feed)
+    assert looks.snapshots == 4
+    waiting = store.client.zrange(store.keys.ready(looks.model_ref), 0, -1)
+    assert {"low-1", "low-2", "low-3"} <= set(waiting)  # none was served or lost
+
+
+def test_a_message_waiting_on_the_socket_is_seen_before_it_is_read(store: Store) -> None:
+    """`unread_bytes` tells a subscription's socket holding a message from an empty one, and reading
+    nothing leaves it there for the bell's thread (a real subscription on real Redis)."""
+    pubsub = store.pooled_client.pubsub()
+    try:
+        pubsub.psubscribe(store.keys.waiting_requests("*"))
+        assert pubsub.get_message(timeout=2.0)["type"] == "psubscribe"
+        sock = pubsub.connection._sock
+        assert not unread_bytes(sock)
+        store.client.publish(store.keys.waiting_requests("mlp@v1"), "1")
+        assert _wait_for(lambda: unread_bytes(sock))
+        assert unread_bytes(sock)  # (still there: nothing was read)
+        assert pubsub.get_message(timeout=1.0)["type"] == "pmessage"
+        assert not unread_bytes(sock)
+    finally:
+        pubsub.close()
+    assert not unread_bytes(sock) and not unread_bytes(None)  # a closed socket, none at all

@@ -118,3 +118,21 @@ def test_a_tenant_with_no_work_in_a_queue_leaves_its_order_a_moment(store: Store
     assert ctx.fair_share.reclaim_option("s2")["order"] == ["s1"]  # its requests still get in between mini-batches
     time.sleep(0.55)
     assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s1", "s2"]
+
+
+def test_a_due_usage_read_happens_beside_the_order_not_inside_it(store: Store, zoo_dir: Path) -> None:
+    """Only the first order reads the tenants' usage itself; once a read is due, an order goes on with the
+    last one read and wakes the refresher thread, whose read the next orders see."""
+    settings = Settings().with_overrides(tenants={"s1": {"guaranteed_share": 0.7}, "s2": {"guaranteed_share": 0.3}},
+                                         fair_share={"usage_half_life": "10s", "usage_refresh": "50ms"})
+    ctx = mlp_worker_context(store, zoo_dir, settings)
+    assert ctx.fair_share.lease_option()["order"] == ["s1", "s2"]  # (read in the call: no usage yet)
+    capacity = 10 / np.log(2)
+    tenant_usage.note_usage(store, [BillEntry("s1", "k1", "mlp@v1", "cpu", 0.6 * capacity, 1)],
+                            now=time.time(), half_life=10)  # (another worker's bills)
+    time.sleep(0.06)
+    assert ctx.fair_share.lease_option()["order"] == ["s1", "s2"]  # due: the last read, the refresher woken
+    deadline = time.monotonic() + 3
+    while ctx.fair_share.lease_option()["order"] != ["s2", "s1"]:
+        assert time.monotonic() < deadline, "the refresher never read the new usage"
+        time.sleep(0.01)

@@ -1,0 +1,67 @@
+"""A tenant that fair share took for absent from a model's queue comes back with an online request: the
+drain loop's next lease takes that request first, from the model's waiting requests, instead of a chunk
+of the tenant that flooded the queue in the meantime (real Redis, a real `WorkerContext`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+from worker_helpers import mlp_worker_context
+
+from broker import job_fills, jobs, queues, requests
+from broker.config import Settings
+from broker.requests import RequestSpec
+from broker.reservation import Admission
+from broker.store import Store
+from sits_worker.drain_loop import _lease_admitted
+
+SHARES = {"s1": {"guaranteed_share": 0.7}, "s2": {"guaranteed_share": 0.3}}
+
+
+def test_only_absent_tenants_ranking_above_every_present_one_are_returning(store: Store, zoo_dir: Path) -> None:
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants=SHARES))
+    assert ctx.fair_share.returning_option("mlp@v1") is None  # nobody absent
+    ctx.fair_share.note_absent("mlp@v1", ["s2"])
+    assert ctx.fair_share.returning_option("mlp@v1") is None  # s2 ranks below s1, which is present
+    ctx.fair_share.note_absent("mlp@v1", ["s1"])
+    assert ctx.fair_share.returning_option("mlp@v1") == {"order": ["s1", "s2"], "held": [], "window": 4096,
+                                                         "only": True}
+    assert ctx.fair_share.returning_option("other@v1") is None  # absent from mlp's queue only
+    off = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants=SHARES, fair_share={"enabled": False}))
+    off.fair_share.note_absent("mlp@v1", ["s1"])
+    assert off.fair_share.returning_option("mlp@v1") is None
+
+
+def test_a_returning_tenants_request_is_leased_before_the_chunks_in_front_of_it(store: Store, zoo_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants=SHARES))
+    np.save(tmp_path / "in.npy", np.zeros((64 * 50, 64), np.float32))
+    spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1",
+                        input_batch=str(tmp_path / "in.npy"), input_format="npy", input_checksum="sha256:0",
+                        output_dir=str(tmp_path / "out"), output_names=["logits"], rows_total=64 * 50,
+                        chunk_size=64, batch_size=8, owner="k2", tenant="s2")
+    job_fills.create_job(store, spec, now=time.time())
+    full = Admission("mlp@v1", 64, 0)
+    [chunk], _ = _lease_admitted(ctx, [full], "", notes=queues.LeaseNotes(),
+                                 waiting_requests=ctx.queue_watcher.snapshot().waiting_requests)
+    assert chunk.payload["kind"] == "chunk"  # s1 has no work: its full scan took it for absent
+    assert ctx.fair_share.returning_option("mlp@v1") is not None
+
+    request = RequestSpec(request_id="back", model_name="mlp", model_version="v1",
+                          inputs={"features": np.zeros((1, 64), np.float32)}, rows=1, tokens=None,
+                          bucket="features:64", factors={"level": 0, "enqueued_at": time.time()}, owner="k1",
+                          tenant="s1")
+    requests.submit_request(store, request, score=1e9, now=time.time(), max_age_seconds=60)  # behind every chunk
+    snapshot = ctx.queue_watcher.snapshot()
+    leased, admission = _lease_admitted(ctx, [full], "", notes=queues.LeaseNotes(),
+                                        waiting_requests=snapshot.waiting_requests)
+    assert [item.item_id for item in leased] == ["back"] and admission == full
+
+    # without the waiting requests' count (as an older snapshot would say), the lease follows the order
+    # that leaves s1 out: the next chunk
+    requests.submit_request(store, RequestSpec(**{**request.__dict__, "request_id": "later"}), score=1e9,
+                            now=time.time(), max_age_seconds=60)
+    [other], _ = _lease_admitted(ctx, [full], "", notes=queues.LeaseNotes(), waiting_requests={})
+    assert other.payload["kind"] == "chunk"
