@@ -1,9 +1,11 @@
 """A tenant that fair share took for absent from a model's queue comes back with an online request: the
 drain loop's next lease takes that request first, from the model's waiting requests, instead of a chunk
-of the tenant that flooded the queue in the meantime (real Redis, a real `WorkerContext`)."""
+of the tenant that flooded the queue in the meantime; and a slot waiting for the disk does not make it
+wait (real Redis, a real `WorkerContext`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from broker.config import Settings
 from broker.requests import RequestSpec
 from broker.reservation import Admission
 from broker.store import Store
-from sits_worker.drain_loop import _lease_admitted
+from sits_worker.drain_loop import COMMIT_WAIT_SECONDS, _lease_admitted, _wait_for_room
 
 SHARES = {"s1": {"guaranteed_share": 0.7}, "s2": {"guaranteed_share": 0.3}}
 
@@ -65,3 +67,36 @@ def test_a_returning_tenants_request_is_leased_before_the_chunks_in_front_of_it(
                             now=time.time(), max_age_seconds=60)
     [other], _ = _lease_admitted(ctx, [full], "", notes=queues.LeaseNotes(), waiting_requests={})
     assert other.payload["kind"] == "chunk"
+
+
+def test_a_slot_waiting_for_commit_room_stops_at_an_announced_request(store: Store, zoo_dir: Path) -> None:
+    """A slot whose commit thread is full waits for the disk up to 50 ms, but no longer than until an online
+    request is announced since the loop's snapshot: that request is the next lease's to serve."""
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(
+        tenants={"s1": {"guaranteed_share": 0.7, "preemption_target": "10ms"}}))
+    gate = threading.Event()
+    ctx.commits.submit(lambda: gate.wait(10))  # the only commit slot, held
+    try:
+        assert not ctx.commits.has_room()
+        deadline = time.monotonic() + 3
+        while ctx.request_bell.mark() is None:  # (subscribed: counts are known)
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        mark = ctx.request_bell.count()
+        started = time.monotonic()
+        _wait_for_room(ctx, mark)
+        assert time.monotonic() - started >= COMMIT_WAIT_SECONDS  # nothing announced: the whole wait
+
+        request = RequestSpec(request_id="r1", model_name="mlp", model_version="v1",
+                              inputs={"features": np.zeros((1, 64), np.float32)}, rows=1, tokens=None,
+                              bucket="features:64", factors={"level": 0, "enqueued_at": time.time()}, owner="k1",
+                              tenant="s1")
+        requests.submit_request(store, request, score=1.0, now=time.time(), max_age_seconds=60)
+        while ctx.request_bell.count() == mark:
+            assert time.monotonic() < deadline + 3
+            time.sleep(0.001)
+        started = time.monotonic()
+        _wait_for_room(ctx, mark)
+        assert time.monotonic() - started < COMMIT_WAIT_SECONDS / 2  # announced: back at once
+    finally:
+        gate.set()
