@@ -118,12 +118,14 @@ class BetweenBatches:
         return riders
 
     def _look_prompted(self) -> str | None:
-        """Why this boundary looks: 'announced' (an online request was announced since the last look, or the
-        bell cannot tell, and the interval since the last such look has passed), 'quiet'
+        """Why this boundary looks: 'announced' (an online request was announced since the last look, or
+        one waits unread on the bell's socket, or the bell cannot tell, and the interval since the last
+        such look has passed), 'quiet'
         (`yield_check_interval` has passed without an announcement); None: no look now. Only an
         'announced' look holds the next one back by the interval."""
-        now, mark = time.monotonic(), self._ctx.request_bell.mark()
-        if mark is None or mark != self._bell_mark:
+        now, bell = time.monotonic(), self._ctx.request_bell
+        mark = bell.mark()
+        if mark is None or mark != self._bell_mark or bell.unread():
             if now < self._next_look:
                 return None
             prompted = "announced"

@@ -71,8 +71,9 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
     paused_ring = PausedRing()
     try:
         while True:
-            # (before the snapshot: a request announced after it is the chunk leased below's to look for;
-            # one before is in the snapshot and the lease)
+            # (before the snapshot: a request announced after it is the chunk leased below's to look for; one
+            # before is in the snapshot, and where the snapshot holds none the lease passed none over, on this
+            # model or another: only then does the chunk start from this count)
             bell_mark = ctx.request_bell.count()
             snapshot = _without_open_breakers(ctx, _snapshot_after_psa(ctx))
             heads = snapshot.heads
@@ -114,7 +115,8 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             if leased and admission is not None:
                 with admitted(ctx, leased, admission, hold=hold) as runnable:
                     if runnable.items:
-                        _run_leased(ctx, runnable.items, ticket, runnable.handle, bell_mark)
+                        _run_leased(ctx, runnable.items, ticket, runnable.handle,
+                                    bell_mark if not any(snapshot.waiting_requests.values()) else None)
                         ran = True
             if not ran and not room and all(map(jobs.is_chunk_item_id, snapshot.head_items.values())):
                 _wait_for_room(ctx, bell_mark)  # only chunks wait: wait for the disk, or a request
@@ -177,6 +179,7 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
             if leased:
                 ctx.last_served = model_ref
                 return leased, admission
+            ctx.fair_share.note_returning_missed(model_ref)
         # A batch cut to free memory (a backfill, or beside the head) takes no chunk along and no
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
@@ -211,6 +214,9 @@ def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str
 
 COMMIT_WAIT_SECONDS = 0.05
 """The longest a slot without commit room waits for it before it looks at the queues again."""
+MIN_ROOM_STEP_SECONDS = 0.001
+"""The shortest step between two looks at the bell while waiting for commit room (a 0 look interval
+would spin)."""
 
 
 def _wait_for_room(ctx: WorkerContext, bell_mark: int | None) -> None:
@@ -220,11 +226,11 @@ def _wait_for_room(ctx: WorkerContext, bell_mark: int | None) -> None:
     fsync. The bell is looked at every half look interval (`FairShare.look_interval`); without a count
     (the bell not listening) the wait is the whole time, as a look would be."""
     ends = time.monotonic() + COMMIT_WAIT_SECONDS
-    step = ctx.fair_share.look_interval(ctx.settings.scheduler.yield_check_interval) / 2
+    step = max(MIN_ROOM_STEP_SECONDS, ctx.fair_share.look_interval(ctx.settings.scheduler.yield_check_interval) / 2)
     while (left := ends - time.monotonic()) > 0:
         if ctx.commits.wait_for_room(timeout=min(left, step) if bell_mark is not None else left):
             return
-        if bell_mark is not None and ctx.request_bell.count() != bell_mark:
+        if bell_mark is not None and (ctx.request_bell.count() != bell_mark or ctx.request_bell.unread()):
             return
 
 

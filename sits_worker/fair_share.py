@@ -6,8 +6,8 @@ hands it to `lease_batch.lua`, which weighs the first `fair_share.window` waitin
 tenants' usage is read from Redis at most every `fair_share.usage_refresh` (after this worker's own
 bills are flushed), the fleet's stream slots at most every second. Those reads happen on a refresher
 thread, woken when they are due: a lease or a mini-batch boundary's look orders by what was read last
-and waits for no round trip of its own (two, 1-2 ms on a loaded host, were most of a returning tenant's
-wait). Only the first order reads them itself, and so does every order with `usage_refresh: 0`.
+and waits for no usage read of its own (two round trips, 1-2 ms on a loaded host). Only the first order
+reads them itself, and so does every order with `usage_refresh: 0`.
 
 Fair share applies only while some tenant has a guaranteed share; without one the queue's own order
 (priority, deadlines, CP-Score) stands, as it did before tenants had records.
@@ -60,6 +60,8 @@ class FairShare:
         """Whether the last order held a tenant back (the drain loop then polls less often)."""
         self._absent: dict[tuple[str, str], float] = {}
         """(Model ref, tenant) -> when a full scan of the model's queue last found no work of the tenant."""
+        self._returning_missed: dict[str, float] = {}
+        """Model ref -> when a lease of returning tenants' requests (`returning_option`) last found none."""
         self._refresh_due = threading.Event()
         self._refresher: threading.Thread | None = None
         self._warned_at = float("-inf")
@@ -68,8 +70,9 @@ class FairShare:
         """The `tenants` option of `lease_batch.lua` ({order, held, window}), or None: no fair share. For
         `model_ref`, the tenants a full scan of its queue just found no work of are left out of `order`
         for `ABSENT_SECONDS`: they rank after the others, so the next scans stop early instead of
-        reading the whole window for them every lease (their requests still get in at the next
-        mini-batch boundary of a running chunk: `reclaim_option` keeps them)."""
+        reading the whole window for them every lease (their requests still get in: the next lease of a
+        free slot looks for them first, `returning_option`, and so does the next mini-batch boundary of a
+        running chunk, `reclaim_option`)."""
         ranked = self._order()
         if ranked is None:
             return None
@@ -85,7 +88,9 @@ class FairShare:
         none. A tenant a scan found no work of that comes back with a request would otherwise wait for the
         next mini-batch boundary of a running chunk; a requests-only lease finds its request among the
         model's waiting requests without reading the queue (`lease_batch.lua`). Such a tenant had no work
-        in the queue moments ago, so its new requests are all it has: they go first, as the full order says."""
+        in the queue moments ago, so its new requests are all it has: they go first, as the full order says.
+        None too for half the shortest preemption target after such a lease found nothing
+        (`note_returning_missed`)."""
         ranked = self._order()
         if ranked is None:
             return None
@@ -97,7 +102,23 @@ class FairShare:
                 break
             if name not in held:
                 returning.append(name)
-        return {"order": returning, "held": [], "window": self._settings.window, "only": True} if returning else None
+        with self._lock:
+            missed_at = self._returning_missed.get(model_ref, float("-inf"))
+        if not returning or self._clock() - missed_at < self._returning_pause():
+            return None
+        return {"order": returning, "held": [], "window": self._settings.window, "only": True}
+
+    def note_returning_missed(self, model_ref: str) -> None:
+        """A lease under `returning_option(model_ref)` found nothing: the next one waits half the shortest
+        preemption target (each reads up to `fair_share.window` of the model's waiting requests, which a
+        flood of another tenant's requests makes costly)."""
+        with self._lock:
+            self._returning_missed[model_ref] = self._clock()
+
+    def _returning_pause(self) -> float:
+        targets = [tenant.preemption_target / 2 for tenant in self.table.tenants(self._store).values()
+                   if tenant.guaranteed_share > 0]
+        return min(targets, default=ABSENT_SECONDS)
 
     def _absent_from(self, model_ref: str) -> set[str]:
         """The tenants a full scan of `model_ref`'s queue found no work of in the last `ABSENT_SECONDS`."""
@@ -194,12 +215,13 @@ class FairShare:
                 self._slots = max(1, slots)
 
     def _wake_refresher(self) -> None:
-        with self._lock:
+        with self._lock:  # (held until it is started: it ends under this lock, so no wake-up is lost)
             self._refresh_due.set()
             if self._refresher is None:
-                self._refresher = threading.Thread(target=self._refresh_when_due, name="sits-fair-share-refresher",
-                                                   daemon=True)
-                self._refresher.start()
+                refresher = threading.Thread(target=self._refresh_when_due, name="sits-fair-share-refresher",
+                                             daemon=True)
+                refresher.start()
+                self._refresher = refresher
 
     def _refresh_when_due(self) -> None:
         """The refresher thread: a read each time it is woken; it ends after `REFRESHER_IDLE_SECONDS` without."""

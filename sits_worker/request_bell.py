@@ -13,9 +13,11 @@ The thread starts with the first look and ends after `IDLE_SECONDS` without one,
 serves online batches holds no subscription. While it is not subscribed (starting, Redis away) every
 look goes ahead: a missed message can delay a look, never lose a request.
 
-A message Redis has sent counts at once, before the thread is scheduled to read it: `mark` adds one when
-the subscription's socket holds unread bytes (a `select` that reads nothing). On a loaded host the
-thread's wake-up took up to 4 ms, a look's whole budget under a 5 ms preemption target.
+A message Redis has sent is seen at once, before the thread is scheduled to read it: `unread` tells
+when the subscription's socket holds bytes not read yet (a `poll` that reads nothing), and a look then
+goes ahead too. On a loaded host the thread's wake-up took up to 4 ms, a look's whole budget under a
+5 ms preemption target. (The bytes may be no announcement, a health check's reply: a look too many,
+never one missed, since the count itself stays what the thread counted.)
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import select
 import socket
 import threading
 import time
+
+from redis.client import PubSub
 
 from broker.store import Store
 
@@ -44,8 +48,8 @@ class RequestBell:
         self._pattern = store.keys.waiting_requests("*")
         self._rings = 0
         self._listening = False
-        self._socket: socket.socket | None = None
-        """The subscription's socket while listening (None where the client does not expose it)."""
+        self._pubsub: PubSub | None = None
+        """The subscription while listening."""
         self._asked_at = time.monotonic()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -63,10 +67,13 @@ class RequestBell:
     def count(self) -> int | None:
         """`mark` without asking for the subscription: what a drain loop reads before each lease, which must
         not keep a worker that serves only online batches subscribed. None while not subscribed."""
-        if not self._listening:
-            return None
-        unread = 1 if unread_bytes(self._socket) else 0  # (before the count: a message the thread counts
-        return self._rings + unread  # meanwhile adds a look, never loses one)
+        return self._rings if self._listening else None
+
+    def unread(self) -> bool:
+        """Whether the subscription holds bytes its thread has not read yet: likely an announcement not
+        counted yet. The socket is read at each call (redis-py may have connected again meanwhile)."""
+        connection = getattr(self._pubsub, "connection", None) if self._listening else None
+        return unread_bytes(getattr(connection, "_sock", None))  # (redis-py keeps it as `_sock`)
 
     def _listen(self) -> None:
         while time.monotonic() - self._asked_at < IDLE_SECONDS:
@@ -77,7 +84,7 @@ class RequestBell:
                 if confirmed is None or confirmed["type"] != "psubscribe":  # confirmation on reaches here)
                     raise TimeoutError(f"Redis did not confirm the subscription within {RETRY_SECONDS:g}s")
                 self._rings += 1  # (what came before is not known: the next look goes ahead)
-                self._socket = getattr(pubsub.connection, "_sock", None)  # (redis-py keeps it as `_sock`)
+                self._pubsub = pubsub
                 self._listening = True
                 while time.monotonic() - self._asked_at < IDLE_SECONDS:
                     message = pubsub.get_message(timeout=1.0)
@@ -89,7 +96,7 @@ class RequestBell:
                 time.sleep(RETRY_SECONDS)
             finally:
                 self._listening = False
-                self._socket = None
+                self._pubsub = None
                 pubsub.close()
 
 
