@@ -230,3 +230,21 @@ def job_owner(store: Store, job_id: str) -> str | None:
     """The name of the API key that submitted `job_id`; None for a job stored without one, or no such job."""
     with translate_redis_errors():
         return store.client.hget(store.keys.job(job_id), "owner") or None
+
+
+def active_job_tenants(store: Store) -> dict[str, set[str]]:
+    """Model ref -> the tenants with a job of it queued or running (`keys.jobs_active`, each job's status
+    read again: the index drops ended jobs lazily). A tenant not named for a model has no chunk of it
+    waiting, which fair share uses to keep such a tenant out of its scans (`sits_worker/fair_share.py`).
+    Two round trips, whatever the number of jobs."""
+    with translate_redis_errors():
+        job_ids = store.client.zrange(store.keys.jobs_active, 0, -1)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(store.keys.job(job_id), "status", "model_ref", "tenant", "owner")
+        records = pipe.execute() if job_ids else []
+    tenants: dict[str, set[str]] = {}
+    for status, model_ref, tenant, owner in records:
+        if status in ACTIVE_STATUSES and model_ref:
+            tenants.setdefault(model_ref, set()).add(tenant or owner or "")  # (as its chunks' payloads name it)
+    return tenants

@@ -23,6 +23,7 @@ from typing import Any
 
 from broker import tenant_usage, workers
 from broker.config import Settings
+from broker.jobs import active_job_tenants
 from broker.store import Store
 from broker.tenant_shares import TenantShare, Usage, fair_order
 from broker.tenants import TenantTable
@@ -30,7 +31,15 @@ from sits_worker.usage_meter import UsageMeter
 
 ABSENT_SECONDS = 0.5
 """How long a tenant a full scan found no work of stays out of a model's fair order (`note_absent`): its
-requests still get in at once (`reclaim_option`), its job chunks wait at most this long."""
+requests still get in at once (`returning_option`, `reclaim_option`), its job chunks wait at most this
+long. Longer while it has no job of the model at all (`ABSENT_JOBLESS_SECONDS`)."""
+ABSENT_JOBLESS_SECONDS = 10.0
+"""How long such a tenant stays out while the worker's view of the active jobs, read since the scan and
+at most `ABSENT_SECONDS` ago, shows it no job of the model: it has no chunk to find, and each full scan of
+a queue of thousands of another tenant's chunks costs milliseconds of Redis time. A job it submits ends
+this within `JOBS_REFRESH_SECONDS`; the bound covers a job the index missed."""
+JOBS_REFRESH_SECONDS = 0.25
+"""How often the refresher reads which tenants have active jobs of which model (`jobs.active_job_tenants`)."""
 
 SLOTS_REFRESH_SECONDS = 1.0
 """How long the fleet's live stream slots are reused before they are counted again."""
@@ -60,6 +69,12 @@ class FairShare:
         """Whether the last order held a tenant back (the drain loop then polls less often)."""
         self._absent: dict[tuple[str, str], float] = {}
         """(Model ref, tenant) -> when a full scan of the model's queue last found no work of the tenant."""
+        self._job_tenants: dict[str, set[str]] = {}
+        """Model ref -> the tenants with an active job of it, as last read (`jobs.active_job_tenants`)."""
+        self._jobs_at = float("-inf")
+        """When `_job_tenants` was read (when the read began)."""
+        self._jobs_read_at = float("-inf")
+        """When a read of it was last started."""
         self._returning_missed: dict[str, float] = {}
         """Model ref -> when a lease of returning tenants' requests (`returning_option`) last found none."""
         self._refresh_due = threading.Event()
@@ -69,8 +84,9 @@ class FairShare:
     def lease_option(self, model_ref: str | None = None) -> dict[str, Any] | None:
         """The `tenants` option of `lease_batch.lua` ({order, held, window}), or None: no fair share. For
         `model_ref`, the tenants a full scan of its queue just found no work of are left out of `order`
-        for `ABSENT_SECONDS`: they rank after the others, so the next scans stop early instead of
-        reading the whole window for them every lease (their requests still get in: the next lease of a
+        for `ABSENT_SECONDS` (longer while they have no active job of it: `_absent_from`): they rank
+        after the others, so the next scans stop early instead of reading the whole window for them
+        every lease (their requests still get in: the next lease of a
         free slot looks for them first, `returning_option`, and so does the next mini-batch boundary of a
         running chunk, `reclaim_option`)."""
         ranked = self._order()
@@ -121,10 +137,16 @@ class FairShare:
         return min(targets, default=ABSENT_SECONDS)
 
     def _absent_from(self, model_ref: str) -> set[str]:
-        """The tenants a full scan of `model_ref`'s queue found no work of in the last `ABSENT_SECONDS`."""
+        """The tenants a full scan of `model_ref`'s queue found no work of in the last `ABSENT_SECONDS`, or in
+        the last `ABSENT_JOBLESS_SECONDS` with no active job of it in a fresh view read since."""
+        now = self._clock()
         with self._lock:
+            fresh_view = now - self._jobs_at < ABSENT_SECONDS
+            with_jobs = self._job_tenants.get(model_ref, set())
             return {name for (ref, name), at in self._absent.items()
-                    if ref == model_ref and self._clock() - at < ABSENT_SECONDS}
+                    if ref == model_ref and (now - at < ABSENT_SECONDS or (
+                        now - at < ABSENT_JOBLESS_SECONDS and fresh_view and self._jobs_at >= at
+                        and name not in with_jobs))}
 
     def note_absent(self, model_ref: str, tenants: list[str]) -> None:
         """Tenants a full scan of `model_ref`'s queue found no work of (`lease_batch.lua`'s reply)."""
@@ -133,7 +155,7 @@ class FairShare:
             for name in tenants:
                 self._absent[(model_ref, name)] = now
             if len(self._absent) > 4096:  # (models and tenants come and go: forget the stale)
-                self._absent = {key: at for key, at in self._absent.items() if now - at < ABSENT_SECONDS}
+                self._absent = {key: at for key, at in self._absent.items() if now - at < ABSENT_JOBLESS_SECONDS}
 
     def reclaim_option(self, tenant: str) -> dict[str, Any] | None:
         """The `tenants` option that leases only the work of tenants ranking above `tenant` (none held):
@@ -187,7 +209,8 @@ class FairShare:
         with self._lock:
             known = self._usage_at > float("-inf")
             due = (now - self._usage_at >= self._settings.usage_refresh
-                   or now - self._slots_at >= SLOTS_REFRESH_SECONDS)
+                   or now - self._slots_at >= SLOTS_REFRESH_SECONDS
+                   or (bool(self._absent) and now - self._jobs_read_at >= JOBS_REFRESH_SECONDS))
         if not known or self._settings.usage_refresh == 0:
             self._read(now)
         elif due:
@@ -196,14 +219,18 @@ class FairShare:
             return self._usage, self._slots
 
     def _read(self, now: float) -> None:
-        """Read what is due: this worker's bills flushed, then every tenant's usage; the live stream slots."""
+        """Read what is due: this worker's bills flushed, then every tenant's usage; the live stream slots;
+        while some tenant is taken for absent, which tenants have active jobs."""
         with self._lock:
             usage_due = now - self._usage_at >= self._settings.usage_refresh
             slots_due = now - self._slots_at >= SLOTS_REFRESH_SECONDS
+            jobs_due = bool(self._absent) and now - self._jobs_read_at >= JOBS_REFRESH_SECONDS
             if usage_due:
                 self._usage_at = now
             if slots_due:
                 self._slots_at = now
+            if jobs_due:
+                self._jobs_read_at = now
         if usage_due:
             self._meter.flush()
             usage = tenant_usage.read_usage(self._store)
@@ -213,6 +240,10 @@ class FairShare:
             slots = workers.live_stream_slots(self._store, now=now, timeout=self._heartbeat_timeout)
             with self._lock:
                 self._slots = max(1, slots)
+        if jobs_due:
+            job_tenants = active_job_tenants(self._store)
+            with self._lock:
+                self._job_tenants, self._jobs_at = job_tenants, now
 
     def _wake_refresher(self) -> None:
         with self._lock:  # (held until it is started: it ends under this lock, so no wake-up is lost)

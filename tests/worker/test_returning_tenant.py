@@ -100,3 +100,27 @@ def test_a_slot_waiting_for_commit_room_stops_at_an_announced_request(store: Sto
         assert time.monotonic() - started < COMMIT_WAIT_SECONDS / 2  # announced: back at once
     finally:
         gate.set()
+
+
+def test_a_tenant_without_a_job_of_the_model_stays_out_of_its_scans_until_it_submits_one(
+        store: Store, zoo_dir: Path, tmp_path: Path) -> None:
+    """A tenant a full scan found nothing of is left out of the model's order for 0.5 s, and for longer while
+    the worker's view of the active jobs shows it none of that model (each full scan of a deep queue costs
+    milliseconds of Redis time); its job, once submitted, brings it back within a view's refresh."""
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants=SHARES))
+    assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s1", "s2"]
+    ctx.fair_share.note_absent("mlp@v1", ["s1"])
+    ends = time.monotonic() + 0.8
+    while time.monotonic() < ends:  # (orders asked for all along, as a busy worker's leases do)
+        assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s2"]
+        time.sleep(0.02)
+
+    np.save(tmp_path / "s1.npy", np.zeros((64, 64), np.float32))
+    job_fills.create_job(store, jobs.JobSpec(
+        job_id=jobs.new_job_id(), model_name="mlp", model_version="v1", input_batch=str(tmp_path / "s1.npy"),
+        input_format="npy", input_checksum="sha256:0", output_dir=str(tmp_path / "s1"), output_names=["logits"],
+        rows_total=64, chunk_size=64, batch_size=8, owner="k1", tenant="s1"), now=time.time())
+    deadline = time.monotonic() + 3
+    while ctx.fair_share.lease_option("mlp@v1")["order"] != ["s1", "s2"]:
+        assert time.monotonic() < deadline, "the tenant's new job did not bring it back"
+        time.sleep(0.02)
