@@ -232,13 +232,16 @@ def job_owner(store: Store, job_id: str) -> str | None:
         return store.client.hget(store.keys.job(job_id), "owner") or None
 
 
-def active_job_tenants(store: Store) -> dict[str, set[str]]:
+def active_job_tenants(store: Store, *, most: int) -> dict[str, set[str]] | None:
     """Model ref -> the tenants with a job of it queued or running (`keys.jobs_active`, each job's status
-    read again: the index drops ended jobs lazily). A tenant not named for a model has no chunk of it
-    waiting, which fair share uses to keep such a tenant out of its scans (`sits_worker/fair_share.py`).
-    Two round trips, whatever the number of jobs."""
+    read again: the index drops ended jobs lazily); None when the index holds more than `most` jobs (the
+    read would cost Redis more than it saves). A tenant not named for a model has no chunk of it waiting,
+    which fair share uses to keep such a tenant out of its scans (`sits_worker/fair_share.py`). Three
+    round trips."""
     with translate_redis_errors():
-        job_ids = store.client.zrange(store.keys.jobs_active, 0, -1)
+        if store.client.zcard(store.keys.jobs_active) > most:
+            return None
+        job_ids = store.client.zrange(store.keys.jobs_active, 0, most - 1)
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hmget(store.keys.job(job_id), "status", "model_ref", "tenant", "owner")

@@ -39,7 +39,11 @@ at most `ABSENT_SECONDS` ago, shows it no job of the model: it has no chunk to f
 a queue of thousands of another tenant's chunks costs milliseconds of Redis time. A job it submits ends
 this within `JOBS_REFRESH_SECONDS`; the bound covers a job the index missed."""
 JOBS_REFRESH_SECONDS = 0.25
-"""How often the refresher reads which tenants have active jobs of which model (`jobs.active_job_tenants`)."""
+"""How often the refresher reads which tenants have active jobs of which model (`jobs.active_job_tenants`),
+while a tenant is taken for absent."""
+JOBS_VIEW_MOST = 256
+"""Past this many active jobs the view is not read (each read is a command per job, from every worker
+four times a second): tenants taken for absent come back after `ABSENT_SECONDS`, as without it."""
 
 SLOTS_REFRESH_SECONDS = 1.0
 """How long the fleet's live stream slots are reused before they are counted again."""
@@ -69,6 +73,8 @@ class FairShare:
         """Whether the last order held a tenant back (the drain loop then polls less often)."""
         self._absent: dict[tuple[str, str], float] = {}
         """(Model ref, tenant) -> when a full scan of the model's queue last found no work of the tenant."""
+        self._absent_last = float("-inf")
+        """When a tenant was last taken for absent anywhere."""
         self._job_tenants: dict[str, set[str]] = {}
         """Model ref -> the tenants with an active job of it, as last read (`jobs.active_job_tenants`)."""
         self._jobs_at = float("-inf")
@@ -154,6 +160,8 @@ class FairShare:
         with self._lock:
             for name in tenants:
                 self._absent[(model_ref, name)] = now
+            if tenants:
+                self._absent_last = now
             if len(self._absent) > 4096:  # (models and tenants come and go: forget the stale)
                 self._absent = {key: at for key, at in self._absent.items() if now - at < ABSENT_JOBLESS_SECONDS}
 
@@ -210,7 +218,7 @@ class FairShare:
             known = self._usage_at > float("-inf")
             due = (now - self._usage_at >= self._settings.usage_refresh
                    or now - self._slots_at >= SLOTS_REFRESH_SECONDS
-                   or (bool(self._absent) and now - self._jobs_read_at >= JOBS_REFRESH_SECONDS))
+                   or (self._someone_absent(now) and now - self._jobs_read_at >= JOBS_REFRESH_SECONDS))
         if not known or self._settings.usage_refresh == 0:
             self._read(now)
         elif due:
@@ -224,7 +232,7 @@ class FairShare:
         with self._lock:
             usage_due = now - self._usage_at >= self._settings.usage_refresh
             slots_due = now - self._slots_at >= SLOTS_REFRESH_SECONDS
-            jobs_due = bool(self._absent) and now - self._jobs_read_at >= JOBS_REFRESH_SECONDS
+            jobs_due = self._someone_absent(now) and now - self._jobs_read_at >= JOBS_REFRESH_SECONDS
             if usage_due:
                 self._usage_at = now
             if slots_due:
@@ -241,9 +249,15 @@ class FairShare:
             with self._lock:
                 self._slots = max(1, slots)
         if jobs_due:
-            job_tenants = active_job_tenants(self._store)
-            with self._lock:
-                self._job_tenants, self._jobs_at = job_tenants, now
+            job_tenants = active_job_tenants(self._store, most=JOBS_VIEW_MOST)
+            if job_tenants is not None:
+                with self._lock:
+                    self._job_tenants, self._jobs_at = job_tenants, now
+
+    def _someone_absent(self, now: float) -> bool:
+        """Whether a tenant may still be taken for absent somewhere (a mark under `ABSENT_JOBLESS_SECONDS`
+        old); under the lock."""
+        return now - self._absent_last < ABSENT_JOBLESS_SECONDS
 
     def _wake_refresher(self) -> None:
         with self._lock:  # (held until it is started: it ends under this lock, so no wake-up is lost)

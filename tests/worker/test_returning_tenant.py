@@ -124,3 +124,16 @@ def test_a_tenant_without_a_job_of_the_model_stays_out_of_its_scans_until_it_sub
     while ctx.fair_share.lease_option("mlp@v1")["order"] != ["s1", "s2"]:
         assert time.monotonic() < deadline, "the tenant's new job did not bring it back"
         time.sleep(0.02)
+
+
+def test_the_active_jobs_view_names_each_models_tenants_and_is_not_read_past_its_bound(store: Store,
+                                                                                      tmp_path: Path) -> None:
+    np.save(tmp_path / "in.npy", np.zeros((64, 64), np.float32))
+    for number, tenant in enumerate(("s1", "s2", "s2")):
+        job_fills.create_job(store, jobs.JobSpec(
+            job_id=jobs.new_job_id(), model_name="mlp", model_version="v1", input_batch=str(tmp_path / "in.npy"),
+            input_format="npy", input_checksum="sha256:0", output_dir=str(tmp_path / f"out{number}"),
+            output_names=["logits"], rows_total=64, chunk_size=64, batch_size=8, owner=f"k{number}", tenant=tenant),
+            now=time.time())
+    assert jobs.active_job_tenants(store, most=3) == {"mlp@v1": {"s1", "s2"}}
+    assert jobs.active_job_tenants(store, most=2) is None  # (three active jobs: past the bound, not read)
