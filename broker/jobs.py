@@ -232,22 +232,37 @@ def job_owner(store: Store, job_id: str) -> str | None:
         return store.client.hget(store.keys.job(job_id), "owner") or None
 
 
-def active_job_tenants(store: Store, *, most: int) -> dict[str, set[str]] | None:
-    """Model ref -> the tenants with a job of it queued or running (`keys.jobs_active`, each job's status
-    read again: the index drops ended jobs lazily); None when the index holds more than `most` jobs (the
-    read would cost Redis more than it saves). A tenant not named for a model has no chunk of it waiting,
-    which fair share uses to keep such a tenant out of its scans (`sits_worker/fair_share.py`). Three
-    round trips."""
+def active_job_tenants(store: Store, *, most: int,
+                       known: dict[str, tuple[str, str]]) -> dict[str, set[str]] | None:
+    """Model ref -> the tenants with a job of it queued or running, from `keys.jobs_active` and the jobs
+    still being queued (`keys.jobs_filling`), each one's status read again (the indexes drop ended jobs
+    lazily); None when they hold more than `most` jobs (the read would cost Redis more than it saves). A
+    tenant not named for a model has no chunk of it waiting, which fair share uses to keep such a tenant
+    out of its scans (`sits_worker/fair_share.py`). `known` (job id -> (model ref, tenant), which do not
+    change) is the caller's cache across calls: only new jobs' are read, and it forgets jobs no longer
+    listed."""
     with translate_redis_errors():
-        if store.client.zcard(store.keys.jobs_active) > most:
+        pipe = store.client.pipeline(transaction=False)
+        pipe.zrange(store.keys.jobs_active, 0, most)
+        pipe.zrange(store.keys.jobs_filling, 0, most)
+        active, filling = pipe.execute()
+        job_ids = sorted(set(active) | set(filling))
+        if len(job_ids) > most:
             return None
-        job_ids = store.client.zrange(store.keys.jobs_active, 0, most - 1)
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(store.keys.job(job_id), "status", "model_ref", "tenant", "owner")
+            if job_id in known:
+                pipe.hmget(store.keys.job(job_id), "status")
+            else:
+                pipe.hmget(store.keys.job(job_id), "status", "model_ref", "tenant", "owner")
         records = pipe.execute() if job_ids else []
     tenants: dict[str, set[str]] = {}
-    for status, model_ref, tenant, owner in records:
-        if status in ACTIVE_STATUSES and model_ref:
-            tenants.setdefault(model_ref, set()).add(tenant or owner or "")  # (as its chunks' payloads name it)
+    for job_id, record in zip(job_ids, records, strict=True):
+        if job_id not in known and record[1]:  # (a record not written yet is read again next time)
+            known[job_id] = (record[1], record[2] or record[3] or "")  # (as its chunks' payloads name it)
+        if job_id in known and record[0] in ACTIVE_STATUSES:
+            model_ref, tenant = known[job_id]
+            tenants.setdefault(model_ref, set()).add(tenant)
+    for job_id in set(known) - set(job_ids):
+        del known[job_id]
     return tenants

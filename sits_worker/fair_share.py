@@ -9,6 +9,10 @@ thread, woken when they are due: a lease or a mini-batch boundary's look orders 
 and waits for no usage read of its own (two round trips, 1-2 ms on a loaded host). Only the first order
 reads them itself, and so does every order with `usage_refresh: 0`.
 
+A tenant a full scan found no work of is left out of the model's scans a moment (`ABSENT_SECONDS`), and
+longer while a view of the jobs, read on the same thread, shows it none of that model
+(`ABSENT_JOBLESS_SECONDS`).
+
 Fair share applies only while some tenant has a guaranteed share; without one the queue's own order
 (priority, deadlines, CP-Score) stands, as it did before tenants had records.
 """
@@ -34,13 +38,17 @@ ABSENT_SECONDS = 0.5
 requests still get in at once (`returning_option`, `reclaim_option`), its job chunks wait at most this
 long. Longer while it has no job of the model at all (`ABSENT_JOBLESS_SECONDS`)."""
 ABSENT_JOBLESS_SECONDS = 10.0
-"""How long such a tenant stays out while the worker's view of the active jobs, read since the scan and
-at most `ABSENT_SECONDS` ago, shows it no job of the model: it has no chunk to find, and each full scan of
-a queue of thousands of another tenant's chunks costs milliseconds of Redis time. A job it submits ends
-this within `JOBS_REFRESH_SECONDS`; the bound covers a job the index missed."""
+"""How long such a tenant stays out while it ranks ahead of every tenant still in the order (its requests
+are then leased first anyway: `returning_option`) and the worker's view of the jobs, read since the scan
+and fresh, shows it no job of the model: it has no chunk to find, and each full scan of a queue of
+thousands of another tenant's chunks costs milliseconds of Redis time. A job it submits ends this within
+`JOBS_REFRESH_SECONDS` of being listed (from its first slice of chunks); the bound covers what the view
+cannot see."""
 JOBS_REFRESH_SECONDS = 0.25
-"""How often the refresher reads which tenants have active jobs of which model (`jobs.active_job_tenants`),
-while a tenant is taken for absent."""
+"""How often the refresher reads which tenants have jobs of which model (`jobs.active_job_tenants`), while
+a tenant may be taken for absent."""
+JOBS_VIEW_FRESH_SECONDS = 0.5
+"""How old that view may be and still keep a tenant out longer than `ABSENT_SECONDS`."""
 JOBS_VIEW_MOST = 256
 """Past this many active jobs the view is not read (each read is a command per job, from every worker
 four times a second): tenants taken for absent come back after `ABSENT_SECONDS`, as without it."""
@@ -76,13 +84,16 @@ class FairShare:
         self._absent_last = float("-inf")
         """When a tenant was last taken for absent anywhere."""
         self._job_tenants: dict[str, set[str]] = {}
-        """Model ref -> the tenants with an active job of it, as last read (`jobs.active_job_tenants`)."""
-        self._jobs_at = float("-inf")
-        """When `_job_tenants` was read (when the read began)."""
-        self._jobs_read_at = float("-inf")
-        """When a read of it was last started."""
+        """Model ref -> the tenants with a job of it, as last read (`jobs.active_job_tenants`)."""
+        self._job_records: dict[str, tuple[str, str]] = {}
+        """Job id -> (model ref, tenant): what the view's reads already know (the refresher's only)."""
+        self._view_at = float("-inf")
+        """When the read that gave `_job_tenants` began."""
+        self._view_started_at = float("-inf")
+        """When the last read of the view was started (due again `JOBS_REFRESH_SECONDS` later)."""
         self._returning_missed: dict[str, float] = {}
         """Model ref -> when a lease of returning tenants' requests (`returning_option`) last found none."""
+        self._view_lock = threading.Lock()
         self._refresh_due = threading.Event()
         self._refresher: threading.Thread | None = None
         self._warned_at = float("-inf")
@@ -90,17 +101,17 @@ class FairShare:
     def lease_option(self, model_ref: str | None = None) -> dict[str, Any] | None:
         """The `tenants` option of `lease_batch.lua` ({order, held, window}), or None: no fair share. For
         `model_ref`, the tenants a full scan of its queue just found no work of are left out of `order`
-        for `ABSENT_SECONDS` (longer while they have no active job of it: `_absent_from`): they rank
-        after the others, so the next scans stop early instead of reading the whole window for them
-        every lease (their requests still get in: the next lease of a
-        free slot looks for them first, `returning_option`, and so does the next mini-batch boundary of a
-        running chunk, `reclaim_option`)."""
+        for `ABSENT_SECONDS` (longer while they have no job of it: `_absent_from`): they rank after the
+        others, so the next scans stop early instead of reading the whole window for them every lease.
+        Their requests still get in: the next lease of a free slot looks for them first while they rank
+        ahead of every present tenant (`returning_option`), and so does the next mini-batch boundary of
+        a running chunk (`reclaim_option`)."""
         ranked = self._order()
         if ranked is None:
             return None
         order, held = ranked
         if model_ref is not None:
-            gone = self._absent_from(model_ref)
+            gone = self._absent_from(model_ref, order)
             order = [name for name in order if name not in gone]
         return {"order": order, "held": sorted(held), "window": self._settings.window}
 
@@ -117,7 +128,7 @@ class FairShare:
         if ranked is None:
             return None
         order, held = ranked
-        gone = self._absent_from(model_ref)
+        gone = self._absent_from(model_ref, order)
         returning = []
         for name in order:
             if name not in gone:
@@ -142,17 +153,22 @@ class FairShare:
                    if tenant.guaranteed_share > 0]
         return min(targets, default=ABSENT_SECONDS)
 
-    def _absent_from(self, model_ref: str) -> set[str]:
-        """The tenants a full scan of `model_ref`'s queue found no work of in the last `ABSENT_SECONDS`, or in
-        the last `ABSENT_JOBLESS_SECONDS` with no active job of it in a fresh view read since."""
+    def _absent_from(self, model_ref: str, order: list[str]) -> set[str]:
+        """The tenants a full scan of `model_ref`'s queue found no work of in the last `ABSENT_SECONDS`; and,
+        up to `ABSENT_JOBLESS_SECONDS`, those of them at the head of `order` (ahead of every tenant still
+        in it) that a fresh view of the jobs, read since their scan, shows no job of the model."""
         now = self._clock()
         with self._lock:
-            fresh_view = now - self._jobs_at < ABSENT_SECONDS
-            with_jobs = self._job_tenants.get(model_ref, set())
-            return {name for (ref, name), at in self._absent.items()
-                    if ref == model_ref and (now - at < ABSENT_SECONDS or (
-                        now - at < ABSENT_JOBLESS_SECONDS and fresh_view and self._jobs_at >= at
-                        and name not in with_jobs))}
+            marks = {name: at for (ref, name), at in self._absent.items() if ref == model_ref}
+            view_at, with_jobs = self._view_at, self._job_tenants.get(model_ref, set())
+        gone = {name for name, at in marks.items() if now - at < ABSENT_SECONDS}
+        for name in order:
+            if name in gone:
+                continue
+            if not _jobless_since(marks.get(name), view_at, name not in with_jobs, now=now):
+                break
+            gone.add(name)
+        return gone
 
     def note_absent(self, model_ref: str, tenants: list[str]) -> None:
         """Tenants a full scan of `model_ref`'s queue found no work of (`lease_batch.lua`'s reply)."""
@@ -218,7 +234,7 @@ class FairShare:
             known = self._usage_at > float("-inf")
             due = (now - self._usage_at >= self._settings.usage_refresh
                    or now - self._slots_at >= SLOTS_REFRESH_SECONDS
-                   or (self._someone_absent(now) and now - self._jobs_read_at >= JOBS_REFRESH_SECONDS))
+                   or (self._someone_absent(now) and now - self._view_started_at >= JOBS_REFRESH_SECONDS))
         if not known or self._settings.usage_refresh == 0:
             self._read(now)
         elif due:
@@ -232,13 +248,13 @@ class FairShare:
         with self._lock:
             usage_due = now - self._usage_at >= self._settings.usage_refresh
             slots_due = now - self._slots_at >= SLOTS_REFRESH_SECONDS
-            jobs_due = self._someone_absent(now) and now - self._jobs_read_at >= JOBS_REFRESH_SECONDS
+            jobs_due = self._someone_absent(now) and now - self._view_started_at >= JOBS_REFRESH_SECONDS
             if usage_due:
                 self._usage_at = now
             if slots_due:
                 self._slots_at = now
             if jobs_due:
-                self._jobs_read_at = now
+                self._view_started_at = now
         if usage_due:
             self._meter.flush()
             usage = tenant_usage.read_usage(self._store)
@@ -249,10 +265,13 @@ class FairShare:
             with self._lock:
                 self._slots = max(1, slots)
         if jobs_due:
-            job_tenants = active_job_tenants(self._store, most=JOBS_VIEW_MOST)
-            if job_tenants is not None:
-                with self._lock:
-                    self._job_tenants, self._jobs_at = job_tenants, now
+            with self._view_lock:  # (one read at a time: its cache is shared)
+                job_tenants = active_job_tenants(self._store, most=JOBS_VIEW_MOST, known=self._job_records)
+            with self._lock:
+                if job_tenants is None:
+                    self._job_tenants, self._view_at = {}, float("-inf")
+                elif now >= self._view_at:
+                    self._job_tenants, self._view_at = job_tenants, now
 
     def _someone_absent(self, now: float) -> bool:
         """Whether a tenant may still be taken for absent somewhere (a mark under `ABSENT_JOBLESS_SECONDS`
@@ -284,3 +303,10 @@ class FairShare:
                     self._warned_at = time.monotonic()
                     log.warning("fair share: could not read the tenants' usage (%s); ordering by the last read "
                                 "meanwhile", err)
+
+
+def _jobless_since(mark: float | None, view_at: float, jobless: bool, *, now: float) -> bool:
+    """Whether a tenant taken for absent at `mark` stays out longer: under `ABSENT_JOBLESS_SECONDS` since,
+    and a view read after the mark, at most `JOBS_VIEW_FRESH_SECONDS` old, shows it `jobless`."""
+    return (mark is not None and now - mark < ABSENT_JOBLESS_SECONDS and jobless and view_at >= mark
+            and now - view_at < JOBS_VIEW_FRESH_SECONDS)

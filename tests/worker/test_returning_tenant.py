@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from worker_helpers import mlp_worker_context
 
-from broker import job_fills, jobs, queues, requests
+from broker import job_fills, job_stops, jobs, queues, requests
 from broker.config import Settings
 from broker.requests import RequestSpec
 from broker.reservation import Admission
@@ -129,11 +129,31 @@ def test_a_tenant_without_a_job_of_the_model_stays_out_of_its_scans_until_it_sub
 def test_the_active_jobs_view_names_each_models_tenants_and_is_not_read_past_its_bound(store: Store,
                                                                                       tmp_path: Path) -> None:
     np.save(tmp_path / "in.npy", np.zeros((64, 64), np.float32))
-    for number, tenant in enumerate(("s1", "s2", "s2")):
+    job_ids = [jobs.new_job_id() for _ in range(3)]
+    for number, (job_id, tenant) in enumerate(zip(job_ids, ("s1", "s2", "s2"), strict=True)):
         job_fills.create_job(store, jobs.JobSpec(
-            job_id=jobs.new_job_id(), model_name="mlp", model_version="v1", input_batch=str(tmp_path / "in.npy"),
+            job_id=job_id, model_name="mlp", model_version="v1", input_batch=str(tmp_path / "in.npy"),
             input_format="npy", input_checksum="sha256:0", output_dir=str(tmp_path / f"out{number}"),
             output_names=["logits"], rows_total=64, chunk_size=64, batch_size=8, owner=f"k{number}", tenant=tenant),
             now=time.time())
-    assert jobs.active_job_tenants(store, most=3) == {"mlp@v1": {"s1", "s2"}}
-    assert jobs.active_job_tenants(store, most=2) is None  # (three active jobs: past the bound, not read)
+    known: dict[str, tuple[str, str]] = {}
+    assert jobs.active_job_tenants(store, most=3, known=known) == {"mlp@v1": {"s1", "s2"}}
+    assert len(known) == 3  # (cached: the next read reads only their statuses)
+    job_stops.stop_job(store, job_ids[0], status="cancelled", error="", now=time.time())
+    assert jobs.active_job_tenants(store, most=3, known=known) == {"mlp@v1": {"s2"}}  # (still indexed, ended)
+    assert jobs.active_job_tenants(store, most=2, known=known) is None  # (three jobs: past the bound, not read)
+
+
+def test_an_absent_tenant_behind_a_present_one_comes_back_after_the_moment(store: Store, zoo_dir: Path) -> None:
+    """Only absent tenants at the head of the order (whose requests a free slot's lease takes first) stay
+    out longer for having no job; one behind a present tenant comes back after `ABSENT_SECONDS`."""
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants={
+        "s1": {"guaranteed_share": 0.5}, "s2": {"guaranteed_share": 0.3}, "s3": {"guaranteed_share": 0.2}}))
+    assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s1", "s2", "s3"]
+    ctx.fair_share.note_absent("mlp@v1", ["s2"])
+    assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s1", "s3"]
+    assert ctx.fair_share.returning_option("mlp@v1") is None  # (s1 is present ahead of it)
+    deadline = time.monotonic() + 3
+    while ctx.fair_share.lease_option("mlp@v1")["order"] != ["s1", "s2", "s3"]:  # (orders asked for all along)
+        assert time.monotonic() < deadline, "a tenant behind a present one stayed out"
+        time.sleep(0.02)

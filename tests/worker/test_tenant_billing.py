@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import queues, requests, tenant_usage
+from broker import job_fills, jobs, queues, requests, tenant_usage
 from broker.config import Settings
 from broker.requests import RequestSpec
 from broker.store import Store
@@ -107,9 +107,16 @@ def test_the_lease_order_ranks_tenants_by_usage_over_share_and_holds_one_past_it
     assert off.fair_share.lease_option() is None
 
 
-def test_a_tenant_with_no_work_in_a_queue_leaves_its_order_a_moment(store: Store, zoo_dir: Path) -> None:
+def test_a_tenant_with_no_work_in_a_queue_leaves_its_order_a_moment(store: Store, zoo_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """(s1 has a job of the model, so the moment is `ABSENT_SECONDS`, not longer: test_returning_tenant.py.)"""
     settings = Settings().with_overrides(tenants={"s1": {"guaranteed_share": 0.7}, "s2": {"guaranteed_share": 0.3}})
     ctx = mlp_worker_context(store, zoo_dir, settings)
+    np.save(tmp_path / "in.npy", np.zeros((64, 64), np.float32))
+    job_fills.create_job(store, jobs.JobSpec(
+        job_id=jobs.new_job_id(), model_name="mlp", model_version="v1", input_batch=str(tmp_path / "in.npy"),
+        input_format="npy", input_checksum="sha256:0", output_dir=str(tmp_path / "out"), output_names=["logits"],
+        rows_total=64, chunk_size=64, batch_size=8, owner="k1", tenant="s1"), now=time.time())
     assert ctx.fair_share.lease_option("mlp@v1")["order"] == ["s1", "s2"]  # (no usage yet: the file's order)
 
     ctx.fair_share.note_absent("mlp@v1", ["s1"])
