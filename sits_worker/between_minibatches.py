@@ -125,7 +125,10 @@ class BetweenBatches:
         'announced' look holds the next one back by the interval."""
         now, bell = time.monotonic(), self._ctx.request_bell
         mark = bell.mark()
-        if mark is None or mark != self._bell_mark or bell.unread():
+        announced = mark is None or mark != self._bell_mark
+        if not announced and now >= self._next_look:
+            announced = bell.unread()  # (a poll at each boundary: only where it could prompt a look)
+        if announced:
             if now < self._next_look:
                 return None
             prompted = "announced"

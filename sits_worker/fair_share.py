@@ -124,6 +124,9 @@ class FairShare:
         in the queue moments ago, so its new requests are all it has: they go first, as the full order says.
         None too for half the shortest preemption target after such a lease found nothing
         (`note_returning_missed`)."""
+        with self._lock:  # (on every lease that finds requests waiting: no order computed while nobody is absent)
+            if not self._someone_absent(self._clock()):
+                return None
         ranked = self._order()
         if ranked is None:
             return None
@@ -149,9 +152,7 @@ class FairShare:
             self._returning_missed[model_ref] = self._clock()
 
     def _returning_pause(self) -> float:
-        targets = [tenant.preemption_target / 2 for tenant in self.table.tenants(self._store).values()
-                   if tenant.guaranteed_share > 0]
-        return min(targets, default=ABSENT_SECONDS)
+        return min(self._half_targets(), default=ABSENT_SECONDS)
 
     def _absent_from(self, model_ref: str, order: list[str]) -> set[str]:
         """The tenants a full scan of `model_ref`'s queue found no work of in the last `ABSENT_SECONDS`; and,
@@ -222,9 +223,12 @@ class FairShare:
         plus the running mini-batch."""
         if not self._settings.enabled:
             return interval
-        targets = [tenant.preemption_target / 2 for tenant in self.table.tenants(self._store).values()
-                   if tenant.guaranteed_share > 0]
-        return min([interval, *targets])
+        return min([interval, *self._half_targets()])
+
+    def _half_targets(self) -> list[float]:
+        """Half the `preemption_target` of each tenant with a share."""
+        return [tenant.preemption_target / 2 for tenant in self.table.tenants(self._store).values()
+                if tenant.guaranteed_share > 0]
 
     def _fresh(self, now: float) -> tuple[dict[str, Usage], int]:
         """The tenants' usage and the fleet's stream slots as last read. Read here only the first time (or
