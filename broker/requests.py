@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 
 from broker.errors import Conflict, NotFound, SitsError
+from broker.held_calls import send_held
 from broker.queues import LeasedItem
 from broker.retries import failure_record
 from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
@@ -171,11 +172,16 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
 
 def load_inputs(store: Store, items: Sequence[LeasedItem]) -> list[dict[str, np.ndarray] | None]:
     """The input tensors of each leased request (None where the request hash has expired)."""
-    with translate_redis_errors():
+    commands = [("HGET", store.keys.request(item.payload["req"]), "inputs") for item in items]
+
+    def pipelined() -> list[Any]:
         pipe = store.client.pipeline(transaction=False)
-        for item in items:
-            pipe.hget(store.keys.request(item.payload["req"]), "inputs")
-        raws = pipe.execute()
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute())
+
+    with translate_redis_errors():
+        raws = send_held(store.client, commands, pipelined)
     return [{name: unpack_array(text) for name, text in orjson.loads(raw).items()} if raw else None for raw in raws]
 
 

@@ -14,9 +14,10 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-import hiredis
 import redis
 from redis.commands.core import Script
+
+from broker.held_calls import send_held
 
 SCRIPT_NAMES = (
     "enqueue_items",
@@ -73,36 +74,14 @@ class Scripts:
 
 
 class HeldScript:
-    """A registered script, sent straight on its client's own connection.
-
-    A `Store` gives each thread a client with one connection of its own (`broker/store.py`). There,
-    redis-py's way of running a script (its argument encoder in Python, its retry wrapper, its lock)
-    costs about 130 of the 180 us of client CPU a call with 30 arguments takes on a 2-core machine.
-    The hot paths make one such call per online request and several per batch, so this packs the
-    command with hiredis (the same bytes redis-py sends) and reads the reply off the connection.
-    Anything out of the ordinary goes through redis-py's own call: a client without a connection of
-    its own, an argument hiredis does not pack (redis-py's error for it), a script Redis does not
-    know yet (redis-py loads it), and a connection that failed (redis-py reconnects and retries it,
-    as it does for every command).
-    """
+    """A registered script, sent on its client's own connection (`broker/held_calls.py`): a script
+    call is the commonest command of the online path, one per request and several per batch."""
 
     def __init__(self, client: redis.Redis, script: Script) -> None:
         self._client = client
         self._script = script
 
     def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
-        connection = self._client.connection
-        if connection is None:
-            return self._script(keys=keys, args=args)
-        try:
-            packed = hiredis.pack_command(("EVALSHA", self._script.sha, len(keys), *keys, *args))
-        except TypeError:
-            return self._script(keys=keys, args=args)
-        try:
-            connection.send_packed_command([packed])
-            return connection.read_response()
-        except redis.exceptions.NoScriptError:
-            return self._script(keys=keys, args=args)
-        except (redis.ConnectionError, redis.TimeoutError):
-            connection.disconnect()
-            return self._script(keys=keys, args=args)
+        replies = send_held(self._client, [("EVALSHA", self._script.sha, len(keys), *keys, *args)],
+                            lambda: [self._script(keys=keys, args=args)])
+        return replies[0]

@@ -30,6 +30,7 @@ import orjson
 
 from broker import requests
 from broker.errors import SitsError
+from broker.held_calls import send_held
 from broker.store import Store, translate_redis_errors
 
 log = logging.getLogger(__name__)
@@ -143,11 +144,13 @@ class ResultInbox:
     def _take(self, key: str) -> list[str]:
         client = self._store.client
         with translate_redis_errors():
-            popped = client.blpop([key], timeout=self._block_seconds)
-            if popped is None:
+            popped = send_held(client, [("BLPOP", key, self._block_seconds)],
+                               lambda: [client.blpop([key], timeout=self._block_seconds)])[0]
+            if not popped:
                 return []
             texts = [popped[1]]
-            while len(more := client.lpop(key, DRAIN_COUNT) or []) > 0:
+            while len(more := send_held(client, [("LPOP", key, DRAIN_COUNT)],
+                                        lambda: [client.lpop(key, DRAIN_COUNT)])[0] or []) > 0:
                 texts += more
                 if len(more) < DRAIN_COUNT:
                     break
