@@ -41,20 +41,14 @@ def send_held(client: Any, commands: Sequence[tuple[Any, ...]], fallback: Callab
         return fallback()
     try:
         connection.send_packed_command(packed)
-        if len(packed) == 1:
-            return [connection.read_response()]
-        replies = []
-        try:
-            for _ in packed:
-                replies.append(connection.read_response())
-        except redis.ResponseError:
-            connection.disconnect()
-            raise
-        return replies
-    except redis.exceptions.NoScriptError:
+        return [connection.read_response() for _ in packed]
+    except redis.ResponseError as err:
         if len(packed) > 1:
+            connection.disconnect()  # (the replies after the error are still unread on it)
             raise
-        return fallback()
+        if isinstance(err, redis.exceptions.NoScriptError):
+            return fallback()
+        raise
     except (redis.ConnectionError, redis.TimeoutError):
         connection.disconnect()
         return fallback()

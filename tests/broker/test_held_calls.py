@@ -38,9 +38,16 @@ def test_an_argument_hiredis_does_not_pack_gets_redis_pys_error(store: Store) ->
                                      args=[None, 0])
 
 
-def test_a_connection_the_server_closed_is_dropped_and_the_call_goes_through_again(store: Store) -> None:
-    store.client.ping()
-    store.pooled_client.client_kill_filter(_id=store.client.client_id())
+def test_a_connection_the_server_closed_is_dropped_and_the_call_goes_through_redis_py(store: Store) -> None:
+    client = store.client
+    client.ping()
+    store.pooled_client.client_kill_filter(_id=client.client_id())
     key = store.keys.request("held-reconnect")
-    store.client.connection.disconnect()  # (as `_drop_if_stale` would not see a kill that races the call)
-    assert send_held(store.client, [("EXISTS", key)], lambda: [store.client.exists(key)]) == [0]
+    used: list[bool] = []
+
+    def through_redis_py() -> list[int]:
+        used.append(True)
+        return [client.exists(key)]
+
+    assert send_held(client, [("EXISTS", key)], through_redis_py) == [0]
+    assert used, "the closed connection's failure did not reach the fallback"
