@@ -17,19 +17,22 @@ share of the real time from submit to finish: median, P90 of its absolute value)
 many of the at-risk jobs met their deadline with 20 % of their time to spare (jobs refused that
 should not have been).
 
-`--part predictor` rates the violation predictor instead. Two workers run jobs with deadlines (all
-accepted, `admission: flag`; 0.6 to 1.6 million rows each); a second in, one worker is frozen for 20 s
-(SIGSTOP: its leases expire and its chunks go to the other) and a flood of higher-priority jobs
-without deadlines arrives. Every
-half second each active deadline job's `sla_risk` is read, and beside it the plain rule (alert when
-the predicted finish is past the deadline). Each job is then labelled by whether it met its deadline.
-Reported per round, for the predictor and the rule: AUC over the samples, precision at the alert
-threshold (0.5) over the jobs, and the median lead time from a missed job's first alert to its
+`--part predictor` rates the violation predictor instead. Two CPU workers of one stream each (a core
+each) run 12 convnet jobs with deadlines (all accepted, `admission: flag`), sized in seconds of the
+fleet's measured speed, so a round lasts about a minute on a slow machine or a fast one. Two seconds
+in, one worker is frozen for 20 s (SIGSTOP: its leases expire and its chunks go to the other) and a
+flood of express jobs (level 12) without deadlines arrives. Every half second each active deadline
+job's `sla_risk` is read, and beside it the plain rule (alert when the predicted finish is past the
+deadline). Each job is then labelled by whether it met its deadline. Reported per round, for the
+predictor and the rule: AUC over the samples, precision and recall over the jobs alerted at the alert
+rule's threshold (0.5) and at 0.8, and the median lead time from a missed job's first alert to its
 deadline. The predictor learns from every job that ends, so later rounds use what earlier ones taught.
+`--record FILE` keeps every sample and job record; `--replay FILE` prints the table of a recording.
 
     python benchmarks/sla.py --quick     # 12 jobs a phase, one round: about 4 minutes
     python benchmarks/sla.py             # 30 jobs a phase, 2 rounds: about 15 minutes
-    python benchmarks/sla.py --part predictor --rounds 3
+    python benchmarks/sla.py --part predictor --rounds 4 --record run.json   # about 5 minutes
+    python benchmarks/sla.py --replay run.json
 """
 
 from __future__ import annotations
@@ -204,41 +207,59 @@ def summarize(mode: str, outcomes: list[dict[str, Any]], sla: Any) -> dict[str, 
             "at_risk_met_with_20pct": risky_met_with_room, "of_them_for_another_job": for_another}
 
 
-FREEZE_SECONDS = 20.0
-"""How long the predictor scenario freezes one of its two workers."""
+FREEZE_AT, FREEZE_SECONDS = 2.0, 20.0
+"""When (seconds after the round's jobs are in) and for how long the predictor scenario freezes one of its
+two workers."""
+JOB_SECONDS = (2.0, 5.0)
+"""A deadline job's size in the predictor scenario, in seconds of the two workers' measured speed."""
+FLOOD_JOBS, FLOOD_SECONDS, FLOOD_AT, FLOOD_PRIORITY = 6, 2.0, 2.5, 12
+"""The flood of express jobs without deadlines (level 12: they go before deadline work): how many, each how
+long, when (as `FREEZE_AT`)."""
+PREDICTOR_STEP = 128
+"""The predictor scenario's job sizes are multiples of this many images."""
 
 
 def predictor_round(stack: Stack, home: Path, rate: float, *, jobs: int, seed: int,
-                    tag: str) -> list[dict[str, Any]]:
-    """One scenario: deadline jobs, a frozen worker, a flood; the risk samples of every deadline job."""
+                    tag: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """One scenario: deadline jobs, a frozen worker, a flood; the risk samples of every deadline job, and
+    every job's final record (the flood's too).
+
+    Sizes are in seconds of the fleet's measured `rate` (convnet images a second on both workers), so the
+    scenario lasts about as long on a slow machine as on a fast one: each job 2-5 s of work, its deadline
+    its own time times its place in the stream times 1.0-2.0, plus up to 3 s. The freeze takes about
+    10 s of the fleet's time and the flood 12 s, so the later jobs miss unless their deadline has room."""
     rng = np.random.default_rng(seed)
+    step = PREDICTOR_STEP
     ids, deadlines = [], {}
     for number in range(jobs):
-        rows = int(rng.integers(600_000, 1_600_001)) // STEPS["mlp"] * STEPS["mlp"]
+        rows = max(step, int(rate * rng.uniform(*JOB_SECONDS)) // step * step)
         status, job = post(stack, "/v1/jobs", {
-            "model": "mlp_flag", "input_batch": str(input_file(home, "mlp", rows)), "chunk_size": 100_000,
+            "model": "convnet_flag", "input_batch": str(input_file(home, "convnet", rows)),
             "output_dir": str(home / "out" / f"{tag}-p{number}"),
-            "deadline_s": round(rows / rate * (number + 1) * float(rng.uniform(0.8, 1.6))
+            "deadline_s": round(rows / rate * (number + 1) * float(rng.uniform(1.5, 3.0))
                                 + float(rng.uniform(0.0, 6.0)), 3)})
         assert status in (200, 201), job
         ids.append(job["id"])
         deadlines[job["id"]] = job["deadline"]
+    flood_rows = max(step, int(rate * FLOOD_SECONDS) // step * step)
     worker = next(child.process.pid for child in stack.children if child.name.startswith("worker"))
-    client, samples, started = stack.client(), [], time.monotonic()
+    client, samples, floods, started = stack.client(), [], [], time.monotonic()
     frozen = flooded = False
     try:
-        while time.monotonic() - started < 180:
+        while time.monotonic() - started < 300:
             elapsed = time.monotonic() - started
-            if not frozen and elapsed > 1:
+            if not frozen and elapsed > FREEZE_AT:
                 os.kill(worker, signal.SIGSTOP)
                 frozen = True
-            if frozen and elapsed > 1 + FREEZE_SECONDS and worker:
+            if frozen and elapsed > FREEZE_AT + FREEZE_SECONDS and worker:
                 os.kill(worker, signal.SIGCONT)
                 worker = 0
-            if not flooded and elapsed > 1.5:
-                for number in range(6):
-                    post(stack, "/v1/jobs", {"model": "mlp_flag", "input_batch": str(home / "mlp.npy"),
-                                             "priority": 9, "output_dir": str(home / "out" / f"{tag}-f{number}")})
+            if not flooded and elapsed > FLOOD_AT:
+                for number in range(FLOOD_JOBS):
+                    _, flood = post(stack, "/v1/jobs", {"model": "convnet_flag", "priority": FLOOD_PRIORITY,
+                                             "input_batch": str(input_file(home, "convnet", flood_rows)),
+                                             "output_dir": str(home / "out" / f"{tag}-f{number}")})
+                    floods.append(flood["id"])
                 flooded = True
             active = 0
             for job_id in ids:
@@ -248,18 +269,18 @@ def predictor_round(stack: Stack, home: Path, rate: float, *, jobs: int, seed: i
                     rule = job["predicted_finish"] is not None and job["predicted_finish"] > job["deadline"]
                     samples.append({"job": job_id, "t": time.time(), "risk": job["sla_risk"] or 0.0,
                                     "rule": 1.0 if rule else 0.0})
-            if not active and elapsed > 10:
+            if not active and elapsed > FREEZE_AT + FREEZE_SECONDS:
                 break
             time.sleep(0.5)
     finally:
         if worker:
             os.kill(worker, signal.SIGCONT)
-    finals = wait_all(stack, ids, 300)
+    finals = wait_all(stack, ids + floods, 300)
     for sample in samples:
         final = finals.get(sample["job"], {})
         sample["missed"] = not (final.get("status") == "succeeded" and final["finished_at"] <= deadlines[sample["job"]])
         sample["deadline"] = deadlines[sample["job"]]
-    return samples
+    return samples, finals
 
 
 def rate_alerts(samples: list[dict[str, Any]], score: str, threshold: float = 0.5) -> dict[str, float]:
@@ -287,39 +308,55 @@ def predictor_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="sits-sla-") as tmp:
         home = Path(tmp)
         zoo = build_zoo(home / "zoo")
-        np.save(home / "mlp.npy", np.random.default_rng(0).standard_normal((1_600_000, 64)).astype(np.float32))
         settings = Settings().with_overrides(
             paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
             scheduler={"lease_timeout": "3s", "reap_interval": "0.5s", "ticket_timeout": "6s",
                        "worker_heartbeat_timeout": "5s"},
-            sla={"models": {"mlp_flag": {"admission": "flag"}}})
+            resources={"max_concurrent_streams": 1, "intra_op_threads": 1},  # a worker a core: one frozen is half
+            sla={"models": {"convnet_flag": {"admission": "flag"}}})
         with Stack(settings, worker_count=2, api_port=0) as stack:
             client = stack.client()
-            client.post("/v1/models", {"name": "mlp_flag", "path": str(zoo["mlp"]), "profile_mode": "full"})
-            while client.get("/v1/models/mlp_flag").get("profile_status") != "ready":
+            client.post("/v1/models", {"name": "convnet_flag", "path": str(zoo["convnet"]), "profile_mode": "full"})
+            while client.get("/v1/models/convnet_flag").get("profile_status") != "ready":
                 time.sleep(0.2)
-            rates = []
-            for number in range(2):  # twice: the first also builds the sessions; the better is the speed
-                status, warm = post(stack, "/v1/jobs", {"model": "mlp_flag", "input_batch": str(home / "mlp.npy"),
-                                                        "output_dir": str(home / "out" / f"warm{number}"),
-                                                        "chunk_size": 100_000})
+            rate, step = 0.0, PREDICTOR_STEP
+            for number, seconds in enumerate((0.0, 4.0)):  # the first builds the sessions; the second is the speed
+                warm_rows = max(4_096, int(rate * seconds) // step * step)
+                np.save(home / "convnet.npy", np.random.default_rng(0).standard_normal(
+                    (warm_rows, *SHAPES["convnet"])).astype(np.float32))
+                status, warm = post(stack, "/v1/jobs", {"model": "convnet_flag",
+                                                        "input_batch": str(home / "convnet.npy"),
+                                                        "output_dir": str(home / "out" / f"warm{number}")})
                 done = wait_all(stack, [warm["id"]], 300)[warm["id"]]
-                rates.append(done["rows_total"] / (done["finished_at"] - done["started_at"]))
-            rate = max(rates)
-            print(f"alone: {rate:,.0f} rows/s on 2 workers")
-            rows = []
+                rate = done["rows_total"] / (done["finished_at"] - done["started_at"])
+            largest = int(rate * JOB_SECONDS[1]) // step * step + step
+            np.save(home / "convnet.npy", np.random.default_rng(0).standard_normal(
+                (largest, *SHAPES["convnet"])).astype(np.float32))
+            print(f"alone: {rate:,.0f} images/s on 2 workers")
+            recorded = []
             for number in range(rounds):
-                samples = predictor_round(stack, home, rate, jobs=args.jobs or 12, seed=args.seed + number,
-                                          tag=f"r{number}")
-                for score, name in (("risk", "predictor"), ("rule", "plain rule")):
-                    rows.append({"round": number + 1, "score": name, **rate_alerts(samples, score)})
-                    print(json.dumps(rows[-1]))
+                samples, finals = predictor_round(stack, home, rate, jobs=args.jobs or 12,
+                                                  seed=args.seed + number, tag=f"r{number}")
+                recorded.append({"samples": samples, "jobs": finals})
+                print(json.dumps({"round": number + 1, **rate_alerts(samples, "risk")}))
+    if args.record:
+        Path(args.record).write_text(json.dumps({"rate": rate, "rounds": recorded}))
+    print_predictor_table(recorded)
+
+
+def print_predictor_table(recorded: list[dict[str, Any]]) -> None:
+    """The predictor's and the plain rule's figures per round of a recording, at the alert rule's
+    threshold (0.5) and at a stricter one (0.8)."""
     print()
-    print("| round | score | jobs | missed | AUC | precision at 0.5 | recall | median lead before the deadline |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['round']} | {r['score']} | {r['jobs']} | {r['missed']} | {r['auc']:.2f} | "
-              f"{r['precision']:.2f} | {r['recall']:.2f} | {r['lead_s']:.1f} s |")
+    print("| round | score | jobs | missed | AUC | precision at 0.5 | recall | median lead | "
+          "precision at 0.8 | recall | median lead |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for number, recording in enumerate(recorded, start=1):
+        for score, name in (("risk", "predictor"), ("rule", "plain rule")):
+            at, strict = rate_alerts(recording["samples"], score), rate_alerts(recording["samples"], score, 0.8)
+            print(f"| {number} | {name} | {at['jobs']} | {at['missed']} | {at['auc']:.2f} | {at['precision']:.2f} | "
+                  f"{at['recall']:.2f} | {at['lead_s']:.1f} s | {strict['precision']:.2f} | {strict['recall']:.2f} | "
+                  f"{strict['lead_s']:.1f} s |")
 
 
 def calibration_line(stack: Stack) -> str:
@@ -347,7 +384,13 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print every job")
     parser.add_argument("--margin", type=float, default=None, help="sla.admission_margin (default: the setting's)")
     parser.add_argument("--part", choices=("admission", "predictor"), default="admission")
+    parser.add_argument("--record", metavar="FILE",
+                        help="predictor: write every round's risk samples and job records to FILE (JSON)")
+    parser.add_argument("--replay", metavar="FILE", help="predictor: print the table of a recording; run nothing")
     args = parser.parse_args()
+    if args.replay:
+        print_predictor_table(json.loads(Path(args.replay).read_text())["rounds"])
+        return
     if args.part == "predictor":
         predictor_main(args)
         return
