@@ -46,12 +46,11 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     redis.call('ZREM', KEYS[4], item_id)
   end
   if held and redis.call('EXISTS', request) == 1 then
+    local ran = run_started and ARGV[14 + 7 * i] == '1'
     redis.call('HSET', request, 'status', status, 'outputs', ARGV[11 + 7 * i], 'error', ARGV[12 + 7 * i],
       'error_code', ARGV[13 + 7 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
-      'job_rows', ARGV[5])
-    if run_started and ARGV[14 + 7 * i] == '1' then
-      redis.call('HSET', request, 'started_at', ARGV[7])  -- (when its run began: its queue time ends)
-    end
+      'job_rows', ARGV[5], unpack(ran and {'started_at', ARGV[7]} or {}))  -- (started_at: when its run
+      -- began, so its queue time ends; only for one that ran)
     redis.call('HDEL', request, 'inputs')
     redis.call('EXPIRE', request, ARGV[2])
     local flat, fields = redis.call('HGETALL', request), {}
@@ -73,7 +72,7 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     stats[outcome .. '_ns'] = stats[outcome .. '_ns'] + (now - created) * 1e9
     local class = priority_class(ARGV[15 + 7 * i])
     observe_latency(latency, ARGV[6] .. '|request|' .. class, now - created)
-    if run_started and ARGV[14 + 7 * i] == '1' then
+    if ran then
       observe_latency(latency, ARGV[6] .. '|queue|' .. class, run_started - created)
       stats['queue_count'] = stats['queue_count'] + 1
       stats['queue_ns'] = stats['queue_ns'] + math.max(run_started - created, 0) * 1e9
