@@ -72,6 +72,26 @@ def test_riders_respect_the_token_budget_the_item_count_and_the_scan_window(stor
                                    max_rows=8, window=2)) == ["r3", "r4"]
 
 
+def test_few_waiting_requests_are_found_by_their_place_in_the_queue_and_not_past_the_window(store: Store) -> None:
+    # Fewer requests wait than the window holds: they are looked up through the waiting set, not by
+    # reading every chunk in front of them; the window still bounds how deep in the queue one may be.
+    spec = job_spec(rows_total=10, chunk_size=1)
+    job_fills.create_job(store, spec, now=NOW)
+    chunks = store.client.zrange(store.keys.ready(MODEL_REF), 0, -1)
+    store.client.zadd(store.keys.ready(MODEL_REF), {chunk: float(index) for index, chunk in enumerate(chunks)})
+    submit(store, "r-third", score=1.5)  # third in the queue
+    submit(store, "r-deep", score=10.0)  # eleventh: past a window of 4
+    submit(store, "r-first", score=-1.0)
+
+    riders = queues.lease_riders(store, MODEL_REF, "features:64", now=NOW, lease_seconds=30, max_items=8,
+                                 max_rows=8, window=4)
+
+    assert ids(riders) == ["r-first", "r-third"]
+    assert ready_ids(store)[-1] == "r-deep"
+    assert queues.lease_riders(store, MODEL_REF, "features:64", now=NOW, lease_seconds=30, max_items=8,
+                               max_rows=8, window=4) == []  # (r-deep is now 11th of 11: still past it)
+
+
 def test_a_stale_ticket_leases_no_riders(store: Store) -> None:
     submit(store, "r0", score=1.0)
     with pytest.raises(StaleTicket):
