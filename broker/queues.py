@@ -29,6 +29,9 @@ class LeasedItem:
     model_ref: str
     payload: dict[str, Any]
     attempts: int
+    inputs: str | None = field(default=None, compare=False, repr=False)
+    """An online request's packed inputs (`requests.load_inputs` reads them), as its lease read them
+    from its hash: '' when the hash had expired; None when not read with the lease (then read apart)."""
 
 
 class StaleTicket(Exception):
@@ -84,7 +87,7 @@ def lease_batch(
         "max_items": max_items, "max_rows": max_rows or max_items, "max_tokens": max_tokens,
         "max_chunks": max_chunks or max_items, "requests_only": bool(requests_only),
         "carry_chunk": bool(carry_chunk), "head_must_fit": bool(head_within_limits),
-        "preferred_sizes": [int(size) for size in preferred_sizes],
+        "preferred_sizes": [int(size) for size in preferred_sizes], "request_prefix": keys.request(""),
     }
     if whole_within is not None:
         options["batch_limit"] = {"rows": whole_within[0], "tokens": whole_within[1]}
@@ -105,7 +108,7 @@ def lease_batch(
         reply = [0, *reply[1:]]
         count = 0
     if notes is not None and count >= 0:
-        notes.absent.extend(str(name) for name in reply[1 + 3 * count:])
+        notes.absent.extend(str(name) for name in reply[1 + LEASED_FIELDS * count:])
     return _leased(reply, model_ref, ticket)
 
 
@@ -136,9 +139,13 @@ def lease_riders(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
                   keys.waiting_requests(model_ref)],
             args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window, lowest_level,
-                  json.dumps(tenants) if tenants is not None else ""],
+                  json.dumps(tenants) if tenants is not None else "", keys.request("")],
         )
     return _leased(reply, model_ref, ticket)
+
+
+LEASED_FIELDS = 4
+"""Reply fields of each leased item (`lib.lua`'s `append_leased`): id, payload, lease count, inputs."""
 
 
 def _leased(reply: list[Any], model_ref: str, ticket: str) -> list[LeasedItem]:
@@ -148,8 +155,9 @@ def _leased(reply: list[Any], model_ref: str, ticket: str) -> list[LeasedItem]:
         raise StaleTicket(ticket)
     items = []
     for i in range(count):
-        item_id, payload, attempts = reply[1 + 3 * i : 4 + 3 * i]
-        items.append(LeasedItem(item_id, model_ref, json.loads(payload) if payload else {}, int(attempts)))
+        item_id, payload, attempts, inputs = reply[1 + LEASED_FIELDS * i : 1 + LEASED_FIELDS * (i + 1)]
+        items.append(LeasedItem(item_id, model_ref, json.loads(payload) if payload else {}, int(attempts),
+                                inputs=inputs))
     return items
 
 

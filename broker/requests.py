@@ -171,7 +171,20 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
 
 
 def load_inputs(store: Store, items: Sequence[LeasedItem]) -> list[dict[str, np.ndarray] | None]:
-    """The input tensors of each leased request (None where the request hash has expired)."""
+    """The input tensors of each leased request (None where the request hash has expired): as its lease
+    read them (`LeasedItem.inputs`), else from its hash, those in one round trip."""
+    unread = [item for item in items if item.inputs is None]
+    raws = dict(zip((item.item_id for item in unread), _read_inputs(store, unread), strict=True)) if unread else {}
+    return [_unpacked(raws[item.item_id] if item.inputs is None else item.inputs) for item in items]
+
+
+def _unpacked(raw: str | bytes | None) -> dict[str, np.ndarray] | None:
+    """A request's packed `inputs` field as tensors (None for a missing field)."""
+    return {name: unpack_array(text) for name, text in orjson.loads(raw).items()} if raw else None
+
+
+def _read_inputs(store: Store, items: Sequence[LeasedItem]) -> list[Any]:
+    """The `inputs` fields of the requests' hashes, in one round trip (None where a hash has expired)."""
     commands = [("HGET", store.keys.request(item.payload["req"]), "inputs") for item in items]
 
     def pipelined() -> list[Any]:
@@ -181,8 +194,7 @@ def load_inputs(store: Store, items: Sequence[LeasedItem]) -> list[dict[str, np.
         return list(pipe.execute())
 
     with translate_redis_errors():
-        raws = send_held(store.client, commands, pipelined)
-    return [{name: unpack_array(text) for name, text in orjson.loads(raw).items()} if raw else None for raw in raws]
+        return list(send_held(store.client, commands, pipelined))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@
 --     first (queue order within a tenant), those of tenants not in it after; a held tenant's items
 --     are not leased at all (it is past its limit; with nothing else waiting, the slot stays idle);
 --     with `only`, neither are the items of tenants not in `order`
+--   request_prefix: the key prefix of request hashes (`keys.request('')`): each leased request's inputs
+--     come back with it
 --   classes {ranks [16], demote [16], window}, optional (a degraded worker, broker/degrade.py): an item
 --     submitted at level L (factors base_level, else level) ranks ranks[L+1] (1 first; 0: not leased,
 --     its class is paused), by its score plus demote[L+1] within a rank; with `tenants` too, the
@@ -29,7 +31,7 @@
 --     first requests by level (KEYS[7], the paused class last) are weighed too, wherever they wait
 -- Returns {-1}: the ticket is no longer valid; {-2}: nothing leased, and paused items were all there was
 -- within reach (no held tenant's among them: a held tenant's wait ends by the milliseconds, a paused
--- class's by a step back); {0}: nothing leased; else {n, id1, payload1, attempts1, ...}; after any of
+-- class's by a step back); {0}: nothing leased; else {n, id1, payload1, attempts1, inputs1, ...}; after any of
 -- the last three, the names of the ranked tenants (`tenants.order`) a fair scan that read every item
 -- within reach found nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
@@ -309,7 +311,7 @@ local function pick_candidates()
           or (max_tokens > 0 and token_cost(item) > max_tokens)) then
         return nil
       end
-      picked[1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item)}
+      picked[1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item), item['req']}
       online = is_request
       bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
     elseif not online then
@@ -322,7 +324,7 @@ local function pick_candidates()
     elseif is_request and #picked < max_items and item['bucket'] == bucket
         and rows + number_or(item['rows'], 1) <= max_rows
         and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
-      picked[#picked + 1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item)}
+      picked[#picked + 1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item), item['req']}
       rows = rows + number_or(item['rows'], 1)
       tokens = tokens + token_cost(item)
     elseif carry and carried == nil and item['kind'] == 'chunk' then
@@ -370,9 +372,8 @@ local function move_to_inflight(picked)
     redis.call('ZREM', KEYS[2], entry[1])
     redis.call('ZADD', KEYS[3], ARGV[3], entry[1])
     redis.call('ZREM', KEYS[7], entry[1])
-    out[#out + 1] = entry[1]
-    out[#out + 1] = entry[2]
-    out[#out + 1] = redis.call('HINCRBY', KEYS[5], entry[1], 1)
+    append_leased(out, entry[1], entry[2], redis.call('HINCRBY', KEYS[5], entry[1], 1),
+      options.request_prefix or '', entry[5])
   end
   return out
 end

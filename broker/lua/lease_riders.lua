@@ -21,7 +21,9 @@
 -- ARGV[10] the fair-share order, a JSON object {order [...], held [...]}, or '' for none: the requests of
 --   tenants in `order` first (in its order, queue order within a tenant), then the others; a held
 --   tenant's requests do not ride (it is past its limit)
--- Returns: {-1} when the ticket is no longer valid; else {n, id1, payload1, attempts1, ...}, best first.
+-- ARGV[11] the key prefix of request hashes (`keys.request('')`): each leased request's inputs come back
+-- Returns: {-1} when the ticket is no longer valid; else {n, id1, payload1, attempts1, inputs1, ...},
+-- best first.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
   return {-1}
@@ -76,7 +78,8 @@ for _, entry in ipairs(entries) do
   local tenant = item['tenant'] or ''
   if item['kind'] == 'request' and item['bucket'] == bucket and level >= lowest_level and not held[tenant] then
     candidates[#candidates + 1] = {item_id, payload, number_or(item['rows'], 1),
-      number_or(item['padded_tokens'], number_or(item['tokens'], 0)), rank[tenant] or last, position}
+      number_or(item['padded_tokens'], number_or(item['tokens'], 0)), rank[tenant] or last, position,
+      item['req']}
   end
 end
 if tenants then
@@ -99,9 +102,7 @@ for _, candidate in ipairs(candidates) do
     redis.call('ZADD', KEYS[3], ARGV[3], item_id)
     redis.call('ZREM', KEYS[6], item_id)
     out[1] = out[1] + 1
-    out[#out + 1] = item_id
-    out[#out + 1] = payload
-    out[#out + 1] = redis.call('HINCRBY', KEYS[5], item_id, 1)
+    append_leased(out, item_id, payload, redis.call('HINCRBY', KEYS[5], item_id, 1), ARGV[11], candidate[7])
     rows = rows + item_rows
     tokens = tokens + item_tokens
   end

@@ -28,6 +28,21 @@ local function ring_doorbell(doorbell_key)
   redis.call('LTRIM', doorbell_key, 0, 63)
 end
 
+-- Append a leased item to a lease script's reply: its id, payload, lease count, and, for an online
+-- request (`req`, its id), its packed inputs read from its hash (`request_prefix` .. req), so that the
+-- worker needs no second round trip before the run; '' for a job chunk or finalize step, for a
+-- request whose hash has expired, and with no `request_prefix` ('': not read).
+local function append_leased(out, item_id, payload, attempts, request_prefix, req)
+  out[#out + 1] = item_id
+  out[#out + 1] = payload
+  out[#out + 1] = attempts
+  local inputs = ''
+  if request_prefix ~= '' and type(req) == 'string' and req ~= '' then
+    inputs = redis.call('HGET', request_prefix .. req, 'inputs') or ''
+  end
+  out[#out + 1] = inputs
+end
+
 -- Create batch tickets until `target` circulate; returns the new ids (each is sent as a drain task).
 local function top_up_tickets(tickets_key, seq_key, now, target)
   local new = {}

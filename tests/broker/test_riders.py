@@ -118,6 +118,33 @@ def test_a_batch_of_requests_with_rows_to_spare_takes_the_first_chunk_along_last
     assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, 1)]
 
 
+def test_a_lease_brings_its_requests_inputs_so_the_run_reads_nothing_more(store: Store) -> None:
+    spec = job_spec(rows_total=8, chunk_size=4)
+    job_fills.create_job(store, spec, now=NOW)
+    behind = chunk_score(store) + 100
+    for index, score in enumerate((behind - 200, behind - 199, behind, behind + 1)):
+        request_spec = RequestSpec(request_id=f"r{index}", model_name="mlp", model_version="v1",
+                                   inputs={"features": np.full((1, 64), index, np.float32)}, rows=1, tokens=None,
+                                   bucket="features:64", factors={"level": 0, "enqueued_at": NOW})
+        requests.submit_request(store, request_spec, score=score, now=NOW, max_age_seconds=60)
+    store.client.delete(store.keys.request("r1"))  # (its hash expired before the lease)
+
+    batch = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2, max_rows=3, max_chunks=1,
+                               carry_chunk=True)
+    riders = queues.lease_riders(store, MODEL_REF, "features:64", now=NOW, lease_seconds=30, max_items=4,
+                                 max_rows=4)
+    assert ids(batch) == ["r0", "r1", jobs.chunk_item_id(spec.job_id, 0)] and ids(riders) == ["r2", "r3"]
+    assert [item.inputs == "" for item in batch] == [False, True, True]  # (a chunk brings none)
+    for index in (0, 2, 3):  # the hashes go: what the run reads came with the lease
+        store.client.delete(store.keys.request(f"r{index}"))
+
+    loaded = requests.load_inputs(store, [batch[0], batch[1], *riders])
+
+    assert [None if tensors is None else float(tensors["features"][0, 0]) for tensors in loaded] == [0, None, 2, 3]
+    again = requests.load_inputs(store, [queues.LeasedItem("r2", MODEL_REF, riders[0].payload, 1)])
+    assert again == [None]  # (an item not from a lease reads its hash, gone now)
+
+
 def test_a_full_batch_of_requests_takes_no_chunk(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
