@@ -68,10 +68,17 @@ def _errors(parse: Callable[[int], object], rounds: int) -> list[Exception]:
     return errors
 
 
+def _npy_with_header(header: str, data: bytes) -> bytes:
+    """.npy bytes (version 1.0) with `header` as the header text, padded as numpy pads it."""
+    text = header.encode("latin-1")
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+
+
 def test_header_reads_share_one_lock_so_threads_never_corrupt_the_ast_counter() -> None:
-    buffer = io.BytesIO()
-    np.save(buffer, np.zeros((3, 4, 5), np.float32))
-    raw = buffer.getvalue()
+    # (keys in another order than np.save's: numpy's own parser reads it, not the pattern)
+    raw = _npy_with_header("{'shape': (3, 4, 5), 'fortran_order': False, 'descr': '<f4'}",
+                           np.zeros((3, 4, 5), np.float32).tobytes())
 
     errors = _errors(lambda _: read_npy_header(io.BytesIO(raw), len(raw), "a test array", "fix it"), rounds=3000)
 
@@ -93,3 +100,24 @@ def test_merges_on_several_threads_never_fail_on_a_header(tmp_path: Path) -> Non
 
     assert _errors(merge, rounds=40) == []
     np.testing.assert_array_equal(np.load(folders[0] / "out.npy"), np.arange(16, dtype=np.float32))
+
+
+def test_headers_np_save_writes_read_as_numpy_reads_them_and_any_other_valid_header_too() -> None:
+    arrays = [np.zeros((1, 128), np.int64), np.zeros((3,), np.float32), np.array(2.5), np.zeros((2, 3, 4), ">f4"),
+              np.asfortranarray(np.zeros((2, 3))), np.zeros((4, 5), np.bool_), np.zeros((0, 4), np.float16),
+              np.zeros((2,), [("a", "<f4")]), np.zeros((2,), "M8[s]")]
+    for array in arrays:
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        raw = buffer.getvalue()
+        theirs = io.BytesIO(raw)
+        np.lib.format.read_magic(theirs)
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(theirs)
+
+        header = read_npy_header(io.BytesIO(raw), len(raw), "a test array", "fix it")
+
+        assert (header.shape, header.fortran_order, header.dtype) == (shape, fortran_order, dtype), array.dtype
+        assert header.data_offset == theirs.tell()
+    odd = _npy_with_header("{'fortran_order': False, 'descr': '<i2', 'shape': (2, 2)}", bytes(8))
+    header = read_npy_header(io.BytesIO(odd), len(odd), "a test array", "fix it")
+    assert (header.shape, header.dtype, header.data_offset) == ((2, 2), np.dtype("<i2"), len(odd) - 8)
