@@ -331,7 +331,7 @@ mismatch". A header parse takes microseconds, so one lock per process costs noth
 _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 _HEADER_LENGTH_BYTES = {(1, 0): 2, (2, 0): 4}
 _NUMPY_WRITTEN_HEADER = re.compile(
-    r"\{'descr': '([<>|=]?[a-zA-Z]\d*)', 'fortran_order': (True|False), 'shape': \((|\d+,|\d+(?:, \d+)+)\), \} *\n")
+    r"\{'descr': '([<>|][a-zA-Z]\d*)', 'fortran_order': (True|False), 'shape': \((|\d+,|\d+(?:, \d+)+)\), \} *\n")
 """A header exactly as `np.save` writes it for a plain dtype. Read by this pattern, not numpy's parser
 (`ast.literal_eval` under `NPY_HEADER_LOCK`): that parse was about a third of an online request's tensor
 checks. Any other header, however valid, goes to numpy's parser."""
@@ -342,23 +342,18 @@ def _numpy_written_header(stream: IO[bytes], version: tuple[int, int]) -> tuple[
     `stream` just after the magic; None, with the stream where it was, for any other header."""
     start = stream.tell()
     length_bytes = stream.read(_HEADER_LENGTH_BYTES[version])
-    text = stream.read(int.from_bytes(length_bytes, "little")) if len(length_bytes) == _HEADER_LENGTH_BYTES[version] else b""
+    complete = len(length_bytes) == _HEADER_LENGTH_BYTES[version]
+    text = stream.read(int.from_bytes(length_bytes, "little")) if complete else b""
     found = _NUMPY_WRITTEN_HEADER.fullmatch(text.decode("latin-1"))
-    dtype = _plain_dtype(found.group(1)) if found else None
-    if found is None or dtype is None:
+    try:
+        dtype = np.dtype(found.group(1)) if found else None
+    except TypeError:  # (no such dtype: numpy's parser says what is wrong)
+        dtype = None
+    if found is None or dtype is None or dtype.str != found.group(1):
         stream.seek(start)
         return None
     shape = tuple(int(dim) for dim in found.group(3).rstrip(",").split(", ") if dim)
     return shape, found.group(2) == "True", dtype
-
-
-def _plain_dtype(descr: str) -> np.dtype | None:
-    """The dtype a header's `descr` names, or None when numpy reads it otherwise (left to its parser)."""
-    try:
-        dtype = np.dtype(descr)
-    except TypeError:
-        return None
-    return dtype if dtype.str == descr or dtype.str[1:] == descr[1:] else None
 
 
 def read_npy_header(stream: IO[bytes], size: int, what: str, fix: str) -> NpyHeader:
