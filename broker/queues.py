@@ -192,6 +192,9 @@ class QueueSnapshot:
     waiting_requests: dict[str, int] = field(default_factory=dict)
     """Model ref -> how many online requests wait in its queue (`keys.waiting_requests`), for every
     queue with waiting work."""
+    unclaimed_rings: bool = False
+    """The doorbell held rings since the last snapshot (which empties it): no drain loop was blocked on it
+    when they came, so no slot of the fleet sat idle then (an idle one would have taken the ring at once)."""
 
 
 def queue_refs(store: Store) -> tuple[list[str], str]:
@@ -223,13 +226,15 @@ class QueueWatcher:
         """Every queue's head, earliest deadline, and the live policy, as of one instant (one script
         call: as a pipeline of commands it cost a quarter more client CPU)."""
         keys = self._store.keys
+        rung = False  # (a read again for a new set of refs finds the doorbell emptied by the first)
         with translate_redis_errors():
             while True:
                 refs, known_version = self._known
                 per_ref = [key for ref in refs
                            for key in (keys.ready(ref), keys.deadlines(ref), keys.waiting_requests(ref))]
-                version, raw_policy, *firsts = self._store.scripts.queue_snapshot(
+                version, raw_policy, unclaimed, *firsts = self._store.scripts.queue_snapshot(
                     keys=[keys.queues_version, keys.policy, keys.doorbell, *per_ref])
+                rung = rung or bool(unclaimed)
                 if version == known_version:
                     break
                 self._known = queue_refs(self._store)
@@ -241,7 +246,7 @@ class QueueWatcher:
             if earliest:
                 deadlines[ref] = float(earliest)
         return QueueSnapshot(heads=heads, earliest_deadlines=deadlines, raw_policy=raw_policy,
-                             head_items=head_items, waiting_requests=waiting)
+                             head_items=head_items, waiting_requests=waiting, unclaimed_rings=rung)
 
 
 def head_company(store: Store, model_ref: str, *, now: float, window: int,

@@ -18,15 +18,22 @@ when the subscription's socket holds bytes not read yet (a `poll` that reads not
 goes ahead too. On a loaded host the thread's wake-up took up to 4 ms, a look's whole budget under a
 5 ms preemption target. (The bytes may be no announcement, a health check's reply: a look too many,
 never one missed, since the count itself stays what the thread counted.)
+
+While a chunk's mini-batch runs, the thread also calls the chunk's early look after each announcement
+it counts (`calling`): the look that would wait for the mini-batch's end is taken while it runs, and the
+batch it leases runs at the boundary.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import select
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 from redis.client import PubSub
 
@@ -53,6 +60,9 @@ class RequestBell:
         self._asked_at = time.monotonic()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._hooks: dict[int, Callable[[], bool]] = {}
+        """What `calling` registered, by registration number (called in that order)."""
+        self._numbers = itertools.count()
 
     def mark(self) -> int | None:
         """The announcements counted so far, or None when none can be counted now (not subscribed): a
@@ -75,6 +85,30 @@ class RequestBell:
         connection = getattr(self._pubsub, "connection", None) if self._listening else None
         return unread_bytes(getattr(connection, "_sock", None))  # (redis-py keeps it as `_sock`)
 
+    @contextlib.contextmanager
+    def calling(self, hook: Callable[[], bool]) -> Iterator[None]:
+        """Call `hook` on the bell's thread after each announcement counted while the block runs (a running
+        mini-batch's early look); the first hook that returns True (it took the announced work) ends that
+        announcement's round. A hook that raises is logged and the others go on."""
+        number = next(self._numbers)
+        with self._lock:
+            self._hooks[number] = hook
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._hooks[number]
+
+    def _call_hooks(self) -> None:
+        with self._lock:
+            hooks = list(self._hooks.values())
+        for hook in hooks:
+            try:
+                if hook():
+                    return
+            except Exception:  # (a hook's bug must not take the subscription down)
+                log.exception("request bell: a hook failed")
+
     def _listen(self) -> None:
         while time.monotonic() - self._asked_at < IDLE_SECONDS:
             pubsub = self._store.pooled_client.pubsub()
@@ -90,6 +124,8 @@ class RequestBell:
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None and message["type"] == "pmessage":
                         self._rings += 1
+                        if self._hooks:
+                            self._call_hooks()
             except Exception as err:  # Redis away: look every time meanwhile, subscribe again soon
                 self._listening = False
                 log.warning("request bell: %s; running chunks look for online work at every interval meanwhile", err)

@@ -8,12 +8,13 @@
 --          ready      ZSET item id -> score
 --          deadlines  ZSET item id -> deadline (the waiting items that have one)
 --          waiting requests ZSET the online requests among the ready items
--- Returns: {the set's version or '', policy JSON or '', then per three keys: the head item's id,
+-- Returns: {the set's version or '', policy JSON or '', 1 if the doorbell held rings (no drain loop was
+--          blocked on it when they came) else 0, then per three keys: the head item's id,
 --          its score, the earliest deadline, how many online requests wait} ('' for what an empty
 --          set lacks). When the version differs from the one the caller read with its refs, its list
 --          of refs is out of date.
-redis.call('DEL', KEYS[3])
-local reply = {redis.call('GET', KEYS[1]) or '', redis.call('GET', KEYS[2]) or ''}
+local unclaimed = redis.call('DEL', KEYS[3])
+local reply = {redis.call('GET', KEYS[1]) or '', redis.call('GET', KEYS[2]) or '', unclaimed}
 for index = 4, #KEYS, 3 do
   local head = redis.call('ZRANGE', KEYS[index], 0, 0, 'WITHSCORES')
   local earliest = redis.call('ZRANGE', KEYS[index + 1], 0, 0, 'WITHSCORES')

@@ -3,6 +3,7 @@ looks follow the announcements (real Redis, a real `WorkerContext`, the zoo MLP)
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -168,3 +169,102 @@ def test_a_message_waiting_on_the_socket_is_seen_before_it_is_read(store: Store)
     finally:
         pubsub.close()
     assert not unread_bytes(sock) and not unread_bytes(None)  # a closed socket, none at all
+
+
+_EARLY_SETTINGS = Settings().with_overrides(scheduler={"yield_check_interval": "10s"},
+                                           tenants={"acme": {"guaranteed_share": 0.5, "preemption_target": "1s"}})
+"""A look interval of 0.5 s (half the preemption target) for looks after announcements, the lease not counting
+as one; quiet looks every 10 s, none within a test."""
+
+
+def _status(store: Store, request_id: str) -> str:
+    return str(requests.get_request(store, request_id)["status"])
+
+
+def _inflight(store: Store, model_ref: str, request_id: str) -> bool:
+    return store.client.zscore(store.keys.inflight(model_ref), request_id) is not None
+
+
+def _learn_minibatch(between: BetweenBatches, feed: dict[str, np.ndarray], seconds: float) -> None:
+    """A boundary, then a mini-batch of `seconds` (the block held open), so the chunk knows how long its
+    mini-batches run."""
+    between(feed)
+    with between.running():
+        time.sleep(seconds)
+
+
+def test_a_request_announced_while_a_mini_batch_runs_is_leased_then_and_runs_at_its_end(
+        store: Store, zoo_dir: Path, tmp_path: Path) -> None:
+    """The bell's thread takes the next boundary's look while the mini-batch runs: the express request is
+    leased before the mini-batch ends, and runs at the boundary without a look of its own."""
+    ctx = mlp_worker_context(store, zoo_dir, _EARLY_SETTINGS)
+    assert _wait_for(lambda: ctx.request_bell.mark() is not None)
+    looks = CountedLooks(ctx, store, tmp_path)
+    between = BetweenBatches(ctx, looks.chunk, ticket="", bell_mark=looks.bell_before_lease)
+    feed = {"features": np.zeros((8, 64), np.float32)}
+    _learn_minibatch(between, feed, 0.3)
+    before = looks.snapshots
+
+    with between.running():  # a mini-batch of about 0.3 s, within the 0.5 s look interval
+        time.sleep(0.05)
+        _submit(store, "express")
+        assert _wait_for(lambda: _inflight(store, looks.model_ref, "express"), timeout=0.2)
+        assert _status(store, "express") == "queued"  # leased, not run: it runs at the boundary
+        assert looks.snapshots == before + 1
+    between(feed)
+    assert _status(store, "express") == "succeeded"
+    assert looks.snapshots == before + 1  # the boundary took the early look's, and looked no more
+    assert not _inflight(store, looks.model_ref, "express")
+
+
+def test_no_early_look_while_an_idle_slot_waits_or_the_mini_batch_outlasts_the_interval(
+        store: Store, zoo_dir: Path, tmp_path: Path) -> None:
+    """A slot blocked on the doorbell takes the ring of the submit, and so the request: the running chunk
+    leaves it for that slot during its mini-batch (here the slot is a bare wait, so the chunk's boundary
+    serves it). A mini-batch expected to run past the look interval looks at its boundary only."""
+    ctx = mlp_worker_context(store, zoo_dir, _EARLY_SETTINGS)
+    assert _wait_for(lambda: ctx.request_bell.mark() is not None)
+    looks = CountedLooks(ctx, store, tmp_path)
+    between = BetweenBatches(ctx, looks.chunk, ticket="", bell_mark=looks.bell_before_lease)
+    feed = {"features": np.zeros((8, 64), np.float32)}
+    _learn_minibatch(between, feed, 0.3)
+    store.client.delete(store.keys.doorbell)
+    rung: list[bool] = []
+    idle_slot = threading.Thread(target=lambda: rung.append(queues.wait_for_doorbell(
+        store, "", now=time.time(), timeout=2.0, touch=False)))
+    idle_slot.start()
+    assert _wait_for(lambda: int(store.client.info("clients")["blocked_clients"]) >= 1)
+    with between.running():
+        _submit(store, "first")
+        idle_slot.join(timeout=2.0)
+        assert rung == [True]
+        time.sleep(0.1)
+        assert not _inflight(store, looks.model_ref, "first")  # left to the idle slot
+    between(feed)  # the boundary's own look serves it
+    assert _status(store, "first") == "succeeded"
+
+    slow = BetweenBatches(ctx, looks.chunk, ticket="", bell_mark=looks.bell_before_lease)
+    _learn_minibatch(slow, feed, 1.2)  # longer than the 0.5 s interval
+    with slow.running():
+        _submit(store, "second")
+        time.sleep(0.3)
+        assert not _inflight(store, looks.model_ref, "second")
+    slow(feed)
+    assert _status(store, "second") == "succeeded"
+
+
+def test_a_request_leased_during_the_last_mini_batch_runs_when_the_chunk_finishes(
+        store: Store, zoo_dir: Path, tmp_path: Path) -> None:
+    """No boundary follows a chunk's last mini-batch: `finish` runs what the early look leased, nothing
+    is left leased and unrun."""
+    ctx = mlp_worker_context(store, zoo_dir, _EARLY_SETTINGS)
+    assert _wait_for(lambda: ctx.request_bell.mark() is not None)
+    looks = CountedLooks(ctx, store, tmp_path)
+    between = BetweenBatches(ctx, looks.chunk, ticket="", bell_mark=looks.bell_before_lease)
+    feed = {"features": np.zeros((8, 64), np.float32)}
+    _learn_minibatch(between, feed, 0.3)
+    with between.running():
+        _submit(store, "last")
+        assert _wait_for(lambda: _inflight(store, looks.model_ref, "last"), timeout=0.2)
+    between.finish()
+    assert _status(store, "last") == "succeeded"
