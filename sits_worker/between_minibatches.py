@@ -111,6 +111,8 @@ class BetweenBatches:
         self._early: _EarlyLook | None = None
         self._running_since: float | None = None
         """`time.monotonic()` when the running mini-batch started; None between mini-batches."""
+        self._early_tried: float | None = None
+        """The `_running_since` of the mini-batch an early look was last tried in (one try a mini-batch)."""
         self._minibatch_seconds: float | None = None
         """How long the last mini-batch ran (None before the first ended)."""
 
@@ -226,6 +228,7 @@ class BetweenBatches:
         try:
             if not self._early_due():
                 return False
+            self._early_tried = self._running_since
             mark, at = self._ctx.request_bell.count(), time.monotonic()
             snapshot = self._ctx.queue_watcher.snapshot()
             if not snapshot.unclaimed_rings:
@@ -236,7 +239,11 @@ class BetweenBatches:
             leased = next(batches, [])
             batches.close()
             held = contextlib.ExitStack()
-            held.enter_context(self._ctx.lease_keeper.holding(leased))
+            try:
+                held.enter_context(self._ctx.lease_keeper.holding(leased))
+            except BaseException:
+                queues.return_unrun(self._ctx.store, leased)
+                raise
             self._early = _EarlyLook(mark, at, snapshot, leased, held)
             return bool(leased)
         except StaleTicket:
@@ -253,6 +260,8 @@ class BetweenBatches:
         since the last), none was taken during this mini-batch, and it should end within the interval."""
         now, started, lasts = time.monotonic(), self._running_since, self._minibatch_seconds
         if self._stale or self._chunk_score is None or self._early is not None or started is None or lasts is None:
+            return False
+        if self._early_tried == started:
             return False
         return now >= self._next_look and started + lasts - now <= self._interval
 
@@ -271,21 +280,32 @@ class BetweenBatches:
             with self._ctx.lease_keeper.holding([self._item]):  # an urgent batch may outlast the lease
                 return _run_in_place(self._ctx, early.leased, self._ticket, self._reservation)
 
-    def finish(self) -> None:
-        """Settle requests the chunk never reached (it was dropped, failed, had no rows, or its last
-        mini-batch ran while the bell leased them): run them, or give them back to their queue if even
-        that fails."""
+    def run_early(self) -> None:
+        """Run what an early look leased during the mini-batch just ended, where no boundary follows it at
+        once (after a chunk's last mini-batch, between the pieces of a chunk read apart): in place of a
+        mini-batch, as a boundary would."""
         early = self._take_early()
-        groups = [group for group in (self._carried, early.leased if early is not None else []) if group]
-        self._carried = []
-        with early.held if early is not None else contextlib.nullcontext():
-            for number, group in enumerate(groups):
-                try:
-                    run_requests(self._ctx, group, self._ticket)
-                except Exception as err:
-                    for unrun in groups[number:]:
-                        give_back(self._ctx, unrun, err)
-                    raise
+        if early is not None and self._run_early(early):
+            self._next_look, self._bell_mark = 0.0, None  # (more may wait: the next boundary looks)
+
+    def finish(self) -> None:
+        """Settle requests the chunk never reached (it was dropped, failed or had no rows, or an early look
+        leased them after its last boundary): run them, or give them back to their queue if even that
+        fails (what was not tried goes back unrun)."""
+        early = self._take_early()
+        carried, self._carried = self._carried, []
+        if carried:
+            try:
+                run_requests(self._ctx, carried, self._ticket)
+            except Exception as err:
+                give_back(self._ctx, carried, err)
+                if early is not None:  # (not tried: back unrun, no attempt counted)
+                    with early.held:
+                        if early.leased:
+                            queues.return_unrun(self._ctx.store, early.leased)
+                raise
+        if early is not None:
+            self._run_early(early)
 
 
 def _serve_one_urgent_batch(ctx: WorkerContext, snapshot: queues.QueueSnapshot, chunk_score: float, ticket: str,

@@ -54,6 +54,11 @@ class MiniBatchHook(Protocol):
         is the only place `__call__` extends it."""
         ...
 
+    def run_early(self) -> None:
+        """Called after a mini-batch that no `__call__` follows at once: runs the urgent work leased while
+        it ran (a boundary would have), so it does not wait for the chunk's end."""
+        ...
+
 
 def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -> str:
     """Run one leased item; returns what happened ('committing': a chunk computed, its outputs handed
@@ -219,6 +224,7 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
                 row_indices, feed = _run_riders(ctx, chunk, riders, row_indices, feed)
             if len(row_indices):
                 chunk.run_batch(row_indices, feed)
+    between.run_early()
     # And after: rows read while the file was rewritten in place (same size, same inode) must not count
     # as done under the checksum of the file as submitted.
     check_unchanged(input_path, input_stat)
@@ -308,6 +314,7 @@ class ChunkRows:
                 failure = read(0, last - first)
                 if failure is not None:
                     self._isolate(last - first, failure, read, partial(operator.add, first))
+            between.run_early()
 
     def _isolate(self, count: int, failure: BadInput, attempt: Callable[[int, int], BadInput | None],
                  row_of: Callable[[int], int]) -> None:

@@ -91,6 +91,7 @@ class RequestBell:
         mini-batch's early look); the first hook that returns True (it took the announced work) ends that
         announcement's round. A hook that raises is logged and the others go on."""
         number = next(self._numbers)
+        self._asked_at = time.monotonic()  # (a chunk whose looks all come early still needs the subscription)
         with self._lock:
             self._hooks[number] = hook
         try:

@@ -54,6 +54,9 @@ class MergeHooks:
     def running(self) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
+    def run_early(self) -> None:
+        pass
+
 
 @pytest.fixture
 def ctx(store: Store) -> WorkerContext:

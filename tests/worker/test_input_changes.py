@@ -54,6 +54,9 @@ class Hooks:
     def running(self) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
+    def run_early(self) -> None:
+        pass
+
 
 def rewrite_in_place(path: Path, first_row: int) -> None:
     """Overwrite rows `first_row`.. of a 2-D float32 .npy with zeros, the file opened r+b (same size, same

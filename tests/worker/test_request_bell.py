@@ -253,18 +253,21 @@ def test_no_early_look_while_an_idle_slot_waits_or_the_mini_batch_outlasts_the_i
     assert _status(store, "second") == "succeeded"
 
 
-def test_a_request_leased_during_the_last_mini_batch_runs_when_the_chunk_finishes(
+def test_a_request_leased_during_a_mini_batch_no_boundary_follows_runs_right_after_it(
         store: Store, zoo_dir: Path, tmp_path: Path) -> None:
-    """No boundary follows a chunk's last mini-batch: `finish` runs what the early look leased, nothing
-    is left leased and unrun."""
+    """No boundary follows a chunk's last mini-batch: `run_early` (called by the chunk after it) runs what
+    the early look leased, and so does `finish`, should the chunk end without it; nothing stays leased."""
     ctx = mlp_worker_context(store, zoo_dir, _EARLY_SETTINGS)
     assert _wait_for(lambda: ctx.request_bell.mark() is not None)
     looks = CountedLooks(ctx, store, tmp_path)
-    between = BetweenBatches(ctx, looks.chunk, ticket="", bell_mark=looks.bell_before_lease)
     feed = {"features": np.zeros((8, 64), np.float32)}
-    _learn_minibatch(between, feed, 0.3)
-    with between.running():
-        _submit(store, "last")
-        assert _wait_for(lambda: _inflight(store, looks.model_ref, "last"), timeout=0.2)
-    between.finish()
-    assert _status(store, "last") == "succeeded"
+    for request_id, settle in (("after-last", "run_early"), ("at-finish", "finish")):
+        between = BetweenBatches(ctx, looks.chunk, ticket="", bell_mark=ctx.request_bell.count())
+        _learn_minibatch(between, feed, 0.3)
+        with between.running():
+            _submit(store, request_id)
+            assert _wait_for(lambda rid=request_id: _inflight(store, looks.model_ref, rid), timeout=0.2)
+        assert _status(store, request_id) == "queued"
+        getattr(between, settle)()
+        assert _status(store, request_id) == "succeeded", settle
+        assert not _inflight(store, looks.model_ref, request_id)
