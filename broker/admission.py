@@ -132,7 +132,7 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         pipe = store.client.pipeline(transaction=False)
         for job_id, _ in entries:
             pipe.hmget(store.keys.job(job_id), "status", "rows_total", "rows_done", "chunks_total", "chunks_done",
-                       "model_ref", "batch_size", "deadline")
+                       "model_ref", "batch_size", "deadline", "chunk_started_at")
         rows = pipe.execute() if entries else []
     drop_ended(store, [job_id for (job_id, _), row in zip(entries, rows, strict=True) if row[0] not in ACTIVE_STATUSES],
                fleet)
@@ -140,7 +140,7 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
     active: list[Work] = []
     running: list[Work] = []
     records: dict[str, dict[str, Any] | None] = {}
-    for (job_id, score), (status, total, done, chunks, chunks_done, model_ref, batch, deadline) in zip(
+    for (job_id, score), (status, total, done, chunks, chunks_done, model_ref, batch, deadline, chunk_started) in zip(
             entries, rows, strict=True):
         if status not in ACTIVE_STATUSES:
             continue
@@ -154,7 +154,8 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         seconds = work_seconds(int(total or 0) - int(done or 0), seconds_per_row=speed.seconds_per_row,
                                chunks=remaining_chunks)
         active.append(Work(job_id, float(score), seconds * factors.get(_version(model_ref), 1.0),
-                           float(deadline) if deadline else None, remaining_chunks, _version(model_ref)))
+                           float(deadline) if deadline else None, remaining_chunks, _version(model_ref),
+                           float(chunk_started) if chunk_started else None))
         if status == "running":
             running.append(active[-1])
     return Figures(active, running, fleet, factors, contention(factors))
@@ -277,15 +278,29 @@ class Prediction:
     own_seconds: float
 
 
-def blocking(running: list[Work], score: float, slots: int) -> tuple[float, int]:
+def blocking(running: list[Work], score: float, slots: int, *, now: float) -> tuple[float, int]:
     """How long, and on how many slots, chunks of work behind `score` that are running may hold the slots:
-    a chunk runs to its end once started, so a whole chunk of the slowest of those jobs (its remaining
-    device time over its remaining chunks), on as many slots as their chunks can fill."""
+    a chunk runs to its end once started, so what is left of a chunk of the slowest of those jobs (its
+    remaining device time over its remaining chunks, less the time since its latest chunk began), on as
+    many slots as their chunks can fill.
+
+    Each running chunk of a job is taken to have begun with its latest (`Work.chunk_started_at`): its
+    other chunks began earlier and have less left. A job whose chunk start is not known holds a whole
+    chunk. The start is the worker's clock and `now` the caller's, so hosts must keep time alike (NTP).
+    """
     behind = [work for work in running if work.score > score]
     if not behind:
         return 0.0, 0
-    longest = max(work.seconds / max(1, work.chunks) for work in behind)
+    longest = max(_chunk_left(work, now) for work in behind)
     return longest, min(slots, sum(min(work.chunks, slots) for work in behind))
+
+
+def _chunk_left(work: Work, now: float) -> float:
+    """Seconds left of a running job's chunk: a whole chunk less the time since its latest one began."""
+    chunk = work.seconds / max(1, work.chunks)
+    if work.chunk_started_at is None:
+        return chunk
+    return min(chunk, max(0.0, chunk - (now - work.chunk_started_at)))
 
 
 def running_models(running: list[Work], fleet: LiveFleet) -> list[str]:
@@ -330,7 +345,7 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
 
     def verdict_at(deadline: float) -> Verdict:
         score = float(score_for(deadline))
-        fleet = figures.plan_fleet(*blocking(figures.running, score, figures.fleet.slots),
+        fleet = figures.plan_fleet(*blocking(figures.running, score, figures.fleet.slots, now=now),
                                    job_latency_seconds=JOB_LATENCY_SECONDS)
         return admit(Work(job_id, score, own, deadline, max(1, chunks), record["version"]), figures.active, fleet,
                      now=now, margin=margin, margin_floor=settings.sla.admission_margin_floor)

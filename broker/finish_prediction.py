@@ -45,6 +45,8 @@ class Work:
     """Its remaining chunks: the most slots it can use at once."""
     model: str = ""
     """Its model version, for the slow-down beside other models (`Fleet.contention`); '' for none."""
+    chunk_started_at: float | None = None
+    """When its latest chunk began to run (a running job's); None where not known."""
 
 
 @dataclass(frozen=True)

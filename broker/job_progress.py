@@ -16,14 +16,17 @@ from broker.queues import LeasedItem
 from broker.store import Store, translate_redis_errors
 
 
-def start_item(store: Store, job_id: str, *, now: float) -> str:
+def start_item(store: Store, job_id: str, *, now: float, chunk: bool = False) -> str:
     """Mark the job running as a worker begins one of its items; returns its status after that.
 
     Anything but 'running' ('cancelled', 'failed', 'succeeded', or '' for a job that is gone)
-    means the item must be dropped unrun.
+    means the item must be dropped unrun. With `chunk` (a chunk's run begins), a running job's
+    `chunk_started_at` becomes `now`: deadline admission reckons from it how long the job's running
+    chunks still hold their slots (`admission.blocking`).
     """
     with translate_redis_errors():
-        return str(store.scripts.start_item(keys=[store.keys.job(job_id), store.keys.job_counts], args=[now]))
+        return str(store.scripts.start_item(keys=[store.keys.job(job_id), store.keys.job_counts],
+                                            args=[now, "chunk" if chunk else ""]))
 
 
 def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_seconds: float = 0.0,

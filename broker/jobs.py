@@ -42,7 +42,7 @@ _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "re
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
 _BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "sla_snapshots",
                        "sla_snapshot_at", "sla_ahead", "slot_mix",
-                       "slot_time_partial")
+                       "slot_time_partial", "chunk_started_at")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 

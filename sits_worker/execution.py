@@ -71,7 +71,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
     """
     job_id = item.payload["job"]
     now = time.time()
-    if job_progress.start_item(ctx.store, job_id, now=now) != "running":
+    if job_progress.start_item(ctx.store, job_id, now=now, chunk=item.payload["kind"] == "chunk") != "running":
         queues.finish_item(ctx.store, item, job_id, now=now)
         return "dropped"
     try:

@@ -193,9 +193,21 @@ def test_a_reaper_pass_without_deadline_jobs_prunes_ended_jobs_from_the_active_i
 def test_running_chunks_behind_a_job_block_it_for_a_whole_chunk_of_the_slowest_on_the_slots_they_fill() -> None:
     running = [Work("ahead", 1.0, 30.0, chunks=3), Work("slow", 5.0, 12.0, chunks=4), Work("one", 6.0, 5.0)]
 
-    assert blocking(running, 2.0, slots=4) == (5.0, 4)  # 'one' is a 5 s chunk; 'slow' fills 4 slots, 'one' 1
-    assert blocking(running, 5.5, slots=4) == (5.0, 1)
-    assert blocking(running, 9.0, slots=4) == (0.0, 0)  # everything running is ahead of it
+    assert blocking(running, 2.0, slots=4, now=NOW) == (5.0, 4)  # 'one' is a 5 s chunk; 'slow' fills 4 slots
+    assert blocking(running, 5.5, slots=4, now=NOW) == (5.0, 1)
+    assert blocking(running, 9.0, slots=4, now=NOW) == (0.0, 0)  # everything running is ahead of it
+
+
+def test_a_running_chunk_blocks_only_for_what_is_left_of_it_since_its_job_s_latest_chunk_began() -> None:
+    """'slow' runs 3 s chunks, its latest begun 1 s ago; 'one' a 5 s chunk begun 4.5 s ago; a chunk that
+    ran past its time holds nothing more, and one whose start is unknown holds a whole chunk."""
+    running = [Work("slow", 5.0, 12.0, chunks=4, chunk_started_at=NOW - 1.0),
+               Work("one", 6.0, 5.0, chunk_started_at=NOW - 4.5)]
+
+    assert blocking(running, 2.0, slots=4, now=NOW) == (2.0, 4)
+    assert blocking(running, 5.5, slots=4, now=NOW) == (0.5, 1)
+    assert blocking(running, 5.5, slots=4, now=NOW + 9.0) == (0.0, 1)
+    assert blocking([Work("slow", 5.0, 12.0, chunks=4)], 2.0, slots=4, now=NOW) == (3.0, 4)
 
 
 def test_a_chunk_is_planned_at_the_speed_of_the_pair_it_starts_in_on_its_own_worker() -> None:

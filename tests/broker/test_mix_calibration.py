@@ -118,3 +118,20 @@ def test_a_run_whose_lease_was_lost_counts_no_slot_time_and_its_job_calibrates_n
 
     assert admission.drop_ended(store, ["jmix"], admission.LiveFleet(workers=1, streams=2, device_kind="cpu")) == 1
     assert admission.calibrations(store) == {}
+
+
+def test_a_running_job_s_latest_chunk_start_reaches_admission_which_blocks_only_for_what_is_left(
+        store: Store) -> None:
+    """A job of two 0.5 s chunks, its first chunk begun at NOW: a newcomer ahead of it waits for what is
+    left of that chunk, 0.2 s at NOW + 0.3, not a whole chunk."""
+    registry.save_model_version(store, RECORD)
+    job_fills.create_job(store, job_spec("jrun", rows_total=100, chunk_size=50), now=NOW)
+    job_progress.start_item(store, "jrun", now=NOW, chunk=True)
+
+    figures = admission.read_figures(Settings(), store, now=NOW + 0.3)
+
+    [running] = figures.running
+    assert running.chunk_started_at == NOW
+    chunk = 50 / ROWS_PER_SECOND + CHUNK_OVERHEAD_SECONDS
+    left, slots = admission.blocking(figures.running, running.score - 1, 2, now=NOW + 0.3)
+    assert (left, slots) == (pytest.approx(chunk - 0.3), 2)

@@ -351,6 +351,21 @@ def test_start_item_marks_a_queued_job_running_once(store: Store) -> None:
     assert store.scripts.start_item(keys=key, args=[NOW + 4]) == "cancelled"
 
 
+def test_a_chunk_s_start_is_stamped_on_its_running_job_and_other_items_leave_it(store: Store) -> None:
+    spec = job_spec()
+    job_fills.create_job(store, spec, now=NOW)
+
+    assert job_progress.start_item(store, spec.job_id, now=NOW + 1, chunk=True) == "running"
+    assert float(job_field(store, spec.job_id, "chunk_started_at")) == NOW + 1
+    assert job_progress.start_item(store, spec.job_id, now=NOW + 2) == "running"  # a commit's check, a merge
+    assert float(job_field(store, spec.job_id, "chunk_started_at")) == NOW + 1
+    assert job_progress.start_item(store, spec.job_id, now=NOW + 3, chunk=True) == "running"
+    assert float(job_field(store, spec.job_id, "chunk_started_at")) == NOW + 3
+    job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 4)
+    assert job_progress.start_item(store, spec.job_id, now=NOW + 5, chunk=True) == "cancelled"
+    assert float(job_field(store, spec.job_id, "chunk_started_at")) == NOW + 3
+
+
 # --- batch tickets --------------------------------------------------------------------------------
 
 
