@@ -372,7 +372,7 @@ def _deadline_metrics(stats: SystemStats) -> Iterator[Metric]:
                             "the soonest deadlines).", labels=MODEL)
     at_risk = GaugeMetricFamily("sits_jobs_at_risk", "Of the active jobs with a deadline, those predicted to miss "
                                 "it: sla_risk at least 0.5, as GET /v1/jobs/<id> reports it.", labels=MODEL)
-    highest = GaugeMetricFamily("sits_job_sla_risk_max", "The highest sla_risk (0 to 1) of the model's active "
+    highest = GaugeMetricFamily("sits_sla_risk", "The highest sla_risk (0 to 1) of the model's active "
                                 "jobs with a deadline.", labels=MODEL)
     for model_ref, risk in sorted(stats.job_risks.items()):
         labels = _model_labels(model_ref)

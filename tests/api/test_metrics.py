@@ -270,7 +270,7 @@ def test_job_deadlines_met_missed_and_refused_and_the_risk_of_active_ones_show_p
 
     assert value(watched, "sits_jobs_with_deadline", **labels) == 4
     assert value(watched, "sits_jobs_at_risk", **labels) == 1
-    assert value(watched, "sits_job_sla_risk_max", **labels) >= 0.5  # predicted past its deadline
+    assert value(watched, "sits_sla_risk", **labels) >= 0.5  # predicted past its deadline
     assert value(ended, "sits_jobs_rejected_total", **labels) == 2
     assert value(ended, "sits_job_deadlines_total", **labels, outcome="met") == 1
     assert value(ended, "sits_job_deadlines_total", **labels, outcome="missed") == 1
