@@ -191,3 +191,24 @@ def test_reaper_passes_score_running_deadline_jobs_and_ended_ones_train_the_pred
         assert time.monotonic() < ends + 30, "no ended job trained the predictor"
         time.sleep(0.1)
     assert "lateness" in json.loads(stack.store.client.hget(stack.store.keys.sla_model, "weights"))
+
+
+def test_the_worker_notes_when_each_chunk_of_a_running_job_begins_and_the_record_keeps_it_to_itself(
+        stack: Stack) -> None:
+    """Admission holds a slot that runs a later job's chunk only for what is left of it, from when the job's
+    latest chunk began: the worker stamps that on the job's hash as each chunk starts. Its 20 chunks run one
+    after another on the one stream, so the stamp moves on while the job runs; the API does not show it."""
+    status, job = _submit(stack, "stamped", chunk_size=10_000)
+    assert status in (200, 201)
+    key = stack.store.keys.job(job["id"])
+    stamps: set[float] = set()
+    ends = time.monotonic() + 60
+    while stack.store.client.hget(key, "status") in ("queued", "running"):
+        assert time.monotonic() < ends, "the job did not finish in 60 s"
+        if stamp := stack.store.client.hget(key, "chunk_started_at"):
+            stamps.add(float(stamp))
+        time.sleep(0.005)
+    done = wait_job(stack.client(), job["id"])
+    assert done["status"] == "succeeded" and "chunk_started_at" not in done
+    started, last = (float(stack.store.client.hget(key, field)) for field in ("started_at", "chunk_started_at"))
+    assert len(stamps) >= 2 and started <= min(stamps) and max(stamps) <= last < done["finished_at"]
