@@ -132,7 +132,7 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         pipe = store.client.pipeline(transaction=False)
         for job_id, _ in entries:
             pipe.hmget(store.keys.job(job_id), "status", "rows_total", "rows_done", "chunks_total", "chunks_done",
-                       "model_ref", "batch_size", "deadline", "chunk_started_at")
+                       "model_ref", "batch_size", "deadline", "chunk_started_at", "chunk_size")
         rows = pipe.execute() if entries else []
     drop_ended(store, [job_id for (job_id, _), row in zip(entries, rows, strict=True) if row[0] not in ACTIVE_STATUSES],
                fleet)
@@ -140,8 +140,8 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
     active: list[Work] = []
     running: list[Work] = []
     records: dict[str, dict[str, Any] | None] = {}
-    for (job_id, score), (status, total, done, chunks, chunks_done, model_ref, batch, deadline, chunk_started) in zip(
-            entries, rows, strict=True):
+    for (job_id, score), (status, total, done, chunks, chunks_done, model_ref, batch, deadline, chunk_started,
+                          chunk_size) in zip(entries, rows, strict=True):
         if status not in ACTIVE_STATUSES:
             continue
         if model_ref not in records:
@@ -151,11 +151,14 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
             continue
         speed = model_speed(record, int(batch or 1))
         remaining_chunks = max(1, int(chunks or 0) - int(chunks_done or 0))
-        seconds = work_seconds(int(total or 0) - int(done or 0), seconds_per_row=speed.seconds_per_row,
-                               chunks=remaining_chunks)
-        active.append(Work(job_id, float(score), seconds * factors.get(_version(model_ref), 1.0),
-                           float(deadline) if deadline else None, remaining_chunks, _version(model_ref),
-                           float(chunk_started) if chunk_started else None))
+        rows_left = int(total or 0) - int(done or 0)
+        factor = factors.get(_version(model_ref), 1.0)
+        seconds = work_seconds(rows_left, seconds_per_row=speed.seconds_per_row, chunks=remaining_chunks)
+        chunk_rows = min(int(chunk_size or 0), rows_left) if chunk_size else None
+        active.append(Work(job_id, float(score), seconds * factor, float(deadline) if deadline else None,
+                           remaining_chunks, _version(model_ref), float(chunk_started) if chunk_started else None,
+                           work_seconds(chunk_rows, seconds_per_row=speed.seconds_per_row, chunks=1) * factor
+                           if chunk_rows else None))
         if status == "running":
             running.append(active[-1])
     return Figures(active, running, fleet, factors, contention(factors))
@@ -280,13 +283,15 @@ class Prediction:
 
 def blocking(running: list[Work], score: float, slots: int, *, now: float) -> tuple[float, int]:
     """How long, and on how many slots, chunks of work behind `score` that are running may hold the slots:
-    a chunk runs to its end once started, so what is left of a chunk of the slowest of those jobs (its
-    remaining device time over its remaining chunks, less the time since its latest chunk began), on as
-    many slots as their chunks can fill.
+    a chunk runs to its end once started, so what is left of a whole chunk of the slowest of those jobs
+    (`Work.chunk_seconds`), less the time since its latest chunk began, on as many slots as their chunks
+    can fill.
 
-    Each running chunk of a job is taken to have begun with its latest (`Work.chunk_started_at`): its
-    other chunks began earlier and have less left. A job whose chunk start is not known holds a whole
-    chunk. The start is the worker's clock and `now` the caller's, so hosts must keep time alike (NTP).
+    Each running chunk of a job is taken to be a whole one begun with its latest (`Work.chunk_started_at`):
+    its other chunks began earlier. A job whose chunk start is not known holds a whole chunk. What the plan
+    cannot see is a chunk running slower than its calibration says (beside a heavy neighbour, or yielding
+    to online work): the margin covers that. The start is the worker's clock and `now` the caller's, so
+    hosts must keep time alike (NTP).
     """
     behind = [work for work in running if work.score > score]
     if not behind:
@@ -297,7 +302,7 @@ def blocking(running: list[Work], score: float, slots: int, *, now: float) -> tu
 
 def _chunk_left(work: Work, now: float) -> float:
     """Seconds left of a running job's chunk: a whole chunk less the time since its latest one began."""
-    chunk = work.seconds / max(1, work.chunks)
+    chunk = work.chunk_seconds if work.chunk_seconds is not None else work.seconds / max(1, work.chunks)
     if work.chunk_started_at is None:
         return chunk
     return min(chunk, max(0.0, chunk - (now - work.chunk_started_at)))

@@ -47,6 +47,8 @@ class Work:
     """Its model version, for the slow-down beside other models (`Fleet.contention`); '' for none."""
     chunk_started_at: float | None = None
     """When its latest chunk began to run (a running job's); None where not known."""
+    chunk_seconds: float | None = None
+    """Slot seconds of one whole chunk of it (its last may be shorter); None: `seconds` over `chunks`."""
 
 
 @dataclass(frozen=True)

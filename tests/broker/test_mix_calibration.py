@@ -10,7 +10,7 @@ import json
 import pytest
 from broker_helpers import NOW, job_spec
 
-from broker import admission, job_fills, job_progress, queues, registry
+from broker import admission, job_fills, job_progress, queues, registry, workers
 from broker.config import Settings
 from broker.finish_prediction import CHUNK_OVERHEAD_SECONDS, Work
 from broker.store import Store
@@ -122,16 +122,23 @@ def test_a_run_whose_lease_was_lost_counts_no_slot_time_and_its_job_calibrates_n
 
 def test_a_running_job_s_latest_chunk_start_reaches_admission_which_blocks_only_for_what_is_left(
         store: Store) -> None:
-    """A job of two 0.5 s chunks, its first chunk begun at NOW: a newcomer ahead of it waits for what is
-    left of that chunk, 0.2 s at NOW + 0.3, not a whole chunk."""
+    """A job of 120 rows in chunks of 50 (0.5 s each, its last of 20 rows shorter), its first chunk begun at
+    NOW, on a worker of one slot: a newcomer that goes ahead of it waits for what is left of a whole chunk,
+    0.2 s at NOW + 0.3, then runs its own 0.1 s, and ends `JOB_LATENCY_SECONDS` after."""
     registry.save_model_version(store, RECORD)
-    job_fills.create_job(store, job_spec("jrun", rows_total=100, chunk_size=50), now=NOW)
+    workers.record_heartbeat(store, "w1", {"streams": 1, "device": "cpu"}, now=NOW)
+    job_fills.create_job(store, job_spec("jrun", rows_total=120, chunk_size=50), now=NOW)
     job_progress.start_item(store, "jrun", now=NOW, chunk=True)
+    now = NOW + 0.3
 
-    figures = admission.read_figures(Settings(), store, now=NOW + 0.3)
+    figures = admission.read_figures(Settings(), store, now=now)
 
     [running] = figures.running
-    assert running.chunk_started_at == NOW
     chunk = 50 / ROWS_PER_SECOND + CHUNK_OVERHEAD_SECONDS
-    left, slots = admission.blocking(figures.running, running.score - 1, 2, now=NOW + 0.3)
-    assert (left, slots) == (pytest.approx(chunk - 0.3), 2)
+    assert (running.chunk_started_at, running.chunk_seconds) == (NOW, pytest.approx(chunk))
+    assert admission.blocking(figures.running, running.score - 1, 1, now=now) == (pytest.approx(chunk - 0.3), 1)
+    prediction = admission.predict(Settings(), figures, job_id="jnew", record=RECORD, rows=10, chunks=1,
+                                   batch_size=2, deadline_at=now + 60, score_for=lambda _: running.score - 1, now=now)
+    own = 10 / ROWS_PER_SECOND + CHUNK_OVERHEAD_SECONDS
+    assert prediction.verdict.predicted_finish == pytest.approx(
+        now + (chunk - 0.3) + own + admission.JOB_LATENCY_SECONDS)

@@ -206,7 +206,7 @@ class QueueMachine(RuleBasedStateMachine):
                                        batch_size=1, worker="w1")
             return
         job_id = item.payload["job"]
-        status = job_progress.start_item(self.store, job_id, now=self.now)
+        status = job_progress.start_item(self.store, job_id, now=self.now, chunk=item.payload["kind"] == "chunk")
         if status != "running":
             queues.finish_item(self.store, item, job_id, now=self.now)
         elif item.payload["kind"] == "finalize":

@@ -361,6 +361,8 @@ def test_a_chunk_s_start_is_stamped_on_its_running_job_and_other_items_leave_it(
     assert float(job_field(store, spec.job_id, "chunk_started_at")) == NOW + 1
     assert job_progress.start_item(store, spec.job_id, now=NOW + 3, chunk=True) == "running"
     assert float(job_field(store, spec.job_id, "chunk_started_at")) == NOW + 3
+    assert job_progress.start_item(store, spec.job_id, now=NOW + 2.5, chunk=True) == "running"  # a slot's late call
+    assert float(job_field(store, spec.job_id, "chunk_started_at")) == NOW + 3
     job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 4)
     assert job_progress.start_item(store, spec.job_id, now=NOW + 5, chunk=True) == "cancelled"
     assert float(job_field(store, spec.job_id, "chunk_started_at")) == NOW + 3
