@@ -153,12 +153,12 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         remaining_chunks = max(1, int(chunks or 0) - int(chunks_done or 0))
         rows_left = int(total or 0) - int(done or 0)
         factor = factors.get(_version(model_ref), 1.0)
-        seconds = work_seconds(rows_left, seconds_per_row=speed.seconds_per_row, chunks=remaining_chunks)
-        chunk_rows = min(int(chunk_size or 0), rows_left) if chunk_size else None
-        active.append(Work(job_id, float(score), seconds * factor, float(deadline) if deadline else None,
-                           remaining_chunks, _version(model_ref), float(chunk_started) if chunk_started else None,
-                           work_seconds(chunk_rows, seconds_per_row=speed.seconds_per_row, chunks=1) * factor
-                           if chunk_rows else None))
+        seconds = work_seconds(rows_left, seconds_per_row=speed.seconds_per_row, chunks=remaining_chunks) * factor
+        chunk_rows = min(int(chunk_size or 0), rows_left)
+        chunk_seconds = work_seconds(chunk_rows, seconds_per_row=speed.seconds_per_row, chunks=1) * factor
+        active.append(Work(job_id, float(score), seconds, float(deadline) if deadline else None, remaining_chunks,
+                           _version(model_ref), chunk_started_at=float(chunk_started) if chunk_started else None,
+                           chunk_seconds=chunk_seconds if chunk_rows > 0 else None))
         if status == "running":
             running.append(active[-1])
     return Figures(active, running, fleet, factors, contention(factors))
@@ -301,7 +301,8 @@ def blocking(running: list[Work], score: float, slots: int, *, now: float) -> tu
 
 
 def _chunk_left(work: Work, now: float) -> float:
-    """Seconds left of a running job's chunk: a whole chunk less the time since its latest one began."""
+    """Seconds left of a running job's chunk: a whole chunk less the time since its latest one began (never
+    more than a whole chunk, should the worker's clock run ahead of the caller's)."""
     chunk = work.chunk_seconds if work.chunk_seconds is not None else work.seconds / max(1, work.chunks)
     if work.chunk_started_at is None:
         return chunk
