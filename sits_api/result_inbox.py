@@ -2,10 +2,10 @@
 
 A request that waits for its answer names this process's inbox (`keys.inbox`) as its `reply_to`;
 the worker that completes it pushes the finished request's fields there (`complete_requests.lua`).
-One thread blocks on the inbox, takes whatever has arrived in one more call, and hands each result
-to the request thread that waits for it. Per waiting request that is a fraction of one Redis round
-trip instead of a blocking call of its own, and Redis holds one blocked client per API process
-instead of one per waiting request.
+One thread blocks on the inbox, hands the result it popped to the request thread that waits for it,
+then takes whatever else has arrived in one more call and hands those over. Per waiting request that
+is a fraction of one Redis round trip instead of a blocking call of its own, and Redis holds one
+blocked client per API process instead of one per waiting request.
 
 Nothing lives only here: the result is stored in the request's hash before it is pushed, so a
 result that comes after its waiter gave up (or after this process died) is still there for
@@ -125,30 +125,37 @@ class ResultInbox:
         return self._key
 
     def _deliver_while_waited_for(self, key: str) -> None:
-        """The waiter thread: block on the inbox, drain what came with it, hand each result over; stop
-        once a pop brought nothing and no request waits."""
+        """The waiter thread: block on the inbox, hand over what the pop brought, then drain and hand over
+        what came with it; stop once a pop brought nothing and no request waits."""
         while True:
             try:
-                texts = self._take(key)
+                first = self._pop(key)
+                if first is not None:
+                    self._deliver(first)  # (before the drain: a lone result waits for no second round trip)
+                    for text in self._drain(key):
+                        self._deliver(text)
             except SitsError as err:  # Redis unreachable: waiters time out meanwhile, as they would anyway
                 log.warning("result inbox %s: %s", key, err.message)
-                texts = []
+                first = None
                 time.sleep(RETRY_SECONDS)
-            for text in texts:
-                self._deliver(text)
             with self._lock:
-                if not texts and not self._waiting:
+                if first is None and not self._waiting:
                     self._delivering = False
                     return
 
-    def _take(self, key: str) -> list[str]:
+    def _pop(self, key: str) -> str | None:
+        """The next result in the inbox, waiting up to the block time for one (None: none came)."""
         client = self._store.client
         with translate_redis_errors():
             popped = send_held(client, [("BLPOP", key, self._block_seconds)],
                                lambda: [client.blpop([key], timeout=self._block_seconds)])[0]
-            if not popped:
-                return []
-            texts = [popped[1]]
+        return popped[1] if popped else None
+
+    def _drain(self, key: str) -> list[str]:
+        """What else the inbox holds now, `DRAIN_COUNT` a call."""
+        client = self._store.client
+        texts: list[str] = []
+        with translate_redis_errors():
             while len(more := send_held(client, [("LPOP", key, DRAIN_COUNT)],
                                         lambda: [client.lpop(key, DRAIN_COUNT)])[0] or []) > 0:
                 texts += more

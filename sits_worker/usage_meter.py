@@ -5,7 +5,9 @@ queue time): `WorkerContext.run` adds every run's measured seconds to the scope 
 the scope's end splits them over its tenants by rows (`broker.tenant_shares.attribute`, exact: the
 parts sum to the seconds measured). Parts wait in memory and go to Redis in one call
 (`broker.tenant_usage.note_usage`) at most every `fair_share.usage_refresh`, so a run costs no extra
-round trip; the drain loop's fair-share order and the heartbeat flush what waits.
+round trip. A scope that finds a flush due wakes this meter's flusher thread to write it, so no
+request waits for a bill before its result is stored; the drain loop's fair-share order and the
+heartbeat flush what waits too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 4096
 """Entries kept while Redis is away; past it the oldest are dropped (and logged)."""
+
+FLUSHER_IDLE_SECONDS = 5.0
+"""The flusher thread ends after this long without a flush due; the next due flush starts it again."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class UsageMeter:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str, str], BillEntry] = {}
         self._flushed_at = float("-inf")
+        self._flush_due = threading.Event()
+        self._flusher: threading.Thread | None = None
 
     @contextlib.contextmanager
     def billing(self, model_ref: str, work: Sequence[Work]) -> Iterator[None]:
@@ -118,7 +125,25 @@ class UsageMeter:
                                       part.queue_seconds))
             due = self._clock() - self._flushed_at >= self._flush_every
         if due:
-            self.flush()
+            self._wake_flusher()
+
+    def _wake_flusher(self) -> None:
+        with self._lock:  # (held until it is started: it ends under this lock, so no wake-up is lost)
+            self._flush_due.set()
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_when_due, name="sits-usage-flusher", daemon=True)
+                self._flusher.start()
+
+    def _flush_when_due(self) -> None:
+        """The flusher thread: a flush each time it is woken; it ends after `FLUSHER_IDLE_SECONDS` without."""
+        while True:
+            self._flush_due.wait(timeout=FLUSHER_IDLE_SECONDS)
+            with self._lock:
+                if not self._flush_due.is_set():
+                    self._flusher = None
+                    return
+                self._flush_due.clear()
+            self.flush()  # (logs and keeps the entries when Redis is away; never raises)
 
     def _merge(self, entry: BillEntry) -> None:
         """Add `entry` to what waits (under the lock)."""

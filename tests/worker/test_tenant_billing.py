@@ -18,6 +18,7 @@ from broker.requests import RequestSpec
 from broker.store import Store
 from broker.tenant_usage import BillEntry
 from sits_worker.request_runs import run_requests
+from sits_worker.usage_meter import UsageMeter, Work
 
 
 def submit(store: Store, request_id: str, tenant: str, rows: int, seed: int) -> np.ndarray:
@@ -142,4 +143,24 @@ def test_a_due_usage_read_happens_beside_the_order_not_inside_it(store: Store, z
     deadline = time.monotonic() + 3
     while ctx.fair_share.lease_option()["order"] != ["s2", "s1"]:
         assert time.monotonic() < deadline, "the refresher never read the new usage"
+        time.sleep(0.01)
+
+
+def test_a_due_flush_is_written_by_the_flusher_thread_while_the_run_goes_on(store: Store) -> None:
+    """A billing scope that finds a flush due does not wait for Redis: while Redis holds every write
+    (a real `CLIENT PAUSE`), the scope ends at once, and the bill lands once Redis takes writes again."""
+    meter = UsageMeter(store, device_kind="cpu", half_life=10.0, flush_every=0.0)
+    other = store.pooled_client.client()  # (a connection of its own: the pause must not hold the one pausing)
+    other.execute_command("CLIENT", "PAUSE", 400, "WRITE")
+    try:
+        started = time.monotonic()
+        with meter.billing("mlp@v1", [Work("s1", "k1", rows=4)]):
+            meter.add_run(0.25)
+        assert time.monotonic() - started < 0.2  # (a flush inside the scope would wait out the 400 ms pause)
+        assert bills(store) == {}
+    finally:
+        other.execute_command("CLIENT", "UNPAUSE")
+    deadline = time.monotonic() + 5
+    while bills(store) != {"s1": pytest.approx(0.25)}:
+        assert time.monotonic() < deadline, f"the flusher never wrote the bill: {bills(store)}"
         time.sleep(0.01)
