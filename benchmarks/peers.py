@@ -33,7 +33,7 @@ What is held equal, to run each peer fairly:
   `logits` [N, 10], built by `sits_worker.model.zoo.build_zoo` into a temporary folder;
 - ONNX Runtime: every peer, the bare loops and the reference answers build their sessions with SITS's
   own `sits_worker.runtime.session_options(2)` (graph optimisation ORT_ENABLE_ALL, 2 intra-op threads,
-  intra-op spin 1 ms; `peer_servers/_common.py` imports it), CPU provider; SITS gets
+  intra-op spin 100 us; `peer_servers/_common.py` imports it), CPU provider; SITS gets
   `resources.intra_op_threads: 2` (its default, 0, lets ONNX Runtime choose);
 - a batch of requests is one `session.run` over their rows, concatenated, on every system;
 - the load: one closed-loop generator for all (`benchmarks/online_serving.py`'s `closed_loop`), one row
@@ -924,7 +924,7 @@ def main() -> None:
     rows = summarize(points)
     print(f"\nConfiguration: {os.cpu_count()} CPUs, onnxruntime {ort.__version__}; every system: one replica per"
           f" model, ONNX Runtime with SITS's session options ({ORT_THREADS} intra-op threads, ORT_ENABLE_ALL,"
-          f" 1 ms spin); dynamic batching {BATCH} rows / {WAIT_SECONDS * 1000:g} ms but plain `sits` (its"
+          f" 100 us spin); dynamic batching {BATCH} rows / {WAIT_SECONDS * 1000:g} ms but plain `sits` (its"
           f" defaults); {args.seconds:g} s per point after {args.warm:g} s warm-up, {args.rounds} round(s);"
           " clients on the same cores.")
     for lines in notes.values():

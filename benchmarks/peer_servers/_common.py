@@ -1,7 +1,7 @@
 """What every peer server shares: the ONNX Runtime session SITS would build, and the wire formats.
 
 The session options are SITS's own (`sits_worker.runtime.session_options`): full graph optimisation,
-2 intra-op threads, a 1 ms intra-op spin. Importing them (rather than copying them) keeps every peer
+2 intra-op threads, a 100 us intra-op spin. Importing them (rather than copying them) keeps every peer
 on exactly the worker's settings. Bodies: JSON `{"inputs": [[...]]}` answered by `{"outputs": [[...]]}`,
 or raw little-endian float32 rows (`application/octet-stream`) answered by the raw float32 outputs.
 """
