@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from broker.registry import split_model_ref
 from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
 
@@ -148,6 +150,18 @@ LEASED_FIELDS = 4
 """Reply fields of each leased item (`lib.lua`'s `append_leased`): id, payload, lease count, inputs."""
 
 
+def decode_payload(payload: str | bytes | None) -> dict[str, Any]:
+    """An item's payload JSON as a dict ({} for none). orjson first, as a lease decodes one per item; the
+    standard library's for a payload orjson refuses (NaN or Infinity, which `json.dumps` writes)."""
+    if not payload:
+        return {}
+    try:
+        decoded: dict[str, Any] = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        decoded = json.loads(payload)
+    return decoded
+
+
 def _leased(reply: list[Any], model_ref: str, ticket: str) -> list[LeasedItem]:
     """The items of a lease script's reply ({-1}: the ticket was replaced)."""
     count = int(reply[0])
@@ -156,7 +170,7 @@ def _leased(reply: list[Any], model_ref: str, ticket: str) -> list[LeasedItem]:
     items = []
     for i in range(count):
         item_id, payload, attempts, inputs = reply[1 + LEASED_FIELDS * i : 1 + LEASED_FIELDS * (i + 1)]
-        items.append(LeasedItem(item_id, model_ref, json.loads(payload) if payload else {}, int(attempts),
+        items.append(LeasedItem(item_id, model_ref, decode_payload(payload), int(attempts),
                                 inputs=inputs))
     return items
 
@@ -342,13 +356,13 @@ def reap_expired_leases(store: Store, *, now: float, max_attempts: int, limit: i
             returned += int(back)
             if lost_pairs:
                 payloads = store.client.hmget(keys.items, lost_pairs[0::2])
-                lost += [(ref, item_id, json.loads(payload) if payload else {}, float(at) if at else None)
+                lost += [(ref, item_id, decode_payload(payload), float(at) if at else None)
                          for item_id, at, payload in zip(lost_pairs[0::2], lost_pairs[1::2], payloads, strict=True)]
         dead_ids = store.client.zrange(keys.dead, 0, limit - 1)
         dead_items = []
         for item_id in dead_ids:
             payload = store.client.hget(keys.items, item_id)
-            decoded = json.loads(payload) if payload else {}
+            decoded = decode_payload(payload)
             dead_items.append((decoded.get("model_ref", ""), item_id, decoded))
     return ReapResult(returned=returned, dead_items=dead_items, lost=lost)
 

@@ -468,3 +468,11 @@ def test_wake_workers_keeps_one_ticket_when_no_worker_is_alive(store: Store) -> 
 
     assert wake_workers(store, sent.append, now=NOW, heartbeat_timeout=15) == 1
     assert len(sent) == 1
+
+
+def test_a_payload_is_decoded_whether_orjson_takes_it_or_not() -> None:
+    """Leases decode payloads with orjson; one it refuses (an infinity `json.dumps` wrote) still decodes."""
+    assert queues.decode_payload('{"kind": "request", "rows": 2, "factors": {"level": 1}}') == {
+        "kind": "request", "rows": 2, "factors": {"level": 1}}
+    assert queues.decode_payload(json.dumps({"score": float("inf")})) == {"score": float("inf")}
+    assert queues.decode_payload("") == {} and queues.decode_payload(None) == {}
