@@ -22,8 +22,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import orjson
@@ -45,24 +43,47 @@ RETRY_SECONDS = 0.5
 """How long the waiter pauses after Redis failed it, before it tries again (waiters time out as usual)."""
 
 
+class Delivery:
+    """One waiting request's result, as the waiter thread hands it over: a bare lock, held until the
+    result is in. (A `Future` did the same with a condition variable, whose notify cost the waiter
+    thread about a twentieth of an API process's Python time under load.)"""
+
+    __slots__ = ("_ready", "fields")
+
+    def __init__(self) -> None:
+        self._ready = threading.Lock()
+        self._ready.acquire()
+        self.fields: dict[str, Any] | None = None
+
+    def put(self, fields: dict[str, Any]) -> None:
+        """Hand the result over (the first one only; called by the waiter thread alone)."""
+        if self.fields is None:
+            self.fields = fields
+            self._ready.release()
+
+    def take(self, timeout: float) -> dict[str, Any] | None:
+        """The result once it is in, waiting up to `timeout` seconds for it; None if it did not come."""
+        if not self._ready.acquire(timeout=max(timeout, 0.0)):
+            return None
+        self._ready.release()  # (a later take returns at once)
+        return self.fields
+
+
 class Answer:
     """What one request holds while it waits: where its result goes, and the result once it is there."""
 
-    def __init__(self, future: Future[dict[str, Any]] | None, reply_to: str) -> None:
-        self._future = future
+    def __init__(self, delivery: Delivery | None, reply_to: str) -> None:
+        self._delivery = delivery
         self.reply_to = reply_to
         """The request's `reply_to`: this process's inbox, or '' for a request nobody waits for here."""
 
     def wait(self, timeout: float) -> dict[str, Any] | None:
         """The finished request as `requests.get_request` reports it, or None if it is not done in
         `timeout` (at once for a request nobody waits for)."""
-        if self._future is None:
+        if self._delivery is None:
             return None
-        try:
-            fields = self._future.result(timeout=max(timeout, 0.0))
-        except FutureTimeout:
-            return None
-        return requests.record_from_fields(fields)
+        fields = self._delivery.take(timeout)
+        return None if fields is None else requests.record_from_fields(fields)
 
 
 class ResultInbox:
@@ -80,7 +101,7 @@ class ResultInbox:
         self._lock = threading.Lock()
         self._pid = -1
         self._key = ""
-        self._waiting: dict[str, Future[dict[str, Any]]] = {}
+        self._waiting: dict[str, Delivery] = {}
         self._delivering = False
 
     @property
@@ -97,16 +118,16 @@ class ResultInbox:
         if not wait:
             yield Answer(None, "")
             return
-        future: Future[dict[str, Any]] = Future()
+        delivery = Delivery()
         with self._lock:
             key = self._own_key()
-            self._waiting[request_id] = future
+            self._waiting[request_id] = delivery
             if not self._delivering:
                 self._delivering = True
                 threading.Thread(target=self._deliver_while_waited_for, args=(key,), name="sits-result-inbox",
                                  daemon=True).start()
         try:
-            yield Answer(future, key)
+            yield Answer(delivery, key)
         finally:
             with self._lock:
                 self._waiting.pop(request_id, None)
@@ -166,6 +187,6 @@ class ResultInbox:
     def _deliver(self, text: str) -> None:
         fields = orjson.loads(text)
         with self._lock:
-            future = self._waiting.get(fields.get("id", ""))
-        if future is not None and not future.done():  # (none: its waiter gave up; the hash has the result)
-            future.set_result(fields)
+            delivery = self._waiting.get(fields.get("id", ""))
+        if delivery is not None:  # (none: its waiter gave up; the hash has the result)
+            delivery.put(fields)

@@ -12,7 +12,7 @@ from broker import queues, requests
 from broker.embedded import EmbeddedRedis
 from broker.requests import RequestResult, RequestSpec
 from broker.store import Store
-from sits_api.result_inbox import ResultInbox
+from sits_api.result_inbox import Delivery, ResultInbox
 
 MODEL = "mlp@v1"
 
@@ -124,3 +124,12 @@ def test_the_waiter_carries_on_after_redis_went_away(tmp_path) -> None:
         assert result is not None and float(result["outputs"]["y"][0, 0]) == 2.0
     finally:
         server.stop()
+
+
+def test_a_delivery_hands_over_the_first_result_once_it_is_in() -> None:
+    delivery = Delivery()
+    assert delivery.take(0.01) is None  # (nothing yet: the wait times out)
+    threading.Timer(0.05, delivery.put, args=({"id": "r1", "status": "succeeded"},)).start()
+    assert delivery.take(5.0) == {"id": "r1", "status": "succeeded"}
+    delivery.put({"id": "r1", "status": "failed"})  # (a second result changes nothing)
+    assert delivery.take(0.0) == {"id": "r1", "status": "succeeded"}
