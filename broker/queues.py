@@ -152,7 +152,8 @@ LEASED_FIELDS = 4
 
 def decode_payload(payload: str | bytes | None) -> dict[str, Any]:
     """An item's payload JSON as a dict ({} for none). orjson first, as a lease decodes one per item; the
-    standard library's for a payload orjson refuses (NaN or Infinity, which `json.dumps` writes)."""
+    standard library's for a payload orjson refuses (NaN or Infinity, which `json.dumps` writes). orjson
+    reads an integer past 64 bits as a float: payloads hold none."""
     if not payload:
         return {}
     try:

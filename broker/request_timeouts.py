@@ -15,13 +15,12 @@ either (`sits_worker.request_runs`). Offline job chunks have no timeout.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from broker import policy, requests
 from broker.errors import InferenceTimeout
-from broker.queues import LeasedItem
+from broker.queues import LeasedItem, decode_payload
 from broker.requests import RequestResult
 from broker.scoring import Ordering, Weights
 from broker.store import Store, translate_redis_errors
@@ -55,7 +54,7 @@ def expire_timed_out(store: Store, model_ref: str, *, now: float, weights: Weigh
                   keys.waiting_requests(model_ref), keys.deadlines(model_ref)],
             args=[now, now + REJECT_LEASE_SECONDS, PASS_LIMIT])
     count = int(reply[0])
-    items = [LeasedItem(str(reply[1 + 2 * i]), model_ref, json.loads(reply[2 + 2 * i]), 1) for i in range(count)]
+    items = [LeasedItem(str(reply[1 + 2 * i]), model_ref, decode_payload(reply[2 + 2 * i]), 1) for i in range(count)]
     delayed = [str(item_id) for item_id in reply[1 + 2 * count:]]
     if items:
         failed = [RequestResult(item, error=timed_out_message(item.payload), code=InferenceTimeout.code, ran=False)

@@ -45,8 +45,8 @@ RETRY_SECONDS = 0.5
 
 class Delivery:
     """One waiting request's result, as the waiter thread hands it over: a bare lock, held until the
-    result is in. (A `Future` did the same with a condition variable, whose notify cost the waiter
-    thread about a twentieth of an API process's Python time under load.)"""
+    result is in (the cheapest wake-up between two Python threads). Only the process's one waiter
+    thread puts; any number of takes may read."""
 
     __slots__ = ("_ready", "fields")
 
@@ -153,8 +153,7 @@ class ResultInbox:
                 first = self._pop(key)
                 if first is not None:
                     self._deliver(first)  # (before the drain: a lone result waits for no second round trip)
-                    for text in self._drain(key):
-                        self._deliver(text)
+                    self._drain(key)
             except SitsError as err:  # Redis unreachable: waiters time out meanwhile, as they would anyway
                 log.warning("result inbox %s: %s", key, err.message)
                 first = None
@@ -172,17 +171,16 @@ class ResultInbox:
                                lambda: [client.blpop([key], timeout=self._block_seconds)])[0]
         return popped[1] if popped else None
 
-    def _drain(self, key: str) -> list[str]:
-        """What else the inbox holds now, `DRAIN_COUNT` a call."""
+    def _drain(self, key: str) -> None:
+        """Hand over what else the inbox holds now, `DRAIN_COUNT` a call, each call's results before the next
+        (a call that fails leaves no result it took undelivered)."""
         client = self._store.client
-        texts: list[str] = []
         with translate_redis_errors():
-            while len(more := send_held(client, [("LPOP", key, DRAIN_COUNT)],
-                                        lambda: [client.lpop(key, DRAIN_COUNT)])[0] or []) > 0:
-                texts += more
+            while more := send_held(client, [("LPOP", key, DRAIN_COUNT)], lambda: [client.lpop(key, DRAIN_COUNT)])[0]:
+                for text in more:
+                    self._deliver(text)
                 if len(more) < DRAIN_COUNT:
-                    break
-        return texts
+                    return
 
     def _deliver(self, text: str) -> None:
         fields = orjson.loads(text)

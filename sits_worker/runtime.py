@@ -21,16 +21,10 @@ from sits_worker.devices import Device
 from sits_worker.run_limits import RunLimits, RunWatch
 
 INTRA_OP_SPIN_MICROSECONDS = 100
-"""How long an idle intra-op thread spins for more work before it sleeps.
-
-ONNX Runtime's default keeps it spinning for about 40 ms after a run (measured: 40 ms of CPU in the
-100 ms after the last run), so on a CPU worker it takes a core from everything the worker does
-between runs of inference: a chunk's part write and ack, the next lease, the final merge (whose
-hash thread ran at half speed, 22 -> 44 ms for 40 MB). 100 us still spans the gap between two of a
-job's mini-batches (about 30 us on a 2-core host), so back-to-back runs are as fast as with a longer
-spin. Online batches come milliseconds apart: a 1 ms spin after each cost the second thread about
-130 us of CPU per MLP request at 32 clients, 100 us about 30 (docs/benchmarks.md).
-"""
+"""How long an idle intra-op thread spins for more work before it sleeps: long enough to span the gap
+between a job's mini-batches (about 30 us), short against the milliseconds between online batches.
+ONNX Runtime's default (about 40 ms) and 1 ms both took CPU from the rest of the worker between runs
+(docs/benchmarks.md, "Where an online request's CPU goes")."""
 
 
 def session_options(intra_op_threads: int, *, optimized_model_path: Path | None = None) -> ort.SessionOptions:

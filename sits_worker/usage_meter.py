@@ -66,6 +66,9 @@ class UsageMeter:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str, str], BillEntry] = {}
         self._flushed_at = float("-inf")
+        self._flush_lock = threading.Lock()
+        """Held by a flush from taking the entries to writing them: a flush called meanwhile waits for that
+        write, so what was billed before it is in Redis when it returns (fair share reads usage after one)."""
         self._flush_due = threading.Event()
         self._flusher: threading.Thread | None = None
 
@@ -89,20 +92,22 @@ class UsageMeter:
             scopes[-1].seconds += seconds
 
     def flush(self) -> None:
-        """Write what waits, in one call; kept for the next flush when Redis is away."""
-        with self._lock:
-            entries, self._pending = list(self._pending.values()), {}
-            self._flushed_at = self._clock()
-        if not entries:
-            return
-        try:
-            tenant_usage.note_usage(self._store, entries, now=self._clock(), half_life=self._half_life)
-        except Exception as err:
-            log.warning("could not bill %d runs' device time to their tenants (kept for the next try): %s",
-                        len(entries), err)
+        """Write what waits, in one call; kept for the next flush when Redis is away. Returns once what was
+        billed before the call is written (or kept), a write another thread had begun included."""
+        with self._flush_lock:
             with self._lock:
-                for entry in entries:
-                    self._merge(entry)
+                entries, self._pending = list(self._pending.values()), {}
+                self._flushed_at = self._clock()
+            if not entries:
+                return
+            try:
+                tenant_usage.note_usage(self._store, entries, now=self._clock(), half_life=self._half_life)
+            except Exception as err:
+                log.warning("could not bill %d runs' device time to their tenants (kept for the next try): %s",
+                            len(entries), err)
+                with self._lock:
+                    for entry in entries:
+                        self._merge(entry)
 
     def _scopes(self) -> list[_Scope]:
         scopes = getattr(self._local, "scopes", None)
@@ -135,15 +140,19 @@ class UsageMeter:
                 self._flusher.start()
 
     def _flush_when_due(self) -> None:
-        """The flusher thread: a flush each time it is woken; it ends after `FLUSHER_IDLE_SECONDS` without."""
-        while True:
-            self._flush_due.wait(timeout=FLUSHER_IDLE_SECONDS)
+        """The flusher thread: a flush each time it is woken; it ends after `FLUSHER_IDLE_SECONDS` without
+        (or on an error no flush expects: the next due flush starts a new one)."""
+        try:
+            while True:
+                self._flush_due.wait(timeout=FLUSHER_IDLE_SECONDS)
+                with self._lock:
+                    if not self._flush_due.is_set():
+                        return
+                    self._flush_due.clear()
+                self.flush()  # (logs and keeps the entries when Redis is away)
+        finally:
             with self._lock:
-                if not self._flush_due.is_set():
-                    self._flusher = None
-                    return
-                self._flush_due.clear()
-            self.flush()  # (logs and keeps the entries when Redis is away; never raises)
+                self._flusher = None
 
     def _merge(self, entry: BillEntry) -> None:
         """Add `entry` to what waits (under the lock)."""

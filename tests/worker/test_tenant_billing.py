@@ -151,16 +151,33 @@ def test_a_due_flush_is_written_by_the_flusher_thread_while_the_run_goes_on(stor
     (a real `CLIENT PAUSE`), the scope ends at once, and the bill lands once Redis takes writes again."""
     meter = UsageMeter(store, device_kind="cpu", half_life=10.0, flush_every=0.0)
     other = store.pooled_client.client()  # (a connection of its own: the pause must not hold the one pausing)
-    other.execute_command("CLIENT", "PAUSE", 400, "WRITE")
+    other.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
     try:
         started = time.monotonic()
         with meter.billing("mlp@v1", [Work("s1", "k1", rows=4)]):
             meter.add_run(0.25)
-        assert time.monotonic() - started < 0.2  # (a flush inside the scope would wait out the 400 ms pause)
-        assert bills(store) == {}
+        took = time.monotonic() - started
+        assert bills(store) == {}  # (the write waits for the pause)
+        assert took < 0.5  # (a flush inside the scope would wait out the 1 s pause)
     finally:
         other.execute_command("CLIENT", "UNPAUSE")
     deadline = time.monotonic() + 5
     while bills(store) != {"s1": pytest.approx(0.25)}:
         assert time.monotonic() < deadline, f"the flusher never wrote the bill: {bills(store)}"
         time.sleep(0.01)
+
+
+def test_a_flush_returns_once_the_flushers_write_under_way_is_done(store: Store) -> None:
+    """`flush` waits for a write the flusher thread has begun: fair share reads the usage after one, and
+    must see this worker's bills in it."""
+    meter = UsageMeter(store, device_kind="cpu", half_life=10.0, flush_every=0.0)
+    other = store.pooled_client.client()
+    other.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    try:
+        with meter.billing("mlp@v1", [Work("s1", "k1", rows=4)]):
+            meter.add_run(0.25)
+        time.sleep(0.05)  # (the flusher has taken the bill and waits on the paused write)
+        meter.flush()
+        assert bills(store) == {"s1": pytest.approx(0.25)}
+    finally:
+        other.execute_command("CLIENT", "UNPAUSE")
