@@ -14,6 +14,11 @@ this machine can be read beside the cost of the work.
 
     python benchmarks/rest_floor.py                       # granian and gunicorn, 32 clients, 5 s a step
     python benchmarks/rest_floor.py --servers granian --seconds 10
+    python benchmarks/rest_floor.py --servers granian,granian-rsgi   # and an async handler (RSGI) instead
+
+`granian-rsgi` serves the same answer from an async handler under granian's RSGI interface, no Flask
+and no request threads, its Redis round trip through `redis.asyncio`: what an async front would save
+at the floor. It has no thread hand-off step (its waiter would be a task of the same event loop).
     python -m gunicorn benchmarks.rest_floor:app --workers 2 --threads 16 --keep-alive 30 \
         --worker-class sits_api.gunicorn_worker.JsonErrorThreadWorker
 """
@@ -30,12 +35,16 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import orjson
 from flask import Flask, jsonify, request
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sits_api.jsonio import OrjsonProvider
+
+RSGI_STEPS = ("plain", "redis")
+"""The steps of `granian-rsgi`: an async handler hands nothing over between threads."""
 
 STEPS = ("plain", "redis", "handoff", "redis+handoff")
 """What each request does besides parsing and answering: nothing, one Redis round trip, one result
@@ -82,6 +91,32 @@ def _set_each() -> None:
         _handed.get().set_result(1)
 
 
+_ANSWER_BYTES = orjson.dumps(_ANSWER)
+_async_redis: list[Any] = []
+
+
+async def rsgi_app(scope: Any, protocol: Any) -> None:
+    """The floor as an async RSGI handler (`granian --interface rsgi`): parse, this step's Redis round
+    trip, answer."""
+    if scope.proto != "http":
+        return
+    try:
+        body = orjson.loads(await protocol())
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        protocol.response_bytes(400, [("content-type", "application/json")],
+                                b'{"error": "the request body must be a JSON object"}')
+        return
+    if "redis" in _STEP:
+        if not _async_redis:
+            import redis.asyncio
+
+            _async_redis.append(redis.asyncio.Redis.from_url(_REDIS_URL, max_connections=64))
+        await _async_redis[0].ping()
+    protocol.response_bytes(200, [("content-type", "application/json")], _ANSWER_BYTES)
+
+
 @app.post("/v1/requests")
 def answer() -> Any:
     """Parse the body as SITS does (JSON object), make this step's hand-offs, answer a result of the MLP's size."""
@@ -102,8 +137,11 @@ def run_step(server_name: str, step: str, redis_url: str, clients: int, seconds:
     """One step of the ladder under one server: its req/s, CPU per request and context switches per request."""
     from benchmarks.online_serving import CpuMeter, context_switches, payloads, rest_load, serve_app, stop_process
 
-    server, url = serve_app("benchmarks.rest_floor:app", env={"SITS_FLOOR_STEP": step, "SITS_FLOOR_REDIS": redis_url},
-                            server_name=server_name)
+    env = {"SITS_FLOOR_STEP": step, "SITS_FLOOR_REDIS": redis_url}
+    if server_name == "granian-rsgi":
+        server, url = serve_rsgi(env)
+    else:
+        server, url = serve_app("benchmarks.rest_floor:app", env=env, server_name=server_name)
     try:
         requests = payloads("mlp", 256, seed=1)
         rest_load(url, "mlp", requests, clients, 1.0, CpuMeter({}))  # warm-up: threads and connections made
@@ -117,9 +155,40 @@ def run_step(server_name: str, step: str, redis_url: str, clients: int, seconds:
         stop_process(server)
 
 
+def serve_rsgi(env: dict[str, str]) -> tuple[Any, str]:
+    """`rsgi_app` under granian with the API's process count, on a free loopback port, once it accepts
+    connections."""
+    import socket
+    import subprocess
+    import time
+
+    from benchmarks.online_serving import ROOT, stop_process
+    from broker.config import Settings
+    from broker.embedded import free_port
+
+    port, workers = free_port(), Settings().api.workers
+    server = subprocess.Popen(
+        [sys.executable, "-m", "granian", "--interface", "rsgi", "benchmarks.rest_floor:rsgi_app", "--host",
+         "127.0.0.1", "--port", str(port), "--workers", str(workers), "--runtime-mode", "st", "--no-ws",
+         "--log-level", "warning"],
+        cwd=ROOT, env=dict(os.environ, **env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                stop_process(server)
+                raise RuntimeError("the RSGI floor did not start under granian") from None
+            time.sleep(0.1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", default="granian,gunicorn", help="comma-separated: granian, gunicorn")
+    parser.add_argument("--servers", default="granian,gunicorn",
+                        help="comma-separated: granian, gunicorn, granian-rsgi")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
@@ -129,7 +198,8 @@ def main() -> None:
         redis_server = EmbeddedRedis(Path(tmp) / "redis", appendonly=False).start()
         try:
             rows = [run_step(name, step, redis_server.url, args.clients, args.seconds)
-                    for name in args.servers.split(",") for step in STEPS]
+                    for name in args.servers.split(",")
+                    for step in (RSGI_STEPS if name == "granian-rsgi" else STEPS)]
         finally:
             redis_server.stop(kill=True)
     print(f"\n{args.clients} clients, {args.seconds:g} s a step; CPU: the server's processes (Redis apart, "
