@@ -316,15 +316,21 @@ def serve_app(app: str, *, env: dict[str, str] | None = None, log_path: Path | N
     with open(log_path or os.devnull, "ab") as log:
         server = subprocess.Popen(api_command(settings, app=app), cwd=ROOT, env=dict(os.environ, **(env or {})),
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    return server, wait_until_serving(server, port, f"{app} under {server_name}")
+
+
+def wait_until_serving(server: subprocess.Popen[bytes], port: int, what: str) -> str:
+    """The URL of `server` once it accepts connections on loopback `port` (30 s at most; stopped and a
+    RuntimeError naming `what` if it does not, or exits first)."""
     deadline = time.monotonic() + 30
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server, f"http://127.0.0.1:{port}"
+            return f"http://127.0.0.1:{port}"
         except OSError:
             if time.monotonic() > deadline or server.poll() is not None:
                 stop_process(server)
-                raise RuntimeError(f"{app} did not start under {server_name}") from None
+                raise RuntimeError(f"{what} did not start") from None
             time.sleep(0.1)
 
 

@@ -158,11 +158,9 @@ def run_step(server_name: str, step: str, redis_url: str, clients: int, seconds:
 def serve_rsgi(env: dict[str, str]) -> tuple[Any, str]:
     """`rsgi_app` under granian with the API's process count, on a free loopback port, once it accepts
     connections."""
-    import socket
     import subprocess
-    import time
 
-    from benchmarks.online_serving import ROOT, stop_process
+    from benchmarks.online_serving import ROOT, wait_until_serving
     from broker.config import Settings
     from broker.embedded import free_port
 
@@ -173,16 +171,7 @@ def serve_rsgi(env: dict[str, str]) -> tuple[Any, str]:
          "--log-level", "warning"],
         cwd=ROOT, env=dict(os.environ, **env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server, f"http://127.0.0.1:{port}"
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                stop_process(server)
-                raise RuntimeError("the RSGI floor did not start under granian") from None
-            time.sleep(0.1)
+    return server, wait_until_serving(server, port, "the RSGI floor under granian")
 
 
 def main() -> None:
