@@ -15,12 +15,12 @@ this machine can be read beside the cost of the work.
     python benchmarks/rest_floor.py                       # granian and gunicorn, 32 clients, 5 s a step
     python benchmarks/rest_floor.py --servers granian --seconds 10
     python benchmarks/rest_floor.py --servers granian,granian-rsgi   # and an async handler (RSGI) instead
+    python -m gunicorn benchmarks.rest_floor:app --workers 2 --threads 16 --keep-alive 30 \
+        --worker-class sits_api.gunicorn_worker.JsonErrorThreadWorker
 
 `granian-rsgi` serves the same answer from an async handler under granian's RSGI interface, no Flask
 and no request threads, its Redis round trip through `redis.asyncio`: what an async front would save
 at the floor. It has no thread hand-off step (its waiter would be a task of the same event loop).
-    python -m gunicorn benchmarks.rest_floor:app --workers 2 --threads 16 --keep-alive 30 \
-        --worker-class sits_api.gunicorn_worker.JsonErrorThreadWorker
 """
 
 from __future__ import annotations
