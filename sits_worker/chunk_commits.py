@@ -4,12 +4,16 @@ A chunk's outputs must be on disk before its ack (after a crash nothing is
 lost and nothing is counted twice), but waiting for the disk holds the
 stream slot while the device idles: profiled on 2 cores, the fsync of one
 MLP chunk's 20 MB part took 100-140 ms against 500 ms of compute. So a
-stream slot hands a finished chunk to this process's commit thread and
-leases its next batch at once; the thread writes the parts, fsyncs them and
+stream slot hands a finished chunk to this process's commit threads and
+leases its next batch at once; a thread writes the parts, fsyncs them and
 acks the chunk, while the device computes the next one. A job's last chunks
 are the exception: their slot waits for the commit, so that the finalize step
 the last ack queues is leased next, not after a chunk of other work
-(`execution.among_last_chunks`).
+(`execution.among_last_chunks`). There are as many commit threads as stream
+slots, so those last chunks, which the slots finish at about the same time,
+are written side by side rather than one after the other: on 2 cores, the
+time from a 1M-row MLP job's last run to its finalize step fell from a
+median of 29 to 13 ms.
 
 While `max_pending` commits (the worker's stream count) are queued or
 running, each holding its chunk's outputs in host memory, a slot leases no
@@ -33,11 +37,12 @@ log = logging.getLogger(__name__)
 
 
 class Commits:
-    """One worker process's commit thread, with back-pressure on the slots that queue work for it."""
+    """One worker process's commit threads, one per stream slot, with back-pressure on the slots that
+    queue work for them."""
 
     def __init__(self, max_pending: int) -> None:
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sits-commit")
         self._max_pending = max(1, max_pending)
+        self._executor = ThreadPoolExecutor(self._max_pending, thread_name_prefix="sits-commit")
         self._pending: set[Future[object]] = set()
         self._room = threading.Condition()
 

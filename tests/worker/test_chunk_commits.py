@@ -1,4 +1,4 @@
-"""A computed chunk is committed (parts written durably, then acked) on the worker's commit thread,
+"""A computed chunk is committed (parts written durably, then acked) on one of the worker's commit threads,
 while its stream slot goes on (real Redis, a real `WorkerContext`, a real ONNX model)."""
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ def test_a_slot_waits_for_room_while_max_pending_commits_are_queued() -> None:
     waiter.join(5)
     assert not waiter.is_alive()
     assert commits.wait(timeout=5) and ran == [1, 2] and commits.pending() == 0
+
+
+def test_commits_of_two_slots_are_written_side_by_side() -> None:
+    """A job's last chunks end on every slot at about the same time: one commit does not wait for the
+    other's disk (each waits here for the other to have begun)."""
+    commits, both_running, ran = Commits(max_pending=2), threading.Barrier(2, timeout=5), []
+    for index in range(2):
+        commits.submit(lambda index=index: (both_running.wait(), ran.append(index)))
+    assert commits.wait(timeout=10) and sorted(ran) == [0, 1]
 
 
 def test_a_commit_that_raises_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:

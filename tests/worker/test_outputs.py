@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -229,11 +230,16 @@ def test_output_names_that_are_not_file_names_get_safe_files(tmp_path: Path) -> 
     assert (tmp_path / file_name).is_file()
 
 
-def test_a_merge_keeps_its_lease_alive_after_every_block_it_copies(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "through-python"])
+def test_a_merge_keeps_its_lease_alive_after_every_block_it_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   kernel_copy: bool) -> None:
     """A multi-GB merge may outlast the finalize item's lease: no part, however big, is copied
-    without `keep_alive` (which extends the lease when due) being called along the way."""
+    without `keep_alive` (which extends the lease when due) being called along the way. The same
+    bytes come out where the kernel copies the parts and where it cannot (no `os.copy_file_range`,
+    as on macOS)."""
     monkeypatch.setattr(outputs, "_COPY_BLOCK_BYTES", 16)
+    if not kernel_copy:
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
     write_part(tmp_path, 0, {"out": np.arange(8, dtype=np.float64).reshape(4, 2)})  # 64 bytes: 4 blocks
     write_part(tmp_path, 1, {"out": np.arange(2, dtype=np.float64).reshape(1, 2)})  # 16 bytes: 1 block
     calls: list[int] = []
