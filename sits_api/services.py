@@ -290,9 +290,10 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
                            f"has at most {chunking.MAX_CHUNKS_PER_JOB:,}: give chunk_size {least:,} or more, "
                            "or 'auto' to let the server size them")
         return chosen
-    known = workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout)
-    live = sum(1 for worker in known if worker["alive"])
-    return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=live,
+    timeout = settings.scheduler.worker_heartbeat_timeout
+    live = [worker for worker in workers.list_workers(store, now=now, timeout=timeout) if worker["alive"]]
+    return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=len(live),
+                                   live_slots=sum(int(worker.get("streams", 1)) for worker in live),
                                    chunk_seconds=settings.jobs.chunk_seconds,
                                    max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes,
                                    calibration=admission.calibrations(store).get(model["version"], 1.0))

@@ -144,8 +144,8 @@ def test_a_short_job_is_split_over_the_live_workers(
 
     job = submit(api, big_input, tmp_path / "out")
 
-    assert job["chunks_total"] == 6  # two per live worker, the dead one not counted
-    assert job["chunk_size"] == 27 * 128  # 157 batches over 6 chunks
+    assert job["chunks_total"] == 12  # one per live stream slot (4 on each of 3 workers), the dead one not counted
+    assert job["chunk_size"] == 14 * 128  # 157 batches over 12 chunks
 
 
 def test_resume_keeps_the_job_s_original_chunk_size(

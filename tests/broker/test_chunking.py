@@ -109,8 +109,25 @@ def test_a_job_of_few_batches_is_not_split_below_one_batch_per_chunk() -> None:
     assert len(jobs.chunk_ranges(300, chunk)) == 3
 
 
-def test_a_long_job_keeps_its_time_sized_chunks_whatever_the_workers() -> None:
-    assert size(live_workers=1) == size(live_workers=16)
+def test_a_long_job_keeps_about_time_sized_chunks_whatever_the_workers() -> None:
+    one, sixteen = size(live_workers=1), size(live_workers=16)  # 100 chunks' work, 112 chunks for 16
+
+    assert one == 100_096 and 0.85 * one < sixteen <= one
+
+
+def test_chunks_come_in_whole_rounds_of_the_live_stream_slots() -> None:
+    """7 chunks' work on 2 single-thread streams would leave one core idle for the last chunk: 8 it is."""
+    chunk = size(rows_total=8_192, batch_size=2, rows_per_second=1_172.0, live_workers=1, live_slots=2)
+
+    assert len(jobs.chunk_ranges(8_192, chunk)) == 8 and chunk == 512 * 2
+    assert len(jobs.chunk_ranges(8_192, size(rows_total=8_192, batch_size=2, rows_per_second=1_172.0,
+                                              live_workers=1))) == 7  # one slot: no rounding
+
+
+def test_a_short_job_gets_a_chunk_for_every_stream_slot() -> None:
+    chunk = size(rows_total=102_400, rows_per_second=1_000_000.0, live_workers=2, live_slots=8)
+
+    assert len(jobs.chunk_ranges(102_400, chunk)) == 8
 
 
 # --- memory ---------------------------------------------------------------------------------
@@ -160,14 +177,14 @@ def test_the_fallback_size_respects_the_output_cap() -> None:
 
 @given(rows_total=st.integers(1, 10**8), batch_size=st.integers(1, 4096),
        rows_per_second=st.floats(0.01, 1e8), output_bytes_per_row=st.integers(0, 10**7),
-       live_workers=st.integers(0, 64), chunk_seconds=st.floats(0.01, 60))
+       live_workers=st.integers(0, 64), streams=st.integers(1, 8), chunk_seconds=st.floats(0.01, 60))
 def test_every_auto_size_is_whole_batches_within_its_bounds(
         rows_total: int, batch_size: int, rows_per_second: float, output_bytes_per_row: int, live_workers: int,
-        chunk_seconds: float) -> None:
+        streams: int, chunk_seconds: float) -> None:
     cap = 64 * MiB
     chunk = size(rows_total=rows_total, batch_size=batch_size, rows_per_second=rows_per_second,
-                 output_bytes_per_row=output_bytes_per_row, live_workers=live_workers, chunk_seconds=chunk_seconds,
-                 max_chunk_output_bytes=cap)
+                 output_bytes_per_row=output_bytes_per_row, live_workers=live_workers,
+                 live_slots=live_workers * streams, chunk_seconds=chunk_seconds, max_chunk_output_bytes=cap)
 
     assert chunk >= batch_size and chunk % batch_size == 0
     least = least_chunk_size(rows_total, batch_size)  # the count bound comes before the others
@@ -178,7 +195,7 @@ def test_every_auto_size_is_whole_batches_within_its_bounds(
     assert chunk <= max(target_batches * batch_size, least)  # at most the time target, rounded up to a batch
     chunks = math.ceil(rows_total / chunk)
     batches = math.ceil(rows_total / batch_size)
-    assert chunks >= min(2 * max(1, live_workers), batches) or chunk == batch_size
+    assert chunks >= min(max(2 * live_workers, live_workers * streams, 2), batches) or chunk == batch_size
 
 
 # --- reading the model's record -------------------------------------------------------------
