@@ -62,7 +62,7 @@ class MiniBatchHook(Protocol):
 
 def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -> str:
     """Run one leased item; returns what happened ('committing': a chunk computed, its outputs handed
-    to the commit thread, which writes them and acks it; for one of the job's last chunks what that
+    to a commit thread, which writes them and acks it; for one of the job's last chunks what that
     commit did, 'acked' or how it failed, since the slot waits for it (`among_last_chunks`);
     'finalized', 'dropped', 'failed', 'retry').
 
@@ -174,7 +174,7 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
                  beside: Mapping[str, float] | None = None) -> str:
     """Write a computed chunk's part files (durably, its `quarantined` rows with them), then ack it with
     the `run_seconds` its slot spent on it and how many of them it ran `beside` each model on the other
-    slots (`sits_worker/slot_overlap.py`); on the commit thread (`sits_worker.chunk_commits`). Returns
+    slots (`sits_worker/slot_overlap.py`); on a commit thread (`sits_worker.chunk_commits`). Returns
     'acked', or how the failure was settled."""
     try:
         queues.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
