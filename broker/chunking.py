@@ -117,14 +117,17 @@ def auto_chunk_size(*, rows_total: int, batch_size: int, rows_per_second: float 
       last one shorter by less than a batch per chunk), not into target-sized ones plus a small
       remainder that runs alone at the end.
     - Parallelism: at least `CHUNKS_PER_WORKER` chunks per live worker (none alive counts as one),
-      and one per live stream slot (`live_slots`, the sum of their streams; by default one per
-      worker), when the job has that many batches, so a short job still spreads over every worker
-      and a worker that finishes early finds work left to take.
-    - Whole rounds: the count of chunks is a multiple of `live_slots` where the batches allow, so the
-      job's last round of chunks keeps every slot busy. On a CPU worker each stream has its own
-      cores (streams x intra-op threads fit the cores), so 7 one-second chunks on 2 streams ran 4 s
-      with one core idle the last second; 8 chunks of 7/8 s run 3.5 s (a 8,192-image CNN job on 2
-      cores went from 0.85 to 0.95 of the bare loop). Each added chunk costs its fixed cost only.
+      and one per live stream slot (`live_slots`: a CPU worker's streams, a GPU worker's once, as
+      `admission.LiveFleet.slots` counts them; by default one per worker), when the job has that
+      many batches, so a short job still spreads over every worker and a worker that finishes early
+      finds work left to take.
+    - Whole rounds: the count of chunks is rounded up to a multiple of `live_slots` before the batches
+      are split evenly, so the job's last round of chunks keeps the slots busy. On a CPU worker each
+      stream has its own cores (streams x intra-op threads fit the cores), so 7 one-second chunks on
+      2 streams ran 4 s with one core idle the last second; 8 chunks of 7/8 s run 3.5 s (a
+      8,192-image CNN job on 2 cores went from 0.85 to 0.96 of the bare loop). Each added chunk costs
+      its fixed cost only. Whole batches may leave the count short of the multiple (100 batches make
+      15 chunks of 7 or 17 of 6, never 16): then the last round is short of a chunk or a few.
     - Memory: a worker holds a chunk's outputs in memory until its part file is written, and
       the part file is that size, so a chunk's outputs stay within `max_chunk_output_bytes`
       (`output_bytes_per_row` rows' worth; 0 means unknown and no cap), but never below one batch.

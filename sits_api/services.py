@@ -31,7 +31,6 @@ from broker import (
     sla_metrics,
     tenant_quotas,
     tenant_usage,
-    workers,
 )
 from broker.apikeys import owns
 from broker.batching import Batching, resolve
@@ -290,11 +289,9 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
                            f"has at most {chunking.MAX_CHUNKS_PER_JOB:,}: give chunk_size {least:,} or more, "
                            "or 'auto' to let the server size them")
         return chosen
-    timeout = settings.scheduler.worker_heartbeat_timeout
-    live = [worker for worker in workers.list_workers(store, now=now, timeout=timeout) if worker["alive"]]
-    return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=len(live),
-                                   live_slots=sum(int(worker.get("streams", 1)) for worker in live),
-                                   chunk_seconds=settings.jobs.chunk_seconds,
+    fleet = admission.live_fleet(settings, store, now=now)  # (a GPU worker's streams share one device: one slot)
+    return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=fleet.workers,
+                                   live_slots=fleet.slots, chunk_seconds=settings.jobs.chunk_seconds,
                                    max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes,
                                    calibration=admission.calibrations(store).get(model["version"], 1.0))
 

@@ -102,7 +102,6 @@ def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndar
             )
     try:
         folder = parts_folder(output_dir, job_id)
-        created = not folder.is_dir()
         folder.mkdir(parents=True, exist_ok=True)
         rejected = quarantine_part_path(output_dir, chunk_index, job_id)
         if quarantined:
@@ -115,8 +114,11 @@ def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndar
             path = part_path(output_dir, name, chunk_index, job_id)
             _write_atomically(path, partial(np.lib.format.write_array, array=arr, allow_pickle=False))
         _fsync_dir(folder)
-        if created:
-            _fsync_dir(folder.parent)  # the job's new folder entry is durable too
+        # The folders above it every time, not only by the commit that made them: a commit beside it (another
+        # commit thread, another worker) that found them made must not ack before their entries are durable.
+        # (A clean folder's fsync takes about 40 us.)
+        for above in dict.fromkeys((folder.parent, output_dir)):
+            _fsync_dir(above)
     except OSError as err:
         raise storage_error(output_dir, err) from err
 
@@ -239,9 +241,11 @@ def _copy_part(handle: IO[bytes], part: np.ndarray, keep_alive: Callable[[], Non
 
 
 def _mapped_from(part: np.ndarray) -> tuple[str, int] | None:
-    """(File, offset of the data in it) of a whole mapped part; None for anything else (a view of a
-    mapping carries its base's offset, not its own)."""
-    if isinstance(part, np.memmap) and isinstance(part.base, mmap.mmap) and part.filename is not None:
+    """(File, offset of the data in it) of a whole mapped part in C order, whose bytes in the file are
+    those of the merged rows; None for anything else (a view of a mapping carries its base's offset, not
+    its own; a Fortran-order part's bytes must be reordered)."""
+    if (isinstance(part, np.memmap) and isinstance(part.base, mmap.mmap) and part.filename is not None
+            and part.flags.c_contiguous):
         return str(part.filename), int(part.offset)
     return None
 

@@ -148,6 +148,17 @@ def test_a_short_job_is_split_over_the_live_workers(
     assert job["chunk_size"] == 14 * 128  # 157 batches over 12 chunks
 
 
+def test_a_gpu_worker_s_streams_share_its_device_and_count_once(
+        api: Api, store: Store, mlp: dict[str, Any], big_input: Path, tmp_path: Path) -> None:
+    measure(store, mlp, rows_per_second=1_000_000.0)
+    for name in ("g1", "g2"):
+        workers.record_heartbeat(store, name, {"device": "gpu:0", "streams": 4}, now=time.time())
+
+    job = submit(api, big_input, tmp_path / "out")
+
+    assert job["chunks_total"] == 4  # two per worker, not one per stream
+
+
 def test_resume_keeps_the_job_s_original_chunk_size(
         api: Api, store: Store, mlp: dict[str, Any], big_input: Path, tmp_path: Path) -> None:
     measure(store, mlp, rows_per_second=1_000.0)

@@ -124,6 +124,13 @@ def test_chunks_come_in_whole_rounds_of_the_live_stream_slots() -> None:
                                               live_workers=1))) == 7  # one slot: no rounding
 
 
+def test_whole_batches_may_leave_the_count_a_little_short_of_a_multiple_of_the_slots() -> None:
+    """100 batches of 128 rows, 10 chunks' work, 8 slots: 16 chunks asked, 15 of 7 batches cut."""
+    chunk = size(rows_total=12_800, rows_per_second=1_280.0, live_workers=1, live_slots=8)
+
+    assert chunk == 7 * 128 and len(jobs.chunk_ranges(12_800, chunk)) == 15
+
+
 def test_a_short_job_gets_a_chunk_for_every_stream_slot() -> None:
     chunk = size(rows_total=102_400, rows_per_second=1_000_000.0, live_workers=2, live_slots=8)
 

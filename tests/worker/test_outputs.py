@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 from broker.errors import BadInput, Conflict, FileMissing, RetryableError
 from broker.output_layout import chunks_with_parts, part_exists
 from sits_worker import outputs
+from sits_worker.model.inputs import file_checksum
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
 
 EXTRA = {
@@ -248,6 +250,54 @@ def test_a_merge_keeps_its_lease_alive_after_every_block_it_copies(tmp_path: Pat
 
     assert len(calls) >= 5
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1]])
+
+
+def test_parts_written_by_write_part_are_copied_by_the_kernel_and_others_through_python(tmp_path: Path) -> None:
+    """The kernel copies a whole C-order mapping's file bytes; a view of one (its offset is its base's) and
+    a Fortran-order part (its file bytes are not the merged rows' order) go through Python."""
+    write_part(tmp_path, 0, {"out": np.arange(12, dtype=np.float32).reshape(4, 3)})
+    mapped = np.load(outputs.part_path(tmp_path, "out", 0), mmap_mode="r")
+
+    assert outputs._mapped_from(mapped) == (str(outputs.part_path(tmp_path, "out", 0)), 128)
+    assert outputs._mapped_from(mapped[1:]) is None
+    fortran = tmp_path / "fortran.npy"
+    np.save(fortran, np.asfortranarray(np.arange(12, dtype=np.float32).reshape(4, 3)))
+    assert outputs._mapped_from(np.load(fortran, mmap_mode="r")) is None
+
+
+def test_a_fortran_order_part_is_merged_in_row_order(tmp_path: Path) -> None:
+    values = np.arange(24, dtype=np.float64).reshape(6, 4)
+    write_part(tmp_path, 0, {"out": values[:2]})
+    np.save(outputs.part_path(tmp_path, "out", 1), np.asfortranarray(values[2:]))  # (as another writer might)
+
+    manifest = finalize_outputs(tmp_path, [(0, 2), (2, 6)], ["out"], EXTRA)
+
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), values)
+    assert manifest["outputs"]["out"]["checksum"] == file_checksum(tmp_path / "out.npy")
+
+
+def test_a_kernel_copy_refused_partway_goes_on_through_python(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system may copy part of a range and then refuse (or copy nothing): the rest of the part
+    goes through Python from where the kernel stopped, and the merged file and its checksum are whole."""
+    kernel_copy, calls = os.copy_file_range, []
+
+    def copies_a_little_then_refuses(source: int, target: int, count: int, offset: int) -> int:
+        calls.append(count)
+        if len(calls) > 1:
+            raise OSError(errno.EXDEV, "refused")
+        return kernel_copy(source, target, min(count, 5), offset)  # a real partial copy, 5 bytes
+
+    monkeypatch.setattr(os, "copy_file_range", copies_a_little_then_refuses)
+    values = np.arange(40, dtype=np.int32).reshape(10, 4)
+    write_part(tmp_path, 0, {"out": values[:7]})
+    write_part(tmp_path, 1, {"out": values[7:]})
+
+    manifest = finalize_outputs(tmp_path, [(0, 7), (7, 10)], ["out"], EXTRA)
+
+    assert len(calls) >= 2
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), values)
+    assert manifest["outputs"]["out"]["checksum"] == file_checksum(tmp_path / "out.npy")
 
 
 @st.composite
