@@ -165,11 +165,10 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
 
     The parts are copied into a temp file in row order (`_copy_part`) while a second thread hashes
     the same bytes: the copy and SHA-256 both release the GIL, so the copy, its fsync and the hash
-    overlap instead of adding up. Each side opens
-    one part at a time, so thousands of chunks neither exhaust file handles nor memory.
-    `keep_alive` is called (on the calling thread) after every block copied and every second of
-    the waits for the fsync (run on a third thread) and the hash, so a merge of GBs keeps its
-    item's lease.
+    overlap instead of adding up. Each side opens one part at a time, so thousands of chunks neither
+    exhaust file handles nor memory. `keep_alive` is called (on the calling thread) after every block
+    copied and every second of the waits for the fsync (run on a third thread) and the hash, so a
+    merge of GBs keeps its item's lease.
     """
     first = _load_part(output_dir, name, 0, chunk_ranges[0], job_id)
     dtype, row_shape = first.dtype, first.shape[1:]
