@@ -14,6 +14,7 @@ share out only its Python samples; its total is still all of its CPU.
     python benchmarks/online_profile.py                    # MLP, 32 clients, 15 s, the server's defaults
     python benchmarks/online_profile.py --model convnet --tuned --seconds 10
     python benchmarks/online_profile.py --server granian --no-spy   # the API under granian, totals only
+    python benchmarks/online_profile.py --tuned --server granian --no-spy --cores 1  # everything on one core
 """
 
 from __future__ import annotations
@@ -151,6 +152,16 @@ def redis_commandstats(stack: Stack) -> dict[str, tuple[int, float]]:
     return {name.removeprefix("cmdstat_"): (int(value["calls"]), float(value["usec"])) for name, value in stats.items()}
 
 
+def pin_to_cores(count: int) -> None:
+    """Run this process, and every process and thread it starts from now on, on the first `count` of the
+    cores it may use: the stack's processes inherit the affinity, and the worker fits its streams and
+    threads to it (`sits_worker.worker_settings`), as it would on a machine of that many cores."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 1 <= count <= len(allowed):
+        sys.exit(f"--cores {count}: this process may use 1 to {len(allowed)} cores")
+    os.sched_setaffinity(0, allowed[:count])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(INPUTS), default="mlp")
@@ -167,10 +178,15 @@ def main() -> None:
     parser.add_argument("--no-spy", action="store_true", help="run the load without sampling (its own figures)")
     parser.add_argument("--intra-op", type=int, default=0,
                         help="ONNX Runtime threads of the worker's sessions (0: its default, the cores a stream has)")
+    parser.add_argument("--cores", type=int, default=0,
+                        help="run everything, the stack and its clients, on the first N cores this process may "
+                             "use (0: all of them)")
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(py_spy).exists():
-        sys.exit("py-spy is not installed: pip install py-spy")
+    if not args.no_spy and not Path(py_spy).exists():
+        sys.exit("py-spy is not installed: pip install py-spy (or measure the totals only: --no-spy)")
+    if args.cores:
+        pin_to_cores(args.cores)
 
     with tempfile.TemporaryDirectory(prefix="sits-profile-") as tmp:
         home = Path(tmp)
@@ -246,7 +262,8 @@ def main() -> None:
                         shutil.copy(home / f"{pid}.txt", args.keep / f"{name.replace(' ', '-')}.txt")
             done = max(1, result["done"])
             print(
-                f"{args.model}, {args.clients} clients, {'tuned' if args.tuned else 'defaults'}, {args.server}: "
+                f"{args.model}, {args.clients} clients, {'tuned' if args.tuned else 'defaults'}, {args.server}, "
+                f"{len(os.sched_getaffinity(0))} cores: "
                 f"{result['rps']:,.0f} req/s, P50 {result['p50']:.1f} ms, P99 {result['p99']:.1f} ms, "
                 f"{result['errors']} errors, mean batch {result['mean_batch']:.1f}"
             )

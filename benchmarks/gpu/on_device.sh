@@ -4,6 +4,11 @@
 #
 #   bash benchmarks/gpu/on_device.sh receive   # keeps this call's piece in /tmp/sits-gpu
 #   bash benchmarks/gpu/on_device.sh run       # the last piece; unpack, then the checks below into $OUT
+#   bash benchmarks/gpu/on_device.sh cores     # the last piece; unpack, then only the core count's effect
+#
+# `cores` needs no GPU: it runs the online MLP load of benchmarks/online_profile.py on 2, 3 and 4 of the
+# machine's cores (SITS_CORES), CPU workers only, alternating, two rounds, into $OUT/cores.md: what one
+# more core changes, which a two-core machine cannot measure (docs/benchmarks.md).
 #
 # `run` stops early, with a message, when a piece is missing (the machine went back between calls:
 # start over) or ONNX Runtime cannot run a session on the CUDA provider. Then, each step only if the
@@ -14,7 +19,7 @@
 #   4. benchmarks/offline_job.py --quick: a job against the bare loop on the GPU
 #   5. the whole test suite with workers on the GPU (the Stack picks it up through NVML)
 set -uo pipefail
-mode=${1:?usage: on_device.sh receive|run}
+mode=${1:?usage: on_device.sh receive|run|cores}
 STAGE=/tmp/sits-gpu
 OUT=${OUT:-/tmp/sits-gpu/out}
 mkdir -p "$STAGE/pieces" "$OUT"
@@ -44,6 +49,19 @@ export PYTHONPATH="$STAGE/site:$PWD" PYTHONUNBUFFERED=1
 # CUDA 13 and cuDNN from the image's nvidia-* packages; exported, so the stack's workers inherit it.
 nvidia_libs=$(python3 -c "import glob,nvidia,os; print(':'.join(sorted({os.path.dirname(p) for d in nvidia.__path__ for p in glob.glob(d + '/**/lib*.so*', recursive=True)})))" 2>/dev/null)
 export LD_LIBRARY_PATH="${nvidia_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+if [ "$mode" = cores ]; then
+    for round in 1 2; do
+        for n in ${SITS_CORES:-2 3 4}; do
+            if [ "$(left)" -lt 60 ]; then echo "stopped: $(left) s left" | tee -a "$OUT/cores.md"; break 2; fi
+            echo "== round $round, $n cores ($(left) s left)" | tee -a "$OUT/cores.md"
+            CUDA_VISIBLE_DEVICES= timeout "$(( $(left) - 5 ))" python3 benchmarks/online_profile.py --tuned \
+                --server granian --no-spy --seconds 8 --cores "$n" >> "$OUT/cores.md" 2>&1
+        done
+    done
+    cat "$OUT/cores.md"
+    exit 0
+fi
 
 { nvidia-smi; python3 -V; python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())"; } \
     > "$OUT/env.txt" 2>&1
