@@ -95,3 +95,4 @@ for index in $(seq 1 "$count"); do
     mode=receive; [ "$index" -eq "$count" ] && mode=run
     echo "  run(command='bash benchmarks/gpu/on_device.sh $mode', carry=['$STAGE/carry$index'], timeout_s=$([ $mode = run ] && echo 600 || echo 60))"
 done
+echo "(For what one more core changes, without the GPU checks: 'cores' in place of 'run' in the last call.)"
