@@ -131,13 +131,13 @@ def auto_chunk_size(*, rows_total: int, batch_size: int, rows_per_second: float 
     - Memory: a worker holds a chunk's outputs in memory until its part file is written, and
       the part file is that size, so a chunk's outputs stay within `max_chunk_output_bytes`
       (`output_bytes_per_row` rows' worth; 0 means unknown and no cap), but never below one batch.
-    - Without a measured throughput (`rows_per_second` None): `FALLBACK_CHUNK_ROWS`, within the
-      memory cap.
+    - Without a measured throughput (`rows_per_second` None): `FALLBACK_CHUNK_ROWS`, in whole batches
+      (at least one), within the memory cap.
     - Count: never more than `MAX_CHUNKS_PER_JOB` chunks, even where that takes chunks over the
       memory cap (a job of more than 100,000 capped chunks' rows).
     """
     if rows_per_second is None or rows_per_second <= 0:
-        chunk = FALLBACK_CHUNK_ROWS
+        chunk = max(1, FALLBACK_CHUNK_ROWS // batch_size) * batch_size
     else:
         batches_total = max(1, math.ceil(rows_total / batch_size))
         slots = max(1, live_workers if live_slots is None else live_slots)

@@ -58,6 +58,13 @@ class StoreFull(RetryableError):
     code = "store_full"
 
 
+class StoreBusy(RetryableError):
+    """Redis answered but cannot take the command now: it is running a long script (BUSY), refuses writes
+    after a failed save (MISCONF), is a read-only replica (READONLY), or has lost its master (MASTERDOWN)."""
+
+    code = "store_busy"
+
+
 class StorageUnavailable(RetryableError):
     """A file system call failed for a reason that may pass (EAGAIN, EIO, ENOSPC: busy, a disk error,
     the disk full)."""

@@ -215,7 +215,8 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
                       batch_size: int, worker: str, job_rows: int = 0, run_started: float | None = None,
                       run_rows: int = 0) -> int:
     """Store results, drop the leases and wake every waiter, in one atomic call; returns how many
-    were completed (not those already completed, or waiting again after their lease expired). The
+    were completed (not those already completed, or waiting again after their lease expired: their
+    tenants are settled only for the requests this call took off, `_settle_tenants`). The
     requests are of one model (a batch is); /metrics counts them by status (`keys.counters`), and the
     model's statistics (`broker.model_stats`) their times, the queue and compute time of those that
     ran in the run begun at `run_started`, of `run_rows` rows (the statistics' batch size), and the latency
@@ -240,8 +241,8 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
                   *request_keys],
             args=args,
         )
-        _settle_tenants(store, results, now=now)
-    return int(reply)
+        _settle_tenants(store, [results[int(position)] for position in reply[1:]], now=now)
+    return int(reply[0])
 
 
 def _settle_tenants(store: Store, results: Sequence[RequestResult], *, now: float) -> None:

@@ -1,7 +1,8 @@
 """One handle on SITS state: a Redis client, its key names and its registered scripts.
 
 Created once at a process's edge and passed down. Redis errors are
-translated here into `ConnectionLost` so no caller catches a redis-py type.
+translated here (`translate_redis_errors`: `ConnectionLost`, `StoreFull`, `StoreBusy`) so no caller
+catches a redis-py type for what Redis can say at any time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker.errors import ConfigError, ConnectionLost, StoreFull
+from broker.errors import ConfigError, ConnectionLost, StoreBusy, StoreFull
 from broker.keys import Keys
 from broker.scripts import Scripts
 
@@ -126,18 +127,34 @@ def _drop_if_stale(connection: Any) -> None:
 
 @contextlib.contextmanager
 def translate_redis_errors() -> Iterator[None]:
-    """Turn redis-py connection failures into the retryable `ConnectionLost`, and a write Redis refuses
-    at `maxmemory` (no eviction, by design) into the retryable `StoreFull`: clients get a 503 that says
-    what happened, not a 500."""
+    """Turn redis-py connection failures into the retryable `ConnectionLost`, a write Redis refuses
+    at `maxmemory` (no eviction, by design) into the retryable `StoreFull`, and the refusals of a Redis
+    that cannot serve for a while (`_BUSY_REPLIES`) into the retryable `StoreBusy`: clients get a 503
+    that says what happened, not a 500. Any other error reply (a command SITS got wrong) passes as is."""
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as err:
         raise ConnectionLost(f"Redis is unreachable ({err}); check SITS_REDIS_URL and that Redis runs") from err
     except redis.ResponseError as err:
-        if not _out_of_memory(err):
+        if _out_of_memory(err):
+            raise StoreFull("Redis is full (it reached maxmemory and evicts nothing): retry once finished jobs "
+                            "and results have expired, or give Redis more memory") from err
+        busy = _BUSY_REPLIES.get(getattr(err, "status_code", None) or str(err).split(" ", 1)[0])
+        if busy is None:
             raise
-        raise StoreFull("Redis is full (it reached maxmemory and evicts nothing): retry once finished jobs and "
-                        "results have expired, or give Redis more memory") from err
+        raise StoreBusy(f"Redis cannot serve this now ({err}); {busy}") from err
+
+
+_BUSY_REPLIES = {
+    "BUSY": "it is running a long script: retry in a moment",
+    "MISCONF": "it refuses writes since it could not save to disk: check its disk and log, then retry",
+    "READONLY": "it is a read-only replica: point redis.url at the master (after a failover, retry)",
+    "MASTERDOWN": "its master is down: retry once a failover has promoted another",
+    "TRYAGAIN": "retry in a moment",
+}
+"""The code (first word) of each error reply that means Redis cannot serve for a while, and what to do.
+redis-py takes the code off the message of those it knows (READONLY, MASTERDOWN, TRYAGAIN) and keeps it
+as `status_code`."""
 
 
 def _out_of_memory(err: redis.ResponseError) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from broker import model_stats, policy, queue_policy, request_timeouts, requests, workers
+from broker import model_stats, policy, queue_policy, request_timeouts, requests
 from broker.config import Settings
 from broker.errors import BadInput, QueueFull, RetryableError
 from broker.model_cache import API_RECORD_TTL_SECONDS, ModelRecordCache
@@ -90,23 +90,23 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
         except requests.PolicyChanged:
             raw_policy, weights, ordering = live_policy.refresh()
         except requests.QueueAtLimit as full:
-            raise queue_full(settings, store, record, spec, full, now=now) from None
+            raise queue_full(store, record, spec, full, live_slots=dispatcher.live_slots(now)) from None
     else:
         raise RetryableError("the scoring policy is being updated right now; retry the request")
     dispatcher.send_tickets(new_tickets)
     return spec
 
 
-def queue_full(settings: Settings, store: Store, record: dict[str, Any], spec: RequestSpec,
-               full: requests.QueueAtLimit, *, now: float) -> QueueFull:
+def queue_full(store: Store, record: dict[str, Any], spec: RequestSpec, full: requests.QueueAtLimit, *,
+               live_slots: int) -> QueueFull:
     """The 429 of a request its full queue refused, with a Retry-After from the queue's drain rate: the
     waiting requests times the seconds one takes (the model version's statistics, else its profile's
-    batch of one), over the live workers' stream slots (`queue_policy.retry_after_seconds`)."""
+    batch of one), over the live workers' stream slots (`queue_policy.retry_after_seconds`; as the
+    dispatcher keeps them, read at most once a second, since refusals come many at once)."""
     each = queue_policy.seconds_per_request(model_stats.run_totals(store, spec.model_ref))
     if each is None:
         each = estimate_latency_ms(record, rows=spec.rows, tokens=spec.tokens) / 1000
-    slots = workers.live_stream_slots(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout)
-    retry_after = queue_policy.retry_after_seconds(full.waiting, each, slots)
+    retry_after = queue_policy.retry_after_seconds(full.waiting, each, live_slots)
     if full.tenant:
         return QueueFull(f"tenant '{spec.tenant}' has {full.waiting} requests not answered yet, its limit "
                          f"(tenants.{spec.tenant}.max_queued); the request was not queued: retry after "

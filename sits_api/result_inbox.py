@@ -147,21 +147,35 @@ class ResultInbox:
 
     def _deliver_while_waited_for(self, key: str) -> None:
         """The waiter thread: block on the inbox, hand over what the pop brought, then drain and hand over
-        what came with it; stop once a pop brought nothing and no request waits."""
-        while True:
-            try:
-                first = self._pop(key)
-                if first is not None:
-                    self._deliver(first)  # (before the drain: a lone result waits for no second round trip)
-                    self._drain(key)
-            except SitsError as err:  # Redis unreachable: waiters time out meanwhile, as they would anyway
-                log.warning("result inbox %s: %s", key, err.message)
-                first = None
-                time.sleep(RETRY_SECONDS)
-            with self._lock:
-                if first is None and not self._waiting:
+        what came with it; stop once a pop brought nothing and no request waits.
+
+        Nothing stops it while requests wait: a failure (Redis away or busy, an entry it cannot read) is
+        logged and the pops go on after a pause, as the waiters' timeouts run meanwhile. Should it end
+        anyway, it says so on the way out, so that the next waiting request starts another."""
+        stopped = False
+        try:
+            while True:
+                try:
+                    first = self._pop(key)
+                    if first is not None:
+                        self._deliver(first)  # (before the drain: a lone result waits for no second round trip)
+                        self._drain(key)
+                except SitsError as err:  # Redis unreachable or busy: waiters time out meanwhile, as they would
+                    log.warning("result inbox %s: %s", key, err.message)
+                    first = None
+                    time.sleep(RETRY_SECONDS)
+                except Exception:  # (a thread that died here would leave every later waiter of this process unanswered)
+                    log.exception("result inbox %s: delivery failed; popping again in %s s", key, RETRY_SECONDS)
+                    first = None
+                    time.sleep(RETRY_SECONDS)
+                with self._lock:
+                    if first is None and not self._waiting:
+                        self._delivering, stopped = False, True
+                        return
+        finally:
+            if not stopped:  # (ended by what no handler above took: a KeyboardInterrupt, a MemoryError)
+                with self._lock:
                     self._delivering = False
-                    return
 
     def _pop(self, key: str) -> str | None:
         """The next result in the inbox, waiting up to the block time for one (None: none came)."""
@@ -183,7 +197,15 @@ class ResultInbox:
                     return
 
     def _deliver(self, text: str) -> None:
-        fields = orjson.loads(text)
+        """Hand one popped result to its waiter; an entry that is no result's fields is logged and dropped
+        (the results popped with it are still handed over)."""
+        try:
+            fields = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            fields = None
+        if not isinstance(fields, dict):
+            log.warning("result inbox: dropped an entry that is no result's fields: %.80r", text)
+            return
         with self._lock:
             delivery = self._waiting.get(fields.get("id", ""))
         if delivery is not None:  # (none: its waiter gave up; the hash has the result)

@@ -8,11 +8,10 @@ from typing import Any
 
 from celery import Celery
 
-from broker import queues
+from broker import queues, workers
 from broker.breaker import BreakerView
 from broker.config import Settings
 from broker.store import Store
-from broker.wakeup import ticket_target
 
 
 class Dispatcher:
@@ -25,7 +24,7 @@ class Dispatcher:
         self._queue = settings.redis.task_queue
         self._celery.conf.update(task_default_queue=self._queue, broker_connection_retry_on_startup=True,
                                  task_send_sent_event=True, task_ignore_result=True)
-        self._target, self._target_read_at = 1, float("-inf")
+        self._slots, self._slots_read_at = 0, float("-inf")
         self.breakers = BreakerView(store, settings.breaker, settings.scheduler.worker_heartbeat_timeout)
         """Fails a request fast when its model's breakers are open on every live worker."""
 
@@ -34,16 +33,20 @@ class Dispatcher:
         self._celery.send_task(name, args=list(args), queue=self._queue)
 
     def ticket_target(self, now: float) -> int:
-        """How many tickets should circulate: one per live stream slot.
+        """How many tickets should circulate: one per live stream slot, at least one."""
+        return max(1, self.live_slots(now))
+
+    def live_slots(self, now: float) -> int:
+        """The live workers' stream slots (0 when none is alive).
 
         Re-read from the workers' heartbeats at most once a second: it changes only when workers
-        come and go, and the submit hot path asks on every request.
+        come and go, and the submit hot path asks on every request (a full queue's 429 too).
         """
-        if now - self._target_read_at > 1.0:
-            self._target = ticket_target(self.store, now=now,
-                                         heartbeat_timeout=self.settings.scheduler.worker_heartbeat_timeout)
-            self._target_read_at = now
-        return self._target
+        if now - self._slots_read_at > 1.0:
+            self._slots = workers.live_stream_slots(self.store, now=now,
+                                                    timeout=self.settings.scheduler.worker_heartbeat_timeout)
+            self._slots_read_at = now
+        return self._slots
 
     def send_tickets(self, tickets: list[str]) -> None:
         """One drain task per new ticket."""

@@ -352,6 +352,8 @@ def finalize_outputs(
                 return None
             for temp, entry in merged.values():
                 os.replace(temp, output_dir / entry["file"])
+            _fsync_dir(output_dir)  # (the outputs' names are durable before the manifest can be: POSIX orders
+            # no two renames, so a crash must not leave a manifest whose outputs' entries were lost)
             outputs = {name: entry for name, (_, entry) in merged.items()}
             manifest = {"rows": total, "outputs": outputs, "chunks": len(chunk_ranges), **manifest_extra,
                         **_publish_quarantine(output_dir, rejected, outputs, quarantine_fill)}

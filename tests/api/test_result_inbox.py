@@ -7,9 +7,11 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from broker import queues, requests
 from broker.embedded import EmbeddedRedis
+from broker.errors import StoreBusy
 from broker.requests import RequestResult, RequestSpec
 from broker.store import Store
 from sits_api.result_inbox import Delivery, ResultInbox
@@ -133,3 +135,48 @@ def test_a_delivery_hands_over_the_first_result_once_it_is_in() -> None:
     assert delivery.take(5.0) == {"id": "r1", "status": "succeeded"}
     delivery.put({"id": "r1", "status": "failed"})  # (a second result changes nothing)
     assert delivery.take(0.0) == {"id": "r1", "status": "succeeded"}
+
+
+def test_the_waiter_carries_on_after_an_error_redis_answers_and_an_entry_it_cannot_read(store: Store) -> None:
+    inbox = ResultInbox(store, block_seconds=0.1)
+    store.client.set(inbox.key, "not a list")  # every pop is refused (WRONGTYPE), as by a Redis that misbehaves
+    with inbox.expecting("r0") as answer:
+        assert answer.wait(0.7) is None  # (the pops fail meanwhile; the thread pauses between them)
+    store.client.delete(inbox.key)
+    store.client.rpush(inbox.key, "{not json", "[1, 2]")  # entries that are no result's fields
+    with inbox.expecting("r1") as answer:
+        requests.submit_request(store, spec("r1", answer.reply_to), score=1.0, now=time.time(), max_age_seconds=60)
+        run_as_a_worker(store, 1)
+        result = answer.wait(10)
+
+    assert result is not None and float(result["outputs"]["y"][0, 0]) == 2.0
+
+
+def test_the_waiter_carries_on_after_redis_was_busy_with_a_long_script(store: Store,
+                                                                       redis_server: EmbeddedRedis) -> None:
+    admin = store.pooled_client
+    limit = admin.config_get("lua-time-limit")["lua-time-limit"]
+    admin.config_set("lua-time-limit", 50)  # BUSY for everyone else after 50 ms of a script
+    spin = ("local t0 = redis.call('TIME') repeat local t = redis.call('TIME') "
+            "until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > 1000000 return 1")
+    other = Store.connect(redis_server.url)
+    inbox = ResultInbox(store, block_seconds=0.1)
+    try:
+        slow = threading.Thread(target=lambda: other.pooled_client.eval(spin, 0))  # (another client's long call)
+        slow.start()
+        time.sleep(0.3)
+        with inbox.expecting("r0") as answer:  # the waiter starts during the script: its pops answer BUSY
+            with pytest.raises(StoreBusy, match="long script"):
+                requests.submit_request(store, spec("r9", answer.reply_to), score=1.0, now=time.time(),
+                                        max_age_seconds=60)
+            answer.wait(0.2)
+        slow.join(10)
+        with inbox.expecting("r1") as answer:
+            requests.submit_request(store, spec("r1", answer.reply_to), score=1.0, now=time.time(),
+                                    max_age_seconds=60)
+            run_as_a_worker(store, 1)
+            result = answer.wait(10)
+    finally:
+        admin.config_set("lua-time-limit", limit)
+
+    assert result is not None and float(result["outputs"]["y"][0, 0]) == 2.0

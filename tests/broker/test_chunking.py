@@ -175,6 +175,11 @@ def test_without_a_measured_throughput_the_fallback_size_applies() -> None:
     assert size(rows_per_second=None, rows_total=10) == FALLBACK_CHUNK_ROWS
 
 
+def test_the_fallback_size_is_whole_batches() -> None:
+    assert size(rows_per_second=None, batch_size=100) == 4000  # 40 batches, not 40.96
+    assert size(rows_per_second=None, batch_size=5000) == 5000  # one batch, however large
+
+
 def test_the_fallback_size_respects_the_output_cap() -> None:
     assert size(rows_per_second=None, output_bytes_per_row=128 * 1024, max_chunk_output_bytes=64 * MiB) == 512
 

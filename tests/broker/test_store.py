@@ -7,9 +7,12 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
+from redis._parsers.base import BaseParser
 
 from broker.embedded import EmbeddedRedis
-from broker.store import Store
+from broker.errors import StoreBusy
+from broker.store import Store, translate_redis_errors
 
 
 def connection_id(store: Store) -> int:
@@ -94,3 +97,25 @@ def test_a_reply_left_unread_on_a_held_connection_is_not_taken_for_the_next_comm
 
     assert store.client.get("k") == "after"  # not "OK"
     assert store.client.get("k") == "after"
+
+
+@pytest.mark.parametrize(("reply", "says"), [
+    ("READONLY You can't write against a read only replica.", "read-only replica"),
+    ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.", "save"),
+    ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", "master is down"),
+    ("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", "long script"),
+])
+def test_a_redis_that_cannot_serve_for_a_while_is_a_retryable_error_naming_why(reply: str, says: str) -> None:
+    # (each reply as redis-py's parser turns it into an exception; BUSY also comes through a real Redis in
+    # tests/api/test_result_inbox.py)
+    with pytest.raises(StoreBusy, match=says) as caught, translate_redis_errors():
+        raise BaseParser.parse_error(reply)
+    assert caught.value.retryable and caught.value.http_status == 503
+
+
+def test_an_error_reply_of_a_command_gone_wrong_passes_as_it_is(redis_server: EmbeddedRedis) -> None:
+    store = Store.connect(redis_server.url)
+    store.client.set("sits-test:a-string", "x")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"), translate_redis_errors():
+        store.client.lpush("sits-test:a-string", "y")
+    store.client.delete("sits-test:a-string")

@@ -174,6 +174,28 @@ def test_a_tenant_at_max_queued_gets_nothing_queued_until_one_of_its_requests_is
     assert (by_model["model"], by_model["failed"]) == (MODEL, 1)  # each arm's errors, on the tenant's bill
 
 
+def test_a_completion_the_script_skips_neither_frees_a_place_nor_bills_a_failure(store: Store) -> None:
+    submit(store, "r1", "acme", score=1, max_queued=1)
+    leased = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=1, max_items=1)
+    queues.reap_expired_leases(store, now=NOW + 5, max_attempts=5)  # the lease was lost: r1 waits again
+
+    late = requests.complete_requests(store, [RequestResult(leased[0], error="boom", code="bad_input")],
+                                      now=NOW + 5, keep_seconds=60, batch_size=1, worker="w")  # the first worker's
+
+    assert late == 0 and store.client.zcard(store.keys.tenant_queued("acme")) == 1  # r1 still holds its place
+    with pytest.raises(QueueAtLimit):
+        submit(store, "r2", "acme", score=2, max_queued=1)
+    [again] = queues.lease_batch(store, MODEL, now=NOW + 5, lease_seconds=30, max_items=1)
+    ok = RequestResult(again, outputs={"y": np.ones((1, 1), np.float32)})
+    assert requests.complete_requests(store, [ok], now=NOW + 6, keep_seconds=60, batch_size=1, worker="w") == 1
+    assert requests.complete_requests(store, [RequestResult(again, error="boom", code="bad_input")], now=NOW + 7,
+                                      keep_seconds=60, batch_size=1, worker="w") == 0  # a repeat: skipped
+    day = tenant_usage.day_number(NOW)
+    assert not store.client.hget(store.keys.tenant_bill("acme", day), "failed")  # no failure was answered
+    assert store.client.zcard(store.keys.tenant_queued("acme")) == 0 and requests.get_request(store, "r1")["status"] \
+        == "succeeded"
+
+
 def test_a_place_held_by_a_request_whose_record_expired_is_freed(store: Store) -> None:
     requests.submit_request(store, request("old", "acme"), score=1, now=NOW, max_age_seconds=60, tenant_max_queued=1)
 
