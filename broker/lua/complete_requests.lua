@@ -31,7 +31,8 @@
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
-local done, by_status, deadlines, taken = 0, {}, {}, {}
+local done, by_status, deadlines = 0, {}, {}
+local reply = {0}  -- (the count goes first once known; a table, as a batch may pass unpack's limit)
 local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
 local latency = {}  -- the histograms' increments, written once for the batch
 local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, queue_count = 0, queue_ns = 0,
@@ -41,7 +42,7 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
   local request, waiters = KEYS[10 + 2 * i], KEYS[11 + 2 * i]
   local held = redis.call('HEXISTS', KEYS[2], item_id) == 1 and not redis.call('ZSCORE', KEYS[5], item_id)
   if held then
-    taken[#taken + 1] = i
+    reply[#reply + 1] = i
     redis.call('ZREM', KEYS[1], item_id)
     redis.call('HDEL', KEYS[2], item_id)
     redis.call('HDEL', KEYS[3], item_id)
@@ -111,4 +112,5 @@ if done > 0 then
   end
   write_tally(KEYS[9], latency)
 end
-return {done, unpack(taken)}
+reply[1] = done
+return reply
