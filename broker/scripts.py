@@ -3,8 +3,8 @@
 Each script is one atomic operation (STYLE.md, "Redis and Lua"); its text is
 read once with `importlib.resources` and registered once per client, so
 every call is an EVALSHA of one stable SHA. A script cannot call another, so
-the helpers they share (`lib.lua`: the ticket check, the doorbell, the
-ticket top-up, `number_or`, the per-status job counts) are put in front of each script's text.
+the helpers they share (`lib.lua`: the ticket check, the doorbell, the ticket
+top-up, the job counts, the latency histograms, ...) are put in front of each script's text.
 """
 
 from __future__ import annotations
