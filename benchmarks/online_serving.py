@@ -55,23 +55,12 @@ from broker import requests as broker_requests  # noqa: E402
 from broker.config import Settings  # noqa: E402
 from broker.embedded import free_port  # noqa: E402
 from broker.requests import encode_array  # noqa: E402
-from broker.store import Store  # noqa: E402
 from sits_api.cli.stack import Stack, api_command  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
 STREAMS = 2  # worker threads (Celery threads pool) sharing one session per model
 ORT_THREADS = 1  # intra-op threads per session: two streams share the 2 cores
 NAIVE_CONCURRENCY = 4  # threads of the naive Celery worker
-
-
-def wait_until_answered(store: Store, request_id: str, *, timeout: float) -> None:
-    """Wait until the request has its result, for at most `timeout` seconds. A request sent with `wait`
-    has its result pushed to its API process's inbox, not to its own done list, so its record is polled."""
-    ends = time.monotonic() + timeout
-    while time.monotonic() < ends:
-        if broker_requests.get_request(store, request_id)["status"] not in ("queued", "running"):
-            return
-        time.sleep(0.002)
 
 
 def queued_name(model: str, batch: int) -> str:
@@ -608,7 +597,7 @@ def scenario_phase(stack: Stack, ordering: str, loads: list[Load], seconds: floa
                     continue
                 ids[index].append(body["id"])
                 if wait and status == 202:  # the API waits at most deadline_ms: wait for the rest here
-                    wait_until_answered(stack.store, body["id"], timeout=30)
+                    broker_requests.wait_for_request(stack.store, body["id"], timeout=30)
         except Exception:  # counted, not fatal
             errors[0] += 1
         finally:

@@ -203,10 +203,6 @@ class Keys:
         """HASH of one online request: fields, inputs until it runs, then outputs."""
         return self._key("req", request_id)
 
-    def request_done(self, request_id: str) -> str:
-        """LIST a waiter blocks on; one element is pushed when the request is done."""
-        return self._key("req", request_id, "done")
-
     def inbox(self, name: str) -> str:
         """LIST of the finished requests an API process waits for: one waiter thread there blocks on it for
         all of them (`sits_api/result_inbox.py`), instead of one blocking call per request."""

@@ -4,8 +4,8 @@ A request's tensors travel through Redis as text ("dtype;shape;base64", the
 clients are text-decoding), are merged into batches by the worker that leases them,
 and its outputs come back into the same hash. The finished request's fields are
 also pushed to whoever waits: the inbox of the API process that submitted it
-(`reply_to`, one list for all of that process's requests), or else the
-request's own `done` list, so no waiter polls.
+(`reply_to`, one list for all of that process's requests), so no waiter polls.
+A request nobody waits for keeps its result in its hash alone.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from broker.errors import Conflict, NotFound, SitsError
 from broker.held_calls import send_held
 from broker.queues import LeasedItem
 from broker.retries import failure_record
-from broker.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
+from broker.store import Store, translate_redis_errors
 from broker.tenant_usage import BILL_KEEP_SECONDS, day_number
 
 
@@ -106,7 +106,7 @@ class RequestSpec:
     lowest priority level (`broker.request_timeouts`); it still runs."""
     reply_to: str = ""
     """The inbox LIST (`keys.inbox`) the finished request's fields are pushed to, where its submitter's
-    process waits for it; '' for the request's own done list (`keys.request_done`)."""
+    process waits for it; '' when nobody waits (the result stays in the request's hash alone)."""
 
     @property
     def model_ref(self) -> str:
@@ -228,7 +228,7 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
                        "" if run_started is None else repr(run_started), run_rows]
     for result in results:
         request_id = result.item.payload["req"]
-        request_keys += [keys.request(request_id), result.item.payload.get("reply_to") or keys.request_done(request_id)]
+        request_keys += [keys.request(request_id), result.item.payload.get("reply_to") or keys.request(request_id)]
         outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
         factors = result.item.payload.get("factors") or {}
         args += [result.item.item_id, "failed" if result.error else "succeeded", orjson.dumps(outputs), result.error,
@@ -318,22 +318,24 @@ def record_from_fields(raw: Mapping[str, str]) -> dict[str, Any]:
     return result
 
 
-_BLOCK_SLICE_SECONDS = 2.0  # below redis-py's default socket timeout (5 s), so a long wait never trips it
+POLL_SECONDS = 0.002
+"""How often `wait_for_request` reads the request again."""
 
 
 def wait_for_request(store: Store, request_id: str, *, timeout: float,
                      clock: Any = time.monotonic) -> dict[str, Any] | None:
-    """Block until the request is done and return it as `get_request` would, or None after `timeout`.
+    """The request once it is done, as `get_request` reports it, or None if it is not within `timeout`;
+    NotFound for one unknown or expired.
 
-    The worker pushes the finished request's fields onto its done list, so the waiter gets the
-    result with the same call that woke it. One waiter per request (the submitter): the entry is
-    consumed; `get_request` reads the result any time later.
+    For scripts and tests that hold no inbox: it reads the request's hash every `POLL_SECONDS`. The
+    API's waiting calls get their results pushed to their process's inbox instead (`reply_to`).
     """
     ends = clock() + timeout
-    with translate_redis_errors():
-        while (left := ends - clock()) > 0:
-            block = min(left, _BLOCK_SLICE_SECONDS)
-            popped = store.client.blpop([store.keys.request_done(request_id)], timeout=max(block, MIN_BLOCK_SECONDS))
-            if popped is not None:
-                return record_from_fields(orjson.loads(popped[1]))
-    return None
+    while True:
+        record = get_request(store, request_id)
+        if record["status"] not in _NOT_DONE or clock() >= ends:
+            return None if record["status"] in _NOT_DONE else record
+        time.sleep(POLL_SECONDS)
+
+
+_NOT_DONE = ("queued", "running")

@@ -40,7 +40,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     under its model's queue policy (`broker.queue_policy`): QueueFull when its queue is full, and
     `timeout_ms`, the request's own timeout (v1 `timeout_ms`, v2 `timeout`), where the policy lets it;
     `ModelUnavailable` (503) when its model version's breaker is open on every live worker.
-    `reply_to` is the inbox its result is pushed to (`sits_api.result_inbox`), '' for its own list.
+    `reply_to` is the inbox its result is pushed to (`sits_api.result_inbox`), '' for none (its hash alone holds it).
     `tenant` is who it is billed to ('' for the owner), `max_queued` its tenant's cap on requests not
     answered yet (QueueFull beyond it; 0: none)."""
     record, mask = model_record(store, model)

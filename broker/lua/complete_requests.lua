@@ -15,9 +15,9 @@
 --           time (apart from KEYS[7], which a /metrics scrape reads whole: these grow with the sizes run)
 -- KEYS[9] latency buckets HASH the latency histograms of online requests by model and priority class
 --           (`broker.sla_metrics`): submit to result of those answered, submit to run start of those that ran
--- KEYS[10..] for each request in order: its HASH, then the LIST its waiter blocks on: the inbox of the
---           API process that waits for it, or its own done list. The finished request's fields go there
---           as one JSON object (with its id), so the waiter needs no second read)
+-- KEYS[10..] for each request in order: its HASH, then the inbox LIST of the API process that waits for
+--           it, where the finished request's fields go as one JSON object (with its id), so the waiter
+--           needs no second read; its HASH again when nobody waits (its result then stays in the HASH alone)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
 -- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run,
 -- ARGV[6] the requests' model ref (a batch is of one model), ARGV[7] when the run began ('' for none:
@@ -60,8 +60,10 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     for j = 1, #flat, 2 do
       fields[flat[j]] = flat[j + 1]
     end
-    redis.call('RPUSH', waiters, cjson.encode(fields))
-    redis.call('EXPIRE', waiters, ARGV[2])
+    if waiters ~= request then
+      redis.call('RPUSH', waiters, cjson.encode(fields))
+      redis.call('EXPIRE', waiters, ARGV[2])
+    end
     done = done + 1
     by_status[status] = (by_status[status] or 0) + 1
     local due = tonumber(fields['deadline_at'])

@@ -60,7 +60,6 @@ def test_each_waiting_request_gets_its_own_result_through_the_process_inbox(stor
     assert got == {f"r{n}": 2.0 * n for n in range(1, 9)}
     assert inbox.waiting() == 0
     assert store.client.llen(inbox.key) == 0  # drained
-    assert not any(store.client.exists(store.keys.request_done(f"r{n}")) for n in range(1, 9))
 
 
 def test_a_result_that_comes_after_its_waiter_gave_up_stays_readable(store: Store) -> None:
@@ -80,14 +79,15 @@ def test_a_result_that_comes_after_its_waiter_gave_up_stays_readable(store: Stor
     assert store.client.llen(inbox.key) == 0
 
 
-def test_a_request_nobody_waits_for_keeps_its_result_on_its_own_list(store: Store) -> None:
+def test_a_request_nobody_waits_for_keeps_its_result_in_its_hash_alone(store: Store) -> None:
     inbox = ResultInbox(store)
     with inbox.expecting("r1", wait=False) as answer:
         assert answer.reply_to == "" and answer.wait(1) is None  # (at once)
         requests.submit_request(store, spec("r1", answer.reply_to), score=1.0, now=time.time(), max_age_seconds=60)
     run_as_a_worker(store, 1)
 
-    assert store.client.llen(store.keys.request_done("r1")) == 1
+    assert list(store.client.scan_iter(match=store.keys.request("r1") + "*")) == [store.keys.request("r1")]
+    assert store.client.llen(inbox.key) == 0  # (no list holds the result again)
     assert requests.wait_for_request(store, "r1", timeout=1)["status"] == "succeeded"
 
 

@@ -140,9 +140,11 @@ class QueueMachine(RuleBasedStateMachine):
         name, _, version = model.partition("@")
         factors = Factors(level=level, est_latency_ms=5.0, enqueued_at=self.now)
         weights, ordering = policy.get_policy(self.store, default="dynamic")
-        spec = RequestSpec(request_id=f"r{len(self.request_ids)}", model_name=name, model_version=version,
+        request_id = f"r{len(self.request_ids)}"  # (its own inbox counts its results)
+        spec = RequestSpec(request_id=request_id, model_name=name, model_version=version,
                            inputs={"x": np.zeros((rows, 1), np.float32)}, rows=rows, tokens=None, bucket=bucket,
-                           factors=factors.to_dict(), **{action: self.now + after for action, after in timeout.items()})
+                           factors=factors.to_dict(), reply_to=self.store.keys.inbox(request_id),
+                           **{action: self.now + after for action, after in timeout.items()})
         waiting = self.store.keys.waiting_requests(model)
         try:
             requests.submit_request(self.store, spec, score=queue_key(factors, weights, ordering), now=self.now,
@@ -341,7 +343,7 @@ class QueueMachine(RuleBasedStateMachine):
         for request_id in self.request_ids:
             record = self.client.hgetall(keys.request(request_id))
             model = f"{record['model']}@{record['model_version']}"
-            finished = self.client.llen(keys.request_done(request_id))
+            finished = self.client.llen(keys.inbox(request_id))  # (each request's own, as submitted)
             places = [self.client.zscore(keys.ready(model), request_id) is not None,
                       self.client.zscore(keys.inflight(model), request_id) is not None,
                       request_id in dead, finished > 0]

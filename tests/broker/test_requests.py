@@ -75,7 +75,7 @@ def test_token_budget_counts_padded_tokens_and_merges_nearby_lengths(store: Stor
     assert [item.item_id for item in third] == ["r4"]
 
 
-def test_a_waiter_gets_the_finished_request_from_its_done_list(store: Store) -> None:
+def test_a_waiter_without_an_inbox_reads_the_finished_request_from_its_hash(store: Store) -> None:
     requests.submit_request(store, spec("r1"), score=1.0, now=NOW, max_age_seconds=60)
     [item] = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1)
     assert requests.wait_for_request(store, "r1", timeout=0.05) is None
