@@ -444,14 +444,13 @@ def extend_lease(store: Store, item: LeasedItem, ticket: str, *, now: float, lea
 
 def extend_leases(store: Store, items: Sequence[LeasedItem], ticket: str, *, now: float,
                   lease_seconds: float) -> None:
-    """Keep the leases of `items` (and `ticket`) alive, in one round trip; reaped ones stay reaped."""
+    """Keep the leases of `items` (and `ticket`) alive, in one call (`extend_leases.lua`): reaped ones stay
+    reaped, and one parked for a retry keeps its backoff's deadline."""
+    keys = store.keys
+    item_keys = [key for item in items for key in (keys.inflight(item.model_ref), keys.retrying(item.model_ref))]
     with translate_redis_errors():
-        pipe = store.client.pipeline(transaction=False)
-        for item in items:
-            pipe.zadd(store.keys.inflight(item.model_ref), {item.item_id: now + lease_seconds}, xx=True)
-        if ticket:
-            pipe.zadd(store.keys.tickets, {ticket: now}, xx=True)
-        pipe.execute()
+        store.scripts.extend_leases(keys=[keys.tickets, *item_keys],
+                                    args=[now + lease_seconds, now, ticket, *(item.item_id for item in items)])
 
 
 def return_unrun(store: Store, items: Sequence[LeasedItem]) -> int:

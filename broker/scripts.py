@@ -38,6 +38,7 @@ SCRIPT_NAMES = (
     "take_reaper_turn",
     "top_up_tickets",
     "release_ticket",
+    "extend_leases",
     "submit_request",
     "complete_requests",
     "rescore",

@@ -123,10 +123,15 @@ class BetweenBatches:
             if self._carried[0].payload.get("bucket") == feed_bucket(self._ctx, self._item.model_ref, feed)[0]:
                 carried, self._carried = self._carried, []
                 return carried
-            # another shape: they run as their own batch, first (the chunk's lease held meanwhile)
-            with self._ctx.lease_keeper.holding([self._item]):
-                run_requests(self._ctx, self._carried, self._ticket)
-            self._carried = []
+            # another shape: they run as their own batch, first (the chunk's lease held meanwhile); if that
+            # fails they are given back here, not run again by `finish`
+            carried, self._carried = self._carried, []
+            try:
+                with self._ctx.lease_keeper.holding([self._item]):
+                    run_requests(self._ctx, carried, self._ticket)
+            except Exception as err:
+                give_back(self._ctx, carried, err)
+                raise
         early = self._take_early()
         prompted = "announced" if early is not None else None if self._stale else self._look_prompted()
         if prompted is None:

@@ -75,19 +75,25 @@ def drain(ctx: WorkerContext, ticket: str) -> str:
             # before is in the snapshot, and where the snapshot holds none the lease passed none over, on this
             # model or another: only then does the chunk start from this count)
             bell_mark = ctx.request_bell.count()
-            snapshot = _without_open_breakers(ctx, _snapshot_after_psa(ctx))
+            looked = _snapshot_after_psa(ctx)
+            snapshot = _without_open_breakers(ctx, looked)
             heads = snapshot.heads
             if not heads:
                 idle_since = time.monotonic() if idle_since is None else idle_since
                 linger_left = settings.ticket_linger - (time.monotonic() - idle_since)
                 # Pending commits may still queue work (a job's last ack queues its finalize step)
-                # without topping tickets up: the ticket stays until they are done.
-                if linger_left > 0 or ctx.commits.pending():
+                # without topping tickets up: the ticket stays until they are done. So does work this
+                # worker's open breakers bar (the queues hold it, so the ticket cannot be released):
+                # the slot waits on the doorbell, not on a loop of looks, until a breaker half-opens.
+                barred_only = bool(looked.heads)
+                if linger_left > 0 or ctx.commits.pending() or barred_only:
                     touch = time.monotonic() - touched_at > settings.ticket_timeout / 4
                     touched_at = time.monotonic() if touch else touched_at
                     queues.wait_for_doorbell(ctx.store, ticket, now=time.time(), touch=touch,
                                              timeout=min(linger_left, _DOORBELL_SLICE_SECONDS)
                                              if linger_left > 0 else _DOORBELL_SLICE_SECONDS)
+                    if barred_only and time.monotonic() >= slice_ends:
+                        return "yield"
                 elif queues.release_ticket(ctx.store, ticket):
                     return "released"
                 elif time.monotonic() >= slice_ends:  # (work came in since the snapshot: look again, within
@@ -256,8 +262,8 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str) -> None:
 
 def _without_open_breakers(ctx: WorkerContext, snapshot: queues.QueueSnapshot) -> queues.QueueSnapshot:
     """The snapshot without the models whose breaker on this worker bars a lease now (`broker/breaker.py`):
-    to this worker their queues look empty, so its tickets linger and retire instead of spinning on
-    work only other workers may take."""
+    to this worker their queues look empty, so its slots wait on the doorbell instead of spinning on
+    work only other workers may take (or this one, once the breaker half-opens)."""
     now = time.time()
     barred = [ref for ref in snapshot.heads if not ctx.breakers.may_lease(ref, now=now)]
     if not barred:

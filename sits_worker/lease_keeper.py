@@ -99,3 +99,5 @@ class LeaseKeeper:
                 self.extend_due()
             except SitsError as err:  # Redis away: the next round tries again, the reaper decides meanwhile
                 log.warning("could not extend the leases of long runs: %s", err)
+            except Exception:  # (a keeper that died here would let every later long run lose its lease)
+                log.exception("could not extend the leases of long runs; trying again next round")

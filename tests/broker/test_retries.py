@@ -184,3 +184,27 @@ def test_a_mark_left_by_a_stopped_job_does_not_pass_its_next_lost_lease_off_as_a
 
     assert [item_id for _, item_id, _, _ in result.lost] == [item.item_id]
     assert store.client.zcard(store.keys.retrying(MODEL_REF)) == 0
+
+
+
+
+def test_extending_leases_moves_running_ones_and_the_ticket_but_not_a_parked_retry_or_a_reaped_one(
+        store: Store) -> None:
+    for index in range(3):
+        job_fills.create_job(store, job_spec(f"j{index}", rows_total=4, chunk_size=4), now=NOW)
+    running, parked, reaped = _lease_all(store, NOW).values()
+    [ticket] = queues.top_up_tickets(store, now=NOW, target=1)
+    retries.retry_later(store, parked, failure_class="device_oom", error="device out of memory", delays=[1.0],
+                        now=NOW + 5)  # may run again at NOW + 6
+
+    queues.extend_leases(store, [running, parked], ticket, now=NOW + 5.5, lease_seconds=30)  # (a keeper's beat)
+
+    assert inflight_deadlines(store) == {running.item_id: NOW + 35.5, parked.item_id: NOW + 6,
+                                         reaped.item_id: NOW + 30}
+    assert store.client.zscore(store.keys.tickets, ticket) == NOW + 5.5
+    result = queues.reap_expired_leases(store, now=NOW + 7, max_attempts=3)
+    assert result.returned == 1 and result.lost == []  # the retry, on time, and not taken for a lost lease
+    queues.reap_expired_leases(store, now=NOW + 31, max_attempts=3)  # `reaped`'s lease ran out
+    queues.extend_leases(store, [running, reaped], "", now=NOW + 32, lease_seconds=30)
+    assert inflight_deadlines(store) == {running.item_id: NOW + 62}  # a reaped lease stays reaped
+    assert set(ready_ids(store)) == {parked.item_id, reaped.item_id}

@@ -17,6 +17,7 @@ from broker.config import Settings
 from broker.errors import BadInput, InferenceTimeout
 from broker.requests import RequestSpec
 from broker.store import Store
+from sits_worker import drain_loop
 from sits_worker.context import WorkerContext
 from sits_worker.drain_loop import _without_open_breakers
 from sits_worker.leasing import lease
@@ -111,3 +112,25 @@ def test_an_open_breaker_leases_nothing_and_a_half_open_one_one_probe_at_a_time(
     assert ctx.breakers.breaker("mlp@v1").state == breaker.CLOSED
     _queue_requests(store, 1, first=len(probe))
     assert lease(ctx, "mlp@v1", t2)
+
+
+@pytest.mark.timeout(30)
+def test_a_slot_whose_only_work_its_breaker_bars_waits_on_the_doorbell_instead_of_spinning(
+        store: Store, zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings().with_overrides(scheduler={"ticket_time_slice": 1.0, "ticket_linger": 0.2}, breaker=BREAKER)
+    ctx = mlp_worker_context(store, zoo_dir, settings)
+    _queue_requests(store, 1)
+    now = time.time()
+    for _ in range(3):
+        ctx.breakers.note_run("mlp@v1", failed=True, error="device_oom: out of memory", now=now)
+    [ticket] = queues.top_up_tickets(store, now=now, target=1)
+    looks: list[float] = []
+    snapshot = ctx.queue_watcher.snapshot
+    monkeypatch.setattr(ctx.queue_watcher, "snapshot", lambda: looks.append(time.monotonic()) or snapshot())
+
+    began = time.monotonic()
+    outcome = drain_loop.drain(ctx, ticket)
+
+    assert outcome == "yield" and time.monotonic() - began < 3  # its slice over, the ticket goes round again
+    assert len(looks) <= 1 / drain_loop._DOORBELL_SLICE_SECONDS + 3, f"{len(looks)} looks in a 1 s slice"
+    assert store.client.zcard(store.keys.ready("mlp@v1")) == 1  # the request still waits, for a healthy worker
