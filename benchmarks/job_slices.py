@@ -21,9 +21,12 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker import job_fills, job_slices, job_stops, jobs  # noqa: E402
-from broker.embedded import EmbeddedRedis  # noqa: E402
-from broker.store import Store  # noqa: E402
+from broker.jobs import fills as job_fills  # noqa: E402
+from broker.jobs import records as jobs  # noqa: E402
+from broker.jobs import slices as job_slices  # noqa: E402
+from broker.jobs import stops as job_stops  # noqa: E402
+from broker.state.embedded import EmbeddedRedis  # noqa: E402
+from broker.state.store import Store  # noqa: E402
 
 
 def spec(job_id: str, chunks: int) -> jobs.JobSpec:

@@ -37,7 +37,7 @@ import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker.config import Settings  # noqa: E402
+from broker.config.settings import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 from sits_worker.runtime import session_options  # noqa: E402

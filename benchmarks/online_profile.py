@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.online_serving import INPUTS, CpuMeter, context_switches, payloads, sits_load  # noqa: E402
-from broker.config import Settings  # noqa: E402
+from broker.config.settings import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 

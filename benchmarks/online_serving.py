@@ -51,10 +51,10 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker import requests as broker_requests  # noqa: E402
-from broker.config import Settings  # noqa: E402
-from broker.embedded import free_port  # noqa: E402
-from broker.requests import encode_array  # noqa: E402
+from broker.config.settings import Settings  # noqa: E402
+from broker.online import requests as broker_requests  # noqa: E402
+from broker.online.requests import encode_array  # noqa: E402
+from broker.state.embedded import free_port  # noqa: E402
 from sits_api.cli.stack import Stack, api_command  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
@@ -701,7 +701,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here, for benchmarks/charts.py")
     parser.add_argument("--profile-mode", choices=("static", "full"), default="static",
                         help="how the load models (2./3.) are registered: full = measured profile, so their"
-                             " `auto` batching settings follow it (broker/batching.py)")
+                             " `auto` batching settings follow it (broker/online/batching.py)")
     args = parser.parse_args()
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     repeats = args.repeats or (1 if args.quick else 3)

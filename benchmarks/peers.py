@@ -111,8 +111,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.offline_job import CASES, SWEEP_ROWS, _register, bare_loop, system_run  # noqa: E402
 from benchmarks.online_serving import INPUTS, closed_loop  # noqa: E402
-from broker.config import Settings  # noqa: E402
-from broker.embedded import free_port  # noqa: E402
+from broker.config.settings import Settings  # noqa: E402
+from broker.state.embedded import free_port  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 from sits_worker.runtime import session_options  # noqa: E402

@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.online_serving import CpuMeter  # noqa: E402
-from broker.config import Settings  # noqa: E402
+from broker.config.settings import Settings  # noqa: E402
 from sits_api.cli.client import ApiClient, ApiError  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import LARGE_MODELS, build_zoo  # noqa: E402

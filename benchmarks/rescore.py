@@ -19,10 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker import job_fills, jobs, policy, queues  # noqa: E402
-from broker.embedded import EmbeddedRedis  # noqa: E402
-from broker.scoring import Weights  # noqa: E402
-from broker.store import Store  # noqa: E402
+from broker.jobs import fills as job_fills  # noqa: E402
+from broker.jobs import records as jobs  # noqa: E402
+from broker.queueing import (
+    policy,  # noqa: E402
+    queues,  # noqa: E402
+)
+from broker.queueing.scoring import Weights  # noqa: E402
+from broker.state.embedded import EmbeddedRedis  # noqa: E402
+from broker.state.store import Store  # noqa: E402
 
 
 def spec(job_id: str, rows: int) -> jobs.JobSpec:

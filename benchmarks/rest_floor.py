@@ -66,7 +66,7 @@ _hander: list[threading.Thread] = []
 
 
 def _redis() -> Any:
-    """This thread's own connection (as `broker.store.Store` holds one per thread)."""
+    """This thread's own connection (as `broker.state.store.Store` holds one per thread)."""
     client = getattr(_local, "redis", None)
     if client is None:
         import redis
@@ -161,8 +161,8 @@ def serve_rsgi(env: dict[str, str]) -> tuple[Any, str]:
     import subprocess
 
     from benchmarks.online_serving import ROOT, wait_until_serving
-    from broker.config import Settings
-    from broker.embedded import free_port
+    from broker.config.settings import Settings
+    from broker.state.embedded import free_port
 
     port, workers = free_port(), Settings().api.workers
     server = subprocess.Popen(
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
-    from broker.embedded import EmbeddedRedis
+    from broker.state.embedded import EmbeddedRedis
 
     with tempfile.TemporaryDirectory(prefix="sits-floor-") as tmp:
         redis_server = EmbeddedRedis(Path(tmp) / "redis", appendonly=False).start()

@@ -55,7 +55,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker.config import Settings  # noqa: E402
+from broker.config.settings import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
@@ -286,7 +286,7 @@ def predictor_round(stack: Stack, home: Path, rate: float, *, jobs: int, seed: i
 def rate_alerts(samples: list[dict[str, Any]], score: str, threshold: float = 0.5) -> dict[str, float]:
     """AUC over samples, precision over jobs alerted at `threshold`, median lead of the first alert of a
     missed job before its deadline."""
-    from broker.sla_predictor import auc
+    from broker.sla.predictor import auc
 
     by_job: dict[str, list[dict[str, Any]]] = {}
     for sample in samples:
@@ -362,7 +362,7 @@ def print_predictor_table(recorded: list[dict[str, Any]]) -> None:
 def calibration_line(stack: Stack) -> str:
     """What the stack's jobs taught admission: each model's factor, and each pair's relative to it (how much
     slower than on average a model's chunks ran beside another model, or alone)."""
-    from broker.admission import calibrations, contention
+    from broker.sla.admission import calibrations, contention
 
     client = stack.client()
     names = {client.get(f"/v1/models/{model}")["version"]: model for model in SIZES}

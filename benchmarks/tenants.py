@@ -30,9 +30,9 @@ import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker.apikeys import create_api_key  # noqa: E402
-from broker.config import Settings  # noqa: E402
-from broker.requests import encode_array  # noqa: E402
+from broker.config.settings import Settings  # noqa: E402
+from broker.online.requests import encode_array  # noqa: E402
+from broker.tenants.apikeys import create_api_key  # noqa: E402
 from sits_api.cli.client import ApiClient  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402

@@ -5,7 +5,7 @@ matter to the rest of the system: `RetryableError` (the same work may
 succeed later: connection lost, device out of memory, time-out) and
 `PermanentError` (retrying cannot help: bad input, unknown model). The API
 maps `http_status` to a response in one handler. Each class also names its
-`failure_class`, the row of the retry matrix it falls in (`broker/retry_policy.py`
+`failure_class`, the row of the retry matrix it falls in (`broker/failures/retry_policy.py`
 classifies every failure by it; docs/failures.md). Third-party exceptions are
 translated at the boundary (`raise DeviceOutOfMemory(...) from err`).
 """
@@ -159,7 +159,7 @@ class Cancelled(PermanentError):
 
 
 class DeadlineInfeasible(PermanentError):
-    """A job's deadline cannot be met with the work ahead of it (`broker/admission.py`)."""
+    """A job's deadline cannot be met with the work ahead of it (`broker/sla/admission.py`)."""
 
     http_status = 422
     code = "deadline_infeasible"

@@ -7,7 +7,7 @@ import sys
 
 from werkzeug.serving import make_server
 
-from broker.config_loading import load_settings
+from broker.config.loading import load_settings
 from sits_api.app import create_app
 
 

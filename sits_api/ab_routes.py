@@ -1,4 +1,4 @@
-"""The API's side of A/B routing (`broker/routing.py`): who a call is for, which version its bare model
+"""The API's side of A/B routing (`broker/models/routing.py`): who a call is for, which version its bare model
 name goes to, and the `/v1/routes` resources.
 
 A call's user is its `X-SITS-User` header, else its key's name; its group is its key's group, else its
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker import registry, routing
-from broker.apikeys import GROUP_PATTERN
 from broker.errors import BadInput
-from broker.routing import CallKind, RouteTable
-from broker.store import Store
+from broker.models import registry, routing
+from broker.models.routing import CallKind, RouteTable
+from broker.state.store import Store
+from broker.tenants.apikeys import GROUP_PATTERN
 
 USER_HEADER = "X-SITS-User"
 GROUP_HEADER = "X-SITS-Group"

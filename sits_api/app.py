@@ -16,14 +16,20 @@ from flask import Blueprint, Flask, Response, g, jsonify, request
 from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
-from broker import breaker, job_lists, job_stops, jobs, policy, queues, registry, requests, workers
-from broker.apikeys import authenticate, may_read, owns, require_role
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import BadInput, Forbidden, PayloadTooLarge, SitsError
-from broker.sla_task_sets import TaskSet
-from broker.store import Store
-from broker.tenant_settings import Tenant
-from broker.tenants import TenantTable
+from broker.failures import breaker
+from broker.jobs import lists as job_lists
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.models import registry
+from broker.online import requests
+from broker.queueing import policy, queues, workers
+from broker.sla.task_sets import TaskSet
+from broker.state.store import Store
+from broker.tenants.apikeys import authenticate, may_read, owns, require_role
+from broker.tenants.records import TenantTable
+from broker.tenants.settings import Tenant
 from sits_api import ab_routes, metrics, request_intake, services, sla, tenant_gate
 from sits_api.jsonio import OrjsonProvider, request_object
 from sits_api.openapi import openapi_document

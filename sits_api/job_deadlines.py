@@ -1,7 +1,7 @@
 """Deadlines of offline jobs at the API's edge: read the one a submit gives, and admit the job against it.
 
 `POST /v1/jobs` takes `deadline` (an RFC 3339 time) or `deadline_s` (seconds from now). A job with one
-is checked by deadline admission (`broker/admission.py`) under its model's `sla.admission` before
+is checked by deadline admission (`broker/sla/admission.py`) under its model's `sla.admission` before
 anything is queued, and queued to age from near its deadline (`scoring.deadline_order_time`).
 """
 
@@ -12,10 +12,12 @@ import math
 from datetime import datetime
 from typing import Any
 
-from broker import admission, jobs, scoring
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import BadInput
-from broker.store import Store
+from broker.jobs import records as jobs
+from broker.queueing import scoring
+from broker.sla import admission
+from broker.state.store import Store
 from sits_api.schemas import JobSubmission
 
 
@@ -38,7 +40,7 @@ def deadline_at(body: JobSubmission, *, now: float) -> float | None:
 def admitted(settings: Settings, store: Store, spec: jobs.JobSpec, model: dict[str, Any], *,
               weights: scoring.Weights, ordering: scoring.Ordering, now: float) -> jobs.JobSpec:
     """`spec` with its predicted finish and risk flag, once deadline admission let it in (it raises
-    DeadlineInfeasible otherwise: `broker/admission.py`)."""
+    DeadlineInfeasible otherwise: `broker/sla/admission.py`)."""
     due = float(spec.deadline_at or 0.0)  # (set: only jobs with a deadline come here)
     horizon = settings.sla.deadline_horizon
 

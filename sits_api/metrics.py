@@ -1,6 +1,6 @@
 """`GET /metrics`: the system's figures in the Prometheus exposition format.
 
-A custom `prometheus_client` collector reads them from Redis at each scrape (`broker.stats`): the API
+A custom `prometheus_client` collector reads them from Redis at each scrape (`broker.monitoring.stats`): the API
 runs several gunicorn processes (and maybe several replicas), so any counter kept in a process would
 be wrong, and every replica answers the same figures. Counts only: no job or request ids, owners,
 key names or the Redis URL. Labels are model names and versions, worker names and devices, and values of
@@ -23,15 +23,16 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
-from broker import breaker, tenants
-from broker.config import Settings
-from broker.failure_settings import FAILURE_CLASSES
-from broker.jobs import ACTIVE_STATUSES, FINAL_STATUSES
-from broker.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
-from broker.stats import SystemStats, read_stats
-from broker.store import Store, translate_redis_errors
-from broker.tenant_shares import decayed
-from broker.tenant_usage import read_usage
+from broker.config.settings import Settings
+from broker.failures import breaker
+from broker.failures.settings import FAILURE_CLASSES
+from broker.jobs.records import ACTIVE_STATUSES, FINAL_STATUSES
+from broker.monitoring.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
+from broker.monitoring.stats import SystemStats, read_stats
+from broker.state.store import Store, translate_redis_errors
+from broker.tenants import records as tenants
+from broker.tenants.shares import decayed
+from broker.tenants.usage import read_usage
 
 MODEL = ["model", "version"]
 WORKER = ["worker", "device"]
@@ -82,7 +83,7 @@ class SitsCollector:
         self._settings = settings
 
     def collect(self) -> Iterator[Metric]:
-        """The metric families, read now (`broker.stats.read_stats`)."""
+        """The metric families, read now (`broker.monitoring.stats.read_stats`)."""
         stats = read_stats(self._store, now=time.time(),
                            heartbeat_timeout=self._settings.scheduler.worker_heartbeat_timeout)
         yield from _queue_metrics(stats)
@@ -97,7 +98,7 @@ class SitsCollector:
 
 
 def _tenant_metrics(store: Store, stats: SystemStats, settings: Settings, *, now: float) -> Iterator[Metric]:
-    """Each tenant's device time and rows billed (`broker/tenant_usage.py`), its guaranteed share and the
+    """Each tenant's device time and rows billed (`broker/tenants/usage.py`), its guaranteed share and the
     most it may use (share x limit), and its share of the fleet's recent device time (decayed usage
     over every tenant's). The tenants are read at each scrape: two Redis calls, however many tenants."""
     half_life = settings.fair_share.usage_half_life
@@ -287,7 +288,7 @@ def _failure_metric(stats: SystemStats) -> Metric:
 
 def _request_time_metrics(stats: SystemStats) -> Iterator[Metric]:
     """Online request times and runs per model version, from the running totals the v2 statistics keep
-    (`broker.model_stats`): a summary's count and sum, so that a dashboard divides their rates."""
+    (`broker.monitoring.model_stats`): a summary's count and sum, so that a dashboard divides their rates."""
     latency = SummaryMetricFamily("sits_request_seconds", "Online requests answered, succeeded or failed, and "
                                   "their time from submit to result.", labels=MODEL)
     phases = SummaryMetricFamily("sits_request_phase_seconds", "The requests that ran, and their time by phase: "
@@ -321,7 +322,7 @@ _BOUNDS = [floatToGoString(bound) for bound in LATENCY_BUCKETS] + ["+Inf"]
 
 
 def _latency_histograms(stats: SystemStats) -> Iterator[Metric]:
-    """The latency histograms (`broker.sla_metrics`): cumulative buckets, sum and count, by model version
+    """The latency histograms (`broker.monitoring.sla_metrics`): cumulative buckets, sum and count, by model version
     and priority class (express, high, normal, low)."""
     families = {what: HistogramMetricFamily(name, text, labels=CLASS) for what, name, text in _HISTOGRAMS}
     for (model_ref, what, klass), histogram in sorted(stats.histograms.items()):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.policy import ORDERINGS, POLICY_RANGES
-from broker.routing import Route
-from broker.scoring import Weights
-from broker.sla_task_sets import TaskSet
-from broker.tenant_settings import Tenant
+from broker.models.routing import Route
+from broker.queueing.policy import ORDERINGS, POLICY_RANGES
+from broker.queueing.scoring import Weights
+from broker.sla.task_sets import TaskSet
+from broker.tenants.settings import Tenant
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}

@@ -12,13 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from broker import model_stats, policy, queue_policy, request_timeouts, requests
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import BadInput, QueueFull, RetryableError
-from broker.model_cache import API_RECORD_TTL_SECONDS, ModelRecordCache
-from broker.requests import RequestSpec
-from broker.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
-from broker.store import Store
+from broker.models.cache import API_RECORD_TTL_SECONDS, ModelRecordCache
+from broker.monitoring import model_stats
+from broker.online import queue_policy, requests
+from broker.online import timeouts as request_timeouts
+from broker.online.requests import RequestSpec
+from broker.queueing import policy
+from broker.queueing.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
+from broker.state.store import Store
 from sits_api.result_inbox import Answer
 from sits_api.task_sender import Dispatcher
 from sits_worker.model.padding import (
@@ -37,7 +40,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
            timeout_ms: float | None = None, reply_to: str = "", tenant: str = "",
            max_queued: int = 0) -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it,
-    under its model's queue policy (`broker.queue_policy`): QueueFull when its queue is full, and
+    under its model's queue policy (`broker.online.queue_policy`): QueueFull when its queue is full, and
     `timeout_ms`, the request's own timeout (v1 `timeout_ms`, v2 `timeout`), where the policy lets it;
     `ModelUnavailable` (503) when its model version's breaker is open on every live worker.
     `reply_to` is the inbox its result is pushed to (`sits_api.result_inbox`), '' for none (its hash alone holds it).
@@ -123,7 +126,7 @@ def queue_full(store: Store, record: dict[str, Any], spec: RequestSpec, full: re
 def wait_for_result(settings: Settings, store: Store, live_policy: policy.LivePolicy, answer: Answer,
                     spec: RequestSpec, *, seconds: float) -> dict[str, Any] | None:
     """The finished request, as `answer` brings it within `seconds`, else None. A request still waiting
-    at its timeout is dealt with then, whether workers are free or not (`broker.request_timeouts`):
+    at its timeout is dealt with then, whether workers are free or not (`broker.online.timeouts`):
     rejected, its failure is the answer at once; delayed, the wait goes on."""
     began = time.monotonic()
     timeout_at = spec.expires_at or spec.delay_at
@@ -147,7 +150,7 @@ _masks: dict[str, tuple[dict[str, Any], MaskSpec | None]] = {}
 
 
 def model_record(store: Store, ref: str) -> tuple[dict[str, Any], MaskSpec | None]:
-    """The registry record and padding spec of `ref`, kept a moment per process (`broker/model_cache.py`);
+    """The registry record and padding spec of `ref`, kept a moment per process (`broker/models/cache.py`);
     the spec is derived again only when the record is read again."""
     record = _RECORDS.get(store, ref)
     cached = _masks.get(ref)

@@ -26,10 +26,10 @@ from typing import Any
 
 import orjson
 
-from broker import requests
 from broker.errors import SitsError
-from broker.held_calls import send_held
-from broker.store import Store, translate_redis_errors
+from broker.online import requests
+from broker.state.held_calls import send_held
+from broker.state.store import Store, translate_redis_errors
 
 log = logging.getLogger(__name__)
 

@@ -18,28 +18,24 @@ from typing import Any
 
 import onnx
 
-from broker import (
-    admission,
-    chunking,
-    job_fills,
-    job_progress,
-    job_stops,
-    jobs,
-    output_dirs,
-    policy,
-    registry,
-    sla_metrics,
-    tenant_quotas,
-    tenant_usage,
-)
-from broker.apikeys import owns
-from broker.batching import Batching, resolve
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import BadInput, Conflict, DeadlineInfeasible, Forbidden, PathNotAllowed, QueueFull, RetryableError
-from broker.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
-from broker.store import Store
-from broker.tenant_settings import Tenant
-from broker.tenants import TenantTable
+from broker.jobs import chunking, output_dirs, tenant_quotas
+from broker.jobs import fills as job_fills
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.jobs.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
+from broker.models import registry
+from broker.monitoring import sla_metrics
+from broker.online.batching import Batching, resolve
+from broker.queueing import policy
+from broker.sla import admission
+from broker.state.store import Store
+from broker.tenants import usage as tenant_usage
+from broker.tenants.apikeys import owns
+from broker.tenants.records import TenantTable
+from broker.tenants.settings import Tenant
 from sits_api import ab_routes, job_deadlines, tenant_gate
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_api.task_sender import Dispatcher

@@ -2,17 +2,20 @@
 
 The one impure step: a task given as `model` and `rows` reads the model's
 registry record (its measured profile) and the job sizes the server would
-give it; everything else is `broker.sla_analysis`, pure.
+give it; everything else is `broker.sla.analysis`, pure.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from broker import chunking, policy, registry, sla_analysis
-from broker.config import Settings
-from broker.sla_task_sets import PeriodicTask, TaskSet, TaskSpec, given_task, model_cost, model_task
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import chunking
+from broker.models import registry
+from broker.queueing import policy
+from broker.sla import analysis as sla_analysis
+from broker.sla.task_sets import PeriodicTask, TaskSet, TaskSpec, given_task, model_cost, model_task
+from broker.state.store import Store
 
 
 def analyse_task_set(settings: Settings, store: Store, body: TaskSet) -> dict[str, Any]:

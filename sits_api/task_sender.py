@@ -8,10 +8,10 @@ from typing import Any
 
 from celery import Celery
 
-from broker import queues, workers
-from broker.breaker import BreakerView
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.failures.breaker import BreakerView
+from broker.queueing import queues, workers
+from broker.state.store import Store
 
 
 class Dispatcher:

@@ -1,7 +1,7 @@
 """The API's side of tenants: which tenant a call acts for, what its record lets it do, and the
 `/v1/tenants`, `/v1/keys` and `/v1/usage` resources.
 
-A key belongs to one tenant (`broker/apikeys.py`); a tenant's record (`broker/tenants.py`) may narrow
+A key belongs to one tenant (`broker/tenants/apikeys.py`); a tenant's record (`broker/tenants/records.py`) may narrow
 the models its keys use and cap its unanswered requests (`max_queued`) and active jobs
 (`max_inflight`). A tenant with no record has no caps and no share.
 """
@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from broker import apikeys, tenant_usage, tenants
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import BadInput, Forbidden, NotFound
-from broker.store import Store, translate_redis_errors
-from broker.tenant_settings import Tenant
-from broker.tenants import TenantTable
+from broker.state.store import Store, translate_redis_errors
+from broker.tenants import apikeys
+from broker.tenants import records as tenants
+from broker.tenants import usage as tenant_usage
+from broker.tenants.records import TenantTable
+from broker.tenants.settings import Tenant
 
 
 def tenant_of(identity: dict[str, Any]) -> str:

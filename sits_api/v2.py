@@ -6,7 +6,7 @@ with `inputs: [{name, shape, datatype, data}]`, its body compressed or not (`sit
 Triton's schedule-policy parameters are honoured as Triton reads them: `priority` (1 the most
 urgent, larger numbers less so, 0 the default; `sits_level` maps it onto SITS's 16 levels) and
 `timeout` (microseconds: the request's tolerable delay, which orders the queue, and its timeout under
-its model's queue policy, `broker.queue_policy`: by default, as Triton enforces it, a request no worker
+its model's queue policy, `broker.online.queue_policy`: by default, as Triton enforces it, a request no worker
 has taken by then is not run but fails as timed out), as is SITS's `user_tier` (vip, premium or free,
 as in v1). Errors use the protocol's `{"error": "..."}`; a full queue's is a 429 with `Retry-After`.
 Tensors travel as JSON or, as tritonclient sends them by default, in Triton's binary tensor data
@@ -26,13 +26,17 @@ from typing import Any
 import numpy as np
 from flask import Blueprint, Response, g, jsonify, request
 
-from broker import model_stats, policy, queue_policy, registry, requests, workers
-from broker.apikeys import require_role
-from broker.batching import Batching
-from broker.config import ModelBatching, Settings
+from broker.config.settings import Settings
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
-from broker.requests import RequestSpec
-from broker.store import Store
+from broker.models import registry
+from broker.monitoring import model_stats
+from broker.online import queue_policy, requests
+from broker.online.batching import Batching
+from broker.online.requests import RequestSpec
+from broker.online.settings import ModelBatching
+from broker.queueing import policy, workers
+from broker.state.store import Store
+from broker.tenants.apikeys import require_role
 from sits_api import ab_routes, request_intake, services, tenant_gate, v2_binary
 from sits_api.content_encoding import request_body
 from sits_api.jsonio import parse_object
@@ -43,7 +47,7 @@ v2 = Blueprint("v2", __name__)
 
 EXTENSIONS = ("binary_tensor_data", "schedule_policy", "model_configuration", "statistics")
 """The Triton protocol extensions `GET /v2` names: binary tensors (`sits_api.v2_binary`), the
-`priority` and `timeout` parameters, `.../config` and `.../stats` (`broker.model_stats`)."""
+`priority` and `timeout` parameters, `.../config` and `.../stats` (`broker.monitoring.model_stats`)."""
 
 def _ctx() -> dict[str, Any]:
     from flask import current_app
@@ -130,7 +134,7 @@ def model_ready(name: str, version: str | None = None) -> Any:
 @v2.get("/v2/models/<name>/versions/<version>/stats")
 def model_statistics(name: str | None = None, version: str | None = None) -> Any:
     """Triton's statistics extension: every registered model version's online request statistics
-    (`broker.model_stats`), or one model's versions, or one version. They count every tenant's
+    (`broker.monitoring.model_stats`), or one model's versions, or one version. They count every tenant's
     requests, so, as GET /metrics, `metrics` keys and admins read them. (A model named 'stats' keeps
     its metadata at `.../versions/{v}`: `/v2/models/stats` is this route, as in Triton.)"""
     require_role(g.identity, "metrics")

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from broker.errors import BadInput
-from broker.scoring import SLA_WEIGHTS
-from broker.store import Store
+from broker.queueing.scoring import SLA_WEIGHTS
+from broker.state.store import Store
 from sits_api import request_intake, v2_binary
 from sits_api.v2_binary import BinaryData
 from sits_worker.model.tensors import check_buildable, exact_numbers

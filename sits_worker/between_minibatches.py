@@ -49,9 +49,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from broker import job_stops, queues
 from broker.errors import Cancelled, RetryableError
-from broker.queues import LeasedItem, StaleTicket
+from broker.jobs import stops as job_stops
+from broker.queueing import queues
+from broker.queueing.queues import LeasedItem, StaleTicket
 from sits_worker.context import WorkerContext
 from sits_worker.leasing import batch_cost, batch_need, feed_bucket, lease, lease_riders
 from sits_worker.request_runs import give_back, run_requests

@@ -19,8 +19,8 @@ from typing import Any
 
 from celery import Celery
 
-from broker.config import Settings
-from broker.config_loading import load_settings
+from broker.config.loading import load_settings
+from broker.config.settings import Settings
 from broker.errors import ConfigError
 
 

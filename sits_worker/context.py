@@ -23,15 +23,16 @@ from typing import Any
 
 import numpy as np
 
-from broker import breaker, oom_ceiling, reservation
-from broker.batching import Batching, resolve
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import DeviceOutOfMemory
-from broker.ledger import MemoryLedger
-from broker.model_cache import WORKER_RECORD_TTL_SECONDS, ModelRecordCache
-from broker.queues import QueueWatcher
-from broker.retry_policy import classify, describe
-from broker.store import Store
+from broker.failures import breaker
+from broker.failures.retry_policy import classify, describe
+from broker.memory import oom_ceiling, reservation
+from broker.memory.ledger import MemoryLedger
+from broker.models.cache import WORKER_RECORD_TTL_SECONDS, ModelRecordCache
+from broker.online.batching import Batching, resolve
+from broker.queueing.queues import QueueWatcher
+from broker.state.store import Store
 from sits_worker.chunk_commits import Commits
 from sits_worker.devices import Device, device_memory
 from sits_worker.fair_share import FairShare
@@ -96,13 +97,13 @@ class WorkerContext:
     model_records: ModelRecordCache = field(default_factory=lambda: ModelRecordCache(WORKER_RECORD_TTL_SECONDS))
     """Registry records kept a moment: the hot path reads one on every batch."""
     jitter: random.Random = field(default_factory=random.Random)
-    """Draws the jitter of retry backoffs (`broker/retry_policy.py`): unseeded, so workers differ."""
+    """Draws the jitter of retry backoffs (`broker/failures/retry_policy.py`): unseeded, so workers differ."""
     faults: FaultInjector | None = None
     """The faults this worker injects into its own work (`faults` in the settings); None: none."""
     breakers: breaker.BreakerBoard = field(init=False)
-    """This worker's circuit breakers, one per model version it ran (`broker/breaker.py`)."""
+    """This worker's circuit breakers, one per model version it ran (`broker/failures/breaker.py`)."""
     ceilings: oom_ceiling.Ceilings = field(init=False)
-    """The batch ceilings device OOMs taught this worker, by model version (`broker/oom_ceiling.py`)."""
+    """The batch ceilings device OOMs taught this worker, by model version (`broker/memory/oom_ceiling.py`)."""
     oom_steps: collections.Counter[str] = field(default_factory=collections.Counter)
     """What this worker did after its device OOMs since it started: 'halve', 'offload', 'fail' -> times."""
     usage: UsageMeter = field(init=False)
@@ -158,7 +159,7 @@ class WorkerContext:
 
     def batching(self, model_ref: str) -> Batching:
         """The batching settings of a model version: the configuration's, with its `auto` values from
-        the measured profile (`broker/batching.py`), resolved again when the record is re-read."""
+        the measured profile (`broker/online/batching.py`), resolved again when the record is re-read."""
         return self._derive(model_ref)[1]
 
     def _derive(self, model_ref: str) -> tuple[dict[str, Any], Batching, bool]:
@@ -194,7 +195,7 @@ class WorkerContext:
             session: Any = None) -> list[np.ndarray]:
         """Run one batch of `model_ref` (on `session` when given, looked up once per chunk); on device
         OOM, halved down to one row, then on the CPU when the fallback strategy says so (`_run_fitting`).
-        The run's outcome counts on this worker's breaker of the model (`broker/breaker.py`): a failure
+        The run's outcome counts on this worker's breaker of the model (`broker/failures/breaker.py`): a failure
         of the device's class against it, a success for it; a bad input neither (it is the client's).
         Its time is billed to the tenants of the thread's `usage.billing` scope."""
         self.model(model_ref)  # (a Redis error reading the record is not the device's: read it first)

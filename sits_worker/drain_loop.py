@@ -15,25 +15,22 @@ import logging
 import time
 from collections.abc import Mapping
 
-from broker import admission as deadline_admission
-from broker import (
-    job_fills,
-    job_lists,
-    job_progress,
-    job_stops,
-    jobs,
-    policy,
-    queues,
-    request_timeouts,
-    requests,
-    reservation,
-    retries,
-)
 from broker.errors import RunFailed
-from broker.queues import StaleTicket
-from broker.retry_policy import retry_delays
-from broker.store import Store
-from broker.wakeup import SendTicket, wake_workers
+from broker.failures import retries
+from broker.failures.retry_policy import retry_delays
+from broker.jobs import fills as job_fills
+from broker.jobs import lists as job_lists
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.memory import reservation
+from broker.online import requests
+from broker.online import timeouts as request_timeouts
+from broker.queueing import policy, queues
+from broker.queueing.queues import StaleTicket
+from broker.queueing.wakeup import SendTicket, wake_workers
+from broker.sla import admission as deadline_admission
+from broker.state.store import Store
 from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item
@@ -261,7 +258,7 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str) -> None:
 
 
 def _without_open_breakers(ctx: WorkerContext, snapshot: queues.QueueSnapshot) -> queues.QueueSnapshot:
-    """The snapshot without the models whose breaker on this worker bars a lease now (`broker/breaker.py`):
+    """The snapshot without the models whose breaker on this worker bars a lease now (`broker/failures/breaker.py`):
     to this worker their queues look empty, so its slots wait on the doorbell instead of spinning on
     work only other workers may take (or this one, once the breaker half-opens)."""
     now = time.time()

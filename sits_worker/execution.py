@@ -22,12 +22,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from broker import job_progress, job_stops, jobs, quarantine, queues, retries
-from broker.config import JobSettings
 from broker.errors import BadInput, Cancelled, SitsError
-from broker.queues import LeasedItem
-from broker.registry import split_model_ref
-from broker.retry_policy import classify, describe, retry_delays
+from broker.failures import quarantine, retries
+from broker.failures.retry_policy import classify, describe, retry_delays
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.jobs.settings import JobSettings
+from broker.models.registry import split_model_ref
+from broker.queueing import queues
+from broker.queueing.queues import LeasedItem
 from sits_worker.context import WorkerContext
 from sits_worker.model.source import check_unchanged
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part
@@ -138,9 +142,9 @@ def _tolerant(keep_alive: Callable[[], None]) -> Callable[[], None]:
 
 
 def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
-    """What a failed job item leaves behind, by the retry matrix (`broker/retry_policy.py`): its
+    """What a failed job item leaves behind, by the retry matrix (`broker/failures/retry_policy.py`): its
     failure is recorded by class on its job, and while the class has retries left the item waits out
-    its backoff in Redis ('retry', `broker/retries.py`); else its job fails with the error, and its
+    its backoff in Redis ('retry', `broker/failures/retries.py`); else its job fails with the error, and its
     other items leave their queue ('failed').
     'dropped': the item was no longer this worker's (reaped, or its job stopped).
     A chunk that stopped because its job was stopped (`Cancelled`) is no failure of its own: it leaves
@@ -233,7 +237,7 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
 
 class ChunkRows:
     """One chunk's outputs as its mini-batches run, and its quarantined rows (docs/failures.md,
-    "Bad-row quarantine"): a run or a read that fails as BadInput is bisected (`broker.quarantine`)
+    "Bad-row quarantine"): a run or a read that fails as BadInput is bisected (`broker.failures.quarantine`)
     until each bad row failed alone; every other row gets its outputs, each bad row the fill value.
     More bad rows than the job's `jobs.max_bad_rows` is a BadInput naming them: the job fails."""
 

@@ -1,6 +1,6 @@
 """The fair-share order a worker's leases follow: which tenant's work goes first, which one waits.
 
-Each lease asks `FairShare.lease_option` for the order of the tenants (`broker.tenant_shares.fair_order`:
+Each lease asks `FairShare.lease_option` for the order of the tenants (`broker.tenants.shares.fair_order`:
 usage over guaranteed share, lowest first; past `guaranteed_share * limit` of the fleet, held) and
 hands it to `lease_batch.lua`, which weighs the first `fair_share.window` waiting items by it. The
 tenants' usage is read from Redis at most every `fair_share.usage_refresh` (after this worker's own
@@ -25,12 +25,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from broker import tenant_usage, workers
-from broker.config import Settings
-from broker.jobs import active_job_tenants
-from broker.store import Store
-from broker.tenant_shares import TenantShare, Usage, fair_order
-from broker.tenants import TenantTable
+from broker.config.settings import Settings
+from broker.jobs.records import active_job_tenants
+from broker.queueing import workers
+from broker.state.store import Store
+from broker.tenants import usage as tenant_usage
+from broker.tenants.records import TenantTable
+from broker.tenants.shares import TenantShare, Usage, fair_order
 from sits_worker.usage_meter import UsageMeter
 
 ABSENT_SECONDS = 0.5

@@ -5,7 +5,7 @@ out-of-memory is the `DeviceOutOfMemory` that ONNX Runtime's allocation failure 
 raised in `WorkerContext.run` on the device session only (so halving and `cpu-offload-on-oom`
 apply as to a real one); a failing row is the `BadInput` of a run ONNX Runtime refused; a Redis
 drop closes the thread's real connection and makes its next calls fail to connect
-(`Store.drop_connection`). The decisions are `broker/faults.py`'s, drawn from one random generator
+(`Store.drop_connection`). The decisions are `broker/failures/faults.py`'s, drawn from one random generator
 seeded by `faults.seed`. A worker whose name `faults.workers` does not match injects none.
 """
 
@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from broker import faults as decide
 from broker.errors import BadInput, DeviceOutOfMemory, InferenceTimeout, InvalidModel, SitsError, StorageUnavailable
-from broker.failure_settings import FaultSettings
-from broker.store import Store
+from broker.failures import faults as decide
+from broker.failures.settings import FaultSettings
+from broker.state.store import Store
 
 log = logging.getLogger(__name__)
 

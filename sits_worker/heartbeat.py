@@ -1,7 +1,7 @@
 """The worker's heartbeat: every two seconds, what this process is and holds, into Redis.
 
 `sitsctl status`, `/v1/status`, `/metrics` and the v2 readiness read the heartbeats
-(`broker/workers.py`); the same loop writes the latency profiles this process observed
+(`broker/queueing/workers.py`); the same loop writes the latency profiles this process observed
 (`sits_worker/observed_profiles.py`). It runs on a thread of its own beside the pool, so a busy
 stream slot never delays it, and a Redis that is away only costs a logged warning per beat.
 """
@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from broker import workers
+from broker.queueing import workers
 from sits_worker.context import WorkerContext
 
 log = logging.getLogger(__name__)

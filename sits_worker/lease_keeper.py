@@ -23,10 +23,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from broker import queues
 from broker.errors import SitsError
-from broker.queues import LeasedItem
-from broker.store import Store
+from broker.queueing import queues
+from broker.queueing.queues import LeasedItem
+from broker.state.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from broker import breaker, queues, reservation
-from broker.batching import Batching
-from broker.chunking import FALLBACK_BATCH_ROWS
-from broker.ledger import Claim
+from broker.failures import breaker
+from broker.jobs.chunking import FALLBACK_BATCH_ROWS
+from broker.memory import reservation
+from broker.memory.ledger import Claim
+from broker.online.batching import Batching
+from broker.queueing import queues
 from sits_worker.context import WorkerContext
 from sits_worker.model.padding import max_sequence, shape_bucket
 

@@ -2,7 +2,7 @@
 
 A thread reads the memory every `degrade.sample_interval` (`WorkerContext.memory_reading`: NVML on
 a GPU, the process's resident memory on a CPU, the injected faults on top), keeps the readings of
-the last `degrade.window`, and moves the worker's step as `broker/degrade.py` decides. The leases
+the last `degrade.window`, and moves the worker's step as `broker/failures/degrade.py` decides. The leases
 read the step on every call (`lease_classes`, `lowest_level`); the heartbeat carries `info()` to
 `/v1/status` and `/metrics`. Every change of step is logged.
 """
@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from broker import degrade, policy
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.failures import degrade
+from broker.queueing import policy
+from broker.state.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class MemoryWatch:
 
     @property
     def step(self) -> int:
-        """The worker's degrade step now (`broker.degrade.NORMAL` when watching is off)."""
+        """The worker's degrade step now (`broker.failures.degrade.NORMAL` when watching is off)."""
         return self._state.step
 
     def lease_classes(self) -> dict[str, Any] | None:

@@ -25,9 +25,9 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
-from broker import registry
 from broker.errors import SitsError
-from broker.store import Store
+from broker.models import registry
+from broker.state.store import Store
 
 log = logging.getLogger(__name__)
 

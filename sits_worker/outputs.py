@@ -31,9 +31,9 @@ from typing import IO, Any, TypeVar
 
 import numpy as np
 
-from broker import quarantine
 from broker.errors import BadInput, Conflict, FileMissing, SitsError
-from broker.output_layout import (
+from broker.failures import quarantine
+from broker.jobs.output_layout import (
     MANIFEST_NAME,
     PARTS_DIR,
     QUARANTINE_NAME,

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from broker import registry
 from broker.errors import DeviceOutOfMemory, SitsError
+from broker.models import registry
 from sits_worker.context import WorkerContext
 from sits_worker.model.graph import operator_histogram
 from sits_worker.runtime import build_session, run_session
@@ -55,10 +55,10 @@ def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 
     are those past the first whose one warm-up run takes over a third of the budget.
 
     Each size is timed in `passes` rounds (`PROFILE_PASSES`), each of a share of its budget: 3 to 50
-    runs in all. A job's `auto` batch size is chosen from these points (`broker/chunking.py`), so a
+    runs in all. A job's `auto` batch size is chosen from these points (`broker/jobs/chunking.py`), so a
     size measured in a slow second must not lose to one measured in a fast one.
 
-    `p99_ms` is what schedulability analysis takes as a batch's worst case (`broker/sla_analysis.py`):
+    `p99_ms` is what schedulability analysis takes as a batch's worst case (`broker/sla/analysis.py`):
     of the 3 to 50 runs timed, it lies close to the slowest one.
     """
     feeds: dict[int, dict[str, np.ndarray]] = {}

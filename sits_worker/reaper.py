@@ -6,7 +6,7 @@ ran on the worker's threads pool, whose threads are the stream slots, so while e
 every worker ran a long batch, a dead worker's expired leases waited for one of those batches to
 end. So every worker process runs the pass on a thread of its own, started at `worker_ready` beside
 the heartbeat, like the lease keeper's thread; its Redis commands go on a connection of its own
-(`broker.store.Store` holds one per thread).
+(`broker.state.store.Store` holds one per thread).
 
 With several workers, one pass per `scheduler.reap_interval` is enough: a worker passes only while
 it holds the turn (`workers.take_reaper_turn`), which it renews at each tick and which lasts
@@ -27,10 +27,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from broker import workers
 from broker.errors import SitsError
-from broker.store import Store
-from broker.wakeup import SendTicket
+from broker.queueing import workers
+from broker.queueing.wakeup import SendTicket
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.drain_loop import reap
 

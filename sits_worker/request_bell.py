@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 
 from redis.client import PubSub
 
-from broker.store import Store
+from broker.state.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ their tensors concatenate (token requests padded to the longest, when the
 model declares a mask) and every request's rows come out exactly as if it
 ran alone. A job's mini-batch is just one more entry of such a batch: its
 rows first, the riders' after, one `session.run` for all. A merged run that
-fails permanently is bisected (`broker.quarantine.isolate_bad_rows`): only
+fails permanently is bisected (`broker.failures.quarantine.isolate_bad_rows`): only
 the bad requests fail, with their own error, in about log2(n) runs each.
 """
 
@@ -20,12 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from broker import quarantine, queues, requests, retries
 from broker.errors import BadInput, InferenceTimeout, PermanentError, SitsError
-from broker.queues import LeasedItem
-from broker.requests import RequestResult
-from broker.retry_policy import classify, describe, retry_delays
-from broker.scoring import rows_to_fill as rows_to_fill_by_profile
+from broker.failures import quarantine, retries
+from broker.failures.retry_policy import classify, describe, retry_delays
+from broker.online import requests
+from broker.online.requests import RequestResult
+from broker.queueing import queues
+from broker.queueing.queues import LeasedItem
+from broker.queueing.scoring import rows_to_fill as rows_to_fill_by_profile
 from sits_worker.context import WorkerContext
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
 from sits_worker.usage_meter import Work
@@ -67,7 +69,7 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
 
 
 def _settle_failed_run(ctx: WorkerContext, items: Sequence[LeasedItem], err: Exception) -> list[RequestResult]:
-    """Requests whose run failed, by the retry matrix (`broker/retry_policy.py`), their failure recorded:
+    """Requests whose run failed, by the retry matrix (`broker/failures/retry_policy.py`), their failure recorded:
     those with retries left in the failure's class wait out its backoff in Redis; the results of the
     others, failed with the error. When Redis itself is away, `err` goes on up: the leases expire."""
     failure_class = classify(err)

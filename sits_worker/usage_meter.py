@@ -2,9 +2,9 @@
 
 A run is billed inside a `billing` scope that names the work in it (each tenant's rows, requests and
 queue time): `WorkerContext.run` adds every run's measured seconds to the scope of its thread, and
-the scope's end splits them over its tenants by rows (`broker.tenant_shares.attribute`, exact: the
+the scope's end splits them over its tenants by rows (`broker.tenants.shares.attribute`, exact: the
 parts sum to the seconds measured). Parts wait in memory and go to Redis in one call
-(`broker.tenant_usage.note_usage`) at most every `fair_share.usage_refresh`, so a run costs no extra
+(`broker.tenants.usage.note_usage`) at most every `fair_share.usage_refresh`, so a run costs no extra
 round trip. A scope that finds a flush due wakes this meter's flusher thread to write it, so no
 request waits for a bill before its result is stored; the drain loop's fair-share order and the
 heartbeat flush what waits too.
@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from broker import tenant_usage
-from broker.store import Store
-from broker.tenant_shares import attribute
-from broker.tenant_usage import BillEntry
+from broker.state.store import Store
+from broker.tenants import usage as tenant_usage
+from broker.tenants.shares import attribute
+from broker.tenants.usage import BillEntry
 
 log = logging.getLogger(__name__)
 

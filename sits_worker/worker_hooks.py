@@ -13,9 +13,9 @@ from typing import Any
 
 from celery import signals
 
-from broker import workers
 from broker.errors import ConfigError
-from broker.startup_heap import freeze_startup_heap
+from broker.queueing import workers
+from broker.state.startup_heap import freeze_startup_heap
 from sits_worker.context import existing_worker_context, worker_context
 from sits_worker.devices import gpu_problem
 from sits_worker.heartbeat import Heartbeat
@@ -78,7 +78,7 @@ def _start_reaper(sender: Any = None, **_: Any) -> None:
 
 @signals.worker_ready.connect
 def _freeze_startup_heap(**_: Any) -> None:
-    """Keep what the worker made while it started out of Python's full collections (`broker/startup_heap.py`).
+    """Keep what the worker made while it started out of Python's full collections (`broker/state/startup_heap.py`).
     Connected after the threads' hooks, so it runs once they are up."""
     frozen = freeze_startup_heap()
     log.info("froze %d objects made at start-up (out of full garbage collections)", frozen)

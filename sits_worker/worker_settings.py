@@ -17,8 +17,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from broker.config import Settings
-from broker.config_loading import load_settings
+from broker.config.loading import load_settings
+from broker.config.settings import Settings
 from broker.errors import ConfigError
 from sits_worker.devices import Device
 

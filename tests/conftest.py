@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker.embedded import EmbeddedRedis
-from broker.keys import Keys
-from broker.store import Store
+from broker.state.embedded import EmbeddedRedis
+from broker.state.keys import Keys
+from broker.state.store import Store
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
-from broker import job_fills, job_progress, jobs, queues
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker import outputs
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import Settings
+from broker.config.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("broker", "sits_worker", "sits_api")
@@ -38,7 +38,7 @@ def test_the_package_layers_hold() -> None:
 
 @pytest.mark.parametrize(("module", "line", "contract"), [
     ("sits_api/app.py", "import sits_worker.runtime", "the API imports of the worker only its light model package"),
-    ("broker/keys.py", "import celery", "broker is the core"),
+    ("broker/state/keys.py", "import celery", "broker is the core"),
     ("sits_worker/runtime.py", "import sits_api.jsonio", "the worker never imports the API"),
     ("sits_worker/model/graph.py", "import sits_worker.tasks", "the light model package imports no Celery"),
 ])

@@ -33,7 +33,7 @@ def sits_home(environ: Mapping[str, str] | None = None) -> Path:
     that config records its URLs), else `~/.sits`."""
     env = os.environ if environ is None else environ
     if not env.get("SITS_HOME") and env.get("SITS_CONFIG"):
-        from broker.config_loading import load_settings  # (pydantic and yaml: only when a config is named)
+        from broker.config.loading import load_settings  # (pydantic and yaml: only when a config is named)
 
         return load_settings(environ=env).paths.home
     return Path(env.get("SITS_HOME") or "~/.sits").expanduser()

@@ -19,7 +19,7 @@ import numpy as np
 from rich.console import Console
 from rich.markup import escape
 
-from broker.config_loading import load_settings
+from broker.config.loading import load_settings
 from broker.errors import SitsError
 from sits_api.cli.client import ApiClient
 from sits_api.cli.progress import wait_for_job

@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
-from broker.config_loading import load_settings
+from broker.config.loading import load_settings
 from sits_api.cli.client import ApiClient, segment
 from sits_api.cli.output import console, print_error, print_json, print_table
 from sits_api.cli.params import DEADLINE, JOB_ID_ARGUMENT, SHAPE

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.table import Table
 
-from broker.config import MAX_CONCURRENT_STREAMS, Settings
-from broker.config_loading import load_settings
+from broker.config.loading import load_settings
+from broker.config.settings import Settings
 from broker.errors import ConnectionLost, SitsError
+from broker.memory.settings import MAX_CONCURRENT_STREAMS
 from sits_api.cli.client import ApiClient, ApiError, recorded, segment, stack_runs
 from sits_api.cli.job_commands import job
 from sits_api.cli.output import console, print_error, print_json, print_table
@@ -31,7 +32,7 @@ from sits_api.cli.sla_commands import sla
 from sits_api.cli.usage_commands import usage
 
 if TYPE_CHECKING:
-    from broker.store import Store
+    from broker.state.store import Store
     from sits_api.cli.stack import Stack
 
 MAX_WORKERS = 64
@@ -85,7 +86,7 @@ def _stack_settings(config_path: Path | None) -> tuple[Settings, Path | None]:
 def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[str, Store]:
     """The Redis URL to use and a `Store` on it, checked to answer: SITS_REDIS_URL (or redis.url), else
     the Redis the `sitsctl up` of this SITS_HOME runs (it records it in `$SITS_HOME/redis-url`)."""
-    from broker.store import Store
+    from broker.state.store import Store
 
     if settings.redis.url and not recorded_by_up:  # named: a worker's Celery waits for it to come up (compose)
         return settings.redis.url, Store.connect(settings.redis.url, settings.redis.key_prefix)
@@ -243,7 +244,7 @@ def _print_breakers(breakers: list[dict[str, Any]]) -> None:
 
 
 def _request_statistics(client: ApiClient) -> Table | None:
-    """Online requests served per model version, from the v2 statistics (`broker.model_stats`); None for a
+    """Online requests served per model version, from the v2 statistics (`broker.monitoring.model_stats`); None for a
     key that may not read them (they count every tenant's requests: admin and metrics keys only), and for
     an API that has none (a release before them), whose other figures `status` still shows."""
     try:
@@ -326,7 +327,7 @@ def key_create(name: str, role: str, tenant: str, group: str, config_path: Path 
     """Create an API key and print it once (only its digest is stored)."""
     import redis
 
-    from broker.apikeys import create_api_key
+    from broker.tenants.apikeys import create_api_key
 
     settings, stack_config = _stack_settings(config_path)
     redis_url, store = _stack_redis(settings, recorded_by_up=stack_config is not None)

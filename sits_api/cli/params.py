@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from broker.jobs import JOB_ID_PATTERN as JOB_ID  # every job id the API makes: 'j' and 12 hex digits
-from broker.units import parse_duration
+from broker.jobs.records import JOB_ID_PATTERN as JOB_ID  # every job id the API makes: 'j' and 12 hex digits
+from broker.setting_types import parse_duration
 
 
 class ShapeType(click.ParamType):

@@ -2,7 +2,7 @@
 
 Each child runs in a session of its own (Ctrl-C reaches only `sitsctl`, which stops the children in
 order) and, on Linux, gets SIGTERM when the process that started it dies, even by SIGKILL
-(`broker.embedded.die_with_parent`), so a killed `sitsctl up` leaves nothing running.
+(`broker.state.embedded.die_with_parent`), so a killed `sitsctl up` leaves nothing running.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.embedded import die_with_parent
+from broker.state.embedded import die_with_parent
 
 
 @dataclass

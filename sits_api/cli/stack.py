@@ -25,12 +25,12 @@ from typing import IO
 
 import yaml
 
-from broker import workers
-from broker.apikeys import create_api_key
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis, free_port
+from broker.config.settings import Settings
 from broker.errors import ConfigError, SitsError
-from broker.store import Store
+from broker.queueing import workers
+from broker.state.embedded import EmbeddedRedis, free_port
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.cli.client import ApiClient, ApiError, stack_lock
 from sits_api.cli.processes import Child, RestartBudget, describe_exit, stop_process, wait_for_exit
 

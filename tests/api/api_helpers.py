@@ -8,9 +8,9 @@ from typing import Any
 from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
 
 
 class Api:

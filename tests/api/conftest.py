@@ -18,10 +18,10 @@ from flask import Flask
 from flask.testing import FlaskClient
 from werkzeug.serving import make_server
 
-from broker.apikeys import create_api_key
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 
 

@@ -13,9 +13,9 @@ import pytest
 from api_helpers import Api, error_of
 from flask.testing import FlaskClient
 
-from broker.apikeys import create_api_key
-from broker.routing import ROUTES_TTL_SECONDS
-from broker.store import Store
+from broker.models.routing import ROUTES_TTL_SECONDS
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_worker.model.zoo import build_model
 
 FEATURES = {"features": [[0.5] * 64]}

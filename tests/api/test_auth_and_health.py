@@ -15,11 +15,11 @@ from flask.testing import FlaskClient
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker import workers
-from broker.config import Settings
-from broker.embedded import free_port
-from broker.keys import Keys
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.queueing import workers
+from broker.state.embedded import free_port
+from broker.state.keys import Keys
+from broker.state.store import Store
 from sits_api.app import create_app
 
 # --- auth -------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def test_a_wrong_key_answers_401_saying_where_keys_come_from(client: FlaskClient
 
 
 def test_a_key_whose_record_is_damaged_answers_401_not_500(client: FlaskClient, store: Store) -> None:
-    from broker.apikeys import _digest
+    from broker.tenants.apikeys import _digest
 
     store.client.hset(store.keys.api_keys, _digest("sits_damaged"), "not json")
     response = client.get("/v1/status", headers={"Authorization": "Bearer sits_damaged"})
@@ -243,8 +243,8 @@ def test_status_of_an_empty_system_lists_nothing(api: Api) -> None:
 def test_the_policy_body_is_documented_with_every_key_and_range_the_server_accepts(client: FlaskClient) -> None:
     from dataclasses import fields
 
-    from broker.policy import ORDERINGS, POLICY_RANGES
-    from broker.scoring import Weights
+    from broker.queueing.policy import ORDERINGS, POLICY_RANGES
+    from broker.queueing.scoring import Weights
 
     schema = client.get("/openapi.json").get_json()["paths"]["/v1/policy"]["put"]["requestBody"]["content"][
         "application/json"]["schema"]

@@ -14,11 +14,12 @@ import pytest
 from api_helpers import Api, error_of
 from test_metrics import samples, value
 
-from broker import queues, requests, workers
-from broker.config import Settings
-from broker.queue_policy import MAX_RETRY_AFTER
-from broker.requests import RequestResult
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.online import requests
+from broker.online.queue_policy import MAX_RETRY_AFTER
+from broker.online.requests import RequestResult
+from broker.queueing import queues, workers
+from broker.state.store import Store
 from sits_api.app import create_app
 
 ROW = [0.5] * 64

@@ -12,10 +12,10 @@ from typing import Any
 from api_helpers import Api
 from click.testing import CliRunner
 
-from broker import workers
-from broker.breaker import BreakerBoard
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.failures.breaker import BreakerBoard
+from broker.queueing import workers
+from broker.state.store import Store
 
 ROW = [0.5] * 64
 WORKERS = ("w1@host", "w2@host")

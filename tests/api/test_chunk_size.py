@@ -11,9 +11,11 @@ import pytest
 from api_helpers import Api, error_of
 from flask.testing import FlaskClient
 
-from broker import chunking, registry, workers
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import chunking
+from broker.models import registry
+from broker.queueing import workers
+from broker.state.store import Store
 from sits_api.app import create_app
 
 ROWS = 20_000

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from broker.embedded import free_port
+from broker.state.embedded import free_port
 from sits_api.cli.main import cli
 
 SUBMIT = ["job", "submit", "--model", "mlp", "--input-batch", "in.bin", "--output-dir", "out"]
@@ -150,10 +150,10 @@ def test_a_stack_whose_redis_has_a_user_key_of_its_admin_key_s_name_says_so(
     (names are tenants, one role each) stops it with a message, before anything is started."""
     import uuid
 
-    from broker.apikeys import create_api_key
-    from broker.config import Settings
+    from broker.config.settings import Settings
     from broker.errors import ConfigError
-    from broker.store import Store
+    from broker.state.store import Store
+    from broker.tenants.apikeys import create_api_key
     from sits_api.cli.stack import Stack
 
     prefix = "t" + uuid.uuid4().hex[:10]

@@ -14,8 +14,8 @@ import pytest
 from api_helpers import Api
 from click.testing import CliRunner, Result
 
-from broker import jobs
-from broker.embedded import free_port
+from broker.jobs import records as jobs
+from broker.state.embedded import free_port
 from sits_api.cli.main import cli
 from sits_api.cli.params import JOB_ID
 
@@ -48,7 +48,7 @@ def test_an_id_that_cannot_be_a_job_s_is_refused_before_any_http_call(command: t
 
 
 def test_every_id_the_broker_makes_is_a_job_id_to_the_cli() -> None:
-    """The CLI's pattern is a copy of broker.jobs.new_job_id's format: they must not drift apart."""
+    """The CLI's pattern is a copy of broker.jobs.records.new_job_id's format: they must not drift apart."""
     made = {jobs.new_job_id() for _ in range(500)}
 
     assert all(JOB_ID.fullmatch(job_id) for job_id in made), sorted(made)[:5]
@@ -81,7 +81,7 @@ def test_job_commands_against_the_api_name_the_job_not_a_missing_url(
 def test_status_shows_the_requests_served_to_an_admin_key_and_leaves_them_out_for_a_user_key(
         served_api: str, admin_key: str, store: Any) -> None:
     """They count every tenant's requests (GET /v2/models/stats: admin and metrics keys)."""
-    from broker.apikeys import create_api_key
+    from broker.tenants.apikeys import create_api_key
 
     as_admin = sitsctl("status", api_url=served_api, api_key=admin_key)
     as_user = sitsctl("status", api_url=served_api, api_key=create_api_key(store, "bob", "user"))
@@ -99,8 +99,9 @@ def test_status_shows_each_version_s_request_figures(served_api: str, admin_key:
 
     import numpy as np
 
-    from broker import queues, requests
-    from broker.requests import RequestResult, RequestSpec
+    from broker.online import requests
+    from broker.online.requests import RequestResult, RequestSpec
+    from broker.queueing import queues
 
     ref, now = mlp["ref"], time.time()
     for request_id, rows, created in (("a", 3, now - 0.5), ("b", 1, now - 0.25), ("late", 1, now - 0.875)):

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker.embedded import free_port
+from broker.state.embedded import free_port
 from sits_api.cli.client import ApiClient, ApiError
 
 BODY_CHARS = 16 * 2**20  # more than loopback socket buffers hold, so the client is still sending when the server closes

@@ -21,10 +21,10 @@ from api_helpers import Api, error_of, make_settings, queued_items
 from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
-from broker.apikeys import create_api_key
-from broker.embedded import EmbeddedRedis
 from broker.errors import BadInput, PayloadTooLarge
-from broker.store import Store
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 from sits_api.content_encoding import CHUNK_BYTES, MAX_GZIP_MEMBERS, decompress
 

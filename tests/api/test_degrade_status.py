@@ -11,9 +11,9 @@ from typing import Any
 from api_helpers import Api
 from click.testing import CliRunner
 
-from broker import workers
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.queueing import workers
+from broker.state.store import Store
 from sits_worker.memory_watch import MemoryWatch
 
 GIB = 2**30

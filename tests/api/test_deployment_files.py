@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from broker.config_loading import load_settings
+from broker.config.loading import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "ops" / "kubernetes"

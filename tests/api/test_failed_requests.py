@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 from api_helpers import Api
 
-from broker import errors, queues, requests
-from broker.requests import RequestResult
-from broker.store import Store
+from broker import errors
+from broker.online import requests
+from broker.online.requests import RequestResult
+from broker.queueing import queues
+from broker.state.store import Store
 
 ONE_ROW = [[0.5] * 64]
 

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
-from broker.apikeys import create_api_key
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis, free_port
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.state.embedded import EmbeddedRedis, free_port
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.cli.client import ApiClient, ApiError
 from sits_api.cli.stack import api_command
 from sits_api.gunicorn_worker import error_message

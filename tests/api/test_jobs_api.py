@@ -14,11 +14,13 @@ import redis
 from api_helpers import Api, error_of, make_settings, queued_items
 from flask.testing import FlaskClient
 
-from broker import job_progress, jobs, queues
-from broker.apikeys import create_api_key
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.queueing import queues
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 from sits_worker import outputs
 
@@ -653,7 +655,8 @@ def test_of_jobs_racing_for_one_folder_only_the_last_to_claim_it_stays(
     """A claim held by a job not created yet is free to take: here another submit claims the folder
     between this one's claim and its job's creation. This job, created, finds it lost the folder:
     it is stopped and the answer is 409; the other keeps it."""
-    from broker import job_fills, output_dirs
+    from broker.jobs import fills as job_fills
+    from broker.jobs import output_dirs
 
     out = str((tmp_path / "shared").resolve())
     create_job = job_fills.create_job

@@ -20,16 +20,23 @@ from flask.testing import FlaskClient
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import job_fills, job_lists, job_progress, job_stops, jobs, queues, requests, retries, workers
-from broker.apikeys import create_api_key
-from broker.breaker import BreakerBoard
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis
-from broker.failure_settings import BreakerSettings
-from broker.ledger import MemoryLedger
-from broker.requests import RequestResult
-from broker.sla_metrics import LATENCY_BUCKETS
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.failures import retries
+from broker.failures.breaker import BreakerBoard
+from broker.failures.settings import BreakerSettings
+from broker.jobs import fills as job_fills
+from broker.jobs import lists as job_lists
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.memory.ledger import MemoryLedger
+from broker.monitoring.sla_metrics import LATENCY_BUCKETS
+from broker.online import requests
+from broker.online.requests import RequestResult
+from broker.queueing import queues, workers
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 
 ONE_ROW = [[0.5] * 64]

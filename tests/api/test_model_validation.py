@@ -16,9 +16,9 @@ import redis
 from api_helpers import Api, error_of
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis
+from broker.config.settings import Settings
 from broker.errors import SitsError
+from broker.state.embedded import EmbeddedRedis
 from sits_worker.model.graph import dtype_name
 from sits_worker.model.servable import CARRIED_DTYPE_KINDS, check_servable
 from sits_worker.model.tensors import InputSpec

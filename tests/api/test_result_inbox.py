@@ -9,11 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from broker import queues, requests
-from broker.embedded import EmbeddedRedis
 from broker.errors import StoreBusy
-from broker.requests import RequestResult, RequestSpec
-from broker.store import Store
+from broker.online import requests
+from broker.online.requests import RequestResult, RequestSpec
+from broker.queueing import queues
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
 from sits_api.result_inbox import Delivery, ResultInbox
 
 MODEL = "mlp@v1"

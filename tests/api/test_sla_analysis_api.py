@@ -13,10 +13,10 @@ import yaml
 from api_helpers import Api, error_of
 from click.testing import CliRunner, Result
 
-from broker import chunking
-from broker.apikeys import create_api_key
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import chunking
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.cli.main import cli
 from sits_api.cli.sla_commands import NOT_FEASIBLE_EXIT
 from sits_worker import profiler

@@ -18,12 +18,12 @@ from click.testing import CliRunner
 from flask import Flask
 from flask.testing import FlaskClient
 
-from broker import tenant_usage
-from broker.apikeys import create_api_key
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis
-from broker.store import Store
-from broker.tenant_usage import BillEntry
+from broker.config.settings import Settings
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants import usage as tenant_usage
+from broker.tenants.apikeys import create_api_key
+from broker.tenants.usage import BillEntry
 from sits_api.app import create_app
 from sits_api.cli.main import cli
 

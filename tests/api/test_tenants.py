@@ -22,9 +22,10 @@ from api_helpers import Api, error_of
 from click.testing import CliRunner
 from flask.testing import FlaskClient
 
-from broker import registry, requests
-from broker.apikeys import create_api_key, owns
-from broker.store import Store
+from broker.models import registry
+from broker.online import requests
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key, owns
 from sits_api.cli.main import cli
 from sits_worker.model.zoo import build_model
 

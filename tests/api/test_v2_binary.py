@@ -15,9 +15,9 @@ import pytest
 from api_helpers import Api, error_of, make_settings, queued_items
 from werkzeug.test import TestResponse
 
-from broker.apikeys import create_api_key
-from broker.embedded import EmbeddedRedis
-from broker.store import Store
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 from sits_api.v2_binary import HEADER_LENGTH, BinaryData
 from sits_api.v2_requests import parse_infer_request

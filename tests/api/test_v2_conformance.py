@@ -14,9 +14,9 @@ import rapidjson  # what tritonclient parses answers with
 from api_helpers import Api, error_of
 from flask import Flask
 
-from broker import workers
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.queueing import workers
+from broker.state.store import Store
 from sits_api.app import create_app
 from sits_api.v2 import _answer
 from sits_api.v2_requests import InferRequest, sits_level
@@ -143,7 +143,8 @@ def test_a_request_a_worker_took_within_its_timeout_is_answered_when_its_run_end
     at once and completes it 0.4 s later, past the request's 0.1 s timeout."""
     import threading
 
-    from broker import queues, requests
+    from broker.online import requests
+    from broker.queueing import queues
 
     ref = f"mlp@{mlp['version']}"
     done = threading.Event()

@@ -15,9 +15,9 @@ from api_helpers import Api, error_of, make_settings
 from flask import Flask
 from flask.testing import FlaskClient
 
-from broker.apikeys import create_api_key
-from broker.embedded import EmbeddedRedis
-from broker.store import Store
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 
 

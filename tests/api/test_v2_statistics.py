@@ -10,11 +10,12 @@ import numpy as np
 from api_helpers import Api, error_of
 from flask.testing import FlaskClient
 
-from broker import queues, requests
-from broker.apikeys import create_api_key
 from broker.errors import InferenceTimeout
-from broker.requests import RequestResult, RequestSpec
-from broker.store import Store
+from broker.online import requests
+from broker.online.requests import RequestResult, RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 
 ZERO = {"count": 0, "ns": 0}
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from broker import job_progress, jobs
-from broker.queues import LeasedItem
-from broker.store import Store
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.queueing.queues import LeasedItem
+from broker.state.store import Store
 
 NOW = 1_800_000_000.0
 """A fixed, realistic 'now' (2027); tests advance it instead of sleeping."""

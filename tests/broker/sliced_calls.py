@@ -8,8 +8,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from broker import job_slices, jobs
-from broker.store import Store
+from broker.jobs import records as jobs
+from broker.jobs import slices as job_slices
+from broker.state.store import Store
 
 SLICE = 3
 """Items a sliced call takes in these tests, so that a few chunks take several calls."""

@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 from broker_helpers import NOW
 
-from broker import queues, requests
-from broker.batching import FALLBACK_MAX_BATCH_SIZE, MAX_AUTO_DELAY, Batching, resolve
-from broker.config import ConfigError, ModelBatching
-from broker.config_loading import load_settings
-from broker.requests import RequestSpec
-from broker.store import Store
+from broker.config.loading import load_settings
+from broker.errors import ConfigError
+from broker.online import requests
+from broker.online.batching import FALLBACK_MAX_BATCH_SIZE, MAX_AUTO_DELAY, Batching, resolve
+from broker.online.requests import RequestSpec
+from broker.online.settings import ModelBatching
+from broker.queueing import queues
+from broker.state.store import Store
 
 
 def record(points: list[tuple[int, float]], source: str = "measured", device: str = "cpu") -> dict:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from broker import breaker, workers
-from broker.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerBoard, BreakerView, ModelUnavailable
-from broker.failure_settings import BreakerSettings
-from broker.store import Store
+from broker.failures import breaker
+from broker.failures.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerBoard, BreakerView, ModelUnavailable
+from broker.failures.settings import BreakerSettings
+from broker.queueing import workers
+from broker.state.store import Store
 
 NOW = 1_800_000_000.0
 SETTINGS = BreakerSettings(failure_rate=0.1, window=60.0, min_runs=10, cool_down=30.0)

@@ -9,8 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker import jobs
-from broker.chunking import (
+from broker.config.loading import load_settings
+from broker.config.settings import Settings
+from broker.errors import ConfigError
+from broker.jobs import records as jobs
+from broker.jobs.chunking import (
     FALLBACK_BATCH_ROWS,
     FALLBACK_CHUNK_ROWS,
     MAX_CHUNKS_PER_JOB,
@@ -21,9 +24,6 @@ from broker.chunking import (
     least_chunk_size,
     profiled_rows_per_second,
 )
-from broker.config import Settings
-from broker.config_loading import load_settings
-from broker.errors import ConfigError
 
 MiB = 1024**2
 

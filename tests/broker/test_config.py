@@ -8,10 +8,10 @@ from typing import get_args
 import pytest
 from pydantic import BaseModel
 
-from broker.config import Settings
-from broker.config_loading import load_settings
+from broker.config.loading import load_settings
+from broker.config.settings import Settings
 from broker.errors import ConfigError
-from broker.units import parse_duration, parse_size
+from broker.setting_types import parse_duration, parse_size
 
 
 def write_config(tmp_path: Path, text: str) -> Path:

@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 from broker_helpers import NOW, job_spec
 
-from broker import degrade, job_fills, queues, requests
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import ConfigError
-from broker.failure_settings import DegradeSettings
-from broker.requests import RequestSpec
-from broker.scoring import Factors, Weights, queue_key
-from broker.store import Store
+from broker.failures import degrade
+from broker.failures.settings import DegradeSettings
+from broker.jobs import fills as job_fills
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.queueing.scoring import Factors, Weights, queue_key
+from broker.state.store import Store
 
 MODEL = "mlp@v1"
 SETTINGS = DegradeSettings(jitter_threshold=0.1, window=10, sample_interval=1, step_interval=5, calm_for=10)

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker import apikeys, registry
-from broker.embedded import EmbeddedRedis, find_redis_server, free_port
 from broker.errors import ConfigError, ConnectionLost, Forbidden, ModelNotFound, Unauthorized
-from broker.store import Store
+from broker.models import registry
+from broker.state.embedded import EmbeddedRedis, find_redis_server, free_port
+from broker.state.store import Store
+from broker.tenants import apikeys
 
 
 def process_exists(pid: int) -> bool:
@@ -376,7 +377,7 @@ def test_the_server_stops_when_the_process_that_started_it_is_killed(tmp_path: P
 
     if not sys.platform.startswith("linux"):
         pytest.skip("PR_SET_PDEATHSIG is Linux's")
-    script = ("import sys, time; from pathlib import Path; from broker.embedded import EmbeddedRedis; "
+    script = ("import sys, time; from pathlib import Path; from broker.state.embedded import EmbeddedRedis; "
               "server = EmbeddedRedis(Path(sys.argv[1]), appendonly=False).start(); "
               "print(server.process.pid, flush=True); time.sleep(120)")
     launcher = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "redis")], stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""Deadline admission's arithmetic (`broker/finish_prediction.py`) and a deadline's place in the queue
+"""Deadline admission's arithmetic (`broker/jobs/finish_prediction.py`) and a deadline's place in the queue
 (`scoring.deadline_order_time`), the Lua re-score included.
 
 Times are plain numbers from `NOW`: the functions take the clock as an argument.
@@ -12,9 +12,8 @@ import math
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec
 
-from broker import job_fills, policy
-from broker.admission import blocking
-from broker.finish_prediction import (
+from broker.jobs import fills as job_fills
+from broker.jobs.finish_prediction import (
     CHUNK_OVERHEAD_SECONDS,
     EXACT_CHUNKS,
     Fleet,
@@ -25,9 +24,11 @@ from broker.finish_prediction import (
     sla_risk,
     work_seconds,
 )
-from broker.jobs import job_factors
-from broker.scoring import Factors, Weights, deadline_order_time, queue_key
-from broker.store import Store
+from broker.jobs.records import job_factors
+from broker.queueing import policy
+from broker.queueing.scoring import Factors, Weights, deadline_order_time, queue_key
+from broker.sla.admission import blocking
+from broker.state.store import Store
 
 
 def test_work_is_rows_at_the_models_speed_plus_a_fixed_cost_per_chunk() -> None:
@@ -179,8 +180,8 @@ def test_a_models_calibration_follows_its_jobs_real_over_foreseen_run_times_with
 
 def test_a_reaper_pass_without_deadline_jobs_prunes_ended_jobs_from_the_active_index(store: Store) -> None:
     """No job with a deadline is active, so the pass reads only a page of the index and drops what ended."""
-    from broker import admission
-    from broker.config import Settings
+    from broker.config.settings import Settings
+    from broker.sla import admission
 
     for job_id in ("jdone", "jlive"):
         job_fills.create_job(store, job_spec(job_id, rows_total=2, chunk_size=1), now=NOW)

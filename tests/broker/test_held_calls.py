@@ -1,4 +1,4 @@
-"""Commands sent on a thread's own connection (`broker/held_calls.py`): the same replies and errors as
+"""Commands sent on a thread's own connection (`broker/state/held_calls.py`): the same replies and errors as
 redis-py's own calls, and redis-py's call where the fast way cannot go."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from broker.held_calls import send_held
-from broker.store import Store
+from broker.state.held_calls import send_held
+from broker.state.store import Store
 
 
 def test_replies_are_the_raw_replies_of_each_command_in_order(store: Store) -> None:

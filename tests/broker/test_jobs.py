@@ -11,10 +11,16 @@ from broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_field, j
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker import job_fills, job_lists, job_progress, job_stops, jobs, output_dirs, queues
 from broker.errors import Conflict, JobNotFound
-from broker.scoring import Weights, queue_key
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.jobs import lists as job_lists
+from broker.jobs import output_dirs
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.queueing import queues
+from broker.queueing.scoring import Weights, queue_key
+from broker.state.store import Store
 
 
 def finish_job(store: Store, job_id: str, *, now: float) -> None:

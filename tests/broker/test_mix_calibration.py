@@ -10,10 +10,14 @@ import json
 import pytest
 from broker_helpers import NOW, job_spec
 
-from broker import admission, job_fills, job_progress, queues, registry, workers
-from broker.config import Settings
-from broker.finish_prediction import CHUNK_OVERHEAD_SECONDS, Work
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import progress as job_progress
+from broker.jobs.finish_prediction import CHUNK_OVERHEAD_SECONDS, Work
+from broker.models import registry
+from broker.queueing import queues, workers
+from broker.sla import admission
+from broker.state.store import Store
 
 ROWS_PER_SECOND = 100.0
 """The profile of the model in these tests: 0.01 s a row, so a 50-row chunk is foreseen at 0.5 s."""

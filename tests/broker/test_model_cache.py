@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from broker import registry
 from broker.errors import ModelNotFound
-from broker.model_cache import ModelRecordCache
-from broker.store import Store
+from broker.models import registry
+from broker.models.cache import ModelRecordCache
+from broker.state.store import Store
 
 RECORD = {"name": "m", "version": "v1", "ref": "m@v1", "path": "/nowhere.onnx", "signature": {}}
 

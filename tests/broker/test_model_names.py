@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from broker import registry
 from broker.errors import Forbidden
-from broker.store import Store
+from broker.models import registry
+from broker.state.store import Store
 
 ALICE = {"name": "alice", "role": "user"}
 BOB = {"name": "bob", "role": "user"}

@@ -1,11 +1,11 @@
 """Device OOM's pure decisions: halve, then offload or fail; the learnt batch ceiling and its decay;
-what the ledger learns of a row's need (`broker/oom_ceiling.py`, `MemoryLedger.learn_oom`)."""
+what the ledger learns of a row's need (`broker/memory/oom_ceiling.py`, `MemoryLedger.learn_oom`)."""
 
 from __future__ import annotations
 
-from broker import oom_ceiling
-from broker.ledger import MemoryLedger
-from broker.oom_ceiling import Ceiling, Ceilings, after_oom, halves, lowered, pieces
+from broker.memory import oom_ceiling
+from broker.memory.ledger import MemoryLedger
+from broker.memory.oom_ceiling import Ceiling, Ceilings, after_oom, halves, lowered, pieces
 
 MiB = 2**20
 

@@ -6,8 +6,9 @@ import dataclasses
 
 from broker_helpers import NOW, job_spec
 
-from broker import job_fills, job_lists
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.jobs import lists as job_lists
+from broker.state.store import Store
 
 
 def store_jobs_without_owner_indexes(store: Store, created: list[float], owners: list[str],

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from broker_helpers import NOW
 
-from broker import policy, queues, requests
-from broker.requests import RequestSpec
-from broker.scoring import Factors, Weights, psa_jump_level, queue_key
-from broker.store import Store
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import policy, queues
+from broker.queueing.scoring import Factors, Weights, psa_jump_level, queue_key
+from broker.state.store import Store
 
 MODEL = "mlp@v1"
 

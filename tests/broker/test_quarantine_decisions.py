@@ -1,4 +1,4 @@
-"""The bisection decision of bad-row quarantine (`broker/quarantine.py`), without a model: a fake run
+"""The bisection decision of bad-row quarantine (`broker/failures/quarantine.py`), without a model: a fake run
 that fails on the ranges holding a bad row."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.quarantine import (
+from broker.failures.quarantine import (
     bad_row_limit,
     entry_line,
     fill_value,

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from broker_helpers import NOW
 
-from broker import policy, queues, request_timeouts, requests
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import ConfigError, InferenceTimeout
-from broker.queue_policy import (
+from broker.online import requests
+from broker.online import timeouts as request_timeouts
+from broker.online.queue_policy import (
     MAX_RETRY_AFTER,
     QueuePolicy,
     policy_for,
@@ -21,9 +22,10 @@ from broker.queue_policy import (
     retry_after_seconds,
     seconds_per_request,
 )
-from broker.requests import QueueAtLimit, RequestSpec
-from broker.scoring import Factors, Weights, queue_key
-from broker.store import Store
+from broker.online.requests import QueueAtLimit, RequestSpec
+from broker.queueing import policy, queues
+from broker.queueing.scoring import Factors, Weights, queue_key
+from broker.state.store import Store
 
 MODEL = "mlp@v1"
 

@@ -33,25 +33,22 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from broker import (
-    job_fills,
-    job_lists,
-    job_progress,
-    job_stops,
-    jobs,
-    policy,
-    queues,
-    request_timeouts,
-    requests,
-    retries,
-)
-from broker.embedded import EmbeddedRedis
 from broker.errors import Conflict
-from broker.keys import Keys
-from broker.queues import LeasedItem
-from broker.requests import RequestResult, RequestSpec
-from broker.scoring import Factors, Weights, queue_key
-from broker.store import Store
+from broker.failures import retries
+from broker.jobs import fills as job_fills
+from broker.jobs import lists as job_lists
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.online import requests
+from broker.online import timeouts as request_timeouts
+from broker.online.requests import RequestResult, RequestSpec
+from broker.queueing import policy, queues
+from broker.queueing.queues import LeasedItem
+from broker.queueing.scoring import Factors, Weights, queue_key
+from broker.state.embedded import EmbeddedRedis
+from broker.state.keys import Keys
+from broker.state.store import Store
 
 MODELS = ("mlp@v1", "cnn@v1")
 MAX_ATTEMPTS = 2

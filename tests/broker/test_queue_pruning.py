@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 from broker_helpers import NOW, job_spec, ready_ids
 
-from broker import job_fills, job_progress, jobs, queues
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.queueing import queues
+from broker.state.store import Store
 
 OLD, LATEST = "mlp@v1", "mlp@v2"
 

@@ -7,10 +7,14 @@ import json
 import pytest
 from broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_field, job_spec, ready_ids
 
-from broker import job_fills, job_progress, job_stops, jobs, queues, workers
-from broker.queues import StaleTicket
-from broker.store import Store
-from broker.wakeup import wake_workers
+from broker.jobs import fills as job_fills
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.queueing import queues, workers
+from broker.queueing.queues import StaleTicket
+from broker.queueing.wakeup import wake_workers
+from broker.state.store import Store
 
 # --- leasing ------------------------------------------------------------------------------
 

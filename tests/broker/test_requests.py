@@ -9,11 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from broker import policy, queues, requests
 from broker.errors import Conflict
-from broker.requests import PolicyChanged, RequestResult, RequestSpec
-from broker.scoring import Weights
-from broker.store import Store
+from broker.online import requests
+from broker.online.requests import PolicyChanged, RequestResult, RequestSpec
+from broker.queueing import policy, queues
+from broker.queueing.scoring import Weights
+from broker.state.store import Store
 
 MODEL = "transformer@v1"
 

@@ -14,9 +14,10 @@ import threading
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec
 
-from broker import job_fills, policy, queues
-from broker.scoring import Factors, Weights, queue_key
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.queueing import policy, queues
+from broker.queueing.scoring import Factors, Weights, queue_key
+from broker.state.store import Store
 
 WAITING = 100_000
 

@@ -10,10 +10,8 @@ from broker_helpers import NOW
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import queues, requests
-from broker.ledger import Claim, MemoryLedger, round_up
-from broker.requests import RequestSpec
-from broker.reservation import (
+from broker.memory.ledger import Claim, MemoryLedger, round_up
+from broker.memory.reservation import (
     Admission,
     BatchCost,
     admit,
@@ -21,7 +19,10 @@ from broker.reservation import (
     batch_need_bytes,
     count_lease,
 )
-from broker.store import Store
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
 
 MIB = 2**20
 

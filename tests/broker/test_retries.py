@@ -6,9 +6,14 @@ from __future__ import annotations
 import numpy as np
 from broker_helpers import MODEL_REF, NOW, inflight_deadlines, job_field, job_spec, ready_ids
 
-from broker import job_fills, job_stops, jobs, queues, requests, retries
-from broker.requests import RequestSpec
-from broker.store import Store
+from broker.failures import retries
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
 
 
 def _lease_all(store: Store, now: float, model_ref: str = MODEL_REF) -> dict[str, queues.LeasedItem]:

@@ -8,8 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from broker import faults
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import (
     BadInput,
     Cancelled,
@@ -23,8 +22,9 @@ from broker.errors import (
     StoreFull,
     WorkerLost,
 )
-from broker.failure_settings import FAILURE_CLASSES, FaultSettings, RetryPolicy
-from broker.retry_policy import backoff_seconds, classify, describe, retry_delays
+from broker.failures import faults
+from broker.failures.retry_policy import backoff_seconds, classify, describe, retry_delays
+from broker.failures.settings import FAILURE_CLASSES, FaultSettings, RetryPolicy
 
 
 @pytest.mark.parametrize(("error", "failure_class"), [

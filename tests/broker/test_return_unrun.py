@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_spec, ready_ids
 
-from broker import job_fills, queues
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.queueing import queues
+from broker.state.store import Store
 
 
 def test_items_given_back_unrun_wait_again_at_once_with_their_attempt_uncounted(store: Store) -> None:

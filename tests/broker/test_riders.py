@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
 
-from broker import job_fills, jobs, queues, requests
-from broker.queues import StaleTicket
-from broker.requests import RequestResult, RequestSpec
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.online import requests
+from broker.online.requests import RequestResult, RequestSpec
+from broker.queueing import queues
+from broker.queueing.queues import StaleTicket
+from broker.state.store import Store
 
 
 def submit(store: Store, request_id: str, *, score: float, bucket: str = "features:64", rows: int = 1,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from broker.errors import BadInput, NotFound
-from broker.routing import (
+from broker.models.routing import (
     Route,
     RouteTable,
     choose_version,
@@ -17,7 +17,7 @@ from broker.routing import (
     routed_ref,
     save_route,
 )
-from broker.store import Store
+from broker.state.store import Store
 
 SPLIT = {"model": "convnet", "split": {"aaa": 0.8, "bbb": 0.2}}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.scoring import estimate_latency_ms, rows_to_fill
+from broker.queueing.scoring import estimate_latency_ms, rows_to_fill
 
 TOKEN_STATIC = {"sequence_axis": {"input": "input_ids", "axis": 1}, "flops_per_sample": 1e6}
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from broker.errors import Conflict
-from broker.sla_analysis import analyse, jobs_released, liu_layland_bound, priority_order
-from broker.sla_task_sets import DEFAULT_ITEM_OVERHEAD_MS, PeriodicTask, TaskSet, given_task, model_cost
+from broker.sla.analysis import analyse, jobs_released, liu_layland_bound, priority_order
+from broker.sla.task_sets import DEFAULT_ITEM_OVERHEAD_MS, PeriodicTask, TaskSet, given_task, model_cost
 
 
 def answer_for(body: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""The SLA figures the scripts keep for /metrics: latency buckets and priority classes as `broker.sla_metrics`
-says, each job's end counted once where its final status is set, and the risk of the active jobs with a
-deadline read from the index they are kept in. Real Redis, a fixed `now`."""
+"""The SLA figures the scripts keep for /metrics: latency buckets and priority classes as
+`broker.monitoring.sla_metrics` says, each job's end counted once where its final status is set, and
+the risk of the active jobs with a deadline read from the index they are kept in. Real Redis, a fixed `now`."""
 
 from __future__ import annotations
 
@@ -11,12 +11,17 @@ import json
 import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec
 
-from broker import job_fills, job_stops, jobs, queues, sla_metrics, sla_watch
-from broker.finish_prediction import Fleet, Work
-from broker.queues import LeasedItem
-from broker.scripts import script_text
-from broker.sla_metrics import LATENCY_BUCKETS, Histogram, decode_histograms, priority_class, read_job_risks
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.jobs.finish_prediction import Fleet, Work
+from broker.monitoring import sla_metrics
+from broker.monitoring.sla_metrics import LATENCY_BUCKETS, Histogram, decode_histograms, priority_class, read_job_risks
+from broker.queueing import queues
+from broker.queueing.queues import LeasedItem
+from broker.sla import watch as sla_watch
+from broker.state.scripts import script_text
+from broker.state.store import Store
 
 
 def test_the_scripts_bucket_and_class_as_sla_metrics_says(store: Store) -> None:

@@ -1,4 +1,4 @@
-"""The SLA violation predictor (`broker/sla_predictor.py`): its features, its prior (the plain rule made
+"""The SLA violation predictor (`broker/sla/predictor.py`): its features, its prior (the plain rule made
 smooth), what one job's ending teaches it, and the AUC that rates it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from broker.sla_predictor import FEATURES, PRIOR, Live, auc, features, risk, update
-from broker.sla_watch import ahead_growth
+from broker.sla.predictor import FEATURES, PRIOR, Live, auc, features, risk, update
+from broker.sla.watch import ahead_growth
 
 NOW = 1_800_000_000.0
 

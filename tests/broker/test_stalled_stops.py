@@ -11,8 +11,12 @@ import pytest
 from broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
 from sliced_calls import SLICE, before_first_call, dying_after_first_call, small_slices  # noqa: F401 (small_slices: autouse)
 
-from broker import job_fills, job_slices, job_stops, jobs, queues
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.jobs import slices as job_slices
+from broker.jobs import stops as job_stops
+from broker.queueing import queues
+from broker.state.store import Store
 
 OTHER_REF = "mlp@v2"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.embedded import EmbeddedRedis
-from broker.startup_heap import freeze_startup_heap
+from broker.state.embedded import EmbeddedRedis
+from broker.state.startup_heap import freeze_startup_heap
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,9 @@ import pytest
 import redis
 from redis._parsers.base import BaseParser
 
-from broker.embedded import EmbeddedRedis
 from broker.errors import StoreBusy
-from broker.store import Store, translate_redis_errors
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store, translate_redis_errors
 
 
 def connection_id(store: Store) -> int:

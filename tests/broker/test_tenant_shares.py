@@ -1,4 +1,4 @@
-"""Tenants' shares (`broker/tenant_shares.py`): the order work goes in, who is held back, who pays.
+"""Tenants' shares (`broker/tenants/shares.py`): the order work goes in, who is held back, who pays.
 
 The simulation drives the pure functions with a clock of its own: one slot runs batches of fixed
 length, each time for the tenant `fair_order` puts first; the measured shares must come out as the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from broker.errors import ConfigError
-from broker.tenant_shares import (
+from broker.tenants.shares import (
     TenantShare,
     Usage,
     add_usage,

@@ -9,13 +9,19 @@ import numpy as np
 import pytest
 from broker_helpers import NOW
 
-from broker import job_fills, jobs, queues, requests, tenant_quotas, tenant_usage, tenants
 from broker.errors import BadInput, Conflict, NotFound
-from broker.requests import QueueAtLimit, RequestResult, RequestSpec
-from broker.store import Store
-from broker.tenant_settings import Tenant
-from broker.tenant_usage import BillEntry
-from broker.tenants import TenantTable
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.jobs import tenant_quotas
+from broker.online import requests
+from broker.online.requests import QueueAtLimit, RequestResult, RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
+from broker.tenants import records as tenants
+from broker.tenants import usage as tenant_usage
+from broker.tenants.records import TenantTable
+from broker.tenants.settings import Tenant
+from broker.tenants.usage import BillEntry
 
 MODEL = "mlp@v1"
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.config import Settings
+from broker.config.settings import Settings
 from sits_api.cli.client import ApiClient
 from sits_api.cli.stack import Stack
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from broker.routing import ROUTES_TTL_SECONDS
+from broker.models.routing import ROUTES_TTL_SECONDS
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import build_model, mlp_reference
 from tests.e2e.stack_helpers import start_stack

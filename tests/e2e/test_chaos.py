@@ -362,7 +362,7 @@ def _namespace(tag: int) -> Iterator[tuple[str, str, str]]:
 
 def _redis_on(address: str, data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A redis-server of this test's own on loopback and `address` (the embedded one binds loopback only)."""
-    from broker.embedded import die_with_parent, find_redis_server, free_port
+    from broker.state.embedded import die_with_parent, find_redis_server, free_port
 
     data_dir.mkdir(parents=True)
     port = free_port()

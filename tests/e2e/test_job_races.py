@@ -19,10 +19,14 @@ from typing import IO
 import numpy as np
 import pytest
 
-from broker import job_fills, job_stops, jobs, output_layout, queues
-from broker.config import Settings
-from broker.queues import LeasedItem
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import output_layout
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.queueing import queues
+from broker.queueing.queues import LeasedItem
+from broker.state.store import Store
 from sits_api.cli.stack import Stack
 from sits_worker import outputs
 from sits_worker.context import WorkerContext

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker.requests import encode_array
-from broker.store import Store
+from broker.online.requests import encode_array
+from broker.state.store import Store
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, wait_job
 

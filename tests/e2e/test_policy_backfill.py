@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker.ledger import round_up
-from broker.reservation import BatchCost
+from broker.memory.ledger import round_up
+from broker.memory.reservation import BatchCost
 from sits_api.cli.client import ApiClient
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import build_zoo, mlp_reference

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import queues
+from broker.queueing import queues
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import mlp_reference
 from tests.e2e.stack_helpers import collect, direct_run, frozen, register, stack_settings, wait_job

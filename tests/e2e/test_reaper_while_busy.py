@@ -3,7 +3,7 @@
 The reaper pass runs on a thread of each worker process (`sits_worker/reaper.py`), not as a Celery
 task: one queued behind the stream slots (they are the threads pool's threads) would wait for a
 chunk to end. Here one worker's two slots each run a long transformer chunk while an item leased by
-a "dead" worker (leased straight through `broker.queues` with a short lease and never acked) expires;
+a "dead" worker (leased straight through `broker.queueing.queues` with a short lease and never acked) expires;
 it must be back in its queue within a few reap intervals, long before either chunk ends.
 """
 
@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from broker import queues, requests
-from broker.requests import RequestSpec
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import FAST_RECOVERY, register, stack_settings, wait_job
 

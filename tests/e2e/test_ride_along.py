@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from broker import job_progress
-from broker.requests import encode_array
+from broker.jobs import progress as job_progress
+from broker.online.requests import encode_array
 from tests.e2e.stack_helpers import direct_run, start_zoo_stack, wait_job
 
 JOB_BATCH = 16

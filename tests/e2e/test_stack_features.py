@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from broker.chunking import auto_batch_size
+from broker.jobs.chunking import auto_batch_size
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import mlp_reference
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, start_stack, wait_job

@@ -188,7 +188,7 @@ def test_the_restart_budget_allows_five_restarts_a_minute_per_child() -> None:
 
 
 def test_a_child_that_keeps_dying_stops_the_stack_once_its_budget_is_spent(tmp_path: Path) -> None:
-    from broker.config import Settings
+    from broker.config.settings import Settings
     from broker.errors import SitsError
     from sits_api.cli.stack import Stack
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from broker.apikeys import create_api_key
+from broker.tenants.apikeys import create_api_key
 from sits_api.cli.client import ApiClient
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import register, stack_settings, wait_job

@@ -7,7 +7,7 @@ import re
 import time
 from pathlib import Path
 
-from broker.config import Settings
+from broker.config.settings import Settings
 from sits_api.cli.stack import Stack
 from sits_worker.worker_settings import fit_to_cores, usable_cores
 

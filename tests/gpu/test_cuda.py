@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker.config import Settings
+from broker.config.settings import Settings
 from sits_api.cli.stack import Stack
 from sits_worker.context import memory_ledger
 from sits_worker.cuda_visible import visible_gpus

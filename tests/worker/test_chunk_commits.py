@@ -13,9 +13,15 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from broker import job_fills, job_progress, job_stops, jobs, output_layout, queues, registry
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import output_layout
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.models import registry
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker import outputs
 from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.chunk_commits import Commits

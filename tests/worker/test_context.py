@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from broker import registry
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.models import registry
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.runtime import SessionCache

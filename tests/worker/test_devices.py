@@ -36,7 +36,7 @@ def test_device_memory_uses_configured_capacity_without_nvml():
 
 
 def test_a_cpu_worker_reserves_in_cpu_units_within_the_configured_limit():
-    from broker.config import Settings
+    from broker.config.settings import Settings
     from sits_worker.context import memory_ledger
 
     settings = Settings().with_overrides(resources={"device_memory": "8GiB", "device_memory_limit": "1GiB",
@@ -49,7 +49,7 @@ def test_a_cpu_worker_reserves_in_cpu_units_within_the_configured_limit():
 
 
 def test_a_gpu_worker_reserves_in_gpu_units_and_the_limit_caps_what_nvml_reports():
-    from broker.config import Settings
+    from broker.config.settings import Settings
     from sits_worker.context import memory_ledger
 
     settings = Settings().with_overrides(resources={"device_memory_limit": "256MiB"})

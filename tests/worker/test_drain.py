@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import queues
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker import drain_loop
 
 

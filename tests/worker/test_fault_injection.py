@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import job_fills, job_stops, jobs, queues
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import (
     BadInput,
     Cancelled,
@@ -24,7 +23,11 @@ from broker.errors import (
     InvalidModel,
     StorageUnavailable,
 )
-from broker.store import Store
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker.between_minibatches import STOP_CHECK_SECONDS, BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item

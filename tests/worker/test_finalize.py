@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import jobs, queues
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import records as jobs
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker import outputs
 from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.context import WorkerContext

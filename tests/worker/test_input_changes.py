@@ -17,10 +17,14 @@ import numpy as np
 import onnx
 import pytest
 
-from broker import job_fills, jobs, output_layout, queues, registry
-from broker.config import Settings
-from broker.queues import LeasedItem
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import output_layout
+from broker.jobs import records as jobs
+from broker.models import registry
+from broker.queueing import queues
+from broker.queueing.queues import LeasedItem
+from broker.state.store import Store
 from sits_worker import outputs
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device

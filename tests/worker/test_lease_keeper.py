@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import queues, requests
-from broker.config import Settings
-from broker.requests import RequestSpec
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker import lease_keeper
 from sits_worker.context import WorkerContext
 from sits_worker.lease_keeper import LeaseKeeper

@@ -8,12 +8,16 @@ import time
 import numpy as np
 import pytest
 
-from broker import job_fills, jobs, queues, registry, requests
-from broker.config import Settings
-from broker.ledger import MemoryLedger
-from broker.requests import RequestSpec
-from broker.reservation import Admission, admit_and_hold
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.memory.ledger import MemoryLedger
+from broker.memory.reservation import Admission, admit_and_hold
+from broker.models import registry
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.leasing import admitted, batch_cost, lease

@@ -9,9 +9,11 @@ from pathlib import Path
 
 from worker_helpers import mlp_worker_context
 
-from broker import job_fills, jobs, queues
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker import drain_loop
 
 

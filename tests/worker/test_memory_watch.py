@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 from worker_helpers import mlp_worker_context
 
-from broker import queues, requests
-from broker.config import Settings
-from broker.requests import RequestSpec
-from broker.scoring import Factors, Weights, queue_key
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.queueing.scoring import Factors, Weights, queue_key
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.leasing import lease
 

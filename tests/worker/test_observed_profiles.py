@@ -10,10 +10,11 @@ import numpy as np
 import onnx
 import pytest
 
-from broker import chunking, registry
-from broker.config import Settings
-from broker.scoring import estimate_latency_ms
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import chunking
+from broker.models import registry
+from broker.queueing.scoring import estimate_latency_ms
+from broker.state.store import Store
 from sits_worker import profiler
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device

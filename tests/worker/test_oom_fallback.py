@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import breaker
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import DeviceOutOfMemory
-from broker.store import Store
+from broker.failures import breaker
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.leasing import batch_cost
 

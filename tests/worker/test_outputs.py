@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from broker.errors import BadInput, Conflict, FileMissing, RetryableError
-from broker.output_layout import chunks_with_parts, part_exists
+from broker.jobs.output_layout import chunks_with_parts, part_exists
 from sits_worker import outputs
 from sits_worker.model.inputs import file_checksum
 from sits_worker.outputs import finalize_outputs, remove_parts, write_part

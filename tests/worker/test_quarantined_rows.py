@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import job_fills, jobs, queues, requests
-from broker.config import Settings
-from broker.output_layout import quarantine_part_path
-from broker.requests import RequestSpec
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.jobs.output_layout import quarantine_part_path
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.execution import process_item, run_chunk

@@ -8,9 +8,13 @@ from collections.abc import Callable
 
 import pytest
 
-from broker import job_fills, job_slices, job_stops, jobs, queues
-from broker.config import Settings
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.jobs import slices as job_slices
+from broker.jobs import stops as job_stops
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.drain_loop import reap

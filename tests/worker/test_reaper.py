@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker import queues, requests
-from broker.config import Settings
-from broker.embedded import EmbeddedRedis
-from broker.requests import RequestSpec
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.reaper import FIRST_PASS_WITHIN_SECONDS, TURN_INTERVALS, Reaper, worker_reaper

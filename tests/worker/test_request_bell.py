@@ -11,11 +11,14 @@ from pathlib import Path
 import numpy as np
 from worker_helpers import mlp_worker_context
 
-from broker import job_fills, jobs, queues, requests
-from broker.config import Settings
-from broker.requests import RequestSpec
-from broker.scoring import Factors, Weights, queue_key
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.queueing.scoring import Factors, Weights, queue_key
+from broker.state.store import Store
 from sits_worker.between_minibatches import BetweenBatches
 from sits_worker.context import WorkerContext
 from sits_worker.request_bell import RequestBell, unread_bytes

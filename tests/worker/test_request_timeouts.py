@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import queues, requests
 from broker.errors import InferenceTimeout
-from broker.requests import RequestSpec
-from broker.store import Store
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.request_runs import run_requests
 

@@ -12,11 +12,15 @@ from pathlib import Path
 import numpy as np
 from worker_helpers import mlp_worker_context
 
-from broker import job_fills, job_stops, jobs, queues, requests
-from broker.config import Settings
-from broker.requests import RequestSpec
-from broker.reservation import Admission
-from broker.store import Store
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.memory.reservation import Admission
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker.drain_loop import COMMIT_WAIT_SECONDS, _lease_admitted, _wait_for_room
 
 SHARES = {"s1": {"guaranteed_share": 0.7}, "s2": {"guaranteed_share": 0.3}}

@@ -12,11 +12,11 @@ import numpy as np
 import onnx
 import pytest
 
-from broker import registry
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import InferenceTimeout
-from broker.retry_policy import classify
-from broker.store import Store
+from broker.failures.retry_policy import classify
+from broker.models import registry
+from broker.state.store import Store
 from sits_worker.context import WorkerContext
 from sits_worker.devices import Device
 from sits_worker.model.graph import static_profile

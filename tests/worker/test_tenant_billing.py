@@ -12,11 +12,15 @@ import onnxruntime as ort
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import job_fills, jobs, queues, requests, tenant_usage
-from broker.config import Settings
-from broker.requests import RequestSpec
-from broker.store import Store
-from broker.tenant_usage import BillEntry
+from broker.config.settings import Settings
+from broker.jobs import fills as job_fills
+from broker.jobs import records as jobs
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
+from broker.tenants import usage as tenant_usage
+from broker.tenants.usage import BillEntry
 from sits_worker.request_runs import run_requests
 from sits_worker.usage_meter import UsageMeter, Work
 

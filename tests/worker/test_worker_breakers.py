@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import breaker, queues, requests
-from broker.config import Settings
+from broker.config.settings import Settings
 from broker.errors import BadInput, InferenceTimeout
-from broker.requests import RequestSpec
-from broker.store import Store
+from broker.failures import breaker
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
 from sits_worker import drain_loop
 from sits_worker.context import WorkerContext
 from sits_worker.drain_loop import _without_open_breakers

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from worker_helpers import mlp_worker_context
 
-from broker import workers
 from broker.errors import ConfigError
-from broker.store import Store
+from broker.queueing import workers
+from broker.state.store import Store
 from sits_worker.devices import Device
 from sits_worker.heartbeat import Heartbeat
 from sits_worker.worker_settings import fit_to_cores, worker_settings

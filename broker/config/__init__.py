@@ -1,0 +1,1 @@
+"""The one settings object: each concept's section gathered, validated and loaded."""

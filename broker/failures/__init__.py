@@ -1,0 +1,1 @@
+"""Failures by class: the retry matrix, circuit breakers, degrade steps, fault injection, quarantine."""

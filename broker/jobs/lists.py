@@ -1,0 +1,174 @@
+"""Listing and counting jobs: newest first, by status and by owner, and the indexes behind it.
+
+Jobs are never deleted, so a list or a count must never cost a read per job kept: an owner's jobs
+come from that owner's own index (written by the job's enqueue, `job_fills.create_job`), a status filter
+looks through a bounded number of the newest jobs, and the jobs in each status are counted by the
+scripts that change a status (`keys.job_counts`). Reaper passes add the jobs stored before those
+indexes and counts existed, a page at a time (`index_job_owners`, `count_old_jobs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.jobs.records import decode_job, with_rates
+from broker.state.store import Store, translate_redis_errors
+
+LIST_SCAN_PAGE = 500
+"""Job ids `list_jobs` reads from an index per round trip while it looks for matches."""
+LIST_SCAN_JOBS = 20_000
+"""The newest jobs a status-filtered `list_jobs` looks through at most (about 40 round trips)."""
+INDEX_PAGE = 2_000
+"""Jobs one `index_job_owners` pass adds to their owners' indexes (about 30 ms of a reaper pass)."""
+
+
+def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None,
+              owner: str | None = None) -> list[dict[str, Any]]:
+    """The newest `limit` jobs, newest first, optionally only those with `status` and of `owner`.
+
+    An owner's jobs come from that owner's own index (`keys.owner_jobs`), however many other
+    tenants' jobs are newer, once reaper passes have indexed the jobs stored before those indexes
+    existed (`index_job_owners`). Until then, and for a status filter (there is no index per
+    status), an index is walked newest first in pages of `LIST_SCAN_PAGE`, reading only each job's
+    status and owner, until `limit` jobs match or the newest `LIST_SCAN_JOBS` have been looked at,
+    so one call never costs more than that many small reads, however many jobs the system has kept
+    (`GET /v1/jobs/{id}` still finds older ones).
+    """
+    with translate_redis_errors():
+        by_owner = owner is not None and bool(store.client.exists(store.keys.owner_index_built))
+        index = store.keys.owner_jobs(owner) if owner is not None and by_owner else store.keys.jobs
+        if status is not None or (owner is not None and not by_owner):
+            ids = _matching_job_ids(store, index, limit=limit, status=status, owner=owner)
+        else:  # every job of the index
+            ids = store.client.zrevrange(index, 0, limit - 1)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hgetall(store.keys.job(job_id))
+        raws = pipe.execute()
+    # filtered again: a job's status may have changed since its match was read
+    return [with_rates(decode_job(raw), now=now) for raw in raws
+            if raw and _matches(raw.get("status"), raw.get("owner"), status, owner)]
+
+
+def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
+    """Add up to `limit` jobs not indexed yet by this pass to their owners' indexes; True once every
+    job is (then `list_jobs` reads owners' jobs from their indexes). Run by every reaper pass.
+
+    A job's enqueue indexes it, but jobs stored before the indexes existed (or by an older API
+    process during an upgrade) have none: the passes walk the `jobs` index oldest first after the
+    last job indexed (`keys.owner_index_mark`, by rank as `count_old_jobs` does: a run of jobs
+    created at the same instant may be longer than a page), a page per pass, so no request and no
+    pass pays for a large backlog at once. Idempotent (ZADD NX with the creation time), so passes
+    of several workers at once leave the same indexes.
+    """
+    keys = store.keys
+    with translate_redis_errors():
+        page = _page_after_mark(store, keys.owner_index_mark, limit)
+        if page:
+            pipe = store.client.pipeline(transaction=False)
+            for job_id, _ in page:
+                pipe.hget(keys.job(job_id), "owner")
+            owners = pipe.execute()
+            for (job_id, created), owner in zip(page, owners, strict=True):
+                if owner:
+                    pipe.zadd(keys.owner_jobs(owner), {job_id: created}, nx=True)
+            pipe.set(keys.owner_index_mark, page[-1][0])
+            pipe.execute()
+        caught_up = len(page) < limit
+        if caught_up and not store.client.exists(keys.owner_index_built):
+            store.client.set(keys.owner_index_built, "1")
+    return caught_up
+
+
+def count_old_jobs(store: Store, *, limit: int = INDEX_PAGE) -> bool:
+    """Count up to `limit` jobs not looked at yet by these passes into the per-status job counts; True
+    once every job is counted (then `job_status_counts` answers).
+
+    Jobs created since the counts exist are counted by their enqueue; older ones (or ones an older API
+    process stored during an upgrade) are added here, oldest first after the last job looked at
+    (`_page_after_mark`), each at most once and atomically with any status change (`count_jobs.lua`),
+    so the counts never miss or double a job.
+    """
+    keys = store.keys
+    with translate_redis_errors():
+        page = [job_id for job_id, _ in _page_after_mark(store, keys.job_counts_mark, limit)]
+        if page:
+            store.scripts.count_jobs(keys=[keys.job_counts, *(keys.job(job_id) for job_id in page)], args=[])
+            store.client.set(keys.job_counts_mark, page[-1])
+        caught_up = len(page) < limit
+        if caught_up and not store.client.exists(keys.job_counts_built):
+            store.client.set(keys.job_counts_built, "1")
+    return caught_up
+
+
+def _page_after_mark(store: Store, mark_key: str, limit: int) -> list[tuple[str, float]]:
+    """Up to `limit` (job id, creation time) of the `jobs` index, oldest first, after the job that
+    `mark_key` names: by its rank, not its time, so that a run of jobs created at the same instant
+    longer than a page is never skipped. A mark that names no job in the index (none yet, or a
+    creation time, as earlier releases kept, whose paging by time skipped such runs) starts from the
+    oldest job; the passes are idempotent, so walking again costs time, never a wrong index or count."""
+    mark = store.client.get(mark_key)
+    rank = store.client.zrank(store.keys.jobs, mark) if mark else None
+    start = 0 if rank is None else rank + 1
+    return [(job_id, float(created)) for job_id, created in
+            store.client.zrange(store.keys.jobs, start, start + limit - 1, withscores=True)]
+
+
+def _matching_job_ids(store: Store, index: str, *, limit: int, status: str | None, owner: str | None) -> list[str]:
+    matched: list[str] = []
+    seen: set[str] = set()  # jobs created meanwhile shift the ranks, so a page may repeat ids
+    start = 0
+    while len(matched) < limit and start < LIST_SCAN_JOBS:
+        ids = store.client.zrevrange(index, start, min(start + LIST_SCAN_PAGE, LIST_SCAN_JOBS) - 1)
+        if not ids:
+            break
+        start += len(ids)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(store.keys.job(job_id), ["status", "owner"])
+        for job_id, (job_status, job_owner) in zip(ids, pipe.execute(), strict=True):
+            if job_id not in seen and _matches(job_status, job_owner, status, owner):
+                matched.append(job_id)
+            seen.add(job_id)
+    return matched[:limit]
+
+
+def _matches(job_status: str | None, job_owner: str | None, status: str | None, owner: str | None) -> bool:
+    return (job_status is not None and (status is None or job_status == status)
+            and (owner is None or job_owner == owner))
+
+
+def job_status_counts(store: Store) -> dict[str, int] | None:
+    """How many jobs are in each status, from the counts the status changes keep (one round trip,
+    however many jobs are kept); None until every job stored before those counts existed has been
+    counted by reaper passes (`count_old_jobs`)."""
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.exists(store.keys.job_counts_built)
+        pipe.hgetall(store.keys.job_counts)
+        built, counts = pipe.execute()
+    return decode_status_counts(counts) if built else None
+
+
+def decode_status_counts(raw: dict[str, str]) -> dict[str, int]:
+    """The `keys.job_counts` hash as status -> jobs, statuses no job has left out."""
+    return {status: int(count) for status, count in sorted(raw.items()) if int(count)}
+
+
+def count_jobs_by_status(store: Store) -> dict[str, int]:
+    """How many jobs are in each status: the kept counts (`job_status_counts`), or, until old jobs are
+    all counted, a read of every job's status."""
+    kept = job_status_counts(store)
+    if kept is not None:
+        return kept
+    with translate_redis_errors():
+        ids = store.client.zrange(store.keys.jobs, 0, -1)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(store.keys.job(job_id), "status")
+        statuses = pipe.execute()
+    counts: dict[str, int] = {}
+    for status in statuses:
+        if status:
+            counts[status] = counts.get(status, 0) + 1
+    return dict(sorted(counts.items()))

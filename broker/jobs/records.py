@@ -1,0 +1,268 @@
+"""Offline jobs: their ids, their items' ids and payloads, and their Redis hash read back as a record.
+
+A job is split into chunks, each one queue item that refers to a row range
+of the job's input file. The job hash is the checkpoint: input checksum,
+model version, chunks and rows done, output folder and `checkpoint_ts`; the
+`done` set holds the chunk indexes whose outputs are written. What changes a
+job lives beside this module: queueing its chunks (`broker/jobs/fills.py`),
+stopping it (`broker/jobs/stops.py`), its workers' progress
+(`broker/jobs/progress.py`) and its output folder's claim (`broker/jobs/output_dirs.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from broker.errors import JobNotFound
+from broker.failures.retries import failure_record, is_failure_field
+from broker.jobs.finish_prediction import sla_risk
+from broker.queueing.scoring import Factors, check_level, deadline_order_time
+from broker.state.store import Store, translate_redis_errors
+
+ACTIVE_STATUSES = ("queued", "running")
+FINAL_STATUSES = ("succeeded", "failed", "cancelled")
+_INT_FIELDS = (
+    "rows_total",
+    "rows_quarantined",
+    "rows_done",
+    "chunks_total",
+    "chunks_done",
+    "chunk_runs",
+    "chunk_size",
+    "batch_size",
+    "priority",
+)
+_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "resumed_at", "deadline",
+                 "predicted_finish", "order_at", "sla_risk_model", "sla_risk_at", "busy_seconds")
+_JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
+_BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "sla_snapshots",
+                       "sla_snapshot_at", "sla_ahead", "slot_mix",
+                       "slot_time_partial", "chunk_started_at")
+"""Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
+
+
+JOB_ID_PATTERN = re.compile(r"j[0-9a-f]{12}")
+"""Every job id `new_job_id` makes; clients may refuse anything else before asking (`sitsctl job ...`)."""
+
+
+def new_job_id() -> str:
+    """A short random id, safe in keys and file names (`JOB_ID_PATTERN`)."""
+    return "j" + secrets.token_hex(6)
+
+
+def chunk_item_id(job_id: str, chunk_index: int) -> str:
+    """Item id of a chunk; zero-padded so equal scores keep chunks in row order."""
+    return f"{job_id}:c{chunk_index:07d}"
+
+
+def chunk_job_id(item_id: str) -> str | None:
+    """The job whose chunk `item_id` is (`chunk_item_id`), None for any other item."""
+    job, _, chunk = item_id.rpartition(":")
+    return job if job and chunk.startswith("c") and chunk[1:].isdigit() else None
+
+
+def is_chunk_item_id(item_id: str) -> bool:
+    """Is `item_id` a job chunk's (`chunk_item_id`), as queue heads are read by id alone?"""
+    return chunk_job_id(item_id) is not None
+
+
+def finalize_item_id(job_id: str) -> str:
+    """Item id of the job's last step: merging parts into its outputs."""
+    return f"{job_id}:final"
+
+
+def chunk_ranges(rows_total: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of each chunk, in order."""
+    return [(start, min(start + chunk_size, rows_total)) for start in range(0, rows_total, chunk_size)]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job needs to run, validated by the API before it reaches Redis."""
+
+    job_id: str
+    model_name: str
+    model_version: str
+    input_batch: str
+    input_format: str
+    input_checksum: str
+    output_dir: str
+    output_names: Sequence[str]
+    rows_total: int
+    chunk_size: int
+    batch_size: int
+    priority: int = 0
+    owner: str = ""
+    tenant: str = ""
+    """The tenant it is billed to and shares the fleet as ('' for the owner's name)."""
+    input_options: dict[str, Any] | None = None
+    input_stat: dict[str, int] | None = None
+    """The input file's size, modification time and inode at submit: workers check it before each chunk."""
+    deadline_at: float | None = None
+    """When the job must be done (unix seconds); None for a job without a deadline."""
+    predicted_finish: float | None = None
+    """When admission predicted it would finish (`broker/sla/admission.py`), for a job with a deadline."""
+    at_risk: bool = False
+    """Accepted under `sla.admission: flag` although its deadline was predicted to be missed."""
+
+    @property
+    def model_ref(self) -> str:
+        """The queue this job's items wait in: `name@version`."""
+        return f"{self.model_name}@{self.model_version}"
+
+
+def finalize_payload(job_id: str, model_ref: str, score: float, factors: dict[str, Any] | None,
+                     tenant: str = "") -> dict[str, Any]:
+    """Payload of the finalize item, queued by the ack of the job's last chunk (same priority, same tenant)."""
+    return {"kind": "finalize", "job": job_id, "model_ref": model_ref, "score": score, "factors": factors,
+            "tenant": tenant}
+
+
+def job_factors(priority: int, enqueued_at: float, order_at: float | None = None) -> Factors:
+    """What a job's items are scored from: its priority level, free tier, no latency bonus; a job with a
+    deadline ages from `order_at` when that is earlier (`scoring.deadline_order_time`)."""
+    return Factors(level=check_level(priority), enqueued_at=enqueued_at,
+                   order_at=order_at if order_at is not None and order_at < enqueued_at else None)
+
+
+def order_time(job: dict[str, Any], enqueued_at: float, horizon: float) -> float | None:
+    """The `order_at` of a job (a decoded record) whose items are queued at `enqueued_at`; None without
+    a deadline."""
+    deadline = job.get("deadline")
+    return None if deadline is None else deadline_order_time(enqueued_at, float(deadline), horizon)
+
+
+def decode_job(raw: dict[str, str]) -> dict[str, Any]:
+    """A job hash as typed JSON-ready values, with progress, throughput and ETA derived."""
+    job: dict[str, Any] = dict(raw)
+    for name in _INT_FIELDS:
+        job[name] = int(float(raw.get(name) or 0))
+    for name in _FLOAT_FIELDS:
+        job[name] = float(raw[name]) if raw.get(name) else None
+    for name in _JSON_FIELDS:
+        job[name] = json.loads(raw[name]) if raw.get(name) else None
+    job["error"] = raw.get("error") or None
+    job["at_risk"] = bool(raw.get("at_risk"))
+    job["owner"] = raw.get("owner") or None  # the submitting key's name; None for jobs stored without one
+    job["tenant"] = raw.get("tenant") or job["owner"]  # jobs stored before tenants: the owner was the tenant
+    for name in _BOOKKEEPING_FIELDS:
+        job.pop(name, None)
+    # Failures by class (`broker/failures/retries.py`): attempts and last error of each, and the last few.
+    for name in [name for name in job if is_failure_field(name)]:
+        job.pop(name)
+    job["retries"], job["failures"] = failure_record(raw)
+    job["workers"] = {name[2:]: int(count) for name, count in raw.items() if name.startswith("w:")}
+    for name in job["workers"]:
+        job.pop("w:" + name)
+    rows_total, rows_done = job["rows_total"], job["rows_done"]
+    job["progress"] = rows_done / rows_total if rows_total else 0.0
+    return job
+
+
+def with_rates(job: dict[str, Any], *, now: float) -> dict[str, Any]:
+    """Add `elapsed_seconds` since the job's first start, and `rows_per_second` and `eta_seconds` of its
+    current run: since its last resume, if any, so that the time it stood stopped is not counted as work."""
+    started, finished = job.get("started_at"), job.get("finished_at")
+    elapsed = ((finished or now) - started) if started else 0.0
+    run_started, run_rows = started, job["rows_done"]
+    rows_at_resume = int(job.pop("rows_at_resume", None) or 0)
+    if started and job.get("resumed_at") and job["resumed_at"] > started:
+        run_started, run_rows = job["resumed_at"], job["rows_done"] - rows_at_resume
+    run_elapsed = ((finished or now) - run_started) if run_started else 0.0
+    rate = run_rows / run_elapsed if run_elapsed > 0 else 0.0
+    remaining = job["rows_total"] - job["rows_done"]
+    job["elapsed_seconds"] = round(elapsed, 3)
+    job["rows_per_second"] = round(rate, 1)
+    job["eta_seconds"] = round(remaining / rate, 1) if rate > 0 and job["status"] in ACTIVE_STATUSES else None
+    return with_deadline(job, now=now)
+
+
+MODEL_RISK_FRESH_SECONDS = 30.0
+"""How long the violation predictor's risk of a job stands for its `sla_risk` (`broker/sla/watch.py`, which
+scores each reaper pass); after that, or before the first pass, the plain rule's (`sla_risk`) is shown."""
+
+
+def with_deadline(job: dict[str, Any], *, now: float) -> dict[str, Any]:
+    """A job with a deadline: `predicted_finish` from its own rate once it runs (admission's until then),
+    `sla_risk` (the violation predictor's when fresh, else from that), and once it
+    ended `deadline_met` (None for a cancelled job, or one without a
+    deadline). Without one, the three are None."""
+    deadline = job.get("deadline")
+    model_risk, risk_at = job.pop("sla_risk_model", None), job.pop("sla_risk_at", None)
+    if deadline is None:
+        job.update(predicted_finish=None, sla_risk=None, deadline_met=None)
+        return job
+    if job["status"] in ACTIVE_STATUSES:
+        if job.get("eta_seconds") is not None:
+            job["predicted_finish"] = round(now + job["eta_seconds"], 3)
+        fresh = model_risk is not None and risk_at is not None and now - risk_at <= MODEL_RISK_FRESH_SECONDS
+        job["sla_risk"] = model_risk if fresh else sla_risk(job.get("predicted_finish"), deadline, now=now)
+        job["deadline_met"] = None
+    else:
+        finished = job.get("finished_at")
+        met = job["status"] == "succeeded" and finished is not None and finished <= deadline
+        job["deadline_met"] = None if job["status"] == "cancelled" else met
+        job["sla_risk"] = 0.0 if met else 1.0 if job["deadline_met"] is False else None
+    return job
+
+
+def job_not_found(job_id: str) -> JobNotFound:
+    """The error for an unknown job id; the API answers the same for another tenant's job, so that
+    a caller cannot tell the two apart."""
+    return JobNotFound(f"no job with id '{job_id}'; list jobs with GET /v1/jobs or `sitsctl job list`")
+
+
+def get_job(store: Store, job_id: str, *, now: float) -> dict[str, Any]:
+    """The job as JSON-ready values; JobNotFound when there is none."""
+    with translate_redis_errors():
+        raw = store.client.hgetall(store.keys.job(job_id))
+    if not raw:
+        raise job_not_found(job_id)
+    return with_rates(decode_job(raw), now=now)
+
+
+def job_owner(store: Store, job_id: str) -> str | None:
+    """The name of the API key that submitted `job_id`; None for a job stored without one, or no such job."""
+    with translate_redis_errors():
+        return store.client.hget(store.keys.job(job_id), "owner") or None
+
+
+def active_job_tenants(store: Store, *, most: int,
+                       known: dict[str, tuple[str, str]]) -> dict[str, set[str]] | None:
+    """Model ref -> the tenants with a job of it queued or running, from `keys.jobs_active` and the jobs
+    still being queued (`keys.jobs_filling`), each one's status read again (the indexes drop ended jobs
+    lazily); None when they hold more than `most` jobs (the read would cost Redis more than it saves). A
+    tenant not named for a model has no chunk of it waiting, which fair share uses to keep such a tenant
+    out of its scans (`sits_worker/fair_share.py`). `known` (job id -> (model ref, tenant), which do not
+    change) is the caller's cache across calls: only new jobs' are read, and it forgets jobs no longer
+    listed."""
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.zrange(store.keys.jobs_active, 0, most)
+        pipe.zrange(store.keys.jobs_filling, 0, most)
+        active, filling = pipe.execute()
+        job_ids = sorted(set(active) | set(filling))
+        if len(job_ids) > most:
+            return None
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            if job_id in known:
+                pipe.hmget(store.keys.job(job_id), "status")
+            else:
+                pipe.hmget(store.keys.job(job_id), "status", "model_ref", "tenant", "owner")
+        records = pipe.execute() if job_ids else []
+    tenants: dict[str, set[str]] = {}
+    for job_id, record in zip(job_ids, records, strict=True):
+        if job_id not in known and record[1]:  # (a record not written yet is read again next time)
+            known[job_id] = (record[1], record[2] or record[3] or "")  # (as its chunks' payloads name it)
+        if job_id in known and record[0] in ACTIVE_STATUSES:
+            model_ref, tenant = known[job_id]
+            tenants.setdefault(model_ref, set()).add(tenant)
+    for job_id in set(known) - set(job_ids):
+        del known[job_id]
+    return tenants

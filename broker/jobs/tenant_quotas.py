@@ -1,0 +1,55 @@
+"""A tenant's cap on active jobs (`max_inflight`): a place taken before a job is queued, given back
+when it is no longer active.
+
+The tenant's places are a ZSET (`keys.tenant_jobs`) of job ids. Places are not handed back by every
+path that ends a job (a cancel, a stop, a failure, a finalize); instead each check first drops the
+places of jobs that are no longer active, so a place can never leak. A place whose job does not exist
+yet (its submit is still writing it) is kept for `PLACE_GRACE_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from broker.jobs.records import ACTIVE_STATUSES
+from broker.state.store import Store, translate_redis_errors
+
+PLACE_GRACE_SECONDS = 60.0
+"""How long a place is held for a job that has not been written yet."""
+
+
+class TenantAtLimit(Exception):
+    """The tenant has `active` jobs queued or running, its `max_inflight`: no place was taken.
+    Internal control flow between `take_job_place` and the API, which answers 429."""
+
+    def __init__(self, active: int) -> None:
+        super().__init__(active)
+        self.active = active
+
+
+def take_job_place(store: Store, tenant: str, job_id: str, *, most: int, now: float) -> None:
+    """Take a place for `job_id` among the tenant's active jobs, or TenantAtLimit when `most` are taken
+    (`most` 0: no cap, nothing is recorded). The count and the take are one transaction (WATCH), so two
+    submits at once cannot both take the last place."""
+    if most <= 0:
+        return
+    key = store.keys.tenant_jobs(tenant)
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                places = pipe.zrange(key, 0, -1, withscores=True)
+                statuses = [pipe.hget(store.keys.job(str(held)), "status") for held, _ in places]
+                gone = [held for (held, taken), status in zip(places, statuses, strict=True)
+                        if status not in ACTIVE_STATUSES and not (status is None and now - taken < PLACE_GRACE_SECONDS)]
+                if len(places) - len(gone) >= most:
+                    pipe.unwatch()
+                    raise TenantAtLimit(len(places) - len(gone))
+                pipe.multi()
+                if gone:
+                    pipe.zrem(key, *gone)
+                pipe.zadd(key, {job_id: now})
+                pipe.execute()
+                return
+            except redis.WatchError:
+                continue

@@ -1,0 +1,1 @@
+"""Device memory: the reservation ledger, graph-aware backfill, and the out-of-memory batch ceiling."""

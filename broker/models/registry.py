@@ -1,0 +1,190 @@
+"""Registered model versions in Redis.
+
+A version is the content hash of the model file, so re-registering a changed
+file makes a new version while old ones stay addressable as `name@version`;
+a bare `name` means the newest registered version. The record is a JSON
+object (path of the stored copy, static profile, measured profile, fusion
+result) written by the API and completed by the workers' profiler task.
+
+A name belongs to the tenant (API key name) that registered it first
+(`model-owners`): only that tenant's keys and admins add versions under it,
+so no one can change what another's jobs and requests get when they name
+only the model. A name first registered by an admin key belongs to no tenant
+(an admin is none), like one registered before names had owners: admin keys
+alone add versions to it. Using a model stays open to every key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from broker.errors import BadInput, Forbidden, ModelNotFound
+from broker.state.store import Store, translate_redis_errors
+from broker.tenants.apikeys import owns
+
+
+def split_model_ref(ref: str) -> tuple[str, str | None]:
+    """`name@version` -> (name, version); `name` -> (name, None). BadInput for `name@` or `@version`:
+    an empty part is a typo, not a request for the newest version."""
+    name, at, version = ref.partition("@")
+    if not name or (at and not version):
+        raise BadInput(f"model reference {ref!r} has an empty {'name' if not name else 'version'}; write "
+                       "'<name>' for its newest version or '<name>@<version>'")
+    return name, version or None
+
+
+def check_may_register(store: Store, name: str, registrant: dict[str, Any]) -> None:
+    """Forbidden unless the API key `registrant` may add a version under model name `name`.
+
+    Read at once, so that a refused registration costs no validation and stores no copy;
+    `save_model_version` checks again in the transaction that writes.
+    """
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.hget(store.keys.model_owners, name)
+        pipe.hexists(store.keys.model_latest, name)
+        owner, has_versions = pipe.execute()
+    _refuse_a_name_of_another(registrant, name, owner=owner, registered=owner is not None or bool(has_versions))
+
+
+def name_claimant(registrant: dict[str, Any]) -> str | None:
+    """The tenant that a new model name registered by the API key `registrant` becomes: a user key's
+    name; None for an admin key. An admin is no tenant: claimed under its key's name, the name would
+    belong to any user key of that name; unclaimed, it takes versions from admin keys only, as one
+    registered before names had owners (registered: in `model-latest`, not in `model-owners`)."""
+    return None if registrant.get("role") == "admin" else registrant["name"]
+
+
+def _refuse_a_name_of_another(registrant: dict[str, Any], name: str, *, owner: str | None, registered: bool) -> None:
+    """A new name is free to any key; a registered one takes versions from keys that own it (`apikeys.owns`:
+    its tenant's keys and admins), one no tenant owns (an admin key's, or from before names had owners)
+    from admins only. The message names no tenant: only a user key is ever refused."""
+    if not registered or owns(registrant, owner):
+        return
+    if owner:
+        raise Forbidden(f"model name '{name}' is registered by another tenant; choose another name")
+    raise Forbidden(f"model name '{name}' belongs to no tenant (registered by an admin key, or before model names "
+                    "had owners), so only an admin key may add versions to it; choose another name")
+
+
+def save_model_version(store: Store, record: dict[str, Any], *, make_latest: bool = True,
+                       registrant: dict[str, Any] | None = None,
+                       based_on: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Store a model version record (keys `name` and `version` required); returns it as stored.
+
+    With `based_on`, the record stored is `based_on(the version's stored record, or None)`, read in the
+    same transaction (WATCH on the versions): registering a version again keeps what a worker wrote
+    into it meanwhile (its measured profile), where a record built from an earlier read would not.
+
+    With `registrant`, the API key registering it, the name is checked and claimed in the transaction
+    that writes the version (WATCH on the names), so of keys registering one new name at once exactly
+    one gets it and the others are refused like any later one: a new name becomes the registrant's
+    tenant's (`name_claimant`; no tenant's for an admin key: then `model-latest` alone marks it
+    registered, so that key stays WATCHed), a registered one is Forbidden unless the registrant owns
+    it. The record carries its name's `owner`. Without a registrant (tests, tools), nothing is
+    checked or claimed.
+    """
+    keys = store.keys
+    name = record["name"]
+    ref = f"{name}@{record['version']}"
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                watched = [keys.model_owners, keys.model_latest] if registrant is not None else []
+                if based_on is not None:
+                    watched.append(keys.model_versions)
+                if watched:
+                    pipe.watch(*watched)
+                stored = record
+                if based_on is not None:
+                    raw = pipe.hget(keys.model_versions, ref)
+                    stored = based_on(json.loads(raw) if raw else None)
+                claimant = None
+                if registrant is not None:
+                    owner = pipe.hget(keys.model_owners, name)
+                    registered = owner is not None or bool(pipe.hexists(keys.model_latest, name))
+                    _refuse_a_name_of_another(registrant, name, owner=owner, registered=registered)
+                    claimant = None if registered else name_claimant(registrant)
+                    stored = stored | {"owner": owner if registered else claimant}
+                pipe.multi()
+                if claimant is not None:
+                    pipe.hset(keys.model_owners, name, claimant)
+                pipe.hset(keys.model_versions, ref, json.dumps(stored))
+                if make_latest:
+                    pipe.hset(keys.model_latest, name, stored["version"])
+                pipe.execute()
+                return stored
+            except redis.WatchError:
+                continue  # a name was claimed or a version saved meanwhile; check again
+
+
+FieldsOf = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+"""Fields to merge into a record, computed from the record as it is (None: leave it as it is)."""
+
+
+def update_model_version(store: Store, ref: str, fields: dict[str, Any] | FieldsOf) -> dict[str, Any]:
+    """Merge `fields` into the record of `name@version` (read-modify-write under WATCH); `fields` may
+    be a function of the record as it is then, in the same transaction (None: no change)."""
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(store.keys.model_versions)
+                raw = pipe.hget(store.keys.model_versions, ref)
+                if raw is None:
+                    raise ModelNotFound(f"model version '{ref}' is not registered")
+                current = json.loads(raw)
+                update = fields(current) if callable(fields) else fields
+                if update is None:
+                    pipe.unwatch()
+                    return dict(current)
+                record = current | update
+                pipe.multi()
+                pipe.hset(store.keys.model_versions, ref, json.dumps(record))
+                pipe.execute()
+                return record
+            except redis.WatchError:
+                continue  # someone else wrote the hash meanwhile; read it again
+
+
+def get_model(store: Store, ref: str) -> dict[str, Any]:
+    """The record of `name` (newest version) or `name@version`; ModelNotFound names what exists."""
+    name, version = split_model_ref(ref)
+    with translate_redis_errors():
+        version = version or store.client.hget(store.keys.model_latest, name)
+        raw = store.client.hget(store.keys.model_versions, f"{name}@{version}") if version else None
+    if raw is None:
+        known = ", ".join(sorted(list_model_names(store))) or "none"
+        what = f"model '{name}'" if version is None else f"model version '{name}@{version}'"
+        raise ModelNotFound(f"{what} is not registered (registered models: {known}); "
+                            "register it with POST /v1/models or `sitsctl model register`")
+    return json.loads(raw)
+
+
+def version_exists(store: Store, ref: str) -> bool:
+    """Whether `name@version` has a record."""
+    with translate_redis_errors():
+        return bool(store.client.hexists(store.keys.model_versions, ref))
+
+
+def list_model_names(store: Store) -> list[str]:
+    """Names of all registered models."""
+    with translate_redis_errors():
+        return sorted(store.client.hkeys(store.keys.model_latest))
+
+
+def list_model_versions(store: Store, name: str | None = None) -> list[dict[str, Any]]:
+    """Every registered version (of `name` only, if given), oldest registration first."""
+    with translate_redis_errors():
+        raws = store.client.hvals(store.keys.model_versions)
+        latest = store.client.hgetall(store.keys.model_latest)
+    records = [json.loads(raw) for raw in raws]
+    if name is not None:
+        records = [record for record in records if record["name"] == name]
+    for record in records:
+        record["latest"] = latest.get(record["name"]) == record["version"]
+        record.setdefault("owner", None)  # saved before names had owners
+    return sorted(records, key=lambda record: (record["name"], record.get("registered_at", 0)))

@@ -1,0 +1,1 @@
+"""The figures `/metrics` serves: queue and job counts, model statistics, SLA histograms."""

@@ -1,0 +1,1 @@
+"""Online requests: their records, timeouts, queue policy and batching settings."""

@@ -1,0 +1,119 @@
+"""A model version's batching settings, with its `auto` values taken from its measured profile.
+
+The configuration (`online.batching`, `online.models`) names what a user
+fixed; what is left `auto` follows the device as measured by the profiler
+(`sits_worker/profiler.py`: latency and rows/s per batch size):
+
+- `max_batch_size`: the largest measured batch size whose run takes at most
+  `max_batch_latency`. Past it a batch only adds latency to everything in it;
+  the memory ledger still cuts a batch to what fits.
+- `max_queue_delay`: one row's measured run time, when that is at least
+  `MIN_USEFUL_DELAY` (a shorter wait costs a slot more in Redis round trips
+  than it can gain), at most `MAX_AUTO_DELAY`. A lone request then waits at
+  most about as long as its own run, and under load a free slot lets a batch
+  fill instead of running a batch of one.
+
+Without a measured profile (registered with `profile_mode=static`, or not
+profiled yet) they are `FALLBACK_MAX_BATCH_SIZE` and no delay, and so they are
+for token models (their profile runs one sequence length, while their batches
+are bounded by `max_batch_tokens`) and on a worker whose kind of device is not
+the one the profile was measured on (a CPU's latencies say nothing of a
+GPU's). An observed profile (the batch sizes workers happened to run) is not
+used: those sizes follow from `max_batch_size` itself.
+
+Preferred batch sizes are taken as configured (none by default, as in
+Triton): the profile measures powers of two on smooth curves, where no size
+is cheaper than its neighbours, and a preferred size would only cut a larger
+batch into more batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from broker.online.settings import ModelBatching
+
+FALLBACK_MAX_BATCH_SIZE = 64
+"""An `auto` max_batch_size without a measured profile."""
+MIN_USEFUL_DELAY = 0.0005
+"""An `auto` max_queue_delay shorter than this is 0."""
+MAX_AUTO_DELAY = 0.005
+"""The longest `auto` max_queue_delay."""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The batching settings a worker applies to one model version (no `auto` left)."""
+
+    max_batch_size: int
+    max_queue_delay: float
+    preferred_batch_sizes: tuple[int, ...]
+    max_batch_tokens: int
+    queue_capacity: int
+    source: str
+    """'profile' when an `auto` value came from the measured profile, else 'config'."""
+    profile_device: str = ""
+    """The device the profile was measured on, with source 'profile'."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as the API shows them (the delay in ms)."""
+        shown = {"max_batch_size": self.max_batch_size, "max_queue_delay_ms": round(self.max_queue_delay * 1000, 3),
+                 "preferred_batch_sizes": list(self.preferred_batch_sizes), "max_batch_tokens": self.max_batch_tokens,
+                 "queue_capacity": self.queue_capacity, "source": self.source}
+        return shown | ({"profile_device": self.profile_device} if self.profile_device else {})
+
+    @property
+    def enough_rows(self) -> int:
+        """Rows that end a head request's wait for company: a full batch, or the smallest preferred one."""
+        return min((self.max_batch_size, *self.preferred_batch_sizes))
+
+    def wait_over(self, rows: int, waited: float) -> bool:
+        """Whether a head request that has waited `waited` seconds stops waiting for company, with
+        `rows` waiting that could join its batch (its own included): they fill a full batch or a
+        preferred one, or the delay is up. (The lease then cuts the batch to the largest preferred
+        size it reaches: `lease_batch.lua`.)"""
+        return rows >= self.enough_rows or waited >= self.max_queue_delay
+
+
+def measured_points(record: dict[str, Any], device_kind: str | None = None) -> list[dict[str, Any]]:
+    """The points (batch size, latency, rows/s) of the record's measured profile by batch size, if
+    `auto` settings may follow it (see the module) on a `device_kind` device ('cpu', 'gpu'; None: any);
+    else []."""
+    profile = record.get("profile")
+    static = record.get("static_profile")
+    if not isinstance(profile, dict) or profile.get("source") == "observed" or (
+            isinstance(static, dict) and static.get("sequence_axis")):
+        return []  # (a profile with no source is a measured one, as everywhere else)
+    if device_kind is not None and str(profile.get("device", "")).partition(":")[0] != device_kind:
+        return []
+    points = [point for point in profile.get("points") or [] if isinstance(point, dict)
+              and int(point.get("batch_size") or 0) >= 1 and 0 < float(point.get("latency_ms") or 0) < math.inf]
+    return sorted(points, key=lambda point: int(point["batch_size"]))
+
+
+def resolve(config: ModelBatching, record: dict[str, Any] | None, device_kind: str | None = None) -> Batching:
+    """`config` with its `auto` values taken from the model version's registry `record` for a worker
+    on a `device_kind` device (None: the device the profile was measured on); see the module."""
+    points = measured_points(record or {}, device_kind)
+    from_profile = bool(points) and "auto" in (config.max_batch_size, config.max_queue_delay)
+    max_batch_size = config.max_batch_size
+    if max_batch_size == "auto":
+        within = [int(point["batch_size"]) for point in points
+                  if float(point["latency_ms"]) / 1000 <= config.max_batch_latency]
+        max_batch_size = (max(within) if within else int(points[0]["batch_size"])) if points \
+            else FALLBACK_MAX_BATCH_SIZE
+    delay = config.max_queue_delay
+    if delay == "auto":
+        one_row = float(points[0]["latency_ms"]) / 1000 / int(points[0]["batch_size"]) if points else 0.0
+        delay = min(one_row, MAX_AUTO_DELAY) if one_row >= MIN_USEFUL_DELAY else 0.0
+    return Batching(
+        max_batch_size=int(max_batch_size),
+        max_queue_delay=float(delay),
+        preferred_batch_sizes=tuple(size for size in config.preferred_batch_sizes if size <= int(max_batch_size)),
+        max_batch_tokens=config.max_batch_tokens,
+        queue_capacity=config.queue_capacity,
+        source="profile" if from_profile else "config",
+        profile_device=str((record or {}).get("profile", {}).get("device", "")) if from_profile else "",
+    )

@@ -1,0 +1,1 @@
+"""Deadlines: admission, the violation predictor and watch, and schedulability of periodic task sets."""

@@ -1,0 +1,303 @@
+"""Every Redis key name SITS uses, built in one place.
+
+All keys share one hash tag (`{group}`) so that a Lua script may touch any
+of them and the layout can move to Redis Cluster by giving each model group
+its own tag. Lua scripts never build key names; they get them as KEYS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix and hash tag."""
+
+    prefix: str = "sits"
+    group: str = "main"
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.prefix, "{" + self.group + "}", *parts))
+
+    # --- queues -----------------------------------------------------------
+    def ready(self, model_ref: str) -> str:
+        """ZSET item id -> priority score (lower runs first) of items waiting for `model_ref`."""
+        return self._key("ready", model_ref)
+
+    def inflight(self, model_ref: str) -> str:
+        """ZSET item id -> lease deadline (unix seconds) of items a worker holds."""
+        return self._key("inflight", model_ref)
+
+    @property
+    def queues(self) -> str:
+        """SET of model refs that have a queue: every ref with waiting or leased items, and the latest
+        version of each model that had one (a reaper pass prunes an older version's empty queue,
+        `queues.prune_old_queues`, so the set, read before every batch choice, does not grow with
+        every version ever registered)."""
+        return self._key("queues")
+
+    @property
+    def queues_version(self) -> str:
+        """STRING counter that moves whenever `queues` gains or loses a ref, so that a process keeping
+        the set knows when to read it again (its size alone would miss one ref pruned, another added)."""
+        return self._key("queues-version")
+
+    def retrying(self, model_ref: str) -> str:
+        """ZSET item id -> when it may run again, of `model_ref`'s items parked in `inflight` while they
+        wait out a retry's backoff (`broker/failures/retries.py`); the reaper tells them from lost leases by it."""
+        return self._key("retrying", model_ref)
+
+    @property
+    def items(self) -> str:
+        """HASH item id -> JSON payload of every queued or in-flight item."""
+        return self._key("items")
+
+    @property
+    def attempts(self) -> str:
+        """HASH item id -> how many times it was leased (stops a poison batch looping forever)."""
+        return self._key("attempts")
+
+    @property
+    def dead(self) -> str:
+        """ZSET item id -> time, items that used up their attempts and await failing their job."""
+        return self._key("dead")
+
+    # --- batch tickets ----------------------------------------------------
+    @property
+    def tickets(self) -> str:
+        """ZSET ticket id -> last time its drain task was seen (circulating Celery wake-ups)."""
+        return self._key("tickets")
+
+    @property
+    def ticket_seq(self) -> str:
+        """STRING counter for new ticket ids."""
+        return self._key("ticket-seq")
+
+    @property
+    def doorbell(self) -> str:
+        """LIST rung (pushed, trimmed short) on every enqueue; an idle drain task blocks on it while it lingers."""
+        return self._key("doorbell")
+
+    # --- jobs ---------------------------------------------------------------
+    def job(self, job_id: str) -> str:
+        """HASH of one job's fields and checkpoint."""
+        return self._key("job", job_id)
+
+    @property
+    def output_dirs(self) -> str:
+        """HASH output folder path -> id of the job that last claimed it (`output_dirs.claim_output_dir`)."""
+        return self._key("output-dirs")
+
+    def job_done(self, job_id: str) -> str:
+        """SET of chunk indexes whose outputs are written and acknowledged."""
+        return self._key("job", job_id, "done")
+
+    @property
+    def jobs(self) -> str:
+        """ZSET job id -> creation time, the index behind `GET /v1/jobs`."""
+        return self._key("jobs")
+
+    @property
+    def jobs_active(self) -> str:
+        """ZSET job id -> its chunks' queue score, of jobs queued or running since their last submit or
+        resume: the work deadline admission counts ahead of a new job (`broker/sla/admission.py`). Entries
+        of jobs that ended are dropped when admission reads them."""
+        return self._key("jobs-active")
+
+    @property
+    def admission_calibration(self) -> str:
+        """HASH model version (content hash) -> how much longer its jobs ran than its profile foresaw, lately,
+        and '<version>|jobs' -> how many jobs taught it; deadline admission multiplies that model's
+        predicted device time by it (`broker/sla/admission.py`)."""
+        return self._key("admission-calibration")
+
+    @property
+    def sla_model(self) -> str:
+        """HASH `weights` (JSON), `jobs`, `updated_at`: the SLA violation predictor's weights, learnt from the
+        jobs with a deadline that ended (`broker/sla/watch.py`)."""
+        return self._key("sla-model")
+
+    @property
+    def jobs_filling(self) -> str:
+        """ZSET job id -> time of its last enqueue call, for jobs whose items are still being queued in
+        slices (`job_slices.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
+        return self._key("jobs-filling")
+
+    @property
+    def jobs_stopping(self) -> str:
+        """ZSET job id -> time of its stop's last call, for jobs whose items are still being taken out in
+        slices by a cancel or fail (`job_stops.stop_job`); a reaper pass completes a stop whose caller died."""
+        return self._key("jobs-stopping")
+
+    @property
+    def jobs_due(self) -> str:
+        """ZSET job id -> deadline (unix seconds), of the active jobs with a deadline: the jobs whose risk of
+        missing it /metrics reports (`broker.monitoring.sla_metrics`). A job enters at submit and resume, and leaves
+        when it ends (`lib.lua` `count_job_end`)."""
+        return self._key("jobs-due")
+
+    def owner_jobs(self, owner: str) -> str:
+        """ZSET job id -> creation time of the jobs of one API key name (`GET /v1/jobs?owner=`)."""
+        return self._key("jobs-of", owner)
+
+    @property
+    def owner_index_built(self) -> str:
+        """STRING present once every job stored before `owner_jobs` existed has been added to its owner's."""
+        return self._key("jobs-of-built")
+
+    @property
+    def owner_index_mark(self) -> str:
+        """STRING id of the last job, in `jobs` index order, that `job_lists.index_job_owners` has indexed."""
+        return self._key("jobs-of-mark")
+
+    @property
+    def job_counts(self) -> str:
+        """HASH status -> how many jobs are in it, kept by every script that changes a job's status
+        (`lib.lua` `count_job_move`), for the jobs whose hash is marked `counted`."""
+        return self._key("job-counts")
+
+    @property
+    def job_counts_mark(self) -> str:
+        """STRING id of the last job, in `jobs` index order, that `job_lists.count_old_jobs` has looked at."""
+        return self._key("job-counts-mark")
+
+    @property
+    def job_counts_built(self) -> str:
+        """STRING present once every job stored before `job_counts` existed has been counted in it."""
+        return self._key("job-counts-built")
+
+    @property
+    def counters(self) -> str:
+        """HASH '<what>:<model ref>' -> running total for /metrics: requests completed by status
+        (`requests_succeeded:`, `requests_failed:`, `requests_expired:`), job rows done (`job_rows:`), jobs'
+        deadlines met or missed (`job_deadline_met:`, `job_deadline_missed:`), online requests' deadlines met or
+        missed (`request_deadline_met:`, `request_deadline_missed:`), jobs refused by deadline admission
+        (`admission_rejected:`) and failures by class, retried or not (`failures_retried_<class>:`,
+        `failures_final_<class>:`)."""
+        return self._key("counters")
+
+    @property
+    def model_stats(self) -> str:
+        """HASH '<model ref>|<stat>' -> running total of a model version's online requests, for the v2
+        statistics extension (`broker.monitoring.model_stats`): counts, nanoseconds, runs by batch size."""
+        return self._key("model-stats")
+
+    @property
+    def model_batch_stats(self) -> str:
+        """HASH '<model ref>|<rows>_count' / '<model ref>|<rows>_ns' -> a model version's online runs of that
+        many rows and their time, for the v2 statistics' `batch_stats` (apart from `model_stats`, which
+        every /metrics scrape reads: these grow with the batch sizes run)."""
+        return self._key("model-batch-stats")
+
+    @property
+    def latency_buckets(self) -> str:
+        """HASH '<model ref>|<what>|<priority class>|<bucket>' -> observations in that bucket, and
+        '...|ns' -> their sum in nanoseconds: the latency histograms of /metrics (`broker.monitoring.sla_metrics`),
+        kept by the scripts that complete requests and end jobs. What: `request` (submit to result),
+        `queue` (submit to run start), `job` (a job's submit to its success)."""
+        return self._key("latency-buckets")
+
+    # --- online requests ---------------------------------------------------
+    def request(self, request_id: str) -> str:
+        """HASH of one online request: fields, inputs until it runs, then outputs."""
+        return self._key("req", request_id)
+
+    def inbox(self, name: str) -> str:
+        """LIST of the finished requests an API process waits for: one waiter thread there blocks on it for
+        all of them (`sits_api/result_inbox.py`), instead of one blocking call per request."""
+        return self._key("inbox", name)
+
+    def waiting_requests(self, model_ref: str) -> str:
+        """ZSET request id -> its priority level as submitted, of `model_ref`'s online requests waiting in
+        its ready queue (not leased): what `max_queue_size` counts, in total (ZCARD) and per level (ZCOUNT).
+        Every script that moves a request into or out of the ready queue keeps it. Its name is also the
+        channel a request that starts waiting is announced on (`sits_worker/request_bell.py`)."""
+        return self._key("waiting-requests", model_ref)
+
+    def request_timeouts(self, model_ref: str) -> str:
+        """ZSET request id -> when its timeout passes (unix seconds), of `model_ref`'s requests that have
+        one (`broker.online.timeouts`); an entry whose request is gone leaves at the next pass."""
+        return self._key("request-timeouts", model_ref)
+
+    def deadlines(self, model_ref: str) -> str:
+        """ZSET item id -> deadline (unix seconds) of `model_ref`'s waiting items that have one (PSA index)."""
+        return self._key("deadlines", model_ref)
+
+    @property
+    def policy(self) -> str:
+        """STRING JSON of the live scoring weights and ordering (hot-updated by `PUT /v1/policy`)."""
+        return self._key("policy")
+
+    @property
+    def routes(self) -> str:
+        """HASH model name -> JSON A/B route of its bare name (`broker/models/routing.py`, `PUT /v1/routes`)."""
+        return self._key("routes")
+
+    # --- tenants -------------------------------------------------------------
+    @property
+    def tenants(self) -> str:
+        """HASH tenant name -> JSON record: share, limit, quotas (`broker/tenants/records.py`, `PUT /v1/tenants`)."""
+        return self._key("tenants")
+
+    @property
+    def tenant_usage(self) -> str:
+        """HASH tenant name -> JSON {value, at}: its decayed device-seconds, which fair share ranks by."""
+        return self._key("tenant-usage")
+
+    @property
+    def usage_tenants(self) -> str:
+        """ZSET tenant name -> last day (unix day number) it was billed for: who `GET /v1/usage` lists."""
+        return self._key("usage-tenants")
+
+    def tenant_bill(self, tenant: str, day: int) -> str:
+        """HASH of one tenant's chargeback for one UTC day (unix day number): totals and per model, key and
+        device kind (`broker/tenants/usage.py`)."""
+        return self._key("bill", tenant, str(day))
+
+    def tenant_queued(self, tenant: str) -> str:
+        """ZSET request id -> when its record expires: the tenant's online requests not answered yet
+        (`max_queued`)."""
+        return self._key("tenant-queued", tenant)
+
+    def tenant_jobs(self, tenant: str) -> str:
+        """ZSET job id -> when its place was taken: the tenant's jobs queued or running (`max_inflight`)."""
+        return self._key("tenant-jobs", tenant)
+
+    # --- models, workers, keys --------------------------------------------
+    @property
+    def model_versions(self) -> str:
+        """HASH "name@version" -> JSON model record."""
+        return self._key("model-versions")
+
+    @property
+    def model_latest(self) -> str:
+        """HASH name -> newest registered version."""
+        return self._key("model-latest")
+
+    @property
+    def model_owners(self) -> str:
+        """HASH model name -> name of the API key (the tenant) that registered it first (`registry`)."""
+        return self._key("model-owners")
+
+    @property
+    def workers(self) -> str:
+        """HASH worker name -> JSON heartbeat (device, streams, pid, last_heartbeat)."""
+        return self._key("workers")
+
+    @property
+    def breakers(self) -> str:
+        """HASH '<model ref>|<worker name>' -> JSON circuit breaker of that model version on that worker
+        (`broker/failures/breaker.py`): its state and the window's run counts; only that worker writes it."""
+        return self._key("breakers")
+
+    @property
+    def reaper_turn(self) -> str:
+        """STRING name of the worker whose reaper thread passes now; it renews it at every tick, and
+        another worker takes it once it has expired (`take_reaper_turn.lua`)."""
+        return self._key("reaper-turn")
+
+    @property
+    def api_keys(self) -> str:
+        """HASH sha256(key) -> JSON {name, role}."""
+        return self._key("api-keys")

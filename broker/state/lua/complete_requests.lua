@@ -1,0 +1,118 @@
+-- complete_requests: store the results of a merged batch of online requests and wake their waiters.
+-- KEYS[1] inflight   ZSET
+-- KEYS[2] items      HASH
+-- KEYS[3] attempts   HASH
+-- KEYS[4] deadlines  ZSET
+-- KEYS[5] ready      ZSET
+-- KEYS[6] counters   HASH running totals for /metrics: 'requests_<status>:<model ref>' counts the
+--           requests completed here, by status: succeeded, failed, or expired (its hash was gone, so
+--           no result could be stored); one HINCRBY a status present in the call; and 'request_deadline_<met|missed>:<model ref>'
+--           those with a deadline (`deadline_ms`): met when answered by it, else missed (failed, or late)
+-- KEYS[7] model stats HASH '<model ref>|<stat>' -> running total, for the v2 statistics extension
+--           (`broker.monitoring.model_stats`): requests succeeded and failed (count, ns from submit to result),
+--           the queue and compute time of those that ran, rows inferred, runs
+-- KEYS[8] model batch stats HASH '<model ref>|<rows>_count' / '..._ns' -> runs of that many rows and their
+--           time (apart from KEYS[7], which a /metrics scrape reads whole: these grow with the sizes run)
+-- KEYS[9] latency buckets HASH the latency histograms of online requests by model and priority class
+--           (`broker.monitoring.sla_metrics`): submit to result of those answered, submit to run start of those that ran
+-- KEYS[10..] for each request in order: its HASH, then the inbox LIST of the API process that waits for
+--           it, where the finished request's fields go as one JSON object (with its id), so the waiter
+--           needs no second read; its HASH again when nobody waits (its result then stays in the HASH alone)
+-- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
+-- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run,
+-- ARGV[6] the requests' model ref (a batch is of one model), ARGV[7] when the run began ('' for none:
+-- the reaper failing requests whose workers died), ARGV[8] rows in the run (the requests' that ran, and
+-- a job mini-batch's it shared; the statistics' batch size, as Triton counts it)
+-- ARGV[9..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error
+-- code, '1' if it was in the run ('' for one not run: expired, or past its timeout), its priority level
+-- as submitted (its histograms' class)
+-- Returns: {how many requests were completed, then the 0-based position of each request this call took off
+-- its lease (completed, or its hash expired)}: only those are settled with their tenants.
+-- A request gets one result: one that is waiting again (its lease expired and the reaper put it
+-- back: it will run again) or already completed (no payload left) is skipped, so a late or
+-- repeated completion from a worker that lost its lease changes nothing.
+local done, by_status, deadlines = 0, {}, {}
+local reply = {0}  -- (the count goes first once known; a table, as a batch may pass unpack's limit)
+local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
+local latency = {}  -- the histograms' increments, written once for the batch
+local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, queue_count = 0, queue_ns = 0,
+               infer_count = 0, infer_ns = 0, inference_count = 0}
+for i = 0, (#ARGV - 8) / 7 - 1 do
+  local item_id, status = ARGV[9 + 7 * i], ARGV[10 + 7 * i]
+  local request, waiters = KEYS[10 + 2 * i], KEYS[11 + 2 * i]
+  local held = redis.call('HEXISTS', KEYS[2], item_id) == 1 and not redis.call('ZSCORE', KEYS[5], item_id)
+  if held then
+    reply[#reply + 1] = i
+    redis.call('ZREM', KEYS[1], item_id)
+    redis.call('HDEL', KEYS[2], item_id)
+    redis.call('HDEL', KEYS[3], item_id)
+    redis.call('ZREM', KEYS[4], item_id)
+  end
+  if held and redis.call('EXISTS', request) == 1 then
+    local ran = run_started and ARGV[14 + 7 * i] == '1'
+    redis.call('HSET', request, 'status', status, 'outputs', ARGV[11 + 7 * i], 'error', ARGV[12 + 7 * i],
+      'error_code', ARGV[13 + 7 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
+      'job_rows', ARGV[5], unpack(ran and {'started_at', ARGV[7]} or {}))  -- (started_at: when its run
+      -- began, so its queue time ends; only for one that ran)
+    redis.call('HDEL', request, 'inputs')
+    redis.call('EXPIRE', request, ARGV[2])
+    local flat, fields = redis.call('HGETALL', request), {}
+    for j = 1, #flat, 2 do
+      fields[flat[j]] = flat[j + 1]
+    end
+    if waiters ~= request then
+      redis.call('RPUSH', waiters, cjson.encode(fields))
+      redis.call('EXPIRE', waiters, ARGV[2])
+    end
+    done = done + 1
+    by_status[status] = (by_status[status] or 0) + 1
+    local due = tonumber(fields['deadline_at'])
+    if due then
+      local outcome = (status == 'succeeded' and now <= due) and 'met' or 'missed'
+      deadlines[outcome] = (deadlines[outcome] or 0) + 1
+    end
+    local created = tonumber(fields['created_at']) or now
+    local outcome = status == 'succeeded' and 'success' or 'fail'
+    stats[outcome .. '_count'] = stats[outcome .. '_count'] + 1
+    stats[outcome .. '_ns'] = stats[outcome .. '_ns'] + (now - created) * 1e9
+    local class = priority_class(ARGV[15 + 7 * i])
+    observe_latency(latency, ARGV[6] .. '|request|' .. class, now - created)
+    if ran then
+      observe_latency(latency, ARGV[6] .. '|queue|' .. class, run_started - created)
+      stats['queue_count'] = stats['queue_count'] + 1
+      stats['queue_ns'] = stats['queue_ns'] + math.max(run_started - created, 0) * 1e9
+      stats['infer_count'] = stats['infer_count'] + 1
+      stats['infer_ns'] = stats['infer_ns'] + (now - run_started) * 1e9
+    end
+    if status == 'succeeded' then
+      stats['inference_count'] = stats['inference_count'] + (tonumber(fields['rows']) or 1)
+    end
+  elseif held then  -- its hash expired before it ran (result_ttl): no one can read a result any more
+    by_status['expired'] = (by_status['expired'] or 0) + 1
+  end
+end
+for status, count in pairs(by_status) do
+  redis.call('HINCRBY', KEYS[6], 'requests_' .. status .. ':' .. ARGV[6], count)
+end
+for outcome, count in pairs(deadlines) do
+  redis.call('HINCRBY', KEYS[6], 'request_deadline_' .. outcome .. ':' .. ARGV[6], count)
+end
+if done > 0 then
+  local prefix = ARGV[6] .. '|'
+  for stat, total in pairs(stats) do
+    if total > 0 then
+      redis.call('HINCRBY', KEYS[7], prefix .. stat, string.format('%.0f', total))  -- (a number argument would
+      -- be written with 14 digits, 1e+15 past them, which HINCRBY refuses)
+    end
+  end
+  if run_started and stats['infer_count'] > 0 then
+    local run_ns = string.format('%.0f', (now - run_started) * 1e9)
+    redis.call('HINCRBY', KEYS[7], prefix .. 'execution_count', 1)
+    redis.call('HINCRBY', KEYS[8], prefix .. ARGV[8] .. '_count', 1)
+    redis.call('HINCRBY', KEYS[8], prefix .. ARGV[8] .. '_ns', run_ns)
+    redis.call('HSET', KEYS[7], prefix .. 'last_inference', string.format('%.0f', now * 1000))
+  end
+  write_tally(KEYS[9], latency)
+end
+reply[1] = done
+return reply

@@ -1,0 +1,401 @@
+-- lease_batch: move the best waiting batch of one model's queue into its in-flight set (late binding).
+-- KEYS[1] tickets   ZSET ticket id -> last seen
+-- KEYS[2] ready     ZSET item id -> score
+-- KEYS[3] inflight  ZSET item id -> lease deadline
+-- KEYS[4] items     HASH item id -> payload
+-- KEYS[5] attempts  HASH item id -> lease count
+-- KEYS[6] doorbell  LIST idle drain loops block on: rung when a lease leaves work waiting, so that an
+--           idle peer takes the next batch (snapshots empty the list: queue_snapshot.lua)
+-- KEYS[7] waiting requests ZSET the model's online requests not leased (leased ones leave it)
+-- ARGV[1] ticket id ('' for none); ARGV[2] now; ARGV[3] lease deadline; ARGV[4] options, a JSON object:
+--   max_items, max_rows, max_tokens (0: no limit): budget of a batch of requests of the head's shape
+--     bucket; tokens are padded tokens for requests that will be padded
+--   max_chunks: most items when the head is a job chunk or finalize step (taken in queue order)
+--   requests_only: lease only online requests (a chunk or finalize step at the head stays: {0})
+--   carry_chunk (ignored with requests_only): a batch of requests with rows to spare also takes the
+--     first job chunk among the candidates, last (the worker runs the requests in its first mini-batch)
+--   head_must_fit: a head request too must fit max_rows and max_tokens, else {0}
+--   batch_limit {rows, tokens (0: no limit)}, optional: a batch of requests goes only within it, else {0}
+--   preferred_sizes [...]: a batch of requests without a chunk is cut to the largest size its rows reach
+--   tenants {order [...], held [...], window}, optional (fair share, broker/tenants/shares.py): up to
+--     `window` waiting items are weighed instead, their tenants' items (payload `tenant`) in `order`
+--     first (queue order within a tenant), those of tenants not in it after; a held tenant's items
+--     are not leased at all (it is past its limit; with nothing else waiting, the slot stays idle);
+--     with `only`, neither are the items of tenants not in `order`
+--   request_prefix: the key prefix of request hashes (`keys.request('')`): each leased request's inputs
+--     come back with it
+--   classes {ranks [16], demote [16], window}, optional (a degraded worker, broker/failures/degrade.py): an item
+--     submitted at level L (factors base_level, else level) ranks ranks[L+1] (1 first; 0: not leased,
+--     its class is paused), by its score plus demote[L+1] within a rank; with `tenants` too, the
+--     classes rank first, the tenants within a class; when the queue is longer than the window, the
+--     first requests by level (KEYS[7], the paused class last) are weighed too, wherever they wait
+-- Returns {-1}: the ticket is no longer valid; {-2}: nothing leased, and paused items were all there was
+-- within reach (no held tenant's among them: a held tenant's wait ends by the milliseconds, a paused
+-- class's by a step back); {0}: nothing leased; else {n, id1, payload1, attempts1, inputs1, ...}; after any of
+-- the last three, the names of the ranked tenants (`tenants.order`) a fair scan that read every item
+-- within reach found nothing of (the caller may leave them out of its next orders a moment).
+-- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
+-- Items are never popped into the void: each one is in ready or in-flight at every instant.
+if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
+  return {-1}
+end
+local options = cjson.decode(ARGV[4])
+local max_items, max_rows, max_tokens = options.max_items, options.max_rows, options.max_tokens
+local max_chunks = options.max_chunks
+local requests_only = options.requests_only == true
+local carry = options.carry_chunk == true and not requests_only
+
+-- What a request costs against the token budget: its padded tokens (rows x length class) when it
+-- will be padded to share a batch, else its own tokens.
+local function token_cost(item)
+  return number_or(item['padded_tokens'], number_or(item['tokens'], 0))
+end
+
+-- The batch from the front of the queue: {id, payload, rows, tokens} each, whether the head is an
+-- online request, the chunk to carry (or nil), the rows and tokens of the requests; nil: lease nothing.
+-- Chunks follow a chunk head; requests of the head's bucket join a request head while they fit.
+-- With carry, the scan goes on past a full batch, looking for that chunk.
+local function queue_candidates()
+  local ids = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
+  local out = {}
+  for index, item_id in ipairs(ids) do
+    local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+    out[index] = {item_id, payload, cjson.decode(payload)}
+  end
+  return out
+end
+
+-- The candidates by rank (fair share, degraded classes): waiting items by their rank (`ranking`), queue
+-- order within a rank (score order, demotions included, with `classes`), the items no rank admits left
+-- out. The queue is read in pages from its head, at most `window` items deep, and no further once
+-- enough items of the best possible rank are found: a flood of one tenant in front costs little when
+-- the first-ranked tenant's work is near the head, and at most `window` items when it has none. A job's
+-- chunks share its tenant and level, so their payloads are decoded once per job, not once per chunk.
+local FAIR_PAGE = 128
+local fair_absent = {}  -- ranked tenants a full scan found no item of: told to the caller after the reply
+local paused_seen = 0  -- items of a paused class in reach (the reply says when they were all there was)
+local held_seen = 0  -- items of a held tenant in reach
+local tenants_option = type(options.tenants) == 'table' and options.tenants or nil
+local classes_option = type(options.classes) == 'table' and options.classes or nil
+
+-- The `tenants` option as lookups: tenant -> its rank in `order`, the set of held tenants, and the rank
+-- of every tenant not in `order` (after the last ranked one).
+local function tenant_ranks(tenants)
+  local rank, held = {}, {}
+  for index, name in ipairs(tenants.order or {}) do
+    rank[name] = index
+  end
+  for _, name in ipairs(tenants.held or {}) do
+    held[name] = true
+  end
+  return rank, held, #(tenants.order or {}) + 1
+end
+
+-- The `tenants` and `classes` options as one ranking: rank_of(tenant, level) is an item's rank (1 first),
+-- or nil when it is not to be leased (a held tenant's; with `only`, a tenant's not in `order`; a paused
+-- class's); demotion(level) what its score gains within its rank. Also returned: the best rank an item
+-- can have (nil: none, every ranked tenant is held), the last rank, and the scan's depth.
+local function ranking()
+  local rank, held, last = {}, {}, 1
+  local only = false
+  if tenants_option then
+    rank, held, last = tenant_ranks(tenants_option)
+    only = tenants_option.only == true
+  end
+  local class_rank = classes_option and classes_option.ranks
+  local demote = classes_option and classes_option.demote
+  local function rank_of(tenant, level)
+    if held[tenant] or (only and rank[tenant] == nil) then
+      held_seen = held_seen + 1
+      return nil
+    end
+    local band = class_rank and (tonumber(class_rank[level + 1]) or 1) or 1
+    if band == 0 then
+      paused_seen = paused_seen + 1
+      return nil
+    end
+    return (band - 1) * last + (rank[tenant] or last)
+  end
+  local function demotion(level)
+    return demote and (tonumber(demote[level + 1]) or 0) or 0
+  end
+  local best = nil
+  if not tenants_option then
+    best = 1
+  end
+  for index, name in ipairs(tenants_option and tenants_option.order or {}) do
+    if not held[name] then
+      best = index
+      break
+    end
+  end
+  local window = math.max(tonumber(tenants_option and tenants_option.window) or 0,
+    tonumber(classes_option and classes_option.window) or 0)
+  local bands = 1
+  for _, band in ipairs(class_rank or {}) do
+    bands = math.max(bands, tonumber(band) or 1)
+  end
+  return rank_of, demotion, best, bands * last, window
+end
+
+-- The level an item was submitted at (a PSA jump keeps it as `base_level`).
+local function base_level(item)
+  local factors = item['factors'] or {}
+  return math.floor(number_or(factors['base_level'], number_or(factors['level'], 0)))
+end
+
+-- Entries {id, payload, item, rank, score} in rank order, then score, then id.
+local function by_rank_then_score(a, b)
+  if a[4] ~= b[4] then
+    return a[4] < b[4]
+  end
+  if a[5] ~= b[5] then
+    return a[5] < b[5]
+  end
+  return a[1] < b[1]
+end
+
+-- The first `count` waiting requests of the model by level (KEYS[7], highest first), those in `skip`
+-- left out, as entries {id, payload, item, rank, score}, demotion included; `seen` gains their tenants.
+-- The requests no rank admits are left out.
+local function requests_by_level(rank_of, demotion, count, skip, seen)
+  local entries = {}
+  for _, item_id in ipairs(redis.call('ZREVRANGE', KEYS[7], 0, count - 1)) do
+    local score = not skip[item_id] and redis.call('ZSCORE', KEYS[2], item_id)
+    if score then
+      local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+      local item = cjson.decode(payload)
+      local level = base_level(item)
+      local tenant = item['tenant'] or ''
+      seen[tenant] = true
+      local item_rank = rank_of(tenant, level)
+      if item_rank ~= nil then
+        entries[#entries + 1] = {item_id, payload, item, item_rank, tonumber(score) + demotion(level)}
+      end
+    end
+  end
+  return entries
+end
+
+-- The requests the scan of `ranked_candidates` did not reach, added to its buckets: the first `enough`
+-- by level, whatever the queue holds in front of them. Called for a degraded worker when the window ran
+-- out before the queue did, so that a window full of paused work does not hide the requests behind it
+-- (a job's chunks that far back stay unseen until the work in front of them goes).
+local function add_unreached_requests(rank_of, demotion, by_rank, collected, seen, enough)
+  for _, entry in ipairs(requests_by_level(rank_of, demotion, enough, collected, seen)) do
+    local bucket = by_rank[entry[4]] or {}
+    by_rank[entry[4]] = bucket
+    bucket[#bucket + 1] = entry
+  end
+end
+
+local function ranked_candidates()
+  local rank_of, demotion, best_possible, last, window = ranking()
+  local enough = 2 * math.max(max_items, max_chunks)
+  window = math.max(window, enough)
+  local job_facts, by_rank, found_best, position, full_rank, seen = {}, {}, 0, 0, last, {}
+  local collected = {}  -- item id -> true, of every item the scan read
+  local stopped_early, read_all = false, false
+  while position < window do
+    local asked = math.min(position + FAIR_PAGE, window) - position
+    local page = redis.call('ZRANGE', KEYS[2], position, position + asked - 1, 'WITHSCORES')
+    for pair = 1, #page, 2 do
+      local item_id, score = page[pair], tonumber(page[pair + 1])
+      position = position + 1
+      collected[item_id] = true
+      local cut = string.find(item_id, ':c', 1, true)  -- (a chunk's id: '<job>:c<index>'; a plain find)
+      local job = cut and string.sub(item_id, 1, cut - 1)
+      local facts = job and job_facts[job]
+      local payload, item = nil, nil
+      if facts == nil then
+        payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+        item = cjson.decode(payload)
+        facts = {item['tenant'] or '', base_level(item)}
+        if job then
+          job_facts[job] = facts
+        end
+      end
+      local tenant, level = facts[1], facts[2]
+      seen[tenant] = true
+      local item_rank = rank_of(tenant, level)
+      -- (past a rank with enough items already, a worse one's items would never be reached, nor its own
+      -- without demotions, which may reorder a rank)
+      if item_rank ~= nil and item_rank <= full_rank then
+        if item_rank == best_possible then
+          found_best = found_best + 1
+        end
+        local bucket = by_rank[item_rank]
+        if bucket == nil then
+          bucket = {}
+          by_rank[item_rank] = bucket
+        end
+        if #bucket < enough or classes_option then
+          bucket[#bucket + 1] = {item_id, payload, item, item_rank, score + demotion(level)}
+          if #bucket >= enough and item_rank < full_rank then
+            full_rank = item_rank
+          end
+        end
+      end
+    end
+    if best_possible ~= nil and found_best >= enough then
+      stopped_early = true
+      break
+    end
+    if #page < 2 * asked then  -- (the queue ended within the page)
+      read_all = true
+      break
+    end
+  end
+  if classes_option and not stopped_early and not read_all then  -- (the window ran out first)
+    add_unreached_requests(rank_of, demotion, by_rank, collected, seen, enough)
+  end
+  if not stopped_early and tenants_option then  -- every item looked at: the ranked tenants not seen have none
+    local _, held = tenant_ranks(tenants_option)
+    for _, name in ipairs(tenants_option.order or {}) do
+      if not seen[name] and not held[name] then
+        fair_absent[#fair_absent + 1] = name
+      end
+    end
+  end
+  local out = {}  -- (by rank, queue order within one: buckets, not a sort, unless demotions or added
+  for item_rank = 1, last do  -- requests reorder them, both a degraded worker's)
+    local bucket = by_rank[item_rank] or {}
+    if classes_option then
+      table.sort(bucket, by_rank_then_score)
+    end
+    for _, entry in ipairs(bucket) do
+      out[#out + 1] = entry
+    end
+  end
+  return out
+end
+
+-- The candidates of a requests-only lease by rank: the model's waiting online requests (KEYS[7], at most
+-- `window` of them, the highest levels first), not the whole queue, which may hold thousands of chunks in
+-- front of them; by rank, then by score (demotions included) within a rank; the requests no rank admits
+-- left out.
+local function ranked_requests()
+  local rank_of, demotion, _, _, window = ranking()
+  local entries = requests_by_level(rank_of, demotion, math.max(window, 2 * max_items), {}, {})
+  table.sort(entries, by_rank_then_score)
+  return entries
+end
+
+local function pick_candidates()
+  if requests_only and redis.call('ZCARD', KEYS[7]) == 0 then
+    return nil  -- (no online request waits: nothing to look for)
+  end
+  local candidates
+  if (tenants_option or classes_option) and requests_only then
+    candidates = ranked_requests()
+  elseif tenants_option or classes_option then
+    candidates = ranked_candidates()
+  else
+    candidates = queue_candidates()
+  end
+  local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
+  for index, candidate in ipairs(candidates) do
+    local item_id, payload, item = candidate[1], candidate[2], candidate[3]
+    if payload == nil then  -- (a chunk whose tenant was known from its job's: read only if it is looked at)
+      payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+      item = cjson.decode(payload)
+    end
+    local is_request = item['kind'] == 'request'
+    if index == 1 then
+      if requests_only and not is_request then
+        return nil
+      end
+      -- A batch cut to a memory hole must not outgrow it. A chunk still goes: these are online batch
+      -- limits, not its mini-batches'; the worker checks it by its own need (sits_worker/leasing.py).
+      if options.head_must_fit == true and is_request and (number_or(item['rows'], 1) > max_rows
+          or (max_tokens > 0 and token_cost(item) > max_tokens)) then
+        return nil
+      end
+      picked[1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item), item['req']}
+      online = is_request
+      bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
+    elseif not online then
+      if is_request or #picked >= max_chunks then
+        break
+      end
+      picked[#picked + 1] = {item_id, payload}
+    elseif #picked >= max_items and not (carry and carried == nil) then
+      break
+    elseif is_request and #picked < max_items and item['bucket'] == bucket
+        and rows + number_or(item['rows'], 1) <= max_rows
+        and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
+      picked[#picked + 1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item), item['req']}
+      rows = rows + number_or(item['rows'], 1)
+      tokens = tokens + token_cost(item)
+    elseif carry and carried == nil and item['kind'] == 'chunk' then
+      carried = {item_id, payload}
+    end
+  end
+  return picked, online, carried, rows, tokens
+end
+
+-- Carry the chunk when the requests leave rows to spare; else cut a batch of requests to the
+-- largest preferred size its rows reach (its last requests stay waiting; the head always stays).
+-- Returns the rows and tokens left in the batch.
+local function carry_or_cut(picked, online, carried, rows, tokens)
+  if carried ~= nil and rows < max_rows then
+    picked[#picked + 1] = carried
+  elseif online then
+    local cut = nil
+    for _, size in ipairs(options.preferred_sizes or {}) do
+      if size <= rows and (cut == nil or size > cut) then
+        cut = size
+      end
+    end
+    while cut ~= nil and #picked > 1 and rows > cut do
+      local last = table.remove(picked)
+      rows, tokens = rows - last[3], tokens - last[4]
+    end
+  end
+  return rows, tokens
+end
+
+-- Does a batch of requests stay within batch_limit (a job chunk at the head always does)? The head
+-- of the priority order, whose full batch does not fit, runs now if what waits for it fits free memory.
+local function within_batch_limit(online, rows, tokens)
+  local limit = options.batch_limit
+  if not online or type(limit) ~= 'table' then
+    return true
+  end
+  return not (rows > limit.rows or (limit.tokens > 0 and tokens > limit.tokens))
+end
+
+-- Move the picked items from ready to in-flight, counting a lease each; the reply.
+local function move_to_inflight(picked)
+  local out = {#picked}
+  for _, entry in ipairs(picked) do
+    redis.call('ZREM', KEYS[2], entry[1])
+    redis.call('ZADD', KEYS[3], ARGV[3], entry[1])
+    redis.call('ZREM', KEYS[7], entry[1])
+    append_leased(out, entry[1], entry[2], redis.call('HINCRBY', KEYS[5], entry[1], 1),
+      options.request_prefix or '', entry[5])
+  end
+  return out
+end
+
+-- The reply, with the ranked tenants a full fair scan found nothing of after its items.
+local function with_absent(reply)
+  for _, name in ipairs(fair_absent) do
+    reply[#reply + 1] = name
+  end
+  return reply
+end
+
+local picked, online, carried, rows, tokens = pick_candidates()
+if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's or paused)
+  return with_absent({(picked ~= nil and paused_seen > 0 and held_seen == 0) and -2 or 0})
+end
+rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)
+if not within_batch_limit(online, rows, tokens) then
+  return with_absent({0})
+end
+local reply = move_to_inflight(picked)
+if redis.call('ZCARD', KEYS[2]) > 0 then
+  ring_doorbell(KEYS[6])
+end
+return with_absent(reply)

@@ -1,0 +1,192 @@
+-- lib: helpers every script in this folder may use. A Redis script cannot call another, so
+-- broker/state/scripts.py puts this text in front of each script before registering it.
+
+-- JSON null decodes to cjson.null, not nil: count anything that is not a number as `default`.
+local function number_or(value, default)
+  if type(value) == 'number' then
+    return value
+  end
+  return default
+end
+
+-- Is `ticket` still valid (or is there none, '')? A valid one is marked seen at `now`. A stale
+-- copy of a replaced ticket is not: its caller returns {-1}.
+local function ticket_valid(tickets_key, ticket, now)
+  if ticket == '' then
+    return true
+  end
+  if not redis.call('ZSCORE', tickets_key, ticket) then
+    return false
+  end
+  redis.call('ZADD', tickets_key, 'XX', now, ticket)
+  return true
+end
+
+-- Wake an idle drain task (it blocks on this list); the list is kept short.
+local function ring_doorbell(doorbell_key)
+  redis.call('LPUSH', doorbell_key, '1')
+  redis.call('LTRIM', doorbell_key, 0, 63)
+end
+
+-- Append a leased item to a lease script's reply: its id, payload, lease count, and, for an online
+-- request (`req`, its id), its packed inputs read from its hash (`request_prefix` .. req), so that the
+-- worker needs no second round trip before the run; '' for a job chunk or finalize step, for a
+-- request whose hash has expired, and with no `request_prefix` ('': not read).
+local function append_leased(out, item_id, payload, attempts, request_prefix, req)
+  out[#out + 1] = item_id
+  out[#out + 1] = payload
+  out[#out + 1] = attempts
+  local inputs = ''
+  if request_prefix ~= '' and type(req) == 'string' and req ~= '' then
+    inputs = redis.call('HGET', request_prefix .. req, 'inputs') or ''
+  end
+  out[#out + 1] = inputs
+end
+
+-- Create batch tickets until `target` circulate; returns the new ids (each is sent as a drain task).
+local function top_up_tickets(tickets_key, seq_key, now, target)
+  local new = {}
+  local count = redis.call('ZCARD', tickets_key)
+  while count < target do
+    local ticket = 't' .. redis.call('INCR', seq_key)
+    redis.call('ZADD', tickets_key, now, ticket)
+    new[#new + 1] = ticket
+    count = count + 1
+  end
+  return new
+end
+
+
+-- A job goes from status `old` (false: a new job) to `new`: keep the per-status job counts
+-- (`counts_key`, HASH status -> jobs) right. Only jobs whose hash has 'counted' are in those counts
+-- (every job created since they exist; older ones once a reaper pass counted them,
+-- `job_lists.count_old_jobs`), so a job the counts never held moves nothing.
+local function count_job_move(job_key, counts_key, old, new)
+  if old == new or redis.call('HEXISTS', job_key, 'counted') == 0 then
+    return
+  end
+  if old then
+    redis.call('HINCRBY', counts_key, old, -1)
+  end
+  redis.call('HINCRBY', counts_key, new, 1)
+end
+
+
+-- `model_ref` has a queue: add it to the set of queues (`queues_key`), and move the set's version
+-- (`version_key`) when it was not there, so that drain loops read the set again (`queues.QueueWatcher`).
+local function add_queue(queues_key, version_key, model_ref)
+  if redis.call('SADD', queues_key, model_ref) == 1 then
+    redis.call('INCR', version_key)
+  end
+end
+
+
+-- An online request waits in the queue of `waiting_key`'s model: a publish on that key's name (a
+-- channel, not a key) tells the running job chunks to look (`sits_worker/request_bell.py`).
+local function announce_waiting(waiting_key)
+  redis.call('PUBLISH', waiting_key, '1')
+end
+
+
+-- An item goes back to its ready queue (`item` its decoded payload): an online request counts as
+-- waiting again (`waiting_key`, `keys.waiting_requests`), at the level it was submitted at (a PSA jump
+-- or a `delay` timeout changes `level` and keeps the first in `base_level`), and is announced.
+local function count_waiting_again(waiting_key, item_id, item)
+  if item['kind'] == 'request' then
+    local factors = item['factors'] or {}
+    redis.call('ZADD', waiting_key, number_or(factors['base_level'], number_or(factors['level'], 0)), item_id)
+    announce_waiting(waiting_key)
+  end
+end
+
+
+-- Upper bounds, in seconds, of the latency histograms' buckets; `broker.monitoring.sla_metrics.LATENCY_BUCKETS`
+-- lists the same. Bucket i (1-based) counts observations above bound i-1 and up to bound i;
+-- #LATENCY_BUCKETS + 1 counts those past the last.
+local LATENCY_BUCKETS = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600}
+
+-- The priority class of a level as submitted (`broker.monitoring.sla_metrics.PRIORITY_CLASSES`).
+local function priority_class(level)
+  level = tonumber(level) or 0
+  if level >= 12 then
+    return 'express'
+  elseif level >= 8 then
+    return 'high'
+  elseif level >= 4 then
+    return 'normal'
+  end
+  return 'low'
+end
+
+-- Count one observation of `seconds` into `tally` (field -> increment) for the histogram `series`
+-- ('<model ref>|<what>|<class>'): its bucket's field, and the series' sum in nanoseconds ('|ns').
+local function observe_latency(tally, series, seconds)
+  seconds = math.max(seconds, 0)
+  local bucket = #LATENCY_BUCKETS + 1
+  for i = 1, #LATENCY_BUCKETS do
+    if seconds <= LATENCY_BUCKETS[i] then
+      bucket = i
+      break
+    end
+  end
+  local field = series .. '|' .. bucket
+  tally[field] = (tally[field] or 0) + 1
+  tally[series .. '|ns'] = (tally[series .. '|ns'] or 0) + seconds * 1e9
+end
+
+-- Add a tally to its HASH (`keys.latency_buckets`): one HINCRBY a field, however many observations.
+local function write_tally(hash_key, tally)
+  for field, total in pairs(tally) do
+    redis.call('HINCRBY', hash_key, field, string.format('%.0f', total))
+  end
+end
+
+-- A job moved from `old` to the final status `new` at `now`: it leaves the index of active jobs with a
+-- deadline (`due_key`, `keys.jobs_due`), and /metrics counts its end (`broker.monitoring.sla_metrics`). A job that
+-- succeeded adds its time from submit to finish to its latency histogram (`buckets_key`). A job with a
+-- deadline counts as met (it succeeded by then) or missed (it failed, or succeeded late) in `counters_key`;
+-- a cancelled one counts neither way. Only a move from an active status counts: a finalize step that
+-- replaces a stop counts nothing again, and a resumed job counts again when it ends again.
+local function count_job_end(job_key, job_id, old, new, now, counters_key, buckets_key, due_key)
+  redis.call('ZREM', due_key, job_id)
+  if old ~= 'queued' and old ~= 'running' then
+    return
+  end
+  local model_ref, level, created, deadline = unpack(redis.call('HMGET', job_key, 'model_ref', 'priority',
+    'created_at', 'deadline'))
+  if not model_ref then
+    return
+  end
+  if new == 'succeeded' then
+    local tally = {}
+    observe_latency(tally, model_ref .. '|job|' .. priority_class(level), now - (tonumber(created) or now))
+    write_tally(buckets_key, tally)
+  end
+  deadline = tonumber(deadline)
+  if deadline and new ~= 'cancelled' then
+    local outcome = (new == 'succeeded' and now <= deadline) and 'met' or 'missed'
+    redis.call('HINCRBY', counters_key, 'job_deadline_' .. outcome .. ':' .. model_ref, 1)
+  end
+end
+
+-- Record one failure of item `item_id` in the class `class` on its record (`record_key`: its job's or
+-- request's HASH; nothing when that is gone): the class's attempts, last error and time, the job's
+-- `last_error`, and an entry in `failures`, the record's last FAILURE_LOG_LENGTH failures (JSON).
+-- `retry_at` is when the item runs again (nil: it does not). `counted`: the attempts field was
+-- counted already (a request's own count is its class's).
+local FAILURE_LOG_LENGTH = 20
+local function note_failure(record_key, item_id, class, error, now, retry_at, counted)
+  if redis.call('EXISTS', record_key) == 0 then
+    return
+  end
+  if not counted then
+    redis.call('HINCRBY', record_key, 'attempts:' .. class, 1)
+  end
+  redis.call('HSET', record_key, 'error:' .. class, error, 'failed_at:' .. class, now, 'last_error', error)
+  local log = cjson.decode(redis.call('HGET', record_key, 'failures') or '[]')
+  log[#log + 1] = {class = class, item = item_id, at = now, retry_at = retry_at or cjson.null}
+  while #log > FAILURE_LOG_LENGTH do
+    table.remove(log, 1)
+  end
+  redis.call('HSET', record_key, 'failures', cjson.encode(log))
+end

@@ -1,0 +1,69 @@
+-- rescore: recompute the scores of one bounded slice of a queue under new weights (hot update).
+-- KEYS[1] the queue to walk: a ready ZSET (scores are rewritten) or an in-flight ZSET (only the
+--         payload's score is, so a lease that expires goes back with the new score)
+-- KEYS[2] items HASH item id -> payload (its 'factors' say what the score is made of)
+-- ARGV[1] ZSCAN cursor ('0' to start), ARGV[2] ZSCAN COUNT (bounds the work of one call)
+-- ARGV[3] 'ready' | 'inflight' | 'ids' (re-score just the ready items named in ARGV[12..], e.g.
+--         after a PSA jump changed their level; ARGV[1] and ARGV[2] are then ignored)
+-- ARGV[4] ordering ('fifo' | 'dynamic'), ARGV[5..11] alpha, beta, gamma, delta, express_level,
+--         express_max_tokens, express_bonus
+-- Returns: {next cursor ('0' when the walk is complete), items rescored in this call}.
+-- ZSCAN returns every member present for the whole walk at least once; rescoring twice gives the
+-- same score, and members added meanwhile were scored with the new weights already.
+-- Must compute exactly what broker/queueing/scoring.py queue_key computes.
+local EPOCH = 1704067200.0
+local ordering = ARGV[4]
+local alpha, beta, gamma, delta = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local express_level, express_max_tokens = tonumber(ARGV[9]), tonumber(ARGV[10])
+local express_bonus = tonumber(ARGV[11])
+
+local function queue_key(f)
+  if ordering == 'fifo' then
+    return number_or(f['enqueued_at'], 0) - EPOCH
+  end
+  local since = number_or(f['order_at'], number_or(f['enqueued_at'], 0)) - EPOCH
+  local latency_points = 0
+  local latency = f['est_latency_ms']
+  if type(latency) == 'number' then
+    latency_points = math.min(100.0 / math.max(latency, 0.001), 10.0)
+  end
+  local level = number_or(f['level'], 0)
+  local points = level + alpha * latency_points + beta * number_or(f['sla_weight'], 1.0)
+    + gamma * number_or(f['complexity'], 0.0)
+  local key = delta * since - points
+  local tokens = f['tokens']
+  if level >= express_level or (type(tokens) == 'number' and tokens < express_max_tokens) then
+    key = key - express_bonus
+  end
+  return key
+end
+
+local next_cursor, ids = '0', {}
+if ARGV[3] == 'ids' then
+  for i = 12, #ARGV do
+    ids[#ids + 1] = ARGV[i]
+  end
+else
+  local scan = redis.call('ZSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+  next_cursor = scan[1]
+  for i = 1, #scan[2], 2 do
+    ids[#ids + 1] = scan[2][i]
+  end
+end
+local done = 0
+for _, item_id in ipairs(ids) do
+  local payload = redis.call('HGET', KEYS[2], item_id)
+  if payload then
+    local item = cjson.decode(payload)
+    if type(item['factors']) == 'table' then
+      local key = queue_key(item['factors'])
+      item['score'] = key
+      redis.call('HSET', KEYS[2], item_id, cjson.encode(item))
+      if ARGV[3] ~= 'inflight' then
+        redis.call('ZADD', KEYS[1], 'XX', key, item_id)
+      end
+      done = done + 1
+    end
+  end
+end
+return {next_cursor, done}

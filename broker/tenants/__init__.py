@@ -1,0 +1,1 @@
+"""Tenants: API keys, tenant records and settings, shares of the fleet, and what each tenant used."""

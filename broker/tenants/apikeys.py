@@ -1,0 +1,194 @@
+"""API keys: stored as SHA-256 digests with a name and a role, never in clear text."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from typing import Any
+
+import redis
+
+from broker.errors import Forbidden, Unauthorized
+from broker.state.store import Store, translate_redis_errors
+
+ROLES = ("admin", "tenant-admin", "user", "viewer", "metrics")
+"""admin: everything; tenant-admin: its tenant's work, whoever of the tenant submitted it, and its
+tenant's usage; user: its own jobs, requests and model names; viewer: reads its tenant's work and usage,
+submits nothing; metrics: `GET /metrics` only, a key for a Prometheus scrape that can submit nothing and
+read no tenant's records."""
+
+TENANT_ROLES = ("tenant-admin", "user", "viewer")
+"""Roles whose keys act for one tenant (admins act for every tenant, metrics keys for none)."""
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+GROUP_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""What a key's group may be called: the user group A/B routes send to an arm (`broker/models/routing.py`)."""
+
+
+def create_api_key(store: Store, name: str, role: str = "user", group: str = "", tenant: str = "") -> str:
+    """Make and store a new key; the clear text is returned once and kept nowhere. `group` is the user
+    group its requests count in for A/B routes ('' for none); `tenant` the tenant it belongs to (''
+    for the key's own name: a tenant of one key, as every key was before tenants had records).
+
+    A name is either a tenant's (user keys) or admins' (admin keys), never both: a user key named like
+    an admin key would own what that admin submitted, and an admin is no tenant's member. So a name
+    some key of the other role has is refused (ValueError), checked in the transaction that stores
+    the key (WATCH on the keys), so two keys created at once cannot split one name either.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if not name.strip():  # the name is the tenant: what a key submits is owned by it
+        raise ValueError("a key needs a name: who it is for")
+    if name != name.strip():  # "alice " would be a tenant of its own, told from "alice" by nobody
+        raise ValueError(f"key name {name!r} starts or ends with spaces; give it as {name.strip()!r}")
+    if tenant and not GROUP_PATTERN.fullmatch(tenant):
+        raise ValueError(f"tenant {tenant!r} must be letters, digits, '_', '.' or '-' (64 at most), starting with a "
+                         "letter or digit")
+    if group and not GROUP_PATTERN.fullmatch(group):
+        raise ValueError(f"group {group!r} must be letters, digits, '_', '.' or '-' (64 at most), starting with a "
+                         "letter or digit")
+    key = "sits_" + secrets.token_urlsafe(24)
+    record = json.dumps({"name": name, "role": role, **({"group": group} if group else {}),
+                         **({"tenant": tenant} if tenant and tenant != name else {})})
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(store.keys.api_keys)
+                _refuse_a_name_of_the_other_role(name, role, pipe.hvals(store.keys.api_keys))
+                pipe.multi()
+                pipe.hset(store.keys.api_keys, _digest(key), record)
+                pipe.execute()
+                return key
+            except redis.WatchError:
+                continue  # a key was created or revoked meanwhile; look again
+
+
+def _refuse_a_name_of_the_other_role(name: str, role: str, stored: list[str]) -> None:
+    """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and is an
+    admin's where `role` is a tenant's, or the other way round. `metrics` keys own nothing, so their names
+    are free of the rule either way."""
+    if role == "metrics":
+        return
+    for raw in stored:
+        try:
+            identity = json.loads(raw)
+        except ValueError:
+            continue  # damaged: `authenticate` refuses it anyway
+        if not isinstance(identity, dict) or identity.get("role") == "metrics":
+            continue
+        if identity.get("name") == name and (identity.get("role") == "admin") != (role == "admin"):
+            raise ValueError(f"key name {name!r} is taken by a key of role '{identity.get('role')}': a name is "
+                             f"either a tenant's (user keys) or admins' (admin keys), never both; give this {role} "
+                             "key another name")
+
+
+def authenticate(store: Store, key: str | None) -> dict[str, Any]:
+    """The {name, role, tenant} (and `group`, where it has one) of `key`; Unauthorized when it is missing
+    or unknown. A key stored without a tenant belongs to the tenant of its own name."""
+    if not key:
+        raise Unauthorized("missing API key: send 'Authorization: Bearer <key>' (see `sitsctl up`, $SITS_HOME/api-key)")
+    with translate_redis_errors():
+        raw = store.client.hget(store.keys.api_keys, _digest(key))
+    if raw is None:
+        raise Unauthorized("unknown API key: check SITS_API_KEY or $SITS_HOME/api-key")
+    try:
+        identity = json.loads(raw)
+    except ValueError:
+        identity = None
+    if not isinstance(identity, dict):  # written by hand, or by something else: not a key SITS made
+        raise Unauthorized("this API key's record in Redis is damaged; create a new key with `sitsctl key create`")
+    return identity | {"tenant": identity.get("tenant") or identity.get("name", "")}
+
+
+def require_role(identity: dict[str, Any], role: str) -> None:
+    """Forbidden unless the caller has `role` (admins may do everything)."""
+    if identity.get("role") != "admin" and identity.get("role") != role:
+        raise Forbidden(f"this needs the '{role}' role; key '{identity.get('name')}' has '{identity.get('role')}'")
+
+
+def record_tenant(owner: str | None, tenant: str | None) -> str:
+    """The tenant a job or request belongs to: as stored, else its owner's name (records stored before
+    keys had tenants, whose owner was their tenant)."""
+    return tenant or owner or ""
+
+
+def owns(identity: dict[str, Any], owner: str | None, tenant: str | None = None) -> bool:
+    """May the caller see and steer (cancel, stop, resume) a job or request submitted under `owner`, for
+    `tenant`?
+
+    An `admin` key may everything; a `tenant-admin` key what was submitted for its tenant; a `user` key
+    what was submitted under its own name. Records stored without an owner (`None` or '') belong to no
+    tenant's key, so only admins see them.
+    """
+    role = identity.get("role")
+    if role == "admin":
+        return True
+    if not owner:
+        return False
+    if role == "tenant-admin":
+        return record_tenant(owner, tenant) == identity.get("tenant")
+    return role == "user" and owner == identity.get("name")
+
+
+def may_read(identity: dict[str, Any], owner: str | None, tenant: str | None = None) -> bool:
+    """May the caller see a job or request (`owns`, or a `viewer` key of its tenant)?"""
+    if identity.get("role") == "viewer":
+        return bool(owner) and record_tenant(owner, tenant) == identity.get("tenant")
+    return owns(identity, owner, tenant)
+
+
+def may_submit(identity: dict[str, Any]) -> None:
+    """Forbidden unless the caller may submit work (admins, tenant admins, users)."""
+    if identity.get("role") not in ("admin", "tenant-admin", "user"):
+        raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role, which submits "
+                        "nothing; use a key with the 'user' role")
+
+
+def list_api_keys(store: Store, tenant: str | None = None) -> list[dict[str, Any]]:
+    """Every key's name, role, tenant and group (never a digest), by name; only `tenant`'s when given."""
+    with translate_redis_errors():
+        stored = store.client.hvals(store.keys.api_keys)
+    listed = []
+    for raw in stored:
+        try:
+            identity = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(identity, dict) or "name" not in identity:
+            continue
+        record = {"name": identity["name"], "role": identity.get("role"),
+                  "tenant": identity.get("tenant") or identity["name"], "group": identity.get("group") or None}
+        if tenant is None or record["tenant"] == tenant:
+            listed.append(record)
+    return sorted(listed, key=lambda record: (record["name"], str(record["role"])))
+
+
+def revoke_api_keys(store: Store, name: str, tenant: str | None = None) -> int:
+    """Delete every key named `name` (only `tenant`'s when given); returns how many were deleted. The API
+    trusts a key it checked for up to 5 s, so a revoked key stops working within that."""
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(store.keys.api_keys)
+                doomed = []
+                for digest, raw in pipe.hgetall(store.keys.api_keys).items():
+                    try:
+                        identity = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if isinstance(identity, dict) and identity.get("name") == name and (
+                            tenant is None or (identity.get("tenant") or identity.get("name")) == tenant):
+                        doomed.append(digest)
+                pipe.multi()
+                if doomed:
+                    pipe.hdel(store.keys.api_keys, *doomed)
+                pipe.execute()
+                return len(doomed)
+            except redis.WatchError:
+                continue

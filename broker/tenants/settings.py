@@ -1,0 +1,56 @@
+"""The settings of tenants and of fair share: what `tenants:` and `fair_share:` in `sits-config.yaml` hold.
+
+A tenant's record is the same whether it comes from the file or from `PUT /v1/tenants/{name}`
+(`broker/tenants/records.py` stores it); `broker/config/settings.py` holds these sections with the others.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from broker.setting_types import MAX_PRIORITY, Integer, Number, Seconds
+from broker.setting_types import Section as _Section
+from broker.tenants.shares import TenantShare
+
+
+class Tenant(_Section):
+    """One tenant's share of the fleet and its quotas (see the module's docstring); every key optional."""
+
+    tier: str = Field("standard", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """A label for dashboards and chargeback (`gold`, `batch`, ...); scheduling reads the numbers below."""
+    guaranteed_share: Number = Field(0.0, ge=0.0, le=1.0)
+    limit: Number = Field(1.0, ge=1.0)
+    preemption_target: Seconds = Field(1.0, gt=0)
+    max_queued: Integer = Field(0, ge=0)
+    """Most online requests of the tenant waiting or running at once (0: no limit)."""
+    max_inflight: Integer = Field(0, ge=0)
+    """Most jobs of the tenant queued or running at once (0: no limit)."""
+    default_priority: Integer | None = Field(None, ge=0, le=MAX_PRIORITY)
+    """The priority of its work that names none (None: the system's default)."""
+    models: tuple[str, ...] = ()
+    """Model names its keys may use (empty: every model)."""
+
+    def share(self) -> TenantShare:
+        """The part `broker/tenants/shares.py` decides with."""
+        return TenantShare(self.guaranteed_share, self.limit)
+
+    def allows_model(self, model: str) -> bool:
+        """May the tenant use `model` (a bare name or `name@version`)?"""
+        return not self.models or model.split("@", 1)[0] in self.models
+
+
+class FairShareSettings(_Section):
+    """How the fleet is shared between tenants (docs/tenants.md)."""
+
+    enabled: bool = True
+    """Order work by tenants' usage against their shares; off: the queue's own order only (FIFO by priority)."""
+    usage_half_life: Seconds = Field(30.0, gt=0)
+    """How fast past device time stops counting against a tenant: halved every this many seconds."""
+    window: Integer = Field(4096, ge=1, le=65536)
+    """How deep into a model's queue a lease looks for the first-ranked tenant's work (in items)."""
+    usage_refresh: Seconds = Field(0.05, ge=0)
+    """How long a worker reuses the usage it read before reading it again (on a thread of its own, beside the
+    leases; 0: every lease reads it)."""
+    price_per_device_hour: dict[str, Number] = {}
+    """Chargeback price of an hour of one device stream, per device kind (`cpu`, `cuda`), e.g. {cuda: 2.5}."""
+    currency: str = "USD"

@@ -1,0 +1,180 @@
+"""What each tenant used: the decayed device time fair share ranks by, and the daily bills chargeback
+reports.
+
+A worker bills every run it makes (`sits_worker/usage_meter.py`): the run's measured device time is
+split over the tenants in it by rows (`tenant_shares.attribute`), and each part is added, in one Lua
+call (`note_usage.lua`), to the tenant's decayed usage (`keys.tenant_usage`) and to its bill of the
+UTC day (`keys.tenant_bill`): totals, and the same by model version, by API key and by device kind.
+Jobs are counted on the bill when they are submitted (`count_job`), failed requests when they are
+completed (`requests.complete_requests`).
+
+`usage_report` answers `GET /v1/usage` and `sitsctl usage` from the bills: per tenant, or per tenant
+and model, key or day, with a cost at a configured price per device-hour of each device kind.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import orjson
+
+from broker.errors import BadInput
+from broker.state.store import Store, translate_redis_errors
+from broker.tenants.shares import Usage
+
+BILL_KEEP_SECONDS = 400 * 86_400
+"""How long a day's bill is kept after its last change (a year and a month)."""
+
+Breakdown = Literal["tenant", "model", "key", "day", "device"]
+BREAKDOWNS: tuple[Breakdown, ...] = ("tenant", "model", "key", "day", "device")
+TOTALS = ("device_seconds", "rows", "requests", "failed", "jobs", "queue_seconds")
+
+
+@dataclass(frozen=True)
+class BillEntry:
+    """One tenant's part of one run (or of several runs of the same model, key and device)."""
+
+    tenant: str
+    owner: str
+    model: str
+    device: str
+    seconds: float
+    rows: int
+    requests: int = 0
+    queue_seconds: float = 0.0
+
+
+def day_number(at: float) -> int:
+    """The UTC day of the unix time `at`, as days since 1970-01-01."""
+    return int(at // 86_400)
+
+
+def note_usage(store: Store, entries: Sequence[BillEntry], *, now: float, half_life: float) -> None:
+    """Add `entries` to their tenants' decayed usage and to their bills of today, in one call."""
+    if not entries:
+        return
+    keys = store.keys
+    day = day_number(now)
+    with translate_redis_errors():
+        store.scripts.note_usage(
+            keys=[keys.tenant_usage, keys.usage_tenants, keys.counters,
+                  *(keys.tenant_bill(entry.tenant, day) for entry in entries)],
+            args=[now, half_life, day, orjson.dumps([asdict(entry) for entry in entries],
+                                                    option=orjson.OPT_SERIALIZE_NUMPY), BILL_KEEP_SECONDS])
+
+
+def count_job(store: Store, *, tenant: str, owner: str, model: str, now: float) -> None:
+    """Count a submitted job on its tenant's bill of today (total and by model and key)."""
+    keys, day = store.keys, day_number(now)
+    bill = keys.tenant_bill(tenant, day)
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        pipe.hincrby(bill, "jobs", 1)
+        pipe.hincrby(bill, f"model:{model}:jobs", 1)
+        pipe.hincrby(bill, f"key:{owner}:jobs", 1)
+        pipe.expire(bill, BILL_KEEP_SECONDS)
+        pipe.zadd(keys.usage_tenants, {tenant: day})
+        pipe.execute()
+
+
+def read_usage(store: Store) -> dict[str, Usage]:
+    """Every tenant's decayed usage as last noted (decay it to now with `tenant_shares.decayed`)."""
+    with translate_redis_errors():
+        raw = store.client.hgetall(store.keys.tenant_usage)
+    usage = {}
+    for tenant, text in raw.items():
+        try:
+            fields = json.loads(text)
+            usage[tenant] = Usage(float(fields["value"]), float(fields["at"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return usage
+
+
+def parse_day(text: str | None, what: str, default: int) -> int:
+    """A UTC date (YYYY-MM-DD) as a day number; `default` when not given; BadInput saying how to write one."""
+    if not text:
+        return default
+    try:
+        date = dt.date.fromisoformat(text.strip())
+    except ValueError as err:
+        raise BadInput(f"{what} must be a date like 2026-12-01 (UTC), got {text!r}") from err
+    return (date - dt.date(1970, 1, 1)).days
+
+
+def day_text(day: int) -> str:
+    """A day number as its UTC date."""
+    return (dt.date(1970, 1, 1) + dt.timedelta(days=day)).isoformat()
+
+
+def billed_tenants(store: Store) -> list[str]:
+    """Every tenant with a bill."""
+    with translate_redis_errors():
+        return sorted(store.client.zrange(store.keys.usage_tenants, 0, -1))
+
+
+def usage_report(store: Store, tenants: Iterable[str], *, first_day: int, last_day: int, by: Breakdown,
+                 prices: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Rows of usage from the bills of `tenants` for the days `first_day`..`last_day` (inclusive): one
+    per tenant (`by` tenant), or per tenant and model, key, day or device kind. Each row has every
+    total (`TOTALS`) and its `cost`: device-seconds of each device kind at `prices` per device-hour
+    (a kind without a price costs nothing; a model's or key's part of a day costs its share of the
+    day's device-seconds at the day's prices)."""
+    if last_day < first_day:
+        raise BadInput(f"'from' ({day_text(first_day)}) is after 'to' ({day_text(last_day)})")
+    if last_day - first_day > 400:
+        raise BadInput("a usage report spans at most 400 days; narrow 'from' and 'to'")
+    names = list(tenants)
+    days = range(first_day, last_day + 1)
+    with translate_redis_errors(), store.client.pipeline(transaction=False) as pipe:
+        for tenant in names:
+            for day in days:
+                pipe.hgetall(store.keys.tenant_bill(tenant, day))
+        bills = pipe.execute()
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for index, bill in enumerate(bills):
+        tenant, day = names[index // len(days)], days[index % len(days)]
+        day_seconds, day_cost = float(bill.get("device_seconds", 0) or 0), _cost(bill, prices)
+        for part, totals in _parts(bill, by, day).items():
+            row = rows.setdefault((tenant, part), dict.fromkeys((*TOTALS, "cost"), 0.0))
+            for name, value in totals.items():
+                row[name] = row.get(name, 0.0) + value
+            seconds = totals.get("device_seconds", 0.0)
+            if by == "device":  # a device kind's own price
+                row["cost"] += seconds / 3600 * prices.get(part, 0.0)
+            elif day_seconds:  # a share of the day's cost (its device kinds' prices) by device-seconds
+                row["cost"] += day_cost * seconds / day_seconds
+    return [{"tenant": tenant, **({by: part} if by != "tenant" else {}), **_typed(row)}
+            for (tenant, part), row in sorted(rows.items())]
+
+
+def _parts(bill: Mapping[str, str], by: Breakdown, day: int) -> dict[str, dict[str, float]]:
+    """A day's bill as {part: totals}: one part ('') for `tenant`, the day's date for `day`, else one per
+    model, key or device kind that it names."""
+    if not bill:
+        return {}
+    if by in ("tenant", "day"):
+        return {"" if by == "tenant" else day_text(day): {name: float(bill.get(name, 0)) for name in TOTALS}}
+    prefix = {"model": "model:", "key": "key:", "device": "device:"}[by]
+    parts: dict[str, dict[str, float]] = {}
+    for field, value in bill.items():
+        if field.startswith(prefix):
+            part, _, total = field[len(prefix):].rpartition(":")
+            parts.setdefault(part, {})[total] = float(value)
+    return parts
+
+
+def _cost(bill: Mapping[str, str], prices: Mapping[str, float]) -> float:
+    """The cost of a day's bill: each device kind's device-seconds at its price per device-hour."""
+    return sum(float(value) / 3600 * prices.get(field[len("device:"):-len(":device_seconds")], 0.0)
+               for field, value in bill.items()
+               if field.startswith("device:") and field.endswith(":device_seconds"))
+
+
+def _typed(row: Mapping[str, float]) -> dict[str, Any]:
+    """Counts as whole numbers, times and cost rounded for reading."""
+    return {name: int(value) if name in ("rows", "requests", "failed", "jobs") else round(value, 6)
+            for name, value in row.items()}
