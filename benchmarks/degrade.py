@@ -38,8 +38,8 @@ from broker.config.settings import Settings  # noqa: E402
 from broker.online.requests import encode_array  # noqa: E402
 from sits_api.cli.client import ApiClient  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
+from sits_worker.device.runtime import session_options  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
-from sits_worker.runtime import session_options  # noqa: E402
 
 TOKENS = 128
 DEGRADE = {"window": "2s", "sample_interval": "0.1s", "step_interval": "1s", "calm_for": "3s"}

@@ -13,7 +13,7 @@ Environment: `NAIVE_REDIS_URL` (broker and result backend, read by benchmarks.na
 
     NAIVE_REDIS_URL=redis://127.0.0.1:6379/0 NAIVE_MODELS='{"mlp": "/tmp/zoo/mlp.onnx"}' \
         python -m gunicorn benchmarks.naive_rest:app --workers 2 --threads 16 --keep-alive 30 \
-        --worker-class sits_api.gunicorn_worker.JsonErrorThreadWorker
+        --worker-class sits_api.http.gunicorn_worker.JsonErrorThreadWorker
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from flask import Flask, jsonify, request
 
 from benchmarks.naive_celery import infer
-from sits_api.jsonio import OrjsonProvider
+from sits_api.http.jsonio import OrjsonProvider
 
 MODELS: dict[str, str] = json.loads(os.environ.get("NAIVE_MODELS", "{}"))
 WAIT_SECONDS = 30.0

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker.config.settings import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
+from sits_worker.device.runtime import session_options  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
-from sits_worker.runtime import session_options  # noqa: E402
 
 CASES = {  # model: (rows, rows in --quick, batch size, fixed chunk size, input maker)
     "mlp": (1_000_000, 200_000, 128, 65_536, lambda rng, n: rng.standard_normal((n, 64), dtype=np.float32)),
@@ -59,7 +59,7 @@ def best_bare_loop(model_path: Path, inputs: np.ndarray, threads: int) -> tuple[
 
 def bare_loop(model_path: Path, inputs: np.ndarray, batch: int, threads: int) -> float:
     """Rows/s of a plain session.run loop over all rows (after one warm-up batch), with the session
-    options SITS's workers use (`sits_worker.runtime.session_options`: the same optimisation and spin)."""
+    options SITS's workers use (`sits_worker.device.runtime.session_options`: the same optimisation and spin)."""
     session = ort.InferenceSession(str(model_path), session_options(threads), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     session.run(None, {name: inputs[:batch]})

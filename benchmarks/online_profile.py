@@ -42,41 +42,41 @@ from sits_worker.model.zoo import build_zoo  # noqa: E402
 CATEGORIES: list[tuple[str, str]] = [
     # (category, regular expression on a frame "function (file:line)"); the deepest matching frame wins
     ("model run (onnxruntime)", r"onnxruntime/"),
-    ("redis client", r"[(/]redis/|broker[(/]store\.py"),
+    ("redis client", r"[(/]redis/|broker[(/](?:\w+/)?store\.py"),
     ("http: gunicorn, granian", r"[(/]gunicorn/|[(/]granian/"),
     ("wsgi: flask, werkzeug", r"[(/]flask/|[(/]werkzeug/|[(/]blinker/"),
     ("celery, kombu", r"[(/]celery/|[(/]kombu/|[(/]billiard/|[(/]vine/"),
     (
         "json and body parsing",
-        r"sits_api[(/]jsonio\.py|sits_api[(/]content_encoding\.py|[(/]json/|sits_api[(/]schemas\.py|"
+        r"sits_api[(/](?:\w+/)?jsonio\.py|sits_api[(/](?:\w+/)?content_encoding\.py|[(/]json/|sits_api[(/](?:\w+/)?schemas\.py|"
         r"[(/]pydantic/",
     ),
     ("request validation (tensors)", r"sits_worker[(/]model[(/]tensors\.py|sits_worker[(/]model[(/]padding\.py"),
-    ("auth", r"_authenticate|broker[(/]apikeys\.py"),
+    ("auth", r"check_key|broker[(/](?:\w+/)?apikeys\.py"),
     (
         "submit: score, encode, queue",
-        r"sits_api[(/]request_intake\.py|broker[(/]requests\.py \(submit|pack_array|"
-        r"broker[(/]scoring\.py|broker[(/]policy\.py|broker[(/]wakeup\.py|sits_api[(/]task_sender",
+        r"sits_api[(/]intake/requests\.py|broker[(/](?:\w+/)?requests\.py \(submit|pack_array|"
+        r"broker[(/](?:\w+/)?scoring\.py|broker[(/](?:\w+/)?policy\.py|broker[(/](?:\w+/)?wakeup\.py|sits_api[(/](?:\w+/)?task_sender",
     ),
     (
         "wait and answer",
-        r"wait_for_request|record_from_fields|unpack_array|to_json_result|sits_api[(/]app\.py|"
-        r"sits_api[(/]result_inbox\.py",
+        r"wait_for_request|record_from_fields|unpack_array|to_json_result|sits_api[(/]v1/|"
+        r"sits_api[(/](?:\w+/)?result_inbox\.py",
     ),
     (
         "worker: lease, choose",
-        r"sits_worker[(/]leasing\.py|sits_worker[(/]drain_loop\.py|broker[(/]queues\.py|"
-        r"broker[(/]reservation\.py|broker[(/]ledger\.py|broker[(/]batching\.py",
+        r"sits_worker[(/](?:\w+/)?leasing\.py|sits_worker[(/](?:\w+/)?drain_loop\.py|broker[(/](?:\w+/)?queues\.py|"
+        r"broker[(/](?:\w+/)?reservation\.py|broker[(/](?:\w+/)?ledger\.py|broker[(/](?:\w+/)?batching\.py",
     ),
     (
         "worker: batch inputs and outputs",
-        r"sits_worker[(/]request_runs\.py|load_inputs|complete_requests|"
-        r"broker[(/]model_stats\.py",
+        r"sits_worker[(/](?:\w+/)?request_runs\.py|load_inputs|complete_requests|"
+        r"broker[(/](?:\w+/)?model_stats\.py",
     ),
     (
         "worker: context, profiles",
-        r"sits_worker[(/]context\.py|sits_worker[(/]observed_profiles\.py|"
-        r"sits_worker[(/]runtime\.py",
+        r"sits_worker[(/](?:\w+/)?context\.py|sits_worker[(/](?:\w+/)?observed_profiles\.py|"
+        r"sits_worker[(/](?:\w+/)?runtime\.py",
     ),
     ("threads, logging, other python", r"."),
 ]
@@ -155,7 +155,7 @@ def redis_commandstats(stack: Stack) -> dict[str, tuple[int, float]]:
 def pin_to_cores(count: int) -> None:
     """Run this process, and every process and thread it starts from now on, on the first `count` of the
     cores it may use: the stack's processes inherit the affinity, and the worker fits its streams and
-    threads to it (`sits_worker.worker_settings`), as it would on a machine of that many cores."""
+    threads to it (`sits_worker.device.worker_settings`), as it would on a machine of that many cores."""
     allowed = sorted(os.sched_getaffinity(0))
     if not 1 <= count <= len(allowed):
         sys.exit(f"--cores {count}: this process may use 1 to {len(allowed)} cores")

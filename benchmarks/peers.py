@@ -32,7 +32,7 @@ What is held equal, to run each peer fairly:
 - the models: the zoo's `mlp` (input `features` [N, 64]) and `convnet` (`pixels` [N, 3, 32, 32]), output
   `logits` [N, 10], built by `sits_worker.model.zoo.build_zoo` into a temporary folder;
 - ONNX Runtime: every peer, the bare loops and the reference answers build their sessions with SITS's
-  own `sits_worker.runtime.session_options(2)` (graph optimisation ORT_ENABLE_ALL, 2 intra-op threads,
+  own `sits_worker.device.runtime.session_options(2)` (graph optimisation ORT_ENABLE_ALL, 2 intra-op threads,
   intra-op spin 100 us; `peer_servers/_common.py` imports it), CPU provider; SITS gets
   `resources.intra_op_threads: 2` (its default, 0, lets ONNX Runtime choose);
 - a batch of requests is one `session.run` over their rows, concatenated, on every system;
@@ -114,8 +114,8 @@ from benchmarks.online_serving import INPUTS, closed_loop  # noqa: E402
 from broker.config.settings import Settings  # noqa: E402
 from broker.state.embedded import free_port  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
+from sits_worker.device.runtime import session_options  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
-from sits_worker.runtime import session_options  # noqa: E402
 
 SERVERS = ROOT / "benchmarks" / "peer_servers"
 SYSTEMS = ("sits", "sits-tuned", "mosec", "litserve", "ray")

@@ -16,7 +16,7 @@ this machine can be read beside the cost of the work.
     python benchmarks/rest_floor.py --servers granian --seconds 10
     python benchmarks/rest_floor.py --servers granian,granian-rsgi   # and an async handler (RSGI) instead
     python -m gunicorn benchmarks.rest_floor:app --workers 2 --threads 16 --keep-alive 30 \
-        --worker-class sits_api.gunicorn_worker.JsonErrorThreadWorker
+        --worker-class sits_api.http.gunicorn_worker.JsonErrorThreadWorker
 
 `granian-rsgi` serves the same answer from an async handler under granian's RSGI interface, no Flask
 and no request threads, its Redis round trip through `redis.asyncio`: what an async front would save
@@ -41,7 +41,7 @@ from flask import Flask, jsonify, request
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sits_api.jsonio import OrjsonProvider
+from sits_api.http.jsonio import OrjsonProvider
 
 RSGI_STEPS = ("plain", "redis")
 """The steps of `granian-rsgi`: an async handler hands nothing over between threads."""

@@ -35,8 +35,8 @@ from broker.online.requests import encode_array  # noqa: E402
 from broker.tenants.apikeys import create_api_key  # noqa: E402
 from sits_api.cli.client import ApiClient  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
+from sits_worker.device.runtime import session_options  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
-from sits_worker.runtime import session_options  # noqa: E402
 
 TOKENS = 128
 TENANTS = {"s1": {"guaranteed_share": 0.7, "limit": 1.2, "preemption_target": "5ms"},

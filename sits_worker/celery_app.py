@@ -2,8 +2,8 @@
 
 `celery -A sits_worker worker` works as well as `sitsctl worker`: the app is
 configured lazily (on first use, not at import) from `load_settings()`, so
-the same `SITS_*` variables and `sits-config.yaml` apply. Settings follow
-CELERY-NOTES.md: late acks, requeue on a lost worker, prefetch 1, cancel on
+the same `SITS_*` variables and `sits-config.yaml` apply. Settings keep
+every item once (a lost worker loses nothing): late acks, requeue on a lost worker, prefetch 1, cancel on
 connection loss, events on for Flower; a threads pool of
 `max_concurrent_streams` threads sharing one ONNX Runtime session per model.
 A process without a Redis URL stops with an error instead of falling back to

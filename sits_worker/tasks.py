@@ -6,8 +6,8 @@ import logging
 from typing import Any
 
 from sits_worker.celery_app import app
-from sits_worker.context import worker_context
-from sits_worker.drain_loop import drain
+from sits_worker.serving.context import worker_context
+from sits_worker.serving.drain_loop import Outcome, drain
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,14 @@ def drain_task(ticket: str) -> str:
         log.exception("drain under ticket %s failed; re-sending it in 1 s", ticket)
         app.send_task("sits.drain", args=[ticket], queue=app.conf.task_default_queue, countdown=1.0)
         return "error"
-    if outcome == "yield":
+    if outcome is Outcome.YIELD:
         send_drain(ticket)
-    return outcome
+    return outcome.value
 
 
 @app.task(name="sits.profile_model")
 def profile_model_task(model_ref: str, profile_mode: str, enable_fusion: bool) -> dict[str, Any]:
     """Measure a model version on this worker's device and/or fuse its graph; results go to the registry."""
-    from sits_worker.profiler import profile_and_record
+    from sits_worker.serving.profiler import profile_and_record
 
     return profile_and_record(worker_context(), model_ref, profile_mode=profile_mode, enable_fusion=enable_fusion)

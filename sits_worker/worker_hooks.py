@@ -1,8 +1,8 @@
 """The worker process's Celery signal hooks: refuse an unusable device, start and stop the threads.
 
 Celery imports this module with the tasks (the app's `include`), before `worker_init` fires. A
-ready worker runs three threads beside its pool: the heartbeat (`sits_worker/heartbeat.py`), the
-reaper (`sits_worker/reaper.py`) and the memory watch (`sits_worker/memory_watch.py`). At shutdown
+ready worker runs three threads beside its pool: the heartbeat (`sits_worker/upkeep/heartbeat.py`), the
+reaper (`sits_worker/upkeep/reaper.py`) and the memory watch (`sits_worker/device/memory_watch.py`). At shutdown
 the pending chunk commits get a bounded wait, so their chunks are acked rather than run again.
 """
 
@@ -16,12 +16,12 @@ from celery import signals
 from broker.errors import ConfigError
 from broker.queueing import workers
 from broker.state.startup_heap import freeze_startup_heap
-from sits_worker.context import existing_worker_context, worker_context
-from sits_worker.devices import gpu_problem
-from sits_worker.heartbeat import Heartbeat
-from sits_worker.reaper import Reaper, worker_reaper
+from sits_worker.device.pinning import gpu_problem
+from sits_worker.device.worker_settings import DEVICE_VARIABLE, device_text, worker_device
+from sits_worker.serving.context import existing_worker_context, worker_context
 from sits_worker.tasks import send_drain
-from sits_worker.worker_settings import DEVICE_VARIABLE, device_text, worker_device
+from sits_worker.upkeep.heartbeat import Heartbeat
+from sits_worker.upkeep.reaper import Reaper, worker_reaper
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,14 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
 
 @signals.worker_ready.connect
 def _start_memory_watch(**_: Any) -> None:
-    """Watch the device memory, stepping lower priority classes down while it jitters (sits_worker/memory_watch.py)."""
+    """Watch the device memory, stepping lower priority classes down while it jitters
+    (`sits_worker/device/memory_watch.py`)."""
     worker_context().memory_watch.start()
 
 
 @signals.worker_ready.connect
 def _start_reaper(sender: Any = None, **_: Any) -> None:
-    """Run reaper passes on a thread of this process, never on a stream slot (sits_worker/reaper.py)."""
+    """Run reaper passes on a thread of this process, never on a stream slot (sits_worker/upkeep/reaper.py)."""
     global _reaper
     ctx = worker_context()
     _reaper = worker_reaper(ctx, send_drain, holder=_celery_name(sender) or ctx.name)

@@ -1,6 +1,6 @@
 """Shared fixtures: a real Redis per test session, a clean key prefix per test.
 
-Real parts only (DEVELOPERS.md): Redis is a `redis-server` started by the
+Real parts only: Redis is a `redis-server` started by the
 project's own launcher; fault tests start throw-away servers of their own.
 """
 

@@ -12,7 +12,7 @@ from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.queueing import queues
 from broker.state.store import Store
-from sits_worker import outputs
+from sits_worker.serving import outputs
 
 
 def leased_finalize_item(store: Store, output_dir: Path, *, chunks: int, lease_seconds: float = 60.0

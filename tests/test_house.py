@@ -33,13 +33,14 @@ def _lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_the_package_layers_hold() -> None:
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "BROKEN" not in result.stdout and "4 kept, 0 broken" in result.stdout, result.stdout
+    assert "BROKEN" not in result.stdout and "10 kept, 0 broken" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize(("module", "line", "contract"), [
-    ("sits_api/app.py", "import sits_worker.runtime", "the API imports of the worker only its light model package"),
+    ("sits_api/app.py", "import sits_worker.device.runtime",
+     "the API imports of the worker only its light model package"),
     ("broker/state/keys.py", "import celery", "broker is the core"),
-    ("sits_worker/runtime.py", "import sits_api.jsonio", "the worker never imports the API"),
+    ("sits_worker/device/runtime.py", "import sits_api.http.jsonio", "the worker never imports the API"),
     ("sits_worker/model/graph.py", "import sits_worker.tasks", "the light model package imports no Celery"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
@@ -55,6 +56,31 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, lin
     assert result.returncode != 0, result.stdout
     broken = result.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken and module.removesuffix(".py").replace("/", ".") in broken, result.stdout
+
+
+@pytest.mark.parametrize(("module", "line", "contract", "edge"), [
+    ("broker/state/keys.py", "import broker.jobs.records", "broker's rooms import each other one way",
+     ".state -> .jobs"),
+    ("sits_worker/device/runtime.py", "import sits_worker.serving.context",
+     "the worker's rooms import each other one way", ".device -> .serving"),
+    ("sits_api/tenancy/ab_routes.py", "import sits_api.v1.health", "the API's rooms import each other one way",
+     ".tenancy -> .v1"),
+])
+def test_a_back_edge_between_rooms_breaks_their_order(tmp_path: Path, module: str, line: str, contract: str,
+                                                       edge: str) -> None:
+    """The rooms of each package import one way: one import back against the order fails `lint-imports`,
+    naming the edge to remove (docs/architecture.md, "The house")."""
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / module, "a") as handle:
+        handle.write(f"\n{line}  # added by the test\n")
+
+    result = _lint_imports(tmp_path)
+
+    assert result.returncode != 0, result.stdout
+    broken = result.stdout.split("Broken contracts", 1)[-1]
+    assert contract in broken and edge in broken, result.stdout
 
 
 def _imported_by(statement: str) -> set[str]:
@@ -129,3 +155,44 @@ def test_docs_link_only_inside_the_repository() -> None:
         assert not outside, f"{page.name} links outside the repository: {outside}"
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+_MD_REFERENCE = re.compile(r"(?<![\w$/{.-])((?:[\w.-]+/)*[\w-]+\.md)\b")
+
+
+def test_every_md_file_a_file_names_is_in_the_repository() -> None:
+    """A docstring, comment or page that cites a `.md` file cites one a clone has (a page of `docs/`,
+    the README), never notes kept outside the repository. URLs and paths built from a variable
+    (`$OUT/cores.md`) name no file of the repository and are left out."""
+    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    suffixes = (".py", ".md", ".toml", ".yaml", ".yml", ".lua", ".sh", ".conf", ".cfg", ".txt", ".json")
+    missing = []
+    for name in tracked:
+        path = ROOT / name
+        if not name.endswith(suffixes) and name != ".ci/run" or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for cited in _MD_REFERENCE.findall(re.sub(r"\w+://\S+", "", line)):
+                if name.endswith(".sh") and "/" not in cited and cited.islower():
+                    continue  # a shell script's bare lowercase name is a file it writes under $OUT
+                candidates = [ROOT / cited, path.parent / cited, ROOT / "docs" / cited]
+                if not any(candidate.is_file() for candidate in candidates):
+                    missing.append(f"{name}:{number}: {cited}")
+    assert not missing, missing
+
+
+def test_the_concepts_page_defines_every_term_the_docs_set_in_italics() -> None:
+    """Each term a page writes in *italics* is one `docs/concepts.md` defines, as `*Term*` on a line of
+    its own, followed by its definition."""
+    concepts = (ROOT / "docs" / "concepts.md").read_text()
+    defined = {term.lower() for term in re.findall(r"^\*([^*\n]+)\*$", concepts, re.M)}
+    assert len(defined) > 40, sorted(defined)
+    undefined = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```|`[^`\n]*`", "", page.read_text(), flags=re.S)
+        for term in re.findall(r"(?<![*\w])\*([A-Za-z][^*\n]*?)\*(?![*\w])", text):
+            lowered = term.lower()
+            if lowered not in defined and lowered.rstrip("s") not in defined:
+                undefined.append(f"{page.name}: {term}")
+    assert not undefined, undefined

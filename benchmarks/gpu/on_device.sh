@@ -69,9 +69,9 @@ python3 - > "$OUT/cuda.txt" 2>&1 <<'PYTHON'
 import tempfile, time
 from pathlib import Path
 import numpy as np
-from sits_worker.devices import Device, gpu_count
+from sits_worker.device.pinning import Device, gpu_count
 from sits_worker.model.zoo import build_zoo
-from sits_worker.runtime import build_session
+from sits_worker.device.runtime import build_session
 print("NVML GPUs:", gpu_count())
 model = build_zoo(Path(tempfile.mkdtemp()))["convnet"]
 session = build_session(model, Device("gpu", 0), 1)
@@ -95,7 +95,7 @@ step() {  # step NAME SECONDS_NEEDED COMMAND...: run it within the budget, outpu
     timeout "$(( $(left) - 5 ))" "$@" > "$OUT/$name" 2>&1
     echo "   exit $? after $(( $(date +%s) - started )) s"; tail -n 25 "$OUT/$name"
 }
-step gpu-tests.log 60 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/worker/test_devices.py tests/worker/test_runtime.py
+step gpu-tests.log 60 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/worker/device/test_devices.py tests/worker/device/test_runtime.py
 step policies.md 150 python3 benchmarks/policies.py --configs device-bound,memory-bound --quick
 step online.md 150 python3 benchmarks/online_serving.py --quick --parts ceiling,load,idle
 step offline.md 60 python3 benchmarks/offline_job.py --quick --chunk-size default

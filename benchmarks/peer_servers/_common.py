@@ -1,6 +1,6 @@
 """What every peer server shares: the ONNX Runtime session SITS would build, and the wire formats.
 
-The session options are SITS's own (`sits_worker.runtime.session_options`): full graph optimisation,
+The session options are SITS's own (`sits_worker.device.runtime.session_options`): full graph optimisation,
 2 intra-op threads, a 100 us intra-op spin. Importing them (rather than copying them) keeps every peer
 on exactly the worker's settings. Bodies: JSON `{"inputs": [[...]]}` answered by `{"outputs": [[...]]}`,
 or raw little-endian float32 rows (`application/octet-stream`) answered by the raw float32 outputs.
@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sits_worker.runtime import session_options  # noqa: E402
+from sits_worker.device.runtime import session_options  # noqa: E402
 
-dumps, loads = orjson.dumps, orjson.loads  # SITS's own JSON library (sits_api/jsonio.py), a SITS dependency
+dumps, loads = orjson.dumps, orjson.loads  # SITS's own JSON library (sits_api/http/jsonio.py), a SITS dependency
 
 INTRA_OP_THREADS = 2
 MAX_BATCH_SIZE = 32

@@ -6,7 +6,7 @@ last `breaker.window` failed for a reason of the device (not a bad input row), o
 `breaker.min_runs` ran; while open, that worker leases no batch of the model. After
 `breaker.cool_down` it is half-open: one probe batch may run, and its first run closes it (success)
 or opens it again (failure). The decision (`note_runs`, `state_at`, `may_lease`) is pure, the clock
-passed in (STYLE.md); each worker writes its own breakers' records (`keys.breakers`), which the API
+passed in; each worker writes its own breakers' records (`keys.breakers`), which the API
 and the other workers read. docs/failures.md describes the behaviour.
 """
 

@@ -1,6 +1,6 @@
 """Degrading a worker's lower priority classes while its device memory jitters.
 
-A worker reads its device memory every `degrade.sample_interval` (`sits_worker/memory_watch.py`).
+A worker reads its device memory every `degrade.sample_interval` (`sits_worker/device/memory_watch.py`).
 Memory that swings hard, up and down, is a device near its edge: the next large batch may not fit. So the worker
 sheds its least important work first, one step at a time:
 

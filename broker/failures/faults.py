@@ -1,7 +1,7 @@
 """Fault injection's decisions: which run fails, and how (`faults` in the settings).
 
 Small pure functions over the settings, the run's facts and a random draw passed in; the worker
-(`sits_worker/fault_injection.py`) raises the error each names, on its real error path.
+(`sits_worker/serving/fault_injection.py`) raises the error each names, on its real error path.
 """
 
 from __future__ import annotations

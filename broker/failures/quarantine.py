@@ -2,7 +2,7 @@
 
 A run that fails for a reason tied to its input (`bad_input`) is split in halves and each half run
 again, until every failing row is alone (docs/failures.md, "Bad-row quarantine"). The worker carries
-it out (`sits_worker/execution.py` for job chunks, `sits_worker/request_runs.py` for merged requests);
+it out (`sits_worker/serving/execution.py` for job chunks, `sits_worker/serving/request_runs.py` for merged requests);
 what to split, when a half need not run, and when to give up is decided here, without a model.
 """
 

@@ -1,6 +1,6 @@
 """The retry matrix's decisions: which class a failure falls in, and how long each retry waits.
 
-Pure functions (STYLE.md, "Pure decisions, clock passed in"): the random draw is passed in, so
+Pure functions, the clock and the random draw passed in: the random draw is passed in, so
 tests and the worker's seeded runs get the same waits. `broker/failures/retries.py` carries a decision out
 in Redis; docs/failures.md describes the classes and their defaults.
 """

@@ -45,7 +45,7 @@ def least_chunk_size(rows_total: int, batch_size: int = 1) -> int:
 
 def throughput_points(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The profile points a job's sizes may be chosen from, by batch size: every point of a measured
-    profile; of an observed one (the sizes workers happened to run, `sits_worker/observed_profiles.py`) only
+    profile; of an observed one (the sizes workers happened to run, `sits_worker/device/observed_profiles.py`) only
     those from `FALLBACK_BATCH_ROWS` up, since small online batches alone say nothing of where a
     job's throughput lies."""
     profile = record.get("profile") or {}

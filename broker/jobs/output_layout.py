@@ -1,7 +1,7 @@
 """Where a job's outputs lie in its output folder: file names, part paths, the manifest.
 
 The API reads this layout (a job's manifest, which chunks already have parts, which files a new
-job would replace) and the worker writes it (`sits_worker/outputs.py`). It lives in `broker/`, beside
+job would replace) and the worker writes it (`sits_worker/serving/outputs.py`). It lives in `broker/`, beside
 the output-folder claim, so the API needs nothing of the worker for it.
 Parts: `<output_dir>/.parts/<job id>/<stem>.<chunk:06d>.npy`; merged outputs:
 `<output_dir>/<stem>.npy`; `manifest.json` written last. A chunk with quarantined rows also writes

@@ -238,7 +238,7 @@ def active_job_tenants(store: Store, *, most: int,
     still being queued (`keys.jobs_filling`), each one's status read again (the indexes drop ended jobs
     lazily); None when they hold more than `most` jobs (the read would cost Redis more than it saves). A
     tenant not named for a model has no chunk of it waiting, which fair share uses to keep such a tenant
-    out of its scans (`sits_worker/fair_share.py`). `known` (job id -> (model ref, tenant), which do not
+    out of its scans (`sits_worker/tenancy/fair_share.py`). `known` (job id -> (model ref, tenant), which do not
     change) is the caller's cache across calls: only new jobs' are read, and it forgets jobs no longer
     listed."""
     with translate_redis_errors():

@@ -21,7 +21,7 @@ class ResourceSettings(_Section):
     would be almost all waste (fragmentation ~98 % at 128 MiB, ~22 % at 2 MiB, measured)."""
     max_concurrent_streams: Integer = Field(4, ge=1, le=MAX_CONCURRENT_STREAMS)
     """Most batches a worker runs at once; a CPU worker runs at most one per core (its streams x
-    intra-op threads stay within its cores: `sits_worker/worker_settings.py`)."""
+    intra-op threads stay within its cores: `sits_worker/device/worker_settings.py`)."""
     intra_op_threads: Integer = Field(0, ge=0)
     """ONNX Runtime intra-op threads per session; 0 (auto): on a CPU worker its cores shared out among
     its streams, on a GPU worker ONNX Runtime's own choice."""

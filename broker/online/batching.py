@@ -2,7 +2,7 @@
 
 The configuration (`online.batching`, `online.models`) names what a user
 fixed; what is left `auto` follows the device as measured by the profiler
-(`sits_worker/profiler.py`: latency and rows/s per batch size):
+(`sits_worker/serving/profiler.py`: latency and rows/s per batch size):
 
 - `max_batch_size`: the largest measured batch size whose run takes at most
   `max_batch_latency`. Past it a batch only adds latency to everything in it;

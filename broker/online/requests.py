@@ -99,7 +99,7 @@ class RequestSpec:
     expires_at: float | None = None
     """When set (its timeout under `timeout_action: reject`, `broker.online.queue_policy`), a request still
     waiting then fails as timed out (`broker.online.timeouts`), and a worker that leases it later than
-    this does not run it (`sits_worker.request_runs`). A v1 `deadline_ms` is a tolerable delay that
+    this does not run it (`sits_worker.serving.request_runs`). A v1 `deadline_ms` is a tolerable delay that
     orders the queue, and such a request still runs late."""
     delay_at: float | None = None
     """When set (its timeout under `timeout_action: delay`), a request still waiting then drops to the

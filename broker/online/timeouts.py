@@ -10,7 +10,7 @@ only, applies the action to those still waiting:
 Workers need not be free for this: every reaper pass runs it (on the reaper's own thread), and an
 API process waiting for a request runs it for that request's model when the timeout comes, so its
 client is answered then. A worker that leases a request past its `reject` timeout does not run it
-either (`sits_worker.request_runs`). Offline job chunks have no timeout.
+either (`sits_worker.serving.request_runs`). Offline job chunks have no timeout.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every state change is one Lua script, so an item is at every instant either
 waiting (ready set), leased (in-flight set with a deadline) or gone because
 its work is recorded. Time is passed in (`now`) so tests advance it.
 
-Batch tickets are how workers are woken (DESIGN.md, "Dispatch"): a bounded
+Batch tickets are how workers are woken (docs/architecture.md, "The life of a job"): a bounded
 number of Celery "drain" tasks circulate; each one leases batches until no
 queue has work, then retires atomically with that check (`release_ticket`),
 so an enqueue either is seen by a live ticket or tops up a new one.
@@ -77,7 +77,7 @@ def lease_batch(
     the priority order runs now only if the batch that waits for it fits the free memory).
     With `preferred_sizes`, a batch of requests that takes no chunk along is cut to the largest of
     them its rows reach (Triton's preferred batch sizes; the head request always stays).
-    With `tenants` ({order, held, window}: `sits_worker.fair_share`), the batch is formed from the
+    With `tenants` ({order, held, window}: `sits_worker.tenancy.fair_share`), the batch is formed from the
     first `window` waiting items by their tenants' fair-share order, a held tenant's left waiting;
     the ranked tenants such a lease found no item of, having read every item within reach, are added
     to `notes.absent` when given. With `classes` ({ranks, demote, window}: `broker.failures.degrade.lease_classes`),
@@ -133,7 +133,7 @@ def lease_riders(
     chunk's next mini-batch: found among the first `window` waiting items even behind job chunks,
     up to `max_items` requests, `max_rows` rows and `max_tokens` tokens (0: no token limit), none
     submitted below priority level `lowest_level` (a degraded worker's paused class). With `tenants`
-    ({order, held}: `sits_worker.fair_share`), the requests of tenants in `order` go first, in its
+    ({order, held}: `sits_worker.tenancy.fair_share`), the requests of tenants in `order` go first, in its
     order, and a held tenant's do not ride."""
     keys = store.keys
     with translate_redis_errors():

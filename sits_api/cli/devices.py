@@ -2,7 +2,7 @@
 
 `sitsctl up` starts a worker per usable GPU, and `sitsctl worker --gpu N` refuses a GPU a worker
 could not use before Celery prints its banner. Both questions need NVML and ONNX Runtime, which
-belong to the worker side (`sits_worker/devices.py`); asking in a child process keeps the API
+belong to the worker side (`sits_worker/device/pinning.py`); asking in a child process keeps the API
 package free of worker imports (the import contracts in pyproject.toml) and this process free of
 ONNX Runtime.
 """
@@ -22,7 +22,7 @@ _QUERY_TIMEOUT_SECONDS = 60.0
 
 def _ask(*args: str) -> Any:
     try:
-        done = subprocess.run([sys.executable, "-m", "sits_worker.devices", *args], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "sits_worker.device.pinning", *args], capture_output=True,
                               text=True, timeout=_QUERY_TIMEOUT_SECONDS, check=False)
     except subprocess.TimeoutExpired as err:
         raise SitsError(f"asking which devices a worker can use took over {_QUERY_TIMEOUT_SECONDS:.0f} s "

@@ -45,7 +45,7 @@ def worker_command(device: str, streams: int, name: str, queue: str, loglevel: s
     return argv, {"SITS_WORKER_DEVICE": device, "SITS_WORKER_STREAMS": str(streams)}
 
 
-API_WORKER_CLASS = "sits_api.gunicorn_worker.JsonErrorThreadWorker"
+API_WORKER_CLASS = "sits_api.http.gunicorn_worker.JsonErrorThreadWorker"
 """gunicorn's gthread worker, answering the requests gunicorn itself refuses in the API's JSON error body."""
 
 
@@ -87,7 +87,7 @@ class Stack:
 
     No Celery beat: nothing in SITS is periodic on a schedule of its own. Aging lives in the static
     sort key, PSA jumps run before every batch choice, `PUT /v1/policy` re-scores in its own request,
-    and each worker runs the reaper pass on a thread (`sits_worker/reaper.py`).
+    and each worker runs the reaper pass on a thread (`sits_worker/upkeep/reaper.py`).
     """
 
     settings: Settings

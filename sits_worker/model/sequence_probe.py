@@ -27,7 +27,8 @@ work on the inputs. Nodes that expand small inputs (Expand, Tile, ConstantOfShap
 large weights are bounded only by the model's size (`servable.RUNTIME_CHECK_MAX_BYTES`). A model not
 run keeps name matching.
 
-onnxruntime is imported only when a model is probed: the API imports this module (STYLE.md).
+onnxruntime is imported only when a model is probed: the API imports this module
+(docs/architecture.md, "The light model package").
 """
 
 from __future__ import annotations

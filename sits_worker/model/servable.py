@@ -22,7 +22,7 @@ from sits_worker.model.loading import first_line
 from sits_worker.model.padding import MASK_INPUT_KEY, MAX_SEQUENCE_KEY, PAD_TOKEN_KEY, mask_spec
 
 # numpy dtype kinds SITS reads from requests and input files and writes as outputs (bool, int, uint,
-# float, complex): the kinds tensors.InputSpec accepts. tests/api/test_model_validation.py keeps them agreed.
+# float, complex): the kinds tensors.InputSpec accepts. tests/api/v1/test_model_validation.py keeps them agreed.
 CARRIED_DTYPE_KINDS = frozenset("biufc")
 _INT64_MAX = int(np.iinfo(np.int64).max)
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from api_helpers import Api, make_settings
 from flask import Flask
 from flask.testing import FlaskClient
 from werkzeug.serving import make_server
@@ -23,6 +22,7 @@ from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
+from tests.api.api_helpers import Api, make_settings
 
 
 @pytest.fixture

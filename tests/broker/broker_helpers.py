@@ -48,7 +48,8 @@ def job_spec(
 
 
 def ack(store: Store, item: LeasedItem, *, now: float, worker: str = "w1") -> int:
-    """Acknowledge a leased chunk exactly as `sits_worker.execution.run_chunk` does; returns the script's reply."""
+    """Acknowledge a leased chunk exactly as `sits_worker.serving.execution.run_chunk` does; returns the
+    script's reply."""
     return job_progress.ack_chunk(store, item, now=now, worker=worker)
 
 

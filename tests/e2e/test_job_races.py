@@ -28,11 +28,11 @@ from broker.queueing import queues
 from broker.queueing.queues import LeasedItem
 from broker.state.store import Store
 from sits_api.cli.stack import Stack
-from sits_worker import outputs
-from sits_worker.context import WorkerContext
-from sits_worker.devices import Device
-from sits_worker.execution import process_item
-from sits_worker.runtime import SessionCache
+from sits_worker.device.pinning import Device
+from sits_worker.device.runtime import SessionCache
+from sits_worker.serving import outputs
+from sits_worker.serving.context import WorkerContext
+from sits_worker.serving.execution import process_item
 from tests.e2e.stack_helpers import direct_run, frozen, wait_job
 from tests.job_items import leased_finalize_item
 

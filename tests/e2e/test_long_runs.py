@@ -1,7 +1,7 @@
 """A run that takes several lease timeouts, through a real worker process, runs once.
 
 An online batch is one `session.run`; while it runs, only the worker's lease keeper
-(`sits_worker/lease_keeper.py`, a thread of the worker process) keeps its leases and its batch ticket
+(`sits_worker/serving/lease_keeper.py`, a thread of the worker process) keeps its leases and its batch ticket
 alive. Here the lease is 1 s, the ticket 2 s, the reaper passes every 0.1 s and an item has a single
 attempt (`jobs.max_attempts: 1`), so one lease taken back by the reaper fails the request at once
 instead of running it a second time; and the test watches Redis meanwhile for any sign of a second

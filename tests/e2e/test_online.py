@@ -12,6 +12,7 @@ import pytest
 
 from sits_worker.model.zoo import mlp_reference
 from tests.e2e.stack_helpers import direct_run, register, start_stack, start_zoo_stack, wait_job
+from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +184,8 @@ def test_an_idle_ticket_lingers_for_the_next_request_then_retires(stack):
     assert int(store.client.get(store.keys.ticket_seq)) == tickets_made
     assert store.client.zcard(store.keys.tickets) >= 1  # lingering
 
-    deadline = time.monotonic() + 10
-    while store.client.zcard(store.keys.tickets):
-        assert time.monotonic() < deadline, "the idle tickets never retired"
-        time.sleep(0.1)
+    assert eventually(lambda: not store.client.zcard(store.keys.tickets),
+                      timeout=10, interval=0.1), "the idle tickets never retired"
     assert client.post("/v1/requests", body)["status"] == "succeeded"
     assert int(store.client.get(store.keys.ticket_seq)) > tickets_made
 

@@ -1,6 +1,6 @@
 """Expired leases come back while every stream slot of every worker runs a long batch.
 
-The reaper pass runs on a thread of each worker process (`sits_worker/reaper.py`), not as a Celery
+The reaper pass runs on a thread of each worker process (`sits_worker/upkeep/reaper.py`), not as a Celery
 task: one queued behind the stream slots (they are the threads pool's threads) would wait for a
 chunk to end. Here one worker's two slots each run a long transformer chunk while an item leased by
 a "dead" worker (leased straight through `broker.queueing.queues` with a short lease and never acked) expires;
@@ -19,6 +19,7 @@ from broker.online.requests import RequestSpec
 from broker.queueing import queues
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import FAST_RECOVERY, register, stack_settings, wait_job
+from tests.waiting import eventually
 
 STREAMS = 2
 ROWS_PER_CHUNK = 3000
@@ -47,10 +48,8 @@ def test_an_expired_lease_returns_to_its_queue_while_every_stream_slot_is_busy(b
     job = client.post("/v1/jobs", {"model": "transformer", "input_batch": str(busy_stack.home / "tokens.npy"),
                                    "output_dir": str(busy_stack.home / "out"), "chunk_size": ROWS_PER_CHUNK,
                                    "batch_size": 16})
-    deadline = time.monotonic() + 30
-    while queues.queue_depths(store).get(transformer, {}).get("inflight", 0) < STREAMS:
-        assert time.monotonic() < deadline, "the worker's slots did not both lease a chunk"
-        time.sleep(0.05)
+    assert eventually(lambda: queues.queue_depths(store).get(transformer, {}).get("inflight", 0) >= STREAMS,
+                      timeout=30, interval=0.05), "the worker's slots did not both lease a chunk"
 
     # A worker that dies right after its lease: the item is never run, acked or extended.
     spec = RequestSpec(request_id="r-of-a-dead-worker", model_name="mlp", model_version=mlp["version"],

@@ -17,6 +17,7 @@ from broker.jobs.chunking import auto_batch_size
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import mlp_reference
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, start_stack, wait_job
+from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -185,10 +186,8 @@ def test_cancel_takes_waiting_chunks_out_of_the_queue(stack):
     job = client.post("/v1/jobs", {"model": "convnet", "input_batch": str(stack.home / "big.npy"),
                                    "output_dir": str(stack.home / "out-cancel"), "chunk_size": 200})
     # the one worker runs up to max_concurrent_streams (2) chunks at once
-    deadline = time.monotonic() + 30
-    while client.get("/v1/status")["queues"][job["model_ref"]]["inflight"] < 2:
-        assert time.monotonic() < deadline, "never saw 2 chunks in flight on a 2-stream worker"
-        time.sleep(0.02)
+    assert eventually(lambda: client.get("/v1/status")["queues"][job["model_ref"]]["inflight"] >= 2,
+                      timeout=30, interval=0.02), "never saw 2 chunks in flight on a 2-stream worker"
     cancelled = client.delete(f"/v1/jobs/{job['id']}")
     assert cancelled["status"] == "cancelled"
     status = client.get("/v1/status")

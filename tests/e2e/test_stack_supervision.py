@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from sits_api.cli.processes import RestartBudget
+from tests.waiting import eventually
 
 
 class Up:
@@ -123,10 +124,8 @@ def test_a_killed_worker_is_started_again_and_the_stack_stops_when_its_redis_die
     os.kill(worker["pid"], signal.SIGKILL)
 
     up.wait_for("worker0 exited with code -9 (SIGKILL); started it again as PID")
-    deadline = time.monotonic() + 60
-    while not [w for w in up.status()["workers"] if w["alive"] and w["pid"] != worker["pid"]]:
-        assert time.monotonic() < deadline, up.status()
-        time.sleep(0.5)
+    assert eventually(lambda: [w for w in up.status()["workers"] if w["alive"] and w["pid"] != worker["pid"]],
+                      timeout=60, interval=0.5), up.status()
     assert up.process.poll() is None
 
     # Redis is the one child whose death stops everything: the stack's state is in it.

@@ -10,7 +10,7 @@ import urllib.request
 
 import numpy as np
 
-from sits_api.v2_binary import HEADER_LENGTH
+from sits_api.v2.binary import HEADER_LENGTH
 from sits_worker.model.zoo import mlp_reference
 
 

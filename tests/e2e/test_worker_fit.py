@@ -9,7 +9,7 @@ from pathlib import Path
 
 from broker.config.settings import Settings
 from sits_api.cli.stack import Stack
-from sits_worker.worker_settings import fit_to_cores, usable_cores
+from sits_worker.device.worker_settings import fit_to_cores, usable_cores
 
 
 def test_a_default_cpu_worker_runs_no_more_streams_than_its_cores(tmp_path: Path) -> None:

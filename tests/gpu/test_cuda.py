@@ -15,10 +15,10 @@ import pytest
 
 from broker.config.settings import Settings
 from sits_api.cli.stack import Stack
-from sits_worker.context import memory_ledger
-from sits_worker.cuda_visible import visible_gpus
-from sits_worker.devices import Device, cuda_provider_available, gpu_count, nvml_gpus
-from sits_worker.runtime import build_session
+from sits_worker.device.cuda_visible import visible_gpus
+from sits_worker.device.pinning import Device, cuda_provider_available, gpu_count, nvml_gpus
+from sits_worker.device.runtime import build_session
+from sits_worker.serving.context import memory_ledger
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, wait_job
 
 pytestmark = pytest.mark.skipif(not (cuda_provider_available() and gpu_count() > 0),

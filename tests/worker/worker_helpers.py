@@ -9,10 +9,10 @@ import onnx
 from broker.config.settings import Settings
 from broker.models import registry
 from broker.state.store import Store
-from sits_worker.context import WorkerContext
-from sits_worker.devices import Device
+from sits_worker.device.pinning import Device
+from sits_worker.device.runtime import SessionCache
 from sits_worker.model.graph import static_profile
-from sits_worker.runtime import SessionCache
+from sits_worker.serving.context import WorkerContext
 
 
 def mlp_worker_context(store: Store, zoo_dir: Path, settings: Settings | None = None) -> WorkerContext:

@@ -306,7 +306,7 @@ local function pick_candidates()
         return nil
       end
       -- A batch cut to a memory hole must not outgrow it. A chunk still goes: these are online batch
-      -- limits, not its mini-batches'; the worker checks it by its own need (sits_worker/leasing.py).
+      -- limits, not its mini-batches'; the worker checks it by its own need (sits_worker/serving/leasing.py).
       if options.head_must_fit == true and is_request and (number_or(item['rows'], 1) > max_rows
           or (max_tokens > 0 and token_cost(item) > max_tokens)) then
         return nil

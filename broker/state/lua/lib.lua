@@ -82,7 +82,7 @@ end
 
 
 -- An online request waits in the queue of `waiting_key`'s model: a publish on that key's name (a
--- channel, not a key) tells the running job chunks to look (`sits_worker/request_bell.py`).
+-- channel, not a key) tells the running job chunks to look (`sits_worker/serving/request_bell.py`).
 local function announce_waiting(waiting_key)
   redis.call('PUBLISH', waiting_key, '1')
 end

@@ -1,0 +1,1 @@
+"""Taking work in: jobs and models submitted, online requests queued and answered, tasks sent."""

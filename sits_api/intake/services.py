@@ -1,0 +1,347 @@
+"""What the API's views do, as plain functions: register models, submit and steer jobs.
+
+No Flask here: views parse the body,
+call one of these and map the result. Every path a request names is
+checked against the configured roots before anything reads or writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from broker.config.settings import Settings
+from broker.errors import BadInput, Conflict, DeadlineInfeasible, Forbidden, PathNotAllowed, QueueFull, RetryableError
+from broker.jobs import chunking, output_dirs, tenant_quotas
+from broker.jobs import fills as job_fills
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.jobs.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
+from broker.models import registry
+from broker.monitoring import sla_metrics
+from broker.online.batching import Batching, resolve
+from broker.queueing import policy
+from broker.sla import admission
+from broker.state.store import Store
+from broker.tenants import usage as tenant_usage
+from broker.tenants.apikeys import owns
+from broker.tenants.records import TenantTable
+from broker.tenants.settings import Tenant
+from sits_api.intake import job_deadlines
+from sits_api.intake.task_sender import Dispatcher
+from sits_api.schemas import JobSubmission, ModelRegistration
+from sits_api.tenancy import ab_routes, tenant_gate
+from sits_worker.model.batch_probe import check_rows_independent
+from sits_worker.model.graph import model_signature, static_profile
+from sits_worker.model.inputs import file_checksum, open_input
+from sits_worker.model.loading import load_model_checked
+from sits_worker.model.padding import PADDING_EXACT_KEY, SEQUENCE_OUTPUTS_KEY, mask_spec, token_limits
+from sits_worker.model.sequence_probe import observe_sequence_outputs
+from sits_worker.model.servable import check_runtime_loads, check_servable
+from sits_worker.model.source import file_identity
+
+
+def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
+    """The resolved `path_text`; PathNotAllowed unless it lies inside one of `roots`."""
+    try:
+        path = Path(path_text).expanduser().resolve()
+    except (ValueError, RuntimeError, OSError) as err:  # NUL bytes, unknown ~user, loops
+        raise BadInput(f"{what} path {path_text!r} is not a valid path: {err}") from err
+    if not any(path == root or root in path.parents for root in roots):
+        allowed = ", ".join(str(root) for root in roots)
+        raise PathNotAllowed(f"{what} {path} is outside the allowed roots ({allowed}); "
+                             f"move it there or add its folder to paths.{what.replace(' ', '_')}_roots")
+    return path
+
+
+# --- models -------------------------------------------------------------------------
+
+
+def model_batching(settings: Settings, record: dict[str, Any]) -> Batching:
+    """The batching settings workers apply to the model version of registry `record`: its
+    configured ones (`online.models`, else `online.batching`), `auto` values resolved from its profile."""
+    return resolve(settings.online.batching_for(record["name"]), record)
+
+
+def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, body: ModelRegistration,
+                   *, registrant: dict[str, Any], now: float) -> dict[str, Any]:
+    """Validate an ONNX file, store a copy as a new version (content hash), profile it statically.
+
+    The name must be new or the `registrant` key's own (`registry.save_model_version`): another
+    tenant's name is Forbidden (403), before the file is read, even for a file identical to a
+    version it has, since registering rewrites that version's record (source path, profiling).
+    A new name becomes the key's tenant's, or for an admin key no tenant's (admin keys alone
+    add versions to it: `registry.name_claimant`).
+
+    A model that could never serve a request is refused (InvalidModel, 422) before anything is
+    stored: one the ONNX checker's strict type inference rejects, one SITS cannot feed or carry
+    (`check_servable`), or one ONNX Runtime cannot load (`check_runtime_loads`). A token model
+    that declares an attention mask is run on two tiny feeds to see which outputs carry the
+    sequence (`sequence_probe`), so a worker cuts exactly those back after padding, and on the
+    shorter one padded, to see that padding keeps its outputs (else it is never padded); any model is
+    run on two rows alone and together, and refused if its rows see each other (`batch_probe`).
+    `profile_mode=full` and `enable_fusion` are sent to a worker as a Celery
+    task, since only a worker has ONNX Runtime and the device to measure on;
+    the record's `profile_status` says `pending` until the task is done.
+    """
+    registry.check_may_register(store, body.name, registrant)
+    source = resolve_inside(body.path, settings.paths.model_roots, "model")
+    model = load_model_checked(source, settings.paths.model_roots)
+    check_servable(model)
+    serialized = model.SerializeToString(deterministic=True)  # (over 2 GB: refused by load_model_checked)
+    session = check_runtime_loads(serialized, source.name)  # (one CPU session for the probes below)
+    check_rows_independent(serialized, model_signature(model), body.name, session)
+    profile = static_profile(model)
+    sequence_probe = observe_sequence_outputs(serialized, profile, session)
+    del session
+    if sequence_probe is not None:  # else mask_spec matches output dims by name, and pads
+        profile[SEQUENCE_OUTPUTS_KEY] = sequence_probe.outputs
+        profile[PADDING_EXACT_KEY] = sequence_probe.padding_exact
+    version = _content_hash(serialized)
+    ref = f"{body.name}@{version}"
+    stored, copied = _store_copy(model, settings.paths.store() / body.name / version)
+    needs_worker = body.profile_mode == "full" or body.enable_fusion
+    fields = {
+        "name": body.name,
+        "version": version,
+        "ref": ref,
+        "path": str(stored),
+        "source_path": str(source),
+        "signature": profile["signature"],
+        "static_profile": profile,
+        "profile_mode": body.profile_mode,
+        "enable_fusion": body.enable_fusion,
+    }
+
+    def registered(existing: dict[str, Any] | None) -> dict[str, Any]:
+        """The version's record: what is stored (a measured profile stays), with this registration's fields."""
+        kept = existing or {}
+        return kept | fields | {
+            "registered_at": kept.get("registered_at", now),
+            "profile_status": "pending" if needs_worker else kept.get("profile_status", "static"),
+        }
+
+    try:
+        record = registry.save_model_version(store, fields, registrant=registrant, based_on=registered)
+    except Forbidden:  # another tenant claimed the name after `check_may_register`
+        if copied and not registry.version_exists(store, ref):
+            shutil.rmtree(stored.parent, ignore_errors=True)  # no record points at the copy we made
+            with contextlib.suppress(OSError):
+                stored.parent.parent.rmdir()  # the name's folder, if nothing else is in it
+        raise
+    if needs_worker:
+        dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion)
+    return record
+
+
+def _content_hash(serialized_model: bytes) -> str:
+    """Version of a model: hash of its deterministically serialised graph with external data inlined."""
+    return hashlib.sha256(serialized_model).hexdigest()[:12]
+
+
+def _store_copy(model: onnx.ModelProto, folder: Path) -> tuple[Path, bool]:
+    """Write the model into the store (atomically, once per version); large models keep external data.
+
+    Returns the stored file and whether this call wrote it. The temporary name is unique per call:
+    threads of one API process registering the same file at once each write their own, and the
+    first `os.replace` wins with identical bytes.
+    """
+    target = folder / "model.onnx"
+    if target.exists():
+        return target, False
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".model.onnx.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    large = model.ByteSize() > 1_800_000_000
+    try:
+        onnx.save_model(model, str(tmp), save_as_external_data=large,
+                        location="model.onnx.data" if large else None)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target, True
+
+
+# --- jobs ---------------------------------------------------------------------------
+
+
+def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: JobSubmission, *,
+               caller: dict[str, Any], now: float, headers: Any = None,
+               tenants: TenantTable | None = None) -> dict[str, Any]:
+    """Validate a job against its model's signature, queue its chunks and wake the workers; the job
+    belongs to the `caller` key's name, and is billed to its tenant, within the tenant's record in
+    `tenants` (its models, `max_inflight`, `default_priority`; the file's tenants when not given). A bare
+    model name goes where its A/B route sends the caller's jobs (`sits_api.tenancy.ab_routes`, by the request's
+    `headers`, a mapping of its HTTP headers)."""
+    model = registry.get_model(store, ab_routes.routed(store, body.model, caller, headers or {}, "jobs"))
+    tenant = tenant_gate.check_model(tenants or TenantTable(settings.tenants), store, caller, model["name"])
+    input_path = resolve_inside(body.input_batch, settings.paths.input_roots, "input")
+    output_dir = resolve_inside(body.output_dir, settings.paths.output_roots, "output")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
+    input_options = {"shape": body.input_shape, "dtype": body.input_dtype}
+    identity = file_identity(input_path)  # before anything is read: rows, checksum and identity of one file
+    with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype,
+                    mask=mask_spec(model.get("static_profile")),
+                    limits=token_limits(model.get("static_profile"))) as source:
+        rows, input_format = source.rows, source.format.lstrip(".")
+        if source.reads_rows_cheaply():  # its first row checked as a request's would be (token ids, mask)
+            next(source.iter_batches(0, 1, 1))
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
+                       "name a folder the workers can write") from err
+    _refuse_finished_output_dir(output_dir, [output["name"] for output in model["signature"]["outputs"]])
+    batch_size = _batch_size(settings, model, body.batch_size)
+    deadline_at = job_deadlines.deadline_at(body, now=now)
+    spec = jobs.JobSpec(
+        job_id=jobs.new_job_id(),
+        model_name=model["name"],
+        model_version=model["version"],
+        input_batch=str(input_path),
+        input_format=input_format,
+        input_checksum=_checksum_unchanged(input_path, identity),
+        input_stat=identity,
+        output_dir=str(output_dir),
+        output_names=[output["name"] for output in model["signature"]["outputs"]],
+        rows_total=rows,
+        chunk_size=_chunk_size(settings, store, model, body.chunk_size, rows=rows, batch_size=batch_size, now=now),
+        batch_size=batch_size,
+        priority=_priority(body, tenant),
+        owner=caller["name"],
+        tenant=tenant_gate.tenant_of(caller),
+        input_options={k: v for k, v in input_options.items() if v is not None},
+        deadline_at=deadline_at,
+    )
+    weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
+    if deadline_at is not None:
+        try:
+            spec = job_deadlines.admitted(settings, store, spec, model, weights=weights, ordering=ordering, now=now)
+        except DeadlineInfeasible:
+            sla_metrics.count_admission_refusal(store, spec.model_ref)
+            raise
+    _take_job_place(settings, store, spec, tenant, now=now)
+    output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
+    job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering,
+                         deadline_horizon=settings.sla.deadline_horizon)
+    _keep_output_dir_or_stop(store, spec.job_id, spec.output_dir, now=now)
+    tenant_usage.count_job(store, tenant=spec.tenant, owner=spec.owner, model=spec.model_ref, now=now)
+    dispatcher.wake_workers()
+    return jobs.get_job(store, spec.job_id, now=now)
+
+
+def _priority(body: JobSubmission, tenant: Tenant | None) -> int:
+    """The job's own priority, else its tenant's `default_priority`, else the default."""
+    if "priority" in body.model_fields_set or tenant is None or tenant.default_priority is None:
+        return body.priority
+    return tenant.default_priority
+
+
+def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec, tenant: Tenant | None, *,
+                    now: float) -> None:
+    """A place among its tenant's active jobs (`max_inflight`), or QueueFull (429) with a Retry-After of
+    about one chunk's time: the soonest a job of the tenant may end and free one."""
+    try:
+        tenant_quotas.take_job_place(store, spec.tenant, spec.job_id, most=tenant.max_inflight if tenant else 0,
+                                     now=now)
+    except tenant_quotas.TenantAtLimit as full:
+        retry_after = max(1, math.ceil(settings.jobs.chunk_seconds))
+        raise QueueFull(f"tenant '{spec.tenant}' has {full.active} jobs queued or running, its limit "
+                        f"(tenants.{spec.tenant}.max_inflight); the job was not queued: retry after {retry_after} s "
+                        "(Retry-After), or once one of them ends", retry_after=retry_after) from None
+
+
+def _checksum_unchanged(path: Path, identity: dict[str, int]) -> str:
+    """The file's checksum, if the file is still the one `identity` describes once it is read (a file
+    being written while it is hashed would be recorded with a checksum of neither version)."""
+    checksum = file_checksum(path)
+    if file_identity(path) != identity:
+        raise RetryableError(f"input {path} changed while it was being read; submit again once it is written")
+    return checksum
+
+
+def _batch_size(settings: Settings, model: dict[str, Any], asked: int | str | None) -> int:
+    """The job's own batch size, else the configured one, else (`auto`) the model's best measured one."""
+    chosen = asked or settings.jobs.batch_size
+    return chosen if isinstance(chosen, int) else chunking.auto_batch_size(model)
+
+
+def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: int | str | None, *, rows: int,
+                batch_size: int, now: float) -> int:
+    """The job's own chunk size, else the configured one, else (`auto`) one from the model's profile."""
+    chosen = asked or settings.jobs.chunk_size
+    if isinstance(chosen, int):
+        if chosen < (least := chunking.least_chunk_size(rows)):
+            where = "chunk_size" if asked else "the server's jobs.chunk_size"
+            raise BadInput(f"{where} {chosen:,} cuts {rows:,} rows into {math.ceil(rows / chosen):,} chunks; a job "
+                           f"has at most {chunking.MAX_CHUNKS_PER_JOB:,}: give chunk_size {least:,} or more, "
+                           "or 'auto' to let the server size them")
+        return chosen
+    fleet = admission.live_fleet(settings, store, now=now)  # (a GPU worker's streams share one device: one slot)
+    return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=fleet.workers,
+                                   live_slots=fleet.slots, chunk_seconds=settings.jobs.chunk_seconds,
+                                   max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes,
+                                   calibration=admission.calibrations(store).get(model["version"], 1.0))
+
+
+def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now: float) -> None:
+    """After a job became active: Conflict, its job stopped, if another job claimed its folder meanwhile."""
+    if output_dirs.holds_output_dir(store, output_dir, job_id):
+        return
+    job_stops.stop_job(store, job_id, status="failed", now=now,
+                  error=f"another job claimed output_dir {output_dir} at the same time")
+    raise Conflict(f"output_dir {output_dir} was claimed by another job at the same time; choose another folder")
+
+
+def _refuse_finished_output_dir(output_dir: Path, output_names: list[str]) -> None:
+    """Conflict when the folder holds a finished job's results (a new job would run every row and
+    then fail at its merge: the manifest is another job's), or files the job's outputs would replace
+    that no job's manifest accounts for: someone's data (another tenant's, or the job's own input)
+    that a merge would overwrite without a word."""
+    if (output_dir / MANIFEST_NAME).exists():
+        raise Conflict(f"output_dir {output_dir} already holds the results of a finished job ({MANIFEST_NAME}); "
+                       "choose an empty folder or remove those results first")
+    taken = [(name, path.name) for name in output_names if (path := output_path(output_dir, name)).exists()]
+    if taken:
+        files = ", ".join(f"{file} (output '{name}')" for name, file in taken)
+        raise Conflict(f"output_dir {output_dir} already holds {files}, which this job's outputs would replace; "
+                       "choose another folder or move those files away")
+
+
+def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, caller: dict[str, Any],
+               now: float) -> dict[str, Any]:
+    """Re-queue a job's unfinished chunks after checking its input and model are still the same; a
+    conflict over its folder names the other job only if the `caller` key may see it."""
+    job = jobs.get_job(store, job_id, now=now)
+    registry.get_model(store, job["model_ref"])
+    input_path = Path(job["input_batch"])
+    identity = file_identity(input_path)
+    checksum = _checksum_unchanged(input_path, identity)
+    if checksum != job["input_checksum"]:
+        raise BadInput(f"input {job['input_batch']} changed since the job was submitted "
+                       f"({checksum} != {job['input_checksum']}); submit a new job for the new data")
+    weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
+    manifest = read_manifest(Path(job["output_dir"]))
+    if manifest is not None and manifest.get("job") != job_id:
+        other = manifest.get("job")
+        named = f"job {other}" if owns(caller, jobs.job_owner(store, str(other))) else "another job"
+        raise Conflict(f"output_dir {job['output_dir']} now holds the results of {named}; "
+                       "submit this job again into another folder")
+    output_dirs.claim_output_dir(store, job["output_dir"], job_id, caller=caller)  # another job may have taken it
+    if manifest is None:  # chunks whose parts were deleted (with the folder) run again
+        on_disk = chunks_with_parts(Path(job["output_dir"]), job["output_names"], job_id=job_id)
+        job_progress.forget_chunks(store, job_id, sorted(job_progress.done_chunks(store, job_id) - on_disk))
+    job_fills.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity,
+                         deadline_horizon=settings.sla.deadline_horizon)
+    _keep_output_dir_or_stop(store, job_id, job["output_dir"], now=now)
+    dispatcher.wake_workers()
+    return jobs.get_job(store, job_id, now=now)

@@ -1,0 +1,50 @@
+"""What one API process holds for every request: the typed state its views read.
+
+`create_app` builds one `AppState` and keeps it in the Flask app's extensions; views reach it with
+`app_state()`, never through an untyped dict. The state is shared by the process's request threads:
+each part is safe to use from several threads (the store holds a connection per thread).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flask import current_app
+
+from broker.config.settings import Settings
+from broker.queueing.policy import LivePolicy
+from broker.state.store import Store
+from broker.tenants.records import TenantTable
+from sits_api.intake.result_inbox import ResultInbox
+from sits_api.intake.task_sender import Dispatcher
+from sits_api.metrics import SitsCollector
+
+EXTENSION = "sits"
+"""The key of the app's extensions under which the `AppState` is kept."""
+
+
+@dataclass
+class AppState:
+    """The settings, the Redis store and the per-process helpers every view shares."""
+
+    settings: Settings
+    store: Store
+    dispatcher: Dispatcher
+    """Sends the Celery drain tasks that wake workers (`sits_api.intake.task_sender`)."""
+    policy: LivePolicy
+    """The live scoring policy, re-read at most once a second."""
+    inbox: ResultInbox
+    """Where the results of this process's waiting requests arrive."""
+    metrics: SitsCollector
+    """The Prometheus collector of `GET /metrics`."""
+    tenants: TenantTable
+    """The tenants' records, kept live from Redis."""
+    known_keys: dict[str | None, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    """API keys checked lately: key -> (when, identity), trusted for `auth.KEY_CACHE_SECONDS`."""
+
+
+def app_state() -> AppState:
+    """The state of the app serving the current request."""
+    state: AppState = current_app.extensions[EXTENSION]
+    return state

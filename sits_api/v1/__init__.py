@@ -1,0 +1,1 @@
+"""The v1 REST API: one Flask blueprint per resource (health, models, jobs, requests, admin)."""

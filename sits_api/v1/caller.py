@@ -1,0 +1,47 @@
+"""What the calling key may see: another tenant's job or request answers as a missing one, and
+another tenant's model without its owner and paths."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flask import g
+
+from broker.errors import Forbidden, SitsError
+from broker.jobs import records as jobs
+from broker.tenants.apikeys import may_read, owns
+from sits_api.state import app_state
+
+
+def visible_to_caller(record: dict[str, Any], not_found: SitsError, *, steer: bool = False) -> dict[str, Any]:
+    """`record` (a job or a request) if the caller's key may read it (`apikeys.may_read`), or with `steer`
+    cancel, stop or resume it (`apikeys.owns`), else `not_found`: the very error an unknown id gets, so
+    that no tenant learns that another's ids exist (a viewer of the tenant gets a 403 when steering)."""
+    if steer and may_read(g.identity, record["owner"], record.get("tenant")) \
+            and not owns(g.identity, record["owner"], record.get("tenant")):
+        raise Forbidden(f"key '{g.identity.get('name')}' has the '{g.identity.get('role')}' role: it may read its "
+                        "tenant's work, not steer it")
+    if not may_read(g.identity, record["owner"], record.get("tenant")):
+        raise not_found
+    return record
+
+
+def model_as_seen(record: dict[str, Any]) -> dict[str, Any]:
+    """A model record as the caller may see it: to the keys that own its name (`apikeys.owns`: the
+    tenant's keys, admins) whole; to other keys with `owner` None (as for a name no tenant owns) and
+    the file paths None too, the registered `source_path` (which names folders of the registrant's,
+    often the tenant itself), the stored copy's `path` and a fused graph's, so that no tenant learns
+    another's name or files. Any key may use the model either way."""
+    if owns(g.identity, record.get("owner")):
+        return record
+    hidden = record | {"owner": None, "path": None, "source_path": None}
+    if isinstance(record.get("fusion"), dict):
+        hidden["fusion"] = record["fusion"] | {"path": None}
+    return hidden
+
+
+def caller_job(job_id: str, *, steer: bool = False) -> dict[str, Any]:
+    """The job `job_id`, if the caller may see it (with `steer`: and steer it); JobNotFound otherwise."""
+    return visible_to_caller(jobs.get_job(app_state().store, job_id, now=time.time()), jobs.job_not_found(job_id),
+                              steer=steer)

@@ -1,0 +1,146 @@
+"""Measured model profiles and graph fusion, run as a Celery task on the worker's own device.
+
+`profile_mode=full` measures latency and throughput per batch size and keeps
+the latency/throughput Pareto points; results are cached in the registry
+for `scheduler.model_profile_cache_ttl`. `enable_fusion` saves the graph as
+ONNX Runtime optimises it (full optimisation) and records its operator
+histogram next to the original's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from broker.errors import DeviceOutOfMemory, SitsError
+from broker.models import registry
+from sits_worker.device.runtime import build_session, run_session
+from sits_worker.model.graph import operator_histogram
+from sits_worker.serving.context import WorkerContext
+
+_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_PROFILE_SEQUENCE = 128
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
+                 "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bool": np.bool_}
+
+
+def sample_feed(signature: dict[str, Any], batch: int, sequence: int = _PROFILE_SEQUENCE) -> dict[str, np.ndarray]:
+    """A deterministic random feed of `batch` rows for a signature (token ids stay small)."""
+    rng = np.random.default_rng(0)
+    feed: dict[str, np.ndarray] = {}
+    for spec in signature["inputs"]:
+        dims = [batch] + [d if isinstance(d, int) else sequence for d in spec["shape"][1:]]
+        dtype = _NUMPY_DTYPES.get(spec["dtype"], np.float32)
+        if np.issubdtype(dtype, np.integer):
+            feed[spec["name"]] = rng.integers(0, 100, size=dims).astype(dtype)
+        else:
+            feed[spec["name"]] = rng.standard_normal(dims).astype(dtype)
+    return feed
+
+
+PROFILE_PASSES = 4
+"""Rounds over the batch sizes in one sweep: the machine's speed drifts by tens of per cent between
+seconds, so each size is timed a little in every round (in alternating order) rather than all at
+once, and the sizes are compared under the same drift."""
+
+
+def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 1.0,
+            batch_sizes: tuple[int, ...] = _BATCH_SIZES, passes: int = PROFILE_PASSES) -> list[dict[str, float]]:
+    """Latency (median of timed runs), its 99th percentile and throughput for each batch size, within a
+    time budget per size; sizes past the first one the device runs out of memory for are skipped, as
+    are those past the first whose one warm-up run takes over a third of the budget.
+
+    Each size is timed in `passes` rounds (`PROFILE_PASSES`), each of a share of its budget: 3 to 50
+    runs in all. A job's `auto` batch size is chosen from these points (`broker/jobs/chunking.py`), so a
+    size measured in a slow second must not lose to one measured in a fast one.
+
+    `p99_ms` is what schedulability analysis takes as a batch's worst case (`broker/sla/analysis.py`):
+    of the 3 to 50 runs timed, it lies close to the slowest one.
+    """
+    feeds: dict[int, dict[str, np.ndarray]] = {}
+    for batch in batch_sizes:
+        feed = sample_feed(signature, batch)
+        try:
+            started = time.perf_counter()
+            run_session(session, feed)  # warm-up: allocations, kernel choice
+            once = time.perf_counter() - started
+        except DeviceOutOfMemory:
+            if not feeds:
+                raise
+            break  # the device holds no larger batch: keep what was measured
+        feeds[batch] = feed
+        if once * 3 > budget_seconds:  # larger batches would take too long to profile
+            break
+    timings: dict[int, list[float]] = {batch: [] for batch in feeds}
+    order = list(feeds)
+    for number in range(max(1, passes)):
+        last = number == max(1, passes) - 1
+        for batch in order if number % 2 == 0 else reversed(order):
+            taken, started = timings[batch], time.perf_counter()
+            share = budget_seconds / max(1, passes)
+            least = 3 if last else 1
+            while len(taken) < least or (time.perf_counter() - started < share and len(taken) < 50 * (number + 1)
+                                         // max(1, passes)):
+                t0 = time.perf_counter()
+                run_session(session, feeds[batch])
+                taken.append(time.perf_counter() - t0)
+    points: list[dict[str, float]] = []
+    for batch, taken in timings.items():
+        latency = float(np.median(taken))
+        points.append({"batch_size": batch, "latency_ms": round(latency * 1000, 3),
+                       "rows_per_second": round(batch / latency, 1),
+                       "p99_ms": round(float(np.percentile(taken, 99)) * 1000, 3)})
+    return points
+
+
+def pareto_points(points: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The points no other point beats on both lower latency and higher throughput."""
+    front: list[dict[str, float]] = []
+    for point in sorted(points, key=lambda p: (p["latency_ms"], -p["rows_per_second"])):
+        if not front or point["rows_per_second"] > front[-1]["rows_per_second"]:
+            front.append(point)
+    return front
+
+
+def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str, enable_fusion: bool,
+                       now: float | None = None) -> dict[str, Any]:
+    """Fuse and/or measure `model_ref` and write the results into its registry record."""
+    now = time.time() if now is None else now
+    record = registry.get_model(ctx.store, model_ref)
+    fields: dict[str, Any] = {}
+    try:
+        if enable_fusion:
+            fields["fusion"] = fuse(ctx, record)
+        if profile_mode == "full":
+            cached = record.get("profile") or {}
+            fresh = cached.get("source") != "observed" and cached.get("device") == str(ctx.device) and (
+                now - cached.get("measured_at", 0) < ctx.settings.scheduler.model_profile_cache_ttl)
+            if not fresh:
+                session = ctx.session(model_ref)
+                points = measure(session, record["signature"])
+                fields["profile"] = {"source": "measured", "device": str(ctx.device), "measured_at": now,
+                                     "points": points, "pareto": pareto_points(points), "worker": ctx.name,
+                                     "providers": session.get_providers(),
+                                     "sequence_length": _PROFILE_SEQUENCE}  # of token models' sample rows
+        fields["profile_status"] = "ready"
+    except SitsError as err:
+        fields.update(profile_status="failed", profile_error=err.message)
+    updated = registry.update_model_version(ctx.store, model_ref, fields)
+    ctx.remember_model(model_ref, updated)
+    return updated
+
+
+def fuse(ctx: WorkerContext, record: dict[str, Any]) -> dict[str, Any]:
+    """Save the fully optimised graph beside the stored model and count its operators."""
+    source = Path(record["path"])
+    fused_path = source.with_name(source.stem + ".fused.onnx")
+    build_session(source, ctx.device, ctx.sessions.intra_op_threads, optimized_model_path=fused_path)
+    fused = onnx.load(str(fused_path), load_external_data=False)
+    histogram = operator_histogram(fused)
+    return {"path": str(fused_path), "device": str(ctx.device), "op_histogram": histogram,
+            "node_count": sum(histogram.values()),
+            "original_node_count": sum(record["static_profile"]["op_histogram"].values())}

@@ -1,0 +1,231 @@
+"""Tenants over the API: records (GET/PUT/DELETE /v1/tenants), roles by tenant, models a tenant may
+use, `max_queued` and `max_inflight` (429 + Retry-After, REST and v2), default priorities, and the
+usage report (`GET /v1/usage`, `sitsctl usage`), each tenant seeing only its own (real Redis, no worker)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from flask import Flask
+from flask.testing import FlaskClient
+
+from broker.config.settings import Settings
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants import usage as tenant_usage
+from broker.tenants.apikeys import create_api_key
+from broker.tenants.usage import BillEntry
+from sits_api.app import create_app
+from sits_api.cli.main import cli
+from tests.api.api_helpers import Api, error_of, make_settings
+
+ROW = [0.25] * 64
+V2 = {"inputs": [{"name": "features", "shape": [1, 64], "datatype": "FP32", "data": ROW}]}
+
+
+@pytest.fixture
+def settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path) -> Settings:
+    return make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(
+        tenants={"acme": {"guaranteed_share": 0.7, "limit": 1.2, "preemption_target": "5ms", "max_queued": 2,
+                          "max_inflight": 1, "default_priority": 12},
+                 "globex": {"guaranteed_share": 0.3, "limit": 3.0, "models": ["convnet"]}},
+        fair_share={"price_per_device_hour": {"cpu": 3600.0}})
+
+
+@pytest.fixture
+def app(settings: Settings, store: Store) -> Flask:
+    return create_app(settings, store=store)
+
+
+def key(client: FlaskClient, store: Store, name: str, role: str, tenant: str = "") -> Api:
+    return Api(client, create_api_key(store, name, role, tenant=tenant))
+
+
+def request_body() -> dict[str, Any]:
+    return {"model": "mlp", "inputs": {"features": [ROW]}}
+
+
+def test_tenants_are_listed_with_their_source_and_changed_live_by_an_admin(api: Api, client: FlaskClient,
+                                                                           store: Store) -> None:
+    listed = api.get("/v1/tenants").get_json()["tenants"]
+    assert [(t["name"], t["guaranteed_share"], t["source"]) for t in listed] == [("acme", 0.7, "config"),
+                                                                                 ("globex", 0.3, "config")]
+    assert listed[0]["preemption_target"] == 0.005
+
+    put = api.put("/v1/tenants/initech", json={"tier": "bronze", "max_queued": 5})
+    assert put.status_code == 200 and put.get_json()["source"] == "api", put.get_json()
+    too_much = api.put("/v1/tenants/initech", json={"guaranteed_share": 0.2})
+    assert too_much.status_code == 400
+    assert "tenant 'initech': guaranteed shares sum to 1.200" in error_of(too_much)
+    fixed = api.put("/v1/tenants/acme", json={"guaranteed_share": 0.1})
+    assert fixed.status_code == 409 and "set in the configuration file" in error_of(fixed)
+    assert api.put("/v1/tenants/initech", json={"limit": "lots"}).status_code == 400
+
+    own = key(client, store, "ivan", "viewer", tenant="initech")
+    assert own.get("/v1/tenants/initech").get_json()["tier"] == "bronze"
+    assert own.get("/v1/tenants/acme").status_code == 403
+    assert own.get("/v1/tenants").status_code == 403
+    assert api.delete("/v1/tenants/initech").status_code == 204
+    assert api.get("/v1/tenants/initech").status_code == 404
+
+
+def test_a_viewer_reads_its_tenant_s_work_and_steers_or_submits_nothing(client: FlaskClient, store: Store,
+                                                                        mlp: dict[str, Any], mlp_input: Path,
+                                                                        tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    boss = key(client, store, "boss", "tenant-admin", tenant="acme")
+    viewer = key(client, store, "vic", "viewer", tenant="acme")
+    outsider = key(client, store, "gary", "tenant-admin", tenant="globex")
+    job = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                       "output_dir": str(tmp_path / "out")}).get_json()
+    assert job["tenant"] == "acme" and job["priority"] == 12  # the tenant's default_priority
+
+    assert viewer.get(f"/v1/jobs/{job['id']}").status_code == 200
+    assert [j["id"] for j in viewer.get("/v1/jobs").get_json()["jobs"]] == [job["id"]]
+    refused = viewer.delete(f"/v1/jobs/{job['id']}")
+    assert refused.status_code == 403 and "'viewer' role" in error_of(refused)
+    assert viewer.post("/v1/requests", json=request_body()).status_code == 403
+    assert outsider.get(f"/v1/jobs/{job['id']}").status_code == 404  # another tenant's: as if unknown
+    assert outsider.delete(f"/v1/jobs/{job['id']}").status_code == 404
+    assert boss.delete(f"/v1/jobs/{job['id']}").get_json()["status"] == "cancelled"  # its tenant's, not its own
+
+
+def test_a_tenant_uses_only_its_models(client: FlaskClient, store: Store, mlp: dict[str, Any]) -> None:
+    gary = key(client, store, "gary", "user", tenant="globex")
+
+    refused = gary.post("/v1/requests", json=request_body())
+    assert refused.status_code == 403 and "may use only the models convnet" in error_of(refused)
+    assert gary.post("/v2/models/mlp/infer", json=V2).status_code == 403
+
+
+def test_max_queued_answers_429_with_retry_after_over_rest_and_v2(client: FlaskClient, store: Store,
+                                                                  mlp: dict[str, Any]) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    bob = key(client, store, "bob", "user", tenant="acme")  # one tenant, two keys: one count
+    assert alice.post("/v1/requests", json=request_body()).status_code == 202
+    assert bob.post("/v1/requests", json=request_body()).status_code == 202
+
+    rest = alice.post("/v1/requests", json=request_body())
+    v2 = bob.post("/v2/models/mlp/infer", json=V2)
+    for refused in (rest, v2):
+        assert refused.status_code == 429, refused.get_json()
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert "tenant 'acme' has 2 requests not answered yet" in error_of(refused)
+    other = key(client, store, "carol", "user")  # a tenant of her own, without a record: no cap
+    assert other.post("/v1/requests", json=request_body()).status_code == 202
+    metrics = Api(client, create_api_key(store, "prom", "metrics")).get("/metrics").get_data(as_text=True)
+    assert 'sits_requests_rejected_total{model="mlp",reason="tenant_full"' in metrics
+
+
+def test_max_inflight_answers_429_for_a_second_active_job(client: FlaskClient, store: Store, mlp: dict[str, Any],
+                                                          mlp_input: Path, tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    first = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                         "output_dir": str(tmp_path / "one")})
+    assert first.status_code == 201
+
+    second = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                          "output_dir": str(tmp_path / "two")})
+    assert second.status_code == 429 and second.headers["Retry-After"]
+    assert "tenant 'acme' has 1 jobs queued or running, its limit (tenants.acme.max_inflight)" in error_of(second)
+    assert alice.delete(f"/v1/jobs/{first.get_json()['id']}").status_code == 200
+    third = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                         "output_dir": str(tmp_path / "two")})
+    assert third.status_code == 201, error_of(third)  # the cancelled job's place was freed
+
+
+def test_usage_is_reported_per_tenant_and_each_tenant_sees_only_its_own(api: Api, client: FlaskClient,
+                                                                        store: Store) -> None:
+    now = time.time()
+    tenant_usage.note_usage(store, [BillEntry("acme", "alice", "mlp@v1", "cpu", 1.5, 30, 3, 0.25),
+                                    BillEntry("globex", "gary", "mlp@v1", "cpu", 0.5, 10, 1, 0.0)],
+                            now=now, half_life=30)
+    alice = key(client, store, "alice", "user", tenant="acme")
+
+    everyone = api.get("/v1/usage").get_json()
+    assert [(row["tenant"], row["device_seconds"], row["cost"]) for row in everyone["usage"]] == [
+        ("acme", 1.5, 1.5), ("globex", 0.5, 0.5)]  # 3,600 per cpu-hour: 1 a second
+    assert everyone["currency"] == "USD" and everyone["from"] == everyone["to"]
+    own = alice.get("/v1/usage?by=key").get_json()["usage"]
+    assert own == [{"tenant": "acme", "key": "alice", "device_seconds": 1.5, "rows": 30, "requests": 3, "failed": 0,
+                    "jobs": 0, "queue_seconds": 0.25, "cost": 1.5}]
+    assert alice.get("/v1/usage?tenant=globex").status_code == 404
+    assert api.get("/v1/usage?by=week").status_code == 400
+    assert api.get("/v1/usage?from=soon").status_code == 400
+    metrics = Api(client, create_api_key(store, "prom", "metrics")).get("/metrics").get_data(as_text=True)
+    assert 'sits_tenant_device_seconds_total{tenant="acme"} 1.5' in metrics
+    assert 'sits_tenant_guaranteed_share{tenant="globex"} 0.3' in metrics
+    share = re.search(r'sits_tenant_usage_share\{tenant="acme"\} ([0-9.e-]+)', metrics)
+    assert share and float(share.group(1)) == pytest.approx(0.75)  # of the recent device time
+
+
+def test_sitsctl_usage_prints_a_table_json_and_csv(served_api: str, api: Api, store: Store,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    tenant_usage.note_usage(store, [BillEntry("acme", "alice", "mlp@v1", "cpu", 2.0, 20, 2, 0.5)], now=time.time(),
+                            half_life=30)
+    monkeypatch.setenv("SITS_API_URL", served_api)
+    monkeypatch.setenv("SITS_API_KEY", api.headers["Authorization"].split()[1])
+    runner = CliRunner()
+
+    table = runner.invoke(cli, ["usage"])
+    as_json = runner.invoke(cli, ["usage", "--json", "--by", "model"])
+    as_csv = runner.invoke(cli, ["usage", "--csv", "--tenant", "acme"])
+
+    assert table.exit_code == 0 and "acme" in table.output and "2.000" in table.output, table.output
+    assert json.loads(as_json.output)["usage"][0]["model"] == "mlp@v1"
+    rows = list(csv.reader(io.StringIO(as_csv.output)))
+    assert rows[0][:5] == ["tenant", "device_seconds", "rows", "requests", "failed"]
+    assert rows[1][:5] == ["acme", "2.0", "20", "2", "0"]
+
+
+def test_a_tenant_admin_makes_lists_and_revokes_only_its_own_tenant_s_keys(api: Api, client: FlaskClient,
+                                                                            store: Store) -> None:
+    boss = key(client, store, "boss", "tenant-admin", tenant="acme")
+    made = boss.post("/v1/keys", json={"name": "dora", "role": "viewer", "tenant": "acme"})
+    assert made.status_code == 201, made.get_json()
+    dora = Api(client, made.get_json()["key"])
+    assert dora.get("/v1/usage").status_code == 200  # the new key works, as a viewer of acme
+    assert dora.post("/v1/keys", json={"name": "eve", "tenant": "acme"}).status_code == 403
+
+    outside = boss.post("/v1/keys", json={"name": "mallory", "tenant": "globex"})
+    assert outside.status_code == 403 and "its own tenant ('acme')" in error_of(outside)
+    promoted = boss.post("/v1/keys", json={"name": "root2", "role": "admin", "tenant": "acme"})
+    assert promoted.status_code == 403 and "not 'admin'" in error_of(promoted)
+    assert boss.post("/v1/keys", json={"name": "x", "colour": "red"}).status_code == 400
+    key(client, store, "gary", "user", tenant="globex")
+
+    assert [k["name"] for k in boss.get("/v1/keys").get_json()["keys"]] == ["boss", "dora"]
+    assert {k["name"] for k in api.get("/v1/keys").get_json()["keys"]} >= {"boss", "dora", "gary", "test"}
+    assert all("key" not in k for k in api.get("/v1/keys").get_json()["keys"])
+    assert boss.delete("/v1/keys/gary").status_code == 404  # another tenant's: not its to see
+    assert boss.delete("/v1/keys/dora").get_json() == {"revoked": 1}
+    assert dora.get("/v1/usage").status_code == 401  # revoked: at once in this process
+    assert key(client, store, "uma", "user", tenant="acme").get("/v1/keys").status_code == 403
+
+
+def test_a_tenant_admin_routes_its_tenant_s_model_names_only(api: Api, client: FlaskClient, store: Store,
+                                                              zoo_dir: Path, tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    boss = key(client, store, "boss", "tenant-admin", tenant="acme")
+    other = key(client, store, "gary", "tenant-admin", tenant="globex")
+    first = alice.post("/v1/models", json={"name": "acme-mlp", "path": str(zoo_dir / "mlp.onnx")}).get_json()
+    assert api.post("/v1/models", json={"name": "shared-mlp", "path": str(zoo_dir / "mlp.onnx")}).status_code == 201
+    route = {"model": "acme-mlp", "split": {first["version"]: 1.0}}
+
+    assert boss.put("/v1/routes", json=route).status_code == 200  # registered by a key of its tenant
+    refused = other.put("/v1/routes", json=route)
+    assert refused.status_code == 403 and "may not route model 'acme-mlp'" in error_of(refused)
+    assert boss.put("/v1/routes", json={"model": "shared-mlp", "split": {first["version"]: 1.0}}).status_code == 403
+    assert [r["model"] for r in boss.get("/v1/routes").get_json()["routes"]] == ["acme-mlp"]
+    assert other.get("/v1/routes").get_json()["routes"] == []
+    assert alice.put("/v1/routes", json=route).status_code == 403  # a user key routes nothing
+    assert other.delete("/v1/routes/acme-mlp").status_code == 403
+    assert boss.delete("/v1/routes/acme-mlp").status_code == 204

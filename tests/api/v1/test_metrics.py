@@ -1,0 +1,527 @@
+"""GET /metrics: the Prometheus exposition of what Redis holds (queues, leases, workers, memory, jobs by
+status, requests and job rows served), behind a metrics or admin key, naming no ids, owners or the Redis URL.
+
+The workers' side is played by the test with the broker's own calls (lease, complete, ack, reap,
+heartbeat) on the real Redis; the scrape is parsed with prometheus_client's own parsers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from flask.testing import FlaskClient
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.config.settings import Settings
+from broker.failures import retries
+from broker.failures.breaker import BreakerBoard
+from broker.failures.settings import BreakerSettings
+from broker.jobs import fills as job_fills
+from broker.jobs import lists as job_lists
+from broker.jobs import progress as job_progress
+from broker.jobs import records as jobs
+from broker.jobs import stops as job_stops
+from broker.memory.ledger import MemoryLedger
+from broker.monitoring.sla_metrics import LATENCY_BUCKETS
+from broker.online import requests
+from broker.online.requests import RequestResult
+from broker.queueing import queues, workers
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
+from sits_api.app import create_app
+from tests.api.api_helpers import Api, make_settings
+
+ONE_ROW = [[0.5] * 64]
+MIB = 1024 * 1024
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(client: FlaskClient, key: str, accept: str = "") -> str:
+    """The body of GET /metrics (asserting a 200 in the Prometheus text format)."""
+    response = client.get("/metrics", headers={"Authorization": f"Bearer {key}", "Accept": accept})
+    assert response.status_code == 200, response.data[:300]
+    return response.get_data(as_text=True)
+
+
+def samples(text: str) -> Samples:
+    """(Sample name, labels) -> value of every sample in a text exposition."""
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def value(found: Samples, name: str, **labels: str) -> float:
+    return found[(name, frozenset(labels.items()))]
+
+
+def names_of(found: Samples, name: str) -> list[dict[str, str]]:
+    """The label sets of the samples called `name`."""
+    return [dict(labels) for sample, labels in found if sample == name]
+
+
+@pytest.fixture
+def alice(client: FlaskClient, store: Store) -> Api:
+    return Api(client, create_api_key(store, "alice-tenant", "user"))
+
+
+@pytest.fixture
+def scrape_key(store: Store) -> str:
+    """A Prometheus scrape's key: the `metrics` role."""
+    return create_api_key(store, "prometheus", "metrics")
+
+
+def submit_job(api: Api, tmp_path: Path, mlp_input: Path, name: str) -> dict[str, Any]:
+    response = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                          "output_dir": str(tmp_path / name), "chunk_size": 4})
+    assert response.status_code == 201, response.get_json()
+    return response.get_json()
+
+
+def a_memory_ledger_running_one_batch() -> MemoryLedger:
+    """A worker's ledger with one batch of 200 MiB running in 128 MiB units: 256 MiB reserved."""
+    ledger = MemoryLedger(capacity_bytes=16 * 1024 * MIB, granularity=128 * MIB)
+    ledger.reserve(200 * MIB, now=time.time(), expected_seconds=1.0)
+    ledger.count("memory_waits")
+    ledger.count("memory_waits")
+    ledger.count("backfills")
+    return ledger
+
+
+def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_and_totals(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], mlp_input: Path, store: Store,
+        tmp_path: Path) -> None:
+    now = time.time()
+    ledger_stats = a_memory_ledger_running_one_batch().stats()
+    workers.record_heartbeat(store, "gpu-worker@host-a", {"device": "cuda:0", "streams": 3, "memory": ledger_stats,
+                                                          "commits_pending": 2, "degrade": {
+                                                              "step": 1, "jitter": 0.125, "steps_taken": 3},
+                                                          "oom": {"halved": 4, "offloaded": 1}}, now=now)
+    workers.record_heartbeat(store, "late-worker@host-b", {"device": "cpu", "streams": 1}, now=now - 60)
+    first = submit_job(alice, tmp_path, mlp_input, "first")  # 10 rows: chunks of 4, 4 and 2 rows
+    submit_job(alice, tmp_path, mlp_input, "second")
+    for _ in range(2):
+        assert alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).status_code == 202
+    ref, version = mlp["ref"], mlp["version"]
+
+    pending = samples(scrape(client, scrape_key))
+    assert value(pending, "sits_queue_waiting_items", model="mlp", version=version) == 8  # 3 + 3 chunks, 2 requests
+    assert names_of(pending, "sits_jobs") == []  # until a reaper pass has looked for jobs stored before the counts
+
+    # a worker's work: two requests leased and completed (one failed), two chunks leased and one acked,
+    # a chunk whose lease runs out at its last attempt (dead)
+    leased_requests = queues.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2, requests_only=True)
+    assert len(leased_requests) == 2
+    requests.complete_requests(store, [RequestResult(leased_requests[0], outputs={}),
+                                       RequestResult(leased_requests[1], error="it failed", code="run_failed")],
+                               now=now, keep_seconds=60, batch_size=2, worker="gpu-worker@host-a")
+    chunks = queues.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2)
+    assert [chunk.payload["job"] for chunk in chunks] == [first["id"], first["id"]]
+    assert job_progress.ack_chunk(store, chunks[0], now=now, worker="gpu-worker@host-a") == 1
+    [dying] = queues.lease_batch(store, ref, now=now, lease_seconds=1, max_items=1)
+    assert queues.reap_expired_leases(store, now=now + 5, max_attempts=1).dead_items
+    assert job_lists.count_old_jobs(store)  # a reaper pass: every job is counted
+    assert retries.retry_later(store, chunks[1], failure_class="transient", error="Redis blinked", delays=[1.0],
+                               now=now).retried  # (parked in flight for its backoff)
+
+    found = samples(scrape(client, scrape_key))
+
+    assert value(found, "sits_queue_waiting_items", model="mlp", version=version) == 3  # the second job's chunks
+    assert value(found, "sits_queue_inflight_items", model="mlp", version=version) == 1
+    assert value(found, "sits_dead_items") == 1
+    assert value(found, "sits_batch_tickets") == store.client.zcard(store.keys.tickets)
+    assert value(found, "sits_requests_completed_total", model="mlp", version=version, status="succeeded") == 1
+    assert value(found, "sits_requests_completed_total", model="mlp", version=version, status="failed") == 1
+    assert value(found, "sits_job_rows_done_total", model="mlp", version=version) == 4
+    assert {status: value(found, "sits_jobs", status=status)
+            for status in ("queued", "running", "succeeded", "failed", "cancelled")} == {
+        "queued": 1, "running": 1, "succeeded": 0, "failed": 0, "cancelled": 0}
+    gpu = {"worker": "gpu-worker@host-a", "device": "cuda:0"}
+    late = {"worker": "late-worker@host-b", "device": "cpu"}
+    assert value(found, "sits_worker_up", **gpu) == 1 and value(found, "sits_worker_up", **late) == 0
+    assert value(found, "sits_worker_heartbeat_age_seconds", **late) == pytest.approx(60, abs=5)
+    assert value(found, "sits_worker_streams", **gpu) == 3 and value(found, "sits_worker_streams", **late) == 1
+    assert value(found, "sits_worker_memory_capacity_bytes", **gpu) == 16 * 1024 * MIB
+    assert value(found, "sits_worker_memory_reserved_bytes", **gpu) == 256 * MIB
+    assert value(found, "sits_worker_memory_used_bytes", **gpu) == 200 * MIB
+    assert value(found, "sits_worker_memory_fragmentation_ratio", **gpu) == ledger_stats["fragmentation"] > 0
+    assert value(found, "sits_worker_batches_running", **gpu) == 1
+    assert value(found, "sits_worker_commits_pending", **gpu) == 2
+    assert value(found, "sits_worker_memory_waits_total", **gpu) == 2
+    assert value(found, "sits_worker_backfills_total", **gpu) == 1
+    assert value(found, "sits_degrade_step", **gpu) == 1 and value(found, "sits_memory_jitter_ratio", **gpu) == 0.125
+    assert value(found, "sits_degrade_changes_total", **gpu) == 3
+    assert names_of(found, "sits_degrade_step") == [gpu]  # the late worker sent no degrade step
+    assert value(found, "sits_worker_oom_halvings_total", **gpu) == 4
+    assert value(found, "sits_worker_oom_offloads_total", **gpu) == 1
+    assert value(found, "sits_failures_total", model="mlp", version=version, **{"class": "transient"},
+                 outcome="retried") == 1
+    assert names_of(found, "sits_worker_memory_reserved_bytes") == [gpu]  # the late worker sent no memory stats
+    assert dying.payload["job"] == first["id"]
+
+
+def test_a_request_whose_record_expired_before_it_ran_is_counted_as_expired(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
+    request_id = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).get_json()["id"]
+    store.client.delete(store.keys.request(request_id))  # its result_ttl ran out while it waited
+    [item] = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=1)
+    assert requests.load_inputs(store, [item]) == [None]  # what the worker finds: nothing to run
+    requests.complete_requests(store, [RequestResult(item, error="the request expired before it ran", code="timeout")],
+                               now=time.time(), keep_seconds=60, batch_size=1, worker="w")
+
+    found = samples(scrape(client, scrape_key))
+
+    completed = {dict(labels)["status"]: found[(name, labels)] for name, labels in found
+                 if name == "sits_requests_completed_total"}
+    assert completed == {"expired": 1}
+    assert value(found, "sits_queue_inflight_items", model="mlp", version=mlp["version"]) == 0
+
+
+def test_request_times_by_phase_and_runs_come_from_the_v2_statistics_totals(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
+    for _ in range(2):
+        alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}})
+    leased = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=2)
+    created = [float(store.client.hget(store.keys.request(item.payload["req"]), "created_at")) for item in leased]
+    started = max(created) + 0.25
+    requests.complete_requests(store, [RequestResult(item, outputs={}) for item in leased], now=started + 0.5,
+                               keep_seconds=60, batch_size=2, worker="w", run_started=started, run_rows=2)
+
+    found = samples(scrape(client, scrape_key))
+
+    labels = {"model": "mlp", "version": mlp["version"]}
+    assert value(found, "sits_request_seconds_count", **labels) == 2
+    assert value(found, "sits_request_seconds_sum", **labels) == pytest.approx(
+        sum(started + 0.5 - at for at in created), abs=1e-5)
+    assert value(found, "sits_request_phase_seconds_sum", **labels, phase="queue") == pytest.approx(
+        sum(started - at for at in created), abs=1e-5)
+    assert value(found, "sits_request_phase_seconds_count", **labels, phase="compute") == 2
+    assert value(found, "sits_request_phase_seconds_sum", **labels, phase="compute") == pytest.approx(1.0, abs=1e-5)
+    assert value(found, "sits_request_runs_total", **labels) == 1
+
+
+HISTOGRAM_BOUNDS = [*(str(float(bound)) if bound >= 1 else str(bound) for bound in LATENCY_BUCKETS), "+Inf"]
+"""The `le` labels of a histogram's buckets, as Prometheus writes them (1.0, not 1)."""
+
+
+def bucket_counts(found: Samples, name: str, **labels: str) -> dict[str, float]:
+    """le -> cumulative count of one histogram series."""
+    series = {(f"{name}_bucket", frozenset({**labels, "le": le}.items())): le for le in HISTOGRAM_BOUNDS}
+    return {le: found[key] for key, le in series.items() if key in found}
+
+
+def test_request_latency_histograms_count_each_request_in_its_bucket_by_priority_class(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
+    for priority in (0, 9, 13, 14):
+        response = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW},
+                                                    "priority": priority})
+        assert response.status_code == 202
+    leased = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=4, requests_only=True)
+    created = {item.payload["factors"]["level"]: float(store.client.hget(store.keys.request(item.payload["req"]),
+                                                                         "created_at")) for item in leased}
+    started = max(created.values()) + 0.3  # each waited 0.3 s and a little: in the bucket up to 0.5 s
+    results = [RequestResult(item, outputs={}) if item.payload["factors"]["level"] != 14
+               else RequestResult(item, error="it failed", code="run_failed") for item in leased]
+    requests.complete_requests(store, results, now=started + 1.5, keep_seconds=60, batch_size=4, worker="w",
+                               run_started=started, run_rows=4)
+
+    found = samples(scrape(client, scrape_key))
+
+    version = mlp["version"]
+    queue_wait = bucket_counts(found, "sits_request_queue_wait_seconds", model="mlp", version=version,
+                               priority_class="low")
+    assert list(queue_wait) == HISTOGRAM_BOUNDS
+    assert (queue_wait["0.25"], queue_wait["0.5"], queue_wait["+Inf"]) == (0, 1, 1)
+    end_to_end = bucket_counts(found, "sits_request_end_to_end_seconds", model="mlp", version=version,
+                               priority_class="express")  # priorities 13 and 14, the failed one too
+    assert (end_to_end["1.0"], end_to_end["2.5"], end_to_end["+Inf"]) == (0, 2, 2)
+    assert value(found, "sits_request_end_to_end_seconds_count", model="mlp", version=version,
+                 priority_class="express") == 2
+    assert value(found, "sits_request_end_to_end_seconds_sum", model="mlp", version=version,
+                 priority_class="high") == pytest.approx(started + 1.5 - created[9], abs=1e-5)
+    classes = {labels["priority_class"] for labels in names_of(found, "sits_request_queue_wait_seconds_count")}
+    assert classes == {"low", "high", "express"}  # no request at a normal level (4-7): no series
+
+
+def test_job_deadlines_met_missed_and_refused_and_the_risk_of_active_ones_show_per_model(
+        alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], mlp_input: Path, store: Store,
+        settings: Any, tmp_path: Path) -> None:
+    workers.record_heartbeat(store, "w@h", {"device": "cpu", "streams": 1}, now=time.time())
+
+    def submit(name: str, api: Api = alice, **fields: Any) -> Any:
+        return api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
+                                          "output_dir": str(tmp_path / name), "chunk_size": 4, **fields})
+
+    assert submit("too-soon", deadline_s=0.001).status_code == 422  # three chunks cannot run in a millisecond
+    assert submit("passed", deadline="2020-01-01T00:00:00Z").status_code == 422
+    met, missed, cancelled = (submit(name, deadline_s=3600, priority=12).get_json()["id"]
+                              for name in ("met", "missed", "cancelled"))
+    flagging = create_app(settings.with_overrides(sla={"models": {"mlp": {"admission": "flag"}}}), store=store)
+    flagged = submit("flagged", Api(flagging.test_client(), alice.headers["Authorization"].split()[1]),
+                     deadline_s=0.001).get_json()
+    assert flagged["at_risk"] is True
+    labels = {"model": "mlp", "version": mlp["version"]}
+
+    watched = samples(scrape(client, scrape_key))
+    item = queues.LeasedItem(jobs.finalize_item_id(met), mlp["ref"], {}, 1)
+    queues.finish_item(store, item, met, now=time.time(), job_status="succeeded")  # its outputs are published
+    job_stops.stop_job(store, missed, status="failed", error="a chunk failed", now=time.time())
+    job_stops.stop_job(store, cancelled, status="cancelled", error="", now=time.time())
+    ended = samples(scrape(client, scrape_key))
+
+    assert value(watched, "sits_jobs_with_deadline", **labels) == 4
+    assert value(watched, "sits_jobs_at_risk", **labels) == 1
+    assert value(watched, "sits_sla_risk", **labels) >= 0.5  # predicted past its deadline
+    assert value(ended, "sits_jobs_rejected_total", **labels) == 2
+    assert value(ended, "sits_job_deadlines_total", **labels, outcome="met") == 1
+    assert value(ended, "sits_job_deadlines_total", **labels, outcome="missed") == 1
+    assert value(ended, "sits_job_end_to_end_seconds_count", **labels, priority_class="express") == 1
+    assert (value(ended, "sits_jobs_with_deadline", **labels), value(ended, "sits_jobs_at_risk", **labels)) == (1, 1)
+    assert value(ended, "sits_queue_waiting_requests", **labels) == 0
+
+
+def test_an_older_version_s_queue_shows_only_while_it_holds_items_and_the_newest_version_s_always(
+        client: FlaskClient, mlp: dict[str, Any], scrape_key: str, store: Store) -> None:
+    old_ref = "mlp@0ld"  # a version registered before the current one, whose queue stays known
+    store.client.sadd(store.keys.queues, old_ref, mlp["ref"])
+
+    idle = samples(scrape(client, scrape_key))
+    store.client.zadd(store.keys.ready(old_ref), {"left-over": 1.0})
+    busy = samples(scrape(client, scrape_key))
+
+    assert names_of(idle, "sits_queue_waiting_items") == [{"model": "mlp", "version": mlp["version"]}]
+    assert value(idle, "sits_queue_waiting_items", model="mlp", version=mlp["version"]) == 0
+    assert value(busy, "sits_queue_waiting_items", model="mlp", version="0ld") == 1
+
+
+def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, mlp: dict[str, Any],
+                                                                      client: FlaskClient, admin_key: str) -> None:
+    families = list(text_string_to_metric_families(scrape(client, admin_key)))
+
+    assert families and all(family.name.startswith("sits_") and len(family.documentation) > 20
+                            for family in families)
+    assert {family.name for family in families if family.type == "counter"} == {
+        "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
+        "sits_request_runs", "sits_requests_rejected", "sits_job_deadlines", "sits_jobs_rejected",
+        "sits_request_deadlines", "sits_tenant_device_seconds", "sits_tenant_rows", "sits_degrade_changes",
+        "sits_failures", "sits_worker_oom_halvings", "sits_worker_oom_offloads"}
+    assert {family.name for family in families if family.type == "histogram"} == {
+        "sits_request_end_to_end_seconds", "sits_request_queue_wait_seconds", "sits_job_end_to_end_seconds"}
+
+
+def test_metrics_need_a_metrics_or_admin_key_and_a_metrics_key_reads_nothing_else(
+        client: FlaskClient, store: Store, admin_key: str, scrape_key: str, mlp: dict[str, Any]) -> None:
+    user_key = create_api_key(store, "bob", "user")
+
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"Authorization": "Bearer sits_not-a-key"}).status_code == 401
+    assert "sits_queue_waiting_items" in scrape(client, scrape_key)
+    assert "sits_queue_waiting_items" in scrape(client, admin_key)
+    as_user = client.get("/metrics", headers={"Authorization": f"Bearer {user_key}"})  # every tenant's counts
+    assert as_user.status_code == 403 and "needs the 'metrics' role" in as_user.get_json()["error"]
+    scraper = {"Authorization": f"Bearer {scrape_key}"}
+    for method, path in (("GET", "/v1/status"), ("GET", "/v1/jobs"), ("GET", "/v1/models"), ("POST", "/v1/requests"),
+                         ("POST", "/v2/models/mlp/infer"), ("GET", "/v2/models/mlp")):
+        response = client.open(path, method=method, headers=scraper, json={})
+        assert response.status_code == 403 and "may only read GET /metrics" in response.get_json()["error"], path
+    for _ in range(2):  # and so it stays once the key is cached
+        assert client.get("/v1/jobs", headers=scraper).status_code == 403
+
+
+def test_metrics_name_no_job_or_request_ids_owners_or_redis_url(
+        alice: Api, client: FlaskClient, admin_key: str, mlp: dict[str, Any], mlp_input: Path, store: Store,
+        settings: Any, tmp_path: Path) -> None:
+    job = submit_job(alice, tmp_path, mlp_input, "out")
+    queued = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).get_json()
+    [item] = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=60, max_items=1, requests_only=True)
+    requests.complete_requests(store, [RequestResult(item, outputs={})], now=time.time(), keep_seconds=60,
+                               batch_size=1, worker="w")
+    workers.record_heartbeat(store, "w", {"device": "cpu", "streams": 1}, now=time.time())
+    job_lists.count_old_jobs(store)
+
+    text = scrape(client, admin_key)
+
+    assert "sits_requests_completed_total" in text and "sits_jobs{" in text
+    redis_port = settings.redis.url.rsplit(":", 1)[1].split("/")[0]
+    for secret in (job["id"], queued["id"], "alice", settings.redis.url, redis_port, store.keys.prefix, "test"):
+        assert secret not in text, secret
+
+
+def test_metrics_answer_openmetrics_when_asked(client: FlaskClient, admin_key: str, mlp: dict[str, Any]) -> None:
+    response = client.get("/metrics", headers={"Authorization": f"Bearer {admin_key}",
+                                               "Accept": "application/openmetrics-text; version=1.0.0"})
+
+    assert response.status_code == 200 and response.content_type.startswith("application/openmetrics-text")
+    names = {family.name for family in openmetrics_families(response.get_data(as_text=True))}
+    assert {"sits_queue_waiting_items", "sits_requests_completed", "sits_worker_up"} <= names
+    plain = client.get("/metrics", headers={"Authorization": f"Bearer {admin_key}"})
+    assert plain.content_type.startswith("text/plain")
+
+
+def test_a_scrape_costs_the_same_redis_commands_however_many_jobs_are_kept(tmp_path: Path, zoo_dir: Path) -> None:
+    """Jobs are never deleted: a scrape must not read them one by one (as a walk of the jobs would)."""
+    with EmbeddedRedis(tmp_path / "redis", appendonly=False) as server:
+        store = Store.connect(server.url, "cost")
+        app = create_app(make_settings(server, store, tmp_path, zoo_dir), store=store)
+        client, key = app.test_client(), create_api_key(store, "ops", "metrics")
+
+        def commands_of_a_scrape() -> int:
+            before = int(store.client.info("stats")["total_commands_processed"])
+            scrape(client, key)
+            return int(store.client.info("stats")["total_commands_processed"]) - before
+
+        def add_jobs(count: int) -> None:
+            for _ in range(count):
+                spec = jobs.JobSpec(job_id=jobs.new_job_id(), model_name="mlp", model_version="v1",
+                                    input_batch="/in.npy", input_format="npy", input_checksum="sha256:0",
+                                    output_dir="/out", output_names=["y"], rows_total=4, chunk_size=2, batch_size=2)
+                job_fills.create_job(store, spec, now=time.time())
+            job_lists.count_old_jobs(store)
+
+        add_jobs(1)
+        scrape(client, key)  # the key is checked once, then cached
+        few = commands_of_a_scrape()
+        add_jobs(40)
+        many = commands_of_a_scrape()
+
+        assert many == few
+        assert few <= 18, f"a scrape ran {few} Redis commands"
+        store.client.close()
+
+
+
+# --- the Grafana dashboard queries what /metrics exposes -------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parents[3] / "ops" / "grafana" / "dashboards" / "sits.json"
+METRIC_NAME = re.compile(r"\b((?:sits|flower)_[a-z0-9_]+)\b")
+GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+
+
+def dashboard_queries() -> list[str]:
+    """Every PromQL expression of the dashboard's panels (rows' nested panels too)."""
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                found.append(node["expr"])
+            for child in node.values():
+                walk(child)
+        elif isinstance(node, list):
+            for child in node:
+                walk(child)
+
+    walk(json.loads(DASHBOARD.read_text()))
+    return found
+
+
+def label_names(found: Samples) -> dict[str, set[str]]:
+    """Sample name -> the label names its samples carry."""
+    names: dict[str, set[str]] = {}
+    for sample, labels in found:
+        names.setdefault(sample, set()).update(label for label, _ in labels)
+    return names
+
+
+def flower_label_names() -> dict[str, set[str]]:
+    """Sample name -> label names of the metrics Flower exposes (its own definitions, flower.events)."""
+    flower_events = pytest.importorskip("flower.events")
+    from prometheus_client import REGISTRY
+
+    flower_events.get_prometheus_metrics()  # registers Flower's metrics in the default registry
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    names: dict[str, set[str]] = {}
+    for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001 - the only way to list collectors
+        for family in getattr(collector, "describe", lambda: [])():
+            if family.name.startswith("flower_"):
+                labels = set(getattr(collector, "_labelnames", ()))
+                for suffix in suffixes.get(family.type, [""]):
+                    names[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    return names
+
+
+def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any],
+                               mlp_input: Path, tmp_path: Path, settings: Settings) -> Samples:
+    """A scrape after the system did a bit of everything: every family has samples (by an API whose mlp
+    has a priority level with a queue limit of its own)."""
+    now = time.time()
+    workers.record_heartbeat(store, "w@h", {"device": "cpu", "streams": 2, "commits_pending": 0,
+                                            "memory": a_memory_ledger_running_one_batch().stats(),
+                                            "degrade": {"step": 2, "jitter": 0.25, "steps_taken": 2}}, now=now)
+    submit_job(api, tmp_path, mlp_input, "all")
+    assert api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).status_code == 202
+    [request] = queues.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1, requests_only=True)
+    requests.complete_requests(store, [RequestResult(request, outputs={})], now=now, keep_seconds=60, batch_size=1,
+                               worker="w@h", run_started=now, run_rows=1)
+    [chunk] = queues.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1)
+    job_progress.ack_chunk(store, chunk, now=now, worker="w@h")
+    due = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input), "deadline_s": 3600,
+                                     "output_dir": str(tmp_path / "due"), "chunk_size": 4}).get_json()["id"]
+    finished = submit_job(api, tmp_path, mlp_input, "finished")["id"]
+    queues.finish_item(store, queues.LeasedItem(jobs.finalize_item_id(finished), mlp["ref"], {}, 1), finished,
+                       now=time.time(), job_status="succeeded")
+    assert api.get(f"/v1/jobs/{due}").get_json()["sla_risk"] is not None
+    job_lists.count_old_jobs(store)
+    BreakerBoard(store, BreakerSettings(), lambda: "w@h").note_run(mlp["ref"], failed=False, now=now)
+    limited = create_app(settings.with_overrides(online={"models": {"mlp": {"priority_levels": {0: {
+        "max_queue_size": 5}}}}}), store=store).test_client()
+    return samples(scrape(limited, api.headers["Authorization"].split()[1]))
+
+
+def test_every_metric_and_label_the_dashboard_queries_is_one_sits_or_flower_exposes(
+        client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        settings: Settings) -> None:
+    sits_labels = label_names(a_scrape_with_every_metric(client, store, api, mlp, mlp_input, tmp_path, settings))
+    queries = dashboard_queries()
+    used = {name for query in queries for name in METRIC_NAME.findall(query)}
+
+    assert len(queries) > 10 and {name for name in used if name.startswith("sits_")} >= {
+        "sits_queue_waiting_items", "sits_queue_inflight_items", "sits_requests_completed_total",
+        "sits_job_rows_done_total", "sits_worker_up", "sits_worker_streams", "sits_worker_memory_reserved_bytes",
+        "sits_worker_memory_used_bytes", "sits_worker_memory_fragmentation_ratio", "sits_jobs"}
+    unknown = sorted(name for name in used if name.startswith("sits_") and name not in sits_labels)
+    assert not unknown, f"the dashboard queries metrics /metrics does not expose: {unknown}"
+    for query in queries:
+        in_query = {name for name in METRIC_NAME.findall(query) if name.startswith("sits_")}
+        grouped = {label.strip() for labels in GROUPING.findall(query) for label in labels.split(",") if label.strip()}
+        available = set().union(*(sits_labels[name] for name in in_query)) if in_query else set()
+        assert not in_query or grouped <= available, f"{query}: no such labels {grouped - available}"
+
+
+ALERTS = Path(__file__).resolve().parents[3] / "ops" / "prometheus" / "alerts.yml"
+LABEL_MATCHER = re.compile(r"\b([a-z_]+)\s*=~?\s*\"")
+
+
+def test_every_metric_and_label_the_alert_rules_query_is_one_sits_exposes(
+        client: FlaskClient, store: Store, api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        settings: Settings) -> None:
+    sits_labels = label_names(a_scrape_with_every_metric(client, store, api, mlp, mlp_input, tmp_path, settings))
+    rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+    for rule in rules:
+        query = rule["expr"]
+        in_query = set(METRIC_NAME.findall(query))
+        missing = in_query - sits_labels.keys()
+        assert in_query and not missing, f"{rule['alert']}: /metrics has no {missing}"
+        available = set().union(*(sits_labels[name] for name in in_query))
+        used = {label.strip() for labels in GROUPING.findall(query) for label in labels.split(",") if label.strip()}
+        used |= set(LABEL_MATCHER.findall(query))
+        assert used <= available, f"{rule['alert']}: no such labels {used - available}"
+        templated = set(re.findall(r"\$labels\.([a-z_]+)", str(rule["annotations"])))
+        assert templated <= used, f"{rule['alert']}: its annotations name labels its expression drops"
+
+
+def test_every_flower_metric_and_label_the_dashboard_queries_is_one_flower_defines() -> None:
+    flower = flower_label_names()
+    for query in dashboard_queries():
+        in_query = {name for name in METRIC_NAME.findall(query) if name.startswith("flower_")}
+        assert in_query <= flower.keys(), f"{query}: Flower has no {sorted(in_query - flower.keys())}"
+        grouped = {label.strip() for labels in GROUPING.findall(query) for label in labels.split(",") if label.strip()}
+        available = set().union(*(flower[name] for name in in_query)) if in_query else set()
+        assert not in_query or grouped <= available, f"{query}: no such labels {grouped - available}"

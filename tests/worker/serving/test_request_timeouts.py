@@ -1,0 +1,63 @@
+"""A v2 request's `timeout` is enforced as Triton enforces it: a worker that leases the request after
+it passed does not run it, and the request fails as timed out; its batch neighbours run (real Redis,
+a real `WorkerContext` and ONNX Runtime session)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker.errors import InferenceTimeout
+from broker.online import requests
+from broker.online.requests import RequestSpec
+from broker.queueing import queues
+from broker.state.store import Store
+from sits_worker.serving.context import WorkerContext
+from sits_worker.serving.request_runs import run_requests
+from tests.worker.worker_helpers import mlp_worker_context
+
+
+@pytest.fixture
+def ctx(store: Store, zoo_dir: Path) -> WorkerContext:
+    return mlp_worker_context(store, zoo_dir)
+
+
+def submit(store: Store, request_id: str, *, expires_at: float | None) -> None:
+    spec = RequestSpec(request_id=request_id, model_name="mlp", model_version="v1",
+                       inputs={"features": np.ones((1, 64), dtype=np.float32)}, rows=1, tokens=None, bucket="",
+                       factors={"level": 0}, expires_at=expires_at)
+    requests.submit_request(store, spec, score=0.0, now=time.time(), max_age_seconds=60)
+
+
+def test_a_request_leased_after_its_timeout_is_not_run_and_fails_as_timed_out(ctx: WorkerContext,
+                                                                               store: Store) -> None:
+    now = time.time()
+    submit(store, "late", expires_at=now - 0.25)
+    submit(store, "in-time", expires_at=now + 60)
+    submit(store, "no-timeout", expires_at=None)
+    items = queues.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=3)
+    assert len(items) == 3
+
+    assert run_requests(ctx, items) == 2
+
+    late = requests.get_request(store, "late")
+    assert late["status"] == "failed" and late["error_code"] == InferenceTimeout.code
+    assert "timeout passed" in late["error"] and "it was not run" in late["error"]
+    assert late["batch_size"] == 3 and not late.get("outputs")
+    for request_id in ("in-time", "no-timeout"):
+        record = requests.get_request(store, request_id)
+        assert record["status"] == "succeeded" and record["outputs"]["logits"].shape == (1, 10)
+    assert store.client.zcard(store.keys.inflight("mlp@v1")) == 0  # every lease dropped: nothing runs again
+
+
+def test_a_batch_of_only_timed_out_requests_runs_nothing(ctx: WorkerContext, store: Store,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    submit(store, "late", expires_at=time.time() - 1)
+    items = queues.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
+    monkeypatch.setattr(WorkerContext, "run", lambda *args, **kwargs: pytest.fail("a timed-out request ran"))
+
+    assert run_requests(ctx, items) == 0
+    assert requests.get_request(store, "late")["status"] == "failed"
