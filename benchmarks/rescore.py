@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from broker.jobs import fills as job_fills  # noqa: E402
 from broker.jobs import records as jobs  # noqa: E402
 from broker.queueing import (
+    leases,
     policy,  # noqa: E402
-    queues,  # noqa: E402
-)
+    )
 from broker.queueing.scoring import Weights  # noqa: E402
 from broker.state.embedded import EmbeddedRedis  # noqa: E402
 from broker.state.store import Store  # noqa: E402
@@ -59,7 +59,7 @@ def main() -> None:
                 weights, ordering = policy.get_policy(store, default="dynamic")
                 job_fills.create_job(store, spec(f"live{n}", 2), now=time.time(), weights=weights, ordering=ordering)
                 served["enqueued"] += 2
-                served["leased"] += len(queues.lease_batch(store, "m@v1", now=time.time(), lease_seconds=60,
+                served["leased"] += len(leases.lease_batch(store, "m@v1", now=time.time(), lease_seconds=60,
                                                            max_items=1))
                 stop.wait(0.002)
 

@@ -362,7 +362,7 @@ def print_predictor_table(recorded: list[dict[str, Any]]) -> None:
 def calibration_line(stack: Stack) -> str:
     """What the stack's jobs taught admission: each model's factor, and each pair's relative to it (how much
     slower than on average a model's chunks ran beside another model, or alone)."""
-    from broker.sla.admission import calibrations, contention
+    from broker.sla.figures import calibrations, contention
 
     client = stack.client()
     names = {client.get(f"/v1/models/{model}")["version"]: model for model in SIZES}

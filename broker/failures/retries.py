@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.failures.settings import FAILURE_CLASSES
-from broker.queueing.queues import LeasedItem
+from broker.queueing.leases import LeasedItem
 from broker.state.store import Store, translate_redis_errors
 
 _ITEM_COUNT = "item:"
@@ -74,7 +74,7 @@ def retry_later(store: Store, item: LeasedItem, *, failure_class: str, error: st
 
 def note_lost(store: Store, lost: Sequence[tuple[str, str, dict[str, Any], float | None]], *, now: float,
               error: str, retried: bool = True) -> None:
-    """Record each lost lease (`queues.ReapResult.lost`: model ref, item id, payload, when it is queued
+    """Record each lost lease (`reaping.ReapResult.lost`: model ref, item id, payload, when it is queued
     again, None for now) as a `worker_lost` failure on its record; with `retried` False, as one that is
     not retried (its item went dead)."""
     with translate_redis_errors():

@@ -118,7 +118,7 @@ def auto_chunk_size(*, rows_total: int, batch_size: int, rows_per_second: float 
       remainder that runs alone at the end.
     - Parallelism: at least `CHUNKS_PER_WORKER` chunks per live worker (none alive counts as one),
       and one per live stream slot (`live_slots`: a CPU worker's streams, a GPU worker's once, as
-      `admission.LiveFleet.slots` counts them; by default one per worker), when the job has that
+      `figures.LiveFleet.slots` counts them; by default one per worker), when the job has that
       many batches, so a short job still spreads over every worker and a worker that finishes early
       finds work left to take.
     - Whole rounds: the count of chunks is rounded up to a multiple of `live_slots` before the batches
@@ -159,7 +159,7 @@ def chunk_size_for(record: dict[str, Any], *, rows_total: int, batch_size: int, 
                    live_slots: int | None = None) -> int:
     """`auto_chunk_size` for a job of the model whose registry record is `record`, at its profile's rate
     over `calibration`: how much longer its chunks really run than the profile says (deadline
-    admission learns it from their slot time, `admission.calibrations`). A profile measured on an idle
+    admission learns it from their slot time, `figures.calibrations`). A profile measured on an idle
     stream is faster than a stream beside others runs, and chunks sized from it alone hold a slot (and
     the work behind them) several times `chunk_seconds`."""
     rate = profiled_rows_per_second(record, batch_size)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from broker.jobs import slices as job_slices
 from broker.jobs.records import chunk_ranges, finalize_item_id, finalize_payload, get_job
-from broker.queueing.queues import LeasedItem
+from broker.queueing.leases import LeasedItem
 from broker.state.store import Store, translate_redis_errors
 
 

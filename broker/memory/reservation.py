@@ -122,7 +122,7 @@ class Admission:
     whole_within: tuple[int, int] | None = None
     """(Rows, tokens; 0: no token limit): the batch formed under `max_rows` and `max_tokens` is
     leased only if it stays within these, else nothing (the head of the priority order when its full
-    batch does not fit: what waits for it may; see `queues.lease_batch`)."""
+    batch does not fit: what waits for it may; see `leases.lease_batch`)."""
 
     def reserved_size(self) -> tuple[int, int]:
         """(Rows, tokens) the decision holds memory for: the most this admission can lease."""

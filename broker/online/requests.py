@@ -23,7 +23,7 @@ import orjson
 
 from broker.errors import Conflict, NotFound, SitsError
 from broker.failures.retries import failure_record
-from broker.queueing.queues import LeasedItem
+from broker.queueing.leases import LeasedItem
 from broker.state.held_calls import send_held
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.usage import BILL_KEEP_SECONDS, day_number

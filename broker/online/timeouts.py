@@ -22,7 +22,7 @@ from broker.errors import InferenceTimeout
 from broker.online import requests
 from broker.online.requests import RequestResult
 from broker.queueing import policy
-from broker.queueing.queues import LeasedItem, decode_payload
+from broker.queueing.leases import LeasedItem, decode_payload
 from broker.queueing.scoring import Ordering, Weights
 from broker.state.store import Store, translate_redis_errors
 

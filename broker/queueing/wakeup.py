@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from broker.queueing import queues, workers
+from broker.queueing import tickets, workers
 from broker.state.store import Store
 
 SendTicket = Callable[[str], None]
@@ -22,7 +22,7 @@ def ticket_target(store: Store, *, now: float, heartbeat_timeout: float) -> int:
 def wake_workers(store: Store, send: SendTicket, *, now: float, heartbeat_timeout: float) -> int:
     """Top tickets up to the target and send one drain task per new ticket; returns how many were sent."""
     target = ticket_target(store, now=now, heartbeat_timeout=heartbeat_timeout)
-    new = queues.top_up_tickets(store, now=now, target=target)
+    new = tickets.top_up_tickets(store, now=now, target=target)
     for ticket in new:
         send(ticket)
     return len(new)

@@ -6,7 +6,7 @@ Per job the pass stores in its hash `sla_risk_model` (the model's probability), 
 `sla_ahead` (the work ahead of it then, for the next pass's `growth`) and `sla_snapshots` (its last
 `SNAPSHOTS_KEPT` feature vectors, one at most every `SNAPSHOT_SECONDS`).
 `jobs.with_deadline` reports the fresh model risk as `sla_risk`. When the job leaves the active index
-(`admission.drop_ended`) its snapshots, labelled missed or met, update the weights in `keys.sla_model`.
+(`figures.drop_ended`) its snapshots, labelled missed or met, update the weights in `keys.sla_model`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from broker.models import registry
 from broker.monitoring import sla_metrics
 from broker.online.batching import Batching, resolve
 from broker.queueing import policy
-from broker.sla import admission
+from broker.sla import figures
 from broker.state.store import Store
 from broker.tenants import usage as tenant_usage
 from broker.tenants.apikeys import owns
@@ -286,11 +286,11 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
                            f"has at most {chunking.MAX_CHUNKS_PER_JOB:,}: give chunk_size {least:,} or more, "
                            "or 'auto' to let the server size them")
         return chosen
-    fleet = admission.live_fleet(settings, store, now=now)  # (a GPU worker's streams share one device: one slot)
+    fleet = figures.live_fleet(settings, store, now=now)  # (a GPU worker's streams share one device: one slot)
     return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=fleet.workers,
                                    live_slots=fleet.slots, chunk_seconds=settings.jobs.chunk_seconds,
                                    max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes,
-                                   calibration=admission.calibrations(store).get(model["version"], 1.0))
+                                   calibration=figures.calibrations(store).get(model["version"], 1.0))
 
 
 def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now: float) -> None:

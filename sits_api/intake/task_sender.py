@@ -10,7 +10,7 @@ from celery import Celery
 
 from broker.config.settings import Settings
 from broker.failures.breaker import BreakerView
-from broker.queueing import queues, workers
+from broker.queueing import tickets, workers
 from broker.state.store import Store
 
 
@@ -57,6 +57,6 @@ class Dispatcher:
         """Ring the doorbell and top batch tickets up to one per live stream slot; each new ticket is one
         drain task."""
         moment = now()
-        new = queues.top_up_tickets(self.store, now=moment, target=self.ticket_target(moment))
+        new = tickets.top_up_tickets(self.store, now=moment, target=self.ticket_target(moment))
         self.send_tickets(new)
         return len(new)

@@ -11,7 +11,7 @@ from flask import Blueprint, Response, g, jsonify, request
 from broker.errors import SitsError
 from broker.failures import breaker
 from broker.jobs import lists as job_lists
-from broker.queueing import queues, workers
+from broker.queueing import queues, tickets, workers
 from broker.tenants.apikeys import require_role
 from sits_api import metrics
 from sits_api.openapi import openapi_document
@@ -60,7 +60,7 @@ def status() -> Any:
         "policy": settings.scheduler.policy,
         "workers": workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout),
         "queues": queues.queue_depths(store),
-        "tickets": queues.ticket_count(store),
+        "tickets": tickets.ticket_count(store),
         "jobs": job_lists.count_jobs_by_status(store),
         "breakers": breaker.list_breakers(store, settings.breaker, now=now,
                                           heartbeat_timeout=settings.scheduler.worker_heartbeat_timeout),

@@ -51,8 +51,8 @@ import numpy as np
 
 from broker.errors import Cancelled, RetryableError
 from broker.jobs import stops as job_stops
-from broker.queueing import queues
-from broker.queueing.queues import LeasedItem, StaleTicket
+from broker.queueing import leases, queues
+from broker.queueing.leases import LeasedItem, StaleTicket
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.leasing import batch_cost, batch_need, feed_bucket, lease, lease_riders
 from sits_worker.serving.request_runs import give_back, run_requests
@@ -206,7 +206,7 @@ class BetweenBatches:
         calls it as often as it likes."""
         if time.monotonic() - self._extended_at >= self._lease_seconds / 4:
             self._extended_at = time.monotonic()
-            queues.extend_lease(self._ctx.store, self._item, self._ticket, now=time.time(),
+            leases.extend_lease(self._ctx.store, self._item, self._ticket, now=time.time(),
                                 lease_seconds=self._lease_seconds)
 
     @contextlib.contextmanager
@@ -248,7 +248,7 @@ class BetweenBatches:
             try:
                 held.enter_context(self._ctx.lease_keeper.holding(leased))
             except BaseException:
-                queues.return_unrun(self._ctx.store, leased)
+                leases.return_unrun(self._ctx.store, leased)
                 raise
             self._early = _EarlyLook(mark, at, snapshot, leased, held)
             return bool(leased)
@@ -308,7 +308,7 @@ class BetweenBatches:
                 if early is not None:  # (not tried: back unrun, no attempt counted)
                     with early.held:
                         if early.leased:
-                            queues.return_unrun(self._ctx.store, early.leased)
+                            leases.return_unrun(self._ctx.store, early.leased)
                 raise
         if early is not None:
             self._run_early(early)
@@ -363,13 +363,13 @@ def _run_in_place(ctx: WorkerContext, leased: list[LeasedItem], ticket: str, chu
             handle = ctx.ledger.reserve_in_place_of(chunk_reservation, need, now=time.time(),
                                                     expected_seconds=seconds)
         if handle is None:
-            queues.return_unrun(ctx.store, leased)
+            leases.return_unrun(ctx.store, leased)
             return False
         run_requests(ctx, leased, ticket)
         return True
     except BaseException:
         if handle is None:  # not run: back to the queue (a run that failed settled its own requests)
-            queues.return_unrun(ctx.store, leased)
+            leases.return_unrun(ctx.store, leased)
         raise
     finally:
         if handle is not None:

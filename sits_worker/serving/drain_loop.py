@@ -19,8 +19,8 @@ from enum import StrEnum
 
 from broker.jobs import records as jobs
 from broker.memory import reservation
-from broker.queueing import policy, queues
-from broker.queueing.queues import StaleTicket
+from broker.queueing import leases, policy, queues, tickets
+from broker.queueing.leases import StaleTicket
 from broker.state.store import Store
 from sits_worker.serving.between_minibatches import BetweenBatches
 from sits_worker.serving.context import WorkerContext
@@ -117,11 +117,11 @@ def _idle(ctx: WorkerContext, state: _Slice, *, barred_only: bool) -> Outcome | 
     if linger_left > 0 or ctx.commits.pending() or barred_only:
         touch = time.monotonic() - state.touched_at > settings.ticket_timeout / 4
         state.touched_at = time.monotonic() if touch else state.touched_at
-        queues.wait_for_doorbell(ctx.store, state.ticket, now=time.time(), touch=touch,
+        tickets.wait_for_doorbell(ctx.store, state.ticket, now=time.time(), touch=touch,
                                  timeout=min(linger_left, _DOORBELL_SLICE_SECONDS)
                                  if linger_left > 0 else _DOORBELL_SLICE_SECONDS)
         return Outcome.YIELD if barred_only and state.over() else None
-    if queues.release_ticket(ctx.store, state.ticket):
+    if tickets.release_ticket(ctx.store, state.ticket):
         return Outcome.RELEASED
     # (work came in since the snapshot: look again, within the slice, so that no state this loop
     # misreads can hold it for ever)
@@ -133,12 +133,12 @@ def _lease_and_run(ctx: WorkerContext, state: _Slice, snapshot: queues.QueueSnap
     when nothing ran, wait as the reason says (`_wait_after_nothing_ran`)."""
     # A slot that outpaces the disk leases no chunk until a commit is done (requests go on).
     room = ctx.commits.has_room()
-    leased: list[queues.LeasedItem] = []
+    leased: list[leases.LeasedItem] = []
     order = policy.model_order(snapshot.heads, ctx.settings.scheduler.policy, ctx.last_served)
     allowed, hold = reservation.admit_and_hold(
         order, lambda ref: batch_cost(ctx, ref), ctx.ledger, now=time.time(),
         backfill=ctx.settings.scheduler.policy == "graph-aware-backfill", head_items=snapshot.head_items)
-    notes = queues.LeaseNotes()
+    notes = leases.LeaseNotes()
     try:
         leased, admission = _lease_admitted(ctx, allowed, state.ticket, requests_only=not room, notes=notes,
                                             waiting_requests=snapshot.waiting_requests)
@@ -161,7 +161,7 @@ def _lease_and_run(ctx: WorkerContext, state: _Slice, snapshot: queues.QueueSnap
 
 
 def _wait_after_nothing_ran(ctx: WorkerContext, state: _Slice, snapshot: queues.QueueSnapshot, bell_mark: int | None,
-                            *, room: bool, notes: queues.LeaseNotes,
+                            *, room: bool, notes: leases.LeaseNotes,
                             allowed: list[reservation.Admission]) -> None:
     """A look found work but this slot ran none: wait for what stood in the way before looking again."""
     if not room and all(map(jobs.is_chunk_item_id, snapshot.head_items.values())):
@@ -191,15 +191,15 @@ class PausedRing:
         """Wait up to `PAUSED_POLL_SECONDS` for a ring, first passing on the one the last wait took."""
         if self.woken and time.monotonic() - self._passed_at >= PASS_ON_SECONDS:
             self._passed_at = time.monotonic()
-            queues.ring_doorbell(store)
-        self.woken = queues.wait_for_doorbell(store, ticket, now=time.time(), timeout=PAUSED_POLL_SECONDS,
+            tickets.ring_doorbell(store)
+        self.woken = tickets.wait_for_doorbell(store, ticket, now=time.time(), timeout=PAUSED_POLL_SECONDS,
                                               touch=False)
 
 
 def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ticket: str, *,
-                    requests_only: bool = False, notes: queues.LeaseNotes,
+                    requests_only: bool = False, notes: leases.LeaseNotes,
                     waiting_requests: Mapping[str, int] | None = None,
-                    ) -> tuple[list[queues.LeasedItem], reservation.Admission | None]:
+                    ) -> tuple[list[leases.LeasedItem], reservation.Admission | None]:
     """Lease the first admitted model's batch that has work, with its admission; ([], None) when none
     has any now (with `requests_only`: none headed by an online request). `notes.paused` ends true only
     when every lease found nothing but paused work. Where online requests wait (`waiting_requests`, by
@@ -223,7 +223,7 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
         # A batch cut to free memory (a backfill, or beside the head) takes no chunk along and no
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
-        said = queues.LeaseNotes()
+        said = leases.LeaseNotes()
         leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut,
                        requests_only=requests_only, notes=said)
         if leased:
@@ -234,7 +234,7 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
     return [], None
 
 
-def _run_leased(ctx: WorkerContext, leased: list[queues.LeasedItem], ticket: str, reservation: int | None,
+def _run_leased(ctx: WorkerContext, leased: list[leases.LeasedItem], ticket: str, reservation: int | None,
                 bell_mark: int | None = None) -> None:
     """Run what one lease returned, under its memory `reservation`: a batch of requests, a job chunk
     or finalize step, or requests with a chunk they took along (they ride in its first mini-batch).

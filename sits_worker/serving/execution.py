@@ -30,8 +30,8 @@ from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
 from broker.jobs.settings import JobSettings
 from broker.models.registry import split_model_ref
-from broker.queueing import queues
-from broker.queueing.queues import LeasedItem
+from broker.queueing import leases
+from broker.queueing.leases import LeasedItem
 from sits_worker.model.source import check_unchanged
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.outputs import finalize_outputs, remove_parts, write_part
@@ -76,7 +76,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
     job_id = item.payload["job"]
     now = time.time()
     if job_progress.start_item(ctx.store, job_id, now=now, chunk=item.payload["kind"] == "chunk") != "running":
-        queues.finish_item(ctx.store, item, job_id, now=now)
+        leases.finish_item(ctx.store, item, job_id, now=now)
         return "dropped"
     try:
         job = jobs.get_job(ctx.store, job_id, now=now)
@@ -84,11 +84,11 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
             manifest = finalize_job(job, keep_alive=_tolerant(between.keep_alive),
                                     may_publish=partial(_may_publish, ctx, job), settings=ctx.settings.jobs)
             if manifest is None:  # stopped while it merged: its parts stay, a resume merges again
-                queues.finish_item(ctx.store, item, job_id, now=time.time())
+                leases.finish_item(ctx.store, item, job_id, now=time.time())
                 return "dropped"
             # A stop that landed since `_may_publish` looked does not keep this status away: the folder
             # holds the job's results now (finish_item.lua).
-            queues.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
+            leases.finish_item(ctx.store, item, job_id, now=time.time(), job_status="succeeded",
                                job_fields={"manifest": json.dumps(manifest),
                                            "rows_quarantined": str(len(manifest.get("quarantined_rows") or []))})
             # after the job is done: its outputs need not wait for this; only its own parts (a cancelled
@@ -151,7 +151,7 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
     its queue without a record, and the job keeps the status it was stopped with."""
     job_id = item.payload["job"]
     if isinstance(err, Cancelled):
-        queues.finish_item(ctx.store, item, job_id, now=time.time())
+        leases.finish_item(ctx.store, item, job_id, now=time.time())
         return "dropped"
     failure_class = classify(err)
     delays = retry_delays(ctx.settings.retry_policy(failure_class), ctx.jitter.random)
@@ -181,11 +181,11 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
     slots (`sits_worker/serving/slot_overlap.py`); on a commit thread (`sits_worker.serving.chunk_commits`). Returns
     'acked', or how the failure was settled."""
     try:
-        queues.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
+        leases.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
         if job_progress.start_item(ctx.store, job["id"], now=time.time()) != "running":
             # Cancelled, failed, or finished by another run of this chunk meanwhile: no part to
             # leave behind in a folder nobody merges any more.
-            queues.finish_item(ctx.store, item, job["id"], now=time.time())
+            leases.finish_item(ctx.store, item, job["id"], now=time.time())
             return "dropped"
         write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"], quarantined=quarantined)
         job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name, run_seconds=run_seconds,

@@ -24,8 +24,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from broker.errors import SitsError
-from broker.queueing import queues
-from broker.queueing.queues import LeasedItem
+from broker.queueing import leases
+from broker.queueing.leases import LeasedItem
 from broker.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class LeaseKeeper:
             for held in due:
                 held.extended_at = now
         for held in due:
-            queues.extend_leases(self._store, held.items, held.ticket, now=time.time(),
+            leases.extend_leases(self._store, held.items, held.ticket, now=time.time(),
                                  lease_seconds=self._lease_seconds)
         return len(due)
 

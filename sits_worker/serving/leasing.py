@@ -21,7 +21,7 @@ from broker.jobs.chunking import FALLBACK_BATCH_ROWS
 from broker.memory import reservation
 from broker.memory.ledger import Claim
 from broker.online.batching import Batching
-from broker.queueing import queues
+from broker.queueing import leases
 from sits_worker.model.padding import max_sequence, shape_bucket
 from sits_worker.serving.context import WorkerContext
 
@@ -29,10 +29,10 @@ from sits_worker.serving.context import WorkerContext
 def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
           admission: reservation.Admission | None = None, carry_chunk: bool = False,
           within_cut: bool = False, tenants: dict[str, Any] | None = None,
-          notes: queues.LeaseNotes | None = None) -> list[queues.LeasedItem]:
+          notes: leases.LeaseNotes | None = None) -> list[leases.LeasedItem]:
     """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time, and
     cut to a preferred batch size), within the rows and tokens of its `admission` when given;
-    `carry_chunk`, `within_cut`: see `queues.lease_batch`; in the fair-share order of the tenants
+    `carry_chunk`, `within_cut`: see `leases.lease_batch`; in the fair-share order of the tenants
     (`fair_share.FairShare.lease_option`), or as `tenants` says when given, and by the priority classes
     of this worker's degrade step (`memory_watch.MemoryWatch.lease_classes`); `notes` as the lease told them.
     Nothing while this worker's breaker of the model is open, or half-open with its probe batch taken by
@@ -43,11 +43,11 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
     batching = ctx.batching(model_ref)
     max_rows = admission.max_rows if admission else batching.max_batch_size
     max_tokens = admission.max_tokens if admission else batching.max_batch_tokens
-    leased: list[queues.LeasedItem] = []
+    leased: list[leases.LeasedItem] = []
     try:
         leased = _lease_batch(ctx, model_ref, ticket, batching, max_rows, max_tokens, requests_only=requests_only,
                               admission=admission, carry_chunk=carry_chunk, within_cut=within_cut,
-                              tenants=tenants, notes=notes if notes is not None else queues.LeaseNotes())
+                              tenants=tenants, notes=notes if notes is not None else leases.LeaseNotes())
     finally:
         if claim == "probe" and not leased:  # the probe got no batch: another slot may take it
             ctx.breakers.release_probe(model_ref)
@@ -57,12 +57,12 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
 def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batching, max_rows: int,
                  max_tokens: int, *, requests_only: bool, admission: reservation.Admission | None,
                  carry_chunk: bool, within_cut: bool, tenants: dict[str, Any] | None,
-                 notes: queues.LeaseNotes) -> list[queues.LeasedItem]:
+                 notes: leases.LeaseNotes) -> list[leases.LeasedItem]:
     """One lease script call; in the fair-share order unless `tenants` says otherwise, the tenants it
     found no work of told to the fair share (`FairShare.note_absent`)."""
     if tenants is None:
         tenants = ctx.fair_share.lease_option(model_ref)
-    leased = queues.lease_batch(
+    leased = leases.lease_batch(
         ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
         max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
         preferred_sizes=batching.preferred_batch_sizes, max_chunks=1, ticket=ticket, requests_only=requests_only,
@@ -81,7 +81,7 @@ def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarra
 
 
 def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray],
-                 ticket: str) -> list[queues.LeasedItem]:
+                 ticket: str) -> list[leases.LeasedItem]:
     """Requests of `model_ref` that can ride in the job mini-batch `feed`: its shape bucket, up to the
     model's `max_batch_size` rows, and within `max_batch_tokens` together with the mini-batch; by the
     tenants' fair-share order, a held tenant's left waiting."""
@@ -98,7 +98,7 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
         max_tokens = batching.max_batch_tokens - rows * length
         if max_tokens <= 0:
             return []  # the mini-batch alone fills the token budget
-    return queues.lease_riders(ctx.store, model_ref, bucket, now=time.time(),
+    return leases.lease_riders(ctx.store, model_ref, bucket, now=time.time(),
                                lease_seconds=ctx.settings.scheduler.lease_timeout,
                                max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
                                max_tokens=max_tokens, window=4 * batching.max_batch_size, ticket=ticket,
@@ -119,12 +119,12 @@ class Reserved:
     """What a stream slot runs after `admitted`, and the reservation it holds for it (None: no
     device memory, e.g. a finalize step)."""
 
-    items: list[queues.LeasedItem]
+    items: list[leases.LeasedItem]
     handle: int | None
 
 
 @contextlib.contextmanager
-def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission: reservation.Admission, *,
+def admitted(ctx: WorkerContext, leased: Sequence[leases.LeasedItem], admission: reservation.Admission, *,
              hold: int | None) -> Iterator[Reserved]:
     """Reserve what a lease under `admission` runs, in place of the decision's `hold`, and yield the
     items to run with their reservation, released when the block ends.
@@ -145,7 +145,7 @@ def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission:
         with ledger.deciding:
             need, seconds = batch_need(ctx, leased)
             if chunks and not (admission.allows_chunk(need, seconds) and ledger.fits(need, instead_of=hold)):
-                queues.return_unrun(ctx.store, chunks)
+                leases.return_unrun(ctx.store, chunks)
                 if leased[0] is chunks[0]:  # it heads its queue again
                     ledger.claim(model_ref, Claim(chunks[0].payload["job"], need, seconds))
                 leased = [item for item in leased if item.payload.get("kind") != "chunk"]
@@ -162,7 +162,7 @@ def admitted(ctx: WorkerContext, leased: Sequence[queues.LeasedItem], admission:
             ledger.release(handle, now=time.time())
 
 
-def batch_need(ctx: WorkerContext, leased: Sequence[queues.LeasedItem]) -> tuple[int, float]:
+def batch_need(ctx: WorkerContext, leased: Sequence[leases.LeasedItem]) -> tuple[int, float]:
     """(Bytes, expected seconds) of what one lease runs: requests by their rows and tokens (a token
     model's), a chunk by the rows of its largest run, held until its last mini-batch (its expected
     end is the time of all its rows)."""

@@ -25,8 +25,8 @@ from broker.failures import quarantine, retries
 from broker.failures.retry_policy import classify, describe, retry_delays
 from broker.online import requests
 from broker.online.requests import RequestResult
-from broker.queueing import queues
-from broker.queueing.queues import LeasedItem
+from broker.queueing import leases
+from broker.queueing.leases import LeasedItem
 from broker.queueing.scoring import rows_to_fill as rows_to_fill_by_profile
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
 from sits_worker.serving.context import WorkerContext
@@ -145,7 +145,7 @@ def give_back(ctx: WorkerContext, items: Sequence[LeasedItem], err: BaseExceptio
         except Exception as settling:
             log.warning("could not settle %d requests by their failure's class: %s", len(items), settling)
     for item in items:
-        queues.expire_lease_now(ctx.store, item)
+        leases.expire_lease_now(ctx.store, item)
 
 
 def rows_to_fill(ctx: WorkerContext, model_ref: str, riders: Sequence[LeasedItem], available: int) -> int:

@@ -36,7 +36,7 @@ from broker.jobs import progress as job_progress
 from broker.jobs import stops as job_stops
 from broker.online import requests
 from broker.online import timeouts as request_timeouts
-from broker.queueing import policy, queues, workers
+from broker.queueing import leases, policy, queues, reaping, tickets, workers
 from broker.queueing.wakeup import SendTicket, wake_workers
 from broker.sla import admission as deadline_admission
 from broker.state.store import Store
@@ -127,7 +127,7 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     settings = ctx.settings
     lost_policy = settings.retry_policy("worker_lost")
     max_attempts = lost_policy.attempts or settings.jobs.max_attempts
-    result = queues.reap_expired_leases(ctx.store, now=now, max_attempts=max_attempts,
+    result = reaping.reap_expired_leases(ctx.store, now=now, max_attempts=max_attempts,
                                         lost_delays=retry_delays(lost_policy, ctx.jitter.random))
     lost_error = "its lease expired: the worker running it died, froze or lost Redis"
     if result.lost:
@@ -140,12 +140,12 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
                                             keep_seconds=settings.online.result_ttl)
     for model_ref, item_id, payload in result.dead_items:
         if payload.get("kind") == "request":
-            item = queues.LeasedItem(item_id, model_ref, payload, max_attempts)
+            item = leases.LeasedItem(item_id, model_ref, payload, max_attempts)
             error = f"the request failed {max_attempts} times (its workers died or errored)"
             failed = requests.RequestResult(item, error=error, code=RunFailed.code)
             requests.complete_requests(ctx.store, [failed], now=now, keep_seconds=settings.online.result_ttl,
                                        batch_size=1, worker="reaper")
-            queues.finish_item(ctx.store, item, "", now=now)  # also leaves the dead set
+            leases.finish_item(ctx.store, item, "", now=now)  # also leaves the dead set
             continue
         job_id = payload.get("job", "")
         last_error = job_progress.last_error(ctx.store, job_id) or "the worker died"
@@ -153,10 +153,10 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
         if job_id:
             job_stops.stop_job(ctx.store, job_id, status="failed", error=error, now=now, dead_item=item_id)
         else:
-            item = queues.LeasedItem(item_id, model_ref, payload, max_attempts)
-            queues.finish_item(ctx.store, item, job_id, now=now)
+            item = leases.LeasedItem(item_id, model_ref, payload, max_attempts)
+            leases.finish_item(ctx.store, item, job_id, now=now)
     # Lost tickets before the fills and stops below, which may take many calls (a stop of 100,000 chunks, 800).
-    lost = queues.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
+    lost = tickets.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
     job_lists.count_old_jobs(ctx.store)  # and before the per-status job counts
     queues.prune_old_queues(ctx.store)  # older model versions' drained queues, read before every batch choice

@@ -11,7 +11,7 @@ from typing import Any
 
 from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
-from broker.queueing.queues import LeasedItem
+from broker.queueing.leases import LeasedItem
 from broker.state.store import Store
 
 NOW = 1_800_000_000.0

@@ -24,8 +24,8 @@ from broker.jobs import fills as job_fills
 from broker.jobs import output_layout
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
-from broker.queueing import queues
-from broker.queueing.queues import LeasedItem
+from broker.queueing import leases
+from broker.queueing.leases import LeasedItem
 from broker.state.store import Store
 from sits_api.cli.stack import Stack
 from sits_worker.device.pinning import Device
@@ -94,7 +94,7 @@ def test_a_job_cancelled_while_it_merges_keeps_its_parts_and_gets_no_results_unt
     assert store.client.zcard(store.keys.ready(final.model_ref)) == 0
 
     assert job_fills.resume_job(store, job_id, now=time.time()) == 1  # only the finalize step: every chunk is done
-    [again] = queues.lease_batch(store, final.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    [again] = leases.lease_batch(store, final.model_ref, now=time.time(), lease_seconds=60, max_items=1)
     assert process_item(ctx, again, MergeHooks()) == "finalized"
     assert jobs.get_job(store, job_id, now=time.time())["status"] == "succeeded"
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy")[:, 0], np.arange(CHUNKS))

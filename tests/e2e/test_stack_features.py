@@ -305,7 +305,7 @@ def test_sitsctl_worker_joins_the_stack_of_its_sits_home(stack):
 def test_chunks_record_what_ran_beside_them_and_teach_admission_each_pair(stack):
     """Two streams of one worker: a convnet job runs, an mlp job starts beside it. Each job's `slot_mix`
     names the other's model version with the seconds its chunks ran beside it, adding up to its slot time;
-    once they ended a reaper pass calibrates each pair (`admission.contention`)."""
+    once they ended a reaper pass calibrates each pair (`figures.contention`)."""
     client = stack.client()
     models = stack.home / "models"
     register(client, "mix_cnn", models / "convnet.onnx")

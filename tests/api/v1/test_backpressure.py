@@ -16,7 +16,7 @@ from broker.config.settings import Settings
 from broker.online import requests
 from broker.online.queue_policy import MAX_RETRY_AFTER
 from broker.online.requests import RequestResult
-from broker.queueing import queues, workers
+from broker.queueing import leases, workers
 from broker.state.store import Store
 from sits_api.app import create_app
 from tests.api.api_helpers import Api, error_of
@@ -39,7 +39,7 @@ def waiting_payloads(store: Store, ref: str) -> dict[str, dict[str, Any]]:
 
 def complete_all(store: Store, ref: str, *, run_started: float | None = None) -> list[str]:
     """A stand-in worker: lease everything waiting and complete it."""
-    leased = queues.lease_batch(store, ref, now=time.time(), lease_seconds=30, max_items=100)
+    leased = leases.lease_batch(store, ref, now=time.time(), lease_seconds=30, max_items=100)
     results = [RequestResult(item, outputs={"logits": np.zeros((1, 10), np.float32)}) for item in leased]
     requests.complete_requests(store, results, now=time.time(), keep_seconds=60, batch_size=len(results),
                                worker="w", run_started=run_started, run_rows=len(results))

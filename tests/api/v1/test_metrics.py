@@ -32,7 +32,7 @@ from broker.memory.ledger import MemoryLedger
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS
 from broker.online import requests
 from broker.online.requests import RequestResult
-from broker.queueing import queues, workers
+from broker.queueing import leases, reaping, workers
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
@@ -116,16 +116,16 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
 
     # a worker's work: two requests leased and completed (one failed), two chunks leased and one acked,
     # a chunk whose lease runs out at its last attempt (dead)
-    leased_requests = queues.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2, requests_only=True)
+    leased_requests = leases.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2, requests_only=True)
     assert len(leased_requests) == 2
     requests.complete_requests(store, [RequestResult(leased_requests[0], outputs={}),
                                        RequestResult(leased_requests[1], error="it failed", code="run_failed")],
                                now=now, keep_seconds=60, batch_size=2, worker="gpu-worker@host-a")
-    chunks = queues.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2)
+    chunks = leases.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2)
     assert [chunk.payload["job"] for chunk in chunks] == [first["id"], first["id"]]
     assert job_progress.ack_chunk(store, chunks[0], now=now, worker="gpu-worker@host-a") == 1
-    [dying] = queues.lease_batch(store, ref, now=now, lease_seconds=1, max_items=1)
-    assert queues.reap_expired_leases(store, now=now + 5, max_attempts=1).dead_items
+    [dying] = leases.lease_batch(store, ref, now=now, lease_seconds=1, max_items=1)
+    assert reaping.reap_expired_leases(store, now=now + 5, max_attempts=1).dead_items
     assert job_lists.count_old_jobs(store)  # a reaper pass: every job is counted
     assert retries.retry_later(store, chunks[1], failure_class="transient", error="Redis blinked", delays=[1.0],
                                now=now).retried  # (parked in flight for its backoff)
@@ -170,7 +170,7 @@ def test_a_request_whose_record_expired_before_it_ran_is_counted_as_expired(
         alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
     request_id = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).get_json()["id"]
     store.client.delete(store.keys.request(request_id))  # its result_ttl ran out while it waited
-    [item] = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=1)
+    [item] = leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=1)
     assert requests.load_inputs(store, [item]) == [None]  # what the worker finds: nothing to run
     requests.complete_requests(store, [RequestResult(item, error="the request expired before it ran", code="timeout")],
                                now=time.time(), keep_seconds=60, batch_size=1, worker="w")
@@ -187,7 +187,7 @@ def test_request_times_by_phase_and_runs_come_from_the_v2_statistics_totals(
         alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
     for _ in range(2):
         alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}})
-    leased = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=2)
+    leased = leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=2)
     created = [float(store.client.hget(store.keys.request(item.payload["req"]), "created_at")) for item in leased]
     started = max(created) + 0.25
     requests.complete_requests(store, [RequestResult(item, outputs={}) for item in leased], now=started + 0.5,
@@ -222,7 +222,7 @@ def test_request_latency_histograms_count_each_request_in_its_bucket_by_priority
         response = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW},
                                                     "priority": priority})
         assert response.status_code == 202
-    leased = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=4, requests_only=True)
+    leased = leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=4, requests_only=True)
     created = {item.payload["factors"]["level"]: float(store.client.hget(store.keys.request(item.payload["req"]),
                                                                          "created_at")) for item in leased}
     started = max(created.values()) + 0.3  # each waited 0.3 s and a little: in the bucket up to 0.5 s
@@ -269,8 +269,8 @@ def test_job_deadlines_met_missed_and_refused_and_the_risk_of_active_ones_show_p
     labels = {"model": "mlp", "version": mlp["version"]}
 
     watched = samples(scrape(client, scrape_key))
-    item = queues.LeasedItem(jobs.finalize_item_id(met), mlp["ref"], {}, 1)
-    queues.finish_item(store, item, met, now=time.time(), job_status="succeeded")  # its outputs are published
+    item = leases.LeasedItem(jobs.finalize_item_id(met), mlp["ref"], {}, 1)
+    leases.finish_item(store, item, met, now=time.time(), job_status="succeeded")  # its outputs are published
     job_stops.stop_job(store, missed, status="failed", error="a chunk failed", now=time.time())
     job_stops.stop_job(store, cancelled, status="cancelled", error="", now=time.time())
     ended = samples(scrape(client, scrape_key))
@@ -339,7 +339,7 @@ def test_metrics_name_no_job_or_request_ids_owners_or_redis_url(
         settings: Any, tmp_path: Path) -> None:
     job = submit_job(alice, tmp_path, mlp_input, "out")
     queued = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).get_json()
-    [item] = queues.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=60, max_items=1, requests_only=True)
+    [item] = leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=60, max_items=1, requests_only=True)
     requests.complete_requests(store, [RequestResult(item, outputs={})], now=time.time(), keep_seconds=60,
                                batch_size=1, worker="w")
     workers.record_heartbeat(store, "w", {"device": "cpu", "streams": 1}, now=time.time())
@@ -456,15 +456,15 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
                                             "degrade": {"step": 2, "jitter": 0.25, "steps_taken": 2}}, now=now)
     submit_job(api, tmp_path, mlp_input, "all")
     assert api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).status_code == 202
-    [request] = queues.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1, requests_only=True)
+    [request] = leases.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1, requests_only=True)
     requests.complete_requests(store, [RequestResult(request, outputs={})], now=now, keep_seconds=60, batch_size=1,
                                worker="w@h", run_started=now, run_rows=1)
-    [chunk] = queues.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1)
+    [chunk] = leases.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1)
     job_progress.ack_chunk(store, chunk, now=now, worker="w@h")
     due = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input), "deadline_s": 3600,
                                      "output_dir": str(tmp_path / "due"), "chunk_size": 4}).get_json()["id"]
     finished = submit_job(api, tmp_path, mlp_input, "finished")["id"]
-    queues.finish_item(store, queues.LeasedItem(jobs.finalize_item_id(finished), mlp["ref"], {}, 1), finished,
+    leases.finish_item(store, leases.LeasedItem(jobs.finalize_item_id(finished), mlp["ref"], {}, 1), finished,
                        now=time.time(), job_status="succeeded")
     assert api.get(f"/v1/jobs/{due}").get_json()["sla_risk"] is not None
     job_lists.count_old_jobs(store)

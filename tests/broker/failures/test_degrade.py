@@ -15,7 +15,7 @@ from broker.failures.settings import DegradeSettings
 from broker.jobs import fills as job_fills
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import queues
+from broker.queueing import leases
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW, job_spec
@@ -100,9 +100,9 @@ def submit(store: Store, request_id: str, level: int, *, enqueued_at: float = NO
 
 
 def lease(store: Store, step: int, *, max_items: int = 1, requests_only: bool = False,
-          notes: queues.LeaseNotes | None = None, window: int = 512,
+          notes: leases.LeaseNotes | None = None, window: int = 512,
           tenants: dict[str, Any] | None = None) -> list[str]:
-    leased = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=max_items,
+    leased = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=max_items,
                                 requests_only=requests_only, notes=notes, tenants=tenants,
                                 classes=degrade.lease_classes(step, SETTINGS, "dynamic", window))
     return [item.item_id for item in leased]
@@ -123,14 +123,14 @@ def test_at_p1_as_p2_the_top_class_goes_first_and_p1_ranks_with_p2_by_its_served
 
 def test_at_p2_paused_p2_work_stays_queued_and_the_lease_says_so(store: Store) -> None:
     submit(store, "p2", 3)
-    notes = queues.LeaseNotes()
+    notes = leases.LeaseNotes()
 
     assert lease(store, 2, notes=notes) == [] and notes.paused
     assert store.client.zscore(store.keys.ready(MODEL), "p2") is not None  # kept queued, not failed
     submit(store, "p1", 9)
-    notes = queues.LeaseNotes()
+    notes = leases.LeaseNotes()
     assert lease(store, 2, max_items=4, notes=notes) == ["p1"] and not notes.paused
-    only_requests = queues.LeaseNotes()
+    only_requests = leases.LeaseNotes()
     assert lease(store, 2, requests_only=True, notes=only_requests) == [] and only_requests.paused
     assert lease(store, 0) == ["p2"]  # back at step 0 it is served
 
@@ -138,7 +138,7 @@ def test_at_p2_paused_p2_work_stays_queued_and_the_lease_says_so(store: Store) -
 def test_a_paused_job_s_chunks_wait_while_a_p0_request_behind_them_is_leased(store: Store) -> None:
     job_fills.create_job(store, job_spec("low", rows_total=400, chunk_size=1, priority=2), now=NOW)
     submit(store, "late-p1", 8, enqueued_at=NOW + 5000)  # far behind the chunks by aging
-    notes = queues.LeaseNotes()
+    notes = leases.LeaseNotes()
 
     assert lease(store, 2, notes=notes) == ["late-p1"]
     assert lease(store, 2, notes=notes) == [] and notes.paused
@@ -149,7 +149,7 @@ def test_riders_of_a_paused_class_stay_queued(store: Store) -> None:
     submit(store, "p2", 3)
     submit(store, "p1", 9)
 
-    riders = queues.lease_riders(store, MODEL, "x:4", now=NOW, lease_seconds=30, max_items=4, max_rows=4,
+    riders = leases.lease_riders(store, MODEL, "x:4", now=NOW, lease_seconds=30, max_items=4, max_rows=4,
                                  lowest_level=degrade.lowest_leased_level(2, SETTINGS))
     assert [item.item_id for item in riders] == ["p1"]
 
@@ -158,7 +158,7 @@ def test_a_requests_only_lease_weighs_the_highest_levels_first_when_more_wait_th
     for index in range(10):
         submit(store, f"p2-{index}", 3, enqueued_at=NOW - 100)
     submit(store, "p1", 9)
-    notes = queues.LeaseNotes()
+    notes = leases.LeaseNotes()
 
     assert lease(store, 2, requests_only=True, window=4, notes=notes) == ["p1"]  # not 4 paused P2 requests
     assert lease(store, 2, requests_only=True, window=4, notes=notes) == [] and notes.paused
@@ -167,7 +167,7 @@ def test_a_requests_only_lease_weighs_the_highest_levels_first_when_more_wait_th
 def test_a_window_full_of_paused_chunks_does_not_hide_a_request_behind_it(store: Store) -> None:
     job_fills.create_job(store, job_spec("low", rows_total=400, chunk_size=1, priority=2), now=NOW)
     submit(store, "late-p1", 8, enqueued_at=NOW + 5000)  # behind all 400 chunks by aging
-    notes = queues.LeaseNotes()
+    notes = leases.LeaseNotes()
 
     assert lease(store, 2, window=16, notes=notes) == ["late-p1"]
     assert lease(store, 2, window=16, notes=notes) == [] and notes.paused
@@ -179,11 +179,11 @@ def test_paused_work_beside_a_held_tenant_s_is_not_reported_as_all_paused(store:
     sleep on the doorbell as for paused work, so the lease says plain nothing ({0})."""
     submit(store, "p2", 3, tenant="acme")
     submit(store, "held-p1", 9, tenant="beta")
-    notes = queues.LeaseNotes()
+    notes = leases.LeaseNotes()
 
     assert lease(store, 2, notes=notes, tenants={"order": ["acme", "beta"], "held": ["beta"], "window": 64}) == []
     assert not notes.paused
-    alone = queues.LeaseNotes()
+    alone = leases.LeaseNotes()
     assert lease(store, 2, notes=alone, tenants={"order": ["acme", "beta"], "held": [], "window": 64}) == ["held-p1"]
     assert lease(store, 2, notes=alone, tenants={"order": ["acme", "beta"], "held": [], "window": 64}) == []
     assert alone.paused

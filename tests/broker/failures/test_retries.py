@@ -11,13 +11,13 @@ from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import queues
+from broker.queueing import leases, reaping, tickets
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, inflight_deadlines, job_field, job_spec, ready_ids
 
 
-def _lease_all(store: Store, now: float, model_ref: str = MODEL_REF) -> dict[str, queues.LeasedItem]:
-    leased = queues.lease_batch(store, model_ref, now=now, lease_seconds=30, max_items=100)
+def _lease_all(store: Store, now: float, model_ref: str = MODEL_REF) -> dict[str, leases.LeasedItem]:
+    leased = leases.lease_batch(store, model_ref, now=now, lease_seconds=30, max_items=100)
     return {item.item_id: item for item in leased}
 
 
@@ -33,9 +33,9 @@ def test_a_retried_chunk_waits_in_flight_then_returns_at_its_own_score_ahead_of_
 
     assert outcome.retried and outcome.failures == 1 and outcome.retry_at == NOW + 3
     assert inflight_deadlines(store)[item.item_id] == NOW + 3  # parked: no worker thread waits
-    assert queues.reap_expired_leases(store, now=NOW + 2.9, max_attempts=3).returned == 0
+    assert reaping.reap_expired_leases(store, now=NOW + 2.9, max_attempts=3).returned == 0
     assert ready_ids(store) == [jobs.chunk_item_id(later.job_id, 0)]
-    result = queues.reap_expired_leases(store, now=NOW + 3.0, max_attempts=3)
+    result = reaping.reap_expired_leases(store, now=NOW + 3.0, max_attempts=3)
     assert result.returned == 1 and result.lost == []  # a retry, not a lost worker
     assert ready_ids(store) == [item.item_id, jobs.chunk_item_id(later.job_id, 0)]
     assert store.client.zscore(store.keys.ready(MODEL_REF), item.item_id) == score
@@ -51,7 +51,7 @@ def test_each_failure_of_a_class_takes_the_next_wait_until_its_attempts_are_used
         outcomes.append(retries.retry_later(store, item, failure_class="run_timeout", error=f"timed out at {now}",
                                             delays=[1.0, 4.0], now=now))
         now = (outcomes[-1].retry_at or now) + 0.5
-        queues.reap_expired_leases(store, now=now, max_attempts=3)
+        reaping.reap_expired_leases(store, now=now, max_attempts=3)
 
     assert [(o.retried, o.failures, o.retry_at) for o in outcomes] == [
         (True, 1, NOW + 1), (True, 2, NOW + 1.5 + 4), (False, 3, None)]
@@ -95,7 +95,7 @@ def test_a_parked_lease_is_not_a_lost_one_and_does_not_count_against_lost_attemp
         [item] = _lease_all(store, now).values()
         retries.retry_later(store, item, failure_class="transient", error="EIO", delays=[0.0] * 5, now=now)
         now += 1
-        assert queues.reap_expired_leases(store, now=now, max_attempts=2).dead_items == []
+        assert reaping.reap_expired_leases(store, now=now, max_attempts=2).dead_items == []
 
     assert job_field(store, spec.job_id, "attempts:worker_lost") is None
 
@@ -105,7 +105,7 @@ def test_a_lost_lease_is_recorded_as_worker_lost_and_queued_again_at_once(store:
     job_fills.create_job(store, spec, now=NOW)
     [item] = _lease_all(store, NOW).values()
 
-    result = queues.reap_expired_leases(store, now=NOW + 31, max_attempts=3)
+    result = reaping.reap_expired_leases(store, now=NOW + 31, max_attempts=3)
     retries.note_lost(store, result.lost, now=NOW + 31, error="its lease expired")
 
     assert result.returned == 1 and [(ref, item_id, at) for ref, item_id, _, at in result.lost] == [
@@ -120,11 +120,11 @@ def test_a_lost_lease_may_wait_a_backoff_of_its_own(store: Store) -> None:
     job_fills.create_job(store, job_spec(rows_total=4, chunk_size=4), now=NOW)
     [item] = _lease_all(store, NOW).values()
 
-    result = queues.reap_expired_leases(store, now=NOW + 31, max_attempts=3, lost_delays=[5.0])
+    result = reaping.reap_expired_leases(store, now=NOW + 31, max_attempts=3, lost_delays=[5.0])
 
     assert result.returned == 0 and result.lost[0][3] == NOW + 36
-    assert queues.reap_expired_leases(store, now=NOW + 35, max_attempts=3).returned == 0
-    again = queues.reap_expired_leases(store, now=NOW + 36, max_attempts=3)
+    assert reaping.reap_expired_leases(store, now=NOW + 35, max_attempts=3).returned == 0
+    again = reaping.reap_expired_leases(store, now=NOW + 36, max_attempts=3)
     assert again.returned == 1 and again.lost == [] and ready_ids(store) == [item.item_id]
 
 
@@ -135,7 +135,7 @@ def test_a_stopped_job_s_parked_item_is_gone_and_leaves_no_mark(store: Store) ->
     retries.retry_later(store, item, failure_class="device_oom", error="oom", delays=[10.0], now=NOW)
 
     job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 1)
-    queues.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
+    reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
 
     assert ready_ids(store) == [] and inflight_deadlines(store) == {}
     assert store.client.zcard(store.keys.retrying(MODEL_REF)) == 0
@@ -151,7 +151,7 @@ def test_a_request_s_failures_are_counted_on_its_own_record(store: Store) -> Non
     [item] = _lease_all(store, NOW).values()
 
     outcome = retries.retry_later(store, item, failure_class="device_oom", error="oom", delays=[1.0], now=NOW)
-    queues.reap_expired_leases(store, now=NOW + 1, max_attempts=3)
+    reaping.reap_expired_leases(store, now=NOW + 1, max_attempts=3)
     [again] = _lease_all(store, NOW + 1).values()
     last = retries.retry_later(store, again, failure_class="device_oom", error="oom 2", delays=[1.0], now=NOW + 1)
 
@@ -185,7 +185,7 @@ def test_a_mark_left_by_a_stopped_job_does_not_pass_its_next_lost_lease_off_as_a
     job_fills.resume_job(store, spec.job_id, now=NOW + 2)
     _lease_all(store, NOW + 2)  # its worker is lost: the lease runs out at NOW + 32
 
-    result = queues.reap_expired_leases(store, now=NOW + 200, max_attempts=3)
+    result = reaping.reap_expired_leases(store, now=NOW + 200, max_attempts=3)
 
     assert [item_id for _, item_id, _, _ in result.lost] == [item.item_id]
     assert store.client.zcard(store.keys.retrying(MODEL_REF)) == 0
@@ -198,18 +198,18 @@ def test_extending_leases_moves_running_ones_and_the_ticket_but_not_a_parked_ret
     for index in range(3):
         job_fills.create_job(store, job_spec(f"j{index}", rows_total=4, chunk_size=4), now=NOW)
     running, parked, reaped = _lease_all(store, NOW).values()
-    [ticket] = queues.top_up_tickets(store, now=NOW, target=1)
+    [ticket] = tickets.top_up_tickets(store, now=NOW, target=1)
     retries.retry_later(store, parked, failure_class="device_oom", error="device out of memory", delays=[1.0],
                         now=NOW + 5)  # may run again at NOW + 6
 
-    queues.extend_leases(store, [running, parked], ticket, now=NOW + 5.5, lease_seconds=30)  # (a keeper's beat)
+    leases.extend_leases(store, [running, parked], ticket, now=NOW + 5.5, lease_seconds=30)  # (a keeper's beat)
 
     assert inflight_deadlines(store) == {running.item_id: NOW + 35.5, parked.item_id: NOW + 6,
                                          reaped.item_id: NOW + 30}
     assert store.client.zscore(store.keys.tickets, ticket) == NOW + 5.5
-    result = queues.reap_expired_leases(store, now=NOW + 7, max_attempts=3)
+    result = reaping.reap_expired_leases(store, now=NOW + 7, max_attempts=3)
     assert result.returned == 1 and result.lost == []  # the retry, on time, and not taken for a lost lease
-    queues.reap_expired_leases(store, now=NOW + 31, max_attempts=3)  # `reaped`'s lease ran out
-    queues.extend_leases(store, [running, reaped], "", now=NOW + 32, lease_seconds=30)
+    reaping.reap_expired_leases(store, now=NOW + 31, max_attempts=3)  # `reaped`'s lease ran out
+    leases.extend_leases(store, [running, reaped], "", now=NOW + 32, lease_seconds=30)
     assert inflight_deadlines(store) == {running.item_id: NOW + 62}  # a reaped lease stays reaped
     assert set(ready_ids(store)) == {parked.item_id, reaped.item_id}

@@ -15,7 +15,7 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import slices as job_slices
 from broker.jobs import stops as job_stops
-from broker.queueing import queues
+from broker.queueing import leases
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
 from tests.broker.sliced_calls import SLICE, chunk_ids, small_slices  # noqa: F401 (small_slices: autouse)
@@ -79,7 +79,7 @@ def test_a_fill_going_on_is_not_taken_for_stalled_however_old_its_request_time(
 
 def test_a_stop_takes_every_item_out_over_several_calls(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     job_fills.create_job(store, job_spec("big", rows_total=10, chunk_size=1), now=NOW)
-    queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)  # two in flight
+    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)  # two in flight
     calls = count_calls(store, "stop_job", monkeypatch)
 
     assert job_stops.stop_job(store, "big", status="cancelled", error="by the user", now=NOW + 1) == "cancelled"
@@ -102,7 +102,7 @@ def test_a_fill_whose_caller_died_is_completed_by_the_reaper_pass_once(store: St
         store.client.zrem(store.keys.ready(MODEL_REF), item_id)
         store.client.hdel(store.keys.items, item_id)
     store.client.zadd(store.keys.jobs_filling, {"cut": NOW})
-    [leased] = queues.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=300, max_items=1)  # a worker has one
+    [leased] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=300, max_items=1)  # a worker has one
 
     assert job_fills.stalled_fills(store, now=NOW + job_slices.FILL_STALLED_SECONDS - 1) == []  # its caller may be slow
     assert job_fills.stalled_fills(store, now=NOW + job_slices.FILL_STALLED_SECONDS) == ["cut"]

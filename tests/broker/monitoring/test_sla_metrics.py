@@ -16,8 +16,8 @@ from broker.jobs import stops as job_stops
 from broker.jobs.finish_prediction import Fleet, Work
 from broker.monitoring import sla_metrics
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS, Histogram, decode_histograms, priority_class, read_job_risks
-from broker.queueing import queues
-from broker.queueing.queues import LeasedItem
+from broker.queueing import leases
+from broker.queueing.leases import LeasedItem
 from broker.sla import watch as sla_watch
 from broker.state.scripts import script_text
 from broker.state.store import Store
@@ -69,7 +69,7 @@ def _deadline_job(store: Store, *, deadline_in: float, priority: int = 0, rows: 
 def _finalize(store: Store, job_id: str, *, now: float) -> None:
     """What a finalize step does once the job's outputs are published."""
     item = LeasedItem(jobs.finalize_item_id(job_id), MODEL_REF, {}, 1)
-    queues.finish_item(store, item, job_id, now=now, job_status="succeeded")
+    leases.finish_item(store, item, job_id, now=now, job_status="succeeded")
 
 
 def _counters(store: Store) -> dict[str, str]:

@@ -22,7 +22,7 @@ from broker.online.queue_policy import (
     seconds_per_request,
 )
 from broker.online.requests import QueueAtLimit, RequestSpec
-from broker.queueing import policy, queues
+from broker.queueing import leases, policy, reaping
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW
@@ -131,16 +131,16 @@ def test_a_full_queue_takes_nothing_and_says_how_many_wait(store: Store) -> None
 def test_leased_requests_do_not_count_and_requests_back_in_the_queue_count_again(store: Store) -> None:
     for index in range(2):
         submit(store, spec(f"r{index}"), most=2)
-    leased = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=2)
+    leased = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=2)
 
     submit(store, spec("r2"), most=2)  # the two leased ones are in a batch: room for two more
-    assert queues.return_unrun(store, leased[:1]) == 1  # one goes back: the queue is full again
+    assert leases.return_unrun(store, leased[:1]) == 1  # one goes back: the queue is full again
     with pytest.raises(QueueAtLimit):
         submit(store, spec("r3"), most=2)
-    queues.reap_expired_leases(store, now=NOW + 11, max_attempts=3)  # the other's lease ran out
+    reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=3)  # the other's lease ran out
 
     assert store.client.zcard(store.keys.waiting_requests(MODEL)) == 3
-    riders = queues.lease_riders(store, MODEL, "", now=NOW + 11, lease_seconds=10, max_items=3, max_rows=3)
+    riders = leases.lease_riders(store, MODEL, "", now=NOW + 11, lease_seconds=10, max_items=3, max_rows=3)
     assert len(riders) == 3 and store.client.zcard(store.keys.waiting_requests(MODEL)) == 0
 
 
@@ -219,7 +219,7 @@ def test_a_request_past_its_delay_timeout_drops_behind_its_level_and_still_waits
 
 def test_a_request_a_worker_holds_is_left_to_it_and_a_finished_one_leaves_the_index(store: Store) -> None:
     submit(store, spec("running", expires_at=NOW + 0.2))
-    [held] = queues.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=1)
+    [held] = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=1)
 
     assert expire(store, NOW + 1).rejected == []
     assert store.client.zcard(store.keys.request_timeouts(MODEL)) == 1  # its lease may yet run out
@@ -234,9 +234,9 @@ def test_a_request_a_worker_holds_is_left_to_it_and_a_finished_one_leaves_the_in
 def test_a_reject_timeout_survives_a_lease_lost_before_it_passed(store: Store) -> None:
     """A worker leases the request in time and dies; the reaper brings it back past its timeout."""
     submit(store, spec("orphan", expires_at=NOW + 5))
-    queues.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=1)
+    leases.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=1)
     expire(store, NOW + 6)
-    queues.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
+    reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
 
     assert expire(store, NOW + 11).rejected == ["orphan"]
     assert requests.get_request(store, "orphan")["error_code"] == InferenceTimeout.code

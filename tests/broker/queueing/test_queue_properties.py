@@ -42,8 +42,8 @@ from broker.jobs import stops as job_stops
 from broker.online import requests
 from broker.online import timeouts as request_timeouts
 from broker.online.requests import RequestResult, RequestSpec
-from broker.queueing import policy, queues
-from broker.queueing.queues import LeasedItem
+from broker.queueing import leases, policy, queues, reaping
+from broker.queueing.leases import LeasedItem
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.embedded import EmbeddedRedis
 from broker.state.keys import Keys
@@ -178,7 +178,7 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from(MODELS), max_items=st.integers(1, 3), lease_seconds=st.sampled_from([10, 60]),
           carry_chunk=st.booleans(), requests_only=st.booleans())
     def lease(self, model: str, max_items: int, lease_seconds: int, carry_chunk: bool, requests_only: bool) -> None:
-        leased = queues.lease_batch(self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items,
+        leased = leases.lease_batch(self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items,
                                     max_chunks=1, carry_chunk=carry_chunk, requests_only=requests_only)
         kinds = [item.payload["kind"] for item in leased]
         if requests_only or not carry_chunk:
@@ -189,7 +189,7 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from(MODELS), bucket=st.sampled_from(BUCKETS), max_rows=st.integers(1, 3))
     def lease_riders(self, model: str, bucket: str, max_rows: int) -> None:
         """A running chunk of `model` looks for requests to ride in its next mini-batch."""
-        riders = queues.lease_riders(self.store, model, bucket, now=self.now, lease_seconds=60, max_items=3,
+        riders = leases.lease_riders(self.store, model, bucket, now=self.now, lease_seconds=60, max_items=3,
                                      max_rows=max_rows)
         assert all(item.payload["kind"] == "request" and item.payload["bucket"] == bucket for item in riders)
         assert sum(item.payload["rows"] for item in riders) <= max_rows
@@ -207,9 +207,9 @@ class QueueMachine(RuleBasedStateMachine):
         job_id = item.payload["job"]
         status = job_progress.start_item(self.store, job_id, now=self.now, chunk=item.payload["kind"] == "chunk")
         if status != "running":
-            queues.finish_item(self.store, item, job_id, now=self.now)
+            leases.finish_item(self.store, item, job_id, now=self.now)
         elif item.payload["kind"] == "finalize":
-            queues.finish_item(self.store, item, job_id, now=self.now, job_status="succeeded")
+            leases.finish_item(self.store, item, job_id, now=self.now, job_status="succeeded")
         else:
             ack(self.store, item, now=self.now)
 
@@ -245,11 +245,11 @@ class QueueMachine(RuleBasedStateMachine):
     def lease_and_give_back_unrun(self, model: str, carry_chunk: bool, chunks_only: bool) -> None:
         """A worker leases a batch and at once returns what it cannot run now (a job chunk that does not
         fit the device's free memory, `sits_worker.serving.leasing.admitted`); it runs the rest."""
-        leased = queues.lease_batch(self.store, model, now=self.now, lease_seconds=60, max_items=3, max_chunks=1,
+        leased = leases.lease_batch(self.store, model, now=self.now, lease_seconds=60, max_items=3, max_chunks=1,
                                     carry_chunk=carry_chunk)
         back = [item for item in leased if item.payload["kind"] == "chunk" or not chunks_only]
         attempts_before = {item.item_id: item.attempts - 1 for item in back}
-        queues.return_unrun(self.store, back)
+        leases.return_unrun(self.store, back)
         for item in back:
             assert int(self.client.hget(self.store.keys.attempts, item.item_id) or 0) == attempts_before[item.item_id]
         self.held += [item for item in leased if item not in back]
@@ -267,7 +267,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.now += seconds
         if not reap:
             return
-        result = queues.reap_expired_leases(self.store, now=self.now, max_attempts=MAX_ATTEMPTS)
+        result = reaping.reap_expired_leases(self.store, now=self.now, max_attempts=MAX_ATTEMPTS)
         for model in MODELS:  # every retry due is back in its queue, and no mark of one is left behind
             assert self.client.zrangebyscore(self.store.keys.retrying(model), "-inf", self.now) == []
         weights, ordering = policy.get_policy(self.store, default="dynamic")
@@ -277,13 +277,13 @@ class QueueMachine(RuleBasedStateMachine):
                 item = LeasedItem(item_id, model_ref, payload, MAX_ATTEMPTS)
                 requests.complete_requests(self.store, [RequestResult(item, error="died")], now=self.now,
                                            keep_seconds=3600, batch_size=1, worker="reaper")
-                queues.finish_item(self.store, item, "", now=self.now)
+                leases.finish_item(self.store, item, "", now=self.now)
                 continue
             job_id = payload.get("job", "")
             if job_id:
                 job_stops.stop_job(self.store, job_id, status="failed", error=f"{item_id} failed", now=self.now)
             item = LeasedItem(item_id, model_ref, payload, MAX_ATTEMPTS)
-            queues.finish_item(self.store, item, job_id, now=self.now)
+            leases.finish_item(self.store, item, job_id, now=self.now)
 
     @rule()
     def prune_old_queues(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 from broker.jobs import fills as job_fills
 from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
-from broker.queueing import queues
+from broker.queueing import leases, queues, reaping, tickets
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW, job_spec, ready_ids
 
@@ -29,8 +29,8 @@ def queue_set(store: Store) -> set[str]:
 
 def drain(store: Store, model_ref: str) -> None:
     """Lease everything waiting for `model_ref` and finish it, as workers do."""
-    for item in queues.lease_batch(store, model_ref, now=NOW, lease_seconds=30, max_items=100):
-        queues.finish_item(store, item, "", now=NOW)
+    for item in leases.lease_batch(store, model_ref, now=NOW, lease_seconds=30, max_items=100):
+        leases.finish_item(store, item, "", now=NOW)
 
 
 def test_an_older_version_s_drained_queue_is_pruned_and_the_latest_s_stays(two_versions: Store) -> None:
@@ -51,12 +51,12 @@ def test_an_older_version_s_drained_queue_is_pruned_and_the_latest_s_stays(two_v
 def test_an_older_version_with_leased_items_is_kept(two_versions: Store) -> None:
     store = two_versions
     job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
-    [leased] = queues.lease_batch(store, OLD, now=NOW, lease_seconds=30, max_items=1)
+    [leased] = leases.lease_batch(store, OLD, now=NOW, lease_seconds=30, max_items=1)
 
     assert queues.prune_old_queues(store) == []
 
     # its lease expires: the item goes back to a queue that is still in the set
-    queues.reap_expired_leases(store, now=NOW + 31, max_attempts=3)
+    reaping.reap_expired_leases(store, now=NOW + 31, max_attempts=3)
     assert ready_ids(store, OLD) == [leased.item_id]
     assert OLD in queue_set(store)
     assert OLD in queues.queue_heads(store)
@@ -78,7 +78,7 @@ def test_a_job_s_finalize_item_puts_its_queue_back(two_versions: Store) -> None:
     """The finalize item is queued by the last chunk's ack, not by an enqueue."""
     store = two_versions
     job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
-    [chunk] = queues.lease_batch(store, OLD, now=NOW, lease_seconds=30, max_items=1)
+    [chunk] = leases.lease_batch(store, OLD, now=NOW, lease_seconds=30, max_items=1)
     store.client.srem(store.keys.queues, OLD)  # as if pruned in a moment nothing was queued or leased
 
     assert job_progress.ack_chunk(store, chunk, now=NOW + 1, worker="w1") == 2
@@ -108,7 +108,7 @@ def test_a_ticket_is_not_released_with_a_set_of_queues_read_before_it_changed(tw
     store = two_versions
     job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
     drain(store, OLD)
-    [ticket] = queues.top_up_tickets(store, now=NOW, target=1)
+    [ticket] = tickets.top_up_tickets(store, now=NOW, target=1)
     refs, version = queues.queue_refs(store)
     assert refs == [OLD]
 
@@ -119,8 +119,8 @@ def test_a_ticket_is_not_released_with_a_set_of_queues_read_before_it_changed(tw
                                          args=[ticket, version])
 
     assert stale == -1
-    assert queues.release_ticket(store, ticket) is False  # read again: cnn's item waits
-    assert queues.ticket_count(store) == 1
+    assert tickets.release_ticket(store, ticket) is False  # read again: cnn's item waits
+    assert tickets.ticket_count(store) == 1
 
 
 def test_a_version_of_a_model_with_no_latest_is_pruned_and_a_ref_without_a_version_is_left_alone(

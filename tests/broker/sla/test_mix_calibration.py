@@ -1,6 +1,6 @@
 """What ran beside a job's chunks teaches admission how each pair of models slows each other down: a chunk's
 ack adds its seconds beside each neighbour model to the job's `slot_mix` (once, however often it is acked),
-and the job's end calibrates each pair (`admission.drop_ended`) as well as the model (real Redis, a clock
+and the job's end calibrates each pair (`admission_figures.drop_ended`) as well as the model (real Redis, a clock
 passed in)."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from broker.jobs import fills as job_fills
 from broker.jobs import progress as job_progress
 from broker.jobs.finish_prediction import CHUNK_OVERHEAD_SECONDS, Work
 from broker.models import registry
-from broker.queueing import queues, workers
+from broker.queueing import leases, reaping, workers
 from broker.sla import admission
+from broker.sla import figures as admission_figures
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW, job_spec
 
@@ -30,17 +31,17 @@ def run_job(store: Store, beside_each_chunk: list[tuple[float, dict[str, float]]
     (run seconds, seconds beside each neighbour). Returns its id."""
     job_fills.create_job(store, job_spec("jmix", rows_total=100, chunk_size=50), now=NOW)
     job_progress.start_item(store, "jmix", now=NOW)
-    chunks = queues.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=30, max_items=2)
+    chunks = leases.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=30, max_items=2)
     for chunk, (seconds, beside) in zip(chunks, beside_each_chunk, strict=True):
         job_progress.ack_chunk(store, chunk, now=NOW + 2, worker="w1", run_seconds=seconds, beside=beside)
-    [final] = queues.lease_batch(store, "mlp@v1", now=NOW + 2, lease_seconds=30, max_items=1)
-    queues.finish_item(store, final, "jmix", now=NOW + 3, job_status="succeeded")
+    [final] = leases.lease_batch(store, "mlp@v1", now=NOW + 2, lease_seconds=30, max_items=1)
+    leases.finish_item(store, final, "jmix", now=NOW + 3, job_status="succeeded")
     return "jmix"
 
 
 def test_acks_add_each_chunk_s_time_beside_each_neighbour_once(store: Store) -> None:
     job_fills.create_job(store, job_spec("jmix", rows_total=100, chunk_size=50), now=NOW)
-    first, second = queues.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=30, max_items=2)
+    first, second = leases.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=30, max_items=2)
     job_progress.ack_chunk(store, first, now=NOW + 1, worker="w1", run_seconds=1.0, beside={"v2": 0.75, "alone": 0.25})
     job_progress.ack_chunk(store, first, now=NOW + 1, worker="w1", run_seconds=1.0, beside={"v2": 0.75, "alone": 0.25})
     job_progress.ack_chunk(store, second, now=NOW + 1, worker="w1", run_seconds=0.5, beside={"v2": 0.5})
@@ -57,26 +58,27 @@ def test_an_ended_job_calibrates_its_model_and_each_pair_it_ran_in(store: Store)
     registry.save_model_version(store, RECORD)
     run_job(store, [(1.0, {"v2": 1.0}), (0.5, {"alone": 0.5})])
 
-    fleet = admission.LiveFleet(workers=1, streams=2, device_kind="cpu")
-    assert admission.drop_ended(store, ["jmix"], fleet) == 1
+    fleet = admission_figures.LiveFleet(workers=1, streams=2, device_kind="cpu")
+    assert admission_figures.drop_ended(store, ["jmix"], fleet) == 1
 
     foreseen_chunk = 50 / ROWS_PER_SECOND + CHUNK_OVERHEAD_SECONDS
-    factors = admission.calibrations(store)
+    factors = admission_figures.calibrations(store)
     assert factors["v1"] == pytest.approx(1.5 / (2 * foreseen_chunk), abs=1e-3)
     assert factors["v1~v2"] == pytest.approx(1.0 / foreseen_chunk, abs=1e-3)
     assert factors["v1~alone"] == pytest.approx(0.5 / foreseen_chunk, abs=1e-3)
-    relative = admission.contention(factors)
+    relative = admission_figures.contention(factors)
     assert relative[("v1", "v2")] == pytest.approx(factors["v1~v2"] / factors["v1"], abs=1e-3)
     assert relative[("v1", "v2")] > 1 > relative[("v1", "alone")]
 
 
 def test_a_short_spell_beside_a_neighbour_teaches_nothing(store: Store) -> None:
     registry.save_model_version(store, RECORD)
-    run_job(store, [(0.6, {"v2": admission.MIX_MIN_SECONDS / 2, "alone": 0.5}), (0.5, {"alone": 0.5})])
+    run_job(store, [(0.6, {"v2": admission_figures.MIX_MIN_SECONDS / 2, "alone": 0.5}), (0.5, {"alone": 0.5})])
 
-    admission.drop_ended(store, ["jmix"], admission.LiveFleet(workers=1, streams=2, device_kind="cpu"))
+    admission_figures.drop_ended(store, ["jmix"], admission_figures.LiveFleet(workers=1, streams=2,
+                                                                            device_kind="cpu"))
 
-    factors = admission.calibrations(store)
+    factors = admission_figures.calibrations(store)
     assert "v1~alone" in factors and "v1~v2" not in factors
 
 
@@ -85,11 +87,11 @@ def test_admission_plans_a_chunk_beside_the_running_neighbour_at_the_pair_s_spee
     other slot beside it. With the pair learnt at 1.5 its predicted finish is 15 s away, not 10."""
     settings = Settings()
     running = Work("jcnn", 1.0, 30.0, chunks=1, model="vcnn")
-    fleet = admission.LiveFleet(workers=1, streams=2, device_kind="cpu")
+    fleet = admission_figures.LiveFleet(workers=1, streams=2, device_kind="cpu")
     record = {**RECORD, "version": "v1"}
 
     def finish(contention: dict[tuple[str, str], float]) -> float:
-        figures = admission.Figures([running], [running], fleet, {}, contention)
+        figures = admission_figures.Figures([running], [running], fleet, {}, contention)
         prediction = admission.predict(settings, figures, job_id="jnew", record=record, rows=1000, chunks=1,
                                        batch_size=2, deadline_at=NOW + 100, score_for=lambda deadline: 2.0,
                                        now=NOW)
@@ -108,20 +110,21 @@ def test_a_run_whose_lease_was_lost_counts_no_slot_time_and_its_job_calibrates_n
     registry.save_model_version(store, RECORD)
     job_fills.create_job(store, job_spec("jmix", rows_total=100, chunk_size=50), now=NOW)
     job_progress.start_item(store, "jmix", now=NOW)
-    frozen, other = queues.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=3, max_items=2)
+    frozen, other = leases.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=3, max_items=2)
     job_progress.ack_chunk(store, other, now=NOW + 1, worker="w2", run_seconds=0.5, beside={"alone": 0.5})
-    assert queues.reap_expired_leases(store, now=NOW + 4, max_attempts=3).returned == 1
+    assert reaping.reap_expired_leases(store, now=NOW + 4, max_attempts=3).returned == 1
     assert job_progress.ack_chunk(store, frozen, now=NOW + 21, worker="w1", run_seconds=20.5,
                                   beside={"alone": 20.5}) == 2
 
     job = store.client.hgetall(store.keys.job("jmix"))
     assert float(job["busy_seconds"]) == 0.5 and job["slot_time_partial"] == "1"
     assert json.loads(job["slot_mix"]) == {"alone": [0.5, 50]}
-    [final] = queues.lease_batch(store, "mlp@v1", now=NOW + 21, lease_seconds=30, max_items=1)
-    queues.finish_item(store, final, "jmix", now=NOW + 22, job_status="succeeded")
+    [final] = leases.lease_batch(store, "mlp@v1", now=NOW + 21, lease_seconds=30, max_items=1)
+    leases.finish_item(store, final, "jmix", now=NOW + 22, job_status="succeeded")
 
-    assert admission.drop_ended(store, ["jmix"], admission.LiveFleet(workers=1, streams=2, device_kind="cpu")) == 1
-    assert admission.calibrations(store) == {}
+    fleet = admission_figures.LiveFleet(workers=1, streams=2, device_kind="cpu")
+    assert admission_figures.drop_ended(store, ["jmix"], fleet) == 1
+    assert admission_figures.calibrations(store) == {}
 
 
 def test_a_running_job_s_latest_chunk_start_reaches_admission_which_blocks_only_for_what_is_left(
@@ -135,7 +138,7 @@ def test_a_running_job_s_latest_chunk_start_reaches_admission_which_blocks_only_
     job_progress.start_item(store, "jrun", now=NOW, chunk=True)
     now = NOW + 0.3
 
-    figures = admission.read_figures(Settings(), store, now=now)
+    figures = admission_figures.read_figures(Settings(), store, now=now)
 
     [running] = figures.running
     chunk = 50 / ROWS_PER_SECOND + CHUNK_OVERHEAD_SECONDS

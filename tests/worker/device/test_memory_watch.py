@@ -12,7 +12,7 @@ import numpy as np
 from broker.config.settings import Settings
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import queues
+from broker.queueing import leases
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.store import Store
 from sits_worker.serving.context import WorkerContext
@@ -69,7 +69,7 @@ def test_a_jittering_worker_pauses_p2_serves_p0_and_restores_once_calm(store: St
 
     _submit(store, "p2", 3)
     _submit(store, "p0", 13)
-    notes = queues.LeaseNotes()
+    notes = leases.LeaseNotes()
     assert [item.item_id for item in lease(ctx, "mlp@v1", "")] == ["p0"]
     assert lease(ctx, "mlp@v1", "", notes=notes) == [] and notes.paused
     assert store.client.zscore(store.keys.ready("mlp@v1"), "p2") is not None  # kept queued

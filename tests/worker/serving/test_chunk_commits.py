@@ -20,7 +20,7 @@ from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
 from broker.models import registry
-from broker.queueing import queues
+from broker.queueing import leases, reaping, tickets
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
@@ -86,7 +86,7 @@ def mlp_job(store: Store, zoo_dir: Path, tmp_path: Path) -> tuple[WorkerContext,
 
 
 def run_next(ctx: WorkerContext, model_ref: str) -> str:
-    [item] = queues.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    [item] = leases.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=60, max_items=1)
     return process_item(ctx, item, BetweenBatches(ctx, item, ticket=""))
 
 
@@ -132,8 +132,8 @@ def test_a_commit_that_cannot_write_leaves_the_chunk_to_be_retried(
     # A full disk is transient: the chunk waits out that class's backoff (2 s + up to 1 s), then the
     # reaper puts it back for another attempt.
     assert job["retries"]["transient"]["attempts"] == 1
-    assert queues.reap_expired_leases(ctx.store, now=time.time(), max_attempts=3).returned == 0
-    assert queues.reap_expired_leases(ctx.store, now=time.time() + 3.1, max_attempts=3).returned == 1
+    assert reaping.reap_expired_leases(ctx.store, now=time.time(), max_attempts=3).returned == 0
+    assert reaping.reap_expired_leases(ctx.store, now=time.time() + 3.1, max_attempts=3).returned == 1
 
 
 def test_a_commit_drops_a_chunk_whose_job_stopped_while_it_waited(
@@ -164,7 +164,7 @@ def test_a_drain_task_keeps_its_ticket_until_its_commits_are_done(
     write_part = execution.write_part
     monkeypatch.setattr(execution, "write_part", lambda *args, **kwargs: (time.sleep(0.5),
                                                                           write_part(*args, **kwargs)))
-    [ticket] = queues.top_up_tickets(ctx.store, now=time.time(), target=1)
+    [ticket] = tickets.top_up_tickets(ctx.store, now=time.time(), target=1)
 
     assert drain_loop.drain(ctx, ticket) == "released"
 
@@ -179,12 +179,12 @@ def test_a_drain_task_retires_once_a_commit_that_queues_nothing_is_done(
 
     ctx, spec, _ = mlp_job
     ctx.settings = ctx.settings.with_overrides(scheduler={"ticket_linger": 0.1})
-    first, _ = queues.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=2)
-    queues.return_unrun(ctx.store, [first])  # chunk 0 waits again; chunk 1 stays with another worker
+    first, _ = leases.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=2)
+    leases.return_unrun(ctx.store, [first])  # chunk 0 waits again; chunk 1 stays with another worker
     write_part = execution.write_part
     monkeypatch.setattr(execution, "write_part", lambda *args, **kwargs: (time.sleep(0.5),
                                                                           write_part(*args, **kwargs)))
-    [ticket] = queues.top_up_tickets(ctx.store, now=time.time(), target=1)
+    [ticket] = tickets.top_up_tickets(ctx.store, now=time.time(), target=1)
     ctx.store.client.delete(ctx.store.keys.doorbell)
     outcome: list[str] = []
     runner = threading.Thread(target=lambda: outcome.append(drain_loop.drain(ctx, ticket)), daemon=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from broker.config.settings import Settings
-from broker.queueing import queues
+from broker.queueing import queues, tickets
 from broker.state.store import Store
 from sits_worker.serving import drain_loop
 from tests.worker.worker_helpers import mlp_worker_context
@@ -23,7 +23,7 @@ def test_a_loop_that_sees_no_work_while_release_says_work_waits_yields_at_its_sl
     spin on Redis with its ticket for ever: it yields at the end of its time slice."""
     ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(
         scheduler={"ticket_time_slice": 0.2, "ticket_linger": 0}))
-    [ticket] = queues.top_up_tickets(store, now=time.time(), target=1)
+    [ticket] = tickets.top_up_tickets(store, now=time.time(), target=1)
     calls: list[float] = []
 
     def work_waits(store: Store, ticket: str) -> bool:
@@ -58,7 +58,7 @@ def test_a_paused_slot_passes_on_a_ring_it_could_not_use_to_the_next_waiter_once
 
     assert got and got[0] is not None  # the calm slot got the passed ring
     assert not paused.woken  # and the paused slot's own wait timed out
-    queues.ring_doorbell(store)
+    tickets.ring_doorbell(store)
     paused.wait(store, "")  # woken by a ring again ...
     assert paused.woken
     paused.wait(store, "")  # ... but within a second of passing one on: no ring passed, the wait times out

@@ -11,7 +11,7 @@ import pytest
 
 from broker.config.settings import Settings
 from broker.jobs import records as jobs
-from broker.queueing import queues
+from broker.queueing import reaping
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
@@ -42,7 +42,7 @@ def test_a_merge_that_outlasts_the_lease_keeps_its_finalize_item_from_the_reaper
 
     def slow_load_part(*args: Any) -> Any:  # a slow disk: the merge of all parts outlasts the lease
         time.sleep(LEASE_SECONDS / 4)
-        returned_by_reaper.append(queues.reap_expired_leases(store, now=time.time(), max_attempts=3).returned)
+        returned_by_reaper.append(reaping.reap_expired_leases(store, now=time.time(), max_attempts=3).returned)
         return load_part(*args)
 
     monkeypatch.setattr(outputs, "_load_part", slow_load_part)

@@ -13,7 +13,7 @@ import pytest
 from broker.config.settings import Settings
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import queues
+from broker.queueing import leases, reaping
 from broker.state.store import Store
 from sits_worker.serving import lease_keeper
 from sits_worker.serving.context import WorkerContext
@@ -30,7 +30,7 @@ def ctx(store: Store, zoo_dir: Path) -> WorkerContext:
     return mlp_worker_context(store, zoo_dir, Settings().with_overrides(scheduler={"lease_timeout": LEASE_SECONDS}))
 
 
-def leased_requests(store: Store, count: int) -> list[queues.LeasedItem]:
+def leased_requests(store: Store, count: int) -> list[leases.LeasedItem]:
     """`count` one-row MLP requests, leased for `LEASE_SECONDS` under `TICKET` (touched now)."""
     rng = np.random.default_rng(0)
     for index in range(count):
@@ -39,7 +39,7 @@ def leased_requests(store: Store, count: int) -> list[queues.LeasedItem]:
                            tokens=None, bucket="", factors={"level": 0})
         requests.submit_request(store, spec, score=float(index), now=time.time(), max_age_seconds=60)
     store.client.zadd(store.keys.tickets, {TICKET: time.time()})
-    items = queues.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=LEASE_SECONDS, max_items=count,
+    items = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=LEASE_SECONDS, max_items=count,
                                ticket=TICKET)
     assert len(items) == count
     return items
@@ -56,7 +56,7 @@ def test_a_run_longer_than_the_lease_is_not_reaped_run_twice_or_failed(
     def slow_run(*args: Any, **kwargs: Any) -> Any:  # a big batch on a slow device: 3 leases long
         for _ in range(12):
             time.sleep(LEASE_SECONDS / 4)
-            reaped.append(queues.reap_expired_leases(store, now=time.time(), max_attempts=1).returned)
+            reaped.append(reaping.reap_expired_leases(store, now=time.time(), max_attempts=1).returned)
         return run(*args, **kwargs)
 
     monkeypatch.setattr(ctx, "run", slow_run)
@@ -82,7 +82,7 @@ def test_leases_are_extended_only_while_held_and_a_reaped_lease_stays_reaped(sto
     with keeper.holding(items[:1]):
         time.sleep(LEASE_SECONDS * 0.6)
         store.client.zadd(store.keys.inflight("mlp@v1"), {items[0].item_id: 0}, xx=True)  # as a late reaper pass
-        queues.reap_expired_leases(store, now=time.time(), max_attempts=3)
+        reaping.reap_expired_leases(store, now=time.time(), max_attempts=3)
         time.sleep(LEASE_SECONDS * 0.6)
     held, unheld = deadlines()
     assert held is None  # reaped: not put back in flight by a later extension

@@ -16,7 +16,7 @@ from broker.memory.reservation import Admission, admit_and_hold
 from broker.models import registry
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import queues
+from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
@@ -40,17 +40,17 @@ def ctx(store: Store) -> WorkerContext:
                          sessions=SessionCache(Device("cpu"), 1), ledger=MemoryLedger(64 * 1024 * MIB, 2 * MIB))
 
 
-def leased(store: Store, *, chunk_batch: int | None, request_tokens: int | None) -> list[queues.LeasedItem]:
+def leased(store: Store, *, chunk_batch: int | None, request_tokens: int | None) -> list[leases.LeasedItem]:
     items = []
     if request_tokens:
         spec = RequestSpec(request_id="r1", model_name="tok", model_version="v1",
                            inputs={"ids": np.zeros((1, request_tokens), np.int64)}, rows=1, tokens=request_tokens,
                            bucket=f"ids:~{request_tokens}", factors={"level": 0}, padded_tokens=request_tokens)
         requests.submit_request(store, spec, score=1.0, now=time.time(), max_age_seconds=60)
-        items += queues.lease_batch(store, "tok@v1", now=time.time(), lease_seconds=60, max_items=8)
+        items += leases.lease_batch(store, "tok@v1", now=time.time(), lease_seconds=60, max_items=8)
     if chunk_batch:
         payload = {"kind": "chunk", "job": "j1", "chunk": 0, "start": 0, "stop": 1024, "batch_size": chunk_batch}
-        items.append(queues.LeasedItem("j1:0", "tok@v1", payload, 1))
+        items.append(leases.LeasedItem("j1:0", "tok@v1", payload, 1))
     return items
 
 
@@ -71,7 +71,7 @@ def test_a_chunk_carried_by_a_token_request_reserves_its_own_rows_too(ctx: Worke
 def test_the_admission_hold_is_released_even_when_the_real_reservation_fails(ctx: WorkerContext,
                                                                              store: Store) -> None:
     hold = ctx.ledger.reserve(100 * MIB, now=time.time(), expected_seconds=1.0)
-    broken = [queues.LeasedItem("x", "missing@v9", {"kind": "request", "rows": 1}, 1)]  # its model is unknown
+    broken = [leases.LeasedItem("x", "missing@v9", {"kind": "request", "rows": 1}, 1)]  # its model is unknown
 
     with pytest.raises(Exception, match="not registered"), admitted(ctx, broken, FULL, hold=hold):
         pass
@@ -97,7 +97,7 @@ def queue_job(store: Store, *, batch_size: int = 256) -> str:
     return jobs.chunk_item_id("j1", 0)
 
 
-def decide_and_lease(ctx: WorkerContext, store: Store) -> tuple[list[queues.LeasedItem], Admission, int | None]:
+def decide_and_lease(ctx: WorkerContext, store: Store) -> tuple[list[leases.LeasedItem], Admission, int | None]:
     snapshot = ctx.queue_watcher.snapshot()
     [admission], hold = admit_and_hold(["tok@v1"], lambda ref: batch_cost(ctx, ref), ctx.ledger, now=time.time(),
                                        backfill=False, head_items=snapshot.head_items)
@@ -165,7 +165,7 @@ def test_requests_that_took_a_chunk_along_run_without_it_when_it_does_not_fit(st
 
     leased, admission, hold = decide_and_lease(ctx, store)
     assert len(leased) == 1  # carry_chunk is off in decide_and_lease: lease again with it
-    queues.return_unrun(store, leased)
+    leases.return_unrun(store, leased)
     leased = lease(ctx, "tok@v1", "", admission=admission, carry_chunk=True)
     assert [item.payload["kind"] for item in leased] == ["request", "chunk"]
 

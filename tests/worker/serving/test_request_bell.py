@@ -14,7 +14,7 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import queues
+from broker.queueing import leases, queues, tickets
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.store import Store
 from sits_worker.serving.between_minibatches import BetweenBatches
@@ -42,10 +42,10 @@ def test_a_submit_and_a_returned_request_are_announced(store: Store) -> None:
     _submit(store, "r1")
     assert eventually(lambda: bell.mark() != quiet)
     submitted = bell.mark()
-    [leased] = queues.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
+    [leased] = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
     time.sleep(0.05)
     assert bell.mark() == submitted  # a lease is no announcement
-    queues.return_unrun(store, [leased])  # back in the queue: waiting again
+    leases.return_unrun(store, [leased])  # back in the queue: waiting again
     assert eventually(lambda: bell.mark() != submitted)
 
 
@@ -62,7 +62,7 @@ class CountedLooks:
         job_fills.create_job(store, spec, now=time.time())
         self.model_ref = spec.model_ref
         self.bell_before_lease = ctx.request_bell.count()
-        [self.chunk] = queues.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+        [self.chunk] = leases.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
         self.snapshots = 0
         read = ctx.queue_watcher.snapshot
 
@@ -224,7 +224,7 @@ def test_no_early_look_while_an_idle_slot_waits_or_the_mini_batch_outlasts_the_i
     _learn_minibatch(between, feed, 0.3)
     store.client.delete(store.keys.doorbell)
     rung: list[bool] = []
-    idle_slot = threading.Thread(target=lambda: rung.append(queues.wait_for_doorbell(
+    idle_slot = threading.Thread(target=lambda: rung.append(tickets.wait_for_doorbell(
         store, "", now=time.time(), timeout=2.0, touch=False)))
     idle_slot.start()
     assert eventually(lambda: int(store.client.info("clients")["blocked_clients"]) >= 1)

@@ -16,7 +16,7 @@ from broker.errors import BadInput, InferenceTimeout
 from broker.failures import breaker
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import queues
+from broker.queueing import queues, tickets
 from broker.state.store import Store
 from sits_worker.serving import drain_loop
 from sits_worker.serving.context import WorkerContext
@@ -96,7 +96,7 @@ def test_an_open_breaker_leases_nothing_and_a_half_open_one_one_probe_at_a_time(
     ctx = _ctx(store, zoo_dir)
     _queue_requests(store, 3)
     now = time.time()
-    t1, t2 = queues.top_up_tickets(store, now=now, target=2)
+    t1, t2 = tickets.top_up_tickets(store, now=now, target=2)
     for _ in range(3):
         ctx.breakers.note_run("mlp@v1", failed=True, error="device_oom: out of memory", now=now)
 
@@ -125,7 +125,7 @@ def test_a_slot_whose_only_work_its_breaker_bars_waits_on_the_doorbell_instead_o
     now = time.time()
     for _ in range(3):
         ctx.breakers.note_run("mlp@v1", failed=True, error="device_oom: out of memory", now=now)
-    [ticket] = queues.top_up_tickets(store, now=now, target=1)
+    [ticket] = tickets.top_up_tickets(store, now=now, target=1)
     looks: list[float] = []
     snapshot = ctx.queue_watcher.snapshot
     monkeypatch.setattr(ctx.queue_watcher, "snapshot", lambda: looks.append(time.monotonic()) or snapshot())

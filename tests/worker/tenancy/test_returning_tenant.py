@@ -18,7 +18,7 @@ from broker.jobs import stops as job_stops
 from broker.memory.reservation import Admission
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import queues
+from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.serving.drain_loop import COMMIT_WAIT_SECONDS, _lease_admitted, _wait_for_room
 from tests.waiting import eventually
@@ -51,7 +51,7 @@ def test_a_returning_tenants_request_is_leased_before_the_chunks_in_front_of_it(
                         chunk_size=64, batch_size=8, owner="k2", tenant="s2")
     job_fills.create_job(store, spec, now=time.time())
     full = Admission("mlp@v1", 64, 0)
-    [chunk], _ = _lease_admitted(ctx, [full], "", notes=queues.LeaseNotes(),
+    [chunk], _ = _lease_admitted(ctx, [full], "", notes=leases.LeaseNotes(),
                                  waiting_requests=ctx.queue_watcher.snapshot().waiting_requests)
     assert chunk.payload["kind"] == "chunk"  # s1 has no work: its full scan took it for absent
     assert ctx.fair_share.returning_option("mlp@v1") is not None
@@ -62,7 +62,7 @@ def test_a_returning_tenants_request_is_leased_before_the_chunks_in_front_of_it(
                           tenant="s1")
     requests.submit_request(store, request, score=1e9, now=time.time(), max_age_seconds=60)  # behind every chunk
     snapshot = ctx.queue_watcher.snapshot()
-    leased, admission = _lease_admitted(ctx, [full], "", notes=queues.LeaseNotes(),
+    leased, admission = _lease_admitted(ctx, [full], "", notes=leases.LeaseNotes(),
                                         waiting_requests=snapshot.waiting_requests)
     assert [item.item_id for item in leased] == ["back"] and admission == full
 
@@ -70,7 +70,7 @@ def test_a_returning_tenants_request_is_leased_before_the_chunks_in_front_of_it(
     # that leaves s1 out: the next chunk
     requests.submit_request(store, RequestSpec(**{**request.__dict__, "request_id": "later"}), score=1e9,
                             now=time.time(), max_age_seconds=60)
-    [other], _ = _lease_admitted(ctx, [full], "", notes=queues.LeaseNotes(), waiting_requests={})
+    [other], _ = _lease_admitted(ctx, [full], "", notes=leases.LeaseNotes(), waiting_requests={})
     assert other.payload["kind"] == "chunk"
 
 

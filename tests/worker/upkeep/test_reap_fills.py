@@ -13,7 +13,7 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import slices as job_slices
 from broker.jobs import stops as job_stops
-from broker.queueing import queues
+from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
@@ -100,7 +100,7 @@ def test_a_reaper_pass_completes_a_dead_resume_taking_leases_back_at_once(
     ctx, sent = worker_context(store), list[str]()
     now = time.time()
     job_fills.create_job(store, job_spec("run", rows_total=6), now=now)
-    queues.lease_batch(store, "mlp@v1", now=now, lease_seconds=600, max_items=6)  # the run that died
+    leases.lease_batch(store, "mlp@v1", now=now, lease_seconds=600, max_items=6)  # the run that died
     cut_after_first_call(store, "enqueue_items", lambda: job_fills.resume_job(store, "run", now=now))
     ready, inflight = store.keys.ready("mlp@v1"), store.keys.inflight("mlp@v1")
     assert store.client.zcard(ready) == 3 and store.client.zcard(inflight) == 3
