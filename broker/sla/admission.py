@@ -4,8 +4,9 @@ one that cannot make it.
 `broker/sla/figures.py` reads what the prediction needs from Redis — the active jobs ahead
 (`keys.jobs_active`), their models' measured rows per second, the live workers — and this module hands
 it to the pure arithmetic in `broker/jobs/finish_prediction.py`. Every active job counts, with or
-without a deadline: what is queued ahead of a new job in score order runs before it. Online requests are not counted: on a fleet that
-also serves them, the margin (`sla.admission_margin`) has to cover their share.
+without a deadline: what is queued ahead of a new job in score order runs before it. Online requests
+are not counted: on a fleet that also serves them, the margin (`sla.admission_margin`) has to cover
+their share.
 
 A model's speed is its measured profile's rows per second at the job's batch size
 (`chunking.profiled_rows_per_second`) on one stream slot; a CPU worker's streams are slots side by
