@@ -59,8 +59,8 @@ def main() -> None:
                 weights, ordering = policy.get_policy(store, default="dynamic")
                 job_fills.create_job(store, spec(f"live{n}", 2), now=time.time(), weights=weights, ordering=ordering)
                 served["enqueued"] += 2
-                served["leased"] += len(leases.lease_batch(store, "m@v1", now=time.time(), lease_seconds=60,
-                                                           max_items=1))
+                served["leased"] += len(leases.lease_batch(store, "m@v1", leases.LeaseOptions(max_items=1),
+                                                           now=time.time(), lease_seconds=60).items)
                 stop.wait(0.002)
 
         thread = threading.Thread(target=traffic)

@@ -13,6 +13,7 @@ from broker.jobs import records as jobs
 from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.serving import outputs
+from tests.leasing import lease_items
 
 
 def leased_finalize_item(store: Store, output_dir: Path, *, chunks: int, lease_seconds: float = 60.0
@@ -23,10 +24,10 @@ def leased_finalize_item(store: Store, output_dir: Path, *, chunks: int, lease_s
                         input_format="npy", input_checksum="sha256:0123abcd", output_dir=str(output_dir),
                         output_names=["logits"], rows_total=chunks, chunk_size=1, batch_size=1)
     job_fills.create_job(store, spec, now=time.time())
-    for item in leases.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=chunks):
+    for item in lease_items(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=chunks):
         chunk = item.payload["chunk"]
         outputs.write_part(output_dir, chunk, {"logits": np.full((1, 2), chunk, np.float32)}, job_id=spec.job_id)
         job_progress.ack_chunk(store, item, now=time.time(), worker="w1")
-    [final] = leases.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=lease_seconds, max_items=1)
+    [final] = lease_items(store, spec.model_ref, now=time.time(), lease_seconds=lease_seconds, max_items=1)
     assert final.payload["kind"] == "finalize"
     return final

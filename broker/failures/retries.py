@@ -17,6 +17,7 @@ from typing import Any
 
 from broker.failures.settings import FAILURE_CLASSES
 from broker.queueing.leases import LeasedItem
+from broker.state.replies import RetryReply
 from broker.state.store import Store, translate_redis_errors
 
 _ITEM_COUNT = "item:"
@@ -64,10 +65,10 @@ def retry_later(store: Store, item: LeasedItem, *, failure_class: str, error: st
             keys=[keys.inflight(item.model_ref), keys.retrying(item.model_ref), keys.attempts,
                   record_key(store, item), keys.counters],
             args=[item.item_id, repr(round(now, 3)), json.dumps(options)])
-    status = int(reply[0])
-    if status < 0:
+    status = RetryReply(int(reply[0]))
+    if status is RetryReply.NOT_IN_FLIGHT:
         return RetryOutcome(retried=False)
-    if status == 0:
+    if status is RetryReply.NOT_RETRIED:
         return RetryOutcome(retried=False, failures=int(reply[1]))
     return RetryOutcome(retried=True, failures=int(reply[1]), retry_at=float(reply[2]))
 

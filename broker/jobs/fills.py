@@ -31,6 +31,7 @@ from broker.jobs.records import (
     order_time,
 )
 from broker.queueing.scoring import Ordering, Weights, deadline_order_time, queue_key
+from broker.state.replies import EnqueueReply
 from broker.state.store import Store, translate_redis_errors
 
 
@@ -166,9 +167,9 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
                 args=[model_ref, job_id, json.dumps({k: str(v) for k, v in fields.items()}) if number == 0 else "{}",
                       mode if number == 0 or mode == "resume" else "add", now, fill, time.time(), fill_id, *group],
             ))
-        if reply == -1:
+        if reply == EnqueueReply.JOB_EXISTS:
             raise Conflict(f"job {job_id} already exists")
-        if reply == -2:  # stopped meanwhile: what was queued is (being) taken out by the stop
+        if reply == EnqueueReply.JOB_STOPPED:  # stopped meanwhile: what was queued is (being) taken out by the stop
             break
         added += reply
     return added

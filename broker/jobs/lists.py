@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.jobs.records import decode_job, with_rates
+from broker.jobs.views import JobOwnerView
 from broker.state.store import Store, translate_redis_errors
 
 LIST_SCAN_PAGE = 500
@@ -125,9 +126,9 @@ def _matching_job_ids(store: Store, index: str, *, limit: int, status: str | Non
         start += len(ids)
         pipe = store.client.pipeline(transaction=False)
         for job_id in ids:
-            pipe.hmget(store.keys.job(job_id), ["status", "owner"])
-        for job_id, (job_status, job_owner) in zip(ids, pipe.execute(), strict=True):
-            if job_id not in seen and _matches(job_status, job_owner, status, owner):
+            pipe.hmget(store.keys.job(job_id), JobOwnerView.names())
+        for job_id, job in zip(ids, map(JobOwnerView.of, pipe.execute()), strict=True):
+            if job_id not in seen and _matches(job.status, job.owner, status, owner):
                 matched.append(job_id)
             seen.add(job_id)
     return matched[:limit]

@@ -14,6 +14,7 @@ from redis.exceptions import WatchError
 
 from broker.errors import Conflict
 from broker.jobs.records import ACTIVE_STATUSES
+from broker.jobs.views import JobOwnerView
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.apikeys import owns
 
@@ -42,8 +43,8 @@ def claim_output_dir(store: Store, output_dir: str, job_id: str, *, caller: dict
                 pipe.watch(key)
                 holder = pipe.hget(key, output_dir)
                 if holder and holder != job_id:
-                    status, holder_owner = pipe.hmget(store.keys.job(holder), ["status", "owner"])
-                    _refuse_a_held_folder(caller, output_dir, holder, status=status, holder_owner=holder_owner)
+                    held_by = JobOwnerView.of(pipe.hmget(store.keys.job(holder), JobOwnerView.names()))
+                    _refuse_a_held_folder(caller, output_dir, holder, status=held_by.status, holder_owner=held_by.owner)
                 pipe.multi()
                 pipe.hset(key, output_dir, job_id)
                 pipe.execute()

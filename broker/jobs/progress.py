@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from broker.jobs import slices as job_slices
 from broker.jobs.records import chunk_ranges, finalize_item_id, finalize_payload, get_job
 from broker.queueing.leases import LeasedItem
+from broker.state.replies import AckReply
 from broker.state.store import Store, translate_redis_errors
 
 
@@ -30,13 +31,13 @@ def start_item(store: Store, job_id: str, *, now: float, chunk: bool = False) ->
 
 
 def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_seconds: float = 0.0,
-              beside: Mapping[str, float] | None = None) -> int:
+              beside: Mapping[str, float] | None = None) -> AckReply:
     """Record a chunk whose part files are written: drop its lease, checkpoint it, count `worker`, add
     `run_seconds` (how long its stream slot ran it) to the job's `busy_seconds`, and its seconds `beside`
     each neighbour model version on the worker's other slots (or `alone`) to its `slot_mix`.
 
-    Returns 0 for a duplicate (or a job no longer active), 1 when recorded, 2 when it was the
-    job's last chunk and the finalize item was queued (and the doorbell rung, so a lingering drain
+    Returns `SKIPPED` for a duplicate (or a job no longer active), `RECORDED`, or `LAST_CHUNK` when it
+    was the job's last chunk and the finalize item was queued (and the doorbell rung, so a lingering drain
     task leases it at once). Idempotent: a re-run is counted once.
     """
     payload = item.payload
@@ -55,7 +56,7 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_se
                   json.dumps({neighbour: round(seconds, 6) for neighbour, seconds in (beside or {}).items()
                               if seconds > 0})],
         )
-    return int(reply)
+    return AckReply(int(reply))
 
 
 def last_error(store: Store, job_id: str) -> str | None:

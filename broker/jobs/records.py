@@ -21,6 +21,7 @@ from typing import Any
 from broker.errors import JobNotFound
 from broker.failures.retries import failure_record, is_failure_field
 from broker.jobs.finish_prediction import sla_risk
+from broker.jobs.views import JobTenantView
 from broker.queueing.scoring import Factors, check_level, deadline_order_time
 from broker.state.store import Store, translate_redis_errors
 
@@ -251,16 +252,14 @@ def active_job_tenants(store: Store, *, most: int,
             return None
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
-            if job_id in known:
-                pipe.hmget(store.keys.job(job_id), "status")
-            else:
-                pipe.hmget(store.keys.job(job_id), "status", "model_ref", "tenant", "owner")
-        records = pipe.execute() if job_ids else []
+            pipe.hmget(store.keys.job(job_id), ["status"] if job_id in known else JobTenantView.names())
+        replies = pipe.execute() if job_ids else []
     tenants: dict[str, set[str]] = {}
-    for job_id, record in zip(job_ids, records, strict=True):
-        if job_id not in known and record[1]:  # (a record not written yet is read again next time)
-            known[job_id] = (record[1], record[2] or record[3] or "")  # (as its chunks' payloads name it)
-        if job_id in known and record[0] in ACTIVE_STATUSES:
+    for job_id, reply in zip(job_ids, replies, strict=True):
+        job = JobTenantView.of([*reply, None, None, None][:4])
+        if job_id not in known and job.model_ref:  # (a record not written yet is read again next time)
+            known[job_id] = (job.model_ref, job.tenant or job.owner or "")  # (as its chunks' payloads name it)
+        if job_id in known and job.status in ACTIVE_STATUSES:
             model_ref, tenant = known[job_id]
             tenants.setdefault(model_ref, set()).add(tenant)
     for job_id in set(known) - set(job_ids):

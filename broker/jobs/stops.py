@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from broker.jobs import slices as job_slices
 from broker.jobs.records import chunk_item_id, finalize_item_id, job_not_found
+from broker.jobs.views import JobStopView
 from broker.state.store import Store, translate_redis_errors
 
 STOP_STATUSES = ("cancelled", "failed")
@@ -43,11 +44,11 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, 
     if this caller dies: `stalled_stops`, `finish_stop`).
     """
     with translate_redis_errors():
-        raw = store.client.hmget(store.keys.job(job_id), ["model_ref", "chunks_total"])
-    model_ref, chunks_total = raw
-    if model_ref is None:
+        job = JobStopView.of(store.client.hmget(store.keys.job(job_id), JobStopView.names()))
+    if job.model_ref is None:
         raise job_not_found(job_id)
-    return _take_items_out(store, job_id, model_ref, _job_item_ids(job_id, int(chunks_total)), status=status,
+    return _take_items_out(store, job_id, job.model_ref, _job_item_ids(job_id, int(job.chunks_total or 0)),
+                           status=status,
                            error=error, now=now, stop_id=secrets.token_hex(6), dead_item=dead_item)
 
 
@@ -92,8 +93,8 @@ def finish_stop(store: Store, job_id: str, *, now: float) -> str:
     its own caller. Idempotent; the job leaves the stopping index. Returns the first call's reply (the stop's
     status, 'superseded', or the job's status when it is not stopped)."""
     with translate_redis_errors():
-        model_ref, chunks_total, status, stop_id = store.client.hmget(
-            store.keys.job(job_id), ["model_ref", "chunks_total", "status", "stop_id"])
+        job = JobStopView.of(store.client.hmget(store.keys.job(job_id), JobStopView.names()))
+    model_ref, chunks_total, status, stop_id = job.model_ref, job.chunks_total, job.status, job.stop_id
     if model_ref is None:  # gone: nothing of it to take out
         with translate_redis_errors():
             store.client.zrem(store.keys.jobs_stopping, job_id)

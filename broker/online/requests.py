@@ -25,6 +25,7 @@ from broker.errors import Conflict, NotFound, SitsError
 from broker.failures.retries import failure_record
 from broker.queueing.leases import LeasedItem
 from broker.state.held_calls import send_held
+from broker.state.replies import SubmitReply
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.usage import BILL_KEEP_SECONDS, day_number
 
@@ -158,14 +159,15 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
                   ticket_target, int(spec.factors.get("level") or 0), max_waiting, max_waiting_at_level,
                   "" if timeout_at is None else repr(timeout_at), tenant_max_queued],
         )
-    status = int(reply[0])
-    if status in (-2, -3):
-        raise QueueAtLimit(int(reply[1]), None if status == -2 else int(spec.factors.get("level") or 0))
-    if status == -4:
+    status = SubmitReply(int(reply[0]))
+    if status in (SubmitReply.QUEUE_FULL, SubmitReply.LEVEL_FULL):
+        level = None if status is SubmitReply.QUEUE_FULL else int(spec.factors.get("level") or 0)
+        raise QueueAtLimit(int(reply[1]), level)
+    if status is SubmitReply.TENANT_FULL:
         raise QueueAtLimit(int(reply[1]), None, tenant=True)
-    if status < 0:
+    if status is SubmitReply.POLICY_CHANGED:
         raise PolicyChanged(spec.request_id)
-    if status == 0:
+    if status is SubmitReply.EXISTS:
         raise Conflict(f"request {spec.request_id} already exists")
     return [str(ticket) for ticket in reply[1:]]
 

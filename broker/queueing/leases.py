@@ -10,12 +10,14 @@ passed in (`now`) so tests advance it. A lease that is not kept alive expires, a
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import orjson
 
+from broker.state.replies import LeaseReply
 from broker.state.store import Store, translate_redis_errors
 
 
@@ -39,75 +41,102 @@ class StaleTicket(Exception):
     """
 
 
-def lease_batch(
-    store: Store,
-    model_ref: str,
-    *,
-    now: float,
-    lease_seconds: float,
-    max_items: int,
-    ticket: str = "",
-    max_rows: int | None = None,
-    max_tokens: int = 0,
-    max_chunks: int | None = None,
-    requests_only: bool = False,
-    carry_chunk: bool = False,
-    head_within_limits: bool = False,
-    whole_within: tuple[int, int] | None = None,
-    preferred_sizes: tuple[int, ...] = (),
-    tenants: dict[str, Any] | None = None,
-    classes: dict[str, Any] | None = None,
-    notes: LeaseNotes | None = None,
-) -> list[LeasedItem]:
-    """Lease the best waiting batch of `model_ref`; [] when its queue is empty.
+@dataclass(frozen=True)
+class LeaseOptions:
+    """What one lease may take: the options table of `lease_batch.lua`, field for field.
 
-    Job chunks (and finalize steps) are leased in queue order, up to `max_chunks` (default
-    `max_items`); online requests of one shape bucket are merged up to `max_items` requests,
-    `max_rows` rows and `max_tokens` tokens (0: no token limit). With `requests_only`, [] too
-    when the queue's head is not an online request. With `carry_chunk`, a batch of requests that
-    leaves rows empty also takes the first job chunk among the candidates, as its last item.
-    The head request always goes, even past the row and token limits (it must run somewhere),
-    unless `head_within_limits`: then [] when it does not fit them (a batch cut to a memory hole).
-    With `whole_within` (rows, tokens; 0 tokens: no limit), a batch of requests formed under the
-    limits above is leased only if it stays within those too, else [] (all or nothing: the head of
-    the priority order runs now only if the batch that waits for it fits the free memory).
-    With `preferred_sizes`, a batch of requests that takes no chunk along is cut to the largest of
-    them its rows reach (Triton's preferred batch sizes; the head request always stays).
-    With `tenants` ({order, held, window}: `sits_worker.tenancy.fair_share`), the batch is formed from the
-    first `window` waiting items by their tenants' fair-share order, a held tenant's left waiting;
-    the ranked tenants such a lease found no item of, having read every item within reach, are added
-    to `notes.absent` when given. With `classes` ({ranks, demote, window}: `broker.failures.degrade.lease_classes`),
-    items rank by the class of their priority level first, a paused class's left waiting; `notes.paused`
-    tells that nothing was leased because paused items were all there was within reach.
+    Job chunks (and finalize steps) are leased in queue order, up to `max_chunks`; online requests of
+    one shape bucket are merged up to `max_items` requests, `max_rows` rows and `max_tokens` tokens.
+    The head request always goes, even past the row and token limits (it must run somewhere), unless
+    `head_must_fit`. The script's header says each field in full.
     """
+
+    max_items: int
+    """Most requests in a batch (and, unless `max_chunks` says otherwise, most chunks)."""
+    max_rows: int | None = None
+    """Most rows of a batch of requests (None: `max_items`)."""
+    max_tokens: int = 0
+    """Most (padded) tokens of a batch of requests (0: no limit)."""
+    max_chunks: int | None = None
+    """Most items when the head is a job chunk or finalize step (None: `max_items`)."""
+    requests_only: bool = False
+    """Lease only online requests: a chunk at the head stays, and nothing is leased."""
+    carry_chunk: bool = False
+    """A batch of requests with rows to spare also takes the first job chunk among the candidates, last."""
+    head_must_fit: bool = False
+    """The head request too must fit the row and token limits, else nothing (a batch cut to a memory hole)."""
+    batch_limit: tuple[int, int] | None = None
+    """(rows, tokens; 0 tokens: no limit): a batch of requests formed under the limits above goes only
+    if it stays within these too, else nothing (all or nothing: the head of the priority order runs now
+    only if the batch that waits for it fits the free memory)."""
+    preferred_sizes: tuple[int, ...] = ()
+    """A batch of requests that takes no chunk along is cut to the largest of these its rows reach."""
+    tenants: Mapping[str, Any] | None = None
+    """The fair-share order ({order, held, window, only}: `sits_worker.tenancy.fair_share`): the batch
+    is formed from the first `window` waiting items by their tenants' order, a held tenant's left waiting."""
+    classes: Mapping[str, Any] | None = None
+    """A degraded worker's classes ({ranks, demote, window}: `broker.failures.degrade.lease_classes`):
+    items rank by the class of their level first, a paused class's left waiting."""
+
+    def to_lua(self, request_prefix: str) -> dict[str, Any]:
+        """The JSON-ready table the script reads; `request_prefix` names request hashes (their inputs
+        come back with each leased request)."""
+        table: dict[str, Any] = {
+            "max_items": self.max_items, "max_rows": self.max_rows or self.max_items, "max_tokens": self.max_tokens,
+            "max_chunks": self.max_chunks or self.max_items, "requests_only": self.requests_only,
+            "carry_chunk": self.carry_chunk, "head_must_fit": self.head_must_fit,
+            "preferred_sizes": [int(size) for size in self.preferred_sizes], "request_prefix": request_prefix,
+        }
+        if self.batch_limit is not None:
+            table["batch_limit"] = {"rows": self.batch_limit[0], "tokens": self.batch_limit[1]}
+        if self.tenants is not None:
+            table["tenants"] = dict(self.tenants)
+        if self.classes is not None:
+            table["classes"] = dict(self.classes)
+        return table
+
+
+class LeaseStatus(StrEnum):
+    """How a lease ended (a replaced ticket raises `StaleTicket` instead)."""
+
+    LEASED = "leased"
+    NOTHING = "nothing"
+    """Nothing leased: the queue is empty, its head is not for this lease, or the batch does not fit."""
+    ONLY_PAUSED = "only_paused"
+    """Nothing leased, and the items within reach were all of a paused class (not a held tenant's)."""
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    """What one lease took, and what it learnt beside."""
+
+    status: LeaseStatus
+    items: list[LeasedItem]
+    absent: list[str] = field(default_factory=list)
+    """The ranked tenants a fair scan that read every item within reach found no item of (the caller
+    may leave them out of its next orders a moment)."""
+
+
+def lease_batch(store: Store, model_ref: str, options: LeaseOptions, *, now: float, lease_seconds: float,
+                ticket: str = "") -> LeaseResult:
+    """Lease the best waiting batch of `model_ref` under `options`, until `now + lease_seconds`; under
+    `ticket` when given (StaleTicket when it was replaced). One script call (`lease_batch.lua`)."""
     keys = store.keys
-    options: dict[str, Any] = {
-        "max_items": max_items, "max_rows": max_rows or max_items, "max_tokens": max_tokens,
-        "max_chunks": max_chunks or max_items, "requests_only": bool(requests_only),
-        "carry_chunk": bool(carry_chunk), "head_must_fit": bool(head_within_limits),
-        "preferred_sizes": [int(size) for size in preferred_sizes], "request_prefix": keys.request(""),
-    }
-    if whole_within is not None:
-        options["batch_limit"] = {"rows": whole_within[0], "tokens": whole_within[1]}
-    if tenants is not None:
-        options["tenants"] = tenants
-    if classes is not None:
-        options["classes"] = classes
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
                   keys.doorbell, keys.waiting_requests(model_ref)],
-            args=[ticket, now, now + lease_seconds, json.dumps(options)],
+            args=[ticket, now, now + lease_seconds, json.dumps(options.to_lua(keys.request("")))],
         )
     count = int(reply[0])
-    if count == -2:
-        if notes is not None:
-            notes.paused = True
-        reply = [0, *reply[1:]]
-        count = 0
-    if notes is not None and count >= 0:
-        notes.absent.extend(str(name) for name in reply[1 + LEASED_FIELDS * count:])
-    return _leased(reply, model_ref, ticket)
+    if count == LeaseReply.STALE_TICKET:
+        raise StaleTicket(ticket)
+    if count == LeaseReply.ONLY_PAUSED:
+        status, count = LeaseStatus.ONLY_PAUSED, 0
+    else:
+        status = LeaseStatus.LEASED if count > 0 else LeaseStatus.NOTHING
+    absent = [str(name) for name in reply[1 + LEASED_FIELDS * count:]]
+    return LeaseResult(status, _leased([count, *reply[1:1 + LEASED_FIELDS * count]], model_ref, ticket), absent)
 
 
 def lease_riders(
@@ -160,9 +189,9 @@ def decode_payload(payload: str | bytes | None) -> dict[str, Any]:
 
 
 def _leased(reply: list[Any], model_ref: str, ticket: str) -> list[LeasedItem]:
-    """The items of a lease script's reply ({-1}: the ticket was replaced)."""
+    """The items of a lease script's reply (`LeaseReply.STALE_TICKET`: the ticket was replaced)."""
     count = int(reply[0])
-    if count < 0:
+    if count == LeaseReply.STALE_TICKET:
         raise StaleTicket(ticket)
     items = []
     for i in range(count):
@@ -174,12 +203,18 @@ def _leased(reply: list[Any], model_ref: str, ticket: str) -> list[LeasedItem]:
 
 @dataclass
 class LeaseNotes:
-    """What a lease tells beside its items (`lease_batch`)."""
+    """What several leases told beside their items, gathered by a caller that makes them in turn."""
 
     absent: list[str] = field(default_factory=list)
     """The ranked tenants a fair scan that read every item within reach found no item of."""
     paused: bool = False
     """Nothing was leased because the items within reach were all of a paused class."""
+
+    def add(self, result: LeaseResult) -> None:
+        """Take in what `result` told."""
+        self.absent.extend(result.absent)
+        if result.status is LeaseStatus.ONLY_PAUSED:
+            self.paused = True
 
 
 def finish_item(

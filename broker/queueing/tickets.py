@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from broker.queueing.leases import StaleTicket
 from broker.queueing.queues import queue_refs
+from broker.state.replies import ReleaseReply
 from broker.state.store import MIN_BLOCK_SECONDS, Store, translate_redis_errors
 
 
@@ -28,10 +29,10 @@ def release_ticket(store: Store, ticket: str) -> bool:
     while True:
         refs, version = queue_refs(store)
         with translate_redis_errors():
-            released = int(store.scripts.release_ticket(
-                keys=[keys.tickets, keys.queues_version, *(keys.ready(ref) for ref in refs)], args=[ticket, version]))
-        if released >= 0:
-            return released == 1
+            released = ReleaseReply(int(store.scripts.release_ticket(
+                keys=[keys.tickets, keys.queues_version, *(keys.ready(ref) for ref in refs)], args=[ticket, version])))
+        if released is not ReleaseReply.SET_CHANGED:
+            return released is ReleaseReply.RELEASED
 
 
 def wait_for_doorbell(store: Store, ticket: str, *, now: float, timeout: float, touch: bool = True) -> bool:

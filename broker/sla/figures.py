@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from broker.jobs import chunking
 from broker.jobs.finish_prediction import Fleet, Work, finishes, recalibrated, work_seconds
 from broker.jobs.records import ACTIVE_STATUSES
+from broker.jobs.views import ActiveJobView, EndedJobView
 from broker.models.registry import get_model
 from broker.queueing import workers
 from broker.queueing.scoring import estimate_latency_ms
@@ -120,35 +121,35 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         entries = store.client.zrange(store.keys.jobs_active, 0, -1, withscores=True)
         pipe = store.client.pipeline(transaction=False)
         for job_id, _ in entries:
-            pipe.hmget(store.keys.job(job_id), "status", "rows_total", "rows_done", "chunks_total", "chunks_done",
-                       "model_ref", "batch_size", "deadline", "chunk_started_at", "chunk_size")
-        rows = pipe.execute() if entries else []
-    drop_ended(store, [job_id for (job_id, _), row in zip(entries, rows, strict=True) if row[0] not in ACTIVE_STATUSES],
-               fleet)
+            pipe.hmget(store.keys.job(job_id), ActiveJobView.names())
+        views = [ActiveJobView.of(reply) for reply in (pipe.execute() if entries else [])]
+    drop_ended(store, [job_id for (job_id, _), job in zip(entries, views, strict=True)
+                       if job.status not in ACTIVE_STATUSES], fleet)
     factors = calibrations(store)
     active: list[Work] = []
     running: list[Work] = []
     records: dict[str, dict[str, Any] | None] = {}
-    for (job_id, score), (status, total, done, chunks, chunks_done, model_ref, batch, deadline, chunk_started,
-                          chunk_size) in zip(entries, rows, strict=True):
-        if status not in ACTIVE_STATUSES:
+    for (job_id, score), job in zip(entries, views, strict=True):
+        model_ref = job.model_ref or ""
+        if job.status not in ACTIVE_STATUSES:
             continue
         if model_ref not in records:
             records[model_ref] = _model_or_none(store, model_ref)
         record = records[model_ref]
         if record is None:
             continue
-        speed = model_speed(record, int(batch or 1))
-        remaining_chunks = max(1, int(chunks or 0) - int(chunks_done or 0))
-        rows_left = int(total or 0) - int(done or 0)
+        speed = model_speed(record, int(job.batch_size or 1))
+        remaining_chunks = max(1, int(job.chunks_total or 0) - int(job.chunks_done or 0))
+        rows_left = int(job.rows_total or 0) - int(job.rows_done or 0)
         factor = factors.get(_version(model_ref), 1.0)
         seconds = work_seconds(rows_left, seconds_per_row=speed.seconds_per_row, chunks=remaining_chunks) * factor
-        chunk_rows = min(int(chunk_size or 0), rows_left)
+        chunk_rows = min(int(job.chunk_size or 0), rows_left)
         chunk_seconds = work_seconds(chunk_rows, seconds_per_row=speed.seconds_per_row, chunks=1) * factor
-        active.append(Work(job_id, float(score), seconds, float(deadline) if deadline else None, remaining_chunks,
-                           _version(model_ref), chunk_started_at=float(chunk_started) if chunk_started else None,
+        active.append(Work(job_id, float(score), seconds, float(job.deadline) if job.deadline else None,
+                           remaining_chunks, _version(model_ref),
+                           chunk_started_at=float(job.chunk_started_at) if job.chunk_started_at else None,
                            chunk_seconds=chunk_seconds if chunk_rows > 0 else None))
-        if status == "running":
+        if job.status == "running":
             running.append(active[-1])
     return Figures(active, running, fleet, factors, contention(factors))
 
@@ -206,27 +207,28 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
     with translate_redis_errors():
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(store.keys.job(job_id), "status", "started_at", "finished_at", "resumed_at", "rows_total",
-                       "chunks_total", "model_ref", "batch_size", "deadline", "sla_snapshots", "busy_seconds",
-                       "slot_mix", "slot_time_partial")
+            pipe.hmget(store.keys.job(job_id), EndedJobView.names())
             pipe.zrem(store.keys.jobs_active, job_id)
         replies = pipe.execute()
-        dropped = sum(1 for removed in replies[1::2] if removed)
-        taken = [[*fields[:8], fields[10], fields[11]] for fields, removed in zip(replies[0::2], replies[1::2],
-                                                                                  strict=True)
-                 if removed and not fields[12]]  # a chunk's lease was lost: its slot time is no measure
+        removed_here = [EndedJobView.of(reply) for reply, removed in zip(replies[0::2], replies[1::2], strict=True)
+                        if removed]
+        dropped = len(removed_here)
+        # (a job one of whose chunks lost its lease: its slot time is no measure)
+        taken = [job for job in removed_here if not job.slot_time_partial]
         sla_watch.learn_from(store, [
-            {"status": f[0] or "", "finished_at": f[2] or "", "deadline": f[8] or "", "sla_snapshots": f[9] or ""}
-            for f, removed in zip(replies[0::2], replies[1::2], strict=True) if removed])
+            {"status": job.status or "", "finished_at": job.finished_at or "", "deadline": job.deadline or "",
+             "sla_snapshots": job.sla_snapshots or ""} for job in removed_here])
         factors, counts = _calibration_state(store)
         changed: dict[str, float] = {}
-        for status, started, finished, resumed, rows, chunks, model_ref, batch, busy, mix in taken:
-            if status != "succeeded" or not (started and finished) or resumed or fleet.workers < 1:
+        for job in taken:
+            started, finished, busy, mix = job.started_at, job.finished_at, job.busy_seconds, job.slot_mix
+            rows, chunks, model_ref = job.rows_total, job.chunks_total, job.model_ref or ""
+            if job.status != "succeeded" or not (started and finished) or job.resumed_at or fleet.workers < 1:
                 continue
             record = _model_or_none(store, model_ref)
             if record is None:
                 continue
-            speed = model_speed(record, int(batch or 1))
+            speed = model_speed(record, int(job.batch_size or 1))
             alone = Work(job_id="", score=0.0, chunks=max(1, int(chunks or 0)),
                          seconds=work_seconds(int(rows or 0), seconds_per_row=speed.seconds_per_row,
                                               chunks=int(chunks or 0)))

@@ -18,35 +18,7 @@ import redis
 from redis.commands.core import Script
 
 from broker.state.held_calls import send_held
-
-SCRIPT_NAMES = (
-    "enqueue_items",
-    "lease_batch",
-    "head_company",
-    "queue_snapshot",
-    "lease_riders",
-    "return_items",
-    "ack_chunk",
-    "start_item",
-    "finish_item",
-    "stop_job",
-    "count_jobs",
-    "forget_chunks",
-    "reap_leases",
-    "retry_item",
-    "note_failure",
-    "take_reaper_turn",
-    "top_up_tickets",
-    "release_ticket",
-    "extend_leases",
-    "submit_request",
-    "complete_requests",
-    "rescore",
-    "psa_jump",
-    "prune_queue",
-    "expire_requests",
-    "note_usage",
-)
+from broker.state.replies import lua_reply_tables
 
 
 @cache
@@ -56,22 +28,49 @@ def _lua_file(name: str) -> str:
 
 @cache
 def script_text(name: str) -> str:
-    """The source registered for `broker/state/lua/<name>.lua`: the shared helpers of `lib.lua`, then the script."""
-    return _lua_file("lib") + _lua_file(name)
+    """The source registered for `broker/state/lua/<name>.lua`: the reply codes (`broker/state/replies.py`),
+    the shared helpers of `lib.lua`, then the script."""
+    return lua_reply_tables() + _lua_file("lib") + _lua_file(name)
 
 
 class Scripts:
-    """The registered scripts of one Redis client, called as attributes: `scripts.lease_batch(keys, args)`."""
+    """The registered scripts of one Redis client, one typed attribute each, named as its file in
+    `broker/state/lua/`: `scripts.lease_batch(keys=..., args=...)`."""
+
+    enqueue_items: HeldScript
+    lease_batch: HeldScript
+    head_company: HeldScript
+    queue_snapshot: HeldScript
+    lease_riders: HeldScript
+    return_items: HeldScript
+    ack_chunk: HeldScript
+    start_item: HeldScript
+    finish_item: HeldScript
+    stop_job: HeldScript
+    count_jobs: HeldScript
+    forget_chunks: HeldScript
+    reap_leases: HeldScript
+    retry_item: HeldScript
+    note_failure: HeldScript
+    take_reaper_turn: HeldScript
+    top_up_tickets: HeldScript
+    release_ticket: HeldScript
+    extend_leases: HeldScript
+    submit_request: HeldScript
+    complete_requests: HeldScript
+    rescore: HeldScript
+    psa_jump: HeldScript
+    prune_queue: HeldScript
+    expire_requests: HeldScript
+    note_usage: HeldScript
 
     def __init__(self, client: redis.Redis) -> None:
-        self._scripts = {name: HeldScript(client, client.register_script(script_text(name)))
-                         for name in SCRIPT_NAMES}
+        for name in SCRIPT_NAMES:
+            setattr(self, name, HeldScript(client, client.register_script(script_text(name))))
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._scripts[name]
-        except KeyError:
-            raise AttributeError(name) from None
+
+SCRIPT_NAMES: tuple[str, ...] = tuple(Scripts.__annotations__)
+"""Every script of `broker/state/lua/` but `lib.lua`, whose helpers go in front of each."""
 
 
 class HeldScript:

@@ -62,16 +62,17 @@ def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batc
     found no work of told to the fair share (`FairShare.note_absent`)."""
     if tenants is None:
         tenants = ctx.fair_share.lease_option(model_ref)
-    leased = leases.lease_batch(
-        ctx.store, model_ref, now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout,
-        max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens,
-        preferred_sizes=batching.preferred_batch_sizes, max_chunks=1, ticket=ticket, requests_only=requests_only,
-        carry_chunk=carry_chunk, head_within_limits=within_cut,
-        whole_within=admission.whole_within if admission else None, tenants=tenants,
-        classes=ctx.memory_watch.lease_classes(), notes=notes)
-    if notes.absent:
-        ctx.fair_share.note_absent(model_ref, notes.absent)
-    return leased
+    options = leases.LeaseOptions(
+        max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens, max_chunks=1,
+        requests_only=requests_only, carry_chunk=carry_chunk, head_must_fit=within_cut,
+        batch_limit=admission.whole_within if admission else None,
+        preferred_sizes=batching.preferred_batch_sizes, tenants=tenants, classes=ctx.memory_watch.lease_classes())
+    result = leases.lease_batch(ctx.store, model_ref, options, now=time.time(),
+                                lease_seconds=ctx.settings.scheduler.lease_timeout, ticket=ticket)
+    notes.add(result)
+    if result.absent:
+        ctx.fair_share.note_absent(model_ref, result.absent)
+    return result.items
 
 
 def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray]) -> tuple[str, int | None]:

@@ -34,7 +34,7 @@ class CallerDied(Exception):
 @contextmanager
 def dying_after_first_call(store: Store, script: str) -> Iterator[None]:
     """Within: `script` runs its first call, then its caller dies (`CallerDied` is swallowed)."""
-    registered = store.scripts._scripts[script]
+    registered = getattr(store.scripts, script)
     calls: list[int] = []
 
     def first_only(*, keys: list[str], args: list[object]) -> object:
@@ -43,20 +43,20 @@ def dying_after_first_call(store: Store, script: str) -> Iterator[None]:
             raise CallerDied
         return registered(keys=keys, args=args)
 
-    store.scripts._scripts[script] = first_only
+    setattr(store.scripts, script, first_only)
     try:
         yield
     except CallerDied:
         pass
     finally:
-        store.scripts._scripts[script] = registered
+        setattr(store.scripts, script, registered)
     assert len(calls) == 2, "the caller was to die after its first call"
 
 
 @contextmanager
 def before_first_call(store: Store, script: str, action: Callable[[], object]) -> Iterator[None]:
     """Within: `action` runs once, just before the first call of `script` (another caller's turn)."""
-    registered = store.scripts._scripts[script]
+    registered = getattr(store.scripts, script)
     pending = [action]
 
     def delayed(*, keys: list[str], args: list[object]) -> object:
@@ -64,8 +64,8 @@ def before_first_call(store: Store, script: str, action: Callable[[], object]) -
             pending.pop()()
         return registered(keys=keys, args=args)
 
-    store.scripts._scripts[script] = delayed
+    setattr(store.scripts, script, delayed)
     try:
         yield
     finally:
-        store.scripts._scripts[script] = registered
+        setattr(store.scripts, script, registered)

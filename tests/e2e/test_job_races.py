@@ -24,7 +24,6 @@ from broker.jobs import fills as job_fills
 from broker.jobs import output_layout
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
-from broker.queueing import leases
 from broker.queueing.leases import LeasedItem
 from broker.state.store import Store
 from sits_api.cli.stack import Stack
@@ -35,6 +34,7 @@ from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.execution import process_item
 from tests.e2e.stack_helpers import direct_run, frozen, wait_job
 from tests.job_items import leased_finalize_item
+from tests.leasing import lease_items
 
 CHUNKS = 6
 ROWS, CHUNK = 4_000, 4
@@ -94,7 +94,7 @@ def test_a_job_cancelled_while_it_merges_keeps_its_parts_and_gets_no_results_unt
     assert store.client.zcard(store.keys.ready(final.model_ref)) == 0
 
     assert job_fills.resume_job(store, job_id, now=time.time()) == 1  # only the finalize step: every chunk is done
-    [again] = leases.lease_batch(store, final.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    [again] = lease_items(store, final.model_ref, now=time.time(), lease_seconds=60, max_items=1)
     assert process_item(ctx, again, MergeHooks()) == "finalized"
     assert jobs.get_job(store, job_id, now=time.time())["status"] == "succeeded"
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy")[:, 0], np.arange(CHUNKS))

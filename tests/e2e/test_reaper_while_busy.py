@@ -16,9 +16,10 @@ import pytest
 
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import leases, queues
+from broker.queueing import queues
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import FAST_RECOVERY, register, stack_settings, wait_job
+from tests.leasing import lease_items
 from tests.waiting import eventually
 
 STREAMS = 2
@@ -56,7 +57,7 @@ def test_an_expired_lease_returns_to_its_queue_while_every_stream_slot_is_busy(b
                        inputs={"features": np.zeros((1, 64), dtype=np.float32)}, rows=1, tokens=None, bucket="",
                        factors={"level": 0})
     requests.submit_request(store, spec, score=0.0, now=time.time(), max_age_seconds=600)
-    [leased] = leases.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=DEAD_LEASE_SECONDS,
+    [leased] = lease_items(store, spec.model_ref, now=time.time(), lease_seconds=DEAD_LEASE_SECONDS,
                                   max_items=1)
     expires_at = time.monotonic() + DEAD_LEASE_SECONDS
 

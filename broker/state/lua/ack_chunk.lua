@@ -23,7 +23,7 @@
 -- ARGV[11] JSON {neighbour model version or 'alone': seconds of the chunk's run beside it}, added to the
 --          job field 'slot_mix' ({neighbour: [seconds, rows]}, the chunk's rows split as its seconds;
 --          admission learns from it how each pair of models slows each other down)
--- Returns: 0 duplicate or job no longer active, 1 recorded, 2 recorded and the job's last chunk
+-- Returns: ACK.SKIPPED duplicate or job no longer active, ACK.RECORDED, ACK.LAST_CHUNK recorded and the job's last chunk
 -- (the finalize item was queued and the doorbell rung: a lingering drain task of the acking worker,
 -- which keeps its ticket while commits are pending, leases it at once). Idempotent: a re-run
 -- chunk is counted once.
@@ -44,10 +44,10 @@ redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('HINCRBY', KEYS[5], 'chunk_runs', 1)
 local status = redis.call('HGET', KEYS[5], 'status')
 if status ~= 'queued' and status ~= 'running' then
-  return 0
+  return ACK.SKIPPED
 end
 if redis.call('SADD', KEYS[6], ARGV[2]) == 0 then
-  return 0
+  return ACK.SKIPPED
 end
 redis.call('HINCRBY', KEYS[5], 'rows_done', ARGV[3])
 if reaped or leases > 1 then
@@ -82,6 +82,6 @@ if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then
   redis.call('ZADD', KEYS[2], finalize_score, ARGV[5])
   add_queue(KEYS[10], KEYS[11], ARGV[9])
   ring_doorbell(KEYS[7])
-  return 2
+  return ACK.LAST_CHUNK
 end
-return 1
+return ACK.RECORDED

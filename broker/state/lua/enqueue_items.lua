@@ -38,13 +38,13 @@
 --         hashed): the job's score in the filling index, so that a fill going on is never taken for stalled
 -- ARGV[8] the fill's id ('' matches a job recorded before fills had one)
 -- ARGV[9..] groups of four: item id, score, payload JSON, chunk index ('' for non-chunk items)
--- Returns: number of items added; -1 if 'create' found the job already there; -2 if a later call
--- found the job stopped.
+-- Returns: number of items added; ENQUEUE.JOB_EXISTS if 'create' found the job already there;
+-- ENQUEUE.JOB_STOPPED if a later call found the job stopped.
 -- A chunk already in the done set, or already queued or leased, is skipped: nothing runs twice. So is a
 -- dead one that the call does not take back: it is never in the dead set and ready at once.
 local job_id, fill, fill_id = ARGV[2], ARGV[6], ARGV[8]
 if ARGV[4] == 'create' and redis.call('EXISTS', KEYS[4]) == 1 then
-  return -1
+  return ENQUEUE.JOB_EXISTS
 end
 local own = true  -- the job's fill record (`fill_id`, `fill_mode`, `filled_to`, its filling entry) is this fill's
 if job_id ~= '' and (fill == 'more' or fill == 'last') then
@@ -56,7 +56,7 @@ if fill == 'more' or fill == 'last' then
     if own then
       redis.call('ZREM', KEYS[10], job_id)
     end
-    return -2
+    return ENQUEUE.JOB_STOPPED
   end
 end
 if own and (fill == 'first' or fill == 'more') then

@@ -28,18 +28,23 @@
 --     submitted at level L (factors base_level, else level) ranks ranks[L+1] (1 first; 0: not leased,
 --     its class is paused), by its score plus demote[L+1] within a rank; with `tenants` too, the
 --     classes rank first, the tenants within a class; when the queue is longer than the window, the
---     first requests by level (KEYS[7], the paused class last) are weighed too, wherever they wait
--- Returns {-1}: the ticket is no longer valid; {-2}: nothing leased, and paused items were all there was
--- within reach (no held tenant's among them: a held tenant's wait ends by the milliseconds, a paused
--- class's by a step back); {0}: nothing leased; else {n, id1, payload1, attempts1, inputs1, ...}; after any of
+--     first requests by level (K.waiting, the paused class last) are weighed too, wherever they wait
+-- Returns {LEASE.STALE_TICKET}: the ticket is no longer valid; {LEASE.ONLY_PAUSED}: nothing leased, and
+-- paused items were all there was within reach (no held tenant's among them: a held tenant's wait ends
+-- by the milliseconds, a paused class's by a step back); {LEASE.NOTHING}: nothing leased; else
+-- {n, id1, payload1, attempts1, inputs1, ...}; after any of
 -- the last three, the names of the ranked tenants (`tenants.order`) a fair scan that read every item
 -- within reach found nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
-if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
-  return {-1}
+-- KEYS by name (K.ready ...), and each candidate and picked item a table of named fields ({id, payload,
+-- item, rank, score}; {id, payload, rows, tokens, req}).
+local K = {tickets = KEYS[1], ready = KEYS[2], inflight = KEYS[3], items = KEYS[4], attempts = KEYS[5],
+  doorbell = KEYS[6], waiting = KEYS[7]}
+local ticket, now, lease_deadline, options = ARGV[1], ARGV[2], ARGV[3], cjson.decode(ARGV[4])
+if not ticket_valid(K.tickets, ticket, now) then
+  return {LEASE.STALE_TICKET}
 end
-local options = cjson.decode(ARGV[4])
 local max_items, max_rows, max_tokens = options.max_items, options.max_rows, options.max_tokens
 local max_chunks = options.max_chunks
 local requests_only = options.requests_only == true
@@ -56,11 +61,11 @@ end
 -- Chunks follow a chunk head; requests of the head's bucket join a request head while they fit.
 -- With carry, the scan goes on past a full batch, looking for that chunk.
 local function queue_candidates()
-  local ids = redis.call('ZRANGE', KEYS[2], 0, 2 * math.max(max_items, max_chunks) - 1)
+  local ids = redis.call('ZRANGE', K.ready, 0, 2 * math.max(max_items, max_chunks) - 1)
   local out = {}
   for index, item_id in ipairs(ids) do
-    local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
-    out[index] = {item_id, payload, cjson.decode(payload)}
+    local payload = redis.call('HGET', K.items, item_id) or '{}'
+    out[index] = {id = item_id, payload = payload, item = cjson.decode(payload)}
   end
   return out
 end
@@ -146,31 +151,32 @@ end
 
 -- Entries {id, payload, item, rank, score} in rank order, then score, then id.
 local function by_rank_then_score(a, b)
-  if a[4] ~= b[4] then
-    return a[4] < b[4]
+  if a.rank ~= b.rank then
+    return a.rank < b.rank
   end
-  if a[5] ~= b[5] then
-    return a[5] < b[5]
+  if a.score ~= b.score then
+    return a.score < b.score
   end
-  return a[1] < b[1]
+  return a.id < b.id
 end
 
--- The first `count` waiting requests of the model by level (KEYS[7], highest first), those in `skip`
+-- The first `count` waiting requests of the model by level (K.waiting, highest first), those in `skip`
 -- left out, as entries {id, payload, item, rank, score}, demotion included; `seen` gains their tenants.
 -- The requests no rank admits are left out.
 local function requests_by_level(rank_of, demotion, count, skip, seen)
   local entries = {}
-  for _, item_id in ipairs(redis.call('ZREVRANGE', KEYS[7], 0, count - 1)) do
-    local score = not skip[item_id] and redis.call('ZSCORE', KEYS[2], item_id)
+  for _, item_id in ipairs(redis.call('ZREVRANGE', K.waiting, 0, count - 1)) do
+    local score = not skip[item_id] and redis.call('ZSCORE', K.ready, item_id)
     if score then
-      local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+      local payload = redis.call('HGET', K.items, item_id) or '{}'
       local item = cjson.decode(payload)
       local level = base_level(item)
       local tenant = item['tenant'] or ''
       seen[tenant] = true
       local item_rank = rank_of(tenant, level)
       if item_rank ~= nil then
-        entries[#entries + 1] = {item_id, payload, item, item_rank, tonumber(score) + demotion(level)}
+        entries[#entries + 1] = {id = item_id, payload = payload, item = item, rank = item_rank,
+          score = tonumber(score) + demotion(level)}
       end
     end
   end
@@ -183,8 +189,8 @@ end
 -- (a job's chunks that far back stay unseen until the work in front of them goes).
 local function add_unreached_requests(rank_of, demotion, by_rank, collected, seen, enough)
   for _, entry in ipairs(requests_by_level(rank_of, demotion, enough, collected, seen)) do
-    local bucket = by_rank[entry[4]] or {}
-    by_rank[entry[4]] = bucket
+    local bucket = by_rank[entry.rank] or {}
+    by_rank[entry.rank] = bucket
     bucket[#bucket + 1] = entry
   end
 end
@@ -198,7 +204,7 @@ local function ranked_candidates()
   local stopped_early, read_all = false, false
   while position < window do
     local asked = math.min(position + FAIR_PAGE, window) - position
-    local page = redis.call('ZRANGE', KEYS[2], position, position + asked - 1, 'WITHSCORES')
+    local page = redis.call('ZRANGE', K.ready, position, position + asked - 1, 'WITHSCORES')
     for pair = 1, #page, 2 do
       local item_id, score = page[pair], tonumber(page[pair + 1])
       position = position + 1
@@ -208,14 +214,14 @@ local function ranked_candidates()
       local facts = job and job_facts[job]
       local payload, item = nil, nil
       if facts == nil then
-        payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+        payload = redis.call('HGET', K.items, item_id) or '{}'
         item = cjson.decode(payload)
-        facts = {item['tenant'] or '', base_level(item)}
+        facts = {tenant = item['tenant'] or '', level = base_level(item)}
         if job then
           job_facts[job] = facts
         end
       end
-      local tenant, level = facts[1], facts[2]
+      local tenant, level = facts.tenant, facts.level
       seen[tenant] = true
       local item_rank = rank_of(tenant, level)
       -- (past a rank with enough items already, a worse one's items would never be reached, nor its own
@@ -230,7 +236,8 @@ local function ranked_candidates()
           by_rank[item_rank] = bucket
         end
         if #bucket < enough or classes_option then
-          bucket[#bucket + 1] = {item_id, payload, item, item_rank, score + demotion(level)}
+          bucket[#bucket + 1] = {id = item_id, payload = payload, item = item, rank = item_rank,
+            score = score + demotion(level)}
           if #bucket >= enough and item_rank < full_rank then
             full_rank = item_rank
           end
@@ -270,7 +277,7 @@ local function ranked_candidates()
   return out
 end
 
--- The candidates of a requests-only lease by rank: the model's waiting online requests (KEYS[7], at most
+-- The candidates of a requests-only lease by rank: the model's waiting online requests (K.waiting, at most
 -- `window` of them, the highest levels first), not the whole queue, which may hold thousands of chunks in
 -- front of them; by rank, then by score (demotions included) within a rank; the requests no rank admits
 -- left out.
@@ -282,7 +289,7 @@ local function ranked_requests()
 end
 
 local function pick_candidates()
-  if requests_only and redis.call('ZCARD', KEYS[7]) == 0 then
+  if requests_only and redis.call('ZCARD', K.waiting) == 0 then
     return nil  -- (no online request waits: nothing to look for)
   end
   local candidates
@@ -295,9 +302,9 @@ local function pick_candidates()
   end
   local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
   for index, candidate in ipairs(candidates) do
-    local item_id, payload, item = candidate[1], candidate[2], candidate[3]
+    local item_id, payload, item = candidate.id, candidate.payload, candidate.item
     if payload == nil then  -- (a chunk whose tenant was known from its job's: read only if it is looked at)
-      payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+      payload = redis.call('HGET', K.items, item_id) or '{}'
       item = cjson.decode(payload)
     end
     local is_request = item['kind'] == 'request'
@@ -311,24 +318,26 @@ local function pick_candidates()
           or (max_tokens > 0 and token_cost(item) > max_tokens)) then
         return nil
       end
-      picked[1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item), item['req']}
+      picked[1] = {id = item_id, payload = payload, rows = number_or(item['rows'], 1), tokens = token_cost(item),
+        req = item['req']}
       online = is_request
       bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
     elseif not online then
       if is_request or #picked >= max_chunks then
         break
       end
-      picked[#picked + 1] = {item_id, payload}
+      picked[#picked + 1] = {id = item_id, payload = payload}
     elseif #picked >= max_items and not (carry and carried == nil) then
       break
     elseif is_request and #picked < max_items and item['bucket'] == bucket
         and rows + number_or(item['rows'], 1) <= max_rows
         and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
-      picked[#picked + 1] = {item_id, payload, number_or(item['rows'], 1), token_cost(item), item['req']}
+      picked[#picked + 1] = {id = item_id, payload = payload, rows = number_or(item['rows'], 1),
+        tokens = token_cost(item), req = item['req']}
       rows = rows + number_or(item['rows'], 1)
       tokens = tokens + token_cost(item)
     elseif carry and carried == nil and item['kind'] == 'chunk' then
-      carried = {item_id, payload}
+      carried = {id = item_id, payload = payload}
     end
   end
   return picked, online, carried, rows, tokens
@@ -349,7 +358,7 @@ local function carry_or_cut(picked, online, carried, rows, tokens)
     end
     while cut ~= nil and #picked > 1 and rows > cut do
       local last = table.remove(picked)
-      rows, tokens = rows - last[3], tokens - last[4]
+      rows, tokens = rows - last.rows, tokens - last.tokens
     end
   end
   return rows, tokens
@@ -369,11 +378,11 @@ end
 local function move_to_inflight(picked)
   local out = {#picked}
   for _, entry in ipairs(picked) do
-    redis.call('ZREM', KEYS[2], entry[1])
-    redis.call('ZADD', KEYS[3], ARGV[3], entry[1])
-    redis.call('ZREM', KEYS[7], entry[1])
-    append_leased(out, entry[1], entry[2], redis.call('HINCRBY', KEYS[5], entry[1], 1),
-      options.request_prefix or '', entry[5])
+    redis.call('ZREM', K.ready, entry.id)
+    redis.call('ZADD', K.inflight, lease_deadline, entry.id)
+    redis.call('ZREM', K.waiting, entry.id)
+    append_leased(out, entry.id, entry.payload, redis.call('HINCRBY', K.attempts, entry.id, 1),
+      options.request_prefix or '', entry.req)
   end
   return out
 end
@@ -388,14 +397,14 @@ end
 
 local picked, online, carried, rows, tokens = pick_candidates()
 if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's or paused)
-  return with_absent({(picked ~= nil and paused_seen > 0 and held_seen == 0) and -2 or 0})
+  return with_absent({(picked ~= nil and paused_seen > 0 and held_seen == 0) and LEASE.ONLY_PAUSED or LEASE.NOTHING})
 end
 rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)
 if not within_batch_limit(online, rows, tokens) then
-  return with_absent({0})
+  return with_absent({LEASE.NOTHING})
 end
 local reply = move_to_inflight(picked)
-if redis.call('ZCARD', KEYS[2]) > 0 then
-  ring_doorbell(KEYS[6])
+if redis.call('ZCARD', K.ready) > 0 then
+  ring_doorbell(K.doorbell)
 end
 return with_absent(reply)

@@ -22,11 +22,11 @@
 --   tenants in `order` first (in its order, queue order within a tenant), then the others; a held
 --   tenant's requests do not ride (it is past its limit)
 -- ARGV[11] the key prefix of request hashes (`keys.request('')`): each leased request's inputs come back
--- Returns: {-1} when the ticket is no longer valid; else {n, id1, payload1, attempts1, inputs1, ...},
+-- Returns: {LEASE.STALE_TICKET} when the ticket is no longer valid; {LEASE.NOTHING} when none rides; else {n, id1, payload1, attempts1, inputs1, ...},
 -- best first.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
-  return {-1}
+  return {LEASE.STALE_TICKET}
 end
 local bucket = ARGV[4]
 local max_items, max_rows, max_tokens = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -50,7 +50,7 @@ end
 local window = tonumber(ARGV[8])
 local waiting = redis.call('ZCARD', KEYS[6])
 if waiting == 0 then
-  return {0}
+  return {LEASE.NOTHING}
 end
 local entries = {}
 if waiting < window then

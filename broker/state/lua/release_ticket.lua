@@ -5,15 +5,15 @@
 -- KEYS[3..] the ready ZSET of every model ref in the set of queues, as the caller read it
 -- ARGV[1] ticket id
 -- ARGV[2] the set's version read with those refs ('' for none)
--- Returns: 1 released; 0 work is waiting (keep draining); -1 the queue set changed (call again
--- with the new set of ready keys).
+-- Returns: RELEASE.RELEASED; RELEASE.WORK_WAITING (keep draining); RELEASE.SET_CHANGED, the queue set
+-- changed (call again with the new set of ready keys).
 if (redis.call('GET', KEYS[2]) or '') ~= ARGV[2] then
-  return -1
+  return RELEASE.SET_CHANGED
 end
 for i = 3, #KEYS do
   if redis.call('ZCARD', KEYS[i]) > 0 then
-    return 0
+    return RELEASE.WORK_WAITING
   end
 end
 redis.call('ZREM', KEYS[1], ARGV[1])
-return 1
+return RELEASE.RELEASED

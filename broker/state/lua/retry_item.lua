@@ -12,10 +12,11 @@
 -- ARGV[1] item id, ARGV[2] now
 -- ARGV[3] JSON {class, error, delays: [the wait before retry 1, 2, ...], count_field: the record field
 --           that counts this item's failures of the class, model: the item's model ref}
--- Returns {1, n, retry_at}: parked after its n-th failure in the class; {0, n}: not retried, the item failed n times in the class (the caller
--- fails it); {-1}: the item is no longer in flight (reaped, finished or stopped meanwhile).
+-- Returns {RETRY.PARKED, n, retry_at}: parked after its n-th failure in the class; {RETRY.NOT_RETRIED, n}:
+-- not retried, the item failed n times in the class (the caller fails it); {RETRY.NOT_IN_FLIGHT}: the item
+-- is no longer in flight (reaped, finished or stopped meanwhile).
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  return {-1}
+  return {RETRY.NOT_IN_FLIGHT}
 end
 local options = cjson.decode(ARGV[3])
 local now = tonumber(ARGV[2])
@@ -33,11 +34,11 @@ note_failure(KEYS[4], ARGV[1], class, options.error, now, retry_at, options.coun
 local outcome = retry_at == nil and 'final' or 'retried'
 redis.call('HINCRBY', KEYS[5], 'failures_' .. outcome .. '_' .. class .. ':' .. options.model, 1)
 if retry_at == nil then
-  return {0, failures}
+  return {RETRY.NOT_RETRIED, failures}
 end
 redis.call('ZADD', KEYS[1], 'XX', retry_at, ARGV[1])
 redis.call('ZADD', KEYS[2], retry_at, ARGV[1])
 if tonumber(redis.call('HINCRBY', KEYS[3], ARGV[1], -1)) <= 0 then
   redis.call('HDEL', KEYS[3], ARGV[1])
 end
-return {1, failures, tostring(retry_at)}
+return {RETRY.PARKED, failures, tostring(retry_at)}

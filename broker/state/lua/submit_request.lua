@@ -21,33 +21,34 @@
 -- ARGV[11] the request's priority level, ARGV[12] most requests waiting for the model (0: no limit),
 -- ARGV[13] most waiting at its level (0: no limit), ARGV[14] when its timeout passes ('' for none)
 -- ARGV[15] most requests of its tenant not answered yet (0: no limit)
--- Returns: {1, new ticket ids...}; {0} when a request with that id exists already; {-1} when the
+-- Returns: {SUBMIT.ACCEPTED, new ticket ids...}; {SUBMIT.EXISTS} when a request with that id exists
+-- already; {SUBMIT.POLICY_CHANGED} when the
 -- live policy is no longer ARGV[8] (nothing written: score again with the live policy and retry,
 -- so no item is ever queued with the weights of a policy that a re-score has already replaced);
--- {-2, waiting} when the model's queue is full, {-3, waiting at the level} when its level is, {-4,
--- unanswered} when its tenant has max_queued requests not answered yet (entries past their record's
+-- {SUBMIT.QUEUE_FULL, waiting} when the model's queue is full, {SUBMIT.LEVEL_FULL, waiting at the level}
+-- when its level is, {SUBMIT.TENANT_FULL, unanswered} when its tenant has max_queued requests not answered yet (entries past their record's
 -- expiry are dropped first, so a request nobody completed cannot hold a place for ever) (nothing
 -- written but the rejection's count: the check and the enqueue are one step, so two API processes
 -- can never both take the last place).
 if (redis.call('GET', KEYS[6]) or '') ~= ARGV[8] then
-  return {-1}
+  return {SUBMIT.POLICY_CHANGED}
 end
 if redis.call('EXISTS', KEYS[4]) == 1 then
-  return {0}
+  return {SUBMIT.EXISTS}
 end
 local level, most, most_at_level = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 if most > 0 then
   local waiting = redis.call('ZCARD', KEYS[11])
   if waiting >= most then
     redis.call('HINCRBY', KEYS[13], 'requests_rejected_queue_full:' .. ARGV[1], 1)
-    return {-2, waiting}
+    return {SUBMIT.QUEUE_FULL, waiting}
   end
 end
 if most_at_level > 0 then
   local waiting = redis.call('ZCOUNT', KEYS[11], level, level)
   if waiting >= most_at_level then
     redis.call('HINCRBY', KEYS[13], 'requests_rejected_level_full:' .. ARGV[1], 1)
-    return {-3, waiting}
+    return {SUBMIT.LEVEL_FULL, waiting}
   end
 end
 local tenant_most = tonumber(ARGV[15])
@@ -56,7 +57,7 @@ if tenant_most > 0 then
   local unanswered = redis.call('ZCARD', KEYS[14])
   if unanswered >= tenant_most then
     redis.call('HINCRBY', KEYS[13], 'requests_rejected_tenant_full:' .. ARGV[1], 1)
-    return {-4, unanswered}
+    return {SUBMIT.TENANT_FULL, unanswered}
   end
   redis.call('ZADD', KEYS[14], tonumber(ARGV[9]) + tonumber(ARGV[7]), ARGV[2])
 end
@@ -80,7 +81,7 @@ end
 add_queue(KEYS[3], KEYS[10], ARGV[1])
 -- What top_up_tickets.lua does, here too, so that a submit is one round trip.
 ring_doorbell(KEYS[9])
-local out = {1}
+local out = {SUBMIT.ACCEPTED}
 for _, ticket in ipairs(top_up_tickets(KEYS[7], KEYS[8], ARGV[9], tonumber(ARGV[10]))) do
   out[#out + 1] = ticket
 end

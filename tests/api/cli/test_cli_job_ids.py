@@ -18,6 +18,7 @@ from broker.state.embedded import free_port
 from sits_api.cli.main import cli
 from sits_api.cli.params import JOB_ID
 from tests.api.api_helpers import Api
+from tests.leasing import lease_items
 
 NOT_JOB_IDS = ["a/b", "x/resume", "../jobs", "", "j1", "J3FA9C01B2E7D", "j3fa9c01b2e7d0", "j3fa9c01b2e7g",
                " j3fa9c01b2e7d", "j3fa9c01b2e7d\n", "a job id with spaces"]
@@ -101,7 +102,6 @@ def test_status_shows_each_version_s_request_figures(served_api: str, admin_key:
 
     from broker.online import requests
     from broker.online.requests import RequestResult, RequestSpec
-    from broker.queueing import leases
 
     ref, now = mlp["ref"], time.time()
     for request_id, rows, created in (("a", 3, now - 0.5), ("b", 1, now - 0.25), ("late", 1, now - 0.875)):
@@ -110,7 +110,7 @@ def test_status_shows_each_version_s_request_figures(served_api: str, admin_key:
                            bucket="", factors={"level": 0})
         requests.submit_request(store, spec, score=0.0, now=created, max_age_seconds=600)
     leased = {item.item_id: item for _ in range(3)
-              for item in leases.lease_batch(store, ref, now=now, lease_seconds=30, max_items=1)}
+              for item in lease_items(store, ref, now=now, lease_seconds=30, max_items=1)}
     outputs = {"logits": np.zeros((1, 10), dtype=np.float32)}
     requests.complete_requests(store, [RequestResult(leased["a"], outputs=outputs),
                                        RequestResult(leased["b"], outputs=outputs),

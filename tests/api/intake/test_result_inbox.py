@@ -12,10 +12,10 @@ import pytest
 from broker.errors import StoreBusy
 from broker.online import requests
 from broker.online.requests import RequestResult, RequestSpec
-from broker.queueing import leases
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from sits_api.intake.result_inbox import Delivery, ResultInbox
+from tests.leasing import lease_items
 
 MODEL = "mlp@v1"
 
@@ -28,7 +28,7 @@ def spec(request_id: str, reply_to: str) -> RequestSpec:
 
 def run_as_a_worker(store: Store, count: int) -> None:
     """Lease the waiting requests as one batch and complete them, each with its own input doubled."""
-    leased = leases.lease_batch(store, MODEL, now=time.time(), lease_seconds=60, max_items=count)
+    leased = lease_items(store, MODEL, now=time.time(), lease_seconds=60, max_items=count)
     assert len(leased) == count
     inputs = requests.load_inputs(store, leased)
     results = [RequestResult(item, outputs={"y": tensors["features"] * 2})

@@ -16,11 +16,12 @@ from broker.config.settings import Settings
 from broker.online import requests
 from broker.online.queue_policy import MAX_RETRY_AFTER
 from broker.online.requests import RequestResult
-from broker.queueing import leases, workers
+from broker.queueing import workers
 from broker.state.store import Store
 from sits_api.app import create_app
 from tests.api.api_helpers import Api, error_of
 from tests.api.v1.test_metrics import samples, value
+from tests.leasing import lease_items
 
 ROW = [0.5] * 64
 V1 = {"model": "mlp", "inputs": {"features": [ROW]}}
@@ -39,7 +40,7 @@ def waiting_payloads(store: Store, ref: str) -> dict[str, dict[str, Any]]:
 
 def complete_all(store: Store, ref: str, *, run_started: float | None = None) -> list[str]:
     """A stand-in worker: lease everything waiting and complete it."""
-    leased = leases.lease_batch(store, ref, now=time.time(), lease_seconds=30, max_items=100)
+    leased = lease_items(store, ref, now=time.time(), lease_seconds=30, max_items=100)
     results = [RequestResult(item, outputs={"logits": np.zeros((1, 10), np.float32)}) for item in leased]
     requests.complete_requests(store, results, now=time.time(), keep_seconds=60, batch_size=len(results),
                                worker="w", run_started=run_started, run_rows=len(results))

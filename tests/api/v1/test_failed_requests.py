@@ -16,9 +16,9 @@ import pytest
 from broker import errors
 from broker.online import requests
 from broker.online.requests import RequestResult
-from broker.queueing import leases
 from broker.state.store import Store
 from tests.api.api_helpers import Api
+from tests.leasing import lease_items
 
 ONE_ROW = [[0.5] * 64]
 
@@ -28,7 +28,7 @@ def fail_the_next_request(store: Store, model_ref: str, code: str) -> threading.
 
     def worker() -> None:
         for _ in range(500):
-            leased = leases.lease_batch(store, model_ref, now=time.time(), lease_seconds=30, max_items=1)
+            leased = lease_items(store, model_ref, now=time.time(), lease_seconds=30, max_items=1)
             if leased:
                 failed = RequestResult(leased[0], error=f"it failed ({code or 'no code'})", code=code)
                 requests.complete_requests(store, [failed], now=time.time(), keep_seconds=60, batch_size=1,

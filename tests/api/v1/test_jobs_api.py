@@ -16,13 +16,13 @@ from flask.testing import FlaskClient
 from broker.config.settings import Settings
 from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
-from broker.queueing import leases
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 from sits_worker.serving import outputs
 from tests.api.api_helpers import Api, error_of, make_settings, queued_items
+from tests.leasing import lease_items
 
 JOB_FIELDS = {"id", "model", "status", "rows_total", "rows_done", "chunks_total", "chunks_done", "output_dir",
               "error"}
@@ -169,7 +169,7 @@ def test_resuming_a_job_whose_parts_were_deleted_runs_those_chunks_again(
         api: Api, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
     """Its merge would otherwise fail for ever: "part ... is missing; run that chunk again"."""
     job = submit(api, **job_body("mlp", mlp_input, tmp_path / "out", chunk_size=4)).get_json()  # rows 0-4-8-10
-    for item in leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=30, max_items=2):
+    for item in lease_items(store, mlp["ref"], now=time.time(), lease_seconds=30, max_items=2):
         outputs.write_part(tmp_path / "out", item.payload["chunk"], {"logits": np.zeros((4, 10), np.float32)},
                            job_id=job["id"])
         job_progress.ack_chunk(store, item, now=time.time(), worker="w1")

@@ -38,6 +38,7 @@ from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 from tests.api.api_helpers import Api, make_settings
+from tests.leasing import lease_items
 
 ONE_ROW = [[0.5] * 64]
 MIB = 1024 * 1024
@@ -116,15 +117,15 @@ def test_metrics_report_what_redis_holds_queues_leases_dead_items_workers_jobs_a
 
     # a worker's work: two requests leased and completed (one failed), two chunks leased and one acked,
     # a chunk whose lease runs out at its last attempt (dead)
-    leased_requests = leases.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2, requests_only=True)
+    leased_requests = lease_items(store, ref, now=now, lease_seconds=600, max_items=2, requests_only=True)
     assert len(leased_requests) == 2
     requests.complete_requests(store, [RequestResult(leased_requests[0], outputs={}),
                                        RequestResult(leased_requests[1], error="it failed", code="run_failed")],
                                now=now, keep_seconds=60, batch_size=2, worker="gpu-worker@host-a")
-    chunks = leases.lease_batch(store, ref, now=now, lease_seconds=600, max_items=2)
+    chunks = lease_items(store, ref, now=now, lease_seconds=600, max_items=2)
     assert [chunk.payload["job"] for chunk in chunks] == [first["id"], first["id"]]
     assert job_progress.ack_chunk(store, chunks[0], now=now, worker="gpu-worker@host-a") == 1
-    [dying] = leases.lease_batch(store, ref, now=now, lease_seconds=1, max_items=1)
+    [dying] = lease_items(store, ref, now=now, lease_seconds=1, max_items=1)
     assert reaping.reap_expired_leases(store, now=now + 5, max_attempts=1).dead_items
     assert job_lists.count_old_jobs(store)  # a reaper pass: every job is counted
     assert retries.retry_later(store, chunks[1], failure_class="transient", error="Redis blinked", delays=[1.0],
@@ -170,7 +171,7 @@ def test_a_request_whose_record_expired_before_it_ran_is_counted_as_expired(
         alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
     request_id = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).get_json()["id"]
     store.client.delete(store.keys.request(request_id))  # its result_ttl ran out while it waited
-    [item] = leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=1)
+    [item] = lease_items(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=1)
     assert requests.load_inputs(store, [item]) == [None]  # what the worker finds: nothing to run
     requests.complete_requests(store, [RequestResult(item, error="the request expired before it ran", code="timeout")],
                                now=time.time(), keep_seconds=60, batch_size=1, worker="w")
@@ -187,7 +188,7 @@ def test_request_times_by_phase_and_runs_come_from_the_v2_statistics_totals(
         alice: Api, scrape_key: str, client: FlaskClient, mlp: dict[str, Any], store: Store) -> None:
     for _ in range(2):
         alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}})
-    leased = leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=2)
+    leased = lease_items(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=2)
     created = [float(store.client.hget(store.keys.request(item.payload["req"]), "created_at")) for item in leased]
     started = max(created) + 0.25
     requests.complete_requests(store, [RequestResult(item, outputs={}) for item in leased], now=started + 0.5,
@@ -222,7 +223,7 @@ def test_request_latency_histograms_count_each_request_in_its_bucket_by_priority
         response = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW},
                                                     "priority": priority})
         assert response.status_code == 202
-    leased = leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=4, requests_only=True)
+    leased = lease_items(store, mlp["ref"], now=time.time(), lease_seconds=600, max_items=4, requests_only=True)
     created = {item.payload["factors"]["level"]: float(store.client.hget(store.keys.request(item.payload["req"]),
                                                                          "created_at")) for item in leased}
     started = max(created.values()) + 0.3  # each waited 0.3 s and a little: in the bucket up to 0.5 s
@@ -339,7 +340,7 @@ def test_metrics_name_no_job_or_request_ids_owners_or_redis_url(
         settings: Any, tmp_path: Path) -> None:
     job = submit_job(alice, tmp_path, mlp_input, "out")
     queued = alice.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).get_json()
-    [item] = leases.lease_batch(store, mlp["ref"], now=time.time(), lease_seconds=60, max_items=1, requests_only=True)
+    [item] = lease_items(store, mlp["ref"], now=time.time(), lease_seconds=60, max_items=1, requests_only=True)
     requests.complete_requests(store, [RequestResult(item, outputs={})], now=time.time(), keep_seconds=60,
                                batch_size=1, worker="w")
     workers.record_heartbeat(store, "w", {"device": "cpu", "streams": 1}, now=time.time())
@@ -456,10 +457,10 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
                                             "degrade": {"step": 2, "jitter": 0.25, "steps_taken": 2}}, now=now)
     submit_job(api, tmp_path, mlp_input, "all")
     assert api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).status_code == 202
-    [request] = leases.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1, requests_only=True)
+    [request] = lease_items(store, mlp["ref"], now=now, lease_seconds=60, max_items=1, requests_only=True)
     requests.complete_requests(store, [RequestResult(request, outputs={})], now=now, keep_seconds=60, batch_size=1,
                                worker="w@h", run_started=now, run_rows=1)
-    [chunk] = leases.lease_batch(store, mlp["ref"], now=now, lease_seconds=60, max_items=1)
+    [chunk] = lease_items(store, mlp["ref"], now=now, lease_seconds=60, max_items=1)
     job_progress.ack_chunk(store, chunk, now=now, worker="w@h")
     due = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input), "deadline_s": 3600,
                                      "output_dir": str(tmp_path / "due"), "chunk_size": 4}).get_json()["id"]

@@ -14,12 +14,13 @@ import rapidjson  # what tritonclient parses answers with
 from flask import Flask
 
 from broker.config.settings import Settings
-from broker.queueing import leases, workers
+from broker.queueing import workers
 from broker.state.store import Store
 from sits_api.app import create_app
 from sits_api.v2.parsing import InferRequest, sits_level
 from sits_api.v2.routes import _answer
 from tests.api.api_helpers import Api, error_of
+from tests.leasing import lease_items
 from tests.onnx_models import fixed_batch_model
 
 ROW = [0.5] * 64
@@ -149,7 +150,7 @@ def test_a_request_a_worker_took_within_its_timeout_is_answered_when_its_run_end
     done = threading.Event()
 
     def worker() -> None:
-        while not (leased := leases.lease_batch(store, ref, now=time.time(), lease_seconds=30, max_items=1)):
+        while not (leased := lease_items(store, ref, now=time.time(), lease_seconds=30, max_items=1)):
             time.sleep(0.005)
         time.sleep(0.4)
         result = requests.RequestResult(leased[0], outputs={"logits": np.full((1, 10), 0.5, dtype=np.float32)})

@@ -12,10 +12,10 @@ from flask.testing import FlaskClient
 from broker.errors import InferenceTimeout
 from broker.online import requests
 from broker.online.requests import RequestResult, RequestSpec
-from broker.queueing import leases
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from tests.api.api_helpers import Api, error_of
+from tests.leasing import lease_items
 
 ZERO = {"count": 0, "ns": 0}
 
@@ -60,7 +60,7 @@ def test_a_batch_s_results_add_counts_and_times_where_triton_reports_them(api: A
     submit(store, ref, "b", 1, created=now - 0.25)
     submit(store, ref, "late", 1, created=now - 1.0)
     leased = {item.item_id: item for _ in range(3)
-              for item in leases.lease_batch(store, ref, now=now, lease_seconds=30, max_items=1)}
+              for item in lease_items(store, ref, now=now, lease_seconds=30, max_items=1)}
     outputs = {"logits": np.zeros((1, 10), dtype=np.float32)}
     results = [RequestResult(leased["a"], outputs=outputs), RequestResult(leased["b"], outputs=outputs),
                RequestResult(leased["late"], error="timed out", code=InferenceTimeout.code, ran=False)]
@@ -93,7 +93,7 @@ def test_requests_the_reaper_fails_count_as_failures_without_a_run(api: Api, sto
     ref = f"mlp@{mlp['version']}"
     now = time.time()
     submit(store, ref, "dead", 1, created=now - 2)
-    [item] = leases.lease_batch(store, ref, now=now, lease_seconds=30, max_items=1)
+    [item] = lease_items(store, ref, now=now, lease_seconds=30, max_items=1)
 
     requests.complete_requests(store, [RequestResult(item, error="died")], now=now, keep_seconds=60, batch_size=1,
                                worker="reaper")

@@ -19,6 +19,7 @@ from broker.queueing import leases
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW, job_spec
+from tests.leasing import lease_items
 
 MODEL = "mlp@v1"
 SETTINGS = DegradeSettings(jitter_threshold=0.1, window=10, sample_interval=1, step_interval=5, calm_for=10)
@@ -102,7 +103,7 @@ def submit(store: Store, request_id: str, level: int, *, enqueued_at: float = NO
 def lease(store: Store, step: int, *, max_items: int = 1, requests_only: bool = False,
           notes: leases.LeaseNotes | None = None, window: int = 512,
           tenants: dict[str, Any] | None = None) -> list[str]:
-    leased = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=max_items,
+    leased = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=max_items,
                                 requests_only=requests_only, notes=notes, tenants=tenants,
                                 classes=degrade.lease_classes(step, SETTINGS, "dynamic", window))
     return [item.item_id for item in leased]

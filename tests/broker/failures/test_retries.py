@@ -14,10 +14,11 @@ from broker.online.requests import RequestSpec
 from broker.queueing import leases, reaping, tickets
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, inflight_deadlines, job_field, job_spec, ready_ids
+from tests.leasing import lease_items
 
 
 def _lease_all(store: Store, now: float, model_ref: str = MODEL_REF) -> dict[str, leases.LeasedItem]:
-    leased = leases.lease_batch(store, model_ref, now=now, lease_seconds=30, max_items=100)
+    leased = lease_items(store, model_ref, now=now, lease_seconds=30, max_items=100)
     return {item.item_id: item for item in leased}
 
 

@@ -15,10 +15,10 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import slices as job_slices
 from broker.jobs import stops as job_stops
-from broker.queueing import leases
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
 from tests.broker.sliced_calls import SLICE, chunk_ids, small_slices  # noqa: F401 (small_slices: autouse)
+from tests.leasing import lease_items
 
 
 def job_items(store: Store, job_id: str) -> list[str]:
@@ -32,14 +32,14 @@ def filling(store: Store) -> list[str]:
 
 def count_calls(store: Store, script: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the number of arguments of each call of `script` on this thread's store (the real script runs)."""
-    registered = store.scripts._scripts[script]
+    registered = getattr(store.scripts, script)
     sizes: list[int] = []
 
     def counted(*, keys: list[str], args: list[object]) -> object:
         sizes.append(len(args))
         return registered(keys=keys, args=args)
 
-    monkeypatch.setitem(store.scripts._scripts, script, counted)
+    monkeypatch.setattr(store.scripts, script, counted)
     return sizes
 
 
@@ -63,7 +63,7 @@ def test_a_fill_going_on_is_not_taken_for_stalled_however_old_its_request_time(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """The request's time is taken before its input is hashed (minutes, for a large file on slow storage):
     the filling index holds the time of each call instead."""
-    registered = store.scripts._scripts["enqueue_items"]
+    registered = store.scripts.enqueue_items
     seen_stalled: list[list[str]] = []
 
     def enqueue_then_look(*, keys: list[str], args: list[object]) -> object:
@@ -71,7 +71,7 @@ def test_a_fill_going_on_is_not_taken_for_stalled_however_old_its_request_time(
         seen_stalled.append(job_fills.stalled_fills(store, now=time.time()))
         return reply
 
-    monkeypatch.setitem(store.scripts._scripts, "enqueue_items", enqueue_then_look)
+    monkeypatch.setattr(store.scripts, "enqueue_items", enqueue_then_look)
     job_fills.create_job(store, job_spec("slow", rows_total=7, chunk_size=1), now=time.time() - 3600)
 
     assert seen_stalled == [[], [], []]
@@ -79,7 +79,7 @@ def test_a_fill_going_on_is_not_taken_for_stalled_however_old_its_request_time(
 
 def test_a_stop_takes_every_item_out_over_several_calls(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     job_fills.create_job(store, job_spec("big", rows_total=10, chunk_size=1), now=NOW)
-    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)  # two in flight
+    lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)  # two in flight
     calls = count_calls(store, "stop_job", monkeypatch)
 
     assert job_stops.stop_job(store, "big", status="cancelled", error="by the user", now=NOW + 1) == "cancelled"
@@ -102,7 +102,7 @@ def test_a_fill_whose_caller_died_is_completed_by_the_reaper_pass_once(store: St
         store.client.zrem(store.keys.ready(MODEL_REF), item_id)
         store.client.hdel(store.keys.items, item_id)
     store.client.zadd(store.keys.jobs_filling, {"cut": NOW})
-    [leased] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=300, max_items=1)  # a worker has one
+    [leased] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=300, max_items=1)  # a worker has one
 
     assert job_fills.stalled_fills(store, now=NOW + job_slices.FILL_STALLED_SECONDS - 1) == []  # its caller may be slow
     assert job_fills.stalled_fills(store, now=NOW + job_slices.FILL_STALLED_SECONDS) == ["cut"]

@@ -21,14 +21,15 @@ from broker.queueing import leases, reaping
 from broker.queueing.scoring import Weights, queue_key
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_field, job_spec, ready_ids
+from tests.leasing import lease_items
 
 
 def finish_job(store: Store, job_id: str, *, now: float) -> None:
     """Run every chunk and then the finalize item, as a worker would."""
-    for item in leases.lease_batch(store, MODEL_REF, now=now, lease_seconds=30, max_items=1000):
+    for item in lease_items(store, MODEL_REF, now=now, lease_seconds=30, max_items=1000):
         if item.payload["kind"] == "chunk":
             ack(store, item, now=now)
-    [final] = leases.lease_batch(store, MODEL_REF, now=now, lease_seconds=30, max_items=1000)
+    [final] = lease_items(store, MODEL_REF, now=now, lease_seconds=30, max_items=1000)
     assert final.payload["kind"] == "finalize"
     leases.finish_item(
         store, final, job_id, now=now, job_status="succeeded", job_fields={"manifest": json.dumps({"rows": 1})}
@@ -122,7 +123,7 @@ def started_with_a_chunk_done(store: Store, rows_total: int) -> jobs.JobSpec:
     """A job of 4-row chunks started at NOW whose first chunk was acked 2 s later."""
     spec = job_spec(rows_total=rows_total, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
-    [item] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    [item] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
     job_progress.start_item(store, spec.job_id, now=NOW)
     ack(store, item, now=NOW + 2)
     return spec
@@ -142,7 +143,7 @@ def test_after_a_resume_rate_and_eta_are_of_the_resumed_run_not_of_the_time_stop
     spec = started_with_a_chunk_done(store, rows_total=12)
     job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 2)
     job_fills.resume_job(store, spec.job_id, now=NOW + 100)  # stood stopped for 98 s
-    [second] = leases.lease_batch(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1)
+    [second] = lease_items(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1)
     ack(store, second, now=NOW + 101)
 
     job = jobs.get_job(store, spec.job_id, now=NOW + 101)
@@ -274,7 +275,7 @@ def test_cancel_removes_waiting_and_leased_items(store: Store) -> None:
     other = job_spec("jother", rows_total=1, chunk_size=1)
     job_fills.create_job(store, spec, now=NOW)
     job_fills.create_job(store, other, now=NOW + 1)
-    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
 
     status = job_stops.stop_job(store, spec.job_id, status="cancelled", error="cancelled by the user", now=NOW + 2)
 
@@ -290,7 +291,7 @@ def test_cancel_removes_waiting_and_leased_items(store: Store) -> None:
 def test_ack_after_cancel_is_ignored(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
-    [item] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    [item] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
     job_stops.stop_job(store, spec.job_id, status="cancelled", error="", now=NOW + 1)
 
     assert ack(store, item, now=NOW + 2) == 0
@@ -322,7 +323,7 @@ def test_stopping_an_unknown_job_raises_job_not_found(store: Store) -> None:
 def test_resume_re_queues_exactly_the_chunks_not_done(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=2)  # 5 chunks
     job_fills.create_job(store, spec, now=NOW)
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=5)
+    leased = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=5)
     ack(store, leased[0], now=NOW + 1)
     ack(store, leased[3], now=NOW + 1)
     # everything crashes: the other three leases are held by workers that are gone
@@ -342,7 +343,7 @@ def test_resume_re_queues_exactly_the_chunks_not_done(store: Store) -> None:
 def test_resume_of_a_cancelled_job_re_queues_its_missing_chunks(store: Store) -> None:
     spec = job_spec(rows_total=6, chunk_size=2)
     job_fills.create_job(store, spec, now=NOW)
-    [first] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    [first] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
     ack(store, first, now=NOW + 1)
     job_stops.stop_job(store, spec.job_id, status="cancelled", error="cancelled by the user", now=NOW + 2)
 
@@ -365,9 +366,9 @@ def test_resume_does_not_duplicate_chunks_already_waiting(store: Store) -> None:
 def test_late_ack_from_a_pre_resume_lease_is_counted_once(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=2)
     job_fills.create_job(store, spec, now=NOW)
-    [old, _] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)
+    [old, _] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)
     job_fills.resume_job(store, spec.job_id, now=NOW + 1)
-    [new, _] = leases.lease_batch(store, MODEL_REF, now=NOW + 2, lease_seconds=30, max_items=2)
+    [new, _] = lease_items(store, MODEL_REF, now=NOW + 2, lease_seconds=30, max_items=2)
 
     assert [ack(store, old, now=NOW + 3), ack(store, new, now=NOW + 4)] == [1, 0]
 
@@ -378,7 +379,7 @@ def test_late_ack_from_a_pre_resume_lease_is_counted_once(store: Store) -> None:
 def test_resume_with_every_chunk_done_queues_only_the_finalize_step(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=2)
     job_fills.create_job(store, spec, now=NOW)
-    for item in leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2):
+    for item in lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2):
         ack(store, item, now=NOW + 1)
     job_stops.stop_job(store, spec.job_id, status="failed", error="finalize crashed", now=NOW + 2)
     assert ready_ids(store) == []  # stop took the finalize item out too
@@ -411,7 +412,7 @@ def test_a_resume_between_reap_and_fail_wins_over_the_reaper(store: Store) -> No
     spec = job_spec(rows_total=4, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
     for attempt in range(3):
-        leases.lease_batch(store, MODEL_REF, now=NOW + attempt * 10, lease_seconds=1, max_items=1)
+        lease_items(store, MODEL_REF, now=NOW + attempt * 10, lease_seconds=1, max_items=1)
         result = reaping.reap_expired_leases(store, now=NOW + attempt * 10 + 5, max_attempts=3)
     (_, dead_item, _), = result.dead_items
 
@@ -427,7 +428,7 @@ def test_a_resume_between_reap_and_fail_wins_over_the_reaper(store: Store) -> No
 def test_the_reaper_fails_a_job_whose_item_stays_dead(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
-    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=1, max_items=1)
+    lease_items(store, MODEL_REF, now=NOW, lease_seconds=1, max_items=1)
     (_, dead_item, _), = reaping.reap_expired_leases(store, now=NOW + 5, max_attempts=1).dead_items
 
     outcome = job_stops.stop_job(store, spec.job_id, status="failed", error="poison", now=NOW + 6, dead_item=dead_item)

@@ -11,17 +11,18 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import slices as job_slices
 from broker.jobs import stops as job_stops
-from broker.queueing import leases, reaping
+from broker.queueing import reaping
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, inflight_deadlines, job_spec, ready_ids
 from tests.broker.sliced_calls import SLICE, before_first_call, chunk_ids, dying_after_first_call, small_slices  # noqa: F401 (small_slices: autouse)
+from tests.leasing import lease_items
 
 
 def crashed_run(store: Store, job_id: str) -> None:
     """A job of 10 chunks whose run died: chunks 0-8 still leased (for minutes yet), chunk 9 dead."""
     job_fills.create_job(store, job_spec(job_id, rows_total=10, chunk_size=1), now=NOW)
-    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=300, max_items=9)
-    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=1, max_items=1)
+    lease_items(store, MODEL_REF, now=NOW, lease_seconds=300, max_items=9)
+    lease_items(store, MODEL_REF, now=NOW, lease_seconds=1, max_items=1)
     result = reaping.reap_expired_leases(store, now=NOW + 2, max_attempts=1)
     assert [item_id for _, item_id, _ in result.dead_items] == [jobs.chunk_item_id(job_id, 9)]
     assert sorted(inflight_deadlines(store)) == chunk_ids(job_id, range(9)) and ready_ids(store) == []
@@ -55,7 +56,7 @@ def test_a_second_pass_takes_back_nothing_the_new_run_leased(store: Store) -> No
     crashed_run(store, "run")
     cut_resume(store, "run")
     assert job_fills.refill_job(store, "run", now=NOW + 40) == 7
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW + 41, lease_seconds=300, max_items=10)
+    leased = lease_items(store, MODEL_REF, now=NOW + 41, lease_seconds=300, max_items=10)
     assert len(leased) == 10
 
     assert job_fills.refill_job(store, "run", now=NOW + 42) == 0
@@ -149,7 +150,7 @@ def test_a_resume_of_one_call_after_a_cut_one_ends_it_and_a_stale_pass_takes_not
     assert job_fills.resume_job(store, "run", now=NOW + 20) == 7
     monkeypatch.setattr(job_slices, "ENQUEUE_SLICE", SLICE)
     assert job_fills.stalled_fills(store, now=NOW + 3600) == []
-    assert len(leases.lease_batch(store, MODEL_REF, now=NOW + 21, lease_seconds=300, max_items=10)) == 10
+    assert len(lease_items(store, MODEL_REF, now=NOW + 21, lease_seconds=300, max_items=10)) == 10
 
     assert job_fills.refill_job(store, "run", now=NOW + 40) == 0
 

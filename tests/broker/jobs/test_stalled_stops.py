@@ -13,10 +13,10 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import slices as job_slices
 from broker.jobs import stops as job_stops
-from broker.queueing import leases
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
 from tests.broker.sliced_calls import SLICE, before_first_call, dying_after_first_call, small_slices  # noqa: F401 (small_slices: autouse)
+from tests.leasing import lease_items
 
 OTHER_REF = "mlp@v2"
 
@@ -48,7 +48,7 @@ def test_a_stop_cut_after_its_first_call_is_completed_by_a_reaper_pass(store: St
     job_fills.create_job(store, job_spec("cut", rows_total=10, chunk_size=1), now=NOW)
     job_fills.create_job(store, job_spec("near", rows_total=4, chunk_size=1), now=NOW)  # same queue
     job_fills.create_job(store, job_spec("far", rows_total=4, chunk_size=1, model_version="v2"), now=NOW)
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=300, max_items=2)
+    leased = lease_items(store, MODEL_REF, now=NOW, lease_seconds=300, max_items=2)
     assert [item.item_id for item in leased] == [jobs.chunk_item_id("cut", 0), jobs.chunk_item_id("cut", 1)]
     untouched = {name: job_items(store, name) for name in ("near", "far")}
     far_ready = ready_ids(store, OTHER_REF)
@@ -134,7 +134,7 @@ def test_two_reaper_passes_at_once_complete_a_stop_once(store: Store, monkeypatc
     job_fills.create_job(store, job_spec("cut", rows_total=10, chunk_size=1), now=NOW)
     job_fills.create_job(store, job_spec("near", rows_total=4, chunk_size=1), now=NOW)
     cut_stop(store, "cut")
-    registered = store.scripts._scripts["stop_job"]
+    registered = store.scripts.stop_job
     recorded_after: list[list[str]] = []  # the stopping index after each call, the other pass's first
 
     def call_and_look(*, keys: list[str], args: list[object]) -> object:
@@ -142,7 +142,7 @@ def test_two_reaper_passes_at_once_complete_a_stop_once(store: Store, monkeypatc
         recorded_after.append(stopping(store))
         return reply
 
-    monkeypatch.setitem(store.scripts._scripts, "stop_job", call_and_look)
+    monkeypatch.setattr(store.scripts, "stop_job", call_and_look)
     with before_first_call(store, "stop_job", lambda: job_stops.finish_stop(store, "cut", now=NOW + 40)):
         assert job_stops.finish_stop(store, "cut", now=NOW + 40) == "cancelled"
 

@@ -20,9 +20,9 @@ from broker.memory.reservation import (
 )
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import leases
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW
+from tests.leasing import lease_items
 
 MIB = 2**20
 
@@ -197,9 +197,9 @@ def test_a_token_admission_cuts_the_lease_to_its_tokens(store: Store) -> None:
     [whole, admission] = admit(["transformer@v1"], lambda _: token_cost, ledger, now=NOW, backfill=True)
     # The head's waiting batch, all or nothing: 6 x 512 tokens formed under 8192, more than 1920 fit.
     assert whole.whole_within == (64, 1920) and (whole.max_rows, whole.max_tokens) == (64, 8192)
-    assert leases.lease_batch(store, model, now=NOW, lease_seconds=30, max_items=64, max_rows=whole.max_rows,
+    assert lease_items(store, model, now=NOW, lease_seconds=30, max_items=64, max_rows=whole.max_rows,
                               max_tokens=whole.max_tokens, whole_within=whole.whole_within) == []
-    leased = leases.lease_batch(store, model, now=NOW, lease_seconds=30, max_items=64,
+    leased = lease_items(store, model, now=NOW, lease_seconds=30, max_items=64,
                                 max_rows=admission.max_rows, max_tokens=admission.max_tokens)
 
     assert admission.max_tokens == 1920  # 240 MiB at 1/8 MiB per token
@@ -216,7 +216,7 @@ def test_a_whole_lease_takes_the_batch_formed_under_the_full_limits_or_nothing(s
         requests.submit_request(store, spec, score=float(index), now=NOW, max_age_seconds=60)
 
     def whole(within_rows: int) -> list[str]:
-        leased = leases.lease_batch(store, model, now=NOW, lease_seconds=30, max_items=64, max_rows=64,
+        leased = lease_items(store, model, now=NOW, lease_seconds=30, max_items=64, max_rows=64,
                                     whole_within=(within_rows, 0))
         return [item.item_id for item in leased]
 

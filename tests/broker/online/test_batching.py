@@ -11,9 +11,10 @@ from broker.online import requests
 from broker.online.batching import FALLBACK_MAX_BATCH_SIZE, MAX_AUTO_DELAY, Batching, resolve
 from broker.online.requests import RequestSpec
 from broker.online.settings import ModelBatching
-from broker.queueing import leases, queues
+from broker.queueing import queues
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW
+from tests.leasing import lease_items
 
 
 def record(points: list[tuple[int, float]], source: str = "measured", device: str = "cpu") -> dict:
@@ -118,7 +119,7 @@ def _submit(store: Store, request_id: str, *, rows: int = 1, bucket: str = "feat
 
 
 def _lease(store: Store, preferred: tuple[int, ...], max_items: int = 16) -> list[str]:
-    return [item.item_id for item in leases.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=30,
+    return [item.item_id for item in lease_items(store, "mlp@v1", now=NOW, lease_seconds=30,
                                                         max_items=max_items, preferred_sizes=preferred)]
 
 

@@ -26,6 +26,7 @@ from broker.queueing import leases, policy, reaping
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW
+from tests.leasing import lease_items
 
 MODEL = "mlp@v1"
 
@@ -131,7 +132,7 @@ def test_a_full_queue_takes_nothing_and_says_how_many_wait(store: Store) -> None
 def test_leased_requests_do_not_count_and_requests_back_in_the_queue_count_again(store: Store) -> None:
     for index in range(2):
         submit(store, spec(f"r{index}"), most=2)
-    leased = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=2)
+    leased = lease_items(store, MODEL, now=NOW, lease_seconds=10, max_items=2)
 
     submit(store, spec("r2"), most=2)  # the two leased ones are in a batch: room for two more
     assert leases.return_unrun(store, leased[:1]) == 1  # one goes back: the queue is full again
@@ -219,7 +220,7 @@ def test_a_request_past_its_delay_timeout_drops_behind_its_level_and_still_waits
 
 def test_a_request_a_worker_holds_is_left_to_it_and_a_finished_one_leaves_the_index(store: Store) -> None:
     submit(store, spec("running", expires_at=NOW + 0.2))
-    [held] = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=1)
+    [held] = lease_items(store, MODEL, now=NOW, lease_seconds=10, max_items=1)
 
     assert expire(store, NOW + 1).rejected == []
     assert store.client.zcard(store.keys.request_timeouts(MODEL)) == 1  # its lease may yet run out
@@ -234,7 +235,7 @@ def test_a_request_a_worker_holds_is_left_to_it_and_a_finished_one_leaves_the_in
 def test_a_reject_timeout_survives_a_lease_lost_before_it_passed(store: Store) -> None:
     """A worker leases the request in time and dies; the reaper brings it back past its timeout."""
     submit(store, spec("orphan", expires_at=NOW + 5))
-    leases.lease_batch(store, MODEL, now=NOW, lease_seconds=10, max_items=1)
+    lease_items(store, MODEL, now=NOW, lease_seconds=10, max_items=1)
     expire(store, NOW + 6)
     reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
 

@@ -11,10 +11,11 @@ from hypothesis.extra import numpy as hnp
 from broker.errors import Conflict
 from broker.online import requests
 from broker.online.requests import PolicyChanged, RequestResult, RequestSpec
-from broker.queueing import leases, policy, queues
+from broker.queueing import policy, queues
 from broker.queueing.scoring import Weights
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW
+from tests.leasing import lease_items
 
 MODEL = "transformer@v1"
 
@@ -67,9 +68,9 @@ def test_token_budget_counts_padded_tokens_and_merges_nearby_lengths(store: Stor
     requests.submit_request(store, spec("rlong", length=30, padded=32, bucket="input_ids:~32"), score=0.5,
                             now=NOW, max_age_seconds=60)
 
-    first = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=8, max_tokens=64)
-    second = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=8, max_tokens=64)
-    third = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=8, max_tokens=64)
+    first = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=8, max_tokens=64)
+    second = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=8, max_tokens=64)
+    third = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=8, max_tokens=64)
 
     assert [item.item_id for item in first] == ["r0", "r1", "r2", "r3"]  # 4 x 16 padded tokens = 64
     assert [item.item_id for item in second] == ["rlong"]  # another length class, not merged
@@ -78,7 +79,7 @@ def test_token_budget_counts_padded_tokens_and_merges_nearby_lengths(store: Stor
 
 def test_a_waiter_without_an_inbox_reads_the_finished_request_from_its_hash(store: Store) -> None:
     requests.submit_request(store, spec("r1"), score=1.0, now=NOW, max_age_seconds=60)
-    [item] = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1)
+    [item] = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1)
     assert requests.wait_for_request(store, "r1", timeout=0.05) is None
 
     embedding = np.full((1, 4), 0.5, np.float32)
@@ -103,9 +104,9 @@ def test_a_snapshot_empties_the_doorbell_and_a_lease_that_leaves_work_rings_it(s
     assert queues.QueueWatcher(store).snapshot().heads
     assert store.client.llen(store.keys.doorbell) == 0
 
-    assert len(leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=2)) == 2
+    assert len(lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=2)) == 2
     assert store.client.llen(store.keys.doorbell) == 1  # r2 waits
 
     queues.QueueWatcher(store).snapshot()
-    assert len(leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=2)) == 1
+    assert len(lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=2)) == 1
     assert store.client.llen(store.keys.doorbell) == 0  # nothing left: no peer to wake

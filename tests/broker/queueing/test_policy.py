@@ -7,10 +7,11 @@ import pytest
 
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import leases, policy, queues
+from broker.queueing import policy, queues
 from broker.queueing.scoring import Factors, Weights, psa_jump_level, queue_key
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW
+from tests.leasing import lease_items
 
 MODEL = "mlp@v1"
 
@@ -46,7 +47,7 @@ def test_psa_jumps_exactly_when_all_three_conditions_hold(store: Store, remainin
                               weights=Weights())
     assert decision == expected  # the pure rule and the Lua agree on every case
     assert jumped == (["rwatch"] if expected else [])
-    [first] = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, max_rows=1)
+    [first] = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1, max_rows=1)
     if expected:
         assert first.item_id == "rwatch" and first.payload["factors"]["level"] == expected
         assert first.payload["factors"]["base_level"] == base_level
@@ -67,7 +68,7 @@ def test_psa_goes_from_12_to_15_as_the_deadline_nears_and_leaves_the_index(store
 
 def test_a_leased_item_leaves_the_deadline_index(store: Store) -> None:
     submit(store, "rwatch", level=0, deadline_in=0.05)
-    leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1)
+    lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1)
 
     assert policy.apply_psa(store, MODEL, Weights(), "dynamic", now=NOW, capacity=1) == []
     assert store.client.zcard(store.keys.deadlines(MODEL)) == 0
@@ -91,5 +92,5 @@ def test_psa_pass_only_touches_models_with_an_item_near_its_deadline(store: Stor
     watcher = queues.QueueWatcher(store)
     assert policy.psa_pass(store, watcher.snapshot(), capacities.__getitem__, default="dynamic", now=NOW - 10) is False
     assert policy.psa_pass(store, watcher.snapshot(), capacities.__getitem__, default="dynamic", now=NOW) is True
-    [first] = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, max_rows=1)
+    [first] = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1, max_rows=1)
     assert first.item_id == "rsoon"

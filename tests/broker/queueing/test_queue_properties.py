@@ -49,6 +49,7 @@ from broker.state.embedded import EmbeddedRedis
 from broker.state.keys import Keys
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW, ack, fresh_prefix, job_spec
+from tests.leasing import lease_items
 
 MODELS = ("mlp@v1", "cnn@v1")
 MAX_ATTEMPTS = 2
@@ -178,7 +179,7 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from(MODELS), max_items=st.integers(1, 3), lease_seconds=st.sampled_from([10, 60]),
           carry_chunk=st.booleans(), requests_only=st.booleans())
     def lease(self, model: str, max_items: int, lease_seconds: int, carry_chunk: bool, requests_only: bool) -> None:
-        leased = leases.lease_batch(self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items,
+        leased = lease_items(self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items,
                                     max_chunks=1, carry_chunk=carry_chunk, requests_only=requests_only)
         kinds = [item.payload["kind"] for item in leased]
         if requests_only or not carry_chunk:
@@ -245,7 +246,7 @@ class QueueMachine(RuleBasedStateMachine):
     def lease_and_give_back_unrun(self, model: str, carry_chunk: bool, chunks_only: bool) -> None:
         """A worker leases a batch and at once returns what it cannot run now (a job chunk that does not
         fit the device's free memory, `sits_worker.serving.leasing.admitted`); it runs the rest."""
-        leased = leases.lease_batch(self.store, model, now=self.now, lease_seconds=60, max_items=3, max_chunks=1,
+        leased = lease_items(self.store, model, now=self.now, lease_seconds=60, max_items=3, max_chunks=1,
                                     carry_chunk=carry_chunk)
         back = [item for item in leased if item.payload["kind"] == "chunk" or not chunks_only]
         attempts_before = {item.item_id: item.attempts - 1 for item in back}

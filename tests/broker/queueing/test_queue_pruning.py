@@ -12,6 +12,7 @@ from broker.jobs import records as jobs
 from broker.queueing import leases, queues, reaping, tickets
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW, job_spec, ready_ids
+from tests.leasing import lease_items
 
 OLD, LATEST = "mlp@v1", "mlp@v2"
 
@@ -29,7 +30,7 @@ def queue_set(store: Store) -> set[str]:
 
 def drain(store: Store, model_ref: str) -> None:
     """Lease everything waiting for `model_ref` and finish it, as workers do."""
-    for item in leases.lease_batch(store, model_ref, now=NOW, lease_seconds=30, max_items=100):
+    for item in lease_items(store, model_ref, now=NOW, lease_seconds=30, max_items=100):
         leases.finish_item(store, item, "", now=NOW)
 
 
@@ -51,7 +52,7 @@ def test_an_older_version_s_drained_queue_is_pruned_and_the_latest_s_stays(two_v
 def test_an_older_version_with_leased_items_is_kept(two_versions: Store) -> None:
     store = two_versions
     job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
-    [leased] = leases.lease_batch(store, OLD, now=NOW, lease_seconds=30, max_items=1)
+    [leased] = lease_items(store, OLD, now=NOW, lease_seconds=30, max_items=1)
 
     assert queues.prune_old_queues(store) == []
 
@@ -78,7 +79,7 @@ def test_a_job_s_finalize_item_puts_its_queue_back(two_versions: Store) -> None:
     """The finalize item is queued by the last chunk's ack, not by an enqueue."""
     store = two_versions
     job_fills.create_job(store, job_spec("jold", model_version="v1", rows_total=1, chunk_size=1), now=NOW)
-    [chunk] = leases.lease_batch(store, OLD, now=NOW, lease_seconds=30, max_items=1)
+    [chunk] = lease_items(store, OLD, now=NOW, lease_seconds=30, max_items=1)
     store.client.srem(store.keys.queues, OLD)  # as if pruned in a moment nothing was queued or leased
 
     assert job_progress.ack_chunk(store, chunk, now=NOW + 1, worker="w1") == 2

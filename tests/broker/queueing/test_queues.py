@@ -15,6 +15,7 @@ from broker.queueing.leases import StaleTicket
 from broker.queueing.wakeup import wake_workers
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, ack, inflight_deadlines, job_field, job_spec, ready_ids
+from tests.leasing import lease_items
 
 # --- leasing ------------------------------------------------------------------------------
 
@@ -23,7 +24,7 @@ def test_lease_moves_items_from_ready_to_inflight_with_the_deadline(store: Store
     spec = job_spec(rows_total=10, chunk_size=4)  # chunks [0,4) [4,8) [8,10)
     job_fills.create_job(store, spec, now=NOW)
 
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW + 1, lease_seconds=30, max_items=2)
+    leased = lease_items(store, MODEL_REF, now=NOW + 1, lease_seconds=30, max_items=2)
 
     assert [item.item_id for item in leased] == [jobs.chunk_item_id(spec.job_id, i) for i in (0, 1)]
     assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, 2)]
@@ -47,13 +48,13 @@ def test_lease_moves_items_from_ready_to_inflight_with_the_deadline(store: Store
 
 
 def test_lease_on_an_empty_or_unknown_queue_returns_nothing(store: Store) -> None:
-    assert leases.lease_batch(store, "nobody@v0", now=NOW, lease_seconds=30, max_items=8) == []
+    assert lease_items(store, "nobody@v0", now=NOW, lease_seconds=30, max_items=8) == []
 
 
 def test_lease_takes_at_most_what_is_waiting(store: Store) -> None:
     job_fills.create_job(store, job_spec(rows_total=3, chunk_size=2), now=NOW)
 
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=10)
+    leased = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=10)
 
     assert len(leased) == 2
     assert ready_ids(store) == []
@@ -65,7 +66,7 @@ def test_items_are_leased_fifo_within_a_priority(store: Store) -> None:
     job_fills.create_job(store, second, now=NOW + 5)  # written to Redis first ...
     job_fills.create_job(store, first, now=NOW)  # ... but this one was enqueued earlier
 
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW + 10, lease_seconds=30, max_items=10)
+    leased = lease_items(store, MODEL_REF, now=NOW + 10, lease_seconds=30, max_items=10)
 
     assert [item.item_id for item in leased] == [
         "jfirst:c0000000",
@@ -81,7 +82,7 @@ def test_higher_priority_is_leased_first_even_when_enqueued_later(store: Store) 
     job_fills.create_job(store, job_spec("jhigh", rows_total=1, chunk_size=1, priority=15), now=NOW + 10)
 
     order = [
-        item.item_id for item in leases.lease_batch(store, MODEL_REF, now=NOW + 200, lease_seconds=30, max_items=10)
+        item.item_id for item in lease_items(store, MODEL_REF, now=NOW + 200, lease_seconds=30, max_items=10)
     ]
 
     assert order == ["jhigh:c0000000", "jmid:c0000000", "jlow:c0000000", "jlow:c0000001"]
@@ -92,7 +93,7 @@ def test_aging_lets_an_old_low_priority_item_pass_newer_urgent_ones(store: Store
     # delta = 0.1 point per second: after 60 s the old item is worth 6 levels more than a new one
     job_fills.create_job(store, job_spec("jnew", rows_total=1, chunk_size=1, priority=5), now=NOW + 60)
 
-    order = [item.item_id for item in leases.lease_batch(store, MODEL_REF, now=NOW + 61, lease_seconds=30,
+    order = [item.item_id for item in lease_items(store, MODEL_REF, now=NOW + 61, lease_seconds=30,
                                                          max_items=10)]
 
     assert order == ["jold:c0000000", "jnew:c0000000"]
@@ -102,7 +103,7 @@ def test_chunks_of_a_large_job_wait_in_row_order(store: Store) -> None:
     spec = job_spec(rows_total=25, chunk_size=2)  # 13 chunks: ids must sort numerically
     job_fills.create_job(store, spec, now=NOW)
 
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=100)
+    leased = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=100)
 
     assert [item.payload["chunk"] for item in leased] == list(range(13))
 
@@ -110,7 +111,7 @@ def test_chunks_of_a_large_job_wait_in_row_order(store: Store) -> None:
 def test_queue_heads_and_depths_report_each_queue(store: Store) -> None:
     job_fills.create_job(store, job_spec("ja", rows_total=4, chunk_size=2), now=NOW)
     job_fills.create_job(store, job_spec("jb", model_name="cnn", rows_total=3, chunk_size=1), now=NOW + 1)
-    leases.lease_batch(store, "cnn@v1", now=NOW + 2, lease_seconds=30, max_items=3)
+    lease_items(store, "cnn@v1", now=NOW + 2, lease_seconds=30, max_items=3)
 
     heads = queues.queue_heads(store)
     depths = queues.queue_depths(store)
@@ -129,7 +130,7 @@ def test_a_watcher_sees_heads_deadlines_and_the_policy_and_picks_up_queues_creat
     job_fills.create_job(store, job_spec("jb", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
     store.client.zadd(store.keys.deadlines(MODEL_REF), {"ja:c0000001": NOW + 2.5, "ja:c0000000": NOW + 7})
     store.client.set(store.keys.policy, '{"ordering": "fifo"}')
-    leases.lease_batch(store, "cnn@v1", now=NOW, lease_seconds=30, max_items=1)
+    lease_items(store, "cnn@v1", now=NOW, lease_seconds=30, max_items=1)
     seen = watcher.snapshot()
 
     assert seen.heads == {MODEL_REF: store.client.zscore(store.keys.ready(MODEL_REF), "ja:c0000000")}
@@ -145,7 +146,7 @@ def test_expired_lease_returns_item_to_its_queue(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
     score_before = store.client.zscore(store.keys.ready(MODEL_REF), jobs.chunk_item_id(spec.job_id, 0))
-    [item] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    [item] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
 
     early = reaping.reap_expired_leases(store, now=NOW + 29, max_attempts=3)
     assert early.returned == 0
@@ -162,10 +163,10 @@ def test_expired_lease_returns_item_to_its_queue(store: Store) -> None:
 
 def test_re_leased_item_counts_its_attempts(store: Store) -> None:
     job_fills.create_job(store, job_spec(rows_total=1, chunk_size=1), now=NOW)
-    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
+    lease_items(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
     reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
 
-    [again] = leases.lease_batch(store, MODEL_REF, now=NOW + 12, lease_seconds=10, max_items=1)
+    [again] = lease_items(store, MODEL_REF, now=NOW + 12, lease_seconds=10, max_items=1)
 
     assert again.attempts == 2
 
@@ -176,7 +177,7 @@ def test_item_leased_max_attempts_times_lands_in_the_dead_set(store: Store) -> N
     now = NOW
     results = []
     for _ in range(3):
-        [item] = leases.lease_batch(store, MODEL_REF, now=now, lease_seconds=10, max_items=1)
+        [item] = lease_items(store, MODEL_REF, now=now, lease_seconds=10, max_items=1)
         now += 11
         results.append(reaping.reap_expired_leases(store, now=now, max_attempts=3))
 
@@ -191,7 +192,7 @@ def test_item_leased_max_attempts_times_lands_in_the_dead_set(store: Store) -> N
 def test_finish_item_clears_a_dead_item_and_fails_its_job(store: Store) -> None:
     spec = job_spec(rows_total=1, chunk_size=1)
     job_fills.create_job(store, spec, now=NOW)
-    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
+    lease_items(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
     [(model_ref, item_id, payload)] = reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=1).dead_items
 
     item = leases.LeasedItem(item_id, model_ref, payload, 1)
@@ -207,7 +208,7 @@ def test_finish_item_clears_a_dead_item_and_fails_its_job(store: Store) -> None:
 def test_finish_item_keeps_a_final_job_status(store: Store) -> None:
     spec = job_spec(rows_total=2, chunk_size=1)
     job_fills.create_job(store, spec, now=NOW)
-    [item, _] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=2)
+    [item, _] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=2)
     job_stops.stop_job(store, spec.job_id, status="cancelled", error="by user", now=NOW + 1)
 
     leases.finish_item(store, item, spec.job_id, now=NOW + 2, job_status="failed", error="late failure")
@@ -222,7 +223,7 @@ def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queu
     removed, the resumed job would wait for ever for a chunk that is nowhere."""
     spec = job_spec(rows_total=2, chunk_size=1)
     job_fills.create_job(store, spec, now=NOW)
-    [item, other] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=2)
+    [item, other] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=2)
     job_stops.stop_job(store, spec.job_id, status="cancelled", error="by user", now=NOW + 1)
     job_fills.resume_job(store, spec.job_id, now=NOW + 2)
 
@@ -230,7 +231,7 @@ def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queu
 
     assert sorted(ready_ids(store)) == sorted([item.item_id, other.item_id])
     assert store.client.hget(store.keys.items, item.item_id) is not None
-    again = leases.lease_batch(store, MODEL_REF, now=NOW + 4, lease_seconds=10, max_items=2)  # another worker's
+    again = lease_items(store, MODEL_REF, now=NOW + 4, lease_seconds=10, max_items=2)  # another worker's
     leases.finish_item(store, item, spec.job_id, now=NOW + 4)  # a drop later still
     assert sorted(inflight_deadlines(store)) == sorted(leased.item_id for leased in again)
     assert store.client.hget(store.keys.items, item.item_id) is not None
@@ -245,7 +246,7 @@ def test_an_item_dropped_for_a_stopped_job_that_a_resume_queued_again_stays_queu
 def test_ack_records_the_chunk_in_the_job_checkpoint(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
-    [item] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    [item] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
 
     assert ack(store, item, now=NOW + 5, worker="gpu0") == 1
 
@@ -264,7 +265,7 @@ def test_ack_records_the_chunk_in_the_job_checkpoint(store: Store) -> None:
 def test_acking_the_same_chunk_twice_counts_it_once(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
-    [item] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    [item] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
 
     first = ack(store, item, now=NOW + 1)
     second = ack(store, item, now=NOW + 2)
@@ -279,7 +280,7 @@ def test_acking_the_same_chunk_twice_counts_it_once(store: Store) -> None:
 def test_late_ack_of_a_reaped_chunk_takes_it_out_of_the_queue(store: Store) -> None:
     spec = job_spec(rows_total=8, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
-    [slow] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
+    [slow] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
     reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
     assert slow.item_id in ready_ids(store)
 
@@ -292,9 +293,9 @@ def test_late_ack_of_a_reaped_chunk_takes_it_out_of_the_queue(store: Store) -> N
 def test_late_ack_after_the_chunk_was_re_leased_is_counted_once(store: Store) -> None:
     spec = job_spec(rows_total=4, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
-    [slow] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
+    [slow] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=10, max_items=1)
     reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
-    [fast] = leases.lease_batch(store, MODEL_REF, now=NOW + 12, lease_seconds=10, max_items=1)
+    [fast] = lease_items(store, MODEL_REF, now=NOW + 12, lease_seconds=10, max_items=1)
 
     replies = [ack(store, slow, now=NOW + 13), ack(store, fast, now=NOW + 14)]
 
@@ -306,7 +307,7 @@ def test_late_ack_after_the_chunk_was_re_leased_is_counted_once(store: Store) ->
 def test_last_chunk_ack_queues_the_finalize_item(store: Store) -> None:
     spec = job_spec(rows_total=10, chunk_size=4, priority=3)
     job_fills.create_job(store, spec, now=NOW)
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=3)
+    leased = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=3)
 
     replies = [ack(store, item, now=NOW + 1) for item in reversed(leased)]
 
@@ -332,7 +333,7 @@ def test_the_ack_that_queues_the_finalize_item_rings_the_doorbell(store: Store) 
     Acks that queue nothing (earlier chunks, a duplicate of the last) do not ring."""
     spec = job_spec(rows_total=10, chunk_size=4)
     job_fills.create_job(store, spec, now=NOW)
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=3)
+    leased = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=3)
 
     rings = []
     for item in [*leased, leased[-1]]:
@@ -379,7 +380,7 @@ def test_stale_ticket_cannot_lease(store: Store) -> None:
     job_fills.create_job(store, job_spec(), now=NOW)
 
     with pytest.raises(StaleTicket):
-        leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1, ticket="t99")
+        lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1, ticket="t99")
 
     assert len(ready_ids(store)) == 3  # nothing was leased
 
@@ -388,7 +389,7 @@ def test_live_ticket_leases_and_is_marked_seen(store: Store) -> None:
     job_fills.create_job(store, job_spec(), now=NOW)
     [ticket] = tickets.top_up_tickets(store, now=NOW, target=1)
 
-    leased = leases.lease_batch(store, MODEL_REF, now=NOW + 7, lease_seconds=30, max_items=1, ticket=ticket)
+    leased = lease_items(store, MODEL_REF, now=NOW + 7, lease_seconds=30, max_items=1, ticket=ticket)
 
     assert len(leased) == 1
     assert store.client.zscore(store.keys.tickets, ticket) == NOW + 7
@@ -404,19 +405,19 @@ def test_replaced_ticket_becomes_stale(store: Store) -> None:
     assert store.client.zscore(store.keys.tickets, old) is None
     assert store.client.zscore(store.keys.tickets, new) == NOW + 200
     with pytest.raises(StaleTicket):
-        leases.lease_batch(store, MODEL_REF, now=NOW + 201, lease_seconds=30, max_items=1, ticket=old)
+        lease_items(store, MODEL_REF, now=NOW + 201, lease_seconds=30, max_items=1, ticket=old)
 
 
 def test_release_ticket_refuses_while_any_queue_has_waiting_work(store: Store) -> None:
     job_fills.create_job(store, job_spec("jidle", model_name="cnn", rows_total=1, chunk_size=1), now=NOW)
-    leases.lease_batch(store, "cnn@v1", now=NOW, lease_seconds=30, max_items=1)  # cnn: only in-flight work
+    lease_items(store, "cnn@v1", now=NOW, lease_seconds=30, max_items=1)  # cnn: only in-flight work
     job_fills.create_job(store, job_spec("jbusy", rows_total=2, chunk_size=1), now=NOW)
     [ticket] = tickets.top_up_tickets(store, now=NOW, target=1)
 
     assert tickets.release_ticket(store, ticket) is False
     assert tickets.ticket_count(store) == 1
 
-    leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)
+    lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2)
 
     assert tickets.release_ticket(store, ticket) is True
     assert tickets.ticket_count(store) == 0
@@ -446,7 +447,7 @@ def test_top_up_creates_exactly_the_missing_tickets(store: Store) -> None:
 def test_expire_lost_tickets_drops_only_tickets_older_than_the_timeout(store: Store) -> None:
     job_fills.create_job(store, job_spec(), now=NOW)
     lost, alive = tickets.top_up_tickets(store, now=NOW, target=2)
-    assert leases.lease_batch(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1, ticket=alive)
+    assert lease_items(store, MODEL_REF, now=NOW + 100, lease_seconds=30, max_items=1, ticket=alive)
 
     assert tickets.expire_lost_tickets(store, now=NOW + 119, ticket_timeout=120) == 0
     assert tickets.expire_lost_tickets(store, now=NOW + 130, ticket_timeout=120) == 1

@@ -14,10 +14,11 @@ import threading
 import pytest
 
 from broker.jobs import fills as job_fills
-from broker.queueing import leases, policy
+from broker.queueing import policy
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, job_spec
+from tests.leasing import lease_items
 
 WAITING = 100_000
 
@@ -42,7 +43,7 @@ def test_hot_update_rescores_100k_items_in_bounded_slices_while_traffic_goes_on(
             job_fills.create_job(store, job_spec(f"jlive{n}", rows_total=2, chunk_size=1), now=NOW + 200,
                             weights=live, ordering=ordering)
             counts["enqueued"] += 2
-            counts["leased"] += len(leases.lease_batch(store, MODEL_REF, now=NOW + 200, lease_seconds=60,
+            counts["leased"] += len(lease_items(store, MODEL_REF, now=NOW + 200, lease_seconds=60,
                                                        max_items=1))
             stop.wait(0.002)  # steady traffic, not a busy loop fighting Redis for the 2 cores
 
@@ -76,7 +77,7 @@ def test_fifo_ordering_serves_by_arrival_whatever_the_priority(store: Store) -> 
     policy.save_policy(store, Weights(), "fifo")
     policy.rescore_all(store, Weights(), "fifo")
 
-    [first] = leases.lease_batch(store, MODEL_REF, now=NOW + 2, lease_seconds=30, max_items=1)
+    [first] = lease_items(store, MODEL_REF, now=NOW + 2, lease_seconds=30, max_items=1)
 
     assert first.item_id == "jfirst:c0000000"
 

@@ -14,6 +14,7 @@ from broker.queueing import leases, reaping
 from broker.queueing.leases import StaleTicket
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, job_spec, ready_ids
+from tests.leasing import lease_items
 
 
 def submit(store: Store, request_id: str, *, score: float, bucket: str = "features:64", rows: int = 1,
@@ -110,12 +111,12 @@ def test_a_batch_of_requests_with_rows_to_spare_takes_the_first_chunk_along_last
     submit(store, "r0", score=ahead)
     submit(store, "r1", score=ahead + 1)
 
-    plain = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=4, max_chunks=1,
+    plain = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=4, max_chunks=1,
                                requests_only=True, carry_chunk=True)
     assert ids(plain) == ["r0", "r1"]  # requests_only never carries a chunk
 
     submit(store, "r2", score=ahead + 2)
-    carried = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=4, max_chunks=1,
+    carried = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=4, max_chunks=1,
                                  carry_chunk=True)
     assert ids(carried) == ["r2", jobs.chunk_item_id(spec.job_id, 0)]
     assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, 1)]
@@ -132,7 +133,7 @@ def test_a_lease_brings_its_requests_inputs_so_the_run_reads_nothing_more(store:
         requests.submit_request(store, request_spec, score=score, now=NOW, max_age_seconds=60)
     store.client.delete(store.keys.request("r1"))  # (its hash expired before the lease)
 
-    batch = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2, max_rows=3, max_chunks=1,
+    batch = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2, max_rows=3, max_chunks=1,
                                carry_chunk=True)
     riders = leases.lease_riders(store, MODEL_REF, "features:64", now=NOW, lease_seconds=30, max_items=4,
                                  max_rows=4)
@@ -155,7 +156,7 @@ def test_a_full_batch_of_requests_takes_no_chunk(store: Store) -> None:
     for index in range(3):
         submit(store, f"r{index}", score=ahead + index)
 
-    full = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2, max_chunks=1,
+    full = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=2, max_chunks=1,
                               carry_chunk=True)
 
     assert ids(full) == ["r0", "r1"]
@@ -166,14 +167,14 @@ def test_a_request_gets_one_result_even_when_completed_late_or_twice(store: Stor
     """A worker whose lease was reaped (the request waits again) or whose completion is repeated
     changes nothing: one result, from the run that still held the request."""
     submit(store, "r0", score=1.0)
-    [item] = leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
+    [item] = lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=1)
     reaping.reap_expired_leases(store, now=NOW + 31, max_attempts=3)  # back to waiting
 
     late = RequestResult(item, outputs={"logits": np.zeros((1, 2), np.float32)})
     assert requests.complete_requests(store, [late], now=NOW + 32, keep_seconds=60, batch_size=1, worker="w1") == 0
     assert ready_ids(store) == ["r0"] and requests.get_request(store, "r0")["status"] == "queued"
 
-    [again] = leases.lease_batch(store, MODEL_REF, now=NOW + 33, lease_seconds=30, max_items=1)
+    [again] = lease_items(store, MODEL_REF, now=NOW + 33, lease_seconds=30, max_items=1)
     result = RequestResult(again, outputs={"logits": np.ones((1, 2), np.float32)})
     assert requests.complete_requests(store, [result], now=NOW + 34, keep_seconds=60, batch_size=1, worker="w2") == 1
     assert requests.complete_requests(store, [result], now=NOW + 35, keep_seconds=60, batch_size=1, worker="w2") == 0
@@ -185,10 +186,10 @@ def test_a_batch_cut_to_a_memory_hole_leases_no_head_request_that_outgrows_it(st
     submit(store, "big", score=1.0, rows=4, tokens=512)
     submit(store, "small", score=2.0, tokens=64)
 
-    assert leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=8, max_tokens=130,
+    assert lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=8, max_tokens=130,
                               head_within_limits=True) == []
-    assert leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=2,
+    assert lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=2,
                               head_within_limits=True) == []
     assert ready_ids(store) == ["big", "small"]
-    assert ids(leases.lease_batch(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=8,
+    assert ids(lease_items(store, MODEL_REF, now=NOW, lease_seconds=30, max_items=8, max_rows=8,
                                   max_tokens=130)) == ["big"]  # otherwise the head always goes

@@ -19,6 +19,7 @@ from broker.sla import admission
 from broker.sla import figures as admission_figures
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW, job_spec
+from tests.leasing import lease_items
 
 ROWS_PER_SECOND = 100.0
 """The profile of the model in these tests: 0.01 s a row, so a 50-row chunk is foreseen at 0.5 s."""
@@ -31,17 +32,17 @@ def run_job(store: Store, beside_each_chunk: list[tuple[float, dict[str, float]]
     (run seconds, seconds beside each neighbour). Returns its id."""
     job_fills.create_job(store, job_spec("jmix", rows_total=100, chunk_size=50), now=NOW)
     job_progress.start_item(store, "jmix", now=NOW)
-    chunks = leases.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=30, max_items=2)
+    chunks = lease_items(store, "mlp@v1", now=NOW, lease_seconds=30, max_items=2)
     for chunk, (seconds, beside) in zip(chunks, beside_each_chunk, strict=True):
         job_progress.ack_chunk(store, chunk, now=NOW + 2, worker="w1", run_seconds=seconds, beside=beside)
-    [final] = leases.lease_batch(store, "mlp@v1", now=NOW + 2, lease_seconds=30, max_items=1)
+    [final] = lease_items(store, "mlp@v1", now=NOW + 2, lease_seconds=30, max_items=1)
     leases.finish_item(store, final, "jmix", now=NOW + 3, job_status="succeeded")
     return "jmix"
 
 
 def test_acks_add_each_chunk_s_time_beside_each_neighbour_once(store: Store) -> None:
     job_fills.create_job(store, job_spec("jmix", rows_total=100, chunk_size=50), now=NOW)
-    first, second = leases.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=30, max_items=2)
+    first, second = lease_items(store, "mlp@v1", now=NOW, lease_seconds=30, max_items=2)
     job_progress.ack_chunk(store, first, now=NOW + 1, worker="w1", run_seconds=1.0, beside={"v2": 0.75, "alone": 0.25})
     job_progress.ack_chunk(store, first, now=NOW + 1, worker="w1", run_seconds=1.0, beside={"v2": 0.75, "alone": 0.25})
     job_progress.ack_chunk(store, second, now=NOW + 1, worker="w1", run_seconds=0.5, beside={"v2": 0.5})
@@ -110,7 +111,7 @@ def test_a_run_whose_lease_was_lost_counts_no_slot_time_and_its_job_calibrates_n
     registry.save_model_version(store, RECORD)
     job_fills.create_job(store, job_spec("jmix", rows_total=100, chunk_size=50), now=NOW)
     job_progress.start_item(store, "jmix", now=NOW)
-    frozen, other = leases.lease_batch(store, "mlp@v1", now=NOW, lease_seconds=3, max_items=2)
+    frozen, other = lease_items(store, "mlp@v1", now=NOW, lease_seconds=3, max_items=2)
     job_progress.ack_chunk(store, other, now=NOW + 1, worker="w2", run_seconds=0.5, beside={"alone": 0.5})
     assert reaping.reap_expired_leases(store, now=NOW + 4, max_attempts=3).returned == 1
     assert job_progress.ack_chunk(store, frozen, now=NOW + 21, worker="w1", run_seconds=20.5,
@@ -119,7 +120,7 @@ def test_a_run_whose_lease_was_lost_counts_no_slot_time_and_its_job_calibrates_n
     job = store.client.hgetall(store.keys.job("jmix"))
     assert float(job["busy_seconds"]) == 0.5 and job["slot_time_partial"] == "1"
     assert json.loads(job["slot_mix"]) == {"alone": [0.5, 50]}
-    [final] = leases.lease_batch(store, "mlp@v1", now=NOW + 21, lease_seconds=30, max_items=1)
+    [final] = lease_items(store, "mlp@v1", now=NOW + 21, lease_seconds=30, max_items=1)
     leases.finish_item(store, final, "jmix", now=NOW + 22, job_status="succeeded")
 
     fleet = admission_figures.LiveFleet(workers=1, streams=2, device_kind="cpu")

@@ -22,6 +22,7 @@ from broker.tenants.records import TenantTable
 from broker.tenants.settings import Tenant
 from broker.tenants.usage import BillEntry
 from tests.broker.broker_helpers import NOW
+from tests.leasing import lease_items
 
 MODEL = "mlp@v1"
 
@@ -93,7 +94,7 @@ def test_two_admins_adding_shares_at_once_cannot_both_take_the_last_of_the_fleet
 
 
 def lease(store: Store, option: dict | None, *, max_items: int = 2) -> list[str]:
-    return [item.item_id for item in leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=max_items,
+    return [item.item_id for item in lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=max_items,
                                                         tenants=option)]
 
 
@@ -135,7 +136,7 @@ def test_job_chunks_carry_their_tenant_and_follow_the_order_too(store: Store) ->
     submit(store, "g1", "globex", score=1e12)  # behind both chunks in the queue's order
 
     assert lease(store, {"order": ["globex", "acme"], "held": [], "window": 16}, max_items=1) == ["g1"]
-    [chunk] = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1,
+    [chunk] = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1,
                                  tenants={"order": ["globex", "acme"], "held": [], "window": 16})
     assert (chunk.payload["tenant"], chunk.payload["owner"]) == ("acme", "alice")
     assert jobs.get_job(store, "jobA", now=NOW)["tenant"] == "acme"
@@ -170,7 +171,7 @@ def test_a_tenant_at_max_queued_gets_nothing_queued_until_one_of_its_requests_is
     assert (full.value.waiting, full.value.tenant) == (2, True)
     assert not store.client.exists(store.keys.request("r3"))
 
-    [first] = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1)
+    [first] = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1)
     requests.complete_requests(store, [RequestResult(first, error="bad row", code="bad_input")], now=NOW,
                                keep_seconds=60, batch_size=1, worker="w")
     submit(store, "r3", "acme", score=3, max_queued=2)  # r1 answered (failed): a place is free
@@ -182,7 +183,7 @@ def test_a_tenant_at_max_queued_gets_nothing_queued_until_one_of_its_requests_is
 
 def test_a_completion_the_script_skips_neither_frees_a_place_nor_bills_a_failure(store: Store) -> None:
     submit(store, "r1", "acme", score=1, max_queued=1)
-    leased = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=1, max_items=1)
+    leased = lease_items(store, MODEL, now=NOW, lease_seconds=1, max_items=1)
     reaping.reap_expired_leases(store, now=NOW + 5, max_attempts=5)  # the lease was lost: r1 waits again
 
     late = requests.complete_requests(store, [RequestResult(leased[0], error="boom", code="bad_input")],
@@ -191,7 +192,7 @@ def test_a_completion_the_script_skips_neither_frees_a_place_nor_bills_a_failure
     assert late == 0 and store.client.zcard(store.keys.tenant_queued("acme")) == 1  # r1 still holds its place
     with pytest.raises(QueueAtLimit):
         submit(store, "r2", "acme", score=2, max_queued=1)
-    [again] = leases.lease_batch(store, MODEL, now=NOW + 5, lease_seconds=30, max_items=1)
+    [again] = lease_items(store, MODEL, now=NOW + 5, lease_seconds=30, max_items=1)
     ok = RequestResult(again, outputs={"y": np.ones((1, 1), np.float32)})
     assert requests.complete_requests(store, [ok], now=NOW + 6, keep_seconds=60, batch_size=1, worker="w") == 1
     assert requests.complete_requests(store, [RequestResult(again, error="boom", code="bad_input")], now=NOW + 7,
@@ -286,11 +287,11 @@ def test_a_requests_only_lease_finds_a_tenant_s_request_behind_thousands_of_chun
     submit(store, "late-s1", "s1", score=2e12)
 
     only_s1 = {"order": ["s1"], "held": [], "window": 64, "only": True}
-    leased = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=4, requests_only=True,
+    leased = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=4, requests_only=True,
                                 tenants=only_s1)
     assert [item.item_id for item in leased] == ["late-s1"]  # s2's request and chunks left waiting
     both = {"order": ["s1", "s2"], "held": [], "window": 64}
-    assert [item.item_id for item in leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=4,
+    assert [item.item_id for item in lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=4,
                                                         requests_only=True, tenants=both)] == ["late-s2"]
     assert store.client.zcard(store.keys.ready(MODEL)) == 3000  # the chunks; both requests leased
 
@@ -300,10 +301,10 @@ def test_a_full_scan_tells_which_ranked_tenants_it_found_no_work_of(store: Store
         submit(store, f"a{index}", "a", score=index)
     notes = leases.LeaseNotes()
 
-    leased = leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, notes=notes,
+    leased = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1, notes=notes,
                                 tenants={"order": ["ghost", "a"], "held": [], "window": 16})
     assert [item.item_id for item in leased] == ["a0"] and notes.absent == ["ghost"]  # read to the end: none of ghost's
     early = leases.LeaseNotes()
-    leases.lease_batch(store, MODEL, now=NOW, lease_seconds=30, max_items=1, notes=early,
+    lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1, notes=early,
                        tenants={"order": ["a", "ghost"], "held": [], "window": 16})
     assert early.absent == []  # stopped at a's work: nothing is known of ghost's

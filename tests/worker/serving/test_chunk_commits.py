@@ -30,6 +30,7 @@ from sits_worker.serving.between_minibatches import BetweenBatches
 from sits_worker.serving.chunk_commits import Commits
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.execution import process_item
+from tests.leasing import lease_items
 
 
 def test_a_slot_waits_for_room_while_max_pending_commits_are_queued() -> None:
@@ -86,7 +87,7 @@ def mlp_job(store: Store, zoo_dir: Path, tmp_path: Path) -> tuple[WorkerContext,
 
 
 def run_next(ctx: WorkerContext, model_ref: str) -> str:
-    [item] = leases.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    [item] = lease_items(ctx.store, model_ref, now=time.time(), lease_seconds=60, max_items=1)
     return process_item(ctx, item, BetweenBatches(ctx, item, ticket=""))
 
 
@@ -179,7 +180,7 @@ def test_a_drain_task_retires_once_a_commit_that_queues_nothing_is_done(
 
     ctx, spec, _ = mlp_job
     ctx.settings = ctx.settings.with_overrides(scheduler={"ticket_linger": 0.1})
-    first, _ = leases.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=2)
+    first, _ = lease_items(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=2)
     leases.return_unrun(ctx.store, [first])  # chunk 0 waits again; chunk 1 stays with another worker
     write_part = execution.write_part
     monkeypatch.setattr(execution, "write_part", lambda *args, **kwargs: (time.sleep(0.5),

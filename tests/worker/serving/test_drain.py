@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from broker.config.settings import Settings
-from broker.queueing import queues, tickets
+from broker.queueing import tickets
 from broker.state.store import Store
 from sits_worker.serving import drain_loop
 from tests.worker.worker_helpers import mlp_worker_context
@@ -30,7 +30,7 @@ def test_a_loop_that_sees_no_work_while_release_says_work_waits_yields_at_its_sl
         calls.append(time.monotonic())
         return False
 
-    monkeypatch.setattr(queues, "release_ticket", work_waits)
+    monkeypatch.setattr(tickets, "release_ticket", work_waits)
     began = time.monotonic()
 
     assert drain_loop.drain(ctx, ticket) == "yield"

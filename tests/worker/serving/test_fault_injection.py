@@ -25,11 +25,11 @@ from broker.errors import (
 from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
-from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.serving.between_minibatches import STOP_CHECK_SECONDS, BetweenBatches
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.execution import process_item
+from tests.leasing import lease_items
 from tests.worker.worker_helpers import mlp_worker_context
 
 FEATURES = 64
@@ -134,7 +134,7 @@ def _job(store: Store, tmp_path: Path, rows: int = 32) -> jobs.JobSpec:
 
 
 def _run_next(ctx: WorkerContext, model_ref: str) -> str:
-    [item] = leases.lease_batch(ctx.store, model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    [item] = lease_items(ctx.store, model_ref, now=time.time(), lease_seconds=60, max_items=1)
     return process_item(ctx, item, BetweenBatches(ctx, item, ticket=""))
 
 
@@ -201,7 +201,7 @@ def test_a_redis_blip_while_a_chunk_looks_at_its_job_s_status_does_not_stop_the_
                                                                                      tmp_path: Path) -> None:
     ctx = mlp_worker_context(store, zoo_dir)
     spec = _job(store, tmp_path)
-    [item] = leases.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    [item] = lease_items(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
     between = BetweenBatches(ctx, item, ticket="")
 
     time.sleep(STOP_CHECK_SECONDS + 0.05)

@@ -22,7 +22,6 @@ from broker.jobs import fills as job_fills
 from broker.jobs import output_layout
 from broker.jobs import records as jobs
 from broker.models import registry
-from broker.queueing import leases
 from broker.queueing.leases import LeasedItem
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
@@ -32,6 +31,7 @@ from sits_worker.model.source import file_identity
 from sits_worker.serving import outputs
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.execution import process_item
+from tests.leasing import lease_items
 
 ROWS = 64
 
@@ -106,7 +106,7 @@ def submit(store: Store, tmp_path: Path, *, chunk_size: int) -> jobs.JobSpec:
 
 def run_next(ctx: WorkerContext, spec: jobs.JobSpec, hooks: Hooks) -> str:
     """Lease the job's next item and run it with `hooks`; its commit (a chunk's) is waited for."""
-    [item] = leases.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    [item] = lease_items(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
     outcome = process_item(ctx, item, hooks)
     assert ctx.commits.wait(timeout=10)
     return outcome

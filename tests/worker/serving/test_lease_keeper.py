@@ -19,6 +19,7 @@ from sits_worker.serving import lease_keeper
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.lease_keeper import LeaseKeeper
 from sits_worker.serving.request_runs import run_requests
+from tests.leasing import lease_items
 from tests.worker.worker_helpers import mlp_worker_context
 
 LEASE_SECONDS = 0.4
@@ -39,7 +40,7 @@ def leased_requests(store: Store, count: int) -> list[leases.LeasedItem]:
                            tokens=None, bucket="", factors={"level": 0})
         requests.submit_request(store, spec, score=float(index), now=time.time(), max_age_seconds=60)
     store.client.zadd(store.keys.tickets, {TICKET: time.time()})
-    items = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=LEASE_SECONDS, max_items=count,
+    items = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=LEASE_SECONDS, max_items=count,
                                ticket=TICKET)
     assert len(items) == count
     return items

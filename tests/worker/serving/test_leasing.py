@@ -22,6 +22,7 @@ from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.leasing import admitted, batch_cost, lease
+from tests.leasing import lease_items
 
 MIB = 2**20
 TOKEN_MODEL = {"name": "tok", "version": "v1", "path": "/nowhere.onnx",
@@ -47,7 +48,7 @@ def leased(store: Store, *, chunk_batch: int | None, request_tokens: int | None)
                            inputs={"ids": np.zeros((1, request_tokens), np.int64)}, rows=1, tokens=request_tokens,
                            bucket=f"ids:~{request_tokens}", factors={"level": 0}, padded_tokens=request_tokens)
         requests.submit_request(store, spec, score=1.0, now=time.time(), max_age_seconds=60)
-        items += leases.lease_batch(store, "tok@v1", now=time.time(), lease_seconds=60, max_items=8)
+        items += lease_items(store, "tok@v1", now=time.time(), lease_seconds=60, max_items=8)
     if chunk_batch:
         payload = {"kind": "chunk", "job": "j1", "chunk": 0, "start": 0, "stop": 1024, "batch_size": chunk_batch}
         items.append(leases.LeasedItem("j1:0", "tok@v1", payload, 1))

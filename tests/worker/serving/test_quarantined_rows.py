@@ -19,13 +19,13 @@ from broker.jobs import records as jobs
 from broker.jobs.output_layout import quarantine_part_path
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.serving.between_minibatches import BetweenBatches
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.execution import process_item, run_chunk
 from sits_worker.serving.outputs import write_part
 from sits_worker.serving.request_runs import run_requests, run_with_riders
+from tests.leasing import lease_items
 from tests.worker.worker_helpers import mlp_worker_context
 
 FEATURES = 64
@@ -50,10 +50,10 @@ def _job(store: Store, tmp_path: Path) -> tuple[jobs.JobSpec, np.ndarray]:
 
 def _run_job(ctx: WorkerContext, spec: jobs.JobSpec) -> dict[str, Any]:
     for _ in range(20):
-        items = leases.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+        items = lease_items(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
         if not items:
             assert ctx.commits.wait(timeout=10)
-            items = leases.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+            items = lease_items(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
         if not items:
             break
         process_item(ctx, items[0], BetweenBatches(ctx, items[0], ticket=""))
@@ -94,7 +94,7 @@ def test_a_chunk_run_again_writes_the_same_bytes_and_its_rows_once(store: Store,
                                                                     tmp_path: Path) -> None:
     ctx = _ctx(store, zoo_dir, [3, 9], max_bad_rows=0.5)
     spec, _ = _job(store, tmp_path)
-    [item] = leases.lease_batch(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+    [item] = lease_items(ctx.store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
     job = jobs.get_job(store, spec.job_id, now=time.time())
     out = tmp_path / "out"
 
@@ -157,7 +157,7 @@ def test_a_merged_batch_with_one_bad_request_is_bisected_not_run_one_by_one(
     ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(faults={"enabled": True, "fail_values": [7.5]}))
     for index in range(16):
         _submit_request(store, f"r{index}", 7.5 if index == 11 else float(index) / 16)
-    items = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=16)
+    items = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=16)
     sizes = _count_runs(ctx, monkeypatch)
 
     assert len(items) == 16 and run_requests(ctx, items) == 15
@@ -173,7 +173,7 @@ def test_a_merged_batch_with_one_bad_request_is_bisected_not_run_one_by_one(
 def test_riders_are_answered_when_the_job_rows_they_ride_with_fail(store: Store, zoo_dir: Path) -> None:
     ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(faults={"enabled": True, "fail_values": [7.5]}))
     _submit_request(store, "rider", 0.5)
-    riders = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
+    riders = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
     feed = {"features": np.zeros((4, FEATURES), np.float32)}
     feed["features"][2, 0] = 7.5
 

@@ -20,6 +20,7 @@ from broker.state.store import Store
 from sits_worker.serving.between_minibatches import BetweenBatches
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.request_bell import RequestBell, unread_bytes
+from tests.leasing import lease_items
 from tests.waiting import eventually
 from tests.worker.worker_helpers import mlp_worker_context
 
@@ -42,7 +43,7 @@ def test_a_submit_and_a_returned_request_are_announced(store: Store) -> None:
     _submit(store, "r1")
     assert eventually(lambda: bell.mark() != quiet)
     submitted = bell.mark()
-    [leased] = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
+    [leased] = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
     time.sleep(0.05)
     assert bell.mark() == submitted  # a lease is no announcement
     leases.return_unrun(store, [leased])  # back in the queue: waiting again
@@ -62,7 +63,7 @@ class CountedLooks:
         job_fills.create_job(store, spec, now=time.time())
         self.model_ref = spec.model_ref
         self.bell_before_lease = ctx.request_bell.count()
-        [self.chunk] = leases.lease_batch(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
+        [self.chunk] = lease_items(store, spec.model_ref, now=time.time(), lease_seconds=60, max_items=1)
         self.snapshots = 0
         read = ctx.queue_watcher.snapshot
 

@@ -13,10 +13,10 @@ import pytest
 from broker.errors import InferenceTimeout
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.request_runs import run_requests
+from tests.leasing import lease_items
 from tests.worker.worker_helpers import mlp_worker_context
 
 
@@ -38,7 +38,7 @@ def test_a_request_leased_after_its_timeout_is_not_run_and_fails_as_timed_out(ct
     submit(store, "late", expires_at=now - 0.25)
     submit(store, "in-time", expires_at=now + 60)
     submit(store, "no-timeout", expires_at=None)
-    items = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=3)
+    items = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=3)
     assert len(items) == 3
 
     assert run_requests(ctx, items) == 2
@@ -56,7 +56,7 @@ def test_a_request_leased_after_its_timeout_is_not_run_and_fails_as_timed_out(ct
 def test_a_batch_of_only_timed_out_requests_runs_nothing(ctx: WorkerContext, store: Store,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     submit(store, "late", expires_at=time.time() - 1)
-    items = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
+    items = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=1)
     monkeypatch.setattr(WorkerContext, "run", lambda *args, **kwargs: pytest.fail("a timed-out request ran"))
 
     assert run_requests(ctx, items) == 0

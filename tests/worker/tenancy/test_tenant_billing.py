@@ -16,12 +16,12 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import leases
 from broker.state.store import Store
 from broker.tenants import usage as tenant_usage
 from broker.tenants.usage import BillEntry
 from sits_worker.serving.request_runs import run_requests
 from sits_worker.tenancy.usage_meter import UsageMeter, Work
+from tests.leasing import lease_items
 from tests.waiting import eventually
 from tests.worker.worker_helpers import mlp_worker_context
 
@@ -47,7 +47,7 @@ def test_a_merged_batch_of_two_tenants_answers_each_its_own_rows_and_bills_them_
     ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(faults={"enabled": True,
                                                                              "run_latency": "20ms"}))
     sent = {"a": submit(store, "a", "acme", 3, seed=1), "b": submit(store, "b", "globex", 1, seed=2)}
-    items = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=8)
+    items = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=8)
     assert [item.item_id for item in items] == ["a", "b"]  # one merged batch of both tenants
 
     assert run_requests(ctx, items) == 2
@@ -71,7 +71,7 @@ def test_the_bills_add_up_to_the_device_time_within_one_percent(store: Store, zo
     for index in range(4):
         submit(store, f"a{index}", "acme", 1 + index, seed=index)
         submit(store, f"b{index}", "globex", 2, seed=10 + index)
-        items = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=8)
+        items = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=8)
         started = time.perf_counter()
         run_requests(ctx, items)
         spent += time.perf_counter() - started  # (the whole call: loading, the run, completing)

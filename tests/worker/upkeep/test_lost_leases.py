@@ -10,9 +10,9 @@ from pathlib import Path
 from broker.config.settings import Settings
 from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
-from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.upkeep import reaper
+from tests.leasing import lease_items
 from tests.worker.worker_helpers import mlp_worker_context
 
 
@@ -28,7 +28,7 @@ def test_a_lost_lease_is_queued_again_at_once_and_recorded_on_its_job(store: Sto
     ctx = mlp_worker_context(store, zoo_dir)
     spec = _job(store)
     now = time.time()
-    [item] = leases.lease_batch(store, spec.model_ref, now=now, lease_seconds=1, max_items=1)
+    [item] = lease_items(store, spec.model_ref, now=now, lease_seconds=1, max_items=1)
 
     counts = reaper.reap(ctx, [].append, now=now + 2)
 
@@ -45,11 +45,11 @@ def test_lost_leases_wait_a_configured_backoff_and_the_last_one_fails_the_job(st
         retry={"worker_lost": {"attempts": 2, "backoff": "5s"}}))
     spec = _job(store)
     now = time.time()
-    leases.lease_batch(store, spec.model_ref, now=now, lease_seconds=1, max_items=1)
+    lease_items(store, spec.model_ref, now=now, lease_seconds=1, max_items=1)
 
     assert reaper.reap(ctx, [].append, now=now + 2)["returned"] == 0  # waits 5 s first
     assert reaper.reap(ctx, [].append, now=now + 7)["returned"] == 1
-    leases.lease_batch(store, spec.model_ref, now=now + 7, lease_seconds=1, max_items=1)
+    lease_items(store, spec.model_ref, now=now + 7, lease_seconds=1, max_items=1)
     assert reaper.reap(ctx, [].append, now=now + 9)["dead"] == 1
 
     job = jobs.get_job(store, spec.job_id, now=now + 9)

@@ -13,12 +13,12 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import slices as job_slices
 from broker.jobs import stops as job_stops
-from broker.queueing import leases
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
 from sits_worker.serving.context import WorkerContext
 from sits_worker.upkeep.reaper import reap
+from tests.leasing import lease_items
 
 
 def worker_context(store: Store) -> WorkerContext:
@@ -56,7 +56,7 @@ class CallerDied(Exception):
 
 def cut_after_first_call(store: Store, script: str, call: Callable[[], object]) -> None:
     """Run `call` as a process killed after its first call of `script` leaves it (the real script runs)."""
-    registered = store.scripts._scripts[script]
+    registered = getattr(store.scripts, script)
     made: list[int] = []
 
     def first_only(*, keys: list[str], args: list[object]) -> object:
@@ -65,13 +65,13 @@ def cut_after_first_call(store: Store, script: str, call: Callable[[], object]) 
         made.append(1)
         return registered(keys=keys, args=args)
 
-    store.scripts._scripts[script] = first_only
+    setattr(store.scripts, script, first_only)
     try:
         call()
     except CallerDied:
         pass
     finally:
-        store.scripts._scripts[script] = registered
+        setattr(store.scripts, script, registered)
 
 
 def test_a_reaper_pass_takes_out_the_items_a_dead_stop_left(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,7 +100,7 @@ def test_a_reaper_pass_completes_a_dead_resume_taking_leases_back_at_once(
     ctx, sent = worker_context(store), list[str]()
     now = time.time()
     job_fills.create_job(store, job_spec("run", rows_total=6), now=now)
-    leases.lease_batch(store, "mlp@v1", now=now, lease_seconds=600, max_items=6)  # the run that died
+    lease_items(store, "mlp@v1", now=now, lease_seconds=600, max_items=6)  # the run that died
     cut_after_first_call(store, "enqueue_items", lambda: job_fills.resume_job(store, "run", now=now))
     ready, inflight = store.keys.ready("mlp@v1"), store.keys.inflight("mlp@v1")
     assert store.client.zcard(ready) == 3 and store.client.zcard(inflight) == 3

@@ -14,13 +14,13 @@ import pytest
 from broker.config.settings import Settings
 from broker.online import requests
 from broker.online.requests import RequestSpec
-from broker.queueing import leases
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
 from sits_worker.serving.context import WorkerContext
 from sits_worker.upkeep.reaper import FIRST_PASS_WITHIN_SECONDS, TURN_INTERVALS, Reaper, worker_reaper
+from tests.leasing import lease_items
 from tests.waiting import eventually
 
 INTERVAL = 0.2
@@ -167,7 +167,7 @@ def test_a_worker_s_reaper_thread_returns_an_expired_lease_and_replaces_the_lost
                        factors={"level": 0})
     requests.submit_request(store, spec, score=0.0, now=time.time(), max_age_seconds=60)
     store.client.zadd(store.keys.tickets, {"ticket-of-a-dead-worker": time.time() - 10})
-    [leased] = leases.lease_batch(store, "mlp@v1", now=time.time(), lease_seconds=0.2, max_items=1)
+    [leased] = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=0.2, max_items=1)
     sent: list[str] = []
     reaper = worker_reaper(ctx, sent.append, holder="w1")
     reapers.append(reaper)
