@@ -52,7 +52,7 @@ CATEGORIES: list[tuple[str, str]] = [
         r"[(/]pydantic/",
     ),
     ("request validation (tensors)", r"sits_worker[(/]model[(/]tensors\.py|sits_worker[(/]model[(/]padding\.py"),
-    ("auth", r"check_key|broker[(/](?:\w+/)?apikeys\.py"),
+    ("auth", r"check_key|sits_api[(/]tenancy/auth\.py|broker[(/](?:\w+/)?apikeys\.py"),
     (
         "submit: score, encode, queue",
         r"sits_api[(/]intake/requests\.py|broker[(/](?:\w+/)?requests\.py \(submit|pack_array|"
@@ -65,7 +65,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ),
     (
         "worker: lease, choose",
-        r"sits_worker[(/](?:\w+/)?leasing\.py|sits_worker[(/](?:\w+/)?drain_loop\.py|broker[(/](?:\w+/)?queues\.py|"
+        r"sits_worker[(/](?:\w+/)?leasing\.py|sits_worker[(/](?:\w+/)?drain_loop\.py|broker[(/](?:\w+/)?(?:queues|leases|tickets)\.py|"
         r"broker[(/](?:\w+/)?reservation\.py|broker[(/](?:\w+/)?ledger\.py|broker[(/](?:\w+/)?batching\.py",
     ),
     (

@@ -1,9 +1,11 @@
-"""The one settings object of SITS: its sections, their keys and defaults, and their validation.
+"""The one settings object of SITS: every room's section gathered, checked across sections, and loaded.
 
-Loaded once at a process's edge (the CLI, the API factory, the Celery app's
-configure hook: `broker/config/loading.py`) and passed down; nothing reads
-the environment deep inside. Unknown keys are errors, not silently ignored,
-and units are parsed from strings ("3600s", "128MiB") into seconds and bytes.
+Each room owns its section (`broker/jobs/settings.py` holds `jobs`, ...); this module puts them
+together in `Settings`, settles what spans sections (tenants' shares must fit the fleet; a failure
+class's attempts left empty are `jobs.max_attempts`), and says where each problem came from: the file or a `SITS_*`
+variable. Loaded once at a process's edge (the CLI, the API factory, the Celery app's configure hook:
+`broker/config/loading.py`) and passed down; nothing reads the environment deep inside. Unknown keys
+are errors, not silently ignored, and units are parsed from strings ("3600s", "128MiB").
 """
 
 from __future__ import annotations

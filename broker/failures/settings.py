@@ -1,8 +1,8 @@
 """The settings sections of failure handling: `retry` (one policy per failure class), `breaker`, `degrade`
 and `faults`.
 
-Part of the one settings object (`broker/config/settings.py` puts them in `Settings`); apart only to keep
-that module small. docs/failures.md says what each key does.
+The failures room owns these sections; `broker/config/settings.py` gathers them into `Settings` with
+every other room's. docs/failures.md says what each key does.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from broker.setting_types import Section as _Section
 
 FAILURE_CLASSES = ("worker_lost", "transient", "device_oom", "run_timeout", "bad_input", "invalid_model",
                    "cancelled")
-"""Every class a failure falls in (`broker/retry_policy.classify`), each with its `retry.<class>` policy."""
+"""Every class a failure falls in (`broker/failures/retry_policy.py`, `classify`), each with its
+`retry.<class>` policy."""
 
 InjectedClass = Literal["transient", "device_oom", "run_timeout", "bad_input", "invalid_model"]
 """The failure classes a `faults.fail_models` entry may inject into a model's runs."""

@@ -16,7 +16,8 @@ Where the fleet knows by how much (`Fleet.contention`, learnt per pair of models
 each chunk), a chunk's time is scaled by the pair it starts in: its model and the models running on the
 other slots of its worker at that moment.
 
-Nothing here reads Redis or the clock: `broker/sla/admission.py` gathers the figures and passes `now`.
+Nothing here reads Redis or the clock: `broker/sla/figures.py` gathers the figures, and `broker/sla/admission.py`
+passes them and `now`.
 """
 
 from __future__ import annotations

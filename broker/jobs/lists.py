@@ -1,7 +1,7 @@
 """Listing and counting jobs: newest first, by status and by owner, and the indexes behind it.
 
 Jobs are never deleted, so a list or a count must never cost a read per job kept: an owner's jobs
-come from that owner's own index (written by the job's enqueue, `job_fills.create_job`), a status filter
+come from that owner's own index (written by the job's enqueue, `broker.jobs.fills.create_job`), a status filter
 looks through a bounded number of the newest jobs, and the jobs in each status are counted by the
 scripts that change a status (`keys.job_counts`). Reaper passes add the jobs stored before those
 indexes and counts existed, a page at a time (`index_job_owners`, `count_old_jobs`).

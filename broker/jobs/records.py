@@ -252,14 +252,20 @@ def active_job_tenants(store: Store, *, most: int,
             return None
         pipe = store.client.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(store.keys.job(job_id), ["status"] if job_id in known else JobTenantView.names())
+            if job_id in known:  # (its model and tenant never change: only its status is read again)
+                pipe.hget(store.keys.job(job_id), "status")
+            else:
+                pipe.hmget(store.keys.job(job_id), JobTenantView.names())
         replies = pipe.execute() if job_ids else []
     tenants: dict[str, set[str]] = {}
     for job_id, reply in zip(job_ids, replies, strict=True):
-        job = JobTenantView.of([*reply, None, None, None][:4])
-        if job_id not in known and job.model_ref:  # (a record not written yet is read again next time)
-            known[job_id] = (job.model_ref, job.tenant or job.owner or "")  # (as its chunks' payloads name it)
-        if job_id in known and job.status in ACTIVE_STATUSES:
+        status = reply
+        if job_id not in known:
+            job = JobTenantView.of(reply)
+            status = job.status
+            if job.model_ref:  # (a record not written yet is read again next time)
+                known[job_id] = (job.model_ref, job.tenant or job.owner or "")  # (as its chunks' payloads name it)
+        if job_id in known and status in ACTIVE_STATUSES:
             model_ref, tenant = known[job_id]
             tenants.setdefault(model_ref, set()).add(tenant)
     for job_id in set(known) - set(job_ids):

@@ -2,7 +2,7 @@
 
 A job's fill (`broker/jobs/fills.py`) and its stop (`broker/jobs/stops.py`) touch every chunk of the
 job, so each runs as a series of script calls of at most `ENQUEUE_SLICE` items, each call telling its
-script where in the series it stands (`slice_call`). Callers read `job_slices.ENQUEUE_SLICE` at call
+script where in the series it stands (`slice_call`). Callers read `ENQUEUE_SLICE` at call
 time, so that tests and benchmarks may change it.
 """
 

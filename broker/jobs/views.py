@@ -1,7 +1,7 @@
 """Typed views of a job's hash for readers that need a few of its fields (`broker/state/hash_views.py`).
 
-`broker/jobs/records.py` reads a whole job as its record; these serve the readers that go over many
-jobs at once and ask each for a handful of fields in one pipelined HMGET.
+`broker/jobs/records.py` reads a whole job as its record; these serve the readers that ask for a
+handful of fields, of one job or of many in one pipelined HMGET.
 """
 
 from __future__ import annotations

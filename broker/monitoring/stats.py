@@ -35,7 +35,7 @@ class SystemStats:
     """Heartbeats (device, streams, memory ledger stats, commits pending) with `alive` and age."""
     job_counts: dict[str, int] | None
     """Status -> jobs in it; None until reaper passes have counted the jobs stored before the counts
-    existed (`job_lists.count_old_jobs`)."""
+    existed (`broker.jobs.lists.count_old_jobs`)."""
     counters: dict[str, dict[str, int]]
     """What ('requests_succeeded', 'requests_failed', 'requests_expired', 'job_rows', 'job_deadline_met', ...:
     `keys.counters`) -> model ref -> running total."""

@@ -23,7 +23,7 @@ from broker.state.store import Store, translate_redis_errors
 
 @dataclass(frozen=True)
 class LeasedItem:
-    """One item a worker now holds until `lease_deadline`."""
+    """One item a worker now holds until its lease runs out (or it is acknowledged, finished or given back)."""
 
     item_id: str
     model_ref: str

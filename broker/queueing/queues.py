@@ -1,13 +1,9 @@
-"""Queue operations: lease batches (late binding), acknowledge, reap expired leases, batch tickets.
+"""The ready queues as a slot sees them: each model's head, a snapshot of all heads as of one instant,
+depths, the company the head request could wait for, and older versions' drained queues pruned.
 
-Every state change is one Lua script, so an item is at every instant either
-waiting (ready set), leased (in-flight set with a deadline) or gone because
-its work is recorded. Time is passed in (`now`) so tests advance it.
-
-Batch tickets are how workers are woken (docs/architecture.md, "The life of a job"): a bounded
-number of Celery "drain" tasks circulate; each one leases batches until no
-queue has work, then retires atomically with that check (`release_ticket`),
-so an enqueue either is seen by a live ticket or tops up a new one.
+A queue is one sorted set per model version, scored by the priority key (`broker/queueing/scoring.py`).
+Taking items out is a lease (`broker/queueing/leases.py`); waking the slots that take them is the
+tickets' and the doorbell's (`broker/queueing/tickets.py`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The reaper pass's step over leases: expired leases back to their queue, lost ones to the dead set.
+"""The reaper pass's step over leases: expired leases and parked retries whose backoff passed go back to
+their queue; a lost lease past its item's attempts goes to the dead set instead.
 
 Run by every worker's reaper thread while it holds the reaper turn (`sits_worker/upkeep/reaper.py`);
 time is passed in, so tests expire a lease by reaping with a later `now`.

@@ -1,23 +1,17 @@
 """Deadline admission: at submit, predict when a job with a deadline would finish, and refuse (or flag)
-one that cannot make it.
+one that cannot make it; and, on each reaper pass, score the running deadline jobs' risk.
 
-`broker/sla/figures.py` reads what the prediction needs from Redis — the active jobs ahead
-(`keys.jobs_active`), their models' measured rows per second, the live workers — and this module hands
-it to the pure arithmetic in `broker/jobs/finish_prediction.py`. Every active job counts, with or
-without a deadline: what is queued ahead of a new job in score order runs before it. Online requests
-are not counted: on a fleet that also serves them, the margin (`sla.admission_margin`) has to cover
-their share.
+`broker/sla/figures.py` reads what the prediction needs from Redis: the active jobs ahead
+(`keys.jobs_active`), their models' speed, the live workers and the calibrations. This module places
+the new job among them with the pure arithmetic of `broker/jobs/finish_prediction.py` (`predict`),
+searches the earliest deadline it could meet, and words a refusal that says what to do (`check_job`).
+Every active job counts, with or without a deadline: what is queued ahead of a new job in score order
+runs before it. Online requests are not counted: on a fleet that also serves them, the margin
+(`sla.admission_margin`) has to cover their share.
 
-A model's speed is its measured profile's rows per second at the job's batch size
-(`chunking.profiled_rows_per_second`) on one stream slot; a CPU worker's streams are slots side by
-side (each on cores of its own: `fit_to_cores`), a GPU worker's share one device and count once. A
-model without a measured profile is estimated from its static FLOPs (`scoring.estimate_latency_ms`), which is rough:
-`estimate` says which was used.
-
-Jobs that end calibrate what the profile misses (`drop_ended`): each model version's factor, how much
-longer its chunks really took, and each pair's, how much longer beside one neighbour model on a
-worker's other slots (`slot_mix`, from `sits_worker/serving/slot_overlap.py`). The plan scales each chunk by the
-pair it starts in (`contention`).
+The reaper's part (`reaper_pass`) scores the active deadline jobs with the violation predictor
+(`score_deadline_jobs`), or else drops ended jobs from the active index a page at a time
+(`prune_active_jobs`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,19 @@
-"""What deadline admission reads from Redis: the active jobs with deadlines, their models' speed, the
-live workers, and the calibration of past predictions against what really happened.
+"""What deadline admission reads from Redis: every active job (with a deadline or not), its model's
+speed, the live workers, and the calibration of past predictions against what really happened.
 
 Read in a fixed number of round trips per submit (`read_figures`); the arithmetic over them is pure
 (`broker/jobs/finish_prediction.py`), and `broker/sla/admission.py` turns it into a verdict.
+
+A model's speed is its measured profile's rows per second at the job's batch size
+(`chunking.profiled_rows_per_second`) on one stream slot; a CPU worker's streams are slots side by
+side (each on cores of its own: `fit_to_cores`), a GPU worker's share one device and count once. A
+model without a measured profile is estimated from its static FLOPs (`scoring.estimate_latency_ms`),
+which is rough: `estimate` says which was used.
+
+Jobs that end calibrate what the profile misses (`drop_ended`): each model version's factor, how much
+longer its chunks really took, and each pair's, how much longer beside one neighbour model on a
+worker's other slots (`slot_mix`, from `sits_worker/serving/slot_overlap.py`). The plan scales each
+chunk by the pair it starts in (`contention`).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class Keys:
     @property
     def jobs_active(self) -> str:
         """ZSET job id -> its chunks' queue score, of jobs queued or running since their last submit or
-        resume: the work deadline admission counts ahead of a new job (`broker/sla/admission.py`). Entries
+        resume: the work deadline admission counts ahead of a new job (`broker/sla/figures.py`). Entries
         of jobs that ended are dropped when admission reads them."""
         return self._key("jobs-active")
 
@@ -109,7 +109,7 @@ class Keys:
     def admission_calibration(self) -> str:
         """HASH model version (content hash) -> how much longer its jobs ran than its profile foresaw, lately,
         and '<version>|jobs' -> how many jobs taught it; deadline admission multiplies that model's
-        predicted device time by it (`broker/sla/admission.py`)."""
+        predicted device time by it (`broker/sla/figures.py`, `drop_ended`)."""
         return self._key("admission-calibration")
 
     @property
@@ -121,13 +121,13 @@ class Keys:
     @property
     def jobs_filling(self) -> str:
         """ZSET job id -> time of its last enqueue call, for jobs whose items are still being queued in
-        slices (`job_slices.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
+        slices (`broker.jobs.slices.ENQUEUE_SLICE`); a reaper pass completes a fill whose caller died."""
         return self._key("jobs-filling")
 
     @property
     def jobs_stopping(self) -> str:
         """ZSET job id -> time of its stop's last call, for jobs whose items are still being taken out in
-        slices by a cancel or fail (`job_stops.stop_job`); a reaper pass completes a stop whose caller died."""
+        slices by a cancel or fail (`broker.jobs.stops.stop_job`); a reaper pass completes a stop whose caller died."""
         return self._key("jobs-stopping")
 
     @property
@@ -148,7 +148,7 @@ class Keys:
 
     @property
     def owner_index_mark(self) -> str:
-        """STRING id of the last job, in `jobs` index order, that `job_lists.index_job_owners` has indexed."""
+        """STRING id of the last job, in `jobs` index order, that `broker.jobs.lists.index_job_owners` has indexed."""
         return self._key("jobs-of-mark")
 
     @property
@@ -159,7 +159,7 @@ class Keys:
 
     @property
     def job_counts_mark(self) -> str:
-        """STRING id of the last job, in `jobs` index order, that `job_lists.count_old_jobs` has looked at."""
+        """STRING id of the last job, in `jobs` index order, that `broker.jobs.lists.count_old_jobs` has looked at."""
         return self._key("job-counts-mark")
 
     @property

@@ -3,7 +3,8 @@
 gunicorn refuses some requests before Flask sees them (a request line over `limit_request_line`,
 too many or too large headers, a malformed request line, header or chunked body) and answers those
 with an HTML page. This worker keeps gunicorn's decisions (status code, logs, access log) and sends
-the API's error body instead: `{"error": "<what to fix>", "code": "..."}`, as `sits_api.app` does.
+the API's error body instead: `{"error": "<what to fix>", "code": "..."}`, as `sits_api.http.error_replies`
+builds it for the app's own errors.
 
 Selected with `--worker-class sits_api.http.gunicorn_worker.JsonErrorThreadWorker`
 (`sits_api.cli.stack.api_command`, compose.yaml).

@@ -49,8 +49,8 @@ def openapi() -> Any:
 def status() -> Any:
     """The whole system at a glance: workers, queue depths, jobs by status, circuit breakers.
 
-    Counts only, no job or request ids or owners, so any key may read it; the Redis URL (which
-    may carry Redis's password) only an admin key.
+    Counts only, no job or request ids or owners, so any key but a `metrics` key may read it; the
+    Redis URL (which may carry Redis's password) only an admin key.
     """
     state = app_state()
     store, settings, now = state.store, state.settings, time.time()

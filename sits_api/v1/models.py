@@ -31,7 +31,7 @@ def register_model() -> Any:
 @blueprint.get("/v1/models")
 def list_models() -> Any:
     """Every registered model version, with its name's `owner` and file paths to the keys that own it
-    (`_model_as_seen`); any key may use any model."""
+    (`caller.model_as_seen`); any key may use any model."""
     return jsonify({"models": [model_as_seen(record) for record in registry.list_model_versions(app_state().store)]})
 
 

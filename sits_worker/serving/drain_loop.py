@@ -1,4 +1,4 @@
-"""The drain loop behind a batch ticket, and the reaper pass each worker's reaper thread runs.
+"""The drain loop behind a batch ticket: look at the queues, lease a batch, run it, or wait.
 
 A ticket is a circulating Celery task (docs/concepts.md, "Ticket"): it leases the
 best waiting batch across models, runs it, and goes on until no queue has

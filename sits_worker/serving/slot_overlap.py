@@ -3,7 +3,7 @@
 Streams of one worker share its cores (or its device), and a chunk runs slower beside a heavy
 neighbour than beside a light one or alone: on the 2-core reference machine an mlp chunk beside a
 convnet chunk takes about 70 % longer than beside another mlp chunk. Deadline admission learns that
-per pair of models (`broker/sla/admission.py`, `slot_mix`), so each chunk's ack says how many of its
+per pair of models (`broker/sla/figures.py`, `slot_mix`), so each chunk's ack says how many of its
 seconds it spent beside which model version. This tracker keeps the intervals of the chunks running
 now and of the last few that ended, and answers that split when a chunk ends.
 """

@@ -1,7 +1,7 @@
 -- enqueue_items: add items to a model's ready queue (and optionally create the job they belong to).
--- A job's items may come in several calls (`job_slices.ENQUEUE_SLICE` each), so that no call holds Redis
+-- A job's items may come in several calls (`broker.jobs.slices.ENQUEUE_SLICE` each), so that no call holds Redis
 -- long; while they do, the job is in the filling index, and a reaper pass completes a fill whose
--- caller died (`job_fills.refill_job`).
+-- caller died (`broker.jobs.fills.refill_job`).
 -- KEYS[1] ready   ZSET  item id -> score
 -- KEYS[2] items   HASH  item id -> JSON payload
 -- KEYS[3] queues  SET   model refs with a queue

@@ -60,7 +60,7 @@ end
 -- A job goes from status `old` (false: a new job) to `new`: keep the per-status job counts
 -- (`counts_key`, HASH status -> jobs) right. Only jobs whose hash has 'counted' are in those counts
 -- (every job created since they exist; older ones once a reaper pass counted them,
--- `job_lists.count_old_jobs`), so a job the counts never held moves nothing.
+-- `broker.jobs.lists.count_old_jobs`), so a job the counts never held moves nothing.
 local function count_job_move(job_key, counts_key, old, new)
   if old == new or redis.call('HEXISTS', job_key, 'counted') == 0 then
     return

@@ -1,7 +1,7 @@
 -- stop_job: cancel or fail a job and take its waiting items out of the queue.
--- A job's items are taken out in calls of `job_slices.ENQUEUE_SLICE`, as they were queued; while more calls
+-- A job's items are taken out in calls of `broker.jobs.slices.ENQUEUE_SLICE`, as they were queued; while more calls
 -- are to come, the job is in the stopping index, and a reaper pass completes a stop whose caller died
--- (`job_stops.finish_stop`).
+-- (`broker.jobs.stops.finish_stop`).
 -- KEYS[1] job       HASH
 -- KEYS[2] ready     ZSET
 -- KEYS[3] inflight  ZSET
