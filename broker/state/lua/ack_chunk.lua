@@ -29,59 +29,63 @@
 -- chunk is counted once.
 -- The finalize step inherits the chunk's score as it is now (a hot re-score may have changed it
 -- while the chunk ran), not as the worker leased it.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {inflight = KEYS[1], ready = KEYS[2], items = KEYS[3], attempts = KEYS[4], job = KEYS[5],
+  done = KEYS[6], doorbell = KEYS[7], job_counts = KEYS[8], counters = KEYS[9], queues = KEYS[10],
+  queues_version = KEYS[11]}
 local finalize_score, finalize_payload = ARGV[6], ARGV[7]
-local current = redis.call('HGET', KEYS[3], ARGV[1])
+local current = redis.call('HGET', K.items, ARGV[1])
 if current then
   local decoded, chunk = cjson.decode(finalize_payload), cjson.decode(current)
   decoded['score'], decoded['factors'] = chunk['score'], chunk['factors']
   finalize_score, finalize_payload = decoded['score'], cjson.encode(decoded)
 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-local reaped = redis.call('ZREM', KEYS[2], ARGV[1]) == 1
-local leases = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '1')
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('HINCRBY', KEYS[5], 'chunk_runs', 1)
-local status = redis.call('HGET', KEYS[5], 'status')
+redis.call('ZREM', K.inflight, ARGV[1])
+local reaped = redis.call('ZREM', K.ready, ARGV[1]) == 1
+local leases = tonumber(redis.call('HGET', K.attempts, ARGV[1]) or '1')
+redis.call('HDEL', K.items, ARGV[1])
+redis.call('HDEL', K.attempts, ARGV[1])
+redis.call('HINCRBY', K.job, 'chunk_runs', 1)
+local status = redis.call('HGET', K.job, 'status')
 if status ~= 'queued' and status ~= 'running' then
   return ACK.SKIPPED
 end
-if redis.call('SADD', KEYS[6], ARGV[2]) == 0 then
+if redis.call('SADD', K.done, ARGV[2]) == 0 then
   return ACK.SKIPPED
 end
-redis.call('HINCRBY', KEYS[5], 'rows_done', ARGV[3])
+redis.call('HINCRBY', K.job, 'rows_done', ARGV[3])
 if reaped or leases > 1 then
   -- a run whose lease was lost (frozen, cut off) or that was leased before: its time is no measure of
   -- the model's speed, and the job's slot time is no longer whole
-  redis.call('HSET', KEYS[5], 'slot_time_partial', '1')
+  redis.call('HSET', K.job, 'slot_time_partial', '1')
 elseif tonumber(ARGV[10] or '') then
-  redis.call('HINCRBYFLOAT', KEYS[5], 'busy_seconds', ARGV[10])
+  redis.call('HINCRBYFLOAT', K.job, 'busy_seconds', ARGV[10])
 end
 if not reaped and leases <= 1 and ARGV[11] and ARGV[11] ~= '' and ARGV[11] ~= '{}' then
   local beside, total = cjson.decode(ARGV[11]), 0
   for _, seconds in pairs(beside) do total = total + seconds end
   if total > 0 then
-    local raw = redis.call('HGET', KEYS[5], 'slot_mix')
+    local raw = redis.call('HGET', K.job, 'slot_mix')
     local mix = raw and cjson.decode(raw) or {}
     for neighbour, seconds in pairs(beside) do
       local was = mix[neighbour] or {0, 0}
       mix[neighbour] = {was[1] + seconds, was[2] + tonumber(ARGV[3]) * seconds / total}
     end
-    redis.call('HSET', KEYS[5], 'slot_mix', cjson.encode(mix))
+    redis.call('HSET', K.job, 'slot_mix', cjson.encode(mix))
   end
 end
-redis.call('HINCRBY', KEYS[9], 'job_rows:' .. ARGV[9], ARGV[3])
-redis.call('HINCRBY', KEYS[5], 'w:' .. ARGV[8], 1)
-local chunks_done = redis.call('HINCRBY', KEYS[5], 'chunks_done', 1)
-redis.call('HSET', KEYS[5], 'checkpoint_ts', ARGV[4], 'status', 'running')
+redis.call('HINCRBY', K.counters, 'job_rows:' .. ARGV[9], ARGV[3])
+redis.call('HINCRBY', K.job, 'w:' .. ARGV[8], 1)
+local chunks_done = redis.call('HINCRBY', K.job, 'chunks_done', 1)
+redis.call('HSET', K.job, 'checkpoint_ts', ARGV[4], 'status', 'running')
 if status == 'queued' then
-  count_job_move(KEYS[5], KEYS[8], status, 'running')
+  count_job_move(K.job, K.job_counts, status, 'running')
 end
-if chunks_done >= tonumber(redis.call('HGET', KEYS[5], 'chunks_total')) then
-  redis.call('HSET', KEYS[3], ARGV[5], finalize_payload)
-  redis.call('ZADD', KEYS[2], finalize_score, ARGV[5])
-  add_queue(KEYS[10], KEYS[11], ARGV[9])
-  ring_doorbell(KEYS[7])
+if chunks_done >= tonumber(redis.call('HGET', K.job, 'chunks_total')) then
+  redis.call('HSET', K.items, ARGV[5], finalize_payload)
+  redis.call('ZADD', K.ready, finalize_score, ARGV[5])
+  add_queue(K.queues, K.queues_version, ARGV[9])
+  ring_doorbell(K.doorbell)
   return ACK.LAST_CHUNK
 end
 return ACK.RECORDED

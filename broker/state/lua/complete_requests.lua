@@ -31,6 +31,9 @@
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {inflight = KEYS[1], items = KEYS[2], attempts = KEYS[3], deadlines = KEYS[4], ready = KEYS[5],
+  counters = KEYS[6], model_stats = KEYS[7], model_batch_stats = KEYS[8], latency_buckets = KEYS[9]}
 local done, by_status, deadlines = 0, {}, {}
 local reply = {0}  -- (the count goes first once known; a table, as a batch may pass unpack's limit)
 local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
@@ -40,13 +43,13 @@ local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, q
 for i = 0, (#ARGV - 8) / 7 - 1 do
   local item_id, status = ARGV[9 + 7 * i], ARGV[10 + 7 * i]
   local request, waiters = KEYS[10 + 2 * i], KEYS[11 + 2 * i]
-  local held = redis.call('HEXISTS', KEYS[2], item_id) == 1 and not redis.call('ZSCORE', KEYS[5], item_id)
+  local held = redis.call('HEXISTS', K.items, item_id) == 1 and not redis.call('ZSCORE', K.ready, item_id)
   if held then
     reply[#reply + 1] = i
-    redis.call('ZREM', KEYS[1], item_id)
-    redis.call('HDEL', KEYS[2], item_id)
-    redis.call('HDEL', KEYS[3], item_id)
-    redis.call('ZREM', KEYS[4], item_id)
+    redis.call('ZREM', K.inflight, item_id)
+    redis.call('HDEL', K.items, item_id)
+    redis.call('HDEL', K.attempts, item_id)
+    redis.call('ZREM', K.deadlines, item_id)
   end
   if held and redis.call('EXISTS', request) == 1 then
     local ran = run_started and ARGV[14 + 7 * i] == '1'
@@ -92,27 +95,27 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
   end
 end
 for status, count in pairs(by_status) do
-  redis.call('HINCRBY', KEYS[6], 'requests_' .. status .. ':' .. ARGV[6], count)
+  redis.call('HINCRBY', K.counters, 'requests_' .. status .. ':' .. ARGV[6], count)
 end
 for outcome, count in pairs(deadlines) do
-  redis.call('HINCRBY', KEYS[6], 'request_deadline_' .. outcome .. ':' .. ARGV[6], count)
+  redis.call('HINCRBY', K.counters, 'request_deadline_' .. outcome .. ':' .. ARGV[6], count)
 end
 if done > 0 then
   local prefix = ARGV[6] .. '|'
   for stat, total in pairs(stats) do
     if total > 0 then
-      redis.call('HINCRBY', KEYS[7], prefix .. stat, string.format('%.0f', total))  -- (a number argument would
+      redis.call('HINCRBY', K.model_stats, prefix .. stat, string.format('%.0f', total))  -- (a number argument would
       -- be written with 14 digits, 1e+15 past them, which HINCRBY refuses)
     end
   end
   if run_started and stats['infer_count'] > 0 then
     local run_ns = string.format('%.0f', (now - run_started) * 1e9)
-    redis.call('HINCRBY', KEYS[7], prefix .. 'execution_count', 1)
-    redis.call('HINCRBY', KEYS[8], prefix .. ARGV[8] .. '_count', 1)
-    redis.call('HINCRBY', KEYS[8], prefix .. ARGV[8] .. '_ns', run_ns)
-    redis.call('HSET', KEYS[7], prefix .. 'last_inference', string.format('%.0f', now * 1000))
+    redis.call('HINCRBY', K.model_stats, prefix .. 'execution_count', 1)
+    redis.call('HINCRBY', K.model_batch_stats, prefix .. ARGV[8] .. '_count', 1)
+    redis.call('HINCRBY', K.model_batch_stats, prefix .. ARGV[8] .. '_ns', run_ns)
+    redis.call('HSET', K.model_stats, prefix .. 'last_inference', string.format('%.0f', now * 1000))
   end
-  write_tally(KEYS[9], latency)
+  write_tally(K.latency_buckets, latency)
 end
 reply[1] = done
 return reply

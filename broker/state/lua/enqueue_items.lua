@@ -42,51 +42,55 @@
 -- ENQUEUE.JOB_STOPPED if a later call found the job stopped.
 -- A chunk already in the done set, or already queued or leased, is skipped: nothing runs twice. So is a
 -- dead one that the call does not take back: it is never in the dead set and ready at once.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {ready = KEYS[1], items = KEYS[2], queues = KEYS[3], job = KEYS[4], jobs = KEYS[5],
+  done = KEYS[6], inflight = KEYS[7], dead = KEYS[8], attempts = KEYS[9], filling = KEYS[10],
+  job_counts = KEYS[11], queues_version = KEYS[12], owner_jobs = KEYS[13]}
 local job_id, fill, fill_id = ARGV[2], ARGV[6], ARGV[8]
-if ARGV[4] == 'create' and redis.call('EXISTS', KEYS[4]) == 1 then
+if ARGV[4] == 'create' and redis.call('EXISTS', K.job) == 1 then
   return ENQUEUE.JOB_EXISTS
 end
 local own = true  -- the job's fill record (`fill_id`, `fill_mode`, `filled_to`, its filling entry) is this fill's
 if job_id ~= '' and (fill == 'more' or fill == 'last') then
-  own = (redis.call('HGET', KEYS[4], 'fill_id') or '') == fill_id
+  own = (redis.call('HGET', K.job, 'fill_id') or '') == fill_id
 end
 if fill == 'more' or fill == 'last' then
-  local status = redis.call('HGET', KEYS[4], 'status')
+  local status = redis.call('HGET', K.job, 'status')
   if status ~= 'queued' and status ~= 'running' then
     if own then
-      redis.call('ZREM', KEYS[10], job_id)
+      redis.call('ZREM', K.filling, job_id)
     end
     return ENQUEUE.JOB_STOPPED
   end
 end
 if own and (fill == 'first' or fill == 'more') then
-  redis.call('ZADD', KEYS[10], ARGV[7], job_id)
+  redis.call('ZADD', K.filling, ARGV[7], job_id)
 elseif own and job_id ~= '' then
-  redis.call('ZREM', KEYS[10], job_id)
+  redis.call('ZREM', K.filling, job_id)
 end
 if job_id ~= '' then
   local fields = cjson.decode(ARGV[3])
-  local old_status = redis.call('HGET', KEYS[4], 'status')
+  local old_status = redis.call('HGET', K.job, 'status')
   if ARGV[4] == 'create' then
-    redis.call('HSET', KEYS[4], 'counted', '1')
+    redis.call('HSET', K.job, 'counted', '1')
   end
   for name, value in pairs(fields) do
-    redis.call('HSET', KEYS[4], name, tostring(value))
+    redis.call('HSET', K.job, name, tostring(value))
   end
   if fields['status'] then
-    count_job_move(KEYS[4], KEYS[11], old_status, tostring(fields['status']))
+    count_job_move(K.job, K.job_counts, old_status, tostring(fields['status']))
   end
-  redis.call('ZADD', KEYS[5], 'NX', ARGV[5], job_id)
-  if KEYS[13] then
-    redis.call('ZADD', KEYS[13], 'NX', ARGV[5], job_id)
+  redis.call('ZADD', K.jobs, 'NX', ARGV[5], job_id)
+  if K.owner_jobs then
+    redis.call('ZADD', K.owner_jobs, 'NX', ARGV[5], job_id)
   end
 end
 local filled_to = -1  -- chunks up to this index were handled by earlier calls of this fill
 if job_id ~= '' then
   if fill == '' or fill == 'first' then
-    redis.call('HSET', KEYS[4], 'fill_mode', ARGV[4] == 'resume' and 'resume' or 'add', 'fill_id', fill_id)
+    redis.call('HSET', K.job, 'fill_mode', ARGV[4] == 'resume' and 'resume' or 'add', 'fill_id', fill_id)
   elseif own then
-    filled_to = tonumber(redis.call('HGET', KEYS[4], 'filled_to')) or -1
+    filled_to = tonumber(redis.call('HGET', K.job, 'filled_to')) or -1
   end
 end
 local take_back = own and ARGV[4] == 'resume'
@@ -95,29 +99,29 @@ local added = 0
 for i = 9, #ARGV, 4 do
   local item_id, score, payload, chunk = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local index = tonumber(chunk)
-  local done = chunk ~= '' and redis.call('SISMEMBER', KEYS[6], chunk) == 1
+  local done = chunk ~= '' and redis.call('SISMEMBER', K.done, chunk) == 1
   if index and index > handled_to then
     handled_to = index
   end
   if not done then
-    local leased = redis.call('ZSCORE', KEYS[7], item_id)
+    local leased = redis.call('ZSCORE', K.inflight, item_id)
     if take_back and (not index or index > filled_to) then
-      redis.call('ZREM', KEYS[7], item_id)
-      redis.call('ZREM', KEYS[8], item_id)
-      redis.call('HDEL', KEYS[9], item_id)
+      redis.call('ZREM', K.inflight, item_id)
+      redis.call('ZREM', K.dead, item_id)
+      redis.call('HDEL', K.attempts, item_id)
       leased = false
     end
     -- a dead item not taken back stays out of ready: it fails its job (`stop_job` with a dead item)
-    local queued_or_dead = redis.call('ZSCORE', KEYS[1], item_id) or redis.call('ZSCORE', KEYS[8], item_id)
+    local queued_or_dead = redis.call('ZSCORE', K.ready, item_id) or redis.call('ZSCORE', K.dead, item_id)
     if not leased and not queued_or_dead then
-      redis.call('HSET', KEYS[2], item_id, payload)
-      redis.call('ZADD', KEYS[1], score, item_id)
+      redis.call('HSET', K.items, item_id, payload)
+      redis.call('ZADD', K.ready, score, item_id)
       added = added + 1
     end
   end
 end
 if job_id ~= '' and own then
-  redis.call('HSET', KEYS[4], 'filled_to', handled_to)
+  redis.call('HSET', K.job, 'filled_to', handled_to)
 end
-add_queue(KEYS[3], KEYS[12], ARGV[1])
+add_queue(K.queues, K.queues_version, ARGV[1])
 return added

@@ -15,28 +15,31 @@
 -- delay (delay_at): it stays queued at level 0 (`base_level` keeps its own), out of the PSA index,
 -- and leaves the timeout index.
 -- A request leased by a worker keeps its entry (an expired lease brings it back); one gone loses it.
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+-- KEYS by name (the positions above are the callers' contract).
+local K = {request_timeouts = KEYS[1], ready = KEYS[2], inflight = KEYS[3], items = KEYS[4],
+  waiting_requests = KEYS[5], deadlines = KEYS[6]}
+local due = redis.call('ZRANGEBYSCORE', K.request_timeouts, '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
 local rejected, delayed = {}, {}
 for _, item_id in ipairs(due) do
-  local payload = redis.call('HGET', KEYS[4], item_id)
+  local payload = redis.call('HGET', K.items, item_id)
   local item = payload and cjson.decode(payload)
   if not item or (type(item['expires_at']) ~= 'number' and type(item['delay_at']) ~= 'number') then
-    redis.call('ZREM', KEYS[1], item_id)
-  elseif redis.call('ZSCORE', KEYS[2], item_id) then
+    redis.call('ZREM', K.request_timeouts, item_id)
+  elseif redis.call('ZSCORE', K.ready, item_id) then
     if type(item['expires_at']) == 'number' then
-      redis.call('ZREM', KEYS[2], item_id)
-      redis.call('ZREM', KEYS[5], item_id)
-      redis.call('ZADD', KEYS[3], ARGV[2], item_id)
+      redis.call('ZREM', K.ready, item_id)
+      redis.call('ZREM', K.waiting_requests, item_id)
+      redis.call('ZADD', K.inflight, ARGV[2], item_id)
       rejected[#rejected + 1] = {item_id, payload}
     else
       local factors = item['factors']
       if type(factors) == 'table' then
         factors['base_level'] = number_or(factors['base_level'], number_or(factors['level'], 0))
         factors['level'] = 0
-        redis.call('HSET', KEYS[4], item_id, cjson.encode(item))
+        redis.call('HSET', K.items, item_id, cjson.encode(item))
       end
-      redis.call('ZREM', KEYS[6], item_id)
-      redis.call('ZREM', KEYS[1], item_id)
+      redis.call('ZREM', K.deadlines, item_id)
+      redis.call('ZREM', K.request_timeouts, item_id)
       delayed[#delayed + 1] = item_id
     end
   end

@@ -7,6 +7,8 @@
 --           model's retrying ZSET (the parked items)
 -- ARGV[1] the new lease deadline, ARGV[2] now, ARGV[3] the ticket ('' for none), ARGV[4..] the item ids
 -- Returns how many leases were extended.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {tickets = KEYS[1]}
 local extended = 0
 for i = 4, #ARGV do
   local inflight, retrying = KEYS[2 + 2 * (i - 4)], KEYS[3 + 2 * (i - 4)]
@@ -15,6 +17,6 @@ for i = 4, #ARGV do
   end
 end
 if ARGV[3] ~= '' then
-  redis.call('ZADD', KEYS[1], 'XX', ARGV[2], ARGV[3])
+  redis.call('ZADD', K.tickets, 'XX', ARGV[2], ARGV[3])
 end
 return extended

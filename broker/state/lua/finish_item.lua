@@ -20,23 +20,26 @@
 -- Returns 0, changing nothing, for an item dropped (ARGV[2] '': its worker found the job stopped)
 -- of a job that is active again: a resume since has queued it again (and another worker may hold it
 -- already), and took the dropper's lease back with it.
-local status = redis.call('HGET', KEYS[6], 'status')
+-- KEYS by name (the positions above are the callers' contract).
+local K = {inflight = KEYS[1], ready = KEYS[2], items = KEYS[3], attempts = KEYS[4], dead = KEYS[5],
+  job = KEYS[6], job_counts = KEYS[7], counters = KEYS[8], latency_buckets = KEYS[9], jobs_due = KEYS[10]}
+local status = redis.call('HGET', K.job, 'status')
 local active = status == 'queued' or status == 'running'
 if ARGV[2] == '' and active then
   return 0
 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('ZREM', K.inflight, ARGV[1])
+redis.call('ZREM', K.ready, ARGV[1])
+redis.call('HDEL', K.items, ARGV[1])
+redis.call('HDEL', K.attempts, ARGV[1])
+redis.call('ZREM', K.dead, ARGV[1])
 local published = ARGV[2] == 'succeeded' and (status == 'cancelled' or status == 'failed')
 if ARGV[2] ~= '' and (active or published) then
-  redis.call('HSET', KEYS[6], 'status', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
-  count_job_move(KEYS[6], KEYS[7], status, ARGV[2])
-  count_job_end(KEYS[6], ARGV[6], status, ARGV[2], tonumber(ARGV[4]), KEYS[8], KEYS[9], KEYS[10])
+  redis.call('HSET', K.job, 'status', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
+  count_job_move(K.job, K.job_counts, status, ARGV[2])
+  count_job_end(K.job, ARGV[6], status, ARGV[2], tonumber(ARGV[4]), K.counters, K.latency_buckets, K.jobs_due)
   for name, value in pairs(cjson.decode(ARGV[5])) do
-    redis.call('HSET', KEYS[6], name, tostring(value))
+    redis.call('HSET', K.job, name, tostring(value))
   end
 end
 return 1

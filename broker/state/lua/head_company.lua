@@ -7,11 +7,13 @@
 --          {rows, enqueued_at}: the rows of the waiting requests that could join the head's batch
 --          (its shape bucket, among the first ARGV[1] waiting items, the head's own rows included;
 --          counted up to ARGV[2]) and when the head was queued (a string, as stored).
-local candidates = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+-- KEYS by name (the positions above are the callers' contract).
+local K = {ready = KEYS[1], items = KEYS[2]}
+local candidates = redis.call('ZRANGE', K.ready, 0, tonumber(ARGV[1]) - 1)
 if #candidates == 0 then
   return {}
 end
-local head = cjson.decode(redis.call('HGET', KEYS[2], candidates[1]) or '{}')
+local head = cjson.decode(redis.call('HGET', K.items, candidates[1]) or '{}')
 if head['kind'] ~= 'request' then
   return {}
 end
@@ -21,7 +23,7 @@ for index = 2, #candidates do
   if rows >= enough then
     break
   end
-  local item = cjson.decode(redis.call('HGET', KEYS[2], candidates[index]) or '{}')
+  local item = cjson.decode(redis.call('HGET', K.items, candidates[index]) or '{}')
   if item['kind'] == 'request' and item['bucket'] == head['bucket'] then
     rows = rows + number_or(item['rows'], 1)
   end

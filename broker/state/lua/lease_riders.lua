@@ -25,7 +25,10 @@
 -- Returns: {LEASE.STALE_TICKET} when the ticket is no longer valid; {LEASE.NOTHING} when none rides; else {n, id1, payload1, attempts1, inputs1, ...},
 -- best first.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
-if not ticket_valid(KEYS[1], ARGV[1], ARGV[2]) then
+-- KEYS by name (the positions above are the callers' contract).
+local K = {tickets = KEYS[1], ready = KEYS[2], inflight = KEYS[3], items = KEYS[4], attempts = KEYS[5],
+  waiting_requests = KEYS[6]}
+if not ticket_valid(K.tickets, ARGV[1], ARGV[2]) then
   return {LEASE.STALE_TICKET}
 end
 local bucket = ARGV[4]
@@ -48,21 +51,21 @@ end
 -- set and their ranks, so that a queue full of job chunks costs no payload decodes (a scan of 128 chunk
 -- payloads held Redis for about 2 ms, at every look of a running chunk).
 local window = tonumber(ARGV[8])
-local waiting = redis.call('ZCARD', KEYS[6])
+local waiting = redis.call('ZCARD', K.waiting_requests)
 if waiting == 0 then
   return {LEASE.NOTHING}
 end
 local entries = {}
 if waiting < window then
-  for _, item_id in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
-    local rank = redis.call('ZRANK', KEYS[2], item_id)
+  for _, item_id in ipairs(redis.call('ZRANGE', K.waiting_requests, 0, -1)) do
+    local rank = redis.call('ZRANK', K.ready, item_id)
     if rank and rank < window then
       entries[#entries + 1] = {rank + 1, item_id}
     end
   end
   table.sort(entries, function(a, b) return a[1] < b[1] end)
 else
-  for position, item_id in ipairs(redis.call('ZRANGE', KEYS[2], 0, window - 1)) do
+  for position, item_id in ipairs(redis.call('ZRANGE', K.ready, 0, window - 1)) do
     entries[position] = {position, item_id}
   end
 end
@@ -71,7 +74,7 @@ end
 local candidates = {}
 for _, entry in ipairs(entries) do
   local position, item_id = entry[1], entry[2]
-  local payload = redis.call('HGET', KEYS[4], item_id) or '{}'
+  local payload = redis.call('HGET', K.items, item_id) or '{}'
   local item = cjson.decode(payload)
   local factors = item['factors'] or {}
   local level = number_or(factors['base_level'], number_or(factors['level'], 0))
@@ -98,11 +101,11 @@ for _, candidate in ipairs(candidates) do
   end
   local item_id, payload, item_rows, item_tokens = candidate[1], candidate[2], candidate[3], candidate[4]
   if rows + item_rows <= max_rows and (max_tokens == 0 or tokens + item_tokens <= max_tokens) then
-    redis.call('ZREM', KEYS[2], item_id)
-    redis.call('ZADD', KEYS[3], ARGV[3], item_id)
-    redis.call('ZREM', KEYS[6], item_id)
+    redis.call('ZREM', K.ready, item_id)
+    redis.call('ZADD', K.inflight, ARGV[3], item_id)
+    redis.call('ZREM', K.waiting_requests, item_id)
     out[1] = out[1] + 1
-    append_leased(out, item_id, payload, redis.call('HINCRBY', KEYS[5], item_id, 1), ARGV[11], candidate[7])
+    append_leased(out, item_id, payload, redis.call('HINCRBY', K.attempts, item_id, 1), ARGV[11], candidate[7])
     rows = rows + item_rows
     tokens = tokens + item_tokens
   end

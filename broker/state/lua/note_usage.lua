@@ -10,24 +10,26 @@
 -- Each entry adds to its tenant's decayed usage (decayed to now first: halved per half-life since
 -- it was last noted) and to its bill of the day: totals, and by model, key and device kind.
 -- Returns the number of entries billed.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {usage = KEYS[1], billed = KEYS[2], counters = KEYS[3]}
 local now, half_life, day = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local entries = cjson.decode(ARGV[4])
 for index, entry in ipairs(entries) do
   local tenant, seconds = entry['tenant'], tonumber(entry['seconds']) or 0
-  local stored = redis.call('HGET', KEYS[1], tenant)
+  local stored = redis.call('HGET', K.usage, tenant)
   local value = 0
   if stored then
     local usage = cjson.decode(stored)
     local age = math.max(0, now - (tonumber(usage['at']) or now))
     value = (tonumber(usage['value']) or 0) * math.pow(2, -age / half_life)
   end
-  redis.call('HSET', KEYS[1], tenant, cjson.encode({value = value + seconds, at = now}))
-  redis.call('ZADD', KEYS[2], day, tenant)
+  redis.call('HSET', K.usage, tenant, cjson.encode({value = value + seconds, at = now}))
+  redis.call('ZADD', K.billed, day, tenant)
   local bill = KEYS[3 + index]
   local rows, requests, queued = tonumber(entry['rows']) or 0, tonumber(entry['requests']) or 0,
     tonumber(entry['queue_seconds']) or 0
-  redis.call('HINCRBY', KEYS[3], 'tenant_device_us:' .. tenant, math.floor(seconds * 1e6 + 0.5))
-  redis.call('HINCRBY', KEYS[3], 'tenant_rows:' .. tenant, rows)
+  redis.call('HINCRBY', K.counters, 'tenant_device_us:' .. tenant, math.floor(seconds * 1e6 + 0.5))
+  redis.call('HINCRBY', K.counters, 'tenant_rows:' .. tenant, rows)
   redis.call('HINCRBYFLOAT', bill, 'device_seconds', seconds)
   redis.call('HINCRBY', bill, 'rows', rows)
   redis.call('HINCRBY', bill, 'requests', requests)

@@ -9,11 +9,13 @@
 -- KEYS[4] inflight        ZSET the ref's leased items
 -- ARGV[1] model ref
 -- Returns: 1 pruned, 0 kept (it has items, or was not in the set).
-if redis.call('ZCARD', KEYS[3]) > 0 or redis.call('ZCARD', KEYS[4]) > 0 then
+-- KEYS by name (the positions above are the callers' contract).
+local K = {queues = KEYS[1], queues_version = KEYS[2], ready = KEYS[3], inflight = KEYS[4]}
+if redis.call('ZCARD', K.ready) > 0 or redis.call('ZCARD', K.inflight) > 0 then
   return 0
 end
-if redis.call('SREM', KEYS[1], ARGV[1]) == 0 then
+if redis.call('SREM', K.queues, ARGV[1]) == 0 then
   return 0
 end
-redis.call('INCR', KEYS[2])
+redis.call('INCR', K.queues_version)
 return 1

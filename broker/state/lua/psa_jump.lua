@@ -10,18 +10,20 @@
 -- Decision (as broker/queueing/scoring.py psa_jump_level): remaining delay < psa_rtd_ms, load > psa_load,
 -- base level < psa_max_base_level  ->  level 15 under 100 ms, else 12. Items leased, gone, at 15,
 -- or not eligible leave the index.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {deadlines = KEYS[1], ready = KEYS[2], inflight = KEYS[3], items = KEYS[4]}
 local now = tonumber(ARGV[1])
-local load = (redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])) / tonumber(ARGV[5])
+local load = (redis.call('ZCARD', K.ready) + redis.call('ZCARD', K.inflight)) / tonumber(ARGV[5])
 local out = {math.floor(load * 1000)}
 if load <= tonumber(ARGV[3]) then
   return out
 end
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now + tonumber(ARGV[2]) / 1000, 'WITHSCORES', 'LIMIT', 0, 256)
+local due = redis.call('ZRANGEBYSCORE', K.deadlines, '-inf', now + tonumber(ARGV[2]) / 1000, 'WITHSCORES', 'LIMIT', 0, 256)
 for i = 1, #due, 2 do
   local item_id, deadline = due[i], tonumber(due[i + 1])
-  local payload = redis.call('HGET', KEYS[4], item_id)
-  if not payload or not redis.call('ZSCORE', KEYS[2], item_id) then
-    redis.call('ZREM', KEYS[1], item_id)
+  local payload = redis.call('HGET', K.items, item_id)
+  if not payload or not redis.call('ZSCORE', K.ready, item_id) then
+    redis.call('ZREM', K.deadlines, item_id)
   else
     local item = cjson.decode(payload)
     local factors = item['factors']
@@ -30,7 +32,7 @@ for i = 1, #due, 2 do
       base = factors['level']
     end
     if base >= tonumber(ARGV[4]) then
-      redis.call('ZREM', KEYS[1], item_id)
+      redis.call('ZREM', K.deadlines, item_id)
     else
       local target = 12
       if (deadline - now) * 1000 < 100 then
@@ -39,11 +41,11 @@ for i = 1, #due, 2 do
       if target > factors['level'] then
         factors['base_level'] = base
         factors['level'] = target
-        redis.call('HSET', KEYS[4], item_id, cjson.encode(item))
+        redis.call('HSET', K.items, item_id, cjson.encode(item))
         out[#out + 1] = item_id
       end
       if target == 15 then
-        redis.call('ZREM', KEYS[1], item_id)
+        redis.call('ZREM', K.deadlines, item_id)
       end
     end
   end

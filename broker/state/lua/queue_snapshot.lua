@@ -13,8 +13,10 @@
 --          its score, the earliest deadline, how many online requests wait} ('' for what an empty
 --          set lacks). When the version differs from the one the caller read with its refs, its list
 --          of refs is out of date.
-local unclaimed = redis.call('DEL', KEYS[3])
-local reply = {redis.call('GET', KEYS[1]) or '', redis.call('GET', KEYS[2]) or '', unclaimed}
+-- KEYS by name (the positions above are the callers' contract).
+local K = {queues_version = KEYS[1], policy = KEYS[2], doorbell = KEYS[3]}
+local unclaimed = redis.call('DEL', K.doorbell)
+local reply = {redis.call('GET', K.queues_version) or '', redis.call('GET', K.policy) or '', unclaimed}
 for index = 4, #KEYS, 3 do
   local head = redis.call('ZRANGE', KEYS[index], 0, 0, 'WITHSCORES')
   local earliest = redis.call('ZRANGE', KEYS[index + 1], 0, 0, 'WITHSCORES')

@@ -14,7 +14,10 @@
 -- ARGV[4] JSON list: the wait after the n-th lost lease before the item is queued again ([] : none)
 -- Returns: {returned, dead, lost item id, its retry time ('' : queued now), ...}: the lost leases (not
 -- those gone dead), whose failures the caller records.
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
+-- KEYS by name (the positions above are the callers' contract).
+local K = {inflight = KEYS[1], ready = KEYS[2], items = KEYS[3], attempts = KEYS[4], dead = KEYS[5],
+  waiting_requests = KEYS[6], retrying = KEYS[7]}
+local expired = redis.call('ZRANGEBYSCORE', K.inflight, '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
 local delays = cjson.decode(ARGV[4] or '[]')
 local now = tonumber(ARGV[1])
 local reply = {0, 0}
@@ -22,30 +25,30 @@ for i = 1, #expired, 2 do
   local item_id, deadline = expired[i], tonumber(expired[i + 1])
   -- Parked: its mark says the very deadline it has (a mark left from before its job was stopped and
   -- resumed does not, and is dropped here).
-  local mark = redis.call('ZSCORE', KEYS[7], item_id)
+  local mark = redis.call('ZSCORE', K.retrying, item_id)
   local parked = mark and tonumber(mark) == deadline
   if mark then
-    redis.call('ZREM', KEYS[7], item_id)
+    redis.call('ZREM', K.retrying, item_id)
   end
-  local payload = redis.call('HGET', KEYS[3], item_id)
-  local attempts = tonumber(redis.call('HGET', KEYS[4], item_id) or '0')
+  local payload = redis.call('HGET', K.items, item_id)
+  local attempts = tonumber(redis.call('HGET', K.attempts, item_id) or '0')
   local delay = delays[attempts]
   if not payload then
-    redis.call('ZREM', KEYS[1], item_id)
+    redis.call('ZREM', K.inflight, item_id)
   elseif not parked and attempts >= tonumber(ARGV[2]) then
-    redis.call('ZREM', KEYS[1], item_id)
-    redis.call('ZADD', KEYS[5], ARGV[1], item_id)
+    redis.call('ZREM', K.inflight, item_id)
+    redis.call('ZADD', K.dead, ARGV[1], item_id)
     reply[2] = reply[2] + 1
   elseif not parked and delay ~= nil and delay > 0 then
-    redis.call('ZADD', KEYS[1], now + delay, item_id)
-    redis.call('ZADD', KEYS[7], now + delay, item_id)
+    redis.call('ZADD', K.inflight, now + delay, item_id)
+    redis.call('ZADD', K.retrying, now + delay, item_id)
     reply[#reply + 1] = item_id
     reply[#reply + 1] = tostring(now + delay)
   else
-    redis.call('ZREM', KEYS[1], item_id)
+    redis.call('ZREM', K.inflight, item_id)
     local item = cjson.decode(payload)
-    redis.call('ZADD', KEYS[2], item['score'], item_id)
-    count_waiting_again(KEYS[6], item_id, item)
+    redis.call('ZADD', K.ready, item['score'], item_id)
+    count_waiting_again(K.waiting_requests, item_id, item)
     reply[1] = reply[1] + 1
     if not parked then
       reply[#reply + 1] = item_id
@@ -55,11 +58,11 @@ for i = 1, #expired, 2 do
 end
 -- Marks whose time has passed and that no longer say an item's deadline go too: their item left the
 -- in-flight set otherwise (its job was stopped), or was leased again since (its job resumed).
-local marks = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
+local marks = redis.call('ZRANGEBYSCORE', K.retrying, '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
 for i = 1, #marks, 2 do
-  local deadline = redis.call('ZSCORE', KEYS[1], marks[i])
+  local deadline = redis.call('ZSCORE', K.inflight, marks[i])
   if not deadline or tonumber(deadline) ~= tonumber(marks[i + 1]) then
-    redis.call('ZREM', KEYS[7], marks[i])
+    redis.call('ZREM', K.retrying, marks[i])
   end
 end
 return reply

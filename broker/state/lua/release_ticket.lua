@@ -7,7 +7,9 @@
 -- ARGV[2] the set's version read with those refs ('' for none)
 -- Returns: RELEASE.RELEASED; RELEASE.WORK_WAITING (keep draining); RELEASE.SET_CHANGED, the queue set
 -- changed (call again with the new set of ready keys).
-if (redis.call('GET', KEYS[2]) or '') ~= ARGV[2] then
+-- KEYS by name (the positions above are the callers' contract).
+local K = {tickets = KEYS[1], queues_version = KEYS[2]}
+if (redis.call('GET', K.queues_version) or '') ~= ARGV[2] then
   return RELEASE.SET_CHANGED
 end
 for i = 3, #KEYS do
@@ -15,5 +17,5 @@ for i = 3, #KEYS do
     return RELEASE.WORK_WAITING
   end
 end
-redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', K.tickets, ARGV[1])
 return RELEASE.RELEASED

@@ -11,6 +11,8 @@
 -- ZSCAN returns every member present for the whole walk at least once; rescoring twice gives the
 -- same score, and members added meanwhile were scored with the new weights already.
 -- Must compute exactly what broker/queueing/scoring.py queue_key computes.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {queue = KEYS[1], items = KEYS[2]}
 local EPOCH = 1704067200.0
 local ordering = ARGV[4]
 local alpha, beta, gamma, delta = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -44,7 +46,7 @@ if ARGV[3] == 'ids' then
     ids[#ids + 1] = ARGV[i]
   end
 else
-  local scan = redis.call('ZSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2])
+  local scan = redis.call('ZSCAN', K.queue, ARGV[1], 'COUNT', ARGV[2])
   next_cursor = scan[1]
   for i = 1, #scan[2], 2 do
     ids[#ids + 1] = scan[2][i]
@@ -52,15 +54,15 @@ else
 end
 local done = 0
 for _, item_id in ipairs(ids) do
-  local payload = redis.call('HGET', KEYS[2], item_id)
+  local payload = redis.call('HGET', K.items, item_id)
   if payload then
     local item = cjson.decode(payload)
     if type(item['factors']) == 'table' then
       local key = queue_key(item['factors'])
       item['score'] = key
-      redis.call('HSET', KEYS[2], item_id, cjson.encode(item))
+      redis.call('HSET', K.items, item_id, cjson.encode(item))
       if ARGV[3] ~= 'inflight' then
-        redis.call('ZADD', KEYS[1], 'XX', key, item_id)
+        redis.call('ZADD', K.queue, 'XX', key, item_id)
       end
       done = done + 1
     end

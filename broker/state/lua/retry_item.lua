@@ -15,14 +15,16 @@
 -- Returns {RETRY.PARKED, n, retry_at}: parked after its n-th failure in the class; {RETRY.NOT_RETRIED, n}:
 -- not retried, the item failed n times in the class (the caller fails it); {RETRY.NOT_IN_FLIGHT}: the item
 -- is no longer in flight (reaped, finished or stopped meanwhile).
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+-- KEYS by name (the positions above are the callers' contract).
+local K = {inflight = KEYS[1], retrying = KEYS[2], attempts = KEYS[3], record = KEYS[4], counters = KEYS[5]}
+if not redis.call('ZSCORE', K.inflight, ARGV[1]) then
   return {RETRY.NOT_IN_FLIGHT}
 end
 local options = cjson.decode(ARGV[3])
 local now = tonumber(ARGV[2])
 local failures = 1
-if redis.call('EXISTS', KEYS[4]) == 1 then
-  failures = redis.call('HINCRBY', KEYS[4], options.count_field, 1)
+if redis.call('EXISTS', K.record) == 1 then
+  failures = redis.call('HINCRBY', K.record, options.count_field, 1)
 end
 local delay = options.delays[failures]
 local retry_at = nil
@@ -30,15 +32,15 @@ if delay ~= nil then
   retry_at = now + delay
 end
 local class = options.class
-note_failure(KEYS[4], ARGV[1], class, options.error, now, retry_at, options.count_field == 'attempts:' .. class)
+note_failure(K.record, ARGV[1], class, options.error, now, retry_at, options.count_field == 'attempts:' .. class)
 local outcome = retry_at == nil and 'final' or 'retried'
-redis.call('HINCRBY', KEYS[5], 'failures_' .. outcome .. '_' .. class .. ':' .. options.model, 1)
+redis.call('HINCRBY', K.counters, 'failures_' .. outcome .. '_' .. class .. ':' .. options.model, 1)
 if retry_at == nil then
   return {RETRY.NOT_RETRIED, failures}
 end
-redis.call('ZADD', KEYS[1], 'XX', retry_at, ARGV[1])
-redis.call('ZADD', KEYS[2], retry_at, ARGV[1])
-if tonumber(redis.call('HINCRBY', KEYS[3], ARGV[1], -1)) <= 0 then
-  redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('ZADD', K.inflight, 'XX', retry_at, ARGV[1])
+redis.call('ZADD', K.retrying, retry_at, ARGV[1])
+if tonumber(redis.call('HINCRBY', K.attempts, ARGV[1], -1)) <= 0 then
+  redis.call('HDEL', K.attempts, ARGV[1])
 end
 return {RETRY.PARKED, failures, tostring(retry_at)}

@@ -10,20 +10,23 @@
 -- ARGV    the item ids
 -- Returns: how many were returned. An item no longer in flight (reaped, finished, or returned
 -- already) is left alone, so a late or repeated call changes nothing.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {inflight = KEYS[1], ready = KEYS[2], items = KEYS[3], attempts = KEYS[4], doorbell = KEYS[5],
+  waiting_requests = KEYS[6]}
 local returned = 0
 for _, item_id in ipairs(ARGV) do
-  local payload = redis.call('HGET', KEYS[3], item_id)
-  if payload and redis.call('ZREM', KEYS[1], item_id) == 1 then
+  local payload = redis.call('HGET', K.items, item_id)
+  if payload and redis.call('ZREM', K.inflight, item_id) == 1 then
     local item = cjson.decode(payload)
-    redis.call('ZADD', KEYS[2], item['score'], item_id)
-    count_waiting_again(KEYS[6], item_id, item)
-    if tonumber(redis.call('HINCRBY', KEYS[4], item_id, -1)) <= 0 then
-      redis.call('HDEL', KEYS[4], item_id)
+    redis.call('ZADD', K.ready, item['score'], item_id)
+    count_waiting_again(K.waiting_requests, item_id, item)
+    if tonumber(redis.call('HINCRBY', K.attempts, item_id, -1)) <= 0 then
+      redis.call('HDEL', K.attempts, item_id)
     end
     returned = returned + 1
   end
 end
 if returned > 0 then
-  ring_doorbell(KEYS[5])
+  ring_doorbell(K.doorbell)
 end
 return returned

@@ -7,18 +7,20 @@
 --         hold their slots; two slots' calls may come out of order, and an earlier time would say too little)
 -- Returns: the job's status after the call ('running', or 'cancelled' / 'failed' / 'succeeded'
 -- when the item should be dropped unrun); '' when the job does not exist.
-local status = redis.call('HGET', KEYS[1], 'status')
+-- KEYS by name (the positions above are the callers' contract).
+local K = {job = KEYS[1], job_counts = KEYS[2]}
+local status = redis.call('HGET', K.job, 'status')
 if not status then
   return ''
 end
 if status == 'queued' then
-  redis.call('HSET', KEYS[1], 'status', 'running')
-  count_job_move(KEYS[1], KEYS[2], status, 'running')
-  redis.call('HSETNX', KEYS[1], 'started_at', ARGV[1])
+  redis.call('HSET', K.job, 'status', 'running')
+  count_job_move(K.job, K.job_counts, status, 'running')
+  redis.call('HSETNX', K.job, 'started_at', ARGV[1])
   status = 'running'
 end
 if status == 'running' and ARGV[2] == 'chunk'
-    and tonumber(ARGV[1]) > tonumber(redis.call('HGET', KEYS[1], 'chunk_started_at') or '0') then
-  redis.call('HSET', KEYS[1], 'chunk_started_at', ARGV[1])
+    and tonumber(ARGV[1]) > tonumber(redis.call('HGET', K.job, 'chunk_started_at') or '0') then
+  redis.call('HSET', K.job, 'chunk_started_at', ARGV[1])
 end
 return status

@@ -30,21 +30,25 @@
 -- (its '' or 'last' call recorded `stop_done`), so there is nothing to take out (a second DELETE costs
 -- one call, not a walk of every item). A job already finished keeps its status.
 -- In-flight items are dropped too; a worker still running one sees the final status at ack.
+-- KEYS by name (the positions above are the callers' contract).
+local K = {job = KEYS[1], ready = KEYS[2], inflight = KEYS[3], items = KEYS[4], attempts = KEYS[5],
+  dead = KEYS[6], job_counts = KEYS[7], stopping = KEYS[8], counters = KEYS[9], latency_buckets = KEYS[10],
+  jobs_due = KEYS[11]}
 local call, stop_id, job_id = ARGV[5], ARGV[6], ARGV[7]
 if ARGV[4] ~= '' then
-  if redis.call('ZREM', KEYS[6], ARGV[4]) == 0 then
+  if redis.call('ZREM', K.dead, ARGV[4]) == 0 then
     return 'skipped'
   end
-  redis.call('HDEL', KEYS[4], ARGV[4])
-  redis.call('HDEL', KEYS[5], ARGV[4])
+  redis.call('HDEL', K.items, ARGV[4])
+  redis.call('HDEL', K.attempts, ARGV[4])
 end
-local status = redis.call('HGET', KEYS[1], 'status')
+local status = redis.call('HGET', K.job, 'status')
 if call == 'more' or call == 'last' then
-  local recorded = redis.call('HGET', KEYS[1], 'stop_id') or ''
+  local recorded = redis.call('HGET', K.job, 'stop_id') or ''
   if status ~= ARGV[1] or recorded ~= stop_id then
     -- this stop is over; its index entry goes unless another stop of the job is going on (that one's)
     if recorded == stop_id or (status ~= 'cancelled' and status ~= 'failed') then
-      redis.call('ZREM', KEYS[8], job_id)
+      redis.call('ZREM', K.stopping, job_id)
     end
     if status == ARGV[1] then
       return 'superseded'
@@ -54,32 +58,32 @@ if call == 'more' or call == 'last' then
 elseif not status then
   return ''
 elseif status == 'queued' or status == 'running' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'error', ARGV[2], 'finished_at', ARGV[3], 'stop_id', stop_id)
-  count_job_move(KEYS[1], KEYS[7], status, ARGV[1])
-  count_job_end(KEYS[1], job_id, status, ARGV[1], tonumber(ARGV[3]), KEYS[9], KEYS[10], KEYS[11])
+  redis.call('HSET', K.job, 'status', ARGV[1], 'error', ARGV[2], 'finished_at', ARGV[3], 'stop_id', stop_id)
+  count_job_move(K.job, K.job_counts, status, ARGV[1])
+  count_job_end(K.job, job_id, status, ARGV[1], tonumber(ARGV[3]), K.counters, K.latency_buckets, K.jobs_due)
 elseif status == ARGV[1] then
-  local finished = redis.call('HGET', KEYS[1], 'stop_done')
-  if finished and finished == redis.call('HGET', KEYS[1], 'stop_id') and not redis.call('ZSCORE', KEYS[8], job_id) then
+  local finished = redis.call('HGET', K.job, 'stop_done')
+  if finished and finished == redis.call('HGET', K.job, 'stop_id') and not redis.call('ZSCORE', K.stopping, job_id) then
     -- the last stop took every item out and nothing queues a stopped job's items again: nothing to do
     return 'already'
   end
-  redis.call('HSET', KEYS[1], 'stop_id', stop_id)
+  redis.call('HSET', K.job, 'stop_id', stop_id)
 else
   return status
 end
 for i = 9, #ARGV do
-  redis.call('ZREM', KEYS[2], ARGV[i])
-  redis.call('ZREM', KEYS[3], ARGV[i])
-  redis.call('ZREM', KEYS[6], ARGV[i])
-  redis.call('HDEL', KEYS[4], ARGV[i])
-  redis.call('HDEL', KEYS[5], ARGV[i])
+  redis.call('ZREM', K.ready, ARGV[i])
+  redis.call('ZREM', K.inflight, ARGV[i])
+  redis.call('ZREM', K.dead, ARGV[i])
+  redis.call('HDEL', K.items, ARGV[i])
+  redis.call('HDEL', K.attempts, ARGV[i])
 end
 if call == 'first' then
-  redis.call('ZADD', KEYS[8], ARGV[8], job_id)
+  redis.call('ZADD', K.stopping, ARGV[8], job_id)
 elseif call == 'more' then
-  redis.call('ZADD', KEYS[8], 'XX', ARGV[8], job_id)  -- gone: another caller of this stop completed it
+  redis.call('ZADD', K.stopping, 'XX', ARGV[8], job_id)  -- gone: another caller of this stop completed it
 else
-  redis.call('ZREM', KEYS[8], job_id)
-  redis.call('HSET', KEYS[1], 'stop_done', stop_id)  -- this stop took every item out
+  redis.call('ZREM', K.stopping, job_id)
+  redis.call('HSET', K.job, 'stop_done', stop_id)  -- this stop took every item out
 end
 return ARGV[1]

@@ -30,59 +30,63 @@
 -- expiry are dropped first, so a request nobody completed cannot hold a place for ever) (nothing
 -- written but the rejection's count: the check and the enqueue are one step, so two API processes
 -- can never both take the last place).
-if (redis.call('GET', KEYS[6]) or '') ~= ARGV[8] then
+-- KEYS by name (the positions above are the callers' contract).
+local K = {ready = KEYS[1], items = KEYS[2], queues = KEYS[3], request = KEYS[4], deadlines = KEYS[5],
+  policy = KEYS[6], tickets = KEYS[7], ticket_seq = KEYS[8], doorbell = KEYS[9], queues_version = KEYS[10],
+  waiting_requests = KEYS[11], request_timeouts = KEYS[12], counters = KEYS[13], tenant_queued = KEYS[14]}
+if (redis.call('GET', K.policy) or '') ~= ARGV[8] then
   return {SUBMIT.POLICY_CHANGED}
 end
-if redis.call('EXISTS', KEYS[4]) == 1 then
+if redis.call('EXISTS', K.request) == 1 then
   return {SUBMIT.EXISTS}
 end
 local level, most, most_at_level = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 if most > 0 then
-  local waiting = redis.call('ZCARD', KEYS[11])
+  local waiting = redis.call('ZCARD', K.waiting_requests)
   if waiting >= most then
-    redis.call('HINCRBY', KEYS[13], 'requests_rejected_queue_full:' .. ARGV[1], 1)
+    redis.call('HINCRBY', K.counters, 'requests_rejected_queue_full:' .. ARGV[1], 1)
     return {SUBMIT.QUEUE_FULL, waiting}
   end
 end
 if most_at_level > 0 then
-  local waiting = redis.call('ZCOUNT', KEYS[11], level, level)
+  local waiting = redis.call('ZCOUNT', K.waiting_requests, level, level)
   if waiting >= most_at_level then
-    redis.call('HINCRBY', KEYS[13], 'requests_rejected_level_full:' .. ARGV[1], 1)
+    redis.call('HINCRBY', K.counters, 'requests_rejected_level_full:' .. ARGV[1], 1)
     return {SUBMIT.LEVEL_FULL, waiting}
   end
 end
 local tenant_most = tonumber(ARGV[15])
 if tenant_most > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[14], '-inf', ARGV[9])
-  local unanswered = redis.call('ZCARD', KEYS[14])
+  redis.call('ZREMRANGEBYSCORE', K.tenant_queued, '-inf', ARGV[9])
+  local unanswered = redis.call('ZCARD', K.tenant_queued)
   if unanswered >= tenant_most then
-    redis.call('HINCRBY', KEYS[13], 'requests_rejected_tenant_full:' .. ARGV[1], 1)
+    redis.call('HINCRBY', K.counters, 'requests_rejected_tenant_full:' .. ARGV[1], 1)
     return {SUBMIT.TENANT_FULL, unanswered}
   end
-  redis.call('ZADD', KEYS[14], tonumber(ARGV[9]) + tonumber(ARGV[7]), ARGV[2])
+  redis.call('ZADD', K.tenant_queued, tonumber(ARGV[9]) + tonumber(ARGV[7]), ARGV[2])
 end
 local flat = {}  -- (one HSET for every field: a command each would cost Redis a dispatch each)
 for name, value in pairs(cjson.decode(ARGV[3])) do
   flat[#flat + 1] = name
   flat[#flat + 1] = tostring(value)
 end
-redis.call('HSET', KEYS[4], unpack(flat))
-redis.call('EXPIRE', KEYS[4], ARGV[7])
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[5])
-redis.call('ZADD', KEYS[1], ARGV[4], ARGV[2])
-redis.call('ZADD', KEYS[11], level, ARGV[2])
-announce_waiting(KEYS[11])
+redis.call('HSET', K.request, unpack(flat))
+redis.call('EXPIRE', K.request, ARGV[7])
+redis.call('HSET', K.items, ARGV[2], ARGV[5])
+redis.call('ZADD', K.ready, ARGV[4], ARGV[2])
+redis.call('ZADD', K.waiting_requests, level, ARGV[2])
+announce_waiting(K.waiting_requests)
 if ARGV[14] ~= '' then
-  redis.call('ZADD', KEYS[12], ARGV[14], ARGV[2])
+  redis.call('ZADD', K.request_timeouts, ARGV[14], ARGV[2])
 end
 if ARGV[6] ~= '' then
-  redis.call('ZADD', KEYS[5], ARGV[6], ARGV[2])
+  redis.call('ZADD', K.deadlines, ARGV[6], ARGV[2])
 end
-add_queue(KEYS[3], KEYS[10], ARGV[1])
+add_queue(K.queues, K.queues_version, ARGV[1])
 -- What top_up_tickets.lua does, here too, so that a submit is one round trip.
-ring_doorbell(KEYS[9])
+ring_doorbell(K.doorbell)
 local out = {SUBMIT.ACCEPTED}
-for _, ticket in ipairs(top_up_tickets(KEYS[7], KEYS[8], ARGV[9], tonumber(ARGV[10]))) do
+for _, ticket in ipairs(top_up_tickets(K.tickets, K.ticket_seq, ARGV[9], tonumber(ARGV[10]))) do
   out[#out + 1] = ticket
 end
 return out

@@ -4,9 +4,11 @@
 -- Returns: 1 when ARGV[1] has the turn (taken, or renewed by its holder), 0 when another worker holds it.
 -- The holder renews it at every tick, so a lone worker never skips a pass for a timer that fired a
 -- little early; another worker takes over once the holder has missed its ticks for ARGV[2] ms.
-local holder = redis.call('GET', KEYS[1])
+-- KEYS by name (the positions above are the callers' contract).
+local K = {reaper_turn = KEYS[1]}
+local holder = redis.call('GET', K.reaper_turn)
 if holder and holder ~= ARGV[1] then
   return 0
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', K.reaper_turn, ARGV[1], 'PX', ARGV[2])
 return 1

@@ -5,5 +5,7 @@
 -- KEYS[3] doorbell    LIST an idle drain task blocks on
 -- ARGV[1] now, ARGV[2] target
 -- Returns: the new ticket ids.
-ring_doorbell(KEYS[3])
-return top_up_tickets(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]))
+-- KEYS by name (the positions above are the callers' contract).
+local K = {tickets = KEYS[1], ticket_seq = KEYS[2], doorbell = KEYS[3]}
+ring_doorbell(K.doorbell)
+return top_up_tickets(K.tickets, K.ticket_seq, ARGV[1], tonumber(ARGV[2]))
