@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 
 from broker.errors import Conflict, NotFound, SitsError
-from broker.failures.retries import failure_record
+from broker.online.records import RequestRecord
 from broker.queueing.leases import LeasedItem
 from broker.state.held_calls import send_held
 from broker.state.replies import SubmitReply
@@ -276,8 +276,8 @@ def _settle_tenants(store: Store, results: Sequence[RequestResult], *, now: floa
         pipe.execute()
 
 
-def get_request(store: Store, request_id: str) -> dict[str, Any]:
-    """The request's status, timings and decoded outputs; NotFound when unknown or expired."""
+def get_request(store: Store, request_id: str) -> RequestRecord:
+    """The request's record: status, timings and decoded outputs; NotFound when unknown or expired."""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.request(request_id))
     if not raw:
@@ -291,33 +291,10 @@ def request_not_found(request_id: str) -> NotFound:
     return NotFound(f"no request with id '{request_id}' (results are kept for a limited time)")
 
 
-def record_from_fields(raw: Mapping[str, str]) -> dict[str, Any]:
-    """A request hash's fields as the API reports them (typed, outputs decoded): what `get_request`
-    answers, and a waiter makes of the fields `complete_requests` pushed to it."""
-    result: dict[str, Any] = {
-        "id": raw["id"],
-        "model": raw["model"],
-        "model_version": raw["model_version"],
-        "status": raw["status"],
-        "owner": raw.get("owner") or None,  # the submitting key's name; None for requests stored without one
-        "tenant": raw.get("tenant") or raw.get("owner") or None,
-        "rows": int(raw["rows"]),
-        "created_at": float(raw["created_at"]),
-        "finished_at": float(raw["finished_at"]) if raw.get("finished_at") else None,
-        # when the run that answered it began (its queue time ends there)
-        "started_at": float(raw["started_at"]) if raw.get("started_at") else None,
-        "batch_size": int(raw["batch_size"]) if raw.get("batch_size") else None,
-        "job_rows": int(raw.get("job_rows") or 0),  # rows of offline jobs that shared its run
-        "error": raw.get("error") or None,
-        "error_code": raw.get("error_code") or None,  # the kind of error: bad_input, invalid_model, timeout, ...
-        "outputs": None,
-    }
-    result["retries"], result["failures"] = failure_record(raw)  # failures by class (`broker/failures/retries.py`)
-    if raw.get("outputs"):
-        result["outputs"] = {name: unpack_array(text) for name, text in orjson.loads(raw["outputs"]).items()}
-    if result["finished_at"]:
-        result["latency_ms"] = round((result["finished_at"] - result["created_at"]) * 1000, 3)
-    return result
+def record_from_fields(raw: Mapping[str, str]) -> RequestRecord:
+    """A request hash's fields as its typed record: what `get_request` answers, and a waiter makes of the
+    fields `complete_requests` pushed to it."""
+    return RequestRecord.from_fields(raw, unpack_array)
 
 
 POLL_SECONDS = 0.002
@@ -325,7 +302,7 @@ POLL_SECONDS = 0.002
 
 
 def wait_for_request(store: Store, request_id: str, *, timeout: float,
-                     clock: Any = time.monotonic) -> dict[str, Any] | None:
+                     clock: Any = time.monotonic) -> RequestRecord | None:
     """The request once it is done, as `get_request` reports it, or None if it is not within `timeout`;
     NotFound for one unknown or expired.
 
@@ -335,8 +312,8 @@ def wait_for_request(store: Store, request_id: str, *, timeout: float,
     ends = clock() + timeout
     while True:
         record = get_request(store, request_id)
-        if record["status"] not in _NOT_DONE or clock() >= ends:
-            return None if record["status"] in _NOT_DONE else record
+        if record.status not in _NOT_DONE or clock() >= ends:
+            return None if record.status in _NOT_DONE else record
         time.sleep(POLL_SECONDS)
 
 

@@ -18,6 +18,7 @@ from broker.models.cache import API_RECORD_TTL_SECONDS, ModelRecordCache
 from broker.monitoring import model_stats
 from broker.online import queue_policy, requests
 from broker.online import timeouts as request_timeouts
+from broker.online.records import RequestRecord
 from broker.online.requests import RequestSpec
 from broker.queueing import policy
 from broker.queueing.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
@@ -125,7 +126,7 @@ def queue_full(store: Store, record: dict[str, Any], spec: RequestSpec, full: re
 
 
 def wait_for_result(settings: Settings, store: Store, live_policy: policy.LivePolicy, answer: Answer,
-                    spec: RequestSpec, *, seconds: float) -> dict[str, Any] | None:
+                    spec: RequestSpec, *, seconds: float) -> RequestRecord | None:
     """The finished request, as `answer` brings it within `seconds`, else None. A request still waiting
     at its timeout is dealt with then, whether workers are free or not (`broker.online.timeouts`):
     rejected, its failure is the answer at once; delayed, the wait goes on."""
@@ -198,9 +199,9 @@ def _sequence_length(record: dict[str, Any], tensors: dict[str, np.ndarray]) -> 
     return int(tensors[axis["input"]].shape[axis["axis"]])
 
 
-def to_json_result(result: dict[str, Any]) -> dict[str, Any]:
+def to_json_result(result: RequestRecord) -> dict[str, Any]:
     """A stored request as the v1 API answers it: outputs as nested lists."""
-    outputs = result.get("outputs")
-    body = {k: v for k, v in result.items() if k != "outputs" and not (isinstance(v, float) and math.isnan(v))}
-    body["outputs"] = {name: array.tolist() for name, array in outputs.items()} if outputs else None
+    fields = result.to_json()
+    body = {k: v for k, v in fields.items() if k != "outputs" and not (isinstance(v, float) and math.isnan(v))}
+    body["outputs"] = {name: array.tolist() for name, array in result.outputs.items()} if result.outputs else None
     return body

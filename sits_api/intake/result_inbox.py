@@ -28,6 +28,7 @@ import orjson
 
 from broker.errors import SitsError
 from broker.online import requests
+from broker.online.records import RequestRecord
 from broker.state.held_calls import send_held
 from broker.state.store import Store, translate_redis_errors
 
@@ -77,7 +78,7 @@ class Answer:
         self.reply_to = reply_to
         """The request's `reply_to`: this process's inbox, or '' for a request nobody waits for here."""
 
-    def wait(self, timeout: float) -> dict[str, Any] | None:
+    def wait(self, timeout: float) -> RequestRecord | None:
         """The finished request as `requests.get_request` reports it, or None if it is not done in
         `timeout` (at once for a request nobody waits for)."""
         if self._delivery is None:

@@ -14,17 +14,16 @@ from broker.tenants.apikeys import may_read, owns
 from sits_api.state import app_state
 
 
-def visible_to_caller(record: dict[str, Any], not_found: SitsError, *, steer: bool = False) -> dict[str, Any]:
-    """`record` (a job or a request) if the caller's key may read it (`apikeys.may_read`), or with `steer`
-    cancel, stop or resume it (`apikeys.owns`), else `not_found`: the very error an unknown id gets, so
-    that no tenant learns that another's ids exist (a viewer of the tenant gets a 403 when steering)."""
-    if steer and may_read(g.identity, record["owner"], record.get("tenant")) \
-            and not owns(g.identity, record["owner"], record.get("tenant")):
+def check_visible(owner: str | None, tenant: str | None, not_found: SitsError, *, steer: bool = False) -> None:
+    """Nothing if the caller's key may read the work of `owner` in `tenant` (a job or a request:
+    `apikeys.may_read`), or with `steer` cancel, stop or resume it (`apikeys.owns`); else `not_found`: the
+    very error an unknown id gets, so that no tenant learns that another's ids exist (a viewer of the
+    tenant gets a 403 when steering)."""
+    if steer and may_read(g.identity, owner, tenant) and not owns(g.identity, owner, tenant):
         raise Forbidden(f"key '{g.identity.get('name')}' has the '{g.identity.get('role')}' role: it may read its "
                         "tenant's work, not steer it")
-    if not may_read(g.identity, record["owner"], record.get("tenant")):
+    if not may_read(g.identity, owner, tenant):
         raise not_found
-    return record
 
 
 def model_as_seen(record: dict[str, Any]) -> dict[str, Any]:
@@ -43,5 +42,6 @@ def model_as_seen(record: dict[str, Any]) -> dict[str, Any]:
 
 def caller_job(job_id: str, *, steer: bool = False) -> dict[str, Any]:
     """The job `job_id`, if the caller may see it (with `steer`: and steer it); JobNotFound otherwise."""
-    return visible_to_caller(jobs.get_job(app_state().store, job_id, now=time.time()), jobs.job_not_found(job_id),
-                              steer=steer)
+    job = jobs.get_job(app_state().store, job_id, now=time.time())
+    check_visible(job["owner"], job.get("tenant"), jobs.job_not_found(job_id), steer=steer)
+    return job

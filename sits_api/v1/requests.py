@@ -12,7 +12,7 @@ from sits_api.intake import requests as request_intake
 from sits_api.schemas import OnlineRequest
 from sits_api.state import app_state
 from sits_api.tenancy import ab_routes, tenant_gate
-from sits_api.v1.caller import visible_to_caller
+from sits_api.v1.caller import check_visible
 from sits_api.v1.parsing import parse_body, priority_of, query_flag
 
 blueprint = Blueprint("requests", __name__)
@@ -48,6 +48,6 @@ def submit_request() -> Any:
 @blueprint.get("/v1/requests/<request_id>")
 def get_request(request_id: str) -> Any:
     """A request's status and, once done, its outputs (to the key that submitted it, or an admin)."""
-    record = visible_to_caller(requests.get_request(app_state().store, request_id),
-                                requests.request_not_found(request_id))
+    record = requests.get_request(app_state().store, request_id)
+    check_visible(record.owner, record.tenant, requests.request_not_found(request_id))
     return jsonify(request_intake.to_json_result(record))

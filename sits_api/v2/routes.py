@@ -32,6 +32,7 @@ from broker.models import registry
 from broker.monitoring import model_stats
 from broker.online import queue_policy, requests
 from broker.online.batching import Batching
+from broker.online.records import RequestRecord
 from broker.online.requests import RequestSpec
 from broker.online.settings import ModelBatching
 from broker.queueing import policy, workers
@@ -221,16 +222,17 @@ def infer(name: str, version: str | None = None) -> Any:
                                      tenant=tenant_gate.tenant_of(g.identity),
                                      max_queued=tenant.max_queued if tenant else 0)
         result = _wait_for_answer(answer, settings, store, state.policy, spec)
-    if result["status"] != "succeeded":  # answered with the status of the error that failed it
+    if result.status != "succeeded":  # answered with the status of the error that failed it
         # (a request failed by a worker of a release before error codes: a 400, as it was then)
-        raise error_for_code(result["error_code"] or BadInput.code, result["error"] or "the request failed")
+        raise error_for_code(result.error_code or BadInput.code, result.error or "the request failed")
+    outputs = result.outputs or {}
     return _answer({"model_name": spec.model_name, "model_version": spec.model_version,
                     "id": spec.request_id if checked.client_id is None else checked.client_id},
-                   {output: result["outputs"][output] for output in checked.outputs or result["outputs"]}, checked)
+                   {output: outputs[output] for output in checked.outputs or outputs}, checked)
 
 
 def _wait_for_answer(answer: Answer, settings: Settings, store: Store, live_policy: policy.LivePolicy,
-                     spec: RequestSpec) -> dict[str, Any]:
+                     spec: RequestSpec) -> RequestRecord:
     """The finished request, waited for as Triton does: one still waiting at its timeout fails as
     timed out then (`timeout_action: reject`; `delay` waits on), one a worker took in time answers
     when its run ends, within `online.max_wait` in all; InferenceTimeout otherwise."""

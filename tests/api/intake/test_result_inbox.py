@@ -45,8 +45,8 @@ def test_each_waiting_request_gets_its_own_result_through_the_process_inbox(stor
             requests.submit_request(store, spec(request_id, answer.reply_to), score=1.0, now=time.time(),
                                     max_age_seconds=60)
             result = answer.wait(10)
-        assert result is not None and result["status"] == "succeeded"
-        got[request_id] = float(result["outputs"]["y"][0, 0])
+        assert result is not None and result.status == "succeeded"
+        got[request_id] = float(result.outputs["y"][0, 0])
 
     threads = [threading.Thread(target=wait_for, args=(f"r{n}",)) for n in range(1, 9)]
     for thread in threads:
@@ -73,7 +73,7 @@ def test_a_result_that_comes_after_its_waiter_gave_up_stays_readable(store: Stor
     run_as_a_worker(store, 1)
 
     record = requests.get_request(store, "r1")
-    assert record["status"] == "succeeded" and float(record["outputs"]["y"][0, 0]) == 2.0
+    assert record.status == "succeeded" and float(record.outputs["y"][0, 0]) == 2.0
     deadline = time.monotonic() + 5
     while store.client.llen(inbox.key) and time.monotonic() < deadline:  # the waiter drops what nobody awaits
         time.sleep(0.01)
@@ -89,7 +89,7 @@ def test_a_request_nobody_waits_for_keeps_its_result_in_its_hash_alone(store: St
 
     assert list(store.client.scan_iter(match=store.keys.request("r1") + "*")) == [store.keys.request("r1")]
     assert store.client.llen(inbox.key) == 0  # (no list holds the result again)
-    assert requests.wait_for_request(store, "r1", timeout=1)["status"] == "succeeded"
+    assert requests.wait_for_request(store, "r1", timeout=1).status == "succeeded"
 
 
 def test_a_forked_process_waits_on_an_inbox_of_its_own(store: Store) -> None:
@@ -124,7 +124,7 @@ def test_the_waiter_carries_on_after_redis_went_away(tmp_path) -> None:
                                     max_age_seconds=60)
             run_as_a_worker(store, 1)
             result = answer.wait(10)
-        assert result is not None and float(result["outputs"]["y"][0, 0]) == 2.0
+        assert result is not None and float(result.outputs["y"][0, 0]) == 2.0
     finally:
         server.stop()
 
@@ -150,7 +150,7 @@ def test_the_waiter_carries_on_after_an_error_redis_answers_and_an_entry_it_cann
         run_as_a_worker(store, 1)
         result = answer.wait(10)
 
-    assert result is not None and float(result["outputs"]["y"][0, 0]) == 2.0
+    assert result is not None and float(result.outputs["y"][0, 0]) == 2.0
 
 
 def test_the_waiter_carries_on_after_redis_was_busy_with_a_long_script(store: Store,
@@ -180,4 +180,4 @@ def test_the_waiter_carries_on_after_redis_was_busy_with_a_long_script(store: St
     finally:
         admin.config_set("lua-time-limit", limit)
 
-    assert result is not None and float(result["outputs"]["y"][0, 0]) == 2.0
+    assert result is not None and float(result.outputs["y"][0, 0]) == 2.0

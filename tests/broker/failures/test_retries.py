@@ -158,8 +158,8 @@ def test_a_request_s_failures_are_counted_on_its_own_record(store: Store) -> Non
 
     assert outcome.retried and not last.retried and last.failures == 2
     record = requests.get_request(store, spec.request_id)
-    assert record["retries"] == {"device_oom": {"attempts": 2, "last_error": "oom 2", "last_failed_at": NOW + 1}}
-    assert [entry["retry_at"] for entry in record["failures"]] == [NOW + 1, None]
+    assert record.retries == {"device_oom": {"attempts": 2, "last_error": "oom 2", "last_failed_at": NOW + 1}}
+    assert [entry["retry_at"] for entry in record.failures] == [NOW + 1, None]
 
 
 def test_a_resumed_job_starts_its_chunks_on_fresh_attempts_and_keeps_its_history(store: Store) -> None:

@@ -195,8 +195,8 @@ def test_a_request_still_waiting_at_its_reject_timeout_fails_as_timed_out_and_le
     assert expire(store, NOW + 0.4).rejected == []  # once
 
     late = requests.get_request(store, "late")
-    assert (late["status"], late["error_code"]) == ("failed", InferenceTimeout.code)
-    assert "within its 'timeout'; it is not run" in late["error"] and "(0.2 s)" in late["error"]
+    assert (late.status, late.error_code) == ("failed", InferenceTimeout.code)
+    assert "within its 'timeout'; it is not run" in late.error and "(0.2 s)" in late.error
     assert store.client.hget(store.keys.counters, f"requests_failed:{MODEL}") == "1"  # answered once
     assert store.client.zrange(store.keys.ready(MODEL), 0, -1) == ["patient"]
     assert store.client.zrange(store.keys.waiting_requests(MODEL), 0, -1) == ["patient"]
@@ -214,7 +214,7 @@ def test_a_request_past_its_delay_timeout_drops_behind_its_level_and_still_waits
     factors = json.loads(store.client.hget(store.keys.items, "delayed"))["factors"]
     assert (factors["level"], factors["base_level"]) == (0, 8)
     assert store.client.zscore(store.keys.waiting_requests(MODEL), "delayed") == 8  # still counts at its level
-    assert requests.get_request(store, "delayed")["status"] == "queued"
+    assert requests.get_request(store, "delayed").status == "queued"
     assert expire(store, NOW + 2) == request_timeouts.TimeoutPass(rejected=[], delayed=[])  # once
 
 
@@ -228,7 +228,7 @@ def test_a_request_a_worker_holds_is_left_to_it_and_a_finished_one_leaves_the_in
                                batch_size=1, worker="w1")
     expire(store, NOW + 2)
 
-    assert requests.get_request(store, "running")["status"] == "succeeded"
+    assert requests.get_request(store, "running").status == "succeeded"
     assert store.client.zcard(store.keys.request_timeouts(MODEL)) == 0
 
 
@@ -240,7 +240,7 @@ def test_a_reject_timeout_survives_a_lease_lost_before_it_passed(store: Store) -
     reaping.reap_expired_leases(store, now=NOW + 11, max_attempts=3)
 
     assert expire(store, NOW + 11).rejected == ["orphan"]
-    assert requests.get_request(store, "orphan")["error_code"] == InferenceTimeout.code
+    assert requests.get_request(store, "orphan").error_code == InferenceTimeout.code
 
 
 def test_the_delayed_score_follows_a_hot_policy_update(store: Store) -> None:

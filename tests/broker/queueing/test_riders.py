@@ -172,14 +172,14 @@ def test_a_request_gets_one_result_even_when_completed_late_or_twice(store: Stor
 
     late = RequestResult(item, outputs={"logits": np.zeros((1, 2), np.float32)})
     assert requests.complete_requests(store, [late], now=NOW + 32, keep_seconds=60, batch_size=1, worker="w1") == 0
-    assert ready_ids(store) == ["r0"] and requests.get_request(store, "r0")["status"] == "queued"
+    assert ready_ids(store) == ["r0"] and requests.get_request(store, "r0").status == "queued"
 
     [again] = lease_items(store, MODEL_REF, now=NOW + 33, lease_seconds=30, max_items=1)
     result = RequestResult(again, outputs={"logits": np.ones((1, 2), np.float32)})
     assert requests.complete_requests(store, [result], now=NOW + 34, keep_seconds=60, batch_size=1, worker="w2") == 1
     assert requests.complete_requests(store, [result], now=NOW + 35, keep_seconds=60, batch_size=1, worker="w2") == 0
     assert store.client.hget(store.keys.counters, f"requests_succeeded:{MODEL_REF}") == "1"  # one result
-    np.testing.assert_array_equal(requests.get_request(store, "r0")["outputs"]["logits"], np.ones((1, 2)))
+    np.testing.assert_array_equal(requests.get_request(store, "r0").outputs["logits"], np.ones((1, 2)))
 
 
 def test_a_batch_cut_to_a_memory_hole_leases_no_head_request_that_outgrows_it(store: Store) -> None:

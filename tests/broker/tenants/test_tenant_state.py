@@ -199,7 +199,7 @@ def test_a_completion_the_script_skips_neither_frees_a_place_nor_bills_a_failure
                                       keep_seconds=60, batch_size=1, worker="w") == 0  # a repeat: skipped
     day = tenant_usage.day_number(NOW)
     assert not store.client.hget(store.keys.tenant_bill("acme", day), "failed")  # no failure was answered
-    assert store.client.zcard(store.keys.tenant_queued("acme")) == 0 and requests.get_request(store, "r1")["status"] \
+    assert store.client.zcard(store.keys.tenant_queued("acme")) == 0 and requests.get_request(store, "r1").status \
         == "succeeded"
 
 

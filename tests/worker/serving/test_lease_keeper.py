@@ -68,7 +68,7 @@ def test_a_run_longer_than_the_lease_is_not_reaped_run_twice_or_failed(
     assert reaped == [0] * 12
     for item in items:
         done = requests.get_request(store, item.payload["req"])
-        assert done["status"] == "succeeded", done
+        assert done.status == "succeeded", done
     assert float(store.client.zscore(store.keys.tickets, TICKET)) > started + LEASE_SECONDS  # the ticket too
 
 

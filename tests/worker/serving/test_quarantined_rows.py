@@ -166,8 +166,8 @@ def test_a_merged_batch_with_one_bad_request_is_bisected_not_run_one_by_one(
     # a half after a clean one is split without a run of its own: 7 runs more, not 16.
     assert sizes == [16, 8, 4, 2, 1, 1, 4, 8]
     bad = requests.get_request(store, "r11")
-    assert bad["status"] == "failed" and bad["error_code"] == "bad_input" and "holds 7.5" in bad["error"]
-    assert all(requests.get_request(store, f"r{index}")["status"] == "succeeded" for index in range(16) if index != 11)
+    assert bad.status == "failed" and bad.error_code == "bad_input" and "holds 7.5" in bad.error
+    assert all(requests.get_request(store, f"r{index}").status == "succeeded" for index in range(16) if index != 11)
 
 
 def test_riders_are_answered_when_the_job_rows_they_ride_with_fail(store: Store, zoo_dir: Path) -> None:
@@ -179,4 +179,4 @@ def test_riders_are_answered_when_the_job_rows_they_ride_with_fail(store: Store,
 
     assert run_with_riders(ctx, "mlp@v1", feed, ["logits"], riders) is None  # the caller bisects the job's rows
 
-    assert requests.get_request(store, "rider")["status"] == "succeeded"
+    assert requests.get_request(store, "rider").status == "succeeded"

@@ -173,7 +173,7 @@ as one; quiet looks every 10 s, none within a test."""
 
 
 def _status(store: Store, request_id: str) -> str:
-    return str(requests.get_request(store, request_id)["status"])
+    return str(requests.get_request(store, request_id).status)
 
 
 def _inflight(store: Store, model_ref: str, request_id: str) -> bool:

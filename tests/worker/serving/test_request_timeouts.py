@@ -44,12 +44,12 @@ def test_a_request_leased_after_its_timeout_is_not_run_and_fails_as_timed_out(ct
     assert run_requests(ctx, items) == 2
 
     late = requests.get_request(store, "late")
-    assert late["status"] == "failed" and late["error_code"] == InferenceTimeout.code
-    assert "timeout passed" in late["error"] and "it was not run" in late["error"]
-    assert late["batch_size"] == 3 and not late.get("outputs")
+    assert late.status == "failed" and late.error_code == InferenceTimeout.code
+    assert "timeout passed" in late.error and "it was not run" in late.error
+    assert late.batch_size == 3 and not late.outputs
     for request_id in ("in-time", "no-timeout"):
         record = requests.get_request(store, request_id)
-        assert record["status"] == "succeeded" and record["outputs"]["logits"].shape == (1, 10)
+        assert record.status == "succeeded" and record.outputs["logits"].shape == (1, 10)
     assert store.client.zcard(store.keys.inflight("mlp@v1")) == 0  # every lease dropped: nothing runs again
 
 
@@ -60,4 +60,4 @@ def test_a_batch_of_only_timed_out_requests_runs_nothing(ctx: WorkerContext, sto
     monkeypatch.setattr(WorkerContext, "run", lambda *args, **kwargs: pytest.fail("a timed-out request ran"))
 
     assert run_requests(ctx, items) == 0
-    assert requests.get_request(store, "late")["status"] == "failed"
+    assert requests.get_request(store, "late").status == "failed"

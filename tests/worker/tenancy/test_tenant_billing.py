@@ -56,8 +56,8 @@ def test_a_merged_batch_of_two_tenants_answers_each_its_own_rows_and_bills_them_
     bare = ort.InferenceSession(str(zoo_dir / "mlp.onnx"), providers=["CPUExecutionProvider"])
     for request_id, features in sent.items():
         answer = requests.get_request(store, request_id)
-        assert answer["batch_size"] == 2 and answer["tenant"] == ("acme" if request_id == "a" else "globex")
-        np.testing.assert_allclose(answer["outputs"]["logits"], bare.run(None, {"features": features})[0],
+        assert answer.batch_size == 2 and answer.tenant == ("acme" if request_id == "a" else "globex")
+        np.testing.assert_allclose(answer.outputs["logits"], bare.run(None, {"features": features})[0],
                                    rtol=1e-5, atol=1e-6)  # its own rows, and only those
     billed = bills(store)
     assert billed["acme"] / (billed["acme"] + billed["globex"]) == pytest.approx(0.75, abs=1e-4)  # (bills: to the µs)
