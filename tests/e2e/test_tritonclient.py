@@ -7,7 +7,6 @@ v2 JSON. Every combination must give the reference outputs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -17,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import mlp_reference
+from tests.waiting import eventually
 
 FEATURES = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
 
@@ -182,7 +182,5 @@ def test_a_timeout_that_passes_before_a_worker_takes_the_request_fails_it_unrun(
         triton.infer("mlp", [features_input(FEATURES[:1])], timeout=1, headers=auth)
 
     assert timed_out.value.status() == "504" and "not run" in timed_out.value.message()  # (worker's or API's word)
-    deadline = time.monotonic() + 10
-    while counts() != (failed + 1, ran) and time.monotonic() < deadline:  # (the worker drops it when it leases it)
-        time.sleep(0.05)
-    assert counts() == (failed + 1, ran)  # failed, and never in a run
+    # failed, and never in a run (the worker drops it when it leases it)
+    assert eventually(lambda: counts() == (failed + 1, ran), timeout=10, interval=0.05)

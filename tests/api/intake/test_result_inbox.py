@@ -16,6 +16,7 @@ from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from sits_api.intake.result_inbox import Delivery, ResultInbox
 from tests.leasing import lease_items
+from tests.waiting import eventually
 
 MODEL = "mlp@v1"
 
@@ -51,9 +52,7 @@ def test_each_waiting_request_gets_its_own_result_through_the_process_inbox(stor
     threads = [threading.Thread(target=wait_for, args=(f"r{n}",)) for n in range(1, 9)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 10
-    while store.client.zcard(store.keys.ready(MODEL)) < 8 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    eventually(lambda: store.client.zcard(store.keys.ready(MODEL)) >= 8, timeout=10, interval=0.01)
     run_as_a_worker(store, 8)
     for thread in threads:
         thread.join(10)
@@ -74,10 +73,8 @@ def test_a_result_that_comes_after_its_waiter_gave_up_stays_readable(store: Stor
 
     record = requests.get_request(store, "r1")
     assert record.status == "succeeded" and float(record.outputs["y"][0, 0]) == 2.0
-    deadline = time.monotonic() + 5
-    while store.client.llen(inbox.key) and time.monotonic() < deadline:  # the waiter drops what nobody awaits
-        time.sleep(0.01)
-    assert store.client.llen(inbox.key) == 0
+    # the waiter drops what nobody awaits
+    assert eventually(lambda: store.client.llen(inbox.key) == 0, timeout=5, interval=0.01)
 
 
 def test_a_request_nobody_waits_for_keeps_its_result_in_its_hash_alone(store: Store) -> None:
