@@ -23,11 +23,11 @@ from broker.jobs.records import (
     JobSpec,
     chunk_item_id,
     chunk_ranges,
-    decode_job,
     finalize_item_id,
     finalize_payload,
     get_job,
     job_factors,
+    job_record,
     order_time,
 )
 from broker.queueing.scoring import Ordering, Weights, deadline_order_time, queue_key
@@ -103,27 +103,27 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     bytes and its ack is counted once.
     """
     job = get_job(store, job_id, now=now)
-    if job["status"] == "succeeded":
-        raise Conflict(f"job {job_id} already succeeded; its outputs are in {job['output_dir']}")
+    if job.status == "succeeded":
+        raise Conflict(f"job {job_id} already succeeded; its outputs are in {job.output_dir}")
     done = done_chunks(store, job_id)
-    ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
+    ranges = chunk_ranges(job.rows_total, job.chunk_size)
     missing = [index for index in range(len(ranges)) if index not in done]
     order_at = order_time(job, now, deadline_horizon)
-    factors = job_factors(job["priority"], now, order_at)
+    factors = job_factors(job.priority, now, order_at)
     score = queue_key(factors, weights or Weights(), ordering)
-    model_ref = job["model_ref"]
-    item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict(), int(job["batch_size"]),
-                           job["tenant"] or "", job["owner"] or "")
+    model_ref = job.model_ref
+    item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict(), int(job.batch_size),
+                           job.tenant or "", job.owner or "")
     if not missing:
-        finalize = finalize_payload(job_id, model_ref, score, factors.to_dict(), job["tenant"] or "")
+        finalize = finalize_payload(job_id, model_ref, score, factors.to_dict(), job.tenant or "")
         item_args = [finalize_item_id(job_id), score, json.dumps(finalize), ""]
     fields: dict[str, Any] = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now,
-                              "rows_at_resume": job["rows_done"], "order_at": order_at if order_at is not None else ""}
+                              "rows_at_resume": job.rows_done, "order_at": order_at if order_at is not None else ""}
     if input_stat:
         fields["input_stat"] = json.dumps(input_stat)
     retries.forget_item_counts(store, job_id)  # a resume starts its chunks on fresh attempts of every class
     added = _enqueue(store, job_id, model_ref, fields, "resume", now, item_args)
-    _mark_active(store, job_id, score, job.get("deadline"))
+    _mark_active(store, job_id, score, job.deadline)
     return added
 
 
@@ -192,18 +192,18 @@ def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     a later pass. A job stopped or gone meanwhile only leaves the filling index. Returns the items added."""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.job(job_id))
-    job = decode_job(raw) if raw else None
-    if job is None or job["status"] not in ACTIVE_STATUSES:
+    job = job_record(raw, now=now) if raw else None
+    if job is None or job.status not in ACTIVE_STATUSES:
         with translate_redis_errors():
             store.client.zrem(store.keys.jobs_filling, job_id)
         return 0
     mode = "resume" if raw.get("fill_mode") == "resume" else "add"
     done = done_chunks(store, job_id)
-    ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
+    ranges = chunk_ranges(job.rows_total, job.chunk_size)
     # a resume's first call scored its chunks as enqueued at the resume (`resume_job`)
-    factors = job_factors(job["priority"], (mode == "resume" and job["resumed_at"]) or job["created_at"],
-                          job.get("order_at"))
-    item_args = _item_args(job_id, job["model_ref"], ranges, [i for i in range(len(ranges)) if i not in done],
+    factors = job_factors(job.priority, (mode == "resume" and job.resumed_at) or job.created_at,
+                          job.order_at)
+    item_args = _item_args(job_id, job.model_ref, ranges, [i for i in range(len(ranges)) if i not in done],
                            queue_key(factors, weights or Weights(), ordering), factors.to_dict(),
-                           int(job["batch_size"]), job["tenant"] or "", job["owner"] or "")
-    return _enqueue(store, job_id, job["model_ref"], {}, mode, now, item_args, fill_id=raw.get("fill_id") or "")
+                           int(job.batch_size), job.tenant or "", job.owner or "")
+    return _enqueue(store, job_id, job.model_ref, {}, mode, now, item_args, fill_id=raw.get("fill_id") or "")

@@ -9,9 +9,8 @@ indexes and counts existed, a page at a time (`index_job_owners`, `count_old_job
 
 from __future__ import annotations
 
-from typing import Any
-
-from broker.jobs.records import decode_job, with_rates
+from broker.jobs.job_record import JobRecord
+from broker.jobs.records import job_record
 from broker.jobs.views import JobOwnerView
 from broker.state.store import Store, translate_redis_errors
 
@@ -24,7 +23,7 @@ INDEX_PAGE = 2_000
 
 
 def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None,
-              owner: str | None = None) -> list[dict[str, Any]]:
+              owner: str | None = None) -> list[JobRecord]:
     """The newest `limit` jobs, newest first, optionally only those with `status` and of `owner`.
 
     An owner's jobs come from that owner's own index (`keys.owner_jobs`), however many other
@@ -47,7 +46,7 @@ def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None 
             pipe.hgetall(store.keys.job(job_id))
         raws = pipe.execute()
     # filtered again: a job's status may have changed since its match was read
-    return [with_rates(decode_job(raw), now=now) for raw in raws
+    return [job_record(raw, now=now) for raw in raws
             if raw and _matches(raw.get("status"), raw.get("owner"), status, owner)]
 
 

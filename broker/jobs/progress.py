@@ -76,7 +76,7 @@ def forget_chunks(store: Store, job_id: str, indexes: Sequence[int]) -> int:
     """Count chunks of a stopped job as not done (their parts were lost), so that a resume runs them
     again; a job not stopped is left alone. Returns how many were forgotten."""
     job = get_job(store, job_id, now=0.0)
-    ranges = chunk_ranges(job["rows_total"], job["chunk_size"])
+    ranges = chunk_ranges(job.rows_total, job.chunk_size)
     forgotten = 0
     for start in range(0, len(indexes), job_slices.ENQUEUE_SLICE):
         args = [value for index in indexes[start:start + job_slices.ENQUEUE_SLICE]

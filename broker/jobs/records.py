@@ -21,6 +21,7 @@ from typing import Any
 from broker.errors import JobNotFound
 from broker.failures.retries import failure_record, is_failure_field
 from broker.jobs.finish_prediction import sla_risk
+from broker.jobs.job_record import JobRecord
 from broker.jobs.views import JobTenantView
 from broker.queueing.scoring import Factors, check_level, deadline_order_time
 from broker.state.store import Store, translate_redis_errors
@@ -131,11 +132,9 @@ def job_factors(priority: int, enqueued_at: float, order_at: float | None = None
                    order_at=order_at if order_at is not None and order_at < enqueued_at else None)
 
 
-def order_time(job: dict[str, Any], enqueued_at: float, horizon: float) -> float | None:
-    """The `order_at` of a job (a decoded record) whose items are queued at `enqueued_at`; None without
-    a deadline."""
-    deadline = job.get("deadline")
-    return None if deadline is None else deadline_order_time(enqueued_at, float(deadline), horizon)
+def order_time(job: JobRecord, enqueued_at: float, horizon: float) -> float | None:
+    """The `order_at` of a job whose items are queued at `enqueued_at`; None without a deadline."""
+    return None if job.deadline is None else deadline_order_time(enqueued_at, float(job.deadline), horizon)
 
 
 def decode_job(raw: dict[str, str]) -> dict[str, Any]:
@@ -218,13 +217,18 @@ def job_not_found(job_id: str) -> JobNotFound:
     return JobNotFound(f"no job with id '{job_id}'; list jobs with GET /v1/jobs or `sitsctl job list`")
 
 
-def get_job(store: Store, job_id: str, *, now: float) -> dict[str, Any]:
-    """The job as JSON-ready values; JobNotFound when there is none."""
+def job_record(raw: dict[str, str], *, now: float) -> JobRecord:
+    """The typed record of a job hash's fields, with its progress, rates and deadline figures at `now`."""
+    return JobRecord.of(with_rates(decode_job(raw), now=now))
+
+
+def get_job(store: Store, job_id: str, *, now: float) -> JobRecord:
+    """The job's record; JobNotFound when there is none."""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.job(job_id))
     if not raw:
         raise job_not_found(job_id)
-    return with_rates(decode_job(raw), now=now)
+    return job_record(raw, now=now)
 
 
 def job_owner(store: Store, job_id: str) -> str | None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from broker.jobs.finish_prediction import Fleet, Work, finishes
-from broker.jobs.records import ACTIVE_STATUSES, decode_job, with_rates
+from broker.jobs.records import ACTIVE_STATUSES, job_record
 from broker.sla import predictor as sla_predictor
 from broker.state.store import Store, translate_redis_errors
 
@@ -68,15 +68,17 @@ def score_active(store: Store, active: Sequence[Work], *, workers: int, now: flo
         for (work, ahead_seconds), raw in zip(due, records, strict=True):
             if not raw or raw.get("status") not in ACTIVE_STATUSES or not raw.get("deadline"):
                 continue
-            job = with_rates(decode_job(raw), now=now)
-            plan, own = planned[work.job_id], job["predicted_finish"] or 0.0
-            running = job.get("eta_seconds") is not None  # (its own rate gave predicted_finish)
+            job = job_record(raw, now=now)
+            if job.deadline is None:
+                continue
+            plan, own = planned[work.job_id], job.predicted_finish or 0.0
+            running = job.eta_seconds is not None  # (its own rate gave predicted_finish)
             finish = own if running else max(plan, own)
             x = sla_predictor.features(sla_predictor.Live(
                 ahead_growth=ahead_growth(raw.get("sla_ahead"), raw.get("sla_risk_at"), ahead_seconds, now=now),
-                created_at=job["created_at"], deadline=job["deadline"], predicted_finish=finish, planned_finish=plan,
-                rows_total=job["rows_total"], rows_done=job["rows_done"], rows_per_second=job["rows_per_second"],
-                ahead_seconds=ahead_seconds, chunks_done=job["chunks_done"], chunk_runs=job["chunk_runs"],
+                created_at=job.created_at, deadline=job.deadline, predicted_finish=finish, planned_finish=plan,
+                rows_total=job.rows_total, rows_done=job.rows_done, rows_per_second=job.rows_per_second,
+                ahead_seconds=ahead_seconds, chunks_done=job.chunks_done, chunk_runs=job.chunk_runs,
                 workers=workers), now=now)
             fields: dict[str, Any] = {"sla_risk_model": round(sla_predictor.risk(learnt, x), 4), "sla_risk_at": now,
                                       "sla_ahead": round(ahead_seconds, 4)}

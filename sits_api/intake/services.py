@@ -25,6 +25,7 @@ from broker.jobs import fills as job_fills
 from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
+from broker.jobs.job_record import JobRecord
 from broker.jobs.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 from broker.models import registry
 from broker.monitoring import sla_metrics
@@ -175,7 +176,7 @@ def _store_copy(model: onnx.ModelProto, folder: Path) -> tuple[Path, bool]:
 
 def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: JobSubmission, *,
                caller: dict[str, Any], now: float, headers: Any = None,
-               tenants: TenantTable | None = None) -> dict[str, Any]:
+               tenants: TenantTable | None = None) -> JobRecord:
     """Validate a job against its model's signature, queue its chunks and wake the workers; the job
     belongs to the `caller` key's name, and is billed to its tenant, within the tenant's record in
     `tenants` (its models, `max_inflight`, `default_priority`; the file's tenants when not given). A bare
@@ -318,30 +319,30 @@ def _refuse_finished_output_dir(output_dir: Path, output_names: list[str]) -> No
 
 
 def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, caller: dict[str, Any],
-               now: float) -> dict[str, Any]:
+               now: float) -> JobRecord:
     """Re-queue a job's unfinished chunks after checking its input and model are still the same; a
     conflict over its folder names the other job only if the `caller` key may see it."""
     job = jobs.get_job(store, job_id, now=now)
-    registry.get_model(store, job["model_ref"])
-    input_path = Path(job["input_batch"])
+    registry.get_model(store, job.model_ref)
+    input_path = Path(job.input_batch)
     identity = file_identity(input_path)
     checksum = _checksum_unchanged(input_path, identity)
-    if checksum != job["input_checksum"]:
-        raise BadInput(f"input {job['input_batch']} changed since the job was submitted "
-                       f"({checksum} != {job['input_checksum']}); submit a new job for the new data")
+    if checksum != job.input_checksum:
+        raise BadInput(f"input {job.input_batch} changed since the job was submitted "
+                       f"({checksum} != {job.input_checksum}); submit a new job for the new data")
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
-    manifest = read_manifest(Path(job["output_dir"]))
+    manifest = read_manifest(Path(job.output_dir))
     if manifest is not None and manifest.get("job") != job_id:
         other = manifest.get("job")
         named = f"job {other}" if owns(caller, jobs.job_owner(store, str(other))) else "another job"
-        raise Conflict(f"output_dir {job['output_dir']} now holds the results of {named}; "
+        raise Conflict(f"output_dir {job.output_dir} now holds the results of {named}; "
                        "submit this job again into another folder")
-    output_dirs.claim_output_dir(store, job["output_dir"], job_id, caller=caller)  # another job may have taken it
+    output_dirs.claim_output_dir(store, job.output_dir, job_id, caller=caller)  # another job may have taken it
     if manifest is None:  # chunks whose parts were deleted (with the folder) run again
-        on_disk = chunks_with_parts(Path(job["output_dir"]), job["output_names"], job_id=job_id)
+        on_disk = chunks_with_parts(Path(job.output_dir), job.output_names or [], job_id=job_id)
         job_progress.forget_chunks(store, job_id, sorted(job_progress.done_chunks(store, job_id) - on_disk))
     job_fills.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity,
                          deadline_horizon=settings.sla.deadline_horizon)
-    _keep_output_dir_or_stop(store, job_id, job["output_dir"], now=now)
+    _keep_output_dir_or_stop(store, job_id, job.output_dir, now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, job_id, now=now)

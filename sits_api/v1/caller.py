@@ -10,6 +10,7 @@ from flask import g
 
 from broker.errors import Forbidden, SitsError
 from broker.jobs import records as jobs
+from broker.jobs.job_record import JobRecord
 from broker.tenants.apikeys import may_read, owns
 from sits_api.state import app_state
 
@@ -40,8 +41,8 @@ def model_as_seen(record: dict[str, Any]) -> dict[str, Any]:
     return hidden
 
 
-def caller_job(job_id: str, *, steer: bool = False) -> dict[str, Any]:
+def caller_job(job_id: str, *, steer: bool = False) -> JobRecord:
     """The job `job_id`, if the caller may see it (with `steer`: and steer it); JobNotFound otherwise."""
     job = jobs.get_job(app_state().store, job_id, now=time.time())
-    check_visible(job["owner"], job.get("tenant"), jobs.job_not_found(job_id), steer=steer)
+    check_visible(job.owner, job.tenant, jobs.job_not_found(job_id), steer=steer)
     return job

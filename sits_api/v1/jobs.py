@@ -30,7 +30,7 @@ def submit_job() -> Any:
     body = parse_body(JobSubmission)
     job = services.submit_job(state.settings, state.store, state.dispatcher, body,
                               caller=g.identity, now=time.time(), headers=request.headers, tenants=state.tenants)
-    return jsonify(job), 201
+    return jsonify(job.to_json()), 201
 
 
 @blueprint.get("/v1/jobs")
@@ -60,13 +60,13 @@ def list_jobs() -> Any:
         owner = g.identity["name"]
     listed = job_lists.list_jobs(app_state().store, now=time.time(), limit=limit, status=status_filter, owner=owner)
     # `may_read` decides; the owner filter above only spares reading other tenants' jobs
-    return jsonify({"jobs": [job for job in listed if may_read(g.identity, job["owner"], job.get("tenant"))]})
+    return jsonify({"jobs": [job.to_json() for job in listed if may_read(g.identity, job.owner, job.tenant)]})
 
 
 @blueprint.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> Any:
     """One job with progress, throughput and ETA."""
-    return jsonify(caller_job(job_id))
+    return jsonify(caller_job(job_id).to_json())
 
 
 @blueprint.delete("/v1/jobs/<job_id>")
@@ -75,7 +75,7 @@ def cancel_job(job_id: str) -> Any:
     store = app_state().store
     caller_job(job_id, steer=True)
     job_stops.stop_job(store, job_id, status="cancelled", error="cancelled by the user", now=time.time())
-    return jsonify(jobs.get_job(store, job_id, now=time.time()))
+    return jsonify(jobs.get_job(store, job_id, now=time.time()).to_json())
 
 
 @blueprint.post("/v1/jobs/<job_id>/resume")
@@ -85,7 +85,7 @@ def resume_job(job_id: str) -> Any:
     caller_job(job_id, steer=True)
     job = services.resume_job(state.settings, state.store, state.dispatcher, job_id, caller=g.identity,
                               now=time.time())
-    return jsonify(job), 202
+    return jsonify(job.to_json()), 202
 
 
 @blueprint.post("/v1/sla/analysis")

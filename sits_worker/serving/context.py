@@ -27,6 +27,7 @@ from broker.config.settings import Settings
 from broker.errors import DeviceOutOfMemory
 from broker.failures import breaker
 from broker.failures.retry_policy import classify, describe
+from broker.jobs.job_record import JobRecord
 from broker.memory import oom_ceiling, reservation
 from broker.memory.ledger import MemoryLedger
 from broker.models.cache import WORKER_RECORD_TTL_SECONDS, ModelRecordCache
@@ -309,18 +310,18 @@ class WorkerContext:
             return int(reading["total_bytes"]) - int(reading["free_bytes"])
         return resident_bytes()
 
-    def job_input(self, job: dict[str, Any]) -> InputSource:
+    def job_input(self, job: JobRecord) -> InputSource:
         """The opened input file of a job, kept open for the job's next chunks."""
-        key = f"{job['id']}:{job['input_checksum']}"
+        key = f"{job.id}:{job.input_checksum}"
         with self._lock:
             source = self._inputs.get(key)
             if source is not None:
                 self._inputs.move_to_end(key)
                 return source
-        options = job.get("input_options") or {}
-        record = self.model(job["model_ref"])
-        source = open_input(Path(job["input_batch"]), record["signature"], shape=options.get("shape"),
-                            dtype=options.get("dtype"), mask=self.padding(job["model_ref"]),
+        options = job.input_options or {}
+        record = self.model(job.model_ref)
+        source = open_input(Path(job.input_batch), record["signature"], shape=options.get("shape"),
+                            dtype=options.get("dtype"), mask=self.padding(job.model_ref),
                             limits=token_limits(record.get("static_profile")))
         with self._lock:
             self._inputs[key] = source

@@ -28,6 +28,7 @@ from broker.failures.retry_policy import classify, describe, retry_delays
 from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
+from broker.jobs.job_record import JobRecord
 from broker.jobs.settings import JobSettings
 from broker.models.registry import split_model_ref
 from broker.queueing import leases
@@ -93,7 +94,7 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
                                            "rows_quarantined": str(len(manifest.get("quarantined_rows") or []))})
             # after the job is done: its outputs need not wait for this; only its own parts (a cancelled
             # job's in the same folder are that job's resumable work)
-            remove_parts(Path(job["output_dir"]), job_id=job_id)
+            remove_parts(Path(job.output_dir), job_id=job_id)
             return "finalized"
         started, token = time.monotonic(), ctx.slot_overlap.begin(split_model_ref(item.model_ref)[1] or "")
         try:
@@ -109,24 +110,24 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         return settle_failure(ctx, item, err)
 
 
-def among_last_chunks(job: dict[str, Any], chunk: int, streams: int) -> bool:
+def among_last_chunks(job: JobRecord, chunk: int, streams: int) -> bool:
     """Whether chunk number `chunk` of `job` (as read when it was leased) may be the last to be acked: one
     of its last `streams` chunks (chunks are leased in row order), or no more chunks were left than the
     slots that could be running them (a resumed job's). Such a chunk's slot waits for its commit before
     it leases again: the last ack queues the job's finalize step, which this slot then leases first,
     where a slot gone on to a chunk of other work would leave the finalize waiting for a whole chunk
     (about a second on a CPU) while the job's deadline runs."""
-    total, slots = int(job["chunks_total"]), max(1, streams)
-    return chunk >= total - slots or total - int(job["chunks_done"]) <= slots
+    total, slots = int(job.chunks_total), max(1, streams)
+    return chunk >= total - slots or total - int(job.chunks_done) <= slots
 
 
-def _may_publish(ctx: WorkerContext, job: dict[str, Any]) -> bool:
+def _may_publish(ctx: WorkerContext, job: JobRecord) -> bool:
     """Whether a finished merge may publish the job's outputs and manifest: not if the job was stopped
     (cancelled) while it merged, so a cancelled job's folder holds its parts, not results, and a
     resume merges again. Its input must still be the one submitted (else BadInput fails the job):
     the manifest names that file's checksum. A stat and one Redis call, as late as can be."""
-    check_unchanged(Path(job["input_batch"]), job.get("input_stat"))
-    return job_progress.start_item(ctx.store, job["id"], now=time.time()) == "running"
+    check_unchanged(Path(job.input_batch), job.input_stat)
+    return job_progress.start_item(ctx.store, job.id, now=time.time()) == "running"
 
 
 def _tolerant(keep_alive: Callable[[], None]) -> Callable[[], None]:
@@ -173,7 +174,7 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
     return "failed"
 
 
-def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, results: Mapping[str, np.ndarray],
+def commit_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem, results: Mapping[str, np.ndarray],
                  run_seconds: float = 0.0, quarantined: Sequence[tuple[int, str]] = (),
                  beside: Mapping[str, float] | None = None) -> str:
     """Write a computed chunk's part files (durably, its `quarantined` rows with them), then ack it with
@@ -182,12 +183,12 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
     'acked', or how the failure was settled."""
     try:
         leases.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
-        if job_progress.start_item(ctx.store, job["id"], now=time.time()) != "running":
+        if job_progress.start_item(ctx.store, job.id, now=time.time()) != "running":
             # Cancelled, failed, or finished by another run of this chunk meanwhile: no part to
             # leave behind in a folder nobody merges any more.
-            leases.finish_item(ctx.store, item, job["id"], now=time.time())
+            leases.finish_item(ctx.store, item, job.id, now=time.time())
             return "dropped"
-        write_part(Path(job["output_dir"]), item.payload["chunk"], results, job_id=job["id"], quarantined=quarantined)
+        write_part(Path(job.output_dir), item.payload["chunk"], results, job_id=job.id, quarantined=quarantined)
         job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name, run_seconds=run_seconds,
                                beside=beside)
         return "acked"
@@ -195,7 +196,7 @@ def commit_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem, resu
         return settle_failure(ctx, item, err)
 
 
-def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
+def run_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem,
               between: MiniBatchHook) -> tuple[dict[str, np.ndarray], list[tuple[int, str]]]:
     """Run rows [start, stop) of a job in mini-batches; returns every output's rows and the rows
     quarantined (job row, error), for `commit_chunk`.
@@ -207,11 +208,11 @@ def run_chunk(ctx: WorkerContext, job: dict[str, Any], item: LeasedItem,
     alone (`ChunkRows`); so is the rest of the chunk when reading its rows fails so.
     """
     start, stop = item.payload["start"], item.payload["stop"]
-    input_path, input_stat = Path(job["input_batch"]), job.get("input_stat")
+    input_path, input_stat = Path(job.input_batch), job.input_stat
     check_unchanged(input_path, input_stat)  # a stat: before its rows are read
     source = ctx.job_input(job)
-    chunk = ChunkRows(ctx, job, start, stop, ctx.session(job["model_ref"]))  # the session: once per chunk
-    batches = source.iter_batches(start, stop, job["batch_size"])
+    chunk = ChunkRows(ctx, job, start, stop, ctx.session(job.model_ref))  # the session: once per chunk
+    batches = source.iter_batches(start, stop, job.batch_size)
     while True:
         try:
             row_indices, feed = next(batches)
@@ -241,14 +242,14 @@ class ChunkRows:
     until each bad row failed alone; every other row gets its outputs, each bad row the fill value.
     More bad rows than the job's `jobs.max_bad_rows` is a BadInput naming them: the job fails."""
 
-    def __init__(self, ctx: WorkerContext, job: dict[str, Any], start: int, stop: int, session: Any) -> None:
+    def __init__(self, ctx: WorkerContext, job: JobRecord, start: int, stop: int, session: Any) -> None:
         self._ctx, self.job, self.session = ctx, job, session
         self.start, self.stop = start, stop
-        self.output_names: list[str] = job["output_names"]
+        self.output_names: list[str] = job.output_names
         self.results: dict[str, np.ndarray] = {}
         self.quarantined: list[tuple[int, str]] = []
         self._done = np.zeros(stop - start, dtype=bool)
-        self._limit = quarantine.bad_row_limit(ctx.settings.jobs.max_bad_rows, int(job["rows_total"]))
+        self._limit = quarantine.bad_row_limit(ctx.settings.jobs.max_bad_rows, int(job.rows_total))
         self.quarantines = self._limit > 0
         """False where the job may quarantine no row: its first failing batch fails it with its own error."""
 
@@ -279,15 +280,15 @@ class ChunkRows:
 
     def payer(self, rows: int) -> Work:
         """What `rows` of this job bring to a run's bill: its tenant's and its owner's rows."""
-        return Work(str(self.job.get("tenant") or ""), str(self.job.get("owner") or ""), rows)
+        return Work(str(self.job.tenant or ""), str(self.job.owner or ""), rows)
 
     def _attempt(self, row_indices: np.ndarray, feed: dict[str, np.ndarray]) -> BadInput | None:
         ctx = self._ctx
         try:
             if ctx.faults is not None:
                 ctx.faults.check_rows(row_indices)
-            with ctx.usage.billing(self.job["model_ref"], [self.payer(len(row_indices))]):
-                outputs = ctx.run(self.job["model_ref"], feed, self.output_names, self.session)
+            with ctx.usage.billing(self.job.model_ref, [self.payer(len(row_indices))]):
+                outputs = ctx.run(self.job.model_ref, feed, self.output_names, self.session)
         except BadInput as err:
             return err
         self.store(row_indices, outputs)
@@ -297,7 +298,7 @@ class ChunkRows:
         """Read and run the chunk's rows not done yet in pieces of at most a mini-batch (each read bisected
         when it fails as BadInput): a failed read ends its batch iterator, so which rows failed is unknown."""
         pending = np.flatnonzero(~self._done) + self.start
-        batch_size = int(self.job["batch_size"])
+        batch_size = int(self.job.batch_size)
         pieces: list[tuple[int, int]] = []
         for run in np.split(pending, np.flatnonzero(np.diff(pending) != 1) + 1) if len(pending) else []:
             first, last = int(run[0]), int(run[-1]) + 1
@@ -330,12 +331,12 @@ class ChunkRows:
             row = row_of(offset)
             self.quarantined.append((row, describe(error)))
             self._done[row - self.start] = True
-        log.info("job %s: %d of rows [%d, %d) quarantined in %d runs", self.job["id"], len(found.bad),
+        log.info("job %s: %d of rows [%d, %d) quarantined in %d runs", self.job.id, len(found.bad),
                  row_of(0), row_of(count - 1) + 1, found.runs)
         if len(self.quarantined) > self._limit:
             self.quarantined.sort()
             raise BadInput(quarantine.too_many_message([row for row, _ in self.quarantined], self.quarantined[0][1],
-                                                       limit=self._limit, rows_total=int(self.job["rows_total"])))
+                                                       limit=self._limit, rows_total=int(self.job.rows_total)))
 
     def outputs(self) -> dict[str, np.ndarray]:
         """Every output's rows, quarantined rows holding `jobs.quarantine_fill` (`quarantine.fill_value`)."""
@@ -344,7 +345,7 @@ class ChunkRows:
         self.quarantined.sort()
         fill = float(self._ctx.settings.jobs.quarantine_fill)
         rows = np.asarray([row for row, _ in self.quarantined], dtype=np.int64) - self.start
-        for output in self._ctx.model(self.job["model_ref"])["signature"]["outputs"]:
+        for output in self._ctx.model(self.job.model_ref)["signature"]["outputs"]:
             name = output["name"]
             if name in self.output_names and name not in self.results:  # no row of the chunk ran
                 dims = output.get("shape") or []
@@ -362,7 +363,7 @@ def _run_riders(ctx: WorkerContext, chunk: ChunkRows, riders: Sequence[LeasedIte
     """Run online requests that ride in a mini-batch with the rows `request_runs.rows_to_fill` allows (none
     fit, or those rows fail for their input: as a batch of their own); returns the mini-batch's rows
     still to run. Riders are given back to their queue if this fails before their run completed them."""
-    model_ref = chunk.job["model_ref"]
+    model_ref = chunk.job.model_ref
     try:
         fill = rows_to_fill(ctx, model_ref, riders, len(row_indices))
         if fill and ctx.faults is not None:
@@ -390,23 +391,23 @@ def _rows(feed: Mapping[str, np.ndarray], first: int, last: int) -> dict[str, np
     return {name: array[first:last] for name, array in feed.items()}
 
 
-def finalize_job(job: dict[str, Any], *, keep_alive: Callable[[], None], may_publish: Callable[[], bool],
+def finalize_job(job: JobRecord, *, keep_alive: Callable[[], None], may_publish: Callable[[], bool],
                  settings: JobSettings | None = None) -> dict[str, Any] | None:
     """Merge the job's part files into its outputs and manifest (idempotent), calling `keep_alive`
     as the merge goes: a merge of GBs may outlast the lease, and a reaped finalize item would be
     merged again by a second worker, at the cost of an attempt. None when `may_publish`, asked once
     the merge is done, stopped it (`outputs.finalize_outputs`). More quarantined rows than the job's
     `jobs.max_bad_rows` (`settings`) is a BadInput naming them: the job fails."""
-    ranges = jobs.chunk_ranges(job["rows_total"], job["chunk_size"])
+    ranges = jobs.chunk_ranges(job.rows_total, job.chunk_size)
     extra = {
-        "job": job["id"],
-        "model": job["model"],
-        "model_version": job["model_version"],
-        "input_batch": job["input_batch"],
-        "input_checksum": job["input_checksum"],
+        "job": job.id,
+        "model": job.model,
+        "model_version": job.model_version,
+        "input_batch": job.input_batch,
+        "input_checksum": job.input_checksum,
     }
     settings = settings or JobSettings()
-    return finalize_outputs(Path(job["output_dir"]), ranges, job["output_names"], extra, job_id=job["id"],
+    return finalize_outputs(Path(job.output_dir), ranges, job.output_names, extra, job_id=job.id,
                             keep_alive=keep_alive, may_publish=may_publish,
-                            bad_row_limit=quarantine.bad_row_limit(settings.max_bad_rows, int(job["rows_total"])),
+                            bad_row_limit=quarantine.bad_row_limit(settings.max_bad_rows, int(job.rows_total)),
                             quarantine_fill=float(settings.quarantine_fill))

@@ -86,7 +86,7 @@ def test_a_job_cancelled_while_it_merges_keeps_its_parts_and_gets_no_results_unt
 
     assert answered == ["cancelled"]
     job = jobs.get_job(store, job_id, now=time.time())
-    assert job["status"] == "cancelled" and job["manifest"] is None, job
+    assert job.status == "cancelled" and job.manifest is None, job
     assert sorted(path.name for path in tmp_path.iterdir()) == [outputs.PARTS_DIR]  # no output, no manifest
     assert sorted(path.name for path in (tmp_path / outputs.PARTS_DIR / job_id).iterdir()) == [
         f"logits.{chunk:06d}.npy" for chunk in range(CHUNKS)]  # every part, no temp file of the merge
@@ -96,7 +96,7 @@ def test_a_job_cancelled_while_it_merges_keeps_its_parts_and_gets_no_results_unt
     assert job_fills.resume_job(store, job_id, now=time.time()) == 1  # only the finalize step: every chunk is done
     [again] = lease_items(store, final.model_ref, now=time.time(), lease_seconds=60, max_items=1)
     assert process_item(ctx, again, MergeHooks()) == "finalized"
-    assert jobs.get_job(store, job_id, now=time.time())["status"] == "succeeded"
+    assert jobs.get_job(store, job_id, now=time.time()).status == "succeeded"
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy")[:, 0], np.arange(CHUNKS))
 
 
@@ -120,8 +120,8 @@ def test_a_cancel_that_lands_after_the_merge_looked_at_the_status_leaves_the_job
 
     assert answered == ["cancelled"]
     job = jobs.get_job(store, job_id, now=time.time())
-    assert job["status"] == "succeeded" and job["error"] is None, job
-    assert job["manifest"] == output_layout.read_manifest(tmp_path)
+    assert job.status == "succeeded" and job.error is None, job
+    assert job.manifest == output_layout.read_manifest(tmp_path)
     assert not (tmp_path / outputs.PARTS_DIR).exists()
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy")[:, 0], np.arange(CHUNKS))
 
@@ -138,7 +138,7 @@ def test_a_job_cancelled_as_its_last_chunk_is_acked_on_a_stack_has_a_folder_that
     job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(home / "race.npy"),
                                    "output_dir": str(output_dir), "chunk_size": CHUNK, "batch_size": CHUNK})
     # Straight from Redis, every few ms: the merge of ROWS / CHUNK parts takes some 100 ms.
-    job_key, deadline = mlp_stack.store.keys.job(job["id"]), time.monotonic() + 120
+    job_key, deadline = mlp_stack.store.keys.job(job.id), time.monotonic() + 120
     while mlp_stack.store.client.hget(job_key, "chunks_done") != str(ROWS // CHUNK):
         assert time.monotonic() < deadline, client.get(f"/v1/jobs/{job['id']}")
         time.sleep(0.002)
@@ -153,7 +153,7 @@ def test_a_job_cancelled_as_its_last_chunk_is_acked_on_a_stack_has_a_folder_that
         assert not (output_dir / "logits.npy").exists()
         resumed = client.post(f"/v1/jobs/{job['id']}/resume")
         assert resumed["status"] in ("queued", "running"), resumed  # the worker may have taken it already
-        after = wait_job(client, job["id"], timeout=120)
+        after = wait_job(client, job.id, timeout=120)
     assert after["status"] == "succeeded", after
     expected = direct_run(home / "models" / "mlp.onnx", rows, CHUNK)
     np.testing.assert_allclose(np.load(output_dir / "logits.npy"), expected, rtol=1e-5, atol=1e-6)

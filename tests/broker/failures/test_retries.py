@@ -57,11 +57,12 @@ def test_each_failure_of_a_class_takes_the_next_wait_until_its_attempts_are_used
     assert [(o.retried, o.failures, o.retry_at) for o in outcomes] == [
         (True, 1, NOW + 1), (True, 2, NOW + 1.5 + 4), (False, 3, None)]
     job = jobs.get_job(store, spec.job_id, now=now)
-    assert job["retries"] == {"run_timeout": {"attempts": 3, "last_error": f"timed out at {NOW + 6}",
+    assert job.retries == {"run_timeout": {"attempts": 3, "last_error": f"timed out at {NOW + 6}",
                                               "last_failed_at": NOW + 6}}
-    assert [(entry["class"], entry["at"], entry["retry_at"]) for entry in job["failures"]] == [
+    assert [(entry["class"], entry["at"], entry["retry_at"]) for entry in job.failures] == [
         ("run_timeout", NOW, NOW + 1), ("run_timeout", NOW + 1.5, NOW + 5.5), ("run_timeout", NOW + 6, None)]
-    assert not any(name.startswith(("item:", "attempts:", "error:", "failed_at:")) for name in job)  # raw counts
+    raw_counts = ("item:", "attempts:", "error:", "failed_at:")
+    assert not any(name.startswith(raw_counts) for name in job.to_json())
 
 
 def test_a_class_that_is_never_retried_fails_at_its_first_failure(store: Store) -> None:
@@ -72,7 +73,7 @@ def test_a_class_that_is_never_retried_fails_at_its_first_failure(store: Store) 
     outcome = retries.retry_later(store, item, failure_class="bad_input", error="row 3 is bad", delays=[], now=NOW)
 
     assert not outcome.retried and outcome.failures == 1 and not outcome.gone
-    assert jobs.get_job(store, spec.job_id, now=NOW)["retries"]["bad_input"]["attempts"] == 1
+    assert jobs.get_job(store, spec.job_id, now=NOW).retries["bad_input"]["attempts"] == 1
 
 
 def test_retries_count_per_item_and_class_while_the_job_record_sums_them(store: Store) -> None:
@@ -84,7 +85,7 @@ def test_retries_count_per_item_and_class_while_the_job_record_sums_them(store: 
     assert retries.retry_later(store, second, failure_class="transient", error="EIO", delays=[2.0], now=NOW).retried
     assert retries.retry_later(store, first, failure_class="device_oom", error="oom", delays=[], now=NOW).failures == 1
 
-    counts = jobs.get_job(store, spec.job_id, now=NOW)["retries"]
+    counts = jobs.get_job(store, spec.job_id, now=NOW).retries
     assert counts["transient"]["attempts"] == 2 and counts["device_oom"]["attempts"] == 1
 
 
@@ -113,8 +114,8 @@ def test_a_lost_lease_is_recorded_as_worker_lost_and_queued_again_at_once(store:
         (MODEL_REF, item.item_id, None)]
     assert ready_ids(store) == [item.item_id]
     job = jobs.get_job(store, spec.job_id, now=NOW + 31)
-    assert job["retries"]["worker_lost"]["attempts"] == 1
-    assert job["failures"][-1]["retry_at"] == NOW + 31
+    assert job.retries["worker_lost"]["attempts"] == 1
+    assert job.failures[-1]["retry_at"] == NOW + 31
 
 
 def test_a_lost_lease_may_wait_a_backoff_of_its_own(store: Store) -> None:
@@ -174,7 +175,7 @@ def test_a_resumed_job_starts_its_chunks_on_fresh_attempts_and_keeps_its_history
     outcome = retries.retry_later(store, again, failure_class="device_oom", error="oom", delays=[1.0], now=NOW + 1)
 
     assert outcome.retried and outcome.failures == 1
-    assert jobs.get_job(store, spec.job_id, now=NOW + 1)["retries"]["device_oom"]["attempts"] == 2
+    assert jobs.get_job(store, spec.job_id, now=NOW + 1).retries["device_oom"]["attempts"] == 2
 
 
 def test_a_mark_left_by_a_stopped_job_does_not_pass_its_next_lost_lease_off_as_a_retry(store: Store) -> None:

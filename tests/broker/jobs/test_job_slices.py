@@ -53,7 +53,7 @@ def test_a_job_of_many_slices_is_queued_whole_in_several_calls_and_leaves_the_fi
     assert calls == [8 + 4 * 3, 8 + 4 * 3, 8 + 4 * 3, 8 + 4 * 1]  # eight leading arguments, four an item
     assert sorted(ready_ids(store)) == sorted(chunk_ids("big", range(10)))
     assert filling(store) == [] and job_fills.stalled_fills(store, now=NOW + 3600) == []
-    assert jobs.get_job(store, "big", now=NOW)["chunks_total"] == 10
+    assert jobs.get_job(store, "big", now=NOW).chunks_total == 10
     with pytest.raises(Conflict):
         job_fills.create_job(store, spec, now=NOW)
     assert sorted(ready_ids(store)) == sorted(chunk_ids("big", range(10))) and filling(store) == []
@@ -90,8 +90,8 @@ def test_a_stop_takes_every_item_out_over_several_calls(store: Store, monkeypatc
     calls.clear()
     assert job_stops.stop_job(store, "big", status="cancelled", error="again", now=NOW + 2) == "cancelled"
     assert len(calls) == 1  # a second DELETE of a stop that finished walks nothing again
-    assert jobs.get_job(store, "big", now=NOW)["error"] == "by the user"
-    assert "stop_done" not in jobs.get_job(store, "big", now=NOW)  # bookkeeping stays out of the API's view
+    assert jobs.get_job(store, "big", now=NOW).error == "by the user"
+    assert "stop_done" not in jobs.get_job(store, "big", now=NOW).to_json()  # bookkeeping stays out of the API's view
 
 
 def test_a_fill_whose_caller_died_is_completed_by_the_reaper_pass_once(store: Store) -> None:
@@ -158,4 +158,4 @@ def test_a_stop_s_later_calls_leave_what_a_resume_between_them_queued(store: Sto
     assert later == "queued"
     assert store.client.zcard(keys.jobs_stopping) == 0
     assert sorted(ready_ids(store)) == sorted(chunk_ids("back", range(6)))
-    assert jobs.get_job(store, "back", now=NOW)["status"] == "queued"
+    assert jobs.get_job(store, "back", now=NOW).status == "queued"

@@ -56,11 +56,11 @@ def test_create_job_writes_the_checkpoint_fields(store: Store) -> None:
     assert float(raw["checkpoint_ts"]) == NOW
     assert float(raw["created_at"]) == NOW
     job = jobs.get_job(store, spec.job_id, now=NOW)
-    assert job["output_names"] == ["logits"]
-    assert job["priority"] == 2
-    assert job["progress"] == 0.0
-    assert job["error"] is None
-    assert job["eta_seconds"] is None
+    assert job.output_names == ["logits"]
+    assert job.priority == 2
+    assert job.progress == 0.0
+    assert job.error is None
+    assert job.eta_seconds is None
     assert job_progress.done_chunks(store, spec.job_id) == set()
 
 
@@ -134,9 +134,9 @@ def test_get_job_derives_rate_and_eta_from_progress(store: Store) -> None:
 
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
 
-    assert job["progress"] == 0.5
-    assert job["rows_per_second"] == 2.0
-    assert job["eta_seconds"] == 2.0
+    assert job.progress == 0.5
+    assert job.rows_per_second == 2.0
+    assert job.eta_seconds == 2.0
 
 
 def test_after_a_resume_rate_and_eta_are_of_the_resumed_run_not_of_the_time_stopped(store: Store) -> None:
@@ -148,9 +148,9 @@ def test_after_a_resume_rate_and_eta_are_of_the_resumed_run_not_of_the_time_stop
 
     job = jobs.get_job(store, spec.job_id, now=NOW + 101)
 
-    assert (job["rows_done"], job["rows_per_second"], job["eta_seconds"]) == (8, 4.0, 1.0)  # 4 rows in 1 s
-    assert (job["elapsed_seconds"], job["resumed_at"]) == (101.0, NOW + 100)  # since its first start
-    assert "rows_at_resume" not in job
+    assert (job.rows_done, job.rows_per_second, job.eta_seconds) == (8, 4.0, 1.0)  # 4 rows in 1 s
+    assert (job.elapsed_seconds, job.resumed_at) == (101.0, NOW + 100)  # since its first start
+    assert "rows_at_resume" not in job.to_json()
 
 
 def test_list_jobs_is_newest_first_and_filters_by_status(store: Store) -> None:
@@ -158,11 +158,11 @@ def test_list_jobs_is_newest_first_and_filters_by_status(store: Store) -> None:
         job_fills.create_job(store, job_spec(job_id, rows_total=1, chunk_size=1), now=NOW + i)
     job_stops.stop_job(store, "jmid", status="cancelled", error="", now=NOW + 10)
 
-    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10)] == ["jnew", "jmid", "jold"]
-    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, limit=2)] == ["jnew", "jmid"]
-    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, status="queued")] == ["jnew", "jold"]
-    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, status="queued", limit=1)] == ["jnew"]
-    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, status="cancelled")] == ["jmid"]
+    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10)] == ["jnew", "jmid", "jold"]
+    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, limit=2)] == ["jnew", "jmid"]
+    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, status="queued")] == ["jnew", "jold"]
+    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, status="queued", limit=1)] == ["jnew"]
+    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, status="cancelled")] == ["jmid"]
     assert job_lists.list_jobs(store, now=NOW + 10, status="failed") == []
     assert job_lists.count_jobs_by_status(store) == {"queued": 2, "cancelled": 1}
 
@@ -180,15 +180,15 @@ def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
         assert job_lists.index_job_owners(store)  # as a reaper pass does
 
     def listed(**filters: Any) -> list[str]:
-        return [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, **filters)]
+        return [job.id for job in job_lists.list_jobs(store, now=NOW + 10, **filters)]
 
     assert listed(owner="alice") == ["j4", "j1"]
     assert listed(owner="alice", limit=1) == ["j4"]
     assert listed(owner="alice", status="queued") == ["j1"]
     assert listed(owner="carol") == []
     assert listed(limit=1) == ["j7"]  # no filter: every job, the ownerless one included
-    assert jobs.get_job(store, "j7", now=NOW)["owner"] is None
-    assert jobs.get_job(store, "j1", now=NOW)["owner"] == "alice"
+    assert jobs.get_job(store, "j7", now=NOW).owner is None
+    assert jobs.get_job(store, "j1", now=NOW).owner == "alice"
     monkeypatch.setattr(job_lists, "LIST_SCAN_JOBS", 3)  # a scan looks through the newest 3 jobs only
     assert listed(status="queued") == ["j7", "j6", "j5"]
     assert listed(owner="bob", status="queued") == (["j6", "j5", "j3"] if indexed else ["j6", "j5"])
@@ -205,7 +205,7 @@ def test_reaper_passes_index_jobs_stored_before_the_owner_indexes_a_page_at_a_ti
 
     assert not job_lists.index_job_owners(store, limit=4)  # a full page: more may follow
     assert not store.client.exists(store.keys.owner_index_built)
-    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, owner="alice")] == ["j4", "j2", "j0"]  # scan
+    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, owner="alice")] == ["j4", "j2", "j0"]  # scan
     assert job_lists.index_job_owners(store, limit=4)  # the rest, from the job after the last one indexed
     assert store.client.zrange(store.keys.owner_jobs("alice"), 0, -1, withscores=True) == [
         ("j0", NOW), ("j2", NOW + 2), ("j4", NOW + 2)]
@@ -214,7 +214,7 @@ def test_reaper_passes_index_jobs_stored_before_the_owner_indexes_a_page_at_a_ti
                     now=NOW + 5)
     store.client.zrem(store.keys.owner_jobs("bob"), "j5")  # as an older API process wrote it
     assert job_lists.index_job_owners(store)
-    assert [job["id"] for job in job_lists.list_jobs(store, now=NOW + 10, owner="bob")] == ["j5", "j1"]
+    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, owner="bob")] == ["j5", "j1"]
 
 
 # --- output folders -------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_cancel_removes_waiting_and_leased_items(store: Store) -> None:
     assert store.client.hkeys(store.keys.items) == ["jother:c0000000"]
     assert store.client.hlen(store.keys.attempts) == 0
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
-    assert (job["status"], job["error"], job["finished_at"]) == ("cancelled", "cancelled by the user", NOW + 2)
+    assert (job.status, job.error, job.finished_at) == ("cancelled", "cancelled by the user", NOW + 2)
 
 
 def test_ack_after_cancel_is_ignored(store: Store) -> None:
@@ -297,8 +297,8 @@ def test_ack_after_cancel_is_ignored(store: Store) -> None:
     assert ack(store, item, now=NOW + 2) == 0
 
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
-    assert job["status"] == "cancelled"
-    assert (job["chunks_done"], job["rows_done"]) == (0, 0)
+    assert job.status == "cancelled"
+    assert (job.chunks_done, job.rows_done) == (0, 0)
     assert job_progress.done_chunks(store, spec.job_id) == set()
     assert ready_ids(store) == []
 
@@ -337,7 +337,7 @@ def test_resume_re_queues_exactly_the_chunks_not_done(store: Store) -> None:
     expected_score = queue_key(jobs.job_factors(0, NOW + 5), Weights())
     assert (resumed["start"], resumed["stop"], resumed["score"]) == (8, 10, expected_score)
     job = jobs.get_job(store, spec.job_id, now=NOW + 5)
-    assert (job["status"], job["chunks_done"], job["rows_done"]) == ("queued", 2, 4)
+    assert (job.status, job.chunks_done, job.rows_done) == ("queued", 2, 4)
 
 
 def test_resume_of_a_cancelled_job_re_queues_its_missing_chunks(store: Store) -> None:
@@ -351,7 +351,7 @@ def test_resume_of_a_cancelled_job_re_queues_its_missing_chunks(store: Store) ->
 
     assert ready_ids(store) == [jobs.chunk_item_id(spec.job_id, i) for i in (1, 2)]
     job = jobs.get_job(store, spec.job_id, now=NOW + 3)
-    assert (job["status"], job["error"], job["finished_at"]) == ("queued", None, None)
+    assert (job.status, job.error, job.finished_at) == ("queued", None, None)
 
 
 def test_resume_does_not_duplicate_chunks_already_waiting(store: Store) -> None:
@@ -395,7 +395,7 @@ def test_resume_of_a_succeeded_job_is_a_conflict(store: Store) -> None:
     spec = job_spec(rows_total=2, chunk_size=1)
     job_fills.create_job(store, spec, now=NOW)
     finish_job(store, spec.job_id, now=NOW + 1)
-    assert jobs.get_job(store, spec.job_id, now=NOW + 1)["manifest"] == {"rows": 1}
+    assert jobs.get_job(store, spec.job_id, now=NOW + 1).manifest == {"rows": 1}
 
     with pytest.raises(Conflict, match="already succeeded"):
         job_fills.resume_job(store, spec.job_id, now=NOW + 2)

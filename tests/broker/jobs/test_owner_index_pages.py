@@ -33,7 +33,7 @@ def test_passes_index_every_job_of_a_run_of_equal_creation_times_longer_than_a_p
     assert store.client.zcard(store.keys.owner_jobs("bob")) == 1250
     assert store.client.zscore(store.keys.owner_jobs("bob"), ids[-1]) == NOW  # scored by creation time
     assert store.client.exists(store.keys.owner_index_built)
-    listed = [job["id"] for job in job_lists.list_jobs(store, now=NOW, owner="alice", limit=2000)]
+    listed = [job.id for job in job_lists.list_jobs(store, now=NOW, owner="alice", limit=2000)]
     assert sorted(listed) == ids[0::2]
 
 

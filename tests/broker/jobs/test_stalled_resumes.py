@@ -48,7 +48,7 @@ def test_a_resume_cut_after_its_first_call_is_completed_in_resume_mode(store: St
     scores = {store.client.zscore(store.keys.ready(MODEL_REF), item) for item in ready_ids(store)}
     assert len(scores) == 1  # scored as the resume scored its first slice
     assert store.client.zcard(store.keys.jobs_filling) == 0
-    assert not {"fill_mode", "filled_to", "fill_id"} & set(jobs.get_job(store, "run", now=NOW + 40))
+    assert not {"fill_mode", "filled_to", "fill_id"} & set(jobs.get_job(store, "run", now=NOW + 40).to_json())
 
 
 def test_a_second_pass_takes_back_nothing_the_new_run_leased(store: Store) -> None:
@@ -84,7 +84,7 @@ def test_a_stalled_stop_during_a_stalled_resume_is_completed_and_nothing_comes_b
     assert ready_ids(store) == [] and inflight_deadlines(store) == {} and store.client.zcard(store.keys.dead) == 0
     assert [item for item in store.client.hkeys(store.keys.items) if item.startswith("run:")] == []
     assert store.client.zcard(store.keys.jobs_filling) == 0 and store.client.zcard(store.keys.jobs_stopping) == 0
-    assert jobs.get_job(store, "run", now=NOW + 40)["status"] == "cancelled"
+    assert jobs.get_job(store, "run", now=NOW + 40).status == "cancelled"
 
 
 def dead_ids(store: Store) -> list[str]:

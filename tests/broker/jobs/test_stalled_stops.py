@@ -68,8 +68,8 @@ def test_a_stop_cut_after_its_first_call_is_completed_by_a_reaper_pass(store: St
     assert ready_ids(store, OTHER_REF) == far_ready
     assert sorted(ready_ids(store)) == untouched["near"]
     job = jobs.get_job(store, "cut", now=NOW + 40)
-    assert (job["status"], job["error"], job["finished_at"]) == ("cancelled", "by the user", NOW + 1)
-    assert "stop_id" not in job
+    assert (job.status, job.error, job.finished_at) == ("cancelled", "by the user", NOW + 1)
+    assert "stop_id" not in job.to_json()
     assert store.client.hget(store.keys.job_counts, "cancelled") == "1"
     assert job_stops.finish_stop(store, "cut", now=NOW + 41) == "cancelled"  # a second pass changes nothing
     assert job_items(store, "cut") == [] and stopping(store) == []
@@ -85,7 +85,7 @@ def test_a_resume_after_a_stalled_stop_keeps_every_item_it_queued(store: Store) 
     assert job_stops.finish_stop(store, "back", now=NOW + 40) == "queued"
 
     assert sorted(ready_ids(store)) == [jobs.chunk_item_id("back", index) for index in range(10)]
-    assert stopping(store) == [] and jobs.get_job(store, "back", now=NOW + 40)["status"] == "queued"
+    assert stopping(store) == [] and jobs.get_job(store, "back", now=NOW + 40).status == "queued"
 
 
 def test_a_reaper_pass_that_read_the_stop_before_a_resume_takes_nothing_out(store: Store) -> None:
@@ -117,7 +117,7 @@ def test_a_second_stop_takes_a_stalled_one_over_and_an_old_pass_leaves_it_alone(
 
     assert job_stops.finish_stop(store, "twice", now=NOW + 41) == "cancelled"
     assert job_items(store, "twice") == [] and stopping(store) == []
-    assert jobs.get_job(store, "twice", now=NOW + 41)["error"] == "by the user"  # the first stop's reason stays
+    assert jobs.get_job(store, "twice", now=NOW + 41).error == "by the user"  # the first stop's reason stays
 
 
 def test_a_second_stop_finishes_a_stalled_one_at_once(store: Store) -> None:

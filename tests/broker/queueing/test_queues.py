@@ -255,11 +255,11 @@ def test_ack_records_the_chunk_in_the_job_checkpoint(store: Store) -> None:
     assert store.client.hget(store.keys.attempts, item.item_id) is None
     assert job_progress.done_chunks(store, spec.job_id) == {0}
     job = jobs.get_job(store, spec.job_id, now=NOW + 5)
-    assert (job["chunks_done"], job["rows_done"], job["chunk_runs"]) == (1, 4, 1)
-    assert job["status"] == "running"
-    assert job["checkpoint_ts"] == NOW + 5
-    assert job["workers"] == {"gpu0": 1}
-    assert job["progress"] == 0.4
+    assert (job.chunks_done, job.rows_done, job.chunk_runs) == (1, 4, 1)
+    assert job.status == "running"
+    assert job.checkpoint_ts == NOW + 5
+    assert job.workers == {"gpu0": 1}
+    assert job.progress == 0.4
 
 
 def test_acking_the_same_chunk_twice_counts_it_once(store: Store) -> None:
@@ -272,8 +272,8 @@ def test_acking_the_same_chunk_twice_counts_it_once(store: Store) -> None:
 
     assert (first, second) == (1, 0)
     job = jobs.get_job(store, spec.job_id, now=NOW + 2)
-    assert (job["chunks_done"], job["rows_done"], job["chunk_runs"]) == (1, 4, 2)
-    assert job["checkpoint_ts"] == NOW + 1
+    assert (job.chunks_done, job.rows_done, job.chunk_runs) == (1, 4, 2)
+    assert job.checkpoint_ts == NOW + 1
     assert job_progress.done_chunks(store, spec.job_id) == {0}
 
 
@@ -300,7 +300,7 @@ def test_late_ack_after_the_chunk_was_re_leased_is_counted_once(store: Store) ->
     replies = [ack(store, slow, now=NOW + 13), ack(store, fast, now=NOW + 14)]
 
     assert replies == [2, 0]  # the first ack was the job's last chunk; the duplicate is ignored
-    assert jobs.get_job(store, spec.job_id, now=NOW + 14)["chunks_done"] == 1
+    assert jobs.get_job(store, spec.job_id, now=NOW + 14).chunks_done == 1
     assert ready_ids(store) == [jobs.finalize_item_id(spec.job_id)]  # finalize queued exactly once
 
 
@@ -325,7 +325,7 @@ def test_last_chunk_ack_queues_the_finalize_item(store: Store) -> None:
     }
     assert store.client.zscore(store.keys.ready(MODEL_REF), finalize_id) == payload["score"]
     job = jobs.get_job(store, spec.job_id, now=NOW + 1)
-    assert (job["chunks_done"], job["rows_done"], job["progress"]) == (3, 10, 1.0)
+    assert (job.chunks_done, job.rows_done, job.progress) == (3, 10, 1.0)
 
 
 def test_the_ack_that_queues_the_finalize_item_rings_the_doorbell(store: Store) -> None:

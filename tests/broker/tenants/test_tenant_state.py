@@ -139,7 +139,7 @@ def test_job_chunks_carry_their_tenant_and_follow_the_order_too(store: Store) ->
     [chunk] = lease_items(store, MODEL, now=NOW, lease_seconds=30, max_items=1,
                                  tenants={"order": ["globex", "acme"], "held": [], "window": 16})
     assert (chunk.payload["tenant"], chunk.payload["owner"]) == ("acme", "alice")
-    assert jobs.get_job(store, "jobA", now=NOW)["tenant"] == "acme"
+    assert jobs.get_job(store, "jobA", now=NOW).tenant == "acme"
 
 
 def test_a_tenant_s_work_behind_pages_of_another_s_chunks_is_found(store: Store) -> None:

@@ -101,11 +101,11 @@ def test_the_slot_goes_on_while_its_chunk_is_made_durable_and_the_ack_waits_for_
     assert run_next(ctx, spec.model_ref) == "committing"  # computed; its part is not on disk yet
 
     job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
-    assert job["chunks_done"] == 0 and ctx.commits.pending() == 1
+    assert job.chunks_done == 0 and ctx.commits.pending() == 1
     assert not output_layout.part_exists(Path(spec.output_dir), 0, ["logits"], job_id=spec.job_id)
     disk.set()
     assert ctx.commits.wait(timeout=10)
-    assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 1
+    assert jobs.get_job(ctx.store, spec.job_id, now=time.time()).chunks_done == 1
 
     # the job's last chunk: its slot waits for the commit, so the finalize step its ack queues comes next
     assert run_next(ctx, spec.model_ref) == "acked"
@@ -129,10 +129,10 @@ def test_a_commit_that_cannot_write_leaves_the_chunk_to_be_retried(
     assert ctx.commits.wait(timeout=10)
 
     job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
-    assert job["chunks_done"] == 0 and "No space left" in (job_progress.last_error(ctx.store, spec.job_id) or "")
+    assert job.chunks_done == 0 and "No space left" in (job_progress.last_error(ctx.store, spec.job_id) or "")
     # A full disk is transient: the chunk waits out that class's backoff (2 s + up to 1 s), then the
     # reaper puts it back for another attempt.
-    assert job["retries"]["transient"]["attempts"] == 1
+    assert job.retries["transient"]["attempts"] == 1
     assert reaping.reap_expired_leases(ctx.store, now=time.time(), max_attempts=3).returned == 0
     assert reaping.reap_expired_leases(ctx.store, now=time.time() + 3.1, max_attempts=3).returned == 1
 
@@ -150,7 +150,7 @@ def test_a_commit_drops_a_chunk_whose_job_stopped_while_it_waited(
     assert ctx.commits.wait(timeout=10)
 
     assert not (Path(spec.output_dir) / outputs.PARTS_DIR).exists()
-    assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 0
+    assert jobs.get_job(ctx.store, spec.job_id, now=time.time()).chunks_done == 0
     assert ctx.store.client.zcard(ctx.store.keys.inflight(spec.model_ref)) == 0
 
 
@@ -169,7 +169,7 @@ def test_a_drain_task_keeps_its_ticket_until_its_commits_are_done(
 
     assert drain_loop.drain(ctx, ticket) == "released"
 
-    assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["status"] == "succeeded"
+    assert jobs.get_job(ctx.store, spec.job_id, now=time.time()).status == "succeeded"
 
 
 def test_a_drain_task_retires_once_a_commit_that_queues_nothing_is_done(
@@ -194,7 +194,7 @@ def test_a_drain_task_retires_once_a_commit_that_queues_nothing_is_done(
     runner.join(10)
 
     assert outcome == ["released"]
-    assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 1
+    assert jobs.get_job(ctx.store, spec.job_id, now=time.time()).chunks_done == 1
 
 
 def test_a_chunk_whose_input_changed_since_submit_fails_its_job_before_reading_it(
@@ -212,4 +212,4 @@ def test_a_chunk_whose_input_changed_since_submit_fails_its_job_before_reading_i
 
     assert run_next(ctx, spec.model_ref) == "failed"
     job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
-    assert job["status"] == "failed" and "changed after the job was submitted" in job["error"], job
+    assert job.status == "failed" and "changed after the job was submitted" in job.error, job

@@ -146,11 +146,11 @@ def test_a_failing_job_row_fails_its_job_at_once_as_bad_input(store: Store, zoo_
     assert _run_next(ctx, spec.model_ref) == "failed"  # rows 16-31: never retried
 
     job = jobs.get_job(store, spec.job_id, now=time.time())
-    assert job["status"] == "failed" and "rows [20] fail" in job["error"]
+    assert job.status == "failed" and "rows [20] fail" in job.error
     assert store.client.hget(store.keys.counters, "failures_final_bad_input:mlp@v1") == "1"
-    assert job["retries"] == {"bad_input": {"attempts": 1, "last_error": job["error"],
-                                            "last_failed_at": job["failures"][0]["at"]}}
-    assert job["failures"][0]["retry_at"] is None
+    assert job.retries == {"bad_input": {"attempts": 1, "last_error": job.error,
+                                            "last_failed_at": job.failures[0]["at"]}}
+    assert job.failures[0]["retry_at"] is None
 
 
 def test_an_injected_oom_on_a_job_waits_its_backoff_in_redis(store: Store, zoo_dir: Path, tmp_path: Path) -> None:
@@ -166,9 +166,9 @@ def test_an_injected_oom_on_a_job_waits_its_backoff_in_redis(store: Store, zoo_d
     # (retry times are kept to the ms)
     assert item_id == jobs.chunk_item_id(spec.job_id, 0) and began + 30 <= ready_at <= time.time() + 30.001
     job = jobs.get_job(store, spec.job_id, now=time.time())
-    assert job["status"] == "running" and job["retries"]["device_oom"]["attempts"] == 1
+    assert job.status == "running" and job.retries["device_oom"]["attempts"] == 1
     assert store.client.hget(store.keys.counters, "failures_retried_device_oom:mlp@v1") == "1"  # (for /metrics)
-    assert "batch of 1 rows" in job["retries"]["device_oom"]["last_error"]  # halved down to one row first
+    assert "batch of 1 rows" in job.retries["device_oom"]["last_error"]  # halved down to one row first
 
 
 def test_the_running_chunk_of_a_cancelled_job_stops_before_its_next_mini_batch(store: Store, zoo_dir: Path,
@@ -191,8 +191,8 @@ def test_the_running_chunk_of_a_cancelled_job_stops_before_its_next_mini_batch(s
 
     assert outcome == ["dropped"] and time.monotonic() - cancelled_at < 2.0  # not the chunk's 25 s of runs
     job = jobs.get_job(store, spec.job_id, now=time.time())
-    assert job["status"] == "cancelled" and job["error"] == "cancelled by its owner"
-    assert "cancelled" not in (job.get("retries") or {})  # the stop is the job's, not a failure of the chunk
+    assert job.status == "cancelled" and job.error == "cancelled by its owner"
+    assert "cancelled" not in (job.retries or {})  # the stop is the job's, not a failure of the chunk
     assert not any(name.startswith("failures_") for name in store.client.hkeys(store.keys.counters))
     assert not store.client.zcard(store.keys.inflight(spec.model_ref))
 

@@ -52,7 +52,7 @@ def test_a_merge_that_outlasts_the_lease_keeps_its_finalize_item_from_the_reaper
 
     assert time.monotonic() - started > LEASE_SECONDS
     assert len(returned_by_reaper) > CHUNKS and set(returned_by_reaper) == {0}
-    assert jobs.get_job(store, final.payload["job"], now=time.time())["status"] == "succeeded"
+    assert jobs.get_job(store, final.payload["job"], now=time.time()).status == "succeeded"
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy")[:, 0], np.arange(CHUNKS))
 
 

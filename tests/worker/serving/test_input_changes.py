@@ -114,8 +114,8 @@ def run_next(ctx: WorkerContext, spec: jobs.JobSpec, hooks: Hooks) -> str:
 
 def assert_failed_for_its_input(ctx: WorkerContext, spec: jobs.JobSpec) -> None:
     job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
-    assert job["status"] == "failed", job
-    assert f"input '{spec.input_batch}' changed after the job was submitted" in job["error"], job
+    assert job.status == "failed", job
+    assert f"input '{spec.input_batch}' changed after the job was submitted" in job.error, job
     assert ctx.store.client.zcard(ctx.store.keys.inflight(spec.model_ref)) == 0
     assert ctx.store.client.zcard(ctx.store.keys.ready(spec.model_ref)) == 0
 
@@ -131,7 +131,7 @@ def test_a_chunk_whose_input_is_rewritten_in_place_while_it_runs_fails_its_job_a
 
     assert hooks.calls == 4  # the chunk ran to its end: the change was seen after its reads
     assert_failed_for_its_input(ctx, spec)
-    assert jobs.get_job(ctx.store, spec.job_id, now=time.time())["chunks_done"] == 0
+    assert jobs.get_job(ctx.store, spec.job_id, now=time.time()).chunks_done == 0
     assert not output_layout.part_exists(Path(spec.output_dir), 0, ["logits"], job_id=spec.job_id)
 
 

@@ -76,8 +76,8 @@ def test_bad_rows_are_quarantined_and_filled_and_the_job_succeeds(store: Store, 
 
     job = _run_job(ctx, spec)
 
-    assert job["status"] == "succeeded" and job["rows_quarantined"] == 4 and job["rows_done"] == ROWS, job
-    manifest = job["manifest"]
+    assert job.status == "succeeded" and job.rows_quarantined == 4 and job.rows_done == ROWS, job
+    manifest = job.manifest
     assert manifest["quarantined_rows"] == bad
     assert manifest["quarantine"] == {"file": "quarantine.jsonl", "rows": 4, "fill_values": {"logits": "NaN"}}
     entries = [json.loads(line) for line in (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()]
@@ -87,7 +87,7 @@ def test_bad_rows_are_quarantined_and_filled_and_the_job_succeeds(store: Store, 
     good = np.setdiff1d(np.arange(ROWS), bad)
     np.testing.assert_allclose(logits[good], _reference(zoo_dir, rows)[good], rtol=1e-5, atol=1e-6)
     assert np.isnan(logits[bad]).all()
-    assert job["retries"] == {} and job["failures"] == []  # nothing was retried: the rows were settled in the run
+    assert job.retries == {} and job.failures == []  # nothing was retried: the rows were settled in the run
 
 
 def test_a_chunk_run_again_writes_the_same_bytes_and_its_rows_once(store: Store, zoo_dir: Path,
@@ -116,8 +116,8 @@ def test_more_bad_rows_than_the_limit_fails_the_job_naming_them(store: Store, zo
 
     job = _run_job(ctx, spec)
 
-    assert job["status"] == "failed" and job["rows_quarantined"] == 0, job
-    assert job["error"].startswith("3 rows failed, more than jobs.max_bad_rows allows (2 of this job's 64 rows): "
+    assert job.status == "failed" and job.rows_quarantined == 0, job
+    assert job.error.startswith("3 rows failed, more than jobs.max_bad_rows allows (2 of this job's 64 rows): "
                                    "rows 3, 20, 50; row 3: ")
     assert not (tmp_path / "out" / "manifest.json").exists() and not (tmp_path / "out" / "logits.npy").exists()
 
@@ -128,9 +128,9 @@ def test_a_chunk_past_the_limit_fails_its_job_at_once(store: Store, zoo_dir: Pat
 
     job = _run_job(ctx, spec)
 
-    assert job["status"] == "failed" and "2 rows failed" in job["error"] and "rows 17, 18;" in job["error"], job
-    assert job["retries"]["bad_input"]["attempts"] == 1  # never retried
-    assert math.isclose(job["failures"][0]["at"], job["failures"][-1]["at"])
+    assert job.status == "failed" and "2 rows failed" in job.error and "rows 17, 18;" in job.error, job
+    assert job.retries["bad_input"]["attempts"] == 1  # never retried
+    assert math.isclose(job.failures[0]["at"], job.failures[-1]["at"])
 
 
 def _submit_request(store: Store, request_id: str, value: float) -> None:

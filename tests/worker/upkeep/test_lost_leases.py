@@ -35,9 +35,9 @@ def test_a_lost_lease_is_queued_again_at_once_and_recorded_on_its_job(store: Sto
     assert counts["returned"] == 1
     assert store.client.zrange(store.keys.ready(spec.model_ref), 0, -1) == [item.item_id]
     job = jobs.get_job(store, spec.job_id, now=now + 2)
-    assert job["retries"]["worker_lost"]["attempts"] == 1 and "lease expired" in job["retries"]["worker_lost"][
+    assert job.retries["worker_lost"]["attempts"] == 1 and "lease expired" in job.retries["worker_lost"][
         "last_error"]
-    assert job["failures"][-1]["retry_at"] == job["failures"][-1]["at"]
+    assert job.failures[-1]["retry_at"] == job.failures[-1]["at"]
 
 
 def test_lost_leases_wait_a_configured_backoff_and_the_last_one_fails_the_job(store: Store, zoo_dir: Path) -> None:
@@ -53,6 +53,6 @@ def test_lost_leases_wait_a_configured_backoff_and_the_last_one_fails_the_job(st
     assert reaper.reap(ctx, [].append, now=now + 9)["dead"] == 1
 
     job = jobs.get_job(store, spec.job_id, now=now + 9)
-    assert job["status"] == "failed" and "failed 2 times" in job["error"]
-    assert job["retries"]["worker_lost"]["attempts"] == 2
-    assert [entry["retry_at"] is None for entry in job["failures"]] == [False, True]  # the second failed the job
+    assert job.status == "failed" and "failed 2 times" in job.error
+    assert job.retries["worker_lost"]["attempts"] == 2
+    assert [entry["retry_at"] is None for entry in job.failures] == [False, True]  # the second failed the job

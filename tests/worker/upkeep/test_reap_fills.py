@@ -91,7 +91,7 @@ def test_a_reaper_pass_takes_out_the_items_a_dead_stop_left(store: Store, monkey
     reap(ctx, sent.append, now=now + job_slices.FILL_STALLED_SECONDS + 1)
     assert store.client.zrange(ready, 0, -1) == [jobs.chunk_item_id("other", index) for index in range(4)]
     assert store.client.zcard(store.keys.jobs_stopping) == 0
-    assert jobs.get_job(store, "cut", now=now)["status"] == "cancelled"
+    assert jobs.get_job(store, "cut", now=now).status == "cancelled"
 
 
 def test_a_reaper_pass_completes_a_dead_resume_taking_leases_back_at_once(
