@@ -138,7 +138,7 @@ def test_a_job_cancelled_as_its_last_chunk_is_acked_on_a_stack_has_a_folder_that
     job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(home / "race.npy"),
                                    "output_dir": str(output_dir), "chunk_size": CHUNK, "batch_size": CHUNK})
     # Straight from Redis, every few ms: the merge of ROWS / CHUNK parts takes some 100 ms.
-    job_key, deadline = mlp_stack.store.keys.job(job.id), time.monotonic() + 120
+    job_key, deadline = mlp_stack.store.keys.job(job["id"]), time.monotonic() + 120
     while mlp_stack.store.client.hget(job_key, "chunks_done") != str(ROWS // CHUNK):
         assert time.monotonic() < deadline, client.get(f"/v1/jobs/{job['id']}")
         time.sleep(0.002)
@@ -153,7 +153,7 @@ def test_a_job_cancelled_as_its_last_chunk_is_acked_on_a_stack_has_a_folder_that
         assert not (output_dir / "logits.npy").exists()
         resumed = client.post(f"/v1/jobs/{job['id']}/resume")
         assert resumed["status"] in ("queued", "running"), resumed  # the worker may have taken it already
-        after = wait_job(client, job.id, timeout=120)
+        after = wait_job(client, job["id"], timeout=120)
     assert after["status"] == "succeeded", after
     expected = direct_run(home / "models" / "mlp.onnx", rows, CHUNK)
     np.testing.assert_allclose(np.load(output_dir / "logits.npy"), expected, rtol=1e-5, atol=1e-6)
