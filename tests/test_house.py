@@ -36,6 +36,16 @@ def test_the_package_layers_hold() -> None:
     assert "BROKEN" not in result.stdout and "10 kept, 0 broken" in result.stdout, result.stdout
 
 
+def _lint_with_a_line_added(tmp_path: Path, module: str, line: str) -> subprocess.CompletedProcess[str]:
+    """`lint-imports` over a copy of the packages in `tmp_path` with `line` appended to `module`."""
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / module, "a") as handle:
+        handle.write(f"\n{line}  # added by the test\n")
+    return _lint_imports(tmp_path)
+
+
 @pytest.mark.parametrize(("module", "line", "contract"), [
     ("sits_api/app.py", "import sits_worker.device.runtime",
      "the API imports of the worker only its light model package"),
@@ -45,13 +55,7 @@ def test_the_package_layers_hold() -> None:
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     """The contracts are not vacuous: one added import of the kind each forbids fails `lint-imports`."""
-    for package in PACKAGES:
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    with open(tmp_path / module, "a") as handle:
-        handle.write(f"\n{line}  # added by the test\n")
-
-    result = _lint_imports(tmp_path)
+    result = _lint_with_a_line_added(tmp_path, module, line)
 
     assert result.returncode != 0, result.stdout
     broken = result.stdout.split("Broken contracts", 1)[-1]
@@ -70,13 +74,7 @@ def test_a_back_edge_between_rooms_breaks_their_order(tmp_path: Path, module: st
                                                        edge: str) -> None:
     """The rooms of each package import one way: one import back against the order fails `lint-imports`,
     naming the edge to remove (docs/architecture.md, "The house")."""
-    for package in PACKAGES:
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    with open(tmp_path / module, "a") as handle:
-        handle.write(f"\n{line}  # added by the test\n")
-
-    result = _lint_imports(tmp_path)
+    result = _lint_with_a_line_added(tmp_path, module, line)
 
     assert result.returncode != 0, result.stdout
     broken = result.stdout.split("Broken contracts", 1)[-1]
