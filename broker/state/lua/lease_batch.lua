@@ -83,19 +83,6 @@ local held_seen = 0  -- items of a held tenant in reach
 local tenants_option = type(options.tenants) == 'table' and options.tenants or nil
 local classes_option = type(options.classes) == 'table' and options.classes or nil
 
--- The `tenants` option as lookups: tenant -> its rank in `order`, the set of held tenants, and the rank
--- of every tenant not in `order` (after the last ranked one).
-local function tenant_ranks(tenants)
-  local rank, held = {}, {}
-  for index, name in ipairs(tenants.order or {}) do
-    rank[name] = index
-  end
-  for _, name in ipairs(tenants.held or {}) do
-    held[name] = true
-  end
-  return rank, held, #(tenants.order or {}) + 1
-end
-
 -- The `tenants` and `classes` options as one ranking: rank_of(tenant, level) is an item's rank (1 first),
 -- or nil when it is not to be leased (a held tenant's; with `only`, a tenant's not in `order`; a paused
 -- class's); demotion(level) what its score gains within its rank. Also returned: the best rank an item

@@ -37,13 +37,7 @@ local lowest_level = tonumber(ARGV[9]) or 0
 local tenants = (ARGV[10] or '') ~= '' and cjson.decode(ARGV[10]) or nil
 local rank, held, last = {}, {}, 1
 if tenants then
-  for index, name in ipairs(tenants.order or {}) do
-    rank[name] = index
-  end
-  for _, name in ipairs(tenants.held or {}) do
-    held[name] = true
-  end
-  last = #(tenants.order or {}) + 1
+  rank, held, last = tenant_ranks(tenants)
 end
 
 -- The queue entries to look at, {position, id} in queue order: the waiting requests among the first

@@ -190,3 +190,16 @@ local function note_failure(record_key, item_id, class, error, now, retry_at, co
   end
   redis.call('HSET', record_key, 'failures', cjson.encode(log))
 end
+
+-- A fair-share `tenants` option ({order, held}) as lookups: tenant -> its rank in `order`, the set of
+-- held tenants, and the rank of every tenant not in `order` (after the last ranked one).
+local function tenant_ranks(tenants)
+  local rank, held = {}, {}
+  for index, name in ipairs(tenants.order or {}) do
+    rank[name] = index
+  end
+  for _, name in ipairs(tenants.held or {}) do
+    held[name] = true
+  end
+  return rank, held, #(tenants.order or {}) + 1
+end
