@@ -35,7 +35,9 @@ def drain_task(ticket: str) -> str:
 
 @app.task(name="sits.profile_model")
 def profile_model_task(model_ref: str, profile_mode: str, enable_fusion: bool) -> dict[str, Any]:
-    """Measure a model version on this worker's device and/or fuse its graph; results go to the registry."""
+    """Measure a model version on this worker's device and/or fuse its graph; results go to the registry
+    (and its record, as JSON, to the task's result)."""
     from sits_worker.serving.profiler import profile_and_record
 
-    return profile_and_record(worker_context(), model_ref, profile_mode=profile_mode, enable_fusion=enable_fusion)
+    return profile_and_record(worker_context(), model_ref, profile_mode=profile_mode,
+                              enable_fusion=enable_fusion).to_json()

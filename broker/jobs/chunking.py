@@ -13,7 +13,8 @@ measured throughput for the job's batch size.
 from __future__ import annotations
 
 import math
-from typing import Any
+
+from broker.models.model_record import ModelRecord, ProfilePoint
 
 FALLBACK_CHUNK_ROWS = 4096
 """Rows per chunk for a model without a usable profile (see `throughput_points`)."""
@@ -43,19 +44,18 @@ def least_chunk_size(rows_total: int, batch_size: int = 1) -> int:
     return math.ceil(math.ceil(rows_total / MAX_CHUNKS_PER_JOB) / batch_size) * batch_size
 
 
-def throughput_points(record: dict[str, Any]) -> list[dict[str, Any]]:
+def throughput_points(record: ModelRecord) -> list[ProfilePoint]:
     """The profile points a job's sizes may be chosen from, by batch size: every point of a measured
     profile; of an observed one (the sizes workers happened to run, `sits_worker/device/observed_profiles.py`) only
     those from `FALLBACK_BATCH_ROWS` up, since small online batches alone say nothing of where a
     job's throughput lies."""
-    profile = record.get("profile") or {}
-    points = [point for point in profile.get("points") or [] if float(point.get("rows_per_second") or 0) > 0]
-    if profile.get("source") == "observed":
+    points = [point for point in record.profile_points if float(point.get("rows_per_second") or 0) > 0]
+    if record.observed_profile:
         points = [point for point in points if int(point["batch_size"]) >= FALLBACK_BATCH_ROWS]
     return sorted(points, key=lambda point: int(point["batch_size"]))
 
 
-def profiled_rows_per_second(record: dict[str, Any], batch_size: int) -> float | None:
+def profiled_rows_per_second(record: ModelRecord, batch_size: int) -> float | None:
     """Measured rows/s of a model at `batch_size`, from its registry record; None without a profile.
 
     The point measured at the largest batch size not above `batch_size` (throughput rarely falls
@@ -64,13 +64,13 @@ def profiled_rows_per_second(record: dict[str, Any], batch_size: int) -> float |
     only up to the batch size where a run takes a third of the profiling budget).
     """
     points = throughput_points(record)
-    if not points or ((record.get("profile") or {}).get("source") == "observed" and batch_size < FALLBACK_BATCH_ROWS):
+    if not points or (record.observed_profile and batch_size < FALLBACK_BATCH_ROWS):
         return None  # (an observed rate at 128 rows and up would overstate a smaller batch's)
     below = [point for point in points if point["batch_size"] <= batch_size]
     return float((below[-1] if below else points[0])["rows_per_second"])
 
 
-def auto_batch_size(record: dict[str, Any]) -> int:
+def auto_batch_size(record: ModelRecord) -> int:
     """Rows per run for a job of the model whose registry record is `record`: its best batch size.
 
     The measured profile's best throughput is the ceiling an offline job aims at (the bare ONNX
@@ -96,12 +96,12 @@ def job_rows_per_second(batch_size: int, rows_per_second: float) -> float:
     return batch_size / (batch_size / rows_per_second + MINI_BATCH_OVERHEAD_SECONDS)
 
 
-def output_bytes_per_row(record: dict[str, Any]) -> int:
+def output_bytes_per_row(record: ModelRecord) -> int:
     """Bytes of all outputs of one row, from the static profile (0 when unknown).
 
     For a token model this is a row of the profile's reference sequence length.
     """
-    return int((record.get("static_profile") or {}).get("output_bytes_per_sample") or 0)
+    return int(record.static_profile.get("output_bytes_per_sample") or 0)
 
 
 def auto_chunk_size(*, rows_total: int, batch_size: int, rows_per_second: float | None, output_bytes_per_row: int,
@@ -154,7 +154,7 @@ def auto_chunk_size(*, rows_total: int, batch_size: int, rows_per_second: float 
     return max(chunk, least_chunk_size(rows_total, batch_size))  # (above the memory cap for a huge job)
 
 
-def chunk_size_for(record: dict[str, Any], *, rows_total: int, batch_size: int, live_workers: int,
+def chunk_size_for(record: ModelRecord, *, rows_total: int, batch_size: int, live_workers: int,
                    chunk_seconds: float, max_chunk_output_bytes: int, calibration: float = 1.0,
                    live_slots: int | None = None) -> int:
     """`auto_chunk_size` for a job of the model whose registry record is `record`, at its profile's rate

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from broker.memory.ledger import Claim, MemoryLedger
+from broker.models.model_record import ModelRecord
 from broker.queueing.scoring import estimate_latency_ms
 
 
 def batch_need_bytes(static_profile: dict[str, Any], *, rows: int, tokens: int | None) -> int:
     """Activation memory of one batch from the static profile (per token for token models)."""
-    return BatchCost.of({"static_profile": static_profile}, max_rows=rows, max_tokens=0).need_bytes(
+    return BatchCost.of(ModelRecord.of({"static_profile": static_profile}), max_rows=rows, max_tokens=0).need_bytes(
         rows=rows, tokens=tokens)
 
 
@@ -50,9 +51,9 @@ class BatchCost:
     """0 for a model without a sequence axis."""
 
     @classmethod
-    def of(cls, record: dict[str, Any], *, max_rows: int, max_tokens: int) -> BatchCost:
+    def of(cls, record: ModelRecord, *, max_rows: int, max_tokens: int) -> BatchCost:
         """The cost of a registry record's batches: static activation bytes, profiled seconds per row."""
-        static = record.get("static_profile") or {}
+        static = record.static_profile
         per_row = int(static.get("activation_bytes_per_sample") or 0)
         per_token = int(static.get("activation_bytes_per_token") or 0) if static.get("sequence_axis") else 0
         reference = int(static.get("reference_sequence_length") or 0) or (per_row // per_token if per_token else 0)

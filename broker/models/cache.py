@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from broker.models import registry
+from broker.models.model_record import ModelRecord
 from broker.state.store import Store
 
 API_RECORD_TTL_SECONDS = 2.0
@@ -35,10 +35,10 @@ class ModelRecordCache:
     def __init__(self, ttl_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_seconds = ttl_seconds
         self._clock = clock
-        self._records: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._records: dict[str, tuple[float, ModelRecord]] = {}
         self._lock = threading.Lock()
 
-    def get(self, store: Store, ref: str) -> dict[str, Any]:
+    def get(self, store: Store, ref: str) -> ModelRecord:
         """The record of `ref`, from the cache while it is fresh, else from the registry (which raises
         `ModelNotFound` for an unknown one)."""
         now = self._clock()
@@ -50,10 +50,10 @@ class ModelRecordCache:
         self.remember(ref, record, read_at=now)
         return record
 
-    def remember(self, ref: str, record: dict[str, Any], *, read_at: float | None = None) -> None:
+    def remember(self, ref: str, record: ModelRecord, *, read_at: float | None = None) -> None:
         """Keep `record` as the current one of `ref` (a process that just wrote it sees it at once)."""
         entry = (self._clock() if read_at is None else read_at, record)
-        pinned = f"{record['name']}@{record['version']}" if "name" in record and "version" in record else ref
+        pinned = record.ref if record.name and record.version else ref
         with self._lock:
             self._records[ref] = entry
             self._records[pinned] = entry

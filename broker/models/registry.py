@@ -2,9 +2,10 @@
 
 A version is the content hash of the model file, so re-registering a changed
 file makes a new version while old ones stay addressable as `name@version`;
-a bare `name` means the newest registered version. The record is a JSON
+a bare `name` means the newest registered version. The record is stored as a JSON
 object (path of the stored copy, static profile, measured profile, fusion
-result) written by the API and completed by the workers' profiler task.
+result) written by the API and completed by the workers' profiler task, and
+read back as a `ModelRecord` (`broker/models/model_record.py`).
 
 A name belongs to the tenant (API key name) that registered it first
 (`model-owners`): only that tenant's keys and admins add versions under it,
@@ -23,6 +24,7 @@ from typing import Any
 import redis
 
 from broker.errors import BadInput, Forbidden, ModelNotFound
+from broker.models.model_record import ModelRecord
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.apikeys import owns
 
@@ -73,7 +75,7 @@ def _refuse_a_name_of_another(registrant: dict[str, Any], name: str, *, owner: s
 
 def save_model_version(store: Store, record: dict[str, Any], *, make_latest: bool = True,
                        registrant: dict[str, Any] | None = None,
-                       based_on: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None) -> dict[str, Any]:
+                       based_on: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None) -> ModelRecord:
     """Store a model version record (keys `name` and `version` required); returns it as stored.
 
     With `based_on`, the record stored is `based_on(the version's stored record, or None)`, read in the
@@ -117,16 +119,16 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
                 if make_latest:
                     pipe.hset(keys.model_latest, name, stored["version"])
                 pipe.execute()
-                return stored
+                return ModelRecord.of(stored)
             except redis.WatchError:
                 continue  # a name was claimed or a version saved meanwhile; check again
 
 
-FieldsOf = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+FieldsOf = Callable[[ModelRecord], "dict[str, Any] | None"]
 """Fields to merge into a record, computed from the record as it is (None: leave it as it is)."""
 
 
-def update_model_version(store: Store, ref: str, fields: dict[str, Any] | FieldsOf) -> dict[str, Any]:
+def update_model_version(store: Store, ref: str, fields: dict[str, Any] | FieldsOf) -> ModelRecord:
     """Merge `fields` into the record of `name@version` (read-modify-write under WATCH); `fields` may
     be a function of the record as it is then, in the same transaction (None: no change)."""
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
@@ -137,20 +139,20 @@ def update_model_version(store: Store, ref: str, fields: dict[str, Any] | Fields
                 if raw is None:
                     raise ModelNotFound(f"model version '{ref}' is not registered")
                 current = json.loads(raw)
-                update = fields(current) if callable(fields) else fields
+                update = fields(ModelRecord.of(current)) if callable(fields) else fields
                 if update is None:
                     pipe.unwatch()
-                    return dict(current)
+                    return ModelRecord.of(current)
                 record = current | update
                 pipe.multi()
                 pipe.hset(store.keys.model_versions, ref, json.dumps(record))
                 pipe.execute()
-                return record
+                return ModelRecord.of(record)
             except redis.WatchError:
                 continue  # someone else wrote the hash meanwhile; read it again
 
 
-def get_model(store: Store, ref: str) -> dict[str, Any]:
+def get_model(store: Store, ref: str) -> ModelRecord:
     """The record of `name` (newest version) or `name@version`; ModelNotFound names what exists."""
     name, version = split_model_ref(ref)
     with translate_redis_errors():
@@ -161,7 +163,7 @@ def get_model(store: Store, ref: str) -> dict[str, Any]:
         what = f"model '{name}'" if version is None else f"model version '{name}@{version}'"
         raise ModelNotFound(f"{what} is not registered (registered models: {known}); "
                             "register it with POST /v1/models or `sitsctl model register`")
-    return json.loads(raw)
+    return ModelRecord.of(json.loads(raw))
 
 
 def version_exists(store: Store, ref: str) -> bool:
@@ -176,15 +178,14 @@ def list_model_names(store: Store) -> list[str]:
         return sorted(store.client.hkeys(store.keys.model_latest))
 
 
-def list_model_versions(store: Store, name: str | None = None) -> list[dict[str, Any]]:
-    """Every registered version (of `name` only, if given), oldest registration first."""
+def list_model_versions(store: Store, name: str | None = None) -> list[ModelRecord]:
+    """Every registered version (of `name` only, if given), oldest registration first, each saying
+    whether it is its name's newest (`latest`)."""
     with translate_redis_errors():
         raws = store.client.hvals(store.keys.model_versions)
         latest = store.client.hgetall(store.keys.model_latest)
-    records = [json.loads(raw) for raw in raws]
+    records = [ModelRecord.of(json.loads(raw)) for raw in raws]
     if name is not None:
-        records = [record for record in records if record["name"] == name]
-    for record in records:
-        record["latest"] = latest.get(record["name"]) == record["version"]
-        record.setdefault("owner", None)  # saved before names had owners
-    return sorted(records, key=lambda record: (record["name"], record.get("registered_at", 0)))
+        records = [record for record in records if record.name == name]
+    records = [record.replace(latest=latest.get(record.name) == record.version) for record in records]
+    return sorted(records, key=lambda record: (record.name, record.registered_at or 0))

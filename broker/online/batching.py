@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from broker.models.model_record import ModelRecord, ProfilePoint
 from broker.online.settings import ModelBatching
 
 FALLBACK_MAX_BATCH_SIZE = 64
@@ -77,14 +78,12 @@ class Batching:
         return rows >= self.enough_rows or waited >= self.max_queue_delay
 
 
-def measured_points(record: dict[str, Any], device_kind: str | None = None) -> list[dict[str, Any]]:
+def measured_points(record: ModelRecord | None, device_kind: str | None = None) -> list[ProfilePoint]:
     """The points (batch size, latency, rows/s) of the record's measured profile by batch size, if
     `auto` settings may follow it (see the module) on a `device_kind` device ('cpu', 'gpu'; None: any);
     else []."""
-    profile = record.get("profile")
-    static = record.get("static_profile")
-    if not isinstance(profile, dict) or profile.get("source") == "observed" or (
-            isinstance(static, dict) and static.get("sequence_axis")):
+    profile = record.profile if record is not None else None
+    if record is None or profile is None or record.observed_profile or record.token_model:
         return []  # (a profile with no source is a measured one, as everywhere else)
     if device_kind is not None and str(profile.get("device", "")).partition(":")[0] != device_kind:
         return []
@@ -93,10 +92,10 @@ def measured_points(record: dict[str, Any], device_kind: str | None = None) -> l
     return sorted(points, key=lambda point: int(point["batch_size"]))
 
 
-def resolve(config: ModelBatching, record: dict[str, Any] | None, device_kind: str | None = None) -> Batching:
+def resolve(config: ModelBatching, record: ModelRecord | None, device_kind: str | None = None) -> Batching:
     """`config` with its `auto` values taken from the model version's registry `record` for a worker
     on a `device_kind` device (None: the device the profile was measured on); see the module."""
-    points = measured_points(record or {}, device_kind)
+    points = measured_points(record, device_kind)
     from_profile = bool(points) and "auto" in (config.max_batch_size, config.max_queue_delay)
     max_batch_size = config.max_batch_size
     if max_batch_size == "auto":
@@ -115,5 +114,5 @@ def resolve(config: ModelBatching, record: dict[str, Any] | None, device_kind: s
         max_batch_tokens=config.max_batch_tokens,
         queue_capacity=config.queue_capacity,
         source="profile" if from_profile else "config",
-        profile_device=str((record or {}).get("profile", {}).get("device", "")) if from_profile else "",
+        profile_device=str((record.profile or {}).get("device", "")) if record is not None and from_profile else "",
     )

@@ -21,9 +21,11 @@ so a job's chunks wait in row order.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from broker.models.model_record import ModelRecord
 from broker.setting_types import MAX_PRIORITY
 
 SLA_WEIGHTS = {"vip": 3.0, "premium": 2.0, "free": 1.0}
@@ -132,7 +134,7 @@ def check_level(level: int) -> int:
     return level
 
 
-def estimate_latency_ms(record: dict[str, Any], *, rows: int, tokens: int | None) -> float:
+def estimate_latency_ms(record: ModelRecord, *, rows: int, tokens: int | None) -> float:
     """Estimated run time of `rows` rows from the model's profile.
 
     Measured profile first: the latency measured at that batch size, interpolated between the
@@ -142,21 +144,19 @@ def estimate_latency_ms(record: dict[str, Any], *, rows: int, tokens: int | None
     without one costs about 1.2 ms per token + 120 ms (the specification's prior); otherwise the
     static FLOPs at an assumed 50 GFLOP/s.
     """
-    profile = record.get("profile") or {}
-    points = profile.get("points") or []
-    static = record.get("static_profile") or {}
-    token_model = bool(static.get("sequence_axis")) and tokens is not None
+    points = record.profile_points
+    token_model = record.token_model and tokens is not None
     if points:
         if token_model:
             one_row = float(points[0]["latency_ms"])
-            return one_row * float(tokens or 0) / float(profile.get("sequence_length") or 128)
+            return one_row * float(tokens or 0) / float((record.profile or {}).get("sequence_length") or 128)
         return _interpolated_ms(points, rows)
     if token_model:
         return 1.2 * float(tokens or 0) + 120.0
-    return max(float(static.get("flops_per_sample") or 0) * rows / 5e7, 0.01)
+    return max(float(record.static_profile.get("flops_per_sample") or 0) * rows / 5e7, 0.01)
 
 
-def rows_to_fill(record: dict[str, Any], *, own_rows: int, available: int, max_rows: int, factor: float) -> int:
+def rows_to_fill(record: ModelRecord, *, own_rows: int, available: int, max_rows: int, factor: float) -> int:
     """How many of `available` job rows may fill a batch of `own_rows` online rows: up to `max_rows`
     rows in all, while the batch's estimated time stays within `factor` times that of the online
     rows alone. Job rows so take only empty rows that are nearly free (a GPU's flat latency curve),
@@ -168,7 +168,7 @@ def rows_to_fill(record: dict[str, Any], *, own_rows: int, available: int, max_r
     return fill
 
 
-def _interpolated_ms(points: list[dict[str, Any]], rows: int) -> float:
+def _interpolated_ms(points: Sequence[Mapping[str, Any]], rows: int) -> float:
     """Latency of `rows` rows from measured (batch_size, latency_ms) points: linear between two sizes,
     per row of the nearest measured size outside them."""
     measured = sorted((int(point["batch_size"]), float(point["latency_ms"])) for point in points)

@@ -24,6 +24,7 @@ from typing import Any
 from broker.errors import DeadlineInfeasible
 from broker.jobs.finish_prediction import Verdict, Work, admit, work_seconds
 from broker.jobs.records import ACTIVE_STATUSES
+from broker.models.model_record import ModelRecord
 from broker.sla import watch as sla_watch
 from broker.sla.figures import Figures, Settings, drop_ended, live_fleet, model_speed, read_figures
 from broker.state.store import Store, translate_redis_errors
@@ -95,7 +96,7 @@ def _earliest_feasible(refused: Verdict, verdict_at: Any, asked: float) -> float
     return math.inf
 
 
-def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[str, Any], rows: int, chunks: int,
+def predict(settings: Settings, figures: Figures, *, job_id: str, record: ModelRecord, rows: int, chunks: int,
             batch_size: int, deadline_at: float, score_for: Any, now: float) -> Prediction:
     """Admission's verdict for a job of `rows` rows in `chunks` chunks with `deadline_at`; `score_for(deadline)`
     is its queue score with that deadline (its deadline moves it in the queue, `scoring.deadline_order_time`).
@@ -105,14 +106,14 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
     """
     speed = model_speed(record, batch_size)
     own = work_seconds(rows, seconds_per_row=speed.seconds_per_row, chunks=chunks) * figures.calibration(
-        record["version"])
+        record.version)
     margin = settings.sla.admission_margin
 
     def verdict_at(deadline: float) -> Verdict:
         score = float(score_for(deadline))
         fleet = figures.plan_fleet(*blocking(figures.running, score, figures.fleet.slots, now=now),
                                    job_latency_seconds=JOB_LATENCY_SECONDS)
-        return admit(Work(job_id, score, own, deadline, max(1, chunks), record["version"]), figures.active, fleet,
+        return admit(Work(job_id, score, own, deadline, max(1, chunks), record.version), figures.active, fleet,
                      now=now, margin=margin, margin_floor=settings.sla.admission_margin_floor)
 
     verdict = verdict_at(deadline_at)
@@ -125,12 +126,12 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: dict[s
     return Prediction(verdict, speed.estimate, figures.fleet.workers, ahead, own)
 
 
-def check_job(settings: Settings, store: Store, *, job_id: str, record: dict[str, Any], rows: int, chunks: int,
+def check_job(settings: Settings, store: Store, *, job_id: str, record: ModelRecord, rows: int, chunks: int,
               batch_size: int, deadline_at: float, score_for: Any, now: float) -> tuple[float, bool]:
     """Admit a job with a deadline under its model's `sla.admission`: (its predicted finish, whether it is
     at risk). `reject` raises DeadlineInfeasible when it cannot make it; `flag` accepts it at risk; `off`
     predicts nothing (NaN, not at risk)."""
-    mode = settings.sla.admission_for(record["name"])
+    mode = settings.sla.admission_for(record.name)
     if mode == "off":
         return math.nan, False
     if deadline_at <= now:

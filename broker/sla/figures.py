@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from broker.jobs import chunking
 from broker.jobs.finish_prediction import Fleet, Work, finishes, recalibrated, work_seconds
 from broker.jobs.records import ACTIVE_STATUSES
 from broker.jobs.views import ActiveJobView, EndedJobView
+from broker.models.model_record import ModelRecord
 from broker.models.registry import get_model
 from broker.queueing import workers
 from broker.queueing.scoring import estimate_latency_ms
@@ -55,7 +56,7 @@ class Speed:
     """'measured' (the model's profile) or 'static' (its FLOPs at an assumed speed)."""
 
 
-def model_speed(record: dict[str, Any], batch_size: int) -> Speed:
+def model_speed(record: ModelRecord, batch_size: int) -> Speed:
     """Seconds per row of the model `record` at `batch_size` on one stream slot (its profile was measured
     on one)."""
     rate = chunking.profiled_rows_per_second(record, batch_size)
@@ -139,7 +140,7 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
     factors = calibrations(store)
     active: list[Work] = []
     running: list[Work] = []
-    records: dict[str, dict[str, Any] | None] = {}
+    records: dict[str, ModelRecord | None] = {}
     for (job_id, score), job in zip(entries, views, strict=True):
         model_ref = job.model_ref or ""
         if job.status not in ACTIVE_STATUSES:
@@ -266,7 +267,7 @@ def drop_ended(store: Store, job_ids: list[str], fleet: LiveFleet) -> int:
     return dropped
 
 
-def _model_or_none(store: Store, model_ref: str) -> dict[str, Any] | None:
+def _model_or_none(store: Store, model_ref: str) -> ModelRecord | None:
     try:
         return get_model(store, model_ref)
     except Exception:  # a version deleted under a running job: its work cannot be estimated

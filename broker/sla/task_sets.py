@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from broker.errors import Conflict
 from broker.jobs import chunking
 from broker.jobs.records import chunk_ranges
+from broker.models.model_record import ModelRecord
 from broker.queueing.scoring import _interpolated_ms
 
 MAX_TASKS = 256
@@ -173,29 +174,29 @@ def device_kind(device: str) -> str:
     return "gpu" if kind == "cuda" else kind
 
 
-def measured_points(record: dict[str, Any], *, task: str, device: str | None) -> tuple[list[dict[str, Any]], str]:
+def measured_points(record: ModelRecord, *, task: str, device: str | None) -> tuple[list[dict[str, Any]], str]:
     """The P99 points (`batch_size`, `latency_ms` = P99) of a model's measured profile, and where they
     came from; Conflict when the model has no measured profile, or one of another device kind."""
-    ref = record.get("ref") or f"{record.get('name')}@{record.get('version')}"
-    profile = record.get("profile") or {}
+    ref = record.ref
+    profile = record.profile or {}
     full = f"register it again with profile_mode: full (on a {device or 'cpu or gpu'} worker) for a measured one"
-    if record.get("profile_status") == "pending":
+    if record.profile_status == "pending":
         raise Conflict(f"task '{task}': model {ref} is still being profiled; ask again once its "
                        "profile_status is ready (GET /v1/models/{ref})")
-    if (record.get("static_profile") or {}).get("sequence_axis"):
+    if record.token_model:
         raise Conflict(f"task '{task}': model {ref} is a token model, whose run time depends on each row's tokens; "
                        "give the task's wcet_ms instead")
-    if not profile.get("points") or profile.get("source") == "observed":
+    if not record.profile_points or record.observed_profile:
         what = "only an observed profile (medians of the batches workers ran)" if profile.get("points") \
             else "no measured profile"
-        failed = f" (profiling failed: {record['profile_error']})" if record.get("profile_error") else ""
+        failed = f" (profiling failed: {record.profile_error})" if record.profile_error else ""
         raise Conflict(f"task '{task}': model {ref} has {what}{failed}; {full}")
     measured_on = str(profile.get("device") or "unknown")
     if device is not None and device_kind(device) != device_kind(measured_on):
         raise Conflict(f"task '{task}' runs on {device}, but model {ref} was profiled on {measured_on}; "
                        f"give device {device_kind(measured_on)}, or profile it on a {device_kind(device)} worker "
                        "(profile_mode: full)")
-    points = profile["points"]
+    points = record.profile_points
     if all(point.get("p99_ms") is not None for point in points):
         return [{"batch_size": point["batch_size"], "latency_ms": point["p99_ms"]} for point in points], \
             f"p99 of the profile measured on {measured_on}"
@@ -203,7 +204,7 @@ def measured_points(record: dict[str, Any], *, task: str, device: str | None) ->
         f"median (profile has no p99) measured on {measured_on}"
 
 
-def model_cost(record: dict[str, Any], *, task: str, rows: int, batch_size: int, chunk_size: int,
+def model_cost(record: ModelRecord, *, task: str, rows: int, batch_size: int, chunk_size: int,
                item_overhead_ms: float, device: str | None) -> ModelCost:
     """C and the longest section of one job of `rows` rows of the model whose registry record is `record`.
 
@@ -230,8 +231,8 @@ def model_cost(record: dict[str, Any], *, task: str, rows: int, batch_size: int,
     longest_chunk_ms = chunk_ms(first[1] - first[0])
     batches = full_chunks * math.ceil((first[1] - first[0]) / batch_size) + (
         (len(ranges) - full_chunks) * math.ceil((last[1] - last[0]) / batch_size))
-    detail = {"model": record.get("ref") or record.get("name"), "rows": rows,
-              "device": (record.get("profile") or {}).get("device"), "batch_size": batch_size,
+    detail = {"model": record.ref, "rows": rows,
+              "device": (record.profile or {}).get("device"), "batch_size": batch_size,
               "chunk_size": chunk_size, "batches": batches, "chunks": len(ranges),
               "batch_p99_ms": round(batch_ms, 3), "item_overhead_ms": item_overhead_ms}
     return ModelCost(

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from datetime import datetime
-from typing import Any
 
 from broker.config.settings import Settings
 from broker.errors import BadInput
 from broker.jobs import records as jobs
+from broker.models.model_record import ModelRecord
 from broker.queueing import scoring
 from broker.sla import admission
 from broker.state.store import Store
@@ -37,7 +37,7 @@ def deadline_at(body: JobSubmission, *, now: float) -> float | None:
     return moment.timestamp()
 
 
-def admitted(settings: Settings, store: Store, spec: jobs.JobSpec, model: dict[str, Any], *,
+def admitted(settings: Settings, store: Store, spec: jobs.JobSpec, model: ModelRecord, *,
               weights: scoring.Weights, ordering: scoring.Ordering, now: float) -> jobs.JobSpec:
     """`spec` with its predicted finish and risk flag, once deadline admission let it in (it raises
     DeadlineInfeasible otherwise: `broker/sla/admission.py`)."""

@@ -15,6 +15,7 @@ import numpy as np
 from broker.config.settings import Settings
 from broker.errors import BadInput, QueueFull, RetryableError
 from broker.models.cache import API_RECORD_TTL_SECONDS, ModelRecordCache
+from broker.models.model_record import ModelRecord
 from broker.monitoring import model_stats
 from broker.online import queue_policy, requests
 from broker.online import timeouts as request_timeouts
@@ -49,13 +50,13 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     `tenant` is who it is billed to ('' for the owner), `max_queued` its tenant's cap on requests not
     answered yet (QueueFull beyond it; 0: none)."""
     record, mask = model_record(store, model)
-    tensors = request_tensors(record["signature"], inputs, mask=mask)
+    tensors = request_tensors(record.signature, inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
     sequence = _sequence_length(record, tensors)
-    longest = max_sequence(record.get("static_profile"))
+    longest = max_sequence(record.static_profile)
     tokens = _checked_tokens(record, tensors, mask, rows=rows, sequence=sequence, claimed=tokens)
     bucket, padded_length = shape_bucket(tensors, mask, longest)
-    queue = queue_policy.policy_for(settings.online, record["name"], priority)
+    queue = queue_policy.policy_for(settings.online, record.name, priority)
     timeout = queue_policy.request_timeout(queue, timeout_ms / 1000 if timeout_ms else None)
     factors = Factors(
         level=priority,
@@ -67,8 +68,8 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     )
     spec = RequestSpec(
         request_id=request_id or requests.new_request_id(),
-        model_name=record["name"],
-        model_version=record["version"],
+        model_name=record.name,
+        model_version=record.version,
         inputs=tensors,
         rows=rows,
         tokens=tokens,
@@ -102,7 +103,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     return spec
 
 
-def queue_full(store: Store, record: dict[str, Any], spec: RequestSpec, full: requests.QueueAtLimit, *,
+def queue_full(store: Store, record: ModelRecord, spec: RequestSpec, full: requests.QueueAtLimit, *,
                live_slots: int) -> QueueFull:
     """The 429 of a request its full queue refused, with a Retry-After from the queue's drain rate: the
     waiting requests times the seconds one takes (the model version's statistics, else its profile's
@@ -148,16 +149,16 @@ _POLICY_RETRIES = 5
 
 _RECORDS = ModelRecordCache(API_RECORD_TTL_SECONDS)
 """This process's model records: the hot path reads one on every request."""
-_masks: dict[str, tuple[dict[str, Any], MaskSpec | None]] = {}
+_masks: dict[str, tuple[ModelRecord, MaskSpec | None]] = {}
 
 
-def model_record(store: Store, ref: str) -> tuple[dict[str, Any], MaskSpec | None]:
+def model_record(store: Store, ref: str) -> tuple[ModelRecord, MaskSpec | None]:
     """The registry record and padding spec of `ref`, kept a moment per process (`broker/models/cache.py`);
     the spec is derived again only when the record is read again."""
     record = _RECORDS.get(store, ref)
     cached = _masks.get(ref)
     if cached is None or cached[0] is not record:
-        cached = _masks[ref] = (record, mask_spec(record.get("static_profile")))
+        cached = _masks[ref] = (record, mask_spec(record.static_profile))
     return record, cached[1]
 
 
@@ -166,19 +167,19 @@ def wait_seconds(settings: Settings, deadline_ms: float | None) -> float:
     return min(deadline_ms / 1000, settings.online.max_wait) if deadline_ms else settings.online.max_wait
 
 
-def _checked_tokens(record: dict[str, Any], tensors: dict[str, np.ndarray], mask: MaskSpec | None, *,
+def _checked_tokens(record: ModelRecord, tensors: dict[str, np.ndarray], mask: MaskSpec | None, *,
                     rows: int, sequence: int | None, claimed: int | None) -> int | None:
     """The request's token count: counted from its sequence axis; a count the client sent must be
     that one (or, for a model with an attention mask, the unmasked tokens), since the scheduler
     trusts it (requests under `express_max_tokens` take the express lane). A model's own
     `sits.max_sequence` bounds the sequence length here, and its vocabulary the token ids, before
     anything is queued."""
-    name = record["name"]
+    name = record.name
     if sequence is None:
         if claimed is not None:
             raise BadInput(f"model '{name}' has no sequence axis, so 'tokens' does not apply to it; leave it out")
         return None
-    limits = token_limits(record.get("static_profile"))
+    limits = token_limits(record.static_profile)
     if limits is not None:
         limits.check(tensors, name)
     counted = sequence * rows
@@ -192,8 +193,8 @@ def _checked_tokens(record: dict[str, Any], tensors: dict[str, np.ndarray], mask
                    "leave 'tokens' out and the server counts them")
 
 
-def _sequence_length(record: dict[str, Any], tensors: dict[str, np.ndarray]) -> int | None:
-    axis = (record.get("static_profile") or {}).get("sequence_axis")
+def _sequence_length(record: ModelRecord, tensors: dict[str, np.ndarray]) -> int | None:
+    axis = record.static_profile.get("sequence_axis")
     if not axis or axis["input"] not in tensors:
         return None
     return int(tensors[axis["input"]].shape[axis["axis"]])

@@ -28,6 +28,7 @@ from broker.jobs import stops as job_stops
 from broker.jobs.job_record import JobRecord
 from broker.jobs.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
 from broker.models import registry
+from broker.models.model_record import ModelRecord
 from broker.monitoring import sla_metrics
 from broker.online.batching import Batching, resolve
 from broker.queueing import policy
@@ -67,14 +68,14 @@ def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
 # --- models -------------------------------------------------------------------------
 
 
-def model_batching(settings: Settings, record: dict[str, Any]) -> Batching:
+def model_batching(settings: Settings, record: ModelRecord) -> Batching:
     """The batching settings workers apply to the model version of registry `record`: its
     configured ones (`online.models`, else `online.batching`), `auto` values resolved from its profile."""
-    return resolve(settings.online.batching_for(record["name"]), record)
+    return resolve(settings.online.batching_for(record.name), record)
 
 
 def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, body: ModelRegistration,
-                   *, registrant: dict[str, Any], now: float) -> dict[str, Any]:
+                   *, registrant: dict[str, Any], now: float) -> ModelRecord:
     """Validate an ONNX file, store a copy as a new version (content hash), profile it statically.
 
     The name must be new or the `registrant` key's own (`registry.save_model_version`): another
@@ -183,16 +184,16 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     model name goes where its A/B route sends the caller's jobs (`sits_api.tenancy.ab_routes`, by the request's
     `headers`, a mapping of its HTTP headers)."""
     model = registry.get_model(store, ab_routes.routed(store, body.model, caller, headers or {}, "jobs"))
-    tenant = tenant_gate.check_model(tenants or TenantTable(settings.tenants), store, caller, model["name"])
+    tenant = tenant_gate.check_model(tenants or TenantTable(settings.tenants), store, caller, model.name)
     input_path = resolve_inside(body.input_batch, settings.paths.input_roots, "input")
     output_dir = resolve_inside(body.output_dir, settings.paths.output_roots, "output")
     if output_dir.exists() and not output_dir.is_dir():
         raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
     input_options = {"shape": body.input_shape, "dtype": body.input_dtype}
     identity = file_identity(input_path)  # before anything is read: rows, checksum and identity of one file
-    with open_input(input_path, model["signature"], shape=body.input_shape, dtype=body.input_dtype,
-                    mask=mask_spec(model.get("static_profile")),
-                    limits=token_limits(model.get("static_profile"))) as source:
+    with open_input(input_path, model.signature, shape=body.input_shape, dtype=body.input_dtype,
+                    mask=mask_spec(model.static_profile),
+                    limits=token_limits(model.static_profile)) as source:
         rows, input_format = source.rows, source.format.lstrip(".")
         if source.reads_rows_cheaply():  # its first row checked as a request's would be (token ids, mask)
             next(source.iter_batches(0, 1, 1))
@@ -201,19 +202,19 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     except OSError as err:
         raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
                        "name a folder the workers can write") from err
-    _refuse_finished_output_dir(output_dir, [output["name"] for output in model["signature"]["outputs"]])
+    _refuse_finished_output_dir(output_dir, model.output_names)
     batch_size = _batch_size(settings, model, body.batch_size)
     deadline_at = job_deadlines.deadline_at(body, now=now)
     spec = jobs.JobSpec(
         job_id=jobs.new_job_id(),
-        model_name=model["name"],
-        model_version=model["version"],
+        model_name=model.name,
+        model_version=model.version,
         input_batch=str(input_path),
         input_format=input_format,
         input_checksum=_checksum_unchanged(input_path, identity),
         input_stat=identity,
         output_dir=str(output_dir),
-        output_names=[output["name"] for output in model["signature"]["outputs"]],
+        output_names=model.output_names,
         rows_total=rows,
         chunk_size=_chunk_size(settings, store, model, body.chunk_size, rows=rows, batch_size=batch_size, now=now),
         batch_size=batch_size,
@@ -270,13 +271,13 @@ def _checksum_unchanged(path: Path, identity: dict[str, int]) -> str:
     return checksum
 
 
-def _batch_size(settings: Settings, model: dict[str, Any], asked: int | str | None) -> int:
+def _batch_size(settings: Settings, model: ModelRecord, asked: int | str | None) -> int:
     """The job's own batch size, else the configured one, else (`auto`) the model's best measured one."""
     chosen = asked or settings.jobs.batch_size
     return chosen if isinstance(chosen, int) else chunking.auto_batch_size(model)
 
 
-def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: int | str | None, *, rows: int,
+def _chunk_size(settings: Settings, store: Store, model: ModelRecord, asked: int | str | None, *, rows: int,
                 batch_size: int, now: float) -> int:
     """The job's own chunk size, else the configured one, else (`auto`) one from the model's profile."""
     chosen = asked or settings.jobs.chunk_size
@@ -291,7 +292,7 @@ def _chunk_size(settings: Settings, store: Store, model: dict[str, Any], asked: 
     return chunking.chunk_size_for(model, rows_total=rows, batch_size=batch_size, live_workers=fleet.workers,
                                    live_slots=fleet.slots, chunk_seconds=settings.jobs.chunk_seconds,
                                    max_chunk_output_bytes=settings.jobs.max_chunk_output_bytes,
-                                   calibration=figures.calibrations(store).get(model["version"], 1.0))
+                                   calibration=figures.calibrations(store).get(model.version, 1.0))
 
 
 def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now: float) -> None:

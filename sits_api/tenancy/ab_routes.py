@@ -43,7 +43,7 @@ def put_route(store: Store, body: Any) -> dict[str, Any]:
     """Store a route from a request body, its versions checked against the registry; the route stored."""
     route = routing.parse_route(body)
     registry.get_model(store, route.model)  # ModelNotFound (404) for a name never registered
-    versions = {record["version"] for record in registry.list_model_versions(store, route.model)}
+    versions = {record.version for record in registry.list_model_versions(store, route.model)}
     routing.save_route(store, route, known_versions=versions)
     _TABLE.forget(store)  # this process at once; the others within a second
     return routing.describe(route)

@@ -11,6 +11,7 @@ from flask import g
 from broker.errors import Forbidden, SitsError
 from broker.jobs import records as jobs
 from broker.jobs.job_record import JobRecord
+from broker.models.model_record import ModelRecord
 from broker.tenants.apikeys import may_read, owns
 from sits_api.state import app_state
 
@@ -27,17 +28,18 @@ def check_visible(owner: str | None, tenant: str | None, not_found: SitsError, *
         raise not_found
 
 
-def model_as_seen(record: dict[str, Any]) -> dict[str, Any]:
+def model_as_seen(record: ModelRecord) -> dict[str, Any]:
     """A model record as the caller may see it: to the keys that own its name (`apikeys.owns`: the
     tenant's keys, admins) whole; to other keys with `owner` None (as for a name no tenant owns) and
     the file paths None too, the registered `source_path` (which names folders of the registrant's,
     often the tenant itself), the stored copy's `path` and a fused graph's, so that no tenant learns
     another's name or files. Any key may use the model either way."""
-    if owns(g.identity, record.get("owner")):
-        return record
-    hidden = record | {"owner": None, "path": None, "source_path": None}
-    if isinstance(record.get("fusion"), dict):
-        hidden["fusion"] = record["fusion"] | {"path": None}
+    shown = record.to_json()
+    if owns(g.identity, record.owner):
+        return shown
+    hidden = shown | {"owner": None, "path": None, "source_path": None}
+    if record.fusion is not None:
+        hidden["fusion"] = record.fusion | {"path": None}
     return hidden
 
 

@@ -25,7 +25,7 @@ def register_model() -> Any:
     body = parse_body(ModelRegistration)
     record = services.register_model(state.settings, state.store, state.dispatcher, body,
                                      registrant=g.identity, now=time.time())
-    return jsonify(record), 201
+    return jsonify(record.to_json()), 201
 
 
 @blueprint.get("/v1/models")
@@ -42,7 +42,7 @@ def get_model(ref: str) -> Any:
     state = app_state()
     store = state.store
     record = registry.get_model(store, ref)
-    record = model_as_seen(record)
+    shown = model_as_seen(record)
     if "@" not in ref:
-        record = record | {"versions": [v["version"] for v in registry.list_model_versions(store, record["name"])]}
-    return jsonify(record | {"batching": services.model_batching(state.settings, record).to_dict()})
+        shown["versions"] = [v.version for v in registry.list_model_versions(store, record.name)]
+    return jsonify(shown | {"batching": services.model_batching(state.settings, record).to_dict()})

@@ -85,8 +85,8 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: 
     outputs = list(requested)
     if outputs:
         record, _ = request_intake.model_record(store, model)  # cached: most clients name outputs
-        model = f"{record['name']}@{record['version']}"
-        known = [entry["name"] for entry in record["signature"]["outputs"]]
+        model = record.ref
+        known = record.output_names
         unknown = [output for output in outputs if output not in known]
         if unknown:
             raise BadInput(f"unknown outputs {unknown} in 'outputs'; model '{model}' has outputs {known}")

@@ -29,6 +29,7 @@ from flask import Blueprint, Response, g, jsonify, request
 from broker.config.settings import Settings
 from broker.errors import BadInput, InferenceTimeout, ModelNotFound, error_for_code
 from broker.models import registry
+from broker.models.model_record import ModelRecord, TensorSpec
 from broker.monitoring import model_stats
 from broker.online import queue_policy, requests
 from broker.online.batching import Batching
@@ -90,17 +91,17 @@ def _dims(shape: list[int | str]) -> list[int]:
     return [dim if isinstance(dim, int) else -1 for dim in shape]
 
 
-def _metadata(record: dict[str, Any]) -> dict[str, Any]:
-    def tensor(entry: dict[str, Any]) -> dict[str, Any]:
+def _metadata(record: ModelRecord) -> dict[str, Any]:
+    def tensor(entry: TensorSpec) -> dict[str, Any]:
         # the batch axis is -1 even where the graph fixes it: workers batch every model along axis 0
         # (`sits_worker.model.servable`), so a request may carry any number of rows, as `.../config` says
         return {"name": entry["name"], "datatype": NUMPY_TO_V2.get(entry["dtype"], entry["dtype"]),
                 "shape": [-1, *_dims(entry["shape"][1:])] if entry["shape"] else []}
 
-    versions = [v["version"] for v in registry.list_model_versions(app_state().store, record["name"])]
-    return {"name": record["name"], "versions": versions, "platform": "onnxruntime_onnx",
-            "inputs": [tensor(e) for e in record["signature"]["inputs"]],
-            "outputs": [tensor(e) for e in record["signature"]["outputs"]]}
+    versions = [v.version for v in registry.list_model_versions(app_state().store, record.name)]
+    return {"name": record.name, "versions": versions, "platform": "onnxruntime_onnx",
+            "inputs": [tensor(e) for e in record.signature["inputs"]],
+            "outputs": [tensor(e) for e in record.signature["outputs"]]}
 
 
 @v2.get("/v2/models/<name>")
@@ -141,9 +142,9 @@ def model_statistics(name: str | None = None, version: str | None = None) -> Any
     store = app_state().store
     if version is not None:
         record = registry.get_model(store, f"{name}@{version}")
-        versions = [(record["name"], record["version"])]
+        versions = [(record.name, record.version)]
     else:
-        versions = [(record["name"], record["version"]) for record in registry.list_model_versions(store, name)]
+        versions = [(record.name, record.version) for record in registry.list_model_versions(store, name)]
         if name is not None and not versions:
             raise ModelNotFound(f"model '{name}' is not registered")
     return jsonify({"model_stats": model_stats.model_statistics(store, versions)})
@@ -157,25 +158,25 @@ def model_config(name: str, version: str | None = None) -> Any:
     record = registry.get_model(state.store, f"{name}@{version}" if version else name)
     settings = state.settings
     return jsonify(triton_config(record, services.model_batching(settings, record),
-                                 queue=settings.online.batching_for(record["name"])))
+                                 queue=settings.online.batching_for(record.name)))
 
 
-def triton_config(record: dict[str, Any], batching: Batching, *, queue: ModelBatching | None = None) -> dict[str, Any]:
+def triton_config(record: ModelRecord, batching: Batching, *, queue: ModelBatching | None = None) -> dict[str, Any]:
     """The Triton model configuration (model_config.proto as JSON) of a registry `record` whose
     workers batch it under `batching`, with its queue policy (`queue`'s keys) where one is set.
 
     Every SITS model batches along axis 0 (`sits_worker.model.servable`), so `max_batch_size` is the
     one workers apply and `dims` leave the batch axis out, as Triton's do for a batching model.
     """
-    def tensor(entry: dict[str, Any]) -> dict[str, Any]:
+    def tensor(entry: TensorSpec) -> dict[str, Any]:
         # (a dtype the protocol has no name for, complex64, is TYPE_INVALID: a name Triton's enum has)
         return {"name": entry["name"], "data_type": f"TYPE_{NUMPY_TO_V2[entry['dtype']]}"
-                if entry["dtype"] in NUMPY_TO_V2 else "TYPE_INVALID", "dims": _dims(entry["shape"][1:])}
+                if entry["dtype"] in NUMPY_TO_V2 else "TYPE_INVALID", "dims": _dims((entry["shape"] or [])[1:])}
 
-    return {"name": record["name"], "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+    return {"name": record.name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
             "max_batch_size": batching.max_batch_size,
-            "input": [tensor(entry) for entry in record["signature"]["inputs"]],
-            "output": [tensor(entry) for entry in record["signature"]["outputs"]],
+            "input": [tensor(entry) for entry in record.signature["inputs"]],
+            "output": [tensor(entry) for entry in record.signature["outputs"]],
             "dynamic_batching": {"max_queue_delay_microseconds": round(batching.max_queue_delay * 1_000_000),
                                  "preferred_batch_size": list(batching.preferred_batch_sizes),
                                  "priority_levels": PRIORITY_LEVELS, "default_priority_level": PRIORITY_LEVELS,

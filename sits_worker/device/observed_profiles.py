@@ -27,6 +27,7 @@ from typing import Any
 
 from broker.errors import SitsError
 from broker.models import registry
+from broker.models.model_record import ModelRecord, ProfilePoint
 from broker.state.store import Store
 
 log = logging.getLogger(__name__)
@@ -58,18 +59,18 @@ class ObservedLatencies:
             classes.setdefault(size_class, deque(maxlen=SAMPLES_KEPT)).append((rows, seconds))
             self._fresh.add(model_ref)
 
-    def points(self, model_ref: str) -> list[dict[str, float]]:
+    def points(self, model_ref: str) -> list[ProfilePoint]:
         """Profile points (batch size, median latency, rows/s) of the size classes with enough samples."""
         with self._lock:
             classes = {size: list(samples) for size, samples in self._samples.get(model_ref, {}).items()}
-        points = []
+        points: list[ProfilePoint] = []
         for _, samples in sorted(classes.items()):
             if len(samples) < MIN_SAMPLES:
                 continue
             rows = round(statistics.median(row for row, _ in samples))
             latency = statistics.median(seconds for _, seconds in samples)
-            points.append({"batch_size": rows, "latency_ms": round(latency * 1000, 3),
-                           "rows_per_second": round(rows / latency, 1)})
+            points.append(ProfilePoint(batch_size=rows, latency_ms=round(latency * 1000, 3),
+                                       rows_per_second=round(rows / latency, 1)))
         return points
 
     def flush(self, store: Store, *, worker: str, device: str, now: float | None = None,
@@ -95,7 +96,7 @@ class ObservedLatencies:
             except SitsError as err:  # this model (deleted, or Redis away): the others still go
                 log.warning("could not write the observed profile of %s: %s", model_ref, err)
                 continue
-            if (record.get("profile") or {}).get("measured_at") == now:
+            if (record.profile or {}).get("measured_at") == now:
                 written.append(model_ref)
         return written
 
@@ -104,17 +105,17 @@ def _size_class(batch_size: int) -> int:
     return 1 << (max(1, batch_size).bit_length() - 1)
 
 
-def _merged(record: dict[str, Any], points: list[dict[str, float]], device: str, worker: str,
+def _merged(record: ModelRecord, points: list[ProfilePoint], device: str, worker: str,
             now: float) -> dict[str, Any] | None:
     """The record's new observed profile: its points of the same device, each size class replaced by
     this worker's where it has one (workers running different sizes, such as one serving jobs and
     one serving requests, add up instead of overwriting each other); None when the record takes no
     observed profile: over a measured one, or a token model's. Points of another kind of device are
     dropped (a CPU's latencies say nothing of a GPU's); GPUs of one kind are taken as alike."""
-    if (record.get("static_profile") or {}).get("sequence_axis"):
+    if record.token_model:
         return None
-    current = record.get("profile") or {}
-    if current.get("points") and current.get("source") != "observed":
+    current = record.profile or {}
+    if record.profile_points and not record.observed_profile:
         return None
     kept = {}
     if str(current.get("device", "")).partition(":")[0] == device.partition(":")[0]:  # same kind (gpu:0, gpu:1)

@@ -17,7 +17,7 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -259,7 +259,7 @@ def _open_bin(path: Path, specs: list[InputSpec], shape: Sequence[int] | None, d
 
 def open_input(
     path: Path,
-    signature: dict[str, Any],
+    signature: Mapping[str, Any],
     *,
     shape: Sequence[int] | None = None,
     dtype: str | None = None,

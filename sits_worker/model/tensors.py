@@ -131,7 +131,7 @@ def check_buildable(what: str, shape: Sequence[int], itemsize: int) -> None:
                            f"{MAX_TENSOR_BYTES:,} bytes even with its empty axes counted as 1); fix its shape")
 
 
-def parse_signature(signature: dict[str, Any]) -> list[InputSpec]:
+def parse_signature(signature: Mapping[str, Any]) -> list[InputSpec]:
     try:
         specs = [InputSpec.from_entry(entry) for entry in signature["inputs"]]
     except (KeyError, TypeError, ValueError) as err:
@@ -232,7 +232,7 @@ def _check_finite(spec: InputSpec, array: np.ndarray, where: str, *, as_written:
         )
 
 
-def request_tensors(signature: dict[str, Any], values: Mapping[str, Any], *,
+def request_tensors(signature: Mapping[str, Any], values: Mapping[str, Any], *,
                     mask: MaskSpec | None = None) -> dict[str, np.ndarray]:
     """The input tensors of an online request, checked against the model's signature.
 

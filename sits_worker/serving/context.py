@@ -31,6 +31,7 @@ from broker.jobs.job_record import JobRecord
 from broker.memory import oom_ceiling, reservation
 from broker.memory.ledger import MemoryLedger
 from broker.models.cache import WORKER_RECORD_TTL_SECONDS, ModelRecordCache
+from broker.models.model_record import ModelRecord
 from broker.online.batching import Batching, resolve
 from broker.queueing.queues import QueueWatcher
 from broker.state.store import Store
@@ -116,8 +117,8 @@ class WorkerContext:
     memory_watch: MemoryWatch = field(init=False)
     """This worker's device-memory readings and the degrade step its leases follow
     (`sits_worker/device/memory_watch.py`)."""
-    _padding: dict[str, tuple[dict[str, Any], MaskSpec | None]] = field(default_factory=dict)
-    _derived: dict[str, tuple[dict[str, Any], Batching, bool]] = field(default_factory=dict)
+    _padding: dict[str, tuple[ModelRecord, MaskSpec | None]] = field(default_factory=dict)
+    _derived: dict[str, tuple[ModelRecord, Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
     an observed profile)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -148,13 +149,13 @@ class WorkerContext:
                    sessions=SessionCache(device, worker.intra_op_threads),
                    ledger=memory_ledger(settings, device))
 
-    def model(self, model_ref: str) -> dict[str, Any]:
+    def model(self, model_ref: str) -> ModelRecord:
         """The registry record of a model version, kept a moment (`model_records`): while a version's
         graph never changes, its measured profile lands after registration (and the estimates, batch
         costs and riders' fill follow it)."""
         return self.model_records.get(self.store, model_ref)
 
-    def remember_model(self, model_ref: str, record: dict[str, Any]) -> None:
+    def remember_model(self, model_ref: str, record: ModelRecord) -> None:
         """Keep `record` as the model version's current one (this process just wrote it: a profile
         it measured applies to its next batch, not when the cached record runs out)."""
         self.model_records.remember(model_ref, record)
@@ -164,17 +165,15 @@ class WorkerContext:
         the measured profile (`broker/online/batching.py`), resolved again when the record is re-read."""
         return self._derive(model_ref)[1]
 
-    def _derive(self, model_ref: str) -> tuple[dict[str, Any], Batching, bool]:
+    def _derive(self, model_ref: str) -> tuple[ModelRecord, Batching, bool]:
         """What the hot path derives from a model version's record, again only when it is re-read."""
         record = self.model(model_ref)
         cached = self._derived.get(model_ref)
         if cached is None or cached[0] is not record:
             config = self.settings.online.batching_for(model_ref.partition("@")[0])
-            profile = record.get("profile") or {}
             # Observed profiles are for models without a measured one, and not for token models
             # (their run time depends on the sequence length: sits_worker/device/observed_profiles.py).
-            learns = not (record.get("static_profile") or {}).get("sequence_axis") and not (
-                profile.get("points") and profile.get("source") != "observed")
+            learns = not record.token_model and not (record.profile_points and not record.observed_profile)
             cached = (record, resolve(config, record, self.device.kind), learns)
             self._derived[model_ref] = cached
         return cached
@@ -186,12 +185,12 @@ class WorkerContext:
         record = self.model(model_ref)
         cached = self._padding.get(model_ref)
         if cached is None or cached[0] is not record:
-            cached = self._padding[model_ref] = (record, mask_spec(record.get("static_profile")))
+            cached = self._padding[model_ref] = (record, mask_spec(record.static_profile))
         return cached[1]
 
     def session(self, model_ref: str, device: Device | None = None) -> Any:
         """The ONNX Runtime session of a model version on this worker's device (or `device`)."""
-        return self.sessions.get(model_ref, Path(self.model(model_ref)["path"]), device=device)
+        return self.sessions.get(model_ref, Path(self.model(model_ref).path), device=device)
 
     def run(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
             session: Any = None) -> list[np.ndarray]:
@@ -267,7 +266,7 @@ class WorkerContext:
     def _offload(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
                  rows: int) -> list[np.ndarray]:
         log.warning("running %d rows of %s on a CPU session (cpu-offload-on-oom)", rows, model_ref)
-        session = self.sessions.offload(model_ref, Path(self.model(model_ref)["path"]))
+        session = self.sessions.offload(model_ref, Path(self.model(model_ref).path))
         return run_session(session, feed, output_names, limits=self.run_limits)
 
     def _run_on_device(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
@@ -320,9 +319,9 @@ class WorkerContext:
                 return source
         options = job.input_options or {}
         record = self.model(job.model_ref)
-        source = open_input(Path(job.input_batch), record["signature"], shape=options.get("shape"),
+        source = open_input(Path(job.input_batch), record.signature, shape=options.get("shape"),
                             dtype=options.get("dtype"), mask=self.padding(job.model_ref),
-                            limits=token_limits(record.get("static_profile")))
+                            limits=token_limits(record.static_profile))
         with self._lock:
             self._inputs[key] = source
             while len(self._inputs) > _OPEN_INPUTS_KEPT:

@@ -345,14 +345,15 @@ class ChunkRows:
         self.quarantined.sort()
         fill = float(self._ctx.settings.jobs.quarantine_fill)
         rows = np.asarray([row for row, _ in self.quarantined], dtype=np.int64) - self.start
-        for output in self._ctx.model(self.job.model_ref)["signature"]["outputs"]:
+        for output in self._ctx.model(self.job.model_ref).signature["outputs"]:
             name = output["name"]
             if name in self.output_names and name not in self.results:  # no row of the chunk ran
                 dims = output.get("shape") or []
                 if not all(isinstance(dim, int) for dim in dims[1:]):
                     raise BadInput(f"every row of rows [{self.start}, {self.stop}) failed, and output '{name}' "
                                    f"has no fixed row shape ({dims}) to fill them; first: {self.quarantined[0][1]}")
-                self.results[name] = np.empty((self.stop - self.start, *dims[1:]), dtype=np.dtype(output["dtype"]))
+                row_shape = tuple(int(dim) for dim in dims[1:])
+                self.results[name] = np.empty((self.stop - self.start, *row_shape), dtype=np.dtype(output["dtype"]))
         for array in self.results.values():
             array[rows] = quarantine.fill_value(array.dtype, fill)
         return self.results
@@ -374,7 +375,7 @@ def _run_riders(ctx: WorkerContext, chunk: ChunkRows, riders: Sequence[LeasedIte
         if not fill:
             run_requests(ctx, riders)
             return row_indices, feed
-        output_names = [output["name"] for output in ctx.model(model_ref)["signature"]["outputs"]]
+        output_names = ctx.model(model_ref).output_names
         outputs = run_with_riders(ctx, model_ref, _rows(feed, 0, fill), output_names, riders, chunk.session,
                                   payer=chunk.payer(fill))
     except Exception as err:

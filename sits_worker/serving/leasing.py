@@ -77,7 +77,7 @@ def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batc
 
 def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray]) -> tuple[str, int | None]:
     """The shape bucket of a job's mini-batch (and its padded length), as the API buckets requests."""
-    static = ctx.model(model_ref).get("static_profile")
+    static = ctx.model(model_ref).static_profile
     return shape_bucket(feed, ctx.padding(model_ref), max_sequence(static))
 
 
@@ -89,7 +89,7 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
     if breaker.state_at(ctx.breakers.breaker(model_ref), now=time.time()) != breaker.CLOSED:
         return []  # (the chunk runs on: its own runs decide; no one else's work rides along meanwhile)
     batching = ctx.batching(model_ref)
-    static = ctx.model(model_ref).get("static_profile") or {}
+    static = ctx.model(model_ref).static_profile
     bucket, padded = feed_bucket(ctx, model_ref, feed)
     max_tokens = 0
     if batching.max_batch_tokens and (padded or static.get("sequence_axis")):

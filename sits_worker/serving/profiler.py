@@ -10,6 +10,7 @@ histogram next to the original's.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import onnx
 
 from broker.errors import DeviceOutOfMemory, SitsError
 from broker.models import registry
+from broker.models.model_record import ModelRecord
 from sits_worker.device.runtime import build_session, run_session
 from sits_worker.model.graph import operator_histogram
 from sits_worker.serving.context import WorkerContext
@@ -28,7 +30,7 @@ _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.flo
                  "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bool": np.bool_}
 
 
-def sample_feed(signature: dict[str, Any], batch: int, sequence: int = _PROFILE_SEQUENCE) -> dict[str, np.ndarray]:
+def sample_feed(signature: Mapping[str, Any], batch: int, sequence: int = _PROFILE_SEQUENCE) -> dict[str, np.ndarray]:
     """A deterministic random feed of `batch` rows for a signature (token ids stay small)."""
     rng = np.random.default_rng(0)
     feed: dict[str, np.ndarray] = {}
@@ -48,7 +50,7 @@ seconds, so each size is timed a little in every round (in alternating order) ra
 once, and the sizes are compared under the same drift."""
 
 
-def measure(session: Any, signature: dict[str, Any], *, budget_seconds: float = 1.0,
+def measure(session: Any, signature: Mapping[str, Any], *, budget_seconds: float = 1.0,
             batch_sizes: tuple[int, ...] = _BATCH_SIZES, passes: int = PROFILE_PASSES) -> list[dict[str, float]]:
     """Latency (median of timed runs), its 99th percentile and throughput for each batch size, within a
     time budget per size; sizes past the first one the device runs out of memory for are skipped, as
@@ -107,7 +109,7 @@ def pareto_points(points: list[dict[str, float]]) -> list[dict[str, float]]:
 
 
 def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str, enable_fusion: bool,
-                       now: float | None = None) -> dict[str, Any]:
+                       now: float | None = None) -> ModelRecord:
     """Fuse and/or measure `model_ref` and write the results into its registry record."""
     now = time.time() if now is None else now
     record = registry.get_model(ctx.store, model_ref)
@@ -116,12 +118,12 @@ def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str,
         if enable_fusion:
             fields["fusion"] = fuse(ctx, record)
         if profile_mode == "full":
-            cached = record.get("profile") or {}
-            fresh = cached.get("source") != "observed" and cached.get("device") == str(ctx.device) and (
+            cached = record.profile or {}
+            fresh = not record.observed_profile and cached.get("device") == str(ctx.device) and (
                 now - cached.get("measured_at", 0) < ctx.settings.scheduler.model_profile_cache_ttl)
             if not fresh:
                 session = ctx.session(model_ref)
-                points = measure(session, record["signature"])
+                points = measure(session, record.signature)
                 fields["profile"] = {"source": "measured", "device": str(ctx.device), "measured_at": now,
                                      "points": points, "pareto": pareto_points(points), "worker": ctx.name,
                                      "providers": session.get_providers(),
@@ -134,13 +136,13 @@ def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str,
     return updated
 
 
-def fuse(ctx: WorkerContext, record: dict[str, Any]) -> dict[str, Any]:
+def fuse(ctx: WorkerContext, record: ModelRecord) -> dict[str, Any]:
     """Save the fully optimised graph beside the stored model and count its operators."""
-    source = Path(record["path"])
+    source = Path(record.path)
     fused_path = source.with_name(source.stem + ".fused.onnx")
     build_session(source, ctx.device, ctx.sessions.intra_op_threads, optimized_model_path=fused_path)
     fused = onnx.load(str(fused_path), load_external_data=False)
     histogram = operator_histogram(fused)
     return {"path": str(fused_path), "device": str(ctx.device), "op_histogram": histogram,
             "node_count": sum(histogram.values()),
-            "original_node_count": sum(record["static_profile"]["op_histogram"].values())}
+            "original_node_count": sum(record.static_profile["op_histogram"].values())}

@@ -238,8 +238,7 @@ def _run_with_job(ctx: WorkerContext, model_ref: str, feed: Tensors, live: Seque
 
 def _run_entries(ctx: WorkerContext, model_ref: str, entries: Sequence[Tensors], session: Any = None) -> list[Tensors]:
     """Run entries of rows (requests, or a job's mini-batch) as one batch; every entry's own outputs."""
-    record = ctx.model(model_ref)
-    output_names = [output["name"] for output in record["signature"]["outputs"]]
+    output_names = ctx.model(model_ref).output_names
     feed, split = _merge(entries, ctx.padding(model_ref))
     outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
     return split(outputs)

@@ -23,6 +23,7 @@ import pytest
 
 from broker.memory.ledger import round_up
 from broker.memory.reservation import BatchCost
+from broker.models.model_record import ModelRecord
 from sits_api.cli.client import ApiClient
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import build_zoo, mlp_reference
@@ -46,9 +47,10 @@ def make_inputs(seed: int = 0, counts: dict[str, int] = COUNTS) -> dict[str, np.
 
 
 def check_premise(records: dict[str, dict[str, Any]]) -> None:
-    """The arithmetic of the module docstring, by the profile costs the worker admits batches with."""
+    """The arithmetic of the module docstring, by the profile costs the worker admits batches with (each
+    record as the API answered it)."""
     def cost(name: str) -> BatchCost:
-        return BatchCost.of(records[name], max_rows=MAX_ROWS, max_tokens=MAX_TOKENS)
+        return BatchCost.of(ModelRecord.of(records[name]), max_rows=MAX_ROWS, max_tokens=MAX_TOKENS)
 
     assert round_up(cost("transformer").full_need(), UNIT) == CAPACITY - UNIT, "a full batch must leave one unit"
     assert cost("transformer").within("transformer", UNIT, math.inf) is None, "one unit must not hold a sequence"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from broker.jobs.chunking import auto_batch_size
+from broker.models.model_record import ModelRecord
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import mlp_reference
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, start_stack, wait_job
@@ -62,7 +63,8 @@ def test_full_profile_and_fusion_run_on_a_worker(stack):
     client = stack.client()
     job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(stack.home / "auto.npy"),
                                    "output_dir": str(stack.home / "out-auto")})
-    assert job["batch_size"] == auto_batch_size(record) and job["chunk_size"] % job["batch_size"] == 0, job
+    assert job["batch_size"] == auto_batch_size(ModelRecord.of(record)), job
+    assert job["chunk_size"] % job["batch_size"] == 0, job
     assert wait_job(client, job["id"])["status"] == "succeeded"
     np.testing.assert_allclose(np.load(stack.home / "out-auto" / "logits.npy"), mlp_reference(features),
                                rtol=1e-4, atol=1e-5)

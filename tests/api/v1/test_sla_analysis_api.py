@@ -14,6 +14,7 @@ from click.testing import CliRunner, Result
 
 from broker.config.settings import Settings
 from broker.jobs import chunking
+from broker.models.model_record import ModelRecord
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_api.cli.main import cli
@@ -39,7 +40,7 @@ def analysis(api: Api, body: dict[str, Any]) -> Any:
 
 
 @pytest.fixture
-def profiled_mlp(api: Api, mlp: dict[str, Any], settings: Settings, store: Store) -> dict[str, Any]:
+def profiled_mlp(api: Api, mlp: dict[str, Any], settings: Settings, store: Store) -> ModelRecord:
     """The zoo MLP measured as a worker's `sits.profile_model` task measures it (`profile_mode: full`)."""
     ctx = WorkerContext(settings=settings, store=store, device=Device("cpu"), streams=1,
                         sessions=SessionCache(Device("cpu"), 1))
@@ -69,8 +70,8 @@ def test_an_infeasible_set_answers_200_with_feasible_false(api: Api) -> None:
 
 
 def test_a_model_task_s_cost_comes_from_its_measured_p99_at_the_job_s_sizes(
-        api: Api, profiled_mlp: dict[str, Any]) -> None:
-    points = {point["batch_size"]: point for point in profiled_mlp["profile"]["points"]}
+        api: Api, profiled_mlp: ModelRecord) -> None:
+    points = {point["batch_size"]: point for point in profiled_mlp.profile_points}
     assert all(point["p99_ms"] >= point["latency_ms"] > 0 for point in points.values())
     body = {"item_overhead_ms": 5.0, "tasks": [
         {"name": "score", "model": "mlp", "rows": 1024, "period_ms": 1000, "device": "cpu",
@@ -103,12 +104,12 @@ def _chunks(rows: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def test_a_model_profiled_on_another_device_kind_is_refused(api: Api, profiled_mlp: dict[str, Any]) -> None:
+def test_a_model_profiled_on_another_device_kind_is_refused(api: Api, profiled_mlp: ModelRecord) -> None:
     response = analysis(api, {"tasks": [{"name": "t", "model": "mlp", "rows": 8, "period_ms": 100,
                                          "device": "cuda"}]})
 
     assert response.status_code == 409
-    assert error_of(response) == ("task 't' runs on cuda, but model " + profiled_mlp["ref"] + " was profiled on "
+    assert error_of(response) == ("task 't' runs on cuda, but model " + profiled_mlp.ref + " was profiled on "
                                   "cpu; give device cpu, or profile it on a gpu worker (profile_mode: full)")
 
 

@@ -24,6 +24,7 @@ from broker.jobs.chunking import (
     least_chunk_size,
     profiled_rows_per_second,
 )
+from broker.models.model_record import ModelRecord
 
 MiB = 1024**2
 
@@ -35,10 +36,11 @@ def size(**overrides: Any) -> int:
     return auto_chunk_size(**(arguments | overrides))
 
 
-def record(points: list[tuple[int, float]], output_bytes: int = 40) -> dict[str, Any]:
-    return {"profile": {"points": [{"batch_size": batch, "latency_ms": batch / rate * 1000, "rows_per_second": rate}
-                                   for batch, rate in points]},
-            "static_profile": {"output_bytes_per_sample": output_bytes}}
+def record(points: list[tuple[int, float]], output_bytes: int = 40) -> ModelRecord:
+    return ModelRecord.of({
+        "profile": {"points": [{"batch_size": batch, "latency_ms": batch / rate * 1000, "rows_per_second": rate}
+                               for batch, rate in points]},
+        "static_profile": {"output_bytes_per_sample": output_bytes}})
 
 
 # --- the time target ------------------------------------------------------------------------
@@ -228,8 +230,8 @@ def test_a_profile_that_stopped_early_uses_its_largest_batch() -> None:
 
 
 def test_a_model_without_a_measured_profile_has_no_rate() -> None:
-    assert profiled_rows_per_second({"static_profile": {"output_bytes_per_sample": 40}}, 128) is None
-    assert profiled_rows_per_second({"profile": {"points": []}}, 128) is None
+    assert profiled_rows_per_second(ModelRecord.of({"static_profile": {"output_bytes_per_sample": 40}}), 128) is None
+    assert profiled_rows_per_second(ModelRecord.of({"profile": {"points": []}}), 128) is None
 
 
 def test_chunk_size_for_a_record_uses_its_rate_and_output_bytes() -> None:
@@ -262,9 +264,10 @@ def test_a_zero_chunk_seconds_is_a_config_error() -> None:
         load_settings(environ={"SITS_JOBS__CHUNK_SECONDS": "0s"})
 
 
-def _profiled(curve: dict[int, float]) -> dict[str, Any]:
-    return {"profile": {"points": [{"batch_size": size, "latency_ms": size / rate * 1000, "rows_per_second": rate}
-                                   for size, rate in curve.items()]}}
+def _profiled(curve: dict[int, float]) -> ModelRecord:
+    return ModelRecord.of({"profile": {"points": [
+        {"batch_size": size, "latency_ms": size / rate * 1000, "rows_per_second": rate}
+        for size, rate in curve.items()]}})
 
 
 def test_an_auto_batch_is_the_smallest_within_5_percent_of_the_best_rows_per_second_a_job_gets() -> None:
@@ -277,8 +280,8 @@ def test_an_auto_batch_is_the_smallest_within_5_percent_of_the_best_rows_per_sec
     assert auto_batch_size(_profiled(fast)) == 1024
     slow = {1: 1_500, 2: 1_700, 8: 1_750, 32: 1_760}  # (a CNN on a CPU: milliseconds a row)
     assert auto_batch_size(_profiled(slow)) == 8  # 1,731 rows/s in a job, within 5 % of 32's 1,755
-    assert auto_batch_size({"profile": {"points": []}}) == FALLBACK_BATCH_ROWS
-    assert auto_batch_size({}) == FALLBACK_BATCH_ROWS
+    assert auto_batch_size(ModelRecord.of({"profile": {"points": []}})) == FALLBACK_BATCH_ROWS
+    assert auto_batch_size(ModelRecord.of({})) == FALLBACK_BATCH_ROWS
 
 
 def test_an_observed_profile_sets_the_job_batch_only_from_the_fallback_size_up() -> None:
@@ -292,11 +295,12 @@ def test_an_observed_profile_sets_the_job_batch_only_from_the_fallback_size_up()
         {"batch_size": 128, "latency_ms": 1.0, "rows_per_second": 128_000.0},
         {"batch_size": 256, "latency_ms": 2.0, "rows_per_second": 128_000.0}]}}
 
-    assert auto_batch_size(online_only) == FALLBACK_BATCH_ROWS
-    assert auto_batch_size(with_jobs) == 128  # within 5 % of the best observed from 128 up
+    assert auto_batch_size(ModelRecord.of(online_only)) == FALLBACK_BATCH_ROWS
+    assert auto_batch_size(ModelRecord.of(with_jobs)) == 128  # within 5 % of the best observed from 128 up
     measured = {"profile": {"source": "measured", "points": online_only["profile"]["points"]}}
-    assert auto_batch_size(measured) == 8  # a measured sweep is trusted as it is
+    assert auto_batch_size(ModelRecord.of(measured)) == 8  # a measured sweep is trusted as it is
     # Chunks are sized the same way: small online batches' rates do not stand for a job's.
-    assert profiled_rows_per_second(online_only, 128) is None
-    assert profiled_rows_per_second(with_jobs, 128) == 128_000.0
-    assert profiled_rows_per_second(with_jobs, 64) is None  # a 128-row rate would overstate a 64-row batch
+    online_record, jobs_record = ModelRecord.of(online_only), ModelRecord.of(with_jobs)
+    assert profiled_rows_per_second(online_record, 128) is None
+    assert profiled_rows_per_second(jobs_record, 128) == 128_000.0
+    assert profiled_rows_per_second(jobs_record, 64) is None  # a 128-row rate would overstate a 64-row batch

@@ -18,6 +18,7 @@ from broker.memory.reservation import (
     batch_need_bytes,
     count_lease,
 )
+from broker.models.model_record import ModelRecord
 from broker.online import requests
 from broker.online.requests import RequestSpec
 from broker.state.store import Store
@@ -159,7 +160,7 @@ def test_when_the_head_fits_it_leases_a_full_batch_and_the_others_are_cut_to_the
 
 def test_a_token_model_is_costed_per_token_within_max_batch_tokens() -> None:
     record = {"static_profile": TOKEN_PROFILE}
-    token_cost = BatchCost.of(record, max_rows=64, max_tokens=4096)
+    token_cost = BatchCost.of(ModelRecord.of(record), max_rows=64, max_tokens=4096)
 
     assert token_cost.full_tokens == 4096 and token_cost.full_need() == 512 * MIB  # not 64 x 128 tokens
     assert token_cost.need_bytes(rows=2, tokens=1024) == 128 * MIB
@@ -192,7 +193,7 @@ def test_a_token_admission_cuts_the_lease_to_its_tokens(store: Store) -> None:
         requests.submit_request(store, spec, score=float(index), now=NOW, max_age_seconds=60)
     ledger = MemoryLedger(capacity_bytes=512 * MIB, granularity=16 * MIB)
     ledger.reserve(256 * MIB + 1, now=NOW, expected_seconds=1.0)  # 17 units: 240 MiB free
-    token_cost = BatchCost.of({"static_profile": TOKEN_PROFILE}, max_rows=64, max_tokens=8192)
+    token_cost = BatchCost.of(ModelRecord.of({"static_profile": TOKEN_PROFILE}), max_rows=64, max_tokens=8192)
 
     [whole, admission] = admit(["transformer@v1"], lambda _: token_cost, ledger, now=NOW, backfill=True)
     # The head's waiting batch, all or nothing: 6 x 512 tokens formed under 8192, more than 1920 fit.

@@ -33,11 +33,11 @@ def test_a_new_name_becomes_its_registrant_s_and_every_version_carries_that_owne
     first = registry.save_model_version(store, version("mlp", "a1"), registrant=ALICE)
     second = registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)  # an admin adds one
 
-    assert first["owner"] == second["owner"] == "alice"
+    assert first.owner == second.owner == "alice"
     assert store.client.hget(store.keys.model_owners, "mlp") == "alice"
-    assert sorted((r["version"], r["owner"]) for r in registry.list_model_versions(store)) == [("a1", "alice"),
+    assert sorted((r.version, r.owner) for r in registry.list_model_versions(store)) == [("a1", "alice"),
                                                                                                 ("b2", "alice")]
-    assert registry.get_model(store, "mlp")["owner"] == "alice"
+    assert registry.get_model(store, "mlp").owner == "alice"
 
 
 def test_another_user_s_version_under_a_taken_name_is_forbidden_and_stores_nothing(store: Store) -> None:
@@ -51,7 +51,7 @@ def test_another_user_s_version_under_a_taken_name_is_forbidden_and_stores_nothi
             registry.check_may_register(store, "mlp", BOB)
 
     assert stored_versions(store) == ["mlp@a1"]
-    assert registry.get_model(store, "mlp")["version"] == "a1"
+    assert registry.get_model(store, "mlp").version == "a1"
     registry.check_may_register(store, "mlp", ALICE)
     registry.check_may_register(store, "mlp", ADMIN)
     registry.check_may_register(store, "cnn", BOB)  # a new name is anyone's
@@ -64,8 +64,8 @@ def test_a_name_registered_before_names_had_owners_takes_versions_from_admins_on
         registry.save_model_version(store, version("mlp", "b2"), registrant=ALICE)
     added = registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)
 
-    assert added["owner"] is None and not store.client.hexists(store.keys.model_owners, "mlp")  # not claimed
-    assert [r["owner"] for r in registry.list_model_versions(store)] == [None, None]
+    assert added.owner is None and not store.client.hexists(store.keys.model_owners, "mlp")  # not claimed
+    assert [r.owner for r in registry.list_model_versions(store)] == [None, None]
     with pytest.raises(Forbidden):
         registry.check_may_register(store, "mlp", ALICE)
 
@@ -76,7 +76,7 @@ def test_a_new_name_registered_by_an_admin_key_belongs_to_no_tenant(store: Store
     first = registry.save_model_version(store, version("mlp", "a1"), registrant=ADMIN)
     second = registry.save_model_version(store, version("mlp", "b2"), registrant=ADMIN)
 
-    assert first["owner"] is None and second["owner"] is None
+    assert first.owner is None and second.owner is None
     assert not store.client.hexists(store.keys.model_owners, "mlp")
     for user in (ALICE, {"name": ADMIN["name"], "role": "user"}):
         with pytest.raises(Forbidden) as refused:
@@ -86,7 +86,7 @@ def test_a_new_name_registered_by_an_admin_key_belongs_to_no_tenant(store: Store
                                          "to it; choose another name")
         with pytest.raises(Forbidden):
             registry.check_may_register(store, "mlp", user)
-    assert stored_versions(store) == ["mlp@a1", "mlp@b2"] and registry.get_model(store, "mlp")["version"] == "b2"
+    assert stored_versions(store) == ["mlp@a1", "mlp@b2"] and registry.get_model(store, "mlp").version == "b2"
     assert registry.name_claimant(ALICE) == "alice" and registry.name_claimant(ADMIN) is None
 
 
@@ -115,7 +115,7 @@ def test_a_name_registered_between_the_check_and_the_write_is_refused_on_the_ret
 
     assert calls == ["alice", first["name"], "alice"]
     assert store.client.hget(store.keys.model_owners, "mlp") == owner
-    assert stored_versions(store) == ["mlp@b2"] and registry.get_model(store, "mlp")["owner"] == owner
+    assert stored_versions(store) == ["mlp@b2"] and registry.get_model(store, "mlp").owner == owner
 
 
 def test_of_tenants_registering_one_new_name_at_once_exactly_one_gets_it(store: Store) -> None:
@@ -141,7 +141,7 @@ def test_of_tenants_registering_one_new_name_at_once_exactly_one_gets_it(store: 
     assert len(outcomes) == len(tenants)
     assert store.client.hget(store.keys.model_owners, "shared") == winner
     assert stored_versions(store) == [f"shared@{winner}"]
-    assert registry.get_model(store, "shared")["owner"] == winner
+    assert registry.get_model(store, "shared").owner == winner
 
 
 def test_registering_a_version_again_keeps_a_profile_a_worker_wrote_meanwhile(store: Store) -> None:
@@ -159,5 +159,5 @@ def test_registering_a_version_again_keeps_a_profile_a_worker_wrote_meanwhile(st
     record = registry.save_model_version(store, version("mlp", "v1"), registrant=ALICE, based_on=again)
 
     assert len(seen) == 2 and "profile" not in (seen[0] or {}) and (seen[1] or {})["profile"] == {"points": [1]}
-    assert record["profile"] == {"points": [1]} and record["source_path"] == "/again.onnx"
-    assert registry.get_model(store, "mlp@v1")["profile"] == {"points": [1]}
+    assert record.profile == {"points": [1]} and record.source_path == "/again.onnx"
+    assert registry.get_model(store, "mlp@v1").profile == {"points": [1]}

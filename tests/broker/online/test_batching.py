@@ -7,6 +7,7 @@ import pytest
 
 from broker.config.loading import load_settings
 from broker.errors import ConfigError
+from broker.models.model_record import ModelRecord
 from broker.online import requests
 from broker.online.batching import FALLBACK_MAX_BATCH_SIZE, MAX_AUTO_DELAY, Batching, resolve
 from broker.online.requests import RequestSpec
@@ -29,48 +30,49 @@ MLP_LIKE = record([(1, 0.02), (8, 0.03), (128, 0.15), (1024, 1.1)])
 
 
 def test_auto_max_batch_size_is_the_largest_measured_batch_that_runs_within_the_latency_budget():
-    assert resolve(ModelBatching(), CNN_LIKE).max_batch_size == 32  # 49 ms fits 50 ms, 98 ms does not
-    assert resolve(ModelBatching(max_batch_latency="10ms"), CNN_LIKE).max_batch_size == 4
-    assert resolve(ModelBatching(), MLP_LIKE).max_batch_size == 1024
+    assert resolve(ModelBatching(), ModelRecord.of(CNN_LIKE)).max_batch_size == 32  # 49 ms fits 50 ms, 98 ms does not
+    assert resolve(ModelBatching(max_batch_latency="10ms"), ModelRecord.of(CNN_LIKE)).max_batch_size == 4
+    assert resolve(ModelBatching(), ModelRecord.of(MLP_LIKE)).max_batch_size == 1024
     # even one row runs longer than the budget: batches of the smallest measured size
-    assert resolve(ModelBatching(max_batch_latency="1ms"), CNN_LIKE).max_batch_size == 1
+    assert resolve(ModelBatching(max_batch_latency="1ms"), ModelRecord.of(CNN_LIKE)).max_batch_size == 1
 
 
 def test_auto_delay_is_one_row_s_run_time_when_that_is_worth_a_wait_and_capped():
-    assert resolve(ModelBatching(), CNN_LIKE).max_queue_delay == pytest.approx(0.0015)
-    assert resolve(ModelBatching(), MLP_LIKE).max_queue_delay == 0.0  # 20 µs: shorter than a round trip
+    assert resolve(ModelBatching(), ModelRecord.of(CNN_LIKE)).max_queue_delay == pytest.approx(0.0015)
+    assert resolve(ModelBatching(), ModelRecord.of(MLP_LIKE)).max_queue_delay == 0.0  # 20 µs: shorter than a round trip
     slow = record([(1, 80.0), (2, 150.0)])
-    assert resolve(ModelBatching(), slow).max_queue_delay == MAX_AUTO_DELAY
+    assert resolve(ModelBatching(), ModelRecord.of(slow)).max_queue_delay == MAX_AUTO_DELAY
 
 
 def test_without_a_measured_profile_auto_means_the_static_defaults():
     for unmeasured in ({}, {"profile": {"source": "static"}}, record([(128, 1.0), (1024, 8.0)], source="observed")):
-        batching = resolve(ModelBatching(), unmeasured)
+        batching = resolve(ModelBatching(), ModelRecord.of(unmeasured))
         assert (batching.max_batch_size, batching.max_queue_delay, batching.source) == (
             FALLBACK_MAX_BATCH_SIZE, 0.0, "config")
 
 
 def test_auto_values_ignore_a_profile_of_another_kind_of_device_and_token_models_profiles():
     on_gpu = record([(1, 0.5), (64, 0.6), (1024, 4.0)], device="gpu:0")
-    assert resolve(ModelBatching(), on_gpu, "gpu").max_batch_size == 1024
-    assert resolve(ModelBatching(), on_gpu, "cpu").max_batch_size == FALLBACK_MAX_BATCH_SIZE
-    assert resolve(ModelBatching(), on_gpu).to_dict()["profile_device"] == "gpu:0"  # the API's view
+    assert resolve(ModelBatching(), ModelRecord.of(on_gpu), "gpu").max_batch_size == 1024
+    assert resolve(ModelBatching(), ModelRecord.of(on_gpu), "cpu").max_batch_size == FALLBACK_MAX_BATCH_SIZE
+    assert resolve(ModelBatching(), ModelRecord.of(on_gpu)).to_dict()["profile_device"] == "gpu:0"  # the API's view
     token_model = CNN_LIKE | {"static_profile": {"sequence_axis": {"input": "input_ids", "axis": 1}}}
-    assert resolve(ModelBatching(), token_model).source == "config"
+    assert resolve(ModelBatching(), ModelRecord.of(token_model)).source == "config"
     damaged = {"profile": {"source": "measured", "points": [{"batch_size": 1, "latency_ms": "inf"}, None]}}
-    assert resolve(ModelBatching(), damaged).max_batch_size == FALLBACK_MAX_BATCH_SIZE
-    assert resolve(ModelBatching(), {"profile": "junk"}).source == "config"
+    assert resolve(ModelBatching(), ModelRecord.of(damaged)).max_batch_size == FALLBACK_MAX_BATCH_SIZE
+    assert resolve(ModelBatching(), ModelRecord.of({"profile": "junk"})).source == "config"
 
 
 def test_configured_values_win_over_the_profile():
-    batching = resolve(ModelBatching(max_batch_size=8, max_queue_delay="3ms", preferred_batch_sizes=[4, 2]), CNN_LIKE)
+    configured = ModelBatching(max_batch_size=8, max_queue_delay="3ms", preferred_batch_sizes=[4, 2])
+    batching = resolve(configured, ModelRecord.of(CNN_LIKE))
     assert (batching.max_batch_size, batching.max_queue_delay, batching.preferred_batch_sizes, batching.source) == (
         8, 0.003, (2, 4), "config")
-    assert resolve(ModelBatching(max_batch_size=8), CNN_LIKE).source == "profile"  # the delay came from it
+    assert resolve(ModelBatching(max_batch_size=8), ModelRecord.of(CNN_LIKE)).source == "profile"  # the delay's
 
 
 def test_preferred_sizes_above_an_auto_max_batch_size_are_dropped():
-    batching = resolve(ModelBatching(preferred_batch_sizes=[4, 16, 64]), CNN_LIKE)
+    batching = resolve(ModelBatching(preferred_batch_sizes=[4, 16, 64]), ModelRecord.of(CNN_LIKE))
     assert (batching.max_batch_size, batching.preferred_batch_sizes) == (32, (4, 16))
 
 

@@ -14,6 +14,7 @@ from broker.jobs import fills as job_fills
 from broker.jobs import progress as job_progress
 from broker.jobs.finish_prediction import CHUNK_OVERHEAD_SECONDS, Work
 from broker.models import registry
+from broker.models.model_record import ModelRecord
 from broker.queueing import leases, reaping, workers
 from broker.sla import admission
 from broker.sla import figures as admission_figures
@@ -89,7 +90,7 @@ def test_admission_plans_a_chunk_beside_the_running_neighbour_at_the_pair_s_spee
     settings = Settings()
     running = Work("jcnn", 1.0, 30.0, chunks=1, model="vcnn")
     fleet = admission_figures.LiveFleet(workers=1, streams=2, device_kind="cpu")
-    record = {**RECORD, "version": "v1"}
+    record = ModelRecord.of({**RECORD, "version": "v1"})
 
     def finish(contention: dict[tuple[str, str], float]) -> float:
         figures = admission_figures.Figures([running], [running], fleet, {}, contention)
@@ -145,7 +146,7 @@ def test_a_running_job_s_latest_chunk_start_reaches_admission_which_blocks_only_
     chunk = 50 / ROWS_PER_SECOND + CHUNK_OVERHEAD_SECONDS
     assert (running.chunk_started_at, running.chunk_seconds) == (NOW, pytest.approx(chunk))
     assert admission.blocking(figures.running, running.score - 1, 1, now=now) == (pytest.approx(chunk - 0.3), 1)
-    prediction = admission.predict(Settings(), figures, job_id="jnew", record=RECORD, rows=10, chunks=1,
+    prediction = admission.predict(Settings(), figures, job_id="jnew", record=ModelRecord.of(RECORD), rows=10, chunks=1,
                                    batch_size=2, deadline_at=now + 60, score_for=lambda _: running.score - 1, now=now)
     own = 10 / ROWS_PER_SECOND + CHUNK_OVERHEAD_SECONDS
     assert prediction.verdict.predicted_finish == pytest.approx(

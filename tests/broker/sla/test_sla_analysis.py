@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from broker.errors import Conflict
+from broker.models.model_record import ModelRecord
 from broker.sla.analysis import analyse, jobs_released, liu_layland_bound, priority_order
 from broker.sla.task_sets import DEFAULT_ITEM_OVERHEAD_MS, PeriodicTask, TaskSet, given_task, model_cost
 
@@ -252,7 +253,7 @@ PROFILED = {"ref": "m@v1", "name": "m", "version": "v1", "profile_status": "read
 def cost_of(record: dict[str, Any] = PROFILED, **kwargs: Any) -> Any:
     options = {"task": "t", "rows": 1000, "batch_size": 128, "chunk_size": 512, "item_overhead_ms": 2.0,
                "device": None} | kwargs
-    return model_cost(record, **options)
+    return model_cost(ModelRecord.of(record), **options)
 
 
 def test_a_model_task_costs_its_mini_batches_at_p99_and_each_queue_item_its_overhead() -> None:

@@ -158,17 +158,17 @@ def test_bare_name_resolves_to_the_newest_version(store: Store) -> None:
     registry.save_model_version(store, model_record("mlp", "a1", 1.0))
     registry.save_model_version(store, model_record("mlp", "b2", 2.0))
 
-    assert registry.get_model(store, "mlp")["version"] == "b2"
-    assert registry.get_model(store, "mlp@a1")["version"] == "a1"
-    assert registry.get_model(store, "mlp@b2")["path"] == "/models/mlp/b2/model.onnx"
+    assert registry.get_model(store, "mlp").version == "b2"
+    assert registry.get_model(store, "mlp@a1").version == "a1"
+    assert registry.get_model(store, "mlp@b2").path == "/models/mlp/b2/model.onnx"
 
 
 def test_saving_without_make_latest_keeps_the_current_version(store: Store) -> None:
     registry.save_model_version(store, model_record("mlp", "a1", 1.0))
     registry.save_model_version(store, model_record("mlp", "b2", 2.0), make_latest=False)
 
-    assert registry.get_model(store, "mlp")["version"] == "a1"
-    assert registry.get_model(store, "mlp@b2")["version"] == "b2"
+    assert registry.get_model(store, "mlp").version == "a1"
+    assert registry.get_model(store, "mlp@b2").version == "b2"
 
 
 def test_unknown_model_error_lists_the_registered_models(store: Store) -> None:
@@ -200,9 +200,9 @@ def test_update_model_version_merges_fields(store: Store) -> None:
 
     merged = registry.update_model_version(store, "mlp@a1", {"profile": {"latency_ms": 3.5}})
 
-    assert merged["profile"] == {"latency_ms": 3.5}
+    assert merged.profile == {"latency_ms": 3.5}
     assert registry.get_model(store, "mlp@a1") == merged
-    assert merged["path"] == "/models/mlp/a1/model.onnx"
+    assert merged.path == "/models/mlp/a1/model.onnx"
     with pytest.raises(ModelNotFound):
         registry.update_model_version(store, "mlp@nope", {"profile": {}})
 
@@ -212,8 +212,8 @@ def test_list_model_versions_marks_the_latest(store: Store) -> None:
     registry.save_model_version(store, model_record("mlp", "a1", 1.0), make_latest=False)
     registry.save_model_version(store, model_record("cnn", "c3", 5.0))
 
-    listed = [(r["name"], r["version"], r["latest"]) for r in registry.list_model_versions(store)]
-    only_mlp = [r["version"] for r in registry.list_model_versions(store, "mlp")]
+    listed = [(r.name, r.version, r.latest) for r in registry.list_model_versions(store)]
+    only_mlp = [r.version for r in registry.list_model_versions(store, "mlp")]
 
     assert listed == [("cnn", "c3", True), ("mlp", "a1", False), ("mlp", "b2", True)]
     assert only_mlp == ["a1", "b2"]

@@ -51,7 +51,7 @@ def ctx(store: Store) -> WorkerContext:
 
 
 def run_batches(ctx: WorkerContext, ref: str, sizes: tuple[int, ...]) -> None:
-    outputs = [output["name"] for output in ctx.model(ref)["signature"]["outputs"]]
+    outputs = ctx.model(ref).output_names
     for rows in sizes:
         for _ in range(MIN_SAMPLES):
             ctx.run(ref, {"features": np.zeros((rows, 64), np.float32)}, outputs)
@@ -68,13 +68,13 @@ def test_a_static_model_learns_its_latency_curve_from_the_batches_a_worker_runs(
     assert ctx.observed.flush(store, worker="w1", device="cpu", force=True) == [ref]
 
     record = registry.get_model(store, ref)
-    assert record["profile"]["source"] == "observed"
-    assert [point["batch_size"] for point in record["profile"]["points"]] == [1, 64, 512]
-    point_64 = record["profile"]["points"][1]["latency_ms"]
+    assert record.observed_profile
+    assert [point["batch_size"] for point in record.profile_points] == [1, 64, 512]
+    point_64 = record.profile_points[1]["latency_ms"]
     assert estimate_latency_ms(record, rows=64, tokens=None) == point_64 != static_estimate
     # Job sizes: from the points of 128 rows and up (512), no longer the fallbacks.
     assert chunking.auto_batch_size(record) == 512
-    assert chunking.profiled_rows_per_second(record, 512) == record["profile"]["points"][2]["rows_per_second"]
+    assert chunking.profiled_rows_per_second(record, 512) == record.profile_points[2]["rows_per_second"]
     assert ctx.observed.flush(store, worker="w1", device="cpu", force=True) == []  # nothing new since
 
 
@@ -90,7 +90,7 @@ def test_a_measured_profile_is_never_overwritten_and_replaces_an_observed_one(
     run_batches(ctx, ref, (8,))
 
     assert ctx.observed.flush(store, worker="w1", device="cpu", force=True) == []
-    assert registry.get_model(store, ref)["profile"]["points"] == measured
+    assert registry.get_model(store, ref).profile["points"] == measured
 
 
 def test_token_models_are_left_to_their_static_prior(ctx: WorkerContext, store: Store, zoo_dir: Path) -> None:
@@ -99,7 +99,7 @@ def test_token_models_are_left_to_their_static_prior(ctx: WorkerContext, store: 
         ctx.observed.record(ref, 4, 0.01)
 
     assert ctx.observed.flush(store, worker="w1", device="cpu", force=True) == []
-    assert "profile" not in registry.get_model(store, ref)
+    assert registry.get_model(store, ref).profile is None
 
 
 def test_flushes_are_spaced_unless_forced(store: Store, zoo_dir: Path) -> None:
@@ -123,12 +123,12 @@ def test_workers_that_ran_different_sizes_add_up_their_observations(store: Store
         offline.record(ref, 128, 0.010)
     online.flush(store, worker="w1", device="cpu", force=True)
     offline.flush(store, worker="w2", device="cpu", force=True)
-    assert [point["batch_size"] for point in registry.get_model(store, ref)["profile"]["points"]] == [2, 128]
+    assert [point["batch_size"] for point in registry.get_model(store, ref).profile["points"]] == [2, 128]
 
     for _ in range(MIN_SAMPLES):
         online.record(ref, 3, 0.004)  # class 2 again, slower now
     online.flush(store, worker="w1", device="cpu", force=True)
-    points = registry.get_model(store, ref)["profile"]["points"]
+    points = registry.get_model(store, ref).profile["points"]
     assert [(point["batch_size"], point["latency_ms"]) for point in points] == [(2, 2.5), (128, 10.0)]
 
 
@@ -141,7 +141,7 @@ def test_points_of_another_kind_of_device_are_replaced_and_gpus_of_one_kind_add_
         for _ in range(MIN_SAMPLES):
             observed.record(ref, rows, 0.001)
         observed.flush(store, worker=device, device=device, force=True)
-        return [point["batch_size"] for point in registry.get_model(store, ref)["profile"]["points"]]
+        return [point["batch_size"] for point in registry.get_model(store, ref).profile["points"]]
 
     assert flush("cpu", 2) == [2]
     assert flush("gpu:0", 8) == [8]  # a CPU's latencies say nothing of a GPU's

@@ -111,7 +111,7 @@ def test_the_slot_goes_on_while_its_chunk_is_made_durable_and_the_ack_waits_for_
     assert run_next(ctx, spec.model_ref) == "acked"
     assert ctx.commits.pending() == 0
     assert run_next(ctx, spec.model_ref) == "finalized"  # queued by the last chunk's ack
-    session = ort.InferenceSession(str(Path(ctx.model(spec.model_ref)["path"])), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(Path(ctx.model(spec.model_ref).path)), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(np.load(Path(spec.output_dir) / "logits.npy"), session.run(None, {"features": rows})[0],
                                rtol=1e-5, atol=1e-6)
 

@@ -8,6 +8,7 @@ import pytest
 
 from broker.config.settings import Settings
 from broker.models import registry
+from broker.models.model_record import ModelRecord
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
@@ -25,13 +26,13 @@ def test_a_worker_sees_a_profile_that_lands_after_it_first_read_the_model(
     ctx = WorkerContext(settings=Settings(), store=store, device=Device("cpu"), streams=1,
                         sessions=SessionCache(Device("cpu"), 1))
     monkeypatch.setattr(ctx.model_records, "ttl_seconds", 0.5)
-    assert "profile" not in ctx.model("m@v1")
+    assert ctx.model("m@v1").profile is None
     registry.update_model_version(store, "m@v1", {"profile": {"points": [
         {"batch_size": 1, "latency_ms": 2.0, "rows_per_second": 500.0}]}})
-    assert "profile" not in ctx.model("m@v1")  # kept a moment: the hot path asks on every batch
+    assert ctx.model("m@v1").profile is None  # kept a moment: the hot path asks on every batch
     time.sleep(0.6)
 
-    assert ctx.model("m@v1")["profile"]["points"][0]["latency_ms"] == 2.0
+    assert ctx.model("m@v1").profile_points[0]["latency_ms"] == 2.0
 
 
 def test_the_padding_spec_follows_a_record_read_again(store: Store) -> None:
@@ -49,7 +50,7 @@ def test_the_padding_spec_follows_a_record_read_again(store: Store) -> None:
     first = ctx.padding("tok@v1")
     assert first is not None and first.pads and ctx.padding("tok@v1") is first  # derived once per record
 
-    ctx.remember_model("tok@v1", record | {"static_profile": profile | {PADDING_EXACT_KEY: False}})
+    ctx.remember_model("tok@v1", ModelRecord.of(record | {"static_profile": profile | {PADDING_EXACT_KEY: False}}))
 
     again = ctx.padding("tok@v1")
     assert again is not None and again.pads is False
