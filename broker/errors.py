@@ -243,11 +243,16 @@ class Forbidden(PermanentError):
     code = "forbidden"
 
 
-class QuotaExceeded(PermanentError):
-    """A tenant's limit was reached."""
+class PriorityNotAllowed(Forbidden):
+    """The work asks a priority above its tenant's `max_priority`."""
 
-    http_status = 429
-    code = "quota_exceeded"
+    code = "priority_not_allowed"
+
+
+class TierNotAllowed(Forbidden):
+    """The request names a `user_tier` its tenant's `user_tiers` do not hold."""
+
+    code = "tier_not_allowed"
 
 
 def error_for_code(code: str, message: str) -> SitsError:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 MAX_PRIORITY = 15
 """The highest priority level (levels run 0-15; PSA jumps reach 12 and 15)."""
+
+UserTier = Literal["vip", "premium", "free"]
+"""The tiers a request may name as its `user_tier`; each weighs its lateness (`scoring.SLA_WEIGHTS`), and a
+tenant's `user_tiers` may narrow them."""
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_UNITS = {

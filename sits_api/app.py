@@ -7,11 +7,14 @@ the result. Every `SitsError` becomes a JSON error with its HTTP status in one h
 
 from __future__ import annotations
 
+import logging
+
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
 from broker.config.settings import Settings
 from broker.errors import SitsError
+from broker.models import registry
 from broker.queueing import policy
 from broker.state.store import Store
 from broker.tenants.records import TenantTable
@@ -25,6 +28,8 @@ from sits_api.tenancy import auth
 from sits_api.v1 import admin, health, jobs, models
 from sits_api.v1 import requests as online_requests
 from sits_api.v2.routes import v2
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispatcher | None = None) -> Flask:
@@ -51,7 +56,20 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
     app.register_error_handler(SitsError, error_replies.sits_error)
     app.register_error_handler(HTTPException, error_replies.http_error)
     app.register_error_handler(Exception, error_replies.unexpected_error)
+    _own_model_names_by_tenant(store)
     return app
+
+
+def _own_model_names_by_tenant(store: Store) -> None:
+    """Model names owned by a key's name become its tenant's, once per store (`registry.own_names_by_tenant`);
+    a Redis that cannot be reached now is left for the next start (admin keys still add versions)."""
+    try:
+        changed = registry.own_names_by_tenant(store)
+    except SitsError as err:
+        log.warning("model names not yet moved to their tenants (%s); the next start tries again", err.message)
+        return
+    if changed:
+        log.info("%d model names now belong to their key's tenant", changed)
 
 
 def _check_key() -> None:

@@ -20,6 +20,7 @@ from broker.errors import ConfigError
 from broker.failures.settings import BreakerSettings, DegradeSettings, FaultSettings, RetryPolicy, RetrySettings
 from broker.jobs.settings import JobSettings
 from broker.memory.settings import ResourceSettings
+from broker.models.settings import ModelSettings
 from broker.online.settings import OnlineSettings
 from broker.queueing.settings import SchedulerSettings
 from broker.setting_types import Section as _Section
@@ -37,6 +38,8 @@ class Settings(_Section):
     redis: RedisSettings = RedisSettings()
     api: ApiSettings = ApiSettings()
     paths: PathSettings = PathSettings()
+    models: ModelSettings = ModelSettings()
+    """What model registration takes: the largest file (docs/models.md)."""
     jobs: JobSettings = JobSettings()
     online: OnlineSettings = OnlineSettings()
     sla: SlaSettings = SlaSettings()

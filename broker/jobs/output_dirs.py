@@ -44,7 +44,7 @@ def claim_output_dir(store: Store, output_dir: str, job_id: str, *, caller: dict
                 holder = pipe.hget(key, output_dir)
                 if holder and holder != job_id:
                     held_by = JobOwnerView.of(pipe.hmget(store.keys.job(holder), JobOwnerView.names()))
-                    _refuse_a_held_folder(caller, output_dir, holder, status=held_by.status, holder_owner=held_by.owner)
+                    _refuse_a_held_folder(caller, output_dir, holder, held_by)
                 pipe.multi()
                 pipe.hset(key, output_dir, job_id)
                 pipe.execute()
@@ -53,12 +53,12 @@ def claim_output_dir(store: Store, output_dir: str, job_id: str, *, caller: dict
                 continue
 
 
-def _refuse_a_held_folder(caller: dict[str, Any], output_dir: str, holder: str, *, status: str | None,
-                         holder_owner: str | None) -> None:
-    """Conflict unless `caller` may take `output_dir` from job `holder` (its `status`, None when the job
-    is gone): no one while it is active, only keys that own it (`apikeys.owns`) while it exists. Only
-    a key that owns the job is told which one it is."""
-    visible = owns(caller, holder_owner)
+def _refuse_a_held_folder(caller: dict[str, Any], output_dir: str, holder: str, held_by: JobOwnerView) -> None:
+    """Conflict unless `caller` may take `output_dir` from job `holder` (`held_by`: its status, None when
+    the job is gone, its owner and tenant): no one while it is active, only keys that own it
+    (`apikeys.owns`) while it exists. Only a key that owns the job is told which one it is."""
+    status = held_by.status
+    visible = owns(caller, held_by.owner, held_by.tenant)
     if status in ACTIVE_STATUSES:
         if visible:
             raise Conflict(f"output_dir {output_dir} is in use by job {holder} ({status}); "

@@ -22,7 +22,7 @@ from broker.errors import JobNotFound
 from broker.failures.retries import failure_record, is_failure_field
 from broker.jobs.finish_prediction import sla_risk
 from broker.jobs.job_record import JobRecord
-from broker.jobs.views import JobTenantView
+from broker.jobs.views import JobOwnerView, JobTenantView
 from broker.queueing.scoring import Factors, check_level, deadline_order_time
 from broker.state.store import Store, translate_redis_errors
 
@@ -223,7 +223,8 @@ def job_record(raw: dict[str, str], *, now: float) -> JobRecord:
 
 
 def get_job(store: Store, job_id: str, *, now: float) -> JobRecord:
-    """The job's record; JobNotFound when there is none."""
+    """The job's record; JobNotFound when there is none. (An id from a client is checked against
+    `JOB_ID_PATTERN` first: `job:<id>:done` and the like are the job's other keys, of other types.)"""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.job(job_id))
     if not raw:
@@ -231,10 +232,13 @@ def get_job(store: Store, job_id: str, *, now: float) -> JobRecord:
     return job_record(raw, now=now)
 
 
-def job_owner(store: Store, job_id: str) -> str | None:
-    """The name of the API key that submitted `job_id`; None for a job stored without one, or no such job."""
+def job_owner(store: Store, job_id: str) -> JobOwnerView:
+    """Who submitted `job_id`: its status, the submitting key's name and its tenant (all None for no
+    such job, or an id that is no job's: `JOB_ID_PATTERN`)."""
+    if not JOB_ID_PATTERN.fullmatch(job_id):
+        return JobOwnerView(status=None, owner=None, tenant=None)
     with translate_redis_errors():
-        return store.client.hget(store.keys.job(job_id), "owner") or None
+        return JobOwnerView.of(store.client.hmget(store.keys.job(job_id), JobOwnerView.names()))
 
 
 def active_job_tenants(store: Store, *, most: int,

@@ -50,10 +50,11 @@ class EndedJobView(HashView):
 
 @dataclass(frozen=True)
 class JobOwnerView(HashView):
-    """A job's status and the key that submitted it."""
+    """A job's status, the key that submitted it and its tenant (None: stored before jobs had one)."""
 
     status: str | None
     owner: str | None
+    tenant: str | None
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,15 @@ object (path of the stored copy, static profile, measured profile, fusion
 result) written by the API and completed by the workers' profiler task, and
 read back as a `ModelRecord` (`broker/models/model_record.py`).
 
-A name belongs to the tenant (API key name) that registered it first
-(`model-owners`): only that tenant's keys and admins add versions under it,
-so no one can change what another's jobs and requests get when they name
-only the model. A name first registered by an admin key belongs to no tenant
-(an admin is none), like one registered before names had owners: admin keys
-alone add versions to it. Using a model stays open to every key.
+A name belongs to the tenant whose key registered it first (`model-owners`):
+only that tenant's keys and admins add versions under it, so no one can
+change what another's jobs and requests get when they name only the model.
+A name first registered by an admin key belongs to no tenant (an admin is
+none), like one registered before names had owners: admin keys alone add
+versions to it. Using a model stays open to every key.
+
+Names were once owned by the registering key's name rather than its tenant;
+`own_names_by_tenant` moves such owners to their key's tenant, once.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import redis
 from broker.errors import BadInput, Forbidden, ModelNotFound
 from broker.models.model_record import ModelRecord
 from broker.state.store import Store, translate_redis_errors
-from broker.tenants.apikeys import owns
+from broker.tenants.apikeys import key_tenant, owns_name
 
 
 def split_model_ref(ref: str) -> tuple[str, str | None]:
@@ -54,18 +57,19 @@ def check_may_register(store: Store, name: str, registrant: dict[str, Any]) -> N
 
 
 def name_claimant(registrant: dict[str, Any]) -> str | None:
-    """The tenant that a new model name registered by the API key `registrant` becomes: a user key's
-    name; None for an admin key. An admin is no tenant: claimed under its key's name, the name would
-    belong to any user key of that name; unclaimed, it takes versions from admin keys only, as one
+    """The tenant that a new model name registered by the API key `registrant` becomes: the key's
+    tenant; None for an admin key. An admin is no tenant: claimed under its key's name, the name would
+    belong to a tenant of that name; unclaimed, it takes versions from admin keys only, as one
     registered before names had owners (registered: in `model-latest`, not in `model-owners`)."""
-    return None if registrant.get("role") == "admin" else registrant["name"]
+    return None if registrant.get("role") == "admin" else key_tenant(registrant)
 
 
 def _refuse_a_name_of_another(registrant: dict[str, Any], name: str, *, owner: str | None, registered: bool) -> None:
-    """A new name is free to any key; a registered one takes versions from keys that own it (`apikeys.owns`:
-    its tenant's keys and admins), one no tenant owns (an admin key's, or from before names had owners)
-    from admins only. The message names no tenant: only a user key is ever refused."""
-    if not registered or owns(registrant, owner):
+    """A new name is free to any key; a registered one takes versions from keys that own it
+    (`apikeys.owns_name`: its tenant's keys and admins), one no tenant owns (an admin key's, or from
+    before names had owners) from admins only. The message names no tenant: only a tenant's key is
+    ever refused."""
+    if not registered or owns_name(registrant, owner):
         return
     if owner:
         raise Forbidden(f"model name '{name}' is registered by another tenant; choose another name")
@@ -189,3 +193,51 @@ def list_model_versions(store: Store, name: str | None = None) -> list[ModelReco
         records = [record for record in records if record.name == name]
     records = [record.replace(latest=latest.get(record.name) == record.version) for record in records]
     return sorted(records, key=lambda record: (record.name, record.registered_at or 0))
+
+
+def own_names_by_tenant(store: Store) -> int:
+    """Move model names owned by a key's name (as names were before they were their tenant's) to that
+    key's tenant; returns how many names changed. Done once per store (`keys.model_owners_by_tenant`
+    marks it), since afterwards an owner is a tenant, and a tenant may share its name with a key of
+    another. An owner that names no key but is a key's tenant stays. One that is the name of no key,
+    or of keys of several tenants (made before key names were unique), becomes no tenant's: admin
+    keys alone add versions to it, as to a name an admin registered, rather than a guess handing it
+    to one of them."""
+    keys = store.keys
+    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.model_owners, keys.api_keys, keys.model_owners_by_tenant)
+                if pipe.exists(keys.model_owners_by_tenant):
+                    pipe.unwatch()
+                    return 0
+                tenants_of = _tenants_by_key_name(pipe.hvals(keys.api_keys))
+                known_tenants = set().union(*tenants_of.values())
+                moved = {name: tenants_of.get(owner) or ({owner} & known_tenants)
+                         for name, owner in pipe.hgetall(keys.model_owners).items()}
+                pipe.multi()
+                changed = 0
+                for name, tenants in moved.items():
+                    if len(tenants) == 1:
+                        pipe.hset(keys.model_owners, name, next(iter(tenants)))
+                    else:
+                        pipe.hdel(keys.model_owners, name)
+                    changed += 1
+                pipe.set(keys.model_owners_by_tenant, "1")
+                pipe.execute()
+                return changed
+            except redis.WatchError:
+                continue
+
+
+def _tenants_by_key_name(stored: list[str]) -> dict[str, set[str]]:
+    """Key name -> the tenants of the keys of that name (admin and metrics keys, no tenant's members, left out)."""
+    tenants: dict[str, set[str]] = {}
+    for raw in stored:
+        try:
+            identity = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(identity, dict) and identity.get("name") and identity.get("role") not in ("admin", "metrics"):
+            tenants.setdefault(identity["name"], set()).add(identity.get("tenant") or identity["name"])
+    return tenants

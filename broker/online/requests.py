@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,10 @@ from broker.state.held_calls import send_held
 from broker.state.replies import SubmitReply
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.usage import BILL_KEEP_SECONDS, day_number
+
+REQUEST_ID_PATTERN = re.compile(r"r[0-9a-f]{16}")
+"""Every request id `new_request_id` makes: an id a client sends that is not one is no request's, and is
+not looked up (a key built from it could be another record's)."""
 
 
 def new_request_id() -> str:
@@ -277,7 +282,8 @@ def _settle_tenants(store: Store, results: Sequence[RequestResult], *, now: floa
 
 
 def get_request(store: Store, request_id: str) -> RequestRecord:
-    """The request's record: status, timings and decoded outputs; NotFound when unknown or expired."""
+    """The request's record: status, timings and decoded outputs; NotFound when unknown or expired. (An
+    id from a client is checked against `REQUEST_ID_PATTERN` first.)"""
     with translate_redis_errors():
         raw = store.client.hgetall(store.keys.request(request_id))
     if not raw:

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from broker.models.model_record import ModelRecord
-from broker.setting_types import MAX_PRIORITY
+from broker.setting_types import MAX_PRIORITY, UserTier
 
-SLA_WEIGHTS = {"vip": 3.0, "premium": 2.0, "free": 1.0}
+SLA_WEIGHTS: dict[UserTier, float] = {"vip": 3.0, "premium": 2.0, "free": 1.0}
 _EPOCH = 1_704_067_200.0  # 2024-01-01T00:00:00Z; keeps keys small and exact in a double
 _LATENCY_UNIT_MS = 100.0
 _MAX_LATENCY_POINTS = 10.0

@@ -277,8 +277,13 @@ class Keys:
 
     @property
     def model_owners(self) -> str:
-        """HASH model name -> name of the API key (the tenant) that registered it first (`registry`)."""
+        """HASH model name -> the tenant whose key registered it first (`registry`)."""
         return self._key("model-owners")
+
+    @property
+    def model_owners_by_tenant(self) -> str:
+        """STRING, set once `model-owners` holds tenants rather than key names (`registry.own_names_by_tenant`)."""
+        return self._key("model-owners-by-tenant")
 
     @property
     def workers(self) -> str:

@@ -15,12 +15,13 @@ from broker.state.store import Store, translate_redis_errors
 
 ROLES = ("admin", "tenant-admin", "user", "viewer", "metrics")
 """admin: everything; tenant-admin: its tenant's work, whoever of the tenant submitted it, and its
-tenant's usage; user: its own jobs, requests and model names; viewer: reads its tenant's work and usage,
-submits nothing; metrics: `GET /metrics` only, a key for a Prometheus scrape that can submit nothing and
-read no tenant's records."""
+tenant's usage; user: its own jobs and requests, and its tenant's model names; viewer: reads its
+tenant's work and usage, submits nothing; metrics: `GET /metrics` only, a key for a Prometheus scrape
+that can submit nothing and read no tenant's records.
 
-TENANT_ROLES = ("tenant-admin", "user", "viewer")
-"""Roles whose keys act for one tenant (admins act for every tenant, metrics keys for none)."""
+Every check compares tenants first: a key's name is unique across tenants (`create_api_key`), and
+even a record stored before it was, or a key made by hand, reaches another tenant's work by its
+name alone nowhere (`owns`, `owns_name`)."""
 
 
 def _digest(key: str) -> str:
@@ -36,10 +37,11 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
     group its requests count in for A/B routes ('' for none); `tenant` the tenant it belongs to (''
     for the key's own name: a tenant of one key, as every key was before tenants had records).
 
-    A name is either a tenant's (user keys) or admins' (admin keys), never both: a user key named like
-    an admin key would own what that admin submitted, and an admin is no tenant's member. So a name
-    some key of the other role has is refused (ValueError), checked in the transaction that stores
-    the key (WATCH on the keys), so two keys created at once cannot split one name either.
+    A name belongs to one tenant (or to the admins): a key of another tenant's name would be taken
+    for that tenant's by anyone reading a name, and an admin is no tenant's member. So a name some
+    key of another tenant, or of the other kind (admin or not), has is refused (ValueError), checked
+    in the transaction that stores the key (WATCH on the keys), so two keys created at once cannot
+    split one name either. More keys of one name in one tenant are allowed (a key is rotated so).
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -60,7 +62,7 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
         while True:
             try:
                 pipe.watch(store.keys.api_keys)
-                _refuse_a_name_of_the_other_role(name, role, pipe.hvals(store.keys.api_keys))
+                _refuse_a_taken_name(name, role, tenant or name, pipe.hvals(store.keys.api_keys))
                 pipe.multi()
                 pipe.hset(store.keys.api_keys, _digest(key), record)
                 pipe.execute()
@@ -69,10 +71,11 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
                 continue  # a key was created or revoked meanwhile; look again
 
 
-def _refuse_a_name_of_the_other_role(name: str, role: str, stored: list[str]) -> None:
+def _refuse_a_taken_name(name: str, role: str, tenant: str, stored: list[str]) -> None:
     """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and is an
-    admin's where `role` is a tenant's, or the other way round. `metrics` keys own nothing, so their names
-    are free of the rule either way."""
+    admin's where `role` is a tenant's, or the other way round, or belongs to a tenant other than
+    `tenant`. `metrics` keys own nothing, so their names are free of the rule either way. The message
+    names no tenant: a tenant admin learns only that the name is taken."""
     if role == "metrics":
         return
     for raw in stored:
@@ -82,10 +85,15 @@ def _refuse_a_name_of_the_other_role(name: str, role: str, stored: list[str]) ->
             continue  # damaged: `authenticate` refuses it anyway
         if not isinstance(identity, dict) or identity.get("role") == "metrics":
             continue
-        if identity.get("name") == name and (identity.get("role") == "admin") != (role == "admin"):
+        if identity.get("name") != name:
+            continue
+        if (identity.get("role") == "admin") != (role == "admin"):
             raise ValueError(f"key name {name!r} is taken by a key of role '{identity.get('role')}': a name is "
                              f"either a tenant's (user keys) or admins' (admin keys), never both; give this {role} "
                              "key another name")
+        if role != "admin" and (identity.get("tenant") or name) != tenant:
+            raise ValueError(f"key name {name!r} is taken by a key of another tenant: a key name is unique across "
+                             "tenants; give this key another name")
 
 
 def authenticate(store: Store, key: str | None) -> dict[str, Any]:
@@ -118,22 +126,34 @@ def record_tenant(owner: str | None, tenant: str | None) -> str:
     return tenant or owner or ""
 
 
+def key_tenant(identity: dict[str, Any]) -> str:
+    """The tenant a key acts for (`authenticate` sets it; a key record without one: its name's)."""
+    return str(identity.get("tenant") or identity.get("name") or "")
+
+
 def owns(identity: dict[str, Any], owner: str | None, tenant: str | None = None) -> bool:
     """May the caller see and steer (cancel, stop, resume) a job or request submitted under `owner`, for
     `tenant`?
 
-    An `admin` key may everything; a `tenant-admin` key what was submitted for its tenant; a `user` key
-    what was submitted under its own name. Records stored without an owner (`None` or '') belong to no
-    tenant's key, so only admins see them.
+    An `admin` key may everything. Any other key first must be of the record's tenant; then a
+    `tenant-admin` key may what was submitted for its tenant, a `user` key what was submitted under
+    its own name. A key of one tenant named like a key of another so reaches nothing of the other's.
+    Records stored without an owner (`None` or '') belong to no tenant's key, so only admins see them.
     """
     role = identity.get("role")
     if role == "admin":
         return True
-    if not owner:
+    if not owner or record_tenant(owner, tenant) != key_tenant(identity):
         return False
-    if role == "tenant-admin":
-        return record_tenant(owner, tenant) == identity.get("tenant")
-    return role == "user" and owner == identity.get("name")
+    return role == "tenant-admin" or (role == "user" and owner == identity.get("name"))
+
+
+def owns_name(identity: dict[str, Any], owner: str | None) -> bool:
+    """Is a model name owned by tenant `owner` (None: by no tenant) the caller's, to add versions to, or
+    to see whole? An admin key's every name; a tenant's keys their tenant's names."""
+    if identity.get("role") == "admin":
+        return True
+    return bool(owner) and identity.get("role") in ("tenant-admin", "user", "viewer") and owner == key_tenant(identity)
 
 
 def may_read(identity: dict[str, Any], owner: str | None, tenant: str | None = None) -> bool:
@@ -141,13 +161,6 @@ def may_read(identity: dict[str, Any], owner: str | None, tenant: str | None = N
     if identity.get("role") == "viewer":
         return bool(owner) and record_tenant(owner, tenant) == identity.get("tenant")
     return owns(identity, owner, tenant)
-
-
-def may_submit(identity: dict[str, Any]) -> None:
-    """Forbidden unless the caller may submit work (admins, tenant admins, users)."""
-    if identity.get("role") not in ("admin", "tenant-admin", "user"):
-        raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role, which submits "
-                        "nothing; use a key with the 'user' role")
 
 
 def list_api_keys(store: Store, tenant: str | None = None) -> list[dict[str, Any]]:

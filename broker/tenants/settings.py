@@ -6,9 +6,9 @@ A tenant's record is the same whether it comes from the file or from `PUT /v1/te
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
-from broker.setting_types import MAX_PRIORITY, Integer, Number, Seconds
+from broker.setting_types import MAX_PRIORITY, Integer, Number, Seconds, UserTier
 from broker.setting_types import Section as _Section
 from broker.tenants.shares import TenantShare
 
@@ -27,8 +27,20 @@ class Tenant(_Section):
     """Most jobs of the tenant queued or running at once (0: no limit)."""
     default_priority: Integer | None = Field(None, ge=0, le=MAX_PRIORITY)
     """The priority of its work that names none (None: the system's default)."""
+    max_priority: Integer = Field(MAX_PRIORITY, ge=0, le=MAX_PRIORITY)
+    """The highest priority its work may ask; more is refused (403 `priority_not_allowed`)."""
+    user_tiers: tuple[UserTier, ...] | None = None
+    """The `user_tier` values its requests may name besides `free` (None: every tier); another is refused
+    (403 `tier_not_allowed`)."""
     models: tuple[str, ...] = ()
     """Model names its keys may use (empty: every model)."""
+
+    @model_validator(mode="after")
+    def _default_within_the_cap(self) -> Tenant:
+        if self.default_priority is not None and self.default_priority > self.max_priority:
+            raise ValueError(f"default_priority {self.default_priority} is above max_priority {self.max_priority}; "
+                             "lower it, or raise max_priority")
+        return self
 
     def share(self) -> TenantShare:
         """The part `broker/tenants/shares.py` decides with."""
@@ -52,5 +64,14 @@ class FairShareSettings(_Section):
     """How long a worker reuses the usage it read before reading it again (on a thread of its own, beside the
     leases; 0: every lease reads it)."""
     price_per_device_hour: dict[str, Number] = {}
-    """Chargeback price of an hour of one device stream, per device kind (`cpu`, `cuda`), e.g. {cuda: 2.5}."""
+    """Chargeback price of an hour of one device stream, per device kind (`cpu`, `gpu`), e.g. {gpu: 2.5};
+    `cuda` is taken for `gpu`, the kind workers bill a GPU's time under."""
     currency: str = "USD"
+
+    @field_validator("price_per_device_hour")
+    @classmethod
+    def _gpu_by_either_name(cls, prices: dict[str, float]) -> dict[str, float]:
+        if "cuda" in prices and "gpu" in prices and prices["cuda"] != prices["gpu"]:
+            raise ValueError(f"price_per_device_hour gives cuda {prices['cuda']} and gpu {prices['gpu']}: they are one "
+                             "device kind (gpu); give one")
+        return {("gpu" if kind == "cuda" else kind): price for kind, price in prices.items()}

@@ -4,9 +4,9 @@ tritonclient's `request_compression_algorithm` (and any HTTP client) may send a 
 `deflate` (the zlib format, RFC 9110 8.4.1.2). The decompressed body is held to the same
 `api.max_body_bytes` as a plain one: decompression stops one byte past the limit, so a small
 compressed bomb costs no more memory than the limit before it is refused (413). Any other coding
-is a 415 listing the supported ones; data that is not what its coding says, or a gzip body of more
-than `MAX_GZIP_MEMBERS` members, is a 400. Every view that reads a body reads it here, so v1 and v2
-treat it alike.
+is a 415 listing the supported ones; data that is not what its coding says, a gzip body of more
+than `MAX_GZIP_MEMBERS` members, or more than `MAX_CODINGS` codings stacked, is a 400. Every view
+that reads a body reads it here, so v1 and v2 treat it alike.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ CHUNK_BYTES = 64 * 2**10
 MAX_GZIP_MEMBERS = 1000
 """The most gzip members one body may hold (a 400 past it): clients compress a body as one member, and
 each member costs a decoder, so a body of many empty 20-byte ones must not keep the server busy."""
+MAX_CODINGS = 2
+"""The most content codings one body may stack (`gzip, gzip`): no client compresses twice on purpose,
+and each layer may inflate up to the body limit again, so 50 layers behind one 16 MiB body would keep
+a request thread decoding for most of a minute."""
 
 
 def request_body() -> bytes:
@@ -36,6 +40,9 @@ def request_body() -> bytes:
     if unsupported:
         raise UnsupportedMediaType(f"Content-Encoding {', '.join(unsupported)} is not supported; send the body "
                                    f"uncompressed or with Content-Encoding gzip or deflate")
+    if len(codings) > MAX_CODINGS:
+        raise BadInput(f"Content-Encoding stacks {len(codings)} codings; at most {MAX_CODINGS} are decoded: "
+                       "compress the body once")
     body, limit = _raw_body(), request.max_content_length
     for coding in reversed(codings):  # the codings were applied in the order listed (RFC 9110 8.4)
         body = decompress(body, coding, limit)

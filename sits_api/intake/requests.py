@@ -23,6 +23,7 @@ from broker.online.records import RequestRecord
 from broker.online.requests import RequestSpec
 from broker.queueing import policy
 from broker.queueing.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
+from broker.setting_types import UserTier
 from broker.state.store import Store
 from sits_api.intake.result_inbox import Answer
 from sits_api.intake.task_sender import Dispatcher
@@ -37,7 +38,7 @@ from sits_worker.model.tensors import request_tensors
 
 
 def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy: policy.LivePolicy, *,
-           model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: str,
+           model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: UserTier,
            tokens: int | None, owner: str, now: float, request_id: str | None = None,
            timeout_ms: float | None = None, reply_to: str = "", tenant: str = "",
            max_queued: int = 0) -> RequestSpec:

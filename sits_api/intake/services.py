@@ -97,7 +97,7 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     """
     registry.check_may_register(store, body.name, registrant)
     source = resolve_inside(body.path, settings.paths.model_roots, "model")
-    model = load_model_checked(source, settings.paths.model_roots)
+    model = load_model_checked(source, settings.paths.model_roots, max_bytes=settings.models.max_file_size)
     check_servable(model)
     serialized = model.SerializeToString(deterministic=True)  # (over 2 GB: refused by load_model_checked)
     session = check_runtime_loads(serialized, source.name)  # (one CPU session for the probes below)
@@ -218,7 +218,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         rows_total=rows,
         chunk_size=_chunk_size(settings, store, model, body.chunk_size, rows=rows, batch_size=batch_size, now=now),
         batch_size=batch_size,
-        priority=_priority(body, tenant),
+        priority=_entitled_priority(caller, body, tenant),
         owner=caller["name"],
         tenant=tenant_gate.tenant_of(caller),
         input_options={k: v for k, v in input_options.items() if v is not None},
@@ -241,11 +241,15 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     return jobs.get_job(store, spec.job_id, now=now)
 
 
-def _priority(body: JobSubmission, tenant: Tenant | None) -> int:
-    """The job's own priority, else its tenant's `default_priority`, else the default."""
+def _entitled_priority(caller: dict[str, Any], body: JobSubmission, tenant: Tenant | None) -> int:
+    """The job's own priority, else its tenant's `default_priority`, else the default; within the tenant's
+    `max_priority` (`tenant_gate.check_entitlements`)."""
     if "priority" in body.model_fields_set or tenant is None or tenant.default_priority is None:
-        return body.priority
-    return tenant.default_priority
+        priority = body.priority
+    else:
+        priority = tenant.default_priority
+    tenant_gate.check_entitlements(caller, tenant, priority=priority)
+    return priority
 
 
 def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec, tenant: Tenant | None, *,
@@ -335,7 +339,8 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
     manifest = read_manifest(Path(job.output_dir))
     if manifest is not None and manifest.get("job") != job_id:
         other = manifest.get("job")
-        named = f"job {other}" if owns(caller, jobs.job_owner(store, str(other))) else "another job"
+        holder = jobs.job_owner(store, str(other))
+        named = f"job {other}" if owns(caller, holder.owner, holder.tenant) else "another job"
         raise Conflict(f"output_dir {job.output_dir} now holds the results of {named}; "
                        "submit this job again into another folder")
     output_dirs.claim_output_dir(store, job.output_dir, job_id, caller=caller)  # another job may have taken it

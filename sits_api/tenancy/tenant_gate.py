@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.config.settings import Settings
-from broker.errors import BadInput, Forbidden, NotFound
+from broker.errors import BadInput, Forbidden, NotFound, PriorityNotAllowed, TierNotAllowed
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants import apikeys
 from broker.tenants import records as tenants
@@ -34,6 +34,24 @@ def check_model(table: TenantTable, store: Store, identity: dict[str, Any], mode
         raise Forbidden(f"tenant '{tenant_of(identity)}' may use only the models {', '.join(found.models)}; "
                         f"'{model.split('@', 1)[0]}' is not one of them (tenants.<name>.models)")
     return found
+
+
+def check_entitlements(identity: dict[str, Any], tenant: Tenant | None, *, priority: int,
+                       user_tier: str | None = None) -> None:
+    """Refuse work that asks more than the caller's tenant may: a priority above its `max_priority`
+    (PriorityNotAllowed), a `user_tier` outside its `user_tiers` (TierNotAllowed; `free`, every
+    request's default and the tier that weighs least, is every tenant's); both 403s whose message
+    names the cap. A tenant without a record may ask anything a request may name."""
+    if tenant is None:
+        return
+    name = tenant_of(identity)
+    if priority > tenant.max_priority:
+        raise PriorityNotAllowed(f"tenant '{name}' may ask priority {tenant.max_priority} at most "
+                                 f"(tenants.{name}.max_priority), not {priority}; ask {tenant.max_priority} or less")
+    if user_tier not in (None, "free") and tenant.user_tiers is not None and user_tier not in tenant.user_tiers:
+        allowed = ", ".join(dict.fromkeys(("free", *tenant.user_tiers)))
+        raise TierNotAllowed(f"tenant '{name}' may name the user tiers {allowed} (tenants.{name}.user_tiers), "
+                             f"not '{user_tier}'")
 
 
 def put_tenant(table: TenantTable, store: Store, name: str, body: Any) -> dict[str, Any]:
@@ -152,15 +170,14 @@ def revoke_keys(store: Store, identity: dict[str, Any], name: str) -> int:
 
 def may_route(store: Store, identity: dict[str, Any], model: str) -> bool:
     """May the caller set or remove `model`'s A/B route? An admin any model's; a tenant admin those whose
-    name its tenant owns (registered first by one of its tenant's keys, or under the tenant's own name)."""
+    name its tenant owns (registered first by one of its tenant's keys: `registry`)."""
     if identity.get("role") == "admin":
         return True
     if identity.get("role") != "tenant-admin":
         return False
     with translate_redis_errors():
         owner = store.client.hget(store.keys.model_owners, model)
-    own = tenant_of(identity)
-    return bool(owner) and (owner == own or owner in {key["name"] for key in apikeys.list_api_keys(store, own)})
+    return apikeys.owns_name(identity, owner)
 
 
 def check_route_access(store: Store, identity: dict[str, Any], model: str) -> None:

@@ -30,8 +30,10 @@ def submit_request() -> Any:
     with state.inbox.expecting(request_id, wait=wait) as answer:
         model = ab_routes.routed(store, body.model, g.identity, request.headers, "v1")
         tenant = tenant_gate.check_model(state.tenants, store, g.identity, model)
+        priority = priority_of(body, tenant)
+        tenant_gate.check_entitlements(g.identity, tenant, priority=priority, user_tier=body.user_tier)
         spec = request_intake.submit(settings, store, state.dispatcher, state.policy, model=model,
-                                     inputs=body.inputs, priority=priority_of(body, tenant),
+                                     inputs=body.inputs, priority=priority,
                                      deadline_ms=body.deadline_ms, user_tier=body.user_tier, tokens=body.tokens,
                                      owner=g.identity["name"], now=time.time(), request_id=request_id,
                                      timeout_ms=body.timeout_ms, reply_to=answer.reply_to,
@@ -47,7 +49,10 @@ def submit_request() -> Any:
 
 @blueprint.get("/v1/requests/<request_id>")
 def get_request(request_id: str) -> Any:
-    """A request's status and, once done, its outputs (to the key that submitted it, or an admin)."""
+    """A request's status and, once done, its outputs (to the key that submitted it, or an admin). An id
+    no request could have answers as an unknown one, without a look into Redis."""
+    if not requests.REQUEST_ID_PATTERN.fullmatch(request_id):
+        raise requests.request_not_found(request_id)
     record = requests.get_request(app_state().store, request_id)
     check_visible(record.owner, record.tenant, requests.request_not_found(request_id))
     return jsonify(request_intake.to_json_result(record))

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from broker.errors import BadInput
 from broker.queueing.scoring import SLA_WEIGHTS
+from broker.setting_types import UserTier
 from broker.state.store import Store
 from sits_api.intake import requests as request_intake
 from sits_api.v2 import binary as v2_binary
@@ -45,7 +46,7 @@ class InferRequest:
     inputs: dict[str, np.ndarray]
     priority: int
     deadline_ms: float | None
-    user_tier: str
+    user_tier: UserTier
     outputs: list[str]
     """Requested output names, all checked against the model's; empty means every output."""
     binary_outputs: frozenset[str]
@@ -76,6 +77,7 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: 
     user_tier = parameters.get("user_tier", "free")
     if not isinstance(user_tier, str) or user_tier not in SLA_WEIGHTS:  # the tiers of v1's OnlineRequest
         raise BadInput(f"parameter 'user_tier' must be one of {', '.join(SLA_WEIGHTS)}, got {user_tier!r}")
+    tier = cast(UserTier, user_tier)
     binary_by_default = parameters.get("binary_data_output", False)
     if not isinstance(binary_by_default, bool):
         raise BadInput(f"parameter 'binary_data_output' must be true or false, got {binary_by_default!r}")
@@ -91,7 +93,7 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: 
         if unknown:
             raise BadInput(f"unknown outputs {unknown} in 'outputs'; model '{model}' has outputs {known}")
     return InferRequest(model=model, inputs=inputs, priority=priority,
-                        deadline_ms=timeout_us / 1000 if timeout_us else None, user_tier=user_tier,
+                        deadline_ms=timeout_us / 1000 if timeout_us else None, user_tier=tier,
                         outputs=outputs, binary_outputs=frozenset(o for o in outputs if requested[o]),
                         binary_by_default=binary_by_default, client_id=client_id)
 

@@ -213,6 +213,7 @@ def infer(name: str, version: str | None = None) -> Any:
     model = f"{name}@{version}" if version else ab_routes.routed(store, name, g.identity, request.headers, "v2")
     checked = parse_infer_request(store, body, model, binary)
     tenant = tenant_gate.check_model(state.tenants, store, g.identity, checked.model)
+    tenant_gate.check_entitlements(g.identity, tenant, priority=checked.priority, user_tier=checked.user_tier)
     request_id = requests.new_request_id()
     with state.inbox.expecting(request_id) as answer:
         spec = request_intake.submit(settings, store, state.dispatcher, state.policy, model=checked.model,

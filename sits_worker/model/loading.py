@@ -13,7 +13,8 @@ import onnx
 from onnx import TensorProto
 from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model, uses_external_data
 
-from broker.errors import FileMissing, InvalidModel, PathNotAllowed
+from broker.errors import FileMissing, InvalidModel, PathNotAllowed, PayloadTooLarge
+from broker.models.settings import MAX_SERIALIZED_BYTES
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -37,15 +38,13 @@ def _all_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
                 yield from _all_tensors(subgraph)
 
 
-MAX_MODEL_BYTES = 2**31 - 1
-"""The most a model may hold, weights included: SITS serializes it whole (its version is the hash of
-that), and protobuf cannot write a message over 2 GB."""
+MAX_MODEL_BYTES = MAX_SERIALIZED_BYTES
 
 
-def _check_external_data(model: onnx.ModelProto, model_file: Path) -> None:
+def _check_external_data(model: onnx.ModelProto, model_file: Path, max_bytes: int) -> None:
     """Every external data file must exist inside the model's own folder (no `../`, no symlink escape),
-    and the model with its data must fit `MAX_MODEL_BYTES`: told from the files' sizes, before any
-    data is read into the process."""
+    and the model with its data must fit `MAX_MODEL_BYTES` and `max_bytes`: told from the files' sizes,
+    before any data is read into the process."""
     folder = model_file.parent
     data_bytes = 0
     for tensor in _all_tensors(model.graph):
@@ -73,10 +72,19 @@ def _check_external_data(model: onnx.ModelProto, model_file: Path) -> None:
         raise InvalidModel(f"{model_file.name} holds {data_bytes + model.ByteSize():,} bytes with its external data, "
                            f"more than the {MAX_MODEL_BYTES:,} one ONNX message can be serialized to (protobuf's "
                            f"2 GB); SITS cannot register models of over 2 GB yet")
+    total = data_bytes + model_file.stat().st_size
+    if total > max_bytes:
+        raise PayloadTooLarge(f"{model_file.name} and its external data hold {total:,} "
+                              f"bytes, more than models.max_file_size ({max_bytes:,}); nothing of it was read "
+                              "beyond the graph: register a smaller model, or raise models.max_file_size")
 
 
-def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelProto:
+def load_model_checked(path: Path, model_roots: Sequence[Path], *, max_bytes: int = MAX_MODEL_BYTES
+                       ) -> onnx.ModelProto:
     """Load an ONNX file that lies inside `model_roots`, after checking it is safe and well formed.
+
+    A file over `max_bytes` (`models.max_file_size`) is refused (PayloadTooLarge) from its size alone,
+    before a byte of it is read; the same limit holds for the file with its external data.
 
     The path is resolved (symlinks included) and checked against the roots
     before its existence is reported, so callers cannot probe for files
@@ -92,12 +100,17 @@ def load_model_checked(path: Path, model_roots: Sequence[Path]) -> onnx.ModelPro
     if not resolved.is_file():
         what = "is not a file" if resolved.exists() else "does not exist"
         raise FileMissing(f"model file {path} {what}; check the path or upload the model first")
+    size = resolved.stat().st_size
+    if size > max_bytes:
+        raise PayloadTooLarge(f"model file {path} holds {size:,} bytes, more than models.max_file_size "
+                              f"({max_bytes:,}); it was not read: register a smaller model, or raise "
+                              "models.max_file_size")
     try:
         model = onnx.load(str(resolved), load_external_data=False)
     except Exception as err:  # onnx/protobuf raise many unrelated types for a bad file
         raise InvalidModel(f"{resolved.name} is not a readable ONNX model ({err}); "
                            f"re-export it as an ONNX ModelProto file") from err
-    _check_external_data(model, resolved)
+    _check_external_data(model, resolved, max_bytes)
     try:
         # By path, so the checker resolves external data next to the model (not the cwd)
         # and never needs the weights in memory (ModelProtos over 2 GB cannot be checked there).

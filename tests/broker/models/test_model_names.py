@@ -161,3 +161,36 @@ def test_registering_a_version_again_keeps_a_profile_a_worker_wrote_meanwhile(st
     assert len(seen) == 2 and "profile" not in (seen[0] or {}) and (seen[1] or {})["profile"] == {"points": [1]}
     assert record.profile == {"points": [1]} and record.source_path == "/again.onnx"
     assert registry.get_model(store, "mlp@v1").profile == {"points": [1]}
+
+
+def test_a_name_is_its_tenant_s_so_another_user_of_the_tenant_adds_versions_and_another_tenant_may_not(
+        store: Store) -> None:
+    acme_alice, acme_carol = {"name": "alice", "role": "user", "tenant": "acme"}, {"name": "carol", "role": "user",
+                                                                                   "tenant": "acme"}
+    evil_alice = {"name": "alice", "role": "user", "tenant": "evil"}  # (a key stored before names were unique)
+    registry.save_model_version(store, version("mlp", "a1"), registrant=acme_alice)
+
+    assert registry.save_model_version(store, version("mlp", "b2"), registrant=acme_carol).owner == "acme"
+    with pytest.raises(Forbidden, match="another tenant"):
+        registry.save_model_version(store, version("mlp", "c3"), registrant=evil_alice)
+
+
+def test_names_owned_by_a_key_s_name_move_to_its_tenant_once(store: Store) -> None:
+    """Before names were their tenant's, `model-owners` held the registering key's name."""
+    from broker.tenants.apikeys import create_api_key
+
+    create_api_key(store, "alice", "user", tenant="acme")
+    create_api_key(store, "solo", "user")  # a tenant of one key, named as the key
+    create_api_key(store, "root", "admin")
+    store.client.hset(store.keys.model_owners, mapping={"mlp": "alice", "cnn": "solo", "old": "gone-key",
+                                                         "lm": "acme"})
+    for name in ("mlp", "cnn", "old", "lm"):
+        store.client.hset(store.keys.model_latest, name, "v1")
+
+    assert registry.own_names_by_tenant(store) == 4
+    assert store.client.hgetall(store.keys.model_owners) == {"mlp": "acme", "cnn": "solo", "lm": "acme"}
+    create_api_key(store, "acme", "user", tenant="other")  # a key named like a tenant, made later
+    assert registry.own_names_by_tenant(store) == 0  # once: an owner is a tenant from now on
+    assert store.client.hget(store.keys.model_owners, "lm") == "acme"
+    with pytest.raises(Forbidden, match="belongs to no tenant"):  # a key that is gone: admins' alone now
+        registry.save_model_version(store, version("old", "v2"), registrant={"name": "x", "role": "user"})

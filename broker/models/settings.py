@@ -1,0 +1,21 @@
+"""The `models` settings section: what registration takes."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from broker.setting_types import Bytes, parse_size
+from broker.setting_types import Section as _Section
+
+MAX_SERIALIZED_BYTES = 2**31 - 1
+"""The most a model may hold, weights included: SITS serializes it whole (its version is the hash of
+that), and protobuf cannot write a message over 2 GB."""
+
+
+class ModelSettings(_Section):
+    """Limits on the model files `POST /v1/models` registers."""
+
+    max_file_size: Bytes = Field(parse_size("1GiB"), ge=1, le=MAX_SERIALIZED_BYTES)
+    """The most bytes a model file and its external data may hold together, told from their sizes
+    before any of it is read (413 past it): registration reads the whole model into an API process and
+    runs it there, so the limit bounds what one registration costs that process in memory and time."""
