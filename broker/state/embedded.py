@@ -5,20 +5,25 @@ carries, on a free loopback port, with AOF when durability is asked for
 (docs/operations.md). The launcher keeps the PID of the process it started
 and stops exactly that one. A server writes its PID to `redis.pid` in its
 data folder, so a second one is refused that folder while the first lives
-(two servers appending to one AOF corrupt it).
+(two servers appending to one AOF corrupt it). Each server has a password of its own, written to a
+config file only its user may read (never on the command line, which `ps` shows to everyone), and its
+URL carries it: any local user can reach a loopback port.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,24 +87,34 @@ class EmbeddedRedis:
     """A `redis-server` child process on loopback, data in `data_dir`.
 
     Restartable on the same port and folder (`stop` then `start`): with
-    `appendonly` the data survives, which the crash tests rely on.
+    `appendonly` the data survives, which the crash tests rely on. Locked: a
+    password (generated unless given) and protected mode, the folder 0700.
     """
 
-    def __init__(self, data_dir: Path, *, port: int | None = None, appendonly: bool = True) -> None:
+    def __init__(self, data_dir: Path, *, port: int | None = None, appendonly: bool = True,
+                 password: str | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.password = password or secrets.token_urlsafe(32)
+        """What a client must AUTH with. Kept across `stop` and `start`, so that clients made before a
+        restart reconnect; a new `EmbeddedRedis` over the same folder gets a new one (AOF keeps no password)."""
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        """The redis:// URL of this server."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The redis:// URL of this server, password included: a secret (`masked_url` for showing it)."""
+        return f"redis://:{urllib.parse.quote(self.password, safe='')}@127.0.0.1:{self.port}/0"
 
     @property
     def pid_file(self) -> Path:
         """Where the server writes its PID (and removes it when it stops cleanly)."""
         return self.data_dir / "redis.pid"
+
+    @property
+    def config_file(self) -> Path:
+        """The config file holding the password (mode 0600), written at each `start`."""
+        return self.data_dir / "redis.conf"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         """Start the server and wait until it answers PING.
@@ -107,14 +122,18 @@ class EmbeddedRedis:
         Refused (ConfigError) while another redis-server uses `data_dir`, such as one left running by a
         stack that was killed: both would append to one AOF.
         """
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private_folder(self.data_dir)  # the AOF holds key digests and payloads
         holder = live_server_of(self.data_dir, self.pid_file)
         if holder is not None:
             raise ConfigError(f"a redis-server (PID {holder}) already uses the Redis data folder {self.data_dir}; "
                               f"two servers on one append-only file would corrupt it: stop that one first "
                               f"(`kill {holder}` saves its data and stops it), then start again")
+        # Each byte as \xHH inside double quotes: redis.conf's own escape, so that any password reads back as is.
+        quoted = "".join(f"\\x{byte:02x}" for byte in self.password.encode())
+        write_private_file(self.config_file, f'requirepass "{quoted}"\n')
         args = [
             find_redis_server(),
+            str(self.config_file),  # a config file comes first; the options after it override it
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir),
@@ -130,7 +149,7 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=die_with_parent())
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
@@ -141,7 +160,8 @@ class EmbeddedRedis:
                 if client.ping() and int(client.info("server")["process_id"]) == self.process.pid:
                     break
             except (redis.ConnectionError, redis.ResponseError):
-                # ResponseError: "LOADING" while it replays the AOF
+                # ResponseError: "LOADING" while it replays the AOF; AuthenticationError (a ConnectionError):
+                # another server holds the port
                 if time.monotonic() > deadline:
                     self.stop()
                     raise ConnectionLost(f"redis-server on port {self.port} did not answer in {timeout}s") from None
@@ -170,6 +190,50 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def make_private_folder(path: Path) -> None:
+    """Create folder `path` (and its parents) with mode 0700, and tighten it to 0700 if it exists and is ours.
+
+    What SITS keeps there (keys, the Redis password, Redis's data) is for its user only. A folder of
+    another user is left as it is: it is not ours to change.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable and writable by its owner only (0600), whatever the umask.
+
+    Created with that mode, so the secret is never readable by others, not even for a moment. The mode
+    of `os.open` applies only to a new file: one that existed is tightened before anything is written.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        os.fchmod(fd, 0o600)
+        handle.write(text)
+
+
+def masked_url(url: str) -> str:
+    """`url` with its password shown as `***`: how a Redis URL is shown in logs, output and API answers.
+
+    The password may be in the user part (`redis://user:secret@host`) or, for redis-py, in a `password`
+    query parameter; both are masked. A URL that holds no password is returned as it is.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # (an IPv6 host without its closing bracket): nothing of it can be told apart
+        return "***"
+    user_info, at, host = parts.netloc.rpartition("@")
+    if at and ":" in user_info:
+        url = url.replace(parts.netloc, f"{user_info.split(':', 1)[0]}:***@{host}", 1)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    masked = [(name, "***" if name.lower() == "password" else value) for name, value in query]
+    if masked != query:
+        url = url.replace(f"?{parts.query}", f"?{urllib.parse.urlencode(masked, safe='*')}", 1)
+    return url
 
 
 def live_server_of(data_dir: Path, pid_file: Path) -> int | None:

@@ -6,6 +6,8 @@ A tenant's record is the same whether it comes from the file or from `PUT /v1/te
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, field_validator, model_validator
 
 from broker.setting_types import MAX_PRIORITY, Integer, Number, Seconds, UserTier
@@ -34,6 +36,17 @@ class Tenant(_Section):
     (403 `tier_not_allowed`)."""
     models: tuple[str, ...] = ()
     """Model names its keys may use (empty: every model)."""
+    model_roots: tuple[Path, ...] | None = None
+    """Where its keys' models to register must lie (None: `<root>/<tenant>` under each of `paths.model_roots`)."""
+    input_roots: tuple[Path, ...] | None = None
+    """Where its keys' job inputs must lie (None: `<root>/<tenant>` under each of `paths.input_roots`)."""
+    output_roots: tuple[Path, ...] | None = None
+    """Where its keys' job output folders must lie (None: `<root>/<tenant>` under each of `paths.output_roots`)."""
+
+    @field_validator("model_roots", "input_roots", "output_roots")
+    @classmethod
+    def _expand_roots(cls, value: tuple[Path, ...] | None) -> tuple[Path, ...] | None:
+        return None if value is None else tuple(Path(root).expanduser().resolve() for root in value)
 
     @model_validator(mode="after")
     def _default_within_the_cap(self) -> Tenant:

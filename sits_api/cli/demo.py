@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from broker.config.loading import load_settings
 from broker.errors import SitsError
+from broker.state.embedded import masked_url
 from sits_api.cli.client import ApiClient
 from sits_api.cli.progress import wait_for_job
 from sits_api.cli.stack import Stack
@@ -53,7 +54,7 @@ def _run(console: Console, rows: int, worker_count: int, started: float) -> bool
         stack = Stack(settings, worker_count=worker_count, api_port=0).start()
     try:
         console.print(f"stack up in {time.monotonic() - started:.1f}s: API {stack.api_url}, "
-                      f"Redis {stack.settings.redis.url}")
+                      f"Redis {masked_url(stack.settings.redis.url)}")
         client = stack.client()
         _clear_earlier_results(client, demo_dir / "results")
         _register_zoo(console, client, demo_dir / "models")

@@ -86,6 +86,7 @@ def _stack_settings(config_path: Path | None) -> tuple[Settings, Path | None]:
 def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[str, Store]:
     """The Redis URL to use and a `Store` on it, checked to answer: SITS_REDIS_URL (or redis.url), else
     the Redis the `sitsctl up` of this SITS_HOME runs (it records it in `$SITS_HOME/redis-url`)."""
+    from broker.state.embedded import masked_url
     from broker.state.store import Store
 
     if settings.redis.url and not recorded_by_up:  # named: a worker's Celery waits for it to come up (compose)
@@ -101,7 +102,7 @@ def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[s
     try:  # a recorded URL may be left from a stack that has stopped
         store.ping()
     except ConnectionLost as err:
-        raise ConnectionLost(f"{err.message} (the Redis at {url}, recorded in {source}); "
+        raise ConnectionLost(f"{err.message} (the Redis at {masked_url(url)}, recorded in {source}); "
                              "is `sitsctl up` running?") from err
     return url, store
 
@@ -124,6 +125,7 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
     the embedded Redis exiting stops everything. SIGTERM, SIGHUP (the terminal closed) and the death
     of this process stop everything too.
     """
+    from broker.state.embedded import masked_url
     from sits_api.cli.stack import Stack
 
     settings = load_settings(config_path)
@@ -136,7 +138,7 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
     try:
         with console.status("starting Redis, the API and workers ..."):
             stack.start()
-        console.print(f"SITS is up: API {stack.api_url}  Redis {stack.settings.redis.url}  "
+        console.print(f"SITS is up: API {stack.api_url}  Redis {masked_url(stack.settings.redis.url)}  "
                       f"{worker_count} workers  (key in {stack.home / 'api-key'}, logs in {stack.home / 'logs'})",
                       markup=False)
         console.print("Ctrl-C stops everything.")
@@ -198,8 +200,10 @@ def status(as_json: bool) -> None:
         print_json(data)
         return
     console.print(f"API   {data['api_url']}", markup=False)
-    if "redis_url" in data:  # the API shows it to admin keys only
-        console.print(f"Redis {data['redis_url']}", markup=False)
+    if "redis_url" in data:  # the API shows it to admin keys only, its password masked (as is done here again)
+        from broker.state.embedded import masked_url
+
+        console.print(f"Redis {masked_url(data['redis_url'])}", markup=False)
     console.print(f"policy {data['policy']}", markup=False)
     table = Table("worker", "device", "streams", "pid", "last heartbeat", "alive", "degrade")
     for worker in data["workers"]:
@@ -327,6 +331,7 @@ def key_create(name: str, role: str, tenant: str, group: str, config_path: Path 
     """Create an API key and print it once (only its digest is stored)."""
     import redis
 
+    from broker.state.embedded import masked_url
     from broker.tenants.apikeys import create_api_key
 
     settings, stack_config = _stack_settings(config_path)
@@ -336,7 +341,7 @@ def key_create(name: str, role: str, tenant: str, group: str, config_path: Path 
     except ValueError as err:  # a name the key cannot have: say so as a usage error, not a traceback
         raise click.UsageError(str(err)) from err
     except redis.RedisError as err:  # connection failures arrive as ConnectionLost; this is what else Redis says
-        raise SitsError(f"Redis at {redis_url} refused to store the key: {err}") from err
+        raise SitsError(f"Redis at {masked_url(redis_url)} refused to store the key: {err}") from err
 
 
 # --- zoo and models -----------------------------------------------------------------

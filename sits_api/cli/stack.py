@@ -28,7 +28,7 @@ import yaml
 from broker.config.settings import Settings
 from broker.errors import ConfigError, SitsError
 from broker.queueing import workers
-from broker.state.embedded import EmbeddedRedis, free_port
+from broker.state.embedded import EmbeddedRedis, free_port, make_private_folder, masked_url, write_private_file
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_api.cli.client import ApiClient, ApiError, stack_lock
@@ -113,9 +113,10 @@ class Stack:
         """Start everything and wait until the API answers and every worker sends heartbeats.
 
         Children are started from the calling thread, which must be the main thread for them to be
-        stopped when this process dies (`processes.py`).
+        stopped when this process dies (`processes.py`). `$SITS_HOME` is made (or tightened to) 0700:
+        it holds the admin key and the Redis password.
         """
-        self.home.mkdir(parents=True, exist_ok=True)
+        make_private_folder(self.home)
         (self.home / "logs").mkdir(exist_ok=True)
         self._lock_home()
         try:
@@ -133,7 +134,7 @@ class Stack:
                 self.api_key = create_api_key(self.store, "sitsctl-up", role="admin")
             except ValueError as err:  # a user key already has the admin key's name
                 raise ConfigError(f"cannot make the stack's admin key: {err}; remove that user key from the "
-                                  f"Redis at {redis_url} or use another Redis") from err
+                                  f"Redis at {masked_url(redis_url)} or use another Redis") from err
             self.api_url = self.settings.api.public_url()
             self.config_path = self._write_effective_config()
             self._spawn("api", api_command(self.settings))
@@ -161,10 +162,11 @@ class Stack:
                             "or set SITS_HOME to another folder") from None
 
     def _write_effective_config(self) -> Path:
-        """Write the settings this stack runs with, so every child loads exactly the same ones."""
+        """Write the settings this stack runs with, so every child loads exactly the same ones (0600: its
+        Redis URL carries the password)."""
         path = self.home / "run" / "sits-config.yaml"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(yaml.safe_dump(self.settings.model_dump(mode="json"), sort_keys=False))
+        write_private_file(path, yaml.safe_dump(self.settings.model_dump(mode="json"), sort_keys=False))
         return path
 
     def _child_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -195,12 +197,8 @@ class Stack:
 
     def _write_client_files(self) -> None:
         (self.home / "api-url").write_text(self.api_url + "\n")
-        key_file = self.home / "api-key"
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(self.api_key + "\n")
-        os.chmod(key_file, 0o600)
-        (self.home / "redis-url").write_text(self.settings.redis.url + "\n")
+        write_private_file(self.home / "api-key", self.api_key + "\n")
+        write_private_file(self.home / "redis-url", self.settings.redis.url + "\n")  # it carries the password
 
     def _remove_client_files(self) -> None:
         """Forget the URLs this stack wrote: once it stops, a later command must say that no stack runs
@@ -217,7 +215,8 @@ class Stack:
 
     def _wait_api(self, timeout: float = 30.0) -> None:
         """Wait until this stack's API answers: with the stack's own key and Redis, not just any server
-        that took the port meanwhile."""
+        that took the port meanwhile. The API shows the Redis URL with its password masked, and so it is
+        compared (the port still tells one Redis from another)."""
         deadline = time.monotonic() + timeout
         while True:
             self.check_children()
@@ -233,8 +232,9 @@ class Stack:
             answered = self.client().get("/v1/status").get("redis_url")
         except ApiError as err:
             answered = f"an error ({err.message})"
-        if answered != self.settings.redis.url:
-            raise SitsError(f"another server answers on {self.api_url} (it answered {answered!r} where this "
+        if answered != masked_url(self.settings.redis.url):
+            shown = masked_url(answered) if isinstance(answered, str) else answered  # (whoever's it is)
+            raise SitsError(f"another server answers on {self.api_url} (it answered {shown!r} where this "
                             f"stack's API names its Redis): choose a free port with --port (0 picks one)")
 
     def wait_for_workers(self, count: int, timeout: float = 90.0) -> None:

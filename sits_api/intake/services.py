@@ -37,6 +37,7 @@ from broker.state.store import Store
 from broker.tenants import usage as tenant_usage
 from broker.tenants.apikeys import owns
 from broker.tenants.records import TenantTable
+from broker.tenants.roots import FileKind, Roots, roots_for
 from broker.tenants.settings import Tenant
 from sits_api.intake import job_deadlines
 from sits_api.intake.task_sender import Dispatcher
@@ -52,17 +53,26 @@ from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
 
 
-def resolve_inside(path_text: str, roots: tuple[Path, ...], what: str) -> Path:
-    """The resolved `path_text`; PathNotAllowed unless it lies inside one of `roots`."""
+def resolve_inside(path_text: str, roots: Roots, what: str) -> Path:
+    """The resolved `path_text`; PathNotAllowed unless it lies inside one of `roots` (the caller's:
+    `caller_roots`), told before anything says whether the file exists."""
     try:
         path = Path(path_text).expanduser().resolve()
     except (ValueError, RuntimeError, OSError) as err:  # NUL bytes, unknown ~user, loops
         raise BadInput(f"{what} path {path_text!r} is not a valid path: {err}") from err
-    if not any(path == root or root in path.parents for root in roots):
-        allowed = ", ".join(str(root) for root in roots)
-        raise PathNotAllowed(f"{what} {path} is outside the allowed roots ({allowed}); "
-                             f"move it there or add its folder to paths.{what.replace(' ', '_')}_roots")
+    if not roots.holds(path):
+        allowed = ", ".join(str(root) for root in roots.folders) or "none"
+        raise PathNotAllowed(f"{what} {path} is outside this key's {what} roots ({allowed}); "
+                             f"move it there, or have an admin set {roots.setting}")
     return path
+
+
+def caller_roots(settings: Settings, tenants: TenantTable, store: Store, caller: dict[str, Any],
+                 kind: FileKind) -> Roots:
+    """The roots of `kind` the `caller` key's paths must lie in (`broker/tenants/roots.py`)."""
+    name = tenant_gate.tenant_of(caller)
+    return roots_for(kind, global_roots=getattr(settings.paths, f"{kind}_roots"), tenant_name=name,
+                     tenant=tenants.tenant(store, name), admin=caller.get("role") == "admin")
 
 
 # --- models -------------------------------------------------------------------------
@@ -75,7 +85,7 @@ def model_batching(settings: Settings, record: ModelRecord) -> Batching:
 
 
 def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, body: ModelRegistration,
-                   *, registrant: dict[str, Any], now: float) -> ModelRecord:
+                   *, registrant: dict[str, Any], now: float, tenants: TenantTable | None = None) -> ModelRecord:
     """Validate an ONNX file, store a copy as a new version (content hash), profile it statically.
 
     The name must be new or the `registrant` key's own (`registry.save_model_version`): another
@@ -96,8 +106,9 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     the record's `profile_status` says `pending` until the task is done.
     """
     registry.check_may_register(store, body.name, registrant)
-    source = resolve_inside(body.path, settings.paths.model_roots, "model")
-    model = load_model_checked(source, settings.paths.model_roots, max_bytes=settings.models.max_file_size)
+    roots = caller_roots(settings, tenants or TenantTable(settings.tenants), store, registrant, "model")
+    source = resolve_inside(body.path, roots, "model")
+    model = load_model_checked(source, roots.folders, max_bytes=settings.models.max_file_size)
     check_servable(model)
     serialized = model.SerializeToString(deterministic=True)  # (over 2 GB: refused by load_model_checked)
     session = check_runtime_loads(serialized, source.name)  # (one CPU session for the probes below)
@@ -184,9 +195,10 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     model name goes where its A/B route sends the caller's jobs (`sits_api.tenancy.ab_routes`, by the request's
     `headers`, a mapping of its HTTP headers)."""
     model = registry.get_model(store, ab_routes.routed(store, body.model, caller, headers or {}, "jobs"))
-    tenant = tenant_gate.check_model(tenants or TenantTable(settings.tenants), store, caller, model.name)
-    input_path = resolve_inside(body.input_batch, settings.paths.input_roots, "input")
-    output_dir = resolve_inside(body.output_dir, settings.paths.output_roots, "output")
+    table = tenants or TenantTable(settings.tenants)
+    tenant = tenant_gate.check_model(table, store, caller, model.name)
+    input_path = resolve_inside(body.input_batch, caller_roots(settings, table, store, caller, "input"), "input")
+    output_dir = resolve_inside(body.output_dir, caller_roots(settings, table, store, caller, "output"), "output")
     if output_dir.exists() and not output_dir.is_dir():
         raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
     input_options = {"shape": body.input_shape, "dtype": body.input_dtype}

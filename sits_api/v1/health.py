@@ -12,6 +12,7 @@ from broker.errors import SitsError
 from broker.failures import breaker
 from broker.jobs import lists as job_lists
 from broker.queueing import queues, tickets, workers
+from broker.state.embedded import masked_url
 from broker.tenants.apikeys import require_role
 from sits_api import metrics
 from sits_api.openapi import openapi_document
@@ -50,13 +51,13 @@ def status() -> Any:
     """The whole system at a glance: workers, queue depths, jobs by status, circuit breakers.
 
     Counts only, no job or request ids or owners, so any key but a `metrics` key may read it; the
-    Redis URL (which may carry Redis's password) only an admin key.
+    Redis URL only an admin key, and never its password (masked).
     """
     state = app_state()
     store, settings, now = state.store, state.settings, time.time()
     overview = {
         "api_url": settings.api.public_url(),
-        "redis_url": settings.redis.url,
+        "redis_url": masked_url(settings.redis.url),
         "policy": settings.scheduler.policy,
         "workers": workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout),
         "queues": queues.queue_depths(store),

@@ -24,7 +24,7 @@ def register_model() -> Any:
     state = app_state()
     body = parse_body(ModelRegistration)
     record = services.register_model(state.settings, state.store, state.dispatcher, body,
-                                     registrant=g.identity, now=time.time())
+                                     registrant=g.identity, now=time.time(), tenants=state.tenants)
     return jsonify(record.to_json()), 201
 
 

@@ -48,6 +48,20 @@ def make_settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo
     )
 
 
+def shared_roots(tmp_path: Path, zoo_dir: Path) -> dict[str, Any]:
+    """A tenant record whose roots are the test's global ones: for tests of who owns work, where
+    tenants share folders as an admin may configure them to (a tenant's own folder is the default)."""
+    return {"model_roots": [tmp_path, zoo_dir], "input_roots": [tmp_path], "output_roots": [tmp_path]}
+
+
+def tenant_copy(path: Path, root: Path, tenant: str) -> Path:
+    """A copy of the file `path` in `tenant`'s folder under `root`, where its keys may read it by default."""
+    copy = root / tenant / path.name
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_bytes(path.read_bytes())
+    return copy
+
+
 def queued_items(api: Api) -> int:
     """Items ready or in flight across every model queue, as GET /v1/status reports them."""
     return sum(depth["ready"] + depth["inflight"] for depth in api.get("/v1/status").get_json()["queues"].values())

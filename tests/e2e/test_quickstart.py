@@ -23,12 +23,16 @@ def test_demo_runs_the_main_job_and_stops_everything(tmp_path):
     # Everything the demo started is gone: the embedded Redis no longer answers on its port (as its
     # settings recorded it), and the URLs it wrote for other commands are removed.
     import socket
+    import urllib.parse
 
     import yaml
 
     redis_url = yaml.safe_load((tmp_path / "home" / "run" / "sits-config.yaml").read_text())["redis"]["url"]
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    port = urllib.parse.urlsplit(redis_url).port
     assert not (tmp_path / "home" / "redis-url").exists() and not (tmp_path / "home" / "api-url").exists()
+    # it showed its Redis with the password masked
+    password = urllib.parse.urlsplit(redis_url).password
+    assert password and password not in output and "Redis redis://:***@127.0.0.1:" in " ".join(output.split())
 
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0
@@ -38,6 +42,7 @@ def test_sitsctl_up_records_url_and_key_and_stops_its_children_on_sigterm(tmp_pa
     import json
     import signal
     import time
+    import urllib.parse
 
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SITS_")} | {"SITS_HOME": str(home)}
@@ -56,6 +61,11 @@ def test_sitsctl_up_records_url_and_key_and_stops_its_children_on_sigterm(tmp_pa
             time.sleep(0.5)
         assert status and status["workers"], up.stdout.read() if up.poll() is not None else status
         assert (home / "api-key").stat().st_mode & 0o777 == 0o600
+        for secret in ("redis-url", "run/sits-config.yaml", "redis/redis.conf"):  # each holds the Redis password
+            assert (home / secret).stat().st_mode & 0o777 == 0o600, secret
+        assert home.stat().st_mode & 0o777 == 0o700
+        password = urllib.parse.urlsplit((home / "redis-url").read_text().strip()).password
+        assert password and password not in json.dumps(status) and status["redis_url"].startswith("redis://:***@")
         assert (home / "api-url").read_text().startswith("http://127.0.0.1:")
         second = subprocess.run([sys.executable, "-m", "sits_api.cli", "up", "--port", "0"], env=env,
                                 capture_output=True, text=True, timeout=60)

@@ -159,7 +159,7 @@ def test_sitsctl_job_commands_and_status(stack):
     assert status["status"] == "succeeded" and status["rows_done"] == 2_000
 
     overview = json.loads(sitsctl(stack, "status", "--json").stdout)
-    assert overview["redis_url"].startswith("redis://127.0.0.1")
+    assert overview["redis_url"].startswith("redis://:***@127.0.0.1:")
     assert overview["workers"] and overview["workers"][0]["device"] == "cpu" and overview["workers"][0]["alive"]
     memory = overview["workers"][0]["memory"]  # a CPU worker's reservations, in cpu_memory_granularity units
     assert memory["capacity_bytes"] == 16 * 2**30 and memory["granularity_bytes"] == 2 * 2**20

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,6 +143,10 @@ def test_sighup_stops_every_child(start_up) -> None:
     up = start_up()
     children = up.children()
     assert len(children) >= 2, children  # the embedded Redis and the API
+    # (the Redis password is in no child's command line, which `ps` shows every user, nor in what `up` prints)
+    password = urllib.parse.urlsplit((up.home / "redis-url").read_text().strip()).password
+    assert password and not [argv for argv in children.values() if password in argv]
+    assert "Redis redis://:***@127.0.0.1:" in up.output() and password not in up.output(), up.output()
 
     up.process.send_signal(signal.SIGHUP)  # the terminal `up` ran in was closed
 

@@ -20,7 +20,7 @@ from broker.tenants.apikeys import create_api_key
 from sits_api.cli.client import ApiClient
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import register, stack_settings, wait_job
-from tests.e2e.test_fair_share import billed_over
+from tests.e2e.test_fair_share import billed_over, in_tenant_folder
 
 ROWS = 40_000
 CHUNK = 16
@@ -49,8 +49,9 @@ def test_a_tenant_at_its_limit_waits_with_the_device_idle_and_borrows_once_its_l
     admin = stack.client()
     admin.request("PUT", "/v1/tenants/capped", {"guaranteed_share": SHARE, "limit": 1.0})  # (as an admin would)
     capped = ApiClient(stack.api_url, create_api_key(store, "capped-key", "user", tenant="capped"))
-    job = capped.post("/v1/jobs", {"model": "mlp", "input_batch": str(stack.home / "features.npy"),
-                                   "output_dir": str(stack.home / "capped-out"), "chunk_size": CHUNK,
+    job = capped.post("/v1/jobs", {"model": "mlp",
+                                   "input_batch": str(in_tenant_folder(stack.home, "capped", "features.npy")),
+                                   "output_dir": str(stack.home / "capped" / "out"), "chunk_size": CHUNK,
                                    "batch_size": MINI_BATCH})
     time.sleep(4.0)  # two half-lives: its usage reaches its limit, and it is held from then on
 

@@ -81,8 +81,9 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
     for name in ("acme", "evil"):
         assert call(stack, admin, "PUT", f"/v1/tenants/{name}", {"guaranteed_share": 0.0}).status == 200
     acme_admin = key("acme-admin", "tenant-admin", "acme")
-    model_path = build_zoo(home / "models")["mlp"]
-    np.save(home / "acme-features.npy", np.random.default_rng(1).standard_normal((64, 64), dtype=np.float32))
+    model_path = build_zoo(home / "acme" / "models")["mlp"]  # (a tenant's files lie in its folder of each root)
+    np.save(home / "acme" / "features.npy", np.random.default_rng(1).standard_normal((64, 64), dtype=np.float32))
+    (home / "evil").mkdir()
     alice = key("alice", "user", "acme", by=acme_admin)
     assert call(stack, alice, "POST", "/v1/models", {"name": "shared-mlp", "path": str(model_path)}).status == 201
     yield Tenants(stack, admin, acme_admin, alice, key("bob", "user", "acme", by=acme_admin),
@@ -91,10 +92,9 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
 
 
 def submit_job(tenants: Tenants, key: str, output: str, **fields: Any) -> Reply:
-    home = tenants.stack.home
+    acme = tenants.stack.home / "acme"
     return call(tenants.stack, key, "POST", "/v1/jobs", {
-        "model": "shared-mlp", "input_batch": str(home / "acme-features.npy"), "output_dir": str(home / output),
-        **fields})
+        "model": "shared-mlp", "input_batch": str(acme / "features.npy"), "output_dir": str(acme / output), **fields})
 
 
 # --- ownership by tenant --------------------------------------------------------------------
@@ -129,8 +129,8 @@ def test_a_key_named_like_another_tenant_s_reaches_none_of_its_work(tenants: Ten
     version = call(stack, evil_alice, "POST", "/v1/models", {"name": "shared-mlp", "path": str(tenants.model_path)})
     assert version.status == 403, version  # acme's bare name keeps running acme's model
     assert call(stack, evil_alice, "POST", "/v1/jobs", {
-        "model": "shared-mlp", "input_batch": str(stack.home / "acme-features.npy"),
-        "output_dir": str(stack.home / "alice-out")}).status == 409  # acme's folder is not evil's to take
+        "model": "shared-mlp", "input_batch": str(stack.home / "evil" / "features.npy"),
+        "output_dir": str(stack.home / "acme" / "alice-out")}).status == 403  # acme's folder is not evil's
     assert wait_job(stack.client(), job_id)["status"] == "succeeded"  # not cancelled by evil's alice
 
 
@@ -138,14 +138,46 @@ def test_a_tenant_s_users_add_versions_to_its_model_names_and_its_admin_routes_t
     """A name is its tenant's, not the registering key's: bob adds a version to the name alice
     registered, and acme's tenant admin routes it; evil's tenant admin may not."""
     stack = tenants.stack
-    alice_model = call(stack, tenants.alice, "POST", "/v1/models", {"name": "acme-mlp", "path": str(tenants.model_path)})
+    registration = {"name": "acme-mlp", "path": str(tenants.model_path)}
+    alice_model = call(stack, tenants.alice, "POST", "/v1/models", registration)
     assert alice_model.status == 201 and alice_model.body["owner"] == "acme", alice_model
 
-    by_bob = call(stack, tenants.bob, "POST", "/v1/models", {"name": "acme-mlp", "path": str(tenants.model_path)})
+    by_bob = call(stack, tenants.bob, "POST", "/v1/models", registration)
     assert by_bob.status == 201, by_bob
     route = {"model": "acme-mlp", "split": {alice_model.body["version"]: 1.0}}
     assert call(stack, tenants.acme_admin, "PUT", "/v1/routes", route).status == 200
     assert call(stack, tenants.evil_admin, "PUT", "/v1/routes", route).status == 403
+
+
+# --- each tenant's own folders -----------------------------------------------------------------
+
+
+def test_another_tenant_s_input_and_output_folders_answer_as_a_path_outside_the_roots(tenants: Tenants) -> None:
+    """Without roots of its own, a tenant reads and writes only its folder under each global root:
+    acme's input is not evil's to read (its outputs would be evil's copy of acme's data), acme's
+    folders and a running job's `.parts/` not evil's to write, and a file there that exists answers
+    exactly as one that does not, so no tenant learns which of another's files exist."""
+    stack, acme = tenants.stack, tenants.stack.home / "acme"
+    np.save(stack.home / "evil" / "features.npy", np.zeros((4, 64), dtype=np.float32))
+    evil_user = call(stack, tenants.evil_admin, "POST", "/v1/keys", {"name": "eve", "role": "user", "tenant": "evil"})
+    eve = evil_user.body["key"]
+    running = submit_job(tenants, tenants.bob, "bob-running")
+    assert running.status == 201, running
+
+    def job(input_batch: Path, output_dir: Path) -> Reply:
+        return call(stack, eve, "POST", "/v1/jobs", {"model": "shared-mlp", "input_batch": str(input_batch),
+                                                     "output_dir": str(output_dir)})
+
+    theirs, missing = job(acme / "features.npy", stack.home / "evil" / "out"), job(acme / "nothing.npy",
+                                                                                   stack.home / "evil" / "out")
+    assert theirs.status == missing.status == 403 and theirs.body["code"] == "path_not_allowed", theirs
+    assert theirs.body["error"].replace("features", "X") == missing.body["error"].replace("nothing", "X")
+    for folder in (acme / "alice-out", acme / "bob-running" / ".parts" / running.body["id"], stack.home / "out"):
+        into = job(stack.home / "evil" / "features.npy", folder)
+        assert into.status == 403 and into.body["code"] == "path_not_allowed", (folder, into)
+    model = call(stack, eve, "POST", "/v1/models", {"name": "evil-mlp", "path": str(tenants.model_path)})
+    assert model.status == 403 and model.body["code"] == "path_not_allowed", model
+    assert job(stack.home / "evil" / "features.npy", stack.home / "evil" / "out").status == 201  # its own folders
 
 
 # --- ids, bodies and entitlements -------------------------------------------------------------
@@ -204,7 +236,7 @@ def test_a_capped_tenant_may_not_ask_priority_15_or_the_vip_tier(tenants: Tenant
 def test_an_oversized_model_file_is_refused_before_it_is_read(tenants: Tenants) -> None:
     """A sparse file past `models.max_file_size`: read, it would be parsed as an ONNX file of zeros
     (an invalid model after seconds of work); refused from its size, it is a 413 at once."""
-    huge = tenants.stack.home / "models" / "huge.onnx"
+    huge = tenants.stack.home / "acme" / "models" / "huge.onnx"
     with huge.open("wb") as handle:
         handle.truncate(MAX_MODEL_FILE + 1)
 

@@ -25,7 +25,7 @@ from broker.tenants.apikeys import create_api_key
 from broker.tenants.usage import BillEntry
 from sits_api.app import create_app
 from sits_api.cli.main import cli
-from tests.api.api_helpers import Api, error_of, make_settings
+from tests.api.api_helpers import Api, error_of, make_settings, tenant_copy
 
 ROW = [0.25] * 64
 V2 = {"inputs": [{"name": "features", "shape": [1, 64], "datatype": "FP32", "data": ROW}]}
@@ -84,8 +84,8 @@ def test_a_viewer_reads_its_tenant_s_work_and_steers_or_submits_nothing(client: 
     boss = key(client, store, "boss", "tenant-admin", tenant="acme")
     viewer = key(client, store, "vic", "viewer", tenant="acme")
     outsider = key(client, store, "gary", "tenant-admin", tenant="globex")
-    job = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
-                                       "output_dir": str(tmp_path / "out")}).get_json()
+    job = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(tenant_copy(mlp_input, tmp_path, "acme")),
+                                       "output_dir": str(tmp_path / "acme" / "out")}).get_json()
     assert job["tenant"] == "acme" and job["priority"] == 12  # the tenant's default_priority
 
     assert viewer.get(f"/v1/jobs/{job['id']}").status_code == 200
@@ -128,17 +128,18 @@ def test_max_queued_answers_429_with_retry_after_over_rest_and_v2(client: FlaskC
 def test_max_inflight_answers_429_for_a_second_active_job(client: FlaskClient, store: Store, mlp: dict[str, Any],
                                                           mlp_input: Path, tmp_path: Path) -> None:
     alice = key(client, store, "alice", "user", tenant="acme")
-    first = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
-                                         "output_dir": str(tmp_path / "one")})
+    acme_input, acme_folder = tenant_copy(mlp_input, tmp_path, "acme"), tmp_path / "acme"
+    first = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(acme_input),
+                                         "output_dir": str(acme_folder / "one")})
     assert first.status_code == 201
 
-    second = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
-                                          "output_dir": str(tmp_path / "two")})
+    second = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(acme_input),
+                                          "output_dir": str(acme_folder / "two")})
     assert second.status_code == 429 and second.headers["Retry-After"]
     assert "tenant 'acme' has 1 jobs queued or running, its limit (tenants.acme.max_inflight)" in error_of(second)
     assert alice.delete(f"/v1/jobs/{first.get_json()['id']}").status_code == 200
-    third = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
-                                         "output_dir": str(tmp_path / "two")})
+    third = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(acme_input),
+                                         "output_dir": str(acme_folder / "two")})
     assert third.status_code == 201, error_of(third)  # the cancelled job's place was freed
 
 
@@ -216,7 +217,8 @@ def test_a_tenant_admin_routes_its_tenant_s_model_names_only(api: Api, client: F
     alice = key(client, store, "alice", "user", tenant="acme")
     boss = key(client, store, "boss", "tenant-admin", tenant="acme")
     other = key(client, store, "gary", "tenant-admin", tenant="globex")
-    first = alice.post("/v1/models", json={"name": "acme-mlp", "path": str(zoo_dir / "mlp.onnx")}).get_json()
+    acme_model = tenant_copy(zoo_dir / "mlp.onnx", tmp_path, "acme")  # (its models lie in its folder)
+    first = alice.post("/v1/models", json={"name": "acme-mlp", "path": str(acme_model)}).get_json()
     assert api.post("/v1/models", json={"name": "shared-mlp", "path": str(zoo_dir / "mlp.onnx")}).status_code == 201
     route = {"model": "acme-mlp", "split": {first["version"]: 1.0}}
 

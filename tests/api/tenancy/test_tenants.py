@@ -21,13 +21,26 @@ import pytest
 from click.testing import CliRunner
 from flask.testing import FlaskClient
 
+from broker.config.settings import Settings
 from broker.models import registry
 from broker.online import requests
+from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key, owns
 from sits_api.cli.main import cli
 from sits_worker.model.zoo import build_model
-from tests.api.api_helpers import Api, error_of
+from tests.api.api_helpers import Api, error_of, make_settings, shared_roots
+
+OWNERS = ("alice", "bob", "prometheus")
+"""The tenants of the module's user keys (one key, or two, each): they share the test's folders, as an
+admin may configure them to, so that what keeps them apart here is who owns the work (each tenant's own
+folder, the default, is tested in tests/security)."""
+
+
+@pytest.fixture
+def settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path) -> Settings:
+    return make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(
+        tenants={name: shared_roots(tmp_path, zoo_dir) for name in OWNERS})
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
-from tests.api.api_helpers import Api, make_settings
+from tests.api.api_helpers import Api, make_settings, tenant_copy
 from tests.leasing import lease_items
 
 ONE_ROW = [[0.5] * 64]
@@ -78,9 +79,10 @@ def scrape_key(store: Store) -> str:
     return create_api_key(store, "prometheus", "metrics")
 
 
-def submit_job(api: Api, tmp_path: Path, mlp_input: Path, name: str) -> dict[str, Any]:
-    response = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
-                                          "output_dir": str(tmp_path / name), "chunk_size": 4})
+def submit_job(api: Api, tmp_path: Path, mlp_input: Path, name: str, tenant: str = "alice-tenant") -> dict[str, Any]:
+    """A job of `tenant`'s key `api` (its files in the tenant's folder, where its keys read and write)."""
+    response = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(tenant_copy(mlp_input, tmp_path, tenant)),
+                                          "output_dir": str(tmp_path / tenant / name), "chunk_size": 4})
     assert response.status_code == 201, response.get_json()
     return response.get_json()
 
@@ -255,9 +257,12 @@ def test_job_deadlines_met_missed_and_refused_and_the_risk_of_active_ones_show_p
         settings: Any, tmp_path: Path) -> None:
     workers.record_heartbeat(store, "w@h", {"device": "cpu", "streams": 1}, now=time.time())
 
+    own_input = tenant_copy(mlp_input, tmp_path, "alice-tenant")  # (in the folder its tenant's keys read)
+
     def submit(name: str, api: Api = alice, **fields: Any) -> Any:
-        return api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input),
-                                          "output_dir": str(tmp_path / name), "chunk_size": 4, **fields})
+        return api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(own_input),
+                                          "output_dir": str(tmp_path / "alice-tenant" / name), "chunk_size": 4,
+                                          **fields})
 
     assert submit("too-soon", deadline_s=0.001).status_code == 422  # three chunks cannot run in a millisecond
     assert submit("passed", deadline="2020-01-01T00:00:00Z").status_code == 422
@@ -349,8 +354,11 @@ def test_metrics_name_no_job_or_request_ids_owners_or_redis_url(
     text = scrape(client, admin_key)
 
     assert "sits_requests_completed_total" in text and "sits_jobs{" in text
-    redis_port = settings.redis.url.rsplit(":", 1)[1].split("/")[0]
-    for secret in (job["id"], queued["id"], "alice", settings.redis.url, redis_port, store.keys.prefix, "test"):
+    redis_url = urllib.parse.urlsplit(settings.redis.url)
+    redis_port, redis_password = str(redis_url.port), redis_url.password
+    assert redis_password  # (the embedded Redis has one)
+    for secret in (job["id"], queued["id"], "alice", settings.redis.url, redis_port, redis_password,
+                   store.keys.prefix, "test"):
         assert secret not in text, secret
 
 

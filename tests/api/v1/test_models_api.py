@@ -198,7 +198,7 @@ def test_a_valid_model_in_another_folder_answers_403(api: Api, tmp_path_factory:
     response = register(api, "mlp", outside)
 
     assert response.status_code == 403
-    assert "outside the allowed roots" in error_of(response)
+    assert "outside this key's model roots" in error_of(response)
 
 
 def test_a_symlink_escaping_the_model_roots_answers_403(

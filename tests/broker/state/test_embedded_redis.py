@@ -56,7 +56,7 @@ def test_starts_on_a_free_loopback_port_and_answers_ping(durable_redis: Embedded
     client = redis.Redis.from_url(durable_redis.url)
     try:
         assert client.ping() is True
-        assert durable_redis.url == f"redis://127.0.0.1:{durable_redis.port}/0"
+        assert durable_redis.url == f"redis://:{durable_redis.password}@127.0.0.1:{durable_redis.port}/0"
         assert client.config_get("bind")["bind"] == "127.0.0.1"
         assert client.config_get("appendonly")["appendonly"] == "yes"
     finally:
