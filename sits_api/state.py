@@ -7,6 +7,7 @@ each part is safe to use from several threads (the store holds a connection per 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from broker.tenants.records import TenantTable
 from sits_api.intake.result_inbox import ResultInbox
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.metrics import SitsCollector
+from sits_api.tenancy.wait_slots import WaitSlots
 
 EXTENSION = "sits"
 """The key of the app's extensions under which the `AppState` is kept."""
@@ -40,8 +42,19 @@ class AppState:
     """The Prometheus collector of `GET /metrics`."""
     tenants: TenantTable
     """The tenants' records, kept live from Redis."""
+    wait_slots: WaitSlots = field(default_factory=WaitSlots)
+    """How many calls each tenant holds waiting in this process (`api.max_waits_per_tenant`)."""
     known_keys: dict[str | None, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     """API keys checked lately: key -> (when, identity), trusted for `auth.KEY_CACHE_SECONDS`."""
+
+
+    def waiting_slot(self, identity: dict[str, Any], wait: bool) -> contextlib.AbstractContextManager[None]:
+        """One of the caller's tenant's waiting calls in this process while a call waits
+        (`wait_slots`); an admin key's are not counted, nor calls that do not wait."""
+        if not wait or identity.get("role") == "admin":
+            return contextlib.nullcontext()
+        tenant = str(identity.get("tenant") or identity.get("name") or "")
+        return self.wait_slots.hold(tenant, self.settings.api.max_waits_per_tenant)
 
 
 def app_state() -> AppState:

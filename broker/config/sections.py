@@ -32,6 +32,10 @@ class ApiSettings(_Section):
     """API server processes; each runs `threads` request threads."""
     threads: Integer = Field(16, ge=1, le=1024)
     """Request threads per API process; a `wait=true` call holds one while it waits."""
+    max_waits_per_tenant: Integer = Field(8, ge=0)
+    """Most calls of one tenant waiting for their results at once in one API process (v1 `wait`, v2
+    `infer`); one more is a 429. Half the default `threads`, so one tenant never holds them all (0: no
+    cap; admin keys are not capped)."""
     url: str = ""
     """The URL clients use; empty means http://host:port."""
 

@@ -54,8 +54,9 @@ class ModelBatching(_Section):
     queue_capacity: Integer = Field(1024, ge=1)
     """Items (waiting + leased) that make the model's queue 100 % loaded, for PSA jumps."""
     # The queue policy (Triton's ModelQueuePolicy): docs/scheduling.md, "Queue policy and backpressure".
-    max_queue_size: Integer = Field(0, ge=0)
-    """Most online requests waiting (not leased) in a model version's queue; one more is a 429. 0: no limit."""
+    max_queue_size: Integer = Field(4096, ge=0)
+    """Most online requests waiting (not leased) in a model version's queue; one more is a 429. 0: no limit.
+    The default bounds what a flood keeps in Redis (each request holds its inputs until it runs)."""
     default_timeout: Seconds = Field(0.0, ge=0)
     """How long a request may wait for a worker when it names no timeout of its own; 0: no timeout."""
     timeout_action: TimeoutAction = "reject"

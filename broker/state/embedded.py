@@ -92,10 +92,12 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: Path, *, port: int | None = None, appendonly: bool = True,
-                 password: str | None = None) -> None:
+                 password: str | None = None, maxmemory: int = 0) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.maxmemory = maxmemory
+        """Bytes the server may hold before it refuses writes (0: no limit); it evicts nothing."""
         self.password = password or secrets.token_urlsafe(32)
         """What a client must AUTH with. Kept across `stop` and `start`, so that clients made before a
         restart reconnect; a new `EmbeddedRedis` over the same folder gets a new one (AOF keeps no password)."""
@@ -140,6 +142,7 @@ class EmbeddedRedis:
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", "everysec",
+            "--maxmemory", str(self.maxmemory),
             "--maxmemory-policy", "noeviction",
             "--daemonize", "no",
             "--protected-mode", "yes",

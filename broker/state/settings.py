@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from broker.setting_types import Bytes, parse_size
 from broker.setting_types import Section as _Section
 
 
@@ -11,6 +12,11 @@ class RedisSettings(_Section):
     url: str = ""
     key_prefix: str = "sits"
     appendonly: bool = True
+    maxmemory: Bytes = parse_size("1GiB")
+    """The most memory the embedded Redis holds (0: no limit). Past it Redis evicts nothing and refuses
+    writes, and SITS answers them 503 `store_full` while reads, leases and acks go on, until finished
+    work and results expire. An external Redis keeps its own `maxmemory`: set it there, with
+    `maxmemory-policy noeviction`."""
 
     @property
     def task_queue(self) -> str:

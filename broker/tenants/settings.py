@@ -23,9 +23,10 @@ class Tenant(_Section):
     guaranteed_share: Number = Field(0.0, ge=0.0, le=1.0)
     limit: Number = Field(1.0, ge=1.0)
     preemption_target: Seconds = Field(1.0, gt=0)
-    max_queued: Integer = Field(0, ge=0)
-    """Most online requests of the tenant waiting or running at once (0: no limit)."""
-    max_inflight: Integer = Field(0, ge=0)
+    max_queued: Integer = Field(1024, ge=0)
+    """Most online requests of the tenant waiting or running at once (0: no limit). The default keeps one
+    tenant's flood to what a small Redis holds beside everyone else's work."""
+    max_inflight: Integer = Field(64, ge=0)
     """Most jobs of the tenant queued or running at once (0: no limit)."""
     default_priority: Integer | None = Field(None, ge=0, le=MAX_PRIORITY)
     """The priority of its work that names none (None: the system's default)."""
@@ -88,3 +89,9 @@ class FairShareSettings(_Section):
             raise ValueError(f"price_per_device_hour gives cuda {prices['cuda']} and gpu {prices['gpu']}: they are one "
                              "device kind (gpu); give one")
         return {("gpu" if kind == "cuda" else kind): price for kind, price in prices.items()}
+
+
+UNRECORDED = Tenant()
+"""What a tenant without a record gets: no share, the default caps and entitlements."""
+UNCAPPED = Tenant(max_queued=0, max_inflight=0)
+"""What an admin key's tenant without a record gets: operators are not capped by default."""

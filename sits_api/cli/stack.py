@@ -125,7 +125,8 @@ class Stack:
                 _check_port_free(self.settings.api.host, port)
             redis_url = self.settings.redis.url
             if not redis_url:
-                self.redis = EmbeddedRedis(self.home / "redis", appendonly=self.settings.redis.appendonly).start()
+                self.redis = EmbeddedRedis(self.home / "redis", appendonly=self.settings.redis.appendonly,
+                                           maxmemory=self.settings.redis.maxmemory).start()
                 redis_url = self.redis.url
             port = port or free_port(self.settings.api.host)  # (after Redis took its own free port)
             self.settings = self.settings.with_overrides(redis={"url": redis_url}, api={"port": port})

@@ -243,7 +243,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         except DeadlineInfeasible:
             sla_metrics.count_admission_refusal(store, spec.model_ref)
             raise
-    _take_job_place(settings, store, spec, tenant, now=now)
+    _take_job_place(settings, store, spec, tenant_gate.caps_of(caller, tenant), now=now)
     output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
     job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering,
                          deadline_horizon=settings.sla.deadline_horizon)
@@ -264,13 +264,11 @@ def _entitled_priority(caller: dict[str, Any], body: JobSubmission, tenant: Tena
     return priority
 
 
-def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec, tenant: Tenant | None, *,
-                    now: float) -> None:
-    """A place among its tenant's active jobs (`max_inflight`), or QueueFull (429) with a Retry-After of
-    about one chunk's time: the soonest a job of the tenant may end and free one."""
+def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec, caps: Tenant, *, now: float) -> None:
+    """A place among its tenant's active jobs (`caps.max_inflight`), or QueueFull (429) with a Retry-After
+    of about one chunk's time: the soonest a job of the tenant may end and free one."""
     try:
-        tenant_quotas.take_job_place(store, spec.tenant, spec.job_id, most=tenant.max_inflight if tenant else 0,
-                                     now=now)
+        tenant_quotas.take_job_place(store, spec.tenant, spec.job_id, most=caps.max_inflight, now=now)
     except tenant_quotas.TenantAtLimit as full:
         retry_after = max(1, math.ceil(settings.jobs.chunk_seconds))
         raise QueueFull(f"tenant '{spec.tenant}' has {full.active} jobs queued or running, its limit "

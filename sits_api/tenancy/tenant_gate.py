@@ -3,7 +3,7 @@
 
 A key belongs to one tenant (`broker/tenants/apikeys.py`); a tenant's record (`broker/tenants/records.py`) may narrow
 the models its keys use and cap its unanswered requests (`max_queued`) and active jobs
-(`max_inflight`). A tenant with no record has no caps and no share.
+(`max_inflight`). A tenant with no record has no share, and the default caps (`UNRECORDED`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from broker.tenants import apikeys
 from broker.tenants import records as tenants
 from broker.tenants import usage as tenant_usage
 from broker.tenants.records import TenantTable
-from broker.tenants.settings import Tenant
+from broker.tenants.settings import UNCAPPED, UNRECORDED, Tenant
 
 
 def tenant_of(identity: dict[str, Any]) -> str:
@@ -36,12 +36,20 @@ def check_model(table: TenantTable, store: Store, identity: dict[str, Any], mode
     return found
 
 
+def caps_of(identity: dict[str, Any], tenant: Tenant | None) -> Tenant:
+    """The record whose caps (`max_queued`, `max_inflight`) hold for the caller: its tenant's, else the
+    defaults (`UNRECORDED`), which an admin key's tenant without a record is spared (`UNCAPPED`)."""
+    if tenant is not None:
+        return tenant
+    return UNCAPPED if identity.get("role") == "admin" else UNRECORDED
+
+
 def check_entitlements(identity: dict[str, Any], tenant: Tenant | None, *, priority: int,
                        user_tier: str | None = None) -> None:
     """Refuse work that asks more than the caller's tenant may: a priority above its `max_priority`
     (PriorityNotAllowed), a `user_tier` outside its `user_tiers` (TierNotAllowed; `free`, every
     request's default and the tier that weighs least, is every tenant's); both 403s whose message
-    names the cap. A tenant without a record may ask anything a request may name."""
+    names the cap. A tenant without a record has the default entitlements: every priority and tier."""
     if tenant is None:
         return
     name = tenant_of(identity)

@@ -27,7 +27,7 @@ def submit_request() -> Any:
     wait = body.wait or asked_in_query
     settings, store = state.settings, state.store
     request_id = requests.new_request_id()
-    with state.inbox.expecting(request_id, wait=wait) as answer:
+    with state.waiting_slot(g.identity, wait), state.inbox.expecting(request_id, wait=wait) as answer:
         model = ab_routes.routed(store, body.model, g.identity, request.headers, "v1")
         tenant = tenant_gate.check_model(state.tenants, store, g.identity, model)
         priority = priority_of(body, tenant)
@@ -38,7 +38,7 @@ def submit_request() -> Any:
                                      owner=g.identity["name"], now=time.time(), request_id=request_id,
                                      timeout_ms=body.timeout_ms, reply_to=answer.reply_to,
                                      tenant=tenant_gate.tenant_of(g.identity),
-                                     max_queued=tenant.max_queued if tenant else 0)
+                                     max_queued=tenant_gate.caps_of(g.identity, tenant).max_queued)
         done = request_intake.wait_for_result(settings, store, state.policy, answer, spec,
                                               seconds=request_intake.wait_seconds(settings, body.deadline_ms))
     if done:

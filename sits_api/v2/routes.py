@@ -186,7 +186,8 @@ def triton_config(record: ModelRecord, batching: Batching, *, queue: ModelBatchi
 def triton_queue_policy(queue: ModelBatching) -> dict[str, Any]:
     """`default_queue_policy` and `priority_queue_policy` as Triton writes them (`ModelQueuePolicy`: a
     timeout in microseconds, `REJECT` / `DELAY`, Triton's priority p for SITS level 16 - p), for a model
-    whose queue keys are not SITS's defaults; {} for one whose are, as Triton leaves them out."""
+    whose queue keys are not Triton's defaults (SITS's `max_queue_size` default is not: it bounds a
+    queue); {} for one whose are, as Triton leaves them out."""
     if (queue.max_queue_size, queue.default_timeout, queue.timeout_action, queue.allow_timeout_override,
             dict(queue.priority_levels)) == (0, 0.0, "reject", True, {}):
         return {}
@@ -215,14 +216,14 @@ def infer(name: str, version: str | None = None) -> Any:
     tenant = tenant_gate.check_model(state.tenants, store, g.identity, checked.model)
     tenant_gate.check_entitlements(g.identity, tenant, priority=checked.priority, user_tier=checked.user_tier)
     request_id = requests.new_request_id()
-    with state.inbox.expecting(request_id) as answer:
+    with state.waiting_slot(g.identity, True), state.inbox.expecting(request_id) as answer:
         spec = request_intake.submit(settings, store, state.dispatcher, state.policy, model=checked.model,
                                      inputs=checked.inputs, priority=checked.priority,
                                      deadline_ms=checked.deadline_ms, user_tier=checked.user_tier, tokens=None,
                                      owner=g.identity["name"], now=time.time(), timeout_ms=checked.deadline_ms,
                                      request_id=request_id, reply_to=answer.reply_to,
                                      tenant=tenant_gate.tenant_of(g.identity),
-                                     max_queued=tenant.max_queued if tenant else 0)
+                                     max_queued=tenant_gate.caps_of(g.identity, tenant).max_queued)
         result = _wait_for_answer(answer, settings, store, state.policy, spec)
     if result.status != "succeeded":  # answered with the status of the error that failed it
         # (a request failed by a worker of a release before error codes: a 400, as it was then)

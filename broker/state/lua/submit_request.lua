@@ -57,13 +57,17 @@ if most_at_level > 0 then
 end
 local tenant_most = tonumber(ARGV[15])
 if tenant_most > 0 then
+  -- The request's place first: a write Redis refuses at maxmemory. Redis checks memory only at a
+  -- script's first write of a kind that may grow it, so a first ZREMRANGEBYSCORE would let every
+  -- write after it through a full Redis.
+  redis.call('ZADD', K.tenant_queued, tonumber(ARGV[9]) + tonumber(ARGV[7]), ARGV[2])
   redis.call('ZREMRANGEBYSCORE', K.tenant_queued, '-inf', ARGV[9])
-  local unanswered = redis.call('ZCARD', K.tenant_queued)
+  local unanswered = redis.call('ZCARD', K.tenant_queued) - 1
   if unanswered >= tenant_most then
+    redis.call('ZREM', K.tenant_queued, ARGV[2])
     redis.call('HINCRBY', K.counters, 'requests_rejected_tenant_full:' .. ARGV[1], 1)
     return {SUBMIT.TENANT_FULL, unanswered}
   end
-  redis.call('ZADD', K.tenant_queued, tonumber(ARGV[9]) + tonumber(ARGV[7]), ARGV[2])
 end
 local flat = {}  -- (one HSET for every field: a command each would cost Redis a dispatch each)
 for name, value in pairs(cjson.decode(ARGV[3])) do

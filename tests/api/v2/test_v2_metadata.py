@@ -20,6 +20,9 @@ from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 from tests.api.api_helpers import Api, error_of, make_settings
 
+DEFAULT_QUEUE_POLICY = {"timeout_action": "REJECT", "default_timeout_microseconds": 0, "allow_timeout_override": True,
+                        "max_queue_size": 4096}
+"""SITS's default queue policy as Triton writes it: Triton's own but for the bounded queue."""
 
 def test_server_metadata_needs_no_key_and_names_the_package_version(client: FlaskClient) -> None:
     response = client.get("/v2")
@@ -53,7 +56,8 @@ def test_model_config_is_a_triton_config_without_the_batch_axis(api: Api, mlp: d
         "output": [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}],
         "dynamic_batching": {"max_queue_delay_microseconds": round(batching["max_queue_delay_ms"] * 1000),
                              "preferred_batch_size": batching["preferred_batch_sizes"],
-                             "priority_levels": 16, "default_priority_level": 16},
+                             "priority_levels": 16, "default_priority_level": 16,
+                             "default_queue_policy": DEFAULT_QUEUE_POLICY},
     }
     assert api.get(f"/v2/models/mlp/versions/{mlp['version']}/config").get_json() == config
 
@@ -69,7 +73,8 @@ def test_model_config_carries_the_configured_batching_settings(
 
     assert config["max_batch_size"] == 16
     assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 2500, "preferred_batch_size": [4, 8],
-                                          "priority_levels": 16, "default_priority_level": 16}
+                                          "priority_levels": 16, "default_priority_level": 16,
+                                          "default_queue_policy": DEFAULT_QUEUE_POLICY}
 
 
 def test_dynamic_axes_past_the_batch_axis_are_minus_one(api: Api, zoo_dir: Path) -> None:
