@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from broker.setting_types import Bytes, Integer, Number, Seconds, count_or_auto, parse_size
+from broker.setting_types import Bytes, Integer, Number, Seconds, count_or_auto, parse_duration, parse_size
 from broker.setting_types import Section as _Section
 
 
@@ -27,6 +27,9 @@ class JobSettings(_Section):
     """Rows per ONNX Runtime run for jobs that do not set one; `auto`: the model's best measured
     batch size (the smallest within 5 % of the best rows/s a job gets, its profile's rows/s less a
     mini-batch's own cost, broker/jobs/chunking.py); 128 for a model without a usable profile."""
+    retention: Seconds = Field(parse_duration("7d"), ge=0)
+    """How long an ended job's record, done set and index entries stay in Redis after it ended (the
+    files it wrote stay): the reaper then forgets it, and it answers 404 (0: keep every job)."""
     max_attempts: Integer = Field(3, ge=1)
     """A chunk (or request) whose lease ran out this many times fails its job (poison batch): the
     attempts of `retry.worker_lost` unless that sets its own. Failures of other classes count
