@@ -115,11 +115,16 @@ def _tenant_metrics(store: Store, stats: SystemStats, settings: Settings, *, now
                                    "device time (tenants.<name>.guaranteed_share).", labels=["tenant"])
     ceiling = GaugeMetricFamily("sits_tenant_share_limit", "The most of the fleet the tenant may use when others "
                                 "are idle: guaranteed_share x limit.", labels=["tenant"])
+    info = GaugeMetricFamily("sits_tenant_info", "1 for each tenant with a record, labelled with its tier "
+                             "(tenants.<name>.tier), to join onto the other sits_tenant_* series.",
+                             labels=["tenant", "tier"])
     for tenant_name, record in tenants.effective(tenants.load_tenants(store), settings.tenants).items():
         guaranteed.add_metric([tenant_name], record.guaranteed_share)
         ceiling.add_metric([tenant_name], min(1.0, record.guaranteed_share * record.limit))
+        info.add_metric([tenant_name, record.tier], 1.0)
     yield guaranteed
     yield ceiling
+    yield info
     used = {name: decayed(usage, now=now, half_life=half_life) for name, usage in read_usage(store).items()}
     whole = sum(used.values(), 0.0)
     recent = GaugeMetricFamily("sits_tenant_usage_share", "The tenant's share of the fleet's recent device time "

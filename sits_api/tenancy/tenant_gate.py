@@ -97,7 +97,8 @@ def usage(settings: Settings, store: Store, identity: dict[str, Any], query: Map
     """`GET /v1/usage`: the chargeback rows the query asks for (`tenant_usage.usage_report`). `from` and
     `to` are UTC dates (default: today), `by` one of `tenant_usage.BREAKDOWNS` (default `tenant`),
     `tenant` one tenant (default: every tenant for an admin key, its own for any other, which may name
-    no other: a 404, as for a tenant that does not exist)."""
+    no other: a 404, as for a tenant that does not exist). Each row carries its tenant's `tier`, for
+    bills by tier."""
     by = (query.get("by") or "tenant").strip()
     if by not in tenant_usage.BREAKDOWNS:
         raise BadInput(f"by must be one of {', '.join(tenant_usage.BREAKDOWNS)}, got {by!r}")
@@ -115,6 +116,9 @@ def usage(settings: Settings, store: Store, identity: dict[str, Any], query: Map
     prices = dict(settings.fair_share.price_per_device_hour)
     rows = tenant_usage.usage_report(store, names, first_day=first_day, last_day=last_day, by=by,  # type: ignore[arg-type]
                                      prices=prices)
+    in_force = tenants.effective(tenants.load_tenants(store), settings.tenants)
+    rows = [{"tenant": row["tenant"], "tier": (in_force.get(row["tenant"]) or UNRECORDED).tier,
+             **{name: value for name, value in row.items() if name != "tenant"}} for row in rows]
     return {"from": tenant_usage.day_text(first_day), "to": tenant_usage.day_text(last_day), "by": by,
             "currency": settings.fair_share.currency, "price_per_device_hour": prices, "usage": rows}
 

@@ -156,14 +156,15 @@ def test_usage_is_reported_per_tenant_and_each_tenant_sees_only_its_own(api: Api
         ("acme", 1.5, 1.5), ("globex", 0.5, 0.5)]  # 3,600 per cpu-hour: 1 a second
     assert everyone["currency"] == "USD" and everyone["from"] == everyone["to"]
     own = alice.get("/v1/usage?by=key").get_json()["usage"]
-    assert own == [{"tenant": "acme", "key": "alice", "device_seconds": 1.5, "rows": 30, "requests": 3, "failed": 0,
-                    "jobs": 0, "queue_seconds": 0.25, "cost": 1.5}]
+    assert own == [{"tenant": "acme", "tier": "standard", "key": "alice", "device_seconds": 1.5, "rows": 30,
+                    "requests": 3, "failed": 0, "jobs": 0, "queue_seconds": 0.25, "cost": 1.5}]
     assert alice.get("/v1/usage?tenant=globex").status_code == 404
     assert api.get("/v1/usage?by=week").status_code == 400
     assert api.get("/v1/usage?from=soon").status_code == 400
     metrics = Api(client, create_api_key(store, "prom", "metrics")).get("/metrics").get_data(as_text=True)
     assert 'sits_tenant_device_seconds_total{tenant="acme"} 1.5' in metrics
     assert 'sits_tenant_guaranteed_share{tenant="globex"} 0.3' in metrics
+    assert 'sits_tenant_info{tenant="acme",tier="standard"} 1.0' in metrics  # (bills and dashboards by tier)
     share = re.search(r'sits_tenant_usage_share\{tenant="acme"\} ([0-9.e-]+)', metrics)
     assert share and float(share.group(1)) == pytest.approx(0.75)  # of the recent device time
 
