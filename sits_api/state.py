@@ -44,6 +44,9 @@ class AppState:
     """The tenants' records, kept live from Redis."""
     wait_slots: WaitSlots = field(default_factory=WaitSlots)
     """How many calls each tenant holds waiting in this process (`api.max_waits_per_tenant`)."""
+    registrations: WaitSlots = field(default_factory=lambda: WaitSlots(
+        "model registrations running", "models.registrations_per_tenant", "once the running one is done"))
+    """How many model registrations each tenant runs in this process (`models.registrations_per_tenant`)."""
     known_keys: dict[str | None, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     """API keys checked lately: key -> (when, identity), trusted for `auth.KEY_CACHE_SECONDS`."""
 
@@ -53,8 +56,17 @@ class AppState:
         (`wait_slots`); an admin key's are not counted, nor calls that do not wait."""
         if not wait or identity.get("role") == "admin":
             return contextlib.nullcontext()
-        tenant = str(identity.get("tenant") or identity.get("name") or "")
-        return self.wait_slots.hold(tenant, self.settings.api.max_waits_per_tenant)
+        return self.wait_slots.hold(_tenant_of(identity), self.settings.api.max_waits_per_tenant)
+
+    def registration_slot(self, identity: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+        """One of the caller's tenant's model registrations in this process (an admin key's are not counted)."""
+        if identity.get("role") == "admin":
+            return contextlib.nullcontext()
+        return self.registrations.hold(_tenant_of(identity), self.settings.models.registrations_per_tenant)
+
+
+def _tenant_of(identity: dict[str, Any]) -> str:
+    return str(identity.get("tenant") or identity.get("name") or "")
 
 
 def app_state() -> AppState:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from broker.setting_types import Bytes, parse_size
+from broker.setting_types import Bytes, Integer, parse_size
 from broker.setting_types import Section as _Section
 
 MAX_SERIALIZED_BYTES = 2**31 - 1
@@ -19,3 +19,6 @@ class ModelSettings(_Section):
     """The most bytes a model file and its external data may hold together, told from their sizes
     before any of it is read (413 past it): registration reads the whole model into an API process and
     runs it there, so the limit bounds what one registration costs that process in memory and time."""
+    registrations_per_tenant: Integer = Field(1, ge=0)
+    """Most registrations of one tenant at once in one API process (each loads, checks and runs its model
+    on a request thread); one more is a 429. 0: no cap; admin keys are not capped."""

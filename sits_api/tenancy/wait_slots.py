@@ -1,4 +1,5 @@
-"""How many calls each tenant may hold waiting for their results in one API process.
+"""How many calls each tenant may hold waiting for their results in one API process (and, with the
+same counter, how many model registrations it may run at once).
 
 A waiting call (v1 `wait=true`, every v2 `infer`) holds one of the process's request threads until
 its result comes (`api.threads` of them). Without a cap one tenant's clients could hold them all, and
@@ -22,21 +23,21 @@ RETRY_AFTER_SECONDS = 1
 class WaitSlots:
     """Per-tenant counts of the calls waiting in this process; thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "calls waiting for results", setting: str = "api.max_waits_per_tenant",
+                 advice: str = "or submit without waiting and poll GET /v1/requests/<id>") -> None:
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._what, self._setting, self._advice = what, setting, advice
 
     @contextlib.contextmanager
     def hold(self, tenant: str, most: int) -> Iterator[None]:
-        """A waiting slot of `tenant` for the block's length; QueueFull (429) when it holds `most` already
-        (0: no cap)."""
+        """A slot of `tenant` for the block's length; QueueFull (429) when it holds `most` already (0: no cap)."""
         with self._lock:
             held = self._held.get(tenant, 0)
             if most and held >= most:
-                raise QueueFull(f"tenant '{tenant}' has {held} calls waiting for results in this API process, its "
-                                f"limit (api.max_waits_per_tenant); retry after {RETRY_AFTER_SECONDS} s "
-                                "(Retry-After), or submit without waiting and poll GET /v1/requests/<id>",
-                                retry_after=RETRY_AFTER_SECONDS)
+                raise QueueFull(f"tenant '{tenant}' has {held} {self._what} in this API process, its limit "
+                                f"({self._setting}); retry after {RETRY_AFTER_SECONDS} s (Retry-After)"
+                                + (f", {self._advice}" if self._advice else ""), retry_after=RETRY_AFTER_SECONDS)
             self._held[tenant] = held + 1
         try:
             yield

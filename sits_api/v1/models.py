@@ -23,8 +23,9 @@ def register_model() -> Any:
     caller's tenant's (another tenant's is a 403)."""
     state = app_state()
     body = parse_body(ModelRegistration)
-    record = services.register_model(state.settings, state.store, state.dispatcher, body,
-                                     registrant=g.identity, now=time.time(), tenants=state.tenants)
+    with state.registration_slot(g.identity):
+        record = services.register_model(state.settings, state.store, state.dispatcher, body,
+                                         registrant=g.identity, now=time.time(), tenants=state.tenants)
     return jsonify(record.to_json()), 201
 
 

@@ -53,3 +53,21 @@ def test_a_tenant_s_second_waiting_call_is_a_429_while_other_tenants_and_admins_
     assert "api.max_waits_per_tenant" in error_of(refused) and "without waiting" in error_of(refused)
     assert not_waiting.status_code == 202  # a call that does not wait holds no thread
     assert answers == {"first": 202, "bob": 202, "admin": 202}  # each waited its 3 s out (no worker answers)
+
+
+def test_a_tenant_runs_one_registration_at_a_time_per_process(
+        client: FlaskClient, store: Store, zoo_dir: Path, tmp_path: Path) -> None:
+    """A registration loads, checks and runs its model on a request thread: a tenant's second one at
+    once is a 429, not a second thread busy with it."""
+    alice = Api(client, create_api_key(store, "alice", "user"))
+    model = tmp_path / "alice" / "mlp.onnx"
+    model.parent.mkdir()
+    model.write_bytes((zoo_dir / "mlp.onnx").read_bytes())
+    slots = client.application.extensions["sits"].registrations
+
+    with slots.hold("alice", 1):  # as a registration of hers running on another thread
+        refused = alice.post("/v1/models", json={"name": "mine", "path": str(model)})
+    registered = alice.post("/v1/models", json={"name": "mine", "path": str(model)})
+
+    assert refused.status_code == 429 and "models.registrations_per_tenant" in error_of(refused)
+    assert registered.status_code == 201, error_of(registered)
