@@ -8,6 +8,7 @@ from typing import Any
 from sits_worker.celery_app import app
 from sits_worker.serving.context import worker_context
 from sits_worker.serving.drain_loop import Outcome, drain
+from sits_worker.serving.profiler import BillPayer
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ def drain_task(ticket: str) -> str:
 
 
 @app.task(name="sits.profile_model")
-def profile_model_task(model_ref: str, profile_mode: str, enable_fusion: bool) -> dict[str, Any]:
+def profile_model_task(model_ref: str, profile_mode: str, enable_fusion: bool, tenant: str = "",
+                       owner: str = "") -> dict[str, Any]:
     """Measure a model version on this worker's device and/or fuse its graph; results go to the registry
-    (and its record, as JSON, to the task's result)."""
+    (and its record, as JSON, to the task's result). The device time is billed to `tenant` (the
+    registering key's; `owner` its name), as a run of its work would be."""
     from sits_worker.serving.profiler import profile_and_record
 
-    return profile_and_record(worker_context(), model_ref, profile_mode=profile_mode,
-                              enable_fusion=enable_fusion).to_json()
+    return profile_and_record(worker_context(), model_ref, profile_mode=profile_mode, enable_fusion=enable_fusion,
+                              payer=BillPayer(tenant, owner)).to_json()

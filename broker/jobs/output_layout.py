@@ -38,9 +38,14 @@ def file_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".") + "-" + digest
 
 
+def output_file_name(name: str) -> str:
+    """The name of the file a job's output `name` is merged into: `<stem>.npy`."""
+    return f"{file_stem(name)}.npy"
+
+
 def output_path(output_dir: Path, name: str) -> Path:
     """The file a job's output `name` is merged into: `<output_dir>/<stem>.npy`."""
-    return Path(output_dir) / f"{file_stem(name)}.npy"
+    return Path(output_dir) / output_file_name(name)
 
 
 def parts_folder(output_dir: Path, job_id: str) -> Path:
@@ -48,13 +53,23 @@ def parts_folder(output_dir: Path, job_id: str) -> Path:
     return Path(output_dir) / PARTS_DIR / job_id
 
 
+def part_name(name: str, chunk_index: int) -> str:
+    """The file name of output `name`'s part of chunk `chunk_index`: `<stem>.<chunk:06d>.npy`."""
+    return f"{file_stem(name)}.{chunk_index:06d}.npy"
+
+
 def part_path(output_dir: Path, name: str, chunk_index: int, job_id: str = "") -> Path:
-    return parts_folder(output_dir, job_id) / f"{file_stem(name)}.{chunk_index:06d}.npy"
+    return parts_folder(output_dir, job_id) / part_name(name, chunk_index)
+
+
+def quarantine_part_name(chunk_index: int) -> str:
+    """The file name of one chunk's quarantined rows (`.jsonl`, so never taken for an output part)."""
+    return f"quarantine.{chunk_index:06d}.jsonl"
 
 
 def quarantine_part_path(output_dir: Path, chunk_index: int, job_id: str = "") -> Path:
-    """Where one chunk's quarantined rows lie until the merge (`.jsonl`, so never taken for an output part)."""
-    return parts_folder(output_dir, job_id) / f"quarantine.{chunk_index:06d}.jsonl"
+    """Where one chunk's quarantined rows lie until the merge."""
+    return parts_folder(output_dir, job_id) / quarantine_part_name(chunk_index)
 
 
 def storage_error(output_dir: Path, err: OSError) -> StorageUnavailable:
@@ -90,9 +105,15 @@ def chunks_with_parts(output_dir: Path, output_names: Sequence[str], *, job_id: 
 def read_manifest(output_dir: Path) -> dict[str, Any] | None:
     """The folder's manifest.json as a dict; None when there is none or it is unreadable."""
     try:
-        manifest = json.loads((output_dir / MANIFEST_NAME).read_text())
-    except FileNotFoundError:
+        return parse_manifest((output_dir / MANIFEST_NAME).read_bytes())
+    except OSError:  # missing, or unreadable: merge again from the parts, if they are still there
         return None
-    except (OSError, ValueError):  # unreadable: merge again from the parts, if they are still there
+
+
+def parse_manifest(data: bytes) -> dict[str, Any] | None:
+    """A manifest.json's bytes as a dict; None when they are not a JSON object."""
+    try:
+        manifest = json.loads(data)
+    except ValueError:
         return None
     return manifest if isinstance(manifest, dict) else None

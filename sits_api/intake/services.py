@@ -122,7 +122,8 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     version = _content_hash(serialized)
     ref = f"{body.name}@{version}"
     stored, copied = _store_copy(model, settings.paths.store() / body.name / version)
-    needs_worker = body.profile_mode == "full" or body.enable_fusion
+    asks_worker = body.profile_mode == "full" or body.enable_fusion
+    sends: list[bool] = []  # (decided in the transaction that writes: its last try's verdict counts)
     fields = {
         "name": body.name,
         "version": version,
@@ -136,11 +137,15 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     }
 
     def registered(existing: dict[str, Any] | None) -> dict[str, Any]:
-        """The version's record: what is stored (a measured profile stays), with this registration's fields."""
+        """The version's record: what is stored (a measured profile stays), with this registration's fields.
+        A worker is asked to profile or fuse it once per version and mode (`_worker_asked`)."""
         kept = existing or {}
+        send = asks_worker and not _worker_asked(kept, body, now=now)
+        sends.append(send)
         return kept | fields | {
             "registered_at": kept.get("registered_at", now),
-            "profile_status": "pending" if needs_worker else kept.get("profile_status", "static"),
+            "profile_status": "pending" if send else kept.get("profile_status", "static"),
+            **({"profile_requested_at": now} if send else {}),
         }
 
     try:
@@ -151,9 +156,28 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
             with contextlib.suppress(OSError):
                 stored.parent.parent.rmdir()  # the name's folder, if nothing else is in it
         raise
-    if needs_worker:
-        dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion)
+    if sends and sends[-1]:  # billed to the registrant's tenant
+        dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion,
+                        tenant_gate.tenant_of(registrant), registrant.get("name", ""))
     return record
+
+
+PROFILE_PENDING_SECONDS = 600.0
+"""How long a version's profile may stay pending before registering it again asks a worker again (one
+whose worker died with the task, or whose task was lost, is not pending for ever)."""
+
+
+def _worker_asked(stored: dict[str, Any], body: ModelRegistration, *, now: float) -> bool:
+    """Whether a worker already did, or is doing, what `body` asks of the version `stored`: a profile of
+    the same mode, ready or pending for less than `PROFILE_PENDING_SECONDS`, and a fused graph if
+    fusion is asked. Registering a version again then asks nothing: its profile is measured (and paid
+    for) once per version and mode, not per registration."""
+    status, mode = stored.get("profile_status"), stored.get("profile_mode")
+    if mode != body.profile_mode or (body.enable_fusion and not stored.get("enable_fusion")):
+        return False
+    if status == "pending":
+        return now - float(stored.get("profile_requested_at") or 0) < PROFILE_PENDING_SECONDS
+    return status == "ready" and (not body.enable_fusion or bool(stored.get("fusion")))
 
 
 def _content_hash(serialized_model: bytes) -> str:
@@ -205,7 +229,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     identity = file_identity(input_path)  # before anything is read: rows, checksum and identity of one file
     with open_input(input_path, model.signature, shape=body.input_shape, dtype=body.input_dtype,
                     mask=mask_spec(model.static_profile),
-                    limits=token_limits(model.static_profile)) as source:
+                    limits=token_limits(model.static_profile), identity=identity) as source:
         rows, input_format = source.rows, source.format.lstrip(".")
         if source.reads_rows_cheaply():  # its first row checked as a request's would be (token ids, mask)
             next(source.iter_batches(0, 1, 1))

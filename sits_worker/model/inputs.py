@@ -5,6 +5,9 @@ open it again and read only their chunk's rows [start, stop). Array formats are 
 (.npy, .bin and uncompressed .npz members), so a chunk read touches only its own rows; .jsonl keeps
 a byte-offset index of its lines. Values are never cast silently: an array whose dtype is not the
 model's is rejected with a message saying how to convert it (byte order alone is not a cast).
+The file is opened once, without following a symbolic link (`safe_files.open_file`), and every reader
+reads through that handle; a worker also checks that it is the file the job was submitted with
+(`source.check_unchanged` on its `os.fstat`), so a path swapped after submit leads nowhere else.
 The .jsonl reader is in `jsonl_source.py`, what every reader is in `source.py`.
 """
 
@@ -20,14 +23,15 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
 from broker.errors import BadInput
 from sits_worker.model.jsonl_source import open_jsonl
 from sits_worker.model.padding import MaskSpec, TokenLimits, check_mask
-from sits_worker.model.source import Batch, InputSource, file_error
+from sits_worker.model.safe_files import open_file
+from sits_worker.model.source import INPUT_FIX, Batch, InputSource, check_unchanged, file_error
 from sits_worker.model.tensors import InputSpec, NpyHeader, convert_hint, parse_signature, read_npy_header
 
 SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
@@ -44,7 +48,7 @@ def file_checksum(path: Path) -> str:
     """
     digest = hashlib.sha256()
     try:
-        with open(path, "rb") as handle:
+        with open_file(Path(path), what="input", fix=INPUT_FIX) as handle:
             while block := handle.read(_BLOCK_BYTES):
                 digest.update(block)
     except OSError as err:
@@ -60,6 +64,7 @@ class _ArraySource(InputSource):
         path: Path,
         specs: list[InputSpec],
         arrays: dict[str, np.ndarray | _LazyMember],
+        handle: BinaryIO,
         archive: zipfile.ZipFile | None = None,
     ) -> None:
         rows = {name: arr.shape[0] for name, arr in arrays.items()}
@@ -68,7 +73,7 @@ class _ArraySource(InputSource):
         super().__init__(path, path.suffix.lower(), [spec.name for spec in specs], max(rows.values()))
         self._dtypes = {spec.name: spec.dtype for spec in specs}
         self._arrays = arrays
-        self._archive = archive
+        self._handle, self._archive = handle, archive
 
     def reads_rows_cheaply(self) -> bool:
         """False while a compressed npz member is still to be loaded whole."""
@@ -107,10 +112,11 @@ class _ArraySource(InputSource):
             yield rows[first - start : last - start], feed
 
     def close(self) -> None:
-        """Drop the mappings and close the npz archive."""
+        """Drop the mappings, close the npz archive and the file."""
         self._arrays = {}
         if self._archive is not None:
             self._archive.close()
+        self._handle.close()
         super().close()
 
 
@@ -123,29 +129,29 @@ def _single_input(specs: list[InputSpec], path: Path) -> InputSpec:
     return specs[0]
 
 
-def _open_npy(path: Path, specs: list[InputSpec]) -> InputSource:
+def _open_npy(path: Path, handle: BinaryIO, specs: list[InputSpec]) -> InputSource:
     spec = _single_input(specs, path)
-    with open(path, "rb") as handle:  # np.load would take anything else for a pickle or an npz
-        if handle.read(6) != b"\x93NUMPY":
-            raise BadInput(f"'{path.name}' is not an .npy file (no NPY header); write it with np.save")
-        handle.seek(0)
-        header = read_npy_header(handle, os.fstat(handle.fileno()).st_size, f"'{path.name}'", "write it with np.save")
+    if handle.read(6) != b"\x93NUMPY":  # np.load would take anything else for a pickle or an npz
+        raise BadInput(f"'{path.name}' is not an .npy file (no NPY header); write it with np.save")
+    handle.seek(0)
+    header = read_npy_header(handle, os.fstat(handle.fileno()).st_size, f"'{path.name}'", "write it with np.save")
     spec.check(header.dtype, header.shape, f"in '{path.name}'", convert_hint(spec, "np.save(path, "))
-    return _ArraySource(path, specs, {spec.name: _mapped(path, header, header.data_offset)})
+    return _ArraySource(path, specs, {spec.name: map_array(handle, header, header.data_offset)}, handle)
 
 
-def _mapped(path: Path, header: NpyHeader, offset: int) -> np.ndarray:
-    """The array `header` describes, mapped read-only from `path` at `offset` (the header, checked
-    against the file's size, is not parsed again as np.load would); an empty one needs no mapping."""
+def map_array(handle: BinaryIO, header: NpyHeader, offset: int) -> np.ndarray:
+    """The array `header` describes, mapped read-only from the opened file `handle` at `offset` (the
+    header, checked against the file's size, is not parsed again as np.load would); an empty one needs
+    no mapping. The mapping stays valid once the handle is closed."""
     if math.prod(header.shape) == 0:
         return np.empty(header.shape, dtype=header.dtype)
     order: Literal["F", "C"] = "F" if header.fortran_order else "C"
-    return np.memmap(path, dtype=header.dtype, mode="r", offset=offset, shape=header.shape, order=order)
+    return np.memmap(handle, dtype=header.dtype, mode="r", offset=offset, shape=header.shape, order=order)
 
 
-def _open_npz(path: Path, specs: list[InputSpec]) -> InputSource:
+def _open_npz(path: Path, handle: BinaryIO, specs: list[InputSpec]) -> InputSource:
     try:
-        archive = zipfile.ZipFile(path)
+        archive = zipfile.ZipFile(handle)  # (closing it leaves `handle` open: the source closes both)
     except (zipfile.BadZipFile, ValueError, EOFError) as err:
         raise BadInput(f"'{path.name}' is not an .npz archive ({err}); write it with np.savez") from err
     try:
@@ -156,15 +162,16 @@ def _open_npz(path: Path, specs: list[InputSpec]) -> InputSource:
                 f"'{path.name}' holds arrays {sorted(members)}, but the model needs one array per input, "
                 f"named {expected}; save it with np.savez(path, {', '.join(n + '=...' for n in expected)})"
             )
-        arrays = {spec.name: _npz_member(path, archive, members[spec.name], spec) for spec in specs}
-        return _ArraySource(path, specs, arrays, archive)
+        size = os.fstat(handle.fileno()).st_size
+        arrays = {spec.name: _npz_member(path, handle, size, archive, members[spec.name], spec) for spec in specs}
+        return _ArraySource(path, specs, arrays, handle, archive)
     except BaseException:
         archive.close()
         raise
 
 
 def _npz_member(
-    path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo, spec: InputSpec
+    path: Path, handle: BinaryIO, size: int, archive: zipfile.ZipFile, info: zipfile.ZipInfo, spec: InputSpec
 ) -> np.ndarray | _LazyMember:
     """Check a member's npy header; map the member when stored uncompressed, else defer reading it.
 
@@ -175,26 +182,25 @@ def _npz_member(
     what, fix = f"array '{spec.name}' in '{path.name}'", "write it again with np.savez"
     try:
         with archive.open(info) as member:
-            header = read_npy_header(member, _member_size(path, info, what, fix), what, fix)
+            header = read_npy_header(member, _member_size(size, info, what, fix), what, fix)
         spec.check(header.dtype, header.shape, f"in '{path.name}'", convert_hint(spec, f"np.savez(path, {spec.name}="))
         if info.compress_type != zipfile.ZIP_STORED or math.prod(header.shape) == 0:
             return _LazyMember(archive, info, header.shape)
-        with open(path, "rb") as raw:  # the data starts after the member's local zip header
-            raw.seek(info.header_offset + 26)
-            name_len, extra_len = struct.unpack("<HH", raw.read(4))
-        return _mapped(path, header, info.header_offset + 30 + name_len + extra_len + header.data_offset)
+        # the data starts after the member's local zip header (pread: the archive's reads keep their place)
+        name_len, extra_len = struct.unpack("<HH", os.pread(handle.fileno(), 4, info.header_offset + 26))
+        return map_array(handle, header, info.header_offset + 30 + name_len + extra_len + header.data_offset)
     except (ValueError, EOFError, RuntimeError, NotImplementedError, zipfile.BadZipFile, struct.error) as err:
         raise BadInput(f"array '{spec.name}' in '{path.name}' is unreadable ({err}); write it again") from err
 
 
-def _member_size(path: Path, info: zipfile.ZipInfo, what: str, fix: str) -> int:
+def _member_size(archive_size: int, info: zipfile.ZipInfo, what: str, fix: str) -> int:
     """The most bytes an npz member can really hold, told from the zip directory without decompressing.
 
     The directory's uncompressed size is as easy to forge as the npy header, so it is capped by what
     the compressed bytes (no more than the archive holds) can expand to. np.savez stores members,
     np.savez_compressed deflates them; bzip2 and lzma can expand without a useful bound.
     """
-    compressed = min(info.compress_size, path.stat().st_size)
+    compressed = min(info.compress_size, archive_size)
     if info.compress_type == zipfile.ZIP_STORED:
         return min(info.file_size, compressed)
     if info.compress_type == zipfile.ZIP_DEFLATED:
@@ -220,7 +226,8 @@ class _LazyMember:
         return data.reshape(header.shape, order="F" if header.fortran_order else "C")
 
 
-def _open_bin(path: Path, specs: list[InputSpec], shape: Sequence[int] | None, dtype: str | None) -> InputSource:
+def _open_bin(path: Path, handle: BinaryIO, specs: list[InputSpec], shape: Sequence[int] | None,
+              dtype: str | None) -> InputSource:
     spec = _single_input(specs, path)
     try:
         given_dtype = spec.dtype if dtype is None else np.dtype(dtype)
@@ -240,7 +247,7 @@ def _open_bin(path: Path, specs: list[InputSpec], shape: Sequence[int] | None, d
             )
         row_shape = tuple(int(dim) for dim in spec.dims)
     spec.check(spec.dtype, ("N", *row_shape), f"(shape given for '{path.name}')")
-    row_bytes, size = spec.dtype.itemsize * math.prod(row_shape), path.stat().st_size
+    row_bytes, size = spec.dtype.itemsize * math.prod(row_shape), os.fstat(handle.fileno()).st_size
     if size % row_bytes:
         raise BadInput(
             f"'{path.name}' is {size} bytes, not a multiple of one {spec.dtype.name} row of shape "
@@ -250,11 +257,11 @@ def _open_bin(path: Path, specs: list[InputSpec], shape: Sequence[int] | None, d
     if rows == 0:
         raise BadInput(f"input file '{path.name}' has no rows; submit a file with at least one row")
     mapped = (  # an empty file cannot be mapped; _ArraySource rejects it for having no rows
-        np.memmap(path, dtype=spec.dtype.newbyteorder("<"), mode="r", shape=(rows, *row_shape))
+        np.memmap(handle, dtype=spec.dtype.newbyteorder("<"), mode="r", shape=(rows, *row_shape))
         if rows
         else np.empty((0, *row_shape), spec.dtype)
     )
-    return _ArraySource(path, specs, {spec.name: mapped})
+    return _ArraySource(path, specs, {spec.name: mapped}, handle)
 
 
 def open_input(
@@ -265,6 +272,7 @@ def open_input(
     dtype: str | None = None,
     mask: MaskSpec | None = None,
     limits: TokenLimits | None = None,
+    identity: dict[str, int] | None = None,
 ) -> InputSource:
     """Open an input file, check it against the model signature and return its reader.
 
@@ -273,6 +281,11 @@ def open_input(
     members, which are read on first use and kept. For a model that declares an attention mask
     (`mask`, from `padding.mask_spec`) the file may leave the mask out (.npy and .bin always do):
     its batches then get an all-ones mask.
+
+    The file is opened once, not through a symbolic link (PathNotAllowed), and read through that
+    handle only. With `identity` (the job's `file_identity` at submit) the file opened must be that
+    one (`check_unchanged` on its `os.fstat`), or BadInput: a path swapped between a worker's check and
+    its open leads to no other file.
     """
     path = Path(path)
     specs = parse_signature(signature)
@@ -284,42 +297,54 @@ def open_input(
         )
     if (shape is not None or dtype is not None) and suffix != ".bin":
         raise BadInput(f"shape and dtype apply only to raw .bin input, not '{path.name}'; leave them out")
-    mask_input = next((spec for spec in specs if mask is not None and spec.name == mask.mask_input), None)
-    filled: tuple[MaskSpec, np.dtype] | None = None
-    if mask is not None and mask_input is not None and not _holds_input(path, mask.mask_input):
-        filled, specs = (mask, mask_input.dtype), [spec for spec in specs if spec is not mask_input]
     try:
-        if suffix == ".npy":
-            source = _open_npy(path, specs)
-        elif suffix == ".npz":
-            source = _open_npz(path, specs)
-        elif suffix == ".bin":
-            source = _open_bin(path, specs, shape, dtype)
-        else:
-            source = open_jsonl(path, specs)
+        handle = open_file(path, what="input", fix=INPUT_FIX)
     except OSError as err:
         raise file_error(path, err) from err
+    try:
+        if identity is not None:
+            check_unchanged(path, identity, opened=os.fstat(handle.fileno()))
+        mask_input = next((spec for spec in specs if mask is not None and spec.name == mask.mask_input), None)
+        filled: tuple[MaskSpec, np.dtype] | None = None
+        if mask is not None and mask_input is not None and not _holds_input(handle, suffix, mask.mask_input):
+            filled, specs = (mask, mask_input.dtype), [spec for spec in specs if spec is not mask_input]
+        if suffix == ".npy":
+            source = _open_npy(path, handle, specs)
+        elif suffix == ".npz":
+            source = _open_npz(path, handle, specs)
+        elif suffix == ".bin":
+            source = _open_bin(path, handle, specs, shape, dtype)
+        else:
+            source = open_jsonl(path, handle, specs)
+    except OSError as err:
+        handle.close()
+        raise file_error(path, err) from err
+    except BaseException:
+        handle.close()
+        raise
     if mask is None and limits is None:
         return source
     return _TokensChecked(source, mask, filled[1] if filled else None, limits)
 
 
-def _holds_input(path: Path, name: str) -> bool:
-    """Whether an .npz holds an array `name`, or a .jsonl's first row a key `name`.
+def _holds_input(handle: BinaryIO, suffix: str, name: str) -> bool:
+    """Whether an .npz (the opened `handle`) holds an array `name`, or a .jsonl's first row a key `name`.
 
-    A peek only: anything unreadable answers False and the real reader reports it.
+    A peek only: anything unreadable answers False and the real reader reports it. The handle is
+    rewound for the reader.
     """
     try:
-        if path.suffix.lower() == ".npz":
-            with zipfile.ZipFile(path) as archive:
+        if suffix == ".npz":
+            with zipfile.ZipFile(handle) as archive:  # (closing it leaves `handle` open)
                 return f"{name}.npy" in archive.namelist() or name in archive.namelist()
-        if path.suffix.lower() == ".jsonl":
-            with open(path, "rb") as handle:
-                line = next((line for line in handle if line.strip()), b"")
+        if suffix == ".jsonl":
+            line = next((line for line in handle if line.strip()), b"")
             record = json.loads(line) if line else None
             return isinstance(record, dict) and name in record
     except (OSError, ValueError, RecursionError, zipfile.BadZipFile):
         return False
+    finally:
+        handle.seek(0)
     return False
 
 

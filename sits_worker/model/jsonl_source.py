@@ -94,9 +94,11 @@ def _json_row(spec: InputSpec, value: Any, where: str) -> np.ndarray:
     return json_array(spec, value, where, batched=False, finite=False)
 
 
-def open_jsonl(path: Path, specs: list[InputSpec]) -> InputSource:
-    handle = open(path, "rb")
+def open_jsonl(path: Path, handle: BinaryIO, specs: list[InputSpec]) -> InputSource:
+    """The reader of the .jsonl file `path`, opened as `handle` (`inputs.open_input`); the reader owns
+    the handle and closes it."""
     try:
+        handle.seek(0)
         offsets, offset = array("q"), 0  # 8 bytes per row: millions of rows cost megabytes
         blank_lines = array("q")
         for line in handle:

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import abc
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from broker.errors import BadInput, FileMissing, RetryableError, SitsError
+from sits_worker.model.safe_files import symlink_found
 
 Batch = tuple[np.ndarray, dict[str, np.ndarray]]
 """(Absolute int64 row numbers, input name -> array): one batch of an input file's rows."""
+INPUT_FIX = "put the submitted file back at that path and resume the job, or submit a new job"
+"""What to do about an input found to be a symbolic link (`safe_files.symlink_found`)."""
 
 
 def file_error(path: Path, err: OSError) -> SitsError:
@@ -28,24 +32,40 @@ def file_error(path: Path, err: OSError) -> SitsError:
 
 
 def file_identity(path: Path) -> dict[str, int]:
-    """What tells a file's bytes changed without reading them: size, modification time, inode."""
+    """What tells a file's bytes changed without reading them: size, modification time, inode (of a
+    symbolic link at `path` itself, not of what it points to)."""
     try:
-        status = os.stat(path)
+        status = os.stat(path, follow_symlinks=False)
     except OSError as err:
         raise file_error(path, err) from err
+    return _identity_of(status)
+
+
+def _identity_of(status: os.stat_result) -> dict[str, int]:
     return {"size": status.st_size, "mtime_ns": status.st_mtime_ns, "inode": status.st_ino}
 
 
-def check_unchanged(path: Path, identity: dict[str, int] | None) -> None:
-    """BadInput when the file is no longer the one a job was submitted with (`file_identity`).
+def check_unchanged(path: Path, identity: dict[str, int] | None, *, opened: os.stat_result | None = None) -> None:
+    """BadInput when the file is no longer the one a job was submitted with (`file_identity`); the file
+    at `path`, or the one already opened from it (`opened`: its `os.fstat`). PathNotAllowed when `path`
+    is a symbolic link now (the path was resolved at submit: one was swapped in since).
 
-    Workers check before every chunk: a job whose input was rewritten would mix old and new rows
-    under the old checksum, and one whose input was cut short would read past the end of its
-    memory map (a crash, not an error). None (a job from before identities were kept) checks nothing.
+    Workers check before and after every chunk and at each open: a job whose input was rewritten would
+    mix old and new rows under the old checksum, one whose input was cut short would read past the end
+    of its memory map (a crash, not an error), and one whose path leads to another file would read that
+    file's rows. No device number is compared: a network file system's differs from host to host.
+    None (a job from before identities were kept) checks nothing.
     """
     if identity is None:
         return
-    now = file_identity(path)
+    if opened is None:
+        try:
+            opened = os.stat(path, follow_symlinks=False)
+        except OSError as err:
+            raise file_error(path, err) from err
+        if stat.S_ISLNK(opened.st_mode):
+            raise symlink_found(path, "input", path, INPUT_FIX)
+    now = _identity_of(opened)
     if now != identity:
         raise BadInput(
             f"input '{path}' changed after the job was submitted (size {identity['size']:,} -> {now['size']:,} "

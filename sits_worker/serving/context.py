@@ -310,7 +310,8 @@ class WorkerContext:
         return resident_bytes()
 
     def job_input(self, job: JobRecord) -> InputSource:
-        """The opened input file of a job, kept open for the job's next chunks."""
+        """The opened input file of a job, kept open for the job's next chunks; it is the file the job
+        was submitted with (`job.input_stat`), opened without following a symbolic link (`open_input`)."""
         key = f"{job.id}:{job.input_checksum}"
         with self._lock:
             source = self._inputs.get(key)
@@ -321,7 +322,7 @@ class WorkerContext:
         record = self.model(job.model_ref)
         source = open_input(Path(job.input_batch), record.signature, shape=options.get("shape"),
                             dtype=options.get("dtype"), mask=self.padding(job.model_ref),
-                            limits=token_limits(record.static_profile))
+                            limits=token_limits(record.static_profile), identity=job.input_stat)
         with self._lock:
             self._inputs[key] = source
             while len(self._inputs) > _OPEN_INPUTS_KEPT:

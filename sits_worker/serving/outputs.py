@@ -10,6 +10,9 @@ folder, fsync, `os.replace`), so readers and a restarted merge never see half a 
 pure function of model version and rows, so a chunk re-run after a lost ack rewrites identical bytes.
 A chunk's quarantined rows (docs/failures.md, "Bad-row quarantine") are one more part, a `.jsonl`
 written before its `.npy` parts, and merged into `quarantine.jsonl` before the manifest.
+The folders are opened afresh at each use without following symbolic links, and every file is opened,
+made, renamed and removed relative to them (`sits_worker/model/safe_files.py`): an output folder swapped
+for a link after submit fails the job (PathNotAllowed), and nothing outside it is touched.
 """
 
 from __future__ import annotations
@@ -17,34 +20,38 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import mmap
 import os
 import secrets
-import shutil
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, BinaryIO, TypeVar
 
 import numpy as np
 
-from broker.errors import BadInput, Conflict, FileMissing, SitsError
+from broker.errors import BadInput, Conflict, FileMissing, PathNotAllowed, SitsError
 from broker.failures import quarantine
 from broker.jobs.output_layout import (
     MANIFEST_NAME,
     PARTS_DIR,
     QUARANTINE_NAME,
-    output_path,
-    part_path,
-    parts_folder,
-    quarantine_part_path,
-    read_manifest,
+    output_file_name,
+    parse_manifest,
+    part_name,
+    quarantine_part_name,
     storage_error,
 )
-from sits_worker.model.tensors import NPY_HEADER_LOCK
+from sits_worker.model.inputs import map_array
+from sits_worker.model.safe_files import Entry, Folder, open_folder
+from sits_worker.model.tensors import read_npy_header
+
+log = logging.getLogger(__name__)
 
 _RESERVED_KEYS = ("rows", "outputs", "chunks", "quarantined_rows", "quarantine")
 _COPY_BLOCK_BYTES = 64 * 2**20
@@ -52,33 +59,57 @@ _COPY_BLOCK_BYTES = 64 * 2**20
 _WAIT_SLICE_SECONDS = 1.0
 """How often a merge calls its `keep_alive` while it waits for its fsync and its hash."""
 _T = TypeVar("_T")
+_NOTHING = np.empty(0)
+_FIX = ("replace the link with a real folder inside the output roots and resume the job, or submit the job "
+        "again into another output_dir")
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def _open_output_dir(output_dir: Path, *, create: bool = False) -> Folder:
+    """The job's output folder, opened afresh without following a link anywhere on its path."""
+    return open_folder(output_dir, what="output folder", fix=_FIX, create=create)
+
+
+@dataclass
+class _JobParts:
+    """A job's opened parts folders: `.parts/` (`root`) and `.parts/<job id>/` (`folder`; `.parts/` for job '')."""
+
+    root: Folder
+    folder: Folder
+
+    def __enter__(self) -> _JobParts:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.folder.close()
+        self.root.close()
+
+
+def _open_job_parts(out: Folder, job_id: str, *, create: bool = False) -> _JobParts:
+    """The job's parts folders in the opened output folder `out`, made first if missing and `create`."""
+    root = out.sub(PARTS_DIR, create=create)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return _JobParts(root, root.sub(job_id, create=create) if job_id else root)
+    except BaseException:
+        root.close()
+        raise
 
 
-def _temp_path(folder: Path, final_name: str) -> Path:
+def _temp_name(final_name: str) -> str:
     # A unique name per writer: two workers finishing the same chunk (or merge) never share a temp.
-    return folder / f".{final_name}.{secrets.token_hex(6)}.tmp"
+    return f".{final_name}.{secrets.token_hex(6)}.tmp"
 
 
-def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+def _write_atomically(target: Entry, write: Callable[[IO[bytes]], object]) -> None:
     """Write a file so it appears whole or not at all; the folder entry is fsynced by the caller."""
-    temp = _temp_path(path.parent, path.name)
+    folder, temp = target.folder, _temp_name(target.name)
     try:
-        # os.open with 0o666 so the final file gets the process umask, unlike mkstemp's 0o600.
-        with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as handle:
+        with folder.create_new(temp) as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temp, path)
+        folder.replace(temp, folder, target.name)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        folder.unlink(temp)
         raise
 
 
@@ -101,24 +132,24 @@ def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndar
                 "use a model whose outputs are numeric tensors"
             )
     try:
-        folder = parts_folder(output_dir, job_id)
-        folder.mkdir(parents=True, exist_ok=True)
-        rejected = quarantine_part_path(output_dir, chunk_index, job_id)
-        if quarantined:
-            text = "".join(quarantine.entry_line(row, error) for row, error in quarantined).encode()
-            _write_atomically(rejected, lambda handle: handle.write(text))
-            _fsync_dir(folder)
-        else:
-            rejected.unlink(missing_ok=True)  # (a run of the chunk that quarantined rows it no longer does)
-        for name, arr in arrays.items():
-            path = part_path(output_dir, name, chunk_index, job_id)
-            _write_atomically(path, partial(np.lib.format.write_array, array=arr, allow_pickle=False))
-        _fsync_dir(folder)
-        # The folders above it every time, not only by the commit that made them: a commit beside it (another
-        # commit thread, another worker) that found them made must not ack before their entries are durable.
-        # (A clean folder's fsync takes about 40 us.)
-        for above in dict.fromkeys((folder.parent, output_dir)):
-            _fsync_dir(above)
+        with _open_output_dir(output_dir, create=True) as out, _open_job_parts(out, job_id, create=True) as opened:
+            parts = opened.folder
+            rejected = parts / quarantine_part_name(chunk_index)
+            if quarantined:
+                text = "".join(quarantine.entry_line(row, error) for row, error in quarantined).encode()
+                _write_atomically(rejected, lambda handle: handle.write(text))
+                parts.fsync()
+            else:
+                parts.unlink(rejected.name)  # (a run of the chunk that quarantined rows it no longer does)
+            for name, arr in arrays.items():
+                _write_atomically(parts / part_name(name, chunk_index),
+                                  partial(np.lib.format.write_array, array=arr, allow_pickle=False))
+            parts.fsync()
+            # The folders above it every time, not only by the commit that made them: a commit beside it
+            # (another commit thread, another worker) that found them made must not ack before their entries
+            # are durable. (A clean folder's fsync takes about 40 us.)
+            for above in (opened.root, out) if job_id else (out,):
+                above.fsync()
     except OSError as err:
         raise storage_error(output_dir, err) from err
 
@@ -135,33 +166,63 @@ def _rows_covered(chunk_ranges: Sequence[tuple[int, int]]) -> int:
     return expected_start
 
 
-def _load_part(output_dir: Path, name: str, chunk_index: int, chunk: tuple[int, int], job_id: str) -> np.ndarray:
+@dataclass
+class _Part:
+    """One part mapped read-only (`rows`), and its file, opened without following a link, for the kernel's
+    copy. Leaving its `with` closes the file and drops the mapping: one part at a time is held."""
+
+    rows: np.ndarray
+    handle: BinaryIO
+
+    def __enter__(self) -> _Part:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.handle.close()
+        self.rows = _NOTHING
+
+
+def _part_missing(name: str, chunk_index: int, chunk: tuple[int, int]) -> FileMissing:
+    return FileMissing(
+        f"output part '{part_name(name, chunk_index)}' of chunk {chunk_index} (rows [{chunk[0]}, {chunk[1]})) is "
+        "missing; run that chunk again before finalizing"
+    )
+
+
+def _parts_gone(folder: Path) -> FileMissing:
+    return FileMissing(f"'{folder}' is missing, and with it every chunk's output parts; resume the job to run its "
+                       "chunks again before finalizing")
+
+
+def _load_part(parts: Folder, name: str, chunk_index: int, chunk: tuple[int, int]) -> _Part:
     """Map one part read-only and check it holds exactly the chunk's rows."""
-    path = part_path(output_dir, name, chunk_index, job_id)
+    path = parts.path / part_name(name, chunk_index)
     try:
-        with NPY_HEADER_LOCK:
-            part = np.load(path, mmap_mode="r", allow_pickle=False)
+        handle = parts.read_file(path.name)
     except FileNotFoundError as err:
-        raise FileMissing(
-            f"output part '{path.name}' of chunk {chunk_index} (rows [{chunk[0]}, {chunk[1]})) is missing; "
-            "run that chunk again before finalizing"
-        ) from err
-    except (ValueError, EOFError) as err:
-        raise SitsError(
-            f"output part '{path}' is unreadable ({err}); delete it and run chunk {chunk_index} again"
-        ) from err
-    if part.ndim == 0 or part.shape[0] != chunk[1] - chunk[0]:
-        raise SitsError(
-            f"output part '{path}' has shape {list(part.shape)} but chunk {chunk_index} covers rows "
-            f"[{chunk[0]}, {chunk[1]}); delete it and run the chunk again"
-        )
-    return part
+        raise _part_missing(name, chunk_index, chunk) from err
+    try:
+        fix = f"delete it and run chunk {chunk_index} again"
+        try:
+            header = read_npy_header(handle, os.fstat(handle.fileno()).st_size, f"output part '{path}'", fix)
+        except BadInput as err:  # (not the job's input: the part is to be written again)
+            raise SitsError(err.message) from err
+        rows = map_array(handle, header, header.data_offset)
+        if rows.ndim == 0 or rows.shape[0] != chunk[1] - chunk[0]:
+            raise SitsError(
+                f"output part '{path}' has shape {list(rows.shape)} but chunk {chunk_index} covers rows "
+                f"[{chunk[0]}, {chunk[1]}); delete it and run the chunk again"
+            )
+    except BaseException:
+        handle.close()
+        raise
+    return _Part(rows, handle)
 
 
-def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int, int]], total: int,
-                  job_id: str, keep_alive: Callable[[], None]) -> tuple[Path, dict[str, Any]]:
-    """Merge one output's parts into a temp file in the job's parts folder; return it and its manifest
-    entry (the caller renames it to the entry's `file` when the merge is to be published).
+def _merge_output(parts: Folder, name: str, chunk_ranges: Sequence[tuple[int, int]], total: int,
+                  keep_alive: Callable[[], None]) -> tuple[str, dict[str, Any]]:
+    """Merge one output's parts into a temp file in the job's parts folder `parts`; return its name and
+    its manifest entry (the caller renames it to the entry's `file` when the merge is to be published).
 
     The parts are copied into a temp file in row order (`_copy_part`) while a second thread hashes
     the same bytes: the copy and SHA-256 both release the GIL, so the copy, its fsync and the hash
@@ -170,11 +231,10 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
     copied and every second of the waits for the fsync (run on a third thread) and the hash, so a
     merge of GBs keeps its item's lease.
     """
-    first = _load_part(output_dir, name, 0, chunk_ranges[0], job_id)
-    dtype, row_shape = first.dtype, first.shape[1:]
-    del first
-    final = output_path(output_dir, name)
-    temp = _temp_path(parts_folder(output_dir, job_id), final.name)  # removed with the job's parts if we crash
+    with _load_part(parts, name, 0, chunk_ranges[0]) as first:
+        dtype, row_shape = first.rows.dtype, first.rows.shape[1:]
+    final = output_file_name(name)
+    temp = _temp_name(final)  # in the job's parts folder: removed with its parts if we crash
     shape = [total, *row_shape]
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(
@@ -182,28 +242,27 @@ def _merge_output(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int,
     )
     stop = threading.Event()
     with ThreadPoolExecutor(2, thread_name_prefix="sits-merge") as helpers:
-        hashed = helpers.submit(_hash_parts, output_dir, name, chunk_ranges, header.getvalue(), stop, job_id)
+        hashed = helpers.submit(_hash_parts, parts, name, chunk_ranges, header.getvalue(), stop)
         try:
-            with open(temp, "wb") as handle:
+            with parts.create_new(temp) as handle:
                 handle.write(header.getvalue())
                 for index, chunk in enumerate(chunk_ranges):
-                    part = _load_part(output_dir, name, index, chunk, job_id)
-                    if part.dtype != dtype or part.shape[1:] != row_shape:
-                        raise BadInput(
-                            f"output '{name}' has dtype {dtype} and rows of shape {list(row_shape)} in chunk 0 "
-                            f"but {part.dtype} {list(part.shape[1:])} in chunk {index}; outputs whose rows vary "
-                            "in shape cannot be merged into one .npy"
-                        )
-                    _copy_part(handle, part, keep_alive)
-                    del part
+                    with _load_part(parts, name, index, chunk) as part:
+                        if part.rows.dtype != dtype or part.rows.shape[1:] != row_shape:
+                            raise BadInput(
+                                f"output '{name}' has dtype {dtype} and rows of shape {list(row_shape)} in chunk "
+                                f"0 but {part.rows.dtype} {list(part.rows.shape[1:])} in chunk {index}; outputs "
+                                "whose rows vary in shape cannot be merged into one .npy"
+                            )
+                        _copy_part(handle, part, keep_alive)
                 handle.flush()
                 _wait(helpers.submit(os.fsync, handle.fileno()), keep_alive)
             checksum = f"sha256:{_wait(hashed, keep_alive)}"
         except BaseException:
             stop.set()
-            temp.unlink(missing_ok=True)
+            parts.unlink(temp)
             raise
-    return temp, {"file": final.name, "shape": shape, "dtype": dtype.name, "checksum": checksum}
+    return temp, {"file": final, "shape": shape, "dtype": dtype.name, "checksum": checksum}
 
 
 def _copy(handle: IO[bytes], data: memoryview, keep_alive: Callable[[], None]) -> None:
@@ -213,39 +272,37 @@ def _copy(handle: IO[bytes], data: memoryview, keep_alive: Callable[[], None]) -
         keep_alive()
 
 
-def _copy_part(handle: IO[bytes], part: np.ndarray, keep_alive: Callable[[], None]) -> None:
+def _copy_part(handle: IO[bytes], part: _Part, keep_alive: Callable[[], None]) -> None:
     """Append a mapped part's data to `handle`, in blocks of `_COPY_BLOCK_BYTES` with a `keep_alive`
-    after each. On Linux the kernel copies it (`os.copy_file_range`): no page faults on the mapping and
-    no pass through this process, which took a 40 MB merge from about 43 to 32 ms on two cores. Where
-    the call is missing or the file system refuses it, the bytes go through `_copy`."""
+    after each. On Linux the kernel copies it from the part's file (`os.copy_file_range`): no page faults
+    on the mapping and no pass through this process, which took a 40 MB merge from about 43 to 32 ms on two
+    cores. Where the call is missing or the file system refuses it, the bytes go through `_copy`."""
     copy_range = getattr(os, "copy_file_range", None)
-    mapped = _mapped_from(part)
-    if copy_range is None or mapped is None or not part.nbytes:
-        _copy(handle, _raw_bytes(part), keep_alive)
+    rows = part.rows
+    first = _mapped_from(rows)
+    if copy_range is None or first is None or not rows.nbytes:
+        _copy(handle, _raw_bytes(rows), keep_alive)
         return
     handle.flush()  # the kernel writes at the descriptor's position: nothing may wait in the buffer
-    file_name, first = mapped
-    offset, end = first, first + part.nbytes
-    with open(file_name, "rb") as source:
-        while offset < end:
-            try:
-                copied = copy_range(source.fileno(), handle.fileno(), min(end - offset, _COPY_BLOCK_BYTES), offset)
-            except OSError:  # EXDEV, EINVAL, ENOSYS...: the rest through this process
-                copied = 0
-            if not copied:
-                _copy(handle, _raw_bytes(part)[offset - first :], keep_alive)
-                return
-            offset += copied
-            keep_alive()
+    offset, end = first, first + rows.nbytes
+    while offset < end:
+        try:
+            copied = copy_range(part.handle.fileno(), handle.fileno(), min(end - offset, _COPY_BLOCK_BYTES), offset)
+        except OSError:  # EXDEV, EINVAL, ENOSYS...: the rest through this process
+            copied = 0
+        if not copied:
+            _copy(handle, _raw_bytes(rows)[offset - first :], keep_alive)
+            return
+        offset += copied
+        keep_alive()
 
 
-def _mapped_from(part: np.ndarray) -> tuple[str, int] | None:
-    """(File, offset of the data in it) of a whole mapped part in C order, whose bytes in the file are
-    those of the merged rows; None for anything else (a view of a mapping carries its base's offset, not
-    its own; a Fortran-order part's bytes must be reordered)."""
-    if (isinstance(part, np.memmap) and isinstance(part.base, mmap.mmap) and part.filename is not None
-            and part.flags.c_contiguous):
-        return str(part.filename), int(part.offset)
+def _mapped_from(rows: np.ndarray) -> int | None:
+    """The offset in its file of a whole mapped part's data in C order, whose bytes in the file are those
+    of the merged rows; None for anything else (a view of a mapping carries its base's offset, not its
+    own; a Fortran-order part's bytes must be reordered)."""
+    if isinstance(rows, np.memmap) and isinstance(rows.base, mmap.mmap) and rows.flags.c_contiguous:
+        return int(rows.offset)
     return None
 
 
@@ -270,36 +327,42 @@ def _raw_bytes(part: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(part).data).cast("B")
 
 
-def _hash_parts(output_dir: Path, name: str, chunk_ranges: Sequence[tuple[int, int]], header: bytes,
-                stop: threading.Event, job_id: str) -> str:
+def _hash_parts(parts: Folder, name: str, chunk_ranges: Sequence[tuple[int, int]], header: bytes,
+                stop: threading.Event) -> str:
     """SHA-256 hex digest of `header` followed by the parts' bytes in row order (the merged file)."""
     digest = hashlib.sha256(header)
     for index, chunk in enumerate(chunk_ranges):
         if stop.is_set():
             break
-        part = _load_part(output_dir, name, index, chunk, job_id)
-        digest.update(_raw_bytes(part))
-        del part
+        with _load_part(parts, name, index, chunk) as part:
+            digest.update(_raw_bytes(part.rows))
     return digest.hexdigest()
 
 
-def _merge_outputs(output_dir: Path, output_names: Sequence[str], chunk_ranges: Sequence[tuple[int, int]],
-                   total: int, job_id: str, keep_alive: Callable[[], None],
-                   may_publish: Callable[[], bool]) -> dict[str, tuple[Path, dict[str, Any]]] | None:
-    """Merge every output into its temp file (`_merge_output`), then ask `may_publish`: output name ->
-    (temp file, manifest entry) to rename and publish, or None. Unless they are handed back, the temp
-    files are removed (stopped, or failed: a merge of a later output, `may_publish` raising)."""
-    merged: dict[str, tuple[Path, dict[str, Any]]] = {}
+def _merge_outputs(out: Folder, parts: Folder, output_names: Sequence[str], chunk_ranges: Sequence[tuple[int, int]],
+                   total: int, keep_alive: Callable[[], None],
+                   may_publish: Callable[[], bool]) -> dict[str, tuple[str, dict[str, Any]]] | None:
+    """Merge every output into its temp file in `parts` (`_merge_output`), then ask `may_publish`: output
+    name -> (temp file, manifest entry) to rename and publish, or None. Unless they are handed back, the
+    temp files are removed (stopped, or failed: a merge of a later output, `may_publish` raising, a link
+    in the output folder `out` where a published file goes)."""
+    merged: dict[str, tuple[str, dict[str, Any]]] = {}
     publish = False
     try:
         for name in output_names:
-            merged[name] = _merge_output(output_dir, name, chunk_ranges, total, job_id, keep_alive)
+            merged[name] = _merge_output(parts, name, chunk_ranges, total, keep_alive)
         publish = may_publish()
+        if publish:  # (a rename would replace a link, not follow it: refused all the same, before any rename)
+            for published in (*(entry["file"] for _, entry in merged.values()), QUARANTINE_NAME, MANIFEST_NAME):
+                out.refuse_link(published)
         return merged if publish else None
+    except BaseException:
+        publish = False
+        raise
     finally:
         if not publish:
             for temp, _ in merged.values():
-                temp.unlink(missing_ok=True)
+                parts.unlink(temp)
 
 
 def finalize_outputs(
@@ -339,61 +402,100 @@ def finalize_outputs(
     total = _rows_covered(chunk_ranges)
     if clash := set(_RESERVED_KEYS) & set(manifest_extra):
         raise ValueError(f"manifest_extra may not set {sorted(clash)}")
-    manifest = read_manifest(output_dir)
-    if manifest is None:
-        try:
-            rejected = read_quarantine(output_dir, job_id)
-            if bad_row_limit is not None and len(rejected) > bad_row_limit:
-                raise BadInput(quarantine.too_many_message([int(entry["row"]) for entry in rejected],
-                                                           str(rejected[0]["error"]), limit=bad_row_limit,
-                                                           rows_total=total))
-            merged = _merge_outputs(output_dir, output_names, chunk_ranges, total, job_id, keep_alive, may_publish)
-            if merged is None:
-                return None
-            for temp, entry in merged.values():
-                os.replace(temp, output_dir / entry["file"])
-            _fsync_dir(output_dir)  # (the outputs' names are durable before the manifest can be: POSIX orders
-            # no two renames, so a crash must not leave a manifest whose outputs' entries were lost)
-            outputs = {name: entry for name, (_, entry) in merged.items()}
-            manifest = {"rows": total, "outputs": outputs, "chunks": len(chunk_ranges), **manifest_extra,
-                        **_publish_quarantine(output_dir, rejected, outputs, quarantine_fill)}
-            text = json.dumps(manifest, indent=2).encode()
-            _write_atomically(output_dir / MANIFEST_NAME, lambda handle: handle.write(text))
-            _fsync_dir(output_dir)
-        except (FileMissing, OSError) as err:
-            # Another worker may have finished the same merge and removed the parts meanwhile.
-            manifest = read_manifest(output_dir)
-            if manifest is None and isinstance(err, OSError):
-                raise storage_error(output_dir, err) from err
-            if manifest is None:
-                raise
+    try:
+        out = _open_output_dir(output_dir)
+    except FileNotFoundError as err:  # (as when a part is missing)
+        raise _parts_gone(output_dir) from err
+    except OSError as err:
+        raise storage_error(output_dir, err) from err
+    with out:
+        manifest = _read_manifest(out)
+        if manifest is None:
+            try:
+                manifest = _merge_and_publish(out, chunk_ranges, output_names, manifest_extra, total=total,
+                                              job_id=job_id, keep_alive=keep_alive, may_publish=may_publish,
+                                              bad_row_limit=bad_row_limit, quarantine_fill=quarantine_fill)
+                if manifest is None:
+                    return None
+            except (FileMissing, OSError) as err:
+                # Another worker may have finished the same merge and removed the parts meanwhile.
+                manifest = _read_manifest(out)
+                if manifest is None and isinstance(err, OSError):
+                    raise storage_error(output_dir, err) from err
+                if manifest is None:
+                    raise
     _check_same_job(output_dir, manifest, total, output_names, manifest_extra)
     return manifest
 
 
+def _merge_and_publish(out: Folder, chunk_ranges: Sequence[tuple[int, int]], output_names: Sequence[str],
+                       manifest_extra: Mapping[str, Any], *, total: int, job_id: str,
+                       keep_alive: Callable[[], None], may_publish: Callable[[], bool], bad_row_limit: int | None,
+                       quarantine_fill: float) -> dict[str, Any] | None:
+    """`finalize_outputs`' merge in the opened output folder `out`, and its outputs, quarantine and manifest
+    published; the manifest, or None when `may_publish` stopped it."""
+    try:
+        opened = _open_job_parts(out, job_id)
+    except FileNotFoundError as err:  # (as when a part is missing)
+        raise _parts_gone(out.path / PARTS_DIR / job_id) from err
+    with opened:
+        parts = opened.folder
+        rejected = _read_quarantine(parts)
+        if bad_row_limit is not None and len(rejected) > bad_row_limit:
+            raise BadInput(quarantine.too_many_message([int(entry["row"]) for entry in rejected],
+                                                       str(rejected[0]["error"]), limit=bad_row_limit,
+                                                       rows_total=total))
+        merged = _merge_outputs(out, parts, output_names, chunk_ranges, total, keep_alive, may_publish)
+        if merged is None:
+            return None
+        for temp, entry in merged.values():
+            parts.replace(temp, out, entry["file"])
+        out.fsync()  # (the outputs' names are durable before the manifest can be: POSIX orders no two
+        # renames, so a crash must not leave a manifest whose outputs' entries were lost)
+        outputs = {name: entry for name, (_, entry) in merged.items()}
+        manifest = {"rows": total, "outputs": outputs, "chunks": len(chunk_ranges), **manifest_extra,
+                    **_publish_quarantine(out, rejected, outputs, quarantine_fill)}
+        text = json.dumps(manifest, indent=2).encode()
+        _write_atomically(out / MANIFEST_NAME, lambda handle: handle.write(text))
+        out.fsync()
+        return manifest
+
+
+def _read_manifest(out: Folder) -> dict[str, Any] | None:
+    """The opened output folder's manifest.json as a dict (a link there is PathNotAllowed); None when
+    there is none or it is unreadable (`output_layout.read_manifest`)."""
+    try:
+        return parse_manifest(out.read_bytes(MANIFEST_NAME))
+    except OSError:
+        return None
+
+
 def read_quarantine(output_dir: Path, job_id: str = "") -> list[dict[str, Any]]:
     """Every chunk's quarantined rows (`write_part`), in row order, from one listing of the parts folder."""
-    folder = parts_folder(Path(output_dir), job_id)
     try:
-        names = sorted(entry.name for entry in os.scandir(folder)
-                       if entry.name.startswith("quarantine.") and entry.name.endswith(".jsonl"))
-        entries = [entry for name in names for entry in quarantine.read_entries((folder / name).read_text())]
+        with _open_output_dir(output_dir) as out, _open_job_parts(out, job_id) as opened:
+            return _read_quarantine(opened.folder)
     except FileNotFoundError:
         return []
     except OSError as err:
         raise storage_error(Path(output_dir), err) from err
+
+
+def _read_quarantine(parts: Folder) -> list[dict[str, Any]]:
+    """`read_quarantine` from the opened parts folder `parts`."""
+    names = sorted(name for name in parts.names() if name.startswith("quarantine.") and name.endswith(".jsonl"))
+    entries = [entry for name in names for entry in quarantine.read_entries(parts.read_bytes(name).decode())]
     return sorted(entries, key=lambda entry: int(entry["row"]))
 
 
-def _publish_quarantine(output_dir: Path, rejected: Sequence[dict[str, Any]], outputs: Mapping[str, Any],
+def _publish_quarantine(out: Folder, rejected: Sequence[dict[str, Any]], outputs: Mapping[str, Any],
                         fill: float) -> dict[str, Any]:
     """Write `quarantine.jsonl` (removing a stale one when no row was quarantined); the manifest's keys for it."""
-    path = output_dir / QUARANTINE_NAME
     if not rejected:
-        path.unlink(missing_ok=True)
+        out.unlink(QUARANTINE_NAME)
         return {"quarantined_rows": []}
     text = "".join(quarantine.entry_line(int(entry["row"]), str(entry["error"])) for entry in rejected).encode()
-    _write_atomically(path, lambda handle: handle.write(text))
+    _write_atomically(out / QUARANTINE_NAME, lambda handle: handle.write(text))
     fills = {name: quarantine.json_number(quarantine.fill_value(np.dtype(entry["dtype"]), fill))
              for name, entry in outputs.items()}
     return {"quarantined_rows": [int(entry["row"]) for entry in rejected],
@@ -410,17 +512,22 @@ def remove_parts(output_dir: Path, *, job_id: str = "") -> None:
     removes them). With `job_id` '' (parts written without a job id) the files directly in `.parts/`
     are the job's, its subfolders other jobs'.
     """
-    parts = Path(output_dir) / PARTS_DIR
-    if job_id:
-        shutil.rmtree(parts_folder(output_dir, job_id), ignore_errors=True)
-    elif parts.is_dir():
-        for entry in parts.iterdir():
-            if not entry.is_dir():
-                entry.unlink(missing_ok=True)
     try:
-        parts.rmdir()
-    except OSError:  # not empty (another job's parts), or already gone
-        pass
+        with _open_output_dir(output_dir) as out:
+            try:
+                parts = out.sub(PARTS_DIR)
+            except FileNotFoundError:
+                return
+            with parts:
+                if job_id:
+                    parts.remove_tree(job_id)
+                else:
+                    for name in parts.names():
+                        if not parts.is_folder(name):
+                            parts.unlink(name)
+            out.remove_if_empty(PARTS_DIR)  # not if another job's parts are there
+    except (OSError, PathNotAllowed) as err:  # the job's results are published: its leftovers wait
+        log.warning("could not remove the parts of job %r under '%s': %s", job_id, output_dir, err)
 
 
 def _check_same_job(

@@ -9,8 +9,11 @@ histogram next to the original's.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +21,17 @@ import numpy as np
 import onnx
 
 from broker.errors import DeviceOutOfMemory, SitsError
+from broker.memory import reservation
 from broker.models import registry
 from broker.models.model_record import ModelRecord
+from broker.tenants import usage as tenant_usage
+from broker.tenants.usage import BillEntry
+from sits_worker.device.run_limits import RunLimits
 from sits_worker.device.runtime import build_session, run_session
 from sits_worker.model.graph import operator_histogram
 from sits_worker.serving.context import WorkerContext
+
+log = logging.getLogger(__name__)
 
 _BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _PROFILE_SEQUENCE = 128
@@ -51,7 +60,8 @@ once, and the sizes are compared under the same drift."""
 
 
 def measure(session: Any, signature: Mapping[str, Any], *, budget_seconds: float = 1.0,
-            batch_sizes: tuple[int, ...] = _BATCH_SIZES, passes: int = PROFILE_PASSES) -> list[dict[str, float]]:
+            batch_sizes: tuple[int, ...] = _BATCH_SIZES, passes: int = PROFILE_PASSES,
+            limits: RunLimits | None = None) -> list[dict[str, float]]:
     """Latency (median of timed runs), its 99th percentile and throughput for each batch size, within a
     time budget per size; sizes past the first one the device runs out of memory for are skipped, as
     are those past the first whose one warm-up run takes over a third of the budget.
@@ -61,14 +71,15 @@ def measure(session: Any, signature: Mapping[str, Any], *, budget_seconds: float
     size measured in a slow second must not lose to one measured in a fast one.
 
     `p99_ms` is what schedulability analysis takes as a batch's worst case (`broker/sla/analysis.py`):
-    of the 3 to 50 runs timed, it lies close to the slowest one.
+    of the 3 to 50 runs timed, it lies close to the slowest one. Each run is held to `limits` (the
+    worker's `scheduler.run_time_limit`), as a batch's is.
     """
     feeds: dict[int, dict[str, np.ndarray]] = {}
     for batch in batch_sizes:
         feed = sample_feed(signature, batch)
         try:
             started = time.perf_counter()
-            run_session(session, feed)  # warm-up: allocations, kernel choice
+            run_session(session, feed, limits=limits)  # warm-up: allocations, kernel choice
             once = time.perf_counter() - started
         except DeviceOutOfMemory:
             if not feeds:
@@ -88,7 +99,7 @@ def measure(session: Any, signature: Mapping[str, Any], *, budget_seconds: float
             while len(taken) < least or (time.perf_counter() - started < share and len(taken) < 50 * (number + 1)
                                          // max(1, passes)):
                 t0 = time.perf_counter()
-                run_session(session, feeds[batch])
+                run_session(session, feeds[batch], limits=limits)
                 taken.append(time.perf_counter() - t0)
     points: list[dict[str, float]] = []
     for batch, taken in timings.items():
@@ -108,12 +119,23 @@ def pareto_points(points: list[dict[str, float]]) -> list[dict[str, float]]:
     return front
 
 
+@dataclass(frozen=True)
+class BillPayer:
+    """Whom a profile's device time is billed to: the tenant whose key registered the model, and the key's
+    name ('' for both: a registration from before profiles were billed, billed to no one)."""
+
+    tenant: str = ""
+    owner: str = ""
+
+
 def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str, enable_fusion: bool,
-                       now: float | None = None) -> ModelRecord:
-    """Fuse and/or measure `model_ref` and write the results into its registry record."""
+                       now: float | None = None, payer: BillPayer = BillPayer()) -> ModelRecord:
+    """Fuse and/or measure `model_ref` and write the results into its registry record; the seconds it held
+    the device are billed to `payer` as its work's runs are (`broker/tenants/usage.py`)."""
     now = time.time() if now is None else now
     record = registry.get_model(ctx.store, model_ref)
     fields: dict[str, Any] = {}
+    began = time.monotonic()
     try:
         if enable_fusion:
             fields["fusion"] = fuse(ctx, record)
@@ -123,7 +145,8 @@ def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str,
                 now - cached.get("measured_at", 0) < ctx.settings.scheduler.model_profile_cache_ttl)
             if not fresh:
                 session = ctx.session(model_ref)
-                points = measure(session, record.signature)
+                with _reserved(ctx, record):
+                    points = measure(session, record.signature, limits=ctx.run_limits)
                 fields["profile"] = {"source": "measured", "device": str(ctx.device), "measured_at": now,
                                      "points": points, "pareto": pareto_points(points), "worker": ctx.name,
                                      "providers": session.get_providers(),
@@ -131,9 +154,37 @@ def profile_and_record(ctx: WorkerContext, model_ref: str, *, profile_mode: str,
         fields["profile_status"] = "ready"
     except SitsError as err:
         fields.update(profile_status="failed", profile_error=err.message)
+    finally:
+        _bill(ctx, model_ref, payer, seconds=time.monotonic() - began, now=now)
     updated = registry.update_model_version(ctx.store, model_ref, fields)
     ctx.remember_model(model_ref, updated)
     return updated
+
+
+@contextlib.contextmanager
+def _reserved(ctx: WorkerContext, record: ModelRecord) -> Iterator[None]:
+    """The device memory of the profile's largest batch, reserved in the worker's ledger while it is
+    measured, so the batches the worker's other slots admit meanwhile leave it room (and it them)."""
+    rows = max(_BATCH_SIZES)
+    need = reservation.BatchCost.of(record, max_rows=rows, max_tokens=0).need_bytes(rows=rows)
+    handle = ctx.ledger.reserve(need, now=time.time(), expected_seconds=len(_BATCH_SIZES))
+    try:
+        yield
+    finally:
+        ctx.ledger.release(handle, now=time.time())
+
+
+def _bill(ctx: WorkerContext, model_ref: str, payer: BillPayer, *, seconds: float, now: float) -> None:
+    """Bill a profile's device time to its payer, at once (a profile is rare, and long beside a run)."""
+    if not payer.tenant:
+        return
+    try:
+        tenant_usage.note_usage(ctx.store, [BillEntry(payer.tenant, payer.owner, model_ref, ctx.device.kind, seconds,
+                                                      rows=0)],
+                                now=now, half_life=ctx.settings.fair_share.usage_half_life)
+    except SitsError as err:  # (Redis away: the profile itself still counts)
+        log.warning("could not bill %.3f s of profiling %s to tenant %s: %s", seconds, model_ref, payer.tenant,
+                    err.message)
 
 
 def fuse(ctx: WorkerContext, record: ModelRecord) -> dict[str, Any]:

@@ -5,6 +5,7 @@ The bad models are small graphs built with onnx.helper, as the zoo builds its mo
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -266,3 +267,27 @@ def test_registration_accepts_exactly_the_input_dtypes_requests_can_carry(elem_t
         registrable = False
 
     assert registrable == readable, (TensorProto.DataType.Name(elem_type), sorted(CARRIED_DTYPE_KINDS))
+
+
+def test_a_version_is_profiled_once_per_mode_and_the_task_bills_the_registrant_s_tenant(
+        api: Api, tmp_path: Path, settings: Settings, redis_server: EmbeddedRedis) -> None:
+    """Registering a version again (the same file) asks no second profile while the first is pending
+    or done; another mode asks again. The task names whom its device time is billed to."""
+    broker = redis.Redis.from_url(redis_server.url, decode_responses=True)
+
+    def profile_tasks() -> list[list[Any]]:  # (oldest first: kombu pushes on the left)
+        return [json.loads(base64.b64decode(json.loads(message)["body"]))[0]
+                for message in reversed(broker.lrange(settings.redis.task_queue, 0, -1))
+                if json.loads(message)["headers"]["task"] == "sits.profile_model"]
+
+    model = one_op(in_shape=["batch", 4], out_shape=["batch", 4])
+    before = len(profile_tasks())  # (other tests' tasks may wait in the session's queue)
+    first = register(api, tmp_path, model, profile_mode="full")
+    again = register(api, tmp_path, model, profile_mode="full")
+    fused = register(api, tmp_path, model, profile_mode="full", enable_fusion=True)
+
+    assert first.status_code == again.status_code == fused.status_code == 201
+    sent = profile_tasks()[before:]
+    assert [args[1:3] for args in sent] == [["full", False], ["full", True]]  # the second asked nothing
+    assert sent[0][3:] == ["test", "test"]  # the admin key's tenant and name, whom the profile is billed to
+    broker.close()

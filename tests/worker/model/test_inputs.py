@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker.errors import BadInput, FileMissing
+from broker.errors import BadInput, FileMissing, PathNotAllowed
 from sits_worker.model.inputs import file_checksum, open_input
+from sits_worker.model.source import check_unchanged, file_identity
 
 
 def _signature(*inputs: tuple[str, str, list[int | str]]) -> dict:
@@ -278,3 +279,49 @@ def test_jsonl_ranges_read_from_several_threads_at_once_stay_intact(tmp_path: Pa
         with ThreadPoolExecutor(4) as pool:
             for _ in range(5):
                 assert list(pool.map(read, range(0, 400, 50))) == expected
+
+
+# --- opened without following a link, and the file submitted --------------------------------
+
+
+def _saved(tmp_path: Path, name: str) -> Path:
+    """An input of every format the signature `PIXELS` or `TOKENS` reads, as `name` says."""
+    path = tmp_path / name
+    if name.endswith(".npy"):
+        np.save(path, _pixels(4))
+    elif name.endswith(".npz"):
+        np.savez(path, pixels=_pixels(4))
+    elif name.endswith(".bin"):
+        path.write_bytes(_pixels(4).tobytes())
+    else:
+        _write_jsonl(path, [_tokens(3, row) for row in range(4)])
+    return path
+
+
+@pytest.mark.parametrize("name", ["in.npy", "in.npz", "in.bin", "in.jsonl"])
+def test_an_input_that_is_a_link_is_refused_and_one_that_is_the_submitted_file_is_read(
+        tmp_path: Path, name: str) -> None:
+    path = _saved(tmp_path, name)
+    signature = TOKENS if name.endswith(".jsonl") else PIXELS
+    (tmp_path / f"link-{name}").symlink_to(path)
+
+    with pytest.raises(PathNotAllowed, match=r"input '.*/link-in\.[a-z]+' is a symbolic link"):
+        open_input(tmp_path / f"link-{name}", signature)
+    with pytest.raises(PathNotAllowed, match="is a symbolic link"):
+        file_checksum(tmp_path / f"link-{name}")
+    with pytest.raises(PathNotAllowed, match="is a symbolic link"):
+        check_unchanged(tmp_path / f"link-{name}", file_identity(path))
+    assert len(_read_all(path, signature, 2, identity=file_identity(path))) == 2
+
+
+def test_an_input_opened_is_checked_against_the_identity_submitted(tmp_path: Path) -> None:
+    """The file at the path when the worker opens it must be the one submitted: the check is on the
+    opened file (`os.fstat`), so nothing can swap the path between the check and the open."""
+    path = _saved(tmp_path, "in.npy")
+    submitted = file_identity(path)
+    path.rename(tmp_path / "aside.npy")
+    np.save(path, _pixels(4) + 1)  # same size, another file
+
+    with pytest.raises(BadInput, match=r"input '.*/in\.npy' changed after the job was submitted"):
+        open_input(path, PIXELS, identity=submitted)
+    assert len(_read_all(path, PIXELS, 4)) == 1  # without an identity (at submit), any regular file

@@ -28,7 +28,7 @@ from sits_worker.device.pinning import Device
 from sits_worker.device.runtime import SessionCache
 from sits_worker.model.graph import static_profile
 from sits_worker.model.source import file_identity
-from sits_worker.serving import outputs
+from sits_worker.serving import execution, outputs
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.execution import process_item
 from tests.leasing import lease_items
@@ -150,3 +150,86 @@ def test_an_input_rewritten_while_the_job_merges_fails_it_before_its_manifest_is
     assert not (output_dir / "logits.npy").exists()  # no merged output without its manifest either
     assert sorted(path.name for path in (output_dir / outputs.PARTS_DIR / spec.job_id).iterdir()) == [
         "logits.000000.npy", "logits.000001.npy"]  # only the parts: the merge's temp file is gone
+
+
+# --- paths swapped for symbolic links ---------------------------------------------------------
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` (relative) with its bytes; None for a folder."""
+    return {str(path.relative_to(folder)): None if path.is_dir() else path.read_bytes()
+            for path in sorted(folder.rglob("*"))}
+
+
+def another_tenants_file(tmp_path: Path) -> Path:
+    """A file of the same shape the job's tenant may not read."""
+    path = tmp_path / "other-tenant" / "secret.npy"
+    path.parent.mkdir()
+    np.save(path, np.full((ROWS, 64), 7.0, np.float32))
+    return path
+
+
+def test_an_input_that_is_a_link_to_another_file_only_while_the_chunk_opens_it_is_not_read(
+        ctx: WorkerContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race around the checks: the path is the submitted file when it is checked before the chunk,
+    a link to another tenant's file when the worker opens it, and the submitted file again when it is
+    checked after the rows were read. Opened by path, the chunk would read the other file's rows and
+    commit them under the job's checksum; the file opened must be the one submitted."""
+    spec = submit(ctx.store, tmp_path, chunk_size=ROWS)
+    path, aside, secret = Path(spec.input_batch), tmp_path / "in.aside.npy", another_tenants_file(tmp_path)
+    check_unchanged, checks = execution.check_unchanged, []
+
+    def check_then_swap(input_path: Path, identity: dict[str, int] | None) -> None:
+        if checks:  # after the rows were read: the submitted file is back
+            path.unlink()
+            aside.rename(path)
+        check_unchanged(input_path, identity)
+        if not checks:
+            path.rename(aside)
+            path.symlink_to(secret)
+        checks.append(input_path)
+
+    monkeypatch.setattr(execution, "check_unchanged", check_then_swap)
+
+    assert run_next(ctx, spec, Hooks(lambda: None, at=0)) == "failed"
+
+    job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
+    assert job.status == "failed" and f"input '{path}' is a symbolic link" in job.error, job
+    assert not output_layout.part_exists(Path(spec.output_dir), 0, ["logits"], job_id=spec.job_id)
+
+
+def test_an_input_swapped_for_a_link_fails_its_job_at_the_next_chunk_naming_the_link(
+        ctx: WorkerContext, tmp_path: Path) -> None:
+    """Even a link to the submitted file itself, moved out of the roots: workers read nothing through a link."""
+    spec = submit(ctx.store, tmp_path, chunk_size=ROWS // 2)
+    assert run_next(ctx, spec, Hooks(lambda: None, at=0)) == "committing"
+    path = Path(spec.input_batch)
+    path.rename(tmp_path / "moved-out.npy")
+    path.symlink_to(tmp_path / "moved-out.npy")
+
+    assert run_next(ctx, spec, Hooks(lambda: None, at=0)) == "failed"
+
+    job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
+    assert job.status == "failed" and f"input '{path}' is a symbolic link" in job.error, job
+    assert "put the submitted file back at that path and resume the job" in job.error
+    assert job.chunks_done == 1
+
+
+def test_an_output_folder_swapped_for_a_link_fails_its_job_and_nothing_is_written_where_it_points(
+        ctx: WorkerContext, tmp_path: Path) -> None:
+    spec = submit(ctx.store, tmp_path, chunk_size=ROWS // 2)
+    assert run_next(ctx, spec, Hooks(lambda: None, at=0)) == "committing"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "logits.npy").write_bytes(b"sentinel")
+    before = tree(outside)
+    out = Path(spec.output_dir)
+    out.rename(tmp_path / "out.moved")
+    out.symlink_to(outside)
+
+    assert run_next(ctx, spec, Hooks(lambda: None, at=0)) == "failed"  # the last chunk: its commit is waited for
+
+    job = jobs.get_job(ctx.store, spec.job_id, now=time.time())
+    assert job.status == "failed" and f"output folder '{out}' is a symbolic link" in job.error, job
+    assert job.retries["bad_input"]["attempts"] == 1  # permanent: not retried
+    assert tree(outside) == before

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from broker.errors import BadInput, Conflict, FileMissing, RetryableError
-from broker.jobs.output_layout import chunks_with_parts, part_exists
+from broker.jobs.output_layout import chunks_with_parts, part_exists, part_path
 from sits_worker.model.inputs import file_checksum
 from sits_worker.serving import outputs
 from sits_worker.serving.outputs import finalize_outputs, remove_parts, write_part
@@ -143,6 +144,16 @@ def test_a_missing_part_names_its_chunk_and_finalize_can_run_again(tmp_path: Pat
     assert manifest["rows"] == 10
 
 
+@pytest.mark.parametrize("gone", ["out", "out/.parts"])
+def test_a_merge_whose_folder_is_gone_says_the_chunks_must_run_again(tmp_path: Path, gone: str) -> None:
+    """A missing folder is the job's missing parts (FileMissing, as one missing part), not a disk to wait for."""
+    _write_all(tmp_path / "out", CHUNKS)
+    shutil.rmtree(tmp_path / gone)
+
+    with pytest.raises(FileMissing, match=f"'{tmp_path / gone}/?' is missing.*resume the job"):
+        finalize_outputs(tmp_path / "out", CHUNKS, ["logits", "label"], EXTRA)
+
+
 def test_chunks_whose_outputs_differ_in_dtype_or_row_shape_are_not_merged(tmp_path: Path) -> None:
     write_part(tmp_path, 0, {"logits": np.ones((4, 2), np.float32)})
     write_part(tmp_path, 1, {"logits": np.ones((4, 2), np.float64)})
@@ -199,7 +210,7 @@ def test_a_crashed_merge_leaves_its_temp_file_in_its_own_job_s_parts(
     write_part(tmp_path, 0, _outputs(range(0, 4)), job_id="job-a")
     write_part(tmp_path, 0, _outputs(range(0, 4)), job_id="job-b")
 
-    def killed_before_the_rename(source: object, target: object) -> None:
+    def killed_before_the_rename(source: object, target: object, **dir_fds: object) -> None:
         raise OSError(5, "killed")
 
     monkeypatch.setattr(outputs.os, "replace", killed_before_the_rename)
@@ -256,9 +267,9 @@ def test_parts_written_by_write_part_are_copied_by_the_kernel_and_others_through
     """The kernel copies a whole C-order mapping's file bytes; a view of one (its offset is its base's) and
     a Fortran-order part (its file bytes are not the merged rows' order) go through Python."""
     write_part(tmp_path, 0, {"out": np.arange(12, dtype=np.float32).reshape(4, 3)})
-    mapped = np.load(outputs.part_path(tmp_path, "out", 0), mmap_mode="r")
+    mapped = np.load(part_path(tmp_path, "out", 0), mmap_mode="r")
 
-    assert outputs._mapped_from(mapped) == (str(outputs.part_path(tmp_path, "out", 0)), 128)
+    assert outputs._mapped_from(mapped) == 128  # where its data lie in its file
     assert outputs._mapped_from(mapped[1:]) is None
     fortran = tmp_path / "fortran.npy"
     np.save(fortran, np.asfortranarray(np.arange(12, dtype=np.float32).reshape(4, 3)))
@@ -268,7 +279,7 @@ def test_parts_written_by_write_part_are_copied_by_the_kernel_and_others_through
 def test_a_fortran_order_part_is_merged_in_row_order(tmp_path: Path) -> None:
     values = np.arange(24, dtype=np.float64).reshape(6, 4)
     write_part(tmp_path, 0, {"out": values[:2]})
-    np.save(outputs.part_path(tmp_path, "out", 1), np.asfortranarray(values[2:]))  # (as another writer might)
+    np.save(part_path(tmp_path, "out", 1), np.asfortranarray(values[2:]))  # (as another writer might)
 
     manifest = finalize_outputs(tmp_path, [(0, 2), (2, 6)], ["out"], EXTRA)
 
