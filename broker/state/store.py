@@ -136,7 +136,7 @@ def translate_redis_errors() -> Iterator[None]:
     except (redis.ConnectionError, redis.TimeoutError) as err:
         raise ConnectionLost(f"Redis is unreachable ({err}); check SITS_REDIS_URL and that Redis runs") from err
     except redis.ResponseError as err:
-        if _out_of_memory(err):
+        if out_of_memory(err):
             raise StoreFull("Redis is full (it reached maxmemory and evicts nothing): retry once finished jobs "
                             "and results have expired, or give Redis more memory") from err
         busy = _BUSY_REPLIES.get(getattr(err, "status_code", None) or str(err).split(" ", 1)[0])
@@ -157,6 +157,12 @@ redis-py takes the code off the message of those it knows (READONLY, MASTERDOWN,
 as `status_code`."""
 
 
-def _out_of_memory(err: redis.ResponseError) -> bool:
-    """A write refused at maxmemory: 'OOM command not allowed ...', also when a script's write hit it."""
-    return str(err).startswith("OOM") or "OOM command not allowed" in str(err)
+def out_of_memory(err: Exception) -> bool:
+    """Whether `err` (from redis-py, or a client built on it such as kombu) is a write Redis refused at
+    maxmemory: 'OOM command not allowed ...', also when a script's write hit it, and as redis-py words
+    it for a command of a transaction ("... of pipeline caused error: command not allowed when used
+    memory > 'maxmemory'")."""
+    text = str(err)
+    return (isinstance(err, redis.exceptions.OutOfMemoryError) or text.startswith("OOM")
+            or "OOM command not allowed" in text or "used memory > 'maxmemory'" in text)
+

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+import kombu.exceptions
 from celery import Celery
 
 from broker.config.settings import Settings
+from broker.errors import ConnectionLost, SitsError, StoreFull
 from broker.failures.breaker import BreakerView
 from broker.queueing import tickets, workers
-from broker.state.store import Store
+from broker.state.store import Store, out_of_memory
+
+log = logging.getLogger(__name__)
 
 
 class Dispatcher:
@@ -29,8 +34,15 @@ class Dispatcher:
         """Fails a request fast when its model's breakers are open on every live worker."""
 
     def send(self, name: str, *args: Any) -> None:
-        """Publish task `name` with `args`."""
-        self._celery.send_task(name, args=list(args), queue=self._queue)
+        """Publish task `name` with `args`; a Redis that refuses the message is a retryable error (503):
+        StoreFull at maxmemory, else ConnectionLost."""
+        try:
+            self._celery.send_task(name, args=list(args), queue=self._queue)
+        except kombu.exceptions.OperationalError as err:
+            if out_of_memory(err):
+                raise StoreFull(f"Redis is full (it reached maxmemory): task {name} could not be sent; retry once "
+                                "finished jobs and results have expired, or give Redis more memory") from err
+            raise ConnectionLost(f"task {name} could not be sent to the workers ({err}); retry") from err
 
     def ticket_target(self, now: float) -> int:
         """How many tickets should circulate: one per live stream slot, at least one."""
@@ -49,9 +61,15 @@ class Dispatcher:
         return self._slots
 
     def send_tickets(self, tickets: list[str]) -> None:
-        """One drain task per new ticket."""
+        """One drain task per new ticket. One that cannot be sent is left to the reaper, which replaces a
+        ticket no task carries within `scheduler.ticket_timeout`: the work that woke it is queued already,
+        and failing its call now would have its client submit it twice."""
         for ticket in tickets:
-            self.send("sits.drain", ticket)
+            try:
+                self.send("sits.drain", ticket)
+            except SitsError as err:
+                log.warning("could not send a drain task for ticket %s (%s); the reaper replaces it", ticket,
+                            err.message)
 
     def wake_workers(self, now: Callable[[], float] = time.time) -> int:
         """Ring the doorbell and top batch tickets up to one per live stream slot; each new ticket is one

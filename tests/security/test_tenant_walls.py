@@ -246,3 +246,23 @@ def test_an_oversized_model_file_is_refused_before_it_is_read(tenants: Tenants) 
     assert time.monotonic() - began < 1.0
     assert answered.status == 413 and answered.body["code"] == "payload_too_large", answered
     assert "models.max_file_size" in answered.body["error"]
+
+
+def test_a_full_redis_refuses_writes_with_a_retryable_503_and_reads_go_on(tenants: Tenants) -> None:
+    """The embedded Redis runs with `redis.maxmemory` and evicts nothing: at it, a flood's next write is
+    refused, and the API says so (503 `store_full`), instead of a 500 or Redis growing without bound."""
+    stack, store = tenants.stack, tenants.stack.store
+    assert int(store.client.config_get("maxmemory")["maxmemory"]) == stack.settings.redis.maxmemory > 0
+    request = {"model": "shared-mlp", "inputs": {"features": [[0.0] * 64]}}
+    store.client.config_set("maxmemory", "1")  # as if the flood had filled it
+    try:
+        refused = call(stack, tenants.bob, "POST", "/v1/requests", request)
+        job = submit_job(tenants, tenants.bob, "bob-full")
+        status = call(stack, tenants.admin, "GET", "/v1/status")
+    finally:
+        store.client.config_set("maxmemory", str(stack.settings.redis.maxmemory))
+
+    assert refused.status == job.status == 503 and refused.body["code"] == job.body["code"] == "store_full", (
+        refused, job)
+    assert status.status == 200
+    assert call(stack, tenants.bob, "POST", "/v1/requests", request).status in (200, 202)  # room again: accepted
