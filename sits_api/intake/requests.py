@@ -170,11 +170,12 @@ def wait_seconds(settings: Settings, deadline_ms: float | None) -> float:
 
 def _checked_tokens(record: ModelRecord, tensors: dict[str, np.ndarray], mask: MaskSpec | None, *,
                     rows: int, sequence: int | None, claimed: int | None) -> int | None:
-    """The request's token count: counted from its sequence axis; a count the client sent must be
-    that one (or, for a model with an attention mask, the unmasked tokens), since the scheduler
-    trusts it (requests under `express_max_tokens` take the express lane). A model's own
-    `sits.max_sequence` bounds the sequence length here, and its vocabulary the token ids, before
-    anything is queued."""
+    """The request's token count, always counted from its sequence axis (rows x sequence length): what
+    its run costs, and what the scheduler weighs (requests under `express_max_tokens` take the express
+    lane), so it is never taken from the client. A count the client sent must be that one or, for a
+    model with an attention mask, the unmasked tokens; either way the counted one is used (a long
+    sequence mostly masked still runs at its length). A model's own `sits.max_sequence` bounds the
+    sequence length here, and its vocabulary the token ids, before anything is queued."""
     name = record.name
     if sequence is None:
         if claimed is not None:
@@ -188,7 +189,7 @@ def _checked_tokens(record: ModelRecord, tensors: dict[str, np.ndarray], mask: M
         return counted
     unmasked = int(np.count_nonzero(tensors[mask.mask_input])) if mask and mask.mask_input in tensors else None
     if claimed == unmasked:
-        return claimed
+        return counted
     also = f" ({unmasked} unmasked)" if unmasked is not None else ""
     raise BadInput(f"'tokens' is {claimed} but the input holds {counted} tokens{also}; "
                    "leave 'tokens' out and the server counts them")

@@ -7,6 +7,7 @@ model's declared `sits.max_sequence` bounds a request's sequence before anything
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
+from broker.state.store import Store
 from sits_worker.model.zoo import TRANSFORMER_MAX_SEQUENCE, TRANSFORMER_VOCAB
 from tests.api.api_helpers import Api, error_of
 from tests.onnx_models import int_series_model, token_model
@@ -46,10 +48,13 @@ def test_a_token_count_that_does_not_match_the_input_is_refused(api: Api, transf
 
 
 def test_the_unmasked_token_count_is_accepted_for_a_model_with_an_attention_mask(
-        api: Api, transformer: dict[str, Any]) -> None:
+        api: Api, transformer: dict[str, Any], store: Store) -> None:
     mask = [[1] * 20 + [0] * 10]
     body = {"model": "transformer", "inputs": {"input_ids": ids(30), "attention_mask": mask}}
-    assert submit(api, body | {"tokens": 20})[0] == 202
+    status, queued = submit(api, body | {"tokens": 20})
+    assert status == 202
+    assert json.loads(store.client.hget(store.keys.items, queued["id"]))["tokens"] == 30  # its length, not
+    # by the count a client sends: 500 tokens with 1 unmasked would otherwise buy the express lane
     status, answer = submit(api, body | {"tokens": 5})
     assert status == 400 and "30 tokens (20 unmasked)" in answer["error"]
 
