@@ -115,9 +115,15 @@ def openapi_document() -> dict[str, Any]:
                                         "the key is an admin; a version under another tenant's name is a 403, "
                                         "as is one under a name no tenant owns (an admin key's, or registered "
                                         "before names had owners) unless the key is an admin. Also 403: a "
-                                        "path outside the model roots.",
-                         "responses": _responses(201, 400, 401, 403, 404, 422)},
+                                        "path outside the model roots. The registration runs off the request "
+                                        "threads: done within models.registration_wait, a 201 with the version; "
+                                        "else a 202 with a registration id to poll.",
+                         "responses": _responses(201, 202, 400, 401, 403, 404, 413, 422, 429)},
             },
+            "/v1/models/registrations/{registration_id}": {
+                "get": {"summary": "a registration that answered 202: running, registered (with the version) or "
+                                   "failed (with its error); the caller's own",
+                        "parameters": path_params("registration_id"), "responses": _responses(200, 401, 404)}},
             "/v1/models/{ref}": {"get": {"summary": "one model", "parameters": model_ref,
                                          "responses": _responses(200, 400, 401, 404)}},
             "/v1/jobs": {

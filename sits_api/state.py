@@ -8,6 +8,7 @@ each part is safe to use from several threads (the store holds a connection per 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from broker.config.settings import Settings
 from broker.queueing.policy import LivePolicy
 from broker.state.store import Store
 from broker.tenants.records import TenantTable
+from sits_api.intake.registrations import Registrations
 from sits_api.intake.result_inbox import ResultInbox
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.metrics import SitsCollector
@@ -47,9 +49,14 @@ class AppState:
     registrations: WaitSlots = field(default_factory=lambda: WaitSlots(
         "model registrations running", "models.registrations_per_tenant", "once the running one is done"))
     """How many model registrations each tenant runs in this process (`models.registrations_per_tenant`)."""
+    registration_pool: Registrations = field(init=False)
+    """The threads registrations run on, apart from the request threads (`sits_api.intake.registrations`)."""
     known_keys: dict[str | None, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     """API keys checked lately: key -> (when, identity), trusted for `auth.KEY_CACHE_SECONDS`."""
 
+
+    def __post_init__(self) -> None:
+        self.registration_pool = Registrations(self.settings.models.registration_threads)
 
     def waiting_slot(self, identity: dict[str, Any], wait: bool) -> contextlib.AbstractContextManager[None]:
         """One of the caller's tenant's waiting calls in this process while a call waits
@@ -58,11 +65,12 @@ class AppState:
             return contextlib.nullcontext()
         return self.wait_slots.hold(_tenant_of(identity), self.settings.api.max_waits_per_tenant)
 
-    def registration_slot(self, identity: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
-        """One of the caller's tenant's model registrations in this process (an admin key's are not counted)."""
+    def registration_slot(self, identity: dict[str, Any]) -> Callable[[], None]:
+        """One of the caller's tenant's model registrations in this process, until the function returned is
+        called (an admin key's are not counted)."""
         if identity.get("role") == "admin":
-            return contextlib.nullcontext()
-        return self.registrations.hold(_tenant_of(identity), self.settings.models.registrations_per_tenant)
+            return lambda: None
+        return self.registrations.take(_tenant_of(identity), self.settings.models.registrations_per_tenant)
 
 
 def _tenant_of(identity: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from broker.setting_types import Bytes, Integer, parse_size
+from broker.setting_types import Bytes, Integer, Seconds, parse_size
 from broker.setting_types import Section as _Section
 
 MAX_SERIALIZED_BYTES = 2**31 - 1
@@ -20,5 +20,10 @@ class ModelSettings(_Section):
     before any of it is read (413 past it): registration reads the whole model into an API process and
     runs it there, so the limit bounds what one registration costs that process in memory and time."""
     registrations_per_tenant: Integer = Field(1, ge=0)
-    """Most registrations of one tenant at once in one API process (each loads, checks and runs its model
-    on a request thread); one more is a 429. 0: no cap; admin keys are not capped."""
+    """Most registrations of one tenant at once in one API process (each loads, checks and runs its
+    model); one more is a 429. 0: no cap; admin keys are not capped."""
+    registration_threads: Integer = Field(2, ge=1, le=64)
+    """Threads a process runs registrations on, apart from its request threads."""
+    registration_wait: Seconds = Field(10.0, ge=0)
+    """How long `POST /v1/models` waits for its registration: done by then, a 201 with the version; else a
+    202 with a registration to poll (`GET /v1/models/registrations/{id}`)."""

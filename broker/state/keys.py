@@ -215,6 +215,12 @@ class Keys:
         channel a request that starts waiting is announced on (`sits_worker/serving/request_bell.py`)."""
         return self._key("waiting-requests", model_ref)
 
+    def tenants_served(self, model_ref: str) -> str:
+        """HASH tenant -> when one of its online requests of `model_ref` was last leased (under a share split)
+        or answered: how a lease tells a tenant present on the model between its requests
+        (`broker/tenants/batch_shares.py`). Kept an hour after its last write."""
+        return self._key("tenants-served", model_ref)
+
     def request_timeouts(self, model_ref: str) -> str:
         """ZSET request id -> when its timeout passes (unix seconds), of `model_ref`'s requests that have
         one (`broker.online.timeouts`); an entry whose request is gone leaves at the next pass."""
@@ -279,6 +285,11 @@ class Keys:
     def model_owners(self) -> str:
         """HASH model name -> the tenant whose key registered it first (`registry`)."""
         return self._key("model-owners")
+
+    def registration(self, registration_id: str) -> str:
+        """HASH of one model registration run off the API's request threads: its status, and the version or
+        the error it ended with (`sits_api.intake.registrations`); expires an hour after it ends."""
+        return self._key("registration", registration_id)
 
     @property
     def model_owners_by_tenant(self) -> str:

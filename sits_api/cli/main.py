@@ -368,6 +368,22 @@ def model() -> None:
     """Register and inspect models."""
 
 
+def _registered(client: ApiClient, registration_id: str, timeout: float = 3600.0) -> dict[str, Any]:
+    """The model record of a registration that answered 202, once it ended; its error if it failed."""
+    with console.status(f"the API is checking the model (registration {registration_id}) ..."):
+        deadline = time.monotonic() + timeout
+        while True:
+            registration = client.get(f"/v1/models/registrations/{registration_id}")
+            if registration["status"] == "registered":
+                return dict(registration["model"])
+            if registration["status"] == "failed":
+                raise ApiError(f"{registration['http_status']}: {registration['error']}",
+                               int(registration["http_status"] or 500))
+            if time.monotonic() > deadline:
+                raise ApiError(f"registration {registration_id} is still running after {timeout:.0f} s", 504)
+            time.sleep(0.5)
+
+
 @model.command("register")
 @click.option("--name", required=True)
 @click.option("--path", "model_path", required=True, type=click.Path(path_type=Path))
@@ -384,6 +400,8 @@ def model_register(name: str, model_path: Path, profile_mode: str, enable_fusion
     client = _client()
     record = client.post("/v1/models", {"name": name, "path": str(model_path.resolve()),
                                         "profile_mode": profile_mode, "enable_fusion": enable_fusion})
+    if "registration" in record:  # a long registration (a large model): it goes on off the request threads
+        record = _registered(client, record["registration"])
     ref = record["ref"]
     if record["profile_status"] == "pending" and not no_wait:
         with console.status(f"a worker is profiling {ref} ..."):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from broker.errors import QueueFull
 
@@ -31,7 +31,16 @@ class WaitSlots:
 
     @contextlib.contextmanager
     def hold(self, tenant: str, most: int) -> Iterator[None]:
-        """A slot of `tenant` for the block's length; QueueFull (429) when it holds `most` already (0: no cap)."""
+        """A slot of `tenant` for the block's length (`take`)."""
+        release = self.take(tenant, most)
+        try:
+            yield
+        finally:
+            release()
+
+    def take(self, tenant: str, most: int) -> Callable[[], None]:
+        """A slot of `tenant` until the function returned is called (once); QueueFull (429) when it holds
+        `most` already (0: no cap)."""
         with self._lock:
             held = self._held.get(tenant, 0)
             if most and held >= most:
@@ -39,15 +48,20 @@ class WaitSlots:
                                 f"({self._setting}); retry after {RETRY_AFTER_SECONDS} s (Retry-After)"
                                 + (f", {self._advice}" if self._advice else ""), retry_after=RETRY_AFTER_SECONDS)
             self._held[tenant] = held + 1
-        try:
-            yield
-        finally:
+        released = threading.Event()
+
+        def release() -> None:
+            if released.is_set():
+                return
+            released.set()
             with self._lock:
                 left = self._held[tenant] - 1
                 if left:
                     self._held[tenant] = left
                 else:
                     del self._held[tenant]
+
+        return release
 
     def held(self, tenant: str) -> int:
         """How many calls of `tenant` wait now."""

@@ -71,3 +71,37 @@ def test_a_tenant_runs_one_registration_at_a_time_per_process(
 
     assert refused.status_code == 429 and "models.registrations_per_tenant" in error_of(refused)
     assert registered.status_code == 201, error_of(registered)
+
+
+def test_a_registration_past_the_wait_answers_202_and_its_record_says_how_it_ended(
+        redis_server: EmbeddedRedis, store: Store, zoo_dir: Path, tmp_path: Path) -> None:
+    """Registrations run off the request threads: one not done within `models.registration_wait` (0 here)
+    answers 202 with an id; polling it gives the version, to its own tenant only; a failed one its error.
+    The tenant's slot is held until the registration ends, not until the call returns."""
+    from sits_api.app import create_app
+
+    settings = make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(
+        models={"registration_wait": 0})
+    app = create_app(settings, store=store)
+    client = app.test_client()
+    alice, bob = (Api(client, create_api_key(store, name, "user")) for name in ("alice", "bob"))
+    model = tmp_path / "alice" / "mlp.onnx"
+    model.parent.mkdir()
+    model.write_bytes((zoo_dir / "mlp.onnx").read_bytes())
+    (tmp_path / "alice" / "broken.onnx").write_bytes(b"not a model")
+
+    started = alice.post("/v1/models", json={"name": "mine", "path": str(model)})
+    assert started.status_code == 202, error_of(started)
+    poll = started.get_json()["poll"]
+    eventually(lambda: alice.get(poll).get_json()["status"] != "running", timeout=30)
+    done = alice.get(poll).get_json()
+    assert done["status"] == "registered" and done["model"]["ref"] == done["ref"] and done["model"]["owner"] == "alice"
+    assert bob.get(poll).status_code == 404  # another tenant's: as an unknown id
+    assert alice.get("/v1/models/registrations/g000000000000").status_code == 404
+    assert alice.get("/v1/models/registrations/../x").status_code == 404
+    eventually(lambda: client.application.extensions["sits"].registrations.held("alice") == 0, timeout=5)  # freed
+
+    failed = alice.post("/v1/models", json={"name": "broken", "path": str(tmp_path / "alice" / "broken.onnx")})
+    eventually(lambda: alice.get(failed.get_json()["poll"]).get_json()["status"] == "failed", timeout=30)
+    ended = alice.get(failed.get_json()["poll"]).get_json()
+    assert ended["code"] == "invalid_model" and ended["http_status"] == 422 and "broken.onnx" in ended["error"]
