@@ -7,6 +7,7 @@ leave to the user.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,7 @@ def test_kubernetes_runs_the_processes_compose_runs_with_the_same_commands() -> 
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     in_compose = {tuple(service["entrypoint"]) for service in compose["services"].values() if "entrypoint" in service}
     in_kubernetes = {tuple(container["command"]) for doc in kubernetes_documents() for container in containers(doc)
-                     if container["image"] == "sits"}
+                     if container["image"] in ("sits", "sits-gpu")}
 
     assert in_kubernetes == in_compose
 
@@ -176,3 +177,49 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard_folder() -> No
     [prometheus] = datasources["datasources"]
     assert prometheus["uid"] == "prometheus" and prometheus["url"] == "http://prometheus:9090"
     assert (ROOT / "ops/grafana/dashboards/sits.json").read_text().count('"uid": "prometheus"') > 10
+
+
+def interpolated(value: str) -> str:
+    """A compose value as compose reads it with no variable set: `${NAME:-default}` becomes the default."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+def test_compose_locks_redis_and_flower_and_binds_the_dashboards_to_loopback() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+
+    assert "--requirepass" in services["redis"]["command"]
+    assert "${SITS_REDIS_PASSWORD:?" in services["redis"]["command"][-1]  # no default: compose refuses to start
+    for service in (compose["x-sits"], services["flower"]):
+        assert service["environment"]["SITS_REDIS_URL"].startswith("redis://:${SITS_REDIS_PASSWORD:?")
+    assert ":${SITS_FLOWER_PASSWORD:?" in services["flower"]["environment"]["FLOWER_BASIC_AUTH"]
+    for name in ("flower", "prometheus", "grafana"):
+        assert all(interpolated(port).startswith("127.0.0.1:") for port in services[name]["ports"]), name
+    flower_job = {job["job_name"]: job for job in yaml.safe_load(
+        (ROOT / "ops" / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]}["flower"]
+    assert Path(flower_job["basic_auth"]["password_file"]).name == "flower-password"
+    assert "/ops/prometheus/flower-password" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_compose_restarts_and_probes_every_service_and_runs_a_gpu_worker_behind_its_profile() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]  # (the YAML merge key `<<: *sits` already merged in)
+
+    for name, service in services.items():
+        assert service["restart"] == "unless-stopped", name
+        assert service["healthcheck"]["test"], name
+    assert services["worker"]["healthcheck"]["test"] == ["CMD", "python", "-m", "sits_worker.upkeep.liveness"]
+    gpu = services["worker-gpu"]
+    assert gpu["profiles"] == ["gpu"] and gpu["build"]["args"]["ORT_EXTRA"] == "gpu"
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert gpu["entrypoint"] == containers(workload("sits-worker-gpu"))[0]["command"]
+
+
+def test_the_image_runs_as_a_user_of_its_own_and_its_build_context_leaves_secrets_and_data_out() -> None:
+    dockerfile = (ROOT / "ops" / "docker" / "Dockerfile").read_text().splitlines()
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+
+    users = [line.split()[1] for line in dockerfile if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    assert {".venv", "data", ".env", ".git", "ops/prometheus/sits-api-key", "ops/prometheus/flower-password"} <= ignored
