@@ -55,6 +55,12 @@ _WORKER_GAUGES = (
      ("memory", "fragmentation")),
     ("sits_worker_commits_pending", "Computed job chunks waiting for their part files to be written.",
      "commits_pending"),
+    ("sits_gpu_utilization_ratio", "The worker's GPU's utilisation over NVML's last sample period (absent for a "
+     "worker without a GPU or NVML).", ("gpu", "utilization")),
+    ("sits_gpu_memory_used_bytes", "Memory in use on the worker's GPU, every process's, as NVML reads it (absent "
+     "without a GPU).", ("gpu", "memory_used_bytes")),
+    ("sits_gpu_memory_total_bytes", "The worker's GPU's memory, as NVML reads it (absent without a GPU).",
+     ("gpu", "memory_total_bytes")),
     ("sits_degrade_step", "The worker's degrade step: 0 every class served, 1 P1 served as P2, 2 P2 paused too "
      "(its device memory jitters; degrade in the settings).", ("degrade", "step")),
     ("sits_memory_jitter_ratio", "How far the worker's device-memory readings over degrade.window both rose and "

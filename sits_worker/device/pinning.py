@@ -122,6 +122,30 @@ def device_memory(device: Device, configured_bytes: int, environ: Mapping[str, s
     return {"total_bytes": configured_bytes, "free_bytes": configured_bytes, "source": "config"}
 
 
+def gpu_reading(device: Device, environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """What NVML says of the GPU behind `device` now, for the heartbeat and `/metrics` (`sits_gpu_*`):
+    {"utilization" (a fraction, over NVML's last sample period), "memory_used_bytes",
+    "memory_total_bytes", "nvml_index"}. None for a CPU device, without NVML, or when the GPU behind the
+    device number cannot be told: a worker without a GPU then has no such series, rather than zeros."""
+    nvml = _nvml() if device.kind == "gpu" else None
+    gpus = _listed_gpus(nvml)
+    if nvml is None or gpus is None:
+        return None
+    visible = _visible_here(gpus, _environment(environ)).gpus
+    gpu = visible[device.index] if device.index < len(visible) else None
+    if gpu is None:
+        return None
+    index = gpu.index
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        rates, memory = nvml.nvmlDeviceGetUtilizationRates(handle), nvml.nvmlDeviceGetMemoryInfo(handle)
+    except Exception as err:  # a vanished device or a driver error: no reading this beat
+        log.warning("NVML could not read %s (NVML's GPU %d): %s", device, index, err)
+        return None
+    return {"utilization": float(rates.gpu) / 100, "memory_used_bytes": int(memory.used),
+            "memory_total_bytes": int(memory.total), "nvml_index": index}
+
+
 # --- NVML's GPUs, and which one CUDA's device number N is ---------------------------------
 
 

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from broker.queueing import workers
+from sits_worker.device.pinning import gpu_reading
 from sits_worker.serving.context import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class Heartbeat:
             self._info["commits_pending"] = ctx.commits.pending()
             self._info["degrade"] = ctx.memory_watch.info()
             self._info["oom"] = ctx.oom_info()
+            gpu = gpu_reading(ctx.device)
+            if gpu is not None:  # (a CPU worker's heartbeat has none: its sits_gpu_* series are absent, not 0)
+                self._info["gpu"] = gpu
             workers.record_heartbeat(ctx.store, self.worker_name, self._info, now=now)
         except Exception as err:  # Redis down: keep trying, the worker itself stays up
             log.warning("heartbeat failed: %s", err)

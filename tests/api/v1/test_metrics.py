@@ -534,3 +534,19 @@ def test_every_flower_metric_and_label_the_dashboard_queries_is_one_flower_defin
         grouped = {label.strip() for labels in GROUPING.findall(query) for label in labels.split(",") if label.strip()}
         available = set().union(*(flower[name] for name in in_query)) if in_query else set()
         assert not in_query or grouped <= available, f"{query}: no such labels {grouped - available}"
+
+
+def test_gpu_series_come_from_a_gpu_worker_s_heartbeat_and_are_absent_not_zero_without_one(
+        client: FlaskClient, scrape_key: str, store: Store) -> None:
+    now = time.time()
+    workers.record_heartbeat(store, "gpu@host-a", {"device": "gpu:0", "streams": 2, "gpu": {
+        "utilization": 0.75, "memory_used_bytes": 3 * 2**30, "memory_total_bytes": 80 * 2**30, "nvml_index": 3}},
+                             now=now)
+    workers.record_heartbeat(store, "cpu@host-b", {"device": "cpu", "streams": 2}, now=now)  # as a CPU worker beats
+
+    found = samples(scrape(client, scrape_key))
+
+    assert value(found, "sits_gpu_utilization_ratio", worker="gpu@host-a", device="gpu:0") == 0.75
+    assert value(found, "sits_gpu_memory_total_bytes", worker="gpu@host-a", device="gpu:0") == 80 * 2**30
+    for name in ("sits_gpu_utilization_ratio", "sits_gpu_memory_used_bytes", "sits_gpu_memory_total_bytes"):
+        assert [labels["worker"] for labels in names_of(found, name)] == ["gpu@host-a"], name  # no cpu@host-b: 0

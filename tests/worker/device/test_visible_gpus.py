@@ -196,7 +196,11 @@ class _Nvml(SimpleNamespace):
 
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
         self.read.append(handle)
-        return SimpleNamespace(total=self.totals[handle], free=self.totals[handle] // 2)
+        return SimpleNamespace(total=self.totals[handle], free=self.totals[handle] // 2,
+                               used=self.totals[handle] - self.totals[handle] // 2)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return SimpleNamespace(gpu=10 * (handle + 1), memory=5)
 
 
 @pytest.fixture
@@ -255,3 +259,15 @@ def test_an_nvml_that_fails_to_list_its_gpus_counts_as_none(nvml: _Nvml, caplog:
     with caplog.at_level(logging.WARNING, logger=devices.__name__):
         assert devices.nvml_gpus() is None and devices.gpu_count() == 0
     assert "NVML could not list the GPUs: GPU is lost" in caplog.text
+
+
+def test_a_gpu_worker_reads_its_own_gpu_s_utilisation_and_memory_and_a_cpu_worker_none(
+        nvml: _Nvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+
+    assert devices.gpu_reading(Device("gpu", 0)) == {"utilization": 0.3, "memory_used_bytes": 15 * 2**30,
+                                                      "memory_total_bytes": 30 * 2**30, "nvml_index": 2}
+    assert devices.gpu_reading(Device("gpu", 1)) is None  # the variable names one GPU only
+    assert devices.gpu_reading(Device("cpu")) is None
+    monkeypatch.setattr(devices, "_nvml", lambda: None)  # no NVML on the host
+    assert devices.gpu_reading(Device("gpu", 0)) is None
