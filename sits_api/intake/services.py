@@ -13,6 +13,7 @@ import math
 import os
 import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from sits_worker.model.graph import model_signature, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
 from sits_worker.model.loading import load_model_checked
 from sits_worker.model.padding import PADDING_EXACT_KEY, SEQUENCE_OUTPUTS_KEY, mask_spec, token_limits
+from sits_worker.model.safe_files import open_folder
 from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
@@ -55,15 +57,29 @@ from sits_worker.model.source import file_identity
 
 def resolve_inside(path_text: str, roots: Roots, what: str) -> Path:
     """The resolved `path_text`; PathNotAllowed unless it lies inside one of `roots` (the caller's:
-    `caller_roots`), told before anything says whether the file exists."""
-    try:
-        path = Path(path_text).expanduser().resolve()
-    except (ValueError, RuntimeError, OSError) as err:  # NUL bytes, unknown ~user, loops
-        raise BadInput(f"{what} path {path_text!r} is not a valid path: {err}") from err
-    if not roots.holds(path):
-        allowed = ", ".join(str(root) for root in roots.folders) or "none"
-        raise PathNotAllowed(f"{what} {path} is outside this key's {what} roots ({allowed}); "
+    `caller_roots`).
+
+    The path as written is checked first, by its text alone (`..` folded, no `~` expanded): one outside
+    the roots is refused before anything on disk is looked at, so the answer tells nothing of another
+    tenant's folders, of the host's users, or of whether a file exists. Only then is it resolved
+    (symbolic links followed) and checked again; one that leads outside is refused without saying where
+    it leads, and so is one that cannot be resolved (a loop)."""
+    if "\x00" in path_text:
+        raise BadInput(f"{what} path {path_text!r} holds a NUL byte; give the path of a file")
+    written = Path(os.path.normpath(os.path.join(os.getcwd(), path_text)))
+    allowed = ", ".join(str(root) for root in roots.folders) or "none"
+    outside = PathNotAllowed(f"{what} {written} is outside this key's {what} roots ({allowed}); "
                              f"move it there, or have an admin set {roots.setting}")
+    if not roots.holds(written):
+        raise outside
+    through_link = PathNotAllowed(f"{what} {written} leads outside this key's {what} roots ({allowed}) through a "
+                                  f"symbolic link, or cannot be followed; give the path of the file itself")
+    try:
+        path = written.resolve()
+    except (ValueError, RuntimeError, OSError):  # a loop of links, or one too long to follow
+        raise through_link from None
+    if not roots.holds(path):
+        raise through_link
     return path
 
 
@@ -234,7 +250,9 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         if source.reads_rows_cheaply():  # its first row checked as a request's would be (token ids, mask)
             next(source.iter_batches(0, 1, 1))
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        # made one folder at a time without following a link (a folder of the path swapped for a link to
+        # another tenant's since it was checked is refused, nothing made there)
+        open_folder(output_dir, what="output folder", fix="name a real folder", create=True).close()
     except OSError as err:
         raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
                        "name a folder the workers can write") from err
@@ -288,7 +306,20 @@ def _entitled_priority(caller: dict[str, Any], body: JobSubmission, tenant: Tena
     return priority
 
 
-def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec, caps: Tenant, *, now: float) -> None:
+@dataclass(frozen=True)
+class _Place:
+    """What taking a job's place needs of it."""
+
+    tenant: str
+    job_id: str
+
+
+def _place_of(job: JobRecord) -> _Place:
+    return _Place(tenant=job.tenant or job.owner or "", job_id=job.id)
+
+
+def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec | _Place, caps: Tenant, *,
+                    now: float) -> None:
     """A place among its tenant's active jobs (`caps.max_inflight`), or QueueFull (429) with a Retry-After
     of about one chunk's time: the soonest a job of the tenant may end and free one."""
     try:
@@ -358,11 +389,21 @@ def _refuse_finished_output_dir(output_dir: Path, output_names: list[str]) -> No
 
 
 def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id: str, *, caller: dict[str, Any],
-               now: float) -> JobRecord:
+               now: float, tenants: TenantTable | None = None) -> JobRecord:
     """Re-queue a job's unfinished chunks after checking its input and model are still the same; a
-    conflict over its folder names the other job only if the `caller` key may see it."""
+    conflict over its folder names the other job only if the `caller` key may see it. A resumed job is
+    held to what a submitted one is, as its tenant stands now: the models it may use, its entitlements,
+    the caller's roots, and a place among its active jobs (`max_inflight`), so that cancel and resume
+    is no way past them."""
     job = jobs.get_job(store, job_id, now=now)
     registry.get_model(store, job.model_ref)
+    table = tenants or TenantTable(settings.tenants)
+    tenant = tenant_gate.check_model(table, store, caller, job.model)
+    tenant_gate.check_entitlements(caller, tenant, priority=job.priority)
+    resolve_inside(job.input_batch, caller_roots(settings, table, store, caller, "input"), "input")
+    resolve_inside(job.output_dir, caller_roots(settings, table, store, caller, "output"), "output")
+    if job.status not in jobs.ACTIVE_STATUSES:  # (an active one holds its place already)
+        _take_job_place(settings, store, _place_of(job), tenant_gate.caps_of(caller, tenant), now=now)
     input_path = Path(job.input_batch)
     identity = file_identity(input_path)
     checksum = _checksum_unchanged(input_path, identity)

@@ -84,7 +84,7 @@ def resume_job(job_id: str) -> Any:
     state = app_state()
     caller_job(job_id, steer=True)
     job = services.resume_job(state.settings, state.store, state.dispatcher, job_id, caller=g.identity,
-                              now=time.time())
+                              now=time.time(), tenants=state.tenants)
     return jsonify(job.to_json()), 202
 
 

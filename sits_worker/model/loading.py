@@ -6,6 +6,8 @@ imports only `onnx` (no onnxruntime), and every onnx/protobuf/OS exception becom
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_m
 
 from broker.errors import FileMissing, InvalidModel, PathNotAllowed, PayloadTooLarge
 from broker.models.settings import MAX_SERIALIZED_BYTES
+from sits_worker.model.safe_files import Folder, open_folder
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -41,11 +44,14 @@ def _all_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
 MAX_MODEL_BYTES = MAX_SERIALIZED_BYTES
 
 
-def _check_external_data(model: onnx.ModelProto, model_file: Path, max_bytes: int) -> None:
+def _check_external_data(model: onnx.ModelProto, model_file: Path, max_bytes: int, *,
+                         opened_folder: Path | None = None) -> None:
     """Every external data file must exist inside the model's own folder (no `../`, no symlink escape),
     and the model with its data must fit `MAX_MODEL_BYTES` and `max_bytes`: told from the files' sizes,
-    before any data is read into the process."""
+    before any data is read into the process. `opened_folder` is where the folder is looked at: the
+    folder opened without following links (`/proc/self/fd/N`), where the caller holds it open."""
     folder = model_file.parent
+    looked_at = (opened_folder or folder).resolve()
     data_bytes = 0
     for tensor in _all_tensors(model.graph):
         if not uses_external_data(tensor):
@@ -53,10 +59,10 @@ def _check_external_data(model: onnx.ModelProto, model_file: Path, max_bytes: in
         info = ExternalDataInfo(tensor)
         location = info.location
         try:
-            target: Path | None = (folder / location).resolve()
+            target: Path | None = (looked_at / location).resolve()
         except (OSError, ValueError):  # NUL bytes, symlink loops
             target = None
-        if target is None or not location or Path(location).is_absolute() or not _inside(target, folder):
+        if target is None or not location or Path(location).is_absolute() or not _inside(target, looked_at):
             raise InvalidModel(
                 f"external data '{location}' of tensor '{tensor.name}' points outside the model folder "
                 f"{folder} in {model_file.name}; store the data file next to the model and reference it "
@@ -72,7 +78,7 @@ def _check_external_data(model: onnx.ModelProto, model_file: Path, max_bytes: in
         raise InvalidModel(f"{model_file.name} holds {data_bytes + model.ByteSize():,} bytes with its external data, "
                            f"more than the {MAX_MODEL_BYTES:,} one ONNX message can be serialized to (protobuf's "
                            f"2 GB); SITS cannot register models of over 2 GB yet")
-    total = data_bytes + model_file.stat().st_size
+    total = data_bytes + (looked_at / model_file.name).stat().st_size
     if total > max_bytes:
         raise PayloadTooLarge(f"{model_file.name} and its external data hold {total:,} "
                               f"bytes, more than models.max_file_size ({max_bytes:,}); nothing of it was read "
@@ -95,22 +101,48 @@ def load_model_checked(path: Path, model_roots: Sequence[Path], *, max_bytes: in
     roots = [Path(root).resolve() for root in model_roots]
     if not any(_inside(resolved, root) for root in roots):
         allowed = ", ".join(str(root) for root in roots) or "(none configured)"
-        raise PathNotAllowed(f"model path {path} resolves to {resolved}, outside the model roots {allowed}; "
-                             f"place the model under one of them")
-    if not resolved.is_file():
-        what = "is not a file" if resolved.exists() else "does not exist"
-        raise FileMissing(f"model file {path} {what}; check the path or upload the model first")
-    size = resolved.stat().st_size
-    if size > max_bytes:
-        raise PayloadTooLarge(f"model file {path} holds {size:,} bytes, more than models.max_file_size "
-                              f"({max_bytes:,}); it was not read: register a smaller model, or raise "
-                              "models.max_file_size")
+        raise PathNotAllowed(f"model path {path} is outside the model roots {allowed} (or leads there through a "
+                             f"symbolic link); place the model under one of them")
+    # The file and its folder are read from here on through descriptors opened without following a link
+    # (the folder held open, as `/proc/self/fd/N`): a folder swapped for a link since the check above
+    # (another tenant's) is refused, never read.
     try:
-        model = onnx.load(str(resolved), load_external_data=False)
-    except Exception as err:  # onnx/protobuf raise many unrelated types for a bad file
-        raise InvalidModel(f"{resolved.name} is not a readable ONNX model ({err}); "
-                           f"re-export it as an ONNX ModelProto file") from err
-    _check_external_data(model, resolved, max_bytes)
+        folder = open_folder(resolved.parent, what="model", fix=MODEL_FIX)
+    except OSError as err:
+        raise FileMissing(f"model file {path} does not exist; check the path or upload the model first") from err
+    with folder:
+        return _load_opened(folder, resolved, path, max_bytes)
+
+
+MODEL_FIX = "give the path of the model file itself, in a real folder"
+"""What to do about a model path found to lead through a symbolic link (`safe_files.symlink_found`)."""
+
+
+def _load_opened(folder: Folder, resolved: Path, path: Path, max_bytes: int) -> onnx.ModelProto:
+    """`load_model_checked` past its roots check: the model in the folder held open as `folder`."""
+    pinned = Path(f"/proc/self/fd/{folder.fd}")
+    try:
+        handle = folder.read_file(resolved.name)
+    except PathNotAllowed:
+        raise
+    except OSError as err:
+        what = "is not a file" if folder.is_folder(resolved.name) else "does not exist"
+        raise FileMissing(f"model file {path} {what}; check the path or upload the model first") from err
+    with handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise FileMissing(f"model file {path} is not a file; check the path or upload the model first")
+        if status.st_size > max_bytes:
+            raise PayloadTooLarge(f"model file {path} holds {status.st_size:,} bytes, more than models.max_file_size "
+                                  f"({max_bytes:,}); it was not read: register a smaller model, or raise "
+                                  "models.max_file_size")
+        try:
+            model = onnx.load_model_from_string(handle.read())  # (no external data loaded yet: that comes below)
+        except Exception as err:  # onnx/protobuf raise many unrelated types for a bad file
+            raise InvalidModel(f"{resolved.name} is not a readable ONNX model ({err}); "
+                               f"re-export it as an ONNX ModelProto file") from err
+    _check_external_data(model, resolved, max_bytes, opened_folder=pinned)
+    resolved = pinned / resolved.name  # (the checker and the external data: read in the folder held open)
     try:
         # By path, so the checker resolves external data next to the model (not the cwd)
         # and never needs the weights in memory (ModelProtos over 2 GB cannot be checked there).

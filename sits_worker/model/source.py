@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from broker.errors import BadInput, FileMissing, RetryableError, SitsError
-from sits_worker.model.safe_files import symlink_found
+from sits_worker.model.safe_files import open_folder, symlink_found
 
 Batch = tuple[np.ndarray, dict[str, np.ndarray]]
 """(Absolute int64 row numbers, input name -> array): one batch of an input file's rows."""
@@ -33,9 +33,14 @@ def file_error(path: Path, err: OSError) -> SitsError:
 
 def file_identity(path: Path) -> dict[str, int]:
     """What tells a file's bytes changed without reading them: size, modification time, inode (of a
-    symbolic link at `path` itself, not of what it points to)."""
+    symbolic link at `path` itself, not of what it points to). Its folder is reached without following a
+    link on the way (`safe_files.open_folder`): the path was checked resolved, so a link on it was swapped
+    in since, and the identity of whatever it leads to would let that file pass for the one checked
+    (PathNotAllowed instead)."""
+    path = Path(path)
     try:
-        status = os.stat(path, follow_symlinks=False)
+        with open_folder(path.parent, what="input", fix=INPUT_FIX) as folder:
+            status = os.stat(path.name, dir_fd=folder.fd, follow_symlinks=False)
     except OSError as err:
         raise file_error(path, err) from err
     return _identity_of(status)

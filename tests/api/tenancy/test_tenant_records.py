@@ -141,6 +141,9 @@ def test_max_inflight_answers_429_for_a_second_active_job(client: FlaskClient, s
     third = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(acme_input),
                                          "output_dir": str(acme_folder / "two")})
     assert third.status_code == 201, error_of(third)  # the cancelled job's place was freed
+    resumed = alice.post(f"/v1/jobs/{first.get_json()['id']}/resume")
+    assert resumed.status_code == 429 and "max_inflight" in error_of(resumed)  # cancel and resume is no way past it
+    assert alice.get(f"/v1/jobs/{first.get_json()['id']}").get_json()["status"] == "cancelled"
 
 
 def test_usage_is_reported_per_tenant_and_each_tenant_sees_only_its_own(api: Api, client: FlaskClient,

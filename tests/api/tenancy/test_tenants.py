@@ -556,3 +556,4 @@ def test_sitsctl_key_create_refuses_a_user_key_named_like_an_admin_key(
     assert result.exit_code == 2 and "Traceback" not in output, output
     assert "key name 'test' is taken by a key of role 'admin'" in output
     assert store.client.hgetall(store.keys.api_keys) == stored
+
