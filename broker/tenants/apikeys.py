@@ -29,6 +29,11 @@ def _digest(key: str) -> str:
 
 
 GROUP_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+KEY_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+-]{0,63}")
+"""What a key may be called: a name a person reads (an e-mail address fits), short, in plain letters:
+every record a key submits carries it, and no two names may look alike."""
+MAX_KEYS_PER_TENANT = 1000
+"""The most keys one tenant may hold: each is a record in Redis that every key made or revoked reads."""
 """What a key's group may be called: the user group A/B routes send to an arm (`broker/models/routing.py`)."""
 
 
@@ -49,6 +54,9 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
         raise ValueError("a key needs a name: who it is for")
     if name != name.strip():  # "alice " would be a tenant of its own, told from "alice" by nobody
         raise ValueError(f"key name {name!r} starts or ends with spaces; give it as {name.strip()!r}")
+    if not KEY_NAME_PATTERN.fullmatch(name):  # (look-alike letters, control characters, megabytes of name)
+        raise ValueError(f"key name {name[:80]!r} must be letters, digits, '_', '.', '@', '+' or '-' (64 at most), "
+                         "starting with a letter or digit")
     if tenant and not GROUP_PATTERN.fullmatch(tenant):
         raise ValueError(f"tenant {tenant!r} must be letters, digits, '_', '.' or '-' (64 at most), starting with a "
                          "letter or digit")
@@ -62,7 +70,9 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
         while True:
             try:
                 pipe.watch(store.keys.api_keys)
-                _refuse_a_taken_name(name, role, tenant or name, pipe.hvals(store.keys.api_keys))
+                stored = pipe.hvals(store.keys.api_keys)
+                _refuse_a_taken_name(name, role, tenant or name, stored)
+                _refuse_past_the_keys_of_a_tenant(role, tenant or name, stored)
                 pipe.multi()
                 pipe.hset(store.keys.api_keys, _digest(key), record)
                 pipe.execute()
@@ -75,7 +85,7 @@ def _refuse_a_taken_name(name: str, role: str, tenant: str, stored: list[str]) -
     """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and is an
     admin's where `role` is a tenant's, or the other way round, or belongs to a tenant other than
     `tenant`. `metrics` keys own nothing, so their names are free of the rule either way. The message
-    names no tenant: a tenant admin learns only that the name is taken."""
+    names no tenant and no role: a tenant admin learns only that the name is taken, not whose it is."""
     if role == "metrics":
         return
     for raw in stored:
@@ -87,13 +97,27 @@ def _refuse_a_taken_name(name: str, role: str, tenant: str, stored: list[str]) -
             continue
         if identity.get("name") != name:
             continue
-        if (identity.get("role") == "admin") != (role == "admin"):
-            raise ValueError(f"key name {name!r} is taken by a key of role '{identity.get('role')}': a name is "
-                             f"either a tenant's (user keys) or admins' (admin keys), never both; give this {role} "
-                             "key another name")
-        if role != "admin" and (identity.get("tenant") or name) != tenant:
-            raise ValueError(f"key name {name!r} is taken by a key of another tenant: a key name is unique across "
-                             "tenants; give this key another name")
+        if (identity.get("role") == "admin") != (role == "admin") or (
+                role != "admin" and (identity.get("tenant") or name) != tenant):
+            raise ValueError(f"key name {name!r} is taken: a key name belongs to one tenant, or to the admin keys; "
+                             f"give this {role} key another name")
+
+
+def _refuse_past_the_keys_of_a_tenant(role: str, tenant: str, stored: list[str]) -> None:
+    """ValueError when `tenant` holds `MAX_KEYS_PER_TENANT` keys already (admin and metrics keys aside)."""
+    if role in ("admin", "metrics"):
+        return
+    held = 0
+    for raw in stored:
+        try:
+            identity = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(identity, dict) and identity.get("role") not in ("admin", "metrics") and (
+                identity.get("tenant") or identity.get("name")) == tenant:
+            held += 1
+    if held >= MAX_KEYS_PER_TENANT:
+        raise ValueError(f"tenant {tenant!r} holds {held} keys, the most a tenant may; revoke some first")
 
 
 def authenticate(store: Store, key: str | None) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def test_a_tenant_admin_cannot_make_a_key_named_like_another_tenant_s(tenants: T
                                                                        "tenant": "evil"})
 
     assert made.status == 400, made
-    assert "another tenant" in made.body["error"] and "acme" not in made.body["error"]
+    assert "is taken" in made.body["error"] and "acme" not in made.body["error"]  # (nor whose it is)
 
 
 def test_a_key_named_like_another_tenant_s_reaches_none_of_its_work(tenants: Tenants) -> None:
