@@ -8,11 +8,13 @@ claim once it is (`holds_output_dir`).
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Any
 
 from redis.exceptions import WatchError
 
 from broker.errors import Conflict
+from broker.jobs.output_layout import PARTS_DIR
 from broker.jobs.records import ACTIVE_STATUSES
 from broker.jobs.views import JobOwnerView
 from broker.state.store import Store, translate_redis_errors
@@ -36,7 +38,11 @@ def claim_output_dir(store: Store, output_dir: str, job_id: str, *, caller: dict
     that resume. So a key takes a stopped job's folder only if it owns that job (its tenant's keys,
     admins), or the job is gone from Redis.
     """
+    if PARTS_DIR in PurePosixPath(output_dir).parts:
+        raise Conflict(f"output_dir {output_dir} lies in a job's {PARTS_DIR} folder, which holds its parts; "
+                       "choose a folder of your own")
     key = store.keys.output_dirs
+    ancestors = [str(folder) for folder in PurePosixPath(output_dir).parents]
     with translate_redis_errors(), store.client.pipeline() as pipe:
         while True:
             try:
@@ -45,6 +51,13 @@ def claim_output_dir(store: Store, output_dir: str, job_id: str, *, caller: dict
                 if holder and holder != job_id:
                     held_by = JobOwnerView.of(pipe.hmget(store.keys.job(holder), JobOwnerView.names()))
                     _refuse_a_held_folder(caller, output_dir, holder, held_by)
+                # A folder inside another job's is that job's too: its parts and outputs live there.
+                for folder, above in zip(ancestors, pipe.hmget(key, ancestors) if ancestors else [], strict=True):
+                    if above and above != job_id:
+                        held_by = JobOwnerView.of(pipe.hmget(store.keys.job(above), JobOwnerView.names()))
+                        if held_by.status is not None and not owns(caller, held_by.owner, held_by.tenant):
+                            raise Conflict(f"output_dir {output_dir} lies inside {folder}, another tenant's job's "
+                                           "output folder; choose a folder of your own")
                 pipe.multi()
                 pipe.hset(key, output_dir, job_id)
                 pipe.execute()
