@@ -1,6 +1,8 @@
 """Two tenants on one worker: the queue's own order (FIFO) against fair share, measured side by side.
 
-One stack per mode: 1 CPU worker with 1 stream slot (1 ONNX Runtime thread), the zoo transformer
+Two parts (`--part`): `jobs` floods with job chunks, `online` with online requests.
+
+jobs: one stack per mode: 1 CPU worker with 1 stream slot (1 ONNX Runtime thread), the zoo transformer
 (about 1 ms a row). Tenants S1 (guaranteed 70 %, limit 1.2, preemption target 5 ms) and S2 (30 %,
 limit 3.0, 200 ms). Phases:
   shared   both flood the model with a job of short chunks (`--chunk` rows, mini-batches of
@@ -12,19 +14,31 @@ limit 3.0, 200 ms). Phases:
 `fifo` is the same stack with `fair_share.enabled: false`: the queue's order only (S2's job was
 submitted second, so under FIFO S1's chunks go first while it floods).
 
-    python benchmarks/tenants.py --quick   # about 1.5 minutes
-    python benchmarks/tenants.py           # about 3 minutes
+online: one stack per mode, the same worker and tenants, the zoo convnet. Each tenant floods it through
+v2 infer (`POST /v2/models/convnet/infer`, one 3x32x32 image a call, JSON) with `--clients` closed-loop
+clients (threads, each calling again once answered) for `--seconds`: the device-seconds billed to each,
+the calls each got answered and their P50/P99 latency at the client. Then S1 alone, with the same clients,
+for as long. `fifo` is fair share off: merged batches take every waiting request, whoever's.
+`--run-latency` adds a fixed time to every run (fault injection): the flat latency curve of a GPU.
+
+    python benchmarks/tenants.py --quick                 # about 1.5 minutes
+    python benchmarks/tenants.py                         # about 3 minutes
+    python benchmarks/tenants.py --part online           # about 2 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import onnxruntime as ort
@@ -128,8 +142,90 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "wait_p99": float(np.percentile(waits, 99)), "waits": waits}
 
 
+def flood(stack: Stack, keys: dict[str, str], clients: int, seconds: float) -> dict[str, list[float]]:
+    """`clients` closed-loop clients per tenant of `keys` calling v2 infer on the convnet for `seconds` (each
+    bounded by a count too): the latencies (ms) of each tenant's calls answered within the time."""
+    url = urlsplit(stack.api_url)
+    pixels = np.random.default_rng(3).standard_normal(3 * 32 * 32).round(3)
+    body = json.dumps({"inputs": [{"name": "pixels", "shape": [1, 3, 32, 32], "datatype": "FP32",
+                                   "data": pixels.tolist()}]}).encode()
+    latencies: dict[str, list[float]] = {tenant: [] for tenant in keys}
+    failed: list[int] = []
+    ends = time.monotonic() + seconds
+
+    def client(tenant: str) -> None:
+        connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
+        headers = {"Authorization": f"Bearer {keys[tenant]}", "Content-Type": "application/json"}
+        for _ in range(200_000):
+            if time.monotonic() >= ends:
+                break
+            started = time.perf_counter()
+            connection.request("POST", "/v2/models/convnet/infer", body=body, headers=headers)
+            response = connection.getresponse()
+            response.read()
+            if response.status != 200:
+                failed.append(response.status)
+            elif time.monotonic() < ends:
+                latencies[tenant].append((time.perf_counter() - started) * 1000)
+        connection.close()
+
+    threads = [threading.Thread(target=client, args=(tenant,), daemon=True) for tenant in keys for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 120)
+    if failed:
+        print(f"{len(failed)} calls failed: {sorted(set(failed))}", file=sys.stderr)
+    return latencies
+
+
+def flood_phase(stack: Stack, keys: dict[str, str], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """One flood of `args.seconds`: per tenant, its device-seconds billed, calls answered and P50/P99 (ms)."""
+    before = billed(stack)
+    latencies = flood(stack, keys, args.clients, args.seconds)
+    time.sleep(0.2)  # (bills are written at most 50 ms late)
+    after = billed(stack)
+    return {tenant: {"billed": after.get(tenant, 0.0) - before.get(tenant, 0.0), "served": len(values),
+                     "p50": float(np.percentile(values, 50)) if values else float("nan"),
+                     "p99": float(np.percentile(values, 99)) if values else float("nan")}
+            for tenant, values in latencies.items()}
+
+
+def run_online(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One stack in `mode` (fifo or fair): both tenants flood, then S1 alone; the figures."""
+    with tempfile.TemporaryDirectory(prefix="sits-tenants-") as tmp:
+        home = Path(tmp)
+        faults = {"faults": {"enabled": True, "run_latency": args.run_latency}} if args.run_latency else {}
+        settings = Settings().with_overrides(
+            paths={"home": home, "model_roots": (home,), "input_roots": (home,), "output_roots": (home,)},
+            resources={"max_concurrent_streams": 1, "intra_op_threads": 1}, api={"port": 0}, tenants=TENANTS,
+            fair_share={"enabled": mode == "fair", "usage_half_life": "10s"}, **faults)
+        with Stack(settings, worker_count=1, api_port=0) as stack:
+            stack.client().post("/v1/models", {"name": "convnet", "path": str(build_zoo(home / "models")["convnet"])})
+            keys = {name: create_api_key(stack.store, f"{name}-key", tenant=name) for name in TENANTS}
+            flood(stack, keys, args.clients, 2.0)  # (sessions built, usage found its level)
+            shared = flood_phase(stack, keys, args)
+            alone = flood_phase(stack, {"s1": keys["s1"]}, args)
+    return {"mode": mode, "shared": shared, "alone": alone["s1"]}
+
+
+def print_online(rows: list[dict[str, Any]]) -> None:
+    print("| mode | S1 billed | S2 billed | S1 served | S2 served | S1 P50 / P99 | S2 P50 / P99 | S1 alone served "
+          "| S1 alone P50 / P99 | S1 shared / alone |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        s1, s2, alone = row["shared"]["s1"], row["shared"]["s2"], row["alone"]
+        total = s1["billed"] + s2["billed"]
+        print(f"| {row['mode']} | {s1['billed'] / total:.1%} | {s2['billed'] / total:.1%} | {s1['served']:,} | "
+              f"{s2['served']:,} | {s1['p50']:.0f} / {s1['p99']:.0f} ms | {s2['p50']:.0f} / {s2['p99']:.0f} ms | "
+              f"{alone['served']:,} | {alone['p50']:.0f} / {alone['p99']:.0f} ms | "
+              f"{s1['served'] / alone['served']:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("jobs", "online"), default="jobs",
+                        help="flood with job chunks or with online requests")
     parser.add_argument("--quick", action="store_true", help="shorter phases")
     parser.add_argument("--rows", type=int, default=0,
                         help="rows of each tenant's job (default: enough for the phases at this machine's speed)")
@@ -142,7 +238,13 @@ def main() -> None:
     parser.add_argument("--s1-target", default="5ms", help="S1's preemption target (a running chunk looks for "
                                                           "its requests every half of it)")
     parser.add_argument("--waits", action="store_true", help="also print every return wait, in order")
+    parser.add_argument("--clients", type=int, default=8, help="online: closed-loop clients per tenant")
+    parser.add_argument("--seconds", type=float, default=20.0, help="online: length of each flood")
+    parser.add_argument("--run-latency", default="", help="online: time added to every run (e.g. 20ms)")
     args = parser.parse_args()
+    if args.part == "online":
+        print_online([run_online(mode, args) for mode in args.modes.split(",")])
+        return
     if args.quick:
         args.window, args.alone, args.returns = 15.0, 5.0, 60
     if not args.rows:

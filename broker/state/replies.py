@@ -19,6 +19,9 @@ class LeaseReply(IntEnum):
     """The ticket was replaced: the caller's drain loop stops."""
     ONLY_PAUSED = -2
     """Nothing leased, and paused items (a degraded worker's class) were all there was within reach."""
+    HELD_FOR_SHARE = -3
+    """Nothing leased: the tenant a batch's rows are shared by (`broker/tenants/batch_shares.py`) is present
+    on the model with nothing waiting at this instant; the others' requests wait for its next ones."""
     NOTHING = 0
     """Nothing leased: the queue is empty, its head is not for this call, or the batch does not fit."""
 

@@ -118,17 +118,27 @@ def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[s
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
 @click.option("--port", type=click.IntRange(0, 65535), default=None,
               help="API port (default api.port; 0 picks a free one)")
-def up(worker_count: int, streams: int | None, config_path: Path | None, port: int | None) -> None:
+@click.option("--listen", metavar="ADDR", default=None,
+              help="the address the embedded Redis listens on, one the fleet's other hosts reach, so that "
+              "`sitsctl worker --redis URL` joins from there (default redis.bind: 127.0.0.1)")
+def up(worker_count: int, streams: int | None, config_path: Path | None, port: int | None,
+       listen: str | None) -> None:
     """Start embedded Redis, the API and workers in the foreground; Ctrl-C stops them all.
 
     A worker or the API that exits on its own is started again (at most 5 times a minute each);
     the embedded Redis exiting stops everything. SIGTERM, SIGHUP (the terminal closed) and the death
-    of this process stop everything too.
+    of this process stop everything too. With --listen, `$SITS_HOME/redis-url` names that address:
+    the URL (password included) a worker on another host joins with.
     """
     from broker.state.embedded import masked_url
     from sits_api.cli.stack import Stack
 
     settings = load_settings(config_path)
+    if listen is not None:
+        if settings.redis.url:
+            raise click.UsageError("--listen is the embedded Redis's address, and redis.url (or SITS_REDIS_URL) "
+                                   "names another Redis: set its address there, or drop one of them")
+        settings = settings.with_overrides(redis={"bind": listen})
     stack = Stack(settings, worker_count=worker_count, streams=streams, api_port=port)
     # `kill %1` of a backgrounded `up`, or its terminal closing, stops it as Ctrl-C does (unless started
     # under nohup, which ignores SIGHUP so that the stack outlives the terminal).
@@ -284,12 +294,17 @@ def _request_statistics(client: ApiClient) -> Table | None:
               help="batches in flight at once (default from config)")
 @click.option("--name", default=None, help="Celery worker name (default sits-<device>-<pid>@host)")
 @click.option("--loglevel", default="INFO", show_default=True)
-def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None, loglevel: str) -> None:
+@click.option("--redis", "redis_url", metavar="URL", default=None,
+              help="the fleet's Redis, password included: on another host, the URL in the stack's "
+              "$SITS_HOME/redis-url (default SITS_REDIS_URL, redis.url, else the stack of this SITS_HOME)")
+def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None, loglevel: str,
+           redis_url: str | None) -> None:
     """Run a Celery worker pinned to one device (replaces this process).
 
-    Its Redis: SITS_REDIS_URL (or redis.url), else the one `sitsctl up` runs in this SITS_HOME, whose
-    settings (key prefix, limits) it then takes too, unless SITS_CONFIG names others. Without
-    --gpu or --cpu it takes the first GPU ONNX Runtime can use, else the CPU.
+    Its Redis: --redis, else SITS_REDIS_URL (or redis.url), else the one `sitsctl up` runs in this
+    SITS_HOME, whose settings (key prefix, limits) it then takes too, unless SITS_CONFIG names others.
+    Without --gpu or --cpu it takes the first GPU ONNX Runtime can use, else the CPU. A worker on
+    another host must see the inputs, outputs and model store at the same paths as the API.
     """
     from sits_api.cli.stack import worker_command
 
@@ -303,6 +318,10 @@ def worker(gpu: int | None, use_cpu: bool, streams: int | None, name: str | None
             raise SitsError(f"cannot pin this worker to gpu:{gpu}: {problem}; start it with --cpu "
                             "or on a machine with that GPU")
     settings, stack_config = _stack_settings(None)
+    if redis_url is not None:  # named: this worker joins that Redis, whatever stack runs in this SITS_HOME
+        if not redis_url.strip():
+            raise click.UsageError("--redis must name a Redis URL (the stack's $SITS_HOME/redis-url)")
+        settings, stack_config = load_settings(None).with_overrides(redis={"url": redis_url}), None
     redis_url, _ = _stack_redis(settings, recorded_by_up=stack_config is not None)
     streams = streams or settings.resources.max_concurrent_streams
     argv, extra = worker_command(device, streams, name or f"sits-{device.replace(':', '')}-{os.getpid()}@%h",

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -126,7 +127,8 @@ class Stack:
             redis_url = self.settings.redis.url
             if not redis_url:
                 self.redis = EmbeddedRedis(self.home / "redis", appendonly=self.settings.redis.appendonly,
-                                           maxmemory=self.settings.redis.maxmemory).start()
+                                           maxmemory=self.settings.redis.maxmemory,
+                                           bind=self.settings.redis.bind, port=self.settings.redis.port or None).start()
                 redis_url = self.redis.url
             port = port or free_port(self.settings.api.host)  # (after Redis took its own free port)
             self.settings = self.settings.with_overrides(redis={"url": redis_url}, api={"port": port})
@@ -189,12 +191,16 @@ class Stack:
         self.children.append(child)
         return child
 
-    def start_worker(self, index: int) -> Child:
-        """Start worker number `index`: GPUs round-robin, else the CPU (`supervise` restarts it after a crash)."""
+    def start_worker(self, index: int, *, launcher: Sequence[str] = ()) -> Child:
+        """Start worker number `index`: GPUs round-robin, else the CPU (`supervise` restarts it after a crash).
+
+        `launcher` is a command the worker runs under, such as `ip netns exec NAME` (it must exec the
+        worker in its own process, so that the PID kept is the worker's).
+        """
         device = self._gpus[index % len(self._gpus)] if self._gpus else "cpu"
         streams = self.streams or self.settings.resources.max_concurrent_streams
         argv, extra = worker_command(device, streams, f"sits{index}-{os.getpid()}@%h", self.settings.redis.task_queue)
-        return self._spawn(f"worker{index}", argv, extra)
+        return self._spawn(f"worker{index}", [*launcher, *argv], extra)
 
     def _write_client_files(self) -> None:
         (self.home / "api-url").write_text(self.api_url + "\n")

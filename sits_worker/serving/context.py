@@ -96,6 +96,9 @@ class WorkerContext:
     slot_overlap: SlotOverlap = field(default_factory=SlotOverlap)
     """Which model ran beside each job chunk on the other stream slots, for its ack (`slot_mix`)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
+    unseen_jobs: dict[str, float] = field(default_factory=dict)
+    """Job id -> until when this worker passes the job's items on uncounted: a file of the job was missing
+    on this host (`sits_worker/serving/execution.py`, `check_visible`), and another worker may see it."""
     model_records: ModelRecordCache = field(default_factory=lambda: ModelRecordCache(WORKER_RECORD_TTL_SECONDS))
     """Registry records kept a moment: the hot path reads one on every batch."""
     jitter: random.Random = field(default_factory=random.Random)
@@ -308,6 +311,20 @@ class WorkerContext:
             reading = device_memory(self.device, self.settings.resources.device_memory)
             return int(reading["total_bytes"]) - int(reading["free_bytes"])
         return resident_bytes()
+
+    def note_unseen(self, job_id: str, seconds: float) -> None:
+        """A file of job `job_id` is missing on this host: pass its items on for `seconds` (`unseen`)."""
+        with self._lock:
+            self.unseen_jobs[job_id] = time.monotonic() + seconds
+
+    def unseen(self, job_id: str) -> bool:
+        """Whether this worker passes job `job_id`'s items on now, uncounted (`note_unseen`)."""
+        now = time.monotonic()
+        with self._lock:
+            until = self.unseen_jobs.get(job_id)
+            if until is not None and until <= now:
+                del self.unseen_jobs[job_id]
+        return until is not None and until > now
 
     def job_input(self, job: JobRecord) -> InputSource:
         """The opened input file of a job, kept open for the job's next chunks; it is the file the job

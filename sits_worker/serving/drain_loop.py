@@ -27,6 +27,7 @@ from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.execution import process_item
 from sits_worker.serving.leasing import admitted, batch_cost, lease
 from sits_worker.serving.request_runs import run_requests
+from sits_worker.tenancy.fair_share import PRESENT_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,8 @@ def _wait_after_nothing_ran(ctx: WorkerContext, state: _Slice, snapshot: queues.
         _wait_for_room(ctx, bell_mark)  # only chunks wait: wait for the disk, or a request
     elif notes.paused:  # every lease found only paused work: wait for new work
         state.paused_ring.wait(ctx.store, state.ticket)
+    elif notes.held_for_share:  # the tenant the batch is shared by comes back in a moment: wait for its call
+        tickets.wait_for_doorbell(ctx.store, state.ticket, now=time.time(), timeout=PRESENT_SECONDS, touch=False)
     else:  # memory is reserved by running batches, another slot took the work, or the waiting work
         # is a held tenant's (past its limit: it waits for its usage to decay); a degraded worker's
         # leases weigh a long window: it looks again less often
@@ -230,6 +233,7 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
             ctx.last_served = model_ref
             return leased, admission
         paused = paused and said.paused
+        notes.held_for_share = notes.held_for_share or said.held_for_share
     notes.paused = paused
     return [], None
 

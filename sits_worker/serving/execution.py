@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import operator
+import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from broker.errors import BadInput, Cancelled, SitsError
+from broker.errors import BadInput, Cancelled, SitsError, StorageUnavailable
 from broker.failures import quarantine, retries
 from broker.failures.retry_policy import classify, describe, retry_delays
 from broker.jobs import progress as job_progress
@@ -69,18 +71,22 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
     """Run one leased item; returns what happened ('committing': a chunk computed, its outputs handed
     to a commit thread, which writes them and acks it; for one of the job's last chunks what that
     commit did, 'acked' or how it failed, since the slot waits for it (`among_last_chunks`);
-    'finalized', 'dropped', 'failed', 'retry').
+    'finalized', 'dropped', 'failed', 'retry'; 'passed': put back in its queue for a worker whose host sees
+    the job's files, `passed_on`).
 
     A failure is settled by its class (`settle_failure`; a chunk's commit settles its own): retried
     after its backoff while the class has attempts left, else its job fails with the error's message.
     """
     job_id = item.payload["job"]
+    if passed_on(ctx, item):
+        return "passed"
     now = time.time()
     if job_progress.start_item(ctx.store, job_id, now=now, chunk=item.payload["kind"] == "chunk") != "running":
         leases.finish_item(ctx.store, item, job_id, now=now)
         return "dropped"
     try:
         job = jobs.get_job(ctx.store, job_id, now=now)
+        check_visible(ctx, job, item)
         if item.payload["kind"] == "finalize":
             manifest = finalize_job(job, keep_alive=_tolerant(between.keep_alive),
                                     may_publish=partial(_may_publish, ctx, job), settings=ctx.settings.jobs)
@@ -108,6 +114,69 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         return "committing"
     except Exception as err:
         return settle_failure(ctx, item, err)
+
+
+UNSEEN_MEMORY_SECONDS = 3.0
+"""How long a worker that found a job's file missing passes the job's other items on uncounted."""
+UNSEEN_PAUSE_SECONDS = 0.5
+"""How long a slot rests after passing an item on, so that a worker on the wrong host does not spin."""
+_SEEN_MISSING_BY = re.compile(r"is missing on workers? \[([^\]]*)\]")
+
+
+def check_visible(ctx: WorkerContext, job: JobRecord, item: LeasedItem) -> None:
+    """StorageUnavailable (transient: retried, by the retry matrix) when this host cannot see the job's
+    input, output folder or model file, naming the path, this worker and the workers that found it missing
+    before; this worker then passes the job's items on for a moment (`passed_on`).
+
+    Every host of a fleet must see them at the same real path: the one missing here may be on the other
+    hosts, whose workers then run the item. One missing everywhere fails its job once the item used up its
+    transient attempts. Only a missing entry counts: a symbolic link, a changed file and a folder that
+    cannot be read are the checks' after this one. An output folder counts as missing with the folder
+    above it: the API made it at submit, and a chunk makes it again where it alone was removed.
+    """
+    output_dir, chunk = Path(job.output_dir), item.payload["kind"] == "chunk"
+    needed: list[tuple[str, Path, Path | None]] = [("output folder", output_dir, output_dir.parent)]
+    if job.input_stat is not None:  # (a job from before identities were kept: `check_unchanged` reads none)
+        needed.insert(0, ("input", Path(job.input_batch), None))
+    if chunk:  # (a finalize step runs no model)
+        needed.append(("model file", Path(ctx.model(job.model_ref).path), None))
+    for what, path, above in needed:
+        if _exists(path) or (above is not None and _exists(above)):
+            continue
+        ctx.note_unseen(job.id, UNSEEN_MEMORY_SECONDS)
+        workers = [ctx.name]
+        earlier = (job.retries.get("transient") or {}).get("last_error") or ""
+        if f"'{path}' of job {job.id} is missing on" in earlier and (found := _SEEN_MISSING_BY.search(earlier)):
+            workers = sorted({*found.group(1).split(", "), ctx.name})
+        kind = "chunk" if chunk else "finalize step"
+        raise StorageUnavailable(
+            f"{what} '{path}' of job {job.id} is missing on worker{'s' if len(workers) > 1 else ''} "
+            f"[{', '.join(workers)}]: every worker's host must see inputs, outputs and models at the same real "
+            f"path (mount the shared folder there); the {kind} is retried on the workers that see it, until its "
+            "transient attempts are used")
+
+
+def _exists(path: Path) -> bool:
+    """Whether `path` names an entry here, a link included (only ENOENT is an answer: the other errors are
+    the later checks')."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def passed_on(ctx: WorkerContext, item: LeasedItem) -> bool:
+    """Whether this worker put `item` straight back in its queue, its attempt not counted: a file of its
+    job was missing here a moment ago (`check_visible`), so another worker should take it. The slot rests
+    a moment after, so that it does not lease the item again at once."""
+    if not ctx.unseen(item.payload["job"]):
+        return False
+    leases.return_unrun(ctx.store, [item])
+    time.sleep(UNSEEN_PAUSE_SECONDS)
+    return True
 
 
 def among_last_chunks(job: JobRecord, chunk: int, streams: int) -> bool:

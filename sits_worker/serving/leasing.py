@@ -33,7 +33,8 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
     """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time, and
     cut to a preferred batch size), within the rows and tokens of its `admission` when given;
     `carry_chunk`, `within_cut`: see `leases.lease_batch`; in the fair-share order of the tenants
-    (`fair_share.FairShare.lease_option`), or as `tenants` says when given, and by the priority classes
+    (`fair_share.FairShare.lease_option`), or as `tenants` says when given, a batch of requests split by
+    their shares (`FairShare.batch_shares`), and by the priority classes
     of this worker's degrade step (`memory_watch.MemoryWatch.lease_classes`); `notes` as the lease told them.
     Nothing while this worker's breaker of the model is open, or half-open with its probe batch taken by
     another slot."""
@@ -58,15 +59,18 @@ def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batc
                  max_tokens: int, *, requests_only: bool, admission: reservation.Admission | None,
                  carry_chunk: bool, within_cut: bool, tenants: dict[str, Any] | None,
                  notes: leases.LeaseNotes) -> list[leases.LeasedItem]:
-    """One lease script call; in the fair-share order unless `tenants` says otherwise, the tenants it
-    found no work of told to the fair share (`FairShare.note_absent`)."""
+    """One lease script call; in the fair-share order unless `tenants` says otherwise, a batch's rows split
+    by the tenants' shares whichever tenants it may take; the tenants it found no work of told to the fair
+    share (`FairShare.note_absent`)."""
     if tenants is None:
         tenants = ctx.fair_share.lease_option(model_ref)
+    shares = ctx.fair_share.batch_shares()
     options = leases.LeaseOptions(
         max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens, max_chunks=1,
         requests_only=requests_only, carry_chunk=carry_chunk, head_must_fit=within_cut,
         batch_limit=admission.whole_within if admission else None,
-        preferred_sizes=batching.preferred_batch_sizes, tenants=tenants, classes=ctx.memory_watch.lease_classes())
+        preferred_sizes=batching.preferred_batch_sizes, tenants=tenants, classes=ctx.memory_watch.lease_classes(),
+        shares=shares)
     result = leases.lease_batch(ctx.store, model_ref, options, now=time.time(),
                                 lease_seconds=ctx.settings.scheduler.lease_timeout, ticket=ticket)
     notes.add(result)

@@ -13,6 +13,9 @@ A tenant a full scan found no work of is left out of the model's scans a moment 
 longer while a view of the jobs, read on the same thread, shows it none of that model
 (`ABSENT_JOBLESS_SECONDS`).
 
+`batch_shares` gives the same order to a merged batch of online requests: its rows follow the tenants'
+shares while more than one with a share is present on the model (`broker.tenants.batch_shares`).
+
 Fair share applies only while some tenant has a guaranteed share; without one the queue's own order
 (priority, deadlines, CP-Score) stands, as it did before tenants had records.
 """
@@ -30,6 +33,7 @@ from broker.jobs.records import active_job_tenants
 from broker.queueing import workers
 from broker.state.store import Store
 from broker.tenants import usage as tenant_usage
+from broker.tenants.batch_shares import BatchShares, ranked_shares
 from broker.tenants.records import TenantTable
 from broker.tenants.shares import TenantShare, Usage, fair_order
 from sits_worker.tenancy.usage_meter import UsageMeter
@@ -53,6 +57,12 @@ JOBS_VIEW_FRESH_SECONDS = 0.5
 JOBS_VIEW_MOST = 256
 """Past this many active jobs the view is not read (each read is a command per job, from every worker
 four times a second): tenants taken for absent come back after `ABSENT_SECONDS`, as without it."""
+
+PRESENT_SECONDS = 0.05
+"""How long a tenant counts as present on a model after one of its requests there was leased or answered
+(`broker.tenants.batch_shares`): longer than a closed-loop client takes from an answer to its next call,
+so that a batch's rows follow the shares while both tenants flood; a lone tenant waits at most this long
+once the other is gone."""
 
 SLOTS_REFRESH_SECONDS = 1.0
 """How long the fleet's live stream slots are reused before they are counted again."""
@@ -115,6 +125,16 @@ class FairShare:
             gone = self._absent_from(model_ref, order)
             order = [name for name in order if name not in gone]
         return {"order": order, "held": sorted(held), "window": self._settings.window}
+
+    def batch_shares(self) -> BatchShares | None:
+        """The `shares` option of `lease_batch.lua`: the tenants with a share in the fair order, the held left
+        out, and `PRESENT_SECONDS`; None: no fair share."""
+        ranked = self._order()
+        if ranked is None:
+            return None
+        order, held = ranked
+        guaranteed = {name: share.guaranteed_share for name, share in self._with_shares().items()}
+        return BatchShares(ranked_shares(order, held, guaranteed), PRESENT_SECONDS)
 
     def returning_option(self, model_ref: str) -> dict[str, Any] | None:
         """The `tenants` option that leases only the online requests of the tenants `lease_option` leaves out

@@ -15,7 +15,9 @@
 --           time (apart from KEYS[7], which a /metrics scrape reads whole: these grow with the sizes run)
 -- KEYS[9] latency buckets HASH the latency histograms of online requests by model and priority class
 --           (`broker.monitoring.sla_metrics`): submit to result of those answered, submit to run start of those that ran
--- KEYS[10..] for each request in order: its HASH, then the inbox LIST of the API process that waits for
+-- KEYS[10] served  HASH tenant -> when its requests of the model were last answered (or leased): each tenant
+--           with a request in the run is marked now (a lease's share split, `broker/tenants/batch_shares.py`)
+-- KEYS[11..] for each request in order: its HASH, then the inbox LIST of the API process that waits for
 --           it, where the finished request's fields go as one JSON object (with its id), so the waiter
 --           needs no second read; its HASH again when nobody waits (its result then stays in the HASH alone)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
@@ -33,16 +35,18 @@
 -- repeated completion from a worker that lost its lease changes nothing.
 -- KEYS by name (the positions above are the callers' contract).
 local K = {inflight = KEYS[1], items = KEYS[2], attempts = KEYS[3], deadlines = KEYS[4], ready = KEYS[5],
-  counters = KEYS[6], model_stats = KEYS[7], model_batch_stats = KEYS[8], latency_buckets = KEYS[9]}
+  counters = KEYS[6], model_stats = KEYS[7], model_batch_stats = KEYS[8], latency_buckets = KEYS[9],
+  served = KEYS[10]}
 local done, by_status, deadlines = 0, {}, {}
 local reply = {0}  -- (the count goes first once known; a table, as a batch may pass unpack's limit)
 local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
 local latency = {}  -- the histograms' increments, written once for the batch
+local served = {}  -- tenant -> true, of the requests that ran
 local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, queue_count = 0, queue_ns = 0,
                infer_count = 0, infer_ns = 0, inference_count = 0}
 for i = 0, (#ARGV - 8) / 7 - 1 do
   local item_id, status = ARGV[9 + 7 * i], ARGV[10 + 7 * i]
-  local request, waiters = KEYS[10 + 2 * i], KEYS[11 + 2 * i]
+  local request, waiters = KEYS[11 + 2 * i], KEYS[12 + 2 * i]
   local held = redis.call('HEXISTS', K.items, item_id) == 1 and not redis.call('ZSCORE', K.ready, item_id)
   if held then
     reply[#reply + 1] = i
@@ -81,6 +85,7 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     local class = priority_class(ARGV[15 + 7 * i])
     observe_latency(latency, ARGV[6] .. '|request|' .. class, now - created)
     if ran then
+      served[fields['tenant'] or ''] = true
       observe_latency(latency, ARGV[6] .. '|queue|' .. class, run_started - created)
       stats['queue_count'] = stats['queue_count'] + 1
       stats['queue_ns'] = stats['queue_ns'] + math.max(run_started - created, 0) * 1e9
@@ -116,6 +121,15 @@ if done > 0 then
     redis.call('HSET', K.model_stats, prefix .. 'last_inference', string.format('%.0f', now * 1000))
   end
   write_tally(K.latency_buckets, latency)
+end
+local marks = {}
+for tenant in pairs(served) do
+  marks[#marks + 1] = tenant
+  marks[#marks + 1] = ARGV[1]
+end
+if #marks > 0 then
+  redis.call('HSET', K.served, unpack(marks))
+  redis.call('EXPIRE', K.served, SERVED_KEEP_SECONDS)
 end
 reply[1] = done
 return reply

@@ -7,6 +7,7 @@
 -- KEYS[6] doorbell  LIST idle drain loops block on: rung when a lease leaves work waiting, so that an
 --           idle peer takes the next batch (snapshots empty the list: queue_snapshot.lua)
 -- KEYS[7] waiting requests ZSET the model's online requests not leased (leased ones leave it)
+-- KEYS[8] served    HASH tenant -> when its requests of the model were last leased or answered (`shares`)
 -- ARGV[1] ticket id ('' for none); ARGV[2] now; ARGV[3] lease deadline; ARGV[4] options, a JSON object:
 --   max_items, max_rows, max_tokens (0: no limit): budget of a batch of requests of the head's shape
 --     bucket; tokens are padded tokens for requests that will be padded
@@ -22,6 +23,12 @@
 --     first (queue order within a tenant), those of tenants not in it after; a held tenant's items
 --     are not leased at all (it is past its limit; with nothing else waiting, the slot stays idle);
 --     with `only`, neither are the items of tenants not in `order`
+--   shares {ranked [{tenant, share}], present_for}, optional (a batch's rows by shares,
+--     broker/tenants/batch_shares.py): a batch headed by a request of the first ranked tenant present on the
+--     model (work waiting, or served within present_for; its requests go first) gives every other tenant at
+--     most its share's part of that tenant's rows (none without a share); with that tenant present but
+--     nothing of it waiting, nothing is leased ({LEASE.HELD_FOR_SHARE}); leased requests' tenants are marked
+--     served
 --   request_prefix: the key prefix of request hashes (`keys.request('')`): each leased request's inputs
 --     come back with it
 --   classes {ranks [16], demote [16], window}, optional (a degraded worker, broker/failures/degrade.py): an item
@@ -31,16 +38,16 @@
 --     first requests by level (K.waiting, the paused class last) are weighed too, wherever they wait
 -- Returns {LEASE.STALE_TICKET}: the ticket is no longer valid; {LEASE.ONLY_PAUSED}: nothing leased, and
 -- paused items were all there was within reach (no held tenant's among them: a held tenant's wait ends
--- by the milliseconds, a paused class's by a step back); {LEASE.NOTHING}: nothing leased; else
--- {n, id1, payload1, attempts1, inputs1, ...}; after any of
--- the last three, the names of the ranked tenants (`tenants.order`) a fair scan that read every item
+-- by the milliseconds, a paused class's by a step back); {LEASE.HELD_FOR_SHARE}: nothing leased, see
+-- `shares`; {LEASE.NOTHING}: nothing leased; else {n, id1, payload1, attempts1, inputs1, ...}; after any of
+-- the last four, the names of the ranked tenants (`tenants.order`) a fair scan that read every item
 -- within reach found nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 -- KEYS by name (K.ready ...), and each candidate and picked item a table of named fields ({id, payload,
--- item, rank, score}; {id, payload, rows, tokens, req}).
+-- item, rank, score, tenant}; {id, payload, rows, tokens, req, tenant}).
 local K = {tickets = KEYS[1], ready = KEYS[2], inflight = KEYS[3], items = KEYS[4], attempts = KEYS[5],
-  doorbell = KEYS[6], waiting = KEYS[7]}
+  doorbell = KEYS[6], waiting = KEYS[7], served = KEYS[8]}
 local ticket, now, lease_deadline, options = ARGV[1], ARGV[2], ARGV[3], cjson.decode(ARGV[4])
 if not ticket_valid(K.tickets, ticket, now) then
   return {LEASE.STALE_TICKET}
@@ -65,7 +72,8 @@ local function queue_candidates()
   local out = {}
   for index, item_id in ipairs(ids) do
     local payload = redis.call('HGET', K.items, item_id) or '{}'
-    out[index] = {id = item_id, payload = payload, item = cjson.decode(payload)}
+    local item = cjson.decode(payload)
+    out[index] = {id = item_id, payload = payload, item = item, tenant = item['tenant'] or ''}
   end
   return out
 end
@@ -82,6 +90,35 @@ local paused_seen = 0  -- items of a paused class in reach (the reply says when 
 local held_seen = 0  -- items of a held tenant in reach
 local tenants_option = type(options.tenants) == 'table' and options.tenants or nil
 local classes_option = type(options.classes) == 'table' and options.classes or nil
+local shares_option = type(options.shares) == 'table' and options.shares or nil
+local held_for_share = false  -- the share split held the batch back (the reply says so)
+
+-- When each ranked tenant of `shares` had its requests of the model last leased or answered (K.served),
+-- read once per call.
+local served_times = nil
+local function served_at()
+  if served_times == nil then
+    served_times = {}
+    local names = {}
+    for _, entry in ipairs(shares_option.ranked or {}) do
+      names[#names + 1] = entry.tenant
+    end
+    if #names > 0 then
+      local times = redis.call('HMGET', K.served, unpack(names))
+      for index, name in ipairs(names) do
+        served_times[name] = tonumber(times[index])
+      end
+    end
+  end
+  return served_times
+end
+
+-- Is `tenant` present on the model by its requests served within `shares.present_for`? (A present tenant
+-- is not told absent: its next request comes in a moment.)
+local function recently_served(tenant)
+  local at = shares_option and served_at()[tenant]
+  return at ~= nil and tonumber(now) - at < shares_option.present_for
+end
 
 -- The `tenants` and `classes` options as one ranking: rank_of(tenant, level) is an item's rank (1 first),
 -- or nil when it is not to be leased (a held tenant's; with `only`, a tenant's not in `order`; a paused
@@ -136,7 +173,7 @@ local function base_level(item)
   return math.floor(number_or(factors['base_level'], number_or(factors['level'], 0)))
 end
 
--- Entries {id, payload, item, rank, score} in rank order, then score, then id.
+-- Entries {id, payload, item, rank, score, tenant} in rank order, then score, then id.
 local function by_rank_then_score(a, b)
   if a.rank ~= b.rank then
     return a.rank < b.rank
@@ -163,7 +200,7 @@ local function requests_by_level(rank_of, demotion, count, skip, seen)
       local item_rank = rank_of(tenant, level)
       if item_rank ~= nil then
         entries[#entries + 1] = {id = item_id, payload = payload, item = item, rank = item_rank,
-          score = tonumber(score) + demotion(level)}
+          score = tonumber(score) + demotion(level), tenant = tenant}
       end
     end
   end
@@ -224,7 +261,7 @@ local function ranked_candidates()
         end
         if #bucket < enough or classes_option then
           bucket[#bucket + 1] = {id = item_id, payload = payload, item = item, rank = item_rank,
-            score = score + demotion(level)}
+            score = score + demotion(level), tenant = tenant}
           if #bucket >= enough and item_rank < full_rank then
             full_rank = item_rank
           end
@@ -246,7 +283,7 @@ local function ranked_candidates()
   if not stopped_early and tenants_option then  -- every item looked at: the ranked tenants not seen have none
     local _, held = tenant_ranks(tenants_option)
     for _, name in ipairs(tenants_option.order or {}) do
-      if not seen[name] and not held[name] then
+      if not seen[name] and not held[name] and not recently_served(name) then
         fair_absent[#fair_absent + 1] = name
       end
     end
@@ -275,6 +312,64 @@ local function ranked_requests()
   return entries
 end
 
+-- Tenant -> how many of the candidates are its.
+local function waiting_by_tenant(candidates)
+  local waiting = {}
+  for _, candidate in ipairs(candidates) do
+    waiting[candidate.tenant] = (waiting[candidate.tenant] or 0) + 1
+  end
+  return waiting
+end
+
+-- The candidates of a batch of requests with the share split's anchor's requests first, each in its order
+-- (lib.lua's `share_anchor`): the fair order may leave a tenant out a moment (taken for absent), but while
+-- present it ranks first in the full order. A chunk at the head stays there (the order alone decides
+-- between chunks and requests), and so do a degraded worker's candidates (its classes rank first).
+local function anchor_first(candidates)
+  local head = candidates[1]
+  if classes_option or head == nil or head.item == nil or head.item['kind'] ~= 'request' then
+    return candidates
+  end
+  local anchor = share_anchor(shares_option, waiting_by_tenant(candidates), served_at(), tonumber(now))
+  if anchor == nil or head.tenant == anchor then
+    return candidates
+  end
+  local first, rest = {}, {}
+  for _, candidate in ipairs(candidates) do
+    if candidate.tenant == anchor and candidate.item ~= nil and candidate.item['kind'] == 'request' then
+      first[#first + 1] = candidate
+    else
+      rest[#rest + 1] = candidate
+    end
+  end
+  for _, candidate in ipairs(rest) do
+    first[#first + 1] = candidate
+  end
+  return first
+end
+
+-- The share split of a batch headed by the request `candidates[1]` (lib.lua's `share_split`): the tenants
+-- with items among the candidates, and the rows the head's tenant brings in the head's shape bucket.
+local function batch_split(candidates)
+  local head, head_tenant = candidates[1].item, candidates[1].tenant
+  local waiting, anchor_rows = waiting_by_tenant(candidates), 0
+  for _, candidate in ipairs(candidates) do
+    local item = candidate.item
+    if candidate.tenant == head_tenant and item ~= nil and item['kind'] == 'request'
+        and item['bucket'] == head['bucket'] then
+      anchor_rows = anchor_rows + number_or(item['rows'], 1)
+    end
+  end
+  return share_split(shares_option, waiting, served_at(), head_tenant, math.min(anchor_rows, max_rows),
+    tonumber(now))
+end
+
+-- May `tenant` add `item_rows` to the batch, having added `taken[tenant]` already?
+local function within_share(split, taken, tenant, item_rows)
+  local most = share_quota(split, tenant)
+  return most == nil or (taken[tenant] or 0) + item_rows <= most
+end
+
 local function pick_candidates()
   if requests_only and redis.call('ZCARD', K.waiting) == 0 then
     return nil  -- (no online request waits: nothing to look for)
@@ -287,7 +382,20 @@ local function pick_candidates()
   else
     candidates = queue_candidates()
   end
+  local split = nil
+  if shares_option then
+    candidates = anchor_first(candidates)
+  end
+  local head = candidates[1]
+  if shares_option and head ~= nil and head.item ~= nil and head.item['kind'] == 'request' then
+    split = batch_split(candidates)
+    if split ~= nil and split.hold then
+      held_for_share = true
+      return nil
+    end
+  end
   local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
+  local taken = {}  -- tenant -> rows of its requests in the batch
   for index, candidate in ipairs(candidates) do
     local item_id, payload, item = candidate.id, candidate.payload, candidate.item
     if payload == nil then  -- (a chunk whose tenant was known from its job's: read only if it is looked at)
@@ -306,7 +414,8 @@ local function pick_candidates()
         return nil
       end
       picked[1] = {id = item_id, payload = payload, rows = number_or(item['rows'], 1), tokens = token_cost(item),
-        req = item['req']}
+        req = item['req'], tenant = candidate.tenant}
+      taken[candidate.tenant] = number_or(item['rows'], 1)
       online = is_request
       bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
     elseif not online then
@@ -318,12 +427,14 @@ local function pick_candidates()
       break
     elseif is_request and #picked < max_items and item['bucket'] == bucket
         and rows + number_or(item['rows'], 1) <= max_rows
-        and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens) then
+        and (max_tokens == 0 or tokens + token_cost(item) <= max_tokens)
+        and within_share(split, taken, candidate.tenant, number_or(item['rows'], 1)) then
       picked[#picked + 1] = {id = item_id, payload = payload, rows = number_or(item['rows'], 1),
-        tokens = token_cost(item), req = item['req']}
+        tokens = token_cost(item), req = item['req'], tenant = candidate.tenant}
+      taken[candidate.tenant] = (taken[candidate.tenant] or 0) + number_or(item['rows'], 1)
       rows = rows + number_or(item['rows'], 1)
       tokens = tokens + token_cost(item)
-    elseif carry and carried == nil and item['kind'] == 'chunk' then
+    elseif carry and carried == nil and item['kind'] == 'chunk' and share_quota(split, candidate.tenant) == nil then
       carried = {id = item_id, payload = payload}
     end
   end
@@ -374,6 +485,25 @@ local function move_to_inflight(picked)
   return out
 end
 
+-- The leased requests' tenants are present on the model from now (`shares`): one HSET for the batch.
+local function mark_served(picked)
+  if shares_option == nil then
+    return
+  end
+  local fields, marked = {}, {}
+  for _, entry in ipairs(picked) do
+    if entry.req ~= nil and not marked[entry.tenant] then
+      marked[entry.tenant] = true
+      fields[#fields + 1] = entry.tenant
+      fields[#fields + 1] = now
+    end
+  end
+  if #fields > 0 then
+    redis.call('HSET', K.served, unpack(fields))
+    redis.call('EXPIRE', K.served, SERVED_KEEP_SECONDS)
+  end
+end
+
 -- The reply, with the ranked tenants a full fair scan found nothing of after its items.
 local function with_absent(reply)
   for _, name in ipairs(fair_absent) do
@@ -383,6 +513,9 @@ local function with_absent(reply)
 end
 
 local picked, online, carried, rows, tokens = pick_candidates()
+if held_for_share then
+  return with_absent({LEASE.HELD_FOR_SHARE})
+end
 if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's or paused)
   return with_absent({(picked ~= nil and paused_seen > 0 and held_seen == 0) and LEASE.ONLY_PAUSED or LEASE.NOTHING})
 end
@@ -391,6 +524,7 @@ if not within_batch_limit(online, rows, tokens) then
   return with_absent({LEASE.NOTHING})
 end
 local reply = move_to_inflight(picked)
+mark_served(picked)
 if redis.call('ZCARD', K.ready) > 0 then
   ring_doorbell(K.doorbell)
 end

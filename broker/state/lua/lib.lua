@@ -203,3 +203,56 @@ local function tenant_ranks(tenants)
   end
   return rank, held, #(tenants.order or {}) + 1
 end
+
+-- How long a model's served-tenants HASH (`keys.tenants_served`) outlives its last write.
+local SERVED_KEEP_SECONDS = 3600
+
+-- Tenants' shares inside one merged batch; `broker/tenants/batch_shares.py` (`split_batch`) is the reference
+-- and says why. `shares` is the lease's `shares` option ({ranked [{tenant, share}], present_for}); `waiting`
+-- tenant -> items waiting within the lease's reach; `served_at` tenant -> when its requests of the model were
+-- last leased or answered. The anchor is the first ranked tenant present on the model (work waiting, or
+-- served within present_for). Returns the anchor (nil: none), its share, and how many are present.
+local function share_anchor(shares, waiting, served_at, now)
+  local anchor, anchor_share, present = nil, nil, 0
+  for _, entry in ipairs(shares.ranked or {}) do
+    local served = served_at[entry.tenant]
+    if (waiting[entry.tenant] or 0) > 0 or (served ~= nil and now - served < shares.present_for) then
+      present = present + 1
+      if anchor == nil then
+        anchor, anchor_share = entry.tenant, entry.share
+      end
+    end
+  end
+  return anchor, anchor_share, present
+end
+
+-- The split of a batch headed by a request of `head_tenant`, whose rows in the head's bucket are
+-- `anchor_rows`: nil (no caps: fewer than two present, or the anchor does not head), or {anchor, quotas
+-- (tenant -> most rows), hold}.
+local function share_split(shares, waiting, served_at, head_tenant, anchor_rows, now)
+  local anchor, anchor_share, present = share_anchor(shares, waiting, served_at, now)
+  if present < 2 then
+    return nil
+  end
+  if (waiting[anchor] or 0) <= 0 then
+    return {anchor = anchor, quotas = {}, hold = true}
+  end
+  if anchor ~= head_tenant then
+    return nil
+  end
+  local quotas = {}
+  for _, entry in ipairs(shares.ranked) do
+    if entry.tenant ~= anchor then
+      quotas[entry.tenant] = math.floor(anchor_rows * entry.share / anchor_share + 1e-9)
+    end
+  end
+  return {anchor = anchor, quotas = quotas, hold = false}
+end
+
+-- The most rows `tenant` may add to a batch under a share split (nil: no cap; a tenant without a share: 0).
+local function share_quota(split, tenant)
+  if split == nil or tenant == split.anchor then
+    return nil
+  end
+  return split.hold and 0 or (split.quotas[tenant] or 0)
+end

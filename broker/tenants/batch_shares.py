@@ -1,0 +1,104 @@
+"""Tenants' shares inside one merged batch: how many rows each tenant's online requests may take.
+
+Pure, the clock passed in. `lease_batch.lua` applies the same rule (`lib.lua`'s `share_quotas`); this
+module is its reference, and the tests hold the two to each other.
+
+A merged batch takes every waiting request that fits, so the order of tenants alone decides nothing while
+all waiting work fits in one batch. The rule, for a batch headed by an online request:
+
+- The tenants with a share are ranked as fair share ranks them (`shares.fair_order`, the held ones left
+  out). The *anchor* is the first of them that is present on the model: it has work waiting there, or one
+  of its requests there was leased or answered within `present_for` (a closed-loop client's requests are
+  away between their answer and the next call; for that moment the tenant still counts).
+- The anchor's requests fill first, without a cap: the lease puts them first even where the fair
+  order left it out a moment (taken for absent while its clients were away). Every other tenant with a
+  share may add at most
+  `floor(anchor_rows * its share / the anchor's share)` rows, so the batch's rows, which bills split
+  (`shares.attribute`), follow the shares. A tenant without a share gets none while an anchor exists
+  (it lives on idle share). What is left waits for the next batch.
+- An anchor with nothing waiting (present only by its recent requests) holds the others' requests: the
+  slot waits for its work, at most `present_for` after its last request.
+- Fewer than two tenants with a share present: no caps, the batch takes what fits in the fair order, as
+  before. So a tenant alone always gets full batches.
+
+Rounding down errs towards the anchor, the tenant below its share; fair share's usage order then
+corrects the drift (once the anchor is over its share, the other tenant becomes the anchor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BatchShares:
+    """The `shares` option of `lease_batch.lua`: the tenants with a share, in fair-share order (held tenants
+    left out), and how long a tenant stays present on a model after its last request there."""
+
+    ranked: tuple[tuple[str, float], ...]
+    """(Tenant, guaranteed share > 0), first-ranked first."""
+    present_for: float
+    """Seconds a tenant counts as present after one of its requests was leased or answered."""
+
+    def to_lua(self) -> dict[str, Any]:
+        """The JSON-ready table the script reads."""
+        return {"ranked": [{"tenant": tenant, "share": share} for tenant, share in self.ranked],
+                "present_for": self.present_for}
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """What one batch may take of each tenant: the anchor's rows uncapped, another tenant's at most
+    `quotas[tenant]` (a tenant without a share: 0); with `hold`, nothing at all."""
+
+    anchor: str
+    quotas: Mapping[str, int] = field(default_factory=dict)
+    hold: bool = False
+
+    def most_rows(self, tenant: str) -> int | None:
+        """The most rows `tenant` may add to the batch (None: no cap)."""
+        if self.hold:
+            return 0
+        if tenant == self.anchor:
+            return None
+        return self.quotas.get(tenant, 0)
+
+
+def split_batch(shares: BatchShares, *, waiting: Mapping[str, int], served_at: Mapping[str, float],
+                head_tenant: str, anchor_rows: int, now: float) -> BatchSplit | None:
+    """How a batch headed by a request of `head_tenant` is split between tenants, or None: no caps.
+
+    `waiting`: the tenants with work waiting on the model within the lease's reach (any count above 0
+    counts); `served_at`: when each tenant's requests of the model were last leased or answered;
+    `anchor_rows`: the rows the head tenant's requests of the head's shape bucket bring to the batch.
+    No caps either when the anchor is not the head's tenant (its work waits in another bucket, or behind
+    an order that left it out a moment): the batch then goes as the order formed it."""
+    present = present_tenants(shares, waiting=waiting, served_at=served_at, now=now)
+    if len(present) < 2:
+        return None
+    name, anchor_share = present[0]
+    if waiting.get(name, 0) <= 0:
+        return BatchSplit(name, hold=True)
+    if name != head_tenant:
+        return None
+    quotas = {tenant: math.floor(anchor_rows * share / anchor_share + 1e-9)
+              for tenant, share in shares.ranked if tenant != name}
+    return BatchSplit(name, quotas)
+
+
+def present_tenants(shares: BatchShares, *, waiting: Mapping[str, int], served_at: Mapping[str, float],
+                    now: float) -> list[tuple[str, float]]:
+    """The ranked tenants present on the model (work waiting, or a request leased or answered within
+    `present_for`), with their shares, in rank order: the first is the anchor."""
+    return [(tenant, share) for tenant, share in shares.ranked
+            if waiting.get(tenant, 0) > 0 or now - served_at.get(tenant, float("-inf")) < shares.present_for]
+
+
+def ranked_shares(order: Sequence[str], held: Sequence[str] | set[str],
+                  guaranteed: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    """The tenants of a fair `order` that have a share (`guaranteed`, > 0) and are not `held`, in order."""
+    return tuple((name, guaranteed[name]) for name in order
+                 if guaranteed.get(name, 0.0) > 0 and name not in held)
