@@ -126,6 +126,7 @@ def _kill_storm(tmp_path: Path, rows: int, max_kills: int, every: float) -> None
         stack.stop()
 
 
+@pytest.mark.slow  # (a killed worker is covered by default in test_worker_crash.py and a cut host in test_two_hosts.py)
 def test_kill_storm_loses_and_duplicates_no_row(tmp_path):
     _kill_storm(tmp_path, rows=3_000, max_kills=2, every=0.8)
 
@@ -307,6 +308,7 @@ def _flaky_model(tmp_path: Path, rows: int) -> None:
         stack.stop()
 
 
+@pytest.mark.slow  # (transient retries are covered by default in test_retry_classes.py)
 def test_a_model_failing_one_percent_of_runs_transiently_is_retried_to_every_row_exactly_once(tmp_path):
     _flaky_model(tmp_path, rows=20_000)
 
@@ -431,6 +433,7 @@ def _network_cut(tmp_path: Path, rows: int, cut_seconds: float) -> None:
             stop_process(redis_process, kill=False, timeout=10)
 
 
+@pytest.mark.slow  # (a host cut off mid-job is covered by default in test_two_hosts.py)
 def test_a_worker_cut_off_the_network_mid_batch_loses_and_duplicates_no_row(tmp_path):
     _network_cut(tmp_path, rows=2_000, cut_seconds=4.0)
 

@@ -95,6 +95,9 @@ def submit_flood(client: ApiClient, stack: Stack, name: str) -> dict[str, Any]:
                                     "batch_size": MINI_BATCH})
 
 
+# (40 s; by default test_online_shares.py splits a real stack's device by shares, test_tenant_limit.py borrows,
+# and tests/broker/tenants and tests/worker/tenancy check the order and the give-back)
+@pytest.mark.slow
 def test_two_flooding_tenants_split_the_device_by_their_shares_borrow_idle_share_and_get_it_back(
         tenant_stack: Stack) -> None:
     stack, store = tenant_stack, tenant_stack.store
