@@ -272,6 +272,7 @@ def _failing_runs(tmp_path: Path, rows: int) -> None:
         stack.stop()
 
 
+@pytest.mark.slow  # (bad-row quarantine is covered by default in test_quarantine.py)
 def test_a_model_failing_one_percent_of_runs_quarantines_only_the_failing_rows(tmp_path):
     _failing_runs(tmp_path, rows=10_000)
 

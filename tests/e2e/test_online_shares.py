@@ -115,6 +115,9 @@ def keys(shares_stack: Stack) -> dict[str, str]:
             for tenant in ("s1", "s2")}
 
 
+# (20 s; by default tests/broker/queueing/test_share_split.py and tests/worker/tenancy/test_shared_batches.py split
+# leased batches by shares against a real Redis)
+@pytest.mark.slow
 def test_two_tenants_flooding_one_model_online_split_the_device_by_their_shares(shares_stack: Stack,
                                                                                  keys: dict[str, str]) -> None:
     flood(shares_stack, keys, WARM_SECONDS)  # (sessions built, usage found its level)

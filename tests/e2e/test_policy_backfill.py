@@ -107,7 +107,8 @@ def run_queued(tmp_path: Path, policy: str, inputs: dict[str, np.ndarray]) -> tu
     return models, ids, results, memory
 
 
-@pytest.mark.parametrize("policy", ["round-robin", "graph-aware-backfill"])
+@pytest.mark.parametrize("policy", [pytest.param("round-robin", marks=pytest.mark.slow),  # (the baseline: -m slow)
+                                    "graph-aware-backfill"])
 def test_backfill_fills_memory_the_head_cannot_use_where_round_robin_waits(tmp_path: Path, policy: str):
     """graph-aware-backfill runs the convnet one row at a time in the unit a transformer batch leaves
     free (counted as backfills); round-robin runs the convnet as one full batch in its turn, and the
