@@ -19,6 +19,7 @@ import pytest
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import build_zoo
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, wait_job
+from tests.file_trees import tree
 
 ROWS, CHUNK_SIZE, BATCH_SIZE = 128, 16, 4
 """8 chunks of 4 runs, each run 50 ms longer: the job runs for 2 s or so, a swap after its first chunk
@@ -33,12 +34,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     register(running.client(), "mlp", build_zoo(home / "models")["mlp"])
     yield running
     running.stop()
-
-
-def tree(folder: Path) -> dict[str, bytes | None]:
-    """Every path under `folder` (relative) with its bytes; None for a folder."""
-    return {str(path.relative_to(folder)): None if path.is_dir() else path.read_bytes()
-            for path in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture

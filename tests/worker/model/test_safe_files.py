@@ -11,14 +11,9 @@ import pytest
 
 from broker.errors import BadInput, PathNotAllowed
 from sits_worker.model.safe_files import open_file, open_folder
+from tests.file_trees import tree
 
 FIX = "put it back"
-
-
-def tree(folder: Path) -> dict[str, bytes | None]:
-    """Every path under `folder` (relative) with its bytes; None for a folder."""
-    return {str(path.relative_to(folder)): None if path.is_dir() else path.read_bytes()
-            for path in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture

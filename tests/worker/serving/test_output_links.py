@@ -11,15 +11,10 @@ import pytest
 
 from broker.errors import PathNotAllowed
 from sits_worker.serving.outputs import finalize_outputs, remove_parts, write_part
+from tests.file_trees import tree
 
 EXTRA = {"job": "j1", "model": "mlp", "model_version": "v1", "input_batch": "in.npy", "input_checksum": "sha256:0"}
 CHUNKS = [(0, 4), (4, 8)]
-
-
-def tree(folder: Path) -> dict[str, bytes | None]:
-    """Every path under `folder` (relative) with its bytes; None for a folder."""
-    return {str(path.relative_to(folder)): None if path.is_dir() else path.read_bytes()
-            for path in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture
