@@ -8,6 +8,7 @@ the result. Every `SitsError` becomes a JSON error with its HTTP status in one h
 from __future__ import annotations
 
 import logging
+import os
 
 from flask import Flask
 from werkzeug.exceptions import HTTPException
@@ -19,7 +20,7 @@ from broker.queueing import policy
 from broker.state.store import Store
 from broker.tenants.records import TenantTable
 from sits_api import metrics
-from sits_api.http import error_replies
+from sits_api.http import durable_writes, error_replies, request_metrics, tracing
 from sits_api.http.jsonio import OrjsonProvider
 from sits_api.intake.result_inbox import ResultInbox
 from sits_api.intake.task_sender import Dispatcher
@@ -35,21 +36,25 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispatcher | None = None) -> Flask:
     """The API app over the Redis named in `settings` (or the `store` given)."""
     app = Flask("sits_api")
+    tracing.instrument_app(app, os.environ)  # (first: its request hook before every other; off unless OTEL_* say)
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_body_bytes
     app.config["SITS_BODY_TIMEOUT"] = settings.api.body_timeout
     app.json = OrjsonProvider(app)
     app.json.sort_keys = False  # type: ignore[attr-defined]
-    store = store or Store.connect(settings.redis.url, settings.redis.key_prefix)
+    store = store or Store.of(settings.redis)
+    http_counts = request_metrics.HttpCounts(store)
+    request_metrics.instrument_app(app, http_counts)  # (before the other hooks: it times them, counts their refusals)
     app.extensions[EXTENSION] = AppState(
         settings=settings,
         store=store,
         dispatcher=dispatcher or Dispatcher(settings, store),
         policy=policy.LivePolicy(store, default=policy.default_ordering(settings.scheduler.policy)),
         inbox=ResultInbox(store),
-        metrics=metrics.SitsCollector(store, settings),
+        metrics=metrics.SitsCollector(store, settings, http_counts),
         tenants=TenantTable(settings.tenants),
     )
     app.before_request(_check_key)  # every blueprint: v1 and the v2 protocol
+    app.after_request(durable_writes.replica_wait(settings.redis, store))  # (redis.wait_replicas)
     for blueprint in (health.blueprint, models.blueprint, jobs.blueprint, online_requests.blueprint,
                       admin.blueprint, v2):
         app.register_blueprint(blueprint)

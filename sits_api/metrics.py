@@ -2,9 +2,11 @@
 
 A custom `prometheus_client` collector reads them from Redis at each scrape (`broker.monitoring.stats`): the API
 runs several gunicorn processes (and maybe several replicas), so any counter kept in a process would
-be wrong, and every replica answers the same figures. Counts only: no job or request ids, owners,
-key names or the Redis URL. Labels are model names and versions, worker names and devices, and values of
-small fixed sets (status, phase, reason, priority class, outcome, the histograms' bounds).
+be wrong, and every replica answers the same figures (an API process adds its own HTTP answers to
+Redis every second or so, `sits_api/http/request_metrics.py`). Counts only: no job or request ids, owners,
+key names or the Redis URL. Labels are model names and versions, worker names and devices, the API's route
+templates, and values of small fixed sets (status, phase, reason, priority class, outcome, method, the
+histograms' bounds).
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from broker.config.settings import Settings
 from broker.failures import breaker
 from broker.failures.settings import FAILURE_CLASSES
 from broker.jobs.records import ACTIVE_STATUSES, FINAL_STATUSES
+from broker.monitoring.batch_sizes import ROW_BUCKETS, TOKEN_BUCKETS
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
 from broker.monitoring.stats import SystemStats, read_stats
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants import records as tenants
 from broker.tenants.shares import decayed
 from broker.tenants.usage import read_usage
+from sits_api.http.request_metrics import HttpCounts
 
 MODEL = ["model", "version"]
 WORKER = ["worker", "device"]
@@ -84,12 +88,16 @@ _WORKER_COUNTERS = (
 class SitsCollector:
     """Yields the metric families of one reading of Redis per scrape."""
 
-    def __init__(self, store: Store, settings: Settings) -> None:
+    def __init__(self, store: Store, settings: Settings, http_counts: HttpCounts | None = None) -> None:
         self._store = store
         self._settings = settings
+        self._http_counts = http_counts
 
     def collect(self) -> Iterator[Metric]:
-        """The metric families, read now (`broker.monitoring.stats.read_stats`)."""
+        """The metric families, read now (`broker.monitoring.stats.read_stats`), after this process's HTTP
+        answers not yet added to Redis are (the other processes add theirs every second or so)."""
+        if self._http_counts is not None:
+            self._http_counts.flush()
         stats = read_stats(self._store, now=time.time(),
                            heartbeat_timeout=self._settings.scheduler.worker_heartbeat_timeout)
         yield from _queue_metrics(stats)
@@ -98,6 +106,8 @@ class SitsCollector:
         yield from _worker_metrics(stats)
         yield from _job_and_request_metrics(stats)
         yield from _latency_histograms(stats)
+        yield from _batch_size_histograms(stats)
+        yield from _http_metrics(stats)
         yield from _deadline_metrics(stats)
         yield from _tenant_metrics(self._store, stats, self._settings, now=time.time())
         yield _breaker_metric(breaker.read_breakers(self._store), stats, now=time.time())
@@ -175,9 +185,10 @@ def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
                             "for the live workers' stream slots.", value=stats.tickets)
 
 
-REJECTION_REASONS = ("queue_full", "level_full", "tenant_full")
+REJECTION_REASONS = ("queue_full", "level_full", "tenant_full", "tenant_bytes_full")
 """Why a request was refused with a 429 (`submit_request.lua` counts them): its model's queue, or its
-priority level's, held `max_queue_size` waiting requests."""
+priority level's, held `max_queue_size` waiting requests, or its tenant was at `max_queued` requests or
+`max_queued_bytes` of inputs not answered yet."""
 
 
 def _queue_policy_metrics(stats: SystemStats, settings: Settings) -> Iterator[Metric]:
@@ -189,7 +200,8 @@ def _queue_policy_metrics(stats: SystemStats, settings: Settings) -> Iterator[Me
     yield limit
     rejected = CounterMetricFamily("sits_requests_rejected", "Online requests refused with a 429 because their "
                                    "queue was full (reason queue_full: the model's max_queue_size; level_full: "
-                                   "their priority level's; tenant_full: their tenant's max_queued); nothing of "
+                                   "their priority level's; tenant_full: their tenant's max_queued; "
+                                   "tenant_bytes_full: their tenant's max_queued_bytes); nothing of "
                                    "them was queued.", labels=[*MODEL, "reason"])
     for reason in REJECTION_REASONS:
         for model_ref, total in sorted(stats.counters.get(f"requests_rejected_{reason}", {}).items()):
@@ -326,6 +338,12 @@ _HISTOGRAMS = (
      "priority class they were submitted at, and their time from submit to result."),
     ("queue", "sits_request_queue_wait_seconds", "Online requests that ran, by the priority class they were "
      "submitted at, and their time from submit to the start of their run."),
+    ("run", "sits_request_run_seconds", "Online requests that ran, by the priority class they were submitted "
+     "at, and the time of the run they were in (a merged batch, or a job's mini-batch they rode in), from its "
+     "start to their results stored."),
+    ("chunk", "sits_job_chunk_seconds", "Job chunks computed and acknowledged, by the priority class of their "
+     "job, and the time their stream slot spent running them (their mini-batches, the riders' runs among "
+     "them; not the writing of their part files)."),
     ("job", "sits_job_end_to_end_seconds", "Offline jobs that succeeded, by the priority class of their "
      "priority, and their time from submit to the publishing of their outputs."),
 )
@@ -339,12 +357,50 @@ def _latency_histograms(stats: SystemStats) -> Iterator[Metric]:
     for (model_ref, what, klass), histogram in sorted(stats.histograms.items()):
         if what in families:
             families[what].add_metric([*_model_labels(model_ref), klass], _buckets(histogram),
-                                      sum_value=histogram.sum_seconds)
+                                      sum_value=histogram.total)
     yield from families.values()
 
 
-def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
-    return list(zip(_BOUNDS, histogram.cumulative, strict=True))
+def _buckets(histogram: Histogram, bounds: list[str] = _BOUNDS) -> list[tuple[str, float]]:
+    return list(zip(bounds, histogram.cumulative, strict=True))
+
+
+_SIZE_HISTOGRAMS = (
+    # (what, metric, help, bounds) of each batch size histogram (`broker.monitoring.batch_sizes`)
+    ("rows", "sits_batch_rows", "Model runs of the workers, and their rows: a merged batch of requests, a job's "
+     "mini-batch with the requests riding in it, or a piece of a batch split to find its bad rows.", ROW_BUCKETS),
+    ("tokens", "sits_batch_tokens", "Runs of token models, and their tokens: rows times the padded sequence "
+     "length, what max_batch_tokens bounds.", TOKEN_BUCKETS),
+)
+
+
+def _batch_size_histograms(stats: SystemStats) -> Iterator[Metric]:
+    """The workers' runs by rows and by tokens, by model version (no priority class: a run merges several)."""
+    for what, name, text, bounds in _SIZE_HISTOGRAMS:
+        family = HistogramMetricFamily(name, text, labels=MODEL)
+        edges = [floatToGoString(bound) for bound in bounds] + ["+Inf"]
+        for (model_ref, kind), histogram in sorted(stats.batch_sizes.items()):
+            if kind == what:
+                family.add_metric(_model_labels(model_ref), _buckets(histogram, edges), sum_value=histogram.total)
+        yield family
+
+
+def _http_metrics(stats: SystemStats) -> Iterator[Metric]:
+    """The API's answers by route template, method and status, and their time by route and method, from
+    every API process (`broker.monitoring.http_stats`)."""
+    answers = CounterMetricFamily("sits_http_requests", "HTTP requests the API answered, by route (the URL "
+                                  "rule's template; 'unmatched' for a path no rule matches), method ('other' "
+                                  "outside the usual ones) and status code.", labels=["route", "method", "status"])
+    for labels, total in sorted(stats.http.answers.items()):
+        answers.add_metric(list(labels), total)
+    yield answers
+    seconds = HistogramMetricFamily("sits_http_request_duration_seconds", "HTTP requests the API answered, by "
+                                    "route and method, and their time in the API process (from its first "
+                                    "request hook to its last; a call that waits for its result includes the "
+                                    "wait).", labels=["route", "method"])
+    for (route, method), histogram in sorted(stats.http.seconds.items()):
+        seconds.add_metric([route, method], _buckets(histogram), sum_value=histogram.total)
+    yield seconds
 
 
 def _from_zero(stats: SystemStats, what: str) -> list[tuple[str, int]]:

@@ -22,6 +22,7 @@ from celery import Celery
 from broker.config.loading import load_settings
 from broker.config.settings import Settings
 from broker.errors import ConfigError
+from broker.state.sentinel import celery_broker
 
 
 class _SitsCelery(Celery):
@@ -43,11 +44,16 @@ app = _SitsCelery("sits", include=["sits_worker.tasks", "sits_worker.worker_hook
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    """Celery settings derived from SITS settings."""
+    """Celery settings derived from SITS settings (a Sentinel `redis.url` as kombu takes it: `celery_broker`)."""
+    broker_url, transport_options = celery_broker(settings.redis.url, settings.redis.sentinel_master,
+                                                  sentinel_auth=settings.redis.sentinel_auth)
     return {
-        "broker_url": settings.redis.url,
+        "broker_url": broker_url,
         "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {"visibility_timeout": 3600},
+        # an error reply to the consumer (NOREPLICAS from a primary short of replicas, a script's READONLY
+        # on a demoted one) reconnects it, as a lost connection does, instead of stopping the worker
+        "broker_channel_error_retry": True,
+        "broker_transport_options": {"visibility_timeout": 3600, **transport_options},
         "task_default_queue": settings.redis.task_queue,
         "task_ignore_result": True,
         "task_acks_late": True,

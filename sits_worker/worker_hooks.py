@@ -9,6 +9,7 @@ the pending chunk commits get a bounded wait, so their chunks are acked rather t
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery import signals
@@ -16,11 +17,12 @@ from celery import signals
 from broker.errors import ConfigError
 from broker.queueing import workers
 from broker.state.startup_heap import freeze_startup_heap
+from broker.tracing.sdk import start_tracing
 from sits_worker.device.pinning import gpu_problem
 from sits_worker.device.worker_settings import DEVICE_VARIABLE, device_text, worker_device
 from sits_worker.serving.context import existing_worker_context, worker_context
 from sits_worker.tasks import send_drain
-from sits_worker.upkeep.heartbeat import Heartbeat
+from sits_worker.upkeep.heartbeat import Heartbeat, flush_batch_sizes
 from sits_worker.upkeep.reaper import Reaper, worker_reaper
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,20 @@ def _refuse_an_unusable_device(**_: Any) -> None:
     if problem:
         raise SystemExit(f"error: cannot pin this worker to {text}: {problem}; start it with `sitsctl worker --cpu` "
                          f"({DEVICE_VARIABLE}=cpu) or on a machine with that GPU")
+
+
+@signals.worker_init.connect
+def _start_tracing(**_: Any) -> None:
+    """Trace this worker when the OTEL_* variables ask for it (docs/tracing.md), Celery's task spans with
+    SITS's own: a drain task's span is the parent of the batches it runs. A worker asked to trace that
+    cannot (the extra or an exporter not installed) stops here, as for an unusable device."""
+    try:
+        if start_tracing("sits-worker", os.environ):
+            from opentelemetry.instrumentation.celery import CeleryInstrumentor
+
+            CeleryInstrumentor().instrument()
+    except ConfigError as err:
+        raise SystemExit(f"error: {err.message}") from None
 
 
 def _celery_name(sender: Any) -> str | None:
@@ -85,6 +101,17 @@ def _freeze_startup_heap(**_: Any) -> None:
     log.info("froze %d objects made at start-up (out of full garbage collections)", frozen)
 
 
+@signals.worker_shutting_down.connect
+def _stop_leasing(**_: Any) -> None:
+    """Warm shutdown (SIGTERM) began: Celery takes no new task and waits for the running ones, so the
+    drain loops must end soon. They lease nothing more, finish the batch they run and re-send their
+    tickets to the fleet; the pending commits are waited for at `worker_shutdown`."""
+    ctx = existing_worker_context()
+    if ctx is not None:
+        ctx.stopping.set()
+        log.info("warm shutdown: leasing stopped; finishing the batches running")
+
+
 @signals.worker_shutdown.connect
 def _stop_reaper(**_: Any) -> None:
     if _reaper is not None and not _reaper.stop(timeout=2.0):
@@ -104,6 +131,7 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
         _heartbeat.stop()
     try:
         _wait_for_commits()
+        flush_batch_sizes(worker_context())  # (the last runs' sizes, counted since the last beat)
         workers.remove_worker(worker_context().store, _celery_name(sender) or "")
     except Exception as err:
         log.warning("could not deregister the worker: %s", err)

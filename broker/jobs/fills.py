@@ -27,31 +27,40 @@ from broker.jobs.records import (
     finalize_payload,
     get_job,
     job_factors,
+    job_order_time,
     job_record,
     order_time,
+    stored_priority_cap,
 )
-from broker.queueing.scoring import Ordering, Weights, deadline_order_time, queue_key
+from broker.queueing.scoring import Ordering, Weights, queue_key
 from broker.state.replies import EnqueueReply
 from broker.state.store import Store, translate_redis_errors
+from broker.tracing import spans
 
 
 def _item_args(job_id: str, model_ref: str, ranges: Sequence[tuple[int, int]], indexes: Sequence[int],
                score: float, factors: dict[str, Any], batch_size: int, tenant: str, owner: str) -> list[Any]:
     args: list[Any] = []
+    traced = spans.traceparent_field()  # (the span queueing them: the job's trace, continued by their workers)
     for index in indexes:
         start, stop = ranges[index]
         payload = {"kind": "chunk", "job": job_id, "model_ref": model_ref, "chunk": index,
                    "start": start, "stop": stop, "batch_size": batch_size, "score": score, "factors": factors,
-                   "tenant": tenant, "owner": owner}
+                   "tenant": tenant, "owner": owner, **traced}
         args += [chunk_item_id(job_id, index), score, json.dumps(payload), str(index)]
     return args
 
 
+@spans.traced("sits.enqueue", lambda store, spec, **_: {"sits.job_id": spec.job_id, "sits.model_ref": spec.model_ref,
+                                                       "sits.tenant": spec.tenant or spec.owner})
 def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | None = None,
                ordering: Ordering = "dynamic", deadline_horizon: float = 0.0) -> None:
     """Write the job hash and queue all its chunks in one atomic call (scored with `weights`; a job with
-    a deadline ages from `deadline_horizon` before it, `scoring.deadline_order_time`)."""
-    order_at = None if spec.deadline_at is None else deadline_order_time(now, spec.deadline_at, deadline_horizon)
+    a deadline ages from `deadline_horizon` before it, `scoring.deadline_order_time`, within what its
+    tenant's `max_priority` allows, `records.job_order_time`)."""
+    weights = weights or Weights()
+    order_at = None if spec.deadline_at is None else job_order_time(
+        spec.priority, spec.max_priority, now, spec.deadline_at, horizon=deadline_horizon, delta=weights.delta)
     ranges = chunk_ranges(spec.rows_total, spec.chunk_size)
     fields = {
         "id": spec.job_id,
@@ -83,20 +92,24 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
         "predicted_finish": spec.predicted_finish if spec.predicted_finish is not None else "",
         "at_risk": "1" if spec.at_risk else "",
         "order_at": order_at if order_at is not None else "",
+        "priority_cap": spec.max_priority,
     }
-    factors = job_factors(spec.priority, now, order_at)
-    score = queue_key(factors, weights or Weights(), ordering)
+    factors = job_factors(spec.priority, now, order_at, spec.max_priority)
+    score = queue_key(factors, weights, ordering)
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
              _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict(),
-                        spec.batch_size, spec.tenant or spec.owner, spec.owner), owner=spec.owner)
+                        spec.batch_size, spec.tenant or spec.owner, spec.owner), owner=spec.owner,
+             tenant=(spec.tenant or spec.owner) if spec.owner else "")  # (a job without an owner is the admins' alone)
     _mark_active(store, spec.job_id, score, spec.deadline_at)
 
 
+@spans.traced("sits.enqueue", lambda store, job_id, **_: {"sits.job_id": job_id})
 def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None = None,
                ordering: Ordering = "dynamic", input_stat: dict[str, int] | None = None,
-               deadline_horizon: float = 0.0) -> int:
+               deadline_horizon: float = 0.0, max_priority: int | None = None) -> int:
     """Re-queue every chunk not yet done (and the finalize step if all are); returns items queued.
     `input_stat` replaces the input file's recorded identity (its checksum was found unchanged).
+    `max_priority` is its tenant's cap as it stands now (None: the one the job recorded).
 
     Chunks still leased by a previous run are taken back: after a crash their
     holders are gone, and if one is not, its duplicate run rewrites the same
@@ -108,17 +121,23 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     done = done_chunks(store, job_id)
     ranges = chunk_ranges(job.rows_total, job.chunk_size)
     missing = [index for index in range(len(ranges)) if index not in done]
-    order_at = order_time(job, now, deadline_horizon)
-    factors = job_factors(job.priority, now, order_at)
-    score = queue_key(factors, weights or Weights(), ordering)
+    weights = weights or Weights()
+    if max_priority is None:
+        with translate_redis_errors():
+            max_priority = stored_priority_cap(store.client.hget(store.keys.job(job_id), "priority_cap"))
+    order_at = order_time(job, now, deadline_horizon, max_priority=max_priority, delta=weights.delta)
+    factors = job_factors(job.priority, now, order_at, max_priority)
+    score = queue_key(factors, weights, ordering)
     model_ref = job.model_ref
     item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict(), int(job.batch_size),
                            job.tenant or "", job.owner or "")
     if not missing:
-        finalize = finalize_payload(job_id, model_ref, score, factors.to_dict(), job.tenant or "")
+        finalize = {**finalize_payload(job_id, model_ref, score, factors.to_dict(), job.tenant or ""),
+                    **spans.traceparent_field()}
         item_args = [finalize_item_id(job_id), score, json.dumps(finalize), ""]
     fields: dict[str, Any] = {"status": "queued", "error": "", "finished_at": "", "resumed_at": now,
-                              "rows_at_resume": job.rows_done, "order_at": order_at if order_at is not None else ""}
+                              "rows_at_resume": job.rows_done, "order_at": order_at if order_at is not None else "",
+                              "priority_cap": max_priority}
     if input_stat:
         fields["input_stat"] = json.dumps(input_stat)
     retries.forget_item_counts(store, job_id)  # a resume starts its chunks on fresh attempts of every class
@@ -140,8 +159,9 @@ def _mark_active(store: Store, job_id: str, score: float, deadline: float | None
 
 
 def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], mode: str, now: float,
-             item_args: list[Any], owner: str = "", *, fill_id: str | None = None) -> int:
-    """Queue a job's items in calls of `job_slices.ENQUEUE_SLICE`, the job's `fields` set by the first.
+             item_args: list[Any], owner: str = "", *, fill_id: str | None = None, tenant: str = "") -> int:
+    """Queue a job's items in calls of `job_slices.ENQUEUE_SLICE`, the job's `fields` set by the first;
+    a job's creation (given its `owner` and `tenant`) also adds it to their job indexes.
 
     While more calls are to come the job is in `keys.jobs_filling` (a reaper pass completes the fill if
     this caller dies: `stalled_fills`, `refill_job`; the first call records the fill's id and mode in the
@@ -153,7 +173,8 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
     keys = store.keys
     job_keys = [keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs, keys.job_done(job_id),
                 keys.inflight(model_ref), keys.dead, keys.attempts, keys.jobs_filling, keys.job_counts,
-                keys.queues_version, *([keys.owner_jobs(owner)] if owner else [])]
+                keys.queues_version, *([keys.owner_jobs(owner)] if owner else []),
+                *([keys.jobs_of_tenant(tenant)] if tenant else [])]
     step = 4 * job_slices.ENQUEUE_SLICE  # four arguments an item
     slices = [item_args[start:start + step] for start in range(0, len(item_args), step)] or [[]]
     continued = fill_id is not None
@@ -202,7 +223,7 @@ def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     ranges = chunk_ranges(job.rows_total, job.chunk_size)
     # a resume's first call scored its chunks as enqueued at the resume (`resume_job`)
     factors = job_factors(job.priority, (mode == "resume" and job.resumed_at) or job.created_at,
-                          job.order_at)
+                          job.order_at, stored_priority_cap(raw.get("priority_cap")))
     item_args = _item_args(job_id, job.model_ref, ranges, [i for i in range(len(ranges)) if i not in done],
                            queue_key(factors, weights or Weights(), ordering), factors.to_dict(),
                            int(job.batch_size), job.tenant or "", job.owner or "")

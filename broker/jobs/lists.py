@@ -1,53 +1,73 @@
-"""Listing and counting jobs: newest first, by status and by owner, and the indexes behind it.
+"""Listing and counting jobs: newest first, by status, by owner and by tenant, and the indexes behind it.
 
-Jobs are never deleted, so a list or a count must never cost a read per job kept: an owner's jobs
-come from that owner's own index (written by the job's enqueue, `broker.jobs.fills.create_job`), a status filter
-looks through a bounded number of the newest jobs, and the jobs in each status are counted by the
-scripts that change a status (`keys.job_counts`). Reaper passes add the jobs stored before those
-indexes and counts existed, a page at a time (`index_job_owners`, `count_old_jobs`).
+Jobs are kept until `jobs.retention`, so a list or a count must never cost a read per job kept: an
+owner's jobs come from that owner's own index and a tenant's from its tenant's (both written by the job's
+enqueue, `broker.jobs.fills.create_job`), a status filter looks through a bounded number of the newest
+jobs of the index, and the jobs in each status are counted by the scripts that change a status
+(`keys.job_counts`). Reaper passes add the jobs stored before those indexes and counts existed, a page
+at a time (`index_job_owners`, `index_job_tenants`, `count_old_jobs`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from broker.jobs.job_record import JobRecord
 from broker.jobs.records import job_record
 from broker.jobs.views import JobOwnerView
 from broker.state.store import Store, translate_redis_errors
+from broker.tenants.apikeys import record_tenant
 
 LIST_SCAN_PAGE = 500
 """Job ids `list_jobs` reads from an index per round trip while it looks for matches."""
 LIST_SCAN_JOBS = 20_000
 """The newest jobs a status-filtered `list_jobs` looks through at most (about 40 round trips)."""
 INDEX_PAGE = 2_000
-"""Jobs one `index_job_owners` pass adds to their owners' indexes (about 30 ms of a reaper pass)."""
+"""Jobs one `index_job_owners` (or `index_job_tenants`) pass adds to their indexes (about 30 ms of a reaper pass)."""
 
 
 def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None,
-              owner: str | None = None) -> list[JobRecord]:
-    """The newest `limit` jobs, newest first, optionally only those with `status` and of `owner`.
+              owner: str | None = None, tenant: str | None = None, owner_is_caller: bool = False) -> list[JobRecord]:
+    """The newest `limit` jobs, newest first, optionally only those with `status`, of `owner` and of
+    `tenant` (a job stored before tenants: its owner's name).
 
-    An owner's jobs come from that owner's own index (`keys.owner_jobs`), however many other
-    tenants' jobs are newer, once reaper passes have indexed the jobs stored before those indexes
-    existed (`index_job_owners`). Until then, and for a status filter (there is no index per
-    status), an index is walked newest first in pages of `LIST_SCAN_PAGE`, reading only each job's
-    status and owner, until `limit` jobs match or the newest `LIST_SCAN_JOBS` have been looked at,
-    so one call never costs more than that many small reads, however many jobs the system has kept
-    (`GET /v1/jobs/{id}` still finds older ones).
+    An owner's jobs come from that owner's own index (`keys.owner_jobs`), a tenant's from that tenant's
+    (`keys.jobs_of_tenant`), however many other tenants' jobs are newer, once reaper passes have indexed
+    the jobs stored before those indexes existed (`index_job_owners`, `index_job_tenants`). Until then,
+    and for a status filter, or an owner within a tenant (keys stored before a name was one tenant's may
+    share a name across tenants, and so an owner's index), an index is walked newest first in pages of
+    `LIST_SCAN_PAGE`, reading only each job's status, owner and tenant, until `limit` jobs match or the
+    newest `LIST_SCAN_JOBS` have been looked at, so one call never costs more than that many small reads,
+    however many jobs the system has kept (`GET /v1/jobs/{id}` still finds older ones).
+
+    An owner within a tenant is read from the owner's index only when it is the calling key itself
+    (`owner_is_caller`); another owner is looked for among the tenant's own jobs, so that how many jobs
+    another tenant's key of that name holds costs the call no time (a timing oracle otherwise).
     """
+    keys = store.keys
     with translate_redis_errors():
-        by_owner = owner is not None and bool(store.client.exists(store.keys.owner_index_built))
-        index = store.keys.owner_jobs(owner) if owner is not None and by_owner else store.keys.jobs
-        if status is not None or (owner is not None and not by_owner):
-            ids = _matching_job_ids(store, index, limit=limit, status=status, owner=owner)
-        else:  # every job of the index
+        if tenant is not None and owner is not None and not owner_is_caller:
+            # (the newest of every job until the tenants' indexes are built)
+            built = store.client.exists(keys.tenant_index_built)
+            index, whole = keys.jobs_of_tenant(tenant) if built else keys.jobs, False
+        elif owner is not None and store.client.exists(keys.owner_index_built):
+            index, whole = keys.owner_jobs(owner), tenant is None
+        elif tenant is not None and store.client.exists(keys.tenant_index_built):
+            index, whole = keys.jobs_of_tenant(tenant), owner is None
+        else:
+            index, whole = keys.jobs, owner is None and tenant is None
+        if status is None and whole:  # every job of the index
             ids = store.client.zrevrange(index, 0, limit - 1)
+        else:
+            ids = _matching_job_ids(store, index, limit=limit, status=status, owner=owner, tenant=tenant)
         pipe = store.client.pipeline(transaction=False)
         for job_id in ids:
-            pipe.hgetall(store.keys.job(job_id))
+            pipe.hgetall(keys.job(job_id))
         raws = pipe.execute()
     # filtered again: a job's status may have changed since its match was read
     return [job_record(raw, now=now) for raw in raws
-            if raw and _matches(raw.get("status"), raw.get("owner"), status, owner)]
+            if raw and _matches(JobOwnerView(raw.get("status"), raw.get("owner"), raw.get("tenant")),
+                                status, owner, tenant)]
 
 
 def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
@@ -62,21 +82,42 @@ def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
     of several workers at once leave the same indexes.
     """
     keys = store.keys
+    return _index_jobs(store, lambda job: keys.owner_jobs(job.owner) if job.owner else None,
+                       mark=keys.owner_index_mark, built=keys.owner_index_built, limit=limit)
+
+
+def index_job_tenants(store: Store, *, limit: int = INDEX_PAGE) -> bool:
+    """Add up to `limit` jobs not indexed yet by this pass to their tenants' indexes (a job stored before
+    tenants: its owner's name's, the tenant it belongs to; one without an owner: none); True once every
+    job is (then `list_jobs` reads a tenant's jobs from its index). Run by every reaper pass, as
+    `index_job_owners` is, and so paged and idempotent alike."""
+    keys = store.keys
+
+    def index_of(job: JobOwnerView) -> str | None:  # (a job without an owner is the admins' alone)
+        return keys.jobs_of_tenant(record_tenant(job.owner, job.tenant)) if job.owner else None
+
+    return _index_jobs(store, index_of, mark=keys.tenant_index_mark, built=keys.tenant_index_built, limit=limit)
+
+
+def _index_jobs(store: Store, index_of: Callable[[JobOwnerView], str | None], *, mark: str, built: str,
+                limit: int) -> bool:
+    """One page of a backfill pass: each job after `mark` goes into the index `index_of` names (if any)."""
     with translate_redis_errors():
-        page = _page_after_mark(store, keys.owner_index_mark, limit)
+        page = _page_after_mark(store, mark, limit)
         if page:
             pipe = store.client.pipeline(transaction=False)
             for job_id, _ in page:
-                pipe.hget(keys.job(job_id), "owner")
-            owners = pipe.execute()
-            for (job_id, created), owner in zip(page, owners, strict=True):
-                if owner:
-                    pipe.zadd(keys.owner_jobs(owner), {job_id: created}, nx=True)
-            pipe.set(keys.owner_index_mark, page[-1][0])
+                pipe.hmget(store.keys.job(job_id), JobOwnerView.names())
+            views = [JobOwnerView.of(fields) for fields in pipe.execute()]
+            for (job_id, created), job in zip(page, views, strict=True):
+                index = index_of(job)
+                if index is not None:
+                    pipe.zadd(index, {job_id: created}, nx=True)
+            pipe.set(mark, page[-1][0])
             pipe.execute()
         caught_up = len(page) < limit
-        if caught_up and not store.client.exists(keys.owner_index_built):
-            store.client.set(keys.owner_index_built, "1")
+        if caught_up and not store.client.exists(built):
+            store.client.set(built, "1")
     return caught_up
 
 
@@ -114,7 +155,8 @@ def _page_after_mark(store: Store, mark_key: str, limit: int) -> list[tuple[str,
             store.client.zrange(store.keys.jobs, start, start + limit - 1, withscores=True)]
 
 
-def _matching_job_ids(store: Store, index: str, *, limit: int, status: str | None, owner: str | None) -> list[str]:
+def _matching_job_ids(store: Store, index: str, *, limit: int, status: str | None, owner: str | None,
+                      tenant: str | None) -> list[str]:
     matched: list[str] = []
     seen: set[str] = set()  # jobs created meanwhile shift the ranks, so a page may repeat ids
     start = 0
@@ -127,15 +169,16 @@ def _matching_job_ids(store: Store, index: str, *, limit: int, status: str | Non
         for job_id in ids:
             pipe.hmget(store.keys.job(job_id), JobOwnerView.names())
         for job_id, job in zip(ids, map(JobOwnerView.of, pipe.execute()), strict=True):
-            if job_id not in seen and _matches(job.status, job.owner, status, owner):
+            if job_id not in seen and _matches(job, status, owner, tenant):
                 matched.append(job_id)
             seen.add(job_id)
     return matched[:limit]
 
 
-def _matches(job_status: str | None, job_owner: str | None, status: str | None, owner: str | None) -> bool:
-    return (job_status is not None and (status is None or job_status == status)
-            and (owner is None or job_owner == owner))
+def _matches(job: JobOwnerView, status: str | None, owner: str | None, tenant: str | None) -> bool:
+    return (job.status is not None and (status is None or job.status == status)
+            and (owner is None or job.owner == owner)
+            and (tenant is None or (bool(job.owner) and record_tenant(job.owner, job.tenant) == tenant)))
 
 
 def job_status_counts(store: Store) -> dict[str, int] | None:

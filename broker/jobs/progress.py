@@ -15,6 +15,7 @@ from broker.jobs.records import chunk_ranges, finalize_item_id, finalize_payload
 from broker.queueing.leases import LeasedItem
 from broker.state.replies import AckReply
 from broker.state.store import Store, translate_redis_errors
+from broker.tracing import spans
 
 
 def start_item(store: Store, job_id: str, *, now: float, chunk: bool = False) -> str:
@@ -30,10 +31,12 @@ def start_item(store: Store, job_id: str, *, now: float, chunk: bool = False) ->
                                             args=[now, "chunk" if chunk else ""]))
 
 
+@spans.traced("sits.ack", lambda store, item, **_: {"sits.item_id": item.item_id, "sits.model_ref": item.model_ref})
 def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_seconds: float = 0.0,
               beside: Mapping[str, float] | None = None) -> AckReply:
     """Record a chunk whose part files are written: drop its lease, checkpoint it, count `worker`, add
-    `run_seconds` (how long its stream slot ran it) to the job's `busy_seconds`, and its seconds `beside`
+    `run_seconds` (how long its stream slot ran it) to the job's `busy_seconds` and to its model's chunk time
+    histogram (`broker.monitoring.sla_metrics`), and its seconds `beside`
     each neighbour model version on the worker's other slots (or `alone`) to its `slot_mix`.
 
     Returns `SKIPPED` for a duplicate (or a job no longer active), `RECORDED`, or `LAST_CHUNK` when it
@@ -43,13 +46,14 @@ def ack_chunk(store: Store, item: LeasedItem, *, now: float, worker: str, run_se
     payload = item.payload
     job_id = payload["job"]
     keys = store.keys
-    finalize = json.dumps(finalize_payload(job_id, item.model_ref, payload["score"], payload.get("factors"),
-                                           payload.get("tenant") or ""))
+    finalize = json.dumps({**finalize_payload(job_id, item.model_ref, payload["score"], payload.get("factors"),
+                                              payload.get("tenant") or ""),
+                           **spans.carried(payload)})  # (the job's trace goes on in its finalize step)
     with translate_redis_errors():
         reply = store.scripts.ack_chunk(
             keys=[keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.items, keys.attempts,
                   keys.job(job_id), keys.job_done(job_id), keys.doorbell, keys.job_counts, keys.counters,
-                  keys.queues, keys.queues_version],
+                  keys.queues, keys.queues_version, keys.latency_buckets],
             args=[item.item_id, payload["chunk"], payload["stop"] - payload["start"], now,
                   finalize_item_id(job_id), payload["score"], finalize, worker, item.model_ref,
                   repr(max(0.0, float(run_seconds))),

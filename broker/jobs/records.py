@@ -23,7 +23,8 @@ from broker.failures.retries import failure_record, is_failure_field
 from broker.jobs.finish_prediction import sla_risk
 from broker.jobs.job_record import JobRecord
 from broker.jobs.views import JobOwnerView, JobTenantView
-from broker.queueing.scoring import Factors, check_level, deadline_order_time
+from broker.queueing.scoring import Factors, check_level, deadline_order_time, deadline_reach
+from broker.setting_types import MAX_PRIORITY
 from broker.state.store import Store, translate_redis_errors
 
 ACTIVE_STATUSES = ("queued", "running")
@@ -44,7 +45,7 @@ _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "checkpoint_ts", "re
 _JSON_FIELDS = ("output_names", "manifest", "input_options", "input_stat")
 _BOOKKEEPING_FIELDS = ("counted", "fill_id", "fill_mode", "filled_to", "stop_id", "stop_done", "sla_snapshots",
                        "sla_snapshot_at", "sla_ahead", "slot_mix",
-                       "slot_time_partial", "chunk_started_at")
+                       "slot_time_partial", "chunk_started_at", "priority_cap")
 """Job hash fields the scripts keep for themselves (the per-status job counts, the fill and the stop going on)."""
 
 
@@ -111,6 +112,8 @@ class JobSpec:
     """When admission predicted it would finish (`broker/sla/admission.py`), for a job with a deadline."""
     at_risk: bool = False
     """Accepted under `sla.admission: flag` although its deadline was predicted to be missed."""
+    max_priority: int = MAX_PRIORITY
+    """Its tenant's `max_priority`: the highest level its deadline may lift its chunks to (`job_factors`)."""
 
     @property
     def model_ref(self) -> str:
@@ -125,16 +128,34 @@ def finalize_payload(job_id: str, model_ref: str, score: float, factors: dict[st
             "tenant": tenant}
 
 
-def job_factors(priority: int, enqueued_at: float, order_at: float | None = None) -> Factors:
+def job_factors(priority: int, enqueued_at: float, order_at: float | None = None,
+                max_priority: int = MAX_PRIORITY) -> Factors:
     """What a job's items are scored from: its priority level, free tier, no latency bonus; a job with a
-    deadline ages from `order_at` when that is earlier (`scoring.deadline_order_time`)."""
+    deadline ages from `order_at` when that is earlier (`scoring.deadline_order_time`), never lifted past
+    its tenant's `max_priority` (`scoring.deadline_reach`)."""
     return Factors(level=check_level(priority), enqueued_at=enqueued_at,
-                   order_at=order_at if order_at is not None and order_at < enqueued_at else None)
+                   order_at=order_at if order_at is not None and order_at < enqueued_at else None,
+                   max_level=max_priority)
 
 
-def order_time(job: JobRecord, enqueued_at: float, horizon: float) -> float | None:
+def job_order_time(priority: int, max_priority: int, enqueued_at: float, deadline_at: float, *, horizon: float,
+                   delta: float) -> float:
+    """The `order_at` of a job's items queued at `enqueued_at`: its deadline's, within what its tenant's
+    cap lets a deadline gain at the aging rate `delta` (`scoring.deadline_reach`)."""
+    return deadline_order_time(enqueued_at, deadline_at, horizon, deadline_reach(priority, max_priority, delta))
+
+
+def stored_priority_cap(value: str | None) -> int:
+    """The tenant cap a job hash records (its `priority_cap`); 15 for a job stored before caps were kept."""
+    return int(value or MAX_PRIORITY)
+
+
+def order_time(job: JobRecord, enqueued_at: float, horizon: float, *, max_priority: int,
+               delta: float) -> float | None:
     """The `order_at` of a job whose items are queued at `enqueued_at`; None without a deadline."""
-    return None if job.deadline is None else deadline_order_time(enqueued_at, float(job.deadline), horizon)
+    if job.deadline is None:
+        return None
+    return job_order_time(job.priority, max_priority, enqueued_at, float(job.deadline), horizon=horizon, delta=delta)
 
 
 def decode_job(raw: dict[str, str]) -> dict[str, Any]:

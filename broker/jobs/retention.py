@@ -15,6 +15,7 @@ import redis
 from broker.jobs.records import ACTIVE_STATUSES
 from broker.state.hash_views import HashView
 from broker.state.store import Store, translate_redis_errors
+from broker.tenants.apikeys import record_tenant
 
 PAGE = 100
 """The most jobs one pass looks at: the oldest created before the cutoff."""
@@ -27,6 +28,7 @@ class _EndedJobView(HashView):
     status: str | None
     finished_at: str | None
     owner: str | None
+    tenant: str | None
     output_dir: str | None
     counted: str | None
 
@@ -59,6 +61,7 @@ def _forget(store: Store, job_id: str, cutoff: float) -> bool:
                 pipe.zrem(keys.jobs, job_id)
                 if job.owner:
                     pipe.zrem(keys.owner_jobs(job.owner), job_id)
+                    pipe.zrem(keys.jobs_of_tenant(record_tenant(job.owner, job.tenant)), job_id)
                 if job.counted and job.status:
                     pipe.hincrby(keys.job_counts, job.status, -1)
                 if held:

@@ -1,10 +1,11 @@
 """The SLA figures of `/metrics`: latency histograms, deadlines met and missed, admission refusals, and
 the risk of the active jobs with a deadline.
 
-The scripts that complete requests and end jobs count each observation into its bucket
-(`keys.latency_buckets`, `lib.lua` `observe_latency`) in the call they already make, so a histogram
-costs a few HINCRBYs a batch and a scrape reads it whole in one HGETALL. Buckets are kept one by one
-and made cumulative here. Deadline outcomes and refusals are running totals in `keys.counters`.
+The scripts that complete requests, acknowledge job chunks and end jobs count each observation into
+its bucket (`keys.latency_buckets`, `lib.lua` `observe_latency`) in the call they already make, so a
+histogram costs a few HINCRBYs a batch and a scrape reads it whole in one HGETALL. Buckets are kept one
+by one and made cumulative here (`broker.monitoring.histograms`). Deadline outcomes and refusals are
+running totals in `keys.counters`.
 
 A job's risk is what `GET /v1/jobs/<id>` reports (`jobs.with_rates`), for at most `RISK_JOBS` active
 jobs: those with the soonest deadlines (`keys.jobs_due`).
@@ -15,10 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker.jobs import records as jobs
+from broker.monitoring.histograms import Histogram, decode
 from broker.state.store import Store, translate_redis_errors
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-"""Upper bounds in seconds of the histograms' buckets, from an online request's 5 ms to a job's 10
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                   300.0, 600.0)
+"""Upper bounds in seconds of the histograms' buckets, from a small model's 1 ms run to a job's 10
 minutes (`lib.lua` lists the same); +Inf holds what is past the last."""
 
 PRIORITY_CLASSES = (("express", 12), ("high", 8), ("normal", 4), ("low", 0))
@@ -40,37 +43,12 @@ def priority_class(level: int) -> str:
     return next(name for name, lowest in PRIORITY_CLASSES if level >= lowest)
 
 
-@dataclass(frozen=True)
-class Histogram:
-    """One series: cumulative counts at each of `LATENCY_BUCKETS` and +Inf, and the sum of what was seen."""
-
-    cumulative: list[int]
-    sum_seconds: float
-
-    @property
-    def count(self) -> int:
-        """Observations in all."""
-        return self.cumulative[-1]
-
-
 def decode_histograms(raw: dict[str, str]) -> dict[tuple[str, str, str], Histogram]:
-    """The `keys.latency_buckets` hash as (model ref, what, priority class) -> `Histogram`."""
-    counts: dict[tuple[str, str, str], list[int]] = {}
-    sums: dict[tuple[str, str, str], int] = {}
-    for field, total in raw.items():
-        model_ref, what, klass, bucket = field.rsplit("|", 3)
-        series = (model_ref, what, klass)
-        if bucket == "ns":
-            sums[series] = int(total)
-        else:
-            counts.setdefault(series, [0] * (len(LATENCY_BUCKETS) + 1))[int(bucket) - 1] += int(total)
+    """The `keys.latency_buckets` hash as (model ref, what, priority class) -> `Histogram` (in seconds)."""
     histograms = {}
-    for series, per_bucket in counts.items():
-        cumulative, running = [], 0
-        for count in per_bucket:
-            running += count
-            cumulative.append(running)
-        histograms[series] = Histogram(cumulative, sums.get(series, 0) / 1e9)
+    for series, histogram in decode(raw, len(LATENCY_BUCKETS) + 1, sum_scale=1e9).items():
+        model_ref, what, klass = series.rsplit("|", 2)
+        histograms[(model_ref, what, klass)] = histogram
     return histograms
 
 

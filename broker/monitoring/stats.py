@@ -4,7 +4,8 @@ Every API process answers a scrape from Redis, so the figures are the same which
 replica) a scrape reaches; counters kept per process would not be. No read here grows with the jobs
 or requests kept: queue sizes are one ZCARD per model queue, jobs by status come from the counts the
 status changes keep (`keys.job_counts`), running totals from one hash (`keys.counters`) that the
-ack scripts bump, worker figures from their heartbeats. The one read per job is of the active jobs with
+ack scripts bump, worker figures from their heartbeats, histograms from one hash each
+(`broker.monitoring.histograms`). The one read per job is of the active jobs with
 a deadline, at most `sla_metrics.RISK_JOBS` of them.
 """
 
@@ -15,6 +16,8 @@ from typing import Any
 
 from broker.jobs.lists import decode_status_counts
 from broker.monitoring import sla_metrics
+from broker.monitoring.batch_sizes import decode_batch_sizes
+from broker.monitoring.http_stats import HttpStats, decode_http
 from broker.monitoring.model_stats import decode_model_stats
 from broker.monitoring.sla_metrics import Histogram, ModelRisk
 from broker.queueing import queues
@@ -48,6 +51,10 @@ class SystemStats:
     """(Model ref, what, priority class) -> a latency histogram (`broker.monitoring.sla_metrics`)."""
     job_risks: dict[str, ModelRisk]
     """Model ref -> the risk of its active jobs with a deadline (`sla_metrics.read_job_risks`)."""
+    batch_sizes: dict[tuple[str, str], Histogram]
+    """(Model ref, 'rows' or 'tokens') -> the sizes of the model's runs (`broker.monitoring.batch_sizes`)."""
+    http: HttpStats
+    """The API's HTTP answers and their times (`broker.monitoring.http_stats`)."""
 
 
 def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemStats:
@@ -66,8 +73,10 @@ def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemS
         pipe.hgetall(keys.model_latest)
         pipe.hgetall(keys.model_stats)
         pipe.hgetall(keys.latency_buckets)
+        pipe.hgetall(keys.batch_sizes)
+        pipe.hgetall(keys.http_requests)
         (dead, tickets, raw_workers, counts_built, raw_counts, raw_counters, latest, raw_model_stats,
-         raw_buckets) = pipe.execute()
+         raw_buckets, raw_batch_sizes, raw_http) = pipe.execute()
     depths = queues.queue_depths(store, with_requests=True)
     workers, _ = decode_workers(raw_workers, now=now, timeout=heartbeat_timeout)
     counters: dict[str, dict[str, int]] = {}
@@ -78,4 +87,5 @@ def read_stats(store: Store, *, now: float, heartbeat_timeout: float) -> SystemS
                        job_counts=decode_status_counts(raw_counts) if counts_built else None, counters=counters,
                        latest_versions=latest, model_stats=decode_model_stats(raw_model_stats),
                        histograms=sla_metrics.decode_histograms(raw_buckets),
-                       job_risks=sla_metrics.read_job_risks(store, now=now))
+                       job_risks=sla_metrics.read_job_risks(store, now=now),
+                       batch_sizes=decode_batch_sizes(raw_batch_sizes), http=decode_http(raw_http))

@@ -22,13 +22,14 @@ from typing import Any
 import numpy as np
 import orjson
 
-from broker.errors import Conflict, NotFound, SitsError
+from broker.errors import Conflict, NotFound, PayloadTooLarge, SitsError
 from broker.online.records import RequestRecord
 from broker.queueing.leases import LeasedItem
 from broker.state.held_calls import send_held
 from broker.state.replies import SubmitReply
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.usage import BILL_KEEP_SECONDS, day_number
+from broker.tracing import spans
 
 REQUEST_ID_PATTERN = re.compile(r"r[0-9a-f]{16}")
 """Every request id `new_request_id` makes: an id a client sends that is not one is no request's, and is
@@ -76,6 +77,16 @@ class QueueAtLimit(Exception):
         self.waiting, self.level, self.tenant = waiting, level, tenant
 
 
+class TenantBytesAtLimit(QueueAtLimit):
+    """The request's `request_bytes` of inputs would take its tenant past its `max_queued_bytes`, `budget`:
+    its `waiting` requests not answered yet hold `queued_bytes`. Nothing was queued; the caller answers a
+    `QueueFull` (429) as for `max_queued`, since the bytes come free as those requests are answered."""
+
+    def __init__(self, waiting: int, *, queued_bytes: int, request_bytes: int, budget: int) -> None:
+        super().__init__(waiting, None, tenant=True)
+        self.queued_bytes, self.request_bytes, self.budget = queued_bytes, request_bytes, budget
+
+
 class PolicyChanged(Exception):
     """The live policy changed after the request was scored; score it again and resubmit.
 
@@ -120,9 +131,14 @@ class RequestSpec:
         return f"{self.model_name}@{self.model_version}"
 
 
+@spans.traced("sits.enqueue", lambda store, spec, **_: {"sits.request_id": spec.request_id,
+                                                       "sits.model_ref": spec.model_ref,
+                                                       "sits.tenant": spec.tenant or spec.owner,
+                                                       "sits.rows": spec.rows})
 def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float, max_age_seconds: float,
                    policy_json: str = "", ticket_target: int = 0, max_waiting: int = 0,
-                   max_waiting_at_level: int = 0, tenant_max_queued: int = 0) -> list[str]:
+                   max_waiting_at_level: int = 0, tenant_max_queued: int = 0,
+                   tenant_max_queued_bytes: int = 0) -> list[str]:
     """Store the request, queue it, ring the doorbell and top tickets up to `ticket_target`, in one call.
 
     `policy_json` is the live policy as read when `score` was computed ('' for the defaults); if it
@@ -130,9 +146,19 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
     model's `max_queue_size`) or `max_waiting_at_level` (its level's), a queue that holds that many
     waiting requests takes nothing, atomically with the check: QueueAtLimit; so does a tenant with
     `tenant_max_queued` requests not answered yet (`keys.tenant_queued`; `complete_requests` takes a
-    request off it). Returns the new ticket ids, each to be sent as a drain task.
+    request off it), and a request whose inputs would take the bytes of those requests past
+    `tenant_max_queued_bytes` (`keys.tenant_queued_bytes`): TenantBytesAtLimit. Inputs larger than that
+    whole budget could never be queued: PayloadTooLarge (413), not a 429 that no retry ends. Returns the
+    new ticket ids, each to be sent as a drain task.
     """
     keys = store.keys
+    tenant = spec.tenant or spec.owner
+    inputs = orjson.dumps({name: pack_array(array) for name, array in spec.inputs.items()})
+    input_bytes = len(inputs)  # (what the request's hash holds for them: ASCII, one byte a character)
+    if 0 < tenant_max_queued_bytes < input_bytes:
+        raise PayloadTooLarge(f"the request's inputs take {input_bytes:,} bytes queued, more than tenant "
+                              f"'{tenant}' may have queued at all ({tenant_max_queued_bytes:,} bytes, "
+                              f"tenants.{tenant}.max_queued_bytes); send fewer rows per request")
     fields = {
         "id": spec.request_id,
         "model": spec.model_name,
@@ -142,27 +168,28 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
         "created_at": now,
         "deadline_at": spec.deadline_at or "",
         "owner": spec.owner,
-        "tenant": spec.tenant or spec.owner,
-        "inputs": orjson.dumps({name: pack_array(array) for name, array in spec.inputs.items()}).decode(),
+        "tenant": tenant,
+        "inputs": inputs.decode(),
     }
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
-               "factors": spec.factors, "tenant": spec.tenant or spec.owner, "owner": spec.owner,
-               **({"counted": True} if tenant_max_queued else {}),
+               "factors": spec.factors, "tenant": tenant, "owner": spec.owner,
                **({"expires_at": spec.expires_at} if spec.expires_at else {}),
                **({"delay_at": spec.delay_at} if spec.delay_at else {}),
-               **({"reply_to": spec.reply_to} if spec.reply_to else {})}
+               **({"reply_to": spec.reply_to} if spec.reply_to else {}),
+               **spans.traceparent_field()}  # (the enqueue span's: a worker continues the request's trace)
     timeout_at = spec.expires_at or spec.delay_at
     with translate_redis_errors():
         reply = store.scripts.submit_request(
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
                   keys.deadlines(spec.model_ref), keys.policy, keys.tickets, keys.ticket_seq, keys.doorbell,
                   keys.queues_version, keys.waiting_requests(spec.model_ref), keys.request_timeouts(spec.model_ref),
-                  keys.counters, keys.tenant_queued(spec.tenant or spec.owner)],
+                  keys.counters, keys.tenant_queued(tenant), keys.tenant_queued_bytes(tenant)],
             args=[spec.model_ref, spec.request_id, orjson.dumps({k: str(v) for k, v in fields.items()}), score,
                   orjson.dumps(payload), spec.deadline_at or "", int(max_age_seconds), policy_json, now,
                   ticket_target, int(spec.factors.get("level") or 0), max_waiting, max_waiting_at_level,
-                  "" if timeout_at is None else repr(timeout_at), tenant_max_queued],
+                  "" if timeout_at is None else repr(timeout_at), tenant_max_queued, tenant_max_queued_bytes,
+                  input_bytes],
         )
     status = SubmitReply(int(reply[0]))
     if status in (SubmitReply.QUEUE_FULL, SubmitReply.LEVEL_FULL):
@@ -170,6 +197,9 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
         raise QueueAtLimit(int(reply[1]), level)
     if status is SubmitReply.TENANT_FULL:
         raise QueueAtLimit(int(reply[1]), None, tenant=True)
+    if status is SubmitReply.TENANT_BYTES_FULL:
+        raise TenantBytesAtLimit(int(reply[2]), queued_bytes=int(reply[1]), request_bytes=input_bytes,
+                                 budget=tenant_max_queued_bytes)
     if status is SubmitReply.POLICY_CHANGED:
         raise PolicyChanged(spec.request_id)
     if status is SubmitReply.EXISTS:
@@ -218,10 +248,13 @@ class RequestResult:
     False for one failed without running (expired, past its timeout)."""
 
 
+@spans.traced("sits.ack", lambda store, results, **_: {"sits.model_ref": results[0].item.model_ref,
+                                                      "sits.items": len(results)})
 def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
                       batch_size: int, worker: str, job_rows: int = 0, run_started: float | None = None,
                       run_rows: int = 0) -> int:
-    """Store results, drop the leases and wake every waiter, in one atomic call; returns how many
+    """Store results, drop the leases, free their tenants' places and bytes (`max_queued`,
+    `max_queued_bytes`) and wake every waiter, in one atomic call; returns how many
     were completed (not those already completed, or waiting again after their lease expired: their
     tenants are settled only for the requests this call took off, `_settle_tenants`). The
     requests are of one model (a batch is); /metrics counts them by status (`keys.counters`), and the
@@ -234,8 +267,9 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
     args: list[Any] = [now, int(keep_seconds), batch_size, worker, job_rows, model_ref,
                        "" if run_started is None else repr(run_started), run_rows]
     for result in results:
-        request_id = result.item.payload["req"]
-        request_keys += [keys.request(request_id), result.item.payload.get("reply_to") or keys.request(request_id)]
+        request_id, tenant = result.item.payload["req"], str(result.item.payload.get("tenant") or "")
+        request_keys += [keys.request(request_id), result.item.payload.get("reply_to") or keys.request(request_id),
+                         keys.tenant_queued(tenant), keys.tenant_queued_bytes(tenant)]
         outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
         factors = result.item.payload.get("factors") or {}
         args += [result.item.item_id, "failed" if result.error else "succeeded", orjson.dumps(outputs), result.error,
@@ -253,31 +287,25 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
 
 
 def _settle_tenants(store: Store, results: Sequence[RequestResult], *, now: float) -> None:
-    """Take answered requests that took a place (payload `counted`) off their tenants' unanswered sets
-    (`keys.tenant_queued`, `max_queued`), and count the failed ones on their tenants' bills of the day
-    (total, and by model version and key, so `GET /v1/usage?by=model` shows each A/B arm's errors)."""
+    """Count the failed ones of the answered requests on their tenants' bills of the day (total, and by
+    model version and key, so `GET /v1/usage?by=model` shows each A/B arm's errors). Their places and
+    bytes were freed by the completion itself, in the same step that answered them."""
     by_tenant: dict[str, list[RequestResult]] = {}
     for result in results:
         tenant = result.item.payload.get("tenant")
-        # (only a request that took a place, or failed, costs a call: a batch that succeeded costs none)
-        if tenant and (result.item.payload.get("counted") or result.error):
+        if tenant and result.error:  # (a batch that succeeded costs no call)
             by_tenant.setdefault(tenant, []).append(result)
     if not by_tenant:
         return
     keys = store.keys
     with translate_redis_errors(), store.client.pipeline(transaction=False) as pipe:
-        for tenant, answered in by_tenant.items():
-            placed = [result.item.item_id for result in answered if result.item.payload.get("counted")]
-            if placed:
-                pipe.zrem(keys.tenant_queued(tenant), *placed)
-            failed = [result for result in answered if result.error]
-            if failed:
-                bill = keys.tenant_bill(tenant, day_number(now))
-                pipe.hincrby(bill, "failed", len(failed))
-                for result in failed:
-                    pipe.hincrby(bill, f"model:{result.item.model_ref}:failed", 1)
-                    pipe.hincrby(bill, f"key:{result.item.payload.get('owner') or ''}:failed", 1)
-                pipe.expire(bill, BILL_KEEP_SECONDS)
+        for tenant, failed in by_tenant.items():
+            bill = keys.tenant_bill(tenant, day_number(now))
+            pipe.hincrby(bill, "failed", len(failed))
+            for result in failed:
+                pipe.hincrby(bill, f"model:{result.item.model_ref}:failed", 1)
+                pipe.hincrby(bill, f"key:{result.item.payload.get('owner') or ''}:failed", 1)
+            pipe.expire(bill, BILL_KEEP_SECONDS)
         pipe.execute()
 
 

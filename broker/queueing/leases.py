@@ -74,14 +74,16 @@ class LeaseOptions:
     """A batch of requests that takes no chunk along is cut to the largest of these its rows reach."""
     tenants: Mapping[str, Any] | None = None
     """The fair-share order ({order, held, window, only}: `sits_worker.tenancy.fair_share`): the batch
-    is formed from the first `window` waiting items by their tenants' order, a held tenant's left waiting."""
+    is formed by the tenants' order, a held tenant's work left waiting; the ranked tenants' work is read from
+    their own indexes however deep it waits, the others' within the first `window` waiting items."""
     classes: Mapping[str, Any] | None = None
     """A degraded worker's classes ({ranks, demote, window}: `broker.failures.degrade.lease_classes`):
     items rank by the class of their level first, a paused class's left waiting."""
     shares: BatchShares | None = None
     """A batch's rows by the tenants' shares (`broker.tenants.batch_shares`): the first ranked tenant present
     on the model fills first, every other at most its share's part of that tenant's rows; nothing
-    (`LeaseStatus.HELD_FOR_SHARE`) while that tenant is present with nothing waiting."""
+    (`LeaseStatus.HELD_FOR_SHARE`) while that tenant is present with nothing waiting. The leased requests'
+    tenants stay present while the batch runs (`BatchShares.in_flight_for`)."""
 
     def to_lua(self, request_prefix: str) -> dict[str, Any]:
         """The JSON-ready table the script reads; `request_prefix` names request hashes (their inputs
@@ -122,8 +124,8 @@ class LeaseResult:
     status: LeaseStatus
     items: list[LeasedItem]
     absent: list[str] = field(default_factory=list)
-    """The ranked tenants a fair scan that read every item within reach found no item of (the caller
-    may leave them out of its next orders a moment)."""
+    """The ranked tenants a fair scan found no item of: their indexes are empty, or (a queue not indexed
+    yet) the scan read every item within reach. The caller may leave them out of its next orders a moment."""
 
 
 def lease_batch(store: Store, model_ref: str, options: LeaseOptions, *, now: float, lease_seconds: float,
@@ -164,20 +166,23 @@ def lease_riders(
     ticket: str = "",
     lowest_level: int = 0,
     tenants: dict[str, Any] | None = None,
+    shares: BatchShares | None = None,
 ) -> list[LeasedItem]:
     """Lease online requests of `model_ref` in shape `bucket`, best first, to ride along in a job
     chunk's next mini-batch: found among the first `window` waiting items even behind job chunks,
     up to `max_items` requests, `max_rows` rows and `max_tokens` tokens (0: no token limit), none
     submitted below priority level `lowest_level` (a degraded worker's paused class). With `tenants`
     ({order, held}: `sits_worker.tenancy.fair_share`), the requests of tenants in `order` go first, in its
-    order, and a held tenant's do not ride."""
+    order, and a held tenant's do not ride. With `shares`, the riders' rows are split as a batch of
+    requests' are (`LeaseOptions.shares`): a tenant over its share cannot fill the rows the chunk leaves."""
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_riders(
             keys=[keys.tickets, keys.ready(model_ref), keys.inflight(model_ref), keys.items, keys.attempts,
-                  keys.waiting_requests(model_ref)],
+                  keys.waiting_requests(model_ref), keys.tenants_served(model_ref)],
             args=[ticket, now, now + lease_seconds, bucket, max_items, max_rows, max_tokens, window, lowest_level,
-                  json.dumps(tenants) if tenants is not None else "", keys.request("")],
+                  json.dumps(tenants) if tenants is not None else "", keys.request(""),
+                  json.dumps(shares.to_lua()) if shares is not None else ""],
         )
     return _leased(reply, model_ref, ticket)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.queueing.leases import decode_payload
+from broker.state.scripts import call_pipelined
 from broker.state.store import Store, translate_redis_errors
 
 
@@ -36,13 +37,15 @@ def reap_expired_leases(store: Store, *, now: float, max_attempts: int, limit: i
     keys = store.keys
     returned = 0
     lost: list[tuple[str, str, dict[str, Any], float | None]] = []
+    delays = json.dumps([float(delay) for delay in lost_delays])
     with translate_redis_errors():
-        for ref in sorted(store.client.smembers(keys.queues)):
-            back, _, *lost_pairs = store.scripts.reap_leases(
-                keys=[keys.inflight(ref), keys.ready(ref), keys.items, keys.attempts, keys.dead,
-                      keys.waiting_requests(ref), keys.retrying(ref)],
-                args=[now, max_attempts, limit, json.dumps([float(delay) for delay in lost_delays])],
-            )
+        refs = sorted(store.client.smembers(keys.queues))
+        # every queue's call in one round trip (a pass runs each reaper interval, over every model version)
+        replies = call_pipelined(store.client, [
+            (store.scripts.reap_leases, [keys.inflight(ref), keys.ready(ref), keys.items, keys.attempts, keys.dead,
+                                         keys.waiting_requests(ref), keys.retrying(ref)],
+             [now, max_attempts, limit, delays]) for ref in refs])
+        for ref, (back, _, *lost_pairs) in zip(refs, replies, strict=True):
             returned += int(back)
             if lost_pairs:
                 payloads = store.client.hmget(keys.items, lost_pairs[0::2])

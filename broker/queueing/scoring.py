@@ -70,6 +70,9 @@ class Factors:
     order_at: float | None = None
     """The arrival time the dynamic key ages from, when it is not `enqueued_at`: a job with a deadline
     waits as if it had come `deadline_horizon` before its deadline (`deadline_order_time`)."""
+    max_level: int = MAX_PRIORITY
+    """Its tenant's `max_priority`: neither a PSA jump nor its deadline lifts it past this level
+    (`psa_jump_level`, `deadline_reach`). Kept in the payload only when below 15."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (infinite latency as null)."""
@@ -77,7 +80,8 @@ class Factors:
         return {"level": self.level, "sla_weight": self.sla_weight,
                 "est_latency_ms": None if math.isinf(self.est_latency_ms) else self.est_latency_ms,
                 "complexity": self.complexity, "enqueued_at": self.enqueued_at, "tokens": self.tokens,
-                **({"order_at": self.order_at} if self.order_at is not None else {})}
+                **({"order_at": self.order_at} if self.order_at is not None else {}),
+                **({"max_level": self.max_level} if self.max_level < MAX_PRIORITY else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Factors:
@@ -87,7 +91,8 @@ class Factors:
                    est_latency_ms=math.inf if latency is None else float(latency),
                    complexity=float(data.get("complexity", 0.0)), enqueued_at=float(data.get("enqueued_at", 0.0)),
                    tokens=data.get("tokens"),
-                   order_at=float(data["order_at"]) if data.get("order_at") is not None else None)
+                   order_at=float(data["order_at"]) if data.get("order_at") is not None else None,
+                   max_level=int(data.get("max_level", MAX_PRIORITY)))
 
 
 def priority_points(factors: Factors, weights: Weights) -> float:
@@ -98,8 +103,12 @@ def priority_points(factors: Factors, weights: Weights) -> float:
 
 
 def is_express(factors: Factors, weights: Weights) -> bool:
-    """Urgent (level ≥ express_level) or a short token request: served at the next free slot."""
-    short = factors.tokens is not None and factors.tokens < weights.express_max_tokens
+    """Urgent (level ≥ express_level) or a short token request: served at the next free slot.
+
+    The express lane is a priority: a short request of a tenant whose `max_priority` is below
+    `express_level` waits as its level says, for its tenant may not ask that lane's priority."""
+    short = (factors.tokens is not None and factors.tokens < weights.express_max_tokens
+             and factors.max_level >= weights.express_level)
     return factors.level >= weights.express_level or short
 
 
@@ -107,24 +116,45 @@ def queue_key(factors: Factors, weights: Weights, ordering: Ordering = "dynamic"
     """The ready-queue score of an item (ascending = served first)."""
     if ordering == "fifo":
         return factors.enqueued_at - _EPOCH
-    arrived = factors.enqueued_at if factors.order_at is None else factors.order_at
-    key = weights.delta * (arrived - _EPOCH) - priority_points(factors, weights)
+    key = weights.delta * (aging_since(factors, weights) - _EPOCH) - priority_points(factors, weights)
     return key - weights.express_bonus if is_express(factors, weights) else key
 
 
-def deadline_order_time(enqueued_at: float, deadline_at: float, horizon: float) -> float:
+def deadline_order_time(enqueued_at: float, deadline_at: float, horizon: float, reach: float = math.inf) -> float:
     """When an item with a deadline counts as having arrived, for aging: `horizon` seconds before its
     deadline, or when it came if that is earlier. Items whose deadlines fall within the horizon are
     so ordered by deadline (EDF) among equal priority points, and gain up to δ·horizon points as their
     deadline nears; one whose deadline is further away waits in arrival order, so no later arrival of
-    its level passes it before its time."""
-    return min(enqueued_at, deadline_at - horizon)
+    its level passes it before its time.
+
+    `reach` (`deadline_reach`) shortens the horizon of a capped tenant's item: its deadlines still
+    order its items EDF within that shorter horizon, and gain at most what its cap allows."""
+    return min(enqueued_at, deadline_at - min(horizon, reach))
+
+
+def deadline_reach(level: int, max_level: int, delta: float) -> float:
+    """How far ahead (seconds) a deadline may order an item of `level` whose tenant is capped at
+    `max_level`: (max_level − level) / δ, so its deadline gains it at most the points of asking its
+    cap. A tenant capped at the level it asks so gains nothing from deadlines (they cannot lift its
+    work above other tenants' work of a higher level it may not ask). Uncapped (15): no limit."""
+    if max_level >= MAX_PRIORITY or delta <= 0:
+        return math.inf
+    return max(max_level - level, 0) / delta
+
+
+def aging_since(factors: Factors, weights: Weights) -> float:
+    """The arrival time an item ages from: `order_at` if it has one, else `enqueued_at`; never more
+    than `deadline_reach` before `enqueued_at`, so a capped item keeps within its cap when a hot
+    update raises δ or its level rose after its `order_at` was set."""
+    if factors.order_at is None:
+        return factors.enqueued_at
+    reach = deadline_reach(factors.level, factors.max_level, weights.delta)
+    return max(factors.order_at, factors.enqueued_at - reach)
 
 
 def current_priority(factors: Factors, weights: Weights, *, now: float) -> float:
     """Priority points including aging at `now` (what the static key orders by)."""
-    arrived = factors.enqueued_at if factors.order_at is None else factors.order_at
-    return priority_points(factors, weights) + weights.delta * (now - arrived)
+    return priority_points(factors, weights) + weights.delta * (now - aging_since(factors, weights))
 
 
 def check_level(level: int) -> int:
@@ -181,12 +211,16 @@ def _interpolated_ms(points: Sequence[Mapping[str, Any]], rows: int) -> float:
     return ms * rows / size
 
 
-def psa_jump_level(*, base_level: int, remaining_ms: float, queue_load: float, weights: Weights) -> int | None:
+def psa_jump_level(*, base_level: int, remaining_ms: float, queue_load: float, weights: Weights,
+                   max_level: int = MAX_PRIORITY) -> int | None:
     """PSA: the level an item jumps to, or None.
 
     Jumps when the remaining tolerable delay is below `psa_rtd_ms`, the queue's load above
-    `psa_load` and the base level below `psa_max_base_level`: to 15 under 100 ms, else 12.
+    `psa_load` and the base level below `psa_max_base_level`: to 15 under 100 ms, else 12, but never
+    past its tenant's `max_level` (a near deadline is no way past the priority a tenant may ask), so
+    not at all when that is not above its base level.
     """
-    if remaining_ms >= weights.psa_rtd_ms or queue_load <= weights.psa_load or base_level >= weights.psa_max_base_level:
+    if (remaining_ms >= weights.psa_rtd_ms or queue_load <= weights.psa_load
+            or base_level >= weights.psa_max_base_level or max_level <= base_level):
         return None
-    return 15 if remaining_ms < 100 else 12
+    return min(15 if remaining_ms < 100 else 12, max_level)

@@ -227,8 +227,12 @@ def masked_url(url: str) -> str:
     """`url` with its password shown as `***`: how a Redis URL is shown in logs, output and API answers.
 
     The password may be in the user part (`redis://user:secret@host`) or, for redis-py, in a `password`
-    query parameter; both are masked. A URL that holds no password is returned as it is.
+    query parameter; both are masked. A URL that holds no password is returned as it is. The Sentinel
+    form (`sentinel://...;sentinel://...`) is masked part by part.
     """
+    sentinels = url.split(";")
+    if len(sentinels) > 1 and all("://" in part for part in sentinels):  # (else a ';' of an unquoted password)
+        return ";".join(masked_url(part) for part in sentinels)
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:  # (an IPv6 host without its closing bracket): nothing of it can be told apart

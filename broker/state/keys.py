@@ -2,7 +2,8 @@
 
 All keys share one hash tag (`{group}`) so that a Lua script may touch any
 of them and the layout can move to Redis Cluster by giving each model group
-its own tag. Lua scripts never build key names; they get them as KEYS.
+its own tag. Lua scripts get key names as KEYS; they build only the names beside a ready queue
+(`ready_of_tenant` and its marks, from the ready key) and request hashes' (from `request('')`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,23 @@ class Keys:
     def ready(self, model_ref: str) -> str:
         """ZSET item id -> priority score (lower runs first) of items waiting for `model_ref`."""
         return self._key("ready", model_ref)
+
+    def ready_of_tenant(self, model_ref: str, tenant: str) -> str:
+        """ZSET item id -> the same score, of `tenant`'s items in `ready(model_ref)` ('' for items without a
+        tenant): how a fair-share lease finds a ranked tenant's work however deep the queue. The ready key
+        with a suffix (no model ref or tenant holds '|'), which lib.lua builds the same way (`tenant_index`),
+        so the scripts that add to or remove from a ready queue keep it without a KEYS entry of their own."""
+        return f"{self.ready(model_ref)}|{tenant}"
+
+    def ready_of_tenant_built(self, model_ref: str) -> str:
+        """STRING present while `ready_of_tenant` holds every waiting item of `model_ref` (lib.lua builds the
+        name too): set when the queue starts empty, or by the reaper passes that index a queue stored before
+        the indexes (`broker.queueing.tenant_index`); until then a lease weighs the window alone."""
+        return f"{self.ready(model_ref)}#by-tenant-built"
+
+    def ready_of_tenant_cursor(self, model_ref: str) -> str:
+        """STRING the ZSCAN cursor of the walk that builds `model_ref`'s tenant indexes (`index_ready.lua`)."""
+        return f"{self.ready(model_ref)}#by-tenant-cursor"
 
     def inflight(self, model_ref: str) -> str:
         """ZSET item id -> lease deadline (unix seconds) of items a worker holds."""
@@ -151,6 +169,21 @@ class Keys:
         """STRING id of the last job, in `jobs` index order, that `broker.jobs.lists.index_job_owners` has indexed."""
         return self._key("jobs-of-mark")
 
+    def jobs_of_tenant(self, tenant: str) -> str:
+        """ZSET job id -> creation time of every job of one tenant, kept as long as the job (what its
+        tenant-admin and viewer keys list); `tenant_jobs` holds only its active ones."""
+        return self._key("jobs-of-tenant", tenant)
+
+    @property
+    def tenant_index_built(self) -> str:
+        """STRING present once every job stored before `jobs_of_tenant` existed has been added to its tenant's."""
+        return self._key("jobs-of-tenant-built")
+
+    @property
+    def tenant_index_mark(self) -> str:
+        """STRING id of the last job, in `jobs` index order, that `broker.jobs.lists.index_job_tenants` has indexed."""
+        return self._key("jobs-of-tenant-mark")
+
     @property
     def job_counts(self) -> str:
         """HASH status -> how many jobs are in it, kept by every script that changes a job's status
@@ -194,9 +227,24 @@ class Keys:
     def latency_buckets(self) -> str:
         """HASH '<model ref>|<what>|<priority class>|<bucket>' -> observations in that bucket, and
         '...|ns' -> their sum in nanoseconds: the latency histograms of /metrics (`broker.monitoring.sla_metrics`),
-        kept by the scripts that complete requests and end jobs. What: `request` (submit to result),
-        `queue` (submit to run start), `job` (a job's submit to its success)."""
-        return self._key("latency-buckets")
+        kept by the scripts that complete requests, acknowledge chunks and end jobs. What: `request` (submit
+        to result), `queue` (submit to run start), `run` (the run a request was in), `chunk` (a job chunk's
+        run), `job` (a job's submit to its success). Named for its bounds: buckets are numbered, so a new
+        bound takes a new name and the old HASH is left unread."""
+        return self._key("latency-buckets-1ms")
+
+    @property
+    def batch_sizes(self) -> str:
+        """HASH '<model ref>|<rows or tokens>|<bucket>' -> runs of that size, and '...|sum' -> their rows or
+        tokens: the batch size histograms of /metrics (`broker.monitoring.batch_sizes`), added to by each
+        worker's heartbeat from what it counted since the last."""
+        return self._key("batch-sizes")
+
+    @property
+    def http_requests(self) -> str:
+        """HASH of the API's HTTP answers, by route, method and status, and their time's histogram buckets
+        (`broker.monitoring.http_stats`), added to by each API process every second or so."""
+        return self._key("http-requests")
 
     # --- online requests ---------------------------------------------------
     def request(self, request_id: str) -> str:
@@ -216,9 +264,10 @@ class Keys:
         return self._key("waiting-requests", model_ref)
 
     def tenants_served(self, model_ref: str) -> str:
-        """HASH tenant -> when one of its online requests of `model_ref` was last leased (under a share split)
-        or answered: how a lease tells a tenant present on the model between its requests
-        (`broker/tenants/batch_shares.py`). Kept an hour after its last write."""
+        """HASH tenant -> when one of its online requests of `model_ref` was last answered, or, from a lease
+        under a share split, until when its running batch keeps it present (ahead of now while it runs): how
+        a lease tells a tenant present on the model between its requests (`broker/tenants/batch_shares.py`).
+        Kept an hour after its last write."""
         return self._key("tenants-served", model_ref)
 
     def request_timeouts(self, model_ref: str) -> str:
@@ -265,6 +314,11 @@ class Keys:
         """ZSET request id -> when its record expires: the tenant's online requests not answered yet
         (`max_queued`)."""
         return self._key("tenant-queued", tenant)
+
+    def tenant_queued_bytes(self, tenant: str) -> str:
+        """HASH request id -> the bytes of its inputs, and `total` -> their sum: the tenant's requests not
+        answered yet that count against its `max_queued_bytes` (an entry leaves with its `tenant_queued` one)."""
+        return self._key("tenant-queued-bytes", tenant)
 
     def tenant_jobs(self, tenant: str) -> str:
         """ZSET job id -> when its place was taken: the tenant's jobs queued or running (`max_inflight`)."""
@@ -317,3 +371,9 @@ class Keys:
     def api_keys(self) -> str:
         """HASH sha256(key) -> JSON {name, role}."""
         return self._key("api-keys")
+
+    @property
+    def replicated_mark(self) -> str:
+        """STRING the time of the last write the API waited for replicas to hold (`Store.wait_for_replicas`):
+        written on the waiting thread's own connection, so that Redis's WAIT counts every write before it."""
+        return self._key("replicated-mark")

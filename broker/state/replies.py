@@ -40,6 +40,8 @@ class SubmitReply(IntEnum):
     """The request's priority level is at its own `max_queue_size`."""
     TENANT_FULL = -4
     """The tenant has `max_queued` requests not answered yet."""
+    TENANT_BYTES_FULL = -5
+    """The request's inputs would take its tenant's requests not answered yet past `max_queued_bytes`."""
 
 
 class EnqueueReply(IntEnum):

@@ -63,6 +63,7 @@ class Scripts:
     prune_queue: HeldScript
     expire_requests: HeldScript
     note_usage: HeldScript
+    index_ready: HeldScript
 
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:
@@ -75,13 +76,54 @@ SCRIPT_NAMES: tuple[str, ...] = tuple(Scripts.__annotations__)
 
 class HeldScript:
     """A registered script, sent on its client's own connection (`broker/state/held_calls.py`): a script
-    call is the commonest command of the online path, one per request and several per batch."""
+    call is the commonest command of the online path, one per request and several per batch. A Redis
+    that does not know it (NOSCRIPT: a replica promoted by a failover, which has none, or a restart)
+    gets it loaded and the call sent again, by redis-py's `Script`; in a pipeline, by `call_pipelined`."""
 
     def __init__(self, client: redis.Redis, script: Script) -> None:
         self._client = client
         self._script = script
 
     def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
-        replies = send_held(self._client, [("EVALSHA", self._script.sha, len(keys), *keys, *args)],
-                            lambda: [self._script(keys=keys, args=args)])
+        replies = send_held(self._client, [self.command(keys, args)], lambda: [self._script(keys=keys, args=args)])
         return replies[0]
+
+    def command(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> tuple[Any, ...]:
+        """The EVALSHA command of a call, for a pipeline (`call_pipelined`)."""
+        return ("EVALSHA", self._script.sha, len(keys), *keys, *args)
+
+    def load(self) -> None:
+        """Load the script into the Redis its client reaches now (SCRIPT LOAD)."""
+        self._script.sha = self._client.script_load(self._script.script)
+
+
+ScriptCall = tuple[HeldScript, Sequence[Any], Sequence[Any]]
+"""A script call for `call_pipelined`: the script, its keys, its arguments."""
+
+
+def call_pipelined(client: Any, calls: Sequence[ScriptCall]) -> list[Any]:
+    """The replies of script `calls`, sent in one pipeline (no transaction): one round trip.
+
+    redis-py's pipeline loads its scripts only before its first try, not after a reconnect: a pipeline
+    that reconnected to a new primary after a failover meets NOSCRIPT, as does one sent as
+    `EVALSHA` commands. So a call answered NOSCRIPT has its script loaded and is sent again, once. A
+    NOSCRIPT call never ran, and the calls that ran are not sent again. Any other error reply raises
+    once every call has been answered."""
+    replies = _pipelined(client, calls)
+    again = [index for index, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
+    if again:
+        for script in {id(calls[index][0]): calls[index][0] for index in again}.values():
+            script.load()
+        for index, reply in zip(again, _pipelined(client, [calls[index] for index in again]), strict=True):
+            replies[index] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def _pipelined(client: Any, calls: Sequence[ScriptCall]) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    for script, keys, args in calls:
+        pipe.execute_command(*script.command(keys, args))
+    return list(pipe.execute(raise_on_error=False))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Literal
 
 from pydantic import Field, field_validator
 
-from broker.setting_types import Bytes, Integer, parse_size
+from broker.setting_types import Bytes, Integer, Seconds, parse_size
 from broker.setting_types import Section as _Section
 
 
@@ -14,6 +15,15 @@ class RedisSettings(_Section):
     """Where state lives. `url` empty means: start the embedded Redis."""
 
     url: str = ""
+    sentinel_master: str = ""
+    """The Redis group to use when `url` names Sentinels (`sentinel://host:port;sentinel://host:port/db`):
+    the NAME of their `sentinel monitor NAME host port quorum` (`broker/state/sentinel.py`)."""
+    sentinel_auth: Literal["same", "none"] = "same"
+    """Whether the Sentinels ask for the password of `url` (`same`) or for none (`none`)."""
+    wait_replicas: Integer = Field(0, ge=0)
+    """How many replicas must hold a write before the API acknowledges it (Redis's WAIT): a job, a
+    cancel, a key, a request queued with 202. Fewer within `wait_timeout` is a 503. 0: no wait."""
+    wait_timeout: Seconds = Field(1.0, gt=0)
     key_prefix: str = "sits"
     bind: str = "127.0.0.1"
     """The one address the embedded Redis listens on, and the host its URL names: loopback by default; an

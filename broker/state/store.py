@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +21,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from broker.errors import ConfigError, ConnectionLost, StoreBusy, StoreFull
+from broker.state import sentinel
+from broker.state.embedded import masked_url
+from broker.state.held_calls import send_held
 from broker.state.keys import Keys
 from broker.state.scripts import Scripts
+from broker.state.sentinel import SentinelAuth
+from broker.state.settings import RedisSettings
 
 MIN_BLOCK_SECONDS = 0.01
 """The shortest timeout a blocking pop is given: Redis before 7.0.8 rounds a timeout under a few
@@ -94,15 +101,43 @@ class Store:
         return self._unreachable[0], self._unreachable[1]
 
     @classmethod
-    def connect(cls, url: str, key_prefix: str = "sits") -> Store:
-        """A store on the Redis at `url` (responses decoded as UTF-8 text); ConfigError for a URL that
-        is not one."""
+    def connect(cls, url: str, key_prefix: str = "sits", *, sentinel_master: str = "",
+                sentinel_auth: SentinelAuth = "same") -> Store:
+        """A store on the Redis at `url` (responses decoded as UTF-8 text): a plain Redis URL, or the
+        Sentinels of group `sentinel_master` (`sentinel://...`, `broker/state/sentinel.py`), asked
+        where the primary is at each connect. ConfigError for a URL that is neither."""
+        if sentinel.is_sentinel_url(url):
+            return cls(client=sentinel.primary_client(url, sentinel_master, sentinel_auth=sentinel_auth,
+                                                      decode_responses=True, health_check_interval=30),
+                       keys=Keys(prefix=key_prefix))
         try:
             client = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
         except ValueError as err:
-            raise ConfigError(f"{url!r} is not a Redis URL ({err}); give one like redis://127.0.0.1:6379/0 "
+            raise ConfigError(f"{masked_url(url)!r} is not a Redis URL ({err}); give one like "
+                              "redis://127.0.0.1:6379/0, or sentinel://host:26379;sentinel://host2:26379/0 "
                               "(redis.url, SITS_REDIS_URL)") from err
         return cls(client=client, keys=Keys(prefix=key_prefix))
+
+    @classmethod
+    def of(cls, settings: RedisSettings) -> Store:
+        """A store on the Redis of the `redis` settings: `redis.url`, through the Sentinels of group
+        `redis.sentinel_master` when it names Sentinels."""
+        return cls.connect(settings.url, settings.key_prefix, sentinel_master=settings.sentinel_master,
+                           sentinel_auth=settings.sentinel_auth)
+
+    def wait_for_replicas(self, replicas: int, timeout: float) -> int:
+        """How many replicas hold every write Redis took until now, waiting up to `timeout` seconds for
+        `replicas` of them (Redis's WAIT), in one round trip.
+
+        WAIT counts the writes of the connection it is sent on, up to that connection's last. So a write
+        on this thread's own connection (`keys.replicated_mark`) marks where Redis is first: every write
+        Redis took before it, on any connection (a pipeline's too), is then counted."""
+        client, mark = self.client, self.keys.replicated_mark
+        commands = [("SET", mark, repr(time.time())), ("WAIT", int(replicas), max(1, round(timeout * 1000)))]
+        with translate_redis_errors():
+            replies = send_held(client, commands, lambda: [client.set(mark, commands[0][2]),
+                                                           client.execute_command(*commands[1])])
+        return int(replies[1])
 
     def ping(self) -> bool:
         """True when Redis answers."""
@@ -140,6 +175,8 @@ def translate_redis_errors() -> Iterator[None]:
             raise StoreFull("Redis is full (it reached maxmemory and evicts nothing): retry once finished jobs "
                             "and results have expired, or give Redis more memory") from err
         busy = _BUSY_REPLIES.get(getattr(err, "status_code", None) or str(err).split(" ", 1)[0])
+        if busy is None and (in_script := _SCRIPT_ERROR.search(str(err))):
+            busy = _BUSY_REPLIES.get(in_script.group(1))
         if busy is None:
             raise
         raise StoreBusy(f"Redis cannot serve this now ({err}); {busy}") from err
@@ -151,10 +188,20 @@ _BUSY_REPLIES = {
     "READONLY": "it is a read-only replica: point redis.url at the master (after a failover, retry)",
     "MASTERDOWN": "its master is down: retry once a failover has promoted another",
     "TRYAGAIN": "retry in a moment",
+    "NOREPLICAS": "fewer replicas are in step with it than its min-replicas-to-write: retry once one has caught "
+                  "up, or a failover has given the new primary its replicas",
+    "NOSCRIPT": "a failover or restart emptied its script cache just now: retry",
 }
 """The code (first word) of each error reply that means Redis cannot serve for a while, and what to do.
-redis-py takes the code off the message of those it knows (READONLY, MASTERDOWN, TRYAGAIN) and keeps it
-as `status_code`."""
+redis-py takes the code off the message of those it knows (READONLY, MASTERDOWN, TRYAGAIN, NOSCRIPT) and
+keeps it as `status_code`. A NOSCRIPT that reaches here is one the scripts' own reload met again
+(`broker/state/scripts.py`)."""
+
+
+_SCRIPT_ERROR = re.compile(r"@user_script: ?\d+: -([A-Z]+) ")
+"""Where Redis 6 puts the code of an error reply a script's `redis.call` met ("Error running script (call to
+f_...): @user_script:34: @user_script: 34: -NOREPLICAS Not enough good replicas to write."); Redis 7 answers
+with the code first."""
 
 
 def out_of_memory(err: Exception) -> bool:

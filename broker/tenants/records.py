@@ -3,8 +3,8 @@
 A tenant is a name that API keys belong to (`broker/tenants/apikeys.py`). Its record says what it is owed and
 what it may do: `guaranteed_share` of the fleet's device time, `limit` (the most it may use when the
 others are idle, as a multiple of its share), `preemption_target` (how soon its work must get a device
-when it is below its share), `max_queued` online requests unanswered and `max_inflight` jobs active
-(429 beyond either), the `default_priority` of its work and the `models` it may use.
+when it is below its share), `max_queued` online requests unanswered, `max_queued_bytes` of their inputs
+and `max_inflight` jobs active (429 beyond each), the `default_priority` of its work and the `models` it may use.
 
 Tenants come from `tenants:` in `sits-config.yaml`, which every process reads, and from
 `PUT /v1/tenants/{name}` (admin), stored in one HASH (`keys.tenants`); the file wins for the names it

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from broker.setting_types import MAX_PRIORITY, Integer, Number, Seconds, UserTier
+from broker.setting_types import MAX_PRIORITY, Bytes, Integer, Number, Seconds, UserTier, parse_size
 from broker.setting_types import Section as _Section
 from broker.tenants.shares import TenantShare
 
@@ -26,6 +26,10 @@ class Tenant(_Section):
     max_queued: Integer = Field(1024, ge=0)
     """Most online requests of the tenant waiting or running at once (0: no limit). The default keeps one
     tenant's flood to what a small Redis holds beside everyone else's work."""
+    max_queued_bytes: Bytes = Field(parse_size("256MiB"), ge=0)
+    """Most bytes of inputs its online requests not answered yet may hold in Redis (0: no limit): what
+    `max_queued` cannot bound, since one request may carry megabytes. The default lets one tenant fill a
+    quarter of the embedded Redis's 1 GiB at most, so a flood of large requests leaves the others room."""
     max_inflight: Integer = Field(64, ge=0)
     """Most jobs of the tenant queued or running at once (0: no limit)."""
     default_priority: Integer | None = Field(None, ge=0, le=MAX_PRIORITY)
@@ -77,6 +81,11 @@ class FairShareSettings(_Section):
     usage_refresh: Seconds = Field(0.05, ge=0)
     """How long a worker reuses the usage it read before reading it again (on a thread of its own, beside the
     leases; 0: every lease reads it)."""
+    present_for: Seconds = Field(0.05, gt=0, le=10)
+    """How long a tenant stays present on a model after one of its requests there was answered, while its
+    clients send the next (`broker/tenants/batch_shares.py`): while it is present with nothing waiting, the
+    others' requests of the model wait. Longer than a closed-loop client takes from an answer to its next call;
+    a lone tenant waits at most this long once the other has gone."""
     price_per_device_hour: dict[str, Number] = {}
     """Chargeback price of an hour of one device stream, per device kind (`cpu`, `gpu`), e.g. {gpu: 2.5};
     `cuda` is taken for `gpu`, the kind workers bill a GPU's time under."""
@@ -93,5 +102,5 @@ class FairShareSettings(_Section):
 
 UNRECORDED = Tenant()
 """What a tenant without a record gets: no share, the default caps and entitlements."""
-UNCAPPED = Tenant(max_queued=0, max_inflight=0)
+UNCAPPED = Tenant(max_queued=0, max_queued_bytes=0, max_inflight=0)
 """What an admin key's tenant without a record gets: operators are not capped by default."""

@@ -90,7 +90,7 @@ def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[s
     from broker.state.store import Store
 
     if settings.redis.url and not recorded_by_up:  # named: a worker's Celery waits for it to come up (compose)
-        return settings.redis.url, Store.connect(settings.redis.url, settings.redis.key_prefix)
+        return settings.redis.url, Store.of(settings.redis)
     source = settings.paths.home / ("run/sits-config.yaml" if recorded_by_up else "redis-url")
     url = settings.redis.url or recorded(settings.paths.home, "redis-url") or ""
     if not url:
@@ -98,7 +98,7 @@ def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[s
                 if (settings.paths.home / "redis-url").exists() else "")
         raise SitsError(f"no Redis to use: start a stack with `sitsctl up` (it records its Redis in {source}"
                         f"{left}), or set SITS_REDIS_URL (or redis.url in the config) to the Redis the API uses")
-    store = Store.connect(url, settings.redis.key_prefix)  # ConfigError for a bad URL
+    store = Store.of(settings.redis.model_copy(update={"url": url}))  # ConfigError for a bad URL
     try:  # a recorded URL may be left from a stack that has stopped
         store.ping()
     except ConnectionLost as err:

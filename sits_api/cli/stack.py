@@ -132,7 +132,7 @@ class Stack:
                 redis_url = self.redis.url
             port = port or free_port(self.settings.api.host)  # (after Redis took its own free port)
             self.settings = self.settings.with_overrides(redis={"url": redis_url}, api={"port": port})
-            self.store = Store.connect(redis_url, self.settings.redis.key_prefix)
+            self.store = Store.of(self.settings.redis)
             try:
                 self.api_key = create_api_key(self.store, "sitsctl-up", role="admin")
             except ValueError as err:  # a user key already has the admin key's name

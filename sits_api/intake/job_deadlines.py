@@ -45,8 +45,9 @@ def admitted(settings: Settings, store: Store, spec: jobs.JobSpec, model: ModelR
     horizon = settings.sla.deadline_horizon
 
     def score_for(deadline: float) -> float:
-        order_at = scoring.deadline_order_time(now, deadline, horizon)
-        return scoring.queue_key(jobs.job_factors(spec.priority, now, order_at), weights, ordering)
+        order_at = jobs.job_order_time(spec.priority, spec.max_priority, now, deadline, horizon=horizon,
+                                       delta=weights.delta)
+        return scoring.queue_key(jobs.job_factors(spec.priority, now, order_at, spec.max_priority), weights, ordering)
 
     finish, at_risk = admission.check_job(
         settings, store, job_id=spec.job_id, record=model, rows=spec.rows_total,

@@ -23,8 +23,9 @@ from broker.online.records import RequestRecord
 from broker.online.requests import RequestSpec
 from broker.queueing import policy
 from broker.queueing.scoring import SLA_WEIGHTS, Factors, estimate_latency_ms, queue_key
-from broker.setting_types import UserTier
+from broker.setting_types import MAX_PRIORITY, UserTier
 from broker.state.store import Store
+from broker.tracing import spans
 from sits_api.intake.result_inbox import Answer
 from sits_api.intake.task_sender import Dispatcher
 from sits_worker.model.padding import (
@@ -41,7 +42,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
            model: str, inputs: dict[str, Any], priority: int, deadline_ms: float | None, user_tier: UserTier,
            tokens: int | None, owner: str, now: float, request_id: str | None = None,
            timeout_ms: float | None = None, reply_to: str = "", tenant: str = "",
-           max_queued: int = 0) -> RequestSpec:
+           max_queued: int = 0, max_queued_bytes: int = 0, max_priority: int = MAX_PRIORITY) -> RequestSpec:
     """Check the request against the model's signature, score it with the live policy and queue it,
     under its model's queue policy (`broker.online.queue_policy`): QueueFull when its queue is full, and
     `timeout_ms`, the request's own timeout (v1 `timeout_ms`, v2 `timeout`), where the policy lets it;
@@ -49,7 +50,9 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     `reply_to` is the inbox its result is pushed to (`sits_api.intake.result_inbox`), '' for none (its hash
     alone holds it).
     `tenant` is who it is billed to ('' for the owner), `max_queued` its tenant's cap on requests not
-    answered yet (QueueFull beyond it; 0: none)."""
+    answered yet and `max_queued_bytes` on their inputs' bytes (QueueFull beyond either; 0: none;
+    PayloadTooLarge for inputs past the whole byte budget). `max_priority` is its tenant's cap, which no
+    PSA jump raises the request past (`scoring.Factors.max_level`)."""
     record, mask = model_record(store, model)
     tensors = request_tensors(record.signature, inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
@@ -66,6 +69,7 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
         complexity=min(1.0, sequence / longest) if sequence else 0.0,
         enqueued_at=now,
         tokens=tokens if sequence is not None else None,
+        max_level=max_priority,
     )
     spec = RequestSpec(
         request_id=request_id or requests.new_request_id(),
@@ -92,7 +96,8 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
                 store, spec, score=queue_key(factors, weights, ordering), now=now,
                 max_age_seconds=max(settings.online.result_ttl, 3600), policy_json=raw_policy,
                 ticket_target=dispatcher.ticket_target(now), max_waiting=queue.max_queue_size,
-                max_waiting_at_level=queue.level_max_queue_size, tenant_max_queued=max_queued)
+                max_waiting_at_level=queue.level_max_queue_size, tenant_max_queued=max_queued,
+                tenant_max_queued_bytes=max_queued_bytes)
             break
         except requests.PolicyChanged:
             raw_policy, weights, ordering = live_policy.refresh()
@@ -114,6 +119,12 @@ def queue_full(store: Store, record: ModelRecord, spec: RequestSpec, full: reque
     if each is None:
         each = estimate_latency_ms(record, rows=spec.rows, tokens=spec.tokens) / 1000
     retry_after = queue_policy.retry_after_seconds(full.waiting, each, live_slots)
+    if isinstance(full, requests.TenantBytesAtLimit):
+        return QueueFull(f"tenant '{spec.tenant}' has {full.queued_bytes:,} bytes of inputs queued in its "
+                         f"{full.waiting} requests not answered yet, and this request's {full.request_bytes:,} bytes "
+                         f"would take it past its budget of {full.budget:,} bytes "
+                         f"(tenants.{spec.tenant}.max_queued_bytes); the request was not queued: retry after "
+                         f"{retry_after} s (Retry-After)", retry_after=retry_after)
     if full.tenant:
         return QueueFull(f"tenant '{spec.tenant}' has {full.waiting} requests not answered yet, its limit "
                          f"(tenants.{spec.tenant}.max_queued); the request was not queued: retry after "
@@ -127,6 +138,8 @@ def queue_full(store: Store, record: ModelRecord, spec: RequestSpec, full: reque
                      f"queued: retry after {retry_after} s (Retry-After)", retry_after=retry_after)
 
 
+@spans.traced("sits.await_result", lambda settings, store, live_policy, answer, spec, **_: {
+    "sits.request_id": spec.request_id, "sits.model_ref": spec.model_ref})
 def wait_for_result(settings: Settings, store: Store, live_policy: policy.LivePolicy, answer: Answer,
                     spec: RequestSpec, *, seconds: float) -> RequestRecord | None:
     """The finished request, as `answer` brings it within `seconds`, else None. A request still waiting

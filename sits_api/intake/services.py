@@ -275,6 +275,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         priority=_entitled_priority(caller, body, tenant),
         owner=caller["name"],
         tenant=tenant_gate.tenant_of(caller),
+        max_priority=tenant_gate.priority_cap(tenant),
         input_options={k: v for k, v in input_options.items() if v is not None},
         deadline_at=deadline_at,
     )
@@ -422,8 +423,10 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
     if manifest is None:  # chunks whose parts were deleted (with the folder) run again
         on_disk = chunks_with_parts(Path(job.output_dir), job.output_names or [], job_id=job_id)
         job_progress.forget_chunks(store, job_id, sorted(job_progress.done_chunks(store, job_id) - on_disk))
+    # capped as the job's tenant stands now (an admin's resume of a capped tenant's job too)
+    cap = tenant_gate.priority_cap(table.tenant(store, job.tenant or job.owner or ""))
     job_fills.resume_job(store, job_id, now=now, weights=weights, ordering=ordering, input_stat=identity,
-                         deadline_horizon=settings.sla.deadline_horizon)
+                         deadline_horizon=settings.sla.deadline_horizon, max_priority=cap)
     _keep_output_dir_or_stop(store, job_id, job.output_dir, now=now)
     dispatcher.wake_workers()
     return jobs.get_job(store, job_id, now=now)

@@ -14,6 +14,7 @@ from broker.config.settings import Settings
 from broker.errors import ConnectionLost, SitsError, StoreFull
 from broker.failures.breaker import BreakerView
 from broker.queueing import tickets, workers
+from broker.state.sentinel import celery_broker
 from broker.state.store import Store, out_of_memory
 
 log = logging.getLogger(__name__)
@@ -25,10 +26,13 @@ class Dispatcher:
     def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
         self.store = store
-        self._celery = Celery("sits-api", broker=settings.redis.url)
+        broker_url, transport_options = celery_broker(settings.redis.url, settings.redis.sentinel_master,
+                                                      sentinel_auth=settings.redis.sentinel_auth)
+        self._celery = Celery("sits-api", broker=broker_url)
         self._queue = settings.redis.task_queue
         self._celery.conf.update(task_default_queue=self._queue, broker_connection_retry_on_startup=True,
-                                 task_send_sent_event=True, task_ignore_result=True)
+                                 task_send_sent_event=True, task_ignore_result=True,
+                                 broker_transport_options=transport_options)
         self._slots, self._slots_read_at = 0, float("-inf")
         self.breakers = BreakerView(store, settings.breaker, settings.scheduler.worker_heartbeat_timeout)
         """Fails a request fast when its model's breakers are open on every live worker."""

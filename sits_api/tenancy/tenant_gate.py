@@ -2,8 +2,9 @@
 `/v1/tenants`, `/v1/keys` and `/v1/usage` resources.
 
 A key belongs to one tenant (`broker/tenants/apikeys.py`); a tenant's record (`broker/tenants/records.py`) may narrow
-the models its keys use and cap its unanswered requests (`max_queued`) and active jobs
-(`max_inflight`). A tenant with no record has no share, and the default caps (`UNRECORDED`).
+the models its keys use and cap its unanswered requests (`max_queued`), their inputs' bytes
+(`max_queued_bytes`) and its active jobs (`max_inflight`). A tenant with no record has no share, and the
+default caps (`UNRECORDED`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from broker.config.settings import Settings
 from broker.errors import BadInput, Forbidden, NotFound, PriorityNotAllowed, TierNotAllowed
+from broker.setting_types import MAX_PRIORITY
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants import apikeys
 from broker.tenants import records as tenants
@@ -37,8 +39,9 @@ def check_model(table: TenantTable, store: Store, identity: dict[str, Any], mode
 
 
 def caps_of(identity: dict[str, Any], tenant: Tenant | None) -> Tenant:
-    """The record whose caps (`max_queued`, `max_inflight`) hold for the caller: its tenant's, else the
-    defaults (`UNRECORDED`), which an admin key's tenant without a record is spared (`UNCAPPED`)."""
+    """The record whose caps (`max_queued`, `max_queued_bytes`, `max_inflight`) hold for the caller: its
+    tenant's, else the defaults (`UNRECORDED`), which an admin key's tenant without a record is spared
+    (`UNCAPPED`)."""
     if tenant is not None:
         return tenant
     return UNCAPPED if identity.get("role") == "admin" else UNRECORDED
@@ -60,6 +63,13 @@ def check_entitlements(identity: dict[str, Any], tenant: Tenant | None, *, prior
         allowed = ", ".join(dict.fromkeys(("free", *tenant.user_tiers)))
         raise TierNotAllowed(f"tenant '{name}' may name the user tiers {allowed} (tenants.{name}.user_tiers), "
                              f"not '{user_tier}'")
+
+
+def priority_cap(tenant: Tenant | None) -> int:
+    """The highest level the caller's work may reach: what it may ask (`check_entitlements`), and so
+    what neither its deadlines nor PSA jumps may raise it past (`scoring.Factors.max_level`). A tenant
+    without a record has every priority (15)."""
+    return MAX_PRIORITY if tenant is None else tenant.max_priority
 
 
 def put_tenant(table: TenantTable, store: Store, name: str, body: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from broker.jobs import lists as job_lists
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
 from broker.sla.task_sets import TaskSet
-from broker.tenants.apikeys import may_read
+from broker.tenants.apikeys import key_tenant, may_read
 from sits_api.intake import services
 from sits_api.intake import sla_analysis as sla
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission
@@ -39,7 +39,8 @@ def list_jobs() -> Any:
 
     A user key lists only its own jobs (naming another `?owner=` is a 403); a tenant-admin or viewer
     key its tenant's; an admin key every job, jobs stored without an owner included, or with `?owner=`
-    those of one key name.
+    those of one key name. A key other than an admin's lists from its tenant's jobs alone, so `limit`
+    counts its tenant's newest, however many other tenants' are newer.
     """
     try:
         limit = int(request.args.get("limit", 100))
@@ -58,8 +59,10 @@ def list_jobs() -> Any:
             raise Forbidden(f"key '{g.identity['name']}' may list only its own jobs; leave out owner= "
                             "(an admin key may name any owner)")
         owner = g.identity["name"]
-    listed = job_lists.list_jobs(app_state().store, now=time.time(), limit=limit, status=status_filter, owner=owner)
-    # `may_read` decides; the owner filter above only spares reading other tenants' jobs
+    tenant = None if g.identity.get("role") == "admin" else key_tenant(g.identity)
+    listed = job_lists.list_jobs(app_state().store, now=time.time(), limit=limit, status=status_filter, owner=owner,
+                                 tenant=tenant, owner_is_caller=owner == g.identity.get("name"))
+    # `may_read` decides; the owner and tenant filters above choose which jobs are read
     return jsonify({"jobs": [job.to_json() for job in listed if may_read(g.identity, job.owner, job.tenant)]})
 
 

@@ -38,7 +38,9 @@ def submit_request() -> Any:
                                      owner=g.identity["name"], now=time.time(), request_id=request_id,
                                      timeout_ms=body.timeout_ms, reply_to=answer.reply_to,
                                      tenant=tenant_gate.tenant_of(g.identity),
-                                     max_queued=tenant_gate.caps_of(g.identity, tenant).max_queued)
+                                     max_queued=tenant_gate.caps_of(g.identity, tenant).max_queued,
+                                     max_queued_bytes=tenant_gate.caps_of(g.identity, tenant).max_queued_bytes,
+                                     max_priority=tenant_gate.priority_cap(tenant))
         done = request_intake.wait_for_result(settings, store, state.policy, answer, spec,
                                               seconds=request_intake.wait_seconds(settings, body.deadline_ms))
     if done:

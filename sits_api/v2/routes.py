@@ -223,7 +223,9 @@ def infer(name: str, version: str | None = None) -> Any:
                                      owner=g.identity["name"], now=time.time(), timeout_ms=checked.deadline_ms,
                                      request_id=request_id, reply_to=answer.reply_to,
                                      tenant=tenant_gate.tenant_of(g.identity),
-                                     max_queued=tenant_gate.caps_of(g.identity, tenant).max_queued)
+                                     max_queued=tenant_gate.caps_of(g.identity, tenant).max_queued,
+                                     max_queued_bytes=tenant_gate.caps_of(g.identity, tenant).max_queued_bytes,
+                                     max_priority=tenant_gate.priority_cap(tenant))
         result = _wait_for_answer(answer, settings, store, state.policy, spec)
     if result.status != "succeeded":  # answered with the status of the error that failed it
         # (a request failed by a worker of a release before error codes: a 400, as it was then)

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from broker.tracing import spans
+
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +63,7 @@ class Commits:
     def submit(self, commit: Callable[[], object]) -> Future[object]:
         """Queue `commit` (it handles its own errors: whatever escapes is logged); never blocks."""
         with self._room:
-            future = self._executor.submit(commit)
+            future = self._executor.submit(spans.bind_current(commit))  # (its ack a child of its batch's span)
             self._pending.add(future)
         future.add_done_callback(self._done)
         return future

@@ -32,6 +32,8 @@ from broker.memory import oom_ceiling, reservation
 from broker.memory.ledger import MemoryLedger
 from broker.models.cache import WORKER_RECORD_TTL_SECONDS, ModelRecordCache
 from broker.models.model_record import ModelRecord
+from broker.monitoring.batch_sizes import new_tally, observe_run, run_size
+from broker.monitoring.histograms import Tally
 from broker.online.batching import Batching, resolve
 from broker.queueing.queues import QueueWatcher
 from broker.state.store import Store
@@ -44,6 +46,7 @@ from sits_worker.device.worker_settings import WorkerSettings, worker_settings
 from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
 from sits_worker.model.source import InputSource
+from sits_worker.serving import drain_report
 from sits_worker.serving.chunk_commits import Commits
 from sits_worker.serving.fault_injection import FaultInjector
 from sits_worker.serving.lease_keeper import LeaseKeeper
@@ -95,6 +98,9 @@ class WorkerContext:
     (`sits_worker/serving/request_bell.py`)."""
     slot_overlap: SlotOverlap = field(default_factory=SlotOverlap)
     """Which model ran beside each job chunk on the other stream slots, for its ack (`slot_mix`)."""
+    batch_sizes: Tally = field(default_factory=new_tally)
+    """The rows and tokens of this process's runs, until the heartbeat adds them to Redis
+    (`broker/monitoring/batch_sizes.py`)."""
     _inputs: OrderedDict[str, InputSource] = field(default_factory=OrderedDict)
     unseen_jobs: dict[str, float] = field(default_factory=dict)
     """Job id -> until when this worker passes the job's items on uncounted: a file of the job was missing
@@ -120,6 +126,10 @@ class WorkerContext:
     memory_watch: MemoryWatch = field(init=False)
     """This worker's device-memory readings and the degrade step its leases follow
     (`sits_worker/device/memory_watch.py`)."""
+    stopping: threading.Event = field(default_factory=threading.Event)
+    """Set when the worker's warm shutdown begins (SIGTERM): drain loops lease nothing more, finish the
+    batch they run and hand their tickets on, so the process exits within a grace period with no lease
+    left to expire (`sits_worker/worker_hooks.py`)."""
     _padding: dict[str, tuple[ModelRecord, MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[ModelRecord, Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
@@ -147,7 +157,7 @@ class WorkerContext:
     def create(cls, worker: WorkerSettings) -> WorkerContext:
         """A context over the Redis in the worker's settings, on its device."""
         settings, device, streams = worker.settings, worker.device, worker.streams
-        store = Store.connect(settings.redis.url, settings.redis.key_prefix)
+        store = Store.of(settings.redis)
         return cls(settings=settings, store=store, device=device, streams=streams,
                    sessions=SessionCache(device, worker.intra_op_threads),
                    ledger=memory_ledger(settings, device))
@@ -202,7 +212,11 @@ class WorkerContext:
         The run's outcome counts on this worker's breaker of the model (`broker/failures/breaker.py`): a failure
         of the device's class against it, a success for it; a bad input neither (it is the client's).
         Its time is billed to the tenants of the thread's `usage.billing` scope."""
-        self.model(model_ref)  # (a Redis error reading the record is not the device's: read it first)
+        record = self.model(model_ref)  # (a Redis error reading the record is not the device's: read it first)
+        rows, tokens = run_size({name: array.shape for name, array in feed.items()},
+                                record.static_profile.get("sequence_axis"))
+        observe_run(self.batch_sizes, model_ref, rows, tokens)
+        drain_report.note_run(model_ref, rows)
         started = time.perf_counter()
         try:
             outputs = self._run_fitting(model_ref, feed, output_names, session)

@@ -5,7 +5,9 @@ best waiting batch across models, runs it, and goes on until no queue has
 work for `ticket_linger` and its process has no chunk commit pending (it
 waits on the doorbell meanwhile, then retires, atomically with a last check)
 or its time slice is used (then it re-queues itself so other Celery tasks
-get the thread).
+get the thread). At a warm shutdown (`WorkerContext.stopping`) it leases
+nothing more and re-queues its ticket after the batch it runs, for the
+workers that stay.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from broker.memory import reservation
 from broker.queueing import leases, policy, queues, tickets
 from broker.queueing.leases import StaleTicket
 from broker.state.store import Store
+from sits_worker.serving import drain_report
 from sits_worker.serving.between_minibatches import BetweenBatches
 from sits_worker.serving.context import WorkerContext
+from sits_worker.serving.drain_report import DrainReport
 from sits_worker.serving.execution import process_item
 from sits_worker.serving.leasing import admitted, batch_cost, lease
 from sits_worker.serving.request_runs import run_requests
-from sits_worker.tenancy.fair_share import PRESENT_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +83,23 @@ class _Slice:
         return time.monotonic() >= self.ends
 
 
-def drain(ctx: WorkerContext, ticket: str) -> Outcome:
+def drain(ctx: WorkerContext, ticket: str, report: DrainReport | None = None) -> Outcome:
     """Serve batches under `ticket` until the queues are empty or its time slice ends: look at the
-    queues, then either idle on the doorbell or lease a batch, run it and wait as its outcome says."""
+    queues, then either idle on the doorbell or lease a batch, run it and wait as its outcome says.
+    What ran is noted in `report` (`drain_report`), its outcome once the loop ends."""
+    report = report if report is not None else DrainReport()
+    with drain_report.collecting(report):
+        outcome = _drain(ctx, ticket)
+    report.outcome = outcome.value
+    return outcome
+
+
+def _drain(ctx: WorkerContext, ticket: str) -> Outcome:
     state = _Slice(ticket, ends=time.monotonic() + ctx.settings.scheduler.ticket_time_slice)
     try:
         while True:
+            if ctx.stopping.is_set():  # warm shutdown: the ticket goes on to the rest of the fleet
+                return Outcome.YIELD
             # (before the snapshot: a request announced after it is the chunk leased below's to look for; one
             # before is in the snapshot, and where the snapshot holds none the lease passed none over, on this
             # model or another: only then does the chunk start from this count)
@@ -170,7 +184,8 @@ def _wait_after_nothing_ran(ctx: WorkerContext, state: _Slice, snapshot: queues.
     elif notes.paused:  # every lease found only paused work: wait for new work
         state.paused_ring.wait(ctx.store, state.ticket)
     elif notes.held_for_share:  # the tenant the batch is shared by comes back in a moment: wait for its call
-        tickets.wait_for_doorbell(ctx.store, state.ticket, now=time.time(), timeout=PRESENT_SECONDS, touch=False)
+        tickets.wait_for_doorbell(ctx.store, state.ticket, now=time.time(),
+                                  timeout=ctx.settings.fair_share.present_for, touch=False)
     else:  # memory is reserved by running batches, another slot took the work, or the waiting work
         # is a held tenant's (past its limit: it waits for its usage to decay); a degraded worker's
         # leases weigh a long window: it looks again less often
@@ -249,6 +264,8 @@ def _run_leased(ctx: WorkerContext, leased: list[leases.LeasedItem], ticket: str
         run_requests(ctx, online, ticket)
         return
     [item] = offline  # leases take one job chunk (or finalize step) at a time
+    if item.payload.get("kind") == "chunk":
+        drain_report.note_chunk()
     between = BetweenBatches(ctx, item, ticket, carried=online, reservation=reservation, bell_mark=bell_mark)
     try:
         process_item(ctx, item, between)

@@ -36,8 +36,9 @@ from broker.models.registry import split_model_ref
 from broker.queueing import leases
 from broker.queueing.leases import LeasedItem
 from sits_worker.model.source import check_unchanged
+from sits_worker.serving import batch_trace
 from sits_worker.serving.context import WorkerContext
-from sits_worker.serving.outputs import finalize_outputs, remove_parts, write_part
+from sits_worker.serving.outputs import chunk_written, finalize_outputs, remove_parts, write_part
 from sits_worker.serving.request_runs import give_back, rows_to_fill, run_requests, run_with_riders
 from sits_worker.tenancy.usage_meter import Work
 
@@ -67,6 +68,7 @@ class MiniBatchHook(Protocol):
         ...
 
 
+@batch_trace.traced_batch(lambda ctx, item, *_, **__: [item])
 def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -> str:
     """Run one leased item; returns what happened ('committing': a chunk computed, its outputs handed
     to a commit thread, which writes them and acks it; for one of the job's last chunks what that
@@ -102,6 +104,8 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
             # job's in the same folder are that job's resumable work)
             remove_parts(Path(job.output_dir), job_id=job_id)
             return "finalized"
+        if written_before(job, item):
+            return ack_written(ctx, item)
         started, token = time.monotonic(), ctx.slot_overlap.begin(split_model_ref(item.model_ref)[1] or "")
         try:
             results, quarantined = run_chunk(ctx, job, item, between)
@@ -114,6 +118,24 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         return "committing"
     except Exception as err:
         return settle_failure(ctx, item, err)
+
+
+def written_before(job: JobRecord, item: LeasedItem) -> bool:
+    """Whether the chunk's parts are on disk already (`outputs.chunk_written`): a run before this lease wrote
+    them, and its ack never reached Redis (the ack failed while Redis was away, or a failover lost it)."""
+    payload = item.payload
+    return chunk_written(Path(job.output_dir), payload["chunk"], (payload["start"], payload["stop"]),
+                         job.output_names, job_id=job.id)
+
+
+def ack_written(ctx: WorkerContext, item: LeasedItem) -> str:
+    """Ack a chunk whose parts an earlier run wrote, as that run's commit would have: it is not run and
+    written again. Its parts are its checkpoint, as they are a resume's (docs/operations.md, "Redis
+    Sentinel")."""
+    log.warning("chunk %s: its parts were on disk already (the ack of the run that wrote them was lost); "
+                "acked without running it again", item.item_id)
+    job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name)
+    return "acked"
 
 
 UNSEEN_MEMORY_SECONDS = 3.0

@@ -9,6 +9,7 @@ tokens that really run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,10 @@ from broker.memory import reservation
 from broker.memory.ledger import Claim
 from broker.online.batching import Batching
 from broker.queueing import leases
+from broker.queueing.scoring import estimate_latency_ms
+from broker.tenants.batch_shares import BatchShares, in_flight_bound
 from sits_worker.model.padding import max_sequence, shape_bucket
+from sits_worker.serving import batch_trace
 from sits_worker.serving.context import WorkerContext
 
 
@@ -55,6 +59,7 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
     return leased
 
 
+@batch_trace.traced_lease
 def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batching, max_rows: int,
                  max_tokens: int, *, requests_only: bool, admission: reservation.Admission | None,
                  carry_chunk: bool, within_cut: bool, tenants: dict[str, Any] | None,
@@ -64,7 +69,7 @@ def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batc
     share (`FairShare.note_absent`)."""
     if tenants is None:
         tenants = ctx.fair_share.lease_option(model_ref)
-    shares = ctx.fair_share.batch_shares()
+    shares = share_option(ctx, model_ref, rows=max_rows)
     options = leases.LeaseOptions(
         max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens, max_chunks=1,
         requests_only=requests_only, carry_chunk=carry_chunk, head_must_fit=within_cut,
@@ -85,19 +90,21 @@ def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarra
     return shape_bucket(feed, ctx.padding(model_ref), max_sequence(static))
 
 
+@batch_trace.traced_lease
 def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray],
                  ticket: str) -> list[leases.LeasedItem]:
     """Requests of `model_ref` that can ride in the job mini-batch `feed`: its shape bucket, up to the
     model's `max_batch_size` rows, and within `max_batch_tokens` together with the mini-batch; by the
-    tenants' fair-share order, a held tenant's left waiting."""
+    tenants' fair-share order, a held tenant's left waiting, their rows split by the tenants' shares."""
     if breaker.state_at(ctx.breakers.breaker(model_ref), now=time.time()) != breaker.CLOSED:
         return []  # (the chunk runs on: its own runs decide; no one else's work rides along meanwhile)
     batching = ctx.batching(model_ref)
     static = ctx.model(model_ref).static_profile
     bucket, padded = feed_bucket(ctx, model_ref, feed)
+    mini_batch_rows = len(next(iter(feed.values())))
     max_tokens = 0
     if batching.max_batch_tokens and (padded or static.get("sequence_axis")):
-        rows = len(next(iter(feed.values())))
+        rows = mini_batch_rows
         axis = static.get("sequence_axis") or {}
         length = padded or (feed[axis["input"]].shape[axis["axis"]] if axis.get("input") in feed else 0)
         max_tokens = batching.max_batch_tokens - rows * length
@@ -108,7 +115,20 @@ def lease_riders(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarr
                                max_items=batching.max_batch_size, max_rows=batching.max_batch_size,
                                max_tokens=max_tokens, window=4 * batching.max_batch_size, ticket=ticket,
                                lowest_level=ctx.memory_watch.lowest_level(),
-                               tenants=ctx.fair_share.lease_option(model_ref))
+                               tenants=ctx.fair_share.lease_option(model_ref),
+                               shares=share_option(ctx, model_ref, rows=mini_batch_rows + batching.max_batch_size))
+
+
+def share_option(ctx: WorkerContext, model_ref: str, *, rows: int) -> BatchShares | None:
+    """The tenants' shares a lease of `model_ref` splits its requests by (`FairShare.batch_shares`), None without
+    fair share; its leased requests keep their tenants present while a run of `rows` rows may last by the
+    model's profile (`batch_shares.in_flight_bound`), so that another slot does not fill up with the other
+    tenants' requests meanwhile."""
+    shares = ctx.fair_share.batch_shares()
+    if shares is None:
+        return None
+    run_seconds = estimate_latency_ms(ctx.model(model_ref), rows=max(rows, 1), tokens=None) / 1000
+    return dataclasses.replace(shares, in_flight_for=in_flight_bound(run_seconds, ctx.streams))
 
 
 def batch_cost(ctx: WorkerContext, model_ref: str) -> reservation.BatchCost:

@@ -154,6 +154,22 @@ def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndar
         raise storage_error(output_dir, err) from err
 
 
+def chunk_written(output_dir: Path, chunk_index: int, chunk: tuple[int, int], output_names: Sequence[str], *,
+                  job_id: str) -> bool:
+    """Whether every output's part of chunk `chunk_index` (rows `chunk`, [start, stop)) is on disk, whole:
+    an earlier run wrote them and its ack was lost (a Redis failover can drop one) or failed. Parts appear
+    atomically, each checked for the chunk's rows as the merge checks it; a link, or anything else
+    amiss, counts as not written (the chunk then runs and writes it again)."""
+    try:
+        with _open_output_dir(Path(output_dir)) as out, _open_job_parts(out, job_id) as opened:
+            for name in output_names:
+                with _load_part(opened.folder, name, chunk_index, chunk):
+                    pass
+    except (SitsError, OSError):
+        return False
+    return True
+
+
 def _rows_covered(chunk_ranges: Sequence[tuple[int, int]]) -> int:
     """Check the chunks tile [0, total) in order, without gaps or empty chunks; return total."""
     expected_start = 0

@@ -29,6 +29,7 @@ from broker.queueing import leases
 from broker.queueing.leases import LeasedItem
 from broker.queueing.scoring import rows_to_fill as rows_to_fill_by_profile
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
+from sits_worker.serving import batch_trace, drain_report
 from sits_worker.serving.context import WorkerContext
 from sits_worker.tenancy.usage_meter import Work
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, np.ndarray]
 
 
+@batch_trace.traced_batch(lambda ctx, items, *_, **__: items)
 def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = "") -> int:
     """Run leased requests of one model as one batch and complete them; returns how many ran
     without error (a request completed meanwhile by another run keeps its first result). Their
@@ -45,6 +47,7 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
     results, live = _load(ctx, items)
     run_started = time.time()
     if live:
+        drain_report.note_requests(len(live))
         failure: Exception | None = None
         with ctx.usage.billing(model_ref, _work(live, run_started)), ctx.lease_keeper.holding(items, ticket):
             try:
@@ -91,6 +94,7 @@ def _settle_failed_run(ctx: WorkerContext, items: Sequence[LeasedItem], err: Exc
     return failed
 
 
+@batch_trace.riding(lambda ctx, model_ref, feed, output_names, riders, *_, **__: riders)
 def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_names: list[str],
                     riders: Sequence[LeasedItem], session: Any = None,
                     payer: Work | None = None) -> list[np.ndarray] | None:
@@ -111,6 +115,7 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     # (the chunk's own lease is held around each mini-batch)
     with ctx.usage.billing(model_ref, work), ctx.lease_keeper.holding(riders):
         if live:
+            drain_report.note_requests(len(live))
             try:
                 job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)
                 results += rider_results

@@ -58,12 +58,6 @@ JOBS_VIEW_MOST = 256
 """Past this many active jobs the view is not read (each read is a command per job, from every worker
 four times a second): tenants taken for absent come back after `ABSENT_SECONDS`, as without it."""
 
-PRESENT_SECONDS = 0.05
-"""How long a tenant counts as present on a model after one of its requests there was leased or answered
-(`broker.tenants.batch_shares`): longer than a closed-loop client takes from an answer to its next call,
-so that a batch's rows follow the shares while both tenants flood; a lone tenant waits at most this long
-once the other is gone."""
-
 SLOTS_REFRESH_SECONDS = 1.0
 """How long the fleet's live stream slots are reused before they are counted again."""
 REFRESHER_IDLE_SECONDS = 10.0
@@ -127,14 +121,15 @@ class FairShare:
         return {"order": order, "held": sorted(held), "window": self._settings.window}
 
     def batch_shares(self) -> BatchShares | None:
-        """The `shares` option of `lease_batch.lua`: the tenants with a share in the fair order, the held left
-        out, and `PRESENT_SECONDS`; None: no fair share."""
+        """The `shares` option of `lease_batch.lua` and `lease_riders.lua`: the tenants with a share in the fair
+        order, the held left out, and `fair_share.present_for` (the lease sets its own `in_flight_for`:
+        `sits_worker.serving.leasing.share_option`); None: no fair share."""
         ranked = self._order()
         if ranked is None:
             return None
         order, held = ranked
         guaranteed = {name: share.guaranteed_share for name, share in self._with_shares().items()}
-        return BatchShares(ranked_shares(order, held, guaranteed), PRESENT_SECONDS)
+        return BatchShares(ranked_shares(order, held, guaranteed), self._settings.present_for)
 
     def returning_option(self, model_ref: str) -> dict[str, Any] | None:
         """The `tenants` option that leases only the online requests of the tenants `lease_option` leaves out

@@ -2,7 +2,8 @@
 
 `sitsctl status`, `/v1/status`, `/metrics` and the v2 readiness read the heartbeats
 (`broker/queueing/workers.py`); the same loop writes the latency profiles this process observed
-(`sits_worker/device/observed_profiles.py`). It runs on a thread of its own beside the pool, so a busy
+(`sits_worker/device/observed_profiles.py`) and the sizes of the runs it made since the last beat
+(`broker/monitoring/batch_sizes.py`). It runs on a thread of its own beside the pool, so a busy
 stream slot never delays it, and a Redis that is away only costs a logged warning per beat.
 """
 
@@ -36,8 +37,8 @@ class Heartbeat:
                                       "celery_name": worker_name}
 
     def beat_once(self, now: float) -> None:
-        """Record one heartbeat and flush the observed profiles and the tenants' bills; log, never raise,
-        when Redis is away."""
+        """Record one heartbeat and flush the observed profiles, the runs' sizes and the tenants' bills; log,
+        never raise, when Redis is away."""
         ctx = self.ctx
         try:
             self._info["models_loaded"] = ctx.sessions.loaded()
@@ -55,6 +56,7 @@ class Heartbeat:
             ctx.observed.flush(ctx.store, worker=self.worker_name, device=str(ctx.device))
         except Exception as err:
             log.warning("could not write the observed profiles: %s", err)
+        flush_batch_sizes(ctx)
         ctx.usage.flush()  # (bills an idle worker's last runs; logs, never raises)
 
     def start(self) -> None:
@@ -69,3 +71,12 @@ class Heartbeat:
     def stop(self) -> None:
         """End the loop after its current beat."""
         self._stop.set()
+
+
+def flush_batch_sizes(ctx: WorkerContext) -> None:
+    """Add the sizes of the runs counted since the last flush to Redis (kept for the next one, and logged,
+    when Redis cannot take them)."""
+    try:
+        ctx.batch_sizes.flush(ctx.store, ctx.store.keys.batch_sizes)
+    except Exception as err:
+        log.warning("could not add the runs' sizes to Redis (kept for the next beat): %s", err)

@@ -30,7 +30,7 @@ def main() -> int:
     settings = load_settings()
     hostname = socket.gethostname()
     try:
-        store = Store.connect(settings.redis.url, settings.redis.key_prefix)
+        store = Store.of(settings.redis)
         alive = alive_here(store, hostname, now=time.time(), timeout=settings.scheduler.worker_heartbeat_timeout)
     except SitsError as err:
         print(f"cannot tell whether the worker of {hostname} is alive: {err.message}", file=sys.stderr)

@@ -37,7 +37,7 @@ from broker.jobs import retention as job_retention
 from broker.jobs import stops as job_stops
 from broker.online import requests
 from broker.online import timeouts as request_timeouts
-from broker.queueing import leases, policy, queues, reaping, tickets, workers
+from broker.queueing import leases, policy, queues, reaping, tenant_index, tickets, workers
 from broker.queueing.wakeup import SendTicket, wake_workers
 from broker.sla import admission as deadline_admission
 from broker.state.store import Store
@@ -124,8 +124,8 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     """One reaper pass: expired leases back to their queue (retries whose backoff passed, and lost
     leases, recorded as `worker_lost` on their job or request), poison items fail their job, requests past
     their timeout rejected or delayed, lost tickets replaced, older model versions' empty queues
-    pruned, jobs ended more than `jobs.retention` ago forgotten, stalled job fills and stops completed
-    (run by `Reaper`, on a thread of its own)."""
+    pruned, jobs ended more than `jobs.retention` ago forgotten, stalled job fills and stops completed, queued
+    work stored before the queues' tenant indexes indexed a page at a time (run by `Reaper`, on a thread of its own)."""
     settings = ctx.settings
     lost_policy = settings.retry_policy("worker_lost")
     max_attempts = lost_policy.attempts or settings.jobs.max_attempts
@@ -160,7 +160,9 @@ def reap(ctx: WorkerContext, send: SendTicket, *, now: float) -> dict[str, int]:
     # Lost tickets before the fills and stops below, which may take many calls (a stop of 100,000 chunks, 800).
     lost = tickets.expire_lost_tickets(ctx.store, now=now, ticket_timeout=settings.scheduler.ticket_timeout)
     job_lists.index_job_owners(ctx.store)  # jobs stored before the owner indexes, a page per pass
+    job_lists.index_job_tenants(ctx.store)  # and before the tenant indexes
     job_lists.count_old_jobs(ctx.store)  # and before the per-status job counts
+    tenant_index.index_waiting_items(ctx.store)  # waiting items queued before the queues' tenant indexes
     job_retention.forget_ended_jobs(ctx.store, now=now, retention=settings.jobs.retention)  # a page per pass
     queues.prune_old_queues(ctx.store)  # older model versions' drained queues, read before every batch choice
     deadline_admission.reaper_pass(settings, ctx.store, now=now)  # deadline jobs' risks; ended jobs out of the index

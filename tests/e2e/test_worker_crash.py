@@ -1,16 +1,23 @@
-"""A worker SIGKILLed mid-job: the job still succeeds, every row equals a direct ONNX Runtime run."""
+"""Workers leaving mid-job: one stopped by SIGTERM (a scale-down or a rolling update) finishes what it runs
+and exits in time with no lease left behind; one SIGKILLed loses nothing either. The job succeeds and every
+row equals a direct ONNX Runtime run."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 
+from broker.queueing import queues
 from tests.e2e.stack_helpers import direct_run, register, start_stack, wait_job
 
 ROWS = 20_000
 CHUNK = 500
 BATCH = 100
 SEQUENCE = 16
+GRACE_SECONDS = 10.0
+"""What the test allows a SIGTERMed worker to exit in: well within Kubernetes' default grace of 30 s."""
 
 
 @pytest.fixture
@@ -20,9 +27,10 @@ def stack(tmp_path, zoo_dir):
     running.stop()
 
 
-def test_job_survives_a_worker_killed_mid_run(stack, tmp_path, zoo_dir):
+def test_job_survives_a_worker_stopped_and_one_killed_mid_run(stack, tmp_path, zoo_dir):
     client = stack.client()
     register(client, "transformer", zoo_dir / "transformer.onnx")
+    ref = f"transformer@{client.get('/v1/models/transformer')['version']}"
     token_ids = np.random.default_rng(3).integers(0, 1000, size=(ROWS, SEQUENCE)).astype(np.int64)
     data = stack.home / "token_ids.npy"
     np.save(data, token_ids)
@@ -31,7 +39,20 @@ def test_job_survives_a_worker_killed_mid_run(stack, tmp_path, zoo_dir):
 
     mid = wait_job(client, job["id"], until=lambda j: j["chunks_done"] >= 6)
     assert mid["status"] == "running", mid
+    # SIGTERM (warm shutdown): the worker leases nothing more, finishes its chunk and exits by itself
+    stopping = next(child for child in stack.children if child.name == "worker1")
+    began = time.monotonic()
+    stack.stop_child("worker1", timeout=GRACE_SECONDS + 5)
+    exited_in = time.monotonic() - began
+    leased_after = queues.queue_depths(stack.store).get(ref, {}).get("inflight", 0)
+    assert exited_in < GRACE_SECONDS and stopping.process.returncode == 0, (exited_in, stopping.process.returncode)
+    assert "warm shutdown: leasing stopped" in (stack.home / "logs" / "worker1.log").read_text()
+    assert leased_after <= 1, f"{leased_after} chunks leased with one single-slot worker left: a lease was left behind"
+
+    further = wait_job(client, job["id"], until=lambda j: j["chunks_done"] >= mid["chunks_done"] + 4)
+    assert further["status"] == "running", further
     stack.stop_child("worker0", kill=True)  # SIGKILL: its leased chunk is only recovered by lease expiry
+    stack.start_worker(2)
     done = wait_job(client, job["id"], timeout=240)
 
     assert done["status"] == "succeeded", done
@@ -40,4 +61,4 @@ def test_job_survives_a_worker_killed_mid_run(stack, tmp_path, zoo_dir):
     outputs = np.load(stack.home / "out" / "embedding.npy")
     expected = direct_run(zoo_dir / "transformer.onnx", token_ids, BATCH)
     np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-5)
-    assert len(done["workers"]) == 2, "both workers ran chunks before one was killed"
+    assert len(done["workers"]) == 3, "each worker ran chunks: the stopped, the killed and the new one"

@@ -70,7 +70,9 @@ def test_every_alert_says_how_severe_and_what_it_means_and_waits_before_firing()
     assert {rule["alert"] for rule in found} == {"SitsDeadlineMissed", "SitsSlaViolationPredicted",
                                                  "SitsQueueNearLimit", "SitsNoWorkerForWaitingWork",
                                                  "SitsCircuitBreakerOpen", "SitsQueueLevelNearLimit",
-                                                 "SitsWorkerDegraded", "SitsRequestDeadlinesMissed"}
+                                                 "SitsWorkerDegraded", "SitsRequestDeadlinesMissed",
+                                                 "SitsQueueWaitHigh", "SitsSaturated", "SitsMetricsUnavailable",
+                                                 "SitsWorkerHeartbeatLost", "SitsStoreUnavailableAnswers"}
     for rule in found:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["for"].endswith("m") and rule["annotations"].keys() == {"summary", "description"}, rule["alert"]

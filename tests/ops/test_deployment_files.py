@@ -223,3 +223,25 @@ def test_the_image_runs_as_a_user_of_its_own_and_its_build_context_leaves_secret
     users = [line.split()[1] for line in dockerfile if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
     assert {".venv", "data", ".env", ".git", "ops/prometheus/sits-api-key", "ops/prometheus/flower-password"} <= ignored
+
+
+def test_redis_on_kubernetes_requires_the_secret_s_password_and_every_sits_pod_carries_it() -> None:
+    def env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {entry["name"]: entry for entry in container.get("env", [])}
+
+    secret = {"secretKeyRef": {"name": "sits-redis", "key": "password"}}
+    [redis] = containers(workload("redis"))
+    assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert env(redis)["REDIS_PASSWORD"]["valueFrom"] == secret == env(redis)["REDISCLI_AUTH"]["valueFrom"]
+    sits_pods = [container for doc in kubernetes_documents() for container in containers(doc)
+                 if container["image"] in ("sits", "sits-gpu")]
+    assert len(sits_pods) >= 4  # the API, both workers and Flower
+    for container in sits_pods:
+        variables = env(container)
+        names = list(variables)
+        # Kubernetes expands $(REDIS_PASSWORD) only from a variable defined before it
+        assert names.index("REDIS_PASSWORD") < names.index("SITS_REDIS_URL"), container["name"]
+        assert variables["REDIS_PASSWORD"]["valueFrom"] == secret
+        assert variables["SITS_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
+    config_maps = [doc for doc in kubernetes_documents() if doc["kind"] == "ConfigMap"]
+    assert not any("SITS_REDIS_URL" in doc["data"] for doc in config_maps), "a URL without the password"

@@ -1,6 +1,7 @@
 -- ack_chunk: a chunk's outputs are on disk; drop its lease and record it in the job's checkpoint.
 -- KEYS[1] inflight  ZSET
--- KEYS[2] ready     ZSET (the item may have been reaped back while its first run finished)
+-- KEYS[2] ready     ZSET (the item may have been reaped back while its first run finished), with its tenants'
+--           indexes (lib.lua's `ready_add`)
 -- KEYS[3] items     HASH
 -- KEYS[4] attempts  HASH
 -- KEYS[5] job       HASH
@@ -9,6 +10,8 @@
 -- KEYS[8] job counts HASH status -> jobs in it (a queued job becomes running)
 -- KEYS[9] counters  HASH running totals for /metrics: 'job_rows:<model ref>' counts the chunk's rows once
 -- KEYS[10] queues   SET model refs with a queue, KEYS[11] its version: the finalize item's queue is in it
+-- KEYS[12] latency buckets HASH the chunk's run (ARGV[10]) counts in its model's `chunk` histogram, by its job's
+--           priority class (`broker.monitoring.sla_metrics`), once, as its rows are
 -- ARGV[1] item id
 -- ARGV[2] chunk index
 -- ARGV[3] rows in the chunk
@@ -32,7 +35,7 @@
 -- KEYS by name (the positions above are the callers' contract).
 local K = {inflight = KEYS[1], ready = KEYS[2], items = KEYS[3], attempts = KEYS[4], job = KEYS[5],
   done = KEYS[6], doorbell = KEYS[7], job_counts = KEYS[8], counters = KEYS[9], queues = KEYS[10],
-  queues_version = KEYS[11]}
+  queues_version = KEYS[11], latency_buckets = KEYS[12]}
 local finalize_score, finalize_payload = ARGV[6], ARGV[7]
 local current = redis.call('HGET', K.items, ARGV[1])
 if current then
@@ -41,7 +44,7 @@ if current then
   finalize_score, finalize_payload = decoded['score'], cjson.encode(decoded)
 end
 redis.call('ZREM', K.inflight, ARGV[1])
-local reaped = redis.call('ZREM', K.ready, ARGV[1]) == 1
+local reaped = ready_remove_stored(K.ready, K.items, ARGV[1])
 local leases = tonumber(redis.call('HGET', K.attempts, ARGV[1]) or '1')
 redis.call('HDEL', K.items, ARGV[1])
 redis.call('HDEL', K.attempts, ARGV[1])
@@ -75,6 +78,12 @@ if not reaped and leases <= 1 and ARGV[11] and ARGV[11] ~= '' and ARGV[11] ~= '{
   end
 end
 redis.call('HINCRBY', K.counters, 'job_rows:' .. ARGV[9], ARGV[3])
+local run_seconds = tonumber(ARGV[10] or '')
+if run_seconds and run_seconds > 0 then  -- (0: acked without a run, its parts written before)
+  local tally = {}
+  observe_latency(tally, ARGV[9] .. '|chunk|' .. priority_class(redis.call('HGET', K.job, 'priority')), run_seconds)
+  write_tally(K.latency_buckets, tally)
+end
 redis.call('HINCRBY', K.job, 'w:' .. ARGV[8], 1)
 local chunks_done = redis.call('HINCRBY', K.job, 'chunks_done', 1)
 redis.call('HSET', K.job, 'checkpoint_ts', ARGV[4], 'status', 'running')
@@ -83,8 +92,8 @@ if status == 'queued' then
 end
 if chunks_done >= tonumber(redis.call('HGET', K.job, 'chunks_total')) then
   redis.call('HSET', K.items, ARGV[5], finalize_payload)
-  redis.call('ZADD', K.ready, finalize_score, ARGV[5])
-  add_queue(K.queues, K.queues_version, ARGV[9])
+  ready_add(K.ready, ARGV[5], finalize_score, item_tenant(cjson.decode(finalize_payload)))
+  add_queue(K.queues, K.queues_version, ARGV[9], K.ready)
   ring_doorbell(K.doorbell)
   return ACK.LAST_CHUNK
 end

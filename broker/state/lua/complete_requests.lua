@@ -14,12 +14,15 @@
 -- KEYS[8] model batch stats HASH '<model ref>|<rows>_count' / '..._ns' -> runs of that many rows and their
 --           time (apart from KEYS[7], which a /metrics scrape reads whole: these grow with the sizes run)
 -- KEYS[9] latency buckets HASH the latency histograms of online requests by model and priority class
---           (`broker.monitoring.sla_metrics`): submit to result of those answered, submit to run start of those that ran
+--           (`broker.monitoring.sla_metrics`): submit to result of those answered, submit to run start and the
+--           run (its start to this call) of those that ran
 -- KEYS[10] served  HASH tenant -> when its requests of the model were last answered (or leased): each tenant
 --           with a request in the run is marked now (a lease's share split, `broker/tenants/batch_shares.py`)
 -- KEYS[11..] for each request in order: its HASH, then the inbox LIST of the API process that waits for
 --           it, where the finished request's fields go as one JSON object (with its id), so the waiter
---           needs no second read; its HASH again when nobody waits (its result then stays in the HASH alone)
+--           needs no second read; its HASH again when nobody waits (its result then stays in the HASH alone);
+--           then its tenant's queued ZSET and queued bytes HASH (`max_queued`, `max_queued_bytes`), which
+--           a request this call takes off its lease leaves (`free_tenant_place`)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
 -- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run,
 -- ARGV[6] the requests' model ref (a batch is of one model), ARGV[7] when the run began ('' for none:
@@ -29,7 +32,8 @@
 -- code, '1' if it was in the run ('' for one not run: expired, or past its timeout), its priority level
 -- as submitted (its histograms' class)
 -- Returns: {how many requests were completed, then the 0-based position of each request this call took off
--- its lease (completed, or its hash expired)}: only those are settled with their tenants.
+-- its lease (completed, or its hash expired)}: only those are settled with their tenants (freed here, and
+-- billed by the caller when failed).
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
@@ -46,7 +50,7 @@ local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, q
                infer_count = 0, infer_ns = 0, inference_count = 0}
 for i = 0, (#ARGV - 8) / 7 - 1 do
   local item_id, status = ARGV[9 + 7 * i], ARGV[10 + 7 * i]
-  local request, waiters = KEYS[11 + 2 * i], KEYS[12 + 2 * i]
+  local request, waiters = KEYS[11 + 4 * i], KEYS[12 + 4 * i]
   local held = redis.call('HEXISTS', K.items, item_id) == 1 and not redis.call('ZSCORE', K.ready, item_id)
   if held then
     reply[#reply + 1] = i
@@ -54,6 +58,7 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     redis.call('HDEL', K.items, item_id)
     redis.call('HDEL', K.attempts, item_id)
     redis.call('ZREM', K.deadlines, item_id)
+    free_tenant_place(KEYS[13 + 4 * i], KEYS[14 + 4 * i], item_id)
   end
   if held and redis.call('EXISTS', request) == 1 then
     local ran = run_started and ARGV[14 + 7 * i] == '1'
@@ -87,6 +92,7 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     if ran then
       served[fields['tenant'] or ''] = true
       observe_latency(latency, ARGV[6] .. '|queue|' .. class, run_started - created)
+      observe_latency(latency, ARGV[6] .. '|run|' .. class, now - run_started)
       stats['queue_count'] = stats['queue_count'] + 1
       stats['queue_ns'] = stats['queue_ns'] + math.max(run_started - created, 0) * 1e9
       stats['infer_count'] = stats['infer_count'] + 1

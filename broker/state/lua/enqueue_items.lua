@@ -2,7 +2,7 @@
 -- A job's items may come in several calls (`broker.jobs.slices.ENQUEUE_SLICE` each), so that no call holds Redis
 -- long; while they do, the job is in the filling index, and a reaper pass completes a fill whose
 -- caller died (`broker.jobs.fills.refill_job`).
--- KEYS[1] ready   ZSET  item id -> score
+-- KEYS[1] ready   ZSET  item id -> score (and its tenants' indexes beside it: lib.lua's `ready_add`)
 -- KEYS[2] items   HASH  item id -> JSON payload
 -- KEYS[3] queues  SET   model refs with a queue
 -- KEYS[4] job     HASH  the job (only read when ARGV[2] ~= '')
@@ -14,7 +14,8 @@
 -- KEYS[10] filling ZSET job id -> time of its last enqueue call, while more calls are to come
 -- KEYS[11] job counts HASH status -> jobs in it (a job's status set through ARGV[3] is counted)
 -- KEYS[12] queues version STRING counter (moves when KEYS[3] gains a ref)
--- KEYS[13] owner's jobs ZSET job id -> created time (optional; 'create' adds the job to it)
+-- KEYS[13..] the job's own indexes ZSET job id -> created time: its owner's, its tenant's (optional; 'create'
+--         adds the job to each)
 -- ARGV[1] model ref
 -- ARGV[2] job id, or '' for items without a job
 -- ARGV[3] JSON object of job fields to set (or '{}'); 'create' also marks the job counted in KEYS[11]
@@ -45,7 +46,7 @@
 -- KEYS by name (the positions above are the callers' contract).
 local K = {ready = KEYS[1], items = KEYS[2], queues = KEYS[3], job = KEYS[4], jobs = KEYS[5],
   done = KEYS[6], inflight = KEYS[7], dead = KEYS[8], attempts = KEYS[9], filling = KEYS[10],
-  job_counts = KEYS[11], queues_version = KEYS[12], owner_jobs = KEYS[13]}
+  job_counts = KEYS[11], queues_version = KEYS[12], job_indexes = {unpack(KEYS, 13)}}
 local job_id, fill, fill_id = ARGV[2], ARGV[6], ARGV[8]
 if ARGV[4] == 'create' and redis.call('EXISTS', K.job) == 1 then
   return ENQUEUE.JOB_EXISTS
@@ -81,8 +82,8 @@ if job_id ~= '' then
     count_job_move(K.job, K.job_counts, old_status, tostring(fields['status']))
   end
   redis.call('ZADD', K.jobs, 'NX', ARGV[5], job_id)
-  if K.owner_jobs then
-    redis.call('ZADD', K.owner_jobs, 'NX', ARGV[5], job_id)
+  for _, index in ipairs(K.job_indexes) do
+    redis.call('ZADD', index, 'NX', ARGV[5], job_id)
   end
 end
 local filled_to = -1  -- chunks up to this index were handled by earlier calls of this fill
@@ -96,6 +97,7 @@ end
 local take_back = own and ARGV[4] == 'resume'
 local handled_to = filled_to
 local added = 0
+local job_tenant = nil  -- the tenant index the job's items go to (lib.lua's `ready_add`)
 for i = 9, #ARGV, 4 do
   local item_id, score, payload, chunk = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local index = tonumber(chunk)
@@ -115,7 +117,10 @@ for i = 9, #ARGV, 4 do
     local queued_or_dead = redis.call('ZSCORE', K.ready, item_id) or redis.call('ZSCORE', K.dead, item_id)
     if not leased and not queued_or_dead then
       redis.call('HSET', K.items, item_id, payload)
-      redis.call('ZADD', K.ready, score, item_id)
+      if job_tenant == nil or job_id == '' then  -- (a job's items are all its tenant's: one decode)
+        job_tenant = item_tenant(cjson.decode(payload))
+      end
+      ready_add(K.ready, item_id, score, job_tenant)
       added = added + 1
     end
   end
@@ -123,5 +128,5 @@ end
 if job_id ~= '' and own then
   redis.call('HSET', K.job, 'filled_to', handled_to)
 end
-add_queue(K.queues, K.queues_version, ARGV[1])
+add_queue(K.queues, K.queues_version, ARGV[1], K.ready)
 return added

@@ -1,7 +1,7 @@
 -- expire_requests: apply the queue policy's timeout_action to a model's waiting requests whose timeout
 -- has passed, found through its timeout index, not by scanning the queue.
 -- KEYS[1] request timeouts ZSET request id -> when its timeout passes
--- KEYS[2] ready      ZSET item id -> score
+-- KEYS[2] ready      ZSET item id -> score (and its tenants' indexes beside it: lib.lua's `ready_remove`)
 -- KEYS[3] inflight   ZSET item id -> lease deadline
 -- KEYS[4] items      HASH item id -> payload
 -- KEYS[5] waiting requests ZSET the model's online requests not leased
@@ -27,7 +27,7 @@ for _, item_id in ipairs(due) do
     redis.call('ZREM', K.request_timeouts, item_id)
   elseif redis.call('ZSCORE', K.ready, item_id) then
     if type(item['expires_at']) == 'number' then
-      redis.call('ZREM', K.ready, item_id)
+      ready_remove(K.ready, item_id, item_tenant(item))
       redis.call('ZREM', K.waiting_requests, item_id)
       redis.call('ZADD', K.inflight, ARGV[2], item_id)
       rejected[#rejected + 1] = {item_id, payload}

@@ -1,7 +1,7 @@
 -- finish_item: remove an item that needs no further run (finalized, dropped or failed),
 -- optionally moving its job to a final status.
 -- KEYS[1] inflight  ZSET
--- KEYS[2] ready     ZSET
+-- KEYS[2] ready     ZSET (and its tenants' indexes beside it: lib.lua's `ready_remove`)
 -- KEYS[3] items     HASH
 -- KEYS[4] attempts  HASH
 -- KEYS[5] dead      ZSET
@@ -29,7 +29,7 @@ if ARGV[2] == '' and active then
   return 0
 end
 redis.call('ZREM', K.inflight, ARGV[1])
-redis.call('ZREM', K.ready, ARGV[1])
+ready_remove_stored(K.ready, K.items, ARGV[1])
 redis.call('HDEL', K.items, ARGV[1])
 redis.call('HDEL', K.attempts, ARGV[1])
 redis.call('ZREM', K.dead, ARGV[1])

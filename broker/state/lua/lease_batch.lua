@@ -1,13 +1,14 @@
 -- lease_batch: move the best waiting batch of one model's queue into its in-flight set (late binding).
 -- KEYS[1] tickets   ZSET ticket id -> last seen
--- KEYS[2] ready     ZSET item id -> score
+-- KEYS[2] ready     ZSET item id -> score, and its tenants' indexes beside it (lib.lua's `tenant_index`)
 -- KEYS[3] inflight  ZSET item id -> lease deadline
 -- KEYS[4] items     HASH item id -> payload
 -- KEYS[5] attempts  HASH item id -> lease count
 -- KEYS[6] doorbell  LIST idle drain loops block on: rung when a lease leaves work waiting, so that an
 --           idle peer takes the next batch (snapshots empty the list: queue_snapshot.lua)
 -- KEYS[7] waiting requests ZSET the model's online requests not leased (leased ones leave it)
--- KEYS[8] served    HASH tenant -> when its requests of the model were last leased or answered (`shares`)
+-- KEYS[8] served    HASH tenant -> when its requests of the model were last answered, or until when a lease
+--           keeps them present (`shares`)
 -- ARGV[1] ticket id ('' for none); ARGV[2] now; ARGV[3] lease deadline; ARGV[4] options, a JSON object:
 --   max_items, max_rows, max_tokens (0: no limit): budget of a batch of requests of the head's shape
 --     bucket; tokens are padded tokens for requests that will be padded
@@ -18,17 +19,26 @@
 --   head_must_fit: a head request too must fit max_rows and max_tokens, else {0}
 --   batch_limit {rows, tokens (0: no limit)}, optional: a batch of requests goes only within it, else {0}
 --   preferred_sizes [...]: a batch of requests without a chunk is cut to the largest size its rows reach
---   tenants {order [...], held [...], window}, optional (fair share, broker/tenants/shares.py): up to
---     `window` waiting items are weighed instead, their tenants' items (payload `tenant`) in `order`
---     first (queue order within a tenant), those of tenants not in it after; a held tenant's items
---     are not leased at all (it is past its limit; with nothing else waiting, the slot stays idle);
---     with `only`, neither are the items of tenants not in `order`
---   shares {ranked [{tenant, share}], present_for}, optional (a batch's rows by shares,
+--   tenants {order [...], held [...], window}, optional (fair share, broker/tenants/shares.py): the waiting
+--     items are weighed by tenant instead, the items (payload `tenant`) of tenants in `order` first (queue
+--     order within a tenant), those of tenants not in it after; a held tenant's items are not leased at all
+--     (it is past its limit; with nothing else waiting, the slot stays idle); with `only`, neither are the
+--     items of tenants not in `order`. The ranked tenants' items are read from their own indexes (lib.lua's
+--     `tenant_index`), however deep the queue holds them; the tenants not in `order` are looked for in the
+--     first `window` items only. What a lease reads: the first-ranked tenants' first items, until twice the
+--     batch's most items (2 x max(max_items, max_chunks): `enough`) are found, a ZRANGE per page of a ranked
+--     tenant's index, and per item a ZSCORE and (per job, or per request) a payload decode; then the window
+--     from the head only while fewer were found and another tenant's item waits (the indexes' ZCARDs add up
+--     to less than the queue's), and only until `enough` are found. A requests-only lease reads the waiting
+--     requests by level (K.waiting) in the window's place. At most `window` index entries and `window`
+--     queue items in all. Until the model's index is built (a queue stored before it,
+--     `broker.queueing.tenant_index`) only the window is weighed: a ranked tenant's items past it wait
+--   shares {ranked [{tenant, share}], present_for, in_flight_for}, optional (a batch's rows by shares,
 --     broker/tenants/batch_shares.py): a batch headed by a request of the first ranked tenant present on the
 --     model (work waiting, or served within present_for; its requests go first) gives every other tenant at
 --     most its share's part of that tenant's rows (none without a share); with that tenant present but
 --     nothing of it waiting, nothing is leased ({LEASE.HELD_FOR_SHARE}); leased requests' tenants are marked
---     served
+--     served in_flight_for from now (present while the batch runs, until the answer marks them again)
 --   request_prefix: the key prefix of request hashes (`keys.request('')`): each leased request's inputs
 --     come back with it
 --   classes {ranks [16], demote [16], window}, optional (a degraded worker, broker/failures/degrade.py): an item
@@ -73,17 +83,18 @@ local function queue_candidates()
   for index, item_id in ipairs(ids) do
     local payload = redis.call('HGET', K.items, item_id) or '{}'
     local item = cjson.decode(payload)
-    out[index] = {id = item_id, payload = payload, item = item, tenant = item['tenant'] or ''}
+    out[index] = {id = item_id, payload = payload, item = item, tenant = item_tenant(item)}
   end
   return out
 end
 
 -- The candidates by rank (fair share, degraded classes): waiting items by their rank (`ranking`), queue
 -- order within a rank (score order, demotions included, with `classes`), the items no rank admits left
--- out. The queue is read in pages from its head, at most `window` items deep, and no further once
--- enough items of the best possible rank are found: a flood of one tenant in front costs little when
--- the first-ranked tenant's work is near the head, and at most `window` items when it has none. A job's
--- chunks share its tenant and level, so their payloads are decoded once per job, not once per chunk.
+-- out. The ranked tenants' first items come from their own indexes (`read_ranked_heads`); the queue is read
+-- in pages from its head, at most `window` items deep, only for what they leave to find, and no further once
+-- enough items of the best possible rank are found: a flood of one tenant in front costs little, wherever the
+-- first-ranked tenant's work waits. A job's chunks share its tenant and level, so their payloads are decoded
+-- once per job, not once per chunk.
 local FAIR_PAGE = 128
 local fair_absent = {}  -- ranked tenants a full scan found no item of: told to the caller after the reply
 local paused_seen = 0  -- items of a paused class in reach (the reply says when they were all there was)
@@ -95,22 +106,12 @@ local held_for_share = false  -- the share split held the batch back (the reply 
 
 -- When each ranked tenant of `shares` had its requests of the model last leased or answered (K.served),
 -- read once per call.
-local served_times = nil
+local served_read = nil
 local function served_at()
-  if served_times == nil then
-    served_times = {}
-    local names = {}
-    for _, entry in ipairs(shares_option.ranked or {}) do
-      names[#names + 1] = entry.tenant
-    end
-    if #names > 0 then
-      local times = redis.call('HMGET', K.served, unpack(names))
-      for index, name in ipairs(names) do
-        served_times[name] = tonumber(times[index])
-      end
-    end
+  if served_read == nil then
+    served_read = served_times(K.served, shares_option)
   end
-  return served_times
+  return served_read
 end
 
 -- Is `tenant` present on the model by its requests served within `shares.present_for`? (A present tenant
@@ -195,7 +196,7 @@ local function requests_by_level(rank_of, demotion, count, skip, seen)
       local payload = redis.call('HGET', K.items, item_id) or '{}'
       local item = cjson.decode(payload)
       local level = base_level(item)
-      local tenant = item['tenant'] or ''
+      local tenant = item_tenant(item)
       seen[tenant] = true
       local item_rank = rank_of(tenant, level)
       if item_rank ~= nil then
@@ -219,56 +220,172 @@ local function add_unreached_requests(rank_of, demotion, by_rank, collected, see
   end
 end
 
+-- The ranked tenants' heads from their own indexes (lib.lua's `tenant_index`), so that a ranked tenant's work
+-- is found however deep the queue holds it; nil while the model's indexes are not built (a queue stored before
+-- them: the window alone is weighed). Walks `tenants.order`, held tenants skipped, reading each one's waiting
+-- items in queue order, in pages, and handing each to `take(item_id, score)` (true: it counts), until the
+-- tenant has `per_tenant` counted, none left, or `tenant_most` of its entries read (nil: no bound); the walk
+-- ends once `want` counted in all, or `most` entries were read. An entry whose item no longer waits (left by
+-- a process of an older version) is dropped. Returns {counted, walked_all (every ranked tenant was read to its
+-- end or its `per_tenant`), empty (the ranked tenants with nothing waiting)}.
+local function read_ranked_heads(take, want, per_tenant, most, tenant_most)
+  if tenants_option == nil or not tenant_index_built(K.ready) then
+    return nil
+  end
+  local _, held = tenant_ranks(tenants_option)
+  local heads = {counted = 0, walked_all = true, empty = {}}
+  local budget = most
+  for _, name in ipairs(tenants_option.order or {}) do
+    if heads.counted >= want or budget <= 0 then
+      heads.walked_all = false
+      break
+    end
+    if not held[name] then
+      local index_key = tenant_index(K.ready, name)
+      local offset, live, counted, ended = 0, 0, 0, false
+      local reads = math.min(budget, tenant_most or budget)  -- (what this tenant's entries may take)
+      budget = budget - reads
+      while counted < per_tenant and reads > 0 do
+        -- (pages as long as what is still wanted: a tenant's own entries mostly count, its chunks for a
+        -- requests-only lease do not, so at least 16)
+        local asked = math.min(FAIR_PAGE, reads, math.max(per_tenant - counted, 16))
+        local page = redis.call('ZRANGE', index_key, offset, offset + asked - 1, 'WITHSCORES')
+        for pair = 1, #page, 2 do
+          local item_id = page[pair]
+          reads = reads - 1
+          if redis.call('ZSCORE', K.ready, item_id) then
+            live, offset = live + 1, offset + 1
+            if take(item_id, tonumber(page[pair + 1])) then
+              counted = counted + 1
+              if counted >= per_tenant then
+                break
+              end
+            end
+          else
+            redis.call('ZREM', index_key, item_id)  -- (the next entries move up: the offset stays)
+          end
+        end
+        if #page < 2 * asked then
+          ended = true
+          break
+        end
+      end
+      budget = budget + reads  -- (what it left)
+      heads.counted = heads.counted + counted
+      if not ended and counted < per_tenant then  -- (its reads ran out first)
+        heads.walked_all = false
+      end
+      if ended and live == 0 then
+        heads.empty[#heads.empty + 1] = name
+      end
+    end
+  end
+  return heads
+end
+
+-- How many ranked items end the walk of the ranked tenants' indexes: `enough` fill any batch; with `shares`,
+-- every ranked tenant's head is read, since each present one takes part in a batch's share split.
+local function heads_wanted(enough)
+  return shares_option and math.huge or enough
+end
+
+-- Does every waiting item belong to a tenant of `tenants.order` or `tenants.held`? (Their indexes' sizes add
+-- up to the queue's: then a walk of every ranked tenant's index has found all a lease may take.)
+local function only_ranked_waiting()
+  local total, counted = 0, {}
+  for _, names in ipairs({tenants_option.order or {}, tenants_option.held or {}}) do
+    for _, name in ipairs(names) do
+      if not counted[name] then
+        counted[name] = true
+        total = total + redis.call('ZCARD', tenant_index(K.ready, name))
+      end
+    end
+  end
+  return total == redis.call('ZCARD', K.ready)
+end
+
+-- Do the ranked tenants' heads (`read_ranked_heads`) hold the batch, so that the window need not be read?
+-- They do with `want` items that rank (whatever the window holds ranks after them), and when every ranked
+-- tenant was read to its end and nothing else may be leased (`only`, or no other tenant's item waits). Not
+-- for a degraded worker, whose classes may rank a window's item first.
+local function heads_hold(heads, want)
+  if heads == nil or classes_option then
+    return false
+  end
+  return heads.counted >= want or (heads.walked_all and (tenants_option.only == true or only_ranked_waiting()))
+end
+
 local function ranked_candidates()
   local rank_of, demotion, best_possible, last, window = ranking()
   local enough = 2 * math.max(max_items, max_chunks)
   window = math.max(window, enough)
   local job_facts, by_rank, found_best, position, full_rank, seen = {}, {}, 0, 0, last, {}
   local collected = {}  -- item id -> true, of every item the scan read
+  local ranked_total = 0  -- items read that rank (some leasable)
   local stopped_early, read_all = false, false
-  while position < window do
-    local asked = math.min(position + FAIR_PAGE, window) - position
-    local page = redis.call('ZRANGE', K.ready, position, position + asked - 1, 'WITHSCORES')
-    for pair = 1, #page, 2 do
-      local item_id, score = page[pair], tonumber(page[pair + 1])
-      position = position + 1
-      collected[item_id] = true
-      local cut = string.find(item_id, ':c', 1, true)  -- (a chunk's id: '<job>:c<index>'; a plain find)
-      local job = cut and string.sub(item_id, 1, cut - 1)
-      local facts = job and job_facts[job]
-      local payload, item = nil, nil
-      if facts == nil then
-        payload = redis.call('HGET', K.items, item_id) or '{}'
-        item = cjson.decode(payload)
-        facts = {tenant = item['tenant'] or '', level = base_level(item)}
-        if job then
-          job_facts[job] = facts
-        end
+  -- Weigh one waiting item into its rank's bucket; true when it ranks.
+  local function weigh(item_id, score)
+    collected[item_id] = true
+    local cut = string.find(item_id, ':c', 1, true)  -- (a chunk's id: '<job>:c<index>'; a plain find)
+    local job = cut and string.sub(item_id, 1, cut - 1)
+    local facts = job and job_facts[job]
+    local payload, item = nil, nil
+    if facts == nil then
+      payload = redis.call('HGET', K.items, item_id) or '{}'
+      item = cjson.decode(payload)
+      facts = {tenant = item_tenant(item), level = base_level(item)}
+      if job then
+        job_facts[job] = facts
       end
-      local tenant, level = facts.tenant, facts.level
-      seen[tenant] = true
-      local item_rank = rank_of(tenant, level)
-      -- (past a rank with enough items already, a worse one's items would never be reached, nor its own
-      -- without demotions, which may reorder a rank)
-      if item_rank ~= nil and item_rank <= full_rank then
-        if item_rank == best_possible then
-          found_best = found_best + 1
-        end
-        local bucket = by_rank[item_rank]
-        if bucket == nil then
-          bucket = {}
-          by_rank[item_rank] = bucket
-        end
-        if #bucket < enough or classes_option then
-          bucket[#bucket + 1] = {id = item_id, payload = payload, item = item, rank = item_rank,
-            score = score + demotion(level), tenant = tenant}
-          if #bucket >= enough and item_rank < full_rank then
-            full_rank = item_rank
-          end
+    end
+    local tenant, level = facts.tenant, facts.level
+    seen[tenant] = true
+    local item_rank = rank_of(tenant, level)
+    if item_rank == nil then
+      return false
+    end
+    ranked_total = ranked_total + 1
+    -- (past a rank with enough items already, a worse one's items would never be reached, nor its own
+    -- without demotions, which may reorder a rank; but with `shares` each present tenant's take part)
+    if item_rank <= full_rank or shares_option then
+      if item_rank == best_possible then
+        found_best = found_best + 1
+      end
+      local bucket = by_rank[item_rank]
+      if bucket == nil then
+        bucket = {}
+        by_rank[item_rank] = bucket
+      end
+      if #bucket < enough or classes_option then
+        bucket[#bucket + 1] = {id = item_id, payload = payload, item = item, rank = item_rank,
+          score = score + demotion(level), tenant = tenant}
+        if #bucket >= enough and item_rank < full_rank then
+          full_rank = item_rank
         end
       end
     end
+    return true
+  end
+  -- The ranked tenants' own heads first: a ranked tenant's bucket holds its first items in queue order, so the
+  -- window after them adds its later ones (or none: it is full) and the unranked tenants' items.
+  local heads = read_ranked_heads(weigh, heads_wanted(enough), enough, window)
+  local held_by_heads = heads_hold(heads, enough)
+  while position < window and not held_by_heads do
+    local asked = math.min(position + FAIR_PAGE, window) - position
+    local page = redis.call('ZRANGE', K.ready, position, position + asked - 1, 'WITHSCORES')
+    for pair = 1, #page, 2 do
+      local item_id = page[pair]
+      position = position + 1
+      if not collected[item_id] then
+        weigh(item_id, tonumber(page[pair + 1]))
+      end
+    end
     if best_possible ~= nil and found_best >= enough then
+      stopped_early = true
+      break
+    end
+    -- (every ranked tenant's items read from its index: the window adds only unranked ones, which go after)
+    if heads ~= nil and heads.walked_all and not classes_option and ranked_total >= enough then
       stopped_early = true
       break
     end
@@ -280,7 +397,13 @@ local function ranked_candidates()
   if classes_option and not stopped_early and not read_all then  -- (the window ran out first)
     add_unreached_requests(rank_of, demotion, by_rank, collected, seen, enough)
   end
-  if not stopped_early and tenants_option then  -- every item looked at: the ranked tenants not seen have none
+  if heads ~= nil then  -- the indexes say which ranked tenants have nothing waiting, however deep the queue
+    for _, name in ipairs(heads.empty) do
+      if not recently_served(name) then
+        fair_absent[#fair_absent + 1] = name
+      end
+    end
+  elseif not stopped_early and tenants_option then  -- every item looked at: the ranked tenants not seen have none
     local _, held = tenant_ranks(tenants_option)
     for _, name in ipairs(tenants_option.order or {}) do
       if not seen[name] and not held[name] and not recently_served(name) then
@@ -303,11 +426,41 @@ end
 
 -- The candidates of a requests-only lease by rank: the model's waiting online requests (K.waiting, at most
 -- `window` of them, the highest levels first), not the whole queue, which may hold thousands of chunks in
--- front of them; by rank, then by score (demotions included) within a rank; the requests no rank admits
--- left out.
+-- front of them, and the ranked tenants' first requests from their own indexes (`read_ranked_heads`), however
+-- many wait before them; by rank, then by score (demotions included) within a rank; the requests no rank
+-- admits left out.
 local function ranked_requests()
   local rank_of, demotion, _, _, window = ranking()
-  local entries = requests_by_level(rank_of, demotion, math.max(window, 2 * max_items), {}, {})
+  local enough = 2 * max_items
+  window = math.max(window, enough)
+  local entries, collected = {}, {}
+  -- A ranked tenant's waiting item from its index: true when it is a request that ranks.
+  local function take(item_id, score)
+    if string.find(item_id, ':c', 1, true) then  -- (a job's chunk: not read)
+      return false
+    end
+    local payload = redis.call('HGET', K.items, item_id) or '{}'
+    local item = cjson.decode(payload)
+    if item['kind'] ~= 'request' then
+      return false
+    end
+    collected[item_id] = true
+    local level = base_level(item)
+    local item_rank = rank_of(item_tenant(item), level)
+    if item_rank == nil then
+      return false
+    end
+    entries[#entries + 1] = {id = item_id, payload = payload, item = item, rank = item_rank,
+      score = score + demotion(level), tenant = item_tenant(item)}
+    return true
+  end
+  -- (a tenant's requests among its own job's chunks: past a page of them, the waiting requests by level find
+  -- them, as without the indexes)
+  if not heads_hold(read_ranked_heads(take, heads_wanted(enough), enough, window, FAIR_PAGE), enough) then
+    for _, entry in ipairs(requests_by_level(rank_of, demotion, window, collected, {})) do
+      entries[#entries + 1] = entry
+    end
+  end
   table.sort(entries, by_rank_then_score)
   return entries
 end
@@ -422,7 +575,7 @@ local function pick_candidates()
       if is_request or #picked >= max_chunks then
         break
       end
-      picked[#picked + 1] = {id = item_id, payload = payload}
+      picked[#picked + 1] = {id = item_id, payload = payload, tenant = candidate.tenant}
     elseif #picked >= max_items and not (carry and carried == nil) then
       break
     elseif is_request and #picked < max_items and item['bucket'] == bucket
@@ -435,7 +588,7 @@ local function pick_candidates()
       rows = rows + number_or(item['rows'], 1)
       tokens = tokens + token_cost(item)
     elseif carry and carried == nil and item['kind'] == 'chunk' and share_quota(split, candidate.tenant) == nil then
-      carried = {id = item_id, payload = payload}
+      carried = {id = item_id, payload = payload, tenant = candidate.tenant}
     end
   end
   return picked, online, carried, rows, tokens
@@ -476,7 +629,7 @@ end
 local function move_to_inflight(picked)
   local out = {#picked}
   for _, entry in ipairs(picked) do
-    redis.call('ZREM', K.ready, entry.id)
+    ready_remove(K.ready, entry.id, entry.tenant)
     redis.call('ZADD', K.inflight, lease_deadline, entry.id)
     redis.call('ZREM', K.waiting, entry.id)
     append_leased(out, entry.id, entry.payload, redis.call('HINCRBY', K.attempts, entry.id, 1),
@@ -485,23 +638,19 @@ local function move_to_inflight(picked)
   return out
 end
 
--- The leased requests' tenants are present on the model from now (`shares`): one HSET for the batch.
+-- The leased requests' tenants are present on the model while the batch runs (`shares`, lib.lua's
+-- `mark_leased`): one HSET for the batch.
 local function mark_served(picked)
   if shares_option == nil then
     return
   end
-  local fields, marked = {}, {}
+  local tenants = {}
   for _, entry in ipairs(picked) do
-    if entry.req ~= nil and not marked[entry.tenant] then
-      marked[entry.tenant] = true
-      fields[#fields + 1] = entry.tenant
-      fields[#fields + 1] = now
+    if entry.req ~= nil then
+      tenants[entry.tenant] = true
     end
   end
-  if #fields > 0 then
-    redis.call('HSET', K.served, unpack(fields))
-    redis.call('EXPIRE', K.served, SERVED_KEEP_SECONDS)
-  end
+  mark_leased(K.served, tenants, now, shares_option)
 end
 
 -- The reply, with the ranked tenants a full fair scan found nothing of after its items.

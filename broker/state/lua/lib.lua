@@ -72,11 +72,65 @@ local function count_job_move(job_key, counts_key, old, new)
 end
 
 
+-- Tenant indexes (`keys.ready_of_tenant`): beside each ready ZSET, one ZSET per tenant ('' for none) of its
+-- waiting items at the same scores, where a fair-share lease finds a ranked tenant's work (lease_batch.lua).
+-- Named from the ready key, so scripts keep them through these helpers with no KEYS of their own. The `built`
+-- mark: the index holds every waiting item (`add_queue`; a queue stored before the indexes, index_ready.lua).
+local TENANT_INDEX_SEPARATOR = '|'
+local TENANT_INDEX_BUILT = '#by-tenant-built'
+local TENANT_INDEX_CURSOR = '#by-tenant-cursor'
+
+-- The tenant an item (its decoded payload) is indexed under: its `tenant`, '' for none.
+local function item_tenant(item)
+  local tenant = item and item['tenant']
+  return type(tenant) == 'string' and tenant or ''
+end
+
+-- The name of `tenant`'s index beside the ready ZSET `ready_key`.
+local function tenant_index(ready_key, tenant)
+  return ready_key .. TENANT_INDEX_SEPARATOR .. (type(tenant) == 'string' and tenant or '')
+end
+
+-- Does `ready_key`'s tenant index hold every waiting item (its `built` mark)?
+local function tenant_index_built(ready_key)
+  return redis.call('EXISTS', ready_key .. TENANT_INDEX_BUILT) == 1
+end
+
+-- Queue (or re-score) `item_id` at `score` in `ready_key` and in its tenant's index.
+local function ready_add(ready_key, item_id, score, tenant)
+  redis.call('ZADD', ready_key, score, item_id)
+  redis.call('ZADD', tenant_index(ready_key, tenant), score, item_id)
+end
+
+-- Take `item_id`, of `tenant`, out of `ready_key` and its tenant's index; true when it was waiting.
+local function ready_remove(ready_key, item_id, tenant)
+  if redis.call('ZREM', ready_key, item_id) == 0 then
+    return false
+  end
+  redis.call('ZREM', tenant_index(ready_key, tenant), item_id)
+  return true
+end
+
+-- `ready_remove` for an item whose tenant the caller does not know: read from its payload in `items_key`
+-- (before the payload goes), only when it was waiting.
+local function ready_remove_stored(ready_key, items_key, item_id)
+  if redis.call('ZREM', ready_key, item_id) == 0 then
+    return false
+  end
+  local payload = redis.call('HGET', items_key, item_id)
+  redis.call('ZREM', tenant_index(ready_key, item_tenant(payload and cjson.decode(payload))), item_id)
+  return true
+end
+
+
 -- `model_ref` has a queue: add it to the set of queues (`queues_key`), and move the set's version
 -- (`version_key`) when it was not there, so that drain loops read the set again (`queues.QueueWatcher`).
-local function add_queue(queues_key, version_key, model_ref)
+-- A ref new to the set had nothing waiting before this call (a queue leaves the set only empty,
+-- prune_queue.lua), so all that waits in `ready_key` now came through `ready_add`: its tenant index is built.
+local function add_queue(queues_key, version_key, model_ref, ready_key)
   if redis.call('SADD', queues_key, model_ref) == 1 then
     redis.call('INCR', version_key)
+    redis.call('SET', ready_key .. TENANT_INDEX_BUILT, '1')
   end
 end
 
@@ -100,10 +154,32 @@ local function count_waiting_again(waiting_key, item_id, item)
 end
 
 
+-- The field of a tenant's bytes HASH (`keys.tenant_queued_bytes`) that holds the sum of its entries.
+local QUEUED_BYTES_TOTAL = 'total'
+
+-- Give back what an online request held of its tenant's caps: its place among the requests not answered
+-- (`queued_key`, `max_queued`) and its bytes (`bytes_key`, `max_queued_bytes`). Only what is still held is
+-- freed, so a second call frees nothing; a HASH left with its total alone goes, total and all, so the
+-- total never outlives the entries it sums.
+local function free_tenant_place(queued_key, bytes_key, item_id)
+  redis.call('ZREM', queued_key, item_id)
+  local size = redis.call('HGET', bytes_key, item_id)
+  if not size then
+    return
+  end
+  redis.call('HDEL', bytes_key, item_id)
+  if redis.call('HLEN', bytes_key) <= 1 then
+    redis.call('DEL', bytes_key)
+  else
+    redis.call('HINCRBY', bytes_key, QUEUED_BYTES_TOTAL, -tonumber(size))
+  end
+end
+
+
 -- Upper bounds, in seconds, of the latency histograms' buckets; `broker.monitoring.sla_metrics.LATENCY_BUCKETS`
 -- lists the same. Bucket i (1-based) counts observations above bound i-1 and up to bound i;
 -- #LATENCY_BUCKETS + 1 counts those past the last.
-local LATENCY_BUCKETS = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600}
+local LATENCY_BUCKETS = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600}
 
 -- The priority class of a level as submitted (`broker.monitoring.sla_metrics.PRIORITY_CLASSES`).
 local function priority_class(level)
@@ -207,11 +283,45 @@ end
 -- How long a model's served-tenants HASH (`keys.tenants_served`) outlives its last write.
 local SERVED_KEEP_SECONDS = 3600
 
+-- The leased requests' tenants (`tenants`, tenant -> true) are present on the model while their batch runs
+-- (`shares`: the lease's option): marked served `in_flight_for` seconds from `now`. Their answer marks them
+-- again at its own time (complete_requests.lua), so only requests never answered (a worker died, they
+-- expired) keep them present that long, plus `present_for`.
+local function mark_leased(served_key, tenants, now, shares)
+  local fields = {}
+  local at = tonumber(now) + math.max(number_or(shares.in_flight_for, 0), 0)
+  for tenant in pairs(tenants) do
+    fields[#fields + 1] = tenant
+    fields[#fields + 1] = string.format('%.6f', at)
+  end
+  if #fields > 0 then
+    redis.call('HSET', served_key, unpack(fields))
+    redis.call('EXPIRE', served_key, SERVED_KEEP_SECONDS)
+  end
+end
+
+-- When each ranked tenant of `shares` (a lease's `shares` option) was last served on the model (`served_key`,
+-- `keys.tenants_served`): tenant -> time, one HMGET.
+local function served_times(served_key, shares)
+  local times, names = {}, {}
+  for _, entry in ipairs(shares.ranked or {}) do
+    names[#names + 1] = entry.tenant
+  end
+  if #names > 0 then
+    local values = redis.call('HMGET', served_key, unpack(names))
+    for index, name in ipairs(names) do
+      times[name] = tonumber(values[index])
+    end
+  end
+  return times
+end
+
 -- Tenants' shares inside one merged batch; `broker/tenants/batch_shares.py` (`split_batch`) is the reference
--- and says why. `shares` is the lease's `shares` option ({ranked [{tenant, share}], present_for}); `waiting`
--- tenant -> items waiting within the lease's reach; `served_at` tenant -> when its requests of the model were
--- last leased or answered. The anchor is the first ranked tenant present on the model (work waiting, or
--- served within present_for). Returns the anchor (nil: none), its share, and how many are present.
+-- and says why. `shares` is the lease's `shares` option ({ranked [{tenant, share}], present_for, in_flight_for});
+-- `waiting` tenant -> items waiting within the lease's reach; `served_at` tenant -> when its requests of the
+-- model were last answered, or the end of its leased batch's run bound (`mark_leased`: in the future while
+-- it runs). The anchor is the first ranked tenant present on the model (work waiting, or served within
+-- present_for). Returns the anchor (nil: none), its share, and how many are present.
 local function share_anchor(shares, waiting, served_at, now)
   local anchor, anchor_share, present = nil, nil, 0
   for _, entry in ipairs(shares.ranked or {}) do

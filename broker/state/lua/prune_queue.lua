@@ -5,7 +5,7 @@
 -- leased item is never pruned.
 -- KEYS[1] queues          SET model refs with a queue
 -- KEYS[2] queues version  STRING counter (moves when KEYS[1] loses the ref)
--- KEYS[3] ready           ZSET the ref's waiting items
+-- KEYS[3] ready           ZSET the ref's waiting items (its tenant index's marks go with the ref: lib.lua)
 -- KEYS[4] inflight        ZSET the ref's leased items
 -- ARGV[1] model ref
 -- Returns: 1 pruned, 0 kept (it has items, or was not in the set).
@@ -18,4 +18,6 @@ if redis.call('SREM', K.queues, ARGV[1]) == 0 then
   return 0
 end
 redis.call('INCR', K.queues_version)
+-- (its tenant indexes are empty with it; their marks go: `add_queue` marks the index built again)
+redis.call('DEL', K.ready .. TENANT_INDEX_BUILT, K.ready .. TENANT_INDEX_CURSOR)
 return 1

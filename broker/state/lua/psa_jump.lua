@@ -8,8 +8,9 @@
 -- ARGV[5] the queue's capacity (load = (waiting + leased) / capacity)
 -- Returns: {load x 1000, id of every item whose level rose...}; the caller re-scores those ids.
 -- Decision (as broker/queueing/scoring.py psa_jump_level): remaining delay < psa_rtd_ms, load > psa_load,
--- base level < psa_max_base_level  ->  level 15 under 100 ms, else 12. Items leased, gone, at 15,
--- or not eligible leave the index.
+-- base level < psa_max_base_level  ->  level 15 under 100 ms, else 12, but never past the tenant's cap
+-- (factors.max_level, 15 when absent): no jump when the cap is not above the base level. Items leased,
+-- gone, at 15 or at their cap, or not eligible leave the index.
 -- KEYS by name (the positions above are the callers' contract).
 local K = {deadlines = KEYS[1], ready = KEYS[2], inflight = KEYS[3], items = KEYS[4]}
 local now = tonumber(ARGV[1])
@@ -31,20 +32,22 @@ for i = 1, #due, 2 do
     if type(base) ~= 'number' then
       base = factors['level']
     end
-    if base >= tonumber(ARGV[4]) then
+    local cap = number_or(factors['max_level'], 15)
+    if base >= tonumber(ARGV[4]) or cap <= base then
       redis.call('ZREM', K.deadlines, item_id)
     else
       local target = 12
       if (deadline - now) * 1000 < 100 then
         target = 15
       end
+      target = math.min(target, cap)
       if target > factors['level'] then
         factors['base_level'] = base
         factors['level'] = target
         redis.call('HSET', K.items, item_id, cjson.encode(item))
         out[#out + 1] = item_id
       end
-      if target == 15 then
+      if target == cap then  -- it can rise no further
         redis.call('ZREM', K.deadlines, item_id)
       end
     end

@@ -4,7 +4,7 @@
 -- was lost (it died, froze, or lost Redis); only lost leases count against the attempts, and only they
 -- may wait a backoff of their own (`retry.worker_lost`).
 -- KEYS[1] inflight  ZSET item id -> lease deadline
--- KEYS[2] ready     ZSET
+-- KEYS[2] ready     ZSET (and its tenants' indexes beside it: lib.lua's `ready_add`)
 -- KEYS[3] items     HASH (the payload keeps the item's score)
 -- KEYS[4] attempts  HASH item id -> lease count
 -- KEYS[5] dead      ZSET
@@ -47,7 +47,7 @@ for i = 1, #expired, 2 do
   else
     redis.call('ZREM', K.inflight, item_id)
     local item = cjson.decode(payload)
-    redis.call('ZADD', K.ready, item['score'], item_id)
+    ready_add(K.ready, item_id, item['score'], item_tenant(item))
     count_waiting_again(K.waiting_requests, item_id, item)
     reply[1] = reply[1] + 1
     if not parked then

@@ -1,6 +1,7 @@
 -- rescore: recompute the scores of one bounded slice of a queue under new weights (hot update).
--- KEYS[1] the queue to walk: a ready ZSET (scores are rewritten) or an in-flight ZSET (only the
---         payload's score is, so a lease that expires goes back with the new score)
+-- KEYS[1] the queue to walk: a ready ZSET (scores are rewritten, in its tenants' indexes too: lib.lua's
+--         `tenant_index`) or an in-flight ZSET (only the payload's score is, so a lease that expires goes back
+--         with the new score)
 -- KEYS[2] items HASH item id -> payload (its 'factors' say what the score is made of)
 -- ARGV[1] ZSCAN cursor ('0' to start), ARGV[2] ZSCAN COUNT (bounds the work of one call)
 -- ARGV[3] 'ready' | 'inflight' | 'ids' (re-score just the ready items named in ARGV[12..], e.g.
@@ -23,18 +24,27 @@ local function queue_key(f)
   if ordering == 'fifo' then
     return number_or(f['enqueued_at'], 0) - EPOCH
   end
-  local since = number_or(f['order_at'], number_or(f['enqueued_at'], 0)) - EPOCH
+  local enqueued_at = number_or(f['enqueued_at'], 0)
+  local since = number_or(f['order_at'], enqueued_at)
+  local level = number_or(f['level'], 0)
+  local max_level = number_or(f['max_level'], 15)
+  if type(f['order_at']) == 'number' and max_level < 15 and delta > 0 then
+    -- a capped item's deadline gains it at most its cap's points (scoring.py aging_since, deadline_reach)
+    since = math.max(since, enqueued_at - math.max(max_level - level, 0) / delta)
+  end
+  since = since - EPOCH
   local latency_points = 0
   local latency = f['est_latency_ms']
   if type(latency) == 'number' then
     latency_points = math.min(100.0 / math.max(latency, 0.001), 10.0)
   end
-  local level = number_or(f['level'], 0)
   local points = level + alpha * latency_points + beta * number_or(f['sla_weight'], 1.0)
     + gamma * number_or(f['complexity'], 0.0)
   local key = delta * since - points
   local tokens = f['tokens']
-  if level >= express_level or (type(tokens) == 'number' and tokens < express_max_tokens) then
+  -- (a short request takes the express lane only for a tenant that may ask its level: scoring.py is_express)
+  if level >= express_level
+      or (type(tokens) == 'number' and tokens < express_max_tokens and max_level >= express_level) then
     key = key - express_bonus
   end
   return key
@@ -61,8 +71,8 @@ for _, item_id in ipairs(ids) do
       local key = queue_key(item['factors'])
       item['score'] = key
       redis.call('HSET', K.items, item_id, cjson.encode(item))
-      if ARGV[3] ~= 'inflight' then
-        redis.call('ZADD', K.queue, 'XX', key, item_id)
+      if ARGV[3] ~= 'inflight' and redis.call('ZADD', K.queue, 'XX', 'CH', key, item_id) == 1 then
+        redis.call('ZADD', tenant_index(K.queue, item_tenant(item)), key, item_id)  -- (its tenant's index too)
       end
       done = done + 1
     end

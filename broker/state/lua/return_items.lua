@@ -2,7 +2,7 @@
 -- attempt not counted (a worker leased them, then found it could not run them: a job chunk whose
 -- mini-batches do not fit the device's free memory now).
 -- KEYS[1] inflight  ZSET item id -> lease deadline
--- KEYS[2] ready     ZSET item id -> score
+-- KEYS[2] ready     ZSET item id -> score (and its tenants' indexes beside it: lib.lua's `ready_add`)
 -- KEYS[3] items     HASH item id -> payload (it keeps the item's current score)
 -- KEYS[4] attempts  HASH item id -> lease count
 -- KEYS[5] doorbell  LIST an idle drain task blocks on
@@ -18,7 +18,7 @@ for _, item_id in ipairs(ARGV) do
   local payload = redis.call('HGET', K.items, item_id)
   if payload and redis.call('ZREM', K.inflight, item_id) == 1 then
     local item = cjson.decode(payload)
-    redis.call('ZADD', K.ready, item['score'], item_id)
+    ready_add(K.ready, item_id, item['score'], item_tenant(item))
     count_waiting_again(K.waiting_requests, item_id, item)
     if tonumber(redis.call('HINCRBY', K.attempts, item_id, -1)) <= 0 then
       redis.call('HDEL', K.attempts, item_id)

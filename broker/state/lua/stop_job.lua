@@ -3,7 +3,7 @@
 -- are to come, the job is in the stopping index, and a reaper pass completes a stop whose caller died
 -- (`broker.jobs.stops.finish_stop`).
 -- KEYS[1] job       HASH
--- KEYS[2] ready     ZSET
+-- KEYS[2] ready     ZSET (and its tenants' indexes beside it: lib.lua's `ready_remove`)
 -- KEYS[3] inflight  ZSET
 -- KEYS[4] items     HASH
 -- KEYS[5] attempts  HASH
@@ -72,7 +72,7 @@ else
   return status
 end
 for i = 9, #ARGV do
-  redis.call('ZREM', K.ready, ARGV[i])
+  ready_remove_stored(K.ready, K.items, ARGV[i])
   redis.call('ZREM', K.inflight, ARGV[i])
   redis.call('ZREM', K.dead, ARGV[i])
   redis.call('HDEL', K.items, ARGV[i])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 import urllib.parse
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from flask import Flask
 from flask.testing import FlaskClient
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,6 +32,7 @@ from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
 from broker.memory.ledger import MemoryLedger
+from broker.monitoring import batch_sizes
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS
 from broker.online import requests
 from broker.online.requests import RequestResult
@@ -38,6 +41,7 @@ from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
+from sits_api.http import request_metrics
 from tests.api.api_helpers import Api, make_settings, tenant_copy
 from tests.leasing import lease_items
 
@@ -316,9 +320,11 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
         "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
         "sits_request_runs", "sits_requests_rejected", "sits_job_deadlines", "sits_jobs_rejected",
         "sits_request_deadlines", "sits_tenant_device_seconds", "sits_tenant_rows", "sits_degrade_changes",
-        "sits_failures", "sits_worker_oom_halvings", "sits_worker_oom_offloads"}
+        "sits_failures", "sits_worker_oom_halvings", "sits_worker_oom_offloads", "sits_http_requests"}
     assert {family.name for family in families if family.type == "histogram"} == {
-        "sits_request_end_to_end_seconds", "sits_request_queue_wait_seconds", "sits_job_end_to_end_seconds"}
+        "sits_request_end_to_end_seconds", "sits_request_queue_wait_seconds", "sits_job_end_to_end_seconds",
+        "sits_request_run_seconds", "sits_job_chunk_seconds", "sits_batch_rows", "sits_batch_tokens",
+        "sits_http_request_duration_seconds"}
 
 
 def test_metrics_need_a_metrics_or_admin_key_and_a_metrics_key_reads_nothing_else(
@@ -373,8 +379,10 @@ def test_metrics_answer_openmetrics_when_asked(client: FlaskClient, admin_key: s
     assert plain.content_type.startswith("text/plain")
 
 
-def test_a_scrape_costs_the_same_redis_commands_however_many_jobs_are_kept(tmp_path: Path, zoo_dir: Path) -> None:
+def test_a_scrape_costs_the_same_redis_commands_however_many_jobs_are_kept(
+        tmp_path: Path, zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Jobs are never deleted: a scrape must not read them one by one (as a walk of the jobs would)."""
+    monkeypatch.setattr(request_metrics, "FLUSH_SECONDS", 3600.0)  # (each scrape adds the last one's answer alone)
     with EmbeddedRedis(tmp_path / "redis", appendonly=False) as server:
         store = Store.connect(server.url, "cost")
         app = create_app(make_settings(server, store, tmp_path, zoo_dir), store=store)
@@ -400,7 +408,8 @@ def test_a_scrape_costs_the_same_redis_commands_however_many_jobs_are_kept(tmp_p
         many = commands_of_a_scrape()
 
         assert many == few
-        assert few <= 18, f"a scrape ran {few} Redis commands"
+        # (of them, one MULTI of five adds the last scrape's HTTP answer: count, bucket, sum)
+        assert few <= 25, f"a scrape ran {few} Redis commands"
         store.client.close()
 
 
@@ -463,13 +472,18 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
     workers.record_heartbeat(store, "w@h", {"device": "cpu", "streams": 2, "commits_pending": 0,
                                             "memory": a_memory_ledger_running_one_batch().stats(),
                                             "degrade": {"step": 2, "jitter": 0.25, "steps_taken": 2}}, now=now)
+    workers.record_heartbeat(store, "gpu@h", {"device": "gpu:0", "streams": 1, "gpu": {
+        "utilization": 0.5, "memory_used_bytes": 2**30, "memory_total_bytes": 16 * 2**30}}, now=now)
     submit_job(api, tmp_path, mlp_input, "all")
     assert api.post("/v1/requests", json={"model": "mlp", "inputs": {"features": ONE_ROW}}).status_code == 202
     [request] = lease_items(store, mlp["ref"], now=now, lease_seconds=60, max_items=1, requests_only=True)
     requests.complete_requests(store, [RequestResult(request, outputs={})], now=now, keep_seconds=60, batch_size=1,
                                worker="w@h", run_started=now, run_rows=1)
     [chunk] = lease_items(store, mlp["ref"], now=now, lease_seconds=60, max_items=1)
-    job_progress.ack_chunk(store, chunk, now=now, worker="w@h")
+    job_progress.ack_chunk(store, chunk, now=now, worker="w@h", run_seconds=0.02)
+    sizes = batch_sizes.new_tally()  # what a token model's worker counted and its heartbeat added
+    batch_sizes.observe_run(sizes, mlp["ref"], 4, 256)
+    sizes.flush(store, store.keys.batch_sizes)
     due = api.post("/v1/jobs", json={"model": "mlp", "input_batch": str(mlp_input), "deadline_s": 3600,
                                      "output_dir": str(tmp_path / "due"), "chunk_size": 4}).get_json()["id"]
     finished = submit_job(api, tmp_path, mlp_input, "finished")["id"]
@@ -480,6 +494,7 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
     BreakerBoard(store, BreakerSettings(), lambda: "w@h").note_run(mlp["ref"], failed=False, now=now)
     limited = create_app(settings.with_overrides(online={"models": {"mlp": {"priority_levels": {0: {
         "max_queue_size": 5}}}}}), store=store).test_client()
+    scrape(client, api.headers["Authorization"].split()[1])  # (adds this app's HTTP answers to Redis)
     return samples(scrape(limited, api.headers["Authorization"].split()[1]))
 
 
@@ -550,3 +565,40 @@ def test_gpu_series_come_from_a_gpu_worker_s_heartbeat_and_are_absent_not_zero_w
     assert value(found, "sits_gpu_memory_total_bytes", worker="gpu@host-a", device="gpu:0") == 80 * 2**30
     for name in ("sits_gpu_utilization_ratio", "sits_gpu_memory_used_bytes", "sits_gpu_memory_total_bytes"):
         assert [labels["worker"] for labels in names_of(found, name)] == ["gpu@host-a"], name  # no cpu@host-b: 0
+
+
+def test_http_answers_of_every_api_process_are_counted_by_route_template_never_by_what_a_client_sent(
+        client: FlaskClient, api: Api, scrape_key: str, settings: Settings, store: Store, app: Flask) -> None:
+    """Two apps over one Redis are two API processes: each counts its own answers, and a scrape of either
+    shows both. A client sending random paths and methods adds no series: the route is the URL rule's
+    template, one label for every path no rule matches, and an unusual method is 'other'."""
+    other = Api(create_app(settings, store=store).test_client(), api.headers["Authorization"].split()[1])
+    hostile = [f"/v1/{secrets.token_hex(8)}/{secrets.token_hex(8)}" for _ in range(5)]
+    for caller in (api, other):
+        assert caller.get("/v1/jobs/job-that-is-not-there").status_code == 404
+        assert caller.get("/v1/models").status_code == 200
+    for path in hostile:
+        assert api.get(path).status_code == 404
+    assert client.open("/v1/models", method="BREW", headers=api.headers).status_code == 405
+    assert client.get("/v1/models").status_code == 401  # no key: refused by a hook before any view
+
+    scrape(other.client, scrape_key)  # (the other process adds its answers; the next scrape's adds its own)
+    found = samples(scrape(client, scrape_key))
+
+    def answers(route: str, method: str, status: str) -> float:
+        return value(found, "sits_http_requests_total", route=route, method=method, status=status)
+
+    assert answers("/v1/jobs/<job_id>", "GET", "404") == 2  # one from each process
+    assert answers("/v1/models", "GET", "200") == 2
+    assert answers("/v1/models", "GET", "401") == 1
+    assert answers("unmatched", "GET", "404") == len(hostile)
+    assert answers("unmatched", "other", "405") == 1
+    rules = {rule.rule for rule in app.url_map.iter_rules()} | {"unmatched"}
+    series = [dict(labels) for name, labels in found if name.startswith("sits_http_")]
+    assert {labels["route"] for labels in series} <= rules
+    assert not any(path.split("/")[2] in str(labels) for path in hostile for labels in series)
+    assert {labels["method"] for labels in series} == {"GET", "other"}
+    timed = {"route": "/v1/jobs/<job_id>", "method": "GET"}
+    assert value(found, "sits_http_request_duration_seconds_count", **timed) == 2
+    assert value(found, "sits_http_request_duration_seconds_bucket", **timed, le="+Inf") == 2
+    assert 0 < value(found, "sits_http_request_duration_seconds_sum", **timed) < 30

@@ -8,20 +8,25 @@ import bisect
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from broker.jobs import fills as job_fills
+from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
 from broker.jobs.finish_prediction import Fleet, Work
 from broker.monitoring import sla_metrics
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS, Histogram, decode_histograms, priority_class, read_job_risks
+from broker.online import requests
+from broker.online.requests import RequestResult, RequestSpec
 from broker.queueing import leases
 from broker.queueing.leases import LeasedItem
 from broker.sla import watch as sla_watch
 from broker.state.scripts import script_text
 from broker.state.store import Store
 from tests.broker.broker_helpers import MODEL_REF, NOW, job_spec
+from tests.leasing import lease_items
 
 
 def test_the_scripts_bucket_and_class_as_sla_metrics_says(store: Store) -> None:
@@ -50,13 +55,14 @@ return {classes, buckets}
 
 
 def test_decoded_buckets_are_cumulative_with_their_sum_and_count() -> None:
-    raw = {"mlp@v1|queue|low|2": "3", "mlp@v1|queue|low|5": "1", "mlp@v1|queue|low|17": "2",
+    raw = {"mlp@v1|queue|low|2": "3", "mlp@v1|queue|low|5": "1", "mlp@v1|queue|low|19": "2",
            "mlp@v1|queue|low|ns": "2500000000"}
 
     [(series, histogram)] = decode_histograms(raw).items()
 
     assert series == ("mlp@v1", "queue", "low")
-    assert histogram == Histogram([0, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6], 2.5)
+    assert histogram == Histogram([0, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6], 2.5)
+    assert len(histogram.cumulative) == len(LATENCY_BUCKETS) + 1
     assert histogram.count == 6
 
 
@@ -97,10 +103,10 @@ def test_a_job_ending_counts_its_deadline_once_and_its_time_when_it_succeeded(st
         f"job_deadline_met:{MODEL_REF}": 1, f"job_deadline_missed:{MODEL_REF}": 2}
     histograms = decode_histograms(store.client.hgetall(store.keys.latency_buckets))
     express = histograms[(MODEL_REF, "job", "express")]
-    assert express.count == 1 and express.sum_seconds == pytest.approx(0.3)
+    assert express.count == 1 and express.total == pytest.approx(0.3)
     assert express.cumulative[LATENCY_BUCKETS.index(0.25)] == 0 and express.cumulative[LATENCY_BUCKETS.index(0.5)] == 1
     low = histograms[(MODEL_REF, "job", "low")]
-    assert low.count == 1 and low.sum_seconds == pytest.approx(61)
+    assert low.count == 1 and low.total == pytest.approx(61)
     normal = histograms[(MODEL_REF, "job", "normal")]  # priority 5, no deadline: its time counts all the same
     assert normal.count == 1 and normal.cumulative[LATENCY_BUCKETS.index(300.0)] == 0
     assert store.client.zcard(store.keys.jobs_due) == 0
@@ -164,3 +170,38 @@ def test_the_predictor_judges_a_queued_job_on_the_plan_of_the_work_now_ahead_of_
 
     assert calm < 0.1 < 0.9 < alarmed
     assert float(store.client.hget(store.keys.job(spec.job_id), "sla_ahead")) == 80.0
+
+
+def _submit_request(store: Store, request_id: str, level: int, *, now: float) -> None:
+    spec = RequestSpec(request_id=request_id, model_name="mlp", model_version="v1",
+                       inputs={"features": np.ones((1, 64), dtype=np.float32)}, rows=1, tokens=None, bucket="",
+                       factors={"level": level})
+    requests.submit_request(store, spec, score=float(-level), now=now, max_age_seconds=60)
+
+
+def test_each_request_s_run_and_each_chunk_s_run_count_once_in_their_histograms(store: Store) -> None:
+    _submit_request(store, "low", 0, now=NOW)
+    _submit_request(store, "express", 13, now=NOW)
+    leased = lease_items(store, MODEL_REF, now=NOW, lease_seconds=60, max_items=2, requests_only=True)
+    results = [RequestResult(item, outputs={}) for item in leased]
+    requests.complete_requests(store, results, now=NOW + 1.3, keep_seconds=60, batch_size=2, worker="w",
+                               run_started=NOW + 1.0, run_rows=2)
+    requests.complete_requests(store, results, now=NOW + 2.0, keep_seconds=60, batch_size=2, worker="w",
+                               run_started=NOW + 1.9, run_rows=2)  # a late repeat from a lost lease: no count
+    spec = job_spec(priority=9, rows_total=8, chunk_size=4)
+    job_fills.create_job(store, spec, now=NOW)
+    first, second = lease_items(store, MODEL_REF, now=NOW, lease_seconds=60, max_items=2)
+    job_progress.ack_chunk(store, first, now=NOW + 1, worker="w1", run_seconds=0.004)
+    job_progress.ack_chunk(store, first, now=NOW + 2, worker="w2", run_seconds=0.7)  # its run again: counted once
+    job_progress.ack_chunk(store, second, now=NOW + 2, worker="w1")  # parts written before: no run to count
+
+    histograms = decode_histograms(store.client.hgetall(store.keys.latency_buckets))
+
+    for klass in ("low", "express"):
+        run = histograms[(MODEL_REF, "run", klass)]
+        assert run.count == 1 and run.total == pytest.approx(0.3)
+        assert run.cumulative[LATENCY_BUCKETS.index(0.25)] == 0 and run.cumulative[LATENCY_BUCKETS.index(0.5)] == 1
+    chunk = histograms[(MODEL_REF, "chunk", "high")]  # its job's priority 9
+    assert chunk.count == 1 and chunk.total == pytest.approx(0.004)
+    assert chunk.cumulative[LATENCY_BUCKETS.index(0.0025)] == 0 and chunk.cumulative[LATENCY_BUCKETS.index(0.005)] == 1
+    assert {what for _, what, _ in histograms} == {"request", "queue", "run", "chunk"}

@@ -9,12 +9,16 @@ with job chunks: leased in merged batches (taking a chunk along), or as
 riders of a chunk's mini-batch, some with a timeout (rejected or delayed by the
 reaper's pass) or refused by a full queue. After every step each chunk of every
 active job must be in exactly one place: waiting, leased, done, or dead; each
-request waiting, leased, dead, or finished with exactly one result; and what
-`max_queue_size` counts is exactly the requests waiting.
+request waiting, leased, dead, or finished with exactly one result; what
+`max_queue_size` counts is exactly the requests waiting; and each model's tenant indexes hold exactly its
+waiting items split by tenant, at their scores (a queue stored before the indexes: none that does not wait,
+until a reaper pass has indexed it whole). Jobs and requests belong to a few tenants, and some leases
+follow a fair-share order through those indexes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -42,7 +46,7 @@ from broker.jobs import stops as job_stops
 from broker.online import requests
 from broker.online import timeouts as request_timeouts
 from broker.online.requests import RequestResult, RequestSpec
-from broker.queueing import leases, policy, queues, reaping
+from broker.queueing import leases, policy, queues, reaping, tenant_index
 from broker.queueing.leases import LeasedItem
 from broker.queueing.scoring import Factors, Weights, queue_key
 from broker.state.embedded import EmbeddedRedis
@@ -56,6 +60,10 @@ MAX_ATTEMPTS = 2
 MAX_JOBS = 4
 MAX_REQUESTS = 8
 BUCKETS = ("x:1", "x:2")
+TENANTS = ("", "a", "b")
+FAIR_ORDERS = (None, {"order": ["a", "b"], "held": [], "window": 2}, {"order": ["b"], "held": ["a"], "window": 3},
+               {"order": ["a"], "held": [], "window": 4, "only": True})
+"""The fair-share orders a lease may follow (none: the queue's own order)."""
 
 
 class QueueMachine(RuleBasedStateMachine):
@@ -79,7 +87,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     @initialize(model=st.sampled_from(MODELS), rows_total=st.integers(1, 6), chunk_size=st.integers(1, 3))
     def first_job(self, model: str, rows_total: int, chunk_size: int) -> None:
-        self.add_job(model, rows_total, chunk_size, priority=0)
+        self.add_job(model, rows_total, chunk_size, priority=0, tenant="a")
 
     def teardown(self) -> None:
         for key in self.client.scan_iter(f"{self.store.keys.prefix}:*", count=1000):
@@ -95,12 +103,13 @@ class QueueMachine(RuleBasedStateMachine):
         chunk_size=st.integers(1, 3),
         priority=st.sampled_from([0, 7]),
         stored_before_counts=st.booleans(),
+        tenant=st.sampled_from(TENANTS),
     )
     def create_job(self, model: str, rows_total: int, chunk_size: int, priority: int,
-                   stored_before_counts: bool) -> None:
+                   stored_before_counts: bool, tenant: str) -> None:
         """A new job; or, until the old jobs are all counted, one as a version before the per-status job
         counts stored it (not counted)."""
-        self.add_job(model, rows_total, chunk_size, priority)
+        self.add_job(model, rows_total, chunk_size, priority, tenant=tenant)
         if stored_before_counts and not self.client.exists(self.store.keys.job_counts_built):
             job_id = self.job_ids[-1]
             status = self.client.hget(self.store.keys.job(job_id), "status")
@@ -112,16 +121,16 @@ class QueueMachine(RuleBasedStateMachine):
         """A reaper pass counts a page of old jobs (`job_lists.count_old_jobs`)."""
         job_lists.count_old_jobs(self.store, limit=limit)
 
-    def add_job(self, model: str, rows_total: int, chunk_size: int, priority: int) -> None:
+    def add_job(self, model: str, rows_total: int, chunk_size: int, priority: int, *, tenant: str) -> None:
         name, _, version = model.partition("@")
-        spec = job_spec(
+        spec = dataclasses.replace(job_spec(
             f"j{len(self.job_ids)}",
             model_name=name,
             model_version=version,
             rows_total=rows_total,
             chunk_size=chunk_size,
             priority=priority,
-        )
+        ), tenant=tenant)
         weights, ordering = policy.get_policy(self.store, default="dynamic")
         job_fills.create_job(self.store, spec, now=self.now, weights=weights, ordering=ordering)
         self.job_ids.append(spec.job_id)
@@ -130,9 +139,9 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from(MODELS), bucket=st.sampled_from(BUCKETS), rows=st.integers(1, 2),
           level=st.sampled_from([0, 12]), timeout=st.sampled_from([{}, {"expires_at": 1}, {"delay_at": 1},
                                                                      {"expires_at": 20}, {"delay_at": 20}]),
-          limits=st.sampled_from([(0, 0), (3, 0), (0, 1)]))
+          limits=st.sampled_from([(0, 0), (3, 0), (0, 1)]), tenant=st.sampled_from(TENANTS))
     def submit_request(self, model: str, bucket: str, rows: int, level: int, timeout: dict[str, int],
-                       limits: tuple[int, int]) -> None:
+                       limits: tuple[int, int], tenant: str) -> None:
         """An online request, scored with the live policy as the API does, maybe with a timeout (rejected
         or delayed past it) and under a queue limit (the model's, or its level's)."""
         name, _, version = model.partition("@")
@@ -141,7 +150,7 @@ class QueueMachine(RuleBasedStateMachine):
         request_id = f"r{len(self.request_ids)}"  # (its own inbox counts its results)
         spec = RequestSpec(request_id=request_id, model_name=name, model_version=version,
                            inputs={"x": np.zeros((rows, 1), np.float32)}, rows=rows, tokens=None, bucket=bucket,
-                           factors=factors.to_dict(), reply_to=self.store.keys.inbox(request_id),
+                           factors=factors.to_dict(), reply_to=self.store.keys.inbox(request_id), tenant=tenant,
                            **{action: self.now + after for action, after in timeout.items()})
         waiting = self.store.keys.waiting_requests(model)
         try:
@@ -177,10 +186,16 @@ class QueueMachine(RuleBasedStateMachine):
     # --- what workers do ----------------------------------------------------------------------
 
     @rule(model=st.sampled_from(MODELS), max_items=st.integers(1, 3), lease_seconds=st.sampled_from([10, 60]),
-          carry_chunk=st.booleans(), requests_only=st.booleans())
-    def lease(self, model: str, max_items: int, lease_seconds: int, carry_chunk: bool, requests_only: bool) -> None:
+          carry_chunk=st.booleans(), requests_only=st.booleans(), fair=st.sampled_from(FAIR_ORDERS))
+    def lease(self, model: str, max_items: int, lease_seconds: int, carry_chunk: bool, requests_only: bool,
+              fair: dict[str, Any] | None) -> None:
         leased = lease_items(self.store, model, now=self.now, lease_seconds=lease_seconds, max_items=max_items,
-                                    max_chunks=1, carry_chunk=carry_chunk, requests_only=requests_only)
+                                    max_chunks=1, carry_chunk=carry_chunk, requests_only=requests_only, tenants=fair)
+        if fair is not None:  # a held tenant's work is never leased, nor, with `only`, an unranked one's
+            allowed = set(fair["order"]) - set(fair["held"]) if fair.get("only") else None
+            for item in leased:
+                tenant = item.payload.get("tenant") or ""
+                assert tenant not in fair["held"] and (allowed is None or tenant in allowed), (tenant, fair)
         kinds = [item.payload["kind"] for item in leased]
         if requests_only or not carry_chunk:
             assert len(set(kinds)) <= 1, kinds
@@ -291,6 +306,18 @@ class QueueMachine(RuleBasedStateMachine):
         """A reaper pass prunes the older version's queue if it ran dry."""
         queues.prune_old_queues(self.store)
 
+    @rule(model=st.sampled_from(MODELS))
+    def stored_before_the_tenant_indexes(self, model: str) -> None:
+        """The model's queue as a version before the tenant indexes left it: no index, no mark."""
+        ready = self.store.keys.ready(model)
+        self.client.delete(*self.client.scan_iter(f"{ready}|*", count=1000),
+                           self.store.keys.ready_of_tenant_built(model), self.store.keys.ready_of_tenant_cursor(model))
+
+    @rule(page=st.sampled_from([1, 2, 100]))
+    def index_waiting_items(self, page: int) -> None:
+        """A reaper pass indexes a page of each queue stored before the tenant indexes."""
+        tenant_index.index_waiting_items(self.store, page=page)
+
     # --- invariants --------------------------------------------------------------------------------
 
     @invariant()
@@ -389,6 +416,27 @@ class QueueMachine(RuleBasedStateMachine):
             expected = {item_id: float(payload["factors"].get("base_level", payload["factors"]["level"]))
                         for item_id, payload in zip(ready, payloads, strict=True) if payload["kind"] == "request"}
             assert waiting == expected, model
+
+    @invariant()
+    def tenant_indexes_hold_the_waiting_items_split_by_tenant(self) -> None:
+        """Every script that queues, leases, returns, re-scores or takes out an item keeps its tenant's index in
+        step: once built, each index is exactly its tenant's waiting items at their scores; before, it holds
+        nothing else."""
+        keys = self.store.keys
+        for model in MODELS:
+            ready_key = keys.ready(model)
+            ready = dict(self.client.zrange(ready_key, 0, -1, withscores=True))
+            payloads = [json.loads(raw) for raw in self.client.hmget(keys.items, list(ready))] if ready else []
+            expected: dict[str, dict[str, float]] = {}
+            for (item_id, score), payload in zip(ready.items(), payloads, strict=True):
+                expected.setdefault(payload.get("tenant") or "", {})[item_id] = score
+            indexed = {key[len(ready_key) + 1:]: dict(self.client.zrange(key, 0, -1, withscores=True))
+                       for key in self.client.scan_iter(f"{ready_key}|*", count=1000)}
+            if self.client.exists(keys.ready_of_tenant_built(model)):
+                assert indexed == expected, model
+            else:
+                for tenant, entries in indexed.items():
+                    assert entries.items() <= expected.get(tenant, {}).items(), (model, tenant)
 
     @invariant()
     def waiting_scores_follow_the_live_policy(self) -> None:

@@ -71,7 +71,7 @@ def test_ranked_shares_keep_the_order_and_leave_out_held_tenants_and_tenants_wit
     assert ranked_shares(["s2", "free", "s1", "capped"], {"capped"},
                          {"s1": 0.5, "s2": 0.2, "capped": 0.3, "free": 0.0}) == (("s2", 0.2), ("s1", 0.5))
     assert S1_FIRST.to_lua() == {"ranked": [{"tenant": "s1", "share": 0.7}, {"tenant": "s2", "share": 0.3}],
-                                 "present_for": PRESENT_FOR}
+                                 "present_for": PRESENT_FOR, "in_flight_for": 0.0}
 
 
 # --- one slot, closed-loop clients ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from broker.jobs import records as jobs
 from broker.jobs import tenant_quotas
 from broker.online import requests
 from broker.online.requests import QueueAtLimit, RequestResult, RequestSpec
-from broker.queueing import leases, reaping
+from broker.queueing import leases, reaping, tenant_index
 from broker.state.store import Store
 from broker.tenants import records as tenants
 from broker.tenants import usage as tenant_usage
@@ -119,13 +119,31 @@ def test_a_batch_takes_other_tenants_requests_after_the_first_s_and_a_held_tenan
     assert store.client.llen(store.keys.doorbell) == 0  # an empty lease wakes no idle peer (no busy loop)
 
 
-def test_fair_share_looks_no_further_than_its_window(store: Store) -> None:
+def test_fair_share_finds_ranked_tenants_past_its_window_and_others_only_within_it(store: Store) -> None:
     for index in range(8):
         submit(store, f"a{index}", "a", score=index)
     submit(store, "b0", "b", score=100)
+    submit(store, "c0", "c", score=101)
+
+    # b's own index finds its request behind the window; c, not in the order, is looked for only within it
+    assert lease(store, {"order": ["b", "a"], "held": [], "window": 4}, max_items=1) == ["b0"]
+    assert lease(store, {"order": [], "held": ["a"], "window": 4}, max_items=1) == []
+    assert lease(store, {"order": [], "held": ["a"], "window": 16}, max_items=1) == ["c0"]
+
+
+def test_a_queue_stored_before_the_tenant_indexes_is_weighed_by_its_window_until_a_reaper_pass_builds_them(
+        store: Store) -> None:
+    for index in range(8):
+        submit(store, f"a{index}", "a", score=index)
+    submit(store, "b0", "b", score=100)
+    old_keys = [store.keys.ready_of_tenant(MODEL, "a"), store.keys.ready_of_tenant(MODEL, "b"),
+                store.keys.ready_of_tenant_built(MODEL)]
+    store.client.delete(*old_keys)  # (as a version before the indexes left it)
 
     assert lease(store, {"order": ["b", "a"], "held": [], "window": 4}, max_items=1) == ["a0"]
-    assert lease(store, {"order": ["b", "a"], "held": [], "window": 16}, max_items=1) == ["b0"]
+    assert tenant_index.index_waiting_items(store, page=2)  # (a queue this small is one ZSCAN page)
+    assert store.client.zrange(store.keys.ready_of_tenant(MODEL, "a"), 0, -1) == [f"a{i}" for i in range(1, 8)]
+    assert lease(store, {"order": ["b", "a"], "held": [], "window": 4}, max_items=1) == ["b0"]
 
 
 def test_job_chunks_carry_their_tenant_and_follow_the_order_too(store: Store) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from broker.errors import ConfigError
+from broker.monitoring.batch_sizes import decode_batch_sizes
 from broker.queueing import workers
 from broker.state.store import Store
 from sits_worker.device.pinning import Device
@@ -62,3 +64,15 @@ def test_a_heartbeat_records_what_the_worker_is_and_holds(store: Store, zoo_dir:
     (worker,) = workers.list_workers(store, now=1001.0, timeout=15.0)
     assert worker["name"] == "w1@host" and worker["alive"] and worker["device"] == "cpu"
     assert worker["streams"] == 1 and worker["commits_pending"] == 0 and "memory" in worker
+
+
+def test_a_heartbeat_adds_the_sizes_of_the_runs_since_the_last_beat_to_redis_once(store: Store, zoo_dir: Path) -> None:
+    ctx = mlp_worker_context(store, zoo_dir)
+    heartbeat = Heartbeat(ctx, "w1@host")
+    ctx.run("mlp@v1", {"features": np.zeros((3, 64), dtype=np.float32)}, ["logits"])
+
+    heartbeat.beat_once(now=1000.0)
+    heartbeat.beat_once(now=1002.0)  # (nothing ran since: nothing added again)
+
+    [(series, rows)] = decode_batch_sizes(store.client.hgetall(store.keys.batch_sizes)).items()
+    assert series == ("mlp@v1", "rows") and rows.count == 1 and rows.total == 3

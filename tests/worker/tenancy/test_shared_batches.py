@@ -8,21 +8,24 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from broker.config.settings import Settings
 from broker.memory.reservation import Admission
 from broker.online import requests
 from broker.online.requests import RequestSpec
 from broker.queueing import leases
+from broker.queueing.scoring import estimate_latency_ms
 from broker.state.store import Store
 from broker.tenants import usage as tenant_usage
-from broker.tenants.batch_shares import BatchShares
+from broker.tenants.batch_shares import BatchShares, in_flight_bound
 from broker.tenants.usage import BillEntry
+from sits_worker.serving import leasing
 from sits_worker.serving.drain_loop import _lease_admitted, _Slice, _wait_after_nothing_ran
-from sits_worker.tenancy.fair_share import PRESENT_SECONDS
 from tests.worker.worker_helpers import mlp_worker_context
 
 SHARES = {"s1": {"guaranteed_share": 0.7, "limit": 1.2}, "s2": {"guaranteed_share": 0.3, "limit": 3.0}}
+PRESENT_SECONDS = Settings().fair_share.present_for
 FULL = Admission("mlp@v1", 64, 0)
 
 
@@ -94,3 +97,37 @@ def test_the_returning_tenants_batch_is_split_by_their_shares_too(store: Store, 
     leased, _ = _lease_admitted(ctx, [FULL], "", notes=leases.LeaseNotes(),
                                 waiting_requests=ctx.queue_watcher.snapshot().waiting_requests)
     assert sorted(item.payload["tenant"] for item in leased) == ["s1"] * 8 + ["s2"] * 3
+
+
+def test_the_presence_setting_and_the_model_s_run_reach_the_worker_s_leases(store: Store, zoo_dir: Path) -> None:
+    """`fair_share.present_for` is what the shares option carries and how long a held slot waits; a lease's
+    leased requests keep their tenant present for the model's profiled run on this worker's slots."""
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants=SHARES,
+                                                                       fair_share={"present_for": "150ms"}))
+    shares = leasing.share_option(ctx, "mlp@v1", rows=64)
+    assert shares is not None and shares.present_for == pytest.approx(0.15)
+    run = estimate_latency_ms(ctx.model("mlp@v1"), rows=64, tokens=None) / 1000
+    assert shares.in_flight_for == pytest.approx(in_flight_bound(run, ctx.streams)) and shares.in_flight_for > 0
+
+    for index in range(8):
+        submit(store, f"s1-{index}", "s1")
+        submit(store, f"s2-{index}", "s2")
+    _lease_admitted(ctx, [FULL], "", notes=leases.LeaseNotes(),
+                    waiting_requests=ctx.queue_watcher.snapshot().waiting_requests)
+    snapshot = ctx.queue_watcher.snapshot()
+    notes = leases.LeaseNotes()
+    assert _lease_admitted(ctx, [FULL], "", notes=notes, waiting_requests=snapshot.waiting_requests)[0] == []
+    started = time.monotonic()
+    _wait_after_nothing_ran(ctx, _Slice("", ends=time.monotonic() + 60), snapshot, None, room=True, notes=notes,
+                            allowed=[FULL])
+    assert time.monotonic() - started >= 0.9 * 0.15  # the setting's presence, not 50 ms
+
+
+def test_a_running_chunk_s_riders_are_split_by_the_shares(store: Store, zoo_dir: Path) -> None:
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants=SHARES))
+    for index in range(8):
+        submit(store, f"s2-{index}", "s2")
+    for index in range(8):
+        submit(store, f"s1-{index}", "s1")
+    riders = leasing.lease_riders(ctx, "mlp@v1", {"features": np.zeros((4, 64), np.float32)}, "")
+    assert sorted(item.payload["tenant"] for item in riders) == ["s1"] * 8 + ["s2"] * 3
