@@ -32,6 +32,9 @@ from broker.jobs.records import ACTIVE_STATUSES, FINAL_STATUSES
 from broker.monitoring.batch_sizes import ROW_BUCKETS, TOKEN_BUCKETS
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
 from broker.monitoring.stats import SystemStats, read_stats
+from broker.schedules import book as schedule_book
+from broker.schedules import runs as schedule_runs
+from broker.schedules import stats as schedule_stats
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants import records as tenants
 from broker.tenants.shares import decayed
@@ -111,6 +114,7 @@ class SitsCollector:
         yield from _deadline_metrics(stats)
         yield from _tenant_metrics(self._store, stats, self._settings, now=time.time())
         yield _breaker_metric(breaker.read_breakers(self._store), stats, now=time.time())
+        yield from _schedule_metrics(self._store)
 
 
 def _tenant_metrics(store: Store, stats: SystemStats, settings: Settings, *, now: float) -> Iterator[Metric]:
@@ -463,3 +467,54 @@ def _breaker_metric(breakers: dict[tuple[str, str], breaker.Breaker], stats: Sys
             state = breaker.state_at(record, now=now)
             family.add_metric([*_model_labels(model_ref), worker], breaker.STATE_VALUES.get(state, 0))
     return family
+
+
+SCHEDULE = ["tenant", "schedule"]
+SCHEDULE_OUTCOMES = (schedule_stats.RELEASED, schedule_stats.REFUSED, schedule_stats.MISSED)
+"""What became of a schedule's slot (docs/schedules.md): a job released, its release refused (admission, caps,
+paths: the reason is on the run), or missed (while no beat ran under catch_up: skip, or past its window)."""
+
+
+def _schedule_metrics(store: Store) -> Iterator[Metric]:
+    """Each schedule's releases by outcome (from 0, so that an alert sees its first refusal), refusals by
+    reason, late releases, release lateness and runs held by their chain; and whether a beat runs."""
+    totals = schedule_stats.read_schedule_stats(store)
+    held = schedule_runs.held_runs(store)
+    releases = CounterMetricFamily("sits_schedule_releases", "Slots of the schedule decided, by outcome: released "
+                                   "(a job made), refused (the release was refused: admission, caps, paths; "
+                                   "the reason is on its run) or missed (no beat ran when it was due under "
+                                   "catch_up: skip, or its window closed first).", labels=[*SCHEDULE, "outcome"])
+    refusals = CounterMetricFamily("sits_schedule_refusals", "Refused releases of the schedule, by the error code "
+                                   "of the refusal (deadline_infeasible, queue_full, forbidden, ...).",
+                                   labels=[*SCHEDULE, "reason"])
+    late = CounterMetricFamily("sits_schedule_late_releases", "Releases of the schedule made more than "
+                               "beat.late_after after they were due.", labels=SCHEDULE)
+    lateness = SummaryMetricFamily("sits_schedule_release_lateness_seconds", "Releases of the schedule, and their "
+                                   "time from when each was due (its slot; for a chain step, when the step "
+                                   "before it succeeded) to its job made.", labels=SCHEDULE)
+    last = GaugeMetricFamily("sits_schedule_last_release_lateness_seconds", "The lateness of the schedule's "
+                             "last release.", labels=SCHEDULE)
+    waiting = GaugeMetricFamily("sits_schedule_held_runs", "Runs of the schedule held now by the steps they come "
+                                "after (waiting for them, or held by one that failed).", labels=SCHEDULE)
+    for schedule in schedule_book.list_schedules(store, None):
+        labels = [schedule.tenant, schedule.name]
+        found = totals.get((schedule.tenant, schedule.name), schedule_stats.ScheduleTotals())
+        for outcome in SCHEDULE_OUTCOMES:
+            releases.add_metric([*labels, outcome], found.get(outcome))
+        for reason, count in sorted(found.refusals.items()):
+            refusals.add_metric([*labels, reason], count)
+        late.add_metric(labels, found.get(schedule_stats.LATE))
+        lateness.add_metric(labels, int(found.get(schedule_stats.LATENESS_COUNT)),
+                            found.get(schedule_stats.LATENESS_SUM))
+        if schedule_stats.LAST_LATENESS in found.totals:
+            last.add_metric(labels, found.get(schedule_stats.LAST_LATENESS))
+        waiting.add_metric(labels, held.get((schedule.tenant, schedule.name), 0))
+    yield releases
+    yield refusals
+    yield late
+    yield lateness
+    yield last
+    yield waiting
+    yield GaugeMetricFamily("sits_beat_up", "1 while a beat holds its turn (it renews it at every pass), 0 when none "
+                            "has passed within beat.turn_timeout.",
+                            value=1 if schedule_stats.beat_running(store) else 0)

@@ -9,6 +9,7 @@ from broker.queueing.policy import ORDERINGS, POLICY_RANGES
 from broker.queueing.scoring import Weights
 from broker.sla.task_sets import TaskSet
 from broker.tenants.settings import Tenant
+from sits_api.schedules.bodies import SchedulePatch, ScheduleSubmission
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
@@ -220,6 +221,7 @@ def openapi_document() -> dict[str, Any]:
                                         "without a measured profile or profiled on another device kind.",
                          "responses": _responses(200, 400, 401, 404, 409)},
             },
+            **_schedule_paths(path_params("name")),
             "/v1/jobs/{job_id}/resume": {
                 "post": {"summary": "re-queue the unfinished chunks", "description": owned, "parameters": job_id,
                          "responses": _responses(202, 400, 401, 404, 409)},
@@ -227,6 +229,47 @@ def openapi_document() -> dict[str, Any]:
             **v2_paths,
         },
     })
+
+
+def _schedule_paths(name: list[dict[str, Any]]) -> dict[str, Any]:
+    """`/v1/schedules` (docs/schedules.md): a schedule is named within the caller's tenant; an admin key names
+    another tenant's with `?tenant=`."""
+    tenant = [{"name": "tenant", "in": "query", "required": False, "schema": {"type": "string"},
+               "description": "admin keys: the tenant whose schedule to address (default the key's own)"}]
+    steer = "Another tenant's schedule answers 404, as a missing one does; a viewer key's change, 403."
+    return {
+        "/v1/schedules": {
+            "get": {"summary": "the schedules the key may read (a user key its own; an admin key every tenant's, "
+                               "or ?tenant='s)", "parameters": tenant, "responses": _responses(200, 400, 401)},
+            "post": {"summary": "make a schedule: a job released at each slot of a cron expression or a period",
+                     "requestBody": _body(ScheduleSubmission),
+                     "description": "What it would submit is checked as a job submitted now at its next slot: "
+                                    "the model and the tenant's rights to it, the priority, both paths inside the "
+                                    "key's roots (403); after names schedules of this tenant, with no loop. 409 "
+                                    "for a name taken, 429 past beat.max_schedules_per_tenant.",
+                     "responses": _responses(201, 400, 401, 403, 404, 409, 429)},
+        },
+        "/v1/schedules/{name}": {
+            "get": {"summary": "a schedule with its recent runs: slot, job id, status, predicted and actual finish",
+                    "description": steer, "parameters": [*name, *tenant], "responses": _responses(200, 400, 401, 404)},
+            "patch": {"summary": "change some fields of a schedule (checked again as a new one is)",
+                      "description": steer, "parameters": [*name, *tenant], "requestBody": _body(SchedulePatch),
+                      "responses": _responses(200, 400, 401, 403, 404)},
+            "delete": {"summary": "delete a schedule and its runs (the jobs it released stay)", "description": steer,
+                       "parameters": [*name, *tenant], "responses": _responses(204, 400, 401, 403, 404)},
+        },
+        "/v1/schedules/{name}/pause": {
+            "post": {"summary": "release no slot until it resumes", "description": steer,
+                     "parameters": [*name, *tenant], "responses": _responses(200, 400, 401, 403, 404)}},
+        "/v1/schedules/{name}/resume": {
+            "post": {"summary": "release its slots again from the next one (none passed while paused is caught up)",
+                     "description": steer, "parameters": [*name, *tenant],
+                     "responses": _responses(200, 400, 401, 403, 404)}},
+        "/v1/schedules/{name}/run": {
+            "post": {"summary": "release one run now, outside its slots: the run, released or refused with its "
+                                "reason", "description": steer, "parameters": [*name, *tenant],
+                     "responses": _responses(201, 400, 401, 403, 404, 409, 503)}},
+    }
 
 
 def _with_common_errors(document: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ A process without a Redis URL stops with an error instead of falling back to
 Celery's default broker (amqp://localhost). The app includes the tasks
 (`sits_worker/tasks.py`) and the worker's signal hooks (`sits_worker/worker_hooks.py`:
 the device check, the heartbeat and reaper threads, shutdown); this module imports
-neither, so nothing here imports back into it. SITS runs no Celery beat.
+neither, so nothing here imports back into it. Its beat runs SITS's own scheduler
+(`celery -A sits_worker beat -S sits_worker.beat.scheduler:SlotScheduler`, `sits_worker/beat/`).
 """
 
 from __future__ import annotations

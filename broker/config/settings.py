@@ -23,6 +23,7 @@ from broker.memory.settings import ResourceSettings
 from broker.models.settings import ModelSettings
 from broker.online.settings import OnlineSettings
 from broker.queueing.settings import SchedulerSettings
+from broker.schedules.settings import BeatSettings
 from broker.setting_types import Section as _Section
 from broker.sla.settings import SlaSettings
 from broker.state.settings import RedisSettings
@@ -55,6 +56,8 @@ class Settings(_Section):
     """Tenant name -> its share of the fleet and quotas (docs/tenants.md); API processes store them at start."""
     fair_share: FairShareSettings = FairShareSettings()
     """How tenants share the fleet: usage decay, the window weighed, chargeback prices (docs/tenants.md)."""
+    beat: BeatSettings = BeatSettings()
+    """How the beat releases schedules and keeps their runs (docs/schedules.md)."""
 
     @field_validator("tenants")
     @classmethod

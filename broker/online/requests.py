@@ -35,6 +35,11 @@ REQUEST_ID_PATTERN = re.compile(r"r[0-9a-f]{16}")
 """Every request id `new_request_id` makes: an id a client sends that is not one is no request's, and is
 not looked up (a key built from it could be another record's)."""
 
+INBOX_KEEP_SECONDS = 60.0
+"""How long an inbox keeps a finished request's copy after its last push (at most `online.result_ttl`). A live
+waiter pops it at once; only a copy its waiter no longer takes (it gave up, or its process died) stays, and it
+counts against its tenant's `max_queued_bytes` meanwhile."""
+
 
 def new_request_id() -> str:
     """A short random id, safe in keys."""
@@ -79,12 +84,16 @@ class QueueAtLimit(Exception):
 
 class TenantBytesAtLimit(QueueAtLimit):
     """The request's `request_bytes` of inputs would take its tenant past its `max_queued_bytes`, `budget`:
-    its `waiting` requests not answered yet hold `queued_bytes`. Nothing was queued; the caller answers a
-    `QueueFull` (429) as for `max_queued`, since the bytes come free as those requests are answered."""
+    the inputs of its `waiting` requests not answered yet and its `kept` results kept hold `queued_bytes`.
+    Nothing was queued; the caller answers a `QueueFull` (429) as for `max_queued`, since the bytes come free
+    as kept results expire (enough of them by `kept_free_at`, None: they hold too little) and the requests
+    are answered."""
 
-    def __init__(self, waiting: int, *, queued_bytes: int, request_bytes: int, budget: int) -> None:
+    def __init__(self, waiting: int, *, queued_bytes: int, request_bytes: int, budget: int, kept: int = 0,
+                 kept_free_at: float | None = None) -> None:
         super().__init__(waiting, None, tenant=True)
         self.queued_bytes, self.request_bytes, self.budget = queued_bytes, request_bytes, budget
+        self.kept, self.kept_free_at = kept, kept_free_at
 
 
 class PolicyChanged(Exception):
@@ -146,8 +155,9 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
     model's `max_queue_size`) or `max_waiting_at_level` (its level's), a queue that holds that many
     waiting requests takes nothing, atomically with the check: QueueAtLimit; so does a tenant with
     `tenant_max_queued` requests not answered yet (`keys.tenant_queued`; `complete_requests` takes a
-    request off it), and a request whose inputs would take the bytes of those requests past
-    `tenant_max_queued_bytes` (`keys.tenant_queued_bytes`): TenantBytesAtLimit. Inputs larger than that
+    request off it), and a request whose inputs would take the bytes of those requests, and of the
+    tenant's results kept, past `tenant_max_queued_bytes` (`keys.tenant_queued_bytes`; kept results expired
+    by `now` are freed first): TenantBytesAtLimit. Inputs larger than that
     whole budget could never be queued: PayloadTooLarge (413), not a 429 that no retry ends. Returns the
     new ticket ids, each to be sent as a drain task.
     """
@@ -184,7 +194,8 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
             keys=[keys.ready(spec.model_ref), keys.items, keys.queues, keys.request(spec.request_id),
                   keys.deadlines(spec.model_ref), keys.policy, keys.tickets, keys.ticket_seq, keys.doorbell,
                   keys.queues_version, keys.waiting_requests(spec.model_ref), keys.request_timeouts(spec.model_ref),
-                  keys.counters, keys.tenant_queued(tenant), keys.tenant_queued_bytes(tenant)],
+                  keys.counters, keys.tenant_queued(tenant), keys.tenant_queued_bytes(tenant),
+                  keys.tenant_kept(tenant)],
             args=[spec.model_ref, spec.request_id, orjson.dumps({k: str(v) for k, v in fields.items()}), score,
                   orjson.dumps(payload), spec.deadline_at or "", int(max_age_seconds), policy_json, now,
                   ticket_target, int(spec.factors.get("level") or 0), max_waiting, max_waiting_at_level,
@@ -199,7 +210,8 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
         raise QueueAtLimit(int(reply[1]), None, tenant=True)
     if status is SubmitReply.TENANT_BYTES_FULL:
         raise TenantBytesAtLimit(int(reply[2]), queued_bytes=int(reply[1]), request_bytes=input_bytes,
-                                 budget=tenant_max_queued_bytes)
+                                 budget=tenant_max_queued_bytes, kept=int(reply[3]),
+                                 kept_free_at=float(reply[4]) if reply[4] else None)
     if status is SubmitReply.POLICY_CHANGED:
         raise PolicyChanged(spec.request_id)
     if status is SubmitReply.EXISTS:
@@ -253,8 +265,10 @@ class RequestResult:
 def complete_requests(store: Store, results: Sequence[RequestResult], *, now: float, keep_seconds: float,
                       batch_size: int, worker: str, job_rows: int = 0, run_started: float | None = None,
                       run_rows: int = 0) -> int:
-    """Store results, drop the leases, free their tenants' places and bytes (`max_queued`,
-    `max_queued_bytes`) and wake every waiter, in one atomic call; returns how many
+    """Store results, drop the leases, free their tenants' places (`max_queued`), count what Redis keeps of
+    each answer against its tenant's bytes instead of its inputs (`max_queued_bytes`: its hash until
+    `keep_seconds` from `now`, its inbox copy until `INBOX_KEEP_SECONDS`) and wake every waiter, in one
+    atomic call; returns how many
     were completed (not those already completed, or waiting again after their lease expired: their
     tenants are settled only for the requests this call took off, `_settle_tenants`). The
     requests are of one model (a batch is); /metrics counts them by status (`keys.counters`), and the
@@ -265,11 +279,11 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
     request_keys: list[str] = []
     model_ref = results[0].item.model_ref
     args: list[Any] = [now, int(keep_seconds), batch_size, worker, job_rows, model_ref,
-                       "" if run_started is None else repr(run_started), run_rows]
+                       "" if run_started is None else repr(run_started), run_rows, int(INBOX_KEEP_SECONDS)]
     for result in results:
         request_id, tenant = result.item.payload["req"], str(result.item.payload.get("tenant") or "")
         request_keys += [keys.request(request_id), result.item.payload.get("reply_to") or keys.request(request_id),
-                         keys.tenant_queued(tenant), keys.tenant_queued_bytes(tenant)]
+                         keys.tenant_queued(tenant), keys.tenant_queued_bytes(tenant), keys.tenant_kept(tenant)]
         outputs = {name: pack_array(array) for name, array in (result.outputs or {}).items()}
         factors = result.item.payload.get("factors") or {}
         args += [result.item.item_id, "failed" if result.error else "succeeded", orjson.dumps(outputs), result.error,
@@ -288,8 +302,9 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
 
 def _settle_tenants(store: Store, results: Sequence[RequestResult], *, now: float) -> None:
     """Count the failed ones of the answered requests on their tenants' bills of the day (total, and by
-    model version and key, so `GET /v1/usage?by=model` shows each A/B arm's errors). Their places and
-    bytes were freed by the completion itself, in the same step that answered them."""
+    model version and key, so `GET /v1/usage?by=model` shows each A/B arm's errors). Their places were
+    freed, and their bytes turned into their kept results', by the completion itself, in the same step that
+    answered them."""
     by_tenant: dict[str, list[RequestResult]] = {}
     for result in results:
         tenant = result.item.payload.get("tenant")

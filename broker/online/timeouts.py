@@ -9,8 +9,10 @@ only, applies the action to those still waiting:
 
 Workers need not be free for this: every reaper pass runs it (on the reaper's own thread), and an
 API process waiting for a request runs it for that request's model when the timeout comes, so its
-client is answered then. A worker that leases a request past its `reject` timeout does not run it
-either (`sits_worker.serving.request_runs`). Offline job chunks have no timeout.
+client is answered then. A lease never takes a request past its `reject` timeout, nor counts it as its
+tenant's work (`lease_batch.lua`): a worker whose lease saw one runs the pass at once
+(`sits_worker.serving.leasing`), and one whose request passed it between the lease and the run does not
+run it (`sits_worker.serving.request_runs`). Offline job chunks have no timeout.
 """
 
 from __future__ import annotations

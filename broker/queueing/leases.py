@@ -126,12 +126,19 @@ class LeaseResult:
     absent: list[str] = field(default_factory=list)
     """The ranked tenants a fair scan found no item of: their indexes are empty, or (a queue not indexed
     yet) the scan read every item within reach. The caller may leave them out of its next orders a moment."""
+    expired: int = 0
+    """Online requests past their `reject` timeout the lease found waiting and left there: a lease never
+    takes one, nor counts it as its tenant's work. The caller fails them (`broker.online.timeouts`)."""
+    held_by: str = ""
+    """With `LeaseStatus.HELD_FOR_SHARE`, the tenant the lease was held for (the share split's anchor): the
+    slot's wait for it is charged to it (`sits_worker.tenancy.usage_meter.UsageMeter.charge`)."""
 
 
 def lease_batch(store: Store, model_ref: str, options: LeaseOptions, *, now: float, lease_seconds: float,
                 ticket: str = "") -> LeaseResult:
     """Lease the best waiting batch of `model_ref` under `options`, until `now + lease_seconds`; under
-    `ticket` when given (StaleTicket when it was replaced). One script call (`lease_batch.lua`)."""
+    `ticket` when given (StaleTicket when it was replaced). One script call (`lease_batch.lua`). An online
+    request past its `reject` timeout by `now` is never leased (`LeaseResult.expired` counts those seen)."""
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_batch(
@@ -148,8 +155,9 @@ def lease_batch(store: Store, model_ref: str, options: LeaseOptions, *, now: flo
         status, count = LeaseStatus.HELD_FOR_SHARE, 0
     else:
         status = LeaseStatus.LEASED if count > 0 else LeaseStatus.NOTHING
-    absent = [str(name) for name in reply[1 + LEASED_FIELDS * count:]]
-    return LeaseResult(status, _leased([count, *reply[1:1 + LEASED_FIELDS * count]], model_ref, ticket), absent)
+    expired, held_by, *absent = reply[1 + LEASED_FIELDS * count:]
+    return LeaseResult(status, _leased([count, *reply[1:1 + LEASED_FIELDS * count]], model_ref, ticket),
+                       [str(name) for name in absent], int(expired), str(held_by))
 
 
 def lease_riders(
@@ -174,7 +182,8 @@ def lease_riders(
     submitted below priority level `lowest_level` (a degraded worker's paused class). With `tenants`
     ({order, held}: `sits_worker.tenancy.fair_share`), the requests of tenants in `order` go first, in its
     order, and a held tenant's do not ride. With `shares`, the riders' rows are split as a batch of
-    requests' are (`LeaseOptions.shares`): a tenant over its share cannot fill the rows the chunk leaves."""
+    requests' are (`LeaseOptions.shares`): a tenant over its share cannot fill the rows the chunk leaves.
+    A request past its `reject` timeout does not ride (its failure comes from `broker.online.timeouts`)."""
     keys = store.keys
     with translate_redis_errors():
         reply = store.scripts.lease_riders(
@@ -227,14 +236,18 @@ class LeaseNotes:
     """Nothing was leased because the items within reach were all of a paused class."""
     held_for_share: bool = False
     """A lease was held back for a present tenant's next requests (`LeaseStatus.HELD_FOR_SHARE`)."""
+    held_by: tuple[str, str] | None = None
+    """(Model ref, tenant) of the first such lease: the tenant it was held for (`LeaseResult.held_by`)."""
 
-    def add(self, result: LeaseResult) -> None:
-        """Take in what `result` told."""
+    def add(self, result: LeaseResult, model_ref: str = "") -> None:
+        """Take in what `result`, a lease of `model_ref`, told."""
         self.absent.extend(result.absent)
         if result.status is LeaseStatus.ONLY_PAUSED:
             self.paused = True
         if result.status is LeaseStatus.HELD_FOR_SHARE:
             self.held_for_share = True
+            if result.held_by and self.held_by is None:
+                self.held_by = (model_ref, result.held_by)
 
 
 def finish_item(

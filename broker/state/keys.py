@@ -264,10 +264,10 @@ class Keys:
         return self._key("waiting-requests", model_ref)
 
     def tenants_served(self, model_ref: str) -> str:
-        """HASH tenant -> when one of its online requests of `model_ref` was last answered, or, from a lease
-        under a share split, until when its running batch keeps it present (ahead of now while it runs): how
-        a lease tells a tenant present on the model between its requests (`broker/tenants/batch_shares.py`).
-        Kept an hour after its last write."""
+        """HASH tenant -> when one of its online requests of `model_ref` was last answered after a run, and
+        `<tenant>|leased` -> until when its batch leased under a share split keeps it present (ahead of now
+        while it runs; its answer takes it back): how a lease tells a tenant present on the model between its
+        requests (`broker/tenants/batch_shares.py`). Kept an hour after its last write."""
         return self._key("tenants-served", model_ref)
 
     def request_timeouts(self, model_ref: str) -> str:
@@ -316,9 +316,16 @@ class Keys:
         return self._key("tenant-queued", tenant)
 
     def tenant_queued_bytes(self, tenant: str) -> str:
-        """HASH request id -> the bytes of its inputs, and `total` -> their sum: the tenant's requests not
-        answered yet that count against its `max_queued_bytes` (an entry leaves with its `tenant_queued` one)."""
+        """HASH entry -> bytes, and `total` -> their sum: what the tenant's online requests hold in Redis against
+        its `max_queued_bytes`: the inputs of those not answered yet (under the request id, leaving with its
+        `tenant_queued` entry), then the results kept of those answered (`tenant_kept`)."""
         return self._key("tenant-queued-bytes", tenant)
+
+    def tenant_kept(self, tenant: str) -> str:
+        """ZSET entry -> when it expires: the tenant's answered requests' kept results that its
+        `tenant_queued_bytes` counts (under the request id: its hash; `<id>|inbox`: the copy pushed to its
+        waiter's inbox), freed by its next submit after then."""
+        return self._key("tenant-kept", tenant)
 
     def tenant_jobs(self, tenant: str) -> str:
         """ZSET job id -> when its place was taken: the tenant's jobs queued or running (`max_inflight`)."""
@@ -377,3 +384,55 @@ class Keys:
         """STRING the time of the last write the API waited for replicas to hold (`Store.wait_for_replicas`):
         written on the waiting thread's own connection, so that Redis's WAIT counts every write before it."""
         return self._key("replicated-mark")
+
+    # --- schedules (broker/schedules) ----------------------------------------------------------
+    # A schedule is named by its member, 'tenant|name'; a run by 'tenant|name|slot'.
+    @property
+    def schedules(self) -> str:
+        """HASH member -> JSON schedule (`broker/schedules/records.py`)."""
+        return self._key("schedules")
+
+    @property
+    def schedule_cursors(self) -> str:
+        """HASH member -> the last slot decided (released, held or missed): `claim_slot.lua` claims only
+        later ones."""
+        return self._key("schedule-cursors")
+
+    @property
+    def schedules_due(self) -> str:
+        """ZSET member -> when the beat next looks at the schedule (its next slot's due time); paused ones
+        are not in it."""
+        return self._key("schedules-due")
+
+    def schedule_runs(self, member: str) -> str:
+        """HASH slot -> JSON run of one schedule (`records.Run`), its `beat.runs_kept` latest."""
+        return self._key("schedule-runs", member)
+
+    def schedule_run_slots(self, member: str) -> str:
+        """ZSET slot -> slot, the runs in `schedule_runs(member)` in order: how the oldest are dropped."""
+        return self._key("schedule-run-slots", member)
+
+    @property
+    def schedule_runs_releasing(self) -> str:
+        """ZSET 'member|slot' -> when its release was last sent: runs claimed whose job is not made yet."""
+        return self._key("schedule-runs-releasing")
+
+    @property
+    def schedule_runs_held(self) -> str:
+        """ZSET 'member|slot' -> when the beat looks at it again: runs held by the steps they come after."""
+        return self._key("schedule-runs-held")
+
+    @property
+    def schedule_stats(self) -> str:
+        """HASH 'member|<what>' -> running total for /metrics (`broker/schedules/stats.py`)."""
+        return self._key("schedule-stats")
+
+    @property
+    def beat_turn(self) -> str:
+        """STRING the id of the beat that releases schedules now; it renews it at every pass
+        (`take_reaper_turn.lua`)."""
+        return self._key("beat-turn")
+
+    def release_lease(self, run: str) -> str:
+        """STRING present while one releaser makes the job of run 'member|slot' (`beat.release_timeout`)."""
+        return self._key("release-lease", run)

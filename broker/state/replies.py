@@ -84,7 +84,33 @@ class RetryReply(IntEnum):
     """Parked in flight until its backoff has passed."""
 
 
-REPLY_ENUMS: tuple[type[IntEnum], ...] = (LeaseReply, SubmitReply, EnqueueReply, AckReply, ReleaseReply, RetryReply)
+
+class ClaimReply(IntEnum):
+    """The first field of `claim_slot.lua`'s reply."""
+
+    CLAIMED = 1
+    RESCHEDULED = 2
+    """A call without a slot moved the schedule's next look."""
+    DUPLICATE = 0
+    """The slot was decided already (by another beat, or an earlier pass): nothing written."""
+    STALE = -1
+    """The schedule changed since the caller read it: read it again."""
+    GONE = -2
+    """The schedule was deleted."""
+    PAUSED = -3
+
+
+class SettleReply(IntEnum):
+    """The first field of `settle_run.lua`'s reply."""
+
+    SETTLED = 1
+    MOVED = 0
+    """The run was in none of the statuses expected: another releaser or beat settled it first."""
+    GONE = -1
+    """The run is no longer kept (its schedule was deleted)."""
+
+REPLY_ENUMS: tuple[type[IntEnum], ...] = (LeaseReply, SubmitReply, EnqueueReply, AckReply, ReleaseReply, RetryReply,
+                                           ClaimReply, SettleReply)
 
 
 def lua_table_name(enum: type[IntEnum]) -> str:

@@ -64,6 +64,8 @@ class Scripts:
     expire_requests: HeldScript
     note_usage: HeldScript
     index_ready: HeldScript
+    claim_slot: HeldScript
+    settle_run: HeldScript
 
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:

@@ -12,11 +12,15 @@ all waiting work fits in one batch. The rule, for a batch headed by an online re
   closed-loop client's requests are away between their answer and the next call; for that moment the
   tenant still counts).
 - A leased request keeps its tenant present while its batch runs, on whichever worker and stream slot: the
-  lease marks the tenant served `in_flight_for` from now, and the answer marks it again at its own time.
+  lease marks the tenant leased until `in_flight_for` from now, and the answer takes that mark back, marking
+  the tenant served at its own time only if one of its requests ran. Presence is had by work that runs alone:
+  a request past its `reject` timeout is neither leased nor counted as waiting, and one answered without a
+  run (expired between its lease and its run) gives none. A slot held for the anchor charges it the wait in
+  the usage fair share ranks by (`sits_worker.serving.drain_loop`), so holding others back is never free.
   Were the lease's mark `now`, a run longer than `present_for` on one slot would let the others' requests
   fill the next slot while the anchor's clients wait for their answers.
   `in_flight_for` is a bound from the model's profile (`in_flight_bound`), not the run itself, so that
-  requests never answered (their worker died, they expired) hold the others back only that much longer.
+  requests never answered (their worker died) hold the others back only that much longer.
 - The anchor's requests fill first, without a cap: the lease puts them first even where the fair
   order left it out a moment (taken for absent while its clients were away). Every other tenant with a
   share may add at most

@@ -46,6 +46,9 @@ class BillEntry:
     rows: int
     requests: int = 0
     queue_seconds: float = 0.0
+    billed: bool = True
+    """False for a charge to the usage fair share ranks by alone, on no bill: the estimated run of requests a
+    worker leased and did not run (`sits_worker.tenancy.usage_meter.UsageMeter.charge`)."""
 
 
 def day_number(at: float) -> int:

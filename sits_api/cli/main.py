@@ -2,8 +2,8 @@
 
 Each command is thin: parse options, call the REST API (or the stack
 launcher), print the result. `--json` prints what the API answered. The
-`job` commands are in `job_commands.py`, the `sla` ones in `sla_commands.py`, `usage` in
-`usage_commands.py`, the printing helpers in `output.py`.
+`job` commands are in `job_commands.py`, the `schedule` ones in `schedule_commands.py`, the `sla`
+ones in `sla_commands.py`, `usage` in `usage_commands.py`, the printing helpers in `output.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from sits_api.cli.client import ApiClient, ApiError, recorded, segment, stack_ru
 from sits_api.cli.job_commands import job
 from sits_api.cli.output import console, print_error, print_json, print_table
 from sits_api.cli.params import non_empty
+from sits_api.cli.schedule_commands import schedule
 from sits_api.cli.sla_commands import sla
 from sits_api.cli.usage_commands import usage
 
@@ -121,9 +122,12 @@ def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[s
 @click.option("--listen", metavar="ADDR", default=None,
               help="the address the embedded Redis listens on, one the fleet's other hosts reach, so that "
               "`sitsctl worker --redis URL` joins from there (default redis.bind: 127.0.0.1)")
+@click.option("--no-beat", is_flag=True, help="start no beat (and no releaser): schedules are not released")
 def up(worker_count: int, streams: int | None, config_path: Path | None, port: int | None,
-       listen: str | None) -> None:
-    """Start embedded Redis, the API and workers in the foreground; Ctrl-C stops them all.
+       listen: str | None, no_beat: bool) -> None:
+    """Start embedded Redis, the API, workers and the beat in the foreground; Ctrl-C stops them all.
+
+    The beat releases the schedules (docs/schedules.md) through a releaser process started with it.
 
     A worker or the API that exits on its own is started again (at most 5 times a minute each);
     the embedded Redis exiting stops everything. SIGTERM, SIGHUP (the terminal closed) and the death
@@ -139,7 +143,7 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
             raise click.UsageError("--listen is the embedded Redis's address, and redis.url (or SITS_REDIS_URL) "
                                    "names another Redis: set its address there, or drop one of them")
         settings = settings.with_overrides(redis={"bind": listen})
-    stack = Stack(settings, worker_count=worker_count, streams=streams, api_port=port)
+    stack = Stack(settings, worker_count=worker_count, streams=streams, api_port=port, beat=not no_beat)
     # `kill %1` of a backgrounded `up`, or its terminal closing, stops it as Ctrl-C does (unless started
     # under nohup, which ignores SIGHUP so that the stack outlives the terminal).
     stopping = [signal.SIGTERM] + ([signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else [])
@@ -464,5 +468,6 @@ def model_show(ref: str) -> None:
 
 
 cli.add_command(job)
+cli.add_command(schedule)
 cli.add_command(sla)
 cli.add_command(usage)

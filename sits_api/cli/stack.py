@@ -46,6 +46,24 @@ def worker_command(device: str, streams: int, name: str, queue: str, loglevel: s
     return argv, {"SITS_WORKER_DEVICE": device, "SITS_WORKER_STREAMS": str(streams)}
 
 
+BEAT_SCHEDULER = "sits_worker.beat.scheduler:SlotScheduler"
+"""SITS's beat scheduler (`celery -A sits_worker beat -S ...`): the schedules live in Redis."""
+
+
+def beat_command(loglevel: str = "INFO") -> list[str]:
+    """argv of the beat, as users run it: `celery -A sits_worker beat -S <SITS's scheduler>`."""
+    return [sys.executable, "-m", "celery", "-A", "sits_worker", "beat", "-S", BEAT_SCHEDULER, "--loglevel", loglevel]
+
+
+def releaser_command(settings: Settings, name: str, loglevel: str = "INFO") -> list[str]:
+    """argv of a releaser: a Celery worker of the API package's app taking the beat's release tasks
+    (`sits_api/schedules/runner.py`) from their own queue, `beat.release_threads` at once."""
+    return [sys.executable, "-m", "celery", "-A", "sits_api.schedules.runner", "worker", "--pool", "threads",
+            "--concurrency", str(settings.beat.release_threads), "--hostname", name, "--queues",
+            settings.beat.queue(settings.redis.key_prefix), "--loglevel", loglevel, "--without-mingle",
+            "--without-gossip"]
+
+
 API_WORKER_CLASS = "sits_api.http.gunicorn_worker.JsonErrorThreadWorker"
 """gunicorn's gthread worker, answering the requests gunicorn itself refuses in the API's JSON error body."""
 
@@ -84,11 +102,12 @@ def gpu_devices() -> list[str]:
 
 @dataclass
 class Stack:
-    """Redis (embedded unless `settings.redis.url` is set), the API and `worker_count` workers.
+    """Redis (embedded unless `settings.redis.url` is set), the API and `worker_count` workers; with `beat`,
+    the beat and a releaser, which release the schedules (`sitsctl up` starts them).
 
-    No Celery beat: nothing in SITS is periodic on a schedule of its own. Aging lives in the static
-    sort key, PSA jumps run before every batch choice, `PUT /v1/policy` re-scores in its own request,
-    and each worker runs the reaper pass on a thread (`sits_worker/upkeep/reaper.py`).
+    Nothing else in SITS needs a clock of its own: aging lives in the static sort key, PSA jumps run
+    before every batch choice, `PUT /v1/policy` re-scores in its own request, and each worker runs the
+    reaper pass on a thread (`sits_worker/upkeep/reaper.py`).
     """
 
     settings: Settings
@@ -102,6 +121,8 @@ class Stack:
     api_url: str = ""
     api_key: str = ""
     restart_budget: RestartBudget = field(default_factory=RestartBudget)
+    beat: bool = False
+    """Start the beat and a releaser (`start_beat`)."""
     _lock_file: IO[str] | None = None
     _gpus: list[str] = field(default_factory=list)
 
@@ -146,6 +167,8 @@ class Stack:
             self._gpus = gpu_devices()
             for index in range(self.worker_count):
                 self.start_worker(index)
+            if self.beat:
+                self.start_beat()
             self.wait_for_workers(self.worker_count, timeout=wait_workers)
         except BaseException:
             self.stop()
@@ -201,6 +224,13 @@ class Stack:
         streams = self.streams or self.settings.resources.max_concurrent_streams
         argv, extra = worker_command(device, streams, f"sits{index}-{os.getpid()}@%h", self.settings.redis.task_queue)
         return self._spawn(f"worker{index}", [*launcher, *argv], extra)
+
+    def start_beat(self, name: str = "beat") -> Child:
+        """Start the beat as child `name`, and a releaser with it unless one runs (`supervise` restarts
+        both); a second beat started so waits for the first's turn (docs/schedules.md)."""
+        if not any(child.name == "releaser" for child in self.children):
+            self._spawn("releaser", releaser_command(self.settings, f"releaser-{os.getpid()}@%h"))
+        return self._spawn(name, beat_command())
 
     def _write_client_files(self) -> None:
         (self.home / "api-url").write_text(self.api_url + "\n")

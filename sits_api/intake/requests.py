@@ -120,9 +120,14 @@ def queue_full(store: Store, record: ModelRecord, spec: RequestSpec, full: reque
         each = estimate_latency_ms(record, rows=spec.rows, tokens=spec.tokens) / 1000
     retry_after = queue_policy.retry_after_seconds(full.waiting, each, live_slots)
     if isinstance(full, requests.TenantBytesAtLimit):
-        return QueueFull(f"tenant '{spec.tenant}' has {full.queued_bytes:,} bytes of inputs queued in its "
-                         f"{full.waiting} requests not answered yet, and this request's {full.request_bytes:,} bytes "
-                         f"would take it past its budget of {full.budget:,} bytes "
+        if full.kept_free_at is not None:  # (its kept results free the room by then, whatever the queue does;
+            # with none of its requests waiting, only they can)
+            kept_after = queue_policy.retry_after_seconds(1, full.kept_free_at - time.time(), 1)
+            retry_after = kept_after if full.waiting == 0 else min(retry_after, kept_after)
+        return QueueFull(f"tenant '{spec.tenant}' holds {full.queued_bytes:,} bytes in Redis: the inputs of its "
+                         f"{full.waiting} requests not answered yet and {full.kept} results kept of those answered "
+                         f"(each counts until it expires, online.result_ttl after its answer); this request's "
+                         f"{full.request_bytes:,} bytes would take it past its budget of {full.budget:,} bytes "
                          f"(tenants.{spec.tenant}.max_queued_bytes); the request was not queued: retry after "
                          f"{retry_after} s (Retry-After)", retry_after=retry_after)
     if full.tenant:

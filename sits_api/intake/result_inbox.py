@@ -9,7 +9,8 @@ blocked client per API process instead of one per waiting request.
 
 Nothing lives only here: the result is stored in the request's hash before it is pushed, so a
 result that comes after its waiter gave up (or after this process died) is still there for
-`GET /v1/requests/<id>`; an inbox nobody drains expires with the results (`online.result_ttl`).
+`GET /v1/requests/<id>`; an inbox nobody drains expires `requests.INBOX_KEEP_SECONDS` after its last push,
+and each copy in it counts against its tenant's `max_queued_bytes` meanwhile.
 """
 
 from __future__ import annotations

@@ -228,12 +228,13 @@ def _store_copy(model: onnx.ModelProto, folder: Path) -> tuple[Path, bool]:
 
 def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: JobSubmission, *,
                caller: dict[str, Any], now: float, headers: Any = None,
-               tenants: TenantTable | None = None) -> JobRecord:
+               tenants: TenantTable | None = None, job_id: str | None = None) -> JobRecord:
     """Validate a job against its model's signature, queue its chunks and wake the workers; the job
     belongs to the `caller` key's name, and is billed to its tenant, within the tenant's record in
     `tenants` (its models, `max_inflight`, `default_priority`; the file's tenants when not given). A bare
     model name goes where its A/B route sends the caller's jobs (`sits_api.tenancy.ab_routes`, by the request's
-    `headers`, a mapping of its HTTP headers)."""
+    `headers`, a mapping of its HTTP headers). `job_id` is the id to create it under (a schedule's release
+    makes each slot's job under one id, so a second try meets the first: Conflict); a new one by default."""
     model = registry.get_model(store, ab_routes.routed(store, body.model, caller, headers or {}, "jobs"))
     table = tenants or TenantTable(settings.tenants)
     tenant = tenant_gate.check_model(table, store, caller, model.name)
@@ -260,7 +261,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     batch_size = _batch_size(settings, model, body.batch_size)
     deadline_at = job_deadlines.deadline_at(body, now=now)
     spec = jobs.JobSpec(
-        job_id=jobs.new_job_id(),
+        job_id=job_id or jobs.new_job_id(),
         model_name=model.name,
         model_version=model.version,
         input_batch=str(input_path),

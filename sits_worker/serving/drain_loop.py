@@ -31,6 +31,7 @@ from sits_worker.serving.drain_report import DrainReport
 from sits_worker.serving.execution import process_item
 from sits_worker.serving.leasing import admitted, batch_cost, lease
 from sits_worker.serving.request_runs import run_requests
+from sits_worker.tenancy.usage_meter import Work
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +185,12 @@ def _wait_after_nothing_ran(ctx: WorkerContext, state: _Slice, snapshot: queues.
     elif notes.paused:  # every lease found only paused work: wait for new work
         state.paused_ring.wait(ctx.store, state.ticket)
     elif notes.held_for_share:  # the tenant the batch is shared by comes back in a moment: wait for its call
+        started = time.monotonic()
         tickets.wait_for_doorbell(ctx.store, state.ticket, now=time.time(),
                                   timeout=ctx.settings.fair_share.present_for, touch=False)
+        if notes.held_by is not None:  # (the slot waited for that tenant alone: the wait is its usage)
+            model_ref, tenant = notes.held_by
+            ctx.usage.charge(model_ref, [Work(tenant, "", 1)], time.monotonic() - started)
     else:  # memory is reserved by running batches, another slot took the work, or the waiting work
         # is a held tenant's (past its limit: it waits for its usage to decay); a degraded worker's
         # leases weigh a long window: it looks again less often
@@ -249,6 +254,7 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
             return leased, admission
         paused = paused and said.paused
         notes.held_for_share = notes.held_for_share or said.held_for_share
+        notes.held_by = notes.held_by or said.held_by
     notes.paused = paused
     return [], None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,17 +18,21 @@ from typing import Any
 
 import numpy as np
 
+from broker.errors import SitsError
 from broker.failures import breaker
 from broker.jobs.chunking import FALLBACK_BATCH_ROWS
 from broker.memory import reservation
 from broker.memory.ledger import Claim
+from broker.online import timeouts as request_timeouts
 from broker.online.batching import Batching
-from broker.queueing import leases
+from broker.queueing import leases, policy
 from broker.queueing.scoring import estimate_latency_ms
 from broker.tenants.batch_shares import BatchShares, in_flight_bound
 from sits_worker.model.padding import max_sequence, shape_bucket
 from sits_worker.serving import batch_trace
 from sits_worker.serving.context import WorkerContext
+
+log = logging.getLogger(__name__)
 
 
 def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
@@ -78,10 +83,24 @@ def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batc
         shares=shares)
     result = leases.lease_batch(ctx.store, model_ref, options, now=time.time(),
                                 lease_seconds=ctx.settings.scheduler.lease_timeout, ticket=ticket)
-    notes.add(result)
+    notes.add(result, model_ref)
     if result.absent:
         ctx.fair_share.note_absent(model_ref, result.absent)
+    if result.expired:
+        try:
+            fail_timed_out(ctx, model_ref)
+        except SitsError as err:  # (the batch leased stands; the reaper's next pass fails them)
+            log.warning("could not fail the timed-out requests of %s now: %s", model_ref, err.message)
     return result.items
+
+
+def fail_timed_out(ctx: WorkerContext, model_ref: str) -> None:
+    """Fail `model_ref`'s requests whose `reject` timeout passed while they waited (`broker.online.timeouts`), now:
+    a lease leaves them where they wait, and every look of every slot would find them again until the reaper's
+    next pass."""
+    weights, ordering = policy.get_policy(ctx.store, default=policy.default_ordering(ctx.settings.scheduler.policy))
+    request_timeouts.expire_timed_out(ctx.store, model_ref, now=time.time(), weights=weights, ordering=ordering,
+                                      keep_seconds=ctx.settings.online.result_ttl)
 
 
 def feed_bucket(ctx: WorkerContext, model_ref: str, feed: Mapping[str, np.ndarray]) -> tuple[str, int | None]:

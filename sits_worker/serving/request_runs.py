@@ -27,6 +27,7 @@ from broker.online import requests
 from broker.online.requests import RequestResult
 from broker.queueing import leases
 from broker.queueing.leases import LeasedItem
+from broker.queueing.scoring import estimate_latency_ms
 from broker.queueing.scoring import rows_to_fill as rows_to_fill_by_profile
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
 from sits_worker.serving import batch_trace, drain_report
@@ -45,6 +46,7 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
     leases (and the drain task's `ticket`) are kept alive however long the run takes."""
     model_ref = items[0].model_ref
     results, live = _load(ctx, items)
+    _charge_unrun(ctx, model_ref, results)
     run_started = time.time()
     if live:
         drain_report.note_requests(len(live))
@@ -108,6 +110,7 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     the riders back (`give_back`) and the chunk retries.
     """
     results, live = _load(ctx, riders)
+    _charge_unrun(ctx, model_ref, results)
     run_started = time.time()
     job_rows = len(next(iter(feed.values())))
     job_outputs: Tensors | None = None
@@ -182,6 +185,21 @@ def _load(ctx: WorkerContext, items: Sequence[LeasedItem]) -> tuple[list[Request
                               ran=False) for item, tensors in zip(items, inputs, strict=True) if tensors is None]
     live = [(item, tensors) for item, tensors in zip(items, inputs, strict=True) if tensors is not None]
     return results, live
+
+
+def _charge_unrun(ctx: WorkerContext, model_ref: str, unrun: Sequence[RequestResult]) -> None:
+    """Charge requests leased and not run (`_load`) to their tenants' usage, which fair share ranks by: the
+    model's profiled run of their rows (`UsageMeter.charge`; on no bill). A lease marks their tenants present
+    and may hold the others' requests for them; were that free, a tenant could keep the first rank with
+    requests that never run."""
+    if not unrun:
+        return
+    work = [Work(str(result.item.payload.get("tenant") or ""), str(result.item.payload.get("owner") or ""),
+                 int(result.item.payload.get("rows") or 1)) for result in unrun]
+    tokens = [token for result in unrun if isinstance(token := result.item.payload.get("tokens"), int)]
+    seconds = estimate_latency_ms(ctx.model(model_ref), rows=sum(part.rows for part in work),
+                                  tokens=sum(tokens) if len(tokens) == len(unrun) else None) / 1000
+    ctx.usage.charge(model_ref, work, seconds)
 
 
 def _work(live: Sequence[tuple[LeasedItem, Tensors]], run_started: float) -> list[Work]:

@@ -64,7 +64,7 @@ class UsageMeter:
         self._clock = clock
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, str, str], BillEntry] = {}
+        self._pending: dict[tuple[str, str, str, bool], BillEntry] = {}
         self._flushed_at = float("-inf")
         self._flush_lock = threading.Lock()
         """Held by a flush from taking the entries to writing them: a flush called meanwhile waits for that
@@ -84,6 +84,25 @@ class UsageMeter:
             scopes.pop()
             if scope.seconds > 0 and scope.work:
                 self._add(scope)
+
+    def charge(self, model_ref: str, work: Sequence[Work], seconds: float) -> None:
+        """Charge `seconds` to `work`'s tenants, split by rows, in the usage fair share ranks by alone: what
+        presence costs (docs/tenants.md, "What presence costs"): a stream slot's wait held for a tenant's next
+        call, and the estimated run of requests leased and not run. Nothing ran, so it is on no bill (bills
+        hold measured device time); but the device was kept for them, and a tenant must not keep the first
+        rank, holding the others back, for free."""
+        rows_by_tenant: dict[str, float] = {}
+        for part in work:
+            if part.tenant:
+                rows_by_tenant[part.tenant] = rows_by_tenant.get(part.tenant, 0) + part.rows
+        if seconds <= 0 or not rows_by_tenant:
+            return
+        with self._lock:
+            for tenant, part_seconds in attribute(seconds, rows_by_tenant).items():
+                self._merge(BillEntry(tenant, "", model_ref, self._device, part_seconds, 0, billed=False))
+            due = self._clock() - self._flushed_at >= self._flush_every
+        if due:
+            self._wake_flusher()
 
     def add_run(self, seconds: float) -> None:
         """Count a run's measured seconds on this thread's innermost scope (none: the run is not billed)."""
@@ -156,7 +175,7 @@ class UsageMeter:
 
     def _merge(self, entry: BillEntry) -> None:
         """Add `entry` to what waits (under the lock)."""
-        key = (entry.tenant, entry.owner, entry.model)
+        key = (entry.tenant, entry.owner, entry.model, entry.billed)
         held = self._pending.get(key)
         if held is None:
             if len(self._pending) >= MAX_PENDING:

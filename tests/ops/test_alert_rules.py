@@ -72,7 +72,9 @@ def test_every_alert_says_how_severe_and_what_it_means_and_waits_before_firing()
                                                  "SitsCircuitBreakerOpen", "SitsQueueLevelNearLimit",
                                                  "SitsWorkerDegraded", "SitsRequestDeadlinesMissed",
                                                  "SitsQueueWaitHigh", "SitsSaturated", "SitsMetricsUnavailable",
-                                                 "SitsWorkerHeartbeatLost", "SitsStoreUnavailableAnswers"}
+                                                 "SitsWorkerHeartbeatLost", "SitsStoreUnavailableAnswers",
+                                                 "SitsScheduleReleaseRefused", "SitsScheduleReleaseLate",
+                                                 "SitsBeatDown"}
     for rule in found:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["for"].endswith("m") and rule["annotations"].keys() == {"summary", "description"}, rule["alert"]

@@ -8,6 +8,7 @@ test fails on the code before the budget: the flood fills Redis and the other te
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import redis
 
+from broker.online import requests
 from broker.online.requests import encode_array
 from broker.state.embedded import EmbeddedRedis
 from broker.state.keys import Keys
@@ -25,6 +27,7 @@ from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_api.app import create_app
 from tests.api.api_helpers import Api, error_of, make_settings
+from tests.leasing import lease_items
 
 MAXMEMORY = 24 * 2**20
 """The throw-away Redis's `maxmemory`: a flood of a few dozen 1 MiB requests fills it."""
@@ -88,3 +91,23 @@ def test_one_request_larger_than_the_whole_budget_is_a_413_that_names_it(floodab
 
     assert answer.status_code == 413 and answer.get_json()["code"] == "payload_too_large", answer.get_json()
     assert "tenants.evil.max_queued_bytes" in error_of(answer)
+
+
+def test_answers_kept_in_redis_count_against_the_budget_until_they_expire(floodable: Floodable) -> None:
+    """Answers as large as their inputs (an identity-sized model) stay in Redis `online.result_ttl`: before, each
+    answer gave its inputs' bytes back, and a tenant under its budget filled Redis with results."""
+    codes = []
+    for _ in range(3):
+        answer = floodable.evil.post("/v1/requests", json=rows(4096))
+        codes.append(answer.status_code)
+        if answer.status_code != 202:
+            break
+        model_ref = f"mlp@{answer.get_json()['model_version']}"
+        [item] = lease_items(floodable.store, model_ref, now=time.time(), lease_seconds=30, max_items=1)
+        outputs = {"y": np.ones((4096, 64), np.float32)}
+        requests.complete_requests(floodable.store, [requests.RequestResult(item, outputs=outputs)], now=time.time(),
+                                   keep_seconds=600, batch_size=1, worker="w", run_started=time.time(), run_rows=4096)
+
+    assert codes == [202, 202, 429]  # two kept results, then the budget is spent
+    assert "2 results kept" in error_of(answer) and "max_queued_bytes" in error_of(answer), error_of(answer)
+    assert answer.get_json()["code"] == "queue_full" and int(answer.headers["Retry-After"]) >= 1

@@ -17,18 +17,22 @@
 --           (`broker.monitoring.sla_metrics`): submit to result of those answered, submit to run start and the
 --           run (its start to this call) of those that ran
 -- KEYS[10] served  HASH tenant -> when its requests of the model were last answered (or leased): each tenant
---           with a request in the run is marked now (a lease's share split, `broker/tenants/batch_shares.py`)
+--           with a request in the run is marked now, and every tenant of a request this call takes off its
+--           lease loses its lease's mark (lib.lua's `mark_answered`: an answer without a run marks nothing;
+--           a lease's share split, `broker/tenants/batch_shares.py`)
 -- KEYS[11..] for each request in order: its HASH, then the inbox LIST of the API process that waits for
 --           it, where the finished request's fields go as one JSON object (with its id), so the waiter
 --           needs no second read; its HASH again when nobody waits (its result then stays in the HASH alone);
---           then its tenant's queued ZSET and queued bytes HASH (`max_queued`, `max_queued_bytes`), which
---           a request this call takes off its lease leaves (`free_tenant_place`)
+--           then its tenant's queued ZSET, queued bytes HASH and kept results ZSET (`max_queued`,
+--           `max_queued_bytes`): a request this call takes off its lease leaves the first, and its bytes
+--           count its stored result, and its inbox copy, until each expires (lib.lua's `keep_tenant_result`)
 -- ARGV[1] now, ARGV[2] seconds results are kept, ARGV[3] size of the batch (requests, plus job rows
 -- when it shared a run with a job), ARGV[4] worker, ARGV[5] rows of offline jobs that shared the run,
 -- ARGV[6] the requests' model ref (a batch is of one model), ARGV[7] when the run began ('' for none:
 -- the reaper failing requests whose workers died), ARGV[8] rows in the run (the requests' that ran, and
--- a job mini-batch's it shared; the statistics' batch size, as Triton counts it)
--- ARGV[9..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error
+-- a job mini-batch's it shared; the statistics' batch size, as Triton counts it), ARGV[9] seconds an inbox
+-- copy is kept (at most ARGV[2]: a live waiter pops it at once)
+-- ARGV[10..] for each request: item id, status ('succeeded' | 'failed'), outputs JSON, error text, error
 -- code, '1' if it was in the run ('' for one not run: expired, or past its timeout), its priority level
 -- as submitted (its histograms' class)
 -- Returns: {how many requests were completed, then the 0-based position of each request this call took off
@@ -41,41 +45,53 @@
 local K = {inflight = KEYS[1], items = KEYS[2], attempts = KEYS[3], deadlines = KEYS[4], ready = KEYS[5],
   counters = KEYS[6], model_stats = KEYS[7], model_batch_stats = KEYS[8], latency_buckets = KEYS[9],
   served = KEYS[10]}
+local KEYS_EACH, ARGS_EACH = 5, 7  -- (KEYS and ARGV per request)
 local done, by_status, deadlines = 0, {}, {}
 local reply = {0}  -- (the count goes first once known; a table, as a batch may pass unpack's limit)
 local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
 local latency = {}  -- the histograms' increments, written once for the batch
-local served = {}  -- tenant -> true, of the requests that ran
+local served, unrun = {}, {}  -- tenant -> true, of the requests that ran; of those taken off and not run
+local inbox_keep = math.min(tonumber(ARGV[9]), tonumber(ARGV[2]))
 local stats = {success_count = 0, success_ns = 0, fail_count = 0, fail_ns = 0, queue_count = 0, queue_ns = 0,
                infer_count = 0, infer_ns = 0, inference_count = 0}
-for i = 0, (#ARGV - 8) / 7 - 1 do
-  local item_id, status = ARGV[9 + 7 * i], ARGV[10 + 7 * i]
-  local request, waiters = KEYS[11 + 4 * i], KEYS[12 + 4 * i]
-  local held = redis.call('HEXISTS', K.items, item_id) == 1 and not redis.call('ZSCORE', K.ready, item_id)
+for i = 0, (#ARGV - 9) / ARGS_EACH - 1 do
+  local a, k = 10 + ARGS_EACH * i, 11 + KEYS_EACH * i  -- (this request's first ARGV and KEYS)
+  local item_id, status = ARGV[a], ARGV[a + 1]
+  local request, waiters = KEYS[k], KEYS[k + 1]
+  local queued, queued_bytes, kept = KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
+  local payload = redis.call('HGET', K.items, item_id)
+  local held = payload and not redis.call('ZSCORE', K.ready, item_id)
   if held then
     reply[#reply + 1] = i
     redis.call('ZREM', K.inflight, item_id)
     redis.call('HDEL', K.items, item_id)
     redis.call('HDEL', K.attempts, item_id)
     redis.call('ZREM', K.deadlines, item_id)
-    free_tenant_place(KEYS[13 + 4 * i], KEYS[14 + 4 * i], item_id)
+  end
+  local ran = held and run_started and ARGV[a + 5] == '1'
+  if held and not ran then
+    unrun[item_tenant(cjson.decode(payload))] = true
   end
   if held and redis.call('EXISTS', request) == 1 then
-    local ran = run_started and ARGV[14 + 7 * i] == '1'
-    redis.call('HSET', request, 'status', status, 'outputs', ARGV[11 + 7 * i], 'error', ARGV[12 + 7 * i],
-      'error_code', ARGV[13 + 7 * i], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
+    redis.call('HSET', request, 'status', status, 'outputs', ARGV[a + 2], 'error', ARGV[a + 3],
+      'error_code', ARGV[a + 4], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
       'job_rows', ARGV[5], unpack(ran and {'started_at', ARGV[7]} or {}))  -- (started_at: when its run
       -- began, so its queue time ends; only for one that ran)
     redis.call('HDEL', request, 'inputs')
     redis.call('EXPIRE', request, ARGV[2])
-    local flat, fields = redis.call('HGETALL', request), {}
+    local flat, fields, stored = redis.call('HGETALL', request), {}, 0
     for j = 1, #flat, 2 do
       fields[flat[j]] = flat[j + 1]
+      stored = stored + #flat[j] + #flat[j + 1]
     end
+    local results = {{item_id, stored, now + tonumber(ARGV[2])}}  -- (what its tenant's bytes now count)
     if waiters ~= request then
-      redis.call('RPUSH', waiters, cjson.encode(fields))
-      redis.call('EXPIRE', waiters, ARGV[2])
+      local copy = cjson.encode(fields)
+      redis.call('RPUSH', waiters, copy)
+      redis.call('EXPIRE', waiters, math.ceil(inbox_keep))
+      results[2] = {item_id .. '|inbox', #copy, now + inbox_keep}
     end
+    keep_tenant_result(queued, queued_bytes, kept, item_id, results)
     done = done + 1
     by_status[status] = (by_status[status] or 0) + 1
     local due = tonumber(fields['deadline_at'])
@@ -87,7 +103,7 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
     local outcome = status == 'succeeded' and 'success' or 'fail'
     stats[outcome .. '_count'] = stats[outcome .. '_count'] + 1
     stats[outcome .. '_ns'] = stats[outcome .. '_ns'] + (now - created) * 1e9
-    local class = priority_class(ARGV[15 + 7 * i])
+    local class = priority_class(ARGV[a + 6])
     observe_latency(latency, ARGV[6] .. '|request|' .. class, now - created)
     if ran then
       served[fields['tenant'] or ''] = true
@@ -102,6 +118,7 @@ for i = 0, (#ARGV - 8) / 7 - 1 do
       stats['inference_count'] = stats['inference_count'] + (tonumber(fields['rows']) or 1)
     end
   elseif held then  -- its hash expired before it ran (result_ttl): no one can read a result any more
+    free_tenant_place(queued, queued_bytes, item_id)
     by_status['expired'] = (by_status['expired'] or 0) + 1
   end
 end
@@ -128,14 +145,6 @@ if done > 0 then
   end
   write_tally(K.latency_buckets, latency)
 end
-local marks = {}
-for tenant in pairs(served) do
-  marks[#marks + 1] = tenant
-  marks[#marks + 1] = ARGV[1]
-end
-if #marks > 0 then
-  redis.call('HSET', K.served, unpack(marks))
-  redis.call('EXPIRE', K.served, SERVED_KEEP_SECONDS)
-end
+mark_answered(K.served, served, unrun, ARGV[1])
 reply[1] = done
 return reply

@@ -38,7 +38,8 @@
 --     model (work waiting, or served within present_for; its requests go first) gives every other tenant at
 --     most its share's part of that tenant's rows (none without a share); with that tenant present but
 --     nothing of it waiting, nothing is leased ({LEASE.HELD_FOR_SHARE}); leased requests' tenants are marked
---     served in_flight_for from now (present while the batch runs, until the answer marks them again)
+--     leased until in_flight_for from now (present while the batch runs; the answer takes the mark back, and
+--     marks them served only if they ran: lib.lua's `mark_answered`)
 --   request_prefix: the key prefix of request hashes (`keys.request('')`): each leased request's inputs
 --     come back with it
 --   classes {ranks [16], demote [16], window}, optional (a degraded worker, broker/failures/degrade.py): an item
@@ -50,8 +51,11 @@
 -- paused items were all there was within reach (no held tenant's among them: a held tenant's wait ends
 -- by the milliseconds, a paused class's by a step back); {LEASE.HELD_FOR_SHARE}: nothing leased, see
 -- `shares`; {LEASE.NOTHING}: nothing leased; else {n, id1, payload1, attempts1, inputs1, ...}; after any of
--- the last four, the names of the ranked tenants (`tenants.order`) a fair scan that read every item
--- within reach found nothing of (the caller may leave them out of its next orders a moment).
+-- the last four, how many online requests past their `reject` timeout (payload `expires_at`) the lease left
+-- where they wait (it never leases them, nor counts them as their tenant's work: the caller fails them,
+-- `broker.online.timeouts`), the tenant a HELD_FOR_SHARE was held for ('' otherwise: the caller charges it
+-- the wait), then the names of the ranked tenants (`tenants.order`) a fair scan that read every item within
+-- reach found nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 -- KEYS by name (K.ready ...), and each candidate and picked item a table of named fields ({id, payload,
@@ -73,6 +77,17 @@ local function token_cost(item)
   return number_or(item['padded_tokens'], number_or(item['tokens'], 0))
 end
 
+-- Requests past their `reject` timeout the candidates left out (lib.lua's `request_expired`): the reply
+-- counts them, and the caller fails them (expire_requests.lua) instead of waiting for the reaper's pass.
+local expired_seen = 0
+local function passed_timeout(item)
+  if request_expired(item, now) then
+    expired_seen = expired_seen + 1
+    return true
+  end
+  return false
+end
+
 -- The batch from the front of the queue: {id, payload, rows, tokens} each, whether the head is an
 -- online request, the chunk to carry (or nil), the rows and tokens of the requests; nil: lease nothing.
 -- Chunks follow a chunk head; requests of the head's bucket join a request head while they fit.
@@ -80,10 +95,12 @@ end
 local function queue_candidates()
   local ids = redis.call('ZRANGE', K.ready, 0, 2 * math.max(max_items, max_chunks) - 1)
   local out = {}
-  for index, item_id in ipairs(ids) do
+  for _, item_id in ipairs(ids) do
     local payload = redis.call('HGET', K.items, item_id) or '{}'
     local item = cjson.decode(payload)
-    out[index] = {id = item_id, payload = payload, item = item, tenant = item_tenant(item)}
+    if not passed_timeout(item) then
+      out[#out + 1] = {id = item_id, payload = payload, item = item, tenant = item_tenant(item)}
+    end
   end
   return out
 end
@@ -103,6 +120,7 @@ local tenants_option = type(options.tenants) == 'table' and options.tenants or n
 local classes_option = type(options.classes) == 'table' and options.classes or nil
 local shares_option = type(options.shares) == 'table' and options.shares or nil
 local held_for_share = false  -- the share split held the batch back (the reply says so)
+local held_by = ''  -- then, the tenant it was held for (its anchor)
 
 -- When each ranked tenant of `shares` had its requests of the model last leased or answered (K.served),
 -- read once per call.
@@ -197,8 +215,9 @@ local function requests_by_level(rank_of, demotion, count, skip, seen)
       local item = cjson.decode(payload)
       local level = base_level(item)
       local tenant = item_tenant(item)
-      seen[tenant] = true
-      local item_rank = rank_of(tenant, level)
+      local live = not passed_timeout(item)
+      seen[tenant] = seen[tenant] or live
+      local item_rank = live and rank_of(tenant, level) or nil
       if item_rank ~= nil then
         entries[#entries + 1] = {id = item_id, payload = payload, item = item, rank = item_rank,
           score = tonumber(score) + demotion(level), tenant = tenant}
@@ -333,6 +352,9 @@ local function ranked_candidates()
     if facts == nil then
       payload = redis.call('HGET', K.items, item_id) or '{}'
       item = cjson.decode(payload)
+      if passed_timeout(item) then
+        return false
+      end
       facts = {tenant = item_tenant(item), level = base_level(item)}
       if job then
         job_facts[job] = facts
@@ -445,6 +467,9 @@ local function ranked_requests()
       return false
     end
     collected[item_id] = true
+    if passed_timeout(item) then
+      return false
+    end
     local level = base_level(item)
     local item_rank = rank_of(item_tenant(item), level)
     if item_rank == nil then
@@ -543,7 +568,7 @@ local function pick_candidates()
   if shares_option and head ~= nil and head.item ~= nil and head.item['kind'] == 'request' then
     split = batch_split(candidates)
     if split ~= nil and split.hold then
-      held_for_share = true
+      held_for_share, held_by = true, split.anchor
       return nil
     end
   end
@@ -653,8 +678,11 @@ local function mark_served(picked)
   mark_leased(K.served, tenants, now, shares_option)
 end
 
--- The reply, with the ranked tenants a full fair scan found nothing of after its items.
+-- The reply, with how many requests past their timeout were left out, the tenant the lease was held for,
+-- then the ranked tenants a full fair scan found nothing of, after its items.
 local function with_absent(reply)
+  reply[#reply + 1] = expired_seen
+  reply[#reply + 1] = held_by
   for _, name in ipairs(fair_absent) do
     reply[#reply + 1] = name
   end

@@ -28,7 +28,9 @@
 --   of requests is (lib.lua's `share_split`, broker/tenants/batch_shares.py), the first ranked tenant present
 --   on the model its anchor: its riders go first, every other tenant's add at most its share's part of their
 --   rows (none without a share); while the anchor is present with no request waiting within the window, none
---   ride; the riders' tenants are marked served (lib.lua's `mark_leased`)
+--   ride; the riders' tenants are marked leased (lib.lua's `mark_leased`)
+-- A request past its `reject` timeout (payload `expires_at`) neither rides nor counts as its tenant's work
+-- (lib.lua's `request_expired`): it waits for its failure (expire_requests.lua).
 -- Returns: {LEASE.STALE_TICKET} when the ticket is no longer valid; {LEASE.NOTHING} when none rides; else {n, id1, payload1, attempts1, inputs1, ...},
 -- best first.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
@@ -82,7 +84,8 @@ for _, entry in ipairs(entries) do
   local factors = item['factors'] or {}
   local level = number_or(factors['base_level'], number_or(factors['level'], 0))
   local tenant = item_tenant(item)
-  if item['kind'] == 'request' and level >= lowest_level and not held[tenant] then
+  if item['kind'] == 'request' and level >= lowest_level and not held[tenant]
+      and not request_expired(item, ARGV[2]) then
     waiting_by_tenant[tenant] = (waiting_by_tenant[tenant] or 0) + 1
     if item['bucket'] == bucket then
       candidates[#candidates + 1] = {id = item_id, payload = payload, rows = number_or(item['rows'], 1),

@@ -157,22 +157,77 @@ end
 -- The field of a tenant's bytes HASH (`keys.tenant_queued_bytes`) that holds the sum of its entries.
 local QUEUED_BYTES_TOTAL = 'total'
 
--- Give back what an online request held of its tenant's caps: its place among the requests not answered
--- (`queued_key`, `max_queued`) and its bytes (`bytes_key`, `max_queued_bytes`). Only what is still held is
--- freed, so a second call frees nothing; a HASH left with its total alone goes, total and all, so the
--- total never outlives the entries it sums.
-local function free_tenant_place(queued_key, bytes_key, item_id)
-  redis.call('ZREM', queued_key, item_id)
-  local size = redis.call('HGET', bytes_key, item_id)
+-- Take `entry` off a tenant's bytes HASH (`bytes_key`), its total with it; nothing when it is not there, so a
+-- second call frees nothing. A HASH left with its total alone goes, total and all, so the total never
+-- outlives the entries it sums.
+local function drop_tenant_bytes(bytes_key, entry)
+  local size = redis.call('HGET', bytes_key, entry)
   if not size then
     return
   end
-  redis.call('HDEL', bytes_key, item_id)
+  redis.call('HDEL', bytes_key, entry)
   if redis.call('HLEN', bytes_key) <= 1 then
     redis.call('DEL', bytes_key)
   else
     redis.call('HINCRBY', bytes_key, QUEUED_BYTES_TOTAL, -tonumber(size))
   end
+end
+
+-- Give back what an online request held of its tenant's caps: its place among the requests not answered
+-- (`queued_key`, `max_queued`) and its bytes (`bytes_key`, `max_queued_bytes`). Only what is still held is
+-- freed, so a second call frees nothing.
+local function free_tenant_place(queued_key, bytes_key, item_id)
+  redis.call('ZREM', queued_key, item_id)
+  drop_tenant_bytes(bytes_key, item_id)
+end
+
+-- A request answered, its result stored: its place among the requests not answered goes (`queued_key`), and,
+-- where its tenant's `max_queued_bytes` counted its inputs (its entry in `bytes_key`), its bytes now count
+-- what Redis keeps of its answer instead, until that goes: `kept` lists {entry, bytes, until} (its hash under
+-- its own id; a copy pushed to its waiter's inbox under another), each scheduled in `kept_key` (ZSET entry ->
+-- until) and freed by the tenant's next submit after then (`free_kept_results`).
+local function keep_tenant_result(queued_key, bytes_key, kept_key, item_id, kept)
+  redis.call('ZREM', queued_key, item_id)
+  local counted = tonumber(redis.call('HGET', bytes_key, item_id))
+  if not counted then
+    return
+  end
+  local change = 0
+  for _, entry in ipairs(kept) do
+    local old = tonumber(redis.call('HGET', bytes_key, entry[1])) or 0
+    redis.call('HSET', bytes_key, entry[1], entry[2])
+    redis.call('ZADD', kept_key, entry[3], entry[1])
+    change = change + entry[2] - old
+  end
+  redis.call('HINCRBY', bytes_key, QUEUED_BYTES_TOTAL, change)
+end
+
+-- Most kept results one call frees (`free_kept_results`): a call stays short; the next submit frees more.
+local KEPT_FREE_MOST = 1000
+
+-- Free the tenant's kept results (`kept_key`, `bytes_key`) whose keep time passed by `now`.
+local function free_kept_results(bytes_key, kept_key, now)
+  for _, entry in ipairs(redis.call('ZRANGEBYSCORE', kept_key, '-inf', now, 'LIMIT', 0, KEPT_FREE_MOST)) do
+    redis.call('ZREM', kept_key, entry)
+    drop_tenant_bytes(bytes_key, entry)
+  end
+end
+
+-- Most kept results `kept_free_at` looks at.
+local KEPT_WALK_MOST = 256
+
+-- When the tenant's kept results, going in the order they expire, will have freed `need` bytes; nil when the
+-- first KEPT_WALK_MOST of them hold less (the requests not answered must free the rest).
+local function kept_free_at(bytes_key, kept_key, need)
+  local freed = 0
+  local walk = redis.call('ZRANGE', kept_key, 0, KEPT_WALK_MOST - 1, 'WITHSCORES')
+  for index = 1, #walk, 2 do
+    freed = freed + (tonumber(redis.call('HGET', bytes_key, walk[index])) or 0)
+    if freed >= need then
+      return walk[index + 1]
+    end
+  end
+  return nil
 end
 
 
@@ -282,16 +337,19 @@ end
 
 -- How long a model's served-tenants HASH (`keys.tenants_served`) outlives its last write.
 local SERVED_KEEP_SECONDS = 3600
+-- The field of that HASH, after a tenant's name, that holds a lease's mark apart from the answers' (the
+-- tenant's own field): an answer without a run takes the lease's mark back and leaves the answers' standing.
+local SERVED_LEASED = '|leased'
 
 -- The leased requests' tenants (`tenants`, tenant -> true) are present on the model while their batch runs
--- (`shares`: the lease's option): marked served `in_flight_for` seconds from `now`. Their answer marks them
--- again at its own time (complete_requests.lua), so only requests never answered (a worker died, they
--- expired) keep them present that long, plus `present_for`.
+-- (`shares`: the lease's option): marked leased until `in_flight_for` seconds from `now`. Their answer takes
+-- that mark back (`mark_answered`), so only requests never answered (a worker died) keep them present that
+-- long, plus `present_for`.
 local function mark_leased(served_key, tenants, now, shares)
   local fields = {}
   local at = tonumber(now) + math.max(number_or(shares.in_flight_for, 0), 0)
   for tenant in pairs(tenants) do
-    fields[#fields + 1] = tenant
+    fields[#fields + 1] = tenant .. SERVED_LEASED
     fields[#fields + 1] = string.format('%.6f', at)
   end
   if #fields > 0 then
@@ -300,20 +358,56 @@ local function mark_leased(served_key, tenants, now, shares)
   end
 end
 
--- When each ranked tenant of `shares` (a lease's `shares` option) was last served on the model (`served_key`,
--- `keys.tenants_served`): tenant -> time, one HMGET.
-local function served_times(served_key, shares)
-  local times, names = {}, {}
-  for _, entry in ipairs(shares.ranked or {}) do
-    names[#names + 1] = entry.tenant
+-- A completion's marks on the model's served HASH: the tenants of `ran` (tenant -> true), whose requests
+-- were in the run, are marked answered at `now`; those of `unrun`, whose requests in the call none ran
+-- (expired, past their timeout, their worker died), get no mark, so a request answered without a run never
+-- keeps its tenant present. Both lose their lease's mark: the first answer ends the presence a second batch
+-- of the tenant gave, and the tenant then counts by its next requests (`broker/tenants/batch_shares.py`).
+local function mark_answered(served_key, ran, unrun, now)
+  local marks, leased = {}, {}
+  for tenant in pairs(ran) do
+    marks[#marks + 1] = tenant
+    marks[#marks + 1] = now
+    leased[#leased + 1] = tenant .. SERVED_LEASED
   end
-  if #names > 0 then
-    local values = redis.call('HMGET', served_key, unpack(names))
-    for index, name in ipairs(names) do
-      times[name] = tonumber(values[index])
+  for tenant in pairs(unrun) do
+    if not ran[tenant] then
+      leased[#leased + 1] = tenant .. SERVED_LEASED
+    end
+  end
+  if #leased > 0 then
+    redis.call('HDEL', served_key, unpack(leased))
+  end
+  if #marks > 0 then
+    redis.call('HSET', served_key, unpack(marks))
+    redis.call('EXPIRE', served_key, SERVED_KEEP_SECONDS)
+  end
+end
+
+-- When each ranked tenant of `shares` (a lease's `shares` option) was last served on the model (`served_key`,
+-- `keys.tenants_served`): tenant -> the later of its last answer that ran and its lease's mark, one HMGET.
+local function served_times(served_key, shares)
+  local times, fields = {}, {}
+  for _, entry in ipairs(shares.ranked or {}) do
+    fields[#fields + 1] = entry.tenant
+    fields[#fields + 1] = entry.tenant .. SERVED_LEASED
+  end
+  if #fields > 0 then
+    local values = redis.call('HMGET', served_key, unpack(fields))
+    for index = 1, #fields, 2 do
+      local answered, leased = tonumber(values[index]), tonumber(values[index + 1])
+      times[fields[index]] = (answered and leased) and math.max(answered, leased) or answered or leased
     end
   end
   return times
+end
+
+-- Is `item` (a decoded payload) an online request whose `reject` timeout (`expires_at`) has passed by `now`?
+-- A lease neither takes nor counts such a request: it waits for its failure (expire_requests.lua), and no
+-- tenant is present on a model, or leads its share split, by requests that will never run.
+local function request_expired(item, now)
+  local expires = item and item['expires_at']
+  return type(expires) == 'number' and expires <= tonumber(now)
 end
 
 -- Tenants' shares inside one merged batch; `broker/tenants/batch_shares.py` (`split_batch`) is the reference

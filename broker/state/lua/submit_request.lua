@@ -13,7 +13,9 @@
 -- KEYS[12] request timeouts ZSET request id -> when its timeout passes
 -- KEYS[13] counters  HASH running totals for /metrics ('requests_rejected_<reason>:<model ref>')
 -- KEYS[14] tenant's queued ZSET request id -> when its record expires (its requests not answered yet)
--- KEYS[15] tenant's queued bytes HASH request id -> bytes of its inputs, and 'total' -> their sum
+-- KEYS[15] tenant's queued bytes HASH request id -> bytes of its inputs (or, once answered, of its kept
+--           result), and 'total' -> their sum
+-- KEYS[16] tenant's kept results ZSET entry -> when the kept result it counts in KEYS[15] expires
 -- ARGV[1] model ref, ARGV[2] request id (also its item id), ARGV[3] JSON object of request fields
 -- ARGV[4] score, ARGV[5] item payload JSON, ARGV[6] deadline (unix seconds) or ''
 -- ARGV[7] seconds the request hash may live at most (a result nobody fetches must not stay forever)
@@ -31,15 +33,17 @@
 -- {SUBMIT.QUEUE_FULL, waiting} when the model's queue is full, {SUBMIT.LEVEL_FULL, waiting at the level}
 -- when its level is, {SUBMIT.TENANT_FULL, unanswered} when its tenant has max_queued requests not answered yet (entries past their record's
 -- expiry are dropped first, so a request nobody completed cannot hold a place for ever), and
--- {SUBMIT.TENANT_BYTES_FULL, bytes queued, unanswered} when its bytes would take its tenant past
--- max_queued_bytes (nothing written but the rejection's count: the check and the enqueue are one step,
--- so two API processes can never both take the last place). Either cap on, the request is in KEYS[14];
--- the bytes cap on, in KEYS[15] too; `complete_requests.lua` frees both (`free_tenant_place`).
+-- {SUBMIT.TENANT_BYTES_FULL, bytes held, unanswered, results kept, when enough kept results will have expired
+-- ('': they hold too little)} when its bytes would take its tenant past max_queued_bytes (nothing written
+-- but the rejection's count: the check and the enqueue are one step, so two API processes can never both
+-- take the last place). Either cap on, the request is in KEYS[14]; the bytes cap on, in KEYS[15] too;
+-- `complete_requests.lua` takes it off KEYS[14] and counts its kept result in KEYS[15] instead, scheduled
+-- in KEYS[16] (lib.lua's `keep_tenant_result`), which a submit of the tenant frees once expired.
 -- KEYS by name (the positions above are the callers' contract).
 local K = {ready = KEYS[1], items = KEYS[2], queues = KEYS[3], request = KEYS[4], deadlines = KEYS[5],
   policy = KEYS[6], tickets = KEYS[7], ticket_seq = KEYS[8], doorbell = KEYS[9], queues_version = KEYS[10],
   waiting_requests = KEYS[11], request_timeouts = KEYS[12], counters = KEYS[13], tenant_queued = KEYS[14],
-  tenant_queued_bytes = KEYS[15]}
+  tenant_queued_bytes = KEYS[15], tenant_kept = KEYS[16]}
 if (redis.call('GET', K.policy) or '') ~= ARGV[8] then
   return {SUBMIT.POLICY_CHANGED}
 end
@@ -70,6 +74,7 @@ if tenant_most > 0 or bytes_most > 0 then
   for _, expired in ipairs(redis.call('ZRANGEBYSCORE', K.tenant_queued, '-inf', ARGV[9])) do
     free_tenant_place(K.tenant_queued, K.tenant_queued_bytes, expired)
   end
+  free_kept_results(K.tenant_queued_bytes, K.tenant_kept, ARGV[9])
   local unanswered = redis.call('ZCARD', K.tenant_queued) - 1
   if tenant_most > 0 and unanswered >= tenant_most then
     redis.call('ZREM', K.tenant_queued, ARGV[2])
@@ -81,7 +86,8 @@ if tenant_most > 0 or bytes_most > 0 then
     if queued_bytes + size > bytes_most then
       redis.call('ZREM', K.tenant_queued, ARGV[2])
       redis.call('HINCRBY', K.counters, 'requests_rejected_tenant_bytes_full:' .. ARGV[1], 1)
-      return {SUBMIT.TENANT_BYTES_FULL, queued_bytes, unanswered}
+      return {SUBMIT.TENANT_BYTES_FULL, queued_bytes, unanswered, redis.call('ZCARD', K.tenant_kept),
+        kept_free_at(K.tenant_queued_bytes, K.tenant_kept, queued_bytes + size - bytes_most) or ''}
     end
     redis.call('HSET', K.tenant_queued_bytes, ARGV[2], ARGV[17])
     redis.call('HINCRBY', K.tenant_queued_bytes, QUEUED_BYTES_TOTAL, ARGV[17])

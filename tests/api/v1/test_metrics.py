@@ -320,7 +320,8 @@ def test_every_family_has_help_text_and_a_unit_or_count_in_its_name(api: Api, ml
         "sits_requests_completed", "sits_job_rows_done", "sits_worker_memory_waits", "sits_worker_backfills",
         "sits_request_runs", "sits_requests_rejected", "sits_job_deadlines", "sits_jobs_rejected",
         "sits_request_deadlines", "sits_tenant_device_seconds", "sits_tenant_rows", "sits_degrade_changes",
-        "sits_failures", "sits_worker_oom_halvings", "sits_worker_oom_offloads", "sits_http_requests"}
+        "sits_failures", "sits_worker_oom_halvings", "sits_worker_oom_offloads", "sits_http_requests",
+        "sits_schedule_releases", "sits_schedule_refusals", "sits_schedule_late_releases"}
     assert {family.name for family in families if family.type == "histogram"} == {
         "sits_request_end_to_end_seconds", "sits_request_queue_wait_seconds", "sits_job_end_to_end_seconds",
         "sits_request_run_seconds", "sits_job_chunk_seconds", "sits_batch_rows", "sits_batch_tokens",
@@ -408,8 +409,9 @@ def test_a_scrape_costs_the_same_redis_commands_however_many_jobs_are_kept(
         many = commands_of_a_scrape()
 
         assert many == few
-        # (of them, one MULTI of five adds the last scrape's HTTP answer: count, bucket, sum)
-        assert few <= 25, f"a scrape ran {few} Redis commands"
+        # (of them, one MULTI of five adds the last scrape's HTTP answer: count, bucket, sum; four read the
+        # schedules: their definitions, totals and held runs, and the beat's turn)
+        assert few <= 29, f"a scrape ran {few} Redis commands"
         store.client.close()
 
 
@@ -492,6 +494,9 @@ def a_scrape_with_every_metric(client: FlaskClient, store: Store, api: Api, mlp:
     assert api.get(f"/v1/jobs/{due}").get_json()["sla_risk"] is not None
     job_lists.count_old_jobs(store)
     BreakerBoard(store, BreakerSettings(), lambda: "w@h").note_run(mlp["ref"], failed=False, now=now)
+    hourly = {"model": "mlp", "input_batch": str(mlp_input), "output_dir": str(tmp_path / "hourly" / "{slot}")}
+    assert api.post("/v1/schedules", json={"name": "hourly", "every": "1h", "job": hourly}).status_code == 201
+    assert api.post("/v1/schedules/hourly/run").get_json()["status"] == "released"  # (a release: its lateness)
     limited = create_app(settings.with_overrides(online={"models": {"mlp": {"priority_levels": {0: {
         "max_queue_size": 5}}}}}), store=store).test_client()
     scrape(client, api.headers["Authorization"].split()[1])  # (adds this app's HTTP answers to Redis)

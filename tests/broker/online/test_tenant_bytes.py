@@ -1,10 +1,12 @@
-"""A tenant's budget of queued input bytes (`max_queued_bytes`): taken atomically at submit, freed exactly
-once when a request is answered, times out or outlives its record, and never drifts (real Redis; time
+"""A tenant's budget of bytes in Redis (`max_queued_bytes`): a request's inputs, taken atomically at submit,
+turned exactly once into its kept result's bytes when it is answered or times out (freed when the result
+expires, at the next submit), freed when it outlives its record, and never drifting (real Redis; time
 passed in)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import orjson
@@ -45,12 +47,18 @@ def queued_bytes(store: Store, tenant: str = "acme") -> dict[str, int]:
     return {field: int(value) for field, value in store.client.hgetall(store.keys.tenant_queued_bytes(tenant)).items()}
 
 
-def answer(store: Store, now: float, *, max_items: int = 1, error: str = "") -> list[str]:
+def kept_size(store: Store, request_id: str) -> int:
+    """What a request's kept result counts: the fields and values of its hash, as its answer stored them."""
+    return sum(len(field.encode()) + len(value.encode())
+               for field, value in store.client.hgetall(store.keys.request(request_id)).items())
+
+
+def answer(store: Store, now: float, *, max_items: int = 1, error: str = "", keep: float = 60) -> list[str]:
     leased = lease_items(store, MODEL, now=now, lease_seconds=30, max_items=max_items)
     results = [RequestResult(item, error=error, code="bad_input" if error else "",
                              outputs=None if error else {"y": np.ones((1, 1), np.float32)}) for item in leased]
     if results:
-        requests.complete_requests(store, results, now=now, keep_seconds=60, batch_size=len(results), worker="w")
+        requests.complete_requests(store, results, now=now, keep_seconds=keep, batch_size=len(results), worker="w")
     return [item.item_id for item in leased]
 
 
@@ -87,7 +95,8 @@ def test_inputs_larger_than_the_whole_budget_are_a_413_that_says_so_not_a_429_fo
     assert not store.client.exists(store.keys.request("big"), store.keys.tenant_queued_bytes("acme"))
 
 
-def test_an_answered_request_frees_its_bytes_once_and_a_late_repeat_frees_nothing(store: Store) -> None:
+def test_an_answered_request_counts_its_kept_result_once_until_it_expires_and_a_late_repeat_changes_nothing(
+        store: Store) -> None:
     each = size_of(request("r0"))
     for n in range(2):
         submit(store, request(f"r{n}"), budget=2 * each)
@@ -95,24 +104,46 @@ def test_an_answered_request_frees_its_bytes_once_and_a_late_repeat_frees_nothin
     reaping.reap_expired_leases(store, now=NOW + 5, max_attempts=5)  # the lease was lost: it waits again
     late = requests.complete_requests(store, [RequestResult(leased[0], error="boom", code="bad_input")],
                                       now=NOW + 5, keep_seconds=60, batch_size=1, worker="w")
-    assert late == 0 and queued_bytes(store)["total"] == 2 * each  # a completion the script skipped frees nothing
+    assert late == 0 and queued_bytes(store)["total"] == 2 * each  # a completion the script skipped changes nothing
 
-    [done] = answer(store, NOW + 6)
+    [done] = answer(store, NOW + 6, keep=60)
+    kept = kept_size(store, done)
     again = lease_items(store, MODEL, now=NOW + 6, lease_seconds=30, max_items=1)  # the other one, leased
     repeat = [RequestResult(leased[0], outputs={"y": np.ones((1, 1), np.float32)})]
     requests.complete_requests(store, repeat, now=NOW + 7, keep_seconds=60, batch_size=1, worker="w")
 
-    assert queued_bytes(store)["total"] == each and done not in queued_bytes(store)  # freed once, not twice
-    submit(store, request("r2"), budget=2 * each, now=NOW + 7)  # room for one again
-    with pytest.raises(TenantBytesAtLimit):
-        submit(store, request("r3"), budget=2 * each, now=NOW + 7)
-    requests.complete_requests(store, [RequestResult(again[0], error="x", code="bad_input")], now=NOW + 8,
+    assert 0 < kept < each and queued_bytes(store) == {done: kept, again[0].item_id: each, "total": kept + each}
+    assert store.client.zrange(store.keys.tenant_kept("acme"), 0, -1, withscores=True) == [(done, NOW + 66)]
+    assert store.client.zcard(store.keys.tenant_queued("acme")) == 1  # max_queued counts the unanswered only
+    with pytest.raises(TenantBytesAtLimit) as full:  # its kept result still holds bytes in Redis
+        submit(store, request("r2"), budget=2 * each, now=NOW + 65)
+    assert (full.value.kept, full.value.kept_free_at) == (1, NOW + 66)
+    submit(store, request("r2"), budget=2 * each, now=NOW + 66)  # its result expired: its bytes are free
+    assert queued_bytes(store) == {again[0].item_id: each, "r2": each, "total": 2 * each}
+    assert not store.client.exists(store.keys.tenant_kept("acme"))
+    requests.complete_requests(store, [RequestResult(again[0], error="x", code="bad_input")], now=NOW + 67,
                                keep_seconds=60, batch_size=1, worker="w")
-    answer(store, NOW + 8)
-    assert not store.client.exists(store.keys.tenant_queued_bytes("acme"), store.keys.tenant_queued("acme"))
+    answer(store, NOW + 67)
+    submit(store, request("r3"), budget=2 * each, now=NOW + 128)  # both results expired
+    assert queued_bytes(store) == {"r3": each, "total": each}
 
 
-def test_a_request_failed_at_its_timeout_frees_its_bytes(store: Store) -> None:
+def test_a_waiter_s_inbox_copy_counts_until_the_inbox_would_drop_it(store: Store) -> None:
+    each = size_of(request("r0"))
+    submit(store, request("waited"), budget=10 * each)
+    store.client.hset(store.keys.items, "waited", orjson.dumps(
+        {**orjson.loads(store.client.hget(store.keys.items, "waited")), "reply_to": store.keys.inbox("api")}))
+    answer(store, NOW, keep=600)
+
+    [copy] = store.client.lrange(store.keys.inbox("api"), 0, -1)
+    assert queued_bytes(store) == {"waited": kept_size(store, "waited"), "waited|inbox": len(copy),
+                                   "total": kept_size(store, "waited") + len(copy)}
+    assert 0 < store.client.ttl(store.keys.inbox("api")) <= requests.INBOX_KEEP_SECONDS
+    submit(store, request("next"), budget=10 * each, now=NOW + requests.INBOX_KEEP_SECONDS)
+    assert set(queued_bytes(store)) == {"waited", "next", "total"}  # the copy's time passed: freed
+
+
+def test_a_request_failed_at_its_timeout_frees_its_inputs_for_its_kept_failure(store: Store) -> None:
     each = size_of(request("r0"))
     submit(store, request("late", expires_at=NOW + 1), budget=each)
 
@@ -120,8 +151,9 @@ def test_a_request_failed_at_its_timeout_frees_its_bytes(store: Store) -> None:
                                              keep_seconds=60)
 
     assert done.rejected == ["late"] and requests.get_request(store, "late").error_code == "timeout"
-    assert not store.client.exists(store.keys.tenant_queued_bytes("acme"))
-    submit(store, request("next"), budget=each, now=NOW + 2)
+    assert queued_bytes(store) == {"late": kept_size(store, "late"), "total": kept_size(store, "late")}
+    submit(store, request("next"), budget=each, now=NOW + 62)  # its failure expired: the room is back
+    assert queued_bytes(store) == {"next": each, "total": each}
 
 
 def test_bytes_held_by_a_request_whose_record_expired_are_freed_and_its_late_answer_frees_nothing(
@@ -154,35 +186,71 @@ def test_a_full_redis_refuses_the_submit_before_a_byte_is_counted(store: Store) 
                                    store.keys.request("r0"))
 
 
-def test_many_submits_answers_and_lost_leases_leave_the_count_exact_and_nothing_at_the_end(store: Store) -> None:
+def test_many_submits_answers_and_lost_leases_leave_the_count_exact(store: Store) -> None:
     rng = random.Random(7)
     budget = 5 * size_of(request("r", rows=2))
+    keep = 8.0
     expected: dict[str, int] = {}  # request id -> its bytes, of those accepted and not answered
+    kept: dict[str, tuple[int, float]] = {}  # request id -> (its kept result's bytes, until), of those answered
     now = NOW
     for step in range(300):
         now += 1
         move = rng.random()
         if move < 0.55:
             spec = request(f"r{step}", rows=rng.randint(1, 4))
-            if sum(expected.values()) + size_of(spec) > budget:
+            kept = {item_id: entry for item_id, entry in kept.items() if entry[1] > now}  # (a submit frees them)
+            if sum(expected.values()) + sum(size for size, _ in kept.values()) + size_of(spec) > budget:
                 with pytest.raises(TenantBytesAtLimit):
                     submit(store, spec, budget=budget, now=now)
             else:
                 submit(store, spec, budget=budget, now=now)
                 expected[spec.request_id] = size_of(spec)
         elif move < 0.85:
-            for item_id in answer(store, now, max_items=rng.randint(1, 3), error=rng.choice(["", "bad row"])):
+            for item_id in answer(store, now, max_items=rng.randint(1, 3), error=rng.choice(["", "bad row"]),
+                                  keep=keep):
                 del expected[item_id]
+                kept[item_id] = (kept_size(store, item_id), now + keep)
         else:
             lease_items(store, MODEL, now=now, lease_seconds=1, max_items=2)
             now += 5
             reaping.reap_expired_leases(store, now=now, max_attempts=1000)  # lost leases: nothing is freed
         held = queued_bytes(store)
-        assert held.pop("total", 0) == sum(expected.values()) and held == expected, step
+        assert held.pop("total", 0) == sum(expected.values()) + sum(size for size, _ in kept.values()), step
+        assert held == expected | {item_id: size for item_id, (size, _) in kept.items()}, step
         assert store.client.zcard(store.keys.tenant_queued("acme")) == len(expected)
 
     while expected:
         now += 1
-        for item_id in answer(store, now, max_items=4):
+        for item_id in answer(store, now, max_items=4, keep=keep):
             del expected[item_id]
-    assert not store.client.exists(store.keys.tenant_queued_bytes("acme"), store.keys.tenant_queued("acme"))
+    submit(store, request("last"), budget=budget, now=now + keep)  # every result kept has expired: all freed
+    assert queued_bytes(store) == {"last": size_of(request("last")), "total": size_of(request("last"))}
+    assert not store.client.exists(store.keys.tenant_kept("acme"))
+
+
+def test_answers_as_large_as_their_inputs_count_while_kept_so_a_flood_cannot_fill_redis_with_results(
+        store: Store) -> None:
+    """An identity-sized model (a tenant may register its own): before, each answer freed its inputs' bytes and
+    kept as many in its result, uncounted, for `online.result_ttl`: 40 rounds under a 400 kB budget held 14 MB."""
+    big = RequestSpec(request_id="", model_name="mlp", model_version="v1", rows=64, tokens=None, bucket="x:1024",
+                      inputs={"x": np.ones((64, 1024), np.float32)}, factors={"enqueued_at": NOW},
+                      owner="acme-key", tenant="acme")
+    budget = 400_000  # room for one such request (350 kB as base64) at a time
+    accepted = []
+    for n in range(40):
+        spec = replace(big, request_id=f"r{n:016x}")
+        try:
+            submit(store, spec, budget=budget, now=NOW + n)
+        except TenantBytesAtLimit as full:
+            assert full.kept == 1 and full.kept_free_at == NOW + 600 and full.waiting == 0
+            continue
+        accepted.append(spec.request_id)
+        [item] = lease_items(store, MODEL, now=NOW + n, lease_seconds=30, max_items=1)
+        requests.complete_requests(store, [RequestResult(item, outputs={"y": np.ones((64, 1024), np.float32)})],
+                                   now=NOW + n, keep_seconds=600, batch_size=1, worker="w", run_started=NOW + n,
+                                   run_rows=64)
+
+    assert accepted == ["r0000000000000000"]  # its result holds the budget until it expires
+    held = sum(store.client.memory_usage(store.keys.request(request_id), samples=0) for request_id in accepted)
+    assert held <= 1.01 * budget and queued_bytes(store)["total"] == kept_size(store, accepted[0])
+    submit(store, replace(big, request_id="r-after"), budget=budget, now=NOW + 600)  # expired: room again

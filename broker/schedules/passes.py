@@ -1,0 +1,169 @@
+"""One pass of the beat: take the beat's turn, decide the slots now due, look at held and lost releases.
+
+The beat that holds the turn (`keys.beat_turn`, renewed every pass; a second beat waits for it to
+lapse) claims each due slot in one script (`runs.claim_slot`) and only then sends its release: a
+releaser makes the job (`sits_api/schedules/release.py`). Held runs are released here once the steps
+before them succeeded (`chains.chain_state`); a run whose release message was lost (a beat killed
+between its claim and its send, a failover) is sent again after `beat.release_timeout`. Sending is a
+callback, so this module knows nothing of Celery; every decision about slots is `slots.plan_slots`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from broker.errors import RetryableError
+from broker.schedules.book import find_schedule
+from broker.schedules.chains import chain_state
+from broker.schedules.records import Run, RunStatus, Schedule, slot_job_id
+from broker.schedules.runs import claim_slot, get_run, runs_due, settle_run, touch_releasing
+from broker.schedules.settings import BeatSettings
+from broker.schedules.slots import SlotDecision, plan_slots
+from broker.schedules.stats import MISSED
+from broker.state.replies import ClaimReply, SettleReply
+from broker.state.store import Store, translate_redis_errors
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[str, int], None]
+"""Publish the release of run (member, slot) to a releaser."""
+
+RELEASE_TASK = "sits.release_schedule"
+"""The Celery task the beat sends and a releaser runs: its arguments are the run's member and slot."""
+
+MOST_PER_PASS = 200
+"""The most due schedules, held runs or lost releases one pass looks at; the rest wait for the next pass."""
+SHORTEST_SLEEP = 0.005
+
+
+@dataclass
+class BeatPass:
+    """The beat's work over Redis; `run(now)` is one pass, and answers how long to sleep before the next."""
+
+    store: Store
+    settings: BeatSettings
+    holder: str
+    """This beat's id in the turn: host, pid and a random part."""
+    send: Send
+
+    def run(self, now: float) -> float:
+        """One pass at `now`; the seconds until the next should start."""
+        if not self.take_turn():
+            return self.settings.turn_timeout / 4
+        for member in self._due(now):
+            try:
+                self.decide(member, now=now)
+            except RetryableError:
+                raise
+            except Exception:  # a damaged record must not stop the other schedules' releases
+                log.exception("schedule %s could not be looked at; the next pass tries again", member)
+        self.look_at_held(now)
+        self.send_lost_releases(now)
+        return self._sleep(now)
+
+    def take_turn(self) -> bool:
+        """Take the beat's turn, or renew it; False while another beat holds it (the same turn-taking as
+        the reaper's: `take_reaper_turn.lua`)."""
+        with translate_redis_errors():
+            return bool(self.store.scripts.take_reaper_turn(
+                keys=[self.store.keys.beat_turn], args=[self.holder, int(self.settings.turn_timeout * 1000)]))
+
+    def give_up_turn(self) -> None:
+        """Let a waiting beat take over at once (a beat stopping cleanly)."""
+        with translate_redis_errors():
+            if self.store.client.get(self.store.keys.beat_turn) == self.holder:
+                self.store.client.delete(self.store.keys.beat_turn)
+
+    def decide(self, member: str, *, now: float) -> None:
+        """Decide the slots of schedule `member` due at `now`, claim each, and send those to release."""
+        schedule = find_schedule(self.store, member)
+        if schedule is None or schedule.paused:
+            with translate_redis_errors():
+                self.store.client.zrem(self.store.keys.schedules_due, member)
+            return
+        with translate_redis_errors():
+            cursor = int(self.store.client.hget(self.store.keys.schedule_cursors, member) or now)
+        decisions, next_slot = plan_slots(schedule.cadence(), cursor=cursor, now=now, catch_up=schedule.catch_up,
+                                          missed_after=self.settings.missed_after)
+        next_due = schedule.cadence().due_at(next_slot)
+        if not decisions:
+            claim_slot(self.store, schedule, None, next_due=next_due, now=now, runs_kept=self.settings.runs_kept)
+            return
+        for decision in decisions:
+            run = self._new_run(schedule, decision, now=now)
+            claim = claim_slot(self.store, schedule, run, next_due=next_due, now=now,
+                               runs_kept=self.settings.runs_kept)
+            if claim.reply in (ClaimReply.STALE, ClaimReply.GONE, ClaimReply.PAUSED):
+                return  # changed meanwhile: the next pass reads it again
+            if claim.claimed and run.status == "releasing":
+                self.send(member, run.slot)
+
+    def _new_run(self, schedule: Schedule, decision: SlotDecision, *, now: float) -> Run:
+        status: RunStatus = "releasing" if decision.release else "missed"
+        reason, code = decision.reason, ("missed" if not decision.release else "")
+        if decision.release and schedule.after:
+            chain = chain_state(self.store, schedule, decision.slot)
+            if not chain.ready:
+                status, reason, code = "held", chain.reason, chain.code
+        return Run(slot=decision.slot, status=status, job_id=slot_job_id(schedule, decision.slot),
+                   due_at=schedule.cadence().due_at(decision.slot), claimed_at=now, catch_up=decision.catch_up,
+                   reason=reason, reason_code=code,
+                   deadline=None if schedule.deadline is None else decision.slot + schedule.deadline)
+
+    def look_at_held(self, now: float) -> None:
+        """Release each held run whose steps before it succeeded; say why the others still wait; a run held
+        past its window's end is missed."""
+        keys = self.store.keys
+        for member, slot in runs_due(self.store, keys.schedule_runs_held, now=now, limit=MOST_PER_PASS):
+            schedule, run = find_schedule(self.store, member), get_run(self.store, member, slot)
+            if schedule is None or run is None or run.status != "held":
+                with translate_redis_errors():
+                    self.store.client.zrem(keys.schedule_runs_held, f"{member}|{slot}")
+                continue
+            if schedule.paused:  # (held while paused: looked at again once it resumes)
+                settle_run(self.store, member, run, expect=("held",), at=now + max(self.settings.tick, 1.0))
+                continue
+            closes = schedule.cadence().window_end(slot)
+            if closes is not None and now >= closes:
+                missed = replace(run, status="missed", reason=f"held until its window closed: {run.reason}",
+                                 reason_code="missed")
+                settle_run(self.store, member, missed, expect=("held",), add={MISSED: 1.0})
+                continue
+            chain = chain_state(self.store, schedule, slot)
+            if chain.ready:
+                ready = replace(run, status="releasing", due_at=now, reason="", reason_code="")
+                if settle_run(self.store, member, ready, expect=("held",), at=now) == SettleReply.SETTLED:
+                    self.send(member, slot)
+                continue
+            again = now + max(self.settings.tick, 1.0)
+            settle_run(self.store, member, replace(run, reason=chain.reason, reason_code=chain.code),
+                       expect=("held",), at=again)
+
+    def send_lost_releases(self, now: float) -> None:
+        """Send again the releases claimed `beat.release_timeout` ago whose job is still not made."""
+        keys = self.store.keys
+        lost = runs_due(self.store, keys.schedule_runs_releasing, now=now - self.settings.release_timeout,
+                        limit=MOST_PER_PASS)
+        for member, slot in lost:
+            touch_releasing(self.store, member, slot, now=now)
+            log.warning("the release of %s at slot %d was not made in %gs; sending it again", member, slot,
+                        self.settings.release_timeout)
+            self.send(member, slot)
+
+    def _due(self, now: float) -> list[str]:
+        with translate_redis_errors():
+            return list(self.store.client.zrangebyscore(self.store.keys.schedules_due, "-inf", now, start=0,
+                                                        num=MOST_PER_PASS))
+
+    def _sleep(self, now: float) -> float:
+        """Until the next due schedule or held run, at most `beat.tick`."""
+        keys = self.store.keys
+        with translate_redis_errors():
+            pipe = self.store.client.pipeline(transaction=False)
+            pipe.zrange(keys.schedules_due, 0, 0, withscores=True)
+            pipe.zrange(keys.schedule_runs_held, 0, 0, withscores=True)
+            firsts = pipe.execute()
+        soonest = min((found[0][1] for found in firsts if found), default=now + self.settings.tick)
+        return max(SHORTEST_SLEEP, min(self.settings.tick, soonest - now))

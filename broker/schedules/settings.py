@@ -1,0 +1,40 @@
+"""The `beat` settings section: how the beat releases schedules and how long it keeps their runs."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from broker.setting_types import Integer, Seconds
+from broker.setting_types import Section as _Section
+
+
+class BeatSettings(_Section):
+    """How SITS's beat releases schedules (docs/schedules.md)."""
+
+    tick: Seconds = Field(0.5, gt=0, le=60)
+    """The longest the beat sleeps between two passes; it wakes sooner for a slot due before then, so a
+    release starts within a few milliseconds of its slot while the beat runs."""
+    turn_timeout: Seconds = Field(10.0, gt=0)
+    """How long the beat's turn lasts without a pass: a second beat waits while the first renews it, and
+    takes over this long after the first stopped passing (killed, or cut off from Redis)."""
+    missed_after: Seconds = Field(60.0, gt=0)
+    """A slot the beat first looks at this long after it was due was missed (the beat was down): it is
+    released once on return under `catch_up: once`, not at all under `skip`."""
+    late_after: Seconds = Field(60.0, gt=0)
+    """A release this long after its slot counts as late (`sits_schedule_late_releases_total`)."""
+    release_timeout: Seconds = Field(30.0, gt=0)
+    """A run claimed for release but not released for this long is sent to a releaser again: its
+    message was lost (a beat killed between the claim and the send, a failover). It is also how long one
+    releaser holds a run before another may take it."""
+    release_queue: str = ""
+    """The Celery queue of release tasks, which the releasers take; empty: `<redis.key_prefix>-releases`."""
+    release_threads: Integer = Field(2, ge=1, le=64)
+    """Releases one releaser process makes at once (each reads its input file, as a job submit does)."""
+    runs_kept: Integer = Field(100, ge=1, le=10_000)
+    """The most recent runs kept per schedule (`GET /v1/schedules/<name>` lists them)."""
+    max_schedules_per_tenant: Integer = Field(100, ge=0)
+    """The most schedules one tenant may hold (admin keys: no cap)."""
+
+    def queue(self, key_prefix: str) -> str:
+        """The Celery queue release tasks are sent to and the releasers take."""
+        return self.release_queue or f"{key_prefix}-releases"

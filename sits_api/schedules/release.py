@@ -1,0 +1,157 @@
+"""A release: the job of one claimed run, made as its schedule's owner would submit it at that slot.
+
+The beat claimed the slot (`broker/schedules/passes.py`) and sent the run here; this makes its job under
+the slot's own id (`records.slot_job_id`) through the very submit of `POST /v1/jobs`
+(`services.submit_job`): the same model, entitlement, path and cap checks, as the owner's key and tenant
+stand now, and deadline admission with the run's deadline. One releaser at a time holds a run
+(`keys.release_lease`); a message delivered twice, or sent again by the beat, finds the run settled or
+its job made, and makes nothing. A release that is refused is recorded on the run with its reason and
+counted (`sits_schedule_releases_total{outcome="refused"}`); one that meets Redis out of reach is left
+releasing, and the beat sends it again after `beat.release_timeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from broker.config.settings import Settings
+from broker.errors import BadInput, Forbidden, QueueFull, RetryableError, SitsError
+from broker.jobs import records as jobs
+from broker.schedules.book import find_schedule
+from broker.schedules.records import Run, Schedule
+from broker.schedules.runs import get_run, run_id, settle_run
+from broker.schedules.stats import MISSED, refusal_counts, release_counts
+from broker.schedules.templates import render
+from broker.state.replies import SettleReply
+from broker.state.store import Store, translate_redis_errors
+from broker.tenants.apikeys import list_api_keys
+from broker.tenants.records import TenantTable
+from sits_api.intake import services
+from sits_api.intake.task_sender import Dispatcher
+from sits_api.schemas import JobSubmission
+
+log = logging.getLogger(__name__)
+
+SUBMITTING_ROLES = ("user", "tenant-admin", "admin")
+"""The roles whose keys submit jobs, least first: a schedule acts as the least of its owner's keys."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one release did: `released`, `refused`, `missed`, or nothing (`settled`: the run had moved on;
+    `busy`: another releaser holds it)."""
+
+    outcome: str
+    run: Run | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, **({"run": self.run.to_json()} if self.run else {})}
+
+
+def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table: TenantTable, member: str,
+                slot: int, *, clock: Callable[[], float] = time.time) -> Outcome:
+    """Make the job of run (`member`, `slot`) if it is still releasing, and settle the run."""
+    if not _take_run(settings, store, member, slot):
+        return Outcome("busy")
+    try:
+        return _release(settings, store, dispatcher, table, member, slot, clock=clock)
+    except RetryableError:
+        _drop_run(store, member, slot)  # (the beat's next send finds it free)
+        raise
+
+
+def _release(settings: Settings, store: Store, dispatcher: Dispatcher, table: TenantTable, member: str,
+             slot: int, *, clock: Callable[[], float]) -> Outcome:
+    run = get_run(store, member, slot)
+    schedule = find_schedule(store, member)
+    if run is None or run.status != "releasing" or schedule is None:
+        return Outcome("settled", run)
+    now = clock()
+    closes = schedule.cadence().window_end(slot)
+    if closes is not None and now >= closes and not run.manual:
+        missed = replace(run, status="missed", reason="its window closed before a releaser took it",
+                         reason_code="missed")
+        settle_run(store, member, missed, expect=("releasing",), add={MISSED: 1.0})
+        return Outcome("missed", missed)
+    if jobs.job_owner(store, run.job_id).status is None:
+        try:
+            _submit(settings, store, dispatcher, table, schedule, run, now=now)
+        except QueueFull as err:  # the tenant's max_inflight, or its schedules: a cap, not an outage
+            return _refuse(store, member, run, err)
+        except RetryableError:
+            raise  # left releasing: the beat sends it again after beat.release_timeout
+        except SitsError as err:
+            if jobs.job_owner(store, run.job_id).status is None:  # (not a twin's job made meanwhile)
+                return _refuse(store, member, run, err)
+    return _released(settings, store, member, run, now=clock())
+
+
+def owner_identity(store: Store, schedule: Schedule) -> dict[str, Any]:
+    """The identity a schedule's releases act as: its owner's key (of its tenant), as it stands now; of
+    several keys of that name, the least of them. Forbidden when none is left that may submit."""
+    keys = [key for key in list_api_keys(store, schedule.tenant) if key["name"] == schedule.owner]
+    usable = sorted((key for key in keys if key["role"] in SUBMITTING_ROLES),
+                    key=lambda key: SUBMITTING_ROLES.index(key["role"]))
+    if not usable:
+        raise Forbidden(f"schedule '{schedule.name}' acts as key '{schedule.owner}' of tenant '{schedule.tenant}', "
+                        "which has no key of that name that may submit jobs any more; make the schedule again "
+                        "with a key that may")
+    key = usable[0]
+    return {"name": key["name"], "role": key["role"], "tenant": key["tenant"],
+            **({"group": key["group"]} if key.get("group") else {})}
+
+
+def job_body(schedule: Schedule, slot: int) -> JobSubmission:
+    """The job a schedule submits at `slot`: its templates filled in, its deadline counted from the slot."""
+    body = render(schedule.job, schedule.cadence().labels(slot))
+    if schedule.deadline is not None:
+        body["deadline"] = datetime.fromtimestamp(slot + schedule.deadline, UTC).isoformat()
+    try:
+        return JobSubmission.model_validate(body)
+    except ValidationError as err:
+        raise BadInput(f"the job of slot {slot} is not a valid job: {err.errors()[0]['msg']}") from err
+
+
+def _submit(settings: Settings, store: Store, dispatcher: Dispatcher, table: TenantTable, schedule: Schedule,
+            run: Run, *, now: float) -> None:
+    services.submit_job(settings, store, dispatcher, job_body(schedule, run.slot),
+                        caller=owner_identity(store, schedule), now=now, tenants=table, job_id=run.job_id)
+
+
+def _take_run(settings: Settings, store: Store, member: str, slot: int) -> bool:
+    """Hold run (`member`, `slot`) for one releaser, for `beat.release_timeout`."""
+    with translate_redis_errors():
+        return bool(store.client.set(store.keys.release_lease(run_id(member, slot)), "1", nx=True,
+                                     px=int(settings.beat.release_timeout * 1000)))
+
+
+def _drop_run(store: Store, member: str, slot: int) -> None:
+    with translate_redis_errors():
+        store.client.delete(store.keys.release_lease(run_id(member, slot)))
+
+
+def _released(settings: Settings, store: Store, member: str, run: Run, *, now: float) -> Outcome:
+    job = jobs.get_job(store, run.job_id, now=now)
+    released = replace(run, status="released", released_at=now, reason="", reason_code="",
+                       predicted_finish=job.predicted_finish, deadline=job.deadline)
+    add, set_ = release_counts(released.lateness or 0.0, late_after=settings.beat.late_after, catch_up=run.catch_up)
+    if settle_run(store, member, released, expect=("releasing",), add=add, set_=set_) != SettleReply.SETTLED:
+        return Outcome("settled", get_run(store, member, run.slot))
+    log.info("released %s at slot %d: job %s, %.3fs after it was due", member, run.slot, run.job_id,
+             released.lateness or 0.0)
+    return Outcome("released", released)
+
+
+def _refuse(store: Store, member: str, run: Run, err: SitsError) -> Outcome:
+    refused = replace(run, status="refused", reason=err.message, reason_code=err.code)
+    if settle_run(store, member, refused, expect=("releasing",), add=refusal_counts(err.code)) != SettleReply.SETTLED:
+        return Outcome("settled", get_run(store, member, run.slot))
+    log.warning("release of %s at slot %d refused: %s", member, run.slot, err.message)
+    return Outcome("refused", refused)

@@ -1,0 +1,87 @@
+"""The releasers: `celery -A sits_api.schedules.runner worker` takes the beat's `sits.release_schedule` tasks.
+
+A release is a job's submit, which the API's intake does (`sits_api/intake/services.py`), so its task
+runs in a Celery app of the API package, on a queue of its own (`beat.release_queue`): a worker of the
+inference fleet never imports the API, and a release never waits behind inference batches. Configured
+lazily from `load_settings()`, as the worker's app is; task events on, so Flower shows each release.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+
+from broker.config.loading import load_settings
+from broker.config.settings import Settings
+from broker.errors import ConfigError
+from broker.schedules.passes import RELEASE_TASK
+from broker.state.sentinel import celery_broker
+from broker.state.store import Store
+from broker.tenants.records import TenantTable
+from sits_api.intake.task_sender import Dispatcher
+from sits_api.schedules.release import release_run
+
+
+class _ReleaseCelery(Celery):
+    """The releasers' Celery app, configured from SITS settings when its configuration is first read."""
+
+    def on_configure(self) -> None:  # type: ignore[override]
+        """Stop with an error for a process without a Redis URL (`sits_worker/celery_app.py` says why here)."""
+        settings = load_settings()
+        if not settings.redis.url:
+            raise ConfigError("no Redis to use: set SITS_REDIS_URL (or redis.url in the config) to the Redis of "
+                              "the SITS stack")
+        broker_url, transport_options = celery_broker(settings.redis.url, settings.redis.sentinel_master,
+                                                      sentinel_auth=settings.redis.sentinel_auth)
+        self.conf.update({
+            "broker_url": broker_url,
+            "broker_connection_retry_on_startup": True,
+            "broker_channel_error_retry": True,
+            "broker_transport_options": {"visibility_timeout": 3600, **transport_options},
+            "task_default_queue": settings.beat.queue(settings.redis.key_prefix),
+            "task_ignore_result": True,
+            "task_acks_late": True,
+            "task_reject_on_worker_lost": True,
+            "worker_prefetch_multiplier": 1,
+            "worker_pool": "threads",
+            "worker_concurrency": settings.beat.release_threads,
+            "worker_send_task_events": True,
+            "task_send_sent_event": True,
+            "worker_hijack_root_logger": False,
+        })
+
+
+app = _ReleaseCelery("sits-releases")
+
+
+@dataclass
+class _Releaser:
+    settings: Settings
+    store: Store
+    dispatcher: Dispatcher
+    tenants: TenantTable
+
+
+_made: list[_Releaser] = []
+_making = threading.Lock()
+
+
+def _releaser() -> _Releaser:
+    """This process's settings, store and dispatcher, made once and shared by its threads."""
+    with _making:
+        if not _made:
+            settings = load_settings()
+            store = Store.of(settings.redis)
+            _made.append(_Releaser(settings, store, Dispatcher(settings, store), TenantTable(settings.tenants)))
+        return _made[0]
+
+
+@app.task(name=RELEASE_TASK)
+def release_schedule(member: str, slot: int) -> dict[str, Any]:
+    """Make the job of one claimed run of a schedule (`release.release_run`); Flower shows what it did."""
+    releaser = _releaser()
+    return release_run(releaser.settings, releaser.store, releaser.dispatcher, releaser.tenants, member,
+                       int(slot)).to_json()

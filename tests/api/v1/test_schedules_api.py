@@ -1,0 +1,263 @@
+"""`/v1/schedules` against a real Redis (no worker, no beat): what a schedule must be to be made, whose it
+is, and a release made by the releaser's own function: once per run, refused with its reason."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+
+from broker.config.settings import Settings
+from broker.schedules import runs
+from broker.schedules.records import Run, slot_job_id
+from broker.schedules.stats import read_schedule_stats
+from broker.state.embedded import EmbeddedRedis
+from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key, revoke_api_keys
+from sits_api.schedules.release import release_run
+from sits_api.state import app_state
+from tests.api.api_helpers import Api, error_of, make_settings, shared_roots
+
+
+@pytest.fixture
+def settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path) -> Settings:
+    roots = shared_roots(tmp_path, zoo_dir)
+    return make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(
+        tenants={"acme": roots, "globex": roots})
+
+
+def key(client: FlaskClient, store: Store, name: str, role: str, tenant: str) -> Api:
+    return Api(client, create_api_key(store, name, role, tenant=tenant))
+
+
+def schedule_body(tmp_path: Path, mlp_input: Path, name: str = "nightly", **fields: Any) -> dict[str, Any]:
+    return {"name": name, "cron": "30 17 * * 1-5", "timezone": "Europe/Paris", "window": "17:30-19:30",
+            "job": {"model": "mlp", "input_batch": str(mlp_input),
+                                      "output_dir": str(tmp_path / "out" / "{date}" / "{slot}")}, **fields}
+
+
+def made(api: Api, body: dict[str, Any]) -> dict[str, Any]:
+    response = api.post("/v1/schedules", json=body)
+    assert response.status_code == 201, error_of(response)
+    return dict(response.get_json())
+
+
+def test_a_schedule_is_made_shown_with_its_next_slot_and_listed(api: Api, mlp: dict[str, Any], mlp_input: Path,
+                                                                tmp_path: Path) -> None:
+    shown = made(api, schedule_body(tmp_path, mlp_input, deadline="2h"))
+
+    assert shown["name"] == "nightly" and shown["owner"] == "test" and shown["deadline"] == 7200
+    assert shown["next_slot"].endswith(("15:30:00Z", "16:30:00Z")) and shown["runs"] == []
+    assert [item["name"] for item in api.get("/v1/schedules").get_json()["schedules"]] == ["nightly"]
+    assert "generation" not in shown and "revision" not in shown
+
+
+@pytest.mark.parametrize(("fields", "problem"), [
+    ({"cron": "30 17 * *"}, "five fields"),
+    ({"cron": "0 0 31 2 *"}, "real date"),
+    ({"deadline": "1000d"}, "at most 366d"),
+    ({"every": "10s"}, "either cron"),
+    ({"timezone": "Mars/Olympus"}, "IANA"),
+    ({"window": "25:00-26:00"}, "not one of a day"),
+    ({"deadline": "soon"}, "not a duration"),
+    ({"catch_up": "always"}, "catch_up"),
+    ({"after": ["nothing"]}, "no schedule of tenant"),
+    ({"after": ["nightly"]}, "after itself"),
+    ({"name": "bad name"}, "name"),
+])
+def test_a_bad_schedule_is_a_400_that_says_what_to_fix(api: Api, mlp: dict[str, Any], mlp_input: Path,
+                                                      tmp_path: Path, fields: dict[str, Any], problem: str) -> None:
+    response = api.post("/v1/schedules", json=schedule_body(tmp_path, mlp_input, **fields))
+
+    assert response.status_code == 400 and problem in error_of(response)
+
+
+def test_what_a_schedule_would_submit_is_checked_as_a_job_submit(api: Api, mlp: dict[str, Any], mlp_input: Path,
+                                                                 tmp_path: Path) -> None:
+    body = schedule_body(tmp_path, mlp_input)
+    outside = {**body, "job": {**body["job"], "output_dir": "/etc/{date}"}}
+    braces = {**body, "job": {**body["job"], "output_dir": str(tmp_path / "{day}")}}
+    unknown = {**body, "job": {**body["job"], "model": "nope"}}
+    own_deadline = {**body, "job": {**body["job"], "deadline_s": 60}}
+
+    assert api.post("/v1/schedules", json=outside).status_code == 403
+    assert "{day}" in error_of(api.post("/v1/schedules", json=braces))
+    assert api.post("/v1/schedules", json=unknown).status_code == 404
+    assert "schedule's deadline" in error_of(api.post("/v1/schedules", json=own_deadline))
+    assert api.get("/v1/schedules").get_json()["schedules"] == []
+
+
+def test_a_loop_of_steps_is_refused(api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    made(api, schedule_body(tmp_path, mlp_input, name="extract"))
+    made(api, schedule_body(tmp_path, mlp_input, name="score", after=["extract"]))
+
+    response = api.client.patch("/v1/schedules/extract", headers=api.headers, json={"after": ["score"]})
+
+    assert response.status_code == 400 and "loop" in error_of(response)
+
+
+def test_another_tenant_s_schedule_answers_as_a_missing_one(client: FlaskClient, store: Store, mlp: dict[str, Any],
+                                                           mlp_input: Path, tmp_path: Path) -> None:
+    alice, gary = key(client, store, "alice", "user", "acme"), key(client, store, "gary", "user", "globex")
+    boss, viewer = key(client, store, "boss", "tenant-admin", "acme"), key(client, store, "vic", "viewer", "acme")
+    made(alice, schedule_body(tmp_path, mlp_input))
+
+    missing = gary.get("/v1/schedules/nothing")
+    for call in (gary.get("/v1/schedules/nightly"), gary.delete("/v1/schedules/nightly"),
+                 gary.post("/v1/schedules/nightly/pause"), gary.post("/v1/schedules/nightly/run"),
+                 gary.client.patch("/v1/schedules/nightly", headers=gary.headers, json={"paused": True})):
+        assert call.status_code == 404 and error_of(call) == error_of(missing).replace("nothing", "nightly")
+    assert gary.get("/v1/schedules?tenant=acme").get_json()["schedules"] == []  # ?tenant= is an admin's
+    assert [s["name"] for s in viewer.get("/v1/schedules").get_json()["schedules"]] == ["nightly"]
+    assert viewer.post("/v1/schedules/nightly/pause").status_code == 403
+    assert boss.post("/v1/schedules/nightly/pause").get_json()["paused"] is True
+    assert made(gary, schedule_body(tmp_path, mlp_input))["tenant"] == "globex"  # names are per tenant
+
+
+def test_patch_pause_resume_and_delete(api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    made(api, schedule_body(tmp_path, mlp_input))
+
+    changed = api.client.patch("/v1/schedules/nightly", headers=api.headers,
+                               json={"every": "10s", "window": None, "catch_up": "skip"}).get_json()
+    paused = api.post("/v1/schedules/nightly/pause").get_json()
+    resumed = api.post("/v1/schedules/nightly/resume").get_json()
+
+    assert changed["every"] == 10 and changed["cron"] is None and changed["window"] is None
+    assert changed["catch_up"] == "skip" and paused["paused"] and paused["next_slot"] is None
+    assert not resumed["paused"] and resumed["next_slot"]
+    assert api.delete("/v1/schedules/nightly").status_code == 204
+    assert api.get("/v1/schedules/nightly").status_code == 404
+
+
+def test_a_tenant_holds_at_most_its_schedules(client: FlaskClient, store: Store, settings: Settings,
+                                              mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    with client.application.app_context():
+        app_state().settings = settings.with_overrides(beat={"max_schedules_per_tenant": 1})
+    alice = key(client, store, "alice", "user", "acme")
+    made(alice, schedule_body(tmp_path, mlp_input, name="one"))
+
+    response = alice.post("/v1/schedules", json=schedule_body(tmp_path, mlp_input, name="two"))
+
+    assert response.status_code == 429 and "max_schedules_per_tenant" in error_of(response)
+
+
+def test_run_now_releases_one_job_under_the_slot_s_id_and_shows_it(api: Api, mlp: dict[str, Any], mlp_input: Path,
+                                                                   tmp_path: Path) -> None:
+    made(api, schedule_body(tmp_path, mlp_input))
+
+    response = api.post("/v1/schedules/nightly/run")
+    shown = api.get("/v1/schedules/nightly").get_json()
+
+    assert response.status_code == 201, error_of(response)
+    run = response.get_json()
+    assert run["status"] == "released" and run["manual"] and run["job_status"] == "queued"
+    assert shown["runs"][0]["job_id"] == run["job_id"]
+    job = api.get(f"/v1/jobs/{run['job_id']}").get_json()
+    assert job["owner"] == "test" and "/out/" in job["output_dir"] and "{" not in job["output_dir"]
+
+
+def claimed_run(app: Flask, store: Store, name: str = "nightly", *, tenant: str = "test",
+                slot: int | None = None) -> tuple[str, Run]:
+    """A run of the schedule claimed at `slot` (default: the current second), as the beat claims one."""
+    from broker.schedules import book
+
+    schedule = book.get_schedule(store, tenant, name)
+    slot = int(time.time()) if slot is None else slot
+    run = Run(slot=slot, status="releasing", job_id=slot_job_id(schedule, slot), due_at=slot, claimed_at=slot)
+    assert runs.claim_slot(store, schedule, run, next_due=None, now=slot, runs_kept=10, manual=True).claimed
+    return schedule.member, run
+
+
+def release(app: Flask, member: str, slot: int) -> str:
+    state = app.extensions["sits"]
+    return release_run(state.settings, state.store, state.dispatcher, state.tenants, member, slot).outcome
+
+
+def test_a_run_released_by_two_releasers_at_once_makes_one_job(app: Flask, api: Api, store: Store,
+                                                               mlp: dict[str, Any], mlp_input: Path,
+                                                               tmp_path: Path) -> None:
+    made(api, schedule_body(tmp_path, mlp_input))
+    member, run = claimed_run(app, store)
+    start = threading.Barrier(4)
+    outcomes: list[str] = []
+
+    def releaser() -> None:
+        start.wait()
+        outcomes.append(release(app, member, run.slot))
+
+    threads = [threading.Thread(target=releaser) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    store.client.delete(store.keys.release_lease(f"{member}|{run.slot}"))  # as once beat.release_timeout passed
+    again = release(app, member, run.slot)  # a message delivered twice, after the first was done
+
+    assert sorted(outcomes) == ["busy", "busy", "busy", "released"] and again == "settled"
+    jobs = api.get("/v1/jobs").get_json()["jobs"]
+    assert [job["id"] for job in jobs] == [run.job_id]
+    assert read_schedule_stats(store)[("test", "nightly")].get("released") == 1
+
+
+def test_a_release_whose_job_cannot_be_made_is_refused_with_its_reason_and_counted(
+        app: Flask, client: FlaskClient, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", "acme")
+    made(alice, schedule_body(tmp_path, mlp_input, job={"model": "mlp", "output_dir": str(tmp_path / "{slot}"),
+                                                         "input_batch": str(tmp_path / "in-{date}.npy")}))
+    member, run = claimed_run(app, store, tenant="acme")
+
+    outcome = release(app, member, run.slot)
+
+    refused = runs.get_run(store, member, run.slot)
+    assert outcome == "refused" and refused is not None and refused.status == "refused"
+    assert "in-" in refused.reason and refused.reason_code
+    totals = read_schedule_stats(store)[("acme", "nightly")]
+    assert totals.get("refused") == 1 and totals.refusals == {refused.reason_code: 1}
+    shown = alice.get("/v1/schedules/nightly").get_json()["runs"][0]
+    assert shown["status"] == "refused" and shown["reason"] == refused.reason and shown["job_id"] is None
+
+
+def test_a_release_acts_as_its_owner_as_it_stands_then(app: Flask, client: FlaskClient, store: Store,
+                                                        mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", "acme")
+    made(alice, schedule_body(tmp_path, mlp_input))
+    revoke_api_keys(store, "alice")
+    member, run = claimed_run(app, store, tenant="acme")
+
+    assert release(app, member, run.slot) == "refused"
+    refused = runs.get_run(store, member, run.slot)
+    assert refused is not None and "no key of that name" in refused.reason and refused.reason_code == "forbidden"
+
+
+def test_a_release_deadline_admission_refuses_is_recorded_on_its_run(app: Flask, api: Api, store: Store,
+                                                                     mlp: dict[str, Any], mlp_input: Path,
+                                                                     tmp_path: Path) -> None:
+    made(api, schedule_body(tmp_path, mlp_input, deadline="2h"))
+    member, run = claimed_run(app, store)
+
+    outcome = release(app, member, run.slot)  # no worker is alive: no deadline can be met
+
+    refused = runs.get_run(store, member, run.slot)
+    assert outcome == "refused" and refused is not None and refused.reason_code == "deadline_infeasible"
+    assert "no live worker" in refused.reason
+    assert api.get("/v1/jobs").get_json()["jobs"] == []
+
+
+def test_a_claim_lost_with_a_failover_and_made_again_meets_the_job_of_the_first(app: Flask, api: Api, store: Store,
+                                                                                mlp: dict[str, Any], mlp_input: Path,
+                                                                                tmp_path: Path) -> None:
+    made(api, schedule_body(tmp_path, mlp_input))
+    member, first = claimed_run(app, store)
+    assert release(app, member, first.slot) == "released"
+    # an asynchronous failover lost the run and the releaser's hold, not the job: the slot is claimed again
+    store.client.delete(store.keys.schedule_runs(member), store.keys.schedule_run_slots(member),
+                        store.keys.release_lease(f"{member}|{first.slot}"))
+    _, again = claimed_run(app, store, slot=first.slot)
+
+    assert again.job_id == first.job_id and release(app, member, again.slot) == "released"
+    assert [job["id"] for job in api.get("/v1/jobs").get_json()["jobs"]] == [first.job_id]
