@@ -39,3 +39,20 @@ def test_the_probe_exits_0_for_a_live_worker_1_for_none_and_2_without_redis(
     assert alive.returncode == 0 and "sits-cpu-9" in alive.stdout
     away = probe(SITS_REDIS_URL="redis://127.0.0.1:1/0")
     assert away.returncode == 2 and "cannot tell" in away.stderr
+
+
+def test_the_beat_probe_exits_0_while_a_beat_holds_its_turn_1_without_and_2_without_redis(
+        redis_server: EmbeddedRedis, store: Store) -> None:
+    environ = os.environ | {"SITS_REDIS_URL": redis_server.url, "SITS_REDIS__KEY_PREFIX": store.keys.prefix}
+    environ.pop("SITS_CONFIG", None)
+
+    def probe(**more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sits_worker.beat.liveness"], env=environ | more,
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    assert probe().returncode == 1
+    store.client.set(store.keys.beat_turn, "beat-1", px=30_000)  # as a beat's pass takes its turn
+    alive = probe()
+    assert alive.returncode == 0, alive.stderr
+    away = probe(SITS_REDIS_URL="redis://127.0.0.1:1/0")
+    assert away.returncode == 2 and "cannot tell" in away.stderr
