@@ -27,8 +27,12 @@ CatchUp = Literal["once", "skip"]
 
 MAX_EVERY_SECONDS = 86_400
 """The longest `every` period: a day (a daily run at a wall time is a `cron`)."""
-_SEARCH_STEPS = 4_000
-"""How many cron matches a search looks through before it gives up (a window no match falls in)."""
+_SEARCH_STEPS = 2_000
+"""How many cron matches a search looks through before it gives up (a window no match falls in): a
+minute's cron with a window at the other end of a weekday is about 1,400 steps; 2,000 cost ~70 ms."""
+_SEARCH_REACH = timedelta(days=4 * 366 + 1)
+"""How far from its start a search looks at most: past a leap day (a cron of 29 February), and no
+further, so that a cron matching rarely costs a search no more than a few years of its matches."""
 _WINDOW = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
 
 
@@ -86,8 +90,12 @@ def parse_every(text: str | int | float) -> int:
     return int(seconds)
 
 
-def check_cron(expression: str) -> str:
-    """The cron expression, checked: five fields (minute hour day month weekday); BadInput otherwise."""
+def check_cron(expression: object) -> str:
+    """The cron expression, checked: five fields (minute hour day month weekday); BadInput otherwise
+    (a body's null or number included: to change a cron schedule to a period, give `every`)."""
+    if not isinstance(expression, str):
+        raise BadInput(f"cron must be a text of five fields, e.g. '30 17 * * 1-5', got {expression!r}; "
+                       "to run at a period instead, give every")
     fields = expression.split()
     if len(fields) != 5 or not croniter.is_valid(expression):
         raise BadInput(f"cron {expression!r} is not a cron expression of five fields (minute hour day-of-month "
@@ -111,7 +119,7 @@ class Cadence:
         (a cron whose matches all miss the window, or a date no calendar has, such as 31 February)."""
         try:
             return self._every_after(after) if self.every else self._cron_after(after)
-        except CroniterError as err:
+        except (CroniterError, ValueError, OverflowError) as err:  # (past year 9999: a ValueError)
             raise BadInput(f"cron {self.cron!r} has no slot to come ({err}); give one that matches a real "
                            "date") from None
 
@@ -119,7 +127,7 @@ class Cadence:
         """The last slot at or before the instant `at` (None when none lies within a search's reach)."""
         try:
             return self._every_at(at) if self.every else self._cron_at(at)
-        except CroniterError:
+        except (CroniterError, ValueError, OverflowError):
             return None
 
     def due_at(self, slot: int) -> float:
@@ -187,20 +195,27 @@ class Cadence:
 
     # --- cron ------------------------------------------------------------------------------------
     def _cron_after(self, after: float) -> int:
-        matches = croniter(self.cron or "", self._wall(after).replace(tzinfo=None, microsecond=0))
+        start = self._wall(after).replace(tzinfo=None, microsecond=0)
+        matches = croniter(self.cron or "", start)
         for _ in range(_SEARCH_STEPS):
             wall = matches.get_next(datetime)
+            if wall - start > _SEARCH_REACH:
+                break
             slot = int(self._instant(wall))
             if slot > after and (self.window is None or self.window.holds(wall)):
                 return slot
-        raise BadInput(f"cron {self.cron!r} has no slot inside window {self.window.text() if self.window else ''} "
-                       "soon enough; change the window or the expression")
+        if self.window is None:
+            raise BadInput(f"cron {self.cron!r} has no slot within four years; give one that matches more often")
+        raise BadInput(f"cron {self.cron!r} has no slot inside window {self.window.text()} soon enough; change the "
+                       "window or the expression")
 
     def _cron_at(self, at: float) -> int | None:
         start = self._wall(at).replace(tzinfo=None, microsecond=0) + timedelta(seconds=1)
         matches = croniter(self.cron or "", start)
         for _ in range(_SEARCH_STEPS):
             wall = matches.get_prev(datetime)
+            if start - wall > _SEARCH_REACH:
+                return None
             slot = int(self._instant(wall))
             if slot <= at and (self.window is None or self.window.holds(wall)):
                 return slot

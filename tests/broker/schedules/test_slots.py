@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 
 import pytest
@@ -150,3 +151,23 @@ def test_templates_name_the_slot_in_local_and_utc_time_and_refuse_other_braces()
         check_templates({"output_dir": "/out/{dat}"})
     with pytest.raises(BadInput, match="unmatched brace"):
         check_templates({"output_dir": "/out/{date"})
+
+
+@pytest.mark.parametrize(("cron", "window"), [
+    ("0 0 29 2 *", "00:01-00:02"),  # leap days only, never in the window: past year 9999 was a 500
+    ("0 0 29 2 1", "00:01-00:02"),  # 29 February or any February Monday, never in the window
+    ("* 0 * * *", "12:00-12:01"),  # every minute of an hour the window never holds
+])
+def test_a_cron_whose_matches_never_fall_in_its_window_is_refused_quickly(cron: str, window: str) -> None:
+    cadence = Cadence(cron=cron, timezone="UTC", window=Window.parse(window))
+    began = time.process_time()
+    with pytest.raises(BadInput, match="no slot inside window"):
+        cadence.next_slot(at("2026-12-07 10:00", "UTC"))
+    assert cadence.latest_slot(at("2026-12-07 10:00", "UTC")) is None
+    assert time.process_time() - began < 0.5, "a search is bounded by its reach, not by thousands of rare matches"
+
+
+def test_a_cron_that_is_not_text_is_refused_with_what_to_write() -> None:
+    for value in (None, 5, ["* * * * *"]):
+        with pytest.raises(BadInput, match="give every"):
+            check_cron(value)
