@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from broker.queueing import workers
 from broker.state.embedded import EmbeddedRedis
@@ -24,14 +25,21 @@ def test_only_a_fresh_heartbeat_of_a_worker_of_this_host_counts(store: Store) ->
     assert alive_here(store, "host-b", now=now, timeout=15) == []
 
 
-def test_the_probe_exits_0_for_a_live_worker_1_for_none_and_2_without_redis(
-        redis_server: EmbeddedRedis, store: Store) -> None:
+def prober(module: str, redis_server: EmbeddedRedis, store: Store) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Runs `python -m <module>` as a container's healthcheck does, against the test's Redis."""
     environ = os.environ | {"SITS_REDIS_URL": redis_server.url, "SITS_REDIS__KEY_PREFIX": store.keys.prefix}
     environ.pop("SITS_CONFIG", None)
 
     def probe(**more: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "sits_worker.upkeep.liveness"], env=environ | more,
+        return subprocess.run([sys.executable, "-m", module], env=environ | more,
                               capture_output=True, text=True, timeout=60, check=False)
+
+    return probe
+
+
+def test_the_probe_exits_0_for_a_live_worker_1_for_none_and_2_without_redis(
+        redis_server: EmbeddedRedis, store: Store) -> None:
+    probe = prober("sits_worker.upkeep.liveness", redis_server, store)
 
     assert probe().returncode == 1
     workers.record_heartbeat(store, f"sits-cpu-9@{socket.gethostname()}", {"streams": 1}, now=time.time())
@@ -43,12 +51,7 @@ def test_the_probe_exits_0_for_a_live_worker_1_for_none_and_2_without_redis(
 
 def test_the_beat_probe_exits_0_while_a_beat_holds_its_turn_1_without_and_2_without_redis(
         redis_server: EmbeddedRedis, store: Store) -> None:
-    environ = os.environ | {"SITS_REDIS_URL": redis_server.url, "SITS_REDIS__KEY_PREFIX": store.keys.prefix}
-    environ.pop("SITS_CONFIG", None)
-
-    def probe(**more: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "sits_worker.beat.liveness"], env=environ | more,
-                              capture_output=True, text=True, timeout=60, check=False)
+    probe = prober("sits_worker.beat.liveness", redis_server, store)
 
     assert probe().returncode == 1
     store.client.set(store.keys.beat_turn, "beat-1", px=30_000)  # as a beat's pass takes its turn
