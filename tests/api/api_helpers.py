@@ -11,6 +11,7 @@ from werkzeug.test import TestResponse
 from broker.config.settings import Settings
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key
 
 
 class Api:
@@ -52,6 +53,18 @@ def shared_roots(tmp_path: Path, zoo_dir: Path) -> dict[str, Any]:
     """A tenant record whose roots are the test's global ones: for tests of who owns work, where
     tenants share folders as an admin may configure them to (a tenant's own folder is the default)."""
     return {"model_roots": [tmp_path, zoo_dir], "input_roots": [tmp_path], "output_roots": [tmp_path]}
+
+
+def two_tenants_sharing_roots(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path) -> Settings:
+    """Test settings with tenants acme and globex, both on the test's global roots (`shared_roots`)."""
+    roots = shared_roots(tmp_path, zoo_dir)
+    return make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(
+        tenants={"acme": roots, "globex": roots})
+
+
+def tenant_key(client: FlaskClient, store: Store, name: str, role: str, tenant: str) -> Api:
+    """A client acting with a new key `name` of `role` in `tenant`."""
+    return Api(client, create_api_key(store, name, role, tenant=tenant))
 
 
 def tenant_copy(path: Path, root: Path, tenant: str) -> Path:

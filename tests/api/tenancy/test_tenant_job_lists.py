@@ -14,19 +14,13 @@ from broker.config.settings import Settings
 from broker.jobs import lists as job_lists
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
-from broker.tenants.apikeys import create_api_key
-from tests.api.api_helpers import Api, error_of, make_settings, shared_roots
+from tests.api.api_helpers import Api, error_of, two_tenants_sharing_roots
+from tests.api.api_helpers import tenant_key as key
 
 
 @pytest.fixture
 def settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path) -> Settings:
-    roots = shared_roots(tmp_path, zoo_dir)
-    return make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(
-        tenants={"acme": roots, "globex": roots})
-
-
-def key(client: FlaskClient, store: Store, name: str, role: str, tenant: str) -> Api:
-    return Api(client, create_api_key(store, name, role, tenant=tenant))
+    return two_tenants_sharing_roots(redis_server, store, tmp_path, zoo_dir)
 
 
 def listed_ids(api: Api, query: str) -> list[str]:

@@ -18,21 +18,16 @@ from broker.schedules.records import Run, slot_job_id
 from broker.schedules.stats import read_schedule_stats
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
-from broker.tenants.apikeys import create_api_key, revoke_api_keys
+from broker.tenants.apikeys import revoke_api_keys
 from sits_api.schedules.release import release_run
 from sits_api.state import app_state
-from tests.api.api_helpers import Api, error_of, make_settings, shared_roots
+from tests.api.api_helpers import Api, error_of, two_tenants_sharing_roots
+from tests.api.api_helpers import tenant_key as key
 
 
 @pytest.fixture
 def settings(redis_server: EmbeddedRedis, store: Store, tmp_path: Path, zoo_dir: Path) -> Settings:
-    roots = shared_roots(tmp_path, zoo_dir)
-    return make_settings(redis_server, store, tmp_path, zoo_dir).with_overrides(
-        tenants={"acme": roots, "globex": roots})
-
-
-def key(client: FlaskClient, store: Store, name: str, role: str, tenant: str) -> Api:
-    return Api(client, create_api_key(store, name, role, tenant=tenant))
+    return two_tenants_sharing_roots(redis_server, store, tmp_path, zoo_dir)
 
 
 def schedule_body(tmp_path: Path, mlp_input: Path, name: str = "nightly", **fields: Any) -> dict[str, Any]:
