@@ -9,7 +9,7 @@ from broker.queueing.policy import ORDERINGS, POLICY_RANGES
 from broker.queueing.scoring import Weights
 from broker.sla.task_sets import TaskSet
 from broker.tenants.settings import Tenant
-from sits_api.schedules.bodies import SchedulePatch, ScheduleSubmission
+from sits_api.schedules.bodies import PlanAsk, SchedulePatch, ScheduleSubmission
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
@@ -231,6 +231,13 @@ def openapi_document() -> dict[str, Any]:
     })
 
 
+def _plan_params() -> list[dict[str, Any]]:
+    """The query parameters of `GET /v1/schedules/plan`: the fields of `PlanAsk`."""
+    schema = PlanAsk.model_json_schema()["properties"]
+    return [{"name": name, "in": "query", "required": False, "description": field.get("description", ""),
+             "schema": {"type": "integer" if name == "slots" else "string"}} for name, field in schema.items()]
+
+
 def _schedule_paths(name: list[dict[str, Any]]) -> dict[str, Any]:
     """`/v1/schedules` (docs/schedules.md): a schedule is named within the caller's tenant; an admin key names
     another tenant's with `?tenant=`."""
@@ -248,6 +255,17 @@ def _schedule_paths(name: list[dict[str, Any]]) -> dict[str, Any]:
                                     "key's roots (403); after names schedules of this tenant, with no loop. 409 "
                                     "for a name taken, 429 past beat.max_schedules_per_tenant.",
                      "responses": _responses(201, 400, 401, 403, 404, 409, 429)},
+        },
+        "/v1/schedules/plan": {
+            "get": {"summary": "the staggering plan of a window's runs: each schedule's release offset and slot cap, "
+                               "each run's predicted finish, the fleet's peak before and after; changes nothing",
+                    "parameters": [*_plan_params(), *tenant],
+                    "description": "Runs are learnt from each schedule's last released job; one that never ran is "
+                                   "listed in left_out. An admin key plans every tenant's (or ?tenant='s).",
+                    "responses": _responses(200, 400, 401)},
+            "post": {"summary": "the same plan, stored on the schedules the key may change (release_offset, "
+                                "slot_cap)", "parameters": tenant, "requestBody": _body(PlanAsk),
+                     "responses": _responses(200, 400, 401)},
         },
         "/v1/schedules/{name}": {
             "get": {"summary": "a schedule with its recent runs: slot, job id, status, predicted and actual finish",

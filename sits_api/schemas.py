@@ -35,6 +35,9 @@ class JobSubmission(_Body):
                                              "e.g. 2026-12-01T10:42:00Z")
     deadline_s: float | None = Field(None, gt=0, le=366 * 86400,
                                      description="the same, as seconds from now (give one of the two)")
+    max_slots: int | None = Field(None, ge=1, le=100_000,
+                                  description="the most stream slots its chunks hold at once (unset: as many as "
+                                              "are free); a schedule's plan sets it for each run")
 
     @model_validator(mode="after")
     def _one_deadline(self) -> JobSubmission:

@@ -39,14 +39,16 @@ from broker.tracing import spans
 
 
 def _item_args(job_id: str, model_ref: str, ranges: Sequence[tuple[int, int]], indexes: Sequence[int],
-               score: float, factors: dict[str, Any], batch_size: int, tenant: str, owner: str) -> list[Any]:
+               score: float, factors: dict[str, Any], batch_size: int, tenant: str, owner: str,
+               max_slots: int | None = None) -> list[Any]:
     args: list[Any] = []
+    capped = {"max_slots": max_slots} if max_slots else {}  # (lease_batch.lua leases no more at once)
     traced = spans.traceparent_field()  # (the span queueing them: the job's trace, continued by their workers)
     for index in indexes:
         start, stop = ranges[index]
         payload = {"kind": "chunk", "job": job_id, "model_ref": model_ref, "chunk": index,
                    "start": start, "stop": stop, "batch_size": batch_size, "score": score, "factors": factors,
-                   "tenant": tenant, "owner": owner, **traced}
+                   "tenant": tenant, "owner": owner, **capped, **traced}
         args += [chunk_item_id(job_id, index), score, json.dumps(payload), str(index)]
     return args
 
@@ -93,12 +95,13 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
         "at_risk": "1" if spec.at_risk else "",
         "order_at": order_at if order_at is not None else "",
         "priority_cap": spec.max_priority,
+        "max_slots": spec.max_slots or "",
     }
     factors = job_factors(spec.priority, now, order_at, spec.max_priority)
     score = queue_key(factors, weights, ordering)
     _enqueue(store, spec.job_id, spec.model_ref, fields, "create", now,
              _item_args(spec.job_id, spec.model_ref, ranges, range(len(ranges)), score, factors.to_dict(),
-                        spec.batch_size, spec.tenant or spec.owner, spec.owner), owner=spec.owner,
+                        spec.batch_size, spec.tenant or spec.owner, spec.owner, spec.max_slots), owner=spec.owner,
              tenant=(spec.tenant or spec.owner) if spec.owner else "")  # (a job without an owner is the admins' alone)
     _mark_active(store, spec.job_id, score, spec.deadline_at)
 
@@ -130,7 +133,7 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     score = queue_key(factors, weights, ordering)
     model_ref = job.model_ref
     item_args = _item_args(job_id, model_ref, ranges, missing, score, factors.to_dict(), int(job.batch_size),
-                           job.tenant or "", job.owner or "")
+                           job.tenant or "", job.owner or "", job.max_slots)
     if not missing:
         finalize = {**finalize_payload(job_id, model_ref, score, factors.to_dict(), job.tenant or ""),
                     **spans.traceparent_field()}
@@ -226,5 +229,5 @@ def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None
                           job.order_at, stored_priority_cap(raw.get("priority_cap")))
     item_args = _item_args(job_id, job.model_ref, ranges, [i for i in range(len(ranges)) if i not in done],
                            queue_key(factors, weights or Weights(), ordering), factors.to_dict(),
-                           int(job.batch_size), job.tenant or "", job.owner or "")
+                           int(job.batch_size), job.tenant or "", job.owner or "", job.max_slots)
     return _enqueue(store, job_id, job.model_ref, {}, mode, now, item_args, fill_id=raw.get("fill_id") or "")

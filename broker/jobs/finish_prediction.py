@@ -50,6 +50,8 @@ class Work:
     """When its latest chunk began to run (a running job's); None where not known."""
     chunk_seconds: float | None = None
     """Slot seconds of one whole chunk of it (its last may be shorter); None: `seconds` over `chunks`."""
+    max_slots: int | None = None
+    """Its slot cap (`max_slots`): the most of its chunks that run at once; None: as many as are free."""
 
 
 @dataclass(frozen=True)
@@ -113,12 +115,20 @@ def finishes(ordered: Sequence[Work], fleet: Fleet, *, now: float) -> list[float
     out = []
     for work in ordered:
         chunks = max(1, work.chunks)
+        lanes = min(chunks, work.max_slots or chunks)
         if chunks <= EXACT_CHUNKS:
             each, finish = work.seconds / chunks, now
+            held: list[tuple[float, int]] = []  # (end, slot) of each slot a capped job holds
             for _ in range(chunks):
-                finish = max(finish, slots.place(work.model, each))
+                if len(held) < lanes:
+                    end, slot = slots.place(work.model, each)
+                else:  # (its next chunk goes on as one of its own ends, on that slot, as a worker's drain does)
+                    _, slot = heapq.heappop(held)
+                    end = slots.place_on(slot, work.model, each)
+                heapq.heappush(held, (end, slot))
+                finish = max(finish, end)
         else:
-            finish = slots.pour(work.model, work.seconds)
+            finish = slots.pour(work.model, work.seconds, most=lanes)
         out.append(finish + fleet.job_latency_seconds)
     return out
 
@@ -143,21 +153,30 @@ class _Slots:
         return [self.models[other] for other in range(first, min(first + group, self.fleet.slots))
                 if other != slot and self.free[other] >= at]
 
-    def place(self, model: str, seconds: float) -> float:
-        """One chunk of `model` of `seconds` on the slot that frees first; returns its end."""
-        start, slot = heapq.heappop(self.heap)
+    def place(self, model: str, seconds: float) -> tuple[float, int]:
+        """One chunk of `model` of `seconds` on the slot that frees first; returns its end and that slot."""
+        while True:
+            free, slot = heapq.heappop(self.heap)
+            if free == self.free[slot]:  # (entries of slots `place_on` moved since are stale)
+                break
+        return self.place_on(slot, model, seconds), slot
+
+    def place_on(self, slot: int, model: str, seconds: float) -> float:
+        """One chunk of `model` of `seconds` on `slot` as soon as it frees; returns its end."""
+        start = self.free[slot]
         end = start + seconds * self.fleet.slowdown(model, self.neighbours(slot, start))
         self.free[slot], self.models[slot] = end, model
         heapq.heappush(self.heap, (end, slot))
         return end
 
-    def pour(self, model: str, seconds: float) -> float:
-        """A job of many chunks spread over the slots as a fluid (`_pour`), beside itself on every worker of
-        more than one slot; returns its end."""
+    def pour(self, model: str, seconds: float, *, most: int | None = None) -> float:
+        """A job of many chunks spread as a fluid (`_pour`) over the slots, or over the `most` that free
+        first (its slot cap), beside itself on every worker of more than one slot; returns its end."""
         factor = self.fleet.slowdown(model, [model] if self.fleet.slots_per_worker > 1 else [])
-        level = _pour(self.free, seconds * factor)
-        for slot, free in enumerate(self.free):
-            if free < level:
+        reached = sorted(range(len(self.free)), key=self.free.__getitem__)[:most or len(self.free)]
+        level = _pour([self.free[slot] for slot in reached], seconds * factor)
+        for slot in reached:
+            if self.free[slot] < level:
                 self.free[slot], self.models[slot] = level, model
         self.heap = [(free, slot) for slot, free in enumerate(self.free)]
         heapq.heapify(self.heap)

@@ -45,6 +45,8 @@ class JobRecord:
     chunk_size: int
     batch_size: int
     priority: int
+    max_slots: int | None
+    """The most stream slots its chunks hold at once (None: no cap)."""
     error: str | None
     at_risk: bool
     """Admitted with `sla.admission: flag` although it was predicted to miss its deadline."""

@@ -114,6 +114,8 @@ class JobSpec:
     """Accepted under `sla.admission: flag` although its deadline was predicted to be missed."""
     max_priority: int = MAX_PRIORITY
     """Its tenant's `max_priority`: the highest level its deadline may lift its chunks to (`job_factors`)."""
+    max_slots: int | None = None
+    """The most of its chunks leased at once, so the most stream slots it holds (None: as many as free)."""
 
     @property
     def model_ref(self) -> str:
@@ -169,6 +171,7 @@ def decode_job(raw: dict[str, str]) -> dict[str, Any]:
         job[name] = json.loads(raw[name]) if raw.get(name) else None
     job["error"] = raw.get("error") or None
     job["at_risk"] = bool(raw.get("at_risk"))
+    job["max_slots"] = int(raw["max_slots"]) if raw.get("max_slots") else None
     job["owner"] = raw.get("owner") or None  # the submitting key's name; None for jobs stored without one
     job["tenant"] = raw.get("tenant") or job["owner"]  # jobs stored before tenants: the owner was the tenant
     for name in _BOOKKEEPING_FIELDS:

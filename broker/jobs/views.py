@@ -25,6 +25,8 @@ class ActiveJobView(HashView):
     deadline: str | None
     chunk_started_at: str | None
     chunk_size: str | None
+    max_slots: str | None
+    """Its slot cap ('' or None: none)."""
 
 
 @dataclass(frozen=True)

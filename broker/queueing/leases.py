@@ -115,6 +115,8 @@ class LeaseStatus(StrEnum):
     """Nothing leased, and the items within reach were all of a paused class (not a held tenant's)."""
     HELD_FOR_SHARE = "held_for_share"
     """Nothing leased: the tenant the batch's rows are shared by is present with nothing waiting this instant."""
+    AT_SLOT_CAP = "at_slot_cap"
+    """Nothing leased: the waiting chunks within reach are of jobs that hold their slot cap (`max_slots`)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,8 @@ def lease_batch(store: Store, model_ref: str, options: LeaseOptions, *, now: flo
         status, count = LeaseStatus.ONLY_PAUSED, 0
     elif count == LeaseReply.HELD_FOR_SHARE:
         status, count = LeaseStatus.HELD_FOR_SHARE, 0
+    elif count == LeaseReply.AT_SLOT_CAP:
+        status, count = LeaseStatus.AT_SLOT_CAP, 0
     else:
         status = LeaseStatus.LEASED if count > 0 else LeaseStatus.NOTHING
     expired, held_by, *absent = reply[1 + LEASED_FIELDS * count:]
@@ -238,12 +242,16 @@ class LeaseNotes:
     """A lease was held back for a present tenant's next requests (`LeaseStatus.HELD_FOR_SHARE`)."""
     held_by: tuple[str, str] | None = None
     """(Model ref, tenant) of the first such lease: the tenant it was held for (`LeaseResult.held_by`)."""
+    at_slot_cap: bool = False
+    """A lease found only chunks of jobs holding their slot cap (`LeaseStatus.AT_SLOT_CAP`)."""
 
     def add(self, result: LeaseResult, model_ref: str = "") -> None:
         """Take in what `result`, a lease of `model_ref`, told."""
         self.absent.extend(result.absent)
         if result.status is LeaseStatus.ONLY_PAUSED:
             self.paused = True
+        if result.status is LeaseStatus.AT_SLOT_CAP:
+            self.at_slot_cap = True
         if result.status is LeaseStatus.HELD_FOR_SHARE:
             self.held_for_share = True
             if result.held_by and self.held_by is None:

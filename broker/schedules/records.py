@@ -71,10 +71,10 @@ class Schedule:
     """Random, made at creation: the job id of each slot comes from it (`slot_job_id`), so that a schedule
     deleted and made again under its name never meets the old one's jobs."""
     release_offset: float = 0.0
-    """How long after its slot each release is due (0: at the slot); kept for a planner that staggers releases."""
+    """How long after its slot each release is due (0: at the slot): what a window's plan staggers releases by
+    (`broker/schedules/planning.py`). Templates and the deadline still count from the slot."""
     slot_cap: int | None = None
-    """The most runs of one slot instant across schedules a planner may let through (None: no cap); kept,
-    not used yet."""
+    """The most stream slots each run's job holds at once (its `max_slots`; None: no cap), set by a plan."""
 
     @property
     def member(self) -> str:

@@ -97,7 +97,8 @@ def _earliest_feasible(refused: Verdict, verdict_at: Any, asked: float) -> float
 
 
 def predict(settings: Settings, figures: Figures, *, job_id: str, record: ModelRecord, rows: int, chunks: int,
-            batch_size: int, deadline_at: float, score_for: Any, now: float) -> Prediction:
+            batch_size: int, deadline_at: float, score_for: Any, now: float,
+            max_slots: int | None = None) -> Prediction:
     """Admission's verdict for a job of `rows` rows in `chunks` chunks with `deadline_at`; `score_for(deadline)`
     is its queue score with that deadline (its deadline moves it in the queue, `scoring.deadline_order_time`).
 
@@ -113,7 +114,8 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: ModelR
         score = float(score_for(deadline))
         fleet = figures.plan_fleet(*blocking(figures.running, score, figures.fleet.slots, now=now),
                                    job_latency_seconds=JOB_LATENCY_SECONDS)
-        return admit(Work(job_id, score, own, deadline, max(1, chunks), record.version), figures.active, fleet,
+        return admit(Work(job_id, score, own, deadline, max(1, chunks), record.version, max_slots=max_slots),
+                     figures.active, fleet,
                      now=now, margin=margin, margin_floor=settings.sla.admission_margin_floor)
 
     verdict = verdict_at(deadline_at)
@@ -127,7 +129,8 @@ def predict(settings: Settings, figures: Figures, *, job_id: str, record: ModelR
 
 
 def check_job(settings: Settings, store: Store, *, job_id: str, record: ModelRecord, rows: int, chunks: int,
-              batch_size: int, deadline_at: float, score_for: Any, now: float) -> tuple[float, bool]:
+              batch_size: int, deadline_at: float, score_for: Any, now: float,
+              max_slots: int | None = None) -> tuple[float, bool]:
     """Admit a job with a deadline under its model's `sla.admission`: (its predicted finish, whether it is
     at risk). `reject` raises DeadlineInfeasible when it cannot make it; `flag` accepts it at risk; `off`
     predicts nothing (NaN, not at risk)."""
@@ -139,7 +142,8 @@ def check_job(settings: Settings, store: Store, *, job_id: str, record: ModelRec
                                  "in the future, or deadline_s", predicted_finish=None, earliest_deadline=None)
     figures = read_figures(settings, store, now=now)
     prediction = predict(settings, figures, job_id=job_id, record=record, rows=rows, chunks=chunks,
-                         batch_size=batch_size, deadline_at=deadline_at, score_for=score_for, now=now)
+                         batch_size=batch_size, deadline_at=deadline_at, score_for=score_for, now=now,
+                         max_slots=max_slots)
     verdict = prediction.verdict
     if verdict.feasible or mode == "flag":
         return verdict.predicted_finish, not verdict.feasible

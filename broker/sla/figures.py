@@ -160,7 +160,8 @@ def read_figures(settings: Settings, store: Store, *, now: float) -> Figures:
         active.append(Work(job_id, float(score), seconds, float(job.deadline) if job.deadline else None,
                            remaining_chunks, _version(model_ref),
                            chunk_started_at=float(job.chunk_started_at) if job.chunk_started_at else None,
-                           chunk_seconds=chunk_seconds if chunk_rows > 0 else None))
+                           chunk_seconds=chunk_seconds if chunk_rows > 0 else None,
+                           max_slots=int(job.max_slots) if job.max_slots else None))
         if job.status == "running":
             running.append(active[-1])
     return Figures(active, running, fleet, factors, contention(factors))

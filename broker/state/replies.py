@@ -22,6 +22,9 @@ class LeaseReply(IntEnum):
     HELD_FOR_SHARE = -3
     """Nothing leased: the tenant a batch's rows are shared by (`broker/tenants/batch_shares.py`) is present
     on the model with nothing waiting at this instant; the others' requests wait for its next ones."""
+    AT_SLOT_CAP = -4
+    """Nothing leased: every waiting item within reach is a chunk of a job that holds its slot cap
+    (`max_slots`); one of its chunks must end first."""
     NOTHING = 0
     """Nothing leased: the queue is empty, its head is not for this call, or the batch does not fit."""
 

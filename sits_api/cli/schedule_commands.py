@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import click
 from rich.table import Column, Table
@@ -167,3 +167,59 @@ def schedule_run_now(name: str, tenant: str | None, as_json: bool) -> None:
         console.print(f"schedule {name}: {run['status']}: {run['reason']}", markup=False)
     if run["status"] != "released":
         raise SystemExit(1)
+
+
+@schedule.command("plan")
+@click.option("--window", default=None, help="HH:MM-HH:MM: plan the runs whose slots fall in it (default: the "
+              "next 24 hours)")
+@click.option("--day", default=None, help="YYYY-MM-DD of the window (default: its next opening)")
+@click.option("--timezone", default="UTC", show_default=True, help="IANA time zone of --window and --day")
+@click.option("--slots", type=click.IntRange(min=1), default=None,
+              help="the fleet's stream slots to plan for (default: the live workers')")
+@click.option("--tenant", default=None, help="an admin key: this tenant's schedules only (default: every tenant's)")
+@click.option("--apply", "apply_plan", is_flag=True, help="store each offset and cap on its schedule")
+@click.option("--json", "as_json", is_flag=True)
+def schedule_plan(window: str | None, day: str | None, timezone: str, slots: int | None, tenant: str | None,
+                  apply_plan: bool, as_json: bool) -> None:
+    """Stagger a window's runs: a release offset and a slot cap per schedule that lower the fleet's peak
+    while every run finishes before its deadline. Prints the peak before and after and each run's
+    predicted finish; --apply stores the offsets and caps."""
+    ask: dict[str, Any] = {"timezone": timezone}
+    for field, value in (("window", window), ("day", day), ("slots", slots)):
+        if value is not None:
+            ask[field] = value
+    client = ApiClient.from_environment()
+    if apply_plan:
+        data = client.post("/v1/schedules/plan" + _query(tenant), ask)
+    else:
+        data = client.get("/v1/schedules/plan?" + urlencode({**ask, **({"tenant": tenant} if tenant else {})}))
+    if as_json:
+        print_json(data)
+        return
+    _print_plan(data)
+
+
+def _print_plan(data: dict[str, Any]) -> None:
+    span = f"{data['window'] or 'the next 24 h'} ({data['from']} to {data['until']}), {data['slots']} slots"
+    for left in data["left_out"]:
+        console.print(f"left out: {left['tenant']}/{left['schedule']}: {left['reason']}", markup=False)
+    before = data["before"]
+    if not data["runs"]:
+        console.print(f"{span}: nothing planned. {data.get('reason', '')}", markup=False)
+        return
+    after = data["after"]
+    console.print(f"{span}: peak {before['peak_slots']} -> {after['peak_slots']} slots "
+                  f"({data['peak_drop']}x lower), {before['peak_rows_per_second']:g} -> "
+                  f"{after['peak_rows_per_second']:g} rows/s; late runs {before['late_runs']} -> "
+                  f"{after['late_runs']}", markup=False)
+    table = Table(Column("schedule", no_wrap=True), "slot", "offset s", "max slots", "finish", "predicted",
+                  "deadline", "on time")
+    for run in data["runs"]:
+        table.add_row(f"{run['tenant']}/{run['schedule']}", run["slot"], f"{run['offset_s']:g}",
+                      str(run["max_slots"] or "-"), run["finish"] or "-", run["predicted_finish"] or "-",
+                      run["deadline"], "yes" if run["on_time"] and run["admitted"] else "NO")
+    print_table(table)
+    analysis = data["response_time_analysis"]
+    console.print(f"response-time analysis: {analysis['verdict']}", markup=False)
+    if data["applied"]:
+        console.print(f"applied to: {', '.join(data['applied'])}", markup=False)

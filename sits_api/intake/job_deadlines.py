@@ -52,6 +52,6 @@ def admitted(settings: Settings, store: Store, spec: jobs.JobSpec, model: ModelR
     finish, at_risk = admission.check_job(
         settings, store, job_id=spec.job_id, record=model, rows=spec.rows_total,
         chunks=len(jobs.chunk_ranges(spec.rows_total, spec.chunk_size)), batch_size=spec.batch_size,
-        deadline_at=due, score_for=score_for, now=now)
+        deadline_at=due, score_for=score_for, now=now, max_slots=spec.max_slots)
     return dataclasses.replace(spec, predicted_finish=round(finish, 3) if math.isfinite(finish) else None,
                                at_risk=at_risk)

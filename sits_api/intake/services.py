@@ -279,6 +279,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         max_priority=tenant_gate.priority_cap(tenant),
         input_options={k: v for k, v in input_options.items() if v is not None},
         deadline_at=deadline_at,
+        max_slots=body.max_slots,
     )
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
     if deadline_at is not None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from broker.errors import BadInput
 from broker.schedules.records import SCHEDULE_NAME
 from sits_api.schemas import JobSubmission
 
@@ -35,6 +37,12 @@ class _Cadence(_Body):
                                     description="schedules of this tenant whose run of the same slot must "
                                                 "have succeeded first")
     paused: bool | None = None
+    release_offset: str | float | None = Field(None, description="how long after each slot its release is due, "
+                                                                 "e.g. '15m' (0: at the slot); `schedule plan "
+                                                                 "--apply` sets it")
+    slot_cap: int | None = Field(None, ge=1, le=100_000, description="the most stream slots each run's job "
+                                                                     "holds at once (its `max_slots`); `null`: "
+                                                                     "no cap; `schedule plan --apply` sets it")
 
 
 class ScheduleSubmission(_Cadence):
@@ -66,3 +74,29 @@ class SchedulePatch(_Cadence):
     def changes(self) -> dict[str, Any]:
         """The fields the body sets, `null`s included."""
         return {name: getattr(self, name) for name in self.model_fields_set}
+
+
+class PlanAsk(_Body):
+    """`GET` (query) or `POST` (body) `/v1/schedules/plan`: which window to plan, for how many slots."""
+
+    window: str | None = Field(None, max_length=11, description="HH:MM-HH:MM in `timezone`; unset: the next 24 h")
+    day: str | None = Field(None, max_length=10, description="YYYY-MM-DD of the window (default: its next opening)")
+    timezone: str = Field("UTC", max_length=64, description="IANA time zone of `window` and `day`")
+    slots: int | None = Field(None, ge=1, le=100_000, description="the fleet's stream slots to plan for "
+                                                                   "(default: the live workers')")
+
+    @classmethod
+    def from_query(cls, args: Mapping[str, str]) -> PlanAsk:
+        """The ask from a query string (`slots` as text)."""
+        unknown = set(args) - set(cls.model_fields) - {"tenant"}
+        if unknown:
+            raise BadInput(f"unknown query parameters {sorted(unknown)}; known: {', '.join(cls.model_fields)}, tenant")
+        slots = args.get("slots")
+        if slots is not None and not slots.isdigit():
+            raise BadInput(f"slots must be a whole number of stream slots, got {slots!r}")
+        values: dict[str, Any] = {name: args[name] for name in ("window", "day", "timezone") if name in args}
+        try:
+            return cls(**values, **({"slots": int(slots)} if slots is not None else {}))
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise BadInput(f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}") from None

@@ -44,6 +44,8 @@ def create_schedule(settings: Settings, store: Store, table: TenantTable, body: 
                     caller: dict[str, Any], now: float) -> dict[str, Any]:
     """Store a new schedule of the caller's tenant, owned by the caller's key, once what it would submit
     passes the checks a job's submit makes; the schedule as `describe` shows it."""
+    if body.name == "plan":  # (GET /v1/schedules/plan is the window's plan)
+        raise BadInput("'plan' names the planning route (GET /v1/schedules/plan); give the schedule another name")
     fields = _cadence_fields(body.model_dump(exclude={"name", "job"}, exclude_none=True))
     schedule = Schedule(name=body.name, tenant=key_tenant(caller), owner=str(caller["name"]),
                         job=_job_fields(body.job), created_at=now, updated_at=now,
@@ -173,9 +175,21 @@ def _cadence_fields(body: dict[str, Any]) -> dict[str, Any]:
             fields["deadline"] = None if value is None else _seconds(value)
         elif name == "after":
             fields["after"] = tuple(dict.fromkeys(value or ()))
-        elif name in ("catch_up", "paused"):
+        elif name == "release_offset":
+            fields["release_offset"] = _offset(value)
+        elif name in ("catch_up", "paused", "slot_cap"):
             fields[name] = value
     return fields
+
+
+def _offset(value: Any) -> float:
+    try:
+        seconds = 0.0 if value is None else parse_duration(value)
+    except ValueError as err:
+        raise BadInput(f"release_offset: {err}") from None
+    if not 0 <= seconds <= 86_400.0:
+        raise BadInput("release_offset must be from 0 to 1d after each slot, e.g. '15m'")
+    return seconds
 
 
 def _seconds(value: Any) -> float:
@@ -200,7 +214,7 @@ def _job_fields(job: JobSubmission) -> dict[str, Any]:
 def describe(store: Store, schedule: Schedule, *, now: float, runs_shown: int = RUNS_SHOWN) -> dict[str, Any]:
     """A schedule as the API shows it: its fields, its next slot, and its latest runs with each job's end."""
     shown = schedule.to_json()
-    for hidden in ("generation", "revision", "release_offset", "slot_cap"):
+    for hidden in ("generation", "revision"):
         shown.pop(hidden)
     shown["next_slot"] = None
     if not schedule.paused:

@@ -113,6 +113,8 @@ def job_body(schedule: Schedule, slot: int) -> JobSubmission:
     body = render(schedule.job, schedule.cadence().labels(slot))
     if schedule.deadline is not None:
         body["deadline"] = datetime.fromtimestamp(slot + schedule.deadline, UTC).isoformat()
+    if schedule.slot_cap is not None:  # (its plan's cap; a tighter one of the job's own stays)
+        body["max_slots"] = min(schedule.slot_cap, body.get("max_slots") or schedule.slot_cap)
     try:
         return JobSubmission.model_validate(body)
     except ValidationError as err:

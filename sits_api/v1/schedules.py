@@ -12,8 +12,8 @@ from typing import Any
 from flask import Blueprint, g, jsonify, request
 
 from broker.errors import BadInput
-from sits_api.schedules import definitions
-from sits_api.schedules.bodies import SchedulePatch, ScheduleSubmission
+from sits_api.schedules import definitions, planner
+from sits_api.schedules.bodies import PlanAsk, SchedulePatch, ScheduleSubmission
 from sits_api.state import app_state
 from sits_api.v1.parsing import parse_body
 
@@ -42,6 +42,26 @@ def list_schedules() -> Any:
     """The schedules the caller may read, by tenant and name."""
     listed = definitions.list_visible(app_state().store, caller=g.identity, tenant=_tenant(), now=time.time())
     return jsonify({"schedules": listed})
+
+
+@blueprint.get("/v1/schedules/plan")
+def plan_window() -> Any:
+    """The staggering plan of the caller's schedules in a window: each run's release offset, slot cap and
+    predicted finish, and the fleet's peak before and after. Changes nothing (POST applies it)."""
+    ask = PlanAsk.from_query(request.args)
+    return jsonify(_plan(ask, apply=False))
+
+
+@blueprint.post("/v1/schedules/plan")
+def apply_plan() -> Any:
+    """The same plan, stored on the schedules the caller may change (their `release_offset` and `slot_cap`)."""
+    return jsonify(_plan(parse_body(PlanAsk) if request.get_data() else PlanAsk(), apply=True))
+
+
+def _plan(ask: PlanAsk, *, apply: bool) -> dict[str, Any]:
+    state = app_state()
+    return planner.plan(state.settings, state.store, caller=g.identity, tenant=_tenant(), window=ask.window,
+                        day=ask.day, timezone=ask.timezone, slots=ask.slots, apply=apply, now=time.time())
 
 
 @blueprint.get("/v1/schedules/<name>")

@@ -43,6 +43,9 @@ enqueue path rings the doorbell)."""
 COMPANY_POLL_SECONDS = 0.001
 """How often a head request's batch is looked at again while it waits for company (`max_queue_delay`)."""
 
+SLOT_CAP_POLL_SECONDS = 0.1
+"""How long a slot waits, unless new work rings, when the only waiting work is of jobs at their slot cap: the
+slot that ends one of their chunks leases the next itself, so the others need not look often."""
 HELD_POLL_SECONDS = 0.01
 """How often a slot looks again while a tenant is held back (its usage decays by the milliseconds)."""
 
@@ -191,6 +194,9 @@ def _wait_after_nothing_ran(ctx: WorkerContext, state: _Slice, snapshot: queues.
         if notes.held_by is not None:  # (the slot waited for that tenant alone: the wait is its usage)
             model_ref, tenant = notes.held_by
             ctx.usage.charge(model_ref, [Work(tenant, "", 1)], time.monotonic() - started)
+    elif notes.at_slot_cap:  # only capped jobs' chunks wait: one of theirs must end (its own slot goes on)
+        tickets.wait_for_doorbell(ctx.store, state.ticket, now=time.time(), timeout=SLOT_CAP_POLL_SECONDS,
+                                  touch=False)
     else:  # memory is reserved by running batches, another slot took the work, or the waiting work
         # is a held tenant's (past its limit: it waits for its usage to decay); a degraded worker's
         # leases weigh a long window: it looks again less often
@@ -225,11 +231,12 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
                     ) -> tuple[list[leases.LeasedItem], reservation.Admission | None]:
     """Lease the first admitted model's batch that has work, with its admission; ([], None) when none
     has any now (with `requests_only`: none headed by an online request). `notes.paused` ends true only
-    when every lease found nothing but paused work. Where online requests wait (`waiting_requests`, by
+    when every lease found nothing but paused work, `notes.at_slot_cap` when every one found nothing but chunks of
+    jobs at their slot cap. Where online requests wait (`waiting_requests`, by
     model, as the snapshot counted them), those of a tenant returning after fair share took it for absent
     are looked for first (`FairShare.returning_option`)."""
     waited: set[str] = set()  # (a whole admission and a backfill behind it may name one model)
-    paused = bool(allowed)
+    paused = capped = bool(allowed)
     for admission in allowed:
         model_ref = admission.model
         if model_ref not in waited and ctx.memory_watch.lease_classes() is None:
@@ -252,10 +259,10 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
         if leased:
             ctx.last_served = model_ref
             return leased, admission
-        paused = paused and said.paused
+        paused, capped = paused and said.paused, capped and said.at_slot_cap
         notes.held_for_share = notes.held_for_share or said.held_for_share
         notes.held_by = notes.held_by or said.held_by
-    notes.paused = paused
+    notes.paused, notes.at_slot_cap = paused, capped
     return [], None
 
 

@@ -47,7 +47,8 @@
 --     its class is paused), by its score plus demote[L+1] within a rank; with `tenants` too, the
 --     classes rank first, the tenants within a class; when the queue is longer than the window, the
 --     first requests by level (K.waiting, the paused class last) are weighed too, wherever they wait
--- Returns {LEASE.STALE_TICKET}: the ticket is no longer valid; {LEASE.ONLY_PAUSED}: nothing leased, and
+-- Returns {LEASE.STALE_TICKET}: the ticket is no longer valid; {LEASE.AT_SLOT_CAP}: nothing leased, and chunks
+-- of jobs at their slot cap were within reach; {LEASE.ONLY_PAUSED}: nothing leased, and
 -- paused items were all there was within reach (no held tenant's among them: a held tenant's wait ends
 -- by the milliseconds, a paused class's by a step back); {LEASE.HELD_FOR_SHARE}: nothing leased, see
 -- `shares`; {LEASE.NOTHING}: nothing leased; else {n, id1, payload1, attempts1, inputs1, ...}; after any of
@@ -57,6 +58,8 @@
 -- the wait), then the names of the ranked tenants (`tenants.order`) a fair scan that read every item within
 -- reach found nothing of (the caller may leave them out of its next orders a moment).
 -- The head always goes, but see head_must_fit and batch_limit (a job chunk at the head ignores both).
+-- A chunk of a job whose chunks hold its slot cap already (payload `max_slots`, lib.lua's `chunk_slot_cap`)
+-- is not leased: the work behind it is.
 -- Items are never popped into the void: each one is in ready or in-flight at every instant.
 -- KEYS by name (K.ready ...), and each candidate and picked item a table of named fields ({id, payload,
 -- item, rank, score, tenant}; {id, payload, rows, tokens, req, tenant}).
@@ -88,20 +91,84 @@ local function passed_timeout(item)
   return false
 end
 
+-- Slot caps (lib.lua's `chunk_slot_cap`): a job whose chunks already hold its `max_slots` leases gets no
+-- more from this call. Per job, this call's view: {cap, held}, `held` counting what the batch takes too.
+local slot_caps = {}
+local function job_full(item)
+  local cap = chunk_slot_cap(item)
+  if cap == nil then
+    return false
+  end
+  local state = slot_caps[item['job']]
+  if state == nil then
+    state = {cap = cap, held = job_slots_held(K.inflight, item['job'])}
+    slot_caps[item['job']] = state
+  end
+  return state.held >= state.cap
+end
+
+-- The job whose slot `item` takes, counted now, or nil for an item of no capped job.
+local function take_job_slot(item)
+  local state = chunk_slot_cap(item) and slot_caps[item['job']]
+  if not state then
+    return nil
+  end
+  state.held = state.held + 1
+  return item['job']
+end
+
+-- The rank of the last chunk of `job` in the run that starts at rank `first` with `score` (its chunks of one
+-- score wait side by side, for members of equal score sort by id): found in O(log run) single-item reads.
+local function run_end(first, job, score)
+  local prefix = job .. ':c'
+  local function in_run(rank)
+    local found = redis.call('ZRANGE', K.ready, rank, rank, 'WITHSCORES')
+    return #found == 2 and found[2] == score and string.sub(found[1], 1, #prefix) == prefix
+  end
+  local last, step = first, 1
+  while in_run(last + step) do
+    last, step = last + step, step * 2
+  end
+  local low, high = last, last + step - 1
+  while low < high do
+    local middle = math.floor((low + high + 1) / 2)
+    if in_run(middle) then
+      low = middle
+    else
+      high = middle - 1
+    end
+  end
+  return low
+end
+
 -- The batch from the front of the queue: {id, payload, rows, tokens} each, whether the head is an
 -- online request, the chunk to carry (or nil), the rows and tokens of the requests; nil: lease nothing.
 -- Chunks follow a chunk head; requests of the head's bucket join a request head while they fit.
 -- With carry, the scan goes on past a full batch, looking for that chunk.
+-- A run of chunks of a job at its slot cap is stepped over (at most MOST_CAPPED_RUNS runs a call), so the
+-- work behind it is reached however many chunks the capped job has waiting.
+local MOST_CAPPED_RUNS = 16
 local function queue_candidates()
-  local ids = redis.call('ZRANGE', K.ready, 0, 2 * math.max(max_items, max_chunks) - 1)
-  local out = {}
-  for _, item_id in ipairs(ids) do
-    local payload = redis.call('HGET', K.items, item_id) or '{}'
-    local item = cjson.decode(payload)
-    if not passed_timeout(item) then
-      out[#out + 1] = {id = item_id, payload = payload, item = item, tenant = item_tenant(item)}
+  local want = 2 * math.max(max_items, max_chunks)
+  local out, position, runs_skipped = {}, 0, 0
+  repeat
+    local page = redis.call('ZRANGE', K.ready, position, position + want - 1, 'WITHSCORES')
+    local jumped = false
+    for pair = 1, #page, 2 do
+      local item_id = page[pair]
+      local payload = redis.call('HGET', K.items, item_id) or '{}'
+      local item = cjson.decode(payload)
+      if job_full(item) then
+        position = run_end(position, item['job'], page[pair + 1]) + 1
+        runs_skipped, jumped = runs_skipped + 1, true
+        break
+      end
+      position = position + 1
+      if not passed_timeout(item) then
+        out[#out + 1] = {id = item_id, payload = payload, item = item, tenant = item_tenant(item)}
+      end
     end
-  end
+  until not jumped or #out >= want or runs_skipped >= MOST_CAPPED_RUNS
   return out
 end
 
@@ -355,13 +422,16 @@ local function ranked_candidates()
       if passed_timeout(item) then
         return false
       end
-      facts = {tenant = item_tenant(item), level = base_level(item)}
+      facts = {tenant = item_tenant(item), level = base_level(item), full = job_full(item)}
       if job then
         job_facts[job] = facts
       end
     end
     local tenant, level = facts.tenant, facts.level
     seen[tenant] = true
+    if facts.full then  -- (its job holds its slot cap: none of its chunks is leased now)
+      return false
+    end
     local item_rank = rank_of(tenant, level)
     if item_rank == nil then
       return false
@@ -592,7 +662,7 @@ local function pick_candidates()
         return nil
       end
       picked[1] = {id = item_id, payload = payload, rows = number_or(item['rows'], 1), tokens = token_cost(item),
-        req = item['req'], tenant = candidate.tenant}
+        req = item['req'], tenant = candidate.tenant, capped_job = take_job_slot(item)}
       taken[candidate.tenant] = number_or(item['rows'], 1)
       online = is_request
       bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
@@ -600,7 +670,10 @@ local function pick_candidates()
       if is_request or #picked >= max_chunks then
         break
       end
-      picked[#picked + 1] = {id = item_id, payload = payload, tenant = candidate.tenant}
+      if not job_full(item) then  -- (a capped job's chunks fill the batch only up to its cap)
+        picked[#picked + 1] = {id = item_id, payload = payload, tenant = candidate.tenant,
+          capped_job = take_job_slot(item)}
+      end
     elseif #picked >= max_items and not (carry and carried == nil) then
       break
     elseif is_request and #picked < max_items and item['bucket'] == bucket
@@ -613,7 +686,7 @@ local function pick_candidates()
       rows = rows + number_or(item['rows'], 1)
       tokens = tokens + token_cost(item)
     elseif carry and carried == nil and item['kind'] == 'chunk' and share_quota(split, candidate.tenant) == nil then
-      carried = {id = item_id, payload = payload, tenant = candidate.tenant}
+      carried = {id = item_id, payload = payload, tenant = candidate.tenant, capped_job = take_job_slot(item)}
     end
   end
   return picked, online, carried, rows, tokens
@@ -656,6 +729,9 @@ local function move_to_inflight(picked)
   for _, entry in ipairs(picked) do
     ready_remove(K.ready, entry.id, entry.tenant)
     redis.call('ZADD', K.inflight, lease_deadline, entry.id)
+    if entry.capped_job then
+      note_job_slot(K.inflight, entry.capped_job, entry.id, lease_deadline)
+    end
     redis.call('ZREM', K.waiting, entry.id)
     append_leased(out, entry.id, entry.payload, redis.call('HINCRBY', K.attempts, entry.id, 1),
       options.request_prefix or '', entry.req)
@@ -694,7 +770,13 @@ if held_for_share then
   return with_absent({LEASE.HELD_FOR_SHARE})
 end
 if picked == nil or #picked == 0 then  -- (empty: every item in the window is a held tenant's or paused)
-  return with_absent({(picked ~= nil and paused_seen > 0 and held_seen == 0) and LEASE.ONLY_PAUSED or LEASE.NOTHING})
+  local why = LEASE.NOTHING
+  if picked ~= nil and paused_seen > 0 and held_seen == 0 then
+    why = LEASE.ONLY_PAUSED
+  elseif picked ~= nil and next(slot_caps) ~= nil then  -- (only capped jobs' chunks were within reach)
+    why = LEASE.AT_SLOT_CAP
+  end
+  return with_absent({why})
 end
 rows, tokens = carry_or_cut(picked, online, carried, rows, tokens)
 if not within_batch_limit(online, rows, tokens) then

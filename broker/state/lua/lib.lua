@@ -460,3 +460,42 @@ local function share_quota(split, tenant)
   end
   return split.hold and 0 or (split.quotas[tenant] or 0)
 end
+
+-- A job's slot cap (payload `max_slots`, set by the job or its schedule's plan): the most of its chunks
+-- leased at once. Its leased chunk ids are kept beside the model's in-flight set (same hash tag); an
+-- entry counts only while that chunk is still in flight, so no script that ends a lease needs to know.
+local JOB_SLOTS_SEPARATOR = '|slots|'
+local JOB_SLOTS_KEEP_SECONDS = 86400
+
+local function job_slots_key(inflight_key, job)
+  return inflight_key .. JOB_SLOTS_SEPARATOR .. job
+end
+
+-- How many of `job`'s chunks are in flight now (entries of chunks no longer in flight are dropped).
+local function job_slots_held(inflight_key, job)
+  local key = job_slots_key(inflight_key, job)
+  local held = 0
+  for _, item_id in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    if redis.call('ZSCORE', inflight_key, item_id) then
+      held = held + 1
+    else
+      redis.call('ZREM', key, item_id)
+    end
+  end
+  return held
+end
+
+-- Count chunk `item_id` of `job` as holding one of its slots until it leaves the in-flight set.
+local function note_job_slot(inflight_key, job, item_id, lease_deadline)
+  local key = job_slots_key(inflight_key, job)
+  redis.call('ZADD', key, lease_deadline, item_id)
+  redis.call('EXPIRE', key, JOB_SLOTS_KEEP_SECONDS)
+end
+
+-- The slot cap of a chunk's job (its payload's `max_slots`), or nil for an uncapped item.
+local function chunk_slot_cap(item)
+  if item['kind'] ~= 'chunk' or type(item['max_slots']) ~= 'number' or item['max_slots'] < 1 then
+    return nil
+  end
+  return item['max_slots']
+end
