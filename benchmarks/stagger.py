@@ -12,7 +12,7 @@ first minute, two at the next, one at the third, each with a deadline `--deadlin
 
 Each phase samples every `SAMPLE` seconds the chunks in flight (one stream slot each: a worker's drain
 leases one chunk at a time) and the rows done of the five jobs. Reported per phase: the peak of slots in
-use, the peak rows/s (over one-second windows), and each run's finish against its deadline. The plan's
+use, the peak rows/s (over 5-second windows), and each run's finish against its deadline. The plan's
 own prediction (peak before and after, each run's predicted finish) is printed beside.
 
     python benchmarks/stagger.py            # about 8 minutes: two phases, each starting at a minute boundary
@@ -41,6 +41,9 @@ from sits_worker.model.zoo import build_zoo  # noqa: E402
 MINUTES = (0, 0, 1, 1, 2)
 """Each schedule's slot, in minutes after the window opens."""
 SAMPLE = 0.25
+RATE_WINDOW = 5.0
+"""Rows/s is taken over windows this long: rows are counted as chunks end (each a fraction of a second of
+one slot's work here), so shorter windows measure the acks' bunching more than the load."""
 CHUNKS = 24
 """Chunks of each job: enough for a run to spread over every slot when nothing caps it."""
 
@@ -97,7 +100,7 @@ def run_phase(stack: Stack, names: list[str], opening: float, deadline_s: float)
         time.sleep(SAMPLE)
     peak_rate = 0.0
     for index, (at, _, rows) in enumerate(samples):
-        back = next((j for j in range(index, -1, -1) if at - samples[j][0] >= 1.0), None)
+        back = next((j for j in range(index, -1, -1) if at - samples[j][0] >= RATE_WINDOW), None)
         if back is not None:
             peak_rate = max(peak_rate, (rows - samples[back][2]) / (at - samples[back][0]))
     runs = []

@@ -32,6 +32,7 @@ from broker.jobs.records import ACTIVE_STATUSES, FINAL_STATUSES
 from broker.monitoring.batch_sizes import ROW_BUCKETS, TOKEN_BUCKETS
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
 from broker.monitoring.stats import SystemStats, read_stats
+from broker.queueing import re_estimate
 from broker.schedules import book as schedule_book
 from broker.schedules import runs as schedule_runs
 from broker.schedules import stats as schedule_stats
@@ -104,6 +105,7 @@ class SitsCollector:
         stats = read_stats(self._store, now=time.time(),
                            heartbeat_timeout=self._settings.scheduler.worker_heartbeat_timeout)
         yield from _queue_metrics(stats)
+        yield _rescore_metric(stats)
         yield from _queue_policy_metrics(stats, self._settings)
         yield from _level_limit_metrics(self._store, stats, self._settings)
         yield from _worker_metrics(stats)
@@ -187,6 +189,17 @@ def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
                             "wait for the reaper to fail their job or request.", value=stats.dead_items)
     yield GaugeMetricFamily("sits_batch_tickets", "Batch tickets circulating: the drain tasks that lease batches "
                             "for the live workers' stream slots.", value=stats.tickets)
+
+
+def _rescore_metric(stats: SystemStats) -> Metric:
+    moved = CounterMetricFamily("sits_rescore_moved_items", "Waiting items the beat's re-scoring moved, by why: "
+                                "latency (re-estimated after their model's profile changed) or psa (a PSA jump "
+                                "made by the beat's pass; the drain loops' own are not counted).",
+                                labels=[*MODEL, "reason"])
+    for reason in (re_estimate.LATENCY, re_estimate.PSA):
+        for model_ref, total in sorted(stats.counters.get(f"rescore_moved_{reason}", {}).items()):
+            moved.add_metric([*_model_labels(model_ref), reason], total)
+    return moved
 
 
 REJECTION_REASONS = ("queue_full", "level_full", "tenant_full", "tenant_bytes_full")

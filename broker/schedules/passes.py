@@ -4,15 +4,17 @@ The beat that holds the turn (`keys.beat_turn`, renewed every pass; a second bea
 lapse) claims each due slot in one script (`runs.claim_slot`) and only then sends its release: a
 releaser makes the job (`sits_api/schedules/release.py`). Held runs are released here once the steps
 before them succeeded (`chains.chain_state`); a run whose release message was lost (a beat killed
-between its claim and its send, a failover) is sent again after `beat.release_timeout`. Sending is a
-callback, so this module knows nothing of Celery; every decision about slots is `slots.plan_slots`.
+between its claim and its send, a failover) is sent again after `beat.release_timeout`. Every
+`beat.rescore_every` the beat also sends the queues' re-scoring (`broker/queueing/re_estimate.py`). Sending is
+a callback, so this module knows nothing of Celery; every decision about slots is `slots.plan_slots`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from broker.errors import RetryableError
 from broker.schedules.book import find_schedule
@@ -32,6 +34,9 @@ Send = Callable[[str, int], None]
 
 RELEASE_TASK = "sits.release_schedule"
 """The Celery task the beat sends and a releaser runs: its arguments are the run's member and slot."""
+RESCORE_TASK = "sits.rescore_queues"
+"""The Celery task the beat sends every `beat.rescore_every` and a releaser runs: one re-scoring pass over
+the queues (`re_estimate.rescore_queues`); no arguments."""
 
 MOST_PER_PASS = 200
 """The most due schedules, held runs or lost releases one pass looks at; the rest wait for the next pass."""
@@ -47,6 +52,9 @@ class BeatPass:
     holder: str
     """This beat's id in the turn: host, pid and a random part."""
     send: Send
+    send_rescore: Callable[[], None] | None = None
+    """Publish one re-scoring pass to a releaser (None: this beat sends none)."""
+    rescore_sent_at: float = field(default=-math.inf, init=False)
 
     def run(self, now: float) -> float:
         """One pass at `now`; the seconds until the next should start."""
@@ -61,6 +69,7 @@ class BeatPass:
                 log.exception("schedule %s could not be looked at; the next pass tries again", member)
         self.look_at_held(now)
         self.send_lost_releases(now)
+        self.send_rescore_when_due(now)
         return self._sleep(now)
 
     def take_turn(self) -> bool:
@@ -151,6 +160,15 @@ class BeatPass:
             log.warning("the release of %s at slot %d was not made in %gs; sending it again", member, slot,
                         self.settings.release_timeout)
             self.send(member, slot)
+
+    def send_rescore_when_due(self, now: float) -> None:
+        """Send the queues' re-scoring when `beat.rescore_every` has passed since this beat last sent it.
+        Only the beat holding the turn sends, so one pass goes out per period (one more after a takeover)."""
+        every = self.settings.rescore_every
+        if self.send_rescore is None or every <= 0 or 0 <= now - self.rescore_sent_at < every:
+            return
+        self.rescore_sent_at = now
+        self.send_rescore()
 
     def _due(self, now: float) -> list[str]:
         with translate_redis_errors():

@@ -135,18 +135,28 @@ def grid_step(runs: Sequence[PlanRun]) -> float:
 def stagger(runs: Sequence[PlanRun], *, fleet_slots: int, margin: float = 0.1) -> dict[str, Release] | None:
     """The releases of the lowest peak under which every schedule's runs fit before their deadlines with
     `margin` (a share of each run's time from its slot to its deadline) in hand, checked by `simulate`;
-    None when not even the whole fleet fits them."""
+    None when not even the whole fleet fits them. The peak is found by halving, so a plan takes about
+    log2(slots) placements."""
     if not runs:
         return {}
     step = grid_step(runs)
-    for peak in range(1, fleet_slots + 1):
+
+    def fits(peak: int) -> dict[str, Release] | None:
         releases = _place(runs, peak=peak, step=step, margin=margin)
-        if releases is None:
-            continue
-        load = simulate(runs, releases, fleet_slots=fleet_slots, step=step)
-        if not load.late(runs):
-            return releases
-    return None
+        if releases is None or simulate(runs, releases, fleet_slots=fleet_slots, step=step).late(runs):
+            return None
+        return releases
+
+    best = fits(fleet_slots)
+    low, high = 1, fleet_slots  # (a binary search: a peak that fits is taken to leave a higher one fitting)
+    while best is not None and low < high:
+        middle = (low + high) // 2
+        found = fits(middle)
+        if found is None:
+            low = middle + 1
+        else:
+            best, high = found, middle
+    return best
 
 
 def _place(runs: Sequence[PlanRun], *, peak: int, step: float, margin: float) -> dict[str, Release] | None:

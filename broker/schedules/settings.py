@@ -34,6 +34,10 @@ class BeatSettings(_Section):
     """The most recent runs kept per schedule (`GET /v1/schedules/<name>` lists them)."""
     max_schedules_per_tenant: Integer = Field(100, ge=0)
     """The most schedules one tenant may hold (admin keys: no cap)."""
+    rescore_every: Seconds = Field(5.0, ge=0, le=3600)
+    """How often the beat that holds the turn sends the queues' re-scoring (`sits.rescore_queues`, run by a
+    releaser): waiting requests re-estimated after their model's profile moved, and PSA for every queue
+    (docs/scheduling.md, "The beat's re-scoring"); 0 turns it off."""
 
     def queue(self, key_prefix: str) -> str:
         """The Celery queue release tasks are sent to and the releasers take."""

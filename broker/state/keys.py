@@ -206,8 +206,8 @@ class Keys:
         (`requests_succeeded:`, `requests_failed:`, `requests_expired:`), job rows done (`job_rows:`), jobs'
         deadlines met or missed (`job_deadline_met:`, `job_deadline_missed:`), online requests' deadlines met or
         missed (`request_deadline_met:`, `request_deadline_missed:`), jobs refused by deadline admission
-        (`admission_rejected:`) and failures by class, retried or not (`failures_retried_<class>:`,
-        `failures_final_<class>:`)."""
+        (`admission_rejected:`), failures by class, retried or not (`failures_retried_<class>:`,
+        `failures_final_<class>:`), and waiting items the beat's re-scoring moved (`rescore_moved_<reason>:`)."""
         return self._key("counters")
 
     @property
@@ -283,6 +283,12 @@ class Keys:
     def policy(self) -> str:
         """STRING JSON of the live scoring weights and ordering (hot-updated by `PUT /v1/policy`)."""
         return self._key("policy")
+
+    @property
+    def rescore_marks(self) -> str:
+        """HASH model ref -> JSON {fingerprint, walk_until, settled}: the profile the beat's re-scoring last
+        walked a queue for, and whether it walks it again (`broker/queueing/re_estimate.py`)."""
+        return self._key("rescore-marks")
 
     @property
     def routes(self) -> str:

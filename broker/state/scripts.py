@@ -59,6 +59,7 @@ class Scripts:
     submit_request: HeldScript
     complete_requests: HeldScript
     rescore: HeldScript
+    re_estimate: HeldScript
     psa_jump: HeldScript
     prune_queue: HeldScript
     expire_requests: HeldScript

@@ -4,11 +4,14 @@ A release is a job's submit, which the API's intake does (`sits_api/intake/servi
 runs in a Celery app of the API package, on a queue of its own (`beat.release_queue`): a worker of the
 inference fleet never imports the API, and a release never waits behind inference batches. Configured
 lazily from `load_settings()`, as the worker's app is; task events on, so Flower shows each release.
+The beat's `sits.rescore_queues` runs here too: a pass over the queues (`broker/queueing/re_estimate.py`),
+whose report is its result.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +20,8 @@ from celery import Celery
 from broker.config.loading import load_settings
 from broker.config.settings import Settings
 from broker.errors import ConfigError
-from broker.schedules.passes import RELEASE_TASK
+from broker.queueing import policy, re_estimate
+from broker.schedules.passes import RELEASE_TASK, RESCORE_TASK
 from broker.state.sentinel import celery_broker
 from broker.state.store import Store
 from broker.tenants.records import TenantTable
@@ -85,3 +89,12 @@ def release_schedule(member: str, slot: int) -> dict[str, Any]:
     releaser = _releaser()
     return release_run(releaser.settings, releaser.store, releaser.dispatcher, releaser.tenants, member,
                        int(slot)).to_json()
+
+
+@app.task(name=RESCORE_TASK)
+def rescore_queues() -> dict[str, Any]:
+    """One re-scoring pass over the queues (`re_estimate.rescore_queues`); Flower shows what it moved."""
+    settings = _releaser().settings
+    return re_estimate.rescore_queues(
+        _releaser().store, now=time.time(), default=policy.default_ordering(settings.scheduler.policy),
+        capacity_of=lambda ref: settings.online.batching_for(ref.partition("@")[0]).queue_capacity).to_json()

@@ -3,8 +3,9 @@
 Celery's beat loop calls `tick()` and sleeps for what it answers. Here a tick is one `BeatPass`: the
 schedules live in Redis (not in a file or in Celery's `beat_schedule`), each due slot is claimed there
 once (`claim_slot.lua`) and only then sent as a `sits.release_schedule` task to the releasers' queue,
-so a second beat, a restart or a message sent twice never makes a second job for one slot. Why not
-RedBeat: docs/architecture.md, "The beat".
+so a second beat, a restart or a message sent twice never makes a second job for one slot. Every
+`beat.rescore_every` it also sends a `sits.rescore_queues` task there (docs/scheduling.md, "The beat's
+re-scoring"). Why not RedBeat: docs/architecture.md, "The beat".
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from celery.beat import Scheduler
 
 from broker.config.loading import load_settings
 from broker.errors import SitsError
-from broker.schedules.passes import RELEASE_TASK, BeatPass
+from broker.schedules.passes import RELEASE_TASK, RESCORE_TASK, BeatPass
 from broker.state.embedded import masked_url
 from broker.state.store import Store
 
@@ -36,7 +37,7 @@ class SlotScheduler(Scheduler):
         self._store = Store.of(self._settings.redis)
         self._queue = self._settings.beat.queue(self._settings.redis.key_prefix)
         holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self._pass = BeatPass(self._store, self._settings.beat, holder, self._send)
+        self._pass = BeatPass(self._store, self._settings.beat, holder, self._send, self._send_rescore)
         super().__init__(app, *args, **kwargs)
 
     def setup_schedule(self) -> None:
@@ -61,6 +62,15 @@ class SlotScheduler(Scheduler):
             log.warning("release of %s at %d not sent (%s); sent again within beat.release_timeout", member,
                         slot, err)
 
+    def _send_rescore(self) -> None:
+        """Publish one re-scoring pass to the releasers, dropped unrun once the next is due (releasers that
+        were away do not run a backlog of them). One that cannot be sent is logged: the next period sends
+        another."""
+        try:
+            self.app.send_task(RESCORE_TASK, queue=self._queue, expires=self._settings.beat.rescore_every)
+        except Exception as err:  # kombu's OperationalError and the like: Redis away or full
+            log.warning("re-scoring not sent (%s); the next is sent in %gs", err, self._settings.beat.rescore_every)
+
     def should_sync(self) -> bool:
         return False
 
@@ -72,5 +82,5 @@ class SlotScheduler(Scheduler):
 
     @property
     def info(self) -> str:
-        return (f"    . schedules -> Redis {masked_url(self._settings.redis.url)}, releases -> queue "
-                f"{self._queue}")
+        return (f"    . schedules -> Redis {masked_url(self._settings.redis.url)}, releases and re-scoring "
+                f"(every {self._settings.beat.rescore_every:g}s) -> queue {self._queue}")

@@ -211,6 +211,9 @@ def test_a_seconds_schedule_is_released_within_a_second_of_each_slot_for_a_minut
         assert tasks is not None
         released = {task["args"] for task in tasks.values() if task.get("state") == "SUCCESS"}
         assert len(released) >= len(found) - 2, (len(released), len(found))
+        rescores = _get(f"http://127.0.0.1:{port}/api/tasks?taskname=sits.rescore_queues&limit=1000")
+        done = [task for task in (rescores or {}).values() if task.get("state") == "SUCCESS"]
+        assert len(done) >= 60 / 5 - 2 and all("models_looked_at" in task["result"] for task in done), rescores
     finally:
         flower.terminate()
         flower.wait(10)
@@ -228,3 +231,14 @@ def _get(url: str) -> Any:
         return json.loads(body)
     except ValueError:
         return body
+
+
+def test_the_beat_sends_the_queues_re_scoring_and_a_releaser_runs_it(stack: Stack) -> None:
+    """Every `beat.rescore_every` (5 s) a releaser runs `sits.rescore_queues`: a pass leaves its mark for each
+    model queue it looked at (`broker/queueing/re_estimate.py`)."""
+    client = stack.client()
+    made = client.post("/v1/jobs", job(stack, "mlp", "rescore"))
+    wait_job(client, made["id"])
+    marks = wait_for("a re-scoring pass's marks", lambda: stack.store.client.hgetall(stack.store.keys.rescore_marks),
+                     timeout=20)
+    assert any(ref.startswith("mlp@") for ref in marks), marks
