@@ -34,6 +34,10 @@ class BeatSettings(_Section):
     """The most recent runs kept per schedule (`GET /v1/schedules/<name>` lists them)."""
     max_schedules_per_tenant: Integer = Field(100, ge=0)
     """The most schedules one tenant may hold (admin keys: no cap)."""
+    max_releases_per_minute: Integer = Field(120, ge=0)
+    """The most releases a minute one tenant's schedules may ask for, at their peak: an `every` schedule
+    60 over its period, a cron one (a minute at finest) 1. Every release is a job submit on the shared
+    releasers, so one tenant's seconds-level schedules must not take them from the others (admin keys: no cap)."""
     rescore_every: Seconds = Field(5.0, ge=0, le=3600)
     """How often the beat that holds the turn sends the queues' re-scoring (`sits.rescore_queues`, run by a
     releaser): waiting requests re-estimated after their model's profile moved, and PSA for every queue

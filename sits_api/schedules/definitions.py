@@ -135,6 +135,26 @@ def check_schedule(settings: Settings, store: Store, table: TenantTable, schedul
     for kind, path in (("input", body.input_batch), ("output", body.output_dir)):
         services.resolve_inside(path, services.caller_roots(settings, table, store, identity, kind), kind)  # type: ignore[arg-type]
     _check_steps(store, schedule)
+    if identity.get("role") != "admin":
+        _check_release_rate(settings, store, schedule)
+
+
+def releases_per_minute(schedule: Schedule) -> float:
+    """The most releases a minute `schedule` asks for: 60 over an `every` period, 1 for a cron (its finest
+    step is a minute)."""
+    return 60.0 / schedule.every if schedule.every else 1.0
+
+
+def _check_release_rate(settings: Settings, store: Store, schedule: Schedule) -> None:
+    """BadInput when `schedule` would take its tenant's schedules past `beat.max_releases_per_minute`."""
+    most = settings.beat.max_releases_per_minute
+    others = sum(releases_per_minute(other) for other in book.list_schedules(store, schedule.tenant)
+                 if other.name != schedule.name)
+    asked = releases_per_minute(schedule)
+    if others + asked > most:
+        raise BadInput(f"schedule '{schedule.name}' asks for {asked:g} releases a minute; with the tenant's other "
+                       f"schedules ({others:g} a minute) that passes beat.max_releases_per_minute ({most}). Give a "
+                       "longer period, or delete another schedule")
 
 
 def _check_steps(store: Store, schedule: Schedule) -> None:

@@ -256,3 +256,22 @@ def test_a_claim_lost_with_a_failover_and_made_again_meets_the_job_of_the_first(
 
     assert again.job_id == first.job_id and release(app, member, again.slot) == "released"
     assert [job["id"] for job in api.get("/v1/jobs").get_json()["jobs"]] == [first.job_id]
+
+
+def test_a_tenant_s_schedules_ask_for_at_most_its_releases_a_minute(client: FlaskClient, store: Store,
+                                                                    settings: Settings, mlp: dict[str, Any],
+                                                                    mlp_input: Path, tmp_path: Path) -> None:
+    """One tenant's seconds-level schedules would keep the shared releasers busy: past
+    `beat.max_releases_per_minute` (120: two `every: 1s` schedules) a schedule is refused, for its tenant."""
+    alice, gary = key(client, store, "alice", "user", "acme"), key(client, store, "gary", "user", "globex")
+    for name in ("fast1", "fast2"):
+        made(alice, schedule_body(tmp_path, mlp_input, name=name, cron=None, every="1s", window=None))
+
+    third = alice.post("/v1/schedules", json=schedule_body(tmp_path, mlp_input, name="fast3", cron=None, every="1s",
+                                                           window=None))
+    slower = alice.client.patch("/v1/schedules/fast2", headers=alice.headers, json={"every": "2s"})
+
+    assert third.status_code == 400 and "max_releases_per_minute" in error_of(third)
+    assert slower.status_code == 200  # (a patch counts the schedule once, at its new period)
+    made(alice, schedule_body(tmp_path, mlp_input, name="nightly"))  # a cron asks for 1 a minute: 60 + 30 + 1
+    made(gary, schedule_body(tmp_path, mlp_input, name="fast1", cron=None, every="1s", window=None))  # its own
