@@ -336,3 +336,32 @@ def test_chunks_record_what_ran_beside_them_and_teach_admission_each_pair(stack)
     while pair not in stack.store.client.hgetall(stack.store.keys.admission_calibration):
         assert time.monotonic() < ends, "no reaper pass calibrated the pair the mlp job ran in"
         time.sleep(0.2)
+
+
+def test_a_job_with_a_slot_cap_holds_one_stream_and_the_other_serves_the_job_behind_it(stack):
+    """A worker of two streams: a convnet job with `max_slots: 1` never has two chunks in flight, though it
+    has many waiting and the higher priority; a job submitted after it runs on the other stream meanwhile."""
+    client = stack.client()
+    register(client, "capped_cnn", stack.home / "models" / "convnet.onnx")
+    pixels = np.random.default_rng(8).standard_normal((3_000, 3, 32, 32)).astype(np.float32)
+    np.save(stack.home / "capped.npy", pixels)
+    capped = client.post("/v1/jobs", {"model": "capped_cnn", "input_batch": str(stack.home / "capped.npy"),
+                                      "output_dir": str(stack.home / "out-capped"), "chunk_size": 250,
+                                      "priority": 9, "max_slots": 1})
+    behind = client.post("/v1/jobs", {"model": "capped_cnn", "input_batch": str(stack.home / "capped.npy"),
+                                      "output_dir": str(stack.home / "out-behind"), "chunk_size": 250})
+    inflight_key = stack.store.keys.inflight(capped["model_ref"])
+    most_capped, both_ran = 0, False
+    ends = time.monotonic() + 120
+    while client.get(f"/v1/jobs/{capped['id']}")["status"] in ("queued", "running"):
+        assert time.monotonic() < ends, "the capped job did not finish"
+        leased = stack.store.client.zrange(inflight_key, 0, -1)
+        mine = sum(item.startswith(capped["id"]) for item in leased)
+        most_capped = max(most_capped, mine)
+        both_ran = both_ran or (mine == 1 and any(item.startswith(behind["id"]) for item in leased))
+        time.sleep(0.01)
+
+    assert capped["max_slots"] == 1 and most_capped == 1
+    assert both_ran, "the job behind the capped one never ran on the stream it left"
+    for job in (capped, behind):
+        assert wait_job(client, job["id"])["status"] == "succeeded"
