@@ -22,12 +22,14 @@ from broker.tenants.records import TenantTable
 from sits_api import metrics
 from sits_api.http import durable_writes, error_replies, request_metrics, tracing
 from sits_api.http.jsonio import OrjsonProvider
+from sits_api.intake import model_repository
 from sits_api.intake.result_inbox import ResultInbox
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.state import EXTENSION, AppState, app_state
 from sits_api.tenancy import auth
 from sits_api.v1 import admin, health, jobs, models, schedules
 from sits_api.v1 import requests as online_requests
+from sits_api.v2.repository import repository
 from sits_api.v2.routes import v2
 
 log = logging.getLogger(__name__)
@@ -56,12 +58,13 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
     app.before_request(_check_key)  # every blueprint: v1 and the v2 protocol
     app.after_request(durable_writes.replica_wait(settings.redis, store))  # (redis.wait_replicas)
     for blueprint in (health.blueprint, models.blueprint, jobs.blueprint, online_requests.blueprint,
-                      admin.blueprint, schedules.blueprint, v2):
+                      admin.blueprint, schedules.blueprint, v2, repository):
         app.register_blueprint(blueprint)
     app.register_error_handler(SitsError, error_replies.sits_error)
     app.register_error_handler(HTTPException, error_replies.http_error)
     app.register_error_handler(Exception, error_replies.unexpected_error)
     _own_model_names_by_tenant(store)
+    model_repository.load_at_start(settings, store)  # (in a thread: the API answers while models load)
     return app
 
 

@@ -14,11 +14,16 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # no coercion: "3" or true is not a priority
 
 
+_ColumnNames = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=65_536)]
+"""A table's columns read into one model input, in order."""
+
+
 class JobSubmission(_Body):
     """`POST /v1/jobs`: an offline job over an input file, paths as the workers see them."""
 
     model: str = Field(..., min_length=1, description="`name` (newest version) or `name@version`")
-    input_batch: str = Field(..., min_length=1, description=".npy, .npz, .bin or .jsonl file")
+    input_batch: str = Field(..., min_length=1, description=".npy, .npz, .bin, .jsonl, .parquet, .arrow, .feather, "
+                                                            ".ipc or .csv file")
     output_dir: str = Field(..., min_length=1, description="folder for <output>.npy files and manifest.json")
     priority: int = Field(0, ge=0, le=15)
     chunk_size: Annotated[int, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
@@ -30,6 +35,17 @@ class JobSubmission(_Body):
     input_shape: list[Annotated[int, Field(ge=1, le=2**31)]] | None = Field(
         None, max_length=8, description="per-sample shape of a raw .bin input")
     input_dtype: str | None = Field(None, description="dtype of a raw .bin input, e.g. float32")
+    input_format: Literal["npy", "npz", "bin", "jsonl", "parquet", "arrow", "csv"] | None = Field(
+        None, description="the input's format when its extension does not say it (.parquet; .arrow, .feather or "
+                          ".ipc: Arrow IPC; .csv)")
+    columns: dict[Annotated[str, Field(min_length=1)], _ColumnNames] | None = Field(
+        None, description="a table's columns for each model input, stacked in this order into each row (unset: "
+                          "every numeric column but `id_column`, into the model's one input)")
+    id_column: str | None = Field(None, min_length=1, description="a table's column carried to the outputs and "
+                                                                  "the quarantine listing")
+    output_format: Literal["npy", "parquet"] = Field(
+        "npy", description="`npy`: one <output>.npy per output; `parquet`: outputs.parquet, the id column and one "
+                           "column per output")
     deadline: str | None = Field(None, min_length=1, max_length=64,
                                  description="when the job must be done: an RFC 3339 time with its offset, "
                                              "e.g. 2026-12-01T10:42:00Z")

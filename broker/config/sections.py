@@ -38,10 +38,19 @@ class ApiSettings(_Section):
     cap; admin keys are not capped)."""
     url: str = ""
     """The URL clients use; empty means http://host:port."""
+    grpc_port: Integer = Field(8001, ge=0, le=65535)
+    """The port of the KServe v2 gRPC server (`python -m sits_api.grpc`, Triton's 8001 by default) on
+    `host`, beside the REST API; 0: no gRPC server runs."""
 
     def public_url(self) -> str:
         """The URL a client should call."""
         return self.url or f"http://{self.host}:{self.port}"
+
+    def grpc_address(self) -> str:
+        """The `host:port` a gRPC client dials ('' when no gRPC server runs: `grpc_port` 0)."""
+        if not self.grpc_port:
+            return ""
+        return f"[{self.host}]:{self.grpc_port}" if ":" in self.host else f"{self.host}:{self.grpc_port}"
 
 
 class PathSettings(_Section):

@@ -20,7 +20,7 @@ from broker.errors import ConfigError
 from broker.failures.settings import BreakerSettings, DegradeSettings, FaultSettings, RetryPolicy, RetrySettings
 from broker.jobs.settings import JobSettings
 from broker.memory.settings import ResourceSettings
-from broker.models.settings import ModelSettings
+from broker.models.settings import ModelSettings, RepositorySettings
 from broker.online.settings import OnlineSettings
 from broker.queueing.settings import SchedulerSettings
 from broker.schedules.settings import BeatSettings
@@ -41,6 +41,8 @@ class Settings(_Section):
     paths: PathSettings = PathSettings()
     models: ModelSettings = ModelSettings()
     """What model registration takes: the largest file (docs/models.md)."""
+    repository: RepositorySettings = RepositorySettings()
+    """Triton model repositories the API loads at its start (docs/models.md)."""
     jobs: JobSettings = JobSettings()
     online: OnlineSettings = OnlineSettings()
     sla: SlaSettings = SlaSettings()

@@ -89,9 +89,11 @@ def bad_row_limit(max_bad_rows: int | float, rows_total: int) -> int:
     return math.floor(max_bad_rows * rows_total + 1e-9)
 
 
-def entry_line(row: int, error: str) -> str:
-    """One line of `quarantine.jsonl`: the job row and its error (the same bytes for the same row)."""
-    return json.dumps({"row": int(row), "error": error}) + "\n"
+def entry_line(row: int, error: str, row_id: object = None) -> str:
+    """One line of `quarantine.jsonl`: the job row, its id (`row_id`, a table input's id column; left out when
+    None) and its error (the same bytes for the same row)."""
+    named = {} if row_id is None else {"id": row_id}
+    return json.dumps({"row": int(row), **named, "error": error}, default=str) + "\n"
 
 
 def read_entries(text: str) -> list[dict[str, object]]:

@@ -76,6 +76,7 @@ def create_job(store: Store, spec: JobSpec, *, now: float, weights: Weights | No
         "input_stat": json.dumps(spec.input_stat) if spec.input_stat else "",
         "output_dir": spec.output_dir,
         "output_names": json.dumps(list(spec.output_names)),
+        "output_format": spec.output_format,
         "rows_total": spec.rows_total,
         "rows_done": 0,
         "chunks_total": len(ranges),

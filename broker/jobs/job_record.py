@@ -36,6 +36,8 @@ class JobRecord:
     """The input file's identity when it was checksummed (size, modification time, inode)."""
     output_dir: str
     output_names: list[str]
+    output_format: str
+    """`npy` or `parquet` (`records.JobSpec.output_format`)."""
     rows_total: int
     rows_done: int
     rows_quarantined: int
@@ -81,6 +83,7 @@ class JobRecord:
         known: dict[str, Any] = {name: job.get(name) for name in _NAMES}
         known["output_names"] = known["output_names"] or []  # (stored with every job: [] only for a broken hash)
         known["created_at"] = known["created_at"] or 0.0
+        known["output_format"] = known["output_format"] or "npy"  # (jobs stored before formats were kept)
         return cls(**known, extra={name: value for name, value in job.items() if name not in _NAMES})
 
     def to_json(self) -> dict[str, Any]:

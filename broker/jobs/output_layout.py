@@ -6,6 +6,8 @@ the output-folder claim, so the API needs nothing of the worker for it.
 Parts: `<output_dir>/.parts/<job id>/<stem>.<chunk:06d>.npy`; merged outputs:
 `<output_dir>/<stem>.npy`; `manifest.json` written last. A chunk with quarantined rows also writes
 `.parts/<job id>/quarantine.<chunk:06d>.jsonl`, merged into `<output_dir>/quarantine.jsonl`.
+A job with `output_format: parquet` writes one part per chunk, `.parts/<job id>/outputs.<chunk:06d>.arrow`
+(an Arrow IPC file of every output and the id column), merged into `<output_dir>/outputs.parquet`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from broker.errors import StorageUnavailable
 PARTS_DIR = ".parts"
 MANIFEST_NAME = "manifest.json"
 QUARANTINE_NAME = "quarantine.jsonl"
+TABLE_OUTPUT_NAME = "outputs.parquet"
+"""The one output file of a job with `output_format: parquet`."""
+TABLE_ROW_COLUMN = "row"
+"""The id column of `TABLE_OUTPUT_NAME` when the input names no `id_column`: the row numbers."""
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
 
@@ -58,6 +64,11 @@ def part_name(name: str, chunk_index: int) -> str:
     return f"{file_stem(name)}.{chunk_index:06d}.npy"
 
 
+def table_part_name(chunk_index: int) -> str:
+    """The file name of chunk `chunk_index`'s part of a Parquet job's outputs: `outputs.<chunk:06d>.arrow`."""
+    return f"outputs.{chunk_index:06d}.arrow"
+
+
 def part_path(output_dir: Path, name: str, chunk_index: int, job_id: str = "") -> Path:
     return parts_folder(output_dir, job_id) / part_name(name, chunk_index)
 
@@ -87,15 +98,20 @@ def part_exists(output_dir: Path, chunk_index: int, output_names: Sequence[str],
     return all(part_path(Path(output_dir), name, chunk_index, job_id).is_file() for name in output_names)
 
 
-def chunks_with_parts(output_dir: Path, output_names: Sequence[str], *, job_id: str = "") -> set[int]:
+def chunks_with_parts(output_dir: Path, output_names: Sequence[str], *, job_id: str = "",
+                      output_format: str = "npy") -> set[int]:
     """Indexes of the chunks whose parts are all on disk, from one listing of the job's parts folder
-    (a stat per part, as `part_exists` does, takes long for 100,000 chunks on a network disk)."""
+    (a stat per part, as `part_exists` does, takes long for 100,000 chunks on a network disk); for a
+    Parquet job (`output_format`), those whose one part (`table_part_name`) is."""
     try:
         present = {entry.name for entry in os.scandir(parts_folder(Path(output_dir), job_id))}
     except FileNotFoundError:
         return set()
     except OSError as err:
         raise storage_error(Path(output_dir), err) from err
+    if output_format == "parquet":
+        return {int(name.split(".")[1]) for name in present
+                if name.startswith("outputs.") and name.endswith(".arrow") and name.split(".")[1].isdigit()}
     stems = [file_stem(name) for name in output_names]
     found = {int(name.rsplit(".", 2)[1]) for name in present
              if name.endswith(".npy") and name.count(".") >= 2 and name.rsplit(".", 2)[1].isdigit()}

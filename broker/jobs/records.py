@@ -116,6 +116,8 @@ class JobSpec:
     """Its tenant's `max_priority`: the highest level its deadline may lift its chunks to (`job_factors`)."""
     max_slots: int | None = None
     """The most of its chunks leased at once, so the most stream slots it holds (None: as many as free)."""
+    output_format: str = "npy"
+    """How its outputs are written: `npy` (one file per output) or `parquet` (`output_layout.TABLE_OUTPUT_NAME`)."""
 
     @property
     def model_ref(self) -> str:

@@ -192,7 +192,8 @@ def list_model_versions(store: Store, name: str | None = None) -> list[ModelReco
     if name is not None:
         records = [record for record in records if record.name == name]
     records = [record.replace(latest=latest.get(record.name) == record.version) for record in records]
-    return sorted(records, key=lambda record: (record.name, record.registered_at or 0))
+    # (versions of one repository load share their time: by number then)
+    return sorted(records, key=lambda record: (record.name, record.registered_at or 0, record.version.zfill(20)))
 
 
 def own_names_by_tenant(store: Store) -> int:

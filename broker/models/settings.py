@@ -1,8 +1,10 @@
-"""The `models` settings section: what registration takes."""
+"""The `models` settings section, what registration takes, and `repository`, the Triton model repositories served."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, field_validator
 
 from broker.setting_types import Bytes, Integer, Seconds, parse_size
 from broker.setting_types import Section as _Section
@@ -27,3 +29,16 @@ class ModelSettings(_Section):
     registration_wait: Seconds = Field(10.0, ge=0)
     """How long `POST /v1/models` waits for its registration: done by then, a 201 with the version; else a
     202 with a registration to poll (`GET /v1/models/registrations/{id}`)."""
+
+
+class RepositorySettings(_Section):
+    """Triton model repositories served as they are (docs/models.md, "A Triton model repository")."""
+
+    paths: tuple[Path, ...] = ()
+    """Folders of model folders (`config.pbtxt` and numbered version folders), loaded by the API at its
+    start; `sitsctl up --model-repository DIR` adds one. Empty: none."""
+
+    @field_validator("paths")
+    @classmethod
+    def _expand(cls, value: tuple[Path, ...]) -> tuple[Path, ...]:
+        return tuple(Path(path).expanduser().resolve() for path in value)

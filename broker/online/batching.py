@@ -29,12 +29,14 @@ batch into more batches.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from broker.models.model_record import ModelRecord, ProfilePoint
-from broker.online.settings import ModelBatching
+from broker.models.repository import RepositoryServing
+from broker.online.settings import ModelBatching, OnlineSettings
 
 FALLBACK_MAX_BATCH_SIZE = 64
 """An `auto` max_batch_size without a measured profile."""
@@ -116,3 +118,25 @@ def resolve(config: ModelBatching, record: ModelRecord | None, device_kind: str 
         source="profile" if from_profile else "config",
         profile_device=str((record.profile or {}).get("device", "")) if record is not None and from_profile else "",
     )
+
+
+_CONFIGURED: dict[tuple[int, str], tuple[ModelBatching, ModelBatching]] = {}
+"""(id of the base settings, the record's keys as JSON) -> (the base, the settings made): made once each."""
+
+
+def configured(online: OnlineSettings, record: ModelRecord) -> ModelBatching:
+    """The batching and queue policy settings of the model version of `record`: `online.models.<name>`
+    (else `online.batching`), with the keys the config of a version loaded from a Triton model
+    repository sets on top (`broker.models.repository`), so every process reads them from the record."""
+    base = online.batching_for(record.name)
+    serving = RepositoryServing.of(record)
+    if serving is None or not serving.online:
+        return base
+    key = (id(base), json.dumps(serving.online, sort_keys=True))
+    cached = _CONFIGURED.get(key)
+    if cached is None or cached[0] is not base:
+        if len(_CONFIGURED) > 4096:  # (settings objects made and dropped, as tests do)
+            _CONFIGURED.clear()
+        cached = (base, ModelBatching.model_validate({**base.model_dump(), **serving.online}))
+        _CONFIGURED[key] = cached
+    return cached[1]

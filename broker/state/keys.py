@@ -353,6 +353,17 @@ class Keys:
         """HASH model name -> the tenant whose key registered it first (`registry`)."""
         return self._key("model-owners")
 
+    @property
+    def model_repository(self) -> str:
+        """HASH model name -> JSON state of a model of a Triton model repository: READY, UNAVAILABLE with its
+        reason, or UNLOADED, and its loaded versions (`broker/models/repository.py`)."""
+        return self._key("model-repository")
+
+    @property
+    def model_repository_lock(self) -> str:
+        """STRING present while one API process loads the model repository at its start (the others skip it)."""
+        return self._key("model-repository-lock")
+
     def registration(self, registration_id: str) -> str:
         """HASH of one model registration run off the API's request threads: its status, and the version or
         the error it ended with (`sits_api.intake.registrations`); expires an hour after it ends."""

@@ -29,6 +29,18 @@ def _follow(job_id: str, client: ApiClient, *, to: Console = console, summary: b
         sys.exit(130)
 
 
+def _column_map(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, list[str]] | None:
+    """`--columns INPUT=COL,COL` options as the API's `columns` (input -> its columns, in order)."""
+    mapped: dict[str, list[str]] = {}
+    for value in values:
+        name, sep, listed = value.partition("=")
+        columns = [column.strip() for column in listed.split(",") if column.strip()]
+        if not sep or not name.strip() or not columns or name.strip() in mapped:
+            raise click.BadParameter(f"'{value}' is not INPUT=COL,COL,... (each input once)", ctx, param)
+        mapped[name.strip()] = columns
+    return mapped or None
+
+
 @click.group()
 def job() -> None:
     """Submit and steer offline jobs."""
@@ -47,6 +59,15 @@ def job() -> None:
               help="rows per ONNX Runtime run (default: the config's jobs.batch_size, else the server's)")
 @click.option("--shape", type=SHAPE, default=None, help="per-sample shape of a raw .bin input, e.g. 3,32,32")
 @click.option("--dtype", default=None, help="dtype of a raw .bin input, e.g. float32")
+@click.option("--input-format", type=click.Choice(["npy", "npz", "bin", "jsonl", "parquet", "arrow", "csv"]),
+              default=None, help="the input's format, when its extension does not say it")
+@click.option("--columns", "columns", multiple=True, callback=_column_map, metavar="INPUT=COL,COL,...",
+              help="a table's columns read into a model input, in order (repeat for each input; default: every "
+                   "numeric column but the id column, into the model's one input)")
+@click.option("--id-column", default=None, help="a table's column carried to the outputs (and the quarantine listing)")
+@click.option("--output-format", type=click.Choice(["npy", "parquet"]), default=None,
+              help="npy (default): <output>.npy per output; parquet: outputs.parquet, the id column and one "
+                   "column per output")
 @click.option("--deadline", type=DEADLINE, default=None,
               help="when the job must be done: a duration from now (10m, 90s, 1h) or an RFC 3339 time; a job "
                    "predicted to miss it is refused, with the earliest deadline that would be accepted")
@@ -55,8 +76,10 @@ def job() -> None:
               "progress bar goes to stderr)")
 def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, output_dir: Path, priority: int,
                chunk_size: int | None, batch_size: int | None, shape: list[int] | None, dtype: str | None,
-               deadline: dict[str, Any] | None, wait: bool, as_json: bool) -> None:
-    """Submit an offline job over an input file (.npy, .npz, .bin, .jsonl)."""
+               input_format: str | None, columns: dict[str, list[str]] | None, id_column: str | None,
+               output_format: str | None, deadline: dict[str, Any] | None, wait: bool, as_json: bool) -> None:
+    """Submit an offline job over an input file (.npy, .npz, .bin, .jsonl, or a table: .parquet, .arrow,
+    .feather, .ipc, .csv)."""
     settings = load_settings(config_path) if config_path else None
     body: dict[str, Any] = {
         "model": model_ref,
@@ -70,6 +93,8 @@ def job_submit(config_path: Path | None, model_ref: str, input_batch: Path, outp
         body["input_shape"] = shape
     if dtype:
         body["input_dtype"] = dtype
+    tables = {"input_format": input_format, "columns": columns, "id_column": id_column, "output_format": output_format}
+    body.update({name: value for name, value in tables.items() if value})
     body.update(deadline or {})
     client = ApiClient.from_environment()
     submitted = client.post("/v1/jobs", body)

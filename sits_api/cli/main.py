@@ -28,6 +28,7 @@ from sits_api.cli.client import ApiClient, ApiError, recorded, segment, stack_ru
 from sits_api.cli.job_commands import job
 from sits_api.cli.output import console, print_error, print_json, print_table
 from sits_api.cli.params import non_empty
+from sits_api.cli.repository_commands import repository
 from sits_api.cli.schedule_commands import schedule
 from sits_api.cli.sla_commands import sla
 from sits_api.cli.usage_commands import usage
@@ -123,8 +124,11 @@ def _stack_redis(settings: Settings, *, recorded_by_up: bool = False) -> tuple[s
               help="the address the embedded Redis listens on, one the fleet's other hosts reach, so that "
               "`sitsctl worker --redis URL` joins from there (default redis.bind: 127.0.0.1)")
 @click.option("--no-beat", is_flag=True, help="start no beat (and no releaser): schedules are not released")
+@click.option("--model-repository", "model_repositories", multiple=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="a Triton model repository to serve as it is, besides repository.paths (docs/models.md); repeatable")
 def up(worker_count: int, streams: int | None, config_path: Path | None, port: int | None,
-       listen: str | None, no_beat: bool) -> None:
+       listen: str | None, no_beat: bool, model_repositories: tuple[Path, ...]) -> None:
     """Start embedded Redis, the API, workers and the beat in the foreground; Ctrl-C stops them all.
 
     The beat releases the schedules (docs/schedules.md) through a releaser process started with it.
@@ -143,6 +147,8 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
             raise click.UsageError("--listen is the embedded Redis's address, and redis.url (or SITS_REDIS_URL) "
                                    "names another Redis: set its address there, or drop one of them")
         settings = settings.with_overrides(redis={"bind": listen})
+    if model_repositories:
+        settings = settings.with_overrides(repository={"paths": [*settings.repository.paths, *model_repositories]})
     stack = Stack(settings, worker_count=worker_count, streams=streams, api_port=port, beat=not no_beat)
     # `kill %1` of a backgrounded `up`, or its terminal closing, stops it as Ctrl-C does (unless started
     # under nohup, which ignores SIGHUP so that the stack outlives the terminal).
@@ -471,3 +477,4 @@ cli.add_command(job)
 cli.add_command(schedule)
 cli.add_command(sla)
 cli.add_command(usage)
+cli.add_command(repository)

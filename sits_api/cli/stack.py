@@ -88,6 +88,11 @@ def api_command(settings: Settings, app: str = "sits_api.wsgi:app") -> list[str]
             "--graceful-timeout", "5", "--keep-alive", "30", "--log-level", "warning"]
 
 
+def grpc_command() -> list[str]:
+    """argv of the KServe v2 gRPC server (`sits_api.grpc`) on `api.grpc_port`, one asyncio process."""
+    return [sys.executable, "-m", "sits_api.grpc"]
+
+
 def gpu_devices() -> list[str]:
     """'gpu:N' for every GPU a worker can run on: CUDA sees it (NVML's GPUs, after CUDA_VISIBLE_DEVICES,
     numbered as CUDA numbers them) and ONNX Runtime has the CUDA provider.
@@ -143,16 +148,23 @@ class Stack:
         self._lock_home()
         try:
             port = self.api_port if self.api_port is not None else self.settings.api.port
+            grpc_port = self.settings.api.grpc_port
             if port:  # a busy port is refused before anything starts
                 _check_port_free(self.settings.api.host, port)
+                if grpc_port:
+                    _check_port_free(self.settings.api.host, grpc_port, "api.grpc_port (0 runs no gRPC server), "
+                                     "or --port 0, which picks free ports for both servers")
             redis_url = self.settings.redis.url
             if not redis_url:
                 self.redis = EmbeddedRedis(self.home / "redis", appendonly=self.settings.redis.appendonly,
                                            maxmemory=self.settings.redis.maxmemory,
                                            bind=self.settings.redis.bind, port=self.settings.redis.port or None).start()
                 redis_url = self.redis.url
+            if grpc_port and not port:  # --port 0: free ports for both servers (stacks side by side, as in tests)
+                grpc_port = free_port(self.settings.api.host)
             port = port or free_port(self.settings.api.host)  # (after Redis took its own free port)
-            self.settings = self.settings.with_overrides(redis={"url": redis_url}, api={"port": port})
+            self.settings = self.settings.with_overrides(redis={"url": redis_url},
+                                                         api={"port": port, "grpc_port": grpc_port})
             self.store = Store.of(self.settings.redis)
             try:
                 self.api_key = create_api_key(self.store, "sitsctl-up", role="admin")
@@ -162,7 +174,10 @@ class Stack:
             self.api_url = self.settings.api.public_url()
             self.config_path = self._write_effective_config()
             self._spawn("api", api_command(self.settings))
+            if grpc_port:
+                self._spawn("grpc", grpc_command())
             self._wait_api()
+            self._wait_grpc()
             self._write_client_files()  # only once the API answering is this stack's
             self._gpus = gpu_devices()
             for index in range(self.worker_count):
@@ -202,6 +217,7 @@ class Stack:
             "SITS_HOME": str(self.home),
             "SITS_API__PORT": str(self.settings.api.port),
             "SITS_API__HOST": self.settings.api.host,
+            "SITS_API__GRPC_PORT": str(self.settings.api.grpc_port),
             "PYTHONUNBUFFERED": "1",
         })
         if self.config_path:
@@ -273,6 +289,24 @@ class Stack:
             shown = masked_url(answered) if isinstance(answered, str) else answered  # (whoever's it is)
             raise SitsError(f"another server answers on {self.api_url} (it answered {shown!r} where this "
                             f"stack's API names its Redis): choose a free port with --port (0 picks one)")
+
+    def _wait_grpc(self, timeout: float = 30.0) -> None:
+        """Wait until the gRPC server (if one runs) accepts connections on `api.grpc_port` (checked free
+        before it started, so what listens there is this stack's)."""
+        address = self.settings.api.grpc_address()
+        if not address:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_children()
+            try:
+                socket.create_connection((self.settings.api.host, self.settings.api.grpc_port), timeout=1.0).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SitsError(f"the gRPC server did not listen on {address} in {timeout}s; see "
+                                    f"{self.home / 'logs' / 'grpc.log'}") from None
+                time.sleep(0.1)
 
     def wait_for_workers(self, count: int, timeout: float = 90.0) -> None:
         """Wait until `count` workers are alive (heartbeats in Redis)."""
@@ -358,9 +392,9 @@ class Stack:
         self.stop()
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_port_free(host: str, port: int, advice: str = "--port (or api.port; 0 picks a free one)") -> None:
     """Raise SitsError when another program already listens on `host:port` (the API could not bind it,
-    and `/readyz` there would be that program's answer)."""
+    and `/readyz` there would be that program's answer); `advice` says where the port is chosen."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds: TIME_WAIT is no obstacle
         try:
@@ -369,4 +403,4 @@ def _check_port_free(host: str, port: int) -> None:
             if err.errno != errno.EADDRINUSE:
                 raise
             raise SitsError(f"port {port} on {host} is already in use by another program: choose another with "
-                            "--port (or api.port; 0 picks a free one)") from None
+                            f"{advice}") from None

@@ -16,9 +16,11 @@ from broker.config.settings import Settings
 from broker.errors import BadInput, QueueFull, RetryableError
 from broker.models.cache import API_RECORD_TTL_SECONDS, ModelRecordCache
 from broker.models.model_record import ModelRecord
+from broker.models.repository import RepositoryServing
 from broker.monitoring import model_stats
 from broker.online import queue_policy, requests
 from broker.online import timeouts as request_timeouts
+from broker.online.batching import configured
 from broker.online.records import RequestRecord
 from broker.online.requests import RequestSpec
 from broker.queueing import policy
@@ -56,11 +58,14 @@ def submit(settings: Settings, store: Store, dispatcher: Dispatcher, live_policy
     record, mask = model_record(store, model)
     tensors = request_tensors(record.signature, inputs, mask=mask)
     rows = next(iter(tensors.values())).shape[0]
+    serving = RepositoryServing.of(record)
+    if serving is not None and 0 < serving.max_batch_size < rows:  # (Triton's refusal, as Triton words it)
+        raise BadInput(f"inference request batch-size must be <= {serving.max_batch_size} for '{record.name}'")
     sequence = _sequence_length(record, tensors)
     longest = max_sequence(record.static_profile)
     tokens = _checked_tokens(record, tensors, mask, rows=rows, sequence=sequence, claimed=tokens)
     bucket, padded_length = shape_bucket(tensors, mask, longest)
-    queue = queue_policy.policy_for(settings.online, record.name, priority)
+    queue = queue_policy.resolve(configured(settings.online, record), priority)
     timeout = queue_policy.request_timeout(queue, timeout_ms / 1000 if timeout_ms else None)
     factors = Factors(
         level=priority,

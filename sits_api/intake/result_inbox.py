@@ -113,14 +113,16 @@ class ResultInbox:
             return self._own_key()
 
     @contextlib.contextmanager
-    def expecting(self, request_id: str, *, wait: bool = True) -> Iterator[Answer]:
+    def expecting(self, request_id: str, *, wait: bool = True, delivery: Delivery | None = None) -> Iterator[Answer]:
         """Register `request_id` as waited for (before it is submitted, so no result can come first),
         and forget it on leaving, whether the answer came or not. Without `wait`, nothing is registered
-        and the answer says so: the request keeps its result to itself (`GET /v1/requests/<id>`)."""
+        and the answer says so: the request keeps its result to itself (`GET /v1/requests/<id>`).
+        `delivery` is where the result is handed over (a fresh `Delivery` by default; the gRPC server's
+        wakes its event loop: `sits_api.grpc.answers`)."""
         if not wait:
             yield Answer(None, "")
             return
-        delivery = Delivery()
+        delivery = delivery or Delivery()
         with self._lock:
             key = self._own_key()
             self._waiting[request_id] = delivery

@@ -27,11 +27,18 @@ from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
 from broker.jobs.job_record import JobRecord
-from broker.jobs.output_layout import MANIFEST_NAME, chunks_with_parts, output_path, read_manifest
+from broker.jobs.output_layout import (
+    MANIFEST_NAME,
+    TABLE_OUTPUT_NAME,
+    TABLE_ROW_COLUMN,
+    chunks_with_parts,
+    output_path,
+    read_manifest,
+)
 from broker.models import registry
 from broker.models.model_record import ModelRecord
 from broker.monitoring import sla_metrics
-from broker.online.batching import Batching, resolve
+from broker.online.batching import Batching, configured, resolve
 from broker.queueing import policy
 from broker.sla import figures
 from broker.state.store import Store
@@ -96,8 +103,9 @@ def caller_roots(settings: Settings, tenants: TenantTable, store: Store, caller:
 
 def model_batching(settings: Settings, record: ModelRecord) -> Batching:
     """The batching settings workers apply to the model version of registry `record`: its
-    configured ones (`online.models`, else `online.batching`), `auto` values resolved from its profile."""
-    return resolve(settings.online.batching_for(record.name), record)
+    configured ones (`online.models`, else `online.batching`, a repository config's keys on top: `configured`),
+    `auto` values resolved from its profile."""
+    return resolve(configured(settings.online, record), record)
 
 
 def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, body: ModelRegistration,
@@ -178,6 +186,31 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     return record
 
 
+def register_repository_version(settings: Settings, store: Store, model: onnx.ModelProto, *, name: str,
+                                version: str, source: Path, fields: dict[str, Any], now: float,
+                                batches: bool = True) -> ModelRecord:
+    """Register `model` (read from `source` with `load_model_checked`) as `name@version` of a Triton model
+    repository (`sits_api.intake.model_repository`): refused as `register_model` refuses a model that
+    could never serve, copied into the store beside its content hash (a version folder whose file
+    changed is a new copy), with `fields` (its repository config) in its record. The newest version
+    number is its name's latest. `batches`: its config has a batch axis, so its rows must not see each
+    other (`check_rows_independent`)."""
+    check_servable(model)
+    serialized = model.SerializeToString(deterministic=True)
+    session = check_runtime_loads(serialized, source.name)
+    if batches:
+        check_rows_independent(serialized, model_signature(model), name, session)
+    profile = static_profile(model)
+    del session
+    stored, _ = _store_copy(model, settings.paths.store() / name / f"{version}-{_content_hash(serialized)}")
+    newest = max([int(v.version) for v in registry.list_model_versions(store, name) if v.version.isdigit()],
+                 default=0)
+    record = {"name": name, "version": version, "ref": f"{name}@{version}", "path": str(stored),
+              "source_path": str(source), "signature": profile["signature"], "static_profile": profile,
+              "profile_mode": "static", "profile_status": "static", "registered_at": now, **fields}
+    return registry.save_model_version(store, record, make_latest=int(version) >= newest)
+
+
 PROFILE_PENDING_SECONDS = 600.0
 """How long a version's profile may stay pending before registering it again asks a worker again (one
 whose worker died with the task, or whose task was lost, is not pending for ever)."""
@@ -242,11 +275,13 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     output_dir = resolve_inside(body.output_dir, caller_roots(settings, table, store, caller, "output"), "output")
     if output_dir.exists() and not output_dir.is_dir():
         raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
-    input_options = {"shape": body.input_shape, "dtype": body.input_dtype}
+    input_options = {"shape": body.input_shape, "dtype": body.input_dtype, "format": body.input_format,
+                     "columns": body.columns, "id_column": body.id_column}
     identity = file_identity(input_path)  # before anything is read: rows, checksum and identity of one file
     with open_input(input_path, model.signature, shape=body.input_shape, dtype=body.input_dtype,
                     mask=mask_spec(model.static_profile),
-                    limits=token_limits(model.static_profile), identity=identity) as source:
+                    limits=token_limits(model.static_profile), identity=identity, input_format=body.input_format,
+                    columns=body.columns, id_column=body.id_column) as source:
         rows, input_format = source.rows, source.format.lstrip(".")
         if source.reads_rows_cheaply():  # its first row checked as a request's would be (token ids, mask)
             next(source.iter_batches(0, 1, 1))
@@ -257,7 +292,10 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
     except OSError as err:
         raise BadInput(f"cannot create output_dir {output_dir} ({err.strerror}); "
                        "name a folder the workers can write") from err
-    _refuse_finished_output_dir(output_dir, model.output_names)
+    if body.output_format == "parquet" and (ids := body.id_column or TABLE_ROW_COLUMN) in model.output_names:
+        raise BadInput(f"the id column '{ids}' has the name of one of the model's outputs {model.output_names}; "
+                       "rename that column for id_column, or write .npy outputs")
+    _refuse_finished_output_dir(output_dir, model.output_names, body.output_format)
     batch_size = _batch_size(settings, model, body.batch_size)
     deadline_at = job_deadlines.deadline_at(body, now=now)
     spec = jobs.JobSpec(
@@ -280,6 +318,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         input_options={k: v for k, v in input_options.items() if v is not None},
         deadline_at=deadline_at,
         max_slots=body.max_slots,
+        output_format=body.output_format,
     )
     weights, ordering = policy.get_policy(store, default=policy.default_ordering(settings.scheduler.policy))
     if deadline_at is not None:
@@ -376,7 +415,7 @@ def _keep_output_dir_or_stop(store: Store, job_id: str, output_dir: str, *, now:
     raise Conflict(f"output_dir {output_dir} was claimed by another job at the same time; choose another folder")
 
 
-def _refuse_finished_output_dir(output_dir: Path, output_names: list[str]) -> None:
+def _refuse_finished_output_dir(output_dir: Path, output_names: list[str], output_format: str = "npy") -> None:
     """Conflict when the folder holds a finished job's results (a new job would run every row and
     then fail at its merge: the manifest is another job's), or files the job's outputs would replace
     that no job's manifest accounts for: someone's data (another tenant's, or the job's own input)
@@ -384,7 +423,10 @@ def _refuse_finished_output_dir(output_dir: Path, output_names: list[str]) -> No
     if (output_dir / MANIFEST_NAME).exists():
         raise Conflict(f"output_dir {output_dir} already holds the results of a finished job ({MANIFEST_NAME}); "
                        "choose an empty folder or remove those results first")
-    taken = [(name, path.name) for name in output_names if (path := output_path(output_dir, name)).exists()]
+    files = {name: output_path(output_dir, name) for name in output_names}
+    if output_format == "parquet":
+        files = {"all outputs": output_dir / TABLE_OUTPUT_NAME}
+    taken = [(name, path.name) for name, path in files.items() if path.exists()]
     if taken:
         files = ", ".join(f"{file} (output '{name}')" for name, file in taken)
         raise Conflict(f"output_dir {output_dir} already holds {files}, which this job's outputs would replace; "
@@ -423,7 +465,8 @@ def resume_job(settings: Settings, store: Store, dispatcher: Dispatcher, job_id:
                        "submit this job again into another folder")
     output_dirs.claim_output_dir(store, job.output_dir, job_id, caller=caller)  # another job may have taken it
     if manifest is None:  # chunks whose parts were deleted (with the folder) run again
-        on_disk = chunks_with_parts(Path(job.output_dir), job.output_names or [], job_id=job_id)
+        on_disk = chunks_with_parts(Path(job.output_dir), job.output_names or [], job_id=job_id,
+                                    output_format=job.output_format)
         job_progress.forget_chunks(store, job_id, sorted(job_progress.done_chunks(store, job_id) - on_disk))
     # capped as the job's tenant stands now (an admin's resume of a capped tenant's job too)
     cap = tenant_gate.priority_cap(table.tenant(store, job.tenant or job.owner or ""))

@@ -95,8 +95,10 @@ class PlanAsk(_Body):
         if slots is not None and not slots.isdigit():
             raise BadInput(f"slots must be a whole number of stream slots, got {slots!r}")
         values: dict[str, Any] = {name: args[name] for name in ("window", "day", "timezone") if name in args}
+        if slots is not None:
+            values["slots"] = int(slots)
         try:
-            return cls(**values, **({"slots": int(slots)} if slots is not None else {}))
+            return cls(**values)
         except ValidationError as err:
             first = err.errors()[0]
             raise BadInput(f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}") from None

@@ -57,6 +57,7 @@ def status() -> Any:
     store, settings, now = state.store, state.settings, time.time()
     overview = {
         "api_url": settings.api.public_url(),
+        "grpc_address": settings.api.grpc_address() or None,
         "redis_url": masked_url(settings.redis.url),
         "policy": settings.scheduler.policy,
         "workers": workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout),

@@ -13,7 +13,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from broker.errors import BadInput
+from broker.errors import BadInput, ModelNotFound
+from broker.models.repository import RepositoryServing
 from broker.queueing.scoring import SLA_WEIGHTS
 from broker.setting_types import UserTier
 from broker.state.store import Store
@@ -72,7 +73,7 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: 
         raise BadInput("the body must be a JSON object with an 'inputs' list of {name, shape, datatype, data}")
     client_id = _optional(body, "id", str, "a string")
     parameters = _optional(body, "parameters", dict, "an object of named parameters") or {}
-    priority = sits_level(_int_parameter(parameters, "priority", 0, 0, 2**64 - 1))  # (Triton's is a uint64)
+    priority = _model_level(store, model, _int_parameter(parameters, "priority", 0, 0, 2**64 - 1))  # (a uint64)
     timeout_us = _int_parameter(parameters, "timeout", 0, 0, 10**12)
     user_tier = parameters.get("user_tier", "free")
     if not isinstance(user_tier, str) or user_tier not in SLA_WEIGHTS:  # the tiers of v1's OnlineRequest
@@ -96,6 +97,16 @@ def parse_infer_request(store: Store, body: dict[str, Any], model: str, binary: 
                         deadline_ms=timeout_us / 1000 if timeout_us else None, user_tier=tier,
                         outputs=outputs, binary_outputs=frozenset(o for o in outputs if requested[o]),
                         binary_by_default=binary_by_default, client_id=client_id)
+
+
+def _model_level(store: Store, model: str, triton_priority: int) -> int:
+    """A request's Triton `priority` as a SITS level: by the `priority_levels` of its config for a model
+    loaded from a Triton model repository (`RepositoryServing.level_of`), else by `sits_level`."""
+    try:
+        serving = RepositoryServing.of(request_intake.model_record(store, model)[0])
+    except ModelNotFound:  # (refused where the request is queued, with the models there are)
+        serving = None
+    return serving.level_of(triton_priority) if serving is not None else sits_level(triton_priority)
 
 
 def _optional(body: dict[str, Any], field: str, kind: type, described: str) -> Any:

@@ -47,13 +47,15 @@ from sits_api.intake.result_inbox import Answer
 from sits_api.state import app_state
 from sits_api.tenancy import ab_routes, tenant_gate
 from sits_api.v2 import binary as v2_binary
+from sits_api.v2 import repository as v2_repository
 from sits_api.v2.parsing import NUMPY_TO_V2, PRIORITY_LEVELS, InferRequest, parse_infer_request
 
 v2 = Blueprint("v2", __name__)
 
-EXTENSIONS = ("binary_tensor_data", "schedule_policy", "model_configuration", "statistics")
+EXTENSIONS = ("binary_tensor_data", "schedule_policy", "model_configuration", "statistics", "model_repository")
 """The Triton protocol extensions `GET /v2` names: binary tensors (`sits_api.v2.binary`), the
-`priority` and `timeout` parameters, `.../config` and `.../stats` (`broker.monitoring.model_stats`)."""
+`priority` and `timeout` parameters, `.../config` and `.../stats` (`broker.monitoring.model_stats`),
+and the repository's index, load and unload (`sits_api.v2.repository`)."""
 
 
 @v2.get("/v2/health/live")
@@ -75,11 +77,12 @@ def ready() -> Any:
 @v2.get("/v2")
 def server_metadata() -> Any:
     """The server's name and version, and the protocol extensions it implements, by Triton's names."""
-    return jsonify({"name": "sits", "version": _package_version(), "extensions": list(EXTENSIONS)})
+    return jsonify({"name": "sits", "version": package_version(), "extensions": list(EXTENSIONS)})
 
 
 @functools.cache
-def _package_version() -> str:
+def package_version() -> str:
+    """The installed `sits` distribution's version ('unknown' in a source tree never installed)."""
     try:
         return importlib.metadata.version("sits")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
@@ -91,14 +94,17 @@ def _dims(shape: list[int | str]) -> list[int]:
     return [dim if isinstance(dim, int) else -1 for dim in shape]
 
 
-def _metadata(record: ModelRecord) -> dict[str, Any]:
+def metadata_of(store: Store, record: ModelRecord) -> dict[str, Any]:
+    """The protocol's model metadata of a registry `record` (HTTP and gRPC answer it alike)."""
     def tensor(entry: TensorSpec) -> dict[str, Any]:
+        if (loaded := v2_repository.config_tensor(record, entry["name"])) is not None:
+            return loaded  # (loaded from a Triton model repository: as its config has it)
         # the batch axis is -1 even where the graph fixes it: workers batch every model along axis 0
         # (`sits_worker.model.servable`), so a request may carry any number of rows, as `.../config` says
         return {"name": entry["name"], "datatype": NUMPY_TO_V2.get(entry["dtype"], entry["dtype"]),
                 "shape": [-1, *_dims(entry["shape"][1:])] if entry["shape"] else []}
 
-    versions = [v.version for v in registry.list_model_versions(app_state().store, record.name)]
+    versions = [v.version for v in registry.list_model_versions(store, record.name)]
     return {"name": record.name, "versions": versions, "platform": "onnxruntime_onnx",
             "inputs": [tensor(e) for e in record.signature["inputs"]],
             "outputs": [tensor(e) for e in record.signature["outputs"]]}
@@ -108,7 +114,8 @@ def _metadata(record: ModelRecord) -> dict[str, Any]:
 @v2.get("/v2/models/<name>/versions/<version>")
 def model_metadata(name: str, version: str | None = None) -> Any:
     """Inputs and outputs with datatype and shape (-1 for a dynamic axis)."""
-    return jsonify(_metadata(registry.get_model(app_state().store, f"{name}@{version}" if version else name)))
+    store = app_state().store
+    return jsonify(metadata_of(store, registry.get_model(store, f"{name}@{version}" if version else name)))
 
 
 @v2.get("/v2/models/<name>/ready")
@@ -139,7 +146,12 @@ def model_statistics(name: str | None = None, version: str | None = None) -> Any
     requests, so, as GET /metrics, `metrics` keys and admins read them. (A model named 'stats' keeps
     its metadata at `.../versions/{v}`: `/v2/models/stats` is this route, as in Triton.)"""
     require_role(g.identity, "metrics")
-    store = app_state().store
+    return jsonify({"model_stats": statistics_of(app_state().store, name, version)})
+
+
+def statistics_of(store: Store, name: str | None, version: str | None) -> list[dict[str, Any]]:
+    """Triton's `model_stats` entries of every model version (`name` None), of one model's, or of one
+    version (HTTP and gRPC answer them alike); ModelNotFound for a model or version never registered."""
     if version is not None:
         record = registry.get_model(store, f"{name}@{version}")
         versions = [(record.name, record.version)]
@@ -147,7 +159,7 @@ def model_statistics(name: str | None = None, version: str | None = None) -> Any
         versions = [(record.name, record.version) for record in registry.list_model_versions(store, name)]
         if name is not None and not versions:
             raise ModelNotFound(f"model '{name}' is not registered")
-    return jsonify({"model_stats": model_stats.model_statistics(store, versions)})
+    return model_stats.model_statistics(store, versions)
 
 
 @v2.get("/v2/models/<name>/config")
@@ -167,7 +179,10 @@ def triton_config(record: ModelRecord, batching: Batching, *, queue: ModelBatchi
 
     Every SITS model batches along axis 0 (`sits_worker.model.servable`), so `max_batch_size` is the
     one workers apply and `dims` leave the batch axis out, as Triton's do for a batching model.
+    A version loaded from a Triton model repository answers its config as loaded.
     """
+    if (loaded := v2_repository.loaded_config(record)) is not None:
+        return loaded
     def tensor(entry: TensorSpec) -> dict[str, Any]:
         # (a dtype the protocol has no name for, complex64, is TYPE_INVALID: a name Triton's enum has)
         return {"name": entry["name"], "data_type": f"TYPE_{NUMPY_TO_V2[entry['dtype']]}"
@@ -244,9 +259,14 @@ def _wait_for_answer(answer: Answer, settings: Settings, store: Store, live_poli
     result = request_intake.wait_for_result(settings, store, live_policy, answer, spec,
                                             seconds=settings.online.max_wait)
     if result is None:
-        raise InferenceTimeout(f"request {spec.request_id} is not done within the server's online.max_wait; it "
-                               f"still runs, and GET /v1/requests/{spec.request_id} shows its result")
+        raise not_done_in_time(spec)
     return result
+
+
+def not_done_in_time(spec: RequestSpec) -> InferenceTimeout:
+    """The error of a request whose answer did not come within `online.max_wait` (HTTP and gRPC alike)."""
+    return InferenceTimeout(f"request {spec.request_id} is not done within the server's online.max_wait; it "
+                            f"still runs, and GET /v1/requests/{spec.request_id} shows its result")
 
 
 def _answer(fields: dict[str, Any], outputs: dict[str, np.ndarray], checked: InferRequest) -> Any:

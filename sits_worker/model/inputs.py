@@ -32,9 +32,12 @@ from sits_worker.model.jsonl_source import open_jsonl
 from sits_worker.model.padding import MaskSpec, TokenLimits, check_mask
 from sits_worker.model.safe_files import open_file
 from sits_worker.model.source import INPUT_FIX, Batch, InputSource, check_unchanged, file_error
+from sits_worker.model.table_source import TABLE_SUFFIXES, open_table
 from sits_worker.model.tensors import InputSpec, NpyHeader, convert_hint, parse_signature, read_npy_header
 
-SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl")
+SUPPORTED_FORMATS = (".npy", ".npz", ".bin", ".jsonl", *TABLE_SUFFIXES)
+INPUT_FORMATS = ("npy", "npz", "bin", "jsonl", "parquet", "arrow", "csv")
+"""What a job's `input_format` may name: the file is read so whatever its suffix."""
 _BLOCK_BYTES = 1 << 20
 _DEFLATE_MAX_RATIO = 1032
 """zlib's bound: one byte of a deflate stream never stands for more than 1032 bytes of output."""
@@ -273,11 +276,16 @@ def open_input(
     mask: MaskSpec | None = None,
     limits: TokenLimits | None = None,
     identity: dict[str, int] | None = None,
+    input_format: str | None = None,
+    columns: Mapping[str, Sequence[str]] | None = None,
+    id_column: str | None = None,
 ) -> InputSource:
     """Open an input file, check it against the model signature and return its reader.
 
-    The reader is chosen by suffix (.npy, .npz, .bin, .jsonl). `shape` (per row, without the batch
-    dim) and `dtype` apply to raw .bin files only. Nothing is loaded whole except compressed npz
+    The reader is chosen by suffix (.npy, .npz, .bin, .jsonl, and the tables of `table_source.py`:
+    .parquet, .arrow, .feather, .ipc, .csv), or by `input_format` (one of `INPUT_FORMATS`) whatever the
+    suffix. `shape` (per row, without the batch dim) and `dtype` apply to raw .bin files only; `columns`
+    (input -> column names) and `id_column` to tables only. Nothing is loaded whole except compressed npz
     members, which are read on first use and kept. For a model that declares an attention mask
     (`mask`, from `padding.mask_spec`) the file may leave the mask out (.npy and .bin always do):
     its batches then get an all-ones mask.
@@ -289,14 +297,20 @@ def open_input(
     """
     path = Path(path)
     specs = parse_signature(signature)
-    suffix = path.suffix.lower()
+    suffix = path.suffix.lower() if input_format is None else f".{input_format}"
+    if input_format is not None and input_format not in INPUT_FORMATS:
+        raise BadInput(f"input_format '{input_format}' is unknown; use one of {', '.join(INPUT_FORMATS)}")
     if suffix not in SUPPORTED_FORMATS:
         raise BadInput(
             f"input file '{path.name}' has unsupported format '{suffix or '(no suffix)'}'; "
-            f"use one of {', '.join(SUPPORTED_FORMATS)}"
+            f"use one of {', '.join(SUPPORTED_FORMATS)}, or name its format with input_format"
         )
     if (shape is not None or dtype is not None) and suffix != ".bin":
         raise BadInput(f"shape and dtype apply only to raw .bin input, not '{path.name}'; leave them out")
+    table = TABLE_SUFFIXES.get(suffix)
+    if (columns is not None or id_column is not None) and table is None:
+        raise BadInput(f"columns and id_column apply only to tables (Parquet, Arrow IPC, CSV), not '{path.name}'; "
+                       "leave them out")
     try:
         handle = open_file(path, what="input", fix=INPUT_FIX)
     except OSError as err:
@@ -306,7 +320,8 @@ def open_input(
             check_unchanged(path, identity, opened=os.fstat(handle.fileno()))
         mask_input = next((spec for spec in specs if mask is not None and spec.name == mask.mask_input), None)
         filled: tuple[MaskSpec, np.dtype] | None = None
-        if mask is not None and mask_input is not None and not _holds_input(handle, suffix, mask.mask_input):
+        if mask is not None and mask_input is not None and not (
+                mask.mask_input in (columns or {}) if table else _holds_input(handle, suffix, mask.mask_input)):
             filled, specs = (mask, mask_input.dtype), [spec for spec in specs if spec is not mask_input]
         if suffix == ".npy":
             source = _open_npy(path, handle, specs)
@@ -314,6 +329,8 @@ def open_input(
             source = _open_npz(path, handle, specs)
         elif suffix == ".bin":
             source = _open_bin(path, handle, specs, shape, dtype)
+        elif table is not None:
+            source = open_table(path, handle, specs, table, columns=columns, id_column=id_column)
         else:
             source = open_jsonl(path, handle, specs)
     except OSError as err:
@@ -382,6 +399,10 @@ class _TokensChecked(InputSource):
     def reads_rows_cheaply(self) -> bool:
         """As the inner source."""
         return self._inner.reads_rows_cheaply()
+
+    def row_ids(self, start: int, stop: int) -> Any:
+        """As the inner source."""
+        return self._inner.row_ids(start, stop)
 
     def close(self) -> None:
         """Close the inner source."""

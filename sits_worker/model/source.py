@@ -10,6 +10,7 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -97,6 +98,10 @@ class InputSource(abc.ABC):
     @abc.abstractmethod
     def iter_batches(self, start: int, stop: int, max_batch: int) -> Iterator[Batch]:
         """Yield batches of at most `max_batch` rows covering rows [start, stop) exactly once."""
+
+    def row_ids(self, start: int, stop: int) -> Any:
+        """The ids of rows [start, stop) (a pyarrow array: a table's `id_column`); None for a file without ids."""
+        return None
 
     def reads_rows_cheaply(self) -> bool:
         """Whether reading a few rows costs little (False where the first read loads a whole array: a

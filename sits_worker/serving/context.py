@@ -34,7 +34,7 @@ from broker.models.cache import WORKER_RECORD_TTL_SECONDS, ModelRecordCache
 from broker.models.model_record import ModelRecord
 from broker.monitoring.batch_sizes import new_tally, observe_run, run_size
 from broker.monitoring.histograms import Tally
-from broker.online.batching import Batching, resolve
+from broker.online.batching import Batching, configured, resolve
 from broker.queueing.queues import QueueWatcher
 from broker.state.store import Store
 from sits_worker.device.memory_watch import MemoryWatch
@@ -183,7 +183,7 @@ class WorkerContext:
         record = self.model(model_ref)
         cached = self._derived.get(model_ref)
         if cached is None or cached[0] is not record:
-            config = self.settings.online.batching_for(model_ref.partition("@")[0])
+            config = configured(self.settings.online, record)  # (a repository config's keys on top)
             # Observed profiles are for models without a measured one, and not for token models
             # (their run time depends on the sequence length: sits_worker/device/observed_profiles.py).
             learns = not record.token_model and not (record.profile_points and not record.observed_profile)
@@ -353,7 +353,9 @@ class WorkerContext:
         record = self.model(job.model_ref)
         source = open_input(Path(job.input_batch), record.signature, shape=options.get("shape"),
                             dtype=options.get("dtype"), mask=self.padding(job.model_ref),
-                            limits=token_limits(record.static_profile), identity=job.input_stat)
+                            limits=token_limits(record.static_profile), identity=job.input_stat,
+                            input_format=options.get("format"), columns=options.get("columns"),
+                            id_column=options.get("id_column"))
         with self._lock:
             self._inputs[key] = source
             while len(self._inputs) > _OPEN_INPUTS_KEPT:

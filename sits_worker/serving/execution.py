@@ -38,8 +38,15 @@ from broker.queueing.leases import LeasedItem
 from sits_worker.model.source import check_unchanged
 from sits_worker.serving import batch_trace
 from sits_worker.serving.context import WorkerContext
-from sits_worker.serving.outputs import chunk_written, finalize_outputs, remove_parts, write_part
+from sits_worker.serving.outputs import chunk_written, finalize_outputs, merge_npy_outputs, remove_parts, write_part
 from sits_worker.serving.request_runs import give_back, rows_to_fill, run_requests, run_with_riders
+from sits_worker.serving.table_outputs import (
+    id_column_name,
+    merge_table_parts,
+    quarantine_ids,
+    table_chunk_written,
+    write_table_part,
+)
 from sits_worker.tenancy.usage_meter import Work
 
 log = logging.getLogger(__name__)
@@ -109,10 +116,11 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         started, token = time.monotonic(), ctx.slot_overlap.begin(split_model_ref(item.model_ref)[1] or "")
         try:
             results, quarantined = run_chunk(ctx, job, item, between)
+            ids = chunk_ids(ctx, job, item, quarantined)
         finally:
             beside = ctx.slot_overlap.end(token)
         commit = ctx.commits.submit(partial(commit_chunk, ctx, job, item, results, time.monotonic() - started,
-                                            quarantined, beside))
+                                            quarantined, beside, ids))
         if among_last_chunks(job, item.payload["chunk"], ctx.streams):
             return str(commit.result())
         return "committing"
@@ -120,10 +128,21 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         return settle_failure(ctx, item, err)
 
 
+def chunk_ids(ctx: WorkerContext, job: JobRecord, item: LeasedItem, quarantined: Sequence[tuple[int, str]]) -> Any:
+    """The ids of a chunk's rows (a table input's `id_column`, `InputSource.row_ids`) where its commit needs
+    them: for a Parquet job's part, or to list its quarantined rows by id; else None."""
+    if job.output_format != "parquet" and not quarantined:
+        return None
+    return ctx.job_input(job).row_ids(item.payload["start"], item.payload["stop"])
+
+
 def written_before(job: JobRecord, item: LeasedItem) -> bool:
     """Whether the chunk's parts are on disk already (`outputs.chunk_written`): a run before this lease wrote
     them, and its ack never reached Redis (the ack failed while Redis was away, or a failover lost it)."""
     payload = item.payload
+    if job.output_format == "parquet":
+        return table_chunk_written(Path(job.output_dir), payload["chunk"], (payload["start"], payload["stop"]),
+                                   job_id=job.id)
     return chunk_written(Path(job.output_dir), payload["chunk"], (payload["start"], payload["stop"]),
                          job.output_names, job_id=job.id)
 
@@ -267,10 +286,11 @@ def settle_failure(ctx: WorkerContext, item: LeasedItem, err: Exception) -> str:
 
 def commit_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem, results: Mapping[str, np.ndarray],
                  run_seconds: float = 0.0, quarantined: Sequence[tuple[int, str]] = (),
-                 beside: Mapping[str, float] | None = None) -> str:
+                 beside: Mapping[str, float] | None = None, ids: Any = None) -> str:
     """Write a computed chunk's part files (durably, its `quarantined` rows with them), then ack it with
     the `run_seconds` its slot spent on it and how many of them it ran `beside` each model on the other
-    slots (`sits_worker/serving/slot_overlap.py`); on a commit thread (`sits_worker.serving.chunk_commits`). Returns
+    slots (`sits_worker/serving/slot_overlap.py`); on a commit thread (`sits_worker.serving.chunk_commits`). A
+    Parquet job's part holds the rows' `ids` (`chunk_ids`), as its quarantined rows' listing does. Returns
     'acked', or how the failure was settled."""
     try:
         leases.extend_lease(ctx.store, item, "", now=time.time(), lease_seconds=ctx.settings.scheduler.lease_timeout)
@@ -279,7 +299,14 @@ def commit_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem, results: 
             # leave behind in a folder nobody merges any more.
             leases.finish_item(ctx.store, item, job.id, now=time.time())
             return "dropped"
-        write_part(Path(job.output_dir), item.payload["chunk"], results, job_id=job.id, quarantined=quarantined)
+        start, listed = item.payload["start"], quarantine_ids(ids, quarantined, item.payload["start"])
+        if job.output_format == "parquet":
+            write_table_part(Path(job.output_dir), item.payload["chunk"], results, start=start, ids=ids,
+                             id_column=id_column_name(job.input_options), job_id=job.id, quarantined=quarantined,
+                             quarantine_ids=listed)
+        else:
+            write_part(Path(job.output_dir), item.payload["chunk"], results, job_id=job.id, quarantined=quarantined,
+                       quarantine_ids=listed)
         job_progress.ack_chunk(ctx.store, item, now=time.time(), worker=ctx.name, run_seconds=run_seconds,
                                beside=beside)
         return "acked"
@@ -498,8 +525,12 @@ def finalize_job(job: JobRecord, *, keep_alive: Callable[[], None], may_publish:
         "input_batch": job.input_batch,
         "input_checksum": job.input_checksum,
     }
+    table = job.output_format == "parquet"
+    if table:
+        extra |= {"output_format": "parquet", "id_column": id_column_name(job.input_options)}
     settings = settings or JobSettings()
     return finalize_outputs(Path(job.output_dir), ranges, job.output_names, extra, job_id=job.id,
                             keep_alive=keep_alive, may_publish=may_publish,
                             bad_row_limit=quarantine.bad_row_limit(settings.max_bad_rows, int(job.rows_total)),
-                            quarantine_fill=float(settings.quarantine_fill))
+                            quarantine_fill=float(settings.quarantine_fill),
+                            merge=merge_table_parts if table else merge_npy_outputs)

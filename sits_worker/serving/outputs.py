@@ -53,7 +53,7 @@ from sits_worker.model.tensors import read_npy_header
 
 log = logging.getLogger(__name__)
 
-_RESERVED_KEYS = ("rows", "outputs", "chunks", "quarantined_rows", "quarantine")
+_RESERVED_KEYS = ("rows", "outputs", "chunks", "quarantined_rows", "quarantined_ids", "quarantine")
 _COPY_BLOCK_BYTES = 64 * 2**20
 """A merge copies parts in blocks of this size and calls its `keep_alive` after each (a part may be GBs)."""
 _WAIT_SLICE_SECONDS = 1.0
@@ -114,16 +114,16 @@ def _write_atomically(target: Entry, write: Callable[[IO[bytes]], object]) -> No
 
 
 def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndarray], *, job_id: str = "",
-               quarantined: Sequence[tuple[int, str]] = ()) -> None:
+               quarantined: Sequence[tuple[int, str]] = (), quarantine_ids: Mapping[int, Any] | None = None) -> None:
     """Write one chunk's outputs, one `.parts/<job_id>/<name>.<chunk_index:06d>.npy` file per output,
-    and its `quarantined` rows (job row, error) as `quarantine.<chunk_index:06d>.jsonl`.
+    and its `quarantined` rows (job row, error) as `quarantine.<chunk_index:06d>.jsonl` (with each row's
+    id from `quarantine_ids`, job row -> id, for a table input with an id column).
 
     Each part is written atomically and in C order, so writing the same data again (a chunk re-run
     after a lost ack) gives byte-identical files, and `part_exists` never sees half a part. The
     quarantine part is durable before the first `.npy` part appears: a chunk whose parts exist has
     its quarantined rows on disk too.
     """
-    output_dir = Path(output_dir)
     arrays = {name: np.ascontiguousarray(values) for name, values in outputs.items()}
     for name, arr in arrays.items():
         if arr.dtype.hasobject:
@@ -131,19 +131,31 @@ def write_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, np.ndar
                 f"output '{name}' holds Python objects (dtype {arr.dtype}), which cannot be stored as .npy; "
                 "use a model whose outputs are numeric tensors"
             )
+    files = {part_name(name, chunk_index): partial(np.lib.format.write_array, array=arr, allow_pickle=False)
+             for name, arr in arrays.items()}
+    write_part_files(output_dir, chunk_index, files, job_id=job_id, quarantined=quarantined,
+                     quarantine_ids=quarantine_ids)
+
+
+def write_part_files(output_dir: Path, chunk_index: int, files: Mapping[str, Callable[[IO[bytes]], object]], *,
+                     job_id: str = "", quarantined: Sequence[tuple[int, str]] = (),
+                     quarantine_ids: Mapping[int, Any] | None = None) -> None:
+    """Write one chunk's part files (file name -> what writes it) atomically into `.parts/<job_id>/`, its
+    quarantined rows first (`write_part`); durable, with the folders above them, when this returns."""
+    output_dir = Path(output_dir)
+    ids = quarantine_ids or {}
     try:
         with _open_output_dir(output_dir, create=True) as out, _open_job_parts(out, job_id, create=True) as opened:
             parts = opened.folder
             rejected = parts / quarantine_part_name(chunk_index)
             if quarantined:
-                text = "".join(quarantine.entry_line(row, error) for row, error in quarantined).encode()
+                text = "".join(quarantine.entry_line(row, error, ids.get(row)) for row, error in quarantined).encode()
                 _write_atomically(rejected, lambda handle: handle.write(text))
                 parts.fsync()
             else:
                 parts.unlink(rejected.name)  # (a run of the chunk that quarantined rows it no longer does)
-            for name, arr in arrays.items():
-                _write_atomically(parts / part_name(name, chunk_index),
-                                  partial(np.lib.format.write_array, array=arr, allow_pickle=False))
+            for file_name, write in files.items():
+                _write_atomically(parts / file_name, write)
             parts.fsync()
             # The folders above it every time, not only by the commit that made them: a commit beside it
             # (another commit thread, another worker) that found them made must not ack before their entries
@@ -355,18 +367,32 @@ def _hash_parts(parts: Folder, name: str, chunk_ranges: Sequence[tuple[int, int]
     return digest.hexdigest()
 
 
+Merged = dict[str, tuple[str, dict[str, Any]]]
+"""Output name -> (its temp file in the parts folder, its manifest entry, whose `file` the temp becomes);
+outputs merged into one file share its temp."""
+Merge = Callable[[Folder, Sequence[str], Sequence[tuple[int, int]], int, Callable[[], None], Merged], None]
+"""How a job's parts are merged: (parts folder, output names, chunk ranges, total rows, keep_alive, merged so
+far), adding each temp file to `merged` as soon as it exists (so a failure removes it)."""
+
+
+def merge_npy_outputs(parts: Folder, output_names: Sequence[str], chunk_ranges: Sequence[tuple[int, int]],
+                      total: int, keep_alive: Callable[[], None], merged: Merged) -> None:
+    """The `Merge` of `.npy` parts: each output into its `<name>.npy` (`_merge_output`)."""
+    for name in output_names:
+        merged[name] = _merge_output(parts, name, chunk_ranges, total, keep_alive)
+
+
 def _merge_outputs(out: Folder, parts: Folder, output_names: Sequence[str], chunk_ranges: Sequence[tuple[int, int]],
                    total: int, keep_alive: Callable[[], None],
-                   may_publish: Callable[[], bool]) -> dict[str, tuple[str, dict[str, Any]]] | None:
-    """Merge every output into its temp file in `parts` (`_merge_output`), then ask `may_publish`: output
+                   may_publish: Callable[[], bool], merge: Merge) -> Merged | None:
+    """Merge the outputs into temp files in `parts` (`merge`), then ask `may_publish`: output
     name -> (temp file, manifest entry) to rename and publish, or None. Unless they are handed back, the
     temp files are removed (stopped, or failed: a merge of a later output, `may_publish` raising, a link
     in the output folder `out` where a published file goes)."""
-    merged: dict[str, tuple[str, dict[str, Any]]] = {}
+    merged: Merged = {}
     publish = False
     try:
-        for name in output_names:
-            merged[name] = _merge_output(parts, name, chunk_ranges, total, keep_alive)
+        merge(parts, output_names, chunk_ranges, total, keep_alive, merged)
         publish = may_publish()
         if publish:  # (a rename would replace a link, not follow it: refused all the same, before any rename)
             for published in (*(entry["file"] for _, entry in merged.values()), QUARANTINE_NAME, MANIFEST_NAME):
@@ -377,7 +403,7 @@ def _merge_outputs(out: Folder, parts: Folder, output_names: Sequence[str], chun
         raise
     finally:
         if not publish:
-            for temp, _ in merged.values():
+            for temp in {temp for temp, _ in merged.values()}:
                 parts.unlink(temp)
 
 
@@ -392,6 +418,7 @@ def finalize_outputs(
     may_publish: Callable[[], bool] = _always_publish,
     bad_row_limit: int | None = None,
     quarantine_fill: float = math.nan,
+    merge: Merge = merge_npy_outputs,
 ) -> dict[str, Any] | None:
     """Merge every output's parts (those `write_part` wrote for `job_id`) into `<output_dir>/<name>.npy`
     and write `manifest.json`; None when `may_publish` stopped it.
@@ -412,7 +439,8 @@ def finalize_outputs(
 
     The chunks' quarantined rows are merged into `quarantine.jsonl` (row order) before the manifest,
     which lists them as `quarantined_rows` with each output's fill value (`quarantine`). More of them
-    than `bad_row_limit` is a BadInput naming them, before anything is merged.
+    than `bad_row_limit` is a BadInput naming them, before anything is merged. `merge` merges the parts
+    (`.npy` parts by default; `table_outputs.merge_table_parts` for a Parquet job).
     """
     output_dir = Path(output_dir)
     total = _rows_covered(chunk_ranges)
@@ -430,7 +458,8 @@ def finalize_outputs(
             try:
                 manifest = _merge_and_publish(out, chunk_ranges, output_names, manifest_extra, total=total,
                                               job_id=job_id, keep_alive=keep_alive, may_publish=may_publish,
-                                              bad_row_limit=bad_row_limit, quarantine_fill=quarantine_fill)
+                                              bad_row_limit=bad_row_limit, quarantine_fill=quarantine_fill,
+                                              merge=merge)
                 if manifest is None:
                     return None
             except (FileMissing, OSError) as err:
@@ -447,7 +476,7 @@ def finalize_outputs(
 def _merge_and_publish(out: Folder, chunk_ranges: Sequence[tuple[int, int]], output_names: Sequence[str],
                        manifest_extra: Mapping[str, Any], *, total: int, job_id: str,
                        keep_alive: Callable[[], None], may_publish: Callable[[], bool], bad_row_limit: int | None,
-                       quarantine_fill: float) -> dict[str, Any] | None:
+                       quarantine_fill: float, merge: Merge) -> dict[str, Any] | None:
     """`finalize_outputs`' merge in the opened output folder `out`, and its outputs, quarantine and manifest
     published; the manifest, or None when `may_publish` stopped it."""
     try:
@@ -461,11 +490,11 @@ def _merge_and_publish(out: Folder, chunk_ranges: Sequence[tuple[int, int]], out
             raise BadInput(quarantine.too_many_message([int(entry["row"]) for entry in rejected],
                                                        str(rejected[0]["error"]), limit=bad_row_limit,
                                                        rows_total=total))
-        merged = _merge_outputs(out, parts, output_names, chunk_ranges, total, keep_alive, may_publish)
+        merged = _merge_outputs(out, parts, output_names, chunk_ranges, total, keep_alive, may_publish, merge)
         if merged is None:
             return None
-        for temp, entry in merged.values():
-            parts.replace(temp, out, entry["file"])
+        for temp, file in {temp: entry["file"] for temp, entry in merged.values()}.items():
+            parts.replace(temp, out, file)
         out.fsync()  # (the outputs' names are durable before the manifest can be: POSIX orders no two
         # renames, so a crash must not leave a manifest whose outputs' entries were lost)
         outputs = {name: entry for name, (_, entry) in merged.items()}
@@ -510,11 +539,14 @@ def _publish_quarantine(out: Folder, rejected: Sequence[dict[str, Any]], outputs
     if not rejected:
         out.unlink(QUARANTINE_NAME)
         return {"quarantined_rows": []}
-    text = "".join(quarantine.entry_line(int(entry["row"]), str(entry["error"])) for entry in rejected).encode()
+    text = "".join(quarantine.entry_line(int(entry["row"]), str(entry["error"]), entry.get("id"))
+                   for entry in rejected).encode()
     _write_atomically(out / QUARANTINE_NAME, lambda handle: handle.write(text))
     fills = {name: quarantine.json_number(quarantine.fill_value(np.dtype(entry["dtype"]), fill))
              for name, entry in outputs.items()}
-    return {"quarantined_rows": [int(entry["row"]) for entry in rejected],
+    with_ids = any("id" in entry for entry in rejected)  # (a table input with an id column)
+    listed = {"quarantined_ids": [entry.get("id") for entry in rejected]} if with_ids else {}
+    return {"quarantined_rows": [int(entry["row"]) for entry in rejected], **listed,
             "quarantine": {"file": QUARANTINE_NAME, "rows": len(rejected), "fill_values": fills}}
 
 

@@ -365,3 +365,132 @@ def test_a_job_with_a_slot_cap_holds_one_stream_and_the_other_serves_the_job_beh
     assert both_ran, "the job behind the capped one never ran on the stream it left"
     for job in (capped, behind):
         assert wait_job(client, job["id"])["status"] == "succeeded"
+
+
+def _feature_table(rows: int, seed: int):
+    """(A table of `rows` rows: a string `id`, 64 float32 feature columns and a `note` column that is no
+    feature; the features as one array)."""
+    import pyarrow as pa
+
+    features = np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32)
+    columns = {"id": pa.array([f"id-{(row * 7919) % 100_000:05d}" for row in range(rows)]),
+               **{f"f{col:02d}": features[:, col] for col in range(64)},
+               "note": pa.array(["x"] * rows)}
+    return pa.table(columns), features
+
+
+def test_a_parquet_job_writes_its_ids_and_outputs_as_a_direct_run_and_lists_a_bad_row_by_id(stack):
+    """A Parquet input whose row groups (500 rows) cut across the chunks (700 rows): every numeric column but
+    the id goes into the MLP's one input; outputs.parquet holds the ids in row order and logits equal to a
+    plain ONNX Runtime run; a row with a null feature is quarantined, listed by its id."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    client = stack.client()
+    register(client, "mlp", stack.home / "models" / "mlp.onnx")
+    table, features = _feature_table(3_000, 11)
+    table = table.set_column(5, "f04", pa.array(features[:, 4], mask=np.arange(3_000) == 1234))
+    pq.write_table(table, stack.home / "features.parquet", row_group_size=500)
+    job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(stack.home / "features.parquet"),
+                                   "output_dir": str(stack.home / "out-parquet"), "chunk_size": 700,
+                                   "batch_size": 128, "id_column": "id", "output_format": "parquet"})
+    done = wait_job(client, job["id"])
+    assert done["status"] == "succeeded" and done["input_format"] == "parquet", done
+    assert done["output_format"] == "parquet" and done["rows_quarantined"] == 1, done
+    written = pq.read_table(stack.home / "out-parquet" / "outputs.parquet")
+    assert written.column_names == ["id", "logits"]
+    assert written["id"].to_pylist() == table["id"].to_pylist()
+    logits = np.asarray(written["logits"].combine_chunks().flatten()).reshape(3_000, -1)
+    expected = direct_run(stack.home / "models" / "mlp.onnx", features, 128)
+    good = np.arange(3_000) != 1234
+    np.testing.assert_allclose(logits[good], expected[good], rtol=1e-4, atol=1e-5)
+    assert np.isnan(logits[1234]).all()
+    manifest = done["manifest"]
+    assert manifest["quarantined_rows"] == [1234] and manifest["quarantined_ids"] == [table["id"][1234].as_py()]
+    assert manifest["outputs"]["logits"]["file"] == "outputs.parquet" and manifest["id_column"] == "id"
+    assert not (stack.home / "out-parquet" / "logits.npy").exists()
+
+
+def test_csv_and_arrow_inputs_map_named_columns_onto_the_input(stack):
+    """A CSV file read into .npy outputs with its feature columns named in another order than the file's,
+    and an Arrow IPC file into Parquet with its row numbers as ids: both equal a direct run."""
+    import pyarrow.csv as pa_csv
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    client = stack.client()
+    register(client, "mlp", stack.home / "models" / "mlp.onnx")
+    table, features = _feature_table(2_000, 12)
+    order = [f"f{col:02d}" for col in reversed(range(64))]
+    pa_csv.write_csv(table, stack.home / "features.csv")
+    csv_job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(stack.home / "features.csv"),
+                                       "output_dir": str(stack.home / "out-csv"), "chunk_size": 300,
+                                       "batch_size": 64, "columns": {"features": order}})
+    feather.write_feather(table.drop_columns(["id"]), stack.home / "features.data", chunksize=450)
+    arrow_job = client.post("/v1/jobs", {"model": "mlp", "input_batch": str(stack.home / "features.data"),
+                                         "input_format": "arrow", "output_dir": str(stack.home / "out-arrow"),
+                                         "chunk_size": 300, "batch_size": 64, "output_format": "parquet"})
+    assert wait_job(client, csv_job["id"])["status"] == "succeeded"
+    assert wait_job(client, arrow_job["id"])["status"] == "succeeded"
+    model = stack.home / "models" / "mlp.onnx"
+    np.testing.assert_allclose(np.load(stack.home / "out-csv" / "logits.npy"),
+                               direct_run(model, np.ascontiguousarray(features[:, ::-1]), 64), rtol=1e-4, atol=1e-5)
+    written = pq.read_table(stack.home / "out-arrow" / "outputs.parquet")
+    assert written["row"].to_pylist() == list(range(2_000))
+    np.testing.assert_allclose(np.asarray(written["logits"].combine_chunks().flatten()).reshape(2_000, -1),
+                               direct_run(model, features, 64), rtol=1e-4, atol=1e-5)
+
+
+def test_a_table_job_that_cannot_be_read_is_refused_at_submit_naming_what_to_fix(stack):
+    import pyarrow.parquet as pq
+
+    from sits_api.cli.client import ApiError
+
+    client = stack.client()
+    register(client, "mlp", stack.home / "models" / "mlp.onnx")
+    table, _ = _feature_table(100, 13)
+    pq.write_table(table, stack.home / "small.parquet")
+    base = {"model": "mlp", "input_batch": str(stack.home / "small.parquet"), "output_dir": str(stack.home / "out-r")}
+    cases = [({"id_column": "key"}, "id_column 'key' is not a column"),
+             ({"columns": {"features": ["f00", "missing"]}}, "['missing'] for input 'features' are not in"),
+             ({"columns": {"features": ["f00", "note"]}}, "column 'note' of 'small.parquet' is string"),
+             ({"columns": {"pixels": ["f00"]}}, "the model's inputs are ['features']"),
+             ({"input_format": "csv"}, "not a readable csv file"),
+             ({"input_format": "xls"}, "input_format"),
+             ({"columns": {"features": [f"f{col:02d}" for col in range(63)]}}, "expects float32 [N,64]")]
+    for extra, message in cases:
+        with pytest.raises(ApiError) as refused:
+            client.post("/v1/jobs", base | extra)
+        assert refused.value.http_status == 400 and message in str(refused.value), (extra, refused.value)
+
+
+def test_a_parquet_job_cancelled_midway_resumes_running_only_its_unfinished_chunks(stack):
+    """Images as one fixed-size-list column into the convnet: cancelled after a few chunks, resumed, only the
+    chunks without a part run again, and outputs.parquet equals a direct run with its ids in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    client = stack.client()
+    register(client, "convnet", stack.home / "models" / "convnet.onnx")
+    pixels = np.random.default_rng(14).standard_normal((1_000, 3, 32, 32)).astype(np.float32)
+    images = pa.FixedSizeListArray.from_arrays(pa.array(pixels.reshape(-1)), 3 * 32 * 32)
+    pq.write_table(pa.table({"key": np.arange(1_000, dtype=np.int64) * 3, "image": images}),
+                   stack.home / "images.parquet", row_group_size=128)
+    job = client.post("/v1/jobs", {"model": "convnet", "input_batch": str(stack.home / "images.parquet"),
+                                   "output_dir": str(stack.home / "out-images"), "chunk_size": 50,
+                                   "batch_size": 25, "id_column": "key", "output_format": "parquet"})
+    wait_job(client, job["id"], until=lambda j: j["chunks_done"] >= 4)
+    client.delete(f"/v1/jobs/{job['id']}")
+    before = wait_job(client, job["id"])
+    assert before["status"] == "cancelled" and 0 < before["chunks_done"] < before["chunks_total"], before
+    client.post(f"/v1/jobs/{job['id']}/resume", {})
+    done = wait_job(client, job["id"])
+    assert done["status"] == "succeeded", done
+    missing = done["chunks_total"] - before["chunks_done"]  # (a chunk leased at the cancel may run twice)
+    assert missing <= done["chunk_runs"] - before["chunk_runs"] <= missing + 2, (before, done)
+    written = pq.read_table(stack.home / "out-images" / "outputs.parquet")
+    assert written["key"].to_pylist() == list(range(0, 3_000, 3))
+    (output,) = [name for name in written.column_names if name != "key"]
+    values = np.asarray(written[output].combine_chunks().flatten()).reshape(1_000, -1)
+    expected = direct_run(stack.home / "models" / "convnet.onnx", pixels, 25).reshape(1_000, -1)
+    np.testing.assert_allclose(values, expected, rtol=1e-4, atol=1e-5)

@@ -118,7 +118,7 @@ def test_server_metadata_names_sits_and_the_extensions_it_implements(triton: Inf
 
     assert metadata["name"] == "sits" and metadata["version"]
     assert set(metadata["extensions"]) == {"binary_tensor_data", "schedule_policy", "model_configuration",
-                                           "statistics"}
+                                           "statistics", "model_repository"}
 
 
 def test_model_config_gives_the_batching_workers_apply(

@@ -387,7 +387,7 @@ def test_an_npz_keyed_by_input_name_is_accepted(api: Api, mlp: dict[str, Any], t
     assert response.get_json()["rows_total"] == 7 and response.get_json()["input_format"] == "npz"
 
 
-@pytest.mark.parametrize("suffix", [".csv", ".parquet", ""])
+@pytest.mark.parametrize("suffix", [".xlsx", ".h5", ""])
 def test_an_unsupported_input_format_answers_400_listing_the_supported_ones(
         api: Api, mlp: dict[str, Any], tmp_path: Path, suffix: str) -> None:
     path = tmp_path / f"features{suffix}"

@@ -163,7 +163,8 @@ def test_the_route_is_in_the_openapi_document_with_its_schema(api: Api) -> None:
     document = api.get("/openapi.json").get_json()
 
     operation = document["paths"]["/v1/sla/analysis"]["post"]
-    schema = operation["requestBody"]["content"]["application/json"]["schema"]
+    body_ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = document["components"]["schemas"][body_ref.rsplit("/", 1)[1]]
     assert schema["properties"]["tasks"]["items"]["$ref"] == "#/components/schemas/TaskSpec"
     assert "period_ms" in document["components"]["schemas"]["TaskSpec"]["required"]
     assert {"200", "400", "404", "409"} <= set(operation["responses"])

@@ -30,7 +30,7 @@ def test_server_metadata_needs_no_key_and_names_the_package_version(client: Flas
     assert response.status_code == 200
     assert response.get_json() == {"name": "sits", "version": importlib.metadata.version("sits"),
                                    "extensions": ["binary_tensor_data", "schedule_policy", "model_configuration",
-                                                  "statistics"]}
+                                                  "statistics", "model_repository"]}
 
 
 def test_every_extension_the_server_names_has_its_route(app: Flask, client: FlaskClient) -> None:
@@ -38,7 +38,8 @@ def test_every_extension_the_server_names_has_its_route(app: Flask, client: Flas
     routes = {rule.rule for rule in app.url_map.iter_rules()}
     needs = {"model_configuration": "/v2/models/<name>/versions/<version>/config",
              "binary_tensor_data": "/v2/models/<name>/infer", "schedule_policy": "/v2/models/<name>/infer",
-             "statistics": "/v2/models/<name>/versions/<version>/stats"}
+             "statistics": "/v2/models/<name>/versions/<version>/stats",
+             "model_repository": "/v2/repository/models/<name>/load"}
     for extension in client.get("/v2").get_json()["extensions"]:
         assert needs[extension] in routes, extension
 

@@ -238,13 +238,13 @@ def test_empty_inputs_unknown_formats_and_missing_files_are_rejected(tmp_path: P
     np.save(tmp_path / "empty.npy", np.ones((0, 3, 4, 4), np.float32))
     (tmp_path / "empty.bin").write_bytes(b"")
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    (tmp_path / "images.csv").write_text("1,2,3\n")
+    (tmp_path / "images.xlsx").write_text("1,2,3\n")
 
     for name in ("empty.npy", "empty.bin", "empty.jsonl"):
         with pytest.raises(BadInput, match="has no rows"):
             open_input(tmp_path / name, PIXELS if name != "empty.jsonl" else TOKENS)
-    with pytest.raises(BadInput, match=r"unsupported format '\.csv'; use one of \.npy, \.npz, \.bin, \.jsonl"):
-        open_input(tmp_path / "images.csv", PIXELS)
+    with pytest.raises(BadInput, match=r"unsupported format '\.xlsx'; use one of \.npy, \.npz, \.bin, \.jsonl"):
+        open_input(tmp_path / "images.xlsx", PIXELS)
     with pytest.raises(FileMissing):
         open_input(tmp_path / "absent.npy", PIXELS)
 

@@ -1,0 +1,120 @@
+"""Reading tables (Parquet, Arrow IPC, CSV) in row ranges as model inputs (`sits_worker/model/table_source.py`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+
+from broker.errors import BadInput
+from sits_worker.model import table_source
+from sits_worker.model.inputs import open_input
+
+ROWS = 1_000
+SIGNATURE = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 3]}], "outputs": []}
+
+
+def _table() -> pa.Table:
+    rows = np.arange(ROWS)
+    return pa.table({"key": pa.array([f"k{row}" for row in rows]), "a": rows.astype(np.int32),
+                     "b": rows * 0.5, "text": pa.array(["t"] * ROWS), "c": -rows.astype(np.float32)})
+
+
+def _expected(start: int, stop: int, order: tuple[str, ...] = ("a", "b", "c")) -> np.ndarray:
+    rows = np.arange(start, stop)
+    by_name = {"a": rows, "b": rows * 0.5, "c": -rows}
+    return np.stack([by_name[name] for name in order], axis=1).astype(np.float32)
+
+
+def _write(folder, fmt: str, table: pa.Table):
+    path = folder / f"t.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(table, path, row_group_size=300)
+    elif fmt == "arrow":
+        feather.write_feather(table, path, chunksize=300)
+    else:
+        pa_csv.write_csv(table, path)
+    return path
+
+
+def _read(source, start: int, stop: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rows, values = zip(*[(rows, feed["x"]) for rows, feed in source.iter_batches(start, stop, batch)], strict=True)
+    assert all(len(part) <= batch for part in rows)
+    return np.concatenate(rows), np.concatenate(values)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "csv"])
+def test_ranges_across_row_group_boundaries_read_exactly_their_rows_and_ids(tmp_path, fmt, monkeypatch):
+    monkeypatch.setattr(table_source, "SLAB_ROWS", 128)  # slabs inside row groups, as on a large file
+    monkeypatch.setattr(table_source, "WHOLE_GROUP_ROWS", 200)  # and row groups streamed
+    path = _write(tmp_path, fmt, _table())
+    with open_input(path, SIGNATURE, id_column="key") as source:
+        assert source.rows == ROWS and source.format == f".{fmt}"
+        for start, stop in [(0, ROWS), (299, 301), (250, 950), (600, 601), (999, 1000), (0, 300), (250, 950)]:
+            rows, values = _read(source, start, stop, 64)
+            np.testing.assert_array_equal(rows, np.arange(start, stop))
+            np.testing.assert_array_equal(values, _expected(start, stop))
+            assert source.row_ids(start, stop).to_pylist() == [f"k{row}" for row in range(start, stop)]
+        assert source.row_ids(10, 20).to_pylist() == [f"k{row}" for row in range(10, 20)]  # never read before
+
+
+def test_named_columns_are_stacked_in_their_order_and_the_extension_can_be_overridden(tmp_path):
+    path = tmp_path / "table.data"
+    pq.write_table(_table(), path, row_group_size=300)
+    with open_input(path, SIGNATURE, input_format="parquet", columns={"x": ["c", "a", "b"]}) as source:
+        np.testing.assert_array_equal(_read(source, 100, 700, 50)[1], _expected(100, 700, ("c", "a", "b")))
+        assert source.row_ids(0, 5) is None
+
+
+def test_a_list_column_feeds_a_vector_input(tmp_path):
+    values = np.arange(ROWS * 3, dtype=np.float64).reshape(ROWS, 3)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), 3)
+    pq.write_table(pa.table({"id": np.arange(ROWS), "vec": column}), tmp_path / "v.parquet", row_group_size=128)
+    with open_input(tmp_path / "v.parquet", SIGNATURE, id_column="id") as source:
+        np.testing.assert_array_equal(_read(source, 120, 400, 32)[1], values[120:400].astype(np.float32))
+
+
+def test_values_that_a_cast_would_change_and_nulls_are_refused_naming_the_column_and_row(tmp_path):
+    ints = {"inputs": [{"name": "x", "dtype": "int32", "shape": ["N", 1]}], "outputs": []}
+    pq.write_table(pa.table({"v": [1.0, 2.0, 2.5]}), tmp_path / "f.parquet")
+    with open_input(tmp_path / "f.parquet", ints) as source, pytest.raises(BadInput, match="column 'v'.*truncated"):
+        list(source.iter_batches(0, 3, 8))
+    pq.write_table(pa.table({"v": pa.array([1.0, None, 3.0])}), tmp_path / "n.parquet")
+    one = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 1]}], "outputs": []}
+    with open_input(tmp_path / "n.parquet", one) as source, pytest.raises(BadInput, match="column 'v'.*null in row 1"):
+        list(source.iter_batches(0, 3, 8))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"columns": {"x": ["a", "text", "c"]}}, "column 'text' of 't.parquet' is string"),
+    ({"columns": {"x": ["a", "zz", "c"]}}, r"\['zz'\] for input 'x' are not in"),
+    ({"columns": {"x": ["a", "b"]}}, r"expects float32 \[N,3\], but 2 column"),
+    ({"columns": {"y": ["a", "b", "c"]}}, r"the model's inputs are \['x'\]"),
+    ({"id_column": "nope"}, "id_column 'nope' is not a column"),
+    ({"input_format": "csv"}, "not a readable csv file"),
+    ({"input_format": "xlsx"}, "input_format 'xlsx' is unknown"),
+])
+def test_a_table_that_does_not_fit_the_model_is_refused_at_open_naming_what_to_fix(tmp_path, options, message):
+    path = _write(tmp_path, "parquet", _table().drop_columns(["text"]) if "id_column" in options else _table())
+    if "columns" not in options and "input_format" not in options:
+        options = options | {"columns": {"x": ["a", "b", "c"]}}
+    with pytest.raises(BadInput, match=message):
+        open_input(path, SIGNATURE, **options).close()
+
+
+def test_every_numeric_column_but_the_id_is_the_default_and_two_inputs_need_columns(tmp_path):
+    path = _write(tmp_path, "parquet", _table().drop_columns(["text"]))
+    with open_input(path, SIGNATURE, id_column="key") as source:  # a, b, c; the string key is the id
+        np.testing.assert_array_equal(_read(source, 0, 10, 4)[1], _expected(0, 10))
+    two = {"inputs": [SIGNATURE["inputs"][0], {"name": "y", "dtype": "float32", "shape": ["N", 1]}], "outputs": []}
+    with pytest.raises(BadInput, match="map columns onto each with `columns`"):
+        open_input(path, two)
+    with open_input(path, two, columns={"x": ["a", "b", "c"], "y": ["b"]}) as source:
+        _, feed = next(source.iter_batches(5, 7, 8))
+        np.testing.assert_array_equal(feed["y"], [[2.5], [3.0]])
+    with pytest.raises(BadInput, match="apply only to tables"):
+        np.save(tmp_path / "x.npy", np.zeros((2, 3), np.float32))
+        open_input(tmp_path / "x.npy", SIGNATURE, id_column="key")

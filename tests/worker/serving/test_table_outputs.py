@@ -1,0 +1,57 @@
+"""A Parquet job's parts and their merge into outputs.parquet (`sits_worker/serving/table_outputs.py`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from broker.jobs.output_layout import parts_folder, table_part_name
+from sits_worker.serving.outputs import finalize_outputs
+from sits_worker.serving.table_outputs import merge_table_parts, table_chunk_written, write_table_part
+
+RANGES = [(0, 4), (4, 9), (9, 10)]
+
+
+def _outputs(start: int, stop: int) -> dict[str, np.ndarray]:
+    rows = np.arange(start, stop, dtype=np.float32)
+    return {"score": rows * 2, "vec": np.stack([rows, -rows, rows + 0.5], axis=1).reshape(-1, 3),
+            "grid": np.repeat(rows, 4).reshape(-1, 2, 2).astype(np.int64)}
+
+
+def _write(out, index: int, **extra) -> None:
+    start, stop = RANGES[index]
+    ids = pa.array([f"id{row}" for row in range(start, stop)])
+    write_table_part(out, index, _outputs(start, stop), start=start, ids=ids, id_column="key", job_id="j1", **extra)
+
+
+def test_parts_merge_in_row_order_into_one_parquet_file_with_vectors_as_fixed_size_lists(tmp_path):
+    for index in (2, 0, 1):  # written out of order, as chunks finish
+        _write(tmp_path, index, quarantined=[(9, "bad row")] if index == 2 else (),
+               quarantine_ids={9: "id9"} if index == 2 else None)
+    manifest = finalize_outputs(tmp_path, RANGES, ["score", "vec", "grid"], {"job": "j1"}, job_id="j1",
+                                merge=merge_table_parts)
+    table = pq.read_table(tmp_path / "outputs.parquet")
+    assert table.column_names == ["key", "score", "vec", "grid"]
+    assert table["key"].to_pylist() == [f"id{row}" for row in range(10)]
+    expected = _outputs(0, 10)
+    np.testing.assert_array_equal(table["score"].to_numpy(), expected["score"])
+    assert table.schema.field("vec").type == pa.list_(pa.float32(), 3)
+    np.testing.assert_array_equal(np.asarray(table["vec"].combine_chunks().flatten()).reshape(10, 3), expected["vec"])
+    assert manifest is not None and manifest["outputs"]["grid"]["shape"] == [10, 2, 2]
+    assert manifest["outputs"]["grid"]["dtype"] == "int64" and manifest["outputs"]["vec"]["column"] == "vec"
+    assert manifest["quarantined_rows"] == [9] and manifest["quarantined_ids"] == ["id9"]
+    assert (tmp_path / "quarantine.jsonl").read_text() == '{"row": 9, "id": "id9", "error": "bad row"}\n'
+
+
+def test_a_chunk_written_again_gives_the_same_bytes_and_counts_as_written_only_when_whole(tmp_path):
+    assert not table_chunk_written(tmp_path, 1, RANGES[1], job_id="j1")
+    _write(tmp_path, 1)
+    part = parts_folder(tmp_path, "j1") / table_part_name(1)
+    first = part.read_bytes()
+    _write(tmp_path, 1)
+    assert part.read_bytes() == first
+    assert table_chunk_written(tmp_path, 1, RANGES[1], job_id="j1")
+    assert not table_chunk_written(tmp_path, 1, (4, 8), job_id="j1")  # rows it does not hold
+    part.write_bytes(first[: len(first) // 2])
+    assert not table_chunk_written(tmp_path, 1, RANGES[1], job_id="j1")
