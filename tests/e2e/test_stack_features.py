@@ -253,7 +253,8 @@ def test_sitsctl_output_for_scripts_and_user_keys(stack):
 def test_ctrl_c_on_job_submit_wait_says_the_job_keeps_running(stack):
     register(stack.client(), "convnet", stack.home / "models" / "convnet.onnx")
     np.save(stack.home / "interrupted.npy",
-            np.random.default_rng(13).standard_normal((3_000, 3, 32, 32)).astype(np.float32))
+            np.random.default_rng(13).standard_normal((8_000, 3, 32, 32)).astype(np.float32))
+    # (long enough to be running when Ctrl-C comes: 3,000 rows were done in 5 s before it came, on a loaded host)
     waiting = subprocess.Popen([sys.executable, "-m", "sits_api.cli", "job", "submit", "--model", "convnet",
                                 "--input-batch", str(stack.home / "interrupted.npy"), "--output-dir",
                                 str(stack.home / "out-interrupted"), "--chunk-size", "100", "--wait"],

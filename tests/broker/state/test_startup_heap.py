@@ -27,7 +27,9 @@ def test_freezing_keeps_the_objects_made_so_far_out_of_collections_and_still_col
         unfrozen_after: None) -> None:
     frozen = freeze_startup_heap()
 
-    assert frozen == gc.get_freeze_count() > 1000  # (pytest and the project's imports)
+    # (pytest and the project's imports; a frozen object whose last reference goes is still freed, so the count
+    # may fall by a few as the test process's threads run on: 4 seen in a run on two processes)
+    assert frozen >= gc.get_freeze_count() > max(1000, frozen - 100)
     cycle: list[object] = []
     cycle.append(cycle)  # garbage only a collection frees
     del cycle
