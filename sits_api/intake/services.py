@@ -37,6 +37,7 @@ from broker.jobs.output_layout import (
 )
 from broker.models import registry
 from broker.models.model_record import ModelRecord
+from broker.models.repository import get_state
 from broker.monitoring import sla_metrics
 from broker.online.batching import Batching, configured, resolve
 from broker.queueing import policy
@@ -130,6 +131,7 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     the record's `profile_status` says `pending` until the task is done.
     """
     registry.check_may_register(store, body.name, registrant)
+    _refuse_a_repository_name(settings, store, body.name, registrant)
     roots = caller_roots(settings, tenants or TenantTable(settings.tenants), store, registrant, "model")
     source = resolve_inside(body.path, roots, "model")
     model = load_model_checked(source, roots.folders, max_bytes=settings.models.max_file_size)
@@ -184,6 +186,16 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
         dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion,
                         tenant_gate.tenant_of(registrant), registrant.get("name", ""))
     return record
+
+
+def _refuse_a_repository_name(settings: Settings, store: Store, name: str, registrant: dict[str, Any]) -> None:
+    """A model name of the Triton model repository is no tenant's, even while it is unloaded, unavailable or
+    not loaded yet: a tenant's registration would claim it and keep the repository's model out for good."""
+    if registrant.get("role") == "admin":
+        return
+    if get_state(store, name) is not None or any((root / name).is_dir() for root in settings.repository.paths):
+        raise Forbidden(f"model name '{name}' belongs to the model repository, so only an admin key may register "
+                        "it; choose another name")
 
 
 def register_repository_version(settings: Settings, store: Store, model: onnx.ModelProto, *, name: str,

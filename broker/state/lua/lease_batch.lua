@@ -145,12 +145,14 @@ end
 -- online request, the chunk to carry (or nil), the rows and tokens of the requests; nil: lease nothing.
 -- Chunks follow a chunk head; requests of the head's bucket join a request head while they fit.
 -- With carry, the scan goes on past a full batch, looking for that chunk.
--- A run of chunks of a job at its slot cap is stepped over (at most MOST_CAPPED_RUNS runs a call), so the
--- work behind it is reached however many chunks the capped job has waiting.
+-- A run of chunks of a job at its slot cap is stepped over, so the work behind it is reached however many
+-- chunks the capped job has waiting. A job at its cap holds at least one in-flight lease, so one more run
+-- than the in-flight set holds (at least MOST_CAPPED_RUNS) lets no number of capped jobs hide the work behind.
 local MOST_CAPPED_RUNS = 16
 local function queue_candidates()
   local want = 2 * math.max(max_items, max_chunks)
   local out, position, runs_skipped = {}, 0, 0
+  local most_runs = math.max(MOST_CAPPED_RUNS, redis.call('ZCARD', K.inflight) + 1)
   repeat
     local page = redis.call('ZRANGE', K.ready, position, position + want - 1, 'WITHSCORES')
     local jumped = false
@@ -168,7 +170,7 @@ local function queue_candidates()
         out[#out + 1] = {id = item_id, payload = payload, item = item, tenant = item_tenant(item)}
       end
     end
-  until not jumped or #out >= want or runs_skipped >= MOST_CAPPED_RUNS
+  until not jumped or #out >= want or runs_skipped >= most_runs
   return out
 end
 
