@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from broker.errors import BadInput
 from broker.jobs.finish_prediction import work_seconds
 
 GRID_STEPS = 720
@@ -73,13 +74,43 @@ class Load:
         return [run for run in runs if self.finishes.get((run.member, run.slot), math.inf) > run.deadline_at]
 
 
+PLAN_WORK = 10_000_000
+"""The most work one plan may do, in grid cells and simulation steps looked at (a second or two of CPU on the
+2-core reference machine): a plan is worked out inside an API request, so a window of many runs on a large
+fleet is refused rather than allowed to hold a server process for long."""
+
+
+CALL_COST = 5_000
+"""What one pass of numpy over the grid costs besides its cells, in the same units (measured: a pass over a
+grid of 720 cells takes about as long as 5,000 cells' work, most of it the calls themselves)."""
+
+
+class PlanTooLarge(BadInput):
+    """A plan would need more than its work budget."""
+
+    code = "plan_too_large"
+
+
+@dataclass
+class WorkBudget:
+    """Work left to one plan (`PLAN_WORK`): each step spends what it looks at; PlanTooLarge once it runs out."""
+
+    left: int = PLAN_WORK
+
+    def spend(self, cells: int) -> None:
+        self.left -= cells
+        if self.left < 0:
+            raise PlanTooLarge("this plan needs more work than one request may take: plan a shorter window, fewer "
+                               "schedules, or fewer slots (slots=N)")
+
+
 def unstaggered(runs: Sequence[PlanRun]) -> dict[str, Release]:
     """Every schedule released at its slot, without a cap: what a window looks like before a plan."""
     return {run.member: Release(0.0, None) for run in runs}
 
 
 def simulate(runs: Sequence[PlanRun], releases: Mapping[str, Release], *, fleet_slots: int,
-             step: float | None = None) -> Load:
+             step: float | None = None, budget: WorkBudget | None = None) -> Load:
     """The fleet's load when each run is released at its slot plus its offset and holds at most its cap's
     slots: at each step the free slots go to the released runs by deadline (the order their chunks wait in),
     each taking what its cap and its chunks left allow."""
@@ -94,7 +125,9 @@ def simulate(runs: Sequence[PlanRun], releases: Mapping[str, Release], *, fleet_
     starts: dict[tuple[str, float], float] = {}
     now = min(released.values())
     peak_slots, peak_rate = 0, 0.0
+    budget = budget or WorkBudget()
     while len(finishes) < len(runs):
+        budget.spend(len(ordered) * 10)
         free, in_use, rate = fleet_slots, 0, 0.0
         for run in ordered:
             key = (run.member, run.slot)
@@ -132,18 +165,21 @@ def grid_step(runs: Sequence[PlanRun]) -> float:
     return max(MIN_STEP, span / GRID_STEPS)
 
 
-def stagger(runs: Sequence[PlanRun], *, fleet_slots: int, margin: float = 0.1) -> dict[str, Release] | None:
+def stagger(runs: Sequence[PlanRun], *, fleet_slots: int, margin: float = 0.1,
+            budget: WorkBudget | None = None) -> dict[str, Release] | None:
     """The releases of the lowest peak under which every schedule's runs fit before their deadlines with
     `margin` (a share of each run's time from its slot to its deadline) in hand, checked by `simulate`;
     None when not even the whole fleet fits them. The peak is found by halving, so a plan takes about
-    log2(slots) placements."""
+    log2(slots) placements, within `budget` (PlanTooLarge past it)."""
     if not runs:
         return {}
     step = grid_step(runs)
+    budget = budget or WorkBudget()
 
     def fits(peak: int) -> dict[str, Release] | None:
-        releases = _place(runs, peak=peak, step=step, margin=margin)
-        if releases is None or simulate(runs, releases, fleet_slots=fleet_slots, step=step).late(runs):
+        releases = _place(runs, peak=peak, step=step, margin=margin, budget=budget)
+        if releases is None or simulate(runs, releases, fleet_slots=fleet_slots, step=step,
+                                        budget=budget).late(runs):
             return None
         return releases
 
@@ -159,7 +195,8 @@ def stagger(runs: Sequence[PlanRun], *, fleet_slots: int, margin: float = 0.1) -
     return best
 
 
-def _place(runs: Sequence[PlanRun], *, peak: int, step: float, margin: float) -> dict[str, Release] | None:
+def _place(runs: Sequence[PlanRun], *, peak: int, step: float, margin: float,
+           budget: WorkBudget) -> dict[str, Release] | None:
     """Each schedule's offset and cap on a grid of slots in use, none above `peak`: the schedules by their
     earliest deadline, each the narrowest cap whose runs all fit at one offset, at the earliest such."""
     origin = min(run.slot for run in runs)
@@ -172,7 +209,7 @@ def _place(runs: Sequence[PlanRun], *, peak: int, step: float, margin: float) ->
     releases: dict[str, Release] = {}
     for member in order:
         mine = by_member[member]
-        placed = _fit(mine, used, origin=origin, peak=peak, step=step, margin=margin)
+        placed = _fit(mine, used, origin=origin, peak=peak, step=step, margin=margin, budget=budget)
         if placed is None:
             return None
         offset_steps, cap = placed
@@ -183,23 +220,33 @@ def _place(runs: Sequence[PlanRun], *, peak: int, step: float, margin: float) ->
     return releases
 
 
-def _fit(mine: Sequence[PlanRun], used: np.ndarray, *, origin: float, peak: int, step: float,
-         margin: float) -> tuple[int, int] | None:
-    """(offset in steps, cap) of the narrowest cap at which every run of one schedule fits at one offset."""
+def _fit(mine: Sequence[PlanRun], used: np.ndarray, *, origin: float, peak: int, step: float, margin: float,
+         budget: WorkBudget) -> tuple[int, int] | None:
+    """(offset in steps, cap) of the narrowest cap at which every run of one schedule fits at one offset, the
+    earliest such offset. Caps narrower than any run's deadline allows are not tried; at each cap a run's
+    possible offsets are tested at once: an offset fits where no cell of its span is too full for its width."""
+    firsts = [_index(run.slot - origin, step) for run in mine]
+    ends = [_index(run.deadline_at - margin * (run.deadline_at - run.slot) - origin, step, up=False) for run in mine]
     widest = min(peak, max(run.chunks for run in mine))
-    for cap in range(1, widest + 1):
-        latest = min(_index(run.deadline_at - margin * (run.deadline_at - run.slot) - origin, step, up=False)
-                     - _steps(run.seconds_on(cap), step) - _index(run.slot - origin, step) for run in mine)
-        for offset in range(0, latest + 1):
-            if all(_room(used, _index(run.slot - origin, step) + offset, _steps(run.seconds_on(cap), step),
-                         min(cap, run.chunks), peak) for run in mine):
-                return offset, cap
+    narrowest = max(math.ceil(run.slot_seconds / max((end - first) * step, 1e-9) - 1e-9)
+                    for run, first, end in zip(mine, firsts, ends, strict=True))
+    for cap in range(max(1, narrowest), widest + 1):
+        lengths = [_steps(run.seconds_on(cap), step) for run in mine]
+        latest = min(end - length - first for first, end, length in zip(firsts, ends, lengths, strict=True))
+        if latest < 0:
+            continue
+        fits = np.ones(latest + 1, dtype=bool)
+        for run, first, length in zip(mine, firsts, lengths, strict=True):
+            budget.spend(len(used) + CALL_COST)
+            blocked = np.concatenate(([0], np.cumsum(used + min(cap, run.chunks) > peak)))
+            starts = np.arange(first, first + latest + 1)
+            fits &= blocked[starts + length] == blocked[starts]
+            if not fits.any():
+                break
+        found = np.flatnonzero(fits)
+        if found.size:
+            return int(found[0]), cap
     return None
-
-
-def _room(used: np.ndarray, first: int, length: int, width: int, peak: int) -> bool:
-    span = used[first:first + length]
-    return len(span) == length and (length == 0 or int(span.max()) + width <= peak)
 
 
 def _index(seconds: float, step: float, *, up: bool = True) -> int:

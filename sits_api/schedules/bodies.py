@@ -82,7 +82,7 @@ class PlanAsk(_Body):
     window: str | None = Field(None, max_length=11, description="HH:MM-HH:MM in `timezone`; unset: the next 24 h")
     day: str | None = Field(None, max_length=10, description="YYYY-MM-DD of the window (default: its next opening)")
     timezone: str = Field("UTC", max_length=64, description="IANA time zone of `window` and `day`")
-    slots: int | None = Field(None, ge=1, le=100_000, description="the fleet's stream slots to plan for "
+    slots: int | None = Field(None, ge=1, le=10_000, description="the fleet's stream slots to plan for "
                                                                    "(default: the live workers')")
 
     @classmethod

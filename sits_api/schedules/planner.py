@@ -19,10 +19,10 @@ from typing import Any
 from broker.config.settings import Settings
 from broker.errors import BadInput, JobNotFound, NotFound, SitsError
 from broker.jobs import records as jobs
-from broker.jobs.finish_prediction import Fleet, Work, admit
+from broker.jobs.finish_prediction import EXACT_CHUNKS, Fleet, Work, admit
 from broker.models import registry
 from broker.schedules import book, runs
-from broker.schedules.planning import Load, PlanRun, Release, simulate, stagger, unstaggered
+from broker.schedules.planning import Load, PlanRun, Release, WorkBudget, simulate, stagger, unstaggered
 from broker.schedules.records import Schedule
 from broker.schedules.slots import Window, zone
 from broker.sla.analysis import analyse
@@ -63,8 +63,9 @@ def plan(settings: Settings, store: Store, *, caller: dict[str, Any], tenant: st
     planned, left_out = _runs(settings, store, schedules, span)
     current = {run.member: Release(_by_member(schedules)[run.member].release_offset,
                                    _by_member(schedules)[run.member].slot_cap) for run in planned}
-    before = simulate(planned, unstaggered(planned), fleet_slots=fleet_slots)
-    releases = stagger(planned, fleet_slots=fleet_slots, margin=settings.sla.admission_margin)
+    budget = WorkBudget()  # (one budget for the whole answer: PlanTooLarge, a 400, past it)
+    before = simulate(planned, unstaggered(planned), fleet_slots=fleet_slots, budget=budget)
+    releases = stagger(planned, fleet_slots=fleet_slots, margin=settings.sla.admission_margin, budget=budget)
     answer: dict[str, Any] = {
         "window": span.window, "from": _time(span.start), "until": _time(span.end), "slots": fleet_slots,
         "left_out": left_out,
@@ -75,9 +76,9 @@ def plan(settings: Settings, store: Store, *, caller: dict[str, Any], tenant: st
                    "reason": f"{len(late)} of {len(planned)} runs cannot finish before their deadlines even "
                              "on every slot of the fleet: move a deadline or add workers"}
         return answer
-    after = simulate(planned, releases, fleet_slots=fleet_slots)
+    after = simulate(planned, releases, fleet_slots=fleet_slots, budget=budget)
     checks = _admission(planned, releases, after, fleet_slots=fleet_slots, margin=settings.sla.admission_margin,
-                        floor=settings.sla.admission_margin_floor)
+                        floor=settings.sla.admission_margin_floor, budget=budget)
     answer |= {
         "feasible": not after.late(planned),
         "before": _load(before, planned),
@@ -174,7 +175,7 @@ def _cost(store: Store, schedule: Schedule, factors: dict[str, float]) -> PlanRu
 
 
 def _admission(planned: list[PlanRun], releases: dict[str, Release], after: Load, *, fleet_slots: int,
-               margin: float, floor: float) -> dict[tuple[str, float], tuple[float, bool]]:
+               margin: float, floor: float, budget: WorkBudget) -> dict[tuple[str, float], tuple[float, bool]]:
     """Each run as admission will see it at its planned release: (predicted finish, admitted), with the
     runs released before it still holding what the plan leaves them of their work then."""
     out: dict[tuple[str, float], tuple[float, bool]] = {}
@@ -183,7 +184,9 @@ def _admission(planned: list[PlanRun], releases: dict[str, Release], after: Load
         active = [_left_at(other, releases[other.member], after, at) for other in planned
                   if other is not run and other.slot + releases[other.member].offset <= at]
         new = _work(run, releases[run.member], run.slot_seconds)
-        verdict = admit(new, [work for work in active if work is not None], Fleet(slots=fleet_slots), now=at,
+        running = [work for work in active if work is not None]
+        budget.spend(20 * sum(min(work.chunks, EXACT_CHUNKS) for work in [*running, new]))  # (admit places each twice)
+        verdict = admit(new, running, Fleet(slots=fleet_slots), now=at,
                         margin=margin, margin_floor=floor)
         out[(run.member, run.slot)] = (verdict.predicted_finish, verdict.feasible)
     return out

@@ -114,3 +114,17 @@ def test_plan_is_not_a_schedule_name(api: Api, mlp: dict[str, Any], mlp_input: P
         "model": "mlp", "input_batch": str(mlp_input), "output_dir": str(tmp_path / "{slot}")}})
 
     assert response.status_code == 400 and "planning route" in error_of(response)
+
+
+def test_a_plan_past_its_work_budget_is_a_400_that_says_what_to_do(
+        api: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from broker.schedules.planning import WorkBudget
+    from sits_api.schedules import planner
+
+    daily(api, "step0", 30, mlp_input, tmp_path)
+    ran_once(api, "step0")
+    monkeypatch.setattr(planner, "WorkBudget", lambda: WorkBudget(left=10))  # (as a plan of thousands of runs)
+
+    response = api.get("/v1/schedules/plan", query_string=WINDOW)
+
+    assert response.status_code == 400 and "plan a shorter window" in error_of(response)

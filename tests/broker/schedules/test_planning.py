@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from broker.schedules.planning import PlanRun, Release, simulate, stagger, unstaggered
+from broker.schedules.planning import PlanRun, PlanTooLarge, Release, WorkBudget, simulate, stagger, unstaggered
 
 HOUR = 3600.0
 
@@ -92,3 +92,14 @@ def test_a_plan_never_raises_the_peak_nor_makes_a_run_late(seed: int) -> None:
     after = simulate(runs, releases, fleet_slots=slots)
     assert after.late(runs) == [] and after.peak_slots <= before.peak_slots
     assert all(release.slots and release.offset >= 0 for release in releases.values())
+
+
+def test_a_plan_past_its_work_budget_is_refused_as_too_large() -> None:
+    """A plan is worked out inside an API request: 100 schedules of 5 runs each on 100,000 slots would hold
+    a server process for seconds (measured: 3.8 s before the budget), so it is refused, with what to do."""
+    runs = [PlanRun(f"t|s{member}", slot=run * 17_280.0, deadline_at=(run + 1) * 17_280.0, rows=100_000,
+                    chunks=10_000, seconds_per_row=1.0) for member in range(100) for run in range(5)]
+
+    with pytest.raises(PlanTooLarge, match="plan a shorter window, fewer schedules, or fewer slots"):
+        stagger(runs, fleet_slots=100_000)
+    assert stagger(runs[:5], fleet_slots=16, budget=WorkBudget()) is not None  # (a small one is planned)
