@@ -158,7 +158,9 @@ def up(worker_count: int, streams: int | None, config_path: Path | None, port: i
     try:
         with console.status("starting Redis, the API and workers ..."):
             stack.start()
-        console.print(f"SITS is up: API {stack.api_url}  Redis {masked_url(stack.settings.redis.url)}  "
+        grpc = stack.settings.api.grpc_address()
+        console.print(f"SITS is up: API {stack.api_url}{f'  gRPC {grpc}' if grpc else ''}  "
+                      f"Redis {masked_url(stack.settings.redis.url)}  "
                       f"{worker_count} workers  (key in {stack.home / 'api-key'}, logs in {stack.home / 'logs'})",
                       markup=False)
         console.print("Ctrl-C stops everything.")
@@ -220,6 +222,8 @@ def status(as_json: bool) -> None:
         print_json(data)
         return
     console.print(f"API   {data['api_url']}", markup=False)
+    if data.get("grpc_address"):
+        console.print(f"gRPC  {data['grpc_address']}", markup=False)
     if "redis_url" in data:  # the API shows it to admin keys only, its password masked (as is done here again)
         from broker.state.embedded import masked_url
 

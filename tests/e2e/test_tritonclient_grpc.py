@@ -8,6 +8,9 @@ answers are those of a direct ONNX Runtime run of the same model on the same row
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,6 +72,10 @@ def test_status_names_the_grpc_address_on_the_apis_host(stack: Stack) -> None:
     address = stack.client().get("/v1/status")["grpc_address"]
 
     assert address == f"127.0.0.1:{stack.settings.api.grpc_port}" and stack.settings.api.grpc_port > 0
+    env = {**os.environ, "SITS_API_URL": stack.api_url, "SITS_API_KEY": stack.api_key}
+    shown = subprocess.run([sys.executable, "-m", "sits_api.cli", "status"], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0 and f"gRPC  {address}" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_health_metadata_and_config_match_the_http_answers(
