@@ -62,3 +62,35 @@ def test_job_survives_a_worker_stopped_and_one_killed_mid_run(stack, tmp_path, z
     expected = direct_run(zoo_dir / "transformer.onnx", token_ids, BATCH)
     np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-5)
     assert len(done["workers"]) == 3, "each worker ran chunks: the stopped, the killed and the new one"
+
+
+def test_a_parquet_job_survives_a_killed_worker_with_every_id_and_row_once(stack, zoo_dir):
+    """A table job (16 token columns and an id column, Parquet out): its worker SIGKILLed mid-run, another
+    started. Its leased chunk comes back by lease expiry; outputs.parquet holds every id once, in row order,
+    with embeddings equal to a direct run, and only the killed worker's chunks ran twice."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    client = stack.client()
+    register(client, "transformer", zoo_dir / "transformer.onnx")
+    token_ids = np.random.default_rng(4).integers(0, 1000, size=(ROWS, SEQUENCE)).astype(np.int64)
+    ids = np.arange(ROWS, dtype=np.int64) * 7 + 1_000_000
+    table = pa.table({"doc": ids, **{f"t{i:02d}": token_ids[:, i] for i in range(SEQUENCE)}})
+    pq.write_table(table, stack.home / "tokens.parquet", row_group_size=3_000)  # (groups cut across chunks)
+    job = client.post("/v1/jobs", {"model": "transformer", "input_batch": str(stack.home / "tokens.parquet"),
+                                   "output_dir": str(stack.home / "out-table"), "chunk_size": CHUNK,
+                                   "batch_size": BATCH, "id_column": "doc", "output_format": "parquet"})
+
+    mid = wait_job(client, job["id"], until=lambda j: j["chunks_done"] >= 6)
+    assert mid["status"] == "running", mid
+    stack.stop_child("worker0", kill=True)
+    stack.start_worker(2)
+    done = wait_job(client, job["id"], timeout=240)
+
+    assert done["status"] == "succeeded" and done["rows_done"] == ROWS, done
+    assert done["chunk_runs"] <= done["chunks_total"] + 2, done  # (what the killed worker held ran again)
+    written = pq.read_table(stack.home / "out-table" / "outputs.parquet")
+    assert written["doc"].to_pylist() == ids.tolist()
+    embeddings = np.asarray(written["embedding"].combine_chunks().flatten()).reshape(ROWS, -1)
+    expected = direct_run(zoo_dir / "transformer.onnx", token_ids, BATCH)
+    np.testing.assert_allclose(embeddings, expected.reshape(ROWS, -1), rtol=1e-5, atol=1e-5)
