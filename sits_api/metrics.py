@@ -26,12 +26,16 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.utils import floatToGoString
 
 from broker.config.settings import Settings
+from broker.errors import ModelNotFound
 from broker.failures import breaker
 from broker.failures.settings import FAILURE_CLASSES
 from broker.jobs.records import ACTIVE_STATUSES, FINAL_STATUSES
+from broker.models import registry
 from broker.monitoring.batch_sizes import ROW_BUCKETS, TOKEN_BUCKETS
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS, RISK_JOBS, Histogram
 from broker.monitoring.stats import SystemStats, read_stats
+from broker.online.batching import configured
+from broker.online.settings import ModelBatching
 from broker.queueing import re_estimate
 from broker.schedules import book as schedule_book
 from broker.schedules import runs as schedule_runs
@@ -106,7 +110,7 @@ class SitsCollector:
                            heartbeat_timeout=self._settings.scheduler.worker_heartbeat_timeout)
         yield from _queue_metrics(stats)
         yield _rescore_metric(stats)
-        yield from _queue_policy_metrics(stats, self._settings)
+        yield from _queue_policy_metrics(self._store, stats, self._settings)
         yield from _level_limit_metrics(self._store, stats, self._settings)
         yield from _worker_metrics(stats)
         yield from _job_and_request_metrics(stats)
@@ -208,12 +212,21 @@ priority level's, held `max_queue_size` waiting requests, or its tenant was at `
 `max_queued_bytes` of inputs not answered yet."""
 
 
-def _queue_policy_metrics(stats: SystemStats, settings: Settings) -> Iterator[Metric]:
+def _queue_batching(store: Store, settings: Settings, model_ref: str) -> ModelBatching:
+    """The batching and queue policy a version's requests are queued under, as intake reads it: the `online`
+    settings, with what a Triton repository config set on the version's record (`batching.configured`)."""
+    try:
+        return configured(settings.online, registry.get_model(store, model_ref))
+    except ModelNotFound:  # (a queue whose version is gone: the settings alone)
+        return settings.online.batching_for(_model_labels(model_ref)[0])
+
+
+def _queue_policy_metrics(store: Store, stats: SystemStats, settings: Settings) -> Iterator[Metric]:
     limit = GaugeMetricFamily("sits_queue_max_requests", "The model's max_queue_size: most online requests "
                               "waiting in a version's queue before a 429 (0: no limit).", labels=MODEL)
     for model_ref in _newest_queues(stats):
         name, version = _model_labels(model_ref)
-        limit.add_metric([name, version], settings.online.batching_for(name).max_queue_size)
+        limit.add_metric([name, version], _queue_batching(store, settings, model_ref).max_queue_size)
     yield limit
     rejected = CounterMetricFamily("sits_requests_rejected", "Online requests refused with a 429 because their "
                                    "queue was full (reason queue_full: the model's max_queue_size; level_full: "
@@ -230,7 +243,7 @@ def _level_limit_metrics(store: Store, stats: SystemStats, settings: Settings) -
     """Each priority level with a max_queue_size of its own (`priority_levels`): its limit, and the online
     requests waiting at it (one ZCOUNT each, in one round trip)."""
     limited = [(ref, level, entry.max_queue_size) for ref in _newest_queues(stats)
-               for level, entry in sorted(settings.online.batching_for(_model_labels(ref)[0]).priority_levels.items())
+               for level, entry in sorted(_queue_batching(store, settings, ref).priority_levels.items())
                if entry.max_queue_size]
     limit = GaugeMetricFamily("sits_queue_level_max_requests", "A priority level's own max_queue_size: most online "
                               "requests waiting at that level before a 429 (level_full).", labels=[*MODEL, "level"])

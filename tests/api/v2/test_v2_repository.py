@@ -132,6 +132,9 @@ def test_the_queue_policy_s_max_queue_size_refuses_the_request_past_it(repo_api:
     assert first.status_code == 202, first.get_json()
     assert second.status_code == 429 and "Retry-After" in second.headers, second.get_json()
     assert repo_api.post("/v1/requests", json={**body, "model": "simple"}).status_code == 202  # (no limit)
+    exposed = repo_api.get("/metrics").get_data(as_text=True)  # (the limit /metrics shows is the config's)
+    assert any(line.startswith('sits_queue_max_requests{model="bounded"') and line.endswith(" 1.0")
+               for line in exposed.splitlines()), [line for line in exposed.splitlines() if "max_requests" in line]
 
 
 def test_a_batch_past_max_batch_size_is_refused_as_triton_refuses_it(repo_api: Api) -> None:
