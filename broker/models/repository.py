@@ -31,7 +31,8 @@ class RepositoryModel:
     name: str
     state: RepositoryState
     reason: str = ""
-    """Why it is UNAVAILABLE (the refusal, naming the field), or 'unloaded'."""
+    """Why it is UNAVAILABLE (the refusal, naming the field), or 'unloaded'; for a READY one, why its last
+    load again failed (its versions stay)."""
     versions: list[str] = field(default_factory=list)
     """The versions registered from it (READY)."""
     folder: str = ""

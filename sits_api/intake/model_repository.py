@@ -78,8 +78,10 @@ def load_model(settings: Settings, store: Store, name: str, *, now: float) -> Re
     if not folders:
         roots = ", ".join(str(root) for root in settings.repository.paths) or "none (set repository.paths)"
         raise ModelNotFound(f"failed to load '{name}': no model folder '{name}' in the model repository ({roots})")
-    entry = _load_folders(settings, store, name, folders, now=now)
-    if entry.state != "READY":
+    serving = get_state(store, name)
+    entry = _load_folders(settings, store, name, folders, now=now,
+                          serving=serving if serving is not None and serving.state == "READY" else None)
+    if entry.state != "READY" or entry.reason:
         raise BadInput(f"failed to load '{name}': {entry.reason}")
     return entry
 
@@ -112,14 +114,23 @@ def repository_index(store: Store, ready_only: bool = False) -> list[dict[str, A
     return index
 
 
-def _load_folders(settings: Settings, store: Store, name: str, folders: list[Path], *, now: float) -> RepositoryModel:
-    """Load one model; a refusal leaves it UNAVAILABLE with the reason (and none of its versions registered)."""
+def _load_folders(settings: Settings, store: Store, name: str, folders: list[Path], *, now: float,
+                  serving: RepositoryModel | None = None) -> RepositoryModel:
+    """Load one model; a refusal leaves it UNAVAILABLE with the reason (and none of its versions registered),
+    unless it is a load again of a model `serving` now: then, as in Triton, the versions it serves stay
+    READY, and the entry says why the new load failed."""
     try:
         if len(folders) > 1:
             raise BadInput(f"model '{name}' appears in multiple repositories: "
                            + ", ".join(str(folder.parent) for folder in folders))
         versions = _load(settings, store, name, folders[0], now=now)
     except SitsError as err:
+        if serving is not None:
+            log.warning("repository model %s was not loaded again, its versions stay: %s", name, err.message)
+            kept = RepositoryModel(name=name, state="READY", versions=serving.versions, folder=serving.folder,
+                                   updated_at=now, reason=f"a load again failed, its versions stay: {err.message}")
+            save_state(store, kept)
+            return kept
         log.warning("repository model %s is unavailable: %s", name, err.message)
         remove_versions(store, name, keep=[])
         entry = RepositoryModel(name=name, state="UNAVAILABLE", reason=err.message, folder=str(folders[0]),

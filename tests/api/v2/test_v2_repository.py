@@ -201,3 +201,20 @@ def test_a_v2_priority_maps_by_the_config_s_priority_levels(repo_api: Api, store
             "parameters": {"priority": priority}}
 
     assert parse_infer_request(store, body, model).priority == level
+
+
+def test_a_failed_load_again_keeps_the_versions_it_serves(repo_api: Api, repository: Path) -> None:
+    """As in Triton: a model loaded again whose new config is refused goes on serving what it served."""
+    config = repository / "simple" / "config.pbtxt"
+    good = config.read_text()
+    config.write_text('name: "simple"\nmax_batch_size: -1\n')
+    try:
+        failed = repo_api.post("/v2/repository/models/simple/load")
+        assert failed.status_code == 400 and "'max_batch_size' must be non-negative value" in failed.get_json()["error"]
+        assert repo_api.get("/v2/models/simple").status_code == 200  # still served
+        entry = next(e for e in index(repo_api) if e["name"] == "simple")
+        assert entry["state"] == "READY" and "max_batch_size" in entry["reason"], entry
+    finally:
+        config.write_text(good)
+    assert repo_api.post("/v2/repository/models/simple/load").status_code == 200
+    assert next(e for e in index(repo_api) if e["name"] == "simple")["reason"] == ""
