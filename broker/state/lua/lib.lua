@@ -499,3 +499,45 @@ local function chunk_slot_cap(item)
   end
   return item['max_slots']
 end
+
+-- The ready-queue score of an item from its payload's factors `f` under the policy `w` ({ordering, alpha, beta,
+-- gamma, delta, express_level, express_max_tokens, express_bonus}): exactly what broker/queueing/scoring.py
+-- queue_key computes (rescore.lua, re_estimate.lua; a test compares the two).
+local SCORE_EPOCH = 1704067200.0
+local function queue_key(f, w)
+  if w.ordering == 'fifo' then
+    return number_or(f['enqueued_at'], 0) - SCORE_EPOCH
+  end
+  local enqueued_at = number_or(f['enqueued_at'], 0)
+  local since = number_or(f['order_at'], enqueued_at)
+  local level = number_or(f['level'], 0)
+  local max_level = number_or(f['max_level'], 15)
+  if type(f['order_at']) == 'number' and max_level < 15 and w.delta > 0 then
+    -- a capped item's deadline gains it at most its cap's points (scoring.py aging_since, deadline_reach)
+    since = math.max(since, enqueued_at - math.max(max_level - level, 0) / w.delta)
+  end
+  since = since - SCORE_EPOCH
+  local latency_points = 0
+  local latency = f['est_latency_ms']
+  if type(latency) == 'number' then
+    latency_points = math.min(100.0 / math.max(latency, 0.001), 10.0)
+  end
+  local points = level + w.alpha * latency_points + w.beta * number_or(f['sla_weight'], 1.0)
+    + w.gamma * number_or(f['complexity'], 0.0)
+  local key = w.delta * since - points
+  local tokens = f['tokens']
+  -- (a short request takes the express lane only for a tenant that may ask its level: scoring.py is_express)
+  if level >= w.express_level
+      or (type(tokens) == 'number' and tokens < w.express_max_tokens and max_level >= w.express_level) then
+    key = key - w.express_bonus
+  end
+  return key
+end
+
+-- The policy table `queue_key` takes, from the ordering and the seven weights at ARGV[first..first + 6]
+-- (alpha, beta, gamma, delta, express_level, express_max_tokens, express_bonus).
+local function score_weights(ordering, first)
+  return {ordering = ordering, alpha = tonumber(ARGV[first]), beta = tonumber(ARGV[first + 1]),
+    gamma = tonumber(ARGV[first + 2]), delta = tonumber(ARGV[first + 3]), express_level = tonumber(ARGV[first + 4]),
+    express_max_tokens = tonumber(ARGV[first + 5]), express_bonus = tonumber(ARGV[first + 6])}
+end

@@ -11,47 +11,13 @@
 -- or whose estimate changed since the caller read it (another pass was first) is left as it is, so two
 -- passes at once re-estimate an item once. The score is recomputed from the payload as it is now, so a
 -- PSA jump made meanwhile keeps its level.
--- Must compute exactly what broker/queueing/scoring.py queue_key computes (as rescore.lua does).
+-- The score is lib.lua's `queue_key`, exactly what broker/queueing/scoring.py queue_key computes.
 -- KEYS by name (the positions above are the callers' contract).
 local K = {ready = KEYS[1], items = KEYS[2], policy = KEYS[3]}
 if (redis.call('GET', K.policy) or '') ~= ARGV[1] then
   return {0}
 end
-local EPOCH = 1704067200.0
-local ordering = ARGV[2]
-local alpha, beta, gamma, delta = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local express_level, express_max_tokens = tonumber(ARGV[7]), tonumber(ARGV[8])
-local express_bonus = tonumber(ARGV[9])
-
-local function queue_key(f)
-  if ordering == 'fifo' then
-    return number_or(f['enqueued_at'], 0) - EPOCH
-  end
-  local enqueued_at = number_or(f['enqueued_at'], 0)
-  local since = number_or(f['order_at'], enqueued_at)
-  local level = number_or(f['level'], 0)
-  local max_level = number_or(f['max_level'], 15)
-  if type(f['order_at']) == 'number' and max_level < 15 and delta > 0 then
-    -- a capped item's deadline gains it at most its cap's points (scoring.py aging_since, deadline_reach)
-    since = math.max(since, enqueued_at - math.max(max_level - level, 0) / delta)
-  end
-  since = since - EPOCH
-  local latency_points = 0
-  local latency = f['est_latency_ms']
-  if type(latency) == 'number' then
-    latency_points = math.min(100.0 / math.max(latency, 0.001), 10.0)
-  end
-  local points = level + alpha * latency_points + beta * number_or(f['sla_weight'], 1.0)
-    + gamma * number_or(f['complexity'], 0.0)
-  local key = delta * since - points
-  local tokens = f['tokens']
-  -- (a short request takes the express lane only for a tenant that may ask its level: scoring.py is_express)
-  if level >= express_level
-      or (type(tokens) == 'number' and tokens < express_max_tokens and max_level >= express_level) then
-    key = key - express_bonus
-  end
-  return key
-end
+local W = score_weights(ARGV[2], 3)  -- (lib.lua's `queue_key` scores with it)
 
 -- Is the stored estimate `stored` the one the caller read (`expected`, '' for none)?
 local function same_estimate(stored, expected)
@@ -71,7 +37,7 @@ for i = 10, #ARGV, 3 do
     local f = item['factors']
     if type(f) == 'table' and same_estimate(f['est_latency_ms'], ARGV[i + 1]) then
       f['est_latency_ms'] = tonumber(ARGV[i + 2])
-      local key = queue_key(f)
+      local key = queue_key(f, W)
       item['score'] = key
       redis.call('HSET', K.items, item_id, cjson.encode(item))
       redis.call('ZADD', K.ready, key, item_id)

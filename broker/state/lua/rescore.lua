@@ -11,44 +11,10 @@
 -- Returns: {next cursor ('0' when the walk is complete), items rescored in this call}.
 -- ZSCAN returns every member present for the whole walk at least once; rescoring twice gives the
 -- same score, and members added meanwhile were scored with the new weights already.
--- Must compute exactly what broker/queueing/scoring.py queue_key computes.
+-- The score is lib.lua's `queue_key`, exactly what broker/queueing/scoring.py queue_key computes.
 -- KEYS by name (the positions above are the callers' contract).
 local K = {queue = KEYS[1], items = KEYS[2]}
-local EPOCH = 1704067200.0
-local ordering = ARGV[4]
-local alpha, beta, gamma, delta = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local express_level, express_max_tokens = tonumber(ARGV[9]), tonumber(ARGV[10])
-local express_bonus = tonumber(ARGV[11])
-
-local function queue_key(f)
-  if ordering == 'fifo' then
-    return number_or(f['enqueued_at'], 0) - EPOCH
-  end
-  local enqueued_at = number_or(f['enqueued_at'], 0)
-  local since = number_or(f['order_at'], enqueued_at)
-  local level = number_or(f['level'], 0)
-  local max_level = number_or(f['max_level'], 15)
-  if type(f['order_at']) == 'number' and max_level < 15 and delta > 0 then
-    -- a capped item's deadline gains it at most its cap's points (scoring.py aging_since, deadline_reach)
-    since = math.max(since, enqueued_at - math.max(max_level - level, 0) / delta)
-  end
-  since = since - EPOCH
-  local latency_points = 0
-  local latency = f['est_latency_ms']
-  if type(latency) == 'number' then
-    latency_points = math.min(100.0 / math.max(latency, 0.001), 10.0)
-  end
-  local points = level + alpha * latency_points + beta * number_or(f['sla_weight'], 1.0)
-    + gamma * number_or(f['complexity'], 0.0)
-  local key = delta * since - points
-  local tokens = f['tokens']
-  -- (a short request takes the express lane only for a tenant that may ask its level: scoring.py is_express)
-  if level >= express_level
-      or (type(tokens) == 'number' and tokens < express_max_tokens and max_level >= express_level) then
-    key = key - express_bonus
-  end
-  return key
-end
+local W = score_weights(ARGV[4], 5)  -- (lib.lua's `queue_key` scores with it)
 
 local next_cursor, ids = '0', {}
 if ARGV[3] == 'ids' then
@@ -68,7 +34,7 @@ for _, item_id in ipairs(ids) do
   if payload then
     local item = cjson.decode(payload)
     if type(item['factors']) == 'table' then
-      local key = queue_key(item['factors'])
+      local key = queue_key(item['factors'], W)
       item['score'] = key
       redis.call('HSET', K.items, item_id, cjson.encode(item))
       if ARGV[3] ~= 'inflight' and redis.call('ZADD', K.queue, 'XX', 'CH', key, item_id) == 1 then
