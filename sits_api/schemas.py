@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 MAX_JOBS_LISTED = 10_000
 """The most jobs `GET /v1/jobs?limit=` lists in one answer."""
+
+
+def _whole(value: Any) -> Any:
+    """A JSON number with no fraction (2.0, an integer to JSON Schema) as the int it is; anything else as sent."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+WholeNumber = Annotated[int, BeforeValidator(_whole)]
+"""An int field of a strict body that also takes 2.0 for 2, as JSON Schema's `integer` does: the document
+and the API agree on what a whole number is (a "2" or a true is still refused)."""
 
 
 class _Body(BaseModel):
@@ -25,14 +35,14 @@ class JobSubmission(_Body):
     input_batch: str = Field(..., min_length=1, description=".npy, .npz, .bin, .jsonl, .parquet, .arrow, .feather, "
                                                             ".ipc or .csv file")
     output_dir: str = Field(..., min_length=1, description="folder for <output>.npy files and manifest.json")
-    priority: int = Field(0, ge=0, le=15)
-    chunk_size: Annotated[int, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
+    priority: WholeNumber = Field(0, ge=0, le=15)
+    chunk_size: Annotated[WholeNumber, Field(ge=1, le=10_000_000)] | Literal["auto"] | None = Field(
         None, description="rows per queue item; unset: the server's `jobs.chunk_size`; `auto`: about "
                           "`jobs.chunk_seconds` of work at the model's measured rows/s")
-    batch_size: Annotated[int, Field(ge=1, le=65_536)] | Literal["auto"] | None = Field(
+    batch_size: Annotated[WholeNumber, Field(ge=1, le=65_536)] | Literal["auto"] | None = Field(
         None, description="rows per ONNX Runtime run; unset: the server's `jobs.batch_size`; `auto`: the "
                           "model's best measured batch size")
-    input_shape: list[Annotated[int, Field(ge=1, le=2**31)]] | None = Field(
+    input_shape: list[Annotated[WholeNumber, Field(ge=1, le=2**31)]] | None = Field(
         None, max_length=8, description="per-sample shape of a raw .bin input")
     input_dtype: str | None = Field(None, description="dtype of a raw .bin input, e.g. float32")
     input_format: Literal["npy", "npz", "bin", "jsonl", "parquet", "arrow", "csv"] | None = Field(
@@ -51,7 +61,7 @@ class JobSubmission(_Body):
                                              "e.g. 2026-12-01T10:42:00Z")
     deadline_s: float | None = Field(None, gt=0, le=366 * 86400,
                                      description="the same, as seconds from now (give one of the two)")
-    max_slots: int | None = Field(None, ge=1, le=100_000,
+    max_slots: WholeNumber | None = Field(None, ge=1, le=100_000,
                                   description="the most stream slots its chunks hold at once (unset: as many as "
                                               "are free); a schedule's plan sets it for each run")
 
@@ -76,10 +86,10 @@ class OnlineRequest(_Body):
 
     model: str = Field(..., min_length=1, description="`name` (newest version) or `name@version`")
     inputs: dict[str, Any] = Field(..., description="input name -> nested lists, or {\"b64\": base64 .npy}")
-    priority: int = Field(0, ge=0, le=15)
+    priority: WholeNumber = Field(0, ge=0, le=15)
     deadline_ms: float | None = Field(None, gt=0, description="remaining tolerable delay")
     timeout_ms: float | None = Field(None, gt=0, description="how long the request may wait for a worker, under "
                                      "its model's queue policy (docs/scheduling.md)")
     user_tier: Literal["vip", "premium", "free"] = "free"
-    tokens: int | None = Field(None, ge=1, description="default: the input's sequence length times its rows")
+    tokens: WholeNumber | None = Field(None, ge=1, description="default: the input's sequence length times its rows")
     wait: bool = False

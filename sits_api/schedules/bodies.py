@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.errors import BadInput
 from broker.schedules.records import SCHEDULE_NAME
-from sits_api.schemas import JobSubmission
+from sits_api.schemas import JobSubmission, WholeNumber
 
 MAX_STEPS_BEFORE = 16
 """The most schedules one may come `after`."""
@@ -40,7 +40,7 @@ class _Cadence(_Body):
     release_offset: str | float | None = Field(None, description="how long after each slot its release is due, "
                                                                  "e.g. '15m' (0: at the slot); `schedule plan "
                                                                  "--apply` sets it")
-    slot_cap: int | None = Field(None, ge=1, le=100_000, description="the most stream slots each run's job "
+    slot_cap: WholeNumber | None = Field(None, ge=1, le=100_000, description="the most stream slots each run's job "
                                                                      "holds at once (its `max_slots`); `null`: "
                                                                      "no cap; `schedule plan --apply` sets it")
 
@@ -82,7 +82,7 @@ class PlanAsk(_Body):
     window: str | None = Field(None, max_length=11, description="HH:MM-HH:MM in `timezone`; unset: the next 24 h")
     day: str | None = Field(None, max_length=10, description="YYYY-MM-DD of the window (default: its next opening)")
     timezone: str = Field("UTC", max_length=64, description="IANA time zone of `window` and `day`")
-    slots: int | None = Field(None, ge=1, le=10_000, description="the fleet's stream slots to plan for "
+    slots: WholeNumber | None = Field(None, ge=1, le=10_000, description="the fleet's stream slots to plan for "
                                                                    "(default: the live workers')")
 
     @classmethod

@@ -45,8 +45,8 @@ BEYOND_THE_SCHEMA = {
     "POST /v1/keys": "a key name is one tenant's (or the admin keys')",
 }
 """Operations whose bodies the API checks beyond what their schema says, and what: a 400 for a case
-valid by the document is their answer, not a mismatch. JSON numbers such as 2.0 (an integer to JSON
-Schema) are refused where pydantic's strict mode wants an int: these operations' 400s cover that too."""
+valid by the document is their answer, not a mismatch. (A whole number sent as 2.0, an integer to JSON
+Schema, is taken as 2: `sits_api.schemas.WholeNumber`.)"""
 ALLOWED: collections.Counter[str] = collections.Counter()
 
 
