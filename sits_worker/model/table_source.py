@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -58,8 +59,9 @@ def _is_list(kind: pa.DataType) -> bool:
     return bool(pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind))
 
 
-class _Reader:
-    """One table file's rows: their count, schema, and record batches covering a row range."""
+class _Reader(ABC):
+    """One table file's rows: their count, schema, and record batches covering a row range (one subclass a
+    format)."""
 
     rows: int
     schema: pa.Schema
@@ -68,9 +70,9 @@ class _Reader:
         self._handle = handle
         self._path = _fd_path(handle)
 
+    @abstractmethod
     def read(self, start: int, stop: int, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
         """Yield batches of `columns` covering rows [start, stop) exactly, in order, each at most `SLAB_ROWS`."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Close the file."""
