@@ -1,14 +1,21 @@
-"""SITS against other serving systems: mosec, LitServe and Ray Serve online, Ray Data offline.
+"""SITS against other serving systems: mosec, LitServe, Ray Serve and Triton online, Ray Data offline.
 
     python3 -m venv .venv && .venv/bin/pip install -e '.[cpu,bench]'   # the peers are in the bench extra
-    python benchmarks/peers.py --quick        # 3 s per point, 1 round, 1 and 32 clients: about 6 minutes
-    python benchmarks/peers.py                # 15 s per point, 3 rounds, 1/8/32/128 clients: about 80 minutes
+    python benchmarks/peers.py --quick        # 3 s per point, 1 round, 1 and 32 clients: about 8 minutes
+    python benchmarks/peers.py                # 15 s per point, 3 rounds, 1/8/32/128 clients: about 2 hours
     python benchmarks/peers.py --json peers.json --chart docs/img/peers.png
     python benchmarks/peers.py --quick --systems sits,mosec --models convnet --concurrency 1,32 --parts online
+    python benchmarks/peers.py --systems sits,triton --concurrency 1,32 --rounds 1 --parts online \
+        --pytriton-python /work/pytriton-venv/bin/python
 
 (The peers pull in Ray, pyarrow and pandas: keep them out of the project's own environment by using a
 second one, e.g. `python3 -m venv /work/bench-venv && /work/bench-venv/bin/pip install -e '.[cpu,bench]'`
 and `/work/bench-venv/bin/python benchmarks/peers.py --quick`.)
+
+(Triton needs numpy < 2, so it runs from an environment of its own, named by `--pytriton-python` or
+`$PEER_PYTRITON_PYTHON`: `python3 -m venv /work/pytriton-venv && /work/pytriton-venv/bin/pip install
+'nvidia-pytriton==0.7.0' 'numpy<2' onnxruntime`. Its server script imports SITS's session options from
+this checkout, which load under numpy < 2. Without it the default `--systems` leave `triton` out.)
 
 Systems (`--systems`), each on loopback with one replica per model, started and stopped by this script
 (by PID: every process of its tree or session), one at a time, in an order that rotates every round:
@@ -25,7 +32,13 @@ Systems (`--systems`), each on loopback with one replica per model, started and 
 - `ray` Serve 2.60 (`peer_servers/ray_server.py`): one application per model, 1 replica,
   `@serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)`, `max_ongoing_requests=256` (Ray's
   default of 5 would cap each batch at 5), Serve logging at WARNING without access logs (as quiet as
-  the others), Ray started by the script with 2 CPUs and no dashboard.
+  the others), Ray started by the script with 2 CPUs and no dashboard;
+- `triton`: Triton Inference Server through nvidia-pytriton 0.7.0 (`peer_servers/triton_server.py`): its
+  bundled `tritonserver` (HTTP and gRPC on loopback), one Python-backend instance per model, whose stub
+  hands each batch to the pytriton process; `@batch` joins the rows for one `session.run` there;
+  `max_batch_size` 32, dynamic batching with a 5 ms `max_queue_delay`; no metrics port. The Python
+  backend stub links against libpython: the script puts its interpreter's `lib` folder (sysconfig
+  `LIBDIR`) on `LD_LIBRARY_PATH` before Triton starts.
 
 What is held equal, to run each peer fairly:
 
@@ -33,7 +46,7 @@ What is held equal, to run each peer fairly:
   `logits` [N, 10], built by `sits_worker.model.zoo.build_zoo` into a temporary folder;
 - ONNX Runtime: every peer, the bare loops and the reference answers build their sessions with SITS's
   own `sits_worker.device.runtime.session_options(2)` (graph optimisation ORT_ENABLE_ALL, 2 intra-op threads,
-  intra-op spin 100 us; `peer_servers/_common.py` imports it), CPU provider; SITS gets
+  intra-op spin 100 us; `peer_servers/_common.py` and `triton_server.py` import it), CPU provider; SITS gets
   `resources.intra_op_threads: 2` (its default, 0, lets ONNX Runtime choose);
 - a batch of requests is one `session.run` over their rows, concatenated, on every system;
 - the load: one closed-loop generator for all (`benchmarks/online_serving.py`'s `closed_loop`), one row
@@ -46,6 +59,11 @@ What is held equal, to run each peer fairly:
   tensor extension exactly as tritonclient frames it (`POST /v2/models/<m>/infer`, JSON header, raw
   FP32 bytes, `Inference-Header-Content-Length`, `binary_data_output`), mosec and Ray a raw float32 body
   answered by raw float32; LitServe has no binary run (its handler always calls `request.json()`);
+  Triton takes the same v2 binary bodies as SITS, and v2 JSON tensors (`"data"`, flat) for its JSON run;
+- gRPC (`--formats grpc`, SITS and Triton only): the KServe v2 protocol (`ModelInfer`) with
+  `tritonclient.grpc`, raw contents, each request's `InferInput` built once before the runs, one
+  `InferenceServerClient` per client thread; SITS at the `grpc_address` of its `GET /v1/status` with its
+  key in the `authorization` metadata;
 - JSON: the mosec and Ray handlers parse and write it with orjson (SITS's own JSON library); LitServe
   parses with its own `await request.json()` (the standard library's) and writes its `encode_response`
   dict itself;
@@ -54,7 +72,9 @@ What is held equal, to run each peer fairly:
 - CPU per request: the CPU seconds (from /proc) of every process of the system during the run (SITS:
   API master and gunicorn workers, the Celery worker, Redis; mosec: the Python parent, its Rust front and
   workers; LitServe: parent, uvicorn and inference workers; Ray: the driver, GCS, raylet, agents, Serve
-  controller, proxy, replicas) over the requests served; the client's own CPU is left out (shown apart):
+  controller, proxy, replicas; SITS over gRPC: its gRPC server in place of the API; Triton: the pytriton
+  process, which runs the models, `tritonserver`, the Python backend stubs and their helpers) over the
+  requests served; the client's own CPU is left out (shown apart):
   the clients share the 2 cores with the servers.
 
 The mosec patch: mosec 0.9.8's Python worker (`mosec/protocol.py`, `Protocol.receive`) reads the IPC
@@ -105,6 +125,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import tritonclient.grpc as grpcclient
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -118,9 +139,11 @@ from sits_worker.device.runtime import session_options  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
 SERVERS = ROOT / "benchmarks" / "peer_servers"
-SYSTEMS = ("sits", "sits-tuned", "mosec", "litserve", "ray")
-FORMATS = ("json", "binary")
-BINARY = {"sits": True, "sits-tuned": True, "mosec": True, "litserve": False, "ray": True}
+SYSTEMS = ("sits", "sits-tuned", "mosec", "litserve", "ray", "triton")
+FORMATS = ("json", "binary", "grpc")
+FORMATS_OF = {"sits": FORMATS, "sits-tuned": FORMATS, "mosec": ("json", "binary"), "litserve": ("json",),
+              "ray": ("json", "binary"), "triton": FORMATS}
+"""The payloads each system takes: LitServe has no binary run, only SITS and Triton speak gRPC."""
 MODELS = ("mlp", "convnet")
 ORT_THREADS = 2
 BATCH, WAIT_SECONDS = 32, 0.005  # every system's dynamic batching but plain `sits`
@@ -386,17 +409,84 @@ class Route:
     batches: list[int] = field(default_factory=list)
     """The batch each answer says it ran in, where the answer says (SITS's v1 route)."""
 
+    port: int = 0
+
     def prepare(self, port: int) -> Route:
         lines = [f"POST {self.path} HTTP/1.1", f"Host: 127.0.0.1:{port}",
                  *(f"{name}: {value}" for name, value in self.headers.items())]
         self.requests = [("\r\n".join([*lines, f"Content-Length: {len(body)}", "", ""])).encode("latin-1") + body
                          for body in self.bodies]
+        self.port = port
         return self
 
+    def open(self) -> HttpCaller:
+        """One client's connection: a call sends request k and returns its answer's outputs."""
+        return HttpCaller(self)
 
-def sits_route(key: str, inputs: Inputs, fmt: str) -> Route:
+
+class HttpCaller:
+    """One client thread's keep-alive connection for a Route: request k in, its checked outputs out."""
+
+    def __init__(self, route: Route) -> None:
+        self.route, self.http = route, RawHttp(route.port)
+
+    def __call__(self, k: int) -> np.ndarray:
+        status, headers, raw = self.http.exchange(self.route.requests[k])
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {raw[:200]!r}")
+        return self.route.parse(headers, raw)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class GrpcRoute:
+    """One model's requests over the KServe v2 gRPC protocol, sent with `tritonclient.grpc` (raw contents).
+
+    Each request's input tensor is built once, before the runs, as the HTTP requests are encoded once;
+    each client thread has its own `InferenceServerClient`. `prepare` changes nothing: the address is
+    given here, as the HTTP port is not the gRPC one.
+    """
+
+    def __init__(self, address: str, inputs: Inputs, headers: dict[str, str]) -> None:
+        self.address, self.model, self.headers = address, inputs.model, headers
+        self.tensors = []
+        for array in inputs.arrays:
+            tensor = grpcclient.InferInput(INPUTS[inputs.model][0], list(array.shape), "FP32")
+            tensor.set_data_from_numpy(array)
+            self.tensors.append(tensor)
+        self.bodies = self.tensors
+        self.batches: list[int] = []
+
+    def prepare(self, port: int) -> GrpcRoute:
+        return self
+
+    def open(self) -> GrpcCaller:
+        return GrpcCaller(self)
+
+
+class GrpcCaller:
+    """One client thread's `tritonclient.grpc.InferenceServerClient` for a GrpcRoute."""
+
+    def __init__(self, route: GrpcRoute) -> None:
+        self.route, self.client = route, grpcclient.InferenceServerClient(route.address)
+
+    def __call__(self, k: int) -> np.ndarray:
+        answer = self.client.infer(self.route.model, [self.route.tensors[k]], headers=self.route.headers,
+                                   client_timeout=60.0)
+        return answer.as_numpy("logits")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def sits_route(key: str, grpc_address: str, inputs: Inputs, fmt: str) -> Route | GrpcRoute:
     name = INPUTS[inputs.model][0]
     auth = {"Authorization": f"Bearer {key}"}
+    if fmt == "grpc":
+        return GrpcRoute(grpc_address, inputs, {"authorization": f"Bearer {key}"})
+    if fmt == "binary":
+        return v2_binary_route(inputs, auth)
     if fmt == "json":
         def parse_json(headers: dict[str, str], raw: bytes) -> np.ndarray:
             body = json.loads(raw)
@@ -409,6 +499,21 @@ def sits_route(key: str, inputs: Inputs, fmt: str) -> Route:
                   for array in inputs.arrays]
         route = Route("/v1/requests", auth | {"Content-Type": "application/json"}, bodies, parse_json)
         return route
+    raise ValueError(fmt)
+
+
+def parse_v2(headers: dict[str, str], raw: bytes) -> np.ndarray:
+    """The first output of a v2 answer: JSON `data`, or raw bytes after `Inference-Header-Content-Length`."""
+    length = int(headers.get("inference-header-content-length") or len(raw))
+    output = json.loads(raw[:length])["outputs"][0]
+    if "data" in output:
+        return np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
+    return np.frombuffer(raw[length:], dtype="<f4").reshape(output["shape"])
+
+
+def v2_binary_route(inputs: Inputs, auth: dict[str, str]) -> Route:
+    """`POST /v2/models/<m>/infer` with the binary tensor extension, framed as tritonclient frames it."""
+    name = INPUTS[inputs.model][0]
 
     def framed(array: np.ndarray) -> tuple[bytes, int]:  # as tritonclient's InferenceServerClient.infer sends it
         raw = array.astype("<f4").tobytes()
@@ -417,19 +522,24 @@ def sits_route(key: str, inputs: Inputs, fmt: str) -> Route:
                              "parameters": {"binary_data_output": True}}).encode()
         return header + raw, len(header)
 
-    def parse_framed(headers: dict[str, str], raw: bytes) -> np.ndarray:
-        length = int(headers.get("inference-header-content-length") or len(raw))
-        output = json.loads(raw[:length])["outputs"][0]
-        if "data" in output:
-            return np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
-        return np.frombuffer(raw[length:], dtype="<f4").reshape(output["shape"])
-
     frames = [framed(array) for array in inputs.arrays]
     # Every body's JSON header has one length (same shapes), so one set of headers serves them all.
     lengths = {length for _, length in frames}
     assert len(lengths) == 1
     headers = auth | {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(*lengths)}
-    return Route(f"/v2/models/{inputs.model}/infer", headers, [body for body, _ in frames], parse_framed)
+    return Route(f"/v2/models/{inputs.model}/infer", headers, [body for body, _ in frames], parse_v2)
+
+
+def triton_route(grpc_port: int, inputs: Inputs, fmt: str) -> Route | GrpcRoute:
+    """Triton's v2 routes: JSON tensors (`data`), the binary extension as SITS takes it, or gRPC."""
+    if fmt == "grpc":
+        return GrpcRoute(f"127.0.0.1:{grpc_port}", inputs, {})
+    if fmt == "binary":
+        return v2_binary_route(inputs, {})
+    name = INPUTS[inputs.model][0]
+    bodies = [json.dumps({"inputs": [{"name": name, "shape": list(array.shape), "datatype": "FP32",
+                                      "data": array.ravel().tolist()}]}).encode() for array in inputs.arrays]
+    return Route(f"/v2/models/{inputs.model}/infer", {"Content-Type": "application/json"}, bodies, parse_v2)
 
 
 def peer_route(inputs: Inputs, fmt: str) -> Route:
@@ -453,7 +563,7 @@ class Running:
     port: int
     meter: TreeCpuMeter
     stop: Callable[[], None]
-    route: Callable[[Inputs, str], Route]
+    route: Callable[[Inputs, str], Route | GrpcRoute]
     stack: Stack | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -486,18 +596,23 @@ def start_sits(name: str, home: Path, zoo: dict[str, Path], models: list[str], *
     redis_pid = stack.redis.process.pid if stack.redis and stack.redis.process else 0
     meter = TreeCpuMeter([redis_pid, *(child.process.pid for child in stack.children)])
     # The live worker's stream slots, as it fitted them to its cores (its heartbeat), not the configured most.
-    workers = stack.client().get("/v1/status").get("workers") or []
+    status = stack.client().get("/v1/status")
+    workers = status.get("workers") or []
     streams = ", ".join(str(worker.get("streams")) for worker in workers) or "?"
+    grpc_address = status.get("grpc_address") or ""
     return Running(name, int(stack.api_url.rsplit(":", 1)[1]), meter, stack.stop,
-                   lambda inputs, fmt: sits_route(stack.api_key, inputs, fmt), stack=stack,
-                   notes=[f"{name}: {streams} stream(s), batching {batching}"])
+                   lambda inputs, fmt: sits_route(stack.api_key, grpc_address, inputs, fmt), stack=stack,
+                   notes=[f"{name}: {streams} stream(s), batching {batching}, gRPC at {grpc_address or 'none'}"])
 
 
-def start_peer(name: str, home: Path, zoo: dict[str, Path], models: list[str]) -> Running:
+def start_peer(name: str, home: Path, zoo: dict[str, Path], models: list[str], pytriton_python: str | None = None,
+               ) -> Running:
     port = free_port("127.0.0.1")
     spec = ",".join(f"{model}={zoo[model]}" for model in models)
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0",
                PYTHONPATH=os.pathsep.join(filter(None, [str(SERVERS), str(ROOT), os.environ.get("PYTHONPATH")])))
+    python = sys.executable
+    route: Callable[[Inputs, str], Route | GrpcRoute] = peer_route
     if name == "mosec":
         env["PEER_MODELS"] = spec
         argv = [str(SERVERS / "mosec_server.py"), "--address", "127.0.0.1", "--port", str(port),
@@ -507,15 +622,25 @@ def start_peer(name: str, home: Path, zoo: dict[str, Path], models: list[str]) -
     elif name == "ray":
         argv = [str(SERVERS / "ray_server.py"), "--port", str(port), "--temp-dir", str(short_temp("sits-rs-")),
                 "--models", spec]
+    elif name == "triton":
+        if not pytriton_python:
+            raise SystemExit("triton runs from an environment of its own (pytriton needs numpy < 2): give "
+                             "--pytriton-python or PEER_PYTRITON_PYTHON, e.g. /work/pytriton-venv/bin/python")
+        grpc_port = port
+        while grpc_port == port:
+            grpc_port = free_port("127.0.0.1")
+        python, route = pytriton_python, (lambda inputs, fmt: triton_route(grpc_port, inputs, fmt))
+        argv = [str(SERVERS / "triton_server.py"), "--http-port", str(port), "--grpc-port", str(grpc_port),
+                "--models", spec, "--workspace", str(home / "pytriton")]
     else:
         raise ValueError(name)
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / f"{name}.log"
     with open(log_path, "ab") as out:
-        process = subprocess.Popen([sys.executable, *argv], cwd=home, env=env, stdin=subprocess.DEVNULL,
+        process = subprocess.Popen([python, *argv], cwd=home, env=env, stdin=subprocess.DEVNULL,
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     meter = TreeCpuMeter([process.pid])
-    running = Running(name, port, meter, lambda: stop_tree(meter, process), peer_route)
+    running = Running(name, port, meter, lambda: stop_tree(meter, process), route)
     try:
         wait_ready(running, models, zoo, process, log_path)
     except BaseException:
@@ -528,32 +653,31 @@ def start_peer(name: str, home: Path, zoo: dict[str, Path], models: list[str]) -
 
 def wait_ready(running: Running, models: list[str], zoo: dict[str, Path], process: subprocess.Popen[bytes],
                log_path: Path) -> None:
-    """Until every model answers one JSON request (sessions loaded, routes up)."""
+    """Until every model answers one request in each of the system's formats (sessions loaded, routes up)."""
     deadline = time.monotonic() + START_TIMEOUT
     for model in models:
-        route = running.route(make_inputs(model, zoo[model], 1), "json").prepare(running.port)
-        http_ = RawHttp(running.port, timeout=10)
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{running.name} exited with {process.returncode}; log {log_path}:\n"
-                                   f"{log_path.read_text(errors='replace')[-2000:]}")
-            try:
-                status, headers, raw = http_.exchange(route.requests[0])
-                if status == 200:
-                    route.parse(headers, raw)
+        for fmt in FORMATS_OF[running.name]:
+            caller = running.route(make_inputs(model, zoo[model], 1), fmt).prepare(running.port).open()
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{running.name} exited with {process.returncode}; log {log_path}:\n"
+                                       f"{log_path.read_text(errors='replace')[-2000:]}")
+                try:
+                    caller(0)
                     break
-            except (OSError, ValueError, KeyError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{running.name} did not answer in {START_TIMEOUT:.0f} s; log {log_path}")
-            time.sleep(0.5)
-        http_.close()
+                except Exception:  # not up yet: refused, 404 or 503 while the models load  # noqa: BLE001
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{running.name} did not answer in {START_TIMEOUT:.0f} s; log {log_path}")
+                time.sleep(0.5)
+            caller.close()
 
 
-def start_system(name: str, home: Path, zoo: dict[str, Path], models: list[str]) -> Running:
+def start_system(name: str, home: Path, zoo: dict[str, Path], models: list[str], pytriton_python: str | None = None,
+                 ) -> Running:
     if name.startswith("sits"):
         return start_sits(name, home, zoo, models)
-    return start_peer(name, home, zoo, models)
+    return start_peer(name, home, zoo, models, pytriton_python)
 
 
 # --- load ----------------------------------------------------------------------------------------------
@@ -582,25 +706,22 @@ def _own_cpu() -> float:
     return times.user + times.system
 
 
-def load_point(running: Running, route: Route, inputs: Inputs, clients: int, seconds: float,
+def load_point(running: Running, route: Route | GrpcRoute, inputs: Inputs, clients: int, seconds: float,
                warm_seconds: float) -> dict[str, Any]:
     """Closed loop of `clients` threads for `seconds` (after an unmeasured warm-up); every answer checked."""
-    connections: list[RawHttp] = []
+    connections: list[HttpCaller | GrpcCaller] = []
     first_errors: list[str] = []
     lock = threading.Lock()
 
     def make_call(index: int) -> Callable[[int], int]:
-        http_ = RawHttp(running.port)
+        caller = route.open()
         with lock:
-            connections.append(http_)
+            connections.append(caller)
 
         def call(n: int) -> int:
             k = (index * 7919 + n) % len(route.bodies)
             try:
-                status, headers, raw = http_.exchange(route.requests[k])
-                if status != 200:
-                    raise RuntimeError(f"HTTP {status}: {raw[:200]!r}")
-                output = route.parse(headers, raw)
+                output = caller(k)
             except Exception as err:
                 if len(first_errors) < 5:
                     with lock:
@@ -641,13 +762,13 @@ def online_round(args: argparse.Namespace, round_index: int, systems: list[str],
     for system in systems[shift:] + systems[:shift]:
         wait_until_quiet(args.max_wait)
         began = time.monotonic()
-        running = start_system(system, home / f"{system}-r{round_index}", zoo, args.models)
+        running = start_system(system, home / f"{system}-r{round_index}", zoo, args.models, args.pytriton_python)
         log(f"round {round_index}: {system} up in {time.monotonic() - began:.0f} s")
         notes.setdefault(system, running.notes)
         try:
             for model in args.models:
                 for fmt in args.formats:
-                    if not BINARY[system] and fmt == "binary":
+                    if fmt not in FORMATS_OF[system]:
                         continue
                     route = running.route(inputs[model], fmt).prepare(running.port)
                     for clients in args.concurrency:
@@ -852,7 +973,8 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
             series = sorted((r for r in rows if (r["model"], r["system"], r["format"]) == (model, system, fmt)),
                             key=lambda r: r["clients"])
             xs = [r["clients"] for r in series]
-            style = {"color": colours.get(system), "linestyle": "-" if fmt == "json" else "--", "marker": "o"}
+            style = {"color": colours.get(system), "linestyle": {"json": "-", "binary": "--"}.get(fmt, ":"),
+                     "marker": "o"}
             axes[line][0].plot(xs, [r["rps"] for r in series], label=f"{system} ({fmt})", **style)
             axes[line][1].plot(xs, [r["p99"] for r in series], label=f"{system} ({fmt})", **style)
         for column, (title, unit) in enumerate((("throughput", "req/s"), ("P99 latency", "ms"))):
@@ -866,7 +988,8 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
             ax.set_title(f"{model}: {title}")
             ax.grid(True, which="both", alpha=0.3)
         axes[line][0].legend(fontsize=8)
-    figure.suptitle("SITS and peers on 2 CPU cores, one replica, one-row requests (solid JSON, dashed binary)")
+    figure.suptitle("SITS and peers on 2 CPU cores, one replica, one-row requests (solid JSON, dashed binary,"
+                    " dotted gRPC)")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -882,7 +1005,10 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--concurrency", help="client counts (default 1,32 quick, 1,8,32,128 full)")
-    parser.add_argument("--formats", default=",".join(FORMATS), help="payloads: json, binary")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="payloads: json, binary, grpc")
+    parser.add_argument("--pytriton-python", default=os.environ.get("PEER_PYTRITON_PYTHON"),
+                        help="the Python of an environment with nvidia-pytriton 0.7.0 and numpy < 2, for `triton`"
+                             " (default $PEER_PYTRITON_PYTHON)")
     parser.add_argument("--parts", default="online,offline")
     parser.add_argument("--seconds", type=float, help="length of one load point (default 3 quick, 15 full)")
     parser.add_argument("--warm", type=float, help="unmeasured warm-up before each point (default 0.5 quick, 2 full)")
@@ -892,7 +1018,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every point and the summaries here")
     parser.add_argument("--chart", type=Path, help="write a PNG of req/s and P99 by concurrency here")
     args = parser.parse_args()
+    if args.systems == parser.get_default("systems") and not args.pytriton_python:
+        args.systems = ",".join(name for name in SYSTEMS if name != "triton")
+        log("triton left out: no --pytriton-python (or $PEER_PYTRITON_PYTHON) given")
     args.systems = [name for name in args.systems.split(",") if name]
+    if "triton" in args.systems and not args.pytriton_python:
+        parser.error("triton needs --pytriton-python (or $PEER_PYTRITON_PYTHON): the Python of an environment"
+                     " with nvidia-pytriton 0.7.0 and numpy < 2")
     args.models = [name for name in args.models.split(",") if name]
     args.formats = [name for name in args.formats.split(",") if name]
     parts = set(args.parts.split(","))
