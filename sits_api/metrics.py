@@ -110,8 +110,9 @@ class SitsCollector:
                            heartbeat_timeout=self._settings.scheduler.worker_heartbeat_timeout)
         yield from _queue_metrics(stats)
         yield _rescore_metric(stats)
-        yield from _queue_policy_metrics(self._store, stats, self._settings)
-        yield from _level_limit_metrics(self._store, stats, self._settings)
+        batching = {ref: _queue_batching(self._store, self._settings, ref) for ref in _newest_queues(stats)}
+        yield from _queue_policy_metrics(stats, batching)
+        yield from _level_limit_metrics(self._store, batching)
         yield from _worker_metrics(stats)
         yield from _job_and_request_metrics(stats)
         yield from _latency_histograms(stats)
@@ -214,19 +215,20 @@ priority level's, held `max_queue_size` waiting requests, or its tenant was at `
 
 def _queue_batching(store: Store, settings: Settings, model_ref: str) -> ModelBatching:
     """The batching and queue policy a version's requests are queued under, as intake reads it: the `online`
-    settings, with what a Triton repository config set on the version's record (`batching.configured`)."""
+    settings, with what a Triton repository config set on the version's record (`batching.configured`). Read
+    once a scrape for each queue (one record read each), for both families of limits."""
     try:
         return configured(settings.online, registry.get_model(store, model_ref))
     except ModelNotFound:  # (a queue whose version is gone: the settings alone)
         return settings.online.batching_for(_model_labels(model_ref)[0])
 
 
-def _queue_policy_metrics(store: Store, stats: SystemStats, settings: Settings) -> Iterator[Metric]:
+def _queue_policy_metrics(stats: SystemStats, batching: dict[str, ModelBatching]) -> Iterator[Metric]:
     limit = GaugeMetricFamily("sits_queue_max_requests", "The model's max_queue_size: most online requests "
                               "waiting in a version's queue before a 429 (0: no limit).", labels=MODEL)
-    for model_ref in _newest_queues(stats):
+    for model_ref, queue in batching.items():
         name, version = _model_labels(model_ref)
-        limit.add_metric([name, version], _queue_batching(store, settings, model_ref).max_queue_size)
+        limit.add_metric([name, version], queue.max_queue_size)
     yield limit
     rejected = CounterMetricFamily("sits_requests_rejected", "Online requests refused with a 429 because their "
                                    "queue was full (reason queue_full: the model's max_queue_size; level_full: "
@@ -239,12 +241,11 @@ def _queue_policy_metrics(store: Store, stats: SystemStats, settings: Settings) 
     yield rejected
 
 
-def _level_limit_metrics(store: Store, stats: SystemStats, settings: Settings) -> Iterator[Metric]:
+def _level_limit_metrics(store: Store, batching: dict[str, ModelBatching]) -> Iterator[Metric]:
     """Each priority level with a max_queue_size of its own (`priority_levels`): its limit, and the online
     requests waiting at it (one ZCOUNT each, in one round trip)."""
-    limited = [(ref, level, entry.max_queue_size) for ref in _newest_queues(stats)
-               for level, entry in sorted(_queue_batching(store, settings, ref).priority_levels.items())
-               if entry.max_queue_size]
+    limited = [(ref, level, entry.max_queue_size) for ref, queue in batching.items()
+               for level, entry in sorted(queue.priority_levels.items()) if entry.max_queue_size]
     limit = GaugeMetricFamily("sits_queue_level_max_requests", "A priority level's own max_queue_size: most online "
                               "requests waiting at that level before a 429 (level_full).", labels=[*MODEL, "level"])
     waiting = GaugeMetricFamily("sits_queue_level_waiting_requests", "Online requests waiting at a priority level "
