@@ -27,7 +27,7 @@ from sits_api.intake.result_inbox import ResultInbox
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.state import EXTENSION, AppState, app_state
 from sits_api.tenancy import auth
-from sits_api.v1 import admin, health, jobs, models, schedules
+from sits_api.v1 import admin, health, jobs, models, schedules, tuning
 from sits_api.v1 import requests as online_requests
 from sits_api.v2.repository import repository
 from sits_api.v2.routes import v2
@@ -58,7 +58,7 @@ def create_app(settings: Settings, store: Store | None = None, dispatcher: Dispa
     app.before_request(_check_key)  # every blueprint: v1 and the v2 protocol
     app.after_request(durable_writes.replica_wait(settings.redis, store))  # (redis.wait_replicas)
     for blueprint in (health.blueprint, models.blueprint, jobs.blueprint, online_requests.blueprint,
-                      admin.blueprint, schedules.blueprint, v2, repository):
+                      admin.blueprint, schedules.blueprint, tuning.blueprint, v2, repository):
         app.register_blueprint(blueprint)
     app.register_error_handler(SitsError, error_replies.sits_error)
     app.register_error_handler(HTTPException, error_replies.http_error)

@@ -26,6 +26,7 @@ from sits_api.http.bodies import admin, jobs, keys, models, schedules, v2
 from sits_api.http.bodies.errors import Error
 from sits_api.schedules.bodies import PlanAsk, SchedulePatch, ScheduleSubmission
 from sits_api.schemas import MAX_JOBS_LISTED, JobSubmission, ModelRegistration, OnlineRequest
+from sits_api.tuning import bodies as tuning_bodies
 
 Mode = Literal["validation", "serialization"]
 Answers = Mapping[int, type[BaseModel] | tuple[type[BaseModel], ...] | None]
@@ -208,6 +209,20 @@ def _build_document() -> dict[str, Any]:
                     "responses": c.answers({200: models.Registration}, 401, 404)}},
         "/v1/models/{ref}": {"get": {"summary": "one model", "parameters": model_ref,
                                      "responses": c.answers({200: models.ModelDetail}, 400, 401, 404)}},
+        "/v1/models/{ref}/tune": {
+            "post": {"summary": "sweep the model's batching (ceiling x max_queue_delay x streams) under "
+                                "closed-loop load, pick the highest throughput within the P99 bound, and with "
+                                "apply store it (source: tuned)", "parameters": model_ref,
+                     "requestBody": c.body(tuning_bodies.TuneAsk),
+                     "description": "Runs on a releaser (started with the beat); poll GET until every kind's "
+                                    "record with the ask_id is done or failed. Only keys that may add versions "
+                                    "under the name tune it (403 for another tenant's); 409 while a sweep of it "
+                                    "runs or when no worker is live; 400 for a sweep planned past an hour.",
+                     "responses": c.answers({202: tuning_bodies.TuneStarted}, 400, 401, 403, 404, 409)},
+            "get": {"summary": "the model version's last sweep on each kind of device: its points, front and pick",
+                    "parameters": model_ref,
+                    "responses": c.answers({200: tuning_bodies.Tunings}, 400, 401, 403, 404)},
+        },
         "/v1/jobs": {
             "get": {"summary": "list jobs: a user key its own, an admin key all (or one owner's)",
                     "responses": c.answers({200: jobs.JobList}, 400, 401, 403),

@@ -84,6 +84,9 @@ class ModelRecord:
     fusion: dict[str, Any] | None = None
     """The fused graph a worker saved beside the stored one, and its operator counts."""
     registered_at: float | None = None
+    tuned_batching: dict[str, Any] | None = None
+    """Per kind of device ('cpu', 'gpu'), the batching a tuning sweep chose and `--apply` stored
+    (`max_batch_size`, `max_queue_delay` in seconds, `streams`, and the figures it was chosen by)."""
     latest: bool | None = None
     """Whether it is its name's newest version; known only in a listing of versions."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -118,7 +121,8 @@ class ModelRecord:
     def of(cls, stored: Mapping[str, Any]) -> ModelRecord:
         """The record of a version's stored JSON object."""
         known = {name: stored[name] for name in _NAMES if name in stored and stored[name] is not None}
-        for part in ("signature", "static_profile", "profile", "fusion"):  # (a damaged record reads as without)
+        # (a damaged part reads as none)
+        for part in ("signature", "static_profile", "profile", "fusion", "tuned_batching"):
             if not isinstance(known.get(part, {}), dict):
                 del known[part]
         known.setdefault("name", "")

@@ -29,6 +29,7 @@ batch into more batches.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -56,16 +57,32 @@ class Batching:
     max_batch_tokens: int
     queue_capacity: int
     source: str
-    """'profile' when an `auto` value came from the measured profile, else 'config'."""
+    """'profile' when an `auto` value came from the measured profile, 'tuned' when `sitsctl model tune
+    --apply` chose them, 'trial' or 'controller' while a live override holds (`broker/tuning/live.py`),
+    else 'config'."""
     profile_device: str = ""
     """The device the profile was measured on, with source 'profile'."""
+    streams: int | None = None
+    """Most of a worker's stream slots that run the model at once (None: all; 0: none, while a tuning
+    sweep measures another kind of device)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as the API shows them (the delay in ms)."""
         shown = {"max_batch_size": self.max_batch_size, "max_queue_delay_ms": round(self.max_queue_delay * 1000, 3),
                  "preferred_batch_sizes": list(self.preferred_batch_sizes), "max_batch_tokens": self.max_batch_tokens,
-                 "queue_capacity": self.queue_capacity, "source": self.source}
+                 "queue_capacity": self.queue_capacity, "streams": self.streams, "source": self.source}
         return shown | ({"profile_device": self.profile_device} if self.profile_device else {})
+
+    def with_knobs(self, *, max_batch_size: int | None = None, max_queue_delay: float | None = None,
+                   streams: int | None = None, source: str) -> Batching:
+        """These settings with the knobs a tuning or a controller set (None: kept), preferred sizes above
+        the new ceiling dropped."""
+        size = self.max_batch_size if max_batch_size is None else int(max_batch_size)
+        return dataclasses.replace(
+            self, max_batch_size=size,
+            max_queue_delay=self.max_queue_delay if max_queue_delay is None else float(max_queue_delay),
+            streams=self.streams if streams is None else int(streams), source=source,
+            preferred_batch_sizes=tuple(p for p in self.preferred_batch_sizes if p <= size))
 
     @property
     def enough_rows(self) -> int:
@@ -109,7 +126,7 @@ def resolve(config: ModelBatching, record: ModelRecord | None, device_kind: str 
     if delay == "auto":
         one_row = float(points[0]["latency_ms"]) / 1000 / int(points[0]["batch_size"]) if points else 0.0
         delay = min(one_row, MAX_AUTO_DELAY) if one_row >= MIN_USEFUL_DELAY else 0.0
-    return Batching(
+    resolved = Batching(
         max_batch_size=int(max_batch_size),
         max_queue_delay=float(delay),
         preferred_batch_sizes=tuple(size for size in config.preferred_batch_sizes if size <= int(max_batch_size)),
@@ -117,7 +134,24 @@ def resolve(config: ModelBatching, record: ModelRecord | None, device_kind: str 
         queue_capacity=config.queue_capacity,
         source="profile" if from_profile else "config",
         profile_device=str((record.profile or {}).get("device", "")) if record is not None and from_profile else "",
+        streams=config.streams,
     )
+    tuned = tuned_knobs(record, device_kind)
+    if tuned is None:
+        return resolved
+    return resolved.with_knobs(max_batch_size=tuned.get("max_batch_size"), max_queue_delay=tuned.get("max_queue_delay"),
+                               streams=tuned.get("streams"), source="tuned")
+
+
+def tuned_knobs(record: ModelRecord | None, device_kind: str | None) -> dict[str, Any] | None:
+    """The batching `sitsctl model tune --apply` stored on the record for a `device_kind` device (None:
+    the kind its profile was measured on, else the only kind tuned), or None."""
+    tuned = (record.tuned_batching if record is not None else None) or {}
+    if device_kind is None:
+        profiled = str(((record.profile if record is not None else None) or {}).get("device", "")).partition(":")[0]
+        device_kind = profiled if profiled in tuned else (next(iter(tuned)) if len(tuned) == 1 else None)
+    knobs = tuned.get(device_kind) if device_kind else None
+    return knobs if isinstance(knobs, dict) else None
 
 
 _CONFIGURED: dict[tuple[int, str], tuple[ModelBatching, ModelBatching]] = {}

@@ -51,6 +51,10 @@ class ModelBatching(_Section):
     """How long one batch may run by the measured profile, for an `auto` `max_batch_size`."""
     max_batch_tokens: Integer = Field(8192, ge=0)
     """Token models: most tokens in one batch (0: no limit)."""
+    streams: Integer | None = Field(None, ge=1)
+    """Most of one worker's stream slots that run this model's batches at once, as Triton's
+    `instance_group` count; None: as many as the worker has. Fewer streams make fuller batches under
+    load; more serve more batches side by side (`sitsctl model tune` measures which pays)."""
     queue_capacity: Integer = Field(1024, ge=1)
     """Items (waiting + leased) that make the model's queue 100 % loaded, for PSA jumps."""
     # The queue policy (Triton's ModelQueuePolicy): docs/scheduling.md, "Queue policy and backpressure".

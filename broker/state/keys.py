@@ -375,6 +375,18 @@ class Keys:
         return self._key("model-owners-by-tenant")
 
     @property
+    def live_batching(self) -> str:
+        """HASH model ref -> JSON batching that overrides the model version's own for a while: a tuning
+        sweep's trial settings or the batching controller's (`broker/tuning/live.py`)."""
+        return self._key("live-batching")
+
+    @property
+    def tunings(self) -> str:
+        """HASH '<model ref>|<device kind>' -> JSON result of the model version's last tuning sweep on that
+        kind of device (`broker/tuning/results.py`)."""
+        return self._key("tunings")
+
+    @property
     def workers(self) -> str:
         """HASH worker name -> JSON heartbeat (device, streams, pid, last_heartbeat)."""
         return self._key("workers")

@@ -31,6 +31,7 @@ from sits_api.cli.params import non_empty
 from sits_api.cli.repository_commands import repository
 from sits_api.cli.schedule_commands import schedule
 from sits_api.cli.sla_commands import sla
+from sits_api.cli.tune_commands import tune
 from sits_api.cli.usage_commands import usage
 
 if TYPE_CHECKING:
@@ -477,6 +478,7 @@ def model_show(ref: str) -> None:
     print_json(_client().get(f"/v1/models/{segment(ref)}"))
 
 
+model.add_command(tune)
 cli.add_command(job)
 cli.add_command(schedule)
 cli.add_command(sla)

@@ -37,11 +37,11 @@ class Dispatcher:
         self.breakers = BreakerView(store, settings.breaker, settings.scheduler.worker_heartbeat_timeout)
         """Fails a request fast when its model's breakers are open on every live worker."""
 
-    def send(self, name: str, *args: Any) -> None:
-        """Publish task `name` with `args`; a Redis that refuses the message is a retryable error (503):
-        StoreFull at maxmemory, else ConnectionLost."""
+    def send(self, name: str, *args: Any, queue: str | None = None) -> None:
+        """Publish task `name` with `args` (to the workers' queue, or `queue`); a Redis that refuses the message
+        is a retryable error (503): StoreFull at maxmemory, else ConnectionLost."""
         try:
-            self._celery.send_task(name, args=list(args), queue=self._queue)
+            self._celery.send_task(name, args=list(args), queue=queue or self._queue)
         except kombu.exceptions.OperationalError as err:
             if out_of_memory(err):
                 raise StoreFull(f"Redis is full (it reached maxmemory): task {name} could not be sent; retry once "

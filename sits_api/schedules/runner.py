@@ -5,7 +5,8 @@ runs in a Celery app of the API package, on a queue of its own (`beat.release_qu
 inference fleet never imports the API, and a release never waits behind inference batches. Configured
 lazily from `load_settings()`, as the worker's app is; task events on, so Flower shows each release.
 The beat's `sits.rescore_queues` runs here too: a pass over the queues (`broker/queueing/re_estimate.py`),
-whose report is its result.
+whose report is its result. So does a model's tuning sweep (`sits.tune_model`, `sits_api/tuning/sweep.py`):
+its load goes through the intake, as a release's job does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from broker.state.store import Store
 from broker.tenants.records import TenantTable
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.schedules.release import release_run
+from sits_api.tuning.sweep import TUNE_TASK, Caller, TuneAsk, run_tuning
 
 
 class _ReleaseCelery(Celery):
@@ -98,3 +100,12 @@ def rescore_queues() -> dict[str, Any]:
     return re_estimate.rescore_queues(
         _releaser().store, now=time.time(), default=policy.default_ordering(settings.scheduler.policy),
         capacity_of=lambda ref: settings.online.batching_for(ref.partition("@")[0]).queue_capacity).to_json()
+
+
+@app.task(name=TUNE_TASK)
+def tune_model(ask: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
+    """One tuning sweep (`sweep.run_tuning`); Flower shows the points it chose."""
+    releaser = _releaser()
+    ended = run_tuning(releaser.settings, releaser.store, releaser.dispatcher, TuneAsk.of(ask), Caller(**caller))
+    return {"tunings": [{"device_kind": t.device_kind, "status": t.status, "error": t.error,
+                         "chosen": t.chosen.to_dict() if t.chosen else None} for t in ended]}

@@ -37,6 +37,8 @@ from broker.monitoring.histograms import Tally
 from broker.online.batching import Batching, configured, resolve
 from broker.queueing.queues import QueueWatcher
 from broker.state.store import Store
+from broker.tuning import live
+from broker.tuning.live import LiveReader
 from sits_worker.device.memory_watch import MemoryWatch
 from sits_worker.device.observed_profiles import ObservedLatencies
 from sits_worker.device.pinning import Device, device_memory
@@ -50,6 +52,7 @@ from sits_worker.serving import drain_report
 from sits_worker.serving.chunk_commits import Commits
 from sits_worker.serving.fault_injection import FaultInjector
 from sits_worker.serving.lease_keeper import LeaseKeeper
+from sits_worker.serving.model_streams import ModelStreams
 from sits_worker.serving.request_bell import RequestBell
 from sits_worker.serving.slot_overlap import SlotOverlap
 from sits_worker.tenancy.fair_share import FairShare
@@ -130,6 +133,10 @@ class WorkerContext:
     """Set when the worker's warm shutdown begins (SIGTERM): drain loops lease nothing more, finish the
     batch they run and hand their tickets on, so the process exits within a grace period with no lease
     left to expire (`sits_worker/worker_hooks.py`)."""
+    model_streams: ModelStreams = field(default_factory=ModelStreams)
+    """Batches running per model version, for the models whose batching caps their streams."""
+    live_batching: LiveReader = field(init=False)
+    """The overrides of models' batching a tuning sweep or the batching controller set (`broker/tuning/live.py`)."""
     _padding: dict[str, tuple[ModelRecord, MaskSpec | None]] = field(default_factory=dict)
     _derived: dict[str, tuple[ModelRecord, Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
@@ -139,6 +146,7 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.queue_watcher = QueueWatcher(self.store)
+        self.live_batching = LiveReader(self.store)
         self.commits = Commits(max_pending=self.streams)
         self.lease_keeper = LeaseKeeper(self.store, self.settings.scheduler.lease_timeout)
         self.request_bell = RequestBell(self.store)
@@ -175,8 +183,11 @@ class WorkerContext:
 
     def batching(self, model_ref: str) -> Batching:
         """The batching settings of a model version: the configuration's, with its `auto` values from
-        the measured profile (`broker/online/batching.py`), resolved again when the record is re-read."""
-        return self._derive(model_ref)[1]
+        the measured profile (`broker/online/batching.py`), resolved again when the record is re-read, under
+        the override a tuning sweep or the batching controller set, if any (`broker/tuning/live.py`)."""
+        batching = self._derive(model_ref)[1]
+        override = self.live_batching.get(model_ref)
+        return batching if override is None else live.apply(batching, override, self.device.kind, now=time.time())
 
     def _derive(self, model_ref: str) -> tuple[ModelRecord, Batching, bool]:
         """What the hot path derives from a model version's record, again only when it is re-read."""

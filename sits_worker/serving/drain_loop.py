@@ -13,9 +13,10 @@ workers that stay.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -109,10 +110,14 @@ def _drain(ctx: WorkerContext, ticket: str) -> Outcome:
             # model or another: only then does the chunk start from this count)
             bell_mark = ctx.request_bell.count()
             looked = _snapshot_after_psa(ctx)
-            snapshot = _without_open_breakers(ctx, looked)
+            unbarred = _without_open_breakers(ctx, looked)
+            snapshot = _without_capped_models(ctx, unbarred)
             if snapshot.heads:
                 state.idle_since = None
                 _lease_and_run(ctx, state, snapshot, bell_mark)
+                outcome = Outcome.YIELD if state.over() else None
+            elif unbarred.heads:  # only models at their streams cap wait: pass on the ring that woke this slot
+                state.paused_ring.wait(ctx.store, state.ticket)
                 outcome = Outcome.YIELD if state.over() else None
             else:
                 outcome = _idle(ctx, state, barred_only=bool(looked.heads))
@@ -164,6 +169,18 @@ def _lease_and_run(ctx: WorkerContext, state: _Slice, snapshot: queues.QueueSnap
     finally:
         if hold is not None and not leased:  # nothing to run (or the lease failed): free the hold
             ctx.ledger.release(hold, now=time.time())
+    try:
+        _run_admitted(ctx, state, snapshot, bell_mark, leased, admission, hold, room=room, notes=notes,
+                      allowed=allowed)
+    finally:
+        if leased:  # (the stream `_lease_admitted` took for the model)
+            ctx.model_streams.leave(leased[0].model_ref)
+
+
+def _run_admitted(ctx: WorkerContext, state: _Slice, snapshot: queues.QueueSnapshot, bell_mark: int | None,
+                  leased: list[leases.LeasedItem], admission: reservation.Admission | None, hold: int | None, *,
+                  room: bool, notes: leases.LeaseNotes, allowed: list[reservation.Admission]) -> None:
+    """Run what was leased under its admission and memory hold, or wait as the look's notes say."""
     if leased or room:  # (a slot without commit room that leases nothing waits for the disk)
         reservation.count_lease(ctx.ledger, allowed, admission if leased else None)
     ran = False
@@ -244,8 +261,9 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
             waited.add(model_ref)
         returning = ctx.fair_share.returning_option(model_ref) if (waiting_requests or {}).get(model_ref) else None
         if returning is not None:
-            leased = lease(ctx, model_ref, ticket, admission=admission, within_cut=admission.cut, requests_only=True,
-                           tenants=returning)
+            leased = _lease_within_streams(ctx, model_ref, functools.partial(
+                lease, ctx, model_ref, ticket, admission=admission, within_cut=admission.cut, requests_only=True,
+                tenants=returning))
             if leased:
                 ctx.last_served = model_ref
                 return leased, admission
@@ -254,8 +272,9 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
         said = leases.LeaseNotes()
-        leased = lease(ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut,
-                       requests_only=requests_only, notes=said)
+        leased = _lease_within_streams(ctx, model_ref, functools.partial(
+            lease, ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut,
+            requests_only=requests_only, notes=said))
         if leased:
             ctx.last_served = model_ref
             return leased, admission
@@ -264,6 +283,21 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
         notes.held_by = notes.held_by or said.held_by
     notes.paused, notes.at_slot_cap = paused, capped
     return [], None
+
+
+def _lease_within_streams(ctx: WorkerContext, model_ref: str,
+                          lease_batch: Callable[[], list[leases.LeasedItem]]) -> list[leases.LeasedItem]:
+    """`lease_batch()` under one of the model's streams (`model_streams`), kept when it leased something (the
+    caller gives it back when the batch ends); nothing when the model is at its cap."""
+    if not ctx.model_streams.try_enter(model_ref, ctx.batching(model_ref).streams):
+        return []
+    leased: list[leases.LeasedItem] = []
+    try:
+        leased = lease_batch()
+    finally:
+        if not leased:
+            ctx.model_streams.leave(model_ref)
+    return leased
 
 
 def _run_leased(ctx: WorkerContext, leased: list[leases.LeasedItem], ticket: str, reservation: int | None,
@@ -328,17 +362,28 @@ def _wait_for_company(ctx: WorkerContext, model_ref: str) -> None:
         time.sleep(COMPANY_POLL_SECONDS)
 
 
-def _without_open_breakers(ctx: WorkerContext, snapshot: queues.QueueSnapshot) -> queues.QueueSnapshot:
-    """The snapshot without the models whose breaker on this worker bars a lease now (`broker/failures/breaker.py`):
-    to this worker their queues look empty, so its slots wait on the doorbell instead of spinning on
-    work only other workers may take (or this one, once the breaker half-opens)."""
-    now = time.time()
-    barred = [ref for ref in snapshot.heads if not ctx.breakers.may_lease(ref, now=now)]
+def _without_capped_models(ctx: WorkerContext, snapshot: queues.QueueSnapshot) -> queues.QueueSnapshot:
+    """The snapshot without the models this worker runs on as many slots as their batching's `streams`
+    allows (`model_streams`): the slots that run them lease their next batches as they end."""
+    capped = [ref for ref in snapshot.heads if ctx.model_streams.at_cap(ref, ctx.batching(ref).streams)]
+    return _without(snapshot, capped)
+
+
+def _without(snapshot: queues.QueueSnapshot, barred: list[str]) -> queues.QueueSnapshot:
+    """The snapshot without the `barred` models' queues."""
     if not barred:
         return snapshot
     heads = {ref: score for ref, score in snapshot.heads.items() if ref not in barred}
     head_items = {ref: item for ref, item in snapshot.head_items.items() if ref not in barred}
     return dataclasses.replace(snapshot, heads=heads, head_items=head_items)
+
+
+def _without_open_breakers(ctx: WorkerContext, snapshot: queues.QueueSnapshot) -> queues.QueueSnapshot:
+    """The snapshot without the models whose breaker on this worker bars a lease now (`broker/failures/breaker.py`):
+    to this worker their queues look empty, so its slots wait on the doorbell instead of spinning on
+    work only other workers may take (or this one, once the breaker half-opens)."""
+    now = time.time()
+    return _without(snapshot, [ref for ref in snapshot.heads if not ctx.breakers.may_lease(ref, now=now)])
 
 
 def _snapshot_after_psa(ctx: WorkerContext) -> queues.QueueSnapshot:

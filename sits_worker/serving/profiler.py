@@ -29,28 +29,13 @@ from broker.tenants.usage import BillEntry
 from sits_worker.device.run_limits import RunLimits
 from sits_worker.device.runtime import build_session, run_session
 from sits_worker.model.graph import operator_histogram
+from sits_worker.model.samples import PROFILE_SEQUENCE, sample_feed
 from sits_worker.serving.context import WorkerContext
 
 log = logging.getLogger(__name__)
 
 _BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-_PROFILE_SEQUENCE = 128
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
-                 "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bool": np.bool_}
-
-
-def sample_feed(signature: Mapping[str, Any], batch: int, sequence: int = _PROFILE_SEQUENCE) -> dict[str, np.ndarray]:
-    """A deterministic random feed of `batch` rows for a signature (token ids stay small)."""
-    rng = np.random.default_rng(0)
-    feed: dict[str, np.ndarray] = {}
-    for spec in signature["inputs"]:
-        dims = [batch] + [d if isinstance(d, int) else sequence for d in spec["shape"][1:]]
-        dtype = _NUMPY_DTYPES.get(spec["dtype"], np.float32)
-        if np.issubdtype(dtype, np.integer):
-            feed[spec["name"]] = rng.integers(0, 100, size=dims).astype(dtype)
-        else:
-            feed[spec["name"]] = rng.standard_normal(dims).astype(dtype)
-    return feed
+_PROFILE_SEQUENCE = PROFILE_SEQUENCE
 
 
 PROFILE_PASSES = 4

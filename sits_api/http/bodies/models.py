@@ -42,6 +42,8 @@ class ModelVersion(BaseModel):
     enable_fusion: bool
     fusion: dict[str, Any] | None = None
     registered_at: float | None = None
+    tuned_batching: dict[str, Any] | None = Field(None, description="per kind of device, the batching a tuning "
+                                                                    "sweep chose and applied")
     latest: bool | None = Field(None, description="whether it is its name's newest version (in a listing)")
 
 
@@ -53,7 +55,8 @@ class Batching(BaseModel):
     preferred_batch_sizes: list[int]
     max_batch_tokens: int
     queue_capacity: int
-    source: str
+    streams: int | None = Field(None, description="most stream slots of a worker that run it at once; null: all")
+    source: str = Field(description="config, profile, tuned, trial or controller")
     profile_device: str | None = None
 
 

@@ -1,0 +1,1 @@
+"""Tuning a model's batching: the sweep that measures settings under load through the intake."""

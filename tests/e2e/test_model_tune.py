@@ -1,0 +1,135 @@
+"""Tuning a model's batching on a real stack: the API, one CPU worker of two streams, the beat and a releaser.
+
+One stack for the module. What is checked: `sitsctl model tune` sweeps a small space through the intake,
+prints the front and the pick as JSON, charts it, and `--apply` makes the worker batch by it (`source:
+tuned`); a live override's `streams` cap keeps a model's batches off a second slot, and a kind of device
+the override bars leases none of the model's requests until it is lifted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker.state.store import Store
+from broker.tuning import live
+from sits_api.cli.stack import Stack
+from tests.e2e.stack_helpers import register, stack_settings
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    from sits_worker.model.zoo import build_zoo
+
+    home = tmp_path_factory.mktemp("tune") / "home"
+    running = Stack(stack_settings(home, streams=2), worker_count=1, api_port=0, beat=True).start()
+    register(running.client(), "mlp", build_zoo(home / "models")["mlp"])
+    yield running
+    running.stop()
+
+
+def sitsctl(stack: Stack, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"SITS_HOME": str(stack.home)}
+    env.pop("SITS_API_URL", None)
+    env.pop("SITS_API_KEY", None)
+    return subprocess.run([sys.executable, "-m", "sits_api.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_model_tune_sweeps_picks_within_the_bound_charts_and_applies(stack: Stack) -> None:
+    chart = stack.home / "front.png"
+    result = sitsctl(stack, "model", "tune", "mlp", "--p99", "1s", "--method", "brute", "--batch-sizes", "1,16",
+                     "--delays-ms", "0,2", "--streams", "1,2", "--concurrency", "1,8", "--cell-seconds", "0.5",
+                     "--apply", "--chart", str(chart), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = json.loads(result.stdout[:result.stdout.rindex("}") + 1])
+    [tuning] = shown["tunings"]
+    assert tuning["device_kind"] == "cpu" and tuning["status"] == "done", tuning
+    points = tuning["points"]
+    assert len(points) == 16  # 2 x 2 x 2 settings, each at 1 and 8 clients
+    assert {(p["setting"]["max_batch_size"], p["setting"]["max_queue_delay_ms"], p["setting"]["streams"])
+            for p in points} == {(b, d, s) for b in (1, 16) for d in (0, 2) for s in (1, 2)}
+    assert all(p["answered"] > 0 and p["refused"] == 0 for p in points), points
+    within = [p for p in points if p["p99_ms"] <= 1000]
+    chosen = tuning["chosen"]
+    assert chosen["throughput"] == max(p["throughput"] for p in within)
+    for point in tuning["front"]:  # no point beats a front point on both figures
+        assert not any(p["throughput"] > point["throughput"] and p["p99_ms"] < point["p99_ms"] for p in points)
+    assert tuning["verified"]["setting"] == chosen["setting"] and tuning["verified"]["answered"] > 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    model = stack.client().get("/v1/models/mlp")
+    assert model["batching"]["source"] == "tuned"
+    assert model["batching"]["max_batch_size"] == chosen["setting"]["max_batch_size"]
+    assert model["batching"]["streams"] == chosen["setting"]["streams"]
+    assert model["tuned_batching"]["cpu"]["p99_bound_ms"] == 1000
+    store = Store.of(stack.settings.redis)
+    assert live.read(store, model["ref"]) is None  # the sweep's trial override is gone
+
+    again = sitsctl(stack, "model", "tune", "mlp", "--p99", "1ms", "--method", "brute", "--json")
+    assert again.returncode == 0, again.stdout + again.stderr  # cached: picked again from the same points
+    [cached] = json.loads(again.stdout[:again.stdout.rindex("}") + 1])["tunings"]
+    assert cached["points"] == points and cached["p99_bound_ms"] == 1
+
+
+def _send(stack: Stack, count: int) -> list[dict[str, Any]]:
+    """`count` one-row mlp requests at once, each waited for; their results."""
+    client = stack.client()
+    rows = np.random.default_rng(3).standard_normal((count, 64)).astype(np.float32)
+    answers: list[dict[str, Any]] = []
+
+    def one(row: np.ndarray) -> None:
+        answers.append(client.post("/v1/requests?wait=true", {"model": "mlp", "inputs": {"features": [row.tolist()]}}))
+    threads = [threading.Thread(target=one, args=(row,)) for row in rows]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return answers
+
+
+def _overlapping(answers: list[dict[str, Any]]) -> int:
+    """How many pairs of distinct batches ran at the same time (by their requests' run intervals)."""
+    runs = sorted({(a["started_at"], a["finished_at"]) for a in answers})
+    return sum(1 for i, (_, end) in enumerate(runs) for start, _ in runs[i + 1:] if start < end)
+
+
+def test_a_streams_cap_keeps_the_model_on_one_slot_and_a_barred_kind_leases_none(stack: Stack) -> None:
+    store = Store.of(stack.settings.redis)
+    ref = stack.client().get("/v1/models/mlp")["ref"]
+    one_by_one = live.Knobs(max_batch_size=1, max_queue_delay=0.0)
+    live.write(store, ref, live.LiveBatching("trial", until=time.time() + 60, by_kind={"cpu": one_by_one}))
+    time.sleep(1.0)  # (workers read overrides every 0.5 s)
+    free = _send(stack, 48)
+    assert len(free) == 48 and all(a["status"] == "succeeded" for a in free)
+    assert _overlapping(free) > 0  # two slots run batches of one side by side
+
+    live.write(store, ref, live.LiveBatching("trial", until=time.time() + 60,
+                                             by_kind={"cpu": live.Knobs(max_batch_size=1, max_queue_delay=0.0,
+                                                                        streams=1)}))
+    time.sleep(1.0)
+    capped = _send(stack, 48)
+    assert len(capped) == 48 and all(a["status"] == "succeeded" for a in capped)
+    assert _overlapping(capped) == 0
+
+    live.write(store, ref, live.LiveBatching("trial", until=time.time() + 60, by_kind={"gpu": one_by_one},
+                                             others=live.BARRED))
+    time.sleep(1.0)
+    client = stack.client()
+    queued = client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[0.5] * 64]}})
+    time.sleep(1.5)
+    assert client.get(f"/v1/requests/{queued['id']}")["status"] == "queued"  # no cpu slot leases it
+    assert live.clear(store, ref, source="trial")
+    deadline = time.monotonic() + 10
+    while client.get(f"/v1/requests/{queued['id']}")["status"] != "succeeded" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.get(f"/v1/requests/{queued['id']}")["status"] == "succeeded"
