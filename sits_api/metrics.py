@@ -44,6 +44,7 @@ from broker.state.store import Store, translate_redis_errors
 from broker.tenants import records as tenants
 from broker.tenants.shares import decayed
 from broker.tenants.usage import read_usage
+from broker.tuning import live
 from sits_api.http.request_metrics import HttpCounts
 
 MODEL = ["model", "version"]
@@ -122,6 +123,33 @@ class SitsCollector:
         yield from _tenant_metrics(self._store, stats, self._settings, now=time.time())
         yield _breaker_metric(breaker.read_breakers(self._store), stats, now=time.time())
         yield from _schedule_metrics(self._store)
+        yield from _batching_control_metrics(self._store, stats, now=time.time())
+
+
+def _batching_control_metrics(store: Store, stats: SystemStats, *, now: float) -> Iterator[Metric]:
+    """The live overrides of models' batching (a tuning sweep's trial, the batching controller's) and the
+    controller's changes (`broker/tuning/`)."""
+    labels = [*MODEL, "device_kind", "source"]
+    ceiling = GaugeMetricFamily("sits_batching_live_max_batch_size", "The batch ceiling a live override sets on "
+                                "a kind of device now: the batching controller's, or a tuning sweep's trial.",
+                                labels=labels)
+    delay = GaugeMetricFamily("sits_batching_live_max_queue_delay_seconds", "The max_queue_delay a live override "
+                              "sets on a kind of device now.", labels=labels)
+    for model_ref, override in sorted(live.read_all(store).items()):
+        for kind, knobs in sorted(override.by_kind.items()):
+            if override.knobs_for(kind, now=now) is None:
+                continue
+            if knobs.max_batch_size is not None:
+                ceiling.add_metric([*_model_labels(model_ref), kind, override.source], knobs.max_batch_size)
+            if knobs.max_queue_delay is not None:
+                delay.add_metric([*_model_labels(model_ref), kind, override.source], knobs.max_queue_delay)
+    changes = CounterMetricFamily("sits_batching_changes", "Moves of a model's batch ceiling or queue delay the "
+                                  "batching controller made, by direction: up (more batching) or down.",
+                                  labels=[*MODEL, "direction"])
+    for key, total in sorted(stats.counters.get("batching_changes", {}).items()):
+        model_ref, _, direction = key.rpartition("|")
+        changes.add_metric([*_model_labels(model_ref), direction], total)
+    yield from (ceiling, delay, changes)
 
 
 def _tenant_metrics(store: Store, stats: SystemStats, settings: Settings, *, now: float) -> Iterator[Metric]:

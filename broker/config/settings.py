@@ -29,6 +29,7 @@ from broker.sla.settings import SlaSettings
 from broker.state.settings import RedisSettings
 from broker.tenants.settings import FairShareSettings, Tenant
 from broker.tenants.shares import validate_shares
+from broker.tuning.settings import TuningSettings
 
 
 class Settings(_Section):
@@ -46,6 +47,8 @@ class Settings(_Section):
     jobs: JobSettings = JobSettings()
     online: OnlineSettings = OnlineSettings()
     sla: SlaSettings = SlaSettings()
+    tuning: TuningSettings = TuningSettings()
+    """Self-tuning: the batching controller (docs/tuning.md)."""
     retry: RetrySettings = RetrySettings()
     """The retry matrix: per failure class, how often and after how long (docs/failures.md)."""
     breaker: BreakerSettings = BreakerSettings()

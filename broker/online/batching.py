@@ -65,6 +65,8 @@ class Batching:
     streams: int | None = None
     """Most of a worker's stream slots that run the model at once (None: all; 0: none, while a tuning
     sweep measures another kind of device)."""
+    closed_loop: bool = False
+    """Whether the batching controller steers it: its workers note each answer's latency for it."""
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as the API shows them (the delay in ms)."""
@@ -135,6 +137,7 @@ def resolve(config: ModelBatching, record: ModelRecord | None, device_kind: str 
         source="profile" if from_profile else "config",
         profile_device=str((record.profile or {}).get("device", "")) if record is not None and from_profile else "",
         streams=config.streams,
+        closed_loop=config.closed_loop,
     )
     tuned = tuned_knobs(record, device_kind)
     if tuned is None:

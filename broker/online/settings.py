@@ -55,6 +55,11 @@ class ModelBatching(_Section):
     """Most of one worker's stream slots that run this model's batches at once, as Triton's
     `instance_group` count; None: as many as the worker has. Fewer streams make fuller batches under
     load; more serve more batches side by side (`sitsctl model tune` measures which pays)."""
+    closed_loop: bool = False
+    """Whether the batching controller moves this model's `max_batch_size` and `max_queue_delay` from the
+    P99, throughput and queue its clients see, toward `target_p99` (`tuning.controller`)."""
+    target_p99: Seconds = Field(0.12, gt=0)
+    """The P99 from submit to answer the batching controller steers toward, with `closed_loop`."""
     queue_capacity: Integer = Field(1024, ge=1)
     """Items (waiting + leased) that make the model's queue 100 % loaded, for PSA jumps."""
     # The queue policy (Triton's ModelQueuePolicy): docs/scheduling.md, "Queue policy and backpressure".

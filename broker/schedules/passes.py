@@ -44,6 +44,22 @@ SHORTEST_SLEEP = 0.005
 
 
 @dataclass
+class Periodic:
+    """A task the beat sends every `every` seconds while it holds the turn (0: never)."""
+
+    every: float
+    send: Callable[[], None]
+    sent_at: float = field(default=-math.inf, init=False)
+
+    def send_when_due(self, now: float) -> None:
+        """Send it when `every` has passed since this beat last sent it."""
+        if self.every <= 0 or 0 <= now - self.sent_at < self.every:
+            return
+        self.sent_at = now
+        self.send()
+
+
+@dataclass
 class BeatPass:
     """The beat's work over Redis; `run(now)` is one pass, and answers how long to sleep before the next."""
 
@@ -55,6 +71,8 @@ class BeatPass:
     send_rescore: Callable[[], None] | None = None
     """Publish one re-scoring pass to a releaser (None: this beat sends none)."""
     rescore_sent_at: float = field(default=-math.inf, init=False)
+    periodic: list[Periodic] = field(default_factory=list)
+    """Other tasks the beat holding the turn sends at a period (the batching controller's steps)."""
 
     def run(self, now: float) -> float:
         """One pass at `now`; the seconds until the next should start."""
@@ -70,6 +88,8 @@ class BeatPass:
         self.look_at_held(now)
         self.send_lost_releases(now)
         self.send_rescore_when_due(now)
+        for periodic in self.periodic:
+            periodic.send_when_due(now)
         return self._sleep(now)
 
     def take_turn(self) -> bool:

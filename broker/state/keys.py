@@ -380,6 +380,22 @@ class Keys:
         sweep's trial settings or the batching controller's (`broker/tuning/live.py`)."""
         return self._key("live-batching")
 
+    def answered_latencies(self, model_ref: str) -> str:
+        """LIST of '<answered at> <latency s> <batch rows>' of `model_ref`'s answered requests, newest first,
+        capped, for the batching controller (`broker/tuning/windows.py`)."""
+        return self._key("answered-latencies", model_ref)
+
+    @property
+    def controllers(self) -> str:
+        """HASH '<model ref>|<device kind>' -> JSON state of the batching controller of that model version on
+        that kind of device, with the queue length it last saw (`broker/tuning/steering.py`)."""
+        return self._key("batching-controllers")
+
+    @property
+    def batching_changes(self) -> str:
+        """LIST of JSON changes the batching controller made, newest first, capped (`broker/tuning/steering.py`)."""
+        return self._key("batching-changes")
+
     @property
     def tunings(self) -> str:
         """HASH '<model ref>|<device kind>' -> JSON result of the model version's last tuning sweep on that

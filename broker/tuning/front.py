@@ -20,7 +20,7 @@ Two searches (`Space`, `quick_neighbours`):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -138,7 +138,7 @@ def _index(values: Sequence[Any], value: Any) -> int:
     return min(range(len(values)), key=lambda i: abs(float(values[i]) - float(value)))
 
 
-def default_space(profile_points: Sequence[dict[str, Any]], *, p99_bound_ms: float, max_streams: int,
+def default_space(profile_points: Sequence[Mapping[str, Any]], *, p99_bound_ms: float, max_streams: int,
                   max_sizes: int = 5) -> Space:
     """The space a sweep tries when the caller names none.
 

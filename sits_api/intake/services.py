@@ -48,6 +48,7 @@ from broker.tenants.apikeys import owns
 from broker.tenants.records import TenantTable
 from broker.tenants.roots import FileKind, Roots, roots_for
 from broker.tenants.settings import Tenant
+from broker.tuning import live
 from sits_api.intake import job_deadlines
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
@@ -102,11 +103,19 @@ def caller_roots(settings: Settings, tenants: TenantTable, store: Store, caller:
 # --- models -------------------------------------------------------------------------
 
 
-def model_batching(settings: Settings, record: ModelRecord) -> Batching:
+def model_batching(settings: Settings, record: ModelRecord, override: live.LiveBatching | None = None, *,
+                   now: float = 0.0) -> Batching:
     """The batching settings workers apply to the model version of registry `record`: its
     configured ones (`online.models`, else `online.batching`, a repository config's keys on top: `configured`),
-    `auto` values resolved from its profile."""
-    return resolve(configured(settings.online, record), record)
+    `auto` values resolved from its profile, a tuned pick on top, and a live `override` in force at `now`
+    (the batching controller's, a sweep's trial) for the kind of device its profile was measured on, else the
+    first kind the override names."""
+    batching = resolve(configured(settings.online, record), record)
+    if override is None:
+        return batching
+    profiled = str((record.profile or {}).get("device", "")).partition(":")[0]
+    kind = profiled if profiled in override.by_kind else next(iter(sorted(override.by_kind)), profiled)
+    return live.apply(batching, override, kind, now=now)
 
 
 def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, body: ModelRegistration,

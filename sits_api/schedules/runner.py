@@ -6,7 +6,8 @@ inference fleet never imports the API, and a release never waits behind inferenc
 lazily from `load_settings()`, as the worker's app is; task events on, so Flower shows each release.
 The beat's `sits.rescore_queues` runs here too: a pass over the queues (`broker/queueing/re_estimate.py`),
 whose report is its result. So does a model's tuning sweep (`sits.tune_model`, `sits_api/tuning/sweep.py`):
-its load goes through the intake, as a release's job does.
+its load goes through the intake, as a release's job does. And the batching controller's steps
+(`sits.steer_batching`, `broker/tuning/steering.py`), which the beat sends every `tuning.controller.every`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from broker.schedules.passes import RELEASE_TASK, RESCORE_TASK
 from broker.state.sentinel import celery_broker
 from broker.state.store import Store
 from broker.tenants.records import TenantTable
+from broker.tuning import steering
+from broker.tuning.steering import STEER_TASK
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.schedules.release import release_run
-from sits_api.tuning.sweep import TUNE_TASK, Caller, TuneAsk, run_tuning
+from sits_api.tuning.sweep import TUNE_TASK, Caller, TuneAsk, device_kinds, run_tuning
 
 
 class _ReleaseCelery(Celery):
@@ -109,3 +112,13 @@ def tune_model(ask: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
     ended = run_tuning(releaser.settings, releaser.store, releaser.dispatcher, TuneAsk.of(ask), Caller(**caller))
     return {"tunings": [{"device_kind": t.device_kind, "status": t.status, "error": t.error,
                          "chosen": t.chosen.to_dict() if t.chosen else None} for t in ended]}
+
+
+@app.task(name=STEER_TASK)
+def steer_batching() -> dict[str, Any]:
+    """One step of the batching controller (`steering.steer_batching`); Flower shows the changes it made."""
+    releaser = _releaser()
+    settings, store = releaser.settings, releaser.store
+    now = time.time()
+    return steering.steer_batching(store, settings.online, settings.tuning.controller, now=now,
+                                   device_kinds=device_kinds(settings, store, now=now)).to_json()

@@ -87,11 +87,23 @@ class TuningRecord(BaseModel):
     ask_id: str
 
 
+class ControllerChange(BaseModel):
+    """One move of the batching controller."""
+
+    model_ref: str
+    device_kind: str
+    at: float
+    before: dict[str, float]
+    after: dict[str, float]
+    reason: str
+
+
 class Tunings(BaseModel):
-    """A model version's last sweep on each kind of device."""
+    """A model version's last sweep on each kind of device, and the batching controller's last changes of it."""
 
     model_ref: str
     tunings: list[TuningRecord]
+    controller_changes: list[ControllerChange] = Field(description="newest first, at most 50")
 
 
 class TuneStarted(BaseModel):

@@ -9,6 +9,7 @@ from typing import Any
 from flask import Blueprint, g, jsonify
 
 from broker.models import registry
+from broker.tuning import live
 from sits_api.intake import registrations, services
 from sits_api.schemas import ModelRegistration
 from sits_api.state import app_state
@@ -72,4 +73,6 @@ def get_model(ref: str) -> Any:
     shown = model_as_seen(record)
     if "@" not in ref:
         shown["versions"] = [v.version for v in registry.list_model_versions(store, record.name)]
-    return jsonify(shown | {"batching": services.model_batching(state.settings, record).to_dict()})
+    override = live.read(store, record.ref)
+    return jsonify(shown | {"batching": services.model_batching(state.settings, record, override,
+                                                                 now=time.time()).to_dict()})

@@ -10,7 +10,7 @@ from flask import Blueprint, g, jsonify
 
 from broker.errors import BadInput, Conflict
 from broker.models import registry
-from broker.tuning import results
+from broker.tuning import results, steering
 from broker.tuning.front import Space, default_space
 from sits_api.state import app_state
 from sits_api.tenancy import tenant_gate
@@ -64,13 +64,14 @@ def tune_model(ref: str) -> Any:
 
 @blueprint.get("/v1/models/<ref>/tune")
 def get_tunings(ref: str) -> Any:
-    """The model version's last sweep on each kind of device: running (its points so far), done or failed.
-    Any key that may use the model may read them."""
+    """The model version's last sweep on each kind of device: running (its points so far), done or failed;
+    and the batching controller's last changes of it. Any key that may use the model may read them."""
     state = app_state()
     record = registry.get_model(state.store, ref)
     tenant_gate.check_model(state.tenants, state.store, g.identity, record.ref)
-    return jsonify({"model_ref": record.ref, "tunings": [t.to_dict() for t in results.read_model(state.store,
-                                                                                                  record.ref)]})
+    return jsonify({"model_ref": record.ref,
+                    "tunings": [t.to_dict() for t in results.read_model(state.store, record.ref)],
+                    "controller_changes": steering.recent_changes(state.store, record.ref, limit=50)})
 
 
 def _asked_space(body: bodies.TuneAsk, profile_points: list[Any], max_streams: int) -> Space | None:

@@ -22,9 +22,10 @@ from celery.beat import Scheduler
 
 from broker.config.loading import load_settings
 from broker.errors import SitsError
-from broker.schedules.passes import RELEASE_TASK, RESCORE_TASK, BeatPass
+from broker.schedules.passes import RELEASE_TASK, RESCORE_TASK, BeatPass, Periodic
 from broker.state.embedded import masked_url
 from broker.state.store import Store
+from broker.tuning.steering import STEER_TASK
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ class SlotScheduler(Scheduler):
         self._store = Store.of(self._settings.redis)
         self._queue = self._settings.beat.queue(self._settings.redis.key_prefix)
         holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self._pass = BeatPass(self._store, self._settings.beat, holder, self._send, self._send_rescore)
+        steer = Periodic(self._settings.tuning.controller.every, self._send_steer)
+        self._pass = BeatPass(self._store, self._settings.beat, holder, self._send, self._send_rescore,
+                              periodic=[steer])
         super().__init__(app, *args, **kwargs)
 
     def setup_schedule(self) -> None:
@@ -70,6 +73,15 @@ class SlotScheduler(Scheduler):
             self.app.send_task(RESCORE_TASK, queue=self._queue, expires=self._settings.beat.rescore_every)
         except Exception as err:  # kombu's OperationalError and the like: Redis away or full
             log.warning("re-scoring not sent (%s); the next is sent in %gs", err, self._settings.beat.rescore_every)
+
+    def _send_steer(self) -> None:
+        """Publish one step of the batching controller to the releasers (`broker/tuning/steering.py`), dropped
+        unrun once the next is due."""
+        every = self._settings.tuning.controller.every
+        try:
+            self.app.send_task(STEER_TASK, queue=self._queue, expires=every)
+        except Exception as err:  # kombu's OperationalError and the like: Redis away or full
+            log.warning("batching controller step not sent (%s); the next is sent in %gs", err, every)
 
     def should_sync(self) -> bool:
         return False

@@ -29,6 +29,7 @@ from broker.queueing import leases
 from broker.queueing.leases import LeasedItem
 from broker.queueing.scoring import estimate_latency_ms
 from broker.queueing.scoring import rows_to_fill as rows_to_fill_by_profile
+from broker.tuning import windows
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
 from sits_worker.serving import batch_trace, drain_report
 from sits_worker.serving.context import WorkerContext
@@ -67,10 +68,28 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
         if failure is not None:  # (once the keeper no longer extends the leases a retry parks)
             results += _settle_failed_run(ctx, [item for item, _ in live], failure)
     if results:  # (none when every request waits for a retry)
-        requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
+        now = time.time()
+        requests.complete_requests(ctx.store, results, now=now, keep_seconds=ctx.settings.online.result_ttl,
                                    batch_size=len(items), worker=ctx.name, run_started=run_started,
                                    run_rows=_rows(live))
+        note_for_controller(ctx, model_ref, results, batch_rows=_rows(live), now=now)
     return sum(1 for result in results if not result.error)
+
+
+def note_for_controller(ctx: WorkerContext, model_ref: str, results: Sequence[RequestResult], *, batch_rows: int,
+                        now: float) -> None:
+    """Note the latency of each request answered (submit to `now`) for the batching controller, when it
+    steers the model (`broker/tuning/windows.py`); a note Redis cannot take is dropped (a window with
+    fewer answers moves nothing)."""
+    if not ctx.batching(model_ref).closed_loop:
+        return
+    latencies = [now - float((result.item.payload.get("factors") or {}).get("enqueued_at") or now)
+                 for result in results if result.ran and not result.error]
+    try:
+        windows.note_answers(ctx.store, model_ref, latencies, batch_rows, now=now)
+    except SitsError as err:
+        log.warning("could not note %d answers of %s for the batching controller: %s", len(latencies), model_ref,
+                    err.message)
 
 
 def _settle_failed_run(ctx: WorkerContext, items: Sequence[LeasedItem], err: Exception) -> list[RequestResult]:
@@ -131,9 +150,11 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
                 job_outputs = dict(zip(output_names, ctx.run(model_ref, feed, output_names, session), strict=True))
             except BadInput:  # (the riders are completed all the same; the caller bisects the job rows)
                 pass
-    requests.complete_requests(ctx.store, results, now=time.time(), keep_seconds=ctx.settings.online.result_ttl,
+    now = time.time()
+    requests.complete_requests(ctx.store, results, now=now, keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows,
                                run_started=run_started, run_rows=job_rows + _rows(live))
+    note_for_controller(ctx, model_ref, results, batch_rows=job_rows + _rows(live), now=now)
     return None if job_outputs is None else [job_outputs[name] for name in output_names]
 
 

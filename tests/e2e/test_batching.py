@@ -86,7 +86,7 @@ def test_auto_batching_follows_the_measured_profile(stack):
     assert default["batching"]["max_batch_size"] == max(size for size, ms in points.items() if ms <= 50)
     assert client.get("/v1/models/mlp")["batching"] == {
         "max_batch_size": 8, "max_queue_delay_ms": 0.0, "preferred_batch_sizes": [4], "max_batch_tokens": 8192,
-        "queue_capacity": 1024, "source": "config"}
+        "queue_capacity": 1024, "streams": None, "source": "config"}
 
     rows = np.random.default_rng(1).standard_normal((6, 64)).astype(np.float32)
     alone = queue_while_frozen(stack, "mlp_auto", rows)

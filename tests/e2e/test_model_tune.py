@@ -3,7 +3,8 @@
 One stack for the module. What is checked: `sitsctl model tune` sweeps a small space through the intake,
 prints the front and the pick as JSON, charts it, and `--apply` makes the worker batch by it (`source:
 tuned`); a live override's `streams` cap keeps a model's batches off a second slot, and a kind of device
-the override bars leases none of the model's requests until it is lifted.
+the override bars leases none of the model's requests until it is lifted; the beat's batching controller
+steps a `closed_loop` model from its answers, and workers and `/metrics` show its settings.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,8 +33,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     from sits_worker.model.zoo import build_zoo
 
     home = tmp_path_factory.mktemp("tune") / "home"
-    running = Stack(stack_settings(home, streams=2), worker_count=1, api_port=0, beat=True).start()
-    register(running.client(), "mlp", build_zoo(home / "models")["mlp"])
+    settings = stack_settings(home, streams=2).with_overrides(
+        online={"models": {"mlp-loop": {"closed_loop": True, "target_p99": "200ms"}}},
+        tuning={"controller": {"every": "0.5s", "patience": 1, "cooldown": "0s"}})
+    running = Stack(settings, worker_count=1, api_port=0, beat=True).start()
+    zoo = build_zoo(home / "models")
+    register(running.client(), "mlp", zoo["mlp"])
+    register(running.client(), "mlp-loop", zoo["mlp"])
     yield running
     running.stop()
 
@@ -133,3 +140,24 @@ def test_a_streams_cap_keeps_the_model_on_one_slot_and_a_barred_kind_leases_none
     while client.get(f"/v1/requests/{queued['id']}")["status"] != "succeeded" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert client.get(f"/v1/requests/{queued['id']}")["status"] == "succeeded"
+
+
+def test_the_batching_controller_steers_a_closed_loop_model_from_its_answers(stack: Stack) -> None:
+    client = stack.client()
+    store = Store.of(stack.settings.redis)
+    ref = client.get("/v1/models/mlp-loop")["ref"]
+    rows = np.random.default_rng(5).standard_normal((1, 64)).astype(np.float32).tolist()
+    ends = time.monotonic() + 4
+    while time.monotonic() < ends:  # (answers for the controller's windows)
+        assert client.post("/v1/requests?wait=true", {"model": "mlp-loop", "inputs": {"features": rows}})[
+            "status"] == "succeeded"
+    override = live.read(store, ref)
+    assert override is not None and override.source == "controller" and override.knobs_for("cpu", now=time.time())
+    assert client.get("/v1/models/mlp-loop")["batching"]["source"] == "controller"
+    state = json.loads(store.client.hget(store.keys.controllers, f"{ref}|cpu"))
+    assert state["answered"] >= 20 and state["p99"] is not None  # (the worker noted its answers' latencies)
+    with urllib.request.urlopen(urllib.request.Request(
+            f"{client.url}/metrics", headers={"Authorization": f"Bearer {client.key}"}), timeout=30) as answer:
+        text = answer.read().decode()
+    shown = [line for line in text.splitlines() if line.startswith("sits_batching_live_max_batch_size{")]
+    assert any('model="mlp-loop"' in line and 'source="controller"' in line for line in shown), shown

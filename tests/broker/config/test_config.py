@@ -417,7 +417,8 @@ def test_a_model_batching_override_keeps_the_other_keys_of_online_batching(tmp_p
 
     assert online.batching_for("transformer").model_dump() == {
         "max_batch_size": 8, "max_queue_delay": 0.005, "preferred_batch_sizes": (), "max_batch_latency": 0.05,
-        "max_batch_tokens": 64, "queue_capacity": 1024, "streams": None, "max_queue_size": 4096, "default_timeout": 0.0,
+        "max_batch_tokens": 64, "queue_capacity": 1024, "streams": None, "closed_loop": False, "target_p99": 0.12,
+        "max_queue_size": 4096, "default_timeout": 0.0,
         "timeout_action": "reject", "allow_timeout_override": True, "priority_levels": {}}
     assert online.batching_for("mlp") == online.batching
 

@@ -3,7 +3,7 @@ send is a recording callback, as `test_releases.py` records releases)."""
 
 from __future__ import annotations
 
-from broker.schedules.passes import BeatPass
+from broker.schedules.passes import BeatPass, Periodic
 from broker.schedules.settings import BeatSettings
 from broker.state.store import Store
 from tests.broker.broker_helpers import NOW
@@ -39,3 +39,15 @@ def test_a_clock_that_went_back_does_not_stop_the_sends(store: Store) -> None:
     sender.run(NOW + 3600)
     sender.run(NOW)
     assert sent == ["b1", "b1"]
+
+
+def test_the_batching_controllers_steps_go_out_at_their_own_period_from_the_turn_holder(store: Store) -> None:
+    steps: list[str] = []
+    first = BeatPass(store, BeatSettings(rescore_every=0.0), "b1", lambda member, slot: None,
+                     periodic=[Periodic(2.0, lambda: steps.append("b1"))])
+    second = BeatPass(store, BeatSettings(rescore_every=0.0), "b2", lambda member, slot: None,
+                      periodic=[Periodic(2.0, lambda: steps.append("b2"))])
+    for step in range(0, 6):
+        first.run(NOW + step)
+        second.run(NOW + step + 0.5)
+    assert steps == ["b1", "b1", "b1"]  # at NOW, NOW + 2 and NOW + 4
