@@ -109,7 +109,7 @@ def rescore_queues() -> dict[str, Any]:
 def tune_model(ask: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
     """One tuning sweep (`sweep.run_tuning`); Flower shows the points it chose."""
     releaser = _releaser()
-    ended = run_tuning(releaser.settings, releaser.store, releaser.dispatcher, TuneAsk.of(ask), Caller(**caller))
+    ended = run_tuning(releaser.settings, releaser.store, TuneAsk.of(ask), Caller(**caller))
     return {"tunings": [{"device_kind": t.device_kind, "status": t.status, "error": t.error,
                          "chosen": t.chosen.to_dict() if t.chosen else None} for t in ended]}
 

@@ -1,10 +1,9 @@
 """Closed-loop load for a tuning sweep: C clients, each sending its next request when its last is answered.
 
-Each client is a thread that goes through the API's own intake (`sits_api.intake.requests`: the checks,
-the scoring, the queue policy, the result inbox), so the latency it times is submit to answer as an
-API process sees it: the queue's wait, the batching and the run, without the HTTP transport. A window
-first lets the queue settle at the new setting and load, then counts what the clients saw; bounded in
-time, and a request refused by a full queue counts as refused (the point is then no candidate).
+Each client is a thread that sends a request, waits for its answer and sends the next (`clients.HttpSender`).
+A window first lets the queue settle at the new setting and load, then counts what the clients saw;
+bounded in time, and a request refused (a full queue's 429) or failed counts as refused (the point is then
+no candidate).
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
-from broker.errors import SitsError
 
 Send = Callable[[int], bool]
 """Sends one request for client `i` and waits for its answer: True when it was answered with outputs,
@@ -76,13 +73,3 @@ def closed_loop(send: Send, *, concurrency: int, settle: float, seconds: float) 
     for thread in threads:
         thread.join()
     return Measured(concurrency, counts["answered"], counts["refused"], seconds, tuple(latencies))
-
-
-def guarded(send: Callable[[int], bool]) -> Send:
-    """`send` with SITS's errors counted as a failed request rather than raised out of a client thread."""
-    def call(index: int) -> bool:
-        try:
-            return send(index)
-        except SitsError:
-            return False
-    return call

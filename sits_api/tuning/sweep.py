@@ -8,13 +8,16 @@ highest-throughput point within the P99 bound (`front.choose`), measures that se
 concurrency, and with `apply` stores it on the model version (`tuned_batching`: workers then batch by
 it, `source: tuned`). The trial override is removed whatever happens.
 
-The requests are the asking key's: billed to its tenant, within its caps and priority (`Caller`).
+The requests go over HTTP to the API as the asking client reached it (`clients.HttpSender`), so their
+latency is all a client sees, under a key made for the sweep in the asking key's tenant and deleted at its
+end: billed to that tenant, within its caps and priority (`Caller`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,17 +26,14 @@ from broker.config.settings import Settings
 from broker.errors import SitsError
 from broker.models import registry
 from broker.models.model_record import ModelRecord
-from broker.online import requests as online_requests
-from broker.queueing import policy, workers
-from broker.setting_types import UserTier
+from broker.queueing import workers
 from broker.state.store import Store
+from broker.tenants.apikeys import create_api_key, revoke_api_keys
 from broker.tuning import live, results
 from broker.tuning.front import Point, Setting, Space, choose, default_space, quick_neighbours, worth
 from broker.tuning.results import DONE, FAILED, Tuning
-from sits_api.intake import requests as request_intake
-from sits_api.intake.result_inbox import ResultInbox
-from sits_api.intake.task_sender import Dispatcher
-from sits_api.tuning.load import Measured, closed_loop, guarded
+from sits_api.tuning.clients import HttpSender
+from sits_api.tuning.load import Measured, closed_loop
 from sits_worker.model.samples import sample_feed
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class TuneAsk:
     """The kinds of device to tune on, one after the other (the API names the live workers' kinds)."""
     ask_id: str = ""
     """Names the ask in the records it ends with, so its caller knows when they are all done."""
+    api_url: str = ""
+    """Where the sweep's clients send their requests: the API's URL as the asking client reached it."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (a task's argument)."""
@@ -69,7 +71,7 @@ class TuneAsk:
                 "concurrencies": list(self.concurrencies), "cell_seconds": self.cell_seconds,
                 "settle_seconds": self.settle_seconds, "apply": self.apply, "refresh": self.refresh,
                 "space": self.space.to_dict() if self.space else None, "device_kinds": list(self.device_kinds),
-                "ask_id": self.ask_id}
+                "ask_id": self.ask_id, "api_url": self.api_url}
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> TuneAsk:
@@ -83,15 +85,12 @@ class TuneAsk:
 
 @dataclass(frozen=True)
 class Caller:
-    """Whose load a sweep sends: the asking key's tenant, name and what its tenant allows."""
+    """Who asked for a sweep: its requests are made under a key of the same tenant (and role, for an admin),
+    within that tenant's caps and priority, and billed to it."""
 
     tenant: str
     owner: str
-    priority: int
-    max_priority: int
-    user_tier: UserTier = "free"
-    max_queued: int = 0
-    max_queued_bytes: int = 0
+    role: str = "user"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (a task's argument)."""
@@ -116,30 +115,11 @@ def fleet_streams(settings: Settings, store: Store, *, kind: str, now: float) ->
 class Sweep:
     """One sweep's measuring: the trial override, the load, the record written point by point."""
 
-    def __init__(self, settings: Settings, store: Store, dispatcher: Dispatcher, ask: TuneAsk, caller: Caller,
-                 record: ModelRecord, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: Settings, store: Store, ask: TuneAsk, caller: Caller, record: ModelRecord,
+                 sender: HttpSender, *, clock: Callable[[], float] = time.time) -> None:
         self.settings, self.store, self.ask, self.caller, self.record = settings, store, ask, caller, record
+        self.sender = sender
         self.clock = clock
-        self.policy = policy.LivePolicy(store, default=policy.default_ordering(settings.scheduler.policy))
-        self.inbox = ResultInbox(store)
-        self.dispatcher = dispatcher
-        self.feeds = [sample_feed(record.signature, 1, seed=seed) for seed in range(8)]
-
-    def send(self, index: int) -> bool:
-        """One request of client `index`, waited for: whether it was answered with outputs."""
-        request_id = online_requests.new_request_id()
-        caller = self.caller
-        with self.inbox.expecting(request_id) as answer:
-            spec = request_intake.submit(
-                self.settings, self.store, self.dispatcher, self.policy, model=self.record.ref,
-                inputs=dict(self.feeds[index % len(self.feeds)]), priority=caller.priority, deadline_ms=None,
-                user_tier=caller.user_tier, tokens=None, owner=caller.owner, now=self.clock(),
-                request_id=request_id, reply_to=answer.reply_to, tenant=caller.tenant,
-                max_queued=caller.max_queued, max_queued_bytes=caller.max_queued_bytes,
-                max_priority=caller.max_priority)
-            done = request_intake.wait_for_result(self.settings, self.store, self.policy, answer, spec,
-                                                  seconds=self.settings.online.max_wait)
-        return done is not None and done.status == "succeeded"
 
     def measure(self, kind: str, setting: Setting, concurrency: int, seconds: float) -> Point:
         """`setting` on `kind` (the other kinds barred) under `concurrency` clients for `seconds`."""
@@ -148,7 +128,7 @@ class Sweep:
         live.write(self.store, self.record.ref, live.LiveBatching(
             source="trial", until=live.renew_until(now, self.ask.settle_seconds + seconds), by_kind={kind: knobs},
             others=live.BARRED, note=f"tuning sweep: {setting.to_dict()} at {concurrency} clients"))
-        seen = closed_loop(guarded(self.send), concurrency=concurrency, settle=self.ask.settle_seconds,
+        seen = closed_loop(self.sender.send, concurrency=concurrency, settle=self.ask.settle_seconds,
                            seconds=seconds)
         return point_of(setting, seen)
 
@@ -160,25 +140,35 @@ def point_of(setting: Setting, seen: Measured) -> Point:
                  p99_ms=round(seen.percentile_ms(99), 3), refused=seen.refused)
 
 
-def run_tuning(settings: Settings, store: Store, dispatcher: Dispatcher, ask: TuneAsk, caller: Caller,
-               *, clock: Callable[[], float] = time.time) -> list[Tuning]:
-    """Tune `ask.model_ref` on each kind of device asked or alive; the records it ends with."""
+def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *,
+               clock: Callable[[], float] = time.time) -> list[Tuning]:
+    """Tune `ask.model_ref` on each kind of device asked or alive; the records it ends with. The load goes to
+    the API at `ask.api_url` under a key made for the sweep in the caller's tenant (an admin's: an admin key),
+    deleted when the sweep ends."""
     record = registry.get_model(store, ask.model_ref)
     kinds = list(ask.device_kinds) or device_kinds(settings, store, now=clock())
+    key_name = f"sits-tune-{ask.ask_id[:16] or uuid.uuid4().hex[:16]}"
+    key = create_api_key(store, key_name, "admin" if caller.role == "admin" else "user",
+                         tenant="" if caller.role == "admin" else caller.tenant)
+    sender = HttpSender(ask.api_url, key, record.ref, [sample_feed(record.signature, 1, seed=s) for s in range(8)])
     ended = []
-    for kind in kinds:
-        cached = results.read(store, record.ref, kind)
-        ttl = settings.scheduler.model_profile_cache_ttl
-        if (cached is not None and not ask.refresh and cached.method == ask.method
-                and cached.fresh(now=clock(), ttl=ttl)):
-            tuning = replace(cached.repicked(ask.p99_bound_ms), tenant=caller.tenant, ask_id=ask.ask_id)
-        else:
-            tuning = _sweep_kind(Sweep(settings, store, dispatcher, ask, caller, record, clock=clock), kind)
-        if ask.apply and tuning.status == DONE and tuning.chosen is not None:
-            apply_choice(store, record.ref, tuning)
-            tuning = replace(tuning, applied=True)
-        results.save(store, tuning)
-        ended.append(tuning)
+    try:
+        for kind in kinds:
+            cached = results.read(store, record.ref, kind)
+            ttl = settings.scheduler.model_profile_cache_ttl
+            if (cached is not None and not ask.refresh and cached.method == ask.method
+                    and cached.fresh(now=clock(), ttl=ttl)):
+                tuning = replace(cached.repicked(ask.p99_bound_ms), tenant=caller.tenant, ask_id=ask.ask_id)
+            else:
+                tuning = _sweep_kind(Sweep(settings, store, ask, caller, record, sender, clock=clock), kind)
+            if ask.apply and tuning.status == DONE and tuning.chosen is not None:
+                apply_choice(store, record.ref, tuning)
+                tuning = replace(tuning, applied=True)
+            results.save(store, tuning)
+            ended.append(tuning)
+    finally:
+        sender.close()
+        revoke_api_keys(store, key_name)
     return ended
 
 

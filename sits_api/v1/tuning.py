@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from flask import Blueprint, g, jsonify
+from flask import Blueprint, g, jsonify, request
 
 from broker.errors import BadInput, Conflict
 from broker.models import registry
@@ -31,7 +31,7 @@ def tune_model(ref: str) -> Any:
     store, settings, identity = state.store, state.settings, g.identity
     record = registry.get_model(store, ref)
     registry.check_may_register(store, record.name, identity)
-    tenant = tenant_gate.check_model(state.tenants, store, identity, record.ref)
+    tenant_gate.check_model(state.tenants, store, identity, record.ref)
     now = time.time()
     running = results.running(store, record.ref, now=now)
     if running is not None:
@@ -48,14 +48,12 @@ def tune_model(ref: str) -> Any:
                        f"{len(body.concurrencies)} loads x {body.settle_seconds + body.cell_seconds:g} s on "
                        f"{len(kinds)} kinds of device), past {bodies.MAX_SWEEP_SECONDS:.0f} s: try fewer values, "
                        "fewer concurrencies or shorter cell_seconds")
-    caps = tenant_gate.caps_of(identity, tenant)
     ask = TuneAsk(model_ref=record.ref, p99_bound_ms=body.p99_ms, method=body.method,
                   concurrencies=tuple(int(c) for c in body.concurrencies), cell_seconds=body.cell_seconds,
                   settle_seconds=body.settle_seconds, apply=body.apply, refresh=body.refresh, space=space,
-                  device_kinds=tuple(kinds), ask_id=uuid.uuid4().hex)
-    caller = Caller(tenant=tenant_gate.tenant_of(identity), owner=str(identity.get("name", "")), priority=0,
-                    max_priority=tenant_gate.priority_cap(tenant), max_queued=caps.max_queued,
-                    max_queued_bytes=caps.max_queued_bytes)
+                  device_kinds=tuple(kinds), ask_id=uuid.uuid4().hex, api_url=request.host_url)
+    caller = Caller(tenant=tenant_gate.tenant_of(identity), owner=str(identity.get("name", "")),
+                    role="admin" if identity.get("role") == "admin" else "user")
     state.dispatcher.send(TUNE_TASK, ask.to_dict(), caller.to_dict(),
                           queue=settings.beat.queue(settings.redis.key_prefix))
     return jsonify({"model_ref": record.ref, "ask_id": ask.ask_id, "device_kinds": kinds, "status": "queued",

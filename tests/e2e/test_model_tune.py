@@ -81,6 +81,8 @@ def test_model_tune_sweeps_picks_within_the_bound_charts_and_applies(stack: Stac
     assert model["tuned_batching"]["cpu"]["p99_bound_ms"] == 1000
     store = Store.of(stack.settings.redis)
     assert live.read(store, model["ref"]) is None  # the sweep's trial override is gone
+    names = [json.loads(raw).get("name") for raw in store.client.hvals(store.keys.api_keys)]
+    assert not [name for name in names if name.startswith("sits-tune-")]  # and so is the key its clients used
 
     again = sitsctl(stack, "model", "tune", "mlp", "--p99", "1ms", "--method", "brute", "--json")
     assert again.returncode == 0, again.stdout + again.stderr  # cached: picked again from the same points
@@ -113,7 +115,7 @@ def _overlapping(answers: list[dict[str, Any]]) -> int:
 def test_a_streams_cap_keeps_the_model_on_one_slot_and_a_barred_kind_leases_none(stack: Stack) -> None:
     store = Store.of(stack.settings.redis)
     ref = stack.client().get("/v1/models/mlp")["ref"]
-    one_by_one = live.Knobs(max_batch_size=1, max_queue_delay=0.0)
+    one_by_one = live.Knobs(max_batch_size=1, max_queue_delay=0.0, streams=2)  # (whatever the tuned pick set)
     live.write(store, ref, live.LiveBatching("trial", until=time.time() + 60, by_kind={"cpu": one_by_one}))
     time.sleep(1.0)  # (workers read overrides every 0.5 s)
     free = _send(stack, 48)
