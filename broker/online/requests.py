@@ -185,6 +185,7 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,
                "factors": spec.factors, "tenant": tenant, "owner": spec.owner,
                **({"expires_at": spec.expires_at} if spec.expires_at else {}),
+               **({"deadline_at": spec.deadline_at} if spec.deadline_at else {}),
                **({"delay_at": spec.delay_at} if spec.delay_at else {}),
                **({"reply_to": spec.reply_to} if spec.reply_to else {}),
                **spans.traceparent_field()}  # (the enqueue span's: a worker continues the request's trace)

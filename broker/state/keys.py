@@ -392,6 +392,11 @@ class Keys:
         return self._key("batching-controllers")
 
     @property
+    def weight_learner(self) -> str:
+        """STRING JSON state of the CP-Score weight learner (`broker/tuning/learning.py`)."""
+        return self._key("weight-learner")
+
+    @property
     def batching_changes(self) -> str:
         """LIST of JSON changes the batching controller made, newest first, capped (`broker/tuning/steering.py`)."""
         return self._key("batching-changes")

@@ -33,6 +33,8 @@ class Tuning:
     """'brute' or 'quick' (`broker/tuning/front.py`)."""
     p99_bound_ms: float
     status: str = RUNNING
+    headroom: float = 0.0
+    """The pick's P99 stays this share under the bound (`pick_bound_ms`), so that it holds measured again."""
     started_at: float = 0.0
     updated_at: float = 0.0
     finished_at: float | None = None
@@ -51,6 +53,11 @@ class Tuning:
     """The ask it answers (`POST /v1/models/<name>/tune` names it)."""
 
     @property
+    def pick_bound_ms(self) -> float:
+        """The P99 the pick must meet: the bound less its headroom."""
+        return self.p99_bound_ms * (1 - self.headroom)
+
+    @property
     def front(self) -> list[Point]:
         """The points' latency/throughput front."""
         return pareto_front(self.points)
@@ -59,16 +66,17 @@ class Tuning:
         """Whether its points may be used again at `now` instead of a new sweep."""
         return self.status == DONE and self.finished_at is not None and now - self.finished_at < ttl
 
-    def repicked(self, p99_bound_ms: float) -> Tuning:
+    def repicked(self, p99_bound_ms: float, headroom: float) -> Tuning:
         """The same points with the pick under another bound (not verified at it)."""
-        chosen = choose(self.points, p99_bound_ms)
-        return replace(self, p99_bound_ms=p99_bound_ms, chosen=chosen,
+        chosen = choose(self.points, p99_bound_ms * (1 - headroom))
+        return replace(self, p99_bound_ms=p99_bound_ms, headroom=headroom, chosen=chosen,
                        verified=self.verified if chosen == self.chosen else None, applied=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form, as stored and as the API shows it (with the front)."""
         return {"model_ref": self.model_ref, "device_kind": self.device_kind, "method": self.method,
-                "p99_bound_ms": self.p99_bound_ms, "status": self.status, "started_at": self.started_at,
+                "p99_bound_ms": self.p99_bound_ms, "headroom": self.headroom, "status": self.status,
+                "started_at": self.started_at,
                 "updated_at": self.updated_at, "finished_at": self.finished_at, "space": self.space,
                 "settings_total": self.settings_total, "points": [p.to_dict() for p in self.points],
                 "front": [p.to_dict() for p in self.front],
@@ -81,6 +89,7 @@ class Tuning:
         """The inverse of `to_dict`."""
         return cls(model_ref=data["model_ref"], device_kind=data["device_kind"], method=data["method"],
                    p99_bound_ms=float(data["p99_bound_ms"]), status=data.get("status", RUNNING),
+                   headroom=float(data.get("headroom") or 0.0),
                    started_at=float(data.get("started_at") or 0), updated_at=float(data.get("updated_at") or 0),
                    finished_at=data.get("finished_at"), space=dict(data.get("space") or {}),
                    settings_total=int(data.get("settings_total") or 0),

@@ -78,7 +78,7 @@ def safe_range(store: Store, record: ModelRecord, device_kind: str, batching: Mo
     """The ceilings and delays the controller may use for `record` on `device_kind` (see the module)."""
     tuning = results.read(store, record.ref, device_kind)
     if tuning is not None and tuning.status == results.DONE:
-        within = [p.setting for p in tuning.points if p.meets(tuning.p99_bound_ms)]
+        within = [p.setting for p in tuning.points if p.meets(tuning.pick_bound_ms)]
         if within:
             return SafeRange(tuple(sorted({s.max_batch_size for s in within})),
                              tuple(sorted({s.max_queue_delay for s in within})))

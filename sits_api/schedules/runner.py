@@ -7,7 +7,8 @@ lazily from `load_settings()`, as the worker's app is; task events on, so Flower
 The beat's `sits.rescore_queues` runs here too: a pass over the queues (`broker/queueing/re_estimate.py`),
 whose report is its result. So does a model's tuning sweep (`sits.tune_model`, `sits_api/tuning/sweep.py`):
 its load goes through the intake, as a release's job does. And the batching controller's steps
-(`sits.steer_batching`, `broker/tuning/steering.py`), which the beat sends every `tuning.controller.every`.
+(`sits.steer_batching`, `broker/tuning/steering.py`) and the weight learner's (`sits.learn_weights`,
+`broker/tuning/learning.py`), which the beat sends every `tuning.controller.every` and `tuning.weights.every`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from broker.schedules.passes import RELEASE_TASK, RESCORE_TASK
 from broker.state.sentinel import celery_broker
 from broker.state.store import Store
 from broker.tenants.records import TenantTable
-from broker.tuning import steering
+from broker.tuning import learning, steering
+from broker.tuning.learning import LEARN_TASK
 from broker.tuning.steering import STEER_TASK
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.schedules.release import release_run
@@ -122,3 +124,12 @@ def steer_batching() -> dict[str, Any]:
     now = time.time()
     return steering.steer_batching(store, settings.online, settings.tuning.controller, now=now,
                                    device_kinds=device_kinds(settings, store, now=now)).to_json()
+
+
+@app.task(name=LEARN_TASK)
+def learn_weights() -> dict[str, Any]:
+    """One step of the CP-Score weight learner (`learning.learn_weights`); Flower shows the weights it made live."""
+    releaser = _releaser()
+    settings = releaser.settings
+    return learning.learn_weights(releaser.store, settings.tuning.weights, now=time.time(),
+                                  default_ordering=policy.default_ordering(settings.scheduler.policy)).to_json()

@@ -20,6 +20,8 @@ class TuneAsk(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     p99_ms: float = Field(120.0, gt=0, le=600_000, description="the P99 bound the pick must meet, in ms")
+    headroom: float = Field(0.2, ge=0, lt=1, description="the pick's P99 stays this share under the bound, so "
+                                                          "that it holds when measured again")
     method: Literal["quick", "brute"] = Field("quick", description="brute: every setting; quick: a coordinate "
                                                                    "climb from the smallest setting")
     apply: bool = Field(False, description="store the pick as the model version's batching (source: tuned)")
@@ -71,6 +73,7 @@ class TuningRecord(BaseModel):
     device_kind: str
     method: str
     p99_bound_ms: float
+    headroom: float = Field(description="the pick's P99 is at most p99_bound_ms x (1 - headroom)")
     status: str = Field(description="running, done or failed")
     started_at: float
     updated_at: float

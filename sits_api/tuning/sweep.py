@@ -52,6 +52,8 @@ class TuneAsk:
     model_ref: str
     p99_bound_ms: float
     method: str = "quick"
+    headroom: float = 0.2
+    """The pick's P99 stays this share under the bound (`Tuning.pick_bound_ms`)."""
     concurrencies: tuple[int, ...] = (1, 8, 32)
     cell_seconds: float = 2.0
     settle_seconds: float = 1.0
@@ -68,6 +70,7 @@ class TuneAsk:
     def to_dict(self) -> dict[str, Any]:
         """JSON form (a task's argument)."""
         return {"model_ref": self.model_ref, "p99_bound_ms": self.p99_bound_ms, "method": self.method,
+                "headroom": self.headroom,
                 "concurrencies": list(self.concurrencies), "cell_seconds": self.cell_seconds,
                 "settle_seconds": self.settle_seconds, "apply": self.apply, "refresh": self.refresh,
                 "space": self.space.to_dict() if self.space else None, "device_kinds": list(self.device_kinds),
@@ -158,7 +161,8 @@ def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *
             ttl = settings.scheduler.model_profile_cache_ttl
             if (cached is not None and not ask.refresh and cached.method == ask.method
                     and cached.fresh(now=clock(), ttl=ttl)):
-                tuning = replace(cached.repicked(ask.p99_bound_ms), tenant=caller.tenant, ask_id=ask.ask_id)
+                tuning = replace(cached.repicked(ask.p99_bound_ms, ask.headroom), tenant=caller.tenant,
+                                 ask_id=ask.ask_id)
             else:
                 tuning = _sweep_kind(Sweep(settings, store, ask, caller, record, sender, clock=clock), kind)
             if ask.apply and tuning.status == DONE and tuning.chosen is not None:
@@ -179,6 +183,7 @@ def _sweep_kind(sweep: Sweep, kind: str) -> Tuning:
                                        max_streams=fleet_streams(sweep.settings, store, kind=kind, now=clock()))
     total = len(space.settings())
     tuning = Tuning(model_ref=sweep.record.ref, device_kind=kind, method=ask.method, p99_bound_ms=ask.p99_bound_ms,
+                    headroom=ask.headroom,
                     started_at=clock(), updated_at=clock(), space=space.to_dict(), settings_total=total,
                     tenant=sweep.caller.tenant, ask_id=ask.ask_id)
     results.begin(store, tuning, now=clock())
@@ -189,14 +194,14 @@ def _sweep_kind(sweep: Sweep, kind: str) -> Tuning:
                 point = sweep.measure(kind, setting, concurrency, ask.cell_seconds)
                 tuning = replace(tuning, points=(*tuning.points, point), updated_at=clock())
                 results.save(store, tuning)
-            return worth(tuning.points, setting, ask.p99_bound_ms)
+            return worth(tuning.points, setting, tuning.pick_bound_ms)
 
         if ask.method == "brute":
             for setting in space.settings():
                 measured(setting)
         else:
             _climb(space, measured)
-        chosen = choose(tuning.points, ask.p99_bound_ms)
+        chosen = choose(tuning.points, tuning.pick_bound_ms)
         verified = None
         if chosen is not None:
             verified = sweep.measure(kind, chosen.setting, chosen.concurrency, 2 * ask.cell_seconds)
@@ -233,7 +238,8 @@ def apply_choice(store: Store, model_ref: str, tuning: Tuning) -> ModelRecord:
     """Store the chosen setting on the model version for its kind of device (`tuned_batching`)."""
     assert tuning.chosen is not None
     chosen = tuning.chosen
-    entry = {**chosen.setting.to_dict(), "p99_bound_ms": tuning.p99_bound_ms, "throughput": chosen.throughput,
+    entry = {**chosen.setting.to_dict(), "p99_bound_ms": tuning.p99_bound_ms, "headroom": tuning.headroom,
+             "throughput": chosen.throughput,
              "p99_ms": chosen.p99_ms, "concurrency": chosen.concurrency, "tuned_at": tuning.finished_at}
 
     def merged(record: ModelRecord) -> dict[str, Any]:

@@ -48,7 +48,7 @@ def tune_model(ref: str) -> Any:
                        f"{len(body.concurrencies)} loads x {body.settle_seconds + body.cell_seconds:g} s on "
                        f"{len(kinds)} kinds of device), past {bodies.MAX_SWEEP_SECONDS:.0f} s: try fewer values, "
                        "fewer concurrencies or shorter cell_seconds")
-    ask = TuneAsk(model_ref=record.ref, p99_bound_ms=body.p99_ms, method=body.method,
+    ask = TuneAsk(model_ref=record.ref, p99_bound_ms=body.p99_ms, method=body.method, headroom=body.headroom,
                   concurrencies=tuple(int(c) for c in body.concurrencies), cell_seconds=body.cell_seconds,
                   settle_seconds=body.settle_seconds, apply=body.apply, refresh=body.refresh, space=space,
                   device_kinds=tuple(kinds), ask_id=uuid.uuid4().hex, api_url=request.host_url)

@@ -25,6 +25,7 @@ from broker.errors import SitsError
 from broker.schedules.passes import RELEASE_TASK, RESCORE_TASK, BeatPass, Periodic
 from broker.state.embedded import masked_url
 from broker.state.store import Store
+from broker.tuning.learning import LEARN_TASK
 from broker.tuning.steering import STEER_TASK
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,11 @@ class SlotScheduler(Scheduler):
         self._store = Store.of(self._settings.redis)
         self._queue = self._settings.beat.queue(self._settings.redis.key_prefix)
         holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        steer = Periodic(self._settings.tuning.controller.every, self._send_steer)
+        tuning = self._settings.tuning
+        steer = Periodic(tuning.controller.every, lambda: self._send_periodic(STEER_TASK, tuning.controller.every))
+        learn = Periodic(tuning.weights.every, lambda: self._send_periodic(LEARN_TASK, tuning.weights.every))
         self._pass = BeatPass(self._store, self._settings.beat, holder, self._send, self._send_rescore,
-                              periodic=[steer])
+                              periodic=[steer, learn])
         super().__init__(app, *args, **kwargs)
 
     def setup_schedule(self) -> None:
@@ -74,14 +77,13 @@ class SlotScheduler(Scheduler):
         except Exception as err:  # kombu's OperationalError and the like: Redis away or full
             log.warning("re-scoring not sent (%s); the next is sent in %gs", err, self._settings.beat.rescore_every)
 
-    def _send_steer(self) -> None:
-        """Publish one step of the batching controller to the releasers (`broker/tuning/steering.py`), dropped
-        unrun once the next is due."""
-        every = self._settings.tuning.controller.every
+    def _send_periodic(self, task: str, every: float) -> None:
+        """Publish one step of a tuning loop to the releasers (the batching controller's, `sits.steer_batching`;
+        the weight learner's, `sits.learn_weights`), dropped unrun once the next is due."""
         try:
-            self.app.send_task(STEER_TASK, queue=self._queue, expires=every)
+            self.app.send_task(task, queue=self._queue, expires=every)
         except Exception as err:  # kombu's OperationalError and the like: Redis away or full
-            log.warning("batching controller step not sent (%s); the next is sent in %gs", err, every)
+            log.warning("%s not sent (%s); the next is sent in %gs", task, err, every)
 
     def should_sync(self) -> bool:
         return False

@@ -23,6 +23,7 @@ import numpy as np
 from broker.errors import BadInput, InferenceTimeout, PermanentError, SitsError
 from broker.failures import quarantine, retries
 from broker.failures.retry_policy import classify, describe, retry_delays
+from broker.monitoring.sla_metrics import priority_class
 from broker.online import requests
 from broker.online.requests import RequestResult
 from broker.queueing import leases
@@ -72,24 +73,33 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
         requests.complete_requests(ctx.store, results, now=now, keep_seconds=ctx.settings.online.result_ttl,
                                    batch_size=len(items), worker=ctx.name, run_started=run_started,
                                    run_rows=_rows(live))
-        note_for_controller(ctx, model_ref, results, batch_rows=_rows(live), now=now)
+        note_for_tuning(ctx, model_ref, results, batch_rows=_rows(live), now=now)
     return sum(1 for result in results if not result.error)
 
 
-def note_for_controller(ctx: WorkerContext, model_ref: str, results: Sequence[RequestResult], *, batch_rows: int,
+def note_for_tuning(ctx: WorkerContext, model_ref: str, results: Sequence[RequestResult], *, batch_rows: int,
                         now: float) -> None:
-    """Note the latency of each request answered (submit to `now`) for the batching controller, when it
-    steers the model (`broker/tuning/windows.py`); a note Redis cannot take is dropped (a window with
-    fewer answers moves nothing)."""
-    if not ctx.batching(model_ref).closed_loop:
+    """Note each completed request (its latency from submit to `now`, its priority class, its deadline's
+    outcome) for the tuning loops: the batching controller, when it steers the model, and the weight learner,
+    while it runs (`broker/tuning/windows.py`). A note Redis cannot take is dropped (a window with fewer
+    answers moves nothing)."""
+    if not (ctx.batching(model_ref).closed_loop or ctx.settings.tuning.weights.every > 0):
         return
-    latencies = [now - float((result.item.payload.get("factors") or {}).get("enqueued_at") or now)
-                 for result in results if result.ran and not result.error]
+    notes = [_note(result, now) for result in results if result.ran or result.error]
     try:
-        windows.note_answers(ctx.store, model_ref, latencies, batch_rows, now=now)
+        windows.note_answers(ctx.store, model_ref, notes, batch_rows, now=now)
     except SitsError as err:
-        log.warning("could not note %d answers of %s for the batching controller: %s", len(latencies), model_ref,
-                    err.message)
+        log.warning("could not note %d answers of %s for the tuning loops: %s", len(notes), model_ref, err.message)
+
+
+def _note(result: RequestResult, now: float) -> windows.Note:
+    payload = result.item.payload
+    factors = payload.get("factors") or {}
+    deadline_at = payload.get("deadline_at")
+    deadline = windows.NO_DEADLINE if not deadline_at else (
+        windows.MET if not result.error and now <= float(deadline_at) else windows.MISSED)
+    latency = None if result.error else now - float(factors.get("enqueued_at") or now)
+    return windows.Note(latency, priority_class(int(factors.get("base_level", factors.get("level")) or 0)), deadline)
 
 
 def _settle_failed_run(ctx: WorkerContext, items: Sequence[LeasedItem], err: Exception) -> list[RequestResult]:
@@ -154,7 +164,7 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
     requests.complete_requests(ctx.store, results, now=now, keep_seconds=ctx.settings.online.result_ttl,
                                batch_size=job_rows + len(riders), worker=ctx.name, job_rows=job_rows,
                                run_started=run_started, run_rows=job_rows + _rows(live))
-    note_for_controller(ctx, model_ref, results, batch_rows=job_rows + _rows(live), now=now)
+    note_for_tuning(ctx, model_ref, results, batch_rows=job_rows + _rows(live), now=now)
     return None if job_outputs is None else [job_outputs[name] for name in output_names]
 
 
