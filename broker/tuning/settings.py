@@ -72,7 +72,11 @@ class WeightLearning(_Section):
 
 
 class TuningSettings(_Section):
-    """Self-tuning: the batching controller and the weight learner."""
+    """Self-tuning: tuning sweeps, the batching controller and the weight learner."""
 
+    api_url: str = Field("", max_length=2048)
+    """Where a tuning sweep's clients send their requests, as the releaser's host reaches the API; empty: the
+    URL `sitsctl up` recorded in `paths.home`, else `api.host`:`api.port`. Never taken from a request (its
+    Host header is the client's to write)."""
     controller: BatchingControl = BatchingControl()
     weights: WeightLearning = WeightLearning()

@@ -8,7 +8,7 @@ highest-throughput point within the P99 bound (`front.choose`), measures that se
 concurrency, and with `apply` stores it on the model version (`tuned_batching`: workers then batch by
 it, `source: tuned`). The trial override is removed whatever happens.
 
-The requests go over HTTP to the API as the asking client reached it (`clients.HttpSender`), so their
+The requests go over HTTP to the API (`sweep_api_url`; `clients.HttpSender`), so their
 latency is all a client sees, under a key made for the sweep in the asking key's tenant and deleted at its
 end: billed to that tenant, within its caps and priority (`Caller`).
 """
@@ -20,10 +20,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from broker.config.settings import Settings
-from broker.errors import SitsError
+from broker.errors import ConfigError, SitsError
 from broker.models import registry
 from broker.models.model_record import ModelRecord
 from broker.queueing import workers
@@ -65,7 +66,7 @@ class TuneAsk:
     ask_id: str = ""
     """Names the ask in the records it ends with, so its caller knows when they are all done."""
     api_url: str = ""
-    """Where the sweep's clients send their requests: the API's URL as the asking client reached it."""
+    """Where the sweep's clients send their requests; empty: `sweep_api_url` (never from a request's Host)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (a task's argument)."""
@@ -98,6 +99,25 @@ class Caller:
     def to_dict(self) -> dict[str, Any]:
         """JSON form (a task's argument)."""
         return dict(self.__dict__)
+
+
+def sweep_api_url(settings: Settings) -> str:
+    """The API's URL the sweep's clients send to: `tuning.api_url`, else the one `sitsctl up` recorded in
+    `paths.home`, else `api.host`:`api.port` (loopback for a wildcard host). ConfigError when none is known."""
+    if settings.tuning.api_url:
+        return settings.tuning.api_url
+    try:
+        recorded = (Path(settings.paths.home) / "api-url").read_text().strip()
+    except OSError:
+        recorded = ""
+    if recorded:
+        return recorded
+    if settings.api.port:
+        host = "127.0.0.1" if settings.api.host in ("", "0.0.0.0") else settings.api.host
+        host = "[::1]" if host == "::" else (f"[{host}]" if ":" in host else host)
+        return f"http://{host}:{settings.api.port}"
+    raise ConfigError("a tuning sweep does not know the API's URL: set tuning.api_url to the URL this releaser's "
+                      "host reaches the API at")
 
 
 def device_kinds(settings: Settings, store: Store, *, now: float) -> list[str]:
@@ -150,10 +170,11 @@ def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *
     deleted when the sweep ends."""
     record = registry.get_model(store, ask.model_ref)
     kinds = list(ask.device_kinds) or device_kinds(settings, store, now=clock())
+    api_url = ask.api_url or sweep_api_url(settings)
     key_name = f"sits-tune-{ask.ask_id[:16] or uuid.uuid4().hex[:16]}"
     key = create_api_key(store, key_name, "admin" if caller.role == "admin" else "user",
                          tenant="" if caller.role == "admin" else caller.tenant)
-    sender = HttpSender(ask.api_url, key, record.ref, [sample_feed(record.signature, 1, seed=s) for s in range(8)])
+    sender = HttpSender(api_url, key, record.ref, [sample_feed(record.signature, 1, seed=s) for s in range(8)])
     ended = []
     try:
         for kind in kinds:

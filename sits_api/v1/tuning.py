@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from flask import Blueprint, g, jsonify, request
+from flask import Blueprint, g, jsonify
 
 from broker.errors import BadInput, Conflict
 from broker.models import registry
@@ -51,7 +51,7 @@ def tune_model(ref: str) -> Any:
     ask = TuneAsk(model_ref=record.ref, p99_bound_ms=body.p99_ms, method=body.method, headroom=body.headroom,
                   concurrencies=tuple(int(c) for c in body.concurrencies), cell_seconds=body.cell_seconds,
                   settle_seconds=body.settle_seconds, apply=body.apply, refresh=body.refresh, space=space,
-                  device_kinds=tuple(kinds), ask_id=uuid.uuid4().hex, api_url=request.host_url)
+                  device_kinds=tuple(kinds), ask_id=uuid.uuid4().hex)
     caller = Caller(tenant=tenant_gate.tenant_of(identity), owner=str(identity.get("name", "")),
                     role="admin" if identity.get("role") == "admin" else "user")
     state.dispatcher.send(TUNE_TASK, ask.to_dict(), caller.to_dict(),
@@ -68,7 +68,7 @@ def get_tunings(ref: str) -> Any:
     record = registry.get_model(state.store, ref)
     tenant_gate.check_model(state.tenants, state.store, g.identity, record.ref)
     return jsonify({"model_ref": record.ref,
-                    "tunings": [t.to_dict() for t in results.read_model(state.store, record.ref)],
+                    "tunings": [_as_seen(t.to_dict(), g.identity) for t in results.read_model(state.store, record.ref)],
                     "controller_changes": steering.recent_changes(state.store, record.ref, limit=50)})
 
 
@@ -81,3 +81,10 @@ def _asked_space(body: bodies.TuneAsk, profile_points: list[Any], max_streams: i
     return Space(tuple(sorted(set(body.batch_sizes))) if body.batch_sizes else default.batch_sizes,
                  tuple(sorted({d / 1000 for d in body.delays_ms})) if body.delays_ms else default.delays,
                  tuple(sorted(set(body.streams))) if body.streams else default.streams)
+
+
+def _as_seen(tuning: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
+    """A sweep's record as the caller may see it: which tenant asked for it only to that tenant and admins."""
+    if identity.get("role") == "admin" or tuning.get("tenant") == tenant_gate.tenant_of(identity):
+        return tuning
+    return {**tuning, "tenant": ""}

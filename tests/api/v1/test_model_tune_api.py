@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import time
 from pathlib import Path
 
+import redis
 from flask.testing import FlaskClient
 
+from broker.config.settings import Settings
+from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from broker.tuning import results
@@ -59,3 +63,28 @@ def test_a_running_sweep_is_409_and_a_sweep_past_an_hour_is_400(api: Api, store:
 def test_no_live_worker_is_409(api: Api, mlp: dict) -> None:
     answer = api.post("/v1/models/mlp/tune", json={})
     assert answer.status_code == 409 and "no live worker" in answer.get_json()["error"]
+
+
+def test_a_sweep_never_sends_its_key_where_a_host_header_points(api: Api, store: Store, mlp: dict, settings: Settings,
+                                                                 redis_server: EmbeddedRedis) -> None:
+    """The attack: a Host header naming a server of the caller's choosing, so that the releaser's clients
+    send the sweep's key and requests there (a request forger inside the fleet's network). The ask carries
+    no URL: the releaser takes `tuning.api_url` or the stack's own address."""
+    _heartbeat(store)
+    broker = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    answer = api.client.post("/v1/models/mlp/tune", json={}, headers={**api.headers, "Host": "attacker.example:9"})
+    assert answer.status_code == 202, answer.get_json()
+    queue = settings.beat.queue(settings.redis.key_prefix)
+    asks = [json.loads(base64.b64decode(json.loads(message)["body"]))[0][0]
+            for message in broker.lrange(queue, 0, -1) if json.loads(message)["headers"]["task"] == "sits.tune_model"]
+    [ask] = [ask for ask in asks if ask["ask_id"] == answer.get_json()["ask_id"]]
+    assert ask["api_url"] == ""
+
+
+def test_another_tenant_reads_a_sweep_without_who_asked_for_it(client: FlaskClient, store: Store, api: Api,
+                                                               mlp: dict) -> None:
+    results.save(store, Tuning(model_ref=mlp["ref"], device_kind="cpu", method="quick", p99_bound_ms=120,
+                               status=results.DONE, tenant="team-a"))
+    other = Api(client, create_api_key(store, "eve", "user", tenant="team-b"))
+    assert other.get("/v1/models/mlp/tune").get_json()["tunings"][0]["tenant"] == ""
+    assert api.get("/v1/models/mlp/tune").get_json()["tunings"][0]["tenant"] == "team-a"  # (an admin sees it)
