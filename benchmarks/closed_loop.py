@@ -132,10 +132,30 @@ def run_arm(arm: str, args: argparse.Namespace, zoo: dict[str, Path], home: Path
             client.post("/v1/requests?wait=true", json.loads(body))
         phases = [("quiet", args.quiet, args.phase), ("surge", args.surge, 2 * args.phase),
                   ("quiet again", args.quiet, args.phase)]
+        steps: list[dict[str, Any]] = []
+        done = threading.Event()
+        watcher = threading.Thread(target=watch_steps, args=(stack, args.model, steps, done), daemon=True)
+        watcher.start()
         found = open_loop(client.url, client.key, args.model, bodies, phases, args.senders, args.seed)
+        done.set()
+        watcher.join()
         changes = client.get(f"/v1/models/{args.model}/tune")["controller_changes"]
     return {"phases": {name: summary(found[name], seconds, args.target) for name, _, seconds in phases},
-            "moves": [{"after": c["after"], "reason": c["reason"]} for c in reversed(changes)]}
+            "moves": [{"after": c["after"], "reason": c["reason"]} for c in reversed(changes)], "steps": steps}
+
+
+def watch_steps(stack: Stack, model: str, steps: list[dict[str, Any]], done: threading.Event) -> None:
+    """The controller's last step as it stores it, read every 0.5 s (the window it saw and why it held or moved)."""
+    store = stack.store
+    last_at = None
+    while not done.wait(0.5):
+        for field, raw in store.client.hgetall(store.keys.controllers).items():
+            if field.startswith(f"{model}@"):
+                step = json.loads(raw)
+                if step["at"] != last_at:
+                    last_at = step["at"]
+                    steps.append({k: step.get(k) for k in ("at", "answered", "p99", "waiting", "batch_size", "delay",
+                                                           "reason")})
 
 
 def main() -> None:
@@ -152,6 +172,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--senders", type=int, default=48)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--steps", action="store_true", help="print each controller step (window and decision)")
     parser.add_argument("--json", dest="json_path", type=Path, default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {}
@@ -166,6 +187,11 @@ def main() -> None:
                       f"{100 * (figures['over_target'] or 0):.1f} %  failed {figures['failed']}")
             for move in results[arm]["moves"]:
                 print(f"  move: {move['after']} ({move['reason']})")
+            if args.steps:
+                for step in results[arm]["steps"]:
+                    p99 = f"{1000 * step['p99']:.1f} ms" if step["p99"] is not None else "-"
+                    print(f"    step: {step['answered']} answered, P99 {p99}, {step['waiting']} waiting -> "
+                          f"{step['batch_size']}, {1000 * step['delay']:g} ms ({step['reason']})")
     if args.json_path:
         args.json_path.write_text(json.dumps(results, indent=1))
 
