@@ -15,8 +15,12 @@ How it decides, and why:
 - P99 over target without overload: batches run too long or the head waits too long. The delay goes
   down first (a full batch never waits for it, so throughput keeps), then the ceiling.
 - P99 under the band with a backlog or full batches: throughput left unused, one step more batching.
-- Quiet (no backlog, batches under half the ceiling, P99 under the band): waiting gains nothing, a
-  lone request would wait for company that never comes. The delay walks down to its lowest value.
+- Company (P99 under the band, no backlog): a wait for company pays when requests come fast enough that
+  at least one more arrives within it; then each batch costs the device and Redis its fixed overhead once
+  for more rows, which frees the CPU a busy host shares. The delay steps up to the shortest such wait.
+- Quiet (no backlog, batches under half the ceiling, P99 under the band, no request expected within the
+  delay): waiting gains nothing, a lone request would wait for company that never comes. The delay walks
+  down to the shortest wait company is expected within, at a low rate the lowest value.
 - Lowering a knob for P99 marks the index it left as too high for `memory` seconds. "Room to spare"
   does not raise the knob back there, which would cycle over and under the target for ever;
   an overload still may, as a growing queue costs more latency than a longer batch.
@@ -171,8 +175,17 @@ def _nearest(values: tuple[float, ...], wanted: float) -> int:
     return min(range(len(values)), key=lambda i: (abs(values[i] - wanted), i))
 
 
-def _pull(window: Window, settings: ControllerSettings, ceiling: int) -> _Pull:
-    """Where `window` points, under the ceiling `ceiling` (the rules of the module's docstring, in order)."""
+def _company_index(window: Window, delays: tuple[float, ...]) -> int:
+    """The index of the shortest delay within which at least one more request arrives, at the window's rate
+    (0, the shortest delay, when none does): the wait worth making for company."""
+    rate = window.answered / window.seconds if window.seconds > 0 else 0.0
+    return next((i for i, delay in enumerate(delays) if delay > 0 and rate * delay >= 1), 0)
+
+
+def _pull(window: Window, settings: ControllerSettings, ceiling: int, delays: tuple[float, ...] = (0.0,),
+          delay_index: int = 0) -> _Pull:
+    """Where `window` points, under the ceiling `ceiling` and the delay `delays[delay_index]` (the rules of
+    the module's docstring, in order)."""
     backlog = window.waiting >= ceiling  # the next batch is full and some requests still wait
     p99 = window.p99_seconds if window.answered >= settings.min_answered else None
     over = p99 is not None and p99 > settings.target_p99
@@ -186,7 +199,10 @@ def _pull(window: Window, settings: ControllerSettings, ceiling: int) -> _Pull:
         return _Pull(0, (), "p99 within band")
     if backlog or window.mean_batch_rows >= settings.full_batch * ceiling:
         return _Pull(1, (BATCH, DELAY), "room to spare", capped=True)
-    if window.mean_batch_rows <= settings.quiet_batch * ceiling:
+    company = _company_index(window, delays)
+    if delay_index < company:
+        return _Pull(1, (DELAY,), "company within a longer delay", capped=True)
+    if window.mean_batch_rows <= settings.quiet_batch * ceiling and (delay_index > company or company == 0):
         return _Pull(-1, (DELAY,), "quiet")
     return _Pull(0, (), "room to spare, batches part full")
 
@@ -216,7 +232,7 @@ def step(state: ControllerState, window: Window, settings: ControllerSettings, s
     if inside != state:  # the safe range shrank under the state: its edge is the nearest safe value
         return _decide(replace(inside, changed_at=now, streak=0, streak_sign=0), safe, True,
                        "safe range changed: clamped into it")
-    pull = _pull(window, settings, safe.batch_sizes[state.batch_index])
+    pull = _pull(window, settings, safe.batch_sizes[state.batch_index], safe.delays, state.delay_index)
     knob = next((knob for knob in pull.knobs if _movable(state, safe, pull, knob, now)), None)
     if knob is None:
         uncapped = replace(pull, capped=False)

@@ -294,3 +294,19 @@ def test_a_surge_raises_the_ceiling_and_the_quiet_after_it_walks_the_delay_back_
     assert seen["quiet again"][0].delay > 0.0 and seen["quiet again"][-1].delay == 0.0
     assert {d.batch_size for d in seen["quiet again"]} == {16}
     assert all(d.reason == "quiet: delay down" for d in seen["quiet again"] if d.changed)
+
+
+def test_requests_fast_enough_to_bring_company_within_a_wait_step_the_delay_up_to_it_and_back_when_slow() -> None:
+    """At 400 requests a second one more arrives within 2.5 ms: the delay steps up to 4 ms, the shortest
+    wait of the range that brings company, and stays; at 20 a second none would, and it walks back to 0."""
+    fast = _window(0.010, answered=4000, rows=2)  # (10 s windows: 400 a second, batches of 2 under a ceiling of 32)
+    slow = _window(0.010, answered=200, rows=1)
+
+    decisions = _run(_state(32, 0.0), *[fast] * 20, *[slow] * 20)
+
+    moves = [(d.delay, d.reason) for d in decisions if d.changed]
+    assert moves == [(0.001, "company within a longer delay: delay up"),
+                     (0.002, "company within a longer delay: delay up"),
+                     (0.004, "company within a longer delay: delay up"),
+                     (0.002, "quiet: delay down"), (0.001, "quiet: delay down"), (0.0, "quiet: delay down")]
+    assert {d.batch_size for d in decisions} == {32}
