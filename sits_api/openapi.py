@@ -217,8 +217,10 @@ def _build_document() -> dict[str, Any]:
                      "description": "Runs on a releaser (started with the beat); poll GET until every kind's "
                                     "record with the ask_id is done or failed. Only keys that may add versions "
                                     "under the name tune it (403 for another tenant's); 409 while a sweep of it "
-                                    "runs or when no worker is live; 400 for a sweep planned past an hour.",
-                     "responses": c.answers({202: tuning_bodies.TuneStarted}, 400, 401, 403, 404, 409)},
+                                    "is queued or runs, or when no worker (of the device_kind asked) is live; "
+                                    "429 while one less than beat.release_threads sweeps are queued or run; "
+                                    "400 for a sweep planned past an hour.",
+                     "responses": c.answers({202: tuning_bodies.TuneStarted}, 400, 401, 403, 404, 409, 429)},
             "get": {"summary": "the model version's last sweep on each kind of device: its points, front and pick",
                     "parameters": model_ref,
                     "responses": c.answers({200: tuning_bodies.Tunings}, 400, 401, 403, 404)},

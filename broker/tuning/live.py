@@ -109,6 +109,21 @@ def write(store: Store, model_ref: str, live: LiveBatching) -> None:
         store.client.hset(store.keys.live_batching, model_ref, live.to_json())
 
 
+def write_unless_trial(store: Store, model_ref: str, live: LiveBatching, *, now: float) -> bool:
+    """Set `model_ref`'s override unless a sweep's trial is in force at `now`; whether it was set. Atomic: a
+    sweep that began since the writer last read the overrides keeps its trial."""
+    def put(pipe: Any) -> bool:
+        raw = pipe.hget(store.keys.live_batching, model_ref)
+        current = LiveBatching.of_json(raw) if raw else None
+        pipe.multi()
+        if current is not None and current.source == "trial" and now < current.until:
+            return False
+        pipe.hset(store.keys.live_batching, model_ref, live.to_json())
+        return True
+    with translate_redis_errors():
+        return bool(store.client.transaction(put, store.keys.live_batching, value_from_callable=True))
+
+
 def read(store: Store, model_ref: str) -> LiveBatching | None:
     """`model_ref`'s override as stored (it may have run out: `LiveBatching.knobs_for` says)."""
     with translate_redis_errors():

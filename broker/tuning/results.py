@@ -12,15 +12,17 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from broker.errors import Conflict
+from broker.errors import Conflict, QueueFull
 from broker.state.store import Store, translate_redis_errors
 from broker.tuning.front import Point, Space, choose, pareto_front
 
-RUNNING, DONE, FAILED = "running", "done", "failed"
+QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
+"""A sweep's record is queued from its ask's answer (`claim`) until a releaser begins it (`begin`)."""
 
 STALE_AFTER_SECONDS = 60.0
-"""A running sweep whose record was not written for this long is taken for dead (its process stopped):
-another may start. A sweep writes its record after each point, a few seconds apart."""
+"""A queued or running sweep none of whose records (one per kind of device) was written for this long is
+taken for dead (its process stopped, or no releaser took it): another may start. A sweep writes its record
+after each point, a few seconds apart."""
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,20 @@ def _parsed(raw: str | None) -> Tuning | None:
         return None
 
 
+def _alive(tunings: list[Tuning], *, now: float) -> list[Tuning]:
+    """Those of `tunings` queued or running and not taken for dead: some record of their ask was written
+    within `STALE_AFTER_SECONDS` (a sweep on its second kind of device keeps the first kind's ask alive)."""
+    written: dict[tuple[str, str], float] = {}
+    for tuning in tunings:
+        ask = (tuning.model_ref, tuning.ask_id)
+        written[ask] = max(written.get(ask, 0.0), tuning.updated_at)
+    return [t for t in tunings if t.status in (QUEUED, RUNNING)
+            and now - written[(t.model_ref, t.ask_id)] < STALE_AFTER_SECONDS]
+
+
 def running(store: Store, model_ref: str, *, now: float) -> Tuning | None:
-    """A sweep of `model_ref` that runs now on any kind of device (not taken for dead), if any."""
-    return next((t for t in read_model(store, model_ref)
-                 if t.status == RUNNING and now - t.updated_at < STALE_AFTER_SECONDS), None)
+    """A sweep of `model_ref` queued or running now on any kind of device (not taken for dead), if any."""
+    return next(iter(_alive(read_model(store, model_ref), now=now)), None)
 
 
 def busy(tuning: Tuning) -> Conflict:
@@ -151,15 +163,42 @@ def busy(tuning: Tuning) -> Conflict:
                     f"wait for that sweep to end (GET /v1/models/{tuning.model_ref}/tune)")
 
 
+def claim(store: Store, tunings: list[Tuning], *, now: float, most: int) -> None:
+    """Store `tunings` (one ask's records, one per kind of device) as queued when the ask is answered, so
+    that the ask holds its model from then on. Conflict (409) when a sweep of the model is queued or runs
+    already; QueueFull (429) when `most` asks of any models are: each holds a releaser thread while it
+    runs. Atomic."""
+    model_ref = tunings[0].model_ref
+
+    def put(pipe: Any) -> None:
+        alive = _alive([t for t in map(_parsed, pipe.hvals(store.keys.tunings)) if t is not None], now=now)
+        mine = next((t for t in alive if t.model_ref == model_ref), None)
+        if mine is not None:
+            raise busy(mine)
+        asks = {(t.model_ref, t.ask_id) for t in alive}
+        if len(asks) >= most:
+            raise QueueFull(f"{len(asks)} tuning sweeps are queued or running, the most at once (one less than "
+                            "beat.release_threads, so that releases keep a releaser thread): ask again when "
+                            "one has ended", retry_after=int(STALE_AFTER_SECONDS))
+        pipe.multi()
+        for tuning in tunings:
+            pipe.hset(store.keys.tunings, _field(model_ref, tuning.device_kind),
+                      json.dumps(replace(tuning, status=QUEUED, updated_at=now).to_dict()))
+    with translate_redis_errors():
+        store.client.transaction(put, store.keys.tunings)
+
+
 def begin(store: Store, tuning: Tuning, *, now: float) -> None:
-    """Store `tuning` as running, unless a sweep of the model version runs already on any kind of device
-    (Conflict, 409): two sweeps at once would each measure the other's load. Atomic."""
-    def claim(pipe: Any) -> None:
+    """Store `tuning` as running, unless another sweep of the model version is queued or runs on any kind
+    of device (Conflict, 409): two sweeps at once would each measure the other's load. Its own ask's
+    queued records (`claim`) are its to take. Atomic."""
+    def take(pipe: Any) -> None:
         fields = [name for name in pipe.hkeys(store.keys.tunings) if name.rpartition("|")[0] == tuning.model_ref]
-        for current in map(_parsed, pipe.hmget(store.keys.tunings, fields) if fields else []):
-            if current is not None and current.status == RUNNING and now - current.updated_at < STALE_AFTER_SECONDS:
+        found = [t for t in map(_parsed, pipe.hmget(store.keys.tunings, fields) if fields else []) if t is not None]
+        for current in _alive(found, now=now):
+            if current.status == RUNNING or current.ask_id != tuning.ask_id:
                 raise busy(current)
         pipe.multi()
         pipe.hset(store.keys.tunings, _field(tuning.model_ref, tuning.device_kind), json.dumps(tuning.to_dict()))
     with translate_redis_errors():
-        store.client.transaction(claim, store.keys.tunings)
+        store.client.transaction(take, store.keys.tunings)

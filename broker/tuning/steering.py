@@ -109,11 +109,14 @@ def steer_batching(store: Store, online: OnlineSettings, control: BatchingContro
             if change is not None:
                 report.changes.append(change)
                 reasons.append(f"{kind}: {change.reason}")
-        if knobs:
-            live.write(store, record.ref, live.LiveBatching(
+        if not knobs:
+            continue
+        if live.write_unless_trial(store, record.ref, live.LiveBatching(
                 "controller", until=live.renew_until(now, control.every), by_kind=knobs,
-                note="; ".join(reasons) or (current.note if current is not None else "")))
+                note="; ".join(reasons) or (current.note if current is not None else "")), now=now):
             report.steered.append(record.ref)
+        else:  # (a sweep began since the overrides were read)
+            report.left[record.ref] = "a tuning sweep measures it"
     if report.changes:
         _record_changes(store, report.changes)
     return report

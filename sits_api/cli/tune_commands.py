@@ -93,7 +93,7 @@ def _wait(client: ApiClient, started: dict[str, Any]) -> list[dict[str, Any]]:
             found = [t for t in client.get(started["poll"])["tunings"] if t.get("ask_id") == ask_id]
             if {t["device_kind"] for t in found if t["status"] in ("done", "failed")} >= kinds:
                 return sorted(found, key=lambda t: t["device_kind"])
-            if not found and time.monotonic() - began > _NO_RELEASER_SECONDS:
+            if all(t["status"] == "queued" for t in found) and time.monotonic() - began > _NO_RELEASER_SECONDS:
                 raise ApiError("no releaser took the sweep: start the stack with its beat (sitsctl up without "
                                "--no-beat)", 504)
             if time.monotonic() > deadline:

@@ -74,7 +74,7 @@ class TuningRecord(BaseModel):
     method: str
     p99_bound_ms: float
     headroom: float = Field(description="the pick's P99 is at most p99_bound_ms x (1 - headroom)")
-    status: str = Field(description="running, done or failed")
+    status: str = Field(description="queued (asked, no releaser has begun it), running, done or failed")
     started_at: float
     updated_at: float
     finished_at: float | None

@@ -120,6 +120,13 @@ def sweep_api_url(settings: Settings) -> str:
                       "host reaches the API at")
 
 
+def max_sweeps(settings: Settings) -> int:
+    """How many sweeps may be queued or running at once: one less than a releaser's threads (at least one),
+    as each holds a thread for up to `bodies.MAX_SWEEP_SECONDS` and the releasers also release every
+    tenant's schedules."""
+    return max(1, settings.beat.release_threads - 1)
+
+
 def device_kinds(settings: Settings, store: Store, *, now: float) -> list[str]:
     """The kinds of device the live workers have, in a stable order."""
     found = {str(w.get("device", "")).partition(":")[0]
@@ -168,33 +175,58 @@ def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *
     """Tune `ask.model_ref` on each kind of device asked or alive; the records it ends with. The load goes to
     the API at `ask.api_url` under a key made for the sweep in the caller's tenant (an admin's: an admin key),
     deleted when the sweep ends."""
-    record = registry.get_model(store, ask.model_ref)
     kinds = list(ask.device_kinds) or device_kinds(settings, store, now=clock())
-    api_url = ask.api_url or sweep_api_url(settings)
-    key_name = f"sits-tune-{ask.ask_id[:16] or uuid.uuid4().hex[:16]}"
-    key = create_api_key(store, key_name, "admin" if caller.role == "admin" else "user",
-                         tenant="" if caller.role == "admin" else caller.tenant)
-    sender = HttpSender(api_url, key, record.ref, [sample_feed(record.signature, 1, seed=s) for s in range(8)])
+    key_name = f"sits-tune-{uuid.uuid4().hex[:16]}"  # (not the ask's id, which any tenant may read first)
+    sender: HttpSender | None = None
+    setup_error: Exception | None = None
+    try:
+        record = registry.get_model(store, ask.model_ref)
+        api_url = ask.api_url or sweep_api_url(settings)
+        sender = HttpSender(api_url, create_api_key(store, key_name, "admin" if caller.role == "admin" else "user",
+                                                    tenant="" if caller.role == "admin" else caller.tenant),
+                            record.ref, [sample_feed(record.signature, 1, seed=s) for s in range(8)])
+    except (SitsError, ValueError) as err:  # (the records of the kinds it would measure say why: its poller stops)
+        revoke_api_keys(store, key_name)
+        setup_error = err
     ended = []
     try:
         for kind in kinds:
-            cached = results.read(store, record.ref, kind)
-            ttl = settings.scheduler.model_profile_cache_ttl
-            if (cached is not None and not ask.refresh and cached.method == ask.method
-                    and cached.fresh(now=clock(), ttl=ttl)):
-                tuning = replace(cached.repicked(ask.p99_bound_ms, ask.headroom), tenant=caller.tenant,
-                                 ask_id=ask.ask_id)
+            tuning = cached_tuning(settings, store, ask, kind, now=clock())
+            if tuning is not None:
+                tuning = replace(tuning, tenant=caller.tenant, ask_id=ask.ask_id)
+            elif sender is None:
+                tuning = _unstarted(ask, caller, kind, setup_error, now=clock())
             else:
                 tuning = _sweep_kind(Sweep(settings, store, ask, caller, record, sender, clock=clock), kind)
             if ask.apply and tuning.status == DONE and tuning.chosen is not None:
-                apply_choice(store, record.ref, tuning)
+                apply_choice(store, ask.model_ref, tuning)
                 tuning = replace(tuning, applied=True)
             results.save(store, tuning)
             ended.append(tuning)
     finally:
-        sender.close()
-        revoke_api_keys(store, key_name)
+        if sender is not None:
+            sender.close()
+            revoke_api_keys(store, key_name)
     return ended
+
+
+def cached_tuning(settings: Settings, store: Store, ask: TuneAsk, kind: str, *, now: float) -> Tuning | None:
+    """The last sweep of the ask's model on `kind`, picked again under the ask's bound, when it answers the ask
+    without measuring (the same method, done within `scheduler.model_profile_cache_ttl`, no `refresh`)."""
+    cached = results.read(store, ask.model_ref, kind)
+    if (cached is None or ask.refresh or cached.method != ask.method
+            or not cached.fresh(now=now, ttl=settings.scheduler.model_profile_cache_ttl)):
+        return None
+    return cached.repicked(ask.p99_bound_ms, ask.headroom)
+
+
+def _unstarted(ask: TuneAsk, caller: Caller, kind: str, err: Exception | None, *, now: float) -> Tuning:
+    """The failed record of an ask on `kind` whose sweep could not start, for `err`."""
+    message = err.message if isinstance(err, SitsError) else str(err)
+    log.warning("tuning %s on %s could not start: %s", ask.model_ref, kind, message)
+    return Tuning(model_ref=ask.model_ref, device_kind=kind, method=ask.method, p99_bound_ms=ask.p99_bound_ms,
+                  status=FAILED, headroom=ask.headroom, started_at=now, updated_at=now, finished_at=now,
+                  error=f"the sweep could not start: {message}", tenant=caller.tenant, ask_id=ask.ask_id)
 
 
 def _sweep_kind(sweep: Sweep, kind: str) -> Tuning:

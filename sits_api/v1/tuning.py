@@ -12,10 +12,11 @@ from broker.errors import BadInput, Conflict
 from broker.models import registry
 from broker.tuning import results, steering
 from broker.tuning.front import Space, default_space
+from broker.tuning.results import Tuning
 from sits_api.state import app_state
 from sits_api.tenancy import tenant_gate
 from sits_api.tuning import bodies
-from sits_api.tuning.sweep import TUNE_TASK, Caller, TuneAsk, device_kinds, fleet_streams
+from sits_api.tuning.sweep import TUNE_TASK, Caller, TuneAsk, cached_tuning, device_kinds, fleet_streams, max_sweeps
 from sits_api.v1.parsing import parse_body
 
 blueprint = Blueprint("tuning", __name__)
@@ -36,7 +37,11 @@ def tune_model(ref: str) -> Any:
     running = results.running(store, record.ref, now=now)
     if running is not None:
         raise results.busy(running)
-    kinds = [body.device_kind] if body.device_kind else device_kinds(settings, store, now=now)
+    live_kinds = device_kinds(settings, store, now=now)
+    if body.device_kind and body.device_kind not in live_kinds:  # (it would bar every worker of the model)
+        raise Conflict(f"no live {body.device_kind} worker to tune on (live: {', '.join(live_kinds) or 'none'}): "
+                       "start one, or ask another device_kind")
+    kinds = [body.device_kind] if body.device_kind else live_kinds
     if not kinds:
         raise Conflict("no live worker to tune on: start a worker (sitsctl worker) and ask again")
     space = _asked_space(body, record.profile_points, max(fleet_streams(settings, store, kind=k, now=now)
@@ -54,6 +59,12 @@ def tune_model(ref: str) -> Any:
                   device_kinds=tuple(kinds), ask_id=uuid.uuid4().hex)
     caller = Caller(tenant=tenant_gate.tenant_of(identity), owner=str(identity.get("name", "")),
                     role="admin" if identity.get("role") == "admin" else "user")
+    measured = [kind for kind in kinds if cached_tuning(settings, store, ask, kind, now=now) is None]
+    if measured:  # (an ask the cache answers holds no releaser thread: its model stays free)
+        results.claim(store, [Tuning(model_ref=record.ref, device_kind=kind, method=ask.method,
+                                     p99_bound_ms=ask.p99_bound_ms, headroom=ask.headroom, started_at=now,
+                                     tenant=caller.tenant, ask_id=ask.ask_id) for kind in measured],
+                      now=now, most=max_sweeps(settings))
     state.dispatcher.send(TUNE_TASK, ask.to_dict(), caller.to_dict(),
                           queue=settings.beat.queue(settings.redis.key_prefix))
     return jsonify({"model_ref": record.ref, "ask_id": ask.ask_id, "device_kinds": kinds, "status": "queued",

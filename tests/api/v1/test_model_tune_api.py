@@ -14,9 +14,10 @@ from flask.testing import FlaskClient
 from broker.config.settings import Settings
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
-from broker.tenants.apikeys import create_api_key
+from broker.tenants.apikeys import authenticate, create_api_key, list_api_keys
 from broker.tuning import results
 from broker.tuning.results import Tuning
+from sits_api.tuning.sweep import Caller, TuneAsk, run_tuning
 from tests.api.api_helpers import Api
 
 
@@ -44,7 +45,8 @@ def test_another_tenants_model_is_403_and_the_owner_tunes_it(client: FlaskClient
     assert started.status_code == 202, started.get_json()
     body = started.get_json()
     assert body["device_kinds"] == ["cpu"] and body["poll"].endswith("/tune") and body["ask_id"]
-    assert other.get("/v1/models/mlp-a/tune").get_json()["tunings"] == []  # readable by any key that may use it
+    [queued] = other.get("/v1/models/mlp-a/tune").get_json()["tunings"]  # readable by any key that may use it
+    assert queued["status"] == "queued" and queued["tenant"] == ""  # (not who asked)
 
 
 def test_a_running_sweep_is_409_and_a_sweep_past_an_hour_is_400(api: Api, store: Store, mlp: dict) -> None:
@@ -88,3 +90,77 @@ def test_another_tenant_reads_a_sweep_without_who_asked_for_it(client: FlaskClie
     other = Api(client, create_api_key(store, "eve", "user", tenant="team-b"))
     assert other.get("/v1/models/mlp/tune").get_json()["tunings"][0]["tenant"] == ""
     assert api.get("/v1/models/mlp/tune").get_json()["tunings"][0]["tenant"] == "team-a"  # (an admin sees it)
+
+
+def test_a_second_ask_before_a_releaser_takes_the_first_is_409(api: Api, store: Store, mlp: dict) -> None:
+    """The attack: ask again and again before a releaser begins the first sweep. Each ask answered 202 would
+    hold a releaser thread for up to an hour in turn, so the ask is claimed when it is answered."""
+    _heartbeat(store)
+    first = api.post("/v1/models/mlp/tune", json={})
+    assert first.status_code == 202, first.get_json()
+    second = api.post("/v1/models/mlp/tune", json={})
+    assert second.status_code == 409 and "being tuned" in second.get_json()["error"], second.get_json()
+    [queued] = api.get("/v1/models/mlp/tune").get_json()["tunings"]
+    assert queued["status"] == "queued" and queued["ask_id"] == first.get_json()["ask_id"]
+
+
+def test_sweeps_past_the_releasers_spare_threads_are_429_with_retry_after(api: Api, store: Store, mlp: dict,
+                                                                          zoo_dir: Path) -> None:
+    """The releasers' threads (`beat.release_threads`, 2 by default) also release every tenant's schedules:
+    sweeps of many models at once would hold them all, each for up to an hour."""
+    _heartbeat(store)
+    assert api.post("/v1/models", json={"name": "mlp-2", "path": str(zoo_dir / "mlp.onnx")}).status_code == 201
+    assert api.post("/v1/models/mlp/tune", json={}).status_code == 202
+    refused = api.post("/v1/models/mlp-2/tune", json={})
+    assert refused.status_code == 429, refused.get_json()
+    assert int(refused.headers["Retry-After"]) >= 1 and "release_threads" in refused.get_json()["error"]
+
+
+def test_a_device_kind_no_live_worker_has_is_409(api: Api, store: Store, mlp: dict) -> None:
+    """A sweep on a kind no worker has would bar every worker of the model (the kinds it does not measure)
+    for all of its planned time, every tenant's requests of it unserved, and measure nothing."""
+    _heartbeat(store, device="cpu")
+    answer = api.post("/v1/models/mlp/tune", json={"device_kind": "gpu"})
+    assert answer.status_code == 409 and "no live gpu worker" in answer.get_json()["error"], answer.get_json()
+    assert api.get("/v1/models/mlp/tune").get_json()["tunings"] == []
+
+
+def test_a_sweep_that_cannot_start_ends_failed_and_leaves_no_key(store: Store, settings: Settings, mlp: dict) -> None:
+    """A releaser that cannot reach the API (a `tuning.api_url` that is no http URL) ends the ask failed,
+    saying why, so its poller stops; and it deletes the key it made for the sweep."""
+    unreachable = settings.with_overrides(tuning={"api_url": "ftp://nowhere.example"})
+    ask = TuneAsk(model_ref=mlp["ref"], p99_bound_ms=100.0, device_kinds=("cpu",), ask_id="a" * 32)
+    [ended] = run_tuning(unreachable, store, ask, Caller(tenant="team-a", owner="alice"))
+    assert ended.status == results.FAILED and "ftp://nowhere.example" in ended.error
+    stored = results.read(store, mlp["ref"], "cpu")
+    assert stored is not None and stored.status == results.FAILED and stored.ask_id == ask.ask_id
+    assert [k["name"] for k in list_api_keys(store) if k["name"].startswith("sits-tune-")] == []
+
+
+def test_another_tenant_cannot_take_the_name_of_a_sweeps_key(client: FlaskClient, store: Store, settings: Settings,
+                                                             api: Api, mlp: dict) -> None:
+    """The attack: read a queued ask's id (GET /tune shows it to any key that may use the model) and make a
+    key of one's own tenant under the name the sweep's key would take, so that the sweep cannot make it."""
+    _heartbeat(store)
+    assert api.post("/v1/models/mlp/tune", json={}).status_code == 202
+    [queued] = Api(client, create_api_key(store, "eve", "tenant-admin", tenant="team-b")).get(
+        "/v1/models/mlp/tune").get_json()["tunings"]
+    squatter = create_api_key(store, f"sits-tune-{queued['ask_id'][:16]}", "user", tenant="team-b")
+    unreachable = settings.with_overrides(tuning={"api_url": "ftp://nowhere.example"})  # (ends once it has a key)
+    ask = TuneAsk(model_ref=mlp["ref"], p99_bound_ms=100.0, device_kinds=("cpu",), ask_id=queued["ask_id"])
+    [ended] = run_tuning(unreachable, store, ask, Caller(tenant="test", owner="test", role="admin"))
+    assert "taken" not in ended.error and "ftp://nowhere.example" in ended.error, ended.error
+    assert authenticate(store, squatter)["tenant"] == "team-b"  # (nor is another tenant's key deleted)
+
+
+def test_an_ask_the_cache_answers_keeps_the_cached_sweep_and_claims_nothing(api: Api, store: Store, mlp: dict,
+                                                                            zoo_dir: Path) -> None:
+    """A claim must not replace the cached sweep it would be answered from, nor hold a releaser thread."""
+    _heartbeat(store)
+    results.save(store, Tuning(model_ref=mlp["ref"], device_kind="cpu", method="quick", p99_bound_ms=120,
+                               status=results.DONE, finished_at=time.time(), ask_id="before"))
+    assert api.post("/v1/models/mlp/tune", json={}).status_code == 202
+    [cached] = api.get("/v1/models/mlp/tune").get_json()["tunings"]
+    assert cached["status"] == "done" and cached["ask_id"] == "before"
+    assert api.post("/v1/models", json={"name": "mlp-2", "path": str(zoo_dir / "mlp.onnx")}).status_code == 201
+    assert api.post("/v1/models/mlp-2/tune", json={}).status_code == 202

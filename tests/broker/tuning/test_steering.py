@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from broker.models import registry
 from broker.online.settings import OnlineSettings
@@ -93,3 +94,44 @@ def test_a_quiet_model_walks_its_delay_down(store: Store) -> None:
         steering.steer_batching(store, online(max_queue_delay="10ms"), CONTROL, now=now + step, device_kinds=["cpu"])
     knobs = live.read(store, ref).knobs_for("cpu", now=now + 5)  # type: ignore[union-attr]
     assert knobs is not None and knobs.max_queue_delay == 0.0
+
+
+class _SweepBeginsMidPass(Store):
+    """The session's Redis, where a sweep writes its first trial just after the controller's pass has read the
+    overrides: the interleaving of a releaser thread's pass and another's sweep, made to happen every time."""
+
+    def __init__(self, store: Store, trial: tuple[str, live.LiveBatching]) -> None:
+        super().__init__(store.pooled_client, store.keys)
+        self.trial: tuple[str, live.LiveBatching] | None = trial
+
+    @property
+    def client(self) -> Any:
+        return _WritesTheTrialAfterTheSnapshot(super().client, self)
+
+
+class _WritesTheTrialAfterTheSnapshot:
+    def __init__(self, client: Any, store: _SweepBeginsMidPass) -> None:
+        self._client, self._store = client, store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def hgetall(self, key: str) -> Any:
+        found = self._client.hgetall(key)
+        if key == self._store.keys.live_batching and self._store.trial is not None:
+            ref, trial = self._store.trial
+            self._store.trial = None
+            self._client.hset(key, ref, trial.to_json())
+        return found
+
+
+def test_a_trial_written_during_a_pass_is_not_replaced_by_the_controller(store: Store) -> None:
+    """A sweep that begins while a pass runs: the pass's write must not replace the trial (the sweep would
+    measure the controller's setting, the other kinds no longer barred)."""
+    ref = register(store)
+    now = time.time()
+    trial = live.LiveBatching("trial", until=now + 30, by_kind={"cpu": live.Knobs(4, 0.0, 1)}, others=live.BARRED)
+    report = steering.steer_batching(_SweepBeginsMidPass(store, (ref, trial)), online(), CONTROL, now=now,
+                                     device_kinds=["cpu"])
+    assert live.read(store, ref) == trial
+    assert report.steered == [] and "sweep" in report.left[ref]
