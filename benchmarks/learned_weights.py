@@ -9,9 +9,10 @@ Open-loop load over HTTP (Poisson arrivals, one row each, `wait: true`), a littl
 serves, so that the order of waiting work decides who meets a deadline. The mix shifts halfway:
   first half   70 % CNN requests (deadline `--cnn-deadline`), 30 % MLP (`--mlp-deadline`)
   second half  30 % CNN, 70 % MLP
-Priority levels 4 and 8 and tiers free and vip are drawn at random for each request. Reported per arm and
-seed: requests due, deadlines missed (answered late, or failed) overall and in each half, and for the learned
-arm the weights it ended with and its trials accepted and rejected.
+Priority levels 4 and 8 and tiers free and vip are drawn at random for each request. The load starts
+`--warmup` seconds before the counted run (the first half's mix; a stack's first seconds are slow), and the
+arms alternate which runs first from seed to seed. Reported per arm and seed: requests due, deadlines
+missed (answered late, or failed) overall and in each half, and for the learned arm the weights it ended with.
 
     python benchmarks/learned_weights.py                          # 2 seeds, about 10 minutes
     python benchmarks/learned_weights.py --seeds 1,2,3 --seconds 240
@@ -110,8 +111,12 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, zoo: dict[str, Path],
         rng = np.random.default_rng(seed)
         deadlines = {"mlp": args.mlp_deadline, "convnet": args.cnn_deadline}
         made = [bodies(signatures, deadlines, rng, 400, share) for share in (0.7, 0.3)]  # (before the clock starts)
-        start = time.monotonic() + 1.0
+        begin = time.monotonic() + 1.0
+        start = begin + args.warmup  # (the load runs from `begin`; what is due before `start` is not counted)
         arrivals: list[tuple[float, str, bytes]] = []
+        at = begin
+        while (at := at + rng.exponential(1 / args.rate)) < start:
+            arrivals.append((at, *made[0][len(arrivals) % len(made[0])]))
         at = start
         for half in (0, 1):
             ends = start + (half + 1) * args.seconds / 2
@@ -123,6 +128,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, zoo: dict[str, Path],
         found = run_load(client.url, client.key, arrivals, args.senders)
         learned = client.get("/v1/policy") if arm == "learned" else {}
     middle = start + args.seconds / 2
+    found = [(due, met) for due, met in found if due >= start]
     halves = [[met for due, met in found if (due < middle) == first] for first in (True, False)]
     report = {"due": len(found), "missed": sum(1 for _, met in found if not met),
               "missed_first_half": sum(1 for met in halves[0] if not met),
@@ -138,6 +144,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0, help="the run's length (the mix shifts halfway)")
     parser.add_argument("--rate", type=float, default=140.0, help="arrivals a second")
     parser.add_argument("--window", type=float, default=2.0, help="the learner's window, seconds")
+    parser.add_argument("--warmup", type=float, default=20.0, help="seconds of load first, not counted")
     parser.add_argument("--mlp-deadline", type=float, default=150.0, help="ms")
     parser.add_argument("--cnn-deadline", type=float, default=600.0, help="ms")
     parser.add_argument("--senders", type=int, default=96)
@@ -147,7 +154,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         zoo = build_zoo(Path(tmp) / "models")
         for seed in (int(s) for s in args.seeds.split(",")):
-            for arm in ("defaults", "learned"):
+            for arm in ("defaults", "learned") if seed % 2 else ("learned", "defaults"):  # (neither always first)
                 found = run_arm(arm, seed, args, zoo, Path(tmp))
                 results[f"{arm}/{seed}"] = found
                 print(f"seed {seed} {arm:8s}: {found['due']} due, {found['missed']} deadlines missed "
