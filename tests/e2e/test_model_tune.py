@@ -4,7 +4,8 @@ One stack for the module. What is checked: `sitsctl model tune` sweeps a small s
 prints the front and the pick as JSON, charts it, and `--apply` makes the worker batch by it (`source:
 tuned`); a live override's `streams` cap keeps a model's batches off a second slot, and a kind of device
 the override bars leases none of the model's requests until it is lifted; the beat's batching controller
-steps a `closed_loop` model from its answers, and workers and `/metrics` show its settings.
+steps a `closed_loop` model from its answers, and workers and `/metrics` show its settings; its weight
+learner credits windows to the live weights and makes its proposals the live policy.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from broker.state.store import Store
-from broker.tuning import live
+from broker.tuning import learning, live
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import register, stack_settings
 
@@ -35,11 +36,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("tune") / "home"
     settings = stack_settings(home, streams=2).with_overrides(
         online={"models": {"mlp-loop": {"closed_loop": True, "target_p99": "200ms"}}},
-        tuning={"controller": {"every": "0.5s", "patience": 1, "cooldown": "0s"}})
+        tuning={"controller": {"every": "0.5s", "patience": 1, "cooldown": "0s", "min_answered": 5},
+                "weights": {"every": "0.5s"}})
     running = Stack(settings, worker_count=1, api_port=0, beat=True).start()
     zoo = build_zoo(home / "models")
     register(running.client(), "mlp", zoo["mlp"])
     register(running.client(), "mlp-loop", zoo["mlp"])
+    register(running.client(), "convnet", zoo["convnet"])
     yield running
     running.stop()
 
@@ -92,13 +95,14 @@ def test_model_tune_sweeps_picks_within_the_bound_charts_and_applies(stack: Stac
 
 
 def _send(stack: Stack, count: int) -> list[dict[str, Any]]:
-    """`count` one-row mlp requests at once, each waited for; their results."""
+    """`count` one-row convnet requests at once (a run of milliseconds: two slots overlap), each waited for."""
     client = stack.client()
-    rows = np.random.default_rng(3).standard_normal((count, 64)).astype(np.float32)
+    rows = np.random.default_rng(3).standard_normal((count, 3, 32, 32)).astype(np.float32)
     answers: list[dict[str, Any]] = []
 
     def one(row: np.ndarray) -> None:
-        answers.append(client.post("/v1/requests?wait=true", {"model": "mlp", "inputs": {"features": [row.tolist()]}}))
+        answers.append(client.post("/v1/requests?wait=true", {"model": "convnet",
+                                                               "inputs": {"pixels": [row.tolist()]}}))
     threads = [threading.Thread(target=one, args=(row,)) for row in rows]
     for thread in threads:
         thread.start()
@@ -115,7 +119,7 @@ def _overlapping(answers: list[dict[str, Any]]) -> int:
 
 def test_a_streams_cap_keeps_the_model_on_one_slot_and_a_barred_kind_leases_none(stack: Stack) -> None:
     store = Store.of(stack.settings.redis)
-    ref = stack.client().get("/v1/models/mlp")["ref"]
+    ref = stack.client().get("/v1/models/convnet")["ref"]
     one_by_one = live.Knobs(max_batch_size=1, max_queue_delay=0.0, streams=2)  # (whatever the tuned pick set)
     live.write(store, ref, live.LiveBatching("trial", until=time.time() + 60, by_kind={"cpu": one_by_one}))
     time.sleep(1.0)  # (workers read overrides every 0.5 s)
@@ -135,7 +139,7 @@ def test_a_streams_cap_keeps_the_model_on_one_slot_and_a_barred_kind_leases_none
                                              others=live.BARRED))
     time.sleep(1.0)
     client = stack.client()
-    queued = client.post("/v1/requests", {"model": "mlp", "inputs": {"features": [[0.5] * 64]}})
+    queued = client.post("/v1/requests", {"model": "convnet", "inputs": {"pixels": [[[[0.5] * 32] * 32] * 3]}})
     time.sleep(1.5)
     assert client.get(f"/v1/requests/{queued['id']}")["status"] == "queued"  # no cpu slot leases it
     assert live.clear(store, ref, source="trial")
@@ -158,9 +162,32 @@ def test_the_batching_controller_steers_a_closed_loop_model_from_its_answers(sta
     assert override is not None and override.source == "controller" and override.knobs_for("cpu", now=time.time())
     assert client.get("/v1/models/mlp-loop")["batching"]["source"] == "controller"
     state = json.loads(store.client.hget(store.keys.controllers, f"{ref}|cpu"))
-    assert state["answered"] >= 20 and state["p99"] is not None  # (the worker noted its answers' latencies)
+    assert state["answered"] >= 5 and state["p99"] is not None  # (the worker noted its answers' latencies)
     with urllib.request.urlopen(urllib.request.Request(
             f"{client.url}/metrics", headers={"Authorization": f"Bearer {client.key}"}), timeout=30) as answer:
         text = answer.read().decode()
     shown = [line for line in text.splitlines() if line.startswith("sits_batching_live_max_batch_size{")]
     assert any('model="mlp-loop"' in line and 'source="controller"' in line for line in shown), shown
+
+
+def test_the_weight_learner_makes_its_proposals_the_live_policy(stack: Stack) -> None:
+    client = stack.client()
+    store = Store.of(stack.settings.redis)
+    rows = np.random.default_rng(7).standard_normal((1, 64)).astype(np.float32).tolist()
+    ends = time.monotonic() + 15
+    while time.monotonic() < ends:  # (answers for the learner's windows, at two priority classes, until it tried one)
+        for priority in (4, 12):
+            client.post("/v1/requests?wait=true", {"model": "mlp", "inputs": {"features": rows}, "priority": priority})
+        state = learning.read_state(store)
+        if state is not None and state.draws >= 1 and time.monotonic() > ends - 12:
+            break
+    for _ in range(20):  # (a state and a policy read between two passes: the pass writes both)
+        state = learning.read_state(store)
+        live = client.get("/v1/policy")
+        if learning.read_state(store) == state:
+            break
+    assert state is not None and state.observed_at is not None and time.time() - state.observed_at < 5
+    assert state.draws >= 1  # (a candidate was drawn and tried)
+    proposed = state.candidate if state.trying == "candidate" else state.incumbent
+    assert proposed is not None and all(abs(live[name] - getattr(proposed, name)) < 1e-9
+                                        for name in ("alpha", "beta", "gamma", "delta"))
