@@ -21,20 +21,18 @@ answered a second, P50 and P99, and the share over the target; for the controlle
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import queue
 import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.open_loop_http import send_at  # noqa: E402
 from broker.config.settings import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.samples import sample_feed  # noqa: E402
@@ -53,51 +51,22 @@ def arm_batching(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"max_batch_size": args.large, "max_queue_delay": 0}
 
 
-def open_loop(url: str, key: str, model: str, body_rows: list[bytes], phases: list[tuple[str, float, float]],
+def open_loop(url: str, key: str, body_rows: list[bytes], phases: list[tuple[str, float, float]],
               senders: int, seed: int) -> dict[str, list[tuple[float, float | None]]]:
     """Send Poisson arrivals phase by phase; per phase, (due time, latency or None when it failed)."""
     rng = np.random.default_rng(seed)
-    due: queue.Queue[tuple[str, float, int] | None] = queue.Queue()
-    found: dict[str, list[tuple[float, float | None]]] = {name: [] for name, _, _ in phases}
-    lock = threading.Lock()
-    parts = urllib.parse.urlsplit(url)
-
-    def sender() -> None:
-        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-        while (job := due.get()) is not None:
-            phase, at, index = job
-            wait = at - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            try:
-                connection.request("POST", "/v1/requests?wait=true", body=body_rows[index % len(body_rows)],
-                                   headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-                answer = connection.getresponse()
-                ok = answer.status == 200 and json.loads(answer.read()).get("status") == "succeeded"
-            except (OSError, http.client.HTTPException, ValueError):
-                connection.close()
-                ok = False
-            with lock:
-                found[phase].append((at, time.monotonic() - at if ok else None))
-        connection.close()
-
-    threads = [threading.Thread(target=sender, daemon=True) for _ in range(senders)]
-    for thread in threads:
-        thread.start()
-    at, index = time.monotonic() + 0.5, 0
+    arrivals: list[tuple[float, bytes]] = []
+    bounds: list[tuple[str, float]] = []
+    at = time.monotonic() + 0.5
     for phase, rate, seconds in phases:
         ends = at + seconds
-        while True:
-            at += rng.exponential(1 / rate)
-            if at >= ends:
-                at = ends
-                break
-            due.put((phase, at, index))
-            index += 1
-    for _ in threads:
-        due.put(None)
-    for thread in threads:
-        thread.join()
+        while (at := at + rng.exponential(1 / rate)) < ends:
+            arrivals.append((at, body_rows[len(arrivals) % len(body_rows)]))
+        at = ends
+        bounds.append((phase, ends))
+    found: dict[str, list[tuple[float, float | None]]] = {name: [] for name, _, _ in phases}
+    for due, latency in send_at(url, key, arrivals, senders):
+        found[next(name for name, ends in bounds if due < ends)].append((due, latency))
     return found
 
 
@@ -136,7 +105,7 @@ def run_arm(arm: str, args: argparse.Namespace, zoo: dict[str, Path], home: Path
         done = threading.Event()
         watcher = threading.Thread(target=watch_steps, args=(stack, args.model, steps, done), daemon=True)
         watcher.start()
-        found = open_loop(client.url, client.key, args.model, bodies, phases, args.senders, args.seed)
+        found = open_loop(client.url, client.key, bodies, phases, args.senders, args.seed)
         done.set()
         watcher.join()
         changes = client.get(f"/v1/models/{args.model}/tune")["controller_changes"]

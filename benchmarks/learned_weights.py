@@ -21,20 +21,17 @@ missed (answered late, or failed) overall and in each half, and for the learned 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import queue
 import sys
 import tempfile
-import threading
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.open_loop_http import send_at  # noqa: E402
 from broker.config.settings import Settings  # noqa: E402
 from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.samples import sample_feed  # noqa: E402
@@ -56,41 +53,10 @@ def bodies(signatures: dict[str, dict[str, Any]], deadlines: dict[str, float], r
 
 def run_load(url: str, key: str, arrivals: list[tuple[float, str, bytes]], senders: int) -> list[tuple[float, bool]]:
     """Send each (due, model, body) at its time; per request (due time, met its deadline)."""
-    due: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
-    found: list[tuple[float, bool]] = []
-    lock = threading.Lock()
-    parts = urllib.parse.urlsplit(url)
-
-    def sender() -> None:
-        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-        while (job := due.get()) is not None:
-            at, body = job
-            if (wait := at - time.monotonic()) > 0:
-                time.sleep(wait)
-            deadline_ms = json.loads(body)["deadline_ms"]
-            try:
-                connection.request("POST", "/v1/requests?wait=true", body=body,
-                                   headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-                answer = connection.getresponse()
-                ok = answer.status == 200 and json.loads(answer.read()).get("status") == "succeeded"
-            except (OSError, http.client.HTTPException, ValueError):
-                connection.close()
-                ok = False
-            met = ok and (time.monotonic() - at) * 1000 <= deadline_ms
-            with lock:
-                found.append((at, met))
-        connection.close()
-
-    threads = [threading.Thread(target=sender, daemon=True) for _ in range(senders)]
-    for thread in threads:
-        thread.start()
-    for at, _, body in arrivals:
-        due.put((at, body))
-    for _ in threads:
-        due.put(None)
-    for thread in threads:
-        thread.join()
-    return found
+    deadlines = [json.loads(body)["deadline_ms"] / 1000 for _, _, body in arrivals]
+    by_due = dict(zip((at for at, _, _ in arrivals), deadlines, strict=True))
+    sent = send_at(url, key, [(at, body) for at, _, body in arrivals], senders)
+    return [(at, latency is not None and latency <= by_due[at]) for at, latency in sent]
 
 
 def run_arm(arm: str, seed: int, args: argparse.Namespace, zoo: dict[str, Path], home: Path) -> dict[str, Any]:

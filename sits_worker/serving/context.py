@@ -141,6 +141,8 @@ class WorkerContext:
     _derived: dict[str, tuple[ModelRecord, Batching, bool]] = field(default_factory=dict)
     """Model ref -> (the record they come from, its batching settings, whether its runs are timed for
     an observed profile)."""
+    _applied: dict[str, tuple[Batching, live.LiveBatching, Batching]] = field(default_factory=dict)
+    """Model ref -> (its batching, the override read, the batching under it): `batching` on the hot path."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _oom_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -187,7 +189,13 @@ class WorkerContext:
         the override a tuning sweep or the batching controller set, if any (`broker/tuning/live.py`)."""
         batching = self._derive(model_ref)[1]
         override = self.live_batching.get(model_ref)
-        return batching if override is None else live.apply(batching, override, self.device.kind, now=time.time())
+        if override is None or time.time() >= override.until:
+            return batching
+        applied = self._applied.get(model_ref)  # (the hot path asks on every look: applied once per read)
+        if applied is None or applied[0] is not batching or applied[1] is not override:
+            applied = (batching, override, live.apply(batching, override, self.device.kind, now=time.time()))
+            self._applied[model_ref] = applied
+        return applied[2]
 
     def _derive(self, model_ref: str) -> tuple[ModelRecord, Batching, bool]:
         """What the hot path derives from a model version's record, again only when it is re-read."""
