@@ -27,6 +27,14 @@ class JobSettings(_Section):
     """Rows per ONNX Runtime run for jobs that do not set one; `auto`: the model's best measured
     batch size (the smallest within 5 % of the best rows/s a job gets, its profile's rows/s less a
     mini-batch's own cost, broker/jobs/chunking.py); 128 for a model without a usable profile."""
+    merge_chunks: Integer = Field(16, ge=1)
+    """Most job chunks one lease takes as a run unit (broker/jobs/granularity.py): a slot that leases a
+    chunk takes further waiting chunks of the same model along, of any job, while together they run
+    within `unit_seconds`, and runs them in shared mini-batches, each chunk committed on its own; 1:
+    every chunk runs alone."""
+    unit_seconds: Seconds = Field(0.1, gt=0)
+    """How long a run unit of several chunks may run at the model's rate: it holds its slot throughout
+    (online requests do not ride in it), so it is kept well below `chunk_seconds`."""
     retention: Seconds = Field(parse_duration("7d"), ge=0)
     """How long an ended job's record, done set and index entries stay in Redis after it ended (the
     files it wrote stay): the reaper then forgets it, and it answers 404 (0: keep every job)."""

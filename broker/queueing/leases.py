@@ -60,6 +60,9 @@ class LeaseOptions:
     """Most (padded) tokens of a batch of requests (0: no limit)."""
     max_chunks: int | None = None
     """Most items when the head is a job chunk or finalize step (None: `max_items`)."""
+    merge_rows: int = 0
+    """A run unit's rows (`broker.jobs.granularity`): a head chunk takes further chunks along only while
+    their rows together stay within it, and no finalize step (0: no such limit, `max_chunks` alone)."""
     requests_only: bool = False
     """Lease only online requests: a chunk at the head stays, and nothing is leased."""
     carry_chunk: bool = False
@@ -90,7 +93,8 @@ class LeaseOptions:
         come back with each leased request)."""
         table: dict[str, Any] = {
             "max_items": self.max_items, "max_rows": self.max_rows or self.max_items, "max_tokens": self.max_tokens,
-            "max_chunks": self.max_chunks or self.max_items, "requests_only": self.requests_only,
+            "max_chunks": self.max_chunks or self.max_items, "merge_rows": self.merge_rows,
+            "requests_only": self.requests_only,
             "carry_chunk": self.carry_chunk, "head_must_fit": self.head_must_fit,
             "preferred_sizes": [int(size) for size in self.preferred_sizes], "request_prefix": request_prefix,
         }

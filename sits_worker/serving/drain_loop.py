@@ -16,21 +16,22 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from broker.jobs import records as jobs
+from broker.jobs.granularity import ALONE
 from broker.memory import reservation
 from broker.queueing import leases, policy, queues, tickets
 from broker.queueing.leases import StaleTicket
 from broker.state.store import Store
-from sits_worker.serving import drain_report
+from sits_worker.serving import drain_report, run_units
 from sits_worker.serving.between_minibatches import BetweenBatches
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.drain_report import DrainReport
 from sits_worker.serving.execution import process_item
-from sits_worker.serving.leasing import admitted, batch_cost, lease
+from sits_worker.serving.leasing import admitted, batch_cost, lease, run_unit
 from sits_worker.serving.request_runs import run_requests
 from sits_worker.tenancy.usage_meter import Work
 
@@ -272,9 +273,10 @@ def _lease_admitted(ctx: WorkerContext, allowed: list[reservation.Admission], ti
         # item that does not fit the cut: it must fit the hole and end in time.
         carry = ctx.settings.scheduler.merge_requests_into_jobs and not admission.cut
         said = leases.LeaseNotes()
+        unit = ALONE if requests_only or admission.cut else run_unit(ctx, model_ref)  # (a cut fits one chunk)
         leased = _lease_within_streams(ctx, model_ref, functools.partial(
             lease, ctx, model_ref, ticket, admission=admission, carry_chunk=carry, within_cut=admission.cut,
-            requests_only=requests_only, notes=said))
+            requests_only=requests_only, notes=said, unit=unit))
         if leased:
             ctx.last_served = model_ref
             return leased, admission
@@ -303,17 +305,28 @@ def _lease_within_streams(ctx: WorkerContext, model_ref: str,
 def _run_leased(ctx: WorkerContext, leased: list[leases.LeasedItem], ticket: str, reservation: int | None,
                 bell_mark: int | None = None) -> None:
     """Run what one lease returned, under its memory `reservation`: a batch of requests, a job chunk
-    or finalize step, or requests with a chunk they took along (they ride in its first mini-batch).
+    or finalize step, requests with a chunk they took along (they ride in its first mini-batch), or a
+    run unit of several chunks (`run_units`).
     `bell_mark`: the request bell's count before the lease (`BetweenBatches`)."""
     online = [item for item in leased if item.payload.get("kind") == "request"]
     offline = [item for item in leased if item.payload.get("kind") != "request"]
     if not offline:
         run_requests(ctx, online, ticket)
         return
-    [item] = offline  # leases take one job chunk (or finalize step) at a time
-    if item.payload.get("kind") == "chunk":
+    if len(offline) > 1:  # a run unit: chunks alone, no request along (a batch of requests takes one chunk)
+        run_units.run_unit(ctx, offline, ticket, functools.partial(
+            _run_alone, ctx, ticket=ticket, reservation=reservation, bell_mark=bell_mark, note=False))
+        return
+    _run_alone(ctx, offline[0], ticket=ticket, reservation=reservation, bell_mark=bell_mark, carried=online)
+
+
+def _run_alone(ctx: WorkerContext, item: leases.LeasedItem, *, ticket: str, reservation: int | None,
+               bell_mark: int | None, carried: Sequence[leases.LeasedItem] = (), note: bool = True) -> None:
+    """Run one job chunk or finalize step, with the requests `carried` along riding in its first mini-batch;
+    a chunk counted in the drain report unless the caller did (`note`)."""
+    if note and item.payload.get("kind") == "chunk":
         drain_report.note_chunk()
-    between = BetweenBatches(ctx, item, ticket, carried=online, reservation=reservation, bell_mark=bell_mark)
+    between = BetweenBatches(ctx, item, ticket, carried=carried, reservation=reservation, bell_mark=bell_mark)
     try:
         process_item(ctx, item, between)
     finally:

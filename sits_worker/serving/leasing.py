@@ -20,7 +20,9 @@ import numpy as np
 
 from broker.errors import SitsError
 from broker.failures import breaker
+from broker.jobs import chunking, granularity
 from broker.jobs.chunking import FALLBACK_BATCH_ROWS
+from broker.jobs.granularity import ALONE, RunUnit
 from broker.memory import reservation
 from broker.memory.ledger import Claim
 from broker.online import timeouts as request_timeouts
@@ -38,13 +40,14 @@ log = logging.getLogger(__name__)
 def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: bool = False,
           admission: reservation.Admission | None = None, carry_chunk: bool = False,
           within_cut: bool = False, tenants: dict[str, Any] | None = None,
-          notes: leases.LeaseNotes | None = None) -> list[leases.LeasedItem]:
+          notes: leases.LeaseNotes | None = None, unit: RunUnit = ALONE) -> list[leases.LeasedItem]:
     """Lease `model_ref`'s best batch under its batching settings (one job chunk at a time, and
     cut to a preferred batch size), within the rows and tokens of its `admission` when given;
     `carry_chunk`, `within_cut`: see `leases.lease_batch`; in the fair-share order of the tenants
     (`fair_share.FairShare.lease_option`), or as `tenants` says when given, a batch of requests split by
     their shares (`FairShare.batch_shares`), and by the priority classes
-    of this worker's degrade step (`memory_watch.MemoryWatch.lease_classes`); `notes` as the lease told them.
+    of this worker's degrade step (`memory_watch.MemoryWatch.lease_classes`); `notes` as the lease told them;
+    a chunk at the head takes others along within `unit` (`run_unit`).
     Nothing while this worker's breaker of the model is open, or half-open with its probe batch taken by
     another slot."""
     claim = ctx.breakers.claim(model_ref, now=time.time())
@@ -57,7 +60,7 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
     try:
         leased = _lease_batch(ctx, model_ref, ticket, batching, max_rows, max_tokens, requests_only=requests_only,
                               admission=admission, carry_chunk=carry_chunk, within_cut=within_cut,
-                              tenants=tenants, notes=notes if notes is not None else leases.LeaseNotes())
+                              tenants=tenants, notes=notes if notes is not None else leases.LeaseNotes(), unit=unit)
     finally:
         if claim == "probe" and not leased:  # the probe got no batch: another slot may take it
             ctx.breakers.release_probe(model_ref)
@@ -68,7 +71,7 @@ def lease(ctx: WorkerContext, model_ref: str, ticket: str, *, requests_only: boo
 def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batching, max_rows: int,
                  max_tokens: int, *, requests_only: bool, admission: reservation.Admission | None,
                  carry_chunk: bool, within_cut: bool, tenants: dict[str, Any] | None,
-                 notes: leases.LeaseNotes) -> list[leases.LeasedItem]:
+                 notes: leases.LeaseNotes, unit: RunUnit = ALONE) -> list[leases.LeasedItem]:
     """One lease script call; in the fair-share order unless `tenants` says otherwise, a batch's rows split
     by the tenants' shares whichever tenants it may take; the tenants it found no work of told to the fair
     share (`FairShare.note_absent`)."""
@@ -76,7 +79,8 @@ def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batc
         tenants = ctx.fair_share.lease_option(model_ref)
     shares = share_option(ctx, model_ref, rows=max_rows)
     options = leases.LeaseOptions(
-        max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens, max_chunks=1,
+        max_items=batching.max_batch_size, max_rows=max_rows, max_tokens=max_tokens, max_chunks=unit.max_chunks,
+        merge_rows=unit.max_rows,
         requests_only=requests_only, carry_chunk=carry_chunk, head_must_fit=within_cut,
         batch_limit=admission.whole_within if admission else None,
         preferred_sizes=batching.preferred_batch_sizes, tenants=tenants, classes=ctx.memory_watch.lease_classes(),
@@ -92,6 +96,20 @@ def _lease_batch(ctx: WorkerContext, model_ref: str, ticket: str, batching: Batc
         except SitsError as err:  # (the batch leased stands; the reaper's next pass fails them)
             log.warning("could not fail the timed-out requests of %s now: %s", model_ref, err.message)
     return result.items
+
+
+def run_unit(ctx: WorkerContext, model_ref: str) -> RunUnit:
+    """The run unit a lease of `model_ref`'s job chunks may take (`granularity.choose_unit`): `jobs.unit_seconds`
+    at the model's measured (or observed) rows/s for its best job batch, within `jobs.max_chunk_output_bytes`."""
+    settings = ctx.settings.jobs
+    if settings.merge_chunks <= 1:
+        return ALONE
+    record = ctx.model(model_ref)
+    batch_rows = chunking.auto_batch_size(record)
+    return granularity.choose_unit(
+        batch_rows=batch_rows, rows_per_second=chunking.profiled_rows_per_second(record, batch_rows),
+        unit_seconds=settings.unit_seconds, most_chunks=settings.merge_chunks,
+        output_bytes_per_row=chunking.output_bytes_per_row(record), max_output_bytes=settings.max_chunk_output_bytes)
 
 
 def fail_timed_out(ctx: WorkerContext, model_ref: str) -> None:

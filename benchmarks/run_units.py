@@ -1,0 +1,140 @@
+"""Run units against fixed sizes: many small jobs and one large job with a deadline, through the whole system.
+
+One large job with a deadline is submitted, then many small jobs of the same model at once (from a few
+client threads, as a batch pipeline would). Two arms, each on a fresh stack (API, Redis, one Celery
+worker with the default streams), alternating so that drift in the machine's speed hits both:
+
+- `fixed`: `jobs.merge_chunks: 1`, every leased chunk runs alone at the size it was cut to at submit;
+- `units`: the default run units (`jobs.merge_chunks`, `jobs.unit_seconds`): a slot that leases a chunk
+  takes further waiting chunks of the model along while they run within the unit's time, and runs them
+  in shared mini-batches.
+
+Reported per arm (medians over the repeats): the time from the first submit to the last job's end, the
+large job's end against its deadline, the small jobs' median time from submit to end, and the model's
+runs and mean rows a run (the workers' batch-size histogram).
+
+    python benchmarks/run_units.py                       # convnet: 120 jobs of 32 images, one of 4,096
+    python benchmarks/run_units.py --model mlp --small-rows 256 --large-rows 2000000
+    python benchmarks/run_units.py --repeats 3 --small-jobs 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from broker.config.settings import Settings  # noqa: E402
+from broker.monitoring.batch_sizes import decode_batch_sizes  # noqa: E402
+from sits_api.cli.stack import Stack  # noqa: E402
+from sits_worker.model.zoo import build_zoo  # noqa: E402
+
+SHAPES = {"mlp": (64,), "convnet": (3, 32, 32)}
+ARMS = {"fixed": {"merge_chunks": 1}, "units": {}}
+
+
+def run_arm(arm: str, args: argparse.Namespace, data: Path, work: Path, models: dict[str, Path]) -> dict[str, float]:
+    """One arm on a fresh stack whose home is under `work`, its inputs in `data`; its figures."""
+    home = work / arm
+    settings = Settings().with_overrides(
+        paths={"home": home, "model_roots": (data,), "input_roots": (data,), "output_roots": (work,)},
+        jobs=ARMS[arm])
+    with Stack(settings, worker_count=1, api_port=0) as stack:
+        client = stack.client()
+        record = client.post("/v1/models", {"name": args.model, "path": str(models[args.model]),
+                                            "profile_mode": "full"})
+        while record["profile_status"] == "pending":
+            time.sleep(0.25)
+            record = client.get(f"/v1/models/{record['ref']}")
+        sized = {"batch_size": args.batch_size} if args.batch_size else {}
+        warm = client.post("/v1/jobs", {"model": args.model, "input_batch": str(data / "small-0.npy"),
+                                        "output_dir": str(home / "warm"), **sized})
+        _wait(client, [warm["id"]])
+        started = time.time()
+        large = client.post("/v1/jobs", {"model": args.model, "input_batch": str(data / "large.npy"),
+                                         "output_dir": str(home / "large"), "deadline_s": args.deadline, **sized})
+
+        def submit(number: int) -> str:
+            own = stack.client()
+            return str(own.post("/v1/jobs", {"model": args.model,
+                                             "input_batch": str(data / f"small-{number % args.inputs}.npy"),
+                                             "output_dir": str(home / f"small-{number}"), **sized})["id"])
+
+        with ThreadPoolExecutor(args.clients) as pool:
+            small = list(pool.map(submit, range(args.small_jobs)))
+        jobs = _wait(client, [large["id"], *small])
+        ended = max(job["finished_at"] for job in jobs.values())
+        big = jobs[large["id"]]
+        assert stack.store is not None
+        rows = decode_batch_sizes(stack.store.client.hgetall(stack.store.keys.batch_sizes)).get((record["ref"], "rows"))
+    return {"total": ended - started, "large_end": big["finished_at"] - started,
+            "large_late": big["finished_at"] - (started + args.deadline),
+            "small_median": statistics.median(jobs[job]["finished_at"] - jobs[job]["created_at"] for job in small),
+            "runs": float(rows.count if rows else 0), "rows_per_run": rows.total / rows.count if rows else 0.0}
+
+
+def _wait(client, ids: list[str]) -> dict[str, dict]:
+    """Poll until every job ended; each must have succeeded."""
+    done: dict[str, dict] = {}
+    while len(done) < len(ids):
+        for job_id in ids:
+            if job_id not in done:
+                job = client.get(f"/v1/jobs/{job_id}")
+                if job["status"] in ("succeeded", "failed", "cancelled"):
+                    if job["status"] != "succeeded":
+                        raise SystemExit(f"job {job_id} {job['status']}: {job.get('error')}")
+                    done[job_id] = job
+        time.sleep(0.2)
+    return done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="convnet")
+    parser.add_argument("--small-jobs", type=int, default=120)
+    parser.add_argument("--small-rows", type=int, default=32)
+    parser.add_argument("--inputs", type=int, default=8, help="distinct small input files (jobs share them)")
+    parser.add_argument("--large-rows", type=int, default=4_096)
+    parser.add_argument("--deadline", type=float, default=15.0, help="the large job's deadline, seconds after submit")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="every job's batch size (0: the server's auto; a profile measured on each fresh stack "
+                             "may pick another size per arm on a CPU's flat curve)")
+    parser.add_argument("--clients", type=int, default=4, help="threads submitting the small jobs")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each arm; medians shown")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    figures: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory(prefix="sits-units-") as tmp:
+        home = Path(tmp)
+        models = build_zoo(home / "models")
+        for number in range(args.inputs):
+            np.save(home / f"small-{number}.npy",
+                    rng.standard_normal((args.small_rows, *SHAPES[args.model])).astype(np.float32))
+        np.save(home / "large.npy", rng.standard_normal((args.large_rows, *SHAPES[args.model])).astype(np.float32))
+        for repeat in range(args.repeats):
+            order = list(ARMS) if repeat % 2 == 0 else list(reversed(ARMS))
+            for arm in order:
+                figures[arm].append(run_arm(arm, args, home, home / f"r{repeat}", models))
+                print(arm, {key: round(value, 2) for key, value in figures[arm][-1].items()}, flush=True)
+    print(f"\n{args.model}: one job of {args.large_rows:,} rows (deadline {args.deadline:g} s) and "
+          f"{args.small_jobs} jobs of {args.small_rows} rows, batch size {args.batch_size or 'auto'}, "
+          f"median of {args.repeats} alternating runs\n")
+    print("| arm | all done (s) | large job done (s) | deadline | small job, submit to end (s) | runs | rows a run |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    for arm, runs in figures.items():
+        med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        met = "met" if all(run["large_late"] <= 0 for run in runs) else "missed"
+        print(f"| {arm} | {med['total']:.2f} | {med['large_end']:.2f} | {met} | {med['small_median']:.2f} "
+              f"| {med['runs']:,.0f} | {med['rows_per_run']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

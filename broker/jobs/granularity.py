@@ -1,0 +1,60 @@
+"""How much job work one lease takes: the run unit, chosen when a slot leases, not when a job is cut.
+
+A job is cut into chunks at submit, for the job alone: about `jobs.chunk_seconds` of work each, and at
+least one per slot so that a short job spreads over the fleet (`chunking.auto_chunk_size`). What a slot
+should run at once depends on what waits when it leases. Measured on the 2-core reference machine
+(docs/scheduling.md, "Run units"), what drives it on SITS is fixed cost, not the device:
+
+- every chunk pays a lease, a read of its job, a part file written and fsynced, an ack and its share of
+  the final merge, whatever its rows; a job of a few dozen rows is nearly all of that;
+- on a CPU, ONNX Runtime's rows/s hardly change with the batch (the zoo CNN: 864 images/s one at a
+  time, 1,050 in batches of 16), so a larger batch buys little there; on a GPU it buys most;
+- a unit holds its slot until it ends, so how long it runs is what others wait behind it (online
+  requests ride between a chunk's mini-batches; a merged unit is kept shorter than one chunk instead);
+- a unit's outputs stay in memory until their part files are written.
+
+So a slot that leases a chunk takes further waiting chunks of the same model along, of any job, in
+queue order (their tenants' fair-share order included), while together they run within `unit_seconds`
+at the model's rate and their outputs within `max_output_bytes`; the worker runs them in shared
+mini-batches and commits each chunk on its own, so exactly-once holds per chunk as before. A chunk of
+a large job, about a second of work, fills a unit by itself and runs alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunUnit:
+    """What one lease of job chunks may take (`leases.LeaseOptions.max_chunks` and `merge_rows`)."""
+
+    max_chunks: int
+    """Most chunks (1: the head chunk alone)."""
+    max_rows: int
+    """Most rows of all of them together (0 with `max_chunks` 1: no limit, the head goes whatever its size)."""
+
+
+ALONE = RunUnit(max_chunks=1, max_rows=0)
+"""The head chunk alone, as every lease took before run units."""
+
+
+def choose_unit(*, batch_rows: int, rows_per_second: float | None, unit_seconds: float, most_chunks: int,
+                output_bytes_per_row: int = 0, max_output_bytes: int = 0) -> RunUnit:
+    """The run unit for a lease of a model whose job mini-batches hold `batch_rows` rows and run at
+    `rows_per_second` (its measured or observed profile; None: unknown).
+
+    Rows: what runs in `unit_seconds` at that rate, but at least one mini-batch (a unit that merges
+    nothing gains nothing), and without a rate one mini-batch; within `max_output_bytes` of outputs at
+    `output_bytes_per_row` (0: unknown or no cap), never below one mini-batch. `most_chunks` 1 (or
+    a unit of one mini-batch's rows or fewer that could never take two chunks) is `ALONE`.
+    """
+    if most_chunks <= 1 or batch_rows < 2:
+        return ALONE
+    rows = batch_rows
+    if rows_per_second is not None and rows_per_second > 0:
+        rows = max(batch_rows, math.floor(rows_per_second * unit_seconds))
+    if output_bytes_per_row > 0 and max_output_bytes > 0:
+        rows = min(rows, max(batch_rows, max_output_bytes // output_bytes_per_row))
+    return RunUnit(max_chunks=most_chunks, max_rows=rows)
