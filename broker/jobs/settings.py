@@ -29,9 +29,9 @@ class JobSettings(_Section):
     mini-batch's own cost, broker/jobs/chunking.py); 128 for a model without a usable profile."""
     merge_chunks: Integer = Field(16, ge=1)
     """Most job chunks one lease takes as a run unit (broker/jobs/granularity.py): a slot that leases a
-    chunk takes further waiting chunks of the same model along, of any job, while together they run
-    within `unit_seconds`, and runs them in shared mini-batches, each chunk committed on its own; 1:
-    every chunk runs alone."""
+    chunk takes further waiting chunks of the same model along, of any job of its tenant, while together
+    they run within `unit_seconds`, and runs them in shared mini-batches, each chunk committed on its
+    own; 1: every chunk runs alone."""
     unit_seconds: Seconds = Field(0.1, gt=0)
     """How long a run unit of several chunks may run at the model's rate: it holds its slot throughout
     (online requests do not ride in it), so it is kept well below `chunk_seconds`."""

@@ -126,7 +126,10 @@ def _a_lost_worker_s_chunks_are_queued_again_at_once(stack: Stack) -> None:
 
     assert done["status"] == "succeeded" and done["rows_done"] == len(rows), done
     lost = [entry for entry in done["failures"] if entry["class"] == "worker_lost"]
-    assert lost and done["retries"]["worker_lost"]["attempts"] == len(lost), done["failures"]
+    # (the record keeps its last 20 failures, lib.lua's FAILURE_LOG_LENGTH: a worker holding run units of
+    # several chunks may lose more at once)
+    attempts = done["retries"]["worker_lost"]["attempts"]
+    assert lost and (attempts == len(lost) or len(lost) == len(done["failures"]) == 20 < attempts), done["failures"]
     assert all(entry["retry_at"] == entry["at"] for entry in lost)  # queued again at once, for any worker
     expected = direct_run(build_zoo(stack.home / "models")["mlp"], rows, 4)
     np.testing.assert_allclose(np.load(stack.home / "lost-out" / "logits.npy"), expected, rtol=1e-5, atol=1e-6)

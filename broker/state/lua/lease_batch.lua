@@ -14,8 +14,9 @@
 --     bucket; tokens are padded tokens for requests that will be padded
 --   max_chunks: most items when the head is a job chunk or finalize step (taken in queue order)
 --   merge_rows (0 or absent: no such limit): a run unit (broker/jobs/granularity.py): the head chunk takes
---     further chunks along, in queue order, only while their rows and its own stay within it, and no
---     finalize step (the worker runs them in shared mini-batches); a finalize step at the head goes alone
+--     further chunks of its own tenant along, in queue order, only while their rows and its own stay within
+--     it, and no finalize step (the worker runs them in shared mini-batches, where one tenant's rows that
+--     crash a run would cost another's chunks their attempts); a finalize step at the head goes alone
 --   requests_only: lease only online requests (a chunk or finalize step at the head stays: {0})
 --   carry_chunk (ignored with requests_only): a batch of requests with rows to spare also takes the
 --     first job chunk among the candidates, last (the worker runs the requests in its first mini-batch)
@@ -650,7 +651,7 @@ local function pick_candidates()
   end
   local picked, rows, tokens, bucket, online, carried = {}, 0, 0, nil, false, nil
   local taken = {}  -- tenant -> rows of its requests in the batch
-  local unit_rows, head_chunk = 0, false  -- rows of the chunks picked, against merge_rows
+  local unit_rows, head_chunk, head_tenant = 0, false, nil  -- rows of the chunks picked, against merge_rows
   for index, candidate in ipairs(candidates) do
     local item_id, payload, item = candidate.id, candidate.payload, candidate.item
     if payload == nil then  -- (a chunk whose tenant was known from its job's: read only if it is looked at)
@@ -674,13 +675,15 @@ local function pick_candidates()
       online = is_request
       bucket, rows, tokens = item['bucket'], number_or(item['rows'], 1), token_cost(item)
       unit_rows, head_chunk = number_or(item['stop'], 0) - number_or(item['start'], 0), item['kind'] == 'chunk'
+      head_tenant = item['tenant'] or ''
     elseif not online then
       if is_request or #picked >= max_chunks then
         break
       end
       if merge_rows > 0 then  -- a run unit: only chunks, within its rows
         local chunk_rows = number_or(item['stop'], 0) - number_or(item['start'], 0)
-        if item['kind'] ~= 'chunk' or not head_chunk or unit_rows + chunk_rows > merge_rows then
+        if item['kind'] ~= 'chunk' or not head_chunk or (item['tenant'] or '') ~= head_tenant
+            or unit_rows + chunk_rows > merge_rows then
           break
         end
         if not job_full(item) then

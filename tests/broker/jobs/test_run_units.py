@@ -56,9 +56,9 @@ def test_a_unit_is_never_smaller_than_a_batch_nor_past_the_rate_or_memory(batch:
 
 
 def create(store: Store, job_id: str, *, rows: int, chunk: int, priority: int = 0,
-           max_slots: int | None = None) -> None:
+           max_slots: int | None = None, tenant: str = "acme") -> None:
     spec = dataclasses.replace(job_spec(job_id, rows_total=rows, chunk_size=chunk, priority=priority),
-                               max_slots=max_slots, tenant="acme")
+                               max_slots=max_slots, tenant=tenant)
     job_fills.create_job(store, spec, now=NOW)
 
 
@@ -109,3 +109,15 @@ def test_a_unit_stays_within_a_jobs_slot_cap(store: Store) -> None:
     create(store, "jother", rows=2, chunk=1, priority=1)
     taken = lease(store, max_chunks=8, merge_rows=100)
     assert [item.split(":c")[0] for item in taken] == ["jcapped", "jcapped", "jother", "jother"]
+
+
+def test_a_unit_takes_only_its_head_tenants_chunks(store: Store) -> None:
+    """A hostile tenant's rows that crash a run must not cost another tenant's chunks their attempts: a unit
+    never mixes tenants, and the other tenant's chunk ends it (queue order holds)."""
+    create(store, "jacme1", rows=10, chunk=10, priority=9)
+    create(store, "jevil", rows=10, chunk=10, priority=8, tenant="evil")
+    create(store, "jacme2", rows=10, chunk=10, priority=7)
+
+    assert lease(store, max_chunks=8, merge_rows=100) == ["jacme1:c0000000"]
+    assert lease(store, max_chunks=8, merge_rows=100) == ["jevil:c0000000"]
+    assert lease(store, max_chunks=8, merge_rows=100) == ["jacme2:c0000000"]
