@@ -16,6 +16,7 @@ from typing import Any
 
 from broker.errors import Conflict
 from broker.failures import retries
+from broker.jobs import cuts
 from broker.jobs import slices as job_slices
 from broker.jobs.progress import done_chunks
 from broker.jobs.records import (
@@ -123,7 +124,8 @@ def resume_job(store: Store, job_id: str, *, now: float, weights: Weights | None
     if job.status == "succeeded":
         raise Conflict(f"job {job_id} already succeeded; its outputs are in {job.output_dir}")
     done = done_chunks(store, job_id)
-    ranges = chunk_ranges(job.rows_total, job.chunk_size)
+    ranges = cuts.chunk_layout(store, job_id, rows_total=job.rows_total, chunk_size=job.chunk_size,
+                               chunks_total=int(job.chunks_total))
     missing = [index for index in range(len(ranges)) if index not in done]
     weights = weights or Weights()
     if max_priority is None:
@@ -177,7 +179,7 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
     keys = store.keys
     job_keys = [keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs, keys.job_done(job_id),
                 keys.inflight(model_ref), keys.dead, keys.attempts, keys.jobs_filling, keys.job_counts,
-                keys.queues_version, *([keys.owner_jobs(owner)] if owner else []),
+                keys.queues_version, keys.job_cuts(job_id), *([keys.owner_jobs(owner)] if owner else []),
                 *([keys.jobs_of_tenant(tenant)] if tenant else [])]
     step = 4 * job_slices.ENQUEUE_SLICE  # four arguments an item
     slices = [item_args[start:start + step] for start in range(0, len(item_args), step)] or [[]]
@@ -224,7 +226,8 @@ def refill_job(store: Store, job_id: str, *, now: float, weights: Weights | None
         return 0
     mode = "resume" if raw.get("fill_mode") == "resume" else "add"
     done = done_chunks(store, job_id)
-    ranges = chunk_ranges(job.rows_total, job.chunk_size)
+    ranges = cuts.chunk_layout(store, job_id, rows_total=job.rows_total, chunk_size=job.chunk_size,
+                               chunks_total=int(job.chunks_total))
     # a resume's first call scored its chunks as enqueued at the resume (`resume_job`)
     factors = job_factors(job.priority, (mode == "resume" and job.resumed_at) or job.created_at,
                           job.order_at, stored_priority_cap(raw.get("priority_cap")))

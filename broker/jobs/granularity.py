@@ -1,4 +1,7 @@
-"""How much job work one lease takes: the run unit, chosen when a slot leases, not when a job is cut.
+"""How much job work one lease takes, and one chunk runs: chosen as the work runs, not when a job is cut.
+
+Two decisions, both pure: the run unit (`choose_unit`: how many waiting chunks a lease takes together) and
+a split (`split_row`: where a chunk running far past its plan ends, its rest queued as a new chunk).
 
 A job is cut into chunks at submit, for the job alone: about `jobs.chunk_seconds` of work each, and at
 least one per slot so that a short job spreads over the fleet (`chunking.auto_chunk_size`). What a slot
@@ -47,15 +50,40 @@ def choose_unit(*, batch_rows: int, rows_per_second: float | None, unit_seconds:
     `rows_per_second` (its measured or observed profile; None: unknown).
 
     Rows: what runs in `unit_seconds` at that rate, but at least one mini-batch (a unit that merges
-    nothing gains nothing), and without a rate one mini-batch; within `max_output_bytes` of outputs at
-    `output_bytes_per_row` (0: unknown or no cap), never below one mini-batch. `most_chunks` 1 (or
-    a unit of one mini-batch's rows or fewer that could never take two chunks) is `ALONE`.
+    nothing gains nothing); within `max_output_bytes` of outputs at `output_bytes_per_row` (0: unknown or
+    no cap), never below one mini-batch. Without a rate (a model registered with a static profile, no runs
+    observed yet) how long a unit would run is unknown: `ALONE`, as is `most_chunks` 1 and a mini-batch of
+    one row.
     """
-    if most_chunks <= 1 or batch_rows < 2:
+    if most_chunks <= 1 or batch_rows < 2 or rows_per_second is None or rows_per_second <= 0:
         return ALONE
-    rows = batch_rows
-    if rows_per_second is not None and rows_per_second > 0:
-        rows = max(batch_rows, math.floor(rows_per_second * unit_seconds))
+    rows = max(batch_rows, math.floor(rows_per_second * unit_seconds))
     if output_bytes_per_row > 0 and max_output_bytes > 0:
         rows = min(rows, max(batch_rows, max_output_bytes // output_bytes_per_row))
     return RunUnit(max_chunks=most_chunks, max_rows=rows)
+
+
+SPLIT_AFTER = 2.0
+"""A running chunk whose whole run, at the rate it shows, would pass this many times `jobs.chunk_seconds`
+ends early (`split_row`)."""
+
+
+def split_row(*, start: int, stop: int, next_row: int, elapsed: float, chunk_seconds: float, batch_rows: int,
+              after: float = SPLIT_AFTER) -> int | None:
+    """The row at which a running chunk of rows [start, stop) should end, its rest queued as a new chunk;
+    None to run it to its end. `next_row`: the first row not run yet, `elapsed` seconds after it began.
+
+    A chunk is cut at submit to about `chunk_seconds` of work at the model's measured rate. When it runs
+    slower than that (other models share the device, the profile was taken on an idle one, the client
+    chose a large chunk size), it holds its slot, the work behind it and its job's other slots' share for
+    longer. So once it has run `chunk_seconds`, if at the rate it shows the whole would take more than
+    `after` times that, it ends at the mini-batch boundary it is at; the rest, requeued, is taken by any
+    idle slot and may split again. Less than one mini-batch left is not worth a chunk: it runs on.
+    """
+    done = next_row - start
+    if done <= 0 or elapsed < chunk_seconds or stop - next_row < batch_rows:
+        return None
+    rate = done / elapsed
+    if (stop - start) / rate <= after * chunk_seconds:
+        return None
+    return next_row

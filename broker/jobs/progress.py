@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
+from broker.jobs import cuts
 from broker.jobs import slices as job_slices
-from broker.jobs.records import chunk_ranges, finalize_item_id, finalize_payload, get_job
+from broker.jobs.records import finalize_item_id, finalize_payload, get_job
 from broker.queueing.leases import LeasedItem
 from broker.state.replies import AckReply
 from broker.state.store import Store, translate_redis_errors
@@ -80,7 +81,8 @@ def forget_chunks(store: Store, job_id: str, indexes: Sequence[int]) -> int:
     """Count chunks of a stopped job as not done (their parts were lost), so that a resume runs them
     again; a job not stopped is left alone. Returns how many were forgotten."""
     job = get_job(store, job_id, now=0.0)
-    ranges = chunk_ranges(job.rows_total, job.chunk_size)
+    ranges = cuts.chunk_layout(store, job_id, rows_total=job.rows_total, chunk_size=job.chunk_size,
+                               chunks_total=int(job.chunks_total))
     forgotten = 0
     for start in range(0, len(indexes), job_slices.ENQUEUE_SLICE):
         args = [value for index in indexes[start:start + job_slices.ENQUEUE_SLICE]

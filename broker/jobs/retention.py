@@ -57,7 +57,7 @@ def _forget(store: Store, job_id: str, cutoff: float) -> bool:
                     return False
                 held = job.output_dir and pipe.hget(keys.output_dirs, job.output_dir) == job_id
                 pipe.multi()
-                pipe.delete(keys.job(job_id), keys.job_done(job_id))
+                pipe.delete(keys.job(job_id), keys.job_done(job_id), keys.job_cuts(job_id))
                 pipe.zrem(keys.jobs, job_id)
                 if job.owner:
                     pipe.zrem(keys.owner_jobs(job.owner), job_id)

@@ -35,6 +35,11 @@ class JobSettings(_Section):
     unit_seconds: Seconds = Field(0.1, gt=0)
     """How long a run unit of several chunks may run at the model's rate: it holds its slot throughout
     (online requests do not ride in it), so it is kept well below `chunk_seconds`."""
+    split_chunks: bool = False
+    """A running chunk that would run more than twice `chunk_seconds` at the rate it shows ends early at a
+    mini-batch boundary once it has run `chunk_seconds`; the rest of its rows is queued as a new chunk of its
+    job (broker/jobs/cuts.py). So a chunk's size follows the rate the run shows, not only the profile. Off by
+    default: a client that sets `chunk_size` gets chunks of that size."""
     retention: Seconds = Field(parse_duration("7d"), ge=0)
     """How long an ended job's record, done set and index entries stay in Redis after it ended (the
     files it wrote stay): the reaper then forgets it, and it answers 404 (0: keep every job)."""

@@ -47,9 +47,17 @@ def stop_job(store: Store, job_id: str, *, status: str, error: str, now: float, 
         job = JobStopView.of(store.client.hmget(store.keys.job(job_id), JobStopView.names()))
     if job.model_ref is None:
         raise job_not_found(job_id)
-    return _take_items_out(store, job_id, job.model_ref, _job_item_ids(job_id, int(job.chunks_total or 0)),
-                           status=status,
-                           error=error, now=now, stop_id=secrets.token_hex(6), dead_item=dead_item)
+    before, stop_id = int(job.chunks_total or 0), secrets.token_hex(6)
+    reply = _take_items_out(store, job_id, job.model_ref, _job_item_ids(job_id, before), status=status,
+                            error=error, now=now, stop_id=stop_id, dead_item=dead_item)
+    # A chunk split as it ran between the read above and the stop queued a new chunk (`cuts.split_chunk`;
+    # none is split once the job is stopped): it goes too.
+    with translate_redis_errors():
+        after = int(store.client.hget(store.keys.job(job_id), "chunks_total") or 0)
+    if after > before:
+        _take_items_out(store, job_id, job.model_ref, [chunk_item_id(job_id, index) for index in range(before, after)],
+                        status=status, error=error, now=now, stop_id=stop_id, continued=True)
+    return reply
 
 
 def _take_items_out(store: Store, job_id: str, model_ref: str, item_ids: Sequence[str], *, status: str, error: str,

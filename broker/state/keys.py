@@ -111,6 +111,10 @@ class Keys:
         """SET of chunk indexes whose outputs are written and acknowledged."""
         return self._key("job", job_id, "done")
 
+    def job_cuts(self, job_id: str) -> str:
+        """HASH chunk index -> 'start,stop' of a job's chunks split at run time (`broker/jobs/cuts.py`)."""
+        return self._key("job", job_id, "cuts")
+
     @property
     def jobs(self) -> str:
         """ZSET job id -> creation time, the index behind `GET /v1/jobs`."""

@@ -67,6 +67,7 @@ class Scripts:
     index_ready: HeldScript
     claim_slot: HeldScript
     settle_run: HeldScript
+    split_chunk: HeldScript
 
     def __init__(self, client: redis.Redis) -> None:
         for name in SCRIPT_NAMES:

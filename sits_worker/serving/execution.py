@@ -27,6 +27,7 @@ import numpy as np
 from broker.errors import BadInput, Cancelled, SitsError, StorageUnavailable
 from broker.failures import quarantine, retries
 from broker.failures.retry_policy import classify, describe, retry_delays
+from broker.jobs import cuts, granularity
 from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
@@ -98,7 +99,10 @@ def process_item(ctx: WorkerContext, item: LeasedItem, between: MiniBatchHook) -
         check_visible(ctx, job, item)
         if item.payload["kind"] == "finalize":
             manifest = finalize_job(job, keep_alive=_tolerant(between.keep_alive),
-                                    may_publish=partial(_may_publish, ctx, job), settings=ctx.settings.jobs)
+                                    may_publish=partial(_may_publish, ctx, job), settings=ctx.settings.jobs,
+                                    ranges=cuts.chunk_layout(ctx.store, job.id, rows_total=job.rows_total,
+                                                             chunk_size=job.chunk_size,
+                                                             chunks_total=int(job.chunks_total)))
             if manifest is None:  # stopped while it merged: its parts stay, a resume merges again
                 leases.finish_item(ctx.store, item, job_id, now=time.time())
                 return "dropped"
@@ -299,6 +303,16 @@ def commit_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem, results: 
             # leave behind in a folder nobody merges any more.
             leases.finish_item(ctx.store, item, job.id, now=time.time())
             return "dropped"
+        stop = cuts.stored_stop(ctx.store, job.id, int(item.payload["chunk"]), rows_total=int(job.rows_total),
+                                chunk_size=int(job.chunk_size))
+        held = int(item.payload["start"]) + next((len(array) for array in results.values()),
+                                                 int(item.payload["stop"]) - int(item.payload["start"]))
+        if 0 < stop < held:  # another run of it split it since this run read it: its part holds the chunk's rows
+            keep = stop - int(item.payload["start"])
+            results = {name: array[:keep] for name, array in results.items()}
+            quarantined = [(row, error) for row, error in quarantined if row < stop]
+            ids = None if ids is None else ids[:keep]
+            item.payload["stop"] = stop
         start, listed = item.payload["start"], quarantine_ids(ids, quarantined, item.payload["start"])
         if job.output_format == "parquet":
             write_table_part(Path(job.output_dir), item.payload["chunk"], results, start=start, ids=ids,
@@ -331,6 +345,7 @@ def run_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem,
     source = ctx.job_input(job)
     chunk = ChunkRows(ctx, job, start, stop, ctx.session(job.model_ref))  # the session: once per chunk
     batches = source.iter_batches(start, stop, job.batch_size)
+    split = _Splitting(ctx, job, item) if ctx.settings.jobs.split_chunks else None
     while True:
         try:
             row_indices, feed = next(batches)
@@ -341,17 +356,65 @@ def run_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem,
                 raise
             chunk.read_apart(source, between)
             break
+        read = row_indices
         riders = between(feed)
         with between.running():
             if riders:
                 row_indices, feed = _run_riders(ctx, chunk, riders, row_indices, feed)
             if len(row_indices):
                 chunk.run_batch(row_indices, feed)
+        if split is not None and (end := split.after(read)) is not None:
+            chunk.truncate(end)
+            break
+    if split is not None and split.end is not None and chunk.stop > split.end:  # (rows read apart past it)
+        chunk.truncate(split.end)
     between.run_early()
     # And after: rows read while the file was rewritten in place (same size, same inode) must not count
     # as done under the checksum of the file as submitted.
     check_unchanged(input_path, input_stat)
     return chunk.outputs(), chunk.quarantined
+
+
+class _Splitting:
+    """Whether a running chunk should end early, its rest queued as a new chunk (`granularity.split_row`,
+    `cuts.split_chunk`), asked after each mini-batch. Only while its rows come in row order (a JSON Lines
+    file's come grouped by length: such a chunk runs to its end). Another run of the same chunk (its lease
+    was reaped, and it runs twice) may have split it already: this run then ends where that split it."""
+
+    def __init__(self, ctx: WorkerContext, job: JobRecord, item: LeasedItem) -> None:
+        self._store, self._item = ctx.store, item
+        self._seconds, self._batch = float(ctx.settings.jobs.chunk_seconds), max(1, int(job.batch_size))
+        self._began, self._next = time.monotonic(), int(item.payload["start"])
+        self.end: int | None = None
+        """Where another run of the chunk split it, as this run found out."""
+        self._on = True
+
+    def after(self, read: np.ndarray) -> int | None:
+        """After the mini-batch of rows `read`: the row to end the chunk at, or None to go on."""
+        in_order = len(read) and int(read[0]) == self._next and int(read[-1]) - int(read[0]) + 1 == len(read)
+        if not self._on or not in_order:
+            self._on = False
+            return None
+        self._next = int(read[-1]) + 1
+        if self.end is not None:
+            return self.end if self._next >= self.end else None
+        payload = self._item.payload
+        row = granularity.split_row(start=int(payload["start"]), stop=int(payload["stop"]), next_row=self._next,
+                                    elapsed=time.monotonic() - self._began, chunk_seconds=self._seconds,
+                                    batch_rows=self._batch)
+        if row is None:
+            return None
+        stop = int(payload["stop"])
+        done = cuts.split_chunk(self._store, self._item, row=row)
+        if done.split:
+            log.info("chunk %s ended at row %d after %.2f s; rows [%d, %d) queued as chunk %s", self._item.item_id,
+                     row, time.monotonic() - self._began, row, stop, done.new_index)
+            return row
+        if 0 < done.stop < int(payload["stop"]):  # another run split it: end there
+            payload["stop"], self.end = done.stop, done.stop
+            return done.stop if self._next >= done.stop else None
+        self._on = False  # not leased any more, or its job stopped: its commit finds out
+        return None
 
 
 class ChunkRows:
@@ -456,6 +519,14 @@ class ChunkRows:
             raise BadInput(quarantine.too_many_message([row for row, _ in self.quarantined], self.quarantined[0][1],
                                                        limit=self._limit, rows_total=int(self.job.rows_total)))
 
+    def truncate(self, stop: int) -> None:
+        """End the chunk at row `stop` (it was split there, `_Splitting`): rows past it are another chunk's."""
+        keep = stop - self.start
+        self.results = {name: array[:keep] for name, array in self.results.items()}
+        self._done = self._done[:keep]
+        self.quarantined = [(row, error) for row, error in self.quarantined if row < stop]
+        self.stop = stop
+
     def outputs(self) -> dict[str, np.ndarray]:
         """Every output's rows, quarantined rows holding `jobs.quarantine_fill` (`quarantine.fill_value`)."""
         if not self.quarantined:
@@ -511,13 +582,15 @@ def _rows(feed: Mapping[str, np.ndarray], first: int, last: int) -> dict[str, np
 
 
 def finalize_job(job: JobRecord, *, keep_alive: Callable[[], None], may_publish: Callable[[], bool],
-                 settings: JobSettings | None = None) -> dict[str, Any] | None:
+                 settings: JobSettings | None = None,
+                 ranges: Sequence[tuple[int, int]] | None = None) -> dict[str, Any] | None:
     """Merge the job's part files into its outputs and manifest (idempotent), calling `keep_alive`
     as the merge goes: a merge of GBs may outlast the lease, and a reaped finalize item would be
     merged again by a second worker, at the cost of an attempt. None when `may_publish`, asked once
     the merge is done, stopped it (`outputs.finalize_outputs`). More quarantined rows than the job's
-    `jobs.max_bad_rows` (`settings`) is a BadInput naming them: the job fails."""
-    ranges = jobs.chunk_ranges(job.rows_total, job.chunk_size)
+    `jobs.max_bad_rows` (`settings`) is a BadInput naming them: the job fails. `ranges`: its chunks by index
+    as they are now (`cuts.chunk_layout`: some may have been split as they ran); by default as cut at submit."""
+    ranges = ranges if ranges is not None else jobs.chunk_ranges(job.rows_total, job.chunk_size)
     extra = {
         "job": job.id,
         "model": job.model,

@@ -235,9 +235,9 @@ def batch_need(ctx: WorkerContext, leased: Sequence[leases.LeasedItem]) -> tuple
             request_rows += int(item.payload.get("rows") or 1)
             request_tokens += int(item.payload.get("padded_tokens") or item.payload.get("tokens") or 0)
         elif item.payload.get("kind") == "chunk":  # a finalize step needs no device memory
-            chunk_batch += int(item.payload.get("batch_size") or FALLBACK_BATCH_ROWS)
-            if ctx.settings.scheduler.merge_requests_into_jobs:
-                chunk_batch += cost.max_rows
+            # (a run unit's chunks run one mini-batch at a time, shared or each alone: its largest)
+            riders = cost.max_rows if ctx.settings.scheduler.merge_requests_into_jobs else 0
+            chunk_batch = max(chunk_batch, int(item.payload.get("batch_size") or FALLBACK_BATCH_ROWS) + riders)
             chunk_rows += int(item.payload.get("stop", 0)) - int(item.payload.get("start", 0))
     tokens = request_tokens or None
     return (cost.need_bytes(rows=request_rows, tokens=tokens) + cost.need_bytes(rows=chunk_batch),

@@ -182,12 +182,17 @@ def chunk_written(output_dir: Path, chunk_index: int, chunk: tuple[int, int], ou
     return True
 
 
-def _rows_covered(chunk_ranges: Sequence[tuple[int, int]]) -> int:
-    """Check the chunks tile [0, total) in order, without gaps or empty chunks; return total."""
+Layout = Sequence[tuple[int, tuple[int, int]]]
+"""A job's chunks as (index, (start, stop)), in the order of their rows (`broker.jobs.cuts.in_row_order`):
+a chunk split as it ran has a new chunk after the job's last index for the rest of its rows."""
+
+
+def _rows_covered(layout: Layout) -> int:
+    """Check the chunks tile [0, total) in row order, without gaps or empty chunks; return total."""
     expected_start = 0
-    for start, stop in chunk_ranges:
+    for _, (start, stop) in layout:
         if start != expected_start or stop <= start:
-            raise ValueError(f"chunk ranges must tile [0, total) in order, got {list(chunk_ranges)}")
+            raise ValueError(f"chunk ranges must tile [0, total) in order, got {list(layout)}")
         expected_start = stop
     if expected_start == 0:
         raise ValueError("a job has at least one chunk")
@@ -222,8 +227,11 @@ def _parts_gone(folder: Path) -> FileMissing:
                        "chunks again before finalizing")
 
 
-def _load_part(parts: Folder, name: str, chunk_index: int, chunk: tuple[int, int]) -> _Part:
-    """Map one part read-only and check it holds exactly the chunk's rows."""
+def _load_part(parts: Folder, name: str, chunk_index: int, chunk: tuple[int, int], *, merging: bool = False) -> _Part:
+    """Map one part read-only and check it holds the chunk's rows. `merging`: a part longer than its chunk
+    holds the chunk's rows first (a run that read the chunk before another run split it, broker/jobs/cuts.py,
+    wrote it, and rows are computed alike by every run): its first rows are taken. Elsewhere (is a chunk's
+    part written?) only the chunk's own rows count."""
     path = parts.path / part_name(name, chunk_index)
     try:
         handle = parts.read_file(path.name)
@@ -236,6 +244,8 @@ def _load_part(parts: Folder, name: str, chunk_index: int, chunk: tuple[int, int
         except BadInput as err:  # (not the job's input: the part is to be written again)
             raise SitsError(err.message) from err
         rows = map_array(handle, header, header.data_offset)
+        if merging and rows.ndim > 0 and rows.shape[0] > chunk[1] - chunk[0]:
+            rows = rows[: chunk[1] - chunk[0]]
         if rows.ndim == 0 or rows.shape[0] != chunk[1] - chunk[0]:
             raise SitsError(
                 f"output part '{path}' has shape {list(rows.shape)} but chunk {chunk_index} covers rows "
@@ -247,7 +257,7 @@ def _load_part(parts: Folder, name: str, chunk_index: int, chunk: tuple[int, int
     return _Part(rows, handle)
 
 
-def _merge_output(parts: Folder, name: str, chunk_ranges: Sequence[tuple[int, int]], total: int,
+def _merge_output(parts: Folder, name: str, layout: Layout, total: int,
                   keep_alive: Callable[[], None]) -> tuple[str, dict[str, Any]]:
     """Merge one output's parts into a temp file in the job's parts folder `parts`; return its name and
     its manifest entry (the caller renames it to the entry's `file` when the merge is to be published).
@@ -259,7 +269,7 @@ def _merge_output(parts: Folder, name: str, chunk_ranges: Sequence[tuple[int, in
     copied and every second of the waits for the fsync (run on a third thread) and the hash, so a
     merge of GBs keeps its item's lease.
     """
-    with _load_part(parts, name, 0, chunk_ranges[0]) as first:
+    with _load_part(parts, name, *layout[0], merging=True) as first:
         dtype, row_shape = first.rows.dtype, first.rows.shape[1:]
     final = output_file_name(name)
     temp = _temp_name(final)  # in the job's parts folder: removed with its parts if we crash
@@ -270,17 +280,17 @@ def _merge_output(parts: Folder, name: str, chunk_ranges: Sequence[tuple[int, in
     )
     stop = threading.Event()
     with ThreadPoolExecutor(2, thread_name_prefix="sits-merge") as helpers:
-        hashed = helpers.submit(_hash_parts, parts, name, chunk_ranges, header.getvalue(), stop)
+        hashed = helpers.submit(_hash_parts, parts, name, layout, header.getvalue(), stop)
         try:
             with parts.create_new(temp) as handle:
                 handle.write(header.getvalue())
-                for index, chunk in enumerate(chunk_ranges):
-                    with _load_part(parts, name, index, chunk) as part:
+                for index, chunk in layout:
+                    with _load_part(parts, name, index, chunk, merging=True) as part:
                         if part.rows.dtype != dtype or part.rows.shape[1:] != row_shape:
                             raise BadInput(
                                 f"output '{name}' has dtype {dtype} and rows of shape {list(row_shape)} in chunk "
-                                f"0 but {part.rows.dtype} {list(part.rows.shape[1:])} in chunk {index}; outputs "
-                                "whose rows vary in shape cannot be merged into one .npy"
+                                f"{layout[0][0]} but {part.rows.dtype} {list(part.rows.shape[1:])} in chunk {index}; "
+                                "outputs whose rows vary in shape cannot be merged into one .npy"
                             )
                         _copy_part(handle, part, keep_alive)
                 handle.flush()
@@ -355,14 +365,14 @@ def _raw_bytes(part: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(part).data).cast("B")
 
 
-def _hash_parts(parts: Folder, name: str, chunk_ranges: Sequence[tuple[int, int]], header: bytes,
+def _hash_parts(parts: Folder, name: str, layout: Layout, header: bytes,
                 stop: threading.Event) -> str:
     """SHA-256 hex digest of `header` followed by the parts' bytes in row order (the merged file)."""
     digest = hashlib.sha256(header)
-    for index, chunk in enumerate(chunk_ranges):
+    for index, chunk in layout:
         if stop.is_set():
             break
-        with _load_part(parts, name, index, chunk) as part:
+        with _load_part(parts, name, index, chunk, merging=True) as part:
             digest.update(_raw_bytes(part.rows))
     return digest.hexdigest()
 
@@ -370,19 +380,19 @@ def _hash_parts(parts: Folder, name: str, chunk_ranges: Sequence[tuple[int, int]
 Merged = dict[str, tuple[str, dict[str, Any]]]
 """Output name -> (its temp file in the parts folder, its manifest entry, whose `file` the temp becomes);
 outputs merged into one file share its temp."""
-Merge = Callable[[Folder, Sequence[str], Sequence[tuple[int, int]], int, Callable[[], None], Merged], None]
-"""How a job's parts are merged: (parts folder, output names, chunk ranges, total rows, keep_alive, merged so
+Merge = Callable[[Folder, Sequence[str], Layout, int, Callable[[], None], Merged], None]
+"""How a job's parts are merged: (parts folder, output names, chunks in row order, total rows, keep_alive, merged so
 far), adding each temp file to `merged` as soon as it exists (so a failure removes it)."""
 
 
-def merge_npy_outputs(parts: Folder, output_names: Sequence[str], chunk_ranges: Sequence[tuple[int, int]],
+def merge_npy_outputs(parts: Folder, output_names: Sequence[str], layout: Layout,
                       total: int, keep_alive: Callable[[], None], merged: Merged) -> None:
     """The `Merge` of `.npy` parts: each output into its `<name>.npy` (`_merge_output`)."""
     for name in output_names:
-        merged[name] = _merge_output(parts, name, chunk_ranges, total, keep_alive)
+        merged[name] = _merge_output(parts, name, layout, total, keep_alive)
 
 
-def _merge_outputs(out: Folder, parts: Folder, output_names: Sequence[str], chunk_ranges: Sequence[tuple[int, int]],
+def _merge_outputs(out: Folder, parts: Folder, output_names: Sequence[str], layout: Layout,
                    total: int, keep_alive: Callable[[], None],
                    may_publish: Callable[[], bool], merge: Merge) -> Merged | None:
     """Merge the outputs into temp files in `parts` (`merge`), then ask `may_publish`: output
@@ -392,7 +402,7 @@ def _merge_outputs(out: Folder, parts: Folder, output_names: Sequence[str], chun
     merged: Merged = {}
     publish = False
     try:
-        merge(parts, output_names, chunk_ranges, total, keep_alive, merged)
+        merge(parts, output_names, layout, total, keep_alive, merged)
         publish = may_publish()
         if publish:  # (a rename would replace a link, not follow it: refused all the same, before any rename)
             for published in (*(entry["file"] for _, entry in merged.values()), QUARANTINE_NAME, MANIFEST_NAME):
@@ -440,10 +450,12 @@ def finalize_outputs(
     The chunks' quarantined rows are merged into `quarantine.jsonl` (row order) before the manifest,
     which lists them as `quarantined_rows` with each output's fill value (`quarantine`). More of them
     than `bad_row_limit` is a BadInput naming them, before anything is merged. `merge` merges the parts
-    (`.npy` parts by default; `table_outputs.merge_table_parts` for a Parquet job).
+    (`.npy` parts by default; `table_outputs.merge_table_parts` for a Parquet job). `chunk_ranges` are by chunk
+    index; the merge takes them in row order (a chunk split as it ran has its rest numbered after the last).
     """
     output_dir = Path(output_dir)
-    total = _rows_covered(chunk_ranges)
+    layout = sorted(enumerate(chunk_ranges), key=lambda pair: pair[1][0])  # (a split chunk's rest comes last)
+    total = _rows_covered(layout)
     if clash := set(_RESERVED_KEYS) & set(manifest_extra):
         raise ValueError(f"manifest_extra may not set {sorted(clash)}")
     try:
@@ -456,7 +468,7 @@ def finalize_outputs(
         manifest = _read_manifest(out)
         if manifest is None:
             try:
-                manifest = _merge_and_publish(out, chunk_ranges, output_names, manifest_extra, total=total,
+                manifest = _merge_and_publish(out, layout, output_names, manifest_extra, total=total,
                                               job_id=job_id, keep_alive=keep_alive, may_publish=may_publish,
                                               bad_row_limit=bad_row_limit, quarantine_fill=quarantine_fill,
                                               merge=merge)
@@ -473,7 +485,7 @@ def finalize_outputs(
     return manifest
 
 
-def _merge_and_publish(out: Folder, chunk_ranges: Sequence[tuple[int, int]], output_names: Sequence[str],
+def _merge_and_publish(out: Folder, layout: Layout, output_names: Sequence[str],
                        manifest_extra: Mapping[str, Any], *, total: int, job_id: str,
                        keep_alive: Callable[[], None], may_publish: Callable[[], bool], bad_row_limit: int | None,
                        quarantine_fill: float, merge: Merge) -> dict[str, Any] | None:
@@ -490,7 +502,7 @@ def _merge_and_publish(out: Folder, chunk_ranges: Sequence[tuple[int, int]], out
             raise BadInput(quarantine.too_many_message([int(entry["row"]) for entry in rejected],
                                                        str(rejected[0]["error"]), limit=bad_row_limit,
                                                        rows_total=total))
-        merged = _merge_outputs(out, parts, output_names, chunk_ranges, total, keep_alive, may_publish, merge)
+        merged = _merge_outputs(out, parts, output_names, layout, total, keep_alive, may_publish, merge)
         if merged is None:
             return None
         for temp, file in {temp: entry["file"] for temp, entry in merged.values()}.items():
@@ -498,7 +510,7 @@ def _merge_and_publish(out: Folder, chunk_ranges: Sequence[tuple[int, int]], out
         out.fsync()  # (the outputs' names are durable before the manifest can be: POSIX orders no two
         # renames, so a crash must not leave a manifest whose outputs' entries were lost)
         outputs = {name: entry for name, (_, entry) in merged.items()}
-        manifest = {"rows": total, "outputs": outputs, "chunks": len(chunk_ranges), **manifest_extra,
+        manifest = {"rows": total, "outputs": outputs, "chunks": len(layout), **manifest_extra,
                     **_publish_quarantine(out, rejected, outputs, quarantine_fill)}
         text = json.dumps(manifest, indent=2).encode()
         _write_atomically(out / MANIFEST_NAME, lambda handle: handle.write(text))
@@ -530,7 +542,9 @@ def _read_quarantine(parts: Folder) -> list[dict[str, Any]]:
     """`read_quarantine` from the opened parts folder `parts`."""
     names = sorted(name for name in parts.names() if name.startswith("quarantine.") and name.endswith(".jsonl"))
     entries = [entry for name in names for entry in quarantine.read_entries(parts.read_bytes(name).decode())]
-    return sorted(entries, key=lambda entry: int(entry["row"]))
+    # (one row per entry: a part longer than its split chunk lists rows its chunk's rest lists again)
+    once = {int(entry["row"]): entry for entry in reversed(entries)}
+    return sorted(once.values(), key=lambda entry: int(entry["row"]))
 
 
 def _publish_quarantine(out: Folder, rejected: Sequence[dict[str, Any]], outputs: Mapping[str, Any],

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from broker.errors import FileMissing, SitsError
 from broker.jobs.output_layout import TABLE_OUTPUT_NAME, TABLE_ROW_COLUMN, table_part_name
 from sits_worker.model.safe_files import Folder
-from sits_worker.serving.outputs import Merged, _open_job_parts, _open_output_dir, _temp_name, write_part_files
+from sits_worker.serving.outputs import Layout, Merged, _open_job_parts, _open_output_dir, _temp_name, write_part_files
 
 GROUP_ROWS = 65_536
 """Rows per row group of `outputs.parquet`: a reader of a few rows decodes no more than this."""
@@ -68,8 +68,9 @@ def write_table_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, n
                      quarantined=quarantined, quarantine_ids=quarantine_ids)
 
 
-def _read_part(parts: Folder, chunk_index: int, chunk: tuple[int, int]) -> pa.Table:
-    """A chunk's part, mapped (no copy), checked to hold the chunk's rows."""
+def _read_part(parts: Folder, chunk_index: int, chunk: tuple[int, int], *, merging: bool = False) -> pa.Table:
+    """A chunk's part, mapped (no copy), checked to hold the chunk's rows (`merging`: its first rows, as
+    `outputs._load_part` takes them)."""
     name = table_part_name(chunk_index)
     try:
         handle = parts.read_file(name)
@@ -82,6 +83,8 @@ def _read_part(parts: Folder, chunk_index: int, chunk: tuple[int, int]) -> pa.Ta
         except (pa.ArrowInvalid, OSError) as err:
             raise SitsError(f"output part '{parts.path / name}' is unreadable ({err}); delete it and run chunk "
                             f"{chunk_index} again") from err
+    if merging and table.num_rows > chunk[1] - chunk[0]:  # (written before its chunk was split: its rows first)
+        table = table.slice(0, chunk[1] - chunk[0])
     if table.num_rows != chunk[1] - chunk[0]:
         raise SitsError(f"output part '{parts.path / name}' has {table.num_rows} rows but chunk {chunk_index} covers "
                         f"rows [{chunk[0]}, {chunk[1]}); delete it and run the chunk again")
@@ -98,7 +101,7 @@ def table_chunk_written(output_dir: Path, chunk_index: int, chunk: tuple[int, in
     return True
 
 
-def merge_table_parts(parts: Folder, output_names: Sequence[str], chunk_ranges: Sequence[tuple[int, int]],
+def merge_table_parts(parts: Folder, output_names: Sequence[str], layout: Layout,
                       total: int, keep_alive: Callable[[], None], merged: Merged) -> None:
     """The `outputs.Merge` of a Parquet job: every part, in row order, appended to one temp file that becomes
     `outputs.parquet`; each output's manifest entry names its column, row shape, dtype and the file's checksum."""
@@ -108,13 +111,14 @@ def merge_table_parts(parts: Folder, output_names: Sequence[str], chunk_ranges: 
         with parts.create_new(temp) as handle:
             writer: pq.ParquetWriter | None = None
             try:
-                for index, chunk in enumerate(chunk_ranges):
-                    table = _read_part(parts, index, chunk)
+                for index, chunk in layout:
+                    table = _read_part(parts, index, chunk, merging=True)
                     if schema is None:
                         schema = table.schema
                         writer = pq.ParquetWriter(handle, schema, use_dictionary=False)
                     elif not table.schema.equals(schema, check_metadata=True):
-                        raise SitsError(f"output part of chunk {index} has columns {table.schema} unlike chunk 0's "
+                        raise SitsError(f"output part of chunk {index} has columns {table.schema} unlike chunk "
+                                        f"{layout[0][0]}'s "
                                         f"{schema}; delete it and run the chunk again")
                     assert writer is not None
                     writer.write_table(table, row_group_size=GROUP_ROWS)

@@ -15,7 +15,6 @@ import pytest
 
 from broker.jobs.chunking import auto_batch_size
 from broker.models.model_record import ModelRecord
-from broker.monitoring.batch_sizes import decode_batch_sizes
 from sits_api.cli.stack import Stack
 from sits_worker.model.zoo import mlp_reference
 from tests.e2e.stack_helpers import direct_run, register, stack_settings, start_stack, wait_job
@@ -497,38 +496,3 @@ def test_a_parquet_job_cancelled_midway_resumes_running_only_its_unfinished_chun
     expected = direct_run(stack.home / "models" / "convnet.onnx", pixels, 25).reshape(1_000, -1)
     np.testing.assert_allclose(values, expected, rtol=1e-4, atol=1e-5)
 
-
-def test_small_jobs_waiting_together_share_runs_and_each_writes_its_own_outputs(stack):
-    """Six jobs of three rows wait together (their model barred a moment by a live override); one lease takes
-    them as a run unit (`jobs.merge_chunks`), their rows run in shared mini-batches of eight (runs of more rows
-    than any one job has, on the model's batch-size histogram), and each job's outputs are its own rows' as a
-    direct run gives them."""
-    from broker.tuning import live
-
-    client = stack.client()
-    record = register(client, "units", stack.home / "models" / "mlp.onnx")
-    live.write(stack.store, record["ref"], live.LiveBatching(source="test", until=time.time() + 60,
-                                                             others=live.BARRED))
-    time.sleep(1.5)  # (workers read overrides every 0.5 s)
-    rng, submitted = np.random.default_rng(11), []
-    for number in range(6):
-        inputs = rng.standard_normal((3, 64)).astype(np.float32)
-        np.save(stack.home / f"unit-{number}.npy", inputs)
-        job = client.post("/v1/jobs", {"model": "units", "input_batch": str(stack.home / f"unit-{number}.npy"),
-                                       "output_dir": str(stack.home / f"out-unit-{number}"), "batch_size": 8})
-        submitted.append((job, inputs))
-    assert live.clear(stack.store, record["ref"], source="test")
-
-    for job, inputs in submitted:
-        assert wait_job(client, job["id"])["status"] == "succeeded"
-        [name] = json.loads(stack.store.client.hget(stack.store.keys.job(job["id"]), "output_names"))
-        got = np.load(stack.home / f"out-unit-{submitted.index((job, inputs))}" / f"{name}.npy")
-        np.testing.assert_allclose(got, direct_run(stack.home / "models" / "mlp.onnx", inputs, 8), rtol=1e-5,
-                                   atol=1e-6)
-
-    def shared_runs() -> int:  # runs of more than 4 rows (ROW_BUCKETS: 1, 2, 4, 8, ...)
-        raw = stack.store.client.hgetall(stack.store.keys.batch_sizes)
-        rows = decode_batch_sizes(raw).get((record["ref"], "rows"))
-        return 0 if rows is None else rows.count - rows.cumulative[2]
-
-    assert eventually(shared_runs, timeout=10, interval=0.5) >= 2, "no run held more than one job's rows"

@@ -14,7 +14,8 @@
 --           priority class (`broker.monitoring.sla_metrics`), once, as its rows are
 -- ARGV[1] item id
 -- ARGV[2] chunk index
--- ARGV[3] rows in the chunk
+-- ARGV[3] rows in the chunk (its stored payload's, where it is still stored: a split may have shortened it
+--         since the run read it, broker/jobs/cuts.py)
 -- ARGV[4] now
 -- ARGV[5] finalize item id, ARGV[6] its score, ARGV[7] its payload (score replaced by the chunk's current one)
 -- ARGV[8] name of the worker that ran the chunk (counted in the job field 'w:<name>')
@@ -37,11 +38,15 @@ local K = {inflight = KEYS[1], ready = KEYS[2], items = KEYS[3], attempts = KEYS
   done = KEYS[6], doorbell = KEYS[7], job_counts = KEYS[8], counters = KEYS[9], queues = KEYS[10],
   queues_version = KEYS[11], latency_buckets = KEYS[12]}
 local finalize_score, finalize_payload = ARGV[6], ARGV[7]
+local rows = tonumber(ARGV[3])
 local current = redis.call('HGET', K.items, ARGV[1])
 if current then
   local decoded, chunk = cjson.decode(finalize_payload), cjson.decode(current)
   decoded['score'], decoded['factors'] = chunk['score'], chunk['factors']
   finalize_score, finalize_payload = decoded['score'], cjson.encode(decoded)
+  if chunk['stop'] and chunk['start'] then
+    rows = tonumber(chunk['stop']) - tonumber(chunk['start'])
+  end
 end
 redis.call('ZREM', K.inflight, ARGV[1])
 local reaped = ready_remove_stored(K.ready, K.items, ARGV[1])
@@ -56,7 +61,7 @@ end
 if redis.call('SADD', K.done, ARGV[2]) == 0 then
   return ACK.SKIPPED
 end
-redis.call('HINCRBY', K.job, 'rows_done', ARGV[3])
+redis.call('HINCRBY', K.job, 'rows_done', rows)
 if reaped or leases > 1 then
   -- a run whose lease was lost (frozen, cut off) or that was leased before: its time is no measure of
   -- the model's speed, and the job's slot time is no longer whole
@@ -72,12 +77,12 @@ if not reaped and leases <= 1 and ARGV[11] and ARGV[11] ~= '' and ARGV[11] ~= '{
     local mix = raw and cjson.decode(raw) or {}
     for neighbour, seconds in pairs(beside) do
       local was = mix[neighbour] or {0, 0}
-      mix[neighbour] = {was[1] + seconds, was[2] + tonumber(ARGV[3]) * seconds / total}
+      mix[neighbour] = {was[1] + seconds, was[2] + rows * seconds / total}
     end
     redis.call('HSET', K.job, 'slot_mix', cjson.encode(mix))
   end
 end
-redis.call('HINCRBY', K.counters, 'job_rows:' .. ARGV[9], ARGV[3])
+redis.call('HINCRBY', K.counters, 'job_rows:' .. ARGV[9], rows)
 local run_seconds = tonumber(ARGV[10] or '')
 if run_seconds and run_seconds > 0 then  -- (0: acked without a run, its parts written before)
   local tally = {}

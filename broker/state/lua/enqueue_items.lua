@@ -14,7 +14,9 @@
 -- KEYS[10] filling ZSET job id -> time of its last enqueue call, while more calls are to come
 -- KEYS[11] job counts HASH status -> jobs in it (a job's status set through ARGV[3] is counted)
 -- KEYS[12] queues version STRING counter (moves when KEYS[3] gains a ref)
--- KEYS[13..] the job's own indexes ZSET job id -> created time: its owner's, its tenant's (optional; 'create'
+-- KEYS[13] cuts   HASH  chunk index -> 'start,stop' of the job's chunks split as they ran (broker/jobs/cuts.py):
+--         a chunk queued here gets that range, whatever its caller read before a split
+-- KEYS[14..] the job's own indexes ZSET job id -> created time: its owner's, its tenant's (optional; 'create'
 --         adds the job to each)
 -- ARGV[1] model ref
 -- ARGV[2] job id, or '' for items without a job
@@ -46,7 +48,7 @@
 -- KEYS by name (the positions above are the callers' contract).
 local K = {ready = KEYS[1], items = KEYS[2], queues = KEYS[3], job = KEYS[4], jobs = KEYS[5],
   done = KEYS[6], inflight = KEYS[7], dead = KEYS[8], attempts = KEYS[9], filling = KEYS[10],
-  job_counts = KEYS[11], queues_version = KEYS[12], job_indexes = {unpack(KEYS, 13)}}
+  job_counts = KEYS[11], queues_version = KEYS[12], cuts = KEYS[13], job_indexes = {unpack(KEYS, 14)}}
 local job_id, fill, fill_id = ARGV[2], ARGV[6], ARGV[8]
 if ARGV[4] == 'create' and redis.call('EXISTS', K.job) == 1 then
   return ENQUEUE.JOB_EXISTS
@@ -95,6 +97,7 @@ if job_id ~= '' then
   end
 end
 local take_back = own and ARGV[4] == 'resume'
+local has_cuts = job_id ~= '' and redis.call('HLEN', K.cuts) > 0
 local handled_to = filled_to
 local added = 0
 local job_tenant = nil  -- the tenant index the job's items go to (lib.lua's `ready_add`)
@@ -116,6 +119,13 @@ for i = 9, #ARGV, 4 do
     -- a dead item not taken back stays out of ready: it fails its job (`stop_job` with a dead item)
     local queued_or_dead = redis.call('ZSCORE', K.ready, item_id) or redis.call('ZSCORE', K.dead, item_id)
     if not leased and not queued_or_dead then
+      local cut = has_cuts and index and redis.call('HGET', K.cuts, chunk)
+      if cut then  -- (split since the caller read the job's chunks)
+        local decoded = cjson.decode(payload)
+        local comma = string.find(cut, ',', 1, true)
+        decoded['start'], decoded['stop'] = tonumber(string.sub(cut, 1, comma - 1)), tonumber(string.sub(cut, comma + 1))
+        payload = cjson.encode(decoded)
+      end
       redis.call('HSET', K.items, item_id, payload)
       if job_tenant == nil or job_id == '' then  -- (a job's items are all its tenant's: one decode)
         job_tenant = item_tenant(cjson.decode(payload))

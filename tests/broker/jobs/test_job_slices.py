@@ -131,7 +131,7 @@ def test_a_later_call_of_a_fill_adds_nothing_once_the_job_was_cancelled_meanwhil
     keys = store.keys
     job_keys = [keys.ready(MODEL_REF), keys.items, keys.queues, keys.job("race"), keys.jobs, keys.job_done("race"),
                 keys.inflight(MODEL_REF), keys.dead, keys.attempts, keys.jobs_filling, keys.job_counts,
-                keys.queues_version]
+                keys.queues_version, keys.job_cuts("race")]
     later = job_fills._item_args("race", MODEL_REF, jobs.chunk_ranges(4, 1), [3], 1.0, {}, 2, "", "")
 
     fill_id = store.client.hget(keys.job("race"), "fill_id")

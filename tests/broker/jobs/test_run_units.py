@@ -21,9 +21,9 @@ def test_a_unit_is_what_runs_in_its_seconds_at_the_rate() -> None:
     assert unit == RunUnit(max_chunks=8, max_rows=100)
 
 
-def test_a_unit_holds_one_batch_at_least_and_one_without_a_rate() -> None:
+def test_a_unit_holds_one_batch_at_least_and_without_a_rate_a_chunk_runs_alone() -> None:
     assert choose_unit(batch_rows=64, rows_per_second=100.0, unit_seconds=0.1, most_chunks=8).max_rows == 64
-    assert choose_unit(batch_rows=64, rows_per_second=None, unit_seconds=0.1, most_chunks=8).max_rows == 64
+    assert choose_unit(batch_rows=64, rows_per_second=None, unit_seconds=0.1, most_chunks=8) is ALONE
 
 
 def test_a_unit_keeps_its_outputs_within_the_memory_cap() -> None:
@@ -48,9 +48,11 @@ def test_a_unit_is_never_smaller_than_a_batch_nor_past_the_rate_or_memory(batch:
                                                                            per_row: int, cap: int) -> None:
     unit = choose_unit(batch_rows=batch, rows_per_second=rate, unit_seconds=seconds, most_chunks=chunks,
                        output_bytes_per_row=per_row, max_output_bytes=cap)
+    if rate is None:
+        assert unit is ALONE
+        return
     assert unit.max_chunks == chunks and unit.max_rows >= batch
-    if rate is not None:
-        assert unit.max_rows <= max(batch, rate * seconds)
+    assert unit.max_rows <= max(batch, rate * seconds)
     if per_row and cap:
         assert unit.max_rows <= max(batch, cap // per_row)
 

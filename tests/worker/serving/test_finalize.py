@@ -40,10 +40,10 @@ def test_a_merge_that_outlasts_the_lease_keeps_its_finalize_item_from_the_reaper
     returned_by_reaper: list[int] = []
     load_part = outputs._load_part
 
-    def slow_load_part(*args: Any) -> Any:  # a slow disk: the merge of all parts outlasts the lease
+    def slow_load_part(*args: Any, **kwargs: Any) -> Any:  # a slow disk: the merge of all parts outlasts the lease
         time.sleep(LEASE_SECONDS / 4)
         returned_by_reaper.append(reaping.reap_expired_leases(store, now=time.time(), max_attempts=3).returned)
-        return load_part(*args)
+        return load_part(*args, **kwargs)
 
     monkeypatch.setattr(outputs, "_load_part", slow_load_part)
     started = time.monotonic()

@@ -351,3 +351,31 @@ def test_a_merge_waiting_on_the_disk_keeps_its_lease_alive(monkeypatch: pytest.M
         slow = pool.submit(lambda: (time.sleep(0.2), "done")[1])
         assert outputs._wait(slow, lambda: calls.append(time.monotonic())) == "done"
     assert len(calls) >= 4
+
+
+def test_a_split_chunks_rest_numbered_last_merges_in_row_order(tmp_path: Path) -> None:
+    """Chunk 0 ended early at row 2 as it ran; its rows [2, 4) became chunk 3, after the job's last index."""
+    layout = [(0, 2), (4, 8), (8, 10), (2, 4)]
+    _write_all(tmp_path, layout)
+
+    manifest = finalize_outputs(tmp_path, layout, ["logits", "label"], EXTRA)
+
+    for name, values in _outputs(range(10)).items():
+        np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), values)
+    assert manifest["chunks"] == 4
+
+
+def test_a_part_written_before_its_chunk_was_split_gives_the_chunks_rows(tmp_path: Path) -> None:
+    """A run that read chunk 0 as [0, 4) wrote it whole after another run split it at 2 (its rest is chunk 3):
+    the merge takes the part's first rows, and a row both runs quarantined is listed once."""
+    layout = [(0, 2), (4, 8), (8, 10), (2, 4)]
+    write_part(tmp_path, 0, _outputs(range(0, 4)), quarantined=[(3, "bad")])
+    write_part(tmp_path, 3, _outputs(range(2, 4)), quarantined=[(3, "bad")])
+    for index in (1, 2):
+        write_part(tmp_path, index, _outputs(range(*layout[index])))
+
+    manifest = finalize_outputs(tmp_path, layout, ["logits", "label"], EXTRA)
+
+    for name, values in _outputs(range(10)).items():
+        np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), values)
+    assert manifest["quarantined_rows"] == [3]
