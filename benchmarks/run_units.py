@@ -6,8 +6,8 @@ worker with the default streams), alternating so that drift in the machine's spe
 
 - `fixed`: `jobs.merge_chunks: 1`, every leased chunk runs alone, at the size it was cut to at submit
   (SITS before run-time granularity);
-- `units`: the defaults: run units (a slot that leases a chunk takes further waiting chunks of the model
-  and tenant along while they run within `jobs.unit_seconds`, in shared mini-batches);
+- `units`: `jobs.merge_chunks: 16`, run units (a slot that leases a chunk takes further waiting chunks of
+  the model and tenant along while they run within `jobs.unit_seconds`, in shared mini-batches);
 - `split` (with `--split`): run units and `jobs.split_chunks: true` (a chunk running past twice
   `jobs.chunk_seconds` at the rate it shows ends early, its rest queued as a new chunk).
 
@@ -41,7 +41,8 @@ from sits_api.cli.stack import Stack  # noqa: E402
 from sits_worker.model.zoo import build_zoo  # noqa: E402
 
 SHAPES = {"mlp": (64,), "convnet": (3, 32, 32)}
-ARMS = {"fixed": {"merge_chunks": 1}, "units": {}, "split": {"split_chunks": True}}
+ARMS = {"fixed": {"merge_chunks": 1}, "units": {"merge_chunks": 16},
+        "split": {"merge_chunks": 16, "split_chunks": True}}
 
 
 def run_arm(arm: str, args: argparse.Namespace, data: Path, work: Path, models: dict[str, Path]) -> dict[str, float]:

@@ -16,8 +16,9 @@ should run at once depends on what waits when it leases. Measured on the 2-core 
   requests ride between a chunk's mini-batches; a merged unit is kept shorter than one chunk instead);
 - a unit's outputs stay in memory until their part files are written.
 
-So a slot that leases a chunk takes further waiting chunks of the same model along, of any job of the
-same tenant (one tenant's rows that crash a run must not cost another's chunks their attempts), in
+So, with `jobs.merge_chunks` above 1 (off by default: on a 2-core CPU no gain was measured,
+docs/benchmarks.md), a slot that leases a chunk takes further waiting chunks of the same model along, of any
+job of the same tenant (one tenant's rows that crash a run must not cost another's chunks their attempts), in
 queue order (their tenants' fair-share order included), while together they run within `unit_seconds`
 at the model's rate and their outputs within `max_output_bytes`; the worker runs them in shared
 mini-batches and commits each chunk on its own, so exactly-once holds per chunk as before. A chunk of

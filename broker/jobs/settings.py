@@ -27,11 +27,11 @@ class JobSettings(_Section):
     """Rows per ONNX Runtime run for jobs that do not set one; `auto`: the model's best measured
     batch size (the smallest within 5 % of the best rows/s a job gets, its profile's rows/s less a
     mini-batch's own cost, broker/jobs/chunking.py); 128 for a model without a usable profile."""
-    merge_chunks: Integer = Field(16, ge=1)
+    merge_chunks: Integer = Field(1, ge=1)
     """Most job chunks one lease takes as a run unit (broker/jobs/granularity.py): a slot that leases a
     chunk takes further waiting chunks of the same model along, of any job of its tenant, while together
     they run within `unit_seconds`, and runs them in shared mini-batches, each chunk committed on its
-    own; 1: every chunk runs alone."""
+    own; 1 (the default: no gain was measured on a CPU, docs/benchmarks.md): every chunk runs alone."""
     unit_seconds: Seconds = Field(0.1, gt=0)
     """How long a run unit of several chunks may run at the model's rate: it holds its slot throughout
     (online requests do not ride in it), so it is kept well below `chunk_seconds`."""

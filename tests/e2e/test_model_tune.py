@@ -27,6 +27,7 @@ from broker.state.store import Store
 from broker.tuning import learning, live
 from sits_api.cli.stack import Stack
 from tests.e2e.stack_helpers import register, stack_settings
+from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +182,15 @@ def test_the_weight_learner_makes_its_proposals_the_live_policy(stack: Stack) ->
         state = learning.read_state(store)
         if state is not None and state.draws >= 1 and time.monotonic() > ends - 12:
             break
-    for _ in range(20):  # (a state and a policy read between two passes: the pass writes both)
-        state = learning.read_state(store)
-        live = client.get("/v1/policy")
-        if learning.read_state(store) == state:
-            break
-    assert state is not None and state.observed_at is not None and time.time() - state.observed_at < 5
+
+    def proposal_is_live() -> bool:  # (a pass writes the policy and its state one after the other: read both
+        nonlocal state, policy       # until a read falls between two passes)
+        state, policy = learning.read_state(store), client.get("/v1/policy")
+        proposed = None if state is None else state.candidate if state.trying == "candidate" else state.incumbent
+        return proposed is not None and all(abs(policy[name] - getattr(proposed, name)) < 1e-9
+                                            for name in ("alpha", "beta", "gamma", "delta"))
+
+    policy: dict = {}
+    assert eventually(proposal_is_live, timeout=5, interval=0.05), (state, policy)
+    assert state is not None and state.observed_at is not None and time.time() - state.observed_at < 10
     assert state.draws >= 1  # (a candidate was drawn and tried)
-    proposed = state.candidate if state.trying == "candidate" else state.incumbent
-    assert proposed is not None and all(abs(live[name] - getattr(proposed, name)) < 1e-9
-                                        for name in ("alpha", "beta", "gamma", "delta"))

@@ -1,5 +1,6 @@
-"""Granularity chosen as jobs run, through a real stack: small jobs of one tenant share runs (run units), and a
-chunk far longer than planned ends early, its rest queued as new chunks (`jobs.split_chunks`, on here)."""
+"""Granularity chosen as jobs run, through a real stack: small jobs of one tenant share runs (run units,
+`jobs.merge_chunks`), and a chunk far longer than planned ends early, its rest queued as new chunks
+(`jobs.split_chunks`); both are off by default and on here."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def stack(tmp_path_factory):
     from sits_worker.model.zoo import build_zoo
 
     home = tmp_path_factory.mktemp("granularity") / "home"
-    running = Stack(stack_settings(home, streams=2).with_overrides(jobs={"split_chunks": True}), worker_count=1,
-                    api_port=0).start()
+    settings = stack_settings(home, streams=2).with_overrides(jobs={"split_chunks": True, "merge_chunks": 16})
+    running = Stack(settings, worker_count=1, api_port=0).start()
     build_zoo(home / "models")
     yield running
     running.stop()
