@@ -258,7 +258,10 @@ def test_ctrl_c_on_job_submit_wait_says_the_job_keeps_running(stack):
     waiting = subprocess.Popen([sys.executable, "-m", "sits_api.cli", "job", "submit", "--model", "convnet",
                                 "--input-batch", str(stack.home / "interrupted.npy"), "--output-dir",
                                 str(stack.home / "out-interrupted"), "--chunk-size", "100", "--wait"],
-                               env=_without_urls(stack), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               env=_without_urls(stack), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               # (as from a shell: a test process that ignores SIGINT a moment, as `sitsctl up`'s
+                               # ordered stop does, would hand that on, and Python keeps an inherited SIG_IGN)
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     client = stack.client()
     try:
         deadline = time.monotonic() + 60
