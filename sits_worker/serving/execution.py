@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import operator
 import os
 import re
@@ -303,10 +304,10 @@ def commit_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem, results: 
             # leave behind in a folder nobody merges any more.
             leases.finish_item(ctx.store, item, job.id, now=time.time())
             return "dropped"
-        stop = cuts.stored_stop(ctx.store, job.id, int(item.payload["chunk"]), rows_total=int(job.rows_total),
-                                chunk_size=int(job.chunk_size))
         held = int(item.payload["start"]) + next((len(array) for array in results.values()),
                                                  int(item.payload["stop"]) - int(item.payload["start"]))
+        stop = cuts.stored_stop(ctx.store, job.id, int(item.payload["chunk"]), rows_total=int(job.rows_total),
+                                chunk_size=int(job.chunk_size)) if _may_be_split(ctx, job) else held
         if 0 < stop < held:  # another run of it split it since this run read it: its part holds the chunk's rows
             keep = stop - int(item.payload["start"])
             results = {name: array[:keep] for name, array in results.items()}
@@ -326,6 +327,14 @@ def commit_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem, results: 
         return "acked"
     except Exception as err:
         return settle_failure(ctx, item, err)
+
+
+def _may_be_split(ctx: WorkerContext, job: JobRecord) -> bool:
+    """Whether a chunk of `job` may have been split since it was read: this fleet splits chunks, or the job's
+    were split already. Else a commit saves the round trip that reads the chunk's stop (a worker of a fleet
+    whose settings differ is still safe: the merge takes a longer part's first rows)."""
+    return ctx.settings.jobs.split_chunks or int(job.chunks_total) > math.ceil(
+        int(job.rows_total) / max(1, int(job.chunk_size)))
 
 
 def run_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem,
