@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import operator
 import os
 import re
@@ -28,7 +27,7 @@ import numpy as np
 from broker.errors import BadInput, Cancelled, SitsError, StorageUnavailable
 from broker.failures import quarantine, retries
 from broker.failures.retry_policy import classify, describe, retry_delays
-from broker.jobs import cuts, granularity
+from broker.jobs import cuts
 from broker.jobs import progress as job_progress
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
@@ -38,7 +37,7 @@ from broker.models.registry import split_model_ref
 from broker.queueing import leases
 from broker.queueing.leases import LeasedItem
 from sits_worker.model.source import check_unchanged
-from sits_worker.serving import batch_trace
+from sits_worker.serving import batch_trace, chunk_splits
 from sits_worker.serving.context import WorkerContext
 from sits_worker.serving.outputs import chunk_written, finalize_outputs, merge_npy_outputs, remove_parts, write_part
 from sits_worker.serving.request_runs import give_back, rows_to_fill, run_requests, run_with_riders
@@ -307,7 +306,7 @@ def commit_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem, results: 
         held = int(item.payload["start"]) + next((len(array) for array in results.values()),
                                                  int(item.payload["stop"]) - int(item.payload["start"]))
         stop = cuts.stored_stop(ctx.store, job.id, int(item.payload["chunk"]), rows_total=int(job.rows_total),
-                                chunk_size=int(job.chunk_size)) if _may_be_split(ctx, job) else held
+                                chunk_size=int(job.chunk_size)) if chunk_splits.may_be_split(ctx, job) else held
         if 0 < stop < held:  # another run of it split it since this run read it: its part holds the chunk's rows
             keep = stop - int(item.payload["start"])
             results = {name: array[:keep] for name, array in results.items()}
@@ -329,14 +328,6 @@ def commit_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem, results: 
         return settle_failure(ctx, item, err)
 
 
-def _may_be_split(ctx: WorkerContext, job: JobRecord) -> bool:
-    """Whether a chunk of `job` may have been split since it was read: this fleet splits chunks, or the job's
-    were split already. Else a commit saves the round trip that reads the chunk's stop (a worker of a fleet
-    whose settings differ is still safe: the merge takes a longer part's first rows)."""
-    return ctx.settings.jobs.split_chunks or int(job.chunks_total) > math.ceil(
-        int(job.rows_total) / max(1, int(job.chunk_size)))
-
-
 def run_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem,
               between: MiniBatchHook) -> tuple[dict[str, np.ndarray], list[tuple[int, str]]]:
     """Run rows [start, stop) of a job in mini-batches; returns every output's rows and the rows
@@ -354,7 +345,7 @@ def run_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem,
     source = ctx.job_input(job)
     chunk = ChunkRows(ctx, job, start, stop, ctx.session(job.model_ref))  # the session: once per chunk
     batches = source.iter_batches(start, stop, job.batch_size)
-    split = _Splitting(ctx, job, item) if ctx.settings.jobs.split_chunks else None
+    split = chunk_splits.Splitting(ctx, job, item) if ctx.settings.jobs.split_chunks else None
     while True:
         try:
             row_indices, feed = next(batches)
@@ -382,48 +373,6 @@ def run_chunk(ctx: WorkerContext, job: JobRecord, item: LeasedItem,
     # as done under the checksum of the file as submitted.
     check_unchanged(input_path, input_stat)
     return chunk.outputs(), chunk.quarantined
-
-
-class _Splitting:
-    """Whether a running chunk should end early, its rest queued as a new chunk (`granularity.split_row`,
-    `cuts.split_chunk`), asked after each mini-batch. Only while its rows come in row order (a JSON Lines
-    file's come grouped by length: such a chunk runs to its end). Another run of the same chunk (its lease
-    was reaped, and it runs twice) may have split it already: this run then ends where that split it."""
-
-    def __init__(self, ctx: WorkerContext, job: JobRecord, item: LeasedItem) -> None:
-        self._store, self._item = ctx.store, item
-        self._seconds, self._batch = float(ctx.settings.jobs.chunk_seconds), max(1, int(job.batch_size))
-        self._began, self._next = time.monotonic(), int(item.payload["start"])
-        self.end: int | None = None
-        """Where another run of the chunk split it, as this run found out."""
-        self._on = True
-
-    def after(self, read: np.ndarray) -> int | None:
-        """After the mini-batch of rows `read`: the row to end the chunk at, or None to go on."""
-        in_order = len(read) and int(read[0]) == self._next and int(read[-1]) - int(read[0]) + 1 == len(read)
-        if not self._on or not in_order:
-            self._on = False
-            return None
-        self._next = int(read[-1]) + 1
-        if self.end is not None:
-            return self.end if self._next >= self.end else None
-        payload = self._item.payload
-        row = granularity.split_row(start=int(payload["start"]), stop=int(payload["stop"]), next_row=self._next,
-                                    elapsed=time.monotonic() - self._began, chunk_seconds=self._seconds,
-                                    batch_rows=self._batch)
-        if row is None:
-            return None
-        stop = int(payload["stop"])
-        done = cuts.split_chunk(self._store, self._item, row=row)
-        if done.split:
-            log.info("chunk %s ended at row %d after %.2f s; rows [%d, %d) queued as chunk %s", self._item.item_id,
-                     row, time.monotonic() - self._began, row, stop, done.new_index)
-            return row
-        if 0 < done.stop < int(payload["stop"]):  # another run split it: end there
-            payload["stop"], self.end = done.stop, done.stop
-            return done.stop if self._next >= done.stop else None
-        self._on = False  # not leased any more, or its job stopped: its commit finds out
-        return None
 
 
 class ChunkRows:
@@ -529,7 +478,8 @@ class ChunkRows:
                                                        limit=self._limit, rows_total=int(self.job.rows_total)))
 
     def truncate(self, stop: int) -> None:
-        """End the chunk at row `stop` (it was split there, `_Splitting`): rows past it are another chunk's."""
+        """End the chunk at row `stop` (it was split there, `chunk_splits.Splitting`): rows past it are another
+        chunk's."""
         keep = stop - self.start
         self.results = {name: array[:keep] for name, array in self.results.items()}
         self._done = self._done[:keep]
