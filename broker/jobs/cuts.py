@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from broker.jobs.records import chunk_item_id, chunk_ranges
+from broker.jobs.records import chunk_item_prefix, chunk_ranges
 from broker.queueing.leases import LeasedItem
 from broker.state.store import Store, translate_redis_errors
 
@@ -65,7 +65,7 @@ def split_chunk(store: Store, item: LeasedItem, *, row: int) -> Split:
             keys=[keys.items, keys.inflight(item.model_ref), keys.ready(item.model_ref), keys.job(job_id),
                   keys.job_cuts(job_id), keys.queues, keys.queues_version, keys.doorbell],
             args=[item.item_id, int(payload["start"]), int(payload["stop"]), int(row), item.model_ref,
-                  chunk_item_id(job_id, 0)[:-7]])
+                  chunk_item_prefix(job_id)])
     if int(done) == 1:
         payload["stop"] = int(row)
         return Split(split=True, stop=int(row), new_index=int(value))

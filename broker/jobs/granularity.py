@@ -5,11 +5,11 @@ a split (`split_row`: where a chunk running far past its plan ends, its rest que
 
 A job is cut into chunks at submit, for the job alone: about `jobs.chunk_seconds` of work each, and at
 least one per slot so that a short job spreads over the fleet (`chunking.auto_chunk_size`). What a slot
-should run at once depends on what waits when it leases. Measured on the 2-core reference machine
-(docs/scheduling.md, "Run units"), what drives it on SITS is fixed cost, not the device:
+should run at once depends on what waits when it leases. What weighs on it on SITS (docs/scheduling.md,
+"Run units"; measured on the 2-core reference machine, docs/benchmarks.md):
 
 - every chunk pays a lease, a read of its job, a part file written and fsynced, an ack and its share of
-  the final merge, whatever its rows; a job of a few dozen rows is nearly all of that;
+  the final merge, whatever its rows; a unit saves the leases and job reads, not the rest;
 - on a CPU, ONNX Runtime's rows/s hardly change with the batch (the zoo CNN: 864 images/s one at a
   time, 1,050 in batches of 16), so a larger batch buys little there; on a GPU it buys most;
 - a unit holds its slot until it ends, so how long it runs is what others wait behind it (online

@@ -58,9 +58,14 @@ def new_job_id() -> str:
     return "j" + secrets.token_hex(6)
 
 
+def chunk_item_prefix(job_id: str) -> str:
+    """What every chunk item id of the job begins with (`chunk_item_id`; `split_chunk.lua` adds the index)."""
+    return f"{job_id}:c"
+
+
 def chunk_item_id(job_id: str, chunk_index: int) -> str:
     """Item id of a chunk; zero-padded so equal scores keep chunks in row order."""
-    return f"{job_id}:c{chunk_index:07d}"
+    return f"{chunk_item_prefix(job_id)}{chunk_index:07d}"
 
 
 def chunk_job_id(item_id: str) -> str | None:

@@ -37,6 +37,7 @@ import numpy as np
 
 from broker.errors import BadInput, Conflict, FileMissing, PathNotAllowed, SitsError
 from broker.failures import quarantine
+from broker.jobs import cuts
 from broker.jobs.output_layout import (
     MANIFEST_NAME,
     PARTS_DIR,
@@ -454,7 +455,7 @@ def finalize_outputs(
     index; the merge takes them in row order (a chunk split as it ran has its rest numbered after the last).
     """
     output_dir = Path(output_dir)
-    layout = sorted(enumerate(chunk_ranges), key=lambda pair: pair[1][0])  # (a split chunk's rest comes last)
+    layout = cuts.in_row_order(chunk_ranges)  # (a split chunk's rest is numbered after the job's last chunk)
     total = _rows_covered(layout)
     if clash := set(_RESERVED_KEYS) & set(manifest_extra):
         raise ValueError(f"manifest_extra may not set {sorted(clash)}")
