@@ -28,8 +28,9 @@ def test_freezing_keeps_the_objects_made_so_far_out_of_collections_and_still_col
     frozen = freeze_startup_heap()
 
     # (pytest and the project's imports; a frozen object whose last reference goes is still freed, so the count
-    # may fall by a few as the test process's threads run on: 4 seen in a run on two processes)
-    assert frozen >= gc.get_freeze_count() > max(1000, frozen - 100)
+    # may fall as the test process's threads run on: 4 seen in one run on two processes, 106 of 309,098 in another;
+    # what the test holds is that nearly all stay frozen)
+    assert frozen >= gc.get_freeze_count() > max(1000, frozen * 0.99)
     cycle: list[object] = []
     cycle.append(cycle)  # garbage only a collection frees
     del cycle
