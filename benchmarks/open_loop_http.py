@@ -12,11 +12,15 @@ import queue
 import threading
 import time
 import urllib.parse
+from collections import Counter
 
 
-def send_at(url: str, key: str, arrivals: list[tuple[float, bytes]], senders: int) -> list[tuple[float, float | None]]:
+def send_at(url: str, key: str, arrivals: list[tuple[float, bytes]], senders: int,
+            errors: Counter[str] | None = None) -> list[tuple[float, float | None]]:
     """Send each (due time on `time.monotonic()`, body); per request, (due time, seconds from then to its answer,
-    None when it failed or was not answered with outputs)."""
+    None when it failed or was not answered with outputs). `errors`, if given, counts the failures by what
+    they were: an HTTP status with the error's code (`202 queued`: not answered within the wait), or the
+    exception."""
     due: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
     found: list[tuple[float, float | None]] = []
     lock = threading.Lock()
@@ -32,12 +36,17 @@ def send_at(url: str, key: str, arrivals: list[tuple[float, bytes]], senders: in
             try:
                 connection.request("POST", "/v1/requests?wait=true", body=body, headers=headers)
                 answer = connection.getresponse()
-                ok = answer.status == 200 and json.loads(answer.read()).get("status") == "succeeded"
-            except (OSError, http.client.HTTPException, ValueError):
+                reply = json.loads(answer.read())
+                ok = answer.status == 200 and reply.get("status") == "succeeded"
+                code = reply.get("error_code") or reply.get("code") or reply.get("status")
+                why = "" if ok else f"{answer.status} {code}"
+            except (OSError, http.client.HTTPException, ValueError) as err:
                 connection.close()
-                ok = False
+                ok, why = False, type(err).__name__
             with lock:
                 found.append((at, time.monotonic() - at if ok else None))
+                if why and errors is not None:
+                    errors[why] += 1
         connection.close()
 
     threads = [threading.Thread(target=sender, daemon=True) for _ in range(senders)]

@@ -108,10 +108,12 @@ class Store:
         where the primary is at each connect. ConfigError for a URL that is neither."""
         if sentinel.is_sentinel_url(url):
             return cls(client=sentinel.primary_client(url, sentinel_master, sentinel_auth=sentinel_auth,
-                                                      decode_responses=True, health_check_interval=30),
+                                                      decode_responses=True, health_check_interval=30,
+                                                      max_connections=MAX_CONNECTIONS),
                        keys=Keys(prefix=key_prefix))
         try:
-            client = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+            client = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30,
+                                          max_connections=MAX_CONNECTIONS)
         except ValueError as err:
             raise ConfigError(f"{masked_url(url)!r} is not a Redis URL ({err}); give one like "
                               "redis://127.0.0.1:6379/0, or sentinel://host:26379;sentinel://host2:26379/0 "
@@ -143,6 +145,14 @@ class Store:
         """True when Redis answers."""
         with translate_redis_errors():
             return bool(self.client.ping())
+
+
+MAX_CONNECTIONS = 10_000
+"""The most connections a store's pool opens: Redis's own default `maxclients`. Each thread that talks to
+Redis holds one connection for its life (`Store.client`), so a process's threads, not the pool, bound them.
+redis-py's pool allows 100 unless told: an API process of 100 request threads (`api.threads`) beside its own
+background threads had a thread's first call refused ("Too many connections", a 503) in a burst of waiting
+requests."""
 
 
 def _drop_if_stale(connection: Any) -> None:

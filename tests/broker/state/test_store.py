@@ -46,6 +46,32 @@ def _child_connection(url: str, parent_connection: int, store: Store, answers: m
     answers.put(connection_id(store) != parent_connection)
 
 
+def test_more_threads_than_redis_py_s_default_pool_each_hold_a_connection(redis_server: EmbeddedRedis) -> None:
+    """An API process of many request threads (`api.threads` up to 1,024): each thread's first call opens its
+    held connection, and none is refused for the pool's size (redis-py allows 100 unless told)."""
+    store = Store.connect(redis_server.url, "tstore")
+    threads_alive = 130
+    together = threading.Barrier(threads_alive)  # alive together, so no connection goes back to the pool
+    failures: list[Exception] = []
+    ids: set[int] = set()
+
+    def hold() -> None:
+        try:
+            ids.add(connection_id(store))
+        except Exception as err:  # (any failure is the test's finding)
+            failures.append(err)
+        together.wait(timeout=20)
+
+    threads = [threading.Thread(target=hold) for _ in range(threads_alive)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert failures == []
+    assert len(ids) == threads_alive
+
+
 def test_a_forked_child_does_not_share_its_parent_s_socket(redis_server: EmbeddedRedis) -> None:
     store = Store.connect(redis_server.url, "tstore")
     parent = connection_id(store)
