@@ -15,9 +15,10 @@ Open-loop load over HTTP (Poisson arrivals, `wait: true`). Two scenarios (`--sce
 `sizes`: CNN requests only, all at priority level 4, in two classes whose tiers and sizes pull against their
 deadlines. CP-Score's defaults put a small request well ahead of a large one (α) and a vip one a little
 ahead of a free one (β), so here they serve the wrong class first:
-  vip    `--vip-rows` images a request (16), deadline `--vip-deadline` (300 ms), `--vip-rate` a second
-  free   1 image a request, deadline `--free-deadline` (3 s): `--free-rate` a second, and for the first
-         `--burst-seconds` of every `--burst-every` seconds `--burst-rate` a second, past what the worker serves
+  vip    `--vip-rows` images a request (8), deadline `--vip-deadline` (250 ms), `--vip-rate` a second (10)
+  free   `--free-rows` images a request (4), deadline `--free-deadline` (3 s): `--free-rate` a second, and in
+         bursts of `--burst-seconds` every `--burst-every` seconds a further `--burst-rate` a second, past what
+         the worker serves
   The mix shifts halfway: the second half's bursts come at `--burst-rate-late`.
 
 The load starts `--warmup` seconds before the counted run (the first half's mix; a stack's first seconds
@@ -78,18 +79,22 @@ def size_bodies(signature: dict[str, Any], args: argparse.Namespace) -> dict[str
 
 def size_arrivals(made: dict[str, bytes], rng: np.random.Generator, args: argparse.Namespace, *, begin: float,
                   start: float) -> list[tuple[float, str, bytes]]:
-    """Poisson arrivals of both classes from `begin` to the run's end, the free class in bursts."""
+    """Poisson arrivals of both classes from `begin` to the run's end, and the free class's bursts, one every
+    `burst_every` seconds from the counted run's start (none in the warm-up). With a learner window a whole
+    number of burst periods long, every window sees as many bursts, wherever it starts."""
     ends, middle = start + args.seconds, start + args.seconds / 2
     arrivals: list[tuple[float, str, bytes]] = []
     at = begin
     while (at := at + rng.exponential(1 / args.vip_rate)) < ends:
         arrivals.append((at, "convnet", made["vip"]))
+    bursts = [start + index * args.burst_every for index in range(int(args.seconds / args.burst_every))]
     at = begin
-    while at < ends:
-        bursting = (at - begin) % args.burst_every < args.burst_seconds
-        rate = (args.burst_rate if at < middle else args.burst_rate_late) if bursting else args.free_rate
-        at += rng.exponential(1 / rate)
-        if at < ends:
+    while (at := at + rng.exponential(1 / args.free_rate)) < ends:
+        arrivals.append((at, "convnet", made["free"]))
+    for burst in bursts:
+        at, stop = burst, min(burst + args.burst_seconds, ends)
+        rate = args.burst_rate if burst < middle else args.burst_rate_late
+        while (at := at + rng.exponential(1 / rate)) < stop:
             arrivals.append((at, "convnet", made["free"]))
     return sorted(arrivals, key=lambda arrival: arrival[0])
 
@@ -98,8 +103,12 @@ def run_load(url: str, key: str, arrivals: list[tuple[float, str, bytes]],
              senders: int) -> list[tuple[float, float, float | None]]:
     """Send each (due, model, body) at its time; per request (due time, its deadline in ms, seconds from due to
     its answer, None when it failed or was not answered by its deadline)."""
-    deadlines = [json.loads(body)["deadline_ms"] for _, _, body in arrivals]
-    by_due = dict(zip((at for at, _, _ in arrivals), deadlines, strict=True))
+    deadline_of: dict[int, float] = {}  # (read once a body: the bodies are shared, and reading each arrival's
+    # would take seconds of a run that is already due)
+    for _, _, body in arrivals:
+        if id(body) not in deadline_of:
+            deadline_of[id(body)] = json.loads(body)["deadline_ms"]
+    by_due = {at: deadline_of[id(body)] for at, _, body in arrivals}
     errors: Counter[str] = Counter()
     sent = send_at(url, key, [(at, body) for at, _, body in arrivals], senders, errors)
     if errors:
@@ -128,7 +137,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, zoo: dict[str, Path],
     settings = Settings().with_overrides(
         paths={"home": home / f"{arm}-{seed}", "model_roots": (zoo["mlp"].parent,), "input_roots": (home,),
                "output_roots": (home,)},
-        resources={"max_concurrent_streams": 2, "intra_op_threads": 1}, tuning={"weights": weights},
+        resources={"max_concurrent_streams": args.streams, "intra_op_threads": 1}, tuning={"weights": weights},
         api={"threads": args.api_threads, "max_waits_per_tenant": 0})
     with Stack(settings, worker_count=1, api_port=0, beat=True) as stack:
         client = stack.client()
@@ -150,15 +159,34 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, zoo: dict[str, Path],
         found = run_load(client.url, client.key, arrivals, args.senders)
         learned = client.get("/v1/policy") if arm == "learned" else {}
     middle = start + args.seconds / 2
+    if args.timeline:
+        print_timeline(found, begin, args.timeline)
     found = [(due, deadline, latency) for due, deadline, latency in found if due >= start]
     missed = [(due, latency is None or latency > deadline / 1000) for due, deadline, latency in found]
     report = {"due": len(found), "missed": sum(1 for _, miss in missed if miss),
               "missed_first_half": sum(1 for due, miss in missed if miss and due < middle),
               "missed_second_half": sum(1 for due, miss in missed if miss and due >= middle),
-              "by_deadline_ms": by_deadline(found)}
+              "by_deadline_ms": by_deadline(found),
+              "missed_each_10s": [sum(1 for due, miss in missed if miss and start + tenth <= due < start + tenth + 10)
+                                  for tenth in range(0, int(args.seconds), 10)]}
     if learned:
         report["weights"] = {name: round(learned[name], 3) for name in ("alpha", "beta", "gamma", "delta")}
     return report
+
+
+def print_timeline(found: list[tuple[float, float, float | None]], begin: float, every: float) -> None:
+    """Per `every` seconds from the load's beginning (warm-up included): requests due, deadlines missed, and
+    the P50 and the longest of the latencies answered."""
+    ends = max(due for due, _, _ in found)
+    at = begin
+    while at <= ends:
+        window = [(deadline, latency) for due, deadline, latency in found if at <= due < at + every]
+        answered = sorted(latency for _, latency in window if latency is not None)
+        missed = sum(1 for deadline, latency in window if latency is None or latency > deadline / 1000)
+        print(f"    {at - begin:6.1f} s: {len(window):4d} due, {missed:4d} missed, P50 "
+              f"{1000 * answered[len(answered) // 2] if answered else 0:7.1f} ms, longest "
+              f"{1000 * answered[-1] if answered else 0:7.1f} ms", flush=True)
+        at += every
 
 
 def mixed_arrivals(signatures: dict[str, dict[str, Any]], rng: np.random.Generator,
@@ -194,20 +222,23 @@ def main() -> None:
     parser.add_argument("--cnn-deadline", type=float, default=600.0, help="ms")
     parser.add_argument("--senders", type=int, default=96)
     parser.add_argument("--arms", default="defaults,learned")
+    parser.add_argument("--streams", type=int, default=2, help="the worker's stream slots (one ORT thread each)")
     parser.add_argument("--api-threads", type=int, default=16,
                         help="request threads per API process (2): each waiting request holds one, so only these "
                              "many wait in Redis, where their order is decided; the rest wait in the API's backlog")
+    parser.add_argument("--timeline", type=float, default=0.0,
+                        help="print due, missed and latencies every so many seconds of the load (0: not)")
     parser.add_argument("--scenario", choices=("mixed", "sizes"), default="mixed")
-    parser.add_argument("--vip-rows", type=int, default=16, help="sizes: images in a vip request")
-    parser.add_argument("--vip-deadline", type=float, default=300.0, help="sizes: ms")
+    parser.add_argument("--vip-rows", type=int, default=8, help="sizes: images in a vip request")
+    parser.add_argument("--vip-deadline", type=float, default=250.0, help="sizes: ms")
     parser.add_argument("--vip-rate", type=float, default=10.0, help="sizes: vip requests a second")
     parser.add_argument("--free-rows", type=int, default=4, help="sizes: images in a free request")
     parser.add_argument("--free-deadline", type=float, default=3000.0, help="sizes: ms")
-    parser.add_argument("--free-rate", type=float, default=50.0, help="sizes: free requests a second between bursts")
-    parser.add_argument("--burst-rate", type=float, default=900.0, help="sizes: free requests a second in a burst")
-    parser.add_argument("--burst-rate-late", type=float, default=600.0, help="sizes: the same, second half")
-    parser.add_argument("--burst-seconds", type=float, default=1.5, help="sizes: a burst's length")
-    parser.add_argument("--burst-every", type=float, default=6.0, help="sizes: seconds from one burst to the next")
+    parser.add_argument("--free-rate", type=float, default=20.0, help="sizes: free requests a second between bursts")
+    parser.add_argument("--burst-rate", type=float, default=150.0, help="sizes: free requests a second in a burst")
+    parser.add_argument("--burst-rate-late", type=float, default=180.0, help="sizes: the same, second half")
+    parser.add_argument("--burst-seconds", type=float, default=0.5, help="sizes: a burst's length")
+    parser.add_argument("--burst-every", type=float, default=2.0, help="sizes: seconds from one burst to the next")
     parser.add_argument("--json", dest="json_path", type=Path, default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {}
@@ -221,6 +252,7 @@ def main() -> None:
                 results[f"{arm}/{seed}"] = found
                 print(f"seed {seed} {arm:8s}: {found['due']} due, {found['missed']} deadlines missed "
                       f"({found['missed_first_half']} + {found['missed_second_half']})"
+                      + f", each 10 s {found['missed_each_10s']}"
                       + "".join(f"\n    deadline {deadline} ms: {figures}"
                                 for deadline, figures in found["by_deadline_ms"].items())
                       + (f", weights {found['weights']}" if "weights" in found else ""), flush=True)

@@ -9,14 +9,21 @@ only when its mean cost is below the incumbent's by the fraction `margin`. Why t
 - One live policy at a time: the broker serves every queue with one set of weights, so the learner can
   only try one point per window. A population or a bandit over a grid would spend most windows on
   points far from the good one; a hill-climb stays near it, so a trial costs little service.
-- Noise: a window's misses and P99 are noisy. Several windows per trial and the margin keep a lucky
-  window from replacing a good incumbent.
+- Noise: a window's misses and P99 are noisy (in the benchmark's bursts, one set of weights had windows
+  costing from 4 to 12). A candidate replaces the incumbent only when its mean cost is lower by the margin *and* by
+  more than the noise explains: `SIGNIFICANCE_Z` standard errors of the difference of the two means,
+  the spread of a window's cost estimated from the windows of this round and, fading, of earlier ones
+  (a one-sided Welch-style test with a pooled variance). Without it, a candidate that was merely lucky
+  was kept about as often as one that was better, and the incumbent wandered off at random.
 - A shifting workload: the incumbent is measured again in every round, interleaved with the candidate,
   and the two are compared on the same round only. A score the incumbent earned under yesterday's
   mix so never protects it today, and a drift of the mix during a round hits both sides alike.
 - Step size by the 1/5th rule (Rechenberg): grow the step after a success, shrink it a little after a
   failure, so it settles where about one trial in five succeeds. The step never falls below
-  `MIN_STEP`, so the learner keeps probing and can follow an optimum that moves.
+  `MIN_STEP`, so the learner keeps probing and can follow an optimum that moves. The cost of weights
+  is often flat over a wide range (the queue's order changes only where one item's score passes
+  another's), and a hill-climb gets no slope there: the floor is wide enough that a step still reaches
+  the next order.
 - Starvation: a window in which a class had work waiting and none answered, while other classes were
   served, costs `STARVATION_COST`. A candidate with such a window is rejected at once, and the next
   window goes back to the incumbent.
@@ -52,8 +59,16 @@ SUCCESS_FACTOR = 1.5
 FAILURE_FACTOR = SUCCESS_FACTOR ** -0.25
 """Step-size changes of the 1/5th rule: four failures undo one success, so the step is stable at 1 in 5."""
 
-MIN_STEP, MAX_STEP, START_STEP = 0.05, 0.5, 0.2
+MIN_STEP, MAX_STEP, START_STEP = 0.1, 0.5, 0.2
 """Bounds and start of the step, in box widths."""
+
+SIGNIFICANCE_Z = 1.64
+"""How many standard errors of the difference of the means a candidate must win by (one-sided, about 5 %
+of candidates no better than the incumbent get through)."""
+
+NOISE_MEMORY = 0.8
+"""How much of the earlier rounds' estimate of the cost's spread a round keeps (a share per round): enough
+for a good estimate from a few windows a round, and it follows a mix whose noise changes."""
 
 STALE_WINDOWS = 3.0
 """A gap between two observations longer than this many window lengths ends the round unjudged."""
@@ -142,6 +157,13 @@ class LearnerState:
     incumbent_windows: int = 0
     candidate_sum: float = 0.0
     candidate_windows: int = 0
+    incumbent_costs: tuple[float, ...] = ()
+    candidate_costs: tuple[float, ...] = ()
+    """The round's window costs (the sums' terms): their spread is the noise a decision must see past."""
+    noise_squares: float = 0.0
+    noise_dof: float = 0.0
+    """Earlier rounds' sum of squared deviations of window costs from their round's means, and its degrees
+    of freedom, each faded by `NOISE_MEMORY` a round: the pooled estimate of a window cost's variance."""
     incumbent_cost: float | None = None
     """The incumbent's mean cost in its last round, for reports; never used to judge a later candidate."""
     observed_at: float | None = None
@@ -164,6 +186,8 @@ class LearnerState:
         values = {name: value for name, value in data.items() if name in names}
         values["incumbent"] = Weights(**data["incumbent"])
         values["candidate"] = Weights(**data["candidate"]) if data.get("candidate") else None
+        for name in ("incumbent_costs", "candidate_costs"):
+            values[name] = tuple(float(value) for value in values.get(name, ()))
         return cls(**values)
 
 
@@ -208,11 +232,13 @@ def observe(state: LearnerState, outcome: Outcome, box: WeightBox, *, now: float
     window_cost = cost(outcome)
     if trying == "incumbent":
         return _decide(replace(state, incumbent_sum=state.incumbent_sum + window_cost,
-                               incumbent_windows=state.incumbent_windows + 1), box)
+                               incumbent_windows=state.incumbent_windows + 1,
+                               incumbent_costs=(*state.incumbent_costs, window_cost)), box)
     if window_cost >= STARVATION_COST:
         return _reject(state)
     return _decide(replace(state, candidate_sum=state.candidate_sum + window_cost,
-                           candidate_windows=state.candidate_windows + 1), box)
+                           candidate_windows=state.candidate_windows + 1,
+                           candidate_costs=(*state.candidate_costs, window_cost)), box)
 
 
 def best(state: LearnerState) -> Weights:
@@ -229,16 +255,39 @@ def rebase(state: LearnerState, current: Weights) -> LearnerState:
 
 
 def _decide(state: LearnerState, box: WeightBox) -> LearnerState:
-    """After a complete round, accept the candidate if its mean cost beats the incumbent's by the margin."""
+    """After a complete round, accept the candidate if its mean cost beats the incumbent's by the margin and
+    by more than the noise explains (see the module)."""
     if state.candidate_windows < state.windows_per_trial or state.incumbent_windows < state.windows_per_trial:
         return state
     incumbent_mean = state.incumbent_sum / state.incumbent_windows
     candidate_mean = state.candidate_sum / state.candidate_windows
-    if state.candidate is None or candidate_mean >= incumbent_mean * (1 - state.margin):
+    state = _with_noise_of_round(state)
+    spread = math.sqrt(state.noise_squares / state.noise_dof) if state.noise_dof > 0 else 0.0
+    standard_error = spread * math.sqrt(1 / state.incumbent_windows + 1 / state.candidate_windows)
+    starving = any(value >= STARVATION_COST for value in state.incumbent_costs)  # (not noise: a candidate that
+    # serves every class wins by the margin alone)
+    better = (candidate_mean < incumbent_mean * (1 - state.margin)
+              and (starving or incumbent_mean - candidate_mean > SIGNIFICANCE_Z * standard_error))
+    if state.candidate is None or not better:
         return replace(_reject(state), incumbent_cost=incumbent_mean)
     return replace(_clear_round(state), incumbent=_into_box(state.candidate, box), candidate=None,
                    incumbent_cost=candidate_mean,
                    step=min(state.step * SUCCESS_FACTOR, MAX_STEP), accepted=state.accepted + 1)
+
+
+def _with_noise_of_round(state: LearnerState) -> LearnerState:
+    """The noise estimate with this round's windows added to the faded earlier rounds' (see `noise_squares`).
+    Windows that starved a class are not noise and are left out, as are rounds whose windows were not kept
+    (a state from before they were)."""
+    squares, dof = 0.0, 0
+    for costs in (state.incumbent_costs, state.candidate_costs):
+        kept = [value for value in costs if value < STARVATION_COST]
+        if len(kept) > 1:
+            mean = sum(kept) / len(kept)
+            squares += sum((value - mean) ** 2 for value in kept)
+            dof += len(kept) - 1
+    return replace(state, noise_squares=NOISE_MEMORY * state.noise_squares + squares,
+                   noise_dof=NOISE_MEMORY * state.noise_dof + dof)
 
 
 def _reject(state: LearnerState) -> LearnerState:
@@ -249,7 +298,7 @@ def _reject(state: LearnerState) -> LearnerState:
 
 def _clear_round(state: LearnerState) -> LearnerState:
     return replace(state, incumbent_sum=0.0, incumbent_windows=0, candidate_sum=0.0, candidate_windows=0,
-                   trying=None)
+                   incumbent_costs=(), candidate_costs=(), trying=None)
 
 
 def _draw(state: LearnerState, box: WeightBox) -> Weights:

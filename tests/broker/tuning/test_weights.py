@@ -171,6 +171,38 @@ def test_a_candidate_better_only_within_the_noise_margin_is_rejected_and_the_ste
     assert best(state) == Weights() and state.rejected == 1 and state.step < START_STEP
 
 
+def costs_round(state: LearnerState, incumbent_costs: list[float], candidate_costs: list[float],
+                now: float = 0.0) -> LearnerState:
+    """One round whose incumbent windows cost `incumbent_costs` and candidate windows `candidate_costs`, in turn."""
+    assert len(incumbent_costs) == len(candidate_costs) == state.windows_per_trial
+    for incumbent_cost, candidate_cost in zip(incumbent_costs, candidate_costs, strict=True):
+        for value in (incumbent_cost, candidate_cost):
+            now += WINDOW
+            state, _ = step(state, returning(costing(value)), now)
+    return state
+
+
+def test_a_candidate_better_by_the_margin_but_within_the_windows_noise_is_rejected() -> None:
+    """Mean 4 against 5 (20 % better, past the 5 % margin), but the incumbent's windows cost 2 and 8: the
+    difference is well within what a window's spread gives by chance."""
+    state = costs_round(start(BOX, Weights(), seed=3), incumbent_costs=[2.0, 8.0], candidate_costs=[3.0, 5.0])
+    assert best(state) == Weights() and state.rejected == 1 and state.accepted == 0
+
+
+def test_the_noise_of_earlier_rounds_counts_against_a_round_that_looks_quiet() -> None:
+    """Two noisy rounds, then one whose own windows agree: its 20 % is still within the noise seen."""
+    state = start(BOX, Weights(), seed=3)
+    for index in range(2):
+        state = costs_round(state, incumbent_costs=[2.0, 8.0], candidate_costs=[8.0, 2.0], now=index * 4 * WINDOW)
+    state = costs_round(state, incumbent_costs=[5.0, 5.0], candidate_costs=[4.0, 4.0], now=8 * WINDOW)
+    assert best(state) == Weights() and state.accepted == 0
+
+
+def test_a_candidate_better_beyond_the_noise_is_accepted() -> None:
+    state = costs_round(start(BOX, Weights(), seed=3), incumbent_costs=[5.0, 6.0], candidate_costs=[1.0, 2.0])
+    assert best(state) != Weights() and state.accepted == 1
+
+
 def test_the_step_stays_within_its_bounds() -> None:
     state = start(BOX, Weights(), seed=3)
     for _ in range(30):
