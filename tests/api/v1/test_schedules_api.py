@@ -158,11 +158,13 @@ def test_run_now_releases_one_job_under_the_slot_s_id_and_shows_it(api: Api, mlp
 
 def claimed_run(app: Flask, store: Store, name: str = "nightly", *, tenant: str = "test",
                 slot: int | None = None) -> tuple[str, Run]:
-    """A run of the schedule claimed at `slot` (default: the current second), as the beat claims one."""
+    """A run of the schedule claimed at `slot`, as the beat claims one. By default its next slot: a slot of its
+    own whose window is still open whenever the test runs (the current second is outside the schedule's window
+    in the evening, and a release then finds the run missed)."""
     from broker.schedules import book
 
     schedule = book.get_schedule(store, tenant, name)
-    slot = int(time.time()) if slot is None else slot
+    slot = schedule.cadence().next_slot(time.time()) if slot is None else slot
     run = Run(slot=slot, status="releasing", job_id=slot_job_id(schedule, slot), due_at=slot, claimed_at=slot)
     assert runs.claim_slot(store, schedule, run, next_due=None, now=slot, runs_kept=10, manual=True).claimed
     return schedule.member, run
