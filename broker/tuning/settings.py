@@ -50,8 +50,9 @@ class WeightLearning(_Section):
     of deadlines cost first)."""
     seed: Integer = 0
     """The learner's random draws come from it: a run is repeatable."""
-    windows_per_trial: Integer = Field(2, ge=1, le=20)
-    """Windows each of the incumbent and the candidate runs in a trial."""
+    windows_per_trial: Integer = Field(2, ge=2, le=20)
+    """Windows each of the incumbent and the candidate runs in a trial; at least 2, for the spread between a
+    side's windows is what tells a difference from chance."""
     margin: Number = Field(0.05, ge=0, lt=1)
     """By how much (a share) a candidate's cost must beat the incumbent's to replace it."""
 

@@ -203,6 +203,39 @@ def test_a_candidate_better_beyond_the_noise_is_accepted() -> None:
     assert best(state) != Weights() and state.accepted == 1
 
 
+def test_a_starved_window_is_no_noise_and_a_candidate_that_serves_every_class_wins() -> None:
+    """An incumbent that starved a class in one of its windows loses to a candidate that served every class;
+    the starved window leaves the noise estimate alone (its cost would swamp it for a hundred rounds), so the
+    next round still tells a clear win."""
+    state = start(BOX, Weights(), seed=2)
+    now = 0.0
+    for outcome in (STARVING, costing(6.0), costing(5.0), costing(5.0)):  # incumbent, candidate, in turn
+        now += WINDOW
+        state, _ = step(state, returning(outcome), now)
+    assert state.accepted == 1 and state.noise_squares == pytest.approx(0.5)  # (the candidate's 6 and 5 alone)
+    state = costs_round(state, incumbent_costs=[5.0, 5.5], candidate_costs=[1.0, 1.5], now=now)
+    assert state.accepted == 2
+
+
+def test_a_round_begun_by_a_state_without_window_costs_is_left_undecided() -> None:
+    """A state saved mid-round by a version that kept only the sums: its round is cleared, not judged on the
+    margin alone."""
+    state = start(BOX, Weights(), seed=3)
+    state, _ = step(state, returning(costing(4.0)), WINDOW)
+    state, _ = step(state, returning(costing(1.0)), 2 * WINDOW)
+    old = state.to_dict()
+    del old["incumbent_costs"], old["candidate_costs"], old["noise_squares"], old["noise_dof"]
+    state = LearnerState.from_dict(old)
+    state, _ = step(state, returning(costing(4.0)), 3 * WINDOW)
+    state, _ = step(state, returning(costing(1.0)), 4 * WINDOW)
+    assert state.accepted == 0 and state.rejected == 0 and state.incumbent_windows == 0
+
+
+def test_a_trial_needs_two_windows_a_side() -> None:
+    with pytest.raises(ValueError, match="windows_per_trial must be >= 2"):
+        start(BOX, Weights(), seed=1, windows_per_trial=1)
+
+
 def test_the_step_stays_within_its_bounds() -> None:
     state = start(BOX, Weights(), seed=3)
     for _ in range(30):
