@@ -176,14 +176,14 @@ class Stack:
             self._spawn("api", api_command(self.settings))
             if grpc_port:
                 self._spawn("grpc", grpc_command())
+            self._gpus = gpu_devices()
+            for index in range(self.worker_count):  # (they need only Redis: they boot while the API does,
+                self.start_worker(index)  # which halves a stack's start; any failure below stops them too)
+            if self.beat:
+                self.start_beat()
             self._wait_api()
             self._wait_grpc()
             self._write_client_files()  # only once the API answering is this stack's
-            self._gpus = gpu_devices()
-            for index in range(self.worker_count):
-                self.start_worker(index)
-            if self.beat:
-                self.start_beat()
             self.wait_for_workers(self.worker_count, timeout=wait_workers)
         except BaseException:
             self.stop()

@@ -25,20 +25,26 @@ FAST_RECOVERY = {
 }
 
 
-def stack_settings(home: Path, *, streams: int = 2, model_roots: tuple[Path, ...] = ()) -> Settings:
-    """Settings for a test stack: everything under `home`, fast lease recovery, one ORT thread per stream."""
+def stack_settings(home: Path, *, streams: int = 2, model_roots: tuple[Path, ...] = (), api_processes: int = 1,
+                   grpc: bool = False) -> Settings:
+    """Settings for a test stack: everything under `home`, fast lease recovery, one ORT thread per stream.
+
+    One API process and no gRPC server unless asked (`api_processes`, `grpc`): each is a Python process that
+    imports the API (about 2 s of CPU), and the tests start about a hundred stacks on two cores. The
+    modules that test what several API processes share, and the gRPC server, ask for them."""
     roots = (home,)
     return Settings().with_overrides(
         paths={"home": home, "model_roots": roots + model_roots, "input_roots": roots, "output_roots": roots},
         scheduler=FAST_RECOVERY,
         resources={"max_concurrent_streams": streams, "intra_op_threads": 1},
-        api={"port": 0},
+        api={"port": 0, "workers": api_processes, **({} if grpc else {"grpc_port": 0})},
     )
 
 
-def start_stack(home: Path, *, workers: int = 2, streams: int = 2, model_roots: tuple[Path, ...] = ()) -> Stack:
-    """A running stack with `workers` CPU workers."""
-    settings = stack_settings(home, streams=streams, model_roots=model_roots)
+def start_stack(home: Path, *, workers: int = 2, streams: int = 2, model_roots: tuple[Path, ...] = (),
+                api_processes: int = 1, grpc: bool = False) -> Stack:
+    """A running stack with `workers` CPU workers (`stack_settings` for the rest)."""
+    settings = stack_settings(home, streams=streams, model_roots=model_roots, api_processes=api_processes, grpc=grpc)
     return Stack(settings, worker_count=workers, api_port=0).start()
 
 

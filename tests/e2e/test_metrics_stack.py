@@ -19,7 +19,21 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
 from sits_api.cli.client import ApiError
-from tests.e2e.stack_helpers import wait_job
+from sits_api.cli.stack import Stack
+from tests.e2e.stack_helpers import register, start_stack, wait_job
+
+
+@pytest.fixture(scope="module")
+def mlp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One CPU worker (two stream slots), the zoo's mlp, and two API processes (what each one answers is
+    what this module checks)."""
+    from sits_worker.model.zoo import build_zoo
+
+    home = tmp_path_factory.mktemp("mlp-stack") / "home"
+    running = start_stack(home, workers=1, streams=2, api_processes=2)
+    register(running.client(), "mlp", build_zoo(home / "models")["mlp"])
+    yield running
+    running.stop()
 
 
 def scrape(stack) -> str:

@@ -1,5 +1,6 @@
 """Triton's own `simple` example, copied into a model repository unchanged, served by a real stack
-(Redis, the API under gunicorn, a Celery worker) to NVIDIA's tritonclient (HTTP), unchanged.
+(Redis, the API under gunicorn, the gRPC server, a Celery worker) to NVIDIA's tritonclient over HTTP and gRPC,
+unchanged.
 
 Beside it: a model whose config is one of Triton's qa cases of an invalid config (UNAVAILABLE, the
 reason naming the field, while the others load), one of three versions under `version_policy`, and
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from tritonclient.http import InferenceServerClient, InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
@@ -42,7 +44,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     _model(root, "invalid", INVALID.read_text().replace("negative_max_batch_size", "invalid"))
     _model(root, "versioned", "max_batch_size: 8\nversion_policy { latest { num_versions: 2 } }\n", (1, 2, 3))
     _model(root, "bounded", "max_batch_size: 8\ndynamic_batching { default_queue_policy { max_queue_size: 1 } }\n")
-    settings = stack_settings(home, streams=1).with_overrides(repository={"paths": [str(root)]})
+    settings = stack_settings(home, streams=1, grpc=True).with_overrides(repository={"paths": [str(root)]})
     running = Stack(settings, worker_count=1, api_port=0).start()
     yield running
     running.stop()
@@ -90,6 +92,33 @@ def test_simple_serves_exact_answers_and_refuses_a_batch_of_nine(triton: Inferen
 
     with pytest.raises(InferenceServerException, match=r"batch-size must be <= 8 for 'simple'"):
         triton.infer("simple", _inputs(9)[2], headers=auth)
+
+
+def test_simple_serves_the_same_exact_answers_over_grpc_and_refuses_a_batch_of_nine(
+        stack: Stack, triton: InferenceServerClient, auth: dict[str, str]) -> None:
+    assert eventually(lambda: _loaded(triton, auth), timeout=60)
+    client = grpcclient.InferenceServerClient(stack.settings.api.grpc_address())
+    metadata = {"authorization": auth["Authorization"]}
+    try:
+        assert client.is_model_ready("simple", headers=metadata)
+        assert client.get_model_config("simple", headers=metadata).config.max_batch_size == 8
+        first, second, _ = _inputs(8)
+        tensors = [grpcclient.InferInput("INPUT0", [8, 16], "INT32"), grpcclient.InferInput("INPUT1", [8, 16], "INT32")]
+        tensors[0].set_data_from_numpy(first)
+        tensors[1].set_data_from_numpy(second)
+        result = client.infer("simple", tensors, headers=metadata)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), first + second)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), first - second)
+        assert result.as_numpy("OUTPUT0").dtype == np.int32
+
+        nine = [grpcclient.InferInput(name, [9, 16], "INT32") for name in ("INPUT0", "INPUT1")]
+        for tensor, array in zip(nine, _inputs(9)[:2], strict=True):
+            tensor.set_data_from_numpy(array)
+        with pytest.raises(InferenceServerException, match=r"batch-size must be <= 8 for 'simple'") as refused:
+            client.infer("simple", nine, headers=metadata)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    finally:
+        client.close()
 
 
 def test_an_invalid_model_is_unavailable_naming_the_field_while_the_others_load(

@@ -36,7 +36,7 @@ def zoo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack,
     from sits_worker.model.zoo import build_zoo
 
     home = tmp_path_factory.mktemp("grpc-stack") / "home"
-    running = start_stack(home, workers=1, streams=2)
+    running = start_stack(home, workers=1, streams=2, grpc=True)
     models = build_zoo(home / "models")
     for name in ("mlp", "convnet"):
         register(running.client(), name, models[name])
