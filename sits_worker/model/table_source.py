@@ -2,12 +2,13 @@
 
 Named columns map onto the model's inputs (`columns`: input -> column names, stacked in that order into
 each row), or every numeric column but the id column goes into the model's one input. A chunk reads only
-its own rows, a slab of at most `SLAB_ROWS` at a time, so a file larger than memory runs in bounded
-memory: Parquet reads only the row groups that overlap the range (from its footer's row counts), Arrow IPC
-maps the file and slices its record batches, CSV streams from the start of the file (it has no index:
-seeking costs a parse of the rows before the range, so a reader kept from the last range goes on where it
-stopped). Values are cast to the model's dtype with pyarrow's safe cast: a value that would change (1.5 to
-an integer, 2**24 + 1 to float32) or a null is a BadInput naming the column and the row.
+its own rows, a slab of at most `SLAB_ROWS` rows and `SLAB_BYTES` at a time, so a file larger than memory
+runs in bounded memory: Parquet reads only the row groups that overlap the range (from its footer's row
+counts), Arrow IPC maps the file (its batches checked against their buffers at open) and slices its
+batches, CSV streams from the start of the file (it has no index: seeking costs a parse of the rows before
+the range, so a reader kept from the last range goes on where it stopped). Values are cast to the model's
+dtype with pyarrow's safe cast: a value that would change (1.5 to an integer, 2**24 + 1 to float32) or a
+null is a BadInput naming the column and the row.
 
 The file is read through the handle `inputs.open_input` opened without following a link, re-opened through
 `/proc/self/fd` so that every reader has its own file position (Linux).
@@ -25,6 +26,7 @@ from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.ipc as pa_ipc
 import pyarrow.parquet as pq
@@ -37,8 +39,19 @@ TABLE_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow",
 """File suffix -> table format; a job's `input_format` names the format of a file with another suffix."""
 SLAB_ROWS = 65_536
 """Most rows read at a time: one slab of 64 float32 columns is 16 MiB, whatever the file's size."""
+SLAB_BYTES = 16 << 20
+"""Most bytes of values read at a time, counted from the schema (`_row_bytes`): rows of wide list columns
+(an image a row) come fewer to a slab, so that a small file that holds much once decoded (zeros compress
+to nothing) never takes more memory than a slab's worth."""
 WHOLE_GROUP_ROWS = 4 * SLAB_ROWS
-"""A Parquet row group of at most this many rows is read whole (twice as fast as streaming it in slabs)."""
+"""A Parquet row group of at most this many rows, and four slabs' bytes, is read whole (twice as fast as
+streaming it in slabs)."""
+ID_ROW_BYTES = 64
+"""The bytes a row of a string or binary id column is counted as when slabs are sized; a Parquet row group
+whose ids take more than `FOOTER_SLACK` times this on average is refused."""
+FOOTER_SLACK = 4
+"""How many times the bytes its rows' values take a Parquet column chunk may hold uncompressed (levels,
+page headers, ids longer than `ID_ROW_BYTES`), plus 1 MiB; one holding more is refused at open."""
 CONVERT_ROWS = 8_192
 """Rows turned from columns into row-major arrays at a time: small enough to stay in cache (1.4x faster
 than 64K rows at a time for 64 float32 columns)."""
@@ -71,22 +84,25 @@ class _Reader(ABC):
         self._path = _fd_path(handle)
 
     @abstractmethod
-    def read(self, start: int, stop: int, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
-        """Yield batches of `columns` covering rows [start, stop) exactly, in order, each at most `SLAB_ROWS`."""
+    def read(self, start: int, stop: int, columns: Sequence[str], slab_rows: int = SLAB_ROWS,
+             row_bytes: int = 0) -> Iterator[pa.RecordBatch]:
+        """Yield batches of `columns` covering rows [start, stop) exactly, in order, each at most `slab_rows`
+        (`row_bytes`: what a row of them takes once read, from the schema; 0: not known)."""
 
     def close(self) -> None:
         """Close the file."""
         self._handle.close()
 
 
-def _clip(batches: Iterator[pa.RecordBatch], first_row: int, start: int, stop: int) -> Iterator[pa.RecordBatch]:
+def _clip(batches: Iterator[pa.RecordBatch], first_row: int, start: int, stop: int,
+          slab_rows: int) -> Iterator[pa.RecordBatch]:
     """The parts of `batches` (the first at row `first_row`) that lie in [start, stop), in slabs of at most
-    `SLAB_ROWS` rows."""
+    `slab_rows` rows."""
     row = first_row
     for batch in batches:
         lo, hi = max(start, row), min(stop, row + batch.num_rows)
-        for first in range(lo, hi, SLAB_ROWS):
-            yield batch.slice(first - row, min(SLAB_ROWS, hi - first))
+        for first in range(lo, hi, slab_rows):
+            yield batch.slice(first - row, min(slab_rows, hi - first))
         row += batch.num_rows
         if row >= stop:
             return
@@ -99,25 +115,50 @@ class _ParquetReader(_Reader):
         super().__init__(handle)
         self._metadata = pq.ParquetFile(pa.OSFile(self._path)).metadata
         self.schema = self._metadata.schema.to_arrow_schema()
-        self.rows = self._metadata.num_rows
         counts = [self._metadata.row_group(index).num_rows for index in range(self._metadata.num_row_groups)]
+        self.rows = int(sum(counts))
+        if self._metadata.num_rows != self.rows:  # (the footer's total; the groups' counts are what is read)
+            raise BadInput(f"the footer of the Parquet file says {self._metadata.num_rows} rows, but its row groups "
+                           f"hold {self.rows}; the file is damaged: write it again with pyarrow")
         self._group_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
-    def read(self, start: int, stop: int, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
+    def check_sizes(self, row_bytes: Mapping[str, int]) -> None:
+        """Refuse a file whose row groups hold more bytes of a column, uncompressed, than `FOOTER_SLACK` times
+        its rows' values take (`row_bytes` by column name) plus 1 MiB: what a reader decodes is bounded by its
+        values, not by what the file claims."""
+        positions = {self._metadata.schema.column(index).path.split(".")[0]: index
+                     for index in range(self._metadata.num_columns)}
+        for group in range(self._metadata.num_row_groups):
+            meta = self._metadata.row_group(group)
+            held: dict[str, int] = {}
+            for index in range(meta.num_columns):
+                name = self._metadata.schema.column(index).path.split(".")[0]
+                held[name] = held.get(name, 0) + meta.column(index).total_uncompressed_size
+            for name, each in row_bytes.items():
+                if name in positions and held.get(name, 0) > FOOTER_SLACK * each * meta.num_rows + (1 << 20):
+                    raise BadInput(f"row group {group} of the Parquet file holds {held[name]:,} bytes of column "
+                                   f"'{name}' for {meta.num_rows:,} rows, more than their values take "
+                                   f"({each} bytes a row); write the file again with pyarrow")
+
+    def read(self, start: int, stop: int, columns: Sequence[str], slab_rows: int = SLAB_ROWS,
+             row_bytes: int = 0) -> Iterator[pa.RecordBatch]:
         """Stream the row groups overlapping [start, stop) (a file of its own per call: callers run in parallel)."""
         first = int(np.searchsorted(self._group_starts, start, side="right")) - 1
         last = int(np.searchsorted(self._group_starts, stop, side="left"))
         groups = list(range(first, last))
         with pa.OSFile(self._path) as file:
             opened = pq.ParquetFile(file, metadata=self._metadata)
-            yield from _clip(self._groups(opened, groups, list(columns)), int(self._group_starts[first]), start, stop)
+            yield from _clip(self._groups(opened, groups, list(columns), slab_rows, row_bytes),
+                             int(self._group_starts[first]), start, stop, slab_rows)
 
-    def _groups(self, opened: pq.ParquetFile, groups: Sequence[int], columns: list[str]) -> Iterator[pa.RecordBatch]:
+    def _groups(self, opened: pq.ParquetFile, groups: Sequence[int], columns: list[str], slab_rows: int,
+                row_bytes: int) -> Iterator[pa.RecordBatch]:
         for group in groups:
-            if self._group_starts[group + 1] - self._group_starts[group] <= WHOLE_GROUP_ROWS:
+            rows = int(self._group_starts[group + 1] - self._group_starts[group])
+            if rows <= WHOLE_GROUP_ROWS and rows * row_bytes <= 4 * SLAB_BYTES:
                 yield from opened.read_row_group(group, columns=columns, use_threads=False).to_batches()
             else:
-                yield from opened.iter_batches(batch_size=SLAB_ROWS, row_groups=[group], columns=columns,
+                yield from opened.iter_batches(batch_size=slab_rows, row_groups=[group], columns=columns,
                                                use_threads=False)
 
 
@@ -128,16 +169,23 @@ class _IpcReader(_Reader):
         super().__init__(handle)
         self._reader = pa_ipc.open_file(pa.memory_map(self._path))
         self.schema = self._reader.schema
-        counts = [self._reader.get_batch(index).num_rows for index in range(self._reader.num_record_batches)]
+        counts = []
+        for index in range(self._reader.num_record_batches):
+            batch = self._reader.get_batch(index)
+            # pyarrow reads a mapped batch as its message says, unchecked: a length past its buffers would read
+            # the memory beyond them (or crash the worker). Checked whole here, before any value is read.
+            batch.validate(full=True)
+            counts.append(batch.num_rows)
         self.rows = int(sum(counts))
         self._batch_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
-    def read(self, start: int, stop: int, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
+    def read(self, start: int, stop: int, columns: Sequence[str], slab_rows: int = SLAB_ROWS,
+             row_bytes: int = 0) -> Iterator[pa.RecordBatch]:
         """The record batches overlapping [start, stop), sliced."""
         first = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
         last = int(np.searchsorted(self._batch_starts, stop, side="left"))
         batches = (self._reader.get_batch(index).select(list(columns)) for index in range(first, last))
-        yield from _clip(batches, int(self._batch_starts[first]), start, stop)
+        yield from _clip(batches, int(self._batch_starts[first]), start, stop, slab_rows)
 
     def close(self) -> None:
         """Drop the mapping (batches already handed out keep it alive) and close the file."""
@@ -186,8 +234,10 @@ class _CsvReader(_Reader):
         self._lock = threading.Lock()
         self._kept: _CsvStream | None = None
 
-    def read(self, start: int, stop: int, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
-        """Batches of [start, stop), parsed from the kept stream when it stands at or before `start`."""
+    def read(self, start: int, stop: int, columns: Sequence[str], slab_rows: int = SLAB_ROWS,
+             row_bytes: int = 0) -> Iterator[pa.RecordBatch]:
+        """Batches of [start, stop), parsed from the kept stream when it stands at or before `start` (a parse
+        takes a block of the file at a time, 1 MiB, whatever its rows)."""
         with self._lock:
             stream, self._kept = self._kept, None
         if stream is None or stream.row > start or stream.columns != tuple(columns):
@@ -209,8 +259,8 @@ class _CsvReader(_Reader):
                     stream.pending, stream.row = batch.slice(stop - row), stop
                 else:
                     stream.row += batch.num_rows
-                for first in range(lo, hi, SLAB_ROWS):
-                    yield batch.slice(first - row, min(SLAB_ROWS, hi - first))
+                for first in range(lo, hi, slab_rows):
+                    yield batch.slice(first - row, min(slab_rows, hi - first))
             with self._lock:  # it stands at `stop`, where the next chunk often starts
                 if self._kept is None:
                     self._kept, kept = stream, True
@@ -245,6 +295,13 @@ class TableSource(InputSource):
         needed = [name for spec in specs for name in columns[spec.name]]
         self._needed = list(dict.fromkeys([*needed, *([id_column] if id_column else [])]))
         self.id_type: pa.DataType | None = reader.schema.field(id_column).type if id_column else None
+        if self.id_type is not None and pa.types.is_nested(self.id_type):
+            raise BadInput(f"id_column '{id_column}' of '{path.name}' is {self.id_type}; an id column holds one "
+                           "number or string a row")
+        each = _column_bytes(reader.schema, specs, columns, self._row_shapes, id_column)
+        if isinstance(reader, _ParquetReader):
+            reader.check_sizes(each)
+        self._row_bytes = max(1, sum(each.values()))
         self._ids: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -257,6 +314,7 @@ class TableSource(InputSource):
         for slab in self._read(start, stop):
             if self.id_column is not None:
                 ids.append(slab.column(self.id_column))
+                _refuse_nulls(ids[-1], self.id_column, row, self.path)
             for offset in range(0, slab.num_rows, piece_rows):
                 piece = slab.slice(offset, piece_rows)
                 feed = {spec.name: self._input(piece, spec, row) for spec in self._specs}
@@ -268,10 +326,14 @@ class TableSource(InputSource):
         if self.id_column is not None and ids:
             self._keep_ids(start, stop, pa.concat_arrays(ids))
 
+    def slab_rows(self) -> int:
+        """Rows read at a time: at most `SLAB_ROWS`, and `SLAB_BYTES` of values."""
+        return max(1, min(SLAB_ROWS, SLAB_BYTES // self._row_bytes))
+
     def _read(self, start: int, stop: int) -> Iterator[pa.RecordBatch]:
         try:
-            yield from self._reader.read(start, stop, self._needed)
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+            yield from self._reader.read(start, stop, self._needed, self.slab_rows(), self._row_bytes)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowIndexError, IndexError) as err:
             raise BadInput(f"cannot read rows [{start}, {stop}) of '{self.path.name}' ({err}); fix the file or "
                            "submit a new one") from err
         except OSError as err:
@@ -285,6 +347,8 @@ class TableSource(InputSource):
         if len(names) == 1 and _is_list(slab.schema.field(names[0]).type):
             column = slab.column(names[0])
             _refuse_nulls(column, names[0], first_row, self.path)
+            if not pa.types.is_fixed_size_list(column.type):
+                _refuse_ragged(column, names[0], math.prod(row_shape), first_row, self.path, spec)
             values = _cast(column.flatten(), target, names[0], first_row, self.path)
             width = len(values) // rows if rows else 0
             if width * rows != len(values) or math.prod(row_shape) != width:
@@ -313,8 +377,13 @@ class TableSource(InputSource):
             kept = self._ids.get((start, stop))
         if kept is not None:
             return kept
-        parts = [slab.column(self.id_column) for slab in self._reader.read(start, stop, [self.id_column])]
-        return pa.concat_arrays(parts) if parts else pa.array([], self.id_type)
+        try:
+            parts = [slab.column(self.id_column) for slab in self._reader.read(
+                start, stop, [self.id_column], self.slab_rows(), self._row_bytes)]
+            return pa.concat_arrays(parts) if parts else pa.array([], self.id_type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowIndexError, IndexError) as err:
+            raise BadInput(f"cannot read the ids of rows [{start}, {stop}) of '{self.path.name}' ({err}); fix the "
+                           "file or submit a new one") from err
 
     def _keep_ids(self, start: int, stop: int, ids: pa.Array) -> None:
         with self._lock:
@@ -335,6 +404,46 @@ def _refuse_nulls(column: pa.Array, name: str, first_row: int, path: Path) -> No
         row = first_row + int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
         raise BadInput(f"column '{name}' of '{path.name}' has a null in row {row}; fill it (a model reads no "
                        "nulls)")
+
+
+def _refuse_ragged(column: pa.Array, name: str, width: int, first_row: int, path: Path, spec: InputSpec) -> None:
+    """A list column's rows must each hold one row's `width` values: counted over all of them, lists of other
+    lengths would be cut into rows at the wrong places, each row's outputs filed under another's id."""
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    wrong = np.flatnonzero(lengths != width)
+    if wrong.size:
+        raise BadInput(f"row {first_row + int(wrong[0])} of column '{name}' of '{path.name}' holds "
+                       f"{int(lengths[wrong[0]])} values; input '{spec.name}' expects {spec.expected}, {width} a row")
+
+
+def _column_bytes(schema: pa.Schema, specs: Sequence[InputSpec], columns: Mapping[str, Sequence[str]],
+                  row_shapes: Mapping[str, tuple[int, ...]], id_column: str | None) -> dict[str, int]:
+    """The bytes a row of each column read takes once read (variable lists at the width their input takes,
+    which every row must have; string ids at `ID_ROW_BYTES`)."""
+    each: dict[str, int] = {}
+    for spec in specs:
+        for name in columns[spec.name]:
+            kind = schema.field(name).type
+            if _is_list(kind):
+                each[name] = math.prod(row_shapes[spec.name]) * _value_bytes(kind.value_type) + 8
+            else:
+                each[name] = _value_bytes(kind)
+    if id_column is not None:
+        kind = schema.field(id_column).type
+        fixed = kind.bit_width // 8 if _has_bit_width(kind) else 0
+        each[id_column] = max(fixed, 1) if fixed else ID_ROW_BYTES
+    return each
+
+
+def _has_bit_width(kind: pa.DataType) -> bool:
+    try:
+        return kind.bit_width > 0
+    except ValueError:  # (variable width: strings, binary)
+        return False
+
+
+def _value_bytes(kind: pa.DataType) -> int:
+    return max(1, kind.bit_width // 8) if _has_bit_width(kind) else 8
 
 
 def _cast(column: pa.Array, target: pa.DataType, name: str, first_row: int, path: Path) -> pa.Array:
@@ -384,11 +493,24 @@ def _column_map(specs: Sequence[InputSpec], schema: pa.Schema, columns: Mapping[
     if id_column is not None and id_column not in names:
         raise BadInput(f"id_column '{id_column}' is not a column of '{path.name}' (columns: {_listed(schema)}); "
                        "name one of them")
+    mapped = _mapped_columns(specs, schema, columns, id_column, path)
+    for name in dict.fromkeys([*(column for listed in mapped.values() for column in listed),
+                               *([id_column] if id_column else [])]):
+        if len(schema.get_all_field_indices(name)) > 1:
+            raise BadInput(f"'{path.name}' has {len(schema.get_all_field_indices(name))} columns named '{name}'; "
+                           "give each column a name of its own")
+    return mapped
+
+
+def _mapped_columns(specs: Sequence[InputSpec], schema: pa.Schema, columns: Mapping[str, Sequence[str]] | None,
+                    id_column: str | None, path: Path) -> dict[str, list[str]]:
+    names = set(schema.names)
     if columns is None:
         if len(specs) != 1:
             raise BadInput(f"the model has inputs {[spec.name for spec in specs]}; map columns onto each with "
                            "`columns`: {\"<input>\": [\"<column>\", ...]}")
-        chosen = [field.name for field in schema if field.name != id_column and _is_numeric(field.type)]
+        chosen = list(dict.fromkeys(field.name for field in schema
+                                    if field.name != id_column and _is_numeric(field.type)))
         lists = [field.name for field in schema if field.name != id_column and _is_list(field.type)]
         if not chosen and len(lists) == 1:
             chosen = lists
@@ -408,6 +530,9 @@ def _column_map(specs: Sequence[InputSpec], schema: pa.Schema, columns: Mapping[
                            f"(columns: {_listed(schema)}); fix `columns`")
         if not listed:
             raise BadInput(f"`columns` maps no column onto input '{name}'; list at least one")
+        repeated = sorted({column for column in listed if listed.count(column) > 1})
+        if repeated:
+            raise BadInput(f"`columns` lists {repeated} more than once for input '{name}'; list each column once")
         mapped[name] = list(listed)
     return mapped
 

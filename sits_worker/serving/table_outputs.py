@@ -80,6 +80,8 @@ def _read_part(parts: Folder, chunk_index: int, chunk: tuple[int, int], *, mergi
     with handle:
         try:
             table = pa_ipc.open_file(pa.memory_map(f"/proc/self/fd/{handle.fileno()}")).read_all()
+            table.validate(full=True)  # (a part is a file in the tenant's own folder: its batches are checked
+            # against their buffers before a value is read, as an Arrow input's are)
         except (pa.ArrowInvalid, OSError) as err:
             raise SitsError(f"output part '{parts.path / name}' is unreadable ({err}); delete it and run chunk "
                             f"{chunk_index} again") from err

@@ -118,3 +118,102 @@ def test_every_numeric_column_but_the_id_is_the_default_and_two_inputs_need_colu
     with pytest.raises(BadInput, match="apply only to tables"):
         np.save(tmp_path / "x.npy", np.zeros((2, 3), np.float32))
         open_input(tmp_path / "x.npy", SIGNATURE, id_column="key")
+
+
+def _forged_arrow(path, rows: int = 12_345, claimed: int = 20_000) -> None:
+    """An Arrow IPC file whose record batch claims `claimed` rows over buffers that hold `rows`: the int64
+    length fields patched, as a hostile tenant could write it."""
+    table = pa.table({"x": np.arange(rows, dtype=np.float32)})
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    data = path.read_bytes()
+    old, new = np.int64(rows).tobytes(), np.int64(claimed).tobytes()
+    assert data.count(old) == 2  # (the batch's length and its one column's)
+    path.write_bytes(data.replace(old, new))
+
+
+def test_an_arrow_file_whose_batches_claim_more_rows_than_their_buffers_is_refused_at_open(tmp_path):
+    one = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 1]}], "outputs": []}
+    _forged_arrow(tmp_path / "forged.arrow")
+    # (unchecked, pyarrow reads the 20,000 rows from memory past the file's buffers, or crashes the worker)
+    with pytest.raises(BadInput, match="not a readable arrow file.*too small"):
+        open_input(tmp_path / "forged.arrow", one).close()
+
+
+def test_a_parquet_footer_that_disagrees_with_its_row_groups_is_refused(tmp_path):
+    path = tmp_path / "f.parquet"
+    pq.write_table(pa.table({"x": np.arange(12_345, dtype=np.float32)}), path)
+    data = path.read_bytes()
+    footer_at = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    # The footer's first 12,345 (thrift: a zigzag varint) is the file's num_rows, before its row groups'.
+    old, new = _thrift_i64(12_345), _thrift_i64(1_000_000)
+    assert len(old) == len(new) == 3
+    at = data.index(old, footer_at)
+    path.write_bytes(data[:at] + new + data[at + 3:])
+    one = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 1]}], "outputs": []}
+    with pytest.raises(BadInput, match="footer of the Parquet file says 1000000 rows, but its row groups hold 12345"):
+        open_input(path, one).close()
+
+
+def _thrift_i64(value: int) -> bytes:
+    """`value` as the thrift compact protocol writes an i64: zigzag, then a varint."""
+    number, out = (value << 1) ^ (value >> 63), bytearray()
+    while number > 0x7F:
+        out.append((number & 0x7F) | 0x80)
+        number >>= 7
+    return bytes([*out, number])
+
+
+def test_duplicate_column_names_are_a_bad_input_not_a_server_error(tmp_path):
+    (tmp_path / "d.csv").write_text("a,a,b,c\n1,2,3,4\n5,6,7,8\n")
+    with pytest.raises(BadInput, match="has 2 columns named 'a'; give each column a name of its own"):
+        open_input(tmp_path / "d.csv", SIGNATURE).close()  # (every numeric column: a, a, b, c)
+    with pytest.raises(BadInput, match="has 2 columns named 'a'"):
+        open_input(tmp_path / "d.csv", SIGNATURE, columns={"x": ["a", "b", "c"]}).close()
+    with pytest.raises(BadInput, match=r"lists \['a'\] more than once for input 'x'"):
+        open_input(_write(tmp_path, "parquet", _table()), SIGNATURE, columns={"x": ["a", "a", "a"]}).close()
+
+
+def test_a_list_column_with_rows_of_other_lengths_is_refused_not_cut_into_other_rows(tmp_path):
+    ragged = pa.array([[1.0], [2.0, 3.0, 4.0, 5.0, 6.0]], pa.list_(pa.float32()))  # 6 values: 2 rows of 3 if cut
+    pq.write_table(pa.table({"id": ["r0", "r1"], "vec": ragged}), tmp_path / "r.parquet")
+    with open_input(tmp_path / "r.parquet", SIGNATURE, id_column="id") as source, \
+            pytest.raises(BadInput, match=r"row 0 of column 'vec' of 'r.parquet' holds 1 values.*3 a row"):
+        list(source.iter_batches(0, 2, 8))
+
+
+def test_a_null_id_or_a_nested_id_column_is_refused(tmp_path):
+    table = pa.table({"id": pa.array(["r0", None, "r2"]), "a": [1.0, 2.0, 3.0], "b": [1.0, 2.0, 3.0],
+                      "c": [1.0, 2.0, 3.0]})
+    pq.write_table(table, tmp_path / "n.parquet")
+    with open_input(tmp_path / "n.parquet", SIGNATURE, id_column="id") as source, \
+            pytest.raises(BadInput, match="column 'id' of 'n.parquet' has a null in row 1"):
+        list(source.iter_batches(0, 3, 8))
+    nested = table.set_column(0, "id", pa.array([[1], [2], [3]]))
+    pq.write_table(nested, tmp_path / "l.parquet")
+    with pytest.raises(BadInput, match="id_column 'id' of 'l.parquet' is list<"):
+        open_input(tmp_path / "l.parquet", SIGNATURE, id_column="id").close()
+
+
+def test_rows_of_wide_list_columns_are_read_a_few_at_a_time_whatever_the_row_groups(tmp_path):
+    width = 3 * 224 * 224  # an image a row: 588 KiB of float32, zeros that compress to nearly nothing
+    column = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(64 * width, np.float32)), width)
+    path = tmp_path / "images.parquet"
+    pq.write_table(pa.table({"image": column}), path, compression="zstd")  # one row group of 64 rows
+    assert path.stat().st_size < 64 * width * 4 // 100
+    images = {"inputs": [{"name": "image", "dtype": "float32", "shape": ["N", 3, 224, 224]}], "outputs": []}
+    with open_input(path, images) as source:
+        assert source.slab_rows() == table_source.SLAB_BYTES // (width * 4 + 8) == 27
+        slabs = list(source._read(0, 64))  # (the slabs as read from the file, before mini-batches)
+        assert [slab.num_rows for slab in slabs] == [27, 27, 10]
+
+
+def test_a_parquet_row_group_holding_far_more_than_its_rows_values_is_refused_at_open(tmp_path):
+    path = tmp_path / "big.parquet"
+    strings = pa.array(["x" * 4096] * 1_000)  # 4 KiB ids: 64 times what an id row is counted as
+    pq.write_table(pa.table({"id": strings, "a": np.ones(1_000), "b": np.ones(1_000), "c": np.ones(1_000)}), path,
+                   use_dictionary=False)
+    with pytest.raises(BadInput, match="row group 0 of the Parquet file holds .* bytes of column 'id' for 1,000 rows"):
+        open_input(path, SIGNATURE, id_column="id").close()
+    with open_input(path, SIGNATURE) as source:  # (without it as the id, the column is never read)
+        assert source.rows == 1_000

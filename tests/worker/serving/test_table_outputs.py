@@ -55,3 +55,17 @@ def test_a_chunk_written_again_gives_the_same_bytes_and_counts_as_written_only_w
     assert not table_chunk_written(tmp_path, 1, (4, 8), job_id="j1")  # rows it does not hold
     part.write_bytes(first[: len(first) // 2])
     assert not table_chunk_written(tmp_path, 1, RANGES[1], job_id="j1")
+
+
+def test_a_part_whose_batch_claims_rows_past_its_buffers_is_not_written_nor_merged(tmp_path):
+    """A part lies in the tenant's own output folder: one replaced by a forged file of the right row count
+    (its lengths patched past its buffers) is refused before a value is read, not merged from memory past
+    them."""
+    _write(tmp_path, 0)
+    part = parts_folder(tmp_path, "j1") / table_part_name(0)
+    table = pa.table({"key": pa.array(["a", "b"]), "score": np.zeros(2, np.float32)})
+    with pa.ipc.new_file(part, table.schema) as writer:
+        writer.write_table(table)
+    data = part.read_bytes()
+    part.write_bytes(data.replace(np.int64(2).tobytes(), np.int64(4).tobytes()))  # 4 rows: chunk 0's count
+    assert not table_chunk_written(tmp_path, 0, RANGES[0], job_id="j1")
