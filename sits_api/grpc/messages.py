@@ -27,14 +27,16 @@ def parameter_values(parameters: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def v2_body(request: Any) -> tuple[dict[str, Any], BinaryData]:
+def v2_body(request: Any, *, max_bytes: int = 0) -> tuple[dict[str, Any], BinaryData]:
     """The v2 JSON body and binary data that say what `request` (a `ModelInferRequest`) says: each
-    input with `binary_data_size`, its raw contents (or its typed contents made raw) in the binary data."""
+    input with `binary_data_size`, its raw contents (or its typed contents made raw) in the binary data.
+    Typed contents may take at most `max_bytes` decoded, all inputs together (0: no cap)."""
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise BadInput(f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents; give one "
                        f"raw_input_contents per input, in the order of the inputs, or use contents for every input")
     inputs, data = [], []
+    decoded = 0
     for index, tensor in enumerate(request.inputs):
         shape = list(tensor.shape)
         if raw:
@@ -46,7 +48,9 @@ def v2_body(request: Any) -> tuple[dict[str, Any], BinaryData]:
             if any(dim < 0 for dim in shape):  # (the parser says so; the values cannot be counted before)
                 data.append(b"")
             else:
-                data.append(raw_from_contents(tensor.name, tensor.datatype, shape, tensor.contents))
+                data.append(raw_from_contents(tensor.name, tensor.datatype, shape, tensor.contents,
+                                              max_bytes=max(max_bytes - decoded, 1) if max_bytes else 0))
+                decoded += len(data[-1])
         inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": shape,
                        "parameters": parameter_values(tensor.parameters) | {"binary_data_size": len(data[-1])}})
     body: dict[str, Any] = {"inputs": inputs, "parameters": parameter_values(request.parameters)}

@@ -32,6 +32,11 @@ SUBMIT_THREADS = 8
 """Threads for the blocking calls (checking a key, queueing a request): each is a few Redis round trips,
 so a few threads keep up with many waiting requests."""
 
+MAX_CONCURRENT_CALLS = 256
+"""Most calls the server holds at once; one more is refused at once (RESOURCE_EXHAUSTED). Each may hold a
+message of up to `api.max_body_bytes`; a tenant's own waiting calls are capped lower
+(`api.max_waits_per_tenant`), this bounds all of them together."""
+
 STOP_GRACE_SECONDS = 5.0
 """How long calls in progress may finish after SIGTERM before the server closes."""
 
@@ -51,7 +56,8 @@ async def serve(settings: Settings) -> None:
     if not address:
         raise ConfigError("api.grpc_port is 0, so no gRPC server runs; set it (8001, Triton's) to serve gRPC")
     pool = ThreadPoolExecutor(max_workers=SUBMIT_THREADS, thread_name_prefix="sits-grpc")
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", settings.api.max_body_bytes),
+    server = grpc.aio.server(maximum_concurrent_rpcs=MAX_CONCURRENT_CALLS,
+                             options=[("grpc.max_receive_message_length", settings.api.max_body_bytes),
                                       ("grpc.max_send_message_length", -1),
                                       ("grpc.so_reuseport", 0)])  # (a second server on the port fails to bind)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(process_state(settings), pool),

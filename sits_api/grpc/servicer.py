@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,6 +68,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, state: AppState, pool: ThreadPoolExecutor) -> None:
         self.state = state
         self._pool = pool
+        self._probe = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sits-grpc-ready")
 
     async def _run(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`function(*args, **kwargs)` on the pool, awaited (it talks to Redis with redis-py's blocking client)."""
@@ -83,9 +84,10 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
-        """Redis answers, so work can be queued (no key)."""
+        """Redis answers, so work can be queued (no key). Asked on a thread of its own, not the pool's: a
+        pool busy with one tenant's calls must not make the server look down to its probes."""
         try:
-            await self._run(self.state.store.ping)
+            await asyncio.get_running_loop().run_in_executor(self._probe, self.state.store.ping)
         except Exception:  # any failure to reach Redis means not ready
             return service_pb2.ServerReadyResponse(ready=False)
         return service_pb2.ServerReadyResponse(ready=True)
@@ -188,7 +190,12 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         delivery = LoopDelivery(asyncio.get_running_loop())
         request_id = requests.new_request_id()
         with self.state.inbox.expecting(request_id, delivery=delivery) as answer:
-            submitted = await self._run(self._submit, request, metadata, request_id, answer.reply_to)
+            queued = self._pool.submit(self._submit, request, metadata, request_id, answer.reply_to)
+            try:
+                submitted = await asyncio.wrap_future(queued)
+            except asyncio.CancelledError:  # the call ended (cancelled, or past its deadline) meanwhile: a submit
+                queued.add_done_callback(_release_submitted)  # not begun is cancelled with it; one that runs on
+                raise  # gives its tenant's waiting slot back once done
             try:
                 result = await wait_for_result(self.state, delivery, submitted.spec, run=self._run,
                                                seconds=self.state.settings.online.max_wait)
@@ -205,21 +212,23 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
                               {output: outputs[output] for output in checked.outputs or outputs})
 
     def _submit(self, request: Any, metadata: Mapping[str, str], request_id: str, reply_to: str) -> _Submitted:
-        """Check the caller, the request and its tenant's caps, then queue it (blocking: on the pool).
-        The tenant's waiting slot is held from here until the answer came (`_Submitted.release`)."""
+        """Check the caller, take its tenant's waiting slot, check the request and its tenant's caps, then queue
+        it (blocking: on the pool). The slot is held from here until the answer came (`_Submitted.release`),
+        and taken before the request's tensors are decoded: a tenant at its cap costs a key check, not a
+        decode of up to `api.max_body_bytes` that holds a pool thread every tenant shares."""
         state = self.state
         settings, store = state.settings, state.store
         identity = identity_of(state, metadata, "infer")
-        body, binary = v2_body(request)
-        model = _ref(request.model_name, request.model_version) if request.model_version else \
-            ab_routes.routed(store, request.model_name, identity, _Headers(metadata), "v2")
-        checked = parse_infer_request(store, body, model, binary)
-        tenant = tenant_gate.check_model(state.tenants, store, identity, checked.model)
-        tenant_gate.check_entitlements(identity, tenant, priority=checked.priority, user_tier=checked.user_tier)
-        caps = tenant_gate.caps_of(identity, tenant)
         slot = contextlib.ExitStack()
         slot.enter_context(state.waiting_slot(identity, True))
         try:
+            body, binary = v2_body(request, max_bytes=settings.api.max_body_bytes)
+            model = _ref(request.model_name, request.model_version) if request.model_version else \
+                ab_routes.routed(store, request.model_name, identity, _Headers(metadata), "v2")
+            checked = parse_infer_request(store, body, model, binary)
+            tenant = tenant_gate.check_model(state.tenants, store, identity, checked.model)
+            tenant_gate.check_entitlements(identity, tenant, priority=checked.priority, user_tier=checked.user_tier)
+            caps = tenant_gate.caps_of(identity, tenant)
             spec = request_intake.submit(settings, store, state.dispatcher, state.policy, model=checked.model,
                                          inputs=checked.inputs, priority=checked.priority,
                                          deadline_ms=checked.deadline_ms, user_tier=checked.user_tier, tokens=None,
@@ -232,6 +241,13 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
             slot.close()
             raise
         return _Submitted(checked, spec, slot.close)
+
+
+def _release_submitted(done: Future[_Submitted]) -> None:
+    """Give back the waiting slot of a request queued for a call that ended before it was (its answer goes to
+    its hash alone)."""
+    if not done.cancelled() and done.exception() is None:
+        done.result().release()
 
 
 def _ref(name: str, version: str) -> str:

@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from broker.errors import BadInput
+from broker.errors import BadInput, PayloadTooLarge
 from sits_api.v2.binary import tensor_bytes
 from sits_api.v2.parsing import NUMPY_TO_V2
 
@@ -31,10 +31,12 @@ read as. FP16 and BF16 have no field: they travel as raw contents only, as in Tr
 CONTENT_FIELDS = tuple(dict.fromkeys(field for field, _ in TYPED_FIELDS.values()))
 
 
-def raw_from_contents(name: str, datatype: str, shape: list[int], contents: object) -> bytes:
+def raw_from_contents(name: str, datatype: str, shape: list[int], contents: object, *, max_bytes: int = 0) -> bytes:
     """The values in an input's typed `contents` (an `InferTensorContents`) as its raw contents would
     hold them; BadInput naming what to fix when they are in the wrong field, out of range for the
-    datatype, or not as many as `shape` needs."""
+    datatype, or not as many as `shape` needs; PayloadTooLarge when they would take more than `max_bytes`
+    (0: no cap) once decoded: a small int64 value takes one byte on the wire and eight decoded, so the
+    message's size alone does not bound them."""
     if datatype not in TYPED_FIELDS:
         raise BadInput(f"input '{name}' is {datatype}, which has no typed contents in the protocol; send it "
                        f"in raw_input_contents")
@@ -49,7 +51,12 @@ def raw_from_contents(name: str, datatype: str, shape: list[int], contents: obje
                        f"{math.prod(shape)}")
     if datatype == "BYTES":
         return serialize_bytes(list(values))
-    wide = np.array(values, dtype=_WIDE[field])
+    decoded = len(values) * np.dtype(_WIDE[field]).itemsize
+    if 0 < max_bytes < decoded:
+        raise PayloadTooLarge(f"input '{name}' holds {len(values):,} values in contents.{field}, {decoded:,} bytes "
+                              f"decoded, more than a request may carry ({max_bytes:,} bytes, api.max_body_bytes); "
+                              "send fewer rows per request")
+    wide = np.fromiter(values, dtype=_WIDE[field], count=len(values))  # (C's loop: 3x np.array's)
     array = wide.astype(numpy_type)
     if not np.array_equal(array.astype(_WIDE[field]), wide):  # (INT8 in int_contents: 300 does not fit)
         raise BadInput(f"input '{name}' holds values in contents.{field} that do not fit {datatype}")

@@ -16,7 +16,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult, ser
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import serialize_byte_tensor
 
-from broker.errors import BadInput
+from broker.errors import BadInput, PayloadTooLarge
 from broker.state.store import Store
 from sits_api.grpc.messages import infer_response, parameter_values, v2_body
 from sits_api.grpc.tensors import raw_from_contents
@@ -171,3 +171,12 @@ def test_outputs_go_back_as_raw_contents_tritonclient_reads(datatype: str) -> No
     read = InferResult(response).as_numpy("out")
     assert read.dtype == array.dtype
     np.testing.assert_array_equal(read, array)
+
+
+def test_typed_contents_that_would_take_more_than_a_body_once_decoded_are_refused_before_decoding() -> None:
+    contents = service_pb2.InferTensorContents()
+    contents.int64_contents.extend([1] * 1_000)  # one byte each on the wire, eight decoded
+    assert contents.ByteSize() < 2_000
+    with pytest.raises(PayloadTooLarge, match=r"1,000 values in contents.int64_contents, 8,000 bytes decoded"):
+        raw_from_contents("x", "INT64", [1_000], contents, max_bytes=4_096)
+    assert len(raw_from_contents("x", "INT64", [1_000], contents, max_bytes=8_000)) == 8_000
