@@ -9,6 +9,8 @@ yet (its submit is still writing it) is kept for `PLACE_GRACE_SECONDS`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
 from broker.jobs.records import ACTIVE_STATUSES
@@ -38,10 +40,7 @@ def take_job_place(store: Store, tenant: str, job_id: str, *, most: int, now: fl
         while True:
             try:
                 pipe.watch(key)
-                places = pipe.zrange(key, 0, -1, withscores=True)
-                statuses = [pipe.hget(store.keys.job(str(held)), "status") for held, _ in places]
-                gone = [held for (held, taken), status in zip(places, statuses, strict=True)
-                        if status not in ACTIVE_STATUSES and not (status is None and now - taken < PLACE_GRACE_SECONDS)]
+                places, gone = _held_places(store, pipe, key, now=now)
                 if len(places) - len(gone) >= most:
                     pipe.unwatch()
                     raise TenantAtLimit(len(places) - len(gone))
@@ -53,3 +52,25 @@ def take_job_place(store: Store, tenant: str, job_id: str, *, most: int, now: fl
                 return
             except redis.WatchError:
                 continue
+
+
+def check_job_place(store: Store, tenant: str, *, most: int, now: float) -> None:
+    """TenantAtLimit when the tenant's `most` places are all held now (0: no cap), taking nothing: the API
+    asks before it reads a job's input, so that a tenant at its cap costs no parse of its file.
+    `take_job_place` is still what holds the place."""
+    if most <= 0:
+        return
+    with translate_redis_errors():
+        places, gone = _held_places(store, store.client, store.keys.tenant_jobs(tenant), now=now)
+    if len(places) - len(gone) >= most:
+        raise TenantAtLimit(len(places) - len(gone))
+
+
+def _held_places(store: Store, client: Any, key: str, *, now: float) -> tuple[list[tuple[str, float]], list[str]]:
+    """The places in `key` (job id, when taken), and those of them whose job is no longer active (or was
+    never written, past the grace)."""
+    places = client.zrange(key, 0, -1, withscores=True)
+    statuses = [client.hget(store.keys.job(str(held)), "status") for held, _ in places]
+    gone = [held for (held, taken), status in zip(places, statuses, strict=True)
+            if status not in ACTIVE_STATUSES and not (status is None and now - taken < PLACE_GRACE_SECONDS)]
+    return places, gone

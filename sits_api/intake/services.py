@@ -298,6 +298,11 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         raise BadInput(f"output_dir {output_dir} is a file; name a folder (it is created if missing)")
     input_options = {"shape": body.input_shape, "dtype": body.input_dtype, "format": body.input_format,
                      "columns": body.columns, "id_column": body.id_column}
+    caps = tenant_gate.caps_of(caller, tenant)
+    try:  # (a tenant at its cap is refused before its file is read: a CSV is parsed whole to count its rows)
+        tenant_quotas.check_job_place(store, tenant_gate.tenant_of(caller), most=caps.max_inflight, now=now)
+    except tenant_quotas.TenantAtLimit as full:
+        raise _at_job_limit(settings, tenant_gate.tenant_of(caller), full) from None
     identity = file_identity(input_path)  # before anything is read: rows, checksum and identity of one file
     with open_input(input_path, model.signature, shape=body.input_shape, dtype=body.input_dtype,
                     mask=mask_spec(model.static_profile),
@@ -348,7 +353,7 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
         except DeadlineInfeasible:
             sla_metrics.count_admission_refusal(store, spec.model_ref)
             raise
-    _take_job_place(settings, store, spec, tenant_gate.caps_of(caller, tenant), now=now)
+    _take_job_place(settings, store, spec, caps, now=now)
     output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
     job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering,
                          deadline_horizon=settings.sla.deadline_horizon)
@@ -388,10 +393,15 @@ def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec | _Plac
     try:
         tenant_quotas.take_job_place(store, spec.tenant, spec.job_id, most=caps.max_inflight, now=now)
     except tenant_quotas.TenantAtLimit as full:
-        retry_after = max(1, math.ceil(settings.jobs.chunk_seconds))
-        raise QueueFull(f"tenant '{spec.tenant}' has {full.active} jobs queued or running, its limit "
-                        f"(tenants.{spec.tenant}.max_inflight); the job was not queued: retry after {retry_after} s "
-                        "(Retry-After), or once one of them ends", retry_after=retry_after) from None
+        raise _at_job_limit(settings, spec.tenant, full) from None
+
+
+def _at_job_limit(settings: Settings, tenant: str, full: tenant_quotas.TenantAtLimit) -> QueueFull:
+    """The 429 of a job its tenant's `max_inflight` refused, with a Retry-After of about one chunk's time."""
+    retry_after = max(1, math.ceil(settings.jobs.chunk_seconds))
+    return QueueFull(f"tenant '{tenant}' has {full.active} jobs queued or running, its limit "
+                     f"(tenants.{tenant}.max_inflight); the job was not queued: retry after {retry_after} s "
+                     "(Retry-After), or once one of them ends", retry_after=retry_after)
 
 
 def _checksum_unchanged(path: Path, identity: dict[str, int]) -> str:

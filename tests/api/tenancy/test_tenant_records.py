@@ -146,6 +146,20 @@ def test_max_inflight_answers_429_for_a_second_active_job(client: FlaskClient, s
     assert alice.get(f"/v1/jobs/{first.get_json()['id']}").get_json()["status"] == "cancelled"
 
 
+def test_a_tenant_at_max_inflight_is_refused_before_its_input_is_read(client: FlaskClient, store: Store,
+                                                                      mlp: dict[str, Any], mlp_input: Path,
+                                                                      tmp_path: Path) -> None:
+    alice = key(client, store, "alice", "user", tenant="acme")
+    acme_input, acme_folder = tenant_copy(mlp_input, tmp_path, "acme"), tmp_path / "acme"
+    assert alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(acme_input),
+                                        "output_dir": str(acme_folder / "one")}).status_code == 201
+    unread = acme_folder / "unread.csv"
+    unread.write_text("f0,f1\n1,2,3\n")  # (read, a 400: a row of three values under a header of two)
+    refused = alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(unread),
+                                           "output_dir": str(acme_folder / "two")})
+    assert refused.status_code == 429 and "max_inflight" in error_of(refused)  # a parse of it costs nothing
+
+
 def test_usage_is_reported_per_tenant_and_each_tenant_sees_only_its_own(api: Api, client: FlaskClient,
                                                                         store: Store) -> None:
     now = time.time()
