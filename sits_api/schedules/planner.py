@@ -94,6 +94,10 @@ def plan(settings: Settings, store: Store, *, caller: dict[str, Any], tenant: st
     return answer
 
 
+PLAN_DAYS_AHEAD = 3_660
+"""How far ahead a plan's `day` may lie: ten years."""
+
+
 def _span(window: str | None, day: str | None, timezone: str, *, now: float) -> Span:
     """The planned stretch of time: `window` on `day` in `timezone`, or the next 24 hours."""
     tz = zone(timezone)
@@ -102,12 +106,16 @@ def _span(window: str | None, day: str | None, timezone: str, *, now: float) -> 
             raise BadInput("day needs a window: give window=HH:MM-HH:MM too, or leave day out for the next 24 h")
         return Span(now, now + 86_400.0, None)
     parsed = Window.parse(window)
-    today = datetime.fromtimestamp(now, tz).date()
+    today = current = datetime.fromtimestamp(now, tz).date()
     if day is not None:
         try:
             today = datetime.strptime(day, "%Y-%m-%d").date()
         except ValueError:
             raise BadInput(f"day {day!r} must be a date as YYYY-MM-DD, e.g. 2026-12-08") from None
+        first, last = current - timedelta(days=1), current + timedelta(days=PLAN_DAYS_AHEAD)
+        if not first <= today <= last:  # (a window past 9999-12-31's end would run into year 10000: a 500)
+            raise BadInput(f"day {day} is outside what a plan covers: from yesterday to {PLAN_DAYS_AHEAD} days "
+                           f"ahead ({first} to {last})")
     opens = datetime.combine(today, datetime.min.time(), tz) + timedelta(minutes=parsed.start)
     length = (parsed.end - parsed.start) % 1440 or 1440
     if day is None and (opens + timedelta(minutes=length)).timestamp() <= now:

@@ -98,6 +98,7 @@ def test_another_tenant_s_schedules_are_neither_planned_nor_changed(
     ({"window": "25:00-26:00"}, "not one of a day"),
     ({"window": "17:00-20:00", "day": "tomorrow"}, "YYYY-MM-DD"),
     ({"day": "2030-01-07"}, "needs a window"),
+    ({"window": "23:00-22:00", "day": "9999-12-31"}, "outside what a plan covers: from yesterday to 3660 days"),
     ({"slots": "many"}, "whole number"),
     ({"slots": "0"}, "slots"),
     ({"timezone": "Mars/Olympus"}, "IANA"),
