@@ -302,6 +302,25 @@ def _measure(model: onnx.ModelProto) -> dict[str, int]:
     }
 
 
+METADATA_KEEP_BYTES = 65_536
+"""Most bytes of a model's `metadata_props` (keys and values) kept in its profile, `sits.*` entries first:
+the profile is stored in Redis and answered by every `GET /v1/models`, so a model carrying megabytes of
+metadata (each version a registration away) must not carry them into the shared store."""
+
+
+def _kept_metadata(props: Any) -> dict[str, Any]:
+    """{"metadata": the entries kept} and, when some were left out, {"metadata_dropped": how many}."""
+    kept: dict[str, str] = {}
+    dropped, size = 0, 0
+    for prop in sorted(props, key=lambda prop: not prop.key.startswith("sits.")):  # (stable: file order within)
+        each = len(prop.key) + len(prop.value)
+        if size + each > METADATA_KEEP_BYTES:
+            dropped += 1
+            continue
+        kept[prop.key], size = prop.value, size + each
+    return {"metadata": kept, **({"metadata_dropped": dropped} if dropped else {})}
+
+
 def static_profile(model: onnx.ModelProto) -> dict[str, Any]:
     """A JSON-serialisable cost estimate of one sample, computed from the graph alone.
 
@@ -325,7 +344,7 @@ def static_profile(model: onnx.ModelProto) -> dict[str, Any]:
     profile: dict[str, Any] = {
         "signature": model_signature(model),
         "opset": default_opset(model),
-        "metadata": {prop.key: prop.value for prop in model.metadata_props},
+        **_kept_metadata(model.metadata_props),
         "op_histogram": operator_histogram(model),
         "param_count": param_count,
         "param_bytes": param_bytes,

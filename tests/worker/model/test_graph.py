@@ -382,3 +382,14 @@ def test_input_ids_are_the_token_ids_even_beside_a_larger_position_table() -> No
 
     assert sequence_axis(model) == {"input": "input_ids", "axis": 1}
     assert static_profile(model)["vocabulary_size"] == 50
+
+
+def test_megabytes_of_model_metadata_stay_out_of_the_profile_but_sits_keys_are_kept() -> None:
+    model = build_model("mlp")
+    helper.set_model_props(model, {**{f"blob{index}": "x" * 1_000_000 for index in range(3)},
+                                   "author": "team-a", "sits.max_sequence": "64"})
+    profile = static_profile(model)
+
+    assert profile["metadata"] == {"sits.max_sequence": "64", "author": "team-a"}
+    assert profile["metadata_dropped"] == 3
+    assert len(json.dumps(profile)) < 100_000  # (what Redis stores for the version)
