@@ -24,9 +24,12 @@ def next_look(schedule: Schedule, *, now: float) -> float:
     return cadence.due_at(cadence.next_slot(now))
 
 
-def add_schedule(store: Store, schedule: Schedule, *, now: float, most_per_tenant: int | None) -> Schedule:
+def add_schedule(store: Store, schedule: Schedule, *, now: float, most_per_tenant: int | None,
+                 check_among: Callable[[list[Schedule]], None] | None = None) -> Schedule:
     """Store a new schedule; Conflict when its tenant has one of that name, QueueFull (429) when it holds
-    `most_per_tenant` already (None: no cap)."""
+    `most_per_tenant` already (None: no cap). `check_among` is called with the tenant's schedules as the
+    transaction reads them, and raises to refuse: a cap over all of them (their releases a minute) checked
+    before the write, so that creates at once cannot each pass it against the others' absence."""
     keys = store.keys
     due = next_look(schedule, now=now)
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
@@ -36,9 +39,13 @@ def add_schedule(store: Store, schedule: Schedule, *, now: float, most_per_tenan
                 if pipe.hexists(keys.schedules, schedule.member):
                     raise Conflict(f"a schedule named '{schedule.name}' exists already; choose another name, or "
                                    "change it with PATCH /v1/schedules/<name>")
-                if most_per_tenant is not None:
-                    held = sum(1 for _ in pipe.hscan_iter(keys.schedules, match=f"{schedule.tenant}|*", count=500))
-                    if held >= most_per_tenant:
+                if most_per_tenant is not None or check_among is not None:
+                    tenants = [Schedule.loads(raw)
+                               for _, raw in pipe.hscan_iter(keys.schedules, match=f"{schedule.tenant}|*", count=500)]
+                    if check_among is not None:
+                        check_among(tenants)
+                    held = len(tenants)
+                    if most_per_tenant is not None and held >= most_per_tenant:
                         raise QueueFull(f"tenant '{schedule.tenant}' holds {held} schedules, the most a tenant may "
                                         "(beat.max_schedules_per_tenant); delete one first", retry_after=60)
                 pipe.multi()

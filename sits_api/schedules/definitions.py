@@ -52,7 +52,8 @@ def create_schedule(settings: Settings, store: Store, table: TenantTable, body: 
                         generation=secrets.token_hex(6), **{"timezone": "UTC", **fields})
     check_schedule(settings, store, table, schedule, caller, now=now)
     most = None if caller.get("role") == "admin" else settings.beat.max_schedules_per_tenant
-    book.add_schedule(store, schedule, now=now, most_per_tenant=most)
+    book.add_schedule(store, schedule, now=now, most_per_tenant=most,
+                      check_among=lambda held: _check_rate_among(settings, schedule, held))
     return describe(store, schedule, now=now)
 
 
@@ -146,10 +147,15 @@ def releases_per_minute(schedule: Schedule) -> float:
 
 
 def _check_release_rate(settings: Settings, store: Store, schedule: Schedule) -> None:
-    """BadInput when `schedule` would take its tenant's schedules past `beat.max_releases_per_minute`."""
+    """BadInput when `schedule` would take its tenant's schedules past `beat.max_releases_per_minute` (checked
+    again when a new one is stored, among the schedules its transaction reads: `_check_rate_among`)."""
+    _check_rate_among(settings, schedule, book.list_schedules(store, schedule.tenant))
+
+
+def _check_rate_among(settings: Settings, schedule: Schedule, held: list[Schedule]) -> None:
+    """`_check_release_rate` among the tenant's schedules `held`."""
     most = settings.beat.max_releases_per_minute
-    others = sum(releases_per_minute(other) for other in book.list_schedules(store, schedule.tenant)
-                 if other.name != schedule.name)
+    others = sum(releases_per_minute(other) for other in held if other.name != schedule.name)
     asked = releases_per_minute(schedule)
     if others + asked > most:
         raise BadInput(f"schedule '{schedule.name}' asks for {asked:g} releases a minute; with the tenant's other "

@@ -21,6 +21,7 @@ from broker.state.store import Store
 from broker.tenants.apikeys import revoke_api_keys
 from sits_api.schedules.release import release_run
 from sits_api.state import app_state
+from sits_api.schedules import definitions
 from tests.api.api_helpers import Api, error_of, two_tenants_sharing_roots
 from tests.api.api_helpers import tenant_key as key
 
@@ -258,6 +259,25 @@ def test_a_claim_lost_with_a_failover_and_made_again_meets_the_job_of_the_first(
 
     assert again.job_id == first.job_id and release(app, member, again.slot) == "released"
     assert [job["id"] for job in api.get("/v1/jobs").get_json()["jobs"]] == [first.job_id]
+
+
+def test_creates_at_once_cannot_each_pass_the_release_rate_against_the_others_absence(
+        client: FlaskClient, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many creates sent at once each read the tenant's schedules before any of the others is stored. The
+    rate is checked again inside the write's transaction; here the early read is made to see none, as each
+    racing create's does."""
+    alice = key(client, store, "alice", "user", "acme")
+    for name in ("fast1", "fast2"):
+        made(alice, schedule_body(tmp_path, mlp_input, name=name, cron=None, every="1s", window=None))
+    monkeypatch.setattr(definitions.book, "list_schedules", lambda *_, **__: [])  # (the racing creates' view)
+
+    third = alice.post("/v1/schedules", json=schedule_body(tmp_path, mlp_input, name="fast3", cron=None, every="1s",
+                                                           window=None))
+
+    assert third.status_code == 400 and "max_releases_per_minute" in error_of(third)
+    monkeypatch.undo()
+    assert [schedule["name"] for schedule in alice.get("/v1/schedules").get_json()["schedules"]] == ["fast1", "fast2"]
 
 
 def test_a_tenant_s_schedules_ask_for_at_most_its_releases_a_minute(client: FlaskClient, store: Store,
