@@ -89,11 +89,14 @@ def list_schedules(store: Store, tenant: str | None) -> list[Schedule]:
 def change_schedule(store: Store, tenant: str, name: str, change: Callable[[Schedule], Schedule], *,
                     now: float) -> Schedule:
     """Apply `change` to the stored schedule (a copy with a higher revision: `Schedule.changed`) and store
-    it, with its next look and its cursor moved up to now; NotFound when there is none."""
+    it, with its next look and its cursor moved up to now; NotFound when there is none. The transaction
+    watches every schedule's definition and cursor (the beat moves cursors all the time), so it is tried
+    at most `CHANGE_TRIES` times, `change` (the caller's checks) run each time: then Conflict (409), to retry,
+    rather than a request that loops while others write."""
     keys = store.keys
     member = member_of(tenant, name)
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
-        while True:
+        for _ in range(CHANGE_TRIES):
             try:
                 pipe.watch(keys.schedules, keys.schedule_cursors)
                 raw = pipe.hget(keys.schedules, member)
@@ -113,6 +116,12 @@ def change_schedule(store: Store, tenant: str, name: str, change: Callable[[Sche
                 return changed
             except redis.WatchError:
                 continue
+    raise Conflict(f"schedule '{name}' could not be changed: other schedules changed {CHANGE_TRIES} times while "
+                   "it was; send the change again")
+
+
+CHANGE_TRIES = 20
+"""Most tries of one change's transaction (each one's WATCH broken by another write) before a 409."""
 
 
 def delete_schedule(store: Store, tenant: str, name: str) -> None:

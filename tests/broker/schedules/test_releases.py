@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from broker.errors import Conflict
 from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
@@ -171,6 +172,22 @@ def test_a_slot_missed_while_no_beat_ran_is_released_once_under_once_and_not_und
         assert later.sent == [("acme|tick", START + 40)]
         assert slots[START + 30].status == "missed" and totals is not None and totals.get("missed") == 1
     assert START + 20 not in slots  # the missed slots collapse into one run
+
+
+def test_a_change_that_others_keep_overtaking_ends_as_a_conflict_not_a_loop(store: Store) -> None:
+    book.add_schedule(store, every("tick"), now=NOW, most_per_tenant=None)
+    book.add_schedule(store, every("other"), now=NOW, most_per_tenant=None)
+    tries: list[int] = []
+
+    def overtaken(found: Schedule) -> Schedule:  # (the beat, or another tenant's PATCH, writes meanwhile)
+        tries.append(1)
+        if len(tries) < 1_000:  # (without a bound, the change would go on this long)
+            store.client.hset(store.keys.schedule_cursors, "acme|other", NOW + len(tries))
+        return found.changed(paused=True)
+
+    with pytest.raises(Conflict, match="other schedules changed 20 times while it was; send the change again"):
+        book.change_schedule(store, "acme", "tick", overtaken, now=NOW + 5)
+    assert len(tries) == book.CHANGE_TRIES and not book.get_schedule(store, "acme", "tick").paused
 
 
 def test_a_paused_schedule_releases_nothing_and_a_changed_one_is_read_again(store: Store) -> None:
