@@ -490,3 +490,8 @@ class Keys:
     def release_lease(self, run: str) -> str:
         """STRING present while one releaser makes the job of run 'member|slot' (`beat.release_timeout`)."""
         return self._key("release-lease", run)
+
+    def release_tries(self, run: str) -> str:
+        """STRING counter of the releases of run 'member|slot' that Redis or the input failed for a while
+        (`release.RELEASE_TRIES`)."""
+        return self._key("release-tries", run)

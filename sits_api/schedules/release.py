@@ -6,13 +6,17 @@ the slot's own id (`records.slot_job_id`) through the very submit of `POST /v1/j
 stand now, and deadline admission with the run's deadline. One releaser at a time holds a run
 (`keys.release_lease`); a message delivered twice, or sent again by the beat, finds the run settled or
 its job made, and makes nothing. A release that is refused is recorded on the run with its reason and
-counted (`sits_schedule_releases_total{outcome="refused"}`); one that meets Redis out of reach is left
-releasing, and the beat sends it again after `beat.release_timeout`.
+counted (`sits_schedule_releases_total{outcome="refused"}`); one that meets Redis out of reach (or its
+input changing while it is read) is left releasing, and the beat sends it again after `beat.release_timeout`,
+at most `RELEASE_TRIES` times: then it is refused with the last reason. A releaser keeps its hold on the run
+while it works (a large input's read and checksum may take longer than the hold), so that the beat's resend
+finds it busy rather than starting a second read beside it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -55,16 +59,33 @@ class Outcome:
         return {"outcome": self.outcome, **({"run": self.run.to_json()} if self.run else {})}
 
 
+RELEASE_TRIES = 5
+"""Most releases of one run that end retryable (Redis out of reach, its input changing as it is read); the
+next is refused. Without it a run whose input a tenant keeps changing is sent again every
+`beat.release_timeout` for ever, each time reading the whole file on a releaser every tenant shares."""
+
+
 def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table: TenantTable, member: str,
                 slot: int, *, clock: Callable[[], float] = time.time) -> Outcome:
     """Make the job of run (`member`, `slot`) if it is still releasing, and settle the run."""
     if not _take_run(settings, store, member, slot):
         return Outcome("busy")
+    stop_holding = _keep_holding(settings, store, member, slot)
     try:
         return _release(settings, store, dispatcher, table, member, slot, clock=clock)
-    except RetryableError:
+    except RetryableError as err:
+        if _tried(settings, store, member, slot) >= RELEASE_TRIES:
+            run = get_run(store, member, slot)
+            if run is not None and run.status == "releasing":
+                refusal = SitsError(f"refused after {RELEASE_TRIES} tries that failed for a while; the last: "
+                                    f"{err.message}")
+                refusal.code = err.code  # (counted under its cause)
+                return _refuse(store, member, run, refusal)
+        stop_holding()
         _drop_run(store, member, slot)  # (the beat's next send finds it free)
         raise
+    finally:
+        stop_holding()  # (a run settled keeps its hold until it lapses: a message delivered twice finds it busy)
 
 
 def _release(settings: Settings, store: Store, dispatcher: Dispatcher, table: TenantTable, member: str,
@@ -132,6 +153,33 @@ def _take_run(settings: Settings, store: Store, member: str, slot: int) -> bool:
     with translate_redis_errors():
         return bool(store.client.set(store.keys.release_lease(run_id(member, slot)), "1", nx=True,
                                      px=int(settings.beat.release_timeout * 1000)))
+
+
+def _keep_holding(settings: Settings, store: Store, member: str, slot: int) -> Callable[[], None]:
+    """Renew the hold on run (`member`, `slot`) every third of `beat.release_timeout` until the function
+    returned is called."""
+    stop = threading.Event()
+    key, hold_ms = store.keys.release_lease(run_id(member, slot)), int(settings.beat.release_timeout * 1000)
+
+    def renew() -> None:
+        while not stop.wait(settings.beat.release_timeout / 3):
+            try:
+                store.client.pexpire(key, hold_ms)
+            except Exception:  # (Redis away a moment: the hold lapses, and the beat's resend may take the run)
+                log.warning("could not renew the hold on run %s|%d", member, slot, exc_info=True)
+
+    threading.Thread(target=renew, name="sits-release-hold", daemon=True).start()
+    return stop.set
+
+
+def _tried(settings: Settings, store: Store, member: str, slot: int) -> int:
+    """Count one more retryable try of run (`member`, `slot`); the tries so far."""
+    key = store.keys.release_tries(run_id(member, slot))
+    with translate_redis_errors(), store.client.pipeline(transaction=False) as pipe:
+        pipe.incr(key)
+        pipe.expire(key, int(settings.beat.release_timeout * (RELEASE_TRIES + 2)) + 3600)
+        tries, _ = pipe.execute()
+    return int(tries)
 
 
 def _drop_run(store: Store, member: str, slot: int) -> None:

@@ -13,15 +13,16 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from broker.config.settings import Settings
+from broker.errors import RetryableError
 from broker.schedules import runs
 from broker.schedules.records import Run, slot_job_id
 from broker.schedules.stats import read_schedule_stats
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import revoke_api_keys
+from sits_api.schedules import definitions
 from sits_api.schedules.release import release_run
 from sits_api.state import app_state
-from sits_api.schedules import definitions
 from tests.api.api_helpers import Api, error_of, two_tenants_sharing_roots
 from tests.api.api_helpers import tenant_key as key
 
@@ -200,6 +201,63 @@ def test_a_run_released_by_two_releasers_at_once_makes_one_job(app: Flask, api: 
     jobs = api.get("/v1/jobs").get_json()["jobs"]
     assert [job["id"] for job in jobs] == [run.job_id]
     assert read_schedule_stats(store)[("test", "nightly")].get("released") == 1
+
+
+def test_a_release_that_keeps_failing_for_a_while_is_refused_after_its_tries_not_sent_for_ever(
+        app: Flask, api: Api, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant that keeps its input changing makes every release of a run end retryable ("changed while it was
+    being read"); each try reads the whole file on a releaser every tenant shares."""
+    from sits_api.schedules import release as releases
+
+    made(api, schedule_body(tmp_path, mlp_input))
+    member, run = claimed_run(app, store)
+
+    def changing(*_: object, **__: object) -> None:
+        raise RetryableError(f"input {mlp_input} changed while it was being read; submit again once it is written")
+
+    monkeypatch.setattr(releases, "_submit", changing)
+    for _ in range(releases.RELEASE_TRIES - 1):
+        with pytest.raises(RetryableError):
+            release(app, member, run.slot)
+        assert runs.get_run(store, member, run.slot).status == "releasing"  # (sent again by the beat)
+    outcome = release(app, member, run.slot)
+
+    refused = runs.get_run(store, member, run.slot)
+    assert outcome == "refused" and refused.status == "refused" and refused.reason_code == "unavailable"
+    assert refused.reason.startswith(f"refused after {releases.RELEASE_TRIES} tries") and "changed" in refused.reason
+
+
+def test_a_release_longer_than_its_hold_keeps_the_run_from_a_second_releaser(
+        app: Flask, api: Api, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large input's read and checksum may outlast `beat.release_timeout`; the beat then sends the run again,
+    and a second releaser must find it held, not start a second read beside the first."""
+    from sits_api.schedules import release as releases
+
+    made(api, schedule_body(tmp_path, mlp_input))
+    member, run = claimed_run(app, store)
+    state = app.extensions["sits"]
+    settings = state.settings.with_overrides(beat={"release_timeout": 1.0})
+    reading = threading.Event()
+    submit = releases._submit
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        reading.set()
+        time.sleep(3.5)  # (three and a half holds' length)
+        submit(*args, **kwargs)
+
+    monkeypatch.setattr(releases, "_submit", slow)
+    first: list[str] = []
+    releaser = threading.Thread(target=lambda: first.append(releases.release_run(
+        settings, store, state.dispatcher, state.tenants, member, run.slot).outcome))
+    releaser.start()
+    assert reading.wait(5)
+    time.sleep(2.2)  # (past two holds' length)
+    second = releases.release_run(settings, store, state.dispatcher, state.tenants, member, run.slot).outcome
+    releaser.join()
+
+    assert second == "busy" and first == ["released"]
 
 
 def test_a_release_whose_job_cannot_be_made_is_refused_with_its_reason_and_counted(
