@@ -19,8 +19,8 @@ class ModelSettings(_Section):
 
     max_file_size: Bytes = Field(parse_size("1GiB"), ge=1, le=MAX_SERIALIZED_BYTES)
     """The most bytes a model file and its external data may hold together, told from their sizes
-    before any of it is read (413 past it): registration reads the whole model into an API process and
-    runs it there, so the limit bounds what one registration costs that process in memory and time."""
+    before any of it is read (413 past it): registration reads the whole model into a process of its own and
+    runs it there (`sits_api.intake.model_checks`), so the limit bounds what one registration costs."""
     registrations_per_tenant: Integer = Field(1, ge=0)
     """Most registrations of one tenant at once in one API process (each loads, checks and runs its
     model); one more is a 429. 0: no cap; admin keys are not capped."""

@@ -1,14 +1,14 @@
 """Model registrations run off the API's request threads.
 
-A registration reads the whole model into the API process, checks it and runs it (ONNX Runtime's
-load check and the row and sequence probes, `sits_api.intake.services.register_model`): seconds for
-a large model. On a request thread that would hold one of the process's `api.threads` for as long, so
-registrations run on a small pool of their own (`models.registration_threads` a process). The call
-waits `models.registration_wait` for its registration: most end well within it and answer 201 as
-before; a longer one answers 202 with a registration id to poll (`GET /v1/models/registrations/{id}`),
-whose record in Redis says how it ended (the version, or the error with its code and status), an hour
-long. Each tenant runs at most `models.registrations_per_tenant` at once per process (429 past it):
-its slot is held until its registration ends, not until its call returns.
+A registration reads the whole model, checks it and runs it (ONNX Runtime's load check and the row and
+sequence probes, `sits_api.intake.services.register_model`), in a child process under a memory and time
+limit (`sits_api.intake.model_checks`): seconds for a large model. Waiting for it on a request thread would
+hold one of the process's `api.threads` for as long, so registrations run on a small pool of their own
+(`models.registration_threads` a process). The call waits `models.registration_wait` for its registration:
+most end well within it and answer 201 as before; a longer one answers 202 with a registration id to poll
+(`GET /v1/models/registrations/{id}`), whose record in Redis says how it ended (the version, or the error
+with its code and status), an hour long. Each tenant runs at most `models.registrations_per_tenant` at once
+per process (429 past it): its slot is held until its registration ends, not until its call returns.
 """
 
 from __future__ import annotations

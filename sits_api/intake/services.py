@@ -8,10 +8,8 @@ checked against the configured roots before anything reads or writes it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
-import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,17 +47,15 @@ from broker.tenants.records import TenantTable
 from broker.tenants.roots import FileKind, Roots, roots_for
 from broker.tenants.settings import Tenant
 from broker.tuning import live
-from sits_api.intake import job_deadlines
+from sits_api.intake import job_deadlines, model_checks
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.schemas import JobSubmission, ModelRegistration
 from sits_api.tenancy import ab_routes, tenant_gate
 from sits_worker.model.batch_probe import check_rows_independent
 from sits_worker.model.graph import model_signature, static_profile
 from sits_worker.model.inputs import file_checksum, open_input
-from sits_worker.model.loading import load_model_checked
-from sits_worker.model.padding import PADDING_EXACT_KEY, SEQUENCE_OUTPUTS_KEY, mask_spec, token_limits
+from sits_worker.model.padding import mask_spec, token_limits
 from sits_worker.model.safe_files import open_folder
-from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable
 from sits_worker.model.source import file_identity
 
@@ -134,7 +130,8 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     that declares an attention mask is run on two tiny feeds to see which outputs carry the
     sequence (`sequence_probe`), so a worker cuts exactly those back after padding, and on the
     shorter one padded, to see that padding keeps its outputs (else it is never padded); any model is
-    run on two rows alone and together, and refused if its rows see each other (`batch_probe`).
+    run on two rows alone and together, and refused if its rows see each other (`batch_probe`). All of that
+    runs in a child process under a memory and time limit (`model_checks`): it runs what a tenant sent.
     `profile_mode=full` and `enable_fusion` are sent to a worker as a Celery
     task, since only a worker has ONNX Runtime and the device to measure on;
     the record's `profile_status` says `pending` until the task is done.
@@ -143,20 +140,10 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     _refuse_a_repository_name(settings, store, body.name, registrant)
     roots = caller_roots(settings, tenants or TenantTable(settings.tenants), store, registrant, "model")
     source = resolve_inside(body.path, roots, "model")
-    model = load_model_checked(source, roots.folders, max_bytes=settings.models.max_file_size)
-    check_servable(model)
-    serialized = model.SerializeToString(deterministic=True)  # (over 2 GB: refused by load_model_checked)
-    session = check_runtime_loads(serialized, source.name)  # (one CPU session for the probes below)
-    check_rows_independent(serialized, model_signature(model), body.name, session)
-    profile = static_profile(model)
-    sequence_probe = observe_sequence_outputs(serialized, profile, session)
-    del session
-    if sequence_probe is not None:  # else mask_spec matches output dims by name, and pads
-        profile[SEQUENCE_OUTPUTS_KEY] = sequence_probe.outputs
-        profile[PADDING_EXACT_KEY] = sequence_probe.padding_exact
-    version = _content_hash(serialized)
+    checked = model_checks.check_and_store(source, roots.folders, name=body.name,
+                                           max_bytes=settings.models.max_file_size, store=settings.paths.store())
+    profile, version, stored, copied = checked.profile, checked.version, checked.stored, checked.copied
     ref = f"{body.name}@{version}"
-    stored, copied = _store_copy(model, settings.paths.store() / body.name / version)
     asks_worker = body.profile_mode == "full" or body.enable_fusion
     sends: list[bool] = []  # (decided in the transaction that writes: its last try's verdict counts)
     fields = {
@@ -223,7 +210,8 @@ def register_repository_version(settings: Settings, store: Store, model: onnx.Mo
         check_rows_independent(serialized, model_signature(model), name, session)
     profile = static_profile(model)
     del session
-    stored, _ = _store_copy(model, settings.paths.store() / name / f"{version}-{_content_hash(serialized)}")
+    stored, _ = model_checks.store_copy(model, settings.paths.store() / name /
+                                        f"{version}-{model_checks.content_hash(serialized)}")
     newest = max([int(v.version) for v in registry.list_model_versions(store, name) if v.version.isdigit()],
                  default=0)
     record = {"name": name, "version": version, "ref": f"{name}@{version}", "path": str(stored),
@@ -248,33 +236,6 @@ def _worker_asked(stored: dict[str, Any], body: ModelRegistration, *, now: float
     if status == "pending":
         return now - float(stored.get("profile_requested_at") or 0) < PROFILE_PENDING_SECONDS
     return status == "ready" and (not body.enable_fusion or bool(stored.get("fusion")))
-
-
-def _content_hash(serialized_model: bytes) -> str:
-    """Version of a model: hash of its deterministically serialised graph with external data inlined."""
-    return hashlib.sha256(serialized_model).hexdigest()[:12]
-
-
-def _store_copy(model: onnx.ModelProto, folder: Path) -> tuple[Path, bool]:
-    """Write the model into the store (atomically, once per version); large models keep external data.
-
-    Returns the stored file and whether this call wrote it. The temporary name is unique per call:
-    threads of one API process registering the same file at once each write their own, and the
-    first `os.replace` wins with identical bytes.
-    """
-    target = folder / "model.onnx"
-    if target.exists():
-        return target, False
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".model.onnx.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    large = model.ByteSize() > 1_800_000_000
-    try:
-        onnx.save_model(model, str(tmp), save_as_external_data=large,
-                        location="model.onnx.data" if large else None)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target, True
 
 
 # --- jobs ---------------------------------------------------------------------------

@@ -44,13 +44,27 @@ def check_rows_independent(serialized_model: bytes, signature: Mapping[str, Any]
     """InvalidModel when running two rows together changes an output of either from its run alone
     (see the module); nothing when they agree or the model was not run. `session`: the one
     `servable.check_runtime_loads` built (else one is built here)."""
-    problem = _rows_interact(serialized_model, signature, session)
+    try:
+        problem = _rows_interact(serialized_model, signature, session)
+    except ProbeOutOfMemory as err:
+        raise InvalidModel(f"model '{name}' ran out of the memory a registration may take while it ran on two "
+                           f"rows ({err}); a model whose run on two rows takes that much cannot be served") from err
     if problem:
         raise InvalidModel(
             f"model '{name}' does not batch: {problem}. SITS merges requests and job rows into one batch, so "
             f"it would answer one request with results computed from another's data; re-export the model so "
             f"that each row's outputs depend on that row alone (no pairwise outputs across the batch, no "
             f"dynamic quantization, RNN, Scan or NonMaxSuppression across axis 0; batch axis first)")
+
+
+class ProbeOutOfMemory(Exception):
+    """A probe's run on two rows ran out of the memory its process may take (registration's checks run under
+    a limit: `sits_api.intake.model_checks`)."""
+
+
+def _out_of_memory(err: Exception) -> bool:
+    text = str(err).lower()
+    return "out of memory" in text or "failed to allocate" in text or "bad_alloc" in text
 
 
 def _rows_interact(serialized_model: bytes, signature: Mapping[str, Any], session: Any) -> str | None:
@@ -74,7 +88,11 @@ def _rows_interact(serialized_model: bytes, signature: Mapping[str, Any], sessio
         runs = [run_within(session, feed, ort) for feed in (both, swapped, both)]
         alone = [run_within(session, {key: value[row : row + 1] for key, value in both.items()}, ort)
                  for row in (0, 1)]
+    except MemoryError as err:
+        raise ProbeOutOfMemory(str(err)) from err
     except Exception as err:  # onnxruntime raises its own types; an unrunnable probe judges nothing
+        if _out_of_memory(err):  # (but one that ran out of memory on two rows judges the model: too big to run)
+            raise ProbeOutOfMemory(str(err)) from err
         log.info("model not run at registration to check its rows (%s)", err)
         return None
     if not all(same_values(again, first) for again, first in zip(runs[2], runs[0], strict=True)):

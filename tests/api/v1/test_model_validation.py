@@ -291,3 +291,41 @@ def test_a_version_is_profiled_once_per_mode_and_the_task_bills_the_registrant_s
     assert [args[1:3] for args in sent] == [["full", False], ["full", True]]  # the second asked nothing
     assert sent[0][3:] == ["test", "test"]  # the admin key's tenant and name, whom the profile is billed to
     broker.close()
+
+
+def memory_bomb(floats: int) -> ModelProto:
+    """int64 x [batch, 1] -> y = x + 0 * sum(zeros(max(x) * floats)): a few hundred bytes whose run on rows of
+    ones (the probes') allocates `floats` float32, as many as its input's values ask."""
+    nodes = [helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
+             helper.make_node("Mul", ["top", "k"], ["count"]),
+             helper.make_node("Reshape", ["count", "one"], ["shape"]),
+             helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
+                              value=numpy_helper.from_array(np.zeros(1, np.float32))),
+             helper.make_node("ReduceSum", ["zeros"], ["total"], keepdims=0),
+             helper.make_node("Mul", ["total", "nothing"], ["none"]),
+             helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["xf", "none"], ["y"])]
+    constants = [numpy_helper.from_array(np.array(floats, np.int64), "k"),
+                 numpy_helper.from_array(np.array([1], np.int64), "one"),
+                 numpy_helper.from_array(np.array(0.0, np.float32), "nothing")]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.INT64, ["batch", 1])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1])], initializers=constants)
+
+
+def test_a_model_whose_probes_allocate_past_the_registration_limit_is_refused_outside_the_api_process(
+        api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registration runs the tenant's graph on two rows. Run in the API process, this one would take a GiB
+    there (any amount, for another constant), beside every tenant's requests; run in a child under its limit,
+    its allocation fails there and the registration is refused."""
+    import resource
+
+    from sits_api.intake import model_checks
+
+    monkeypatch.setattr(model_checks, "CHECK_MEMORY_BYTES", 256 << 20)
+    before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    response = register(api, tmp_path, memory_bomb(1 << 28), name="bomb")  # 1 GiB of zeros on rows of ones
+
+    message = refused(response)
+    assert "memory" in message and "bomb" in message
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kib < 512 << 10
+    assert register(api, tmp_path, memory_bomb(1 << 10), name="small").status_code == 201  # (4 KiB: within it)
