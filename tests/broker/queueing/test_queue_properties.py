@@ -458,13 +458,17 @@ class QueueMachine(RuleBasedStateMachine):
         assert set(self.client.hkeys(keys.attempts)) <= queued
 
 
-def test_no_operation_sequence_loses_or_duplicates_an_item(redis_server: EmbeddedRedis) -> None:
+@pytest.mark.parametrize("examples", [
+    25,  # (the default run: about 12 s on the reference machine)
+    pytest.param(400, marks=pytest.mark.slow),  # (a deeper search, with -m slow)
+])
+def test_no_operation_sequence_loses_or_duplicates_an_item(redis_server: EmbeddedRedis, examples: int) -> None:
     class OnSessionRedis(QueueMachine):
         redis_url = redis_server.url
 
     run_state_machine_as_test(
         OnSessionRedis,
         settings=settings(
-            max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+            max_examples=examples, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
         ),
     )
