@@ -4,19 +4,23 @@ Registration runs what a tenant sent. ONNX's checker and shape inference hold th
 large graph, during which every request thread of the API process waits; and the probes run the graph,
 whose allocations its own values may choose (a graph of a few hundred bytes can ask for gigabytes). So
 that work runs in a child process forked from multiprocessing's fork server (its modules loaded once,
-so a child starts in milliseconds), under an address-space limit of `CHECK_MEMORY_BYTES` beyond what it
-starts with, plus four times the model's size, and a CPU-time limit of `CHECK_SECONDS`. A child past its
-memory fails its allocation; one past its time is killed, as is one still running `CHECK_SECONDS` after it
-began; either way its registration is refused (422) saying so, and the API process is untouched.
+so a child starts in milliseconds), under a CPU-time limit of `CHECK_SECONDS` and, once the model is
+loaded (its size bounded by `models.max_file_size` before a byte is read), an address-space limit of
+`CHECK_MEMORY_BYTES` beyond what it holds then, plus three times the model's size (its serialized copy, its
+ONNX Runtime session, its written copy). A child past its memory fails its allocation; one past its time is
+killed, as is one still running `CHECK_SECONDS` after it began, and one whose fork server (so whose API
+process) died; either way its registration is refused (422) saying so, and the API process is untouched.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing
 import os
 import resource
 import secrets
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -34,8 +38,8 @@ from sits_worker.model.sequence_probe import observe_sequence_outputs
 from sits_worker.model.servable import check_runtime_loads, check_servable
 
 CHECK_MEMORY_BYTES = 2 << 30
-"""Address space a model's checks may take beyond their process's own at its start, besides four times
-the model's size (its bytes read, serialized, loaded by ONNX Runtime and written)."""
+"""Address space a model's checks may take beyond their process's once the model is loaded, besides three
+times the model's size (serialized, loaded by ONNX Runtime and written)."""
 CHECK_SECONDS = 600
 """Most seconds, of CPU and of the clock, a model's checks may take."""
 
@@ -87,8 +91,12 @@ def check_and_store(source: Path, folders: Sequence[Path], *, name: str, max_byt
 
 
 def checked_model(source: Path, folders: Sequence[Path], *, name: str, max_bytes: int, store: Path) -> CheckedModel:
-    """What `check_and_store` does, in this process (the child's own work)."""
-    model = load_model_checked(source, folders, max_bytes=max_bytes)
+    """What `check_and_store` does, in this process."""
+    return _checked_loaded(load_model_checked(source, folders, max_bytes=max_bytes), source, name=name, store=store)
+
+
+def _checked_loaded(model: onnx.ModelProto, source: Path, *, name: str, store: Path) -> CheckedModel:
+    """The checks, probes, profile and stored copy of `model`, loaded from `source`."""
     check_servable(model)
     serialized = model.SerializeToString(deterministic=True)  # (over 2 GB: refused by load_model_checked)
     session = check_runtime_loads(serialized, source.name)  # (one CPU session for the probes below)
@@ -134,14 +142,13 @@ def store_copy(model: onnx.ModelProto, folder: Path) -> tuple[Path, bool]:
 def _child(send: Connection, source: Path, folders: tuple[Path, ...], name: str, max_bytes: int, store: Path,
            memory_bytes: int, seconds: int) -> None:
     """The child's work: its limits set, the checks run, their outcome sent (an error as its code and message)."""
-    try:
-        size = source.stat().st_size if source.is_file() else 0
-    except OSError:
-        size = 0
-    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + memory_bytes + 4 * size, resource.RLIM_INFINITY))
+    _die_with_fork_server()
     resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 5))
     try:
-        outcome: tuple[str, Any] = ("ok", checked_model(source, folders, name=name, max_bytes=max_bytes, store=store))
+        model = load_model_checked(source, folders, max_bytes=max_bytes)
+        resource.setrlimit(resource.RLIMIT_AS, (_address_space() + memory_bytes + 3 * model.ByteSize(),
+                                                resource.RLIM_INFINITY))
+        outcome: tuple[str, Any] = ("ok", _checked_loaded(model, source, name=name, store=store))
     except MemoryError:
         outcome = ("error", (InvalidModel.code, f"model '{name}' took more memory than a registration may while it "
                                                 "was checked and run on two rows; a model must run its probes "
@@ -152,6 +159,22 @@ def _child(send: Connection, source: Path, folders: tuple[Path, ...], name: str,
         outcome = ("error", (SitsError.code, f"checking model '{name}' failed: {type(err).__name__}: {err}"))
     send.send(outcome)
     send.close()
+
+
+def _die_with_fork_server() -> None:
+    """Be killed when the fork server dies (it dies with its API process): a check must not run on, up to
+    `CHECK_SECONDS` and its memory, for a process that is gone (Linux's `PR_SET_PDEATHSIG`)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    server = os.getppid()
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != server:  # (it died before the prctl took effect)
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _address_space() -> int:

@@ -76,7 +76,8 @@ def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table:
     except RetryableError as err:
         if _tried(settings, store, member, slot) >= RELEASE_TRIES:
             run = get_run(store, member, slot)
-            if run is not None and run.status == "releasing":
+            if run is not None and run.status == "releasing" and jobs.job_owner(store, run.job_id).status is None:
+                # (its job made by an earlier try, it is only settling that failed: sent again, never refused)
                 refusal = SitsError(f"refused after {RELEASE_TRIES} tries that failed for a while; the last: "
                                     f"{err.message}")
                 refusal.code = err.code  # (counted under its cause)

@@ -122,23 +122,28 @@ class _ParquetReader(_Reader):
                            f"hold {self.rows}; the file is damaged: write it again with pyarrow")
         self._group_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
 
-    def check_sizes(self, row_bytes: Mapping[str, int]) -> None:
-        """Refuse a file whose row groups hold more bytes of a column, uncompressed, than `FOOTER_SLACK` times
-        its rows' values take (`row_bytes` by column name) plus 1 MiB: what a reader decodes is bounded by its
-        values, not by what the file claims."""
-        positions = {self._metadata.schema.column(index).path.split(".")[0]: index
-                     for index in range(self._metadata.num_columns)}
+    def check_sizes(self, row_bytes: Mapping[str, int], row_values: Mapping[str, int]) -> None:
+        """Refuse a file whose row groups hold more of a column than `FOOTER_SLACK` times its rows take, plus 1
+        MiB uncompressed or 1,024 values: `row_bytes` and `row_values` by column name (a list column's values
+        are its leaves). What a reader decodes is then bounded by the rows' values, not by what the file
+        claims: a list of millions of zeros compresses to a few bytes but decodes whole."""
+        leaves = [self._metadata.schema.column(index).path for index in range(self._metadata.num_columns)]
+        owners = [_field_of(path, self.schema.names) for path in leaves]
         for group in range(self._metadata.num_row_groups):
             meta = self._metadata.row_group(group)
-            held: dict[str, int] = {}
-            for index in range(meta.num_columns):
-                name = self._metadata.schema.column(index).path.split(".")[0]
-                held[name] = held.get(name, 0) + meta.column(index).total_uncompressed_size
+            held: dict[str, list[int]] = {}
+            for index, owner in enumerate(owners):
+                column = meta.column(index)
+                counts = held.setdefault(owner, [0, 0])
+                counts[0] += column.total_uncompressed_size
+                counts[1] += column.num_values
             for name, each in row_bytes.items():
-                if name in positions and held.get(name, 0) > FOOTER_SLACK * each * meta.num_rows + (1 << 20):
-                    raise BadInput(f"row group {group} of the Parquet file holds {held[name]:,} bytes of column "
-                                   f"'{name}' for {meta.num_rows:,} rows, more than their values take "
-                                   f"({each} bytes a row); write the file again with pyarrow")
+                size, values = held.get(name, [0, 0])
+                if size > FOOTER_SLACK * each * meta.num_rows + (1 << 20) or \
+                        values > FOOTER_SLACK * row_values.get(name, 1) * meta.num_rows + 1024:
+                    raise BadInput(f"row group {group} of the Parquet file holds {size:,} bytes and {values:,} values "
+                                   f"of column '{name}' for {meta.num_rows:,} rows, more than their values take "
+                                   f"({each} bytes, {row_values.get(name, 1)} values a row); write the file again")
 
     def read(self, start: int, stop: int, columns: Sequence[str], slab_rows: int = SLAB_ROWS,
              row_bytes: int = 0) -> Iterator[pa.RecordBatch]:
@@ -300,7 +305,9 @@ class TableSource(InputSource):
                            "number or string a row")
         each = _column_bytes(reader.schema, specs, columns, self._row_shapes, id_column)
         if isinstance(reader, _ParquetReader):
-            reader.check_sizes(each)
+            reader.check_sizes(each, {name: math.prod(self._row_shapes[spec.name])
+                                      for spec in specs for name in columns[spec.name]
+                                      if _is_list(reader.schema.field(name).type)})
         self._row_bytes = max(1, sum(each.values()))
         self._ids: OrderedDict[tuple[int, int], pa.Array] = OrderedDict()
         self._lock = threading.Lock()
@@ -404,6 +411,13 @@ def _refuse_nulls(column: pa.Array, name: str, first_row: int, path: Path) -> No
         row = first_row + int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
         raise BadInput(f"column '{name}' of '{path.name}' has a null in row {row}; fill it (a model reads no "
                        "nulls)")
+
+
+def _field_of(path: str, names: Sequence[str]) -> str:
+    """The top-level field a Parquet leaf column's dotted `path` belongs to: the longest of `names` that is the
+    path or begins it before a dot (a field's own name may hold dots: `img.data.list.element`)."""
+    owners = [name for name in names if path == name or path.startswith(name + ".")]
+    return max(owners, key=len) if owners else path
 
 
 def _refuse_ragged(column: pa.Array, name: str, width: int, first_row: int, path: Path, spec: InputSpec) -> None:

@@ -228,6 +228,26 @@ def test_a_release_that_keeps_failing_for_a_while_is_refused_after_its_tries_not
     assert refused.reason.startswith(f"refused after {releases.RELEASE_TRIES} tries") and "changed" in refused.reason
 
 
+def test_a_run_whose_job_was_made_is_never_refused_however_often_its_settling_fails(
+        app: Flask, api: Api, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sits_api.schedules import release as releases
+
+    made(api, schedule_body(tmp_path, mlp_input))
+    member, run = claimed_run(app, store)
+
+    def unsettled(*_: object, **__: object) -> None:
+        raise RetryableError("Redis cannot serve this now: retry in a moment")
+
+    monkeypatch.setattr(releases, "_released", unsettled)  # (the job is made; recording it fails)
+    for _ in range(releases.RELEASE_TRIES + 1):
+        with pytest.raises(RetryableError):
+            release(app, member, run.slot)
+
+    assert runs.get_run(store, member, run.slot).status == "releasing"  # (sent again, never refused)
+    assert [job["id"] for job in api.get("/v1/jobs").get_json()["jobs"]] == [run.job_id]
+
+
 def test_a_release_longer_than_its_hold_keeps_the_run_from_a_second_releaser(
         app: Flask, api: Api, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
