@@ -63,6 +63,8 @@ class ProbeOutOfMemory(Exception):
 
 
 def _out_of_memory(err: Exception) -> bool:
+    """Whether an ONNX Runtime error says an allocation failed, as `device.runtime` reads it (the worker's rooms
+    stand below the model package, which may not import them)."""
     text = str(err).lower()
     return "out of memory" in text or "failed to allocate" in text or "bad_alloc" in text
 

@@ -445,7 +445,7 @@ def _column_bytes(schema: pa.Schema, specs: Sequence[InputSpec], columns: Mappin
     if id_column is not None:
         kind = schema.field(id_column).type
         fixed = kind.bit_width // 8 if _has_bit_width(kind) else 0
-        each[id_column] = max(fixed, 1) if fixed else ID_ROW_BYTES
+        each[id_column] = fixed or ID_ROW_BYTES
     return each
 
 
