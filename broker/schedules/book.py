@@ -87,12 +87,14 @@ def list_schedules(store: Store, tenant: str | None) -> list[Schedule]:
 
 
 def change_schedule(store: Store, tenant: str, name: str, change: Callable[[Schedule], Schedule], *,
-                    now: float) -> Schedule:
+                    now: float, check_among: Callable[[Schedule, list[Schedule]], None] | None = None) -> Schedule:
     """Apply `change` to the stored schedule (a copy with a higher revision: `Schedule.changed`) and store
     it, with its next look and its cursor moved up to now; NotFound when there is none. The transaction
     watches every schedule's definition and cursor (the beat moves cursors all the time), so it is tried
     at most `CHANGE_TRIES` times, `change` (the caller's checks) run each time: then Conflict (409), to retry,
-    rather than a request that loops while others write."""
+    rather than a request that loops while others write. `check_among` is called with the changed schedule
+    and its tenant's schedules as the transaction reads them, as `add_schedule`'s is: so that changes sent
+    at once cannot each pass a cap over all of them against the others' old values."""
     keys = store.keys
     member = member_of(tenant, name)
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
@@ -103,6 +105,9 @@ def change_schedule(store: Store, tenant: str, name: str, change: Callable[[Sche
                 if raw is None:
                     raise schedule_not_found(name)
                 changed = change(Schedule.loads(raw))
+                if check_among is not None:
+                    check_among(changed, [Schedule.loads(held) for _, held in
+                                          pipe.hscan_iter(keys.schedules, match=f"{tenant}|*", count=500)])
                 cursor = pipe.hget(keys.schedule_cursors, member)
                 due = None if changed.paused else next_look(changed, now=now)
                 pipe.multi()

@@ -101,9 +101,8 @@ class BeatPass:
 
     def give_up_turn(self) -> None:
         """Let a waiting beat take over at once (a beat stopping cleanly)."""
-        with translate_redis_errors():
-            if self.store.client.get(self.store.keys.beat_turn) == self.holder:
-                self.store.client.delete(self.store.keys.beat_turn)
+        with translate_redis_errors():  # (only its own turn: one taken over meanwhile stays with its holder)
+            self.store.scripts.keep_hold(keys=[self.store.keys.beat_turn], args=[self.holder, 0])
 
     def decide(self, member: str, *, now: float) -> None:
         """Decide the slots of schedule `member` due at `now`, claim each, and send those to release."""

@@ -53,6 +53,7 @@ class Scripts:
     retry_item: HeldScript
     note_failure: HeldScript
     take_reaper_turn: HeldScript
+    keep_hold: HeldScript
     top_up_tickets: HeldScript
     release_ticket: HeldScript
     extend_leases: HeldScript

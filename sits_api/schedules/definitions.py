@@ -76,11 +76,16 @@ def change_schedule(settings: Settings, store: Store, table: TenantTable, name: 
     def apply(stored: Schedule) -> Schedule:
         changed = stored.changed(updated_at=now, **fields)
         if not checked or checked[-1] != changed:
-            check_schedule(settings, store, table, changed, owner_identity(store, changed), now=now)
+            check_schedule(settings, store, table, changed, owner_identity(store, changed), now=now, rate=False)
             checked.append(changed)
         return changed
 
-    return describe(store, book.change_schedule(store, found.tenant, name, apply, now=now), now=now)
+    def check_rate(changed: Schedule, held: list[Schedule]) -> None:  # (each try: the others may have changed)
+        if owner_identity(store, changed).get("role") != "admin":
+            _check_rate_among(settings, changed, held)
+
+    return describe(store, book.change_schedule(store, found.tenant, name, apply, now=now, check_among=check_rate),
+                    now=now)
 
 
 def set_paused(store: Store, name: str, paused: bool, *, caller: dict[str, Any], tenant: str | None,
@@ -122,9 +127,10 @@ def visible_schedule(store: Store, name: str, *, caller: dict[str, Any], tenant:
 
 
 def check_schedule(settings: Settings, store: Store, table: TenantTable, schedule: Schedule,
-                   identity: dict[str, Any], *, now: float) -> None:
+                   identity: dict[str, Any], *, now: float, rate: bool = True) -> None:
     """What `schedule` would submit, checked as a job submitted now by `identity` at its next slot would be
-    (model, entitlements, both paths), and its steps before it (this tenant's, no cycle)."""
+    (model, entitlements, both paths), and its steps before it (this tenant's, no cycle); with `rate`, its
+    tenant's releases a minute too (a change checks those inside its transaction instead)."""
     cadence = schedule.cadence()
     check_templates(schedule.job)
     slot = cadence.next_slot(now)
@@ -137,7 +143,7 @@ def check_schedule(settings: Settings, store: Store, table: TenantTable, schedul
     for kind, path in (("input", body.input_batch), ("output", body.output_dir)):
         services.resolve_inside(path, services.caller_roots(settings, table, store, identity, kind), kind)  # type: ignore[arg-type]
     _check_steps(store, schedule)
-    if identity.get("role") != "admin":
+    if rate and identity.get("role") != "admin":
         _check_release_rate(settings, store, schedule)
 
 

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -33,6 +34,7 @@ from broker.schedules.records import Run, Schedule
 from broker.schedules.runs import get_run, run_id, settle_run
 from broker.schedules.stats import MISSED, refusal_counts, release_counts
 from broker.schedules.templates import render
+from broker.state.holds import Hold, take_hold
 from broker.state.replies import SettleReply
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.apikeys import list_api_keys
@@ -68,9 +70,10 @@ next is refused. Without it a run whose input a tenant keeps changing is sent ag
 def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table: TenantTable, member: str,
                 slot: int, *, clock: Callable[[], float] = time.time) -> Outcome:
     """Make the job of run (`member`, `slot`) if it is still releasing, and settle the run."""
-    if not _take_run(settings, store, member, slot):
+    hold = _take_run(settings, store, member, slot)
+    if hold is None:
         return Outcome("busy")
-    stop_holding = _keep_holding(settings, store, member, slot)
+    stop_holding = _keep_holding(settings, hold, member, slot)
     try:
         return _release(settings, store, dispatcher, table, member, slot, clock=clock)
     except RetryableError as err:
@@ -83,7 +86,8 @@ def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table:
                 refusal.code = err.code  # (counted under its cause)
                 return _refuse(store, member, run, refusal)
         stop_holding()
-        _drop_run(store, member, slot)  # (the beat's next send finds it free)
+        with suppress(RetryableError):  # (Redis away: the hold lapses by itself)
+            hold.drop()  # (the beat's next send finds it free)
         raise
     finally:
         stop_holding()  # (a run settled keeps its hold until it lapses: a message delivered twice finds it busy)
@@ -149,23 +153,23 @@ def _submit(settings: Settings, store: Store, dispatcher: Dispatcher, table: Ten
                         caller=owner_identity(store, schedule), now=now, tenants=table, job_id=run.job_id)
 
 
-def _take_run(settings: Settings, store: Store, member: str, slot: int) -> bool:
-    """Hold run (`member`, `slot`) for one releaser, for `beat.release_timeout`."""
-    with translate_redis_errors():
-        return bool(store.client.set(store.keys.release_lease(run_id(member, slot)), "1", nx=True,
-                                     px=int(settings.beat.release_timeout * 1000)))
+def _take_run(settings: Settings, store: Store, member: str, slot: int) -> Hold | None:
+    """Hold run (`member`, `slot`) for one releaser, for `beat.release_timeout`; None while another holds it."""
+    return take_hold(store, store.keys.release_lease(run_id(member, slot)), int(settings.beat.release_timeout * 1000))
 
 
-def _keep_holding(settings: Settings, store: Store, member: str, slot: int) -> Callable[[], None]:
-    """Renew the hold on run (`member`, `slot`) every third of `beat.release_timeout` until the function
-    returned is called."""
+def _keep_holding(settings: Settings, hold: Hold, member: str, slot: int) -> Callable[[], None]:
+    """Renew `hold` on run (`member`, `slot`) every third of `beat.release_timeout` until the function
+    returned is called, or until the hold is found lapsed (another releaser may hold the run by then:
+    its hold is left alone)."""
     stop = threading.Event()
-    key, hold_ms = store.keys.release_lease(run_id(member, slot)), int(settings.beat.release_timeout * 1000)
 
     def renew() -> None:
         while not stop.wait(settings.beat.release_timeout / 3):
             try:
-                store.client.pexpire(key, hold_ms)
+                if not hold.renew():
+                    log.warning("the hold on run %s|%d lapsed while its release went on", member, slot)
+                    return
             except Exception:  # (Redis away a moment: the hold lapses, and the beat's resend may take the run)
                 log.warning("could not renew the hold on run %s|%d", member, slot, exc_info=True)
 
@@ -181,11 +185,6 @@ def _tried(settings: Settings, store: Store, member: str, slot: int) -> int:
         pipe.expire(key, int(settings.beat.release_timeout * (RELEASE_TRIES + 2)) + 3600)
         tries, _ = pipe.execute()
     return int(tries)
-
-
-def _drop_run(store: Store, member: str, slot: int) -> None:
-    with translate_redis_errors():
-        store.client.delete(store.keys.release_lease(run_id(member, slot)))
 
 
 def _released(settings: Settings, store: Store, member: str, run: Run, *, now: float) -> Outcome:

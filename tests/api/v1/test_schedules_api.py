@@ -358,6 +358,25 @@ def test_creates_at_once_cannot_each_pass_the_release_rate_against_the_others_ab
     assert [schedule["name"] for schedule in alice.get("/v1/schedules").get_json()["schedules"]] == ["fast1", "fast2"]
 
 
+def test_changes_at_once_cannot_each_pass_the_release_rate_against_the_others_old_periods(
+        client: FlaskClient, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two PATCHes sent at once each read the tenant's schedules with the other's old period. The rate is
+    checked inside the change's transaction, among the schedules it reads; here the early read is made to
+    see none, as a racing change's does."""
+    alice = key(client, store, "alice", "user", "acme")
+    made(alice, schedule_body(tmp_path, mlp_input, name="fast1", cron=None, every="1s", window=None))
+    made(alice, schedule_body(tmp_path, mlp_input, name="fast2", cron=None, every="2s", window=None))
+    made(alice, schedule_body(tmp_path, mlp_input, name="nightly"))  # 60 + 30 + 1 a minute
+    monkeypatch.setattr(definitions.book, "list_schedules", lambda *_, **__: [])  # (the racing changes' view)
+
+    faster = alice.client.patch("/v1/schedules/fast2", headers=alice.headers, json={"every": "1s"})
+
+    assert faster.status_code == 400 and "max_releases_per_minute" in error_of(faster)
+    monkeypatch.undo()
+    assert alice.get("/v1/schedules/fast2").get_json()["every"] in (2, 2.0, "2s")
+
+
 def test_a_tenant_s_schedules_ask_for_at_most_its_releases_a_minute(client: FlaskClient, store: Store,
                                                                     settings: Settings, mlp: dict[str, Any],
                                                                     mlp_input: Path, tmp_path: Path) -> None:
