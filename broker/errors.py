@@ -255,6 +255,12 @@ class TierNotAllowed(Forbidden):
     code = "tier_not_allowed"
 
 
+class ModelsAtLimit(Forbidden):
+    """A registration would take its tenant's stored models past its `max_model_versions` or `max_model_bytes`."""
+
+    code = "models_at_limit"
+
+
 def error_for_code(code: str, message: str) -> SitsError:
     """The error of class `code` (its `code` attribute) carrying `message`, e.g. to answer a failed
     request with the HTTP status its worker's error had; a plain `SitsError` (500) for an unknown code."""

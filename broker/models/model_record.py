@@ -84,6 +84,8 @@ class ModelRecord:
     fusion: dict[str, Any] | None = None
     """The fused graph a worker saved beside the stored one, and its operator counts."""
     registered_at: float | None = None
+    stored_bytes: int | None = None
+    """What its stored copy holds on disk, external data included (what its owner's `max_model_bytes` counts)."""
     tuned_batching: dict[str, Any] | None = None
     """Per kind of device ('cpu', 'gpu'), the batching a tuning sweep chose and `--apply` stored
     (`max_batch_size`, `max_queue_delay` in seconds, `streams`, and the figures it was chosen by)."""

@@ -21,12 +21,13 @@ Names were once owned by the registering key's name rather than its tenant;
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from broker.errors import BadInput, Forbidden, ModelNotFound
+from broker.errors import BadInput, Forbidden, ModelNotFound, ModelsAtLimit
 from broker.models.model_record import ModelRecord
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.apikeys import key_tenant, owns_name
@@ -77,9 +78,46 @@ def _refuse_a_name_of_another(registrant: dict[str, Any], name: str, *, owner: s
                     "had owners), so only an admin key may add versions to it; choose another name")
 
 
+@dataclass(frozen=True)
+class ModelRoom:
+    """The stored models tenant `tenant` may hold under the names it owns: at most `versions` versions and
+    `stored_bytes` bytes of stored copies (0: no limit) (`tenants.<name>.max_model_versions`,
+    `max_model_bytes`)."""
+
+    tenant: str
+    versions: int
+    stored_bytes: int
+
+    def check(self, owners: dict[str, str], records: Iterable[dict[str, Any]], *, name: str, adding: int) -> None:
+        """ModelsAtLimit unless one more version of `name`, of `adding` bytes, fits beside `records` (every
+        stored version's record) of the names `owners` (name -> owning tenant) gives this tenant."""
+        held = [record for record in records if owners.get(record.get("name", "")) == self.tenant]
+        count, used = len(held), sum(int(record.get("stored_bytes") or 0) for record in held)
+        if self.versions and count + 1 > self.versions:
+            raise ModelsAtLimit(f"tenant '{self.tenant}' stores {count} model versions, the most it may "
+                                f"(tenants.{self.tenant}.max_model_versions); '{name}' was not registered. An "
+                                "admin may raise the cap")
+        if self.stored_bytes and used + adding > self.stored_bytes:
+            raise ModelsAtLimit(f"tenant '{self.tenant}' stores {used} bytes of models; '{name}' ({adding} bytes) "
+                                f"would pass the most it may, {self.stored_bytes} (tenants.{self.tenant}."
+                                "max_model_bytes), so it was not registered. An admin may raise the cap")
+
+
+def check_model_room(store: Store, room: ModelRoom, *, name: str, adding: int) -> None:
+    """`room.check` against the versions stored now: asked before a registration loads its model, so that a
+    tenant at its cap costs no load; `save_model_version` checks again in the transaction that writes."""
+    with translate_redis_errors():
+        pipe = store.client.pipeline(transaction=False)
+        pipe.hgetall(store.keys.model_owners)
+        pipe.hvals(store.keys.model_versions)
+        owners, raws = pipe.execute()
+    room.check(owners, (json.loads(raw) for raw in raws), name=name, adding=adding)
+
+
 def save_model_version(store: Store, record: dict[str, Any], *, make_latest: bool = True,
                        registrant: dict[str, Any] | None = None,
-                       based_on: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None) -> ModelRecord:
+                       based_on: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None,
+                       room: ModelRoom | None = None) -> ModelRecord:
     """Store a model version record (keys `name` and `version` required); returns it as stored.
 
     With `based_on`, the record stored is `based_on(the version's stored record, or None)`, read in the
@@ -93,6 +131,9 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
     registered, so that key stays WATCHed), a registered one is Forbidden unless the registrant owns
     it. The record carries its name's `owner`. Without a registrant (tests, tools), nothing is
     checked or claimed.
+
+    With `room`, a version not stored yet is refused (ModelsAtLimit, 403) when it would take its tenant past
+    that room, counted in the same transaction: registrations at once cannot each pass it.
     """
     keys = store.keys
     name = record["name"]
@@ -101,7 +142,7 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
         while True:
             try:
                 watched = [keys.model_owners, keys.model_latest] if registrant is not None else []
-                if based_on is not None:
+                if based_on is not None or room is not None:
                     watched.append(keys.model_versions)
                 if watched:
                     pipe.watch(*watched)
@@ -116,6 +157,10 @@ def save_model_version(store: Store, record: dict[str, Any], *, make_latest: boo
                     _refuse_a_name_of_another(registrant, name, owner=owner, registered=registered)
                     claimant = None if registered else name_claimant(registrant)
                     stored = stored | {"owner": owner if registered else claimant}
+                if room is not None and not pipe.hexists(keys.model_versions, ref):
+                    owners = pipe.hgetall(keys.model_owners) | ({name: claimant} if claimant is not None else {})
+                    room.check(owners, (json.loads(raw) for raw in pipe.hvals(keys.model_versions)), name=name,
+                               adding=int(stored.get("stored_bytes") or 0))
                 pipe.multi()
                 if claimant is not None:
                     pipe.hset(keys.model_owners, name, claimant)

@@ -32,6 +32,11 @@ class Tenant(_Section):
     quarter of the embedded Redis's 1 GiB at most, so a flood of large requests leaves the others room."""
     max_inflight: Integer = Field(64, ge=0)
     """Most jobs of the tenant queued or running at once (0: no limit)."""
+    max_model_versions: Integer = Field(256, ge=0)
+    """Most model versions stored under the model names the tenant owns (0: no limit; 403 `models_at_limit`
+    past it): each registration of a new graph stores a copy on the folder every host shares."""
+    max_model_bytes: Bytes = Field(parse_size("64GiB"), ge=0)
+    """Most bytes those stored copies may hold together, external data included (0: no limit)."""
     default_priority: Integer | None = Field(None, ge=0, le=MAX_PRIORITY)
     """The priority of its work that names none (None: the system's default)."""
     max_priority: Integer = Field(MAX_PRIORITY, ge=0, le=MAX_PRIORITY)

@@ -138,8 +138,12 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
     """
     registry.check_may_register(store, body.name, registrant)
     _refuse_a_repository_name(settings, store, body.name, registrant)
-    roots = caller_roots(settings, tenants or TenantTable(settings.tenants), store, registrant, "model")
+    table = tenants or TenantTable(settings.tenants)
+    roots = caller_roots(settings, table, store, registrant, "model")
     source = resolve_inside(body.path, roots, "model")
+    room = tenant_gate.model_room(table, store, registrant)
+    if room is not None:  # (a tenant at its cap costs no load: its file's size stands for its copy's here)
+        registry.check_model_room(store, room, name=body.name, adding=_size_on_disk(source))
     checked = model_checks.check_and_store(source, roots.folders, name=body.name,
                                            max_bytes=settings.models.max_file_size, store=settings.paths.store())
     profile, version, stored, copied = checked.profile, checked.version, checked.stored, checked.copied
@@ -156,6 +160,7 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
         "static_profile": profile,
         "profile_mode": body.profile_mode,
         "enable_fusion": body.enable_fusion,
+        "stored_bytes": _stored_bytes(stored),
     }
 
     def registered(existing: dict[str, Any] | None) -> dict[str, Any]:
@@ -171,8 +176,8 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
         }
 
     try:
-        record = registry.save_model_version(store, fields, registrant=registrant, based_on=registered)
-    except Forbidden:  # another tenant claimed the name after `check_may_register`
+        record = registry.save_model_version(store, fields, registrant=registrant, based_on=registered, room=room)
+    except Forbidden:  # another tenant claimed the name after `check_may_register`, or others took its room
         if copied and not registry.version_exists(store, ref):
             shutil.rmtree(stored.parent, ignore_errors=True)  # no record points at the copy we made
             with contextlib.suppress(OSError):
@@ -182,6 +187,19 @@ def register_model(settings: Settings, store: Store, dispatcher: Dispatcher, bod
         dispatcher.send("sits.profile_model", ref, body.profile_mode, body.enable_fusion,
                         tenant_gate.tenant_of(registrant), registrant.get("name", ""))
     return record
+
+
+def _size_on_disk(path: Path) -> int:
+    """The bytes of a model file (its external data is counted once it is stored: `_stored_bytes`)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _stored_bytes(stored: Path) -> int:
+    """The bytes of a stored copy: its model file and the external data beside it in its version's folder."""
+    return sum(entry.stat().st_size for entry in stored.parent.iterdir() if entry.is_file())
 
 
 def _refuse_a_repository_name(settings: Settings, store: Store, name: str, registrant: dict[str, Any]) -> None:
@@ -216,7 +234,8 @@ def register_repository_version(settings: Settings, store: Store, model: onnx.Mo
                  default=0)
     record = {"name": name, "version": version, "ref": f"{name}@{version}", "path": str(stored),
               "source_path": str(source), "signature": profile["signature"], "static_profile": profile,
-              "profile_mode": "static", "profile_status": "static", "registered_at": now, **fields}
+              "profile_mode": "static", "profile_status": "static", "registered_at": now,
+              "stored_bytes": _stored_bytes(stored), **fields}
     return registry.save_model_version(store, record, make_latest=int(version) >= newest)
 
 

@@ -17,6 +17,7 @@ from broker.errors import BadInput, Forbidden, NotFound, PriorityNotAllowed, Tie
 from broker.setting_types import MAX_PRIORITY
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants import apikeys
+from broker.models.registry import ModelRoom
 from broker.tenants import records as tenants
 from broker.tenants import usage as tenant_usage
 from broker.tenants.records import TenantTable
@@ -45,6 +46,15 @@ def caps_of(identity: dict[str, Any], tenant: Tenant | None) -> Tenant:
     if tenant is not None:
         return tenant
     return UNCAPPED if identity.get("role") == "admin" else UNRECORDED
+
+
+def model_room(table: TenantTable, store: Store, identity: dict[str, Any]) -> ModelRoom | None:
+    """The stored models the caller's tenant may hold (`max_model_versions`, `max_model_bytes`); None for an
+    admin key, whose registrations are not capped."""
+    if identity.get("role") == "admin":
+        return None
+    caps = caps_of(identity, table.tenant(store, tenant_of(identity)))
+    return ModelRoom(tenant_of(identity), caps.max_model_versions, caps.max_model_bytes)
 
 
 def check_entitlements(identity: dict[str, Any], tenant: Tenant | None, *, priority: int,

@@ -42,6 +42,8 @@ class ModelVersion(BaseModel):
     enable_fusion: bool
     fusion: dict[str, Any] | None = None
     registered_at: float | None = None
+    stored_bytes: int | None = Field(None, description="bytes its stored copy holds, external data included "
+                                                   "(counted against its owner's max_model_bytes)")
     tuned_batching: dict[str, Any] | None = Field(None, description="per kind of device, the batching a tuning "
                                                                     "sweep chose and applied")
     latest: bool | None = Field(None, description="whether it is its name's newest version (in a listing)")

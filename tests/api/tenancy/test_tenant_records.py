@@ -249,3 +249,60 @@ def test_a_tenant_admin_routes_its_tenant_s_model_names_only(api: Api, client: F
     assert alice.put("/v1/routes", json=route).status_code == 403  # a user key routes nothing
     assert other.delete("/v1/routes/acme-mlp").status_code == 403
     assert boss.delete("/v1/routes/acme-mlp").status_code == 204
+
+
+def mlp_version(zoo_dir: Path, tmp_path: Path, tenant: str, seed: int) -> Path:
+    """An MLP file of its own weights (so a version of its own) in `tenant`'s model folder."""
+    import onnx
+
+    from sits_worker.model.zoo import build_model
+    folder = tmp_path / tenant
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(build_model("mlp", seed=seed), str(folder / f"mlp-{seed}.onnx"))
+    return folder / f"mlp-{seed}.onnx"
+
+
+def test_a_tenant_stores_at_most_its_model_versions_and_bytes_and_a_refused_copy_is_not_kept(
+        api: Api, client: FlaskClient, store: Store, settings: Settings, zoo_dir: Path, tmp_path: Path) -> None:
+    """Each new graph a tenant registers is a copy on the folder every host shares: past its
+    `max_model_versions` or `max_model_bytes` it is refused (403 `models_at_limit`), its copy removed; other
+    tenants and admin keys are not held by it."""
+    assert api.put("/v1/tenants/initech", json={"max_model_versions": 2}).status_code == 200
+    alice, gary = key(client, store, "alice", "user", "initech"), key(client, store, "gary", "user", "umbrella")
+    for seed in (1, 2):
+        made = alice.post("/v1/models", json={"name": f"initech-{seed}", "path": str(mlp_version(zoo_dir, tmp_path,
+                                                                                             "initech", seed))})
+        assert made.status_code == 201 and made.get_json()["stored_bytes"] > 60_000, error_of(made)
+
+    third = alice.post("/v1/models", json={"name": "initech-1", "path": str(mlp_version(zoo_dir, tmp_path, "initech", 3))})
+
+    assert third.status_code == 403 and third.get_json()["code"] == "models_at_limit", third.get_json()
+    assert "max_model_versions" in error_of(third)
+    assert sorted(path.parent.name for path in (settings.paths.store() / "initech-1").glob("*/model.onnx")) == [
+        alice.get("/v1/models/initech-1").get_json()["version"]]  # (the refused version's copy is gone)
+    assert gary.post("/v1/models", json={"name": "umbrella-1", "path": str(mlp_version(
+        zoo_dir, tmp_path, "umbrella", 3))}).status_code == 201
+    assert api.post("/v1/models", json={"name": "initech-1", "path": str(mlp_version(
+        zoo_dir, tmp_path, "initech", 4))}).status_code == 201  # (an admin adds to a tenant's name beyond its cap)
+
+    assert api.put("/v1/tenants/initech", json={"max_model_versions": 0, "max_model_bytes": 200_000}).status_code == 200
+    big = alice.post("/v1/models", json={"name": "initech-2", "path": str(mlp_version(zoo_dir, tmp_path, "initech", 5))})
+    assert big.status_code == 403 and "max_model_bytes" in error_of(big)
+
+
+def test_registrations_at_once_cannot_each_pass_the_model_cap_against_the_others_absence(
+        api: Api, client: FlaskClient, store: Store, zoo_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registrations sent at once each pass the early check before any of them is stored; the cap is counted
+    again in the transaction that writes. Here the early check is made to pass, as a racing one's does."""
+    from sits_api.intake import services
+    assert api.put("/v1/tenants/initech", json={"max_model_versions": 1}).status_code == 200
+    alice = key(client, store, "alice", "user", "initech")
+    assert alice.post("/v1/models", json={"name": "initech-1", "path": str(mlp_version(
+        zoo_dir, tmp_path, "initech", 1))}).status_code == 201
+    monkeypatch.setattr(services.registry, "check_model_room", lambda *_, **__: None)
+
+    second = alice.post("/v1/models", json={"name": "initech-2", "path": str(mlp_version(zoo_dir, tmp_path, "initech", 2))})
+
+    assert second.status_code == 403 and second.get_json()["code"] == "models_at_limit"
+    assert [model["name"] for model in alice.get("/v1/models").get_json()["models"]] == ["initech-1"]
