@@ -28,9 +28,29 @@ ONNX Runtime's default (about 40 ms) and 1 ms both took CPU from the rest of the
 (docs/benchmarks.md, "Where an online request's CPU goes")."""
 
 
+_HOST_LIMIT: list[int] = []
+"""The bytes `limit_host_memory` capped this process's sessions at (empty: not capped)."""
+
+
+def limit_host_memory(max_bytes: int) -> None:
+    """Put every session made after this in the process on one CPU memory arena of at most `max_bytes`
+    (`resources.host_memory_limit`): an allocation past it fails the run as out of memory. Without it each
+    session grows its own arena as far as its runs ask, and a graph whose allocation sizes come from its
+    inputs' values (a `ConstantOfShape` fed by an input) takes as much of the host as a request names.
+    Once per process: ONNX Runtime keeps one such allocator, so a second call keeps the first's limit."""
+    if _HOST_LIMIT:
+        return
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(info, ort.OrtArenaCfg(int(max_bytes), -1, -1, -1))
+    _HOST_LIMIT.append(int(max_bytes))
+
+
 def session_options(intra_op_threads: int, *, optimized_model_path: Path | None = None) -> ort.SessionOptions:
-    """Options SITS uses for every session: full graph optimisation, the configured threads, a short spin."""
+    """Options SITS uses for every session: full graph optimisation, the configured threads, a short spin,
+    the process's capped arena once `limit_host_memory` made it."""
     options = ort.SessionOptions()
+    if _HOST_LIMIT:
+        options.add_session_config_entry("session.use_env_allocators", "1")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if intra_op_threads:
         options.intra_op_num_threads = intra_op_threads
@@ -146,7 +166,8 @@ def _rows(feed: Mapping[str, np.ndarray]) -> int:
 
 def _is_out_of_memory(err: Exception) -> bool:
     text = str(err).lower()
-    return "out of memory" in text or "failed to allocate" in text or "bad_alloc" in text
+    return ("out of memory" in text or "failed to allocate" in text or "bad_alloc" in text
+            or "smaller than requested bytes" in text)  # (the capped arena's: `limit_host_memory`)
 
 
 class SessionCache:

@@ -43,7 +43,7 @@ from sits_worker.device.memory_watch import MemoryWatch
 from sits_worker.device.observed_profiles import ObservedLatencies
 from sits_worker.device.pinning import Device, device_memory
 from sits_worker.device.run_limits import RunLimits
-from sits_worker.device.runtime import SessionCache, run_session
+from sits_worker.device.runtime import SessionCache, limit_host_memory, run_session
 from sits_worker.device.worker_settings import WorkerSettings, worker_settings
 from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
@@ -167,6 +167,7 @@ class WorkerContext:
     def create(cls, worker: WorkerSettings) -> WorkerContext:
         """A context over the Redis in the worker's settings, on its device."""
         settings, device, streams = worker.settings, worker.device, worker.streams
+        limit_host_memory(settings.resources.host_memory_limit or settings.resources.device_memory)
         store = Store.of(settings.redis)
         return cls(settings=settings, store=store, device=device, streams=streams,
                    sessions=SessionCache(device, worker.intra_op_threads),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -77,3 +78,59 @@ def test_an_output_without_the_batch_axis_first_is_an_invalid_model_naming_it(tm
 
     with pytest.raises(InvalidModel, match=r"model output 'y' came back with shape \[4, 3\] from a batch of 3 rows"):
         run_session(session, {"x": np.ones((3, 4), np.float32)}, ["y"])
+
+
+HOST_MEMORY_SCRIPT = """
+import resource, sys
+import numpy as np
+from broker.config.settings import Settings
+from broker.errors import DeviceOutOfMemory
+from sits_worker.device.pinning import Device
+from sits_worker.device.runtime import run_session
+from sits_worker.device.worker_settings import WorkerSettings
+from sits_worker.serving.context import WorkerContext
+
+settings = Settings().with_overrides(redis={"url": sys.argv[2]}, resources={"host_memory_limit": "256MiB"})
+context = WorkerContext.create(WorkerSettings(settings=settings, device=Device("cpu"), streams=1, intra_op_threads=1))
+session = context.sessions.get("bomb@1", sys.argv[1])
+small = run_session(session, {"rows": np.array([[1000]], np.int64)})[0]
+try:
+    run_session(session, {"rows": np.array([[200_000_000]], np.int64)})  # 800 MB of float32
+    print("ran", small.tolist())
+except DeviceOutOfMemory as err:
+    print("refused", small.tolist(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, err.message)
+"""
+
+
+def value_sized_model() -> onnx.ModelProto:
+    """A row's output is the sum of a tensor of ones as long as its input's value says: what it allocates
+    is chosen by the request, not by the graph."""
+    node = helper.make_node
+    graph = helper.make_graph(
+        [node("Reshape", ["rows", "flat"], ["length"]),
+         node("ConstantOfShape", ["length"], ["ones"], value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])),
+         node("ReduceSum", ["ones"], ["total"], keepdims=1),
+         node("Reshape", ["total", "row"], ["sum"])],
+        "value_sized", [helper.make_tensor_value_info("rows", TensorProto.INT64, [1, 1])],
+        [helper.make_tensor_value_info("sum", TensorProto.FLOAT, [1, 1])],
+        initializer=[helper.make_tensor("flat", TensorProto.INT64, [1], [1]),
+                     helper.make_tensor("row", TensorProto.INT64, [2], [1, 1])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_a_worker_s_sessions_allocate_at_most_its_host_memory_limit_whatever_a_request_asks(
+        tmp_path: Path, redis_server: Any) -> None:
+    """A graph whose allocation follows its input's value (800 MB asked by one request) fails that run as out
+    of memory past `resources.host_memory_limit` (256 MiB here), rather than taking the host's memory: in a
+    worker process of its own, as ONNX Runtime keeps one such limit a process."""
+    import subprocess
+    import sys
+    onnx.save(value_sized_model(), tmp_path / "bomb.onnx")
+
+    done = subprocess.run([sys.executable, "-c", HOST_MEMORY_SCRIPT, str(tmp_path / "bomb.onnx"), redis_server.url],
+                          capture_output=True, text=True, timeout=120)
+
+    outcome = done.stdout.split()
+    assert outcome[:2] == ["refused", "[[1000.0]]"], done.stdout + done.stderr
+    assert int(outcome[2]) < 600, done.stdout  # (peak resident MiB: the 800 MB were never taken)
+    assert "device out of memory" in done.stdout
