@@ -41,6 +41,17 @@ the queues (`re_estimate.rescore_queues`); no arguments."""
 MOST_PER_PASS = 200
 """The most due schedules, held runs or lost releases one pass looks at; the rest wait for the next pass."""
 SHORTEST_SLEEP = 0.005
+HELD_LOOK_LONGEST = 30.0
+"""The longest a held run waits between two looks of the beat (`held_look_after`)."""
+
+
+def held_look_after(held_since: float, *, now: float, tick: float) -> float:
+    """Seconds until the beat looks again at a run held since `held_since` whose steps before it are not
+    done: a quarter of how long it has waited, at least a second (or `tick`), at most `HELD_LOOK_LONGEST`.
+    A run held for a minute is released within 15 s of its step's success, and thousands held for hours
+    (a tenant's chains after a step that never succeeds) cost the one beat a look each every 30 s, not
+    every second."""
+    return min(HELD_LOOK_LONGEST, max(tick, 1.0, (now - held_since) / 4))
 
 
 @dataclass
@@ -165,7 +176,7 @@ class BeatPass:
                 if settle_run(self.store, member, ready, expect=("held",), at=now) == SettleReply.SETTLED:
                     self.send(member, slot)
                 continue
-            again = now + max(self.settings.tick, 1.0)
+            again = now + held_look_after(run.claimed_at, now=now, tick=self.settings.tick)
             settle_run(self.store, member, replace(run, reason=chain.reason, reason_code=chain.code),
                        expect=("held",), at=again)
 

@@ -16,7 +16,7 @@ from broker.jobs import fills as job_fills
 from broker.jobs import records as jobs
 from broker.jobs import stops as job_stops
 from broker.queueing import leases
-from broker.schedules import book, runs
+from broker.schedules import book, passes, runs
 from broker.schedules.passes import BeatPass
 from broker.schedules.records import Run, Schedule, slot_job_id
 from broker.schedules.settings import BeatSettings
@@ -287,3 +287,25 @@ def test_a_held_run_of_a_paused_schedule_waits_for_its_resume(store: Store) -> N
 
     assert while_paused == [("acme|extract", slot)]
     assert beat.sent == [("acme|extract", slot), ("acme|score", slot)]
+
+
+def test_a_long_held_run_is_looked_at_less_often_than_a_new_one(store: Store) -> None:
+    """Thousands of runs held for hours behind a step that never succeeds would take the one beat's passes
+    if each were looked at every second: a run is looked at again after a quarter of its wait, at most
+    every 30 s."""
+    book.add_schedule(store, every("extract", seconds=60), now=NOW, most_per_tenant=None)
+    book.add_schedule(store, every("score", seconds=60, after=("extract",)), now=NOW, most_per_tenant=None)
+    beat = Beat(store, "beat-a")
+    slot = START + 60
+    beat.run(NOW + 60.1)  # (claimed, and held: its step's job is not made)
+
+    def next_look() -> float:
+        return float(store.client.zscore(store.keys.schedule_runs_held, f"acme|score|{slot}"))
+
+    beat.run(NOW + 61.2)
+    soon = next_look() - (NOW + 61.2)
+    beat.run(NOW + 60.1 + 3600)
+    late = next_look() - (NOW + 60.1 + 3600)
+
+    assert soon == pytest.approx(1.0) and late == pytest.approx(30.0)
+    assert passes.held_look_after(NOW, now=NOW + 40, tick=0.5) == pytest.approx(10.0)
