@@ -142,7 +142,7 @@ def check_schedule(settings: Settings, store: Store, table: TenantTable, schedul
     tenant_gate.check_entitlements(identity, tenant, priority=priority)
     for kind, path in (("input", body.input_batch), ("output", body.output_dir)):
         services.resolve_inside(path, services.caller_roots(settings, table, store, identity, kind), kind)  # type: ignore[arg-type]
-    _check_steps(store, schedule)
+    _check_steps(store, schedule, identity)
     if rate and identity.get("role") != "admin":
         _check_release_rate(settings, store, schedule)
 
@@ -170,13 +170,17 @@ def _check_rate_among(settings: Settings, schedule: Schedule, held: list[Schedul
                        "longer period, or delete another schedule")
 
 
-def _check_steps(store: Store, schedule: Schedule) -> None:
-    """BadInput unless every schedule named in `after` is this tenant's, and none leads back to this one."""
+def _check_steps(store: Store, schedule: Schedule, identity: dict[str, Any]) -> None:
+    """BadInput unless every schedule named in `after` is one of this tenant's that `identity` may read, and
+    none leads back to this one. One it may not read (another user's) answers as a missing one: a user key
+    learns nothing of the schedules of its tenant's other users."""
     if schedule.name in schedule.after:
         raise BadInput(f"schedule '{schedule.name}' cannot come after itself")
     for name in schedule.after:
-        if book.find_schedule(store, member_of(schedule.tenant, name)) is None:
-            raise BadInput(f"after names '{name}', which is no schedule of tenant '{schedule.tenant}'; make it first")
+        before = book.find_schedule(store, member_of(schedule.tenant, name))
+        if before is None or not may_read(identity, before.owner, before.tenant):
+            raise BadInput(f"after names '{name}', which is no schedule of tenant '{schedule.tenant}' that key "
+                           f"'{identity.get('name')}' may read; make it first")
     seen: set[str] = set()
     waiting = list(schedule.after)
     while waiting:

@@ -394,3 +394,18 @@ def test_a_tenant_s_schedules_ask_for_at_most_its_releases_a_minute(client: Flas
     assert slower.status_code == 200  # (a patch counts the schedule once, at its new period)
     made(alice, schedule_body(tmp_path, mlp_input, name="nightly"))  # a cron asks for 1 a minute: 60 + 30 + 1
     made(gary, schedule_body(tmp_path, mlp_input, name="fast1", cron=None, every="1s", window=None))  # its own
+
+
+def test_a_user_cannot_tell_whether_another_user_of_its_tenant_has_a_schedule_of_a_name(
+        client: FlaskClient, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    """Naming another user's schedule in `after` answers as naming none: the same 400, the same words."""
+    alice, bob = key(client, store, "alice", "user", "acme"), key(client, store, "bob", "user", "acme")
+    made(bob, schedule_body(tmp_path, mlp_input, name="secret"))
+
+    others = alice.post("/v1/schedules", json=schedule_body(tmp_path, mlp_input, name="mine", after=["secret"]))
+    missing = alice.post("/v1/schedules", json=schedule_body(tmp_path, mlp_input, name="mine", after=["nothing"]))
+
+    assert others.status_code == missing.status_code == 400
+    assert error_of(others) == error_of(missing).replace("'nothing'", "'secret'")
+    boss = key(client, store, "boss", "tenant-admin", "acme")  # (one that may read it may chain after it)
+    made(boss, schedule_body(tmp_path, mlp_input, name="after-secret", after=["secret"]))
