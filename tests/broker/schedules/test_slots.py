@@ -171,3 +171,42 @@ def test_a_cron_that_is_not_text_is_refused_with_what_to_write() -> None:
     for value in (None, 5, ["* * * * *"]):
         with pytest.raises(BadInput, match="give every"):
             check_cron(value)
+
+
+def _scanned(cadence: Cadence, instant: float, *, forward: bool) -> int | None:
+    """The slot found by looking at every cron match in turn (what the search skips past a closed window to)."""
+    from datetime import timedelta
+
+    from croniter import croniter
+    start = cadence._wall(instant).replace(tzinfo=None, microsecond=0) + timedelta(seconds=0 if forward else 1)
+    matches = croniter(cadence.cron or "", start)
+    for _ in range(20_000):
+        match = matches.get_next(datetime) if forward else matches.get_prev(datetime)
+        slot = int(cadence._instant(match))
+        assert cadence.window is not None
+        if (slot > instant if forward else slot <= instant) and cadence.window.holds(match):
+            return slot
+    return None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_windowed_cron_skips_to_its_window_and_finds_the_slot_every_match_would(seed: int) -> None:
+    """A minute's cron with a one-minute window looked at each of its matches (1,400 a day); the search skips
+    from a match outside the window to the window's opening (or, looking back, its closing), and finds the
+    same slots, jumps of the clock included (a window opening in the hour a spring night skips)."""
+    import random
+    rng = random.Random(seed)
+    jumps = {PARIS: at("2026-03-29 02:00"), "America/New_York": at("2026-03-08 02:00", "America/New_York"),
+             "Australia/Lord_Howe": at("2026-10-04 02:00", "Australia/Lord_Howe")}
+    for _ in range(12):
+        tz = rng.choice(sorted(jumps))
+        cron, shortest = rng.choice([("* * * * *", 1), ("*/7 * * * *", 30), ("0,30 * * * *", 31),
+                                     ("15 */3 * * 1-5", 181)])  # (a window that holds a match of its cron)
+        opens = rng.choice([0, 90, 120, 150, 1430, rng.randrange(1440)])
+        closes = (opens + max(shortest, rng.choice([1, 30, 61, 600]))) % 1440
+        cadence = Cadence(timezone=tz, cron=cron,
+                          window=Window.parse(f"{opens // 60:02d}:{opens % 60:02d}-{closes // 60:02d}:{closes % 60:02d}"))
+        instant = jumps[tz] + rng.uniform(-8 * 3600, 8 * 3600)
+
+        assert cadence.next_slot(instant) == _scanned(cadence, instant, forward=True), cadence
+        assert cadence.latest_slot(instant) == _scanned(cadence, instant, forward=False), cadence
