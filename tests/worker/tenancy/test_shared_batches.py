@@ -56,7 +56,11 @@ def test_the_shares_option_follows_the_fair_order_and_leaves_held_tenants_out(st
 
 def test_a_slot_held_for_a_present_tenant_waits_on_the_doorbell_at_most_its_presence(store: Store,
                                                                                    zoo_dir: Path) -> None:
-    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants=SHARES))
+    """(A presence of 0.5 s rather than the default 50 ms: the steps below must come within it on a busy
+    machine, or s1 is no longer present by the second lease.)"""
+    presence = 0.5
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(tenants=SHARES,
+                                                                       fair_share={"present_for": presence}))
     for index in range(8):
         submit(store, f"s1-{index}", "s1")
         submit(store, f"s2-{index}", "s2")
@@ -72,12 +76,12 @@ def test_a_slot_held_for_a_present_tenant_waits_on_the_doorbell_at_most_its_pres
     state = _Slice("", ends=time.monotonic() + 60)
     started = time.monotonic()
     _wait_after_nothing_ran(ctx, state, snapshot, None, room=True, notes=notes, allowed=[FULL])
-    assert time.monotonic() - started >= 0.9 * PRESENT_SECONDS  # nobody called: the whole presence
+    assert time.monotonic() - started >= 0.9 * presence  # nobody called: the whole presence
 
     submit(store, "s1-back", "s1")  # (its enqueue rings the doorbell)
     started = time.monotonic()
     _wait_after_nothing_ran(ctx, state, snapshot, None, room=True, notes=notes, allowed=[FULL])
-    assert time.monotonic() - started < 0.9 * PRESENT_SECONDS  # back at once for the tenant's call
+    assert time.monotonic() - started < 0.9 * presence  # back at once for the tenant's call
     back, _ = _lease_admitted(ctx, [FULL], "", notes=leases.LeaseNotes(),
                               waiting_requests=ctx.queue_watcher.snapshot().waiting_requests)
     assert [item.item_id for item in back] == ["s1-back"]
