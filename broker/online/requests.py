@@ -180,6 +180,7 @@ def submit_request(store: Store, spec: RequestSpec, *, score: float, now: float,
         "owner": spec.owner,
         "tenant": tenant,
         "inputs": inputs.decode(),
+        "bytes_budget": tenant_max_queued_bytes,  # (its outputs are held to it too: `complete_requests.lua`)
     }
     payload = {"kind": "request", "req": spec.request_id, "model_ref": spec.model_ref, "rows": spec.rows,
                "tokens": spec.tokens, "padded_tokens": spec.padded_tokens, "bucket": spec.bucket, "score": score,

@@ -111,3 +111,31 @@ def test_answers_kept_in_redis_count_against_the_budget_until_they_expire(flooda
     assert codes == [202, 202, 429]  # two kept results, then the budget is spent
     assert "2 results kept" in error_of(answer) and "max_queued_bytes" in error_of(answer), error_of(answer)
     assert answer.get_json()["code"] == "queue_full" and int(answer.headers["Retry-After"]) >= 1
+
+
+def test_outputs_larger_than_their_inputs_are_held_to_the_budget_too(floodable: Floodable) -> None:
+    """Inputs are counted at submit, outputs only once answered: a model whose outputs dwarf its inputs (a
+    sequence model's S x S scores) let a tenant keep many times its budget in Redis, a few hundred bytes of
+    input at a time. A result that would take the tenant past its budget now fails instead of being kept: a
+    413 when it is larger than the whole budget, a 429 to retry when the tenant's other results fill it."""
+    def answered(rows_out: int) -> tuple[dict[str, Any], int]:
+        answer = floodable.evil.post("/v1/requests", json=rows(1))
+        assert answer.status_code == 202, error_of(answer)
+        model_ref = f"mlp@{answer.get_json()['model_version']}"
+        [item] = lease_items(floodable.store, model_ref, now=time.time(), lease_seconds=30, max_items=1)
+        outputs = {"y": np.ones((rows_out, 64), np.float32)}  # (256 bytes a row raw, about 340 kept)
+        requests.complete_requests(floodable.store, [requests.RequestResult(item, outputs=outputs)], now=time.time(),
+                                   keep_seconds=600, batch_size=1, worker="w", run_started=time.time(), run_rows=1)
+        record = floodable.evil.get(f"/v1/requests/{answer.get_json()['id']}").get_json()
+        return record, int(floodable.store.client.hget(floodable.store.keys.tenant_queued_bytes("evil"), "total"))
+
+    too_large, after_first = answered(4 * 4096)  # about 5.6 MB kept, with a 3 MiB budget
+    kept, after_second = answered(4096)  # about 1.4 MB: fits
+    crowded, after_third = answered(6144)  # about 2.1 MB: fits alone, not beside the second
+
+    assert too_large["status"] == "failed" and too_large["error_code"] == "payload_too_large", too_large
+    assert "max_queued_bytes" in too_large["error"] and after_first < 4096
+    assert kept["status"] == "succeeded" and 1_300_000 < after_second < BUDGET
+    assert crowded["status"] == "failed" and crowded["error_code"] == "queue_full", crowded
+    assert after_third - after_second < 2048  # (its failure is kept, not its outputs)
+    assert floodable.alice.post("/v1/requests", json=rows(1)).status_code == 202

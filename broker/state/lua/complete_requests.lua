@@ -41,11 +41,38 @@
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
+-- A succeeded request whose outputs would take its tenant's bytes past the budget its submit stored
+-- (`bytes_budget`: its `max_queued_bytes`) fails instead, its outputs not kept (`result_refusal`).
 -- KEYS by name (the positions above are the callers' contract).
 local K = {inflight = KEYS[1], items = KEYS[2], attempts = KEYS[3], deadlines = KEYS[4], ready = KEYS[5],
   counters = KEYS[6], model_stats = KEYS[7], model_batch_stats = KEYS[8], latency_buckets = KEYS[9],
   served = KEYS[10]}
 local KEYS_EACH, ARGS_EACH = 5, 7  -- (KEYS and ARGV per request)
+local RESULT_FIELDS_BYTES = 512  -- (a kept result's fields besides its outputs: status, times, worker, ...)
+
+-- Why a request's outputs (`output_bytes` long, kept once more in its waiter's inbox when `copied`) may
+-- not be kept: {message, error code} when they would take its tenant's bytes (`bytes_key`) past the
+-- budget its submit stored (`bytes_budget`, 0: none), less what its inputs counted; nil when they fit.
+-- Inputs are bounded at submit, but outputs can be far larger (a sequence model's S x S scores).
+local function result_refusal(request, bytes_key, item_id, output_bytes, copied)
+  local budget = tonumber(redis.call('HGET', request, 'bytes_budget') or '') or 0
+  if budget <= 0 then
+    return nil
+  end
+  local held = (tonumber(redis.call('HGET', bytes_key, QUEUED_BYTES_TOTAL)) or 0)
+    - (tonumber(redis.call('HGET', bytes_key, item_id)) or 0)
+  local kept = (output_bytes + RESULT_FIELDS_BYTES) * (copied and 2 or 1)
+  if held + kept <= budget then
+    return nil
+  end
+  if kept > budget then
+    return {'its outputs take ' .. kept .. ' bytes to keep, more than its tenant may hold at all (' .. budget
+      .. ' bytes, tenants.<name>.max_queued_bytes); send fewer rows or tokens a request', 'payload_too_large'}
+  end
+  return {'its outputs take ' .. kept .. ' bytes to keep, and its tenant holds ' .. held .. ' of its ' .. budget
+    .. ' (tenants.<name>.max_queued_bytes) in requests not answered and results not expired; retry once '
+    .. 'those are read or expire', 'queue_full'}
+end
 local done, by_status, deadlines = 0, {}, {}
 local reply = {0}  -- (the count goes first once known; a table, as a batch may pass unpack's limit)
 local now, run_started = tonumber(ARGV[1]), tonumber(ARGV[7])
@@ -73,8 +100,14 @@ for i = 0, (#ARGV - 9) / ARGS_EACH - 1 do
     unrun[item_tenant(cjson.decode(payload))] = true
   end
   if held and redis.call('EXISTS', request) == 1 then
-    redis.call('HSET', request, 'status', status, 'outputs', ARGV[a + 2], 'error', ARGV[a + 3],
-      'error_code', ARGV[a + 4], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
+    local outputs, error_text, error_code = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+    local refusal = status == 'succeeded' and result_refusal(request, queued_bytes, item_id, #outputs,
+      waiters ~= request)
+    if refusal then  -- its outputs would take its tenant past its byte budget: it fails, and they are not kept
+      status, outputs, error_text, error_code = 'failed', '{}', refusal[1], refusal[2]
+    end
+    redis.call('HSET', request, 'status', status, 'outputs', outputs, 'error', error_text,
+      'error_code', error_code, 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
       'job_rows', ARGV[5], unpack(ran and {'started_at', ARGV[7]} or {}))  -- (started_at: when its run
       -- began, so its queue time ends; only for one that ran)
     redis.call('HDEL', request, 'inputs')
