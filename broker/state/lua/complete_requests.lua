@@ -48,20 +48,28 @@ local K = {inflight = KEYS[1], items = KEYS[2], attempts = KEYS[3], deadlines = 
   counters = KEYS[6], model_stats = KEYS[7], model_batch_stats = KEYS[8], latency_buckets = KEYS[9],
   served = KEYS[10]}
 local KEYS_EACH, ARGS_EACH = 5, 7  -- (KEYS and ARGV per request)
-local RESULT_FIELDS_BYTES = 512  -- (a kept result's fields besides its outputs: status, times, worker, ...)
 
--- Why a request's outputs (`output_bytes` long, kept once more in its waiter's inbox when `copied`) may
--- not be kept: {message, error code} when they would take its tenant's bytes (`bytes_key`) past the
--- budget its submit stored (`bytes_budget`, 0: none), less what its inputs counted; nil when they fit.
--- Inputs are bounded at submit, but outputs can be far larger (a sequence model's S x S scores).
-local function result_refusal(request, bytes_key, item_id, output_bytes, copied)
-  local budget = tonumber(redis.call('HGET', request, 'bytes_budget') or '') or 0
+-- What a finished request's hash holds once written: its fields by name, the bytes of its fields and values,
+-- and its waiter's inbox copy (nil when nobody waits).
+local function kept_fields(request, copied)
+  local flat, fields, stored = redis.call('HGETALL', request), {}, 0
+  for j = 1, #flat, 2 do
+    fields[flat[j]] = flat[j + 1]
+    stored = stored + #flat[j] + #flat[j + 1]
+  end
+  return fields, stored, copied and cjson.encode(fields) or nil
+end
+
+-- Why a request's result (`kept` bytes: its hash, and its inbox copy) may not be kept: {message, error code}
+-- when it would take its tenant's bytes (`bytes_key`) past `budget` (what its submit stored in
+-- `bytes_budget`, 0: none), less what its inputs counted; nil when it fits. Inputs are bounded at submit,
+-- but outputs can be far larger (a sequence model's S x S scores).
+local function result_refusal(budget, bytes_key, item_id, kept)
   if budget <= 0 then
     return nil
   end
   local held = (tonumber(redis.call('HGET', bytes_key, QUEUED_BYTES_TOTAL)) or 0)
     - (tonumber(redis.call('HGET', bytes_key, item_id)) or 0)
-  local kept = (output_bytes + RESULT_FIELDS_BYTES) * (copied and 2 or 1)
   if held + kept <= budget then
     return nil
   end
@@ -100,26 +108,22 @@ for i = 0, (#ARGV - 9) / ARGS_EACH - 1 do
     unrun[item_tenant(cjson.decode(payload))] = true
   end
   if held and redis.call('EXISTS', request) == 1 then
-    local outputs, error_text, error_code = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
-    local refusal = status == 'succeeded' and result_refusal(request, queued_bytes, item_id, #outputs,
-      waiters ~= request)
-    if refusal then  -- its outputs would take its tenant past its byte budget: it fails, and they are not kept
-      status, outputs, error_text, error_code = 'failed', '{}', refusal[1], refusal[2]
-    end
-    redis.call('HSET', request, 'status', status, 'outputs', outputs, 'error', error_text,
-      'error_code', error_code, 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
+    local budget = tonumber(redis.call('HGET', request, 'bytes_budget') or '') or 0
+    redis.call('HSET', request, 'status', status, 'outputs', ARGV[a + 2], 'error', ARGV[a + 3],
+      'error_code', ARGV[a + 4], 'finished_at', ARGV[1], 'batch_size', ARGV[3], 'worker', ARGV[4],
       'job_rows', ARGV[5], unpack(ran and {'started_at', ARGV[7]} or {}))  -- (started_at: when its run
       -- began, so its queue time ends; only for one that ran)
-    redis.call('HDEL', request, 'inputs')
+    redis.call('HDEL', request, 'inputs', 'bytes_budget')
     redis.call('EXPIRE', request, ARGV[2])
-    local flat, fields, stored = redis.call('HGETALL', request), {}, 0
-    for j = 1, #flat, 2 do
-      fields[flat[j]] = flat[j + 1]
-      stored = stored + #flat[j] + #flat[j + 1]
+    local fields, stored, copy = kept_fields(request, waiters ~= request)
+    local refusal = status == 'succeeded' and result_refusal(budget, queued_bytes, item_id, stored + #(copy or ''))
+    if refusal then  -- its outputs would take its tenant past its byte budget: it fails, and they are not kept
+      status = 'failed'
+      redis.call('HSET', request, 'status', status, 'outputs', '{}', 'error', refusal[1], 'error_code', refusal[2])
+      fields, stored, copy = kept_fields(request, waiters ~= request)
     end
     local results = {{item_id, stored, now + tonumber(ARGV[2])}}  -- (what its tenant's bytes now count)
-    if waiters ~= request then
-      local copy = cjson.encode(fields)
+    if copy then
       redis.call('RPUSH', waiters, copy)
       redis.call('EXPIRE', waiters, math.ceil(inbox_keep))
       results[2] = {item_id .. '|inbox', #copy, now + inbox_keep}
