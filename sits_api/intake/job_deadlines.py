@@ -21,6 +21,13 @@ from broker.state.store import Store
 from sits_api.schemas import JobSubmission
 
 
+MAX_DEADLINE_SECONDS = 366 * 86_400.0
+"""The furthest a `deadline` may lie ahead: as far as `deadline_s` may."""
+DEADLINE_PAST_SECONDS = 86_400.0
+"""How far before now a `deadline` may lie (a clock a little behind, or a deadline just passed: admission
+refuses it with its reasons); further back it is a mistake, and a date near year 1 fails date arithmetic."""
+
+
 def deadline_at(body: JobSubmission, *, now: float) -> float | None:
     """The job's deadline in unix seconds, from `deadline` (RFC 3339) or `deadline_s`; None without one."""
     if body.deadline_s is not None:
@@ -34,7 +41,11 @@ def deadline_at(body: JobSubmission, *, now: float) -> float | None:
                        "or with an offset (+01:00), or give deadline_s in seconds from now") from None
     if moment.tzinfo is None:
         raise BadInput(f"deadline {body.deadline!r} has no time zone; add Z (UTC) or an offset such as +01:00")
-    return moment.timestamp()
+    due = moment.timestamp()
+    if not now - DEADLINE_PAST_SECONDS <= due <= now + MAX_DEADLINE_SECONDS:  # (year 1 made dates fail later)
+        raise BadInput(f"deadline {body.deadline!r} is more than a day before now or more than 366 days after it; "
+                       "give a time within them, or leave the deadline out")
+    return due
 
 
 def admitted(settings: Settings, store: Store, spec: jobs.JobSpec, model: ModelRecord, *,
