@@ -1,5 +1,5 @@
-"""A tenant's cap on active jobs (`max_inflight`): a place taken before a job is queued, given back
-when it is no longer active.
+"""A tenant's caps on active jobs (`max_inflight`) and on their chunks (`max_queued_chunks`): a place taken
+before a job is queued, with its chunk count, given back when it is no longer active.
 
 The tenant's places are a ZSET (`keys.tenant_jobs`) of job ids. Places are not handed back by every
 path that ends a job (a cancel, a stop, a failure, a finalize); instead each check first drops the
@@ -29,25 +29,44 @@ class TenantAtLimit(Exception):
         self.active = active
 
 
-def take_job_place(store: Store, tenant: str, job_id: str, *, most: int, now: float) -> None:
-    """Take a place for `job_id` among the tenant's active jobs, or TenantAtLimit when `most` are taken
-    (`most` 0: no cap, nothing is recorded). The count and the take are one transaction (WATCH), so two
+class TenantChunksAtLimit(Exception):
+    """The tenant's active jobs hold `held` chunks, and the job's `asked` more would pass `most`
+    (`max_queued_chunks`): no place was taken. Internal control flow, as `TenantAtLimit`."""
+
+    def __init__(self, held: int, asked: int, most: int) -> None:
+        super().__init__(held, asked, most)
+        self.held, self.asked, self.most = held, asked, most
+
+
+def take_job_place(store: Store, tenant: str, job_id: str, *, most: int, now: float, chunks: int = 0,
+                   most_chunks: int = 0) -> None:
+    """Take a place for `job_id` (of `chunks` chunks) among the tenant's active jobs: TenantAtLimit when
+    `most` are taken, TenantChunksAtLimit when their chunks and its own would pass `most_chunks` (0: no
+    cap; with neither, nothing is recorded). The count and the take are one transaction (WATCH), so two
     submits at once cannot both take the last place."""
-    if most <= 0:
+    if most <= 0 and most_chunks <= 0:
         return
-    key = store.keys.tenant_jobs(tenant)
+    key, chunks_key = store.keys.tenant_jobs(tenant), store.keys.tenant_job_chunks(tenant)
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
         while True:
             try:
-                pipe.watch(key)
+                pipe.watch(key, chunks_key)
                 places, gone = _held_places(store, pipe, key, now=now)
-                if len(places) - len(gone) >= most:
+                if 0 < most <= len(places) - len(gone):
                     pipe.unwatch()
                     raise TenantAtLimit(len(places) - len(gone))
+                if most_chunks > 0:
+                    counts = pipe.hgetall(chunks_key)
+                    held = sum(int(counts.get(str(place), 0)) for place, _ in places if place not in gone)
+                    if held + chunks > most_chunks:
+                        pipe.unwatch()
+                        raise TenantChunksAtLimit(held, chunks, most_chunks)
                 pipe.multi()
                 if gone:
                     pipe.zrem(key, *gone)
+                    pipe.hdel(chunks_key, *gone)
                 pipe.zadd(key, {job_id: now})
+                pipe.hset(chunks_key, job_id, chunks)
                 pipe.execute()
                 return
             except redis.WatchError:

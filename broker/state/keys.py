@@ -341,6 +341,10 @@ class Keys:
         """ZSET job id -> when its place was taken: the tenant's jobs queued or running (`max_inflight`)."""
         return self._key("tenant-jobs", tenant)
 
+    def tenant_job_chunks(self, tenant: str) -> str:
+        """HASH job id -> its chunks, for the jobs of `tenant_jobs` (`max_queued_chunks`); dropped with their place."""
+        return self._key("tenant-job-chunks", tenant)
+
     # --- models, workers, keys --------------------------------------------
     @property
     def model_versions(self) -> str:

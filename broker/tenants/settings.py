@@ -32,6 +32,10 @@ class Tenant(_Section):
     quarter of the embedded Redis's 1 GiB at most, so a flood of large requests leaves the others room."""
     max_inflight: Integer = Field(64, ge=0)
     """Most jobs of the tenant queued or running at once (0: no limit)."""
+    max_queued_chunks: Integer = Field(100_000, ge=0)
+    """Most chunks its active jobs may hold together (0: no limit): each queued chunk is a few hundred bytes in
+    Redis, so without it one tenant's jobs cut into one-row chunks (`chunk_size: 1`) fill the Redis every
+    tenant writes to, within `max_inflight`. A job past it is a 429 (a 400 when it alone is larger)."""
     max_model_versions: Integer = Field(256, ge=0)
     """Most model versions stored under the model names the tenant owns (0: no limit; 403 `models_at_limit`
     past it): each registration of a new graph stores a copy on the folder every host shares."""
@@ -107,5 +111,5 @@ class FairShareSettings(_Section):
 
 UNRECORDED = Tenant()
 """What a tenant without a record gets: no share, the default caps and entitlements."""
-UNCAPPED = Tenant(max_queued=0, max_queued_bytes=0, max_inflight=0)
+UNCAPPED = Tenant(max_queued=0, max_queued_bytes=0, max_inflight=0, max_queued_chunks=0)
 """What an admin key's tenant without a record gets: operators are not capped by default."""

@@ -20,7 +20,6 @@ from broker.sla import admission
 from broker.state.store import Store
 from sits_api.schemas import JobSubmission
 
-
 MAX_DEADLINE_SECONDS = 366 * 86_400.0
 """The furthest a `deadline` may lie ahead: as far as `deadline_s` may."""
 DEADLINE_PAST_SECONDS = 86_400.0

@@ -18,7 +18,16 @@ from typing import Any
 import onnx
 
 from broker.config.settings import Settings
-from broker.errors import BadInput, Conflict, DeadlineInfeasible, Forbidden, PathNotAllowed, QueueFull, RetryableError
+from broker.errors import (
+    BadInput,
+    Conflict,
+    DeadlineInfeasible,
+    Forbidden,
+    PathNotAllowed,
+    QueueFull,
+    RetryableError,
+    SitsError,
+)
 from broker.jobs import chunking, output_dirs, tenant_quotas
 from broker.jobs import fills as job_fills
 from broker.jobs import progress as job_progress
@@ -360,20 +369,38 @@ class _Place:
 
     tenant: str
     job_id: str
+    chunks: int
 
 
 def _place_of(job: JobRecord) -> _Place:
-    return _Place(tenant=job.tenant or job.owner or "", job_id=job.id)
+    return _Place(tenant=job.tenant or job.owner or "", job_id=job.id, chunks=job.chunks_total)
 
 
 def _take_job_place(settings: Settings, store: Store, spec: jobs.JobSpec | _Place, caps: Tenant, *,
                     now: float) -> None:
-    """A place among its tenant's active jobs (`caps.max_inflight`), or QueueFull (429) with a Retry-After
-    of about one chunk's time: the soonest a job of the tenant may end and free one."""
+    """A place among its tenant's active jobs (`caps.max_inflight`), with room for its chunks among theirs
+    (`caps.max_queued_chunks`); else QueueFull (429) with a Retry-After of about one chunk's time, the soonest
+    a job of the tenant may end and free one, or BadInput for a job larger than the whole chunk cap."""
+    chunks = spec.chunks if isinstance(spec, _Place) else len(jobs.chunk_ranges(spec.rows_total, spec.chunk_size))
     try:
-        tenant_quotas.take_job_place(store, spec.tenant, spec.job_id, most=caps.max_inflight, now=now)
+        tenant_quotas.take_job_place(store, spec.tenant, spec.job_id, most=caps.max_inflight, now=now,
+                                     chunks=chunks, most_chunks=caps.max_queued_chunks)
     except tenant_quotas.TenantAtLimit as full:
         raise _at_job_limit(settings, spec.tenant, full) from None
+    except tenant_quotas.TenantChunksAtLimit as full:
+        raise _at_chunk_limit(settings, spec.tenant, full) from None
+
+
+def _at_chunk_limit(settings: Settings, tenant: str, full: tenant_quotas.TenantChunksAtLimit) -> SitsError:
+    """The 429 (or, for a job larger than the whole cap, 400) of a job its tenant's `max_queued_chunks` refused."""
+    if full.asked > full.most:
+        return BadInput(f"the job has {full.asked:,} chunks, more than tenant '{tenant}' may have queued at all "
+                        f"({full.most:,}, tenants.{tenant}.max_queued_chunks); give a larger chunk_size")
+    retry_after = max(1, math.ceil(settings.jobs.chunk_seconds))
+    return QueueFull(f"tenant '{tenant}' has {full.held:,} chunks in its jobs queued or running; this job's "
+                     f"{full.asked:,} more would pass its limit of {full.most:,} (tenants.{tenant}.max_queued_chunks). "
+                     f"The job was not queued: retry after {retry_after} s (Retry-After), once one of them ends, "
+                     "or with a larger chunk_size", retry_after=retry_after)
 
 
 def _at_job_limit(settings: Settings, tenant: str, full: tenant_quotas.TenantAtLimit) -> QueueFull:

@@ -14,10 +14,10 @@ from typing import Any
 
 from broker.config.settings import Settings
 from broker.errors import BadInput, Forbidden, NotFound, PriorityNotAllowed, TierNotAllowed
+from broker.models.registry import ModelRoom
 from broker.setting_types import MAX_PRIORITY
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants import apikeys
-from broker.models.registry import ModelRoom
 from broker.tenants import records as tenants
 from broker.tenants import usage as tenant_usage
 from broker.tenants.records import TenantTable

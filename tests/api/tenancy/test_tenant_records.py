@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from flask import Flask
@@ -274,7 +275,8 @@ def test_a_tenant_stores_at_most_its_model_versions_and_bytes_and_a_refused_copy
                                                                                              "initech", seed))})
         assert made.status_code == 201 and made.get_json()["stored_bytes"] > 60_000, error_of(made)
 
-    third = alice.post("/v1/models", json={"name": "initech-1", "path": str(mlp_version(zoo_dir, tmp_path, "initech", 3))})
+    third = alice.post("/v1/models", json={"name": "initech-1",
+                                         "path": str(mlp_version(zoo_dir, tmp_path, "initech", 3))})
 
     assert third.status_code == 403 and third.get_json()["code"] == "models_at_limit", third.get_json()
     assert "max_model_versions" in error_of(third)
@@ -286,7 +288,8 @@ def test_a_tenant_stores_at_most_its_model_versions_and_bytes_and_a_refused_copy
         zoo_dir, tmp_path, "initech", 4))}).status_code == 201  # (an admin adds to a tenant's name beyond its cap)
 
     assert api.put("/v1/tenants/initech", json={"max_model_versions": 0, "max_model_bytes": 200_000}).status_code == 200
-    big = alice.post("/v1/models", json={"name": "initech-2", "path": str(mlp_version(zoo_dir, tmp_path, "initech", 5))})
+    big = alice.post("/v1/models", json={"name": "initech-2",
+                                         "path": str(mlp_version(zoo_dir, tmp_path, "initech", 5))})
     assert big.status_code == 403 and "max_model_bytes" in error_of(big)
 
 
@@ -302,7 +305,43 @@ def test_registrations_at_once_cannot_each_pass_the_model_cap_against_the_others
         zoo_dir, tmp_path, "initech", 1))}).status_code == 201
     monkeypatch.setattr(services.registry, "check_model_room", lambda *_, **__: None)
 
-    second = alice.post("/v1/models", json={"name": "initech-2", "path": str(mlp_version(zoo_dir, tmp_path, "initech", 2))})
+    second = alice.post("/v1/models", json={"name": "initech-2",
+                                         "path": str(mlp_version(zoo_dir, tmp_path, "initech", 2))})
 
     assert second.status_code == 403 and second.get_json()["code"] == "models_at_limit"
     assert [model["name"] for model in alice.get("/v1/models").get_json()["models"]] == ["initech-1"]
+
+
+def test_a_tenant_s_active_jobs_hold_at_most_its_max_queued_chunks(
+        api: Api, client: FlaskClient, store: Store, mlp: dict[str, Any], tmp_path: Path) -> None:
+    """Jobs cut into one-row chunks put a few hundred bytes a chunk in the Redis every tenant writes to: a
+    tenant's 64 jobs of 100,000 chunks filled a 1 GiB Redis (every tenant's next write a 503). Past its
+    `max_queued_chunks` a job is a 429 to retry once one ends (a 400 when it alone is larger); resuming a
+    cancelled job takes its chunks' room again."""
+    assert api.put("/v1/tenants/initech", json={"max_queued_chunks": 10}).status_code == 200
+    alice, gary = key(client, store, "alice", "user", "initech"), key(client, store, "gary", "user", "umbrella")
+    for tenant in ("initech", "umbrella"):
+        (tmp_path / tenant).mkdir(exist_ok=True)
+        np.save(tmp_path / tenant / "rows.npy", np.ones((8, 64), np.float32))
+
+    def job(who: Api, tenant: str, name: str, chunk_size: int = 1) -> Any:
+        return who.post("/v1/jobs", json={"model": "mlp", "input_batch": str(tmp_path / tenant / "rows.npy"),
+                                          "output_dir": str(tmp_path / tenant / name), "chunk_size": chunk_size})
+
+    first = job(alice, "initech", "one")  # 8 chunks
+    second = job(alice, "initech", "two")  # 8 more: 16 of 10
+    whole = job(alice, "initech", "two", chunk_size=2)  # 4 more: 12 of 10
+
+    assert first.status_code == 201, error_of(first)
+    assert second.status_code == 429 and int(second.headers["Retry-After"]) >= 1
+    assert "has 8 chunks in its jobs queued or running" in error_of(second) and "max_queued_chunks" in error_of(second)
+    assert whole.status_code == 429
+    assert job(gary, "umbrella", "one").status_code == 201  # (another tenant's room is its own)
+    assert api.put("/v1/tenants/initech", json={"max_queued_chunks": 6}).status_code == 200
+    too_large = job(alice, "initech", "three")
+    assert too_large.status_code == 400 and "give a larger chunk_size" in error_of(too_large)
+    assert api.put("/v1/tenants/initech", json={"max_queued_chunks": 10}).status_code == 200
+    assert alice.delete(f"/v1/jobs/{first.get_json()['id']}").status_code == 200
+    assert job(alice, "initech", "two", chunk_size=2).status_code == 201  # (the cancelled job's room is free)
+    resumed = alice.post(f"/v1/jobs/{first.get_json()['id']}/resume")
+    assert resumed.status_code == 429 and "max_queued_chunks" in error_of(resumed)

@@ -204,8 +204,8 @@ def test_a_windowed_cron_skips_to_its_window_and_finds_the_slot_every_match_woul
                                      ("15 */3 * * 1-5", 181)])  # (a window that holds a match of its cron)
         opens = rng.choice([0, 90, 120, 150, 1430, rng.randrange(1440)])
         closes = (opens + max(shortest, rng.choice([1, 30, 61, 600]))) % 1440
-        cadence = Cadence(timezone=tz, cron=cron,
-                          window=Window.parse(f"{opens // 60:02d}:{opens % 60:02d}-{closes // 60:02d}:{closes % 60:02d}"))
+        window = f"{opens // 60:02d}:{opens % 60:02d}-{closes // 60:02d}:{closes % 60:02d}"
+        cadence = Cadence(timezone=tz, cron=cron, window=Window.parse(window))
         instant = jumps[tz] + rng.uniform(-8 * 3600, 8 * 3600)
 
         assert cadence.next_slot(instant) == _scanned(cadence, instant, forward=True), cadence
