@@ -466,8 +466,8 @@ def _refuse_finished_output_dir(output_dir: Path, output_names: list[str], outpu
         files = {"all outputs": output_dir / TABLE_OUTPUT_NAME}
     taken = [(name, path.name) for name, path in files.items() if path.exists()]
     if taken:
-        files = ", ".join(f"{file} (output '{name}')" for name, file in taken)
-        raise Conflict(f"output_dir {output_dir} already holds {files}, which this job's outputs would replace; "
+        held = ", ".join(f"{file} (output '{name}')" for name, file in taken)
+        raise Conflict(f"output_dir {output_dir} already holds {held}, which this job's outputs would replace; "
                        "choose another folder or move those files away")
 
 

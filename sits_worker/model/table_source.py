@@ -282,7 +282,8 @@ class _CsvReader(_Reader):
         super().close()
 
 
-_READERS = {"parquet": _ParquetReader, "arrow": _IpcReader, "csv": _CsvReader}
+_READERS: dict[str, type[_ParquetReader] | type[_IpcReader] | type[_CsvReader]] = {
+    "parquet": _ParquetReader, "arrow": _IpcReader, "csv": _CsvReader}
 
 
 class TableSource(InputSource):

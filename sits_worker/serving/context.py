@@ -43,6 +43,7 @@ from sits_worker.device.memory_watch import MemoryWatch
 from sits_worker.device.observed_profiles import ObservedLatencies
 from sits_worker.device.pinning import Device, device_memory
 from sits_worker.device.run_limits import RunLimits
+from sits_worker.device.run_sizes import RunSize, RunSizes
 from sits_worker.device.runtime import SessionCache, limit_host_memory, run_session
 from sits_worker.device.worker_settings import WorkerSettings, worker_settings
 from sits_worker.model.inputs import open_input
@@ -59,6 +60,10 @@ from sits_worker.tenancy.fair_share import FairShare
 from sits_worker.tenancy.usage_meter import UsageMeter
 
 log = logging.getLogger(__name__)
+
+SIZE_CLASSES = frozenset({"device_oom", "run_timeout"})
+"""Failure classes a run's own size can cause: counted on the breaker only when the run was no larger than
+runs that worked (`sits_worker/device/run_sizes.py`)."""
 
 _OPEN_INPUTS_KEPT = 8
 
@@ -119,6 +124,9 @@ class WorkerContext:
     ceilings: oom_ceiling.Ceilings = field(init=False)
     """The batch ceilings device OOMs taught this worker, by model version (`broker/memory/oom_ceiling.py`)."""
     oom_steps: collections.Counter[str] = field(default_factory=collections.Counter)
+    run_sizes: RunSizes = field(default_factory=RunSizes)
+    """The largest runs of each model that worked here: whether a run that ran out of memory or time was the
+    device's fault or its own size's (`sits_worker/device/run_sizes.py`)."""
     """What this worker did after its device OOMs since it started: 'halve', 'offload', 'fail' -> times."""
     usage: UsageMeter = field(init=False)
     """Bills this worker's runs to the tenants in them (`sits_worker/tenancy/usage_meter.py`)."""
@@ -237,26 +245,32 @@ class WorkerContext:
                                 record.static_profile.get("sequence_axis"))
         observe_run(self.batch_sizes, model_ref, rows, tokens)
         drain_report.note_run(model_ref, rows)
+        size = RunSize.of(rows, tokens)
         started = time.perf_counter()
         try:
-            outputs = self._run_fitting(model_ref, feed, output_names, session)
+            outputs = self._run_fitting(model_ref, feed, output_names, session, size.tokens_per_row)
         except Exception as err:
             self.usage.add_run(time.perf_counter() - started)  # (a failed run used the device too)
             failure_class = classify(err)
-            if breaker.counts(failure_class):
+            if failure_class in SIZE_CLASSES and not self.run_sizes.blames_device(model_ref, size):
+                log.info("a run of %s larger than any that worked here (%s) failed (%s): its size's, not the "
+                         "device's; its breaker does not count it", model_ref, size, failure_class)
+            elif breaker.counts(failure_class):
                 self.breakers.note_run(model_ref, failed=True, error=f"{failure_class}: {describe(err)}")
             raise
         self.usage.add_run(time.perf_counter() - started)
+        self.run_sizes.worked(model_ref, size)
         self.breakers.note_run(model_ref, failed=False)
         if self.faults is not None:  # (after the breaker's write: a drop fails this thread's next calls)
             self.faults.after_run()
         return outputs
 
     def _run_fitting(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
-                     session: Any = None) -> list[np.ndarray]:
+                     session: Any = None, tokens_per_row: int | None = None) -> list[np.ndarray]:
         """The batch in runs of at most the model's OOM ceiling; a run that runs out of device memory
-        lowers the ceiling, teaches the ledger, and is halved, offloaded or failed (`oom_ceiling.after_oom`).
-        An offload takes the rest of the batch in one CPU run: it did not fit at one row."""
+        lowers the ceiling, teaches the ledger (`_note_oom`), and is halved, offloaded or failed
+        (`oom_ceiling.after_oom`). An offload takes the rest of the batch in one CPU run: it did not fit at
+        one row."""
         rows = next((int(array.shape[0]) for array in feed.values() if array.ndim), 0)
         try:
             session = session or self.session(model_ref)  # a cold load is not a batch's run time
@@ -275,7 +289,7 @@ class WorkerContext:
                 done.append(self._run_on_device(model_ref, piece, output_names, session))
                 continue
             except DeviceOutOfMemory:
-                step = self._note_oom(model_ref, stop - start)
+                step = self._note_oom(model_ref, stop - start, tokens_per_row)
                 if step == "fail":
                     raise
             if step == "halve":
@@ -286,18 +300,26 @@ class WorkerContext:
             break
         return done[0] if len(done) == 1 else [np.concatenate(parts) for parts in zip(*done, strict=True)]
 
-    def _note_oom(self, model_ref: str, rows: int) -> oom_ceiling.OomStep:
-        """A run of `rows` rows ran out of device memory: lower the ceiling, teach the ledger; what next."""
+    def _note_oom(self, model_ref: str, rows: int, tokens_per_row: int | None = None) -> oom_ceiling.OomStep:
+        """A run of `rows` rows ran out of device memory: lower the ceiling, teach the ledger; what next.
+
+        Only rows of a size that has run here (`run_sizes`) teach anything: then the rows were too many, or
+        the device short. Rows of more tokens than any that worked ran out for their own size; a ceiling
+        lowered for them (to one row, for one such request) would cut every tenant's batches of the model
+        for `oom_ceiling_decay`. A ceiling is never lowered for one row: it cannot go lower."""
         now = time.time()
-        ceiling = self.ceilings.lower(model_ref, rows, now=now)
-        # (the profile's estimate, not one learnt before: a storm of OOMs must not compound it)
-        estimate = reservation.BatchCost.of(self.model(model_ref), max_rows=rows, max_tokens=0).need_bytes(rows=rows)
-        row_bytes = self.ledger.learn_oom(model_ref, rows, estimate, now=now)
+        known_rows = self.run_sizes.blames_device(model_ref, RunSize(1, tokens_per_row))
+        ceiling = self.ceilings.lower(model_ref, rows, now=now) if known_rows and rows > 1 else None
+        row_bytes = None
+        if known_rows:  # (the profile's estimate, not one learnt before: a storm of OOMs must not compound it)
+            estimate = reservation.BatchCost.of(self.model(model_ref), max_rows=rows,
+                                                max_tokens=0).need_bytes(rows=rows)
+            row_bytes = self.ledger.learn_oom(model_ref, rows, estimate, now=now)
         step = oom_ceiling.after_oom(rows, self.settings.scheduler.fallback_strategy)
         with self._oom_lock:  # (stream slots run in threads)
             self.oom_steps[step] += 1
-        log.warning("device out of memory running %d rows of %s on %s: ceiling %d rows, %d bytes a row; %s",
-                    rows, model_ref, self.device, ceiling, row_bytes, step)
+        log.warning("device out of memory running %d rows of %s on %s (%s tokens a row): ceiling %s rows, %s bytes "
+                    "a row; %s", rows, model_ref, self.device, tokens_per_row, ceiling, row_bytes, step)
         return step
 
     def _offload(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.errors import BadInput, InferenceTimeout, PermanentError, SitsError
+from broker.errors import BadInput, DeviceOutOfMemory, InferenceTimeout, PermanentError, SitsError
 from broker.failures import quarantine, retries
 from broker.failures.retry_policy import classify, describe, retry_delays
 from broker.monitoring.sla_metrics import priority_class
@@ -56,16 +56,17 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
         with ctx.usage.billing(model_ref, _work(live, run_started)), ctx.lease_keeper.holding(items, ticket):
             try:
                 results += _run_merged(ctx, model_ref, live)
-            except PermanentError as err:
-                # One bad request must not fail its neighbours: bisect the batch, fail only the bad ones.
-                log.info("merged batch of %d on %s failed (%s); splitting it to find the bad requests",
-                         len(live), model_ref, err.message)
-                try:
-                    results += _run_isolating(ctx, model_ref, live, err)
-                except Exception as single:
-                    failure = single
             except Exception as err:
-                failure = err
+                if isinstance(err, SitsError) and _isolates(err, len(live)):
+                    # One bad request must not fail its neighbours: bisect the batch, fail only the bad ones.
+                    log.info("merged batch of %d on %s failed (%s); splitting it to find the bad requests",
+                             len(live), model_ref, describe(err))
+                    try:
+                        results += _run_isolating(ctx, model_ref, live, err)
+                    except Exception as single:
+                        failure = single
+                else:
+                    failure = err
         if failure is not None:  # (once the keeper no longer extends the leases a retry parks)
             results += _settle_failed_run(ctx, [item for item, _ in live], failure)
     if results:  # (none when every request waits for a retry)
@@ -75,6 +76,17 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
                                    run_rows=_rows(live))
         note_for_tuning(ctx, model_ref, results, batch_rows=_rows(live), now=now)
     return sum(1 for result in results if not result.error)
+
+
+SIZE_ERRORS = (DeviceOutOfMemory, InferenceTimeout)
+"""Failures a request's own size can cause (more tokens than the device holds, a run past the time limit):
+a merged batch that fails so is split to find the requests that fail alone, as for a bad input, so that
+one tenant's oversized request does not fail the other requests of its batch, retry after retry."""
+
+
+def _isolates(err: Exception, requests_in_run: int) -> bool:
+    """Whether a merged run that failed with `err` is split to find the requests that fail on their own."""
+    return isinstance(err, PermanentError) or (isinstance(err, SIZE_ERRORS) and requests_in_run > 1)
 
 
 def note_for_tuning(ctx: WorkerContext, model_ref: str, results: Sequence[RequestResult], *, batch_rows: int,
@@ -151,7 +163,7 @@ def run_with_riders(ctx: WorkerContext, model_ref: str, feed: Tensors, output_na
             try:
                 job_outputs, rider_results = _run_with_job(ctx, model_ref, feed, live, session)
                 results += rider_results
-            except PermanentError as err:
+            except (PermanentError, *SIZE_ERRORS) as err:  # (a rider's size must not fail the job's rows)
                 log.info("mini-batch with %d riders on %s failed (%s); running them apart",
                          len(live), model_ref, err.message)
                 results += _run_apart(ctx, model_ref, live)
@@ -249,24 +261,28 @@ def _rows(live: Sequence[tuple[LeasedItem, Tensors]]) -> int:
 
 
 def _run_apart(ctx: WorkerContext, model_ref: str, live: Sequence[tuple[LeasedItem, Tensors]]) -> list[RequestResult]:
-    """Run requests as one batch of their own, bisected if that fails permanently (`_run_isolating`)."""
+    """Run requests as one batch of their own, bisected if that fails permanently or for a size
+    (`_run_isolating`); one request that fails for its size alone is settled by its failure's class."""
     try:
         return _run_merged(ctx, model_ref, live)
-    except PermanentError as err:
+    except (PermanentError, *SIZE_ERRORS) as err:
+        if not _isolates(err, len(live)):
+            return _settle_failed_run(ctx, [item for item, _ in live], err)
         return _run_isolating(ctx, model_ref, live, err)
 
 
 def _run_isolating(ctx: WorkerContext, model_ref: str, live: Sequence[tuple[LeasedItem, Tensors]],
-                   error: PermanentError) -> list[RequestResult]:
-    """The results of requests whose merged run failed with `error`: the batch split in halves until each
-    failing request ran alone (`quarantine.isolate_bad_rows`); those fail with their own error, recorded
-    by class (bad input: never retried, by default), the others get their outputs."""
+                   error: SitsError) -> list[RequestResult]:
+    """The results of requests whose merged run failed with `error` (permanent, or one of `SIZE_ERRORS`): the
+    batch split in halves until each failing request ran alone (`quarantine.isolate_bad_rows`); those fail
+    with their own error, recorded by class (bad input: never retried, by default; out of memory: retried
+    as `retry.device_oom` says), the others get their outputs."""
     results: list[RequestResult] = []
 
-    def attempt(lo: int, hi: int) -> PermanentError | None:
+    def attempt(lo: int, hi: int) -> SitsError | None:
         try:
             results.extend(_run_merged(ctx, model_ref, live[lo:hi]))
-        except PermanentError as err:
+        except (PermanentError, *SIZE_ERRORS) as err:
             return err
         return None
 
