@@ -19,7 +19,8 @@ USER_HEADER = "X-SITS-User"
 GROUP_HEADER = "X-SITS-Group"
 
 _TABLE = RouteTable()
-"""This process's view of the stored routes, read again within `routing.ROUTES_TTL_SECONDS`."""
+"""This process's view of the stored routes, each model's read again within `routing.ROUTES_TTL_SECONDS`
+(and only when a call names it: one tenant's routes cost no other model's calls anything)."""
 
 
 def caller(identity: dict[str, Any], headers: Any) -> tuple[str, str | None]:
@@ -45,14 +46,14 @@ def put_route(store: Store, body: Any) -> dict[str, Any]:
     registry.get_model(store, route.model)  # ModelNotFound (404) for a name never registered
     versions = {record.version for record in registry.list_model_versions(store, route.model)}
     routing.save_route(store, route, known_versions=versions)
-    _TABLE.forget(store)  # this process at once; the others within a second
+    _TABLE.forget(store, route.model)  # this process at once; the others within a second
     return routing.describe(route)
 
 
 def delete_route(store: Store, model: str) -> None:
     """Remove the model's route (NotFound when it has none)."""
     routing.delete_route(store, model)
-    _TABLE.forget(store)
+    _TABLE.forget(store, model)
 
 
 def list_routes(store: Store) -> list[dict[str, Any]]:

@@ -1,9 +1,11 @@
 """A/B routes through the API: `PUT /v1/routes` sends a bare model name to versions by weight (sticky per
 user), by user group and by kind of call; jobs follow them unless they pin a version; a change is
-seen within a second. Real Redis, the Flask test client (no worker: requests are queued, not run)."""
+seen within a second; a route is capped, and a call reads only its own model's route. Real Redis, the
+Flask test client (no worker: requests are queued, not run)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ import onnx
 import pytest
 from flask.testing import FlaskClient
 
-from broker.models.routing import ROUTES_TTL_SECONDS
+from broker.models.routing import MAX_GROUPS, MAX_SPLIT_ARMS, ROUTES_TTL_SECONDS
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
 from sits_worker.model.zoo import build_model
@@ -131,3 +133,55 @@ def test_only_admins_change_routes_and_a_bad_group_header_is_a_400(
     response = client.post("/v1/requests", json={"model": "abmlp", "inputs": FEATURES},
                            headers=user.as_user(group="no spaces"))
     assert response.status_code == 400 and "X-SITS-Group" in error_of(response)
+
+
+def test_a_route_past_its_caps_is_a_400_naming_the_field_and_the_cap_and_nothing_is_stored(
+        api: Api, store: Store, two_versions: tuple[str, str]) -> None:
+    first, _ = two_versions
+    too_many = {f"group{n}": first for n in range(MAX_GROUPS + 1)}
+    arms = {f"{first}{n}": 1 / (MAX_SPLIT_ARMS + 1) for n in range(MAX_SPLIT_ARMS + 1)}
+
+    for body, says in [({"model": "abmlp", "groups": too_many}, f"groups: Value error, a route names {MAX_GROUPS}"),
+                       ({"model": "abmlp", "groups": {"no spaces": first}}, "group 'no spaces' must be letters"),
+                       ({"model": "abmlp", "split": arms}, f"split: Value error, a split weighs {MAX_SPLIT_ARMS}")]:
+        response = api.put("/v1/routes", json=body)
+        assert response.status_code == 400 and says in error_of(response), error_of(response)
+    assert store.client.hlen(store.keys.routes) == 0
+    assert api.put("/v1/routes", json={"model": "abmlp", "groups": dict(list(too_many.items())[:MAX_GROUPS])}
+                   ).status_code == 200  # the cap itself is fine
+
+
+def test_a_bare_name_call_reads_only_its_own_route_not_the_other_tenants(
+        api: Api, store: Store, two_versions: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = two_versions
+    others = {f"evil{n}": json.dumps({"model": f"evil{n}", "groups": {f"g{k:063d}": "v" for k in range(MAX_GROUPS)}})
+              for n in range(20)}
+    store.client.hset(store.keys.routes, mapping=others)  # (as if PUT by other tenants, at the caps)
+    assert api.put("/v1/routes", json={"model": "abmlp", "split": {second: 1.0}}).status_code == 200
+    client, sent = store.client, []  # (the test client serves in this thread: its Redis client is this one)
+    send = client.execute_command
+
+    def counted(*args: Any, **options: Any) -> Any:
+        sent.append(args)
+        return send(*args, **options)
+
+    monkeypatch.setattr(client, "execute_command", counted)
+    assert {_version_of(api, user=f"u{n}") for n in range(20)} == {second}
+
+    on_routes = [args for args in sent if store.keys.routes in args]
+    assert on_routes == [("HSTRLEN", store.keys.routes, "abmlp"), ("HGET", store.keys.routes, "abmlp")]
+
+
+def test_a_route_stored_over_the_size_cap_before_it_is_a_409_saying_what_to_do_and_is_deleted(
+        api: Api, store: Store, two_versions: tuple[str, str]) -> None:
+    first, second = two_versions
+    huge = {"model": "abmlp", "groups": {f"g{n}": first for n in range(20_000)}}  # about 600 KiB, as stored once
+    store.client.hset(store.keys.routes, "abmlp", json.dumps(huge))
+
+    response = api.client.post("/v1/requests", json={"model": "abmlp", "inputs": FEATURES},
+                               headers=api.as_user("u"))
+    assert response.status_code == 409 and "DELETE /v1/routes/abmlp" in error_of(response), error_of(response)
+    assert _version_of(api, user="u", model=f"abmlp@{first}") == first  # a pinned version still runs
+    assert api.get("/v1/routes").get_json() == {"routes": []}
+    assert api.delete("/v1/routes/abmlp").status_code == 204
+    assert _version_of(api, user="u") == second  # the newest again, at once in this process
