@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from broker.errors import Conflict
 from broker.jobs import chunking
@@ -41,7 +41,25 @@ machine (docs/sla.md, "The cost of a queue item"): 10-20 ms an item, up to 40 ms
 A request's `item_overhead_ms` replaces it; measure it on the stack being analysed.
 """
 
-Milliseconds = Annotated[float, Field(gt=0, le=MAX_PERIOD_MS)]
+MIN_TIME_MS = 0.001
+"""The shortest period, deadline, wcet or section: one microsecond, below anything SITS can run.
+
+Without it a period of 5e-324 passed `gt=0`, R/T overflowed to inf and the analysis failed (a 500).
+From 0.001 up to MAX_PERIOD_MS every quotient the analysis takes stays a finite number.
+"""
+
+
+def _at_least_a_microsecond(value: float) -> float:
+    """Refuse a time above 0 but below MIN_TIME_MS, saying the least it may be (0 and less: `gt=0`)."""
+    if value < MIN_TIME_MS:
+        raise ValueError(f"{value:g} ms is shorter than the least the analysis takes, {MIN_TIME_MS:g} ms "
+                         "(one microsecond); give a time of 0.001 or more")
+    return value
+
+
+Milliseconds = Annotated[float, Field(gt=0, le=MAX_PERIOD_MS, allow_inf_nan=False,
+                                      json_schema_extra={"minimum": MIN_TIME_MS}),
+                         AfterValidator(_at_least_a_microsecond)]
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 DEVICE_KIND = re.compile(r"^(cpu|gpu|cuda)(:\d+)?$")
 
@@ -59,7 +77,7 @@ class TaskSpec(_Body):
     wcet_ms: Milliseconds | None = Field(None, description="worst-case execution time of one job")
     section_ms: Milliseconds | None = Field(
         None, description="with wcet_ms: its longest non-preemptible part (default: the whole wcet_ms)")
-    blocking_ms: Annotated[float, Field(ge=0, le=MAX_PERIOD_MS)] | None = Field(
+    blocking_ms: Annotated[float, Field(ge=0, le=MAX_PERIOD_MS, allow_inf_nan=False)] | None = Field(
         None, description="overrides the derived blocking term B")
     model: str | None = Field(None, min_length=1, description="`name` or `name@version`, with rows")
     rows: Annotated[int, Field(ge=1, le=2**31)] | None = Field(None, description="rows of one job, with model")
@@ -106,7 +124,7 @@ class TaskSet(_Body):
         "rate-monotonic", description="priorities: shorter period first, or shorter deadline first")
     workers: Annotated[int, Field(ge=1, le=1024)] = Field(
         1, description="identical workers of one stream each, sharing the queues")
-    item_overhead_ms: Annotated[float, Field(ge=0, le=60_000)] = Field(
+    item_overhead_ms: Annotated[float, Field(ge=0, le=60_000, allow_inf_nan=False)] = Field(
         DEFAULT_ITEM_OVERHEAD_MS, description="a worker's cost per queue item besides its mini-batches "
                                               "(model tasks only)")
     tasks: list[TaskSpec] = Field(..., min_length=1, max_length=MAX_TASKS)

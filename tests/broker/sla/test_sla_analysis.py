@@ -13,8 +13,17 @@ from pydantic import ValidationError
 
 from broker.errors import Conflict
 from broker.models.model_record import ModelRecord
-from broker.sla.analysis import analyse, jobs_released, liu_layland_bound, priority_order
-from broker.sla.task_sets import DEFAULT_ITEM_OVERHEAD_MS, PeriodicTask, TaskSet, given_task, model_cost
+from broker.sla import analysis
+from broker.sla.analysis import (
+    MAX_STEPS,
+    WORK_BUDGET,
+    analyse,
+    global_response,
+    jobs_released,
+    liu_layland_bound,
+    priority_order,
+)
+from broker.sla.task_sets import DEFAULT_ITEM_OVERHEAD_MS, MAX_TASKS, PeriodicTask, TaskSet, given_task, model_cost
 
 
 def answer_for(body: dict[str, Any]) -> dict[str, Any]:
@@ -242,6 +251,97 @@ def test_priority_order_follows_the_policy() -> None:
     assert [task.name for task in priority_order([a, b], "deadline-monotonic")] == ["a", "b"]
 
 
+# --- the analysis's work -------------------------------------------------------------------
+
+SLOW_SET = {"tasks": [{"name": "t000", "period_ms": 1, "wcet_ms": 0.9999999}] + [
+    {"name": f"t{i:03d}", "period_ms": 86_400_000 - i, "wcet_ms": 0.5} for i in range(1, MAX_TASKS)]}
+"""One task of period 1 at full load over 255 of a day: each lower task's iteration adds one job of
+t000 a step and would take 5,000,000 steps, so each stops at MAX_STEPS; 10,000 x 256^2 / 2 operations
+(a minute of CPU) without a budget per request."""
+
+
+def test_a_set_that_would_take_minutes_stops_at_the_request_s_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted, not timed: every operation is a jobs_released call. The 12 most urgent lower tasks each
+    spend MAX_STEPS steps (10,000 x (1 + 2 + ... + 12) + the step counts = 781,000 + 130,000 of the
+    1,000,000), the 13th runs out part way, and the other 242 are not started."""
+    calls = 0
+    counted = analysis.jobs_released
+
+    def counting(window_ms: float, period_ms: float) -> float:
+        nonlocal calls
+        calls += 1
+        return counted(window_ms, period_ms)
+
+    monkeypatch.setattr(analysis, "jobs_released", counting)
+
+    answer = answer_for(SLOW_SET)
+
+    assert calls <= WORK_BUDGET
+    reasons = [task["reason"] for task in answer["tasks"]]
+    assert reasons[0].startswith("passes its deadline")  # t000: 0.9999999 + B 0.5 > 1
+    assert reasons[1:13] == [f"not proven: no fixed point within {MAX_STEPS:,} steps"] * 12
+    assert reasons[13].startswith(f"not proven: the analysis's budget of {WORK_BUDGET:,} operations per request "
+                                  "ran out after 7,142 steps")
+    assert reasons[14:] == [f"not proven: the analysis's budget of {WORK_BUDGET:,} operations per request ran out "
+                            "before this task; ask about fewer tasks, or periods less far apart, in one request"] * 242
+    assert answer["feasible"] is False and all(task["response_ms"] is None for task in answer["tasks"])
+
+
+@pytest.mark.parametrize(("first_period", "feasible"), [(1000, True), (230, False)])
+def test_the_budget_leaves_a_full_set_of_ordinary_tasks_exact(first_period: int, feasible: bool) -> None:
+    """256 tasks of 1 ms, blocking 0, periods from `first_period` up in steps of 1 ms. From 1 s (U = 0.23)
+    every task converges at its first step: the lowest's R is 256 jobs of 1 ms, none released twice
+    in 256 ms. From 230 ms (U = 0.75) the iterations run up to 231 steps, about 240,000 operations in
+    all; every task is still decided (met or missed), none cut short by the budget."""
+    answer = answer_for({"tasks": [{"name": f"t{i:03d}", "wcet_ms": 1, "period_ms": first_period + i,
+                                    "blocking_ms": 0} for i in range(MAX_TASKS)]})
+
+    assert answer["feasible"] is feasible
+    assert all(task["reason"].startswith(("meets:", "passes its deadline:")) for task in answer["tasks"])
+    if feasible:
+        assert answer["tasks"][-1]["response_ms"] == 256.0
+
+
+def test_the_global_bound_stops_at_its_budget_too() -> None:
+    """The global bound's equation at N = 1 under the slow set's t000: R = 0.5 + ceil((R + 1)/1) x 0.9999999
+    gains about one job a step, for millions of steps. At 2 operations a step, a budget of 1,000 stops
+    it after 500. (At N = 2 it converges at once: t000 loads half of each worker.)"""
+    fast = PeriodicTask(name="fast", wcet_ms=0.9999999, period_ms=1, deadline_ms=1, section_ms=0.9999999)
+    day = PeriodicTask(name="day", wcet_ms=0.5, period_ms=86_400_000, deadline_ms=86_400_000, section_ms=0.5)
+
+    response = global_response(day, [(fast, 0.9999999)], 0.0, 1, budget=1_000)
+
+    assert response.ms is None and response.work <= 1_000
+    assert "budget" in response.reason and "ran out after 500 steps" in response.reason
+
+
+# --- times too short to divide by ----------------------------------------------------------
+
+
+def test_a_period_too_short_to_divide_by_counts_as_unbounded_jobs_not_an_error() -> None:
+    """5e-324 passes `gt=0`; 1 / 5e-324 is inf and ceil(inf) raised (a 500). The analysis, called with
+    such a task without the request's validation, answers not proven instead."""
+    tiny = PeriodicTask(name="a", wcet_ms=5e-324, period_ms=5e-324, deadline_ms=5e-324, section_ms=5e-324)
+    day = PeriodicTask(name="b", wcet_ms=1, period_ms=86_400_000, deadline_ms=86_400_000, section_ms=1)
+
+    answer = analyse([tiny, day], policy="rate-monotonic", workers=1)
+
+    assert jobs_released(1.0, 5e-324) == math.inf
+    assert answer["tasks"][1]["name"] == "b" and answer["tasks"][1]["meets"] is False
+    assert answer["tasks"][1]["reason"].startswith("not proven: the iteration is no finite number (inf)")
+
+
+@pytest.mark.parametrize("field", ["period_ms", "wcet_ms", "deadline_ms", "section_ms"])
+def test_a_time_under_a_microsecond_is_refused_naming_the_field(field: str) -> None:
+    task = {"name": "t", "wcet_ms": 1, "period_ms": 10} | {field: 5e-324}
+
+    with pytest.raises(ValidationError) as refused:
+        TaskSet.model_validate({"tasks": [task]})
+    assert f"tasks.0.{field}\n  Value error, 4.94066e-324 ms is shorter than the least the analysis takes, " \
+           "0.001 ms" in str(refused.value)
+    assert TaskSet.model_validate({"tasks": [{"name": "t", "wcet_ms": 0.001, "period_ms": 0.001}]})
+
+
 # --- costs from a model's profile -----------------------------------------------------------
 
 PROFILED = {"ref": "m@v1", "name": "m", "version": "v1", "profile_status": "ready", "static_profile": {},
@@ -320,6 +420,8 @@ def test_a_chunk_size_that_makes_too_many_chunks_is_refused() -> None:
     ({"name": "t", "wcet_ms": 1, "period_ms": 10, "device": "cpu"}, "device only apply to a task given as model"),
     ({"name": "t", "model": "m", "rows": 8, "period_ms": 10, "device": "tpu"}, "device 'tpu' is not a device kind"),
     ({"name": "t", "wcet_ms": 1, "period_ms": 10, "blocking_ms": -1}, "greater than or equal to 0"),
+    ({"name": "t", "wcet_ms": 1, "period_ms": math.nan}, "period_ms\n  Input should be a finite number"),
+    ({"name": "t", "wcet_ms": 1, "period_ms": 10, "blocking_ms": math.nan}, "blocking_ms\n  Input should be a finite"),
     ({"name": "t", "wcet_ms": "1", "period_ms": 10}, "Input should be a valid number"),
     ({"name": "no spaces", "wcet_ms": 1, "period_ms": 10}, "task name 'no spaces' must be"),
     ({"name": "t", "wcet_ms": 1, "period_ms": 10, "priority": 3}, "Extra inputs are not permitted"),
