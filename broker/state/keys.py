@@ -409,6 +409,11 @@ class Keys:
         """LIST of JSON changes the batching controller made, newest first, capped (`broker/tuning/steering.py`)."""
         return self._key("batching-changes")
 
+    def sweep_seconds(self, tenant: str, day: str) -> str:
+        """STRING the seconds of tuning sweeps `tenant` planned on UTC `day` (YYYY-MM-DD), kept two days
+        (`tuning.tenant_sweep_seconds`)."""
+        return self._key("sweep-seconds", tenant, day)
+
     @property
     def tunings(self) -> str:
         """HASH '<model ref>|<device kind>' -> JSON result of the model version's last tuning sweep on that

@@ -9,7 +9,9 @@ already measured.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from broker.errors import Conflict, QueueFull
@@ -161,6 +163,36 @@ def busy(tuning: Tuning) -> Conflict:
     """The Conflict of a model that `tuning` tunes now."""
     return Conflict(f"model {tuning.model_ref} is being tuned on {tuning.device_kind} since {tuning.started_at:.0f}; "
                     f"wait for that sweep to end (GET /v1/models/{tuning.model_ref}/tune)")
+
+
+def spend_sweep_seconds(store: Store, tenant: str, seconds: float, *, most: float, now: float) -> None:
+    """Count `seconds` of sweeps planned by `tenant` today (UTC); QueueFull (429, until the day's end) when
+    that would take the day's past `most` (0: no limit): the count goes up and, past it, back down, each
+    step atomic, so asks at once cannot both pass the last of a day's seconds."""
+    if most <= 0:
+        return
+    day = datetime.fromtimestamp(now, UTC)
+    key = store.keys.sweep_seconds(tenant, day.strftime("%Y-%m-%d"))
+    with translate_redis_errors():
+        with store.client.pipeline(transaction=True) as pipe:
+            pipe.incrbyfloat(key, seconds)
+            pipe.expire(key, 2 * 86_400)
+            spent = float(pipe.execute()[0])
+        if spent <= most:
+            return
+        store.client.incrbyfloat(key, -seconds)
+    midnight = datetime.combine(day.date() + timedelta(days=1), datetime.min.time(), UTC).timestamp()
+    raise QueueFull(f"tenant '{tenant}' has planned {spent - seconds:.0f} s of tuning sweeps today (UTC); this one's "
+                    f"{seconds:.0f} s would pass the {most:.0f} s a tenant may (tuning.tenant_sweep_seconds), as "
+                    "every tenant's sweeps share the releasers: ask for a shorter sweep, or tomorrow",
+                    retry_after=max(1, math.ceil(midnight - now)))
+
+
+def refund_sweep_seconds(store: Store, tenant: str, seconds: float, *, now: float) -> None:
+    """Give back `seconds` counted by `spend_sweep_seconds` for a sweep that was not queued after all."""
+    with translate_redis_errors():
+        store.client.incrbyfloat(store.keys.sweep_seconds(tenant, datetime.fromtimestamp(now, UTC).strftime(
+            "%Y-%m-%d")), -seconds)
 
 
 def claim(store: Store, tunings: list[Tuning], *, now: float, most: int) -> None:

@@ -79,5 +79,9 @@ class TuningSettings(_Section):
     """Where a tuning sweep's clients send their requests, as the releaser's host reaches the API; empty: the
     URL `sitsctl up` recorded in `paths.home`, else `api.host`:`api.port`. Never taken from a request (its
     Host header is the client's to write)."""
+    tenant_sweep_seconds: Seconds = Field(7200.0, ge=0)
+    """Most seconds of tuning sweeps one tenant's keys may plan in a UTC day (admin keys are not held to it;
+    0: no limit). The releasers run one sweep at a time for every tenant, so without it one tenant's
+    back-to-back hour-long sweeps would keep the others' from ever starting."""
     controller: BatchingControl = BatchingControl()
     weights: WeightLearning = WeightLearning()

@@ -6,6 +6,7 @@ import base64
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import redis
@@ -164,3 +165,38 @@ def test_an_ask_the_cache_answers_keeps_the_cached_sweep_and_claims_nothing(api:
     assert cached["status"] == "done" and cached["ask_id"] == "before"
     assert api.post("/v1/models", json={"name": "mlp-2", "path": str(zoo_dir / "mlp.onnx")}).status_code == 201
     assert api.post("/v1/models/mlp-2/tune", json={}).status_code == 202
+
+
+def ended(store: Store, model_ref: str) -> None:
+    """The model's queued sweep, as a releaser leaves it once done."""
+    for tuning in results.read_model(store, model_ref):
+        results.save(store, replace(tuning, status=results.DONE, updated_at=time.time()))
+
+
+def test_a_tenant_plans_at_most_its_sweep_seconds_a_day_and_a_refused_ask_costs_none(
+        client: FlaskClient, store: Store, zoo_dir: Path) -> None:
+    """One sweep runs at a time for every tenant: a tenant's back-to-back hour-long sweeps kept the others'
+    from ever starting. Past `tuning.tenant_sweep_seconds` (7,200 s a UTC day) its next is a 429 until the
+    day's end; an ask refused for another reason (the slot taken) costs none of its seconds."""
+    owner = Api(client, create_api_key(store, "alice", "user", tenant="team-a"))
+    for name in ("mlp-a", "mlp-b"):
+        own = zoo_dir / "team-a" / f"{name}.onnx"
+        own.parent.mkdir(exist_ok=True)
+        shutil.copy(zoo_dir / "mlp.onnx", own)
+        assert owner.post("/v1/models", json={"name": name, "path": str(own)}).status_code == 201
+    _heartbeat(store)
+    long = {"cell_seconds": 60, "settle_seconds": 30, "concurrencies": [1], "batch_sizes": list(range(1, 12)),
+            "delays_ms": [0, 1, 2], "streams": [1]}  # (planned 3,150 s)
+
+    first = owner.post("/v1/models/mlp-a/tune", json=long)
+    slot_taken = owner.post("/v1/models/mlp-b/tune", json=long)  # (the one sweep slot: 429, no seconds spent)
+    ended(store, first.get_json()["model_ref"])
+    second = owner.post("/v1/models/mlp-b/tune", json=long)
+    ended(store, second.get_json()["model_ref"])
+    third = owner.post("/v1/models/mlp-a/tune", json=long)
+
+    assert first.status_code == 202 and first.get_json()["planned_seconds"] == 3150, first.get_json()
+    assert slot_taken.status_code == 429 and "release_threads" in slot_taken.get_json()["error"]
+    assert second.status_code == 202, second.get_json()  # (6,300 s of 7,200)
+    assert third.status_code == 429 and "tuning.tenant_sweep_seconds" in third.get_json()["error"], third.get_json()
+    assert int(third.headers["Retry-After"]) <= 86_400
