@@ -280,10 +280,12 @@ def _run_isolating(ctx: WorkerContext, model_ref: str, live: Sequence[tuple[Leas
     results: list[RequestResult] = []
 
     def attempt(lo: int, hi: int) -> SitsError | None:
-        try:
-            results.extend(_run_merged(ctx, model_ref, live[lo:hi]))
-        except (PermanentError, *SIZE_ERRORS) as err:
-            return err
+        # (each run billed to the requests in it: the one that fails in every run pays for its search)
+        with ctx.usage.billing(model_ref, _work(live[lo:hi], time.time()), rerun=True):
+            try:
+                results.extend(_run_merged(ctx, model_ref, live[lo:hi]))
+            except (PermanentError, *SIZE_ERRORS) as err:
+                return err
         return None
 
     found = quarantine.isolate_bad_rows(len(live), error, attempt)

@@ -50,6 +50,9 @@ class _Scope:
     model_ref: str
     work: Sequence[Work]
     seconds: float = 0.0
+    rerun: bool = False
+    """Runs again of work already billed (a merged batch split to find a bad request): only their seconds
+    are billed, not their rows, requests or queue time a second time."""
 
 
 class UsageMeter:
@@ -73,10 +76,11 @@ class UsageMeter:
         self._flusher: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def billing(self, model_ref: str, work: Sequence[Work]) -> Iterator[None]:
-        """Bill the runs of this thread within the block to `work`'s tenants."""
+    def billing(self, model_ref: str, work: Sequence[Work], *, rerun: bool = False) -> Iterator[None]:
+        """Bill the runs of this thread within the block to `work`'s tenants (a block within another's
+        bills its own runs to its own `work` alone); with `rerun`, the seconds alone (see `_Scope.rerun`)."""
         scopes = self._scopes()
-        scope = _Scope(model_ref, [part for part in work if part.tenant])
+        scope = _Scope(model_ref, [part for part in work if part.tenant], rerun=rerun)
         scopes.append(scope)
         try:
             yield
@@ -144,9 +148,9 @@ class UsageMeter:
             for part in scope.work:
                 # each tenant's seconds split again over its keys, by rows (a tenant of one key: all of it)
                 weight = part.rows / tenant_rows[part.tenant] if tenant_rows.get(part.tenant) else 1.0
+                counted = (0, 0, 0.0) if scope.rerun else (part.rows, part.requests, part.queue_seconds)
                 self._merge(BillEntry(part.tenant, part.owner, scope.model_ref, self._device,
-                                      seconds_by_tenant.get(part.tenant, 0.0) * weight, part.rows, part.requests,
-                                      part.queue_seconds))
+                                      seconds_by_tenant.get(part.tenant, 0.0) * weight, *counted))
             due = self._clock() - self._flushed_at >= self._flush_every
         if due:
             self._wake_flusher()

@@ -182,3 +182,30 @@ def test_a_flush_returns_once_the_flushers_write_under_way_is_done(store: Store)
         assert bills(store) == {"s1": pytest.approx(0.25)}
     finally:
         other.execute_command("CLIENT", "UNPAUSE")
+
+
+def test_the_runs_that_find_a_bad_request_bill_the_requests_in_them(store: Store, zoo_dir: Path) -> None:
+    """A merged batch that fails is split until the failing request runs alone. Each of those runs is
+    billed to the requests in it: before, all were split over the whole batch by rows, so the tenants of the
+    good requests paid for most of the search for another tenant's bad one (and ranked lower in fair share
+    for it). Here, runs of 20 ms: the batch of 4 (3:1), acme's two, acme's one, globex's one: 1.25 to 2.75."""
+    ctx = mlp_worker_context(store, zoo_dir, Settings().with_overrides(faults={
+        "enabled": True, "run_latency": "20ms", "fail_values": [7.0]}))
+    for index in range(3):
+        submit(store, f"a{index}", "acme", 1, seed=index)
+    features = np.full((1, 64), 7.0, np.float32)  # (a value its faults fail, as a bad input)
+    requests.submit_request(store, RequestSpec(request_id="g", model_name="mlp", model_version="v1",
+                                               inputs={"features": features}, rows=1, tokens=None, bucket="",
+                                               factors={"level": 0, "enqueued_at": time.time()}, owner="globex-key",
+                                               tenant="globex"), score=1.0, now=time.time(), max_age_seconds=60)
+    items = lease_items(store, "mlp@v1", now=time.time(), lease_seconds=30, max_items=8)
+    assert [item.item_id for item in items] == ["a0", "a1", "a2", "g"]
+
+    assert run_requests(ctx, items) == 3
+    ctx.usage.flush()
+
+    billed = bills(store)
+    assert 0.40 < billed["globex"] / billed["acme"] < 0.55, billed  # (split over the batch: 1 to 3, 0.33)
+    day = tenant_usage.day_number(time.time())
+    rows = tenant_usage.usage_report(store, ["acme", "globex"], first_day=day, last_day=day, by="tenant", prices={})
+    assert {row["tenant"]: (row["rows"], row["requests"]) for row in rows} == {"acme": (3, 3), "globex": (1, 1)}
