@@ -86,6 +86,12 @@ class DeviceOutOfMemory(RetryableError):
     failure_class = "device_oom"
 
 
+class HostMemoryCapped(DeviceOutOfMemory):
+    """A run would take ONNX Runtime past its worker's `resources.host_memory_limit`: out of memory as any
+    (halved, retried), but once a model has run on the worker such a refusal is its request's own, as when
+    a graph's allocation follows its input's values, and it counts on no breaker."""
+
+
 class InferenceTimeout(RetryableError):
     """A batch or a wait ran past its time limit."""
 

@@ -31,7 +31,7 @@ class ResourceSettings(_Section):
     """Most batch memory a worker may reserve on its device, whatever NVML reports (a device shared
     with other work); 0: the whole device."""
     host_memory_limit: Bytes = 0
-    """Most host memory ONNX Runtime may hold in one worker process, all its sessions together (weights,
-    and what its runs allocate): a run that would pass it fails as out of memory (split, then failed, as
-    any), rather than a model whose allocations follow its inputs' values taking the host's memory from
-    every tenant. 0: `device_memory`."""
+    """Most host memory ONNX Runtime may hold in one worker process, all its sessions together (their
+    weights, and what their runs allocate): a run that would pass it fails as out of memory (split, then
+    failed, as any), rather than a model whose allocations follow its inputs' values taking the host's memory
+    from every tenant. 0: three quarters of the host's physical memory."""

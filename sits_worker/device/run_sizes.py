@@ -60,6 +60,10 @@ class RunSizes:
             with self._lock:
                 self._largest[model_ref] = larger(self._largest.get(model_ref), size)
 
+    def has_worked(self, model_ref: str) -> bool:
+        """Whether any run of `model_ref` has worked on this worker."""
+        return model_ref in self._largest
+
     def blames_device(self, model_ref: str, size: RunSize) -> bool:
         """`blames_device` for `model_ref`'s runs on this worker."""
         return blames_device(self._largest.get(model_ref), size)

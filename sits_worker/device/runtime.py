@@ -8,6 +8,7 @@ an onnxruntime type.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from broker.errors import BadInput, DeviceOutOfMemory, InferenceTimeout, InvalidModel
+from broker.errors import BadInput, DeviceOutOfMemory, HostMemoryCapped, InferenceTimeout, InvalidModel
 from sits_worker.device.pinning import Device
 from sits_worker.device.run_limits import RunLimits, RunWatch
 
@@ -32,13 +33,26 @@ _HOST_LIMIT: list[int] = []
 """The bytes `limit_host_memory` capped this process's sessions at (empty: not capped)."""
 
 
+def host_memory_cap(configured: int) -> int:
+    """The cap `limit_host_memory` takes: `resources.host_memory_limit`, or (0) three quarters of the host's
+    physical memory, leaving the rest to Redis, the API and the system beside the worker."""
+    if configured:
+        return configured
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 4)
+    except (OSError, ValueError, AttributeError):  # (no such counters here: no cap)
+        return 0
+
+
 def limit_host_memory(max_bytes: int) -> None:
     """Put every session made after this in the process on one CPU memory arena of at most `max_bytes`
     (`resources.host_memory_limit`): an allocation past it fails the run as out of memory. Without it each
     session grows its own arena as far as its runs ask, and a graph whose allocation sizes come from its
     inputs' values (a `ConstantOfShape` fed by an input) takes as much of the host as a request names.
-    Once per process: ONNX Runtime keeps one such allocator, so a second call keeps the first's limit."""
-    if _HOST_LIMIT:
+    Once per process: ONNX Runtime keeps one such allocator, so a second call keeps the first's limit. The
+    arena holds the sessions' weights too: `max_bytes` must leave room for the models a worker loads. 0: no
+    cap."""
+    if _HOST_LIMIT or max_bytes <= 0:
         return
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     ort.create_and_register_allocator(info, ort.OrtArenaCfg(int(max_bytes), -1, -1, -1))
@@ -155,6 +169,9 @@ def _run_watched(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
         if watch is not None and watch.timed_out:
             raise InferenceTimeout(f"a run of {_rows(feed)} rows passed scheduler.run_time_limit "
                                    f"({watch.limit_seconds:g}s) and was stopped") from err
+        if _is_capped(err):
+            raise HostMemoryCapped(f"device out of memory running a batch of {_rows(feed)} rows: it would take "
+                                   f"the worker past resources.host_memory_limit ({_HOST_LIMIT[0]} bytes)") from err
         if _is_out_of_memory(err):
             raise DeviceOutOfMemory(f"device out of memory running a batch of {_rows(feed)} rows") from err
         raise BadInput(f"ONNX Runtime rejected the batch: {err}") from err
@@ -166,8 +183,12 @@ def _rows(feed: Mapping[str, np.ndarray]) -> int:
 
 def _is_out_of_memory(err: Exception) -> bool:
     text = str(err).lower()
-    return ("out of memory" in text or "failed to allocate" in text or "bad_alloc" in text
-            or "smaller than requested bytes" in text)  # (the capped arena's: `limit_host_memory`)
+    return "out of memory" in text or "failed to allocate" in text or "bad_alloc" in text or _is_capped(err)
+
+
+def _is_capped(err: Exception) -> bool:
+    """Whether `err` is the capped arena's refusal (`limit_host_memory`), not the device's own shortage."""
+    return bool(_HOST_LIMIT) and "smaller than requested bytes" in str(err).lower()
 
 
 class SessionCache:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from broker.config.settings import Settings
-from broker.errors import DeviceOutOfMemory
+from broker.errors import DeviceOutOfMemory, HostMemoryCapped
 from broker.failures import breaker
 from broker.failures.retry_policy import classify, describe
 from broker.jobs.job_record import JobRecord
@@ -44,7 +44,7 @@ from sits_worker.device.observed_profiles import ObservedLatencies
 from sits_worker.device.pinning import Device, device_memory
 from sits_worker.device.run_limits import RunLimits
 from sits_worker.device.run_sizes import RunSize, RunSizes
-from sits_worker.device.runtime import SessionCache, limit_host_memory, run_session
+from sits_worker.device.runtime import SessionCache, host_memory_cap, limit_host_memory, run_session
 from sits_worker.device.worker_settings import WorkerSettings, worker_settings
 from sits_worker.model.inputs import open_input
 from sits_worker.model.padding import MaskSpec, mask_spec, token_limits
@@ -124,10 +124,10 @@ class WorkerContext:
     ceilings: oom_ceiling.Ceilings = field(init=False)
     """The batch ceilings device OOMs taught this worker, by model version (`broker/memory/oom_ceiling.py`)."""
     oom_steps: collections.Counter[str] = field(default_factory=collections.Counter)
+    """What this worker did after its device OOMs since it started: 'halve', 'offload', 'fail' -> times."""
     run_sizes: RunSizes = field(default_factory=RunSizes)
     """The largest runs of each model that worked here: whether a run that ran out of memory or time was the
     device's fault or its own size's (`sits_worker/device/run_sizes.py`)."""
-    """What this worker did after its device OOMs since it started: 'halve', 'offload', 'fail' -> times."""
     usage: UsageMeter = field(init=False)
     """Bills this worker's runs to the tenants in them (`sits_worker/tenancy/usage_meter.py`)."""
     fair_share: FairShare = field(init=False)
@@ -175,7 +175,7 @@ class WorkerContext:
     def create(cls, worker: WorkerSettings) -> WorkerContext:
         """A context over the Redis in the worker's settings, on its device."""
         settings, device, streams = worker.settings, worker.device, worker.streams
-        limit_host_memory(settings.resources.host_memory_limit or settings.resources.device_memory)
+        limit_host_memory(host_memory_cap(settings.resources.host_memory_limit))
         store = Store.of(settings.redis)
         return cls(settings=settings, store=store, device=device, streams=streams,
                    sessions=SessionCache(device, worker.intra_op_threads),
@@ -255,6 +255,9 @@ class WorkerContext:
             if failure_class in SIZE_CLASSES and not self.run_sizes.blames_device(model_ref, size):
                 log.info("a run of %s larger than any that worked here (%s) failed (%s): its size's, not the "
                          "device's; its breaker does not count it", model_ref, size, failure_class)
+            elif isinstance(err, HostMemoryCapped) and self.run_sizes.has_worked(model_ref):
+                log.info("a run of %s (%s) passed resources.host_memory_limit, where its runs worked before: its "
+                         "inputs', not the device's; its breaker does not count it", model_ref, size)
             elif breaker.counts(failure_class):
                 self.breakers.note_run(model_ref, failed=True, error=f"{failure_class}: {describe(err)}")
             raise

@@ -67,20 +67,31 @@ ids = lambda length: np.arange(1, length + 1, dtype=np.int64).reshape(1, length)
 for n in range(25):  # acme's traffic: runs of 512 tokens work
     submit("tok", f"ok-{n}", "acme", {"input_ids": ids(512)}, tokens=512)
     drain("tok")
-submit("tok", "long", "evil", {"input_ids": ids(6000)}, tokens=6000)  # its scores alone: 144 MB
-drain("tok")
-now = time.time()
-tok = {"breaker": ctx.breakers.breaker("tok@v1").state, "may_lease": ctx.breakers.may_lease("tok@v1", now=now),
-       "ceiling": ctx.ceilings.rows("tok@v1", now=now), "evil": status("long")}
-
 for n in range(3):
-    submit("sized", f"acme-{n}", "acme", {"x": np.ones((1, 4), np.float32), "n": np.array([1])})
-submit("sized", "bomb", "evil", {"x": np.ones((1, 4), np.float32), "n": np.array([10**6])})  # 4 GB of zeros
+    submit("tok", f"along-{n}", "acme", {"input_ids": ids(512)}, tokens=512)
+submit("tok", "long", "evil", {"input_ids": ids(6000)}, tokens=6000)  # its scores alone: 144 MB
+merged_tok = drain("tok")  # (one batch, padded to 6,000 tokens a row)
+now = time.time()
+tok = {"merged": merged_tok, "breaker": ctx.breakers.breaker("tok@v1").state,
+       "may_lease": ctx.breakers.may_lease("tok@v1", now=now), "ceiling": ctx.ceilings.rows("tok@v1", now=now),
+       "acme": [status(f"along-{n}") for n in range(3)], "evil": status("long")}
+
+row = lambda size: {"x": np.ones((1, 4), np.float32), "n": np.array([size])}
+for n in range(25):  # acme's traffic: one-row runs work
+    submit("sized", f"fine-{n}", "acme", row(1))
+    drain("sized")
+submit("sized", "alone", "evil", row(10**6))  # 4 GB of zeros, asked by one row of normal size
+drain("sized")
+alone = {"breaker": ctx.breakers.breaker("sized@v1").state, "evil": status("alone")}
+for n in range(3):
+    submit("sized", f"acme-{n}", "acme", row(1))
+submit("sized", "bomb", "evil", row(10**6))
 for n in range(3, 6):
-    submit("sized", f"acme-{n}", "acme", {"x": np.ones((1, 4), np.float32), "n": np.array([1])})
+    submit("sized", f"acme-{n}", "acme", row(1))
 merged = drain("sized")
-sized = {"merged": merged, "acme": [status(f"acme-{n}") for n in range(6)], "evil": status("bomb")}
-print(json.dumps({"tok": tok, "sized": sized}))
+sized = {"merged": merged, "acme": [status(f"acme-{n}") for n in range(6)], "evil": status("bomb"),
+         "breaker": ctx.breakers.breaker("sized@v1").state}
+print(json.dumps({"tok": tok, "alone": alone, "sized": sized}))
 """
 
 
@@ -111,10 +122,12 @@ def test_an_oversized_request_fails_alone_and_leaves_the_model_s_breaker_and_bat
     assert done.returncode == 0, done.stderr[-3000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
 
-    tok, sized = outcome["tok"], outcome["sized"]
+    tok, alone, sized = outcome["tok"], outcome["alone"], outcome["sized"]
+    assert tok["merged"] == 4 and tok["acme"] == [["succeeded", ""]] * 3, tok  # (its neighbours ran)
     assert tok["breaker"] == "closed" and tok["may_lease"], tok  # (larger than any run that worked: its own)
-    assert tok["ceiling"] is None, tok  # (batches of the model keep their size)
+    assert tok["ceiling"] is None, tok  # (batches of the model keep their size: its rows were the cause)
     assert tok["evil"] == ["queued", ""], tok  # (its own failure: it waits out its class's backoff alone)
-    assert sized["merged"] == 7
+    assert alone == {"breaker": "closed", "evil": ["queued", ""]}, alone  # (one row of a size that ran)
+    assert sized["merged"] == 7 and sized["breaker"] == "closed", sized
     assert sized["acme"] == [["succeeded", ""]] * 6, sized  # (its neighbours' rows ran, their outputs kept)
     assert sized["evil"] == ["queued", ""], sized  # (failed on its own, retried later by its class)
