@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from broker.errors import RetryableError
 from broker.jobs.records import ACTIVE_STATUSES
 from broker.state.store import Store, translate_redis_errors
 
@@ -71,6 +72,19 @@ def take_job_place(store: Store, tenant: str, job_id: str, *, most: int, now: fl
                 return
             except redis.WatchError:
                 continue
+
+
+def give_back_job_place(store: Store, tenant: str, job_id: str) -> None:
+    """Give back the place `take_job_place` took for a job whose submit then failed (its folder taken, Redis
+    away): else the job, never written, would keep it, and its chunks, for `PLACE_GRACE_SECONDS`. Best
+    effort: when Redis is away the grace still ends it."""
+    try:
+        with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
+            pipe.zrem(store.keys.tenant_jobs(tenant), job_id)
+            pipe.hdel(store.keys.tenant_job_chunks(tenant), job_id)
+            pipe.execute()
+    except RetryableError:
+        pass
 
 
 def check_job_place(store: Store, tenant: str, *, most: int, now: float) -> None:

@@ -343,9 +343,13 @@ def submit_job(settings: Settings, store: Store, dispatcher: Dispatcher, body: J
             sla_metrics.count_admission_refusal(store, spec.model_ref)
             raise
     _take_job_place(settings, store, spec, caps, now=now)
-    output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
-    job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering,
-                         deadline_horizon=settings.sla.deadline_horizon)
+    try:
+        output_dirs.claim_output_dir(store, spec.output_dir, spec.job_id, caller=caller)
+        job_fills.create_job(store, spec, now=now, weights=weights, ordering=ordering,
+                             deadline_horizon=settings.sla.deadline_horizon)
+    except BaseException:  # (a job never written would hold its place, and its chunks, for the grace)
+        tenant_quotas.give_back_job_place(store, spec.tenant, spec.job_id)
+        raise
     _keep_output_dir_or_stop(store, spec.job_id, spec.output_dir, now=now)
     tenant_usage.count_job(store, tenant=spec.tenant, owner=spec.owner, model=spec.model_ref, now=now)
     dispatcher.wake_workers()

@@ -345,3 +345,24 @@ def test_a_tenant_s_active_jobs_hold_at_most_its_max_queued_chunks(
     assert job(alice, "initech", "two", chunk_size=2).status_code == 201  # (the cancelled job's room is free)
     resumed = alice.post(f"/v1/jobs/{first.get_json()['id']}/resume")
     assert resumed.status_code == 429 and "max_queued_chunks" in error_of(resumed)
+
+
+def test_a_submit_refused_after_its_place_was_taken_holds_none_of_its_tenant_s_room(
+        api: Api, client: FlaskClient, store: Store, mlp: dict[str, Any], tmp_path: Path) -> None:
+    """A job refused once its place was taken (its output folder held by another job) is never written: its
+    place, and its chunks, were kept for a minute, and the tenant's next job was a 429 it had room for."""
+    assert api.put("/v1/tenants/initech", json={"max_queued_chunks": 10}).status_code == 200
+    alice = key(client, store, "alice", "user", "initech")
+    (tmp_path / "initech").mkdir()
+    np.save(tmp_path / "initech" / "rows.npy", np.ones((8, 64), np.float32))
+
+    def job(name: str, chunk_size: int) -> Any:
+        return alice.post("/v1/jobs", json={"model": "mlp", "input_batch": str(tmp_path / "initech" / "rows.npy"),
+                                            "output_dir": str(tmp_path / "initech" / name), "chunk_size": chunk_size})
+
+    first = job("one", 4)  # 2 chunks, holding folder "one"
+    refused = job("one", 1)  # 8 chunks, into the held folder
+    after = job("two", 1)  # 8 chunks: 2 + 8 of 10
+
+    assert first.status_code == 201 and refused.status_code == 409
+    assert after.status_code == 201, error_of(after)
