@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import threading
@@ -48,9 +49,11 @@ from pydantic import (
     model_validator,
 )
 
-from broker.errors import BadInput, Conflict, NotFound
+from broker.errors import BadInput, NotFound
 from broker.state.store import Store, translate_redis_errors
 from broker.tenants.apikeys import GROUP_PATTERN
+
+log = logging.getLogger(__name__)
 
 CallKind = Literal["v1", "v2", "jobs"]
 CALL_KINDS: tuple[CallKind, ...] = ("v1", "v2", "jobs")
@@ -214,10 +217,13 @@ def _stored_route(text: str) -> Route:
     return Route.model_validate(json.loads(text), context={_STORED: True})
 
 
-def _oversize(model: str, size: int) -> Conflict:
-    return Conflict(f"model '{model}' has a stored route of {size} bytes, over the {MAX_ROUTE_BYTES} a route "
-                    f"may take (it was stored before routes were capped), so it is not followed: PUT a smaller "
-                    f"route or DELETE /v1/routes/{model}; name a version ('{model}@<version>') meanwhile")
+def _ignore_oversize(model: str, size: int) -> None:
+    """A stored route over `MAX_ROUTE_BYTES` (stored before routes were capped) is not followed: its model's
+    bare name goes to its newest version, as without a route, so that no caller learns of it (another
+    tenant's calls of the name answer as for any model), and its owner is told in the log."""
+    log.warning("model '%s' has a stored route of %d bytes, over the %d a route may take (stored before routes "
+                "were capped): it is not followed; PUT a smaller route or DELETE /v1/routes/%s", model, size,
+                MAX_ROUTE_BYTES, model)
 
 
 def _read_one(store: Store, model: str) -> tuple[Route | None, int]:
@@ -232,16 +238,16 @@ def _read_one(store: Store, model: str) -> tuple[Route | None, int]:
 
 
 def read_route(store: Store, model: str) -> Route | None:
-    """The model's stored route, or None; Conflict for one over `MAX_ROUTE_BYTES` (stored before the cap)."""
+    """The model's stored route, or None (also for one over `MAX_ROUTE_BYTES`, stored before the cap)."""
     route, oversize = _read_one(store, model)
     if oversize:
-        raise _oversize(model, oversize)
+        _ignore_oversize(model, oversize)
     return route
 
 
 def load_routes(store: Store) -> dict[str, Route]:
-    """Every stored route by model name, but those over `MAX_ROUTE_BYTES` (stored before the cap; calls to
-    their names answer 409 saying so): their sizes are asked first, so a listing reads none of them."""
+    """Every stored route by model name, but those over `MAX_ROUTE_BYTES` (stored before the cap; not
+    followed): their sizes are asked first, so a listing reads none of them."""
     with translate_redis_errors():
         models = store.client.hkeys(store.keys.routes)
         with store.client.pipeline(transaction=False) as pipe:
@@ -289,8 +295,8 @@ class RouteTable:
 
     def route(self, store: Store, model: str) -> Route | None:
         """The model's route as stored at most `ttl_seconds` ago (one HSTRLEN and one HGET when it is
-        older; none for a name no route may have). Conflict for a stored route over `MAX_ROUTE_BYTES`;
-        ConnectionLost, as any read, when Redis is away (nothing is kept then)."""
+        older; none for a name no route may have). None for a stored route over `MAX_ROUTE_BYTES` (logged
+        at each read); ConnectionLost, as any read, when Redis is away (nothing is kept then)."""
         if not MODEL_PATTERN.fullmatch(model):
             return None
         with self._lock:
@@ -307,13 +313,13 @@ class RouteTable:
                     view.models.move_to_end(model)
                     while len(view.models) > self.max_models:
                         view.models.popitem(last=False)
-        if kept.oversize:
-            raise _oversize(model, kept.oversize)
         return kept.route
 
     def _read(self, store: Store, model: str) -> _Kept:
         read_at = self._clock()
         route, oversize = _read_one(store, model)
+        if oversize:
+            _ignore_oversize(model, oversize)
         return _Kept(read_at, route, oversize)
 
     def forget(self, store: Store, model: str | None = None) -> None:
