@@ -16,13 +16,13 @@ import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import orjson
 
-from broker.errors import Conflict, NotFound, PayloadTooLarge, SitsError
+from broker.errors import Conflict, NotFound, PayloadTooLarge, QueueFull, SitsError
 from broker.online.records import RequestRecord
 from broker.queueing.leases import LeasedItem
 from broker.state.held_calls import send_held
@@ -298,8 +298,17 @@ def complete_requests(store: Store, results: Sequence[RequestResult], *, now: fl
                   keys.tenants_served(model_ref), *request_keys],
             args=args,
         )
-        _settle_tenants(store, [results[int(position)] for position in reply[1:]], now=now)
+        _settle_tenants(store, [_as_answered(results, int(position)) for position in reply[1:]], now=now)
     return int(reply[0])
+
+
+def _as_answered(results: Sequence[RequestResult], position: int) -> RequestResult:
+    """The result at a position the completion script replied (at -1 - it: one that ran, but whose outputs it
+    refused for its tenant's bytes, a failure to bill as such)."""
+    if position >= 0:
+        return results[position]
+    return replace(results[-1 - position], outputs=None, error="its outputs passed its tenant's max_queued_bytes",
+                   code=QueueFull.code)
 
 
 def _settle_tenants(store: Store, results: Sequence[RequestResult], *, now: float) -> None:

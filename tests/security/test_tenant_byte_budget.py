@@ -25,6 +25,7 @@ from broker.state.embedded import EmbeddedRedis
 from broker.state.keys import Keys
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
+from broker.tenants.usage import day_number
 from sits_api.app import create_app
 from tests.api.api_helpers import Api, error_of, make_settings
 from tests.leasing import lease_items
@@ -138,4 +139,6 @@ def test_outputs_larger_than_their_inputs_are_held_to_the_budget_too(floodable: 
     assert kept["status"] == "succeeded" and 1_300_000 < after_second < BUDGET
     assert crowded["status"] == "failed" and crowded["error_code"] == "queue_full", crowded
     assert after_third - after_second < 2048  # (its failure is kept, not its outputs)
+    bill = floodable.store.client.hgetall(floodable.store.keys.tenant_bill("evil", day_number(time.time())))
+    assert bill.get("failed") == "2", bill  # (billed as the failures they are)
     assert floodable.alice.post("/v1/requests", json=rows(1)).status_code == 202

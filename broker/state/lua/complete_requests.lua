@@ -37,7 +37,8 @@
 -- as submitted (its histograms' class)
 -- Returns: {how many requests were completed, then the 0-based position of each request this call took off
 -- its lease (completed, or its hash expired)}: only those are settled with their tenants (freed here, and
--- billed by the caller when failed).
+-- billed by the caller when failed); a request that succeeded but whose result was refused for its tenant's
+-- bytes (`result_refusal`) is at -1 - its position.
 -- A request gets one result: one that is waiting again (its lease expired and the reaper put it
 -- back: it will run again) or already completed (no payload left) is skipped, so a late or
 -- repeated completion from a worker that lost its lease changes nothing.
@@ -121,6 +122,7 @@ for i = 0, (#ARGV - 9) / ARGS_EACH - 1 do
       status = 'failed'
       redis.call('HSET', request, 'status', status, 'outputs', '{}', 'error', refusal[1], 'error_code', refusal[2])
       fields, stored, copy = kept_fields(request, waiters ~= request)
+      reply[#reply] = -1 - i  -- (its caller bills it as failed)
     end
     local results = {{item_id, stored, now + tonumber(ARGV[2])}}  -- (what its tenant's bytes now count)
     if copy then
