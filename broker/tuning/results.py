@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from broker.errors import Conflict, QueueFull
+from broker.errors import BadInput, Conflict, QueueFull
 from broker.state.store import Store, translate_redis_errors
 from broker.tuning.front import Point, Space, choose, pareto_front
 
@@ -171,6 +171,10 @@ def spend_sweep_seconds(store: Store, tenant: str, seconds: float, *, most: floa
     step atomic, so asks at once cannot both pass the last of a day's seconds."""
     if most <= 0:
         return
+    if seconds > most:  # (no day would take it: no retry ends that)
+        raise BadInput(f"this sweep would take up to {seconds:.0f} s, more than tenant '{tenant}' may plan in a day "
+                       f"({most:.0f} s, tuning.tenant_sweep_seconds): try fewer values, fewer concurrencies or "
+                       "shorter cell_seconds")
     day = datetime.fromtimestamp(now, UTC)
     key = store.keys.sweep_seconds(tenant, day.strftime("%Y-%m-%d"))
     with translate_redis_errors():

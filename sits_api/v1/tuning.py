@@ -62,7 +62,8 @@ def tune_model(ref: str) -> Any:
     measured = [kind for kind in kinds if cached_tuning(settings, store, ask, kind, now=now) is None]
     if measured:  # (an ask the cache answers holds no releaser thread: its model stays free)
         budget = 0.0 if caller.role == "admin" else settings.tuning.tenant_sweep_seconds
-        results.spend_sweep_seconds(store, caller.tenant, planned, most=budget, now=now)
+        spent = planned * len(measured) / len(kinds)  # (the kinds the cache answers measure nothing)
+        results.spend_sweep_seconds(store, caller.tenant, spent, most=budget, now=now)
         try:
             results.claim(store, [Tuning(model_ref=record.ref, device_kind=kind, method=ask.method,
                                          p99_bound_ms=ask.p99_bound_ms, headroom=ask.headroom, started_at=now,
@@ -70,7 +71,7 @@ def tune_model(ref: str) -> Any:
                           now=now, most=max_sweeps(settings))
         except Exception:
             if budget:
-                results.refund_sweep_seconds(store, caller.tenant, planned, now=now)
+                results.refund_sweep_seconds(store, caller.tenant, spent, now=now)
             raise
     state.dispatcher.send(TUNE_TASK, ask.to_dict(), caller.to_dict(),
                           queue=settings.beat.queue(settings.redis.key_prefix))

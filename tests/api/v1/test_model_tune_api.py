@@ -200,3 +200,21 @@ def test_a_tenant_plans_at_most_its_sweep_seconds_a_day_and_a_refused_ask_costs_
     assert second.status_code == 202, second.get_json()  # (6,300 s of 7,200)
     assert third.status_code == 429 and "tuning.tenant_sweep_seconds" in third.get_json()["error"], third.get_json()
     assert int(third.headers["Retry-After"]) <= 86_400
+
+
+def test_a_sweep_longer_than_a_tenant_s_whole_day_is_a_400(client: FlaskClient, store: Store, zoo_dir: Path,
+                                                          settings: Settings) -> None:
+    """No day would take it: a 429 to retry at midnight would never end."""
+    from sits_api.app import create_app
+    small = create_app(settings.with_overrides(tuning={"tenant_sweep_seconds": "10m"}), store=store).test_client()
+    owner = Api(small, create_api_key(store, "alice", "user", tenant="team-a"))
+    own = zoo_dir / "team-a" / "mlp-c.onnx"
+    own.parent.mkdir(exist_ok=True)
+    shutil.copy(zoo_dir / "mlp.onnx", own)
+    assert owner.post("/v1/models", json={"name": "mlp-c", "path": str(own)}).status_code == 201
+    _heartbeat(store)
+
+    long = owner.post("/v1/models/mlp-c/tune", json={"cell_seconds": 60, "settle_seconds": 30, "concurrencies": [1],
+                                                     "batch_sizes": list(range(1, 12)), "delays_ms": [0],
+                                                     "streams": [1]})  # (planned about 1,170 s)
+    assert long.status_code == 400 and "tuning.tenant_sweep_seconds" in long.get_json()["error"], long.get_json()
