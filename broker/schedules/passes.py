@@ -181,14 +181,15 @@ class BeatPass:
                        expect=("held",), at=again)
 
     def send_lost_releases(self, now: float) -> None:
-        """Send again the releases claimed `beat.release_timeout` ago whose job is still not made."""
+        """Send again the releases claimed `beat.release_timeout` ago whose job is still not made (and those a
+        releaser turned back for their tenant's places, which it marks as due then: `release._defer`)."""
         keys = self.store.keys
         lost = runs_due(self.store, keys.schedule_runs_releasing, now=now - self.settings.release_timeout,
                         limit=MOST_PER_PASS)
         for member, slot in lost:
             touch_releasing(self.store, member, slot, now=now)
-            log.warning("the release of %s at slot %d was not made in %gs; sending it again", member, slot,
-                        self.settings.release_timeout)
+            log.info("the release of %s at slot %d is not made yet (lost, or waiting for its tenant's release "
+                     "place); sending it again", member, slot)
             self.send(member, slot)
 
     def send_rescore_when_due(self, now: float) -> None:

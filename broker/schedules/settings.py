@@ -30,6 +30,11 @@ class BeatSettings(_Section):
     """The Celery queue of release tasks, which the releasers take; empty: `<redis.key_prefix>-releases`."""
     release_threads: Integer = Field(2, ge=1, le=64)
     """Releases one releaser process makes at once (each reads its input file, as a job submit does)."""
+    releases_per_tenant: Integer = Field(1, ge=0)
+    """Releases of one tenant's schedules made at once, over all releasers (0: no cap). A release reads and
+    checksums its job's input, as a submit does: without it, one tenant's many runs due together, each of a
+    large file, would hold every releaser thread while the other tenants' runs wait. One past it is sent
+    again a second later, its place in the queue given to the others."""
     runs_kept: Integer = Field(100, ge=1, le=10_000)
     """The most recent runs kept per schedule (`GET /v1/schedules/<name>` lists them)."""
     max_schedules_per_tenant: Integer = Field(100, ge=0)

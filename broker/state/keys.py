@@ -500,6 +500,11 @@ class Keys:
         """STRING present while one releaser makes the job of run 'member|slot' (`beat.release_timeout`)."""
         return self._key("release-lease", run)
 
+    def tenant_releases(self, tenant: str) -> str:
+        """ZSET run 'member|slot' -> until when its releaser holds one of the tenant's places
+        (`beat.releases_per_tenant`), renewed while it works."""
+        return self._key("tenant-releases", tenant)
+
     def release_tries(self, run: str) -> str:
         """STRING counter of the releases of run 'member|slot' that Redis or the input failed for a while
         (`release.RELEASE_TRIES`)."""

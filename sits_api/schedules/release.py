@@ -30,8 +30,9 @@ from broker.config.settings import Settings
 from broker.errors import BadInput, Forbidden, QueueFull, RetryableError, SitsError
 from broker.jobs import records as jobs
 from broker.schedules.book import find_schedule
-from broker.schedules.records import Run, Schedule
-from broker.schedules.runs import get_run, run_id, settle_run
+from broker.schedules.records import Run, Schedule, split_member
+from broker.schedules.release_places import give_back_release_place, renew_release_place, take_release_place
+from broker.schedules.runs import get_run, run_id, settle_run, touch_releasing
 from broker.schedules.stats import MISSED, refusal_counts, release_counts
 from broker.schedules.templates import render
 from broker.state.holds import Hold, take_hold
@@ -52,7 +53,8 @@ SUBMITTING_ROLES = ("user", "tenant-admin", "admin")
 @dataclass(frozen=True)
 class Outcome:
     """What one release did: `released`, `refused`, `missed`, or nothing (`settled`: the run had moved on;
-    `busy`: another releaser holds it)."""
+    `busy`: another releaser holds it; `deferred`: its tenant's release places were taken, the beat sends it
+    again a second later)."""
 
     outcome: str
     run: Run | None = None
@@ -73,7 +75,12 @@ def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table:
     hold = _take_run(settings, store, member, slot)
     if hold is None:
         return Outcome("busy")
-    stop_holding = _keep_holding(settings, hold, member, slot)
+    tenant, run_key = split_member(member)[0], run_id(member, slot)
+    if not take_release_place(store, tenant, run_key, most=settings.beat.releases_per_tenant,
+                              hold_seconds=settings.beat.release_timeout, now=clock()):
+        _defer(settings, store, member, slot, hold, now=clock())
+        return Outcome("deferred")
+    stop_holding = _keep_holding(settings, hold, member, slot, tenant=tenant)
     try:
         return _release(settings, store, dispatcher, table, member, slot, clock=clock)
     except RetryableError as err:
@@ -91,6 +98,19 @@ def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table:
         raise
     finally:
         stop_holding()  # (a run settled keeps its hold until it lapses: a message delivered twice finds it busy)
+        with suppress(RetryableError):  # (Redis away: the place lapses by itself)
+            give_back_release_place(store, tenant, run_key)
+
+
+DEFER_SECONDS = 1.0
+"""How soon the beat sends again a release its tenant's places turned away (`beat.releases_per_tenant`)."""
+
+
+def _defer(settings: Settings, store: Store, member: str, slot: int, hold: Hold, *, now: float) -> None:
+    """Leave run (`member`, `slot`) releasing, for the beat to send again in `DEFER_SECONDS` (as a lost release
+    is, `BeatPass.send_lost_releases`), and let the releaser that takes it then hold it."""
+    touch_releasing(store, member, slot, now=now - settings.beat.release_timeout + DEFER_SECONDS)
+    hold.drop()
 
 
 def _release(settings: Settings, store: Store, dispatcher: Dispatcher, table: TenantTable, member: str,
@@ -158,15 +178,17 @@ def _take_run(settings: Settings, store: Store, member: str, slot: int) -> Hold 
     return take_hold(store, store.keys.release_lease(run_id(member, slot)), int(settings.beat.release_timeout * 1000))
 
 
-def _keep_holding(settings: Settings, hold: Hold, member: str, slot: int) -> Callable[[], None]:
-    """Renew `hold` on run (`member`, `slot`) every third of `beat.release_timeout` until the function
-    returned is called, or until the hold is found lapsed (another releaser may hold the run by then:
-    its hold is left alone)."""
+def _keep_holding(settings: Settings, hold: Hold, member: str, slot: int, *, tenant: str) -> Callable[[], None]:
+    """Renew `hold` on run (`member`, `slot`), and its tenant's release place, every third of
+    `beat.release_timeout` until the function returned is called, or until the hold is found lapsed
+    (another releaser may hold the run by then: its hold is left alone)."""
     stop = threading.Event()
 
     def renew() -> None:
         while not stop.wait(settings.beat.release_timeout / 3):
             try:
+                renew_release_place(hold.store, tenant, run_id(member, slot),
+                                    hold_seconds=settings.beat.release_timeout, now=time.time())
                 if not hold.renew():
                     log.warning("the hold on run %s|%d lapsed while its release went on", member, slot)
                     return

@@ -409,3 +409,30 @@ def test_a_user_cannot_tell_whether_another_user_of_its_tenant_has_a_schedule_of
     assert error_of(others) == error_of(missing).replace("'nothing'", "'secret'")
     boss = key(client, store, "boss", "tenant-admin", "acme")  # (one that may read it may chain after it)
     made(boss, schedule_body(tmp_path, mlp_input, name="after-secret", after=["secret"]))
+
+
+def test_a_tenant_s_releases_beyond_its_place_go_back_to_the_beat_and_the_others_go_on(
+        app: Flask, client: FlaskClient, store: Store, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
+    """A release reads and checksums its job's input: one tenant's many runs due together, each of a large
+    file, held every releaser thread while the other tenants' runs waited. Past `beat.releases_per_tenant`
+    (1) at once, a run goes back to the beat, to be sent again a second later."""
+    from broker.schedules.release_places import give_back_release_place, take_release_place
+    alice, gary = key(client, store, "alice", "user", "acme"), key(client, store, "gary", "user", "globex")
+    made(alice, schedule_body(tmp_path, mlp_input))
+    theirs_body = schedule_body(tmp_path, mlp_input)
+    theirs_body["job"]["output_dir"] = str(tmp_path / "globex-out" / "{slot}")
+    made(gary, theirs_body)
+    member, run = claimed_run(app, store, tenant="acme")
+    others, theirs = claimed_run(app, store, tenant="globex")
+    timeout = app.extensions["sits"].settings.beat.release_timeout
+    assert take_release_place(store, "acme", "acme|etl|1", most=1, hold_seconds=60, now=time.time())  # (at work)
+
+    turned = release(app, member, run.slot)
+    resend_at = store.client.zscore(store.keys.schedule_runs_releasing, f"{member}|{run.slot}")
+    meanwhile = release(app, others, theirs.slot)
+    give_back_release_place(store, "acme", "acme|etl|1")
+    later = release(app, member, run.slot)
+
+    assert turned == "deferred" and meanwhile == "released" and later == "released"
+    assert resend_at is not None and abs(resend_at + timeout - 1.0 - time.time()) < 5  # (the beat sends it again soon)
+    assert not store.client.exists(store.keys.tenant_releases("acme"))  # (each release gave its place back)
