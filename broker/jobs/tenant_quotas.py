@@ -76,13 +76,26 @@ def take_job_place(store: Store, tenant: str, job_id: str, *, most: int, now: fl
 
 def give_back_job_place(store: Store, tenant: str, job_id: str) -> None:
     """Give back the place `take_job_place` took for a job whose submit then failed (its folder taken, Redis
-    away): else the job, never written, would keep it, and its chunks, for `PLACE_GRACE_SECONDS`. Best
-    effort: when Redis is away the grace still ends it."""
+    away): else the job, never written, would keep it, and its chunks, for `PLACE_GRACE_SECONDS`. Only
+    while no job of that id exists: a submit refused because its id was taken (a schedule's second release
+    of a slot) must not free the place of the job that holds it. Best effort: when Redis is away the grace
+    still ends it."""
+    job = store.keys.job(job_id)
     try:
         with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
-            pipe.zrem(store.keys.tenant_jobs(tenant), job_id)
-            pipe.hdel(store.keys.tenant_job_chunks(tenant), job_id)
-            pipe.execute()
+            while True:
+                try:
+                    pipe.watch(job)
+                    if pipe.exists(job):  # (written after all, or a twin's under the same id: its place stays)
+                        pipe.unwatch()
+                        return
+                    pipe.multi()
+                    pipe.zrem(store.keys.tenant_jobs(tenant), job_id)
+                    pipe.hdel(store.keys.tenant_job_chunks(tenant), job_id)
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
     except RetryableError:
         pass
 

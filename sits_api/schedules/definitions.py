@@ -278,7 +278,7 @@ def run_now(settings: Settings, store: Store, dispatcher: Dispatcher, table: Ten
         if claim.reply == ClaimReply.DUPLICATE:
             raise Conflict(f"schedule '{name}' has a run of this second already; run it again in a second")
         if claim.claimed:
-            outcome = release_run(settings, store, dispatcher, table, schedule.member, slot)
+            outcome = release_run(settings, store, dispatcher, table, schedule.member, slot, shared=False)
             settled = runs.get_run(store, schedule.member, slot) or outcome.run or run
             return describe_run(store, settled)
     raise Conflict(f"schedule '{name}' kept changing while it was run; try again")

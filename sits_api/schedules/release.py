@@ -31,7 +31,12 @@ from broker.errors import BadInput, Forbidden, QueueFull, RetryableError, SitsEr
 from broker.jobs import records as jobs
 from broker.schedules.book import find_schedule
 from broker.schedules.records import Run, Schedule, split_member
-from broker.schedules.release_places import give_back_release_place, renew_release_place, take_release_place
+from broker.schedules.release_places import (
+    give_back_release_place,
+    release_id,
+    renew_release_place,
+    take_release_place,
+)
 from broker.schedules.runs import get_run, run_id, settle_run, touch_releasing
 from broker.schedules.stats import MISSED, refusal_counts, release_counts
 from broker.schedules.templates import render
@@ -70,17 +75,17 @@ next is refused. Without it a run whose input a tenant keeps changing is sent ag
 
 
 def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table: TenantTable, member: str,
-                slot: int, *, clock: Callable[[], float] = time.time) -> Outcome:
-    """Make the job of run (`member`, `slot`) if it is still releasing, and settle the run."""
+                slot: int, *, clock: Callable[[], float] = time.time, shared: bool = True) -> Outcome:
+    """Make the job of run (`member`, `slot`) if it is still releasing, and settle the run. On a releaser
+    (`shared`), within its tenant's release places; a run-now, made on its caller's API thread, takes none."""
     hold = _take_run(settings, store, member, slot)
     if hold is None:
         return Outcome("busy")
-    tenant, run_key = split_member(member)[0], run_id(member, slot)
-    if not take_release_place(store, tenant, run_key, most=settings.beat.releases_per_tenant,
-                              hold_seconds=settings.beat.release_timeout, now=clock()):
+    tenant, release = split_member(member)[0], release_id(run_id(member, slot), hold.token)
+    if shared and _waits_for_place(settings, store, member, slot, release, now=clock()):
         _defer(settings, store, member, slot, hold, now=clock())
         return Outcome("deferred")
-    stop_holding = _keep_holding(settings, hold, member, slot, tenant=tenant)
+    stop_holding = _keep_holding(settings, hold, member, slot, tenant=tenant, release=release)
     try:
         return _release(settings, store, dispatcher, table, member, slot, clock=clock)
     except RetryableError as err:
@@ -99,17 +104,36 @@ def release_run(settings: Settings, store: Store, dispatcher: Dispatcher, table:
     finally:
         stop_holding()  # (a run settled keeps its hold until it lapses: a message delivered twice finds it busy)
         with suppress(RetryableError):  # (Redis away: the place lapses by itself)
-            give_back_release_place(store, tenant, run_key)
+            give_back_release_place(store, tenant, release)
 
 
-DEFER_SECONDS = 1.0
-"""How soon the beat sends again a release its tenant's places turned away (`beat.releases_per_tenant`)."""
+DEFER_SECONDS = (1.0, 10.0)
+"""How soon the beat sends again a release its tenant's places turned away (`beat.releases_per_tenant`): a
+quarter of how long the run has waited since it was due, within these bounds, so that many runs waiting
+behind one long release cost a message each every few seconds, not every second."""
+
+
+def _waits_for_place(settings: Settings, store: Store, member: str, slot: int, release: str, *, now: float) -> bool:
+    """Whether the run must wait for one of its tenant's release places: True when they are all taken and the
+    run is still to be made (one settled, or whose window closed, is settled at once: that reads no input)."""
+    tenant = split_member(member)[0]
+    if take_release_place(store, tenant, release, most=settings.beat.releases_per_tenant,
+                          hold_seconds=settings.beat.release_timeout, now=now):
+        return False
+    run, schedule = get_run(store, member, slot), find_schedule(store, member)
+    if run is None or run.status != "releasing" or schedule is None:
+        return False
+    closes = schedule.cadence().window_end(slot)
+    return closes is None or now < closes or run.manual
 
 
 def _defer(settings: Settings, store: Store, member: str, slot: int, hold: Hold, *, now: float) -> None:
-    """Leave run (`member`, `slot`) releasing, for the beat to send again in `DEFER_SECONDS` (as a lost release
-    is, `BeatPass.send_lost_releases`), and let the releaser that takes it then hold it."""
-    touch_releasing(store, member, slot, now=now - settings.beat.release_timeout + DEFER_SECONDS)
+    """Leave run (`member`, `slot`) releasing, for the beat to send again soon (as a lost release is,
+    `BeatPass.send_lost_releases`: `DEFER_SECONDS`), and let the releaser that takes it then hold it."""
+    run = get_run(store, member, slot)
+    waited = now - (run.due_at if run is not None else now)
+    wait = min(DEFER_SECONDS[1], max(DEFER_SECONDS[0], waited / 4))
+    touch_releasing(store, member, slot, now=now - settings.beat.release_timeout + wait)
     hold.drop()
 
 
@@ -178,7 +202,8 @@ def _take_run(settings: Settings, store: Store, member: str, slot: int) -> Hold 
     return take_hold(store, store.keys.release_lease(run_id(member, slot)), int(settings.beat.release_timeout * 1000))
 
 
-def _keep_holding(settings: Settings, hold: Hold, member: str, slot: int, *, tenant: str) -> Callable[[], None]:
+def _keep_holding(settings: Settings, hold: Hold, member: str, slot: int, *, tenant: str,
+                  release: str) -> Callable[[], None]:
     """Renew `hold` on run (`member`, `slot`), and its tenant's release place, every third of
     `beat.release_timeout` until the function returned is called, or until the hold is found lapsed
     (another releaser may hold the run by then: its hold is left alone)."""
@@ -187,8 +212,8 @@ def _keep_holding(settings: Settings, hold: Hold, member: str, slot: int, *, ten
     def renew() -> None:
         while not stop.wait(settings.beat.release_timeout / 3):
             try:
-                renew_release_place(hold.store, tenant, run_id(member, slot),
-                                    hold_seconds=settings.beat.release_timeout, now=time.time())
+                renew_release_place(hold.store, tenant, release, hold_seconds=settings.beat.release_timeout,
+                                    now=time.time())
                 if not hold.renew():
                     log.warning("the hold on run %s|%d lapsed while its release went on", member, slot)
                     return

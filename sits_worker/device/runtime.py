@@ -9,6 +9,7 @@ an onnxruntime type.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import weakref
 from collections.abc import Mapping
@@ -33,15 +34,29 @@ _HOST_LIMIT: list[int] = []
 """The bytes `limit_host_memory` capped this process's sessions at (empty: not capped)."""
 
 
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+"""Where a container's memory limit is read (cgroup v2, then v1): the host's own memory is not the worker's
+when it runs in one."""
+
+
 def host_memory_cap(configured: int) -> int:
-    """The cap `limit_host_memory` takes: `resources.host_memory_limit`, or (0) three quarters of the host's
-    physical memory, leaving the rest to Redis, the API and the system beside the worker."""
+    """The cap `limit_host_memory` takes: `resources.host_memory_limit`, or (0) three quarters of the memory
+    this process may have (the host's, or its container's limit when lower), leaving the rest to Redis, the
+    API and the system beside it. Several workers on one host should each be given their share."""
     if configured:
         return configured
     try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 3 // 4)
+        memory = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (OSError, ValueError, AttributeError):  # (no such counters here: no cap)
         return 0
+    for path in CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory * 3 // 4
 
 
 def limit_host_memory(max_bytes: int) -> None:
@@ -169,7 +184,7 @@ def _run_watched(session: ort.InferenceSession, feed: Mapping[str, np.ndarray],
         if watch is not None and watch.timed_out:
             raise InferenceTimeout(f"a run of {_rows(feed)} rows passed scheduler.run_time_limit "
                                    f"({watch.limit_seconds:g}s) and was stopped") from err
-        if _is_capped(err):
+        if _is_capped(err) and _asked_bytes(err) * 2 > _HOST_LIMIT[0]:
             raise HostMemoryCapped(f"device out of memory running a batch of {_rows(feed)} rows: it would take "
                                    f"the worker past resources.host_memory_limit ({_HOST_LIMIT[0]} bytes)") from err
         if _is_out_of_memory(err):
@@ -189,6 +204,14 @@ def _is_out_of_memory(err: Exception) -> bool:
 def _is_capped(err: Exception) -> bool:
     """Whether `err` is the capped arena's refusal (`limit_host_memory`), not the device's own shortage."""
     return bool(_HOST_LIMIT) and "smaller than requested bytes" in str(err).lower()
+
+
+def _asked_bytes(err: Exception) -> int:
+    """What the capped arena's refusal says the run asked for (0 when it does not say). One allocation of
+    more than half the whole cap is the run's own (HostMemoryCapped); a smaller one refused means the arena
+    is full (the models' weights, the other runs), which is the worker's state, not the request's."""
+    found = re.search(r"requested bytes of (\d+)", str(err))
+    return int(found.group(1)) if found else 0
 
 
 class SessionCache:

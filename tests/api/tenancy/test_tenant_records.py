@@ -366,3 +366,31 @@ def test_a_submit_refused_after_its_place_was_taken_holds_none_of_its_tenant_s_r
 
     assert first.status_code == 201 and refused.status_code == 409
     assert after.status_code == 201, error_of(after)
+
+
+def test_a_submit_under_a_taken_job_id_keeps_the_place_of_the_job_that_holds_it(
+        app: Flask, api: Api, client: FlaskClient, store: Store, mlp: dict[str, Any], tmp_path: Path) -> None:
+    """A schedule's second release of a slot submits under the same job id and is refused (409): giving back
+    its place would have freed the place of the job that holds it, one more job past `max_inflight`."""
+    from broker.errors import Conflict
+    from sits_api.intake import services
+    from sits_api.schemas import JobSubmission
+    state = app.extensions["sits"]
+    assert api.put("/v1/tenants/initech", json={"max_inflight": 2}).status_code == 200
+    alice = key(client, store, "alice", "user", "initech")
+    (tmp_path / "initech").mkdir()
+    np.save(tmp_path / "initech" / "rows.npy", np.ones((8, 64), np.float32))
+
+    def body(name: str) -> dict[str, Any]:
+        return {"model": "mlp", "input_batch": str(tmp_path / "initech" / "rows.npy"),
+                "output_dir": str(tmp_path / "initech" / name)}
+
+    caller = {"name": "alice", "role": "user", "tenant": "initech"}
+    for _ in range(2):
+        try:
+            services.submit_job(state.settings, store, state.dispatcher, JobSubmission.model_validate(body("one")),
+                                caller=caller, now=time.time(), tenants=state.tenants, job_id="twin")
+        except Conflict:
+            pass  # (the second: its id is taken)
+
+    assert [alice.post("/v1/jobs", json=body(name)).status_code for name in ("two", "three")] == [201, 429]

@@ -430,9 +430,11 @@ def test_a_tenant_s_releases_beyond_its_place_go_back_to_the_beat_and_the_others
     turned = release(app, member, run.slot)
     resend_at = store.client.zscore(store.keys.schedule_runs_releasing, f"{member}|{run.slot}")
     meanwhile = release(app, others, theirs.slot)
+    now = alice.post("/v1/schedules/nightly/run")  # (made on the caller's own API thread: no place to wait for)
     give_back_release_place(store, "acme", "acme|etl|1")
     later = release(app, member, run.slot)
 
     assert turned == "deferred" and meanwhile == "released" and later == "released"
+    assert now.status_code == 201 and now.get_json()["status"] == "released", now.get_json()
     assert resend_at is not None and abs(resend_at + timeout - 1.0 - time.time()) < 5  # (the beat sends it again soon)
     assert not store.client.exists(store.keys.tenant_releases("acme"))  # (each release gave its place back)

@@ -309,3 +309,23 @@ def test_a_long_held_run_is_looked_at_less_often_than_a_new_one(store: Store) ->
 
     assert soon == pytest.approx(1.0) and late == pytest.approx(30.0)
     assert passes.held_look_after(NOW, now=NOW + 40, tick=0.5) == pytest.approx(10.0)
+
+
+def test_a_release_place_is_given_back_and_renewed_by_its_own_releaser_only(store: Store) -> None:
+    """Places are named by run and hold token: a releaser whose hold lapsed, and whose run another took over,
+    frees only its own place, not the other's; a renewal keeps the tenant's key past a long release."""
+    from broker.schedules.release_places import (
+        give_back_release_place,
+        release_id,
+        renew_release_place,
+        take_release_place,
+    )
+    first, second = release_id("acme|s|1", "aaaa"), release_id("acme|s|1", "bbbb")
+    assert take_release_place(store, "acme", first, most=1, hold_seconds=30, now=NOW)
+    assert take_release_place(store, "acme", second, most=1, hold_seconds=30, now=NOW + 31)  # (the first lapsed)
+    give_back_release_place(store, "acme", first)  # (the first releaser ends after all)
+    renew_release_place(store, "acme", second, hold_seconds=300, now=NOW + 40)
+
+    assert not take_release_place(store, "acme", release_id("acme|s|2", "cccc"), most=1, hold_seconds=30,
+                                  now=NOW + 50)
+    assert store.client.ttl(store.keys.tenant_releases("acme")) > 300
