@@ -187,8 +187,14 @@ def may_read(identity: dict[str, Any], owner: str | None, tenant: str | None = N
     return owns(identity, owner, tenant)
 
 
-def list_api_keys(store: Store, tenant: str | None = None) -> list[dict[str, Any]]:
-    """Every key's name, role, tenant and group (never a digest), by name; only `tenant`'s when given."""
+TENANTLESS_ROLES = ("admin", "metrics")
+"""Roles whose keys are no tenant's members, whatever their record's name: a tenant admin neither lists nor
+revokes them (`members_only`), even one whose name is its tenant's."""
+
+
+def list_api_keys(store: Store, tenant: str | None = None, *, members_only: bool = False) -> list[dict[str, Any]]:
+    """Every key's name, role, tenant and group (never a digest), by name; only `tenant`'s when given, and
+    with `members_only` none of `TENANTLESS_ROLES`."""
     with translate_redis_errors():
         stored = store.client.hvals(store.keys.api_keys)
     listed = []
@@ -201,14 +207,15 @@ def list_api_keys(store: Store, tenant: str | None = None) -> list[dict[str, Any
             continue
         record = {"name": identity["name"], "role": identity.get("role"),
                   "tenant": identity.get("tenant") or identity["name"], "group": identity.get("group") or None}
-        if tenant is None or record["tenant"] == tenant:
+        if (tenant is None or record["tenant"] == tenant) and not (members_only and record["role"] in TENANTLESS_ROLES):
             listed.append(record)
     return sorted(listed, key=lambda record: (record["name"], str(record["role"])))
 
 
-def revoke_api_keys(store: Store, name: str, tenant: str | None = None) -> int:
-    """Delete every key named `name` (only `tenant`'s when given); returns how many were deleted. The API
-    trusts a key it checked for up to 5 s, so a revoked key stops working within that."""
+def revoke_api_keys(store: Store, name: str, tenant: str | None = None, *, members_only: bool = False) -> int:
+    """Delete every key named `name` (only `tenant`'s when given, and with `members_only` none of
+    `TENANTLESS_ROLES`); returns how many were deleted. The API trusts a key it checked for up to 5 s, so a
+    revoked key stops working within that."""
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -220,7 +227,8 @@ def revoke_api_keys(store: Store, name: str, tenant: str | None = None) -> int:
                     except ValueError:
                         continue
                     if isinstance(identity, dict) and identity.get("name") == name and (
-                            tenant is None or (identity.get("tenant") or identity.get("name")) == tenant):
+                            tenant is None or (identity.get("tenant") or identity.get("name")) == tenant) and not (
+                            members_only and identity.get("role") in TENANTLESS_ROLES):
                         doomed.append(digest)
                 pipe.multi()
                 if doomed:

@@ -182,7 +182,7 @@ def keys_visible(store: Store, identity: dict[str, Any]) -> list[dict[str, Any]]
     if identity.get("role") == "admin":
         return apikeys.list_api_keys(store)
     if identity.get("role") == "tenant-admin":
-        return apikeys.list_api_keys(store, tenant_of(identity))
+        return apikeys.list_api_keys(store, tenant_of(identity), members_only=True)
     raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role: only admin and "
                     "tenant-admin keys list keys")
 
@@ -194,7 +194,7 @@ def revoke_keys(store: Store, identity: dict[str, Any], name: str) -> int:
         raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role: only admin and "
                         "tenant-admin keys revoke keys")
     scope = None if identity.get("role") == "admin" else tenant_of(identity)
-    revoked = apikeys.revoke_api_keys(store, name, scope)
+    revoked = apikeys.revoke_api_keys(store, name, scope, members_only=scope is not None)
     if not revoked:
         raise NotFound(f"no key named '{name}'" + (f" in tenant '{scope}'" if scope else ""))
     return revoked

@@ -394,3 +394,23 @@ def test_a_submit_under_a_taken_job_id_keeps_the_place_of_the_job_that_holds_it(
             pass  # (the second: its id is taken)
 
     assert [alice.post("/v1/jobs", json=body(name)).status_code for name in ("two", "three")] == [201, 429]
+
+
+def test_a_tenant_admin_neither_lists_nor_revokes_admin_and_metrics_keys_named_as_its_tenant(
+        api: Api, client: FlaskClient, store: Store) -> None:
+    """Admin and metrics keys are no tenant's members: one named as a tenant was listed to, and revoked by,
+    that tenant's admin keys (its record's tenant read as its name)."""
+    for role in ("admin", "metrics"):
+        made = api.post("/v1/keys", json={"name": "initech", "role": role})
+        assert made.status_code == 201, error_of(made)
+    ops = Api(client, api.post("/v1/keys", json={"name": "ops-initech", "role": "admin"}).get_json()["key"])
+    boss = key(client, store, "boss", "tenant-admin", "initech")
+
+    listed = boss.get("/v1/keys").get_json()["keys"]
+    revoked = boss.delete("/v1/keys/initech")
+
+    assert [(k["name"], k["role"]) for k in listed] == [("boss", "tenant-admin")]
+    assert revoked.status_code == 404
+    assert sorted(k["role"] for k in api.get("/v1/keys").get_json()["keys"] if k["name"] == "initech") == [
+        "admin", "metrics"]
+    assert ops.get("/v1/tenants").status_code == 200
