@@ -221,6 +221,12 @@ def version_exists(store: Store, ref: str) -> bool:
         return bool(store.client.hexists(store.keys.model_versions, ref))
 
 
+def model_owners(store: Store) -> dict[str, str]:
+    """Model name -> the tenant that owns it (names no tenant owns are absent)."""
+    with translate_redis_errors():
+        return dict(store.client.hgetall(store.keys.model_owners))
+
+
 def list_model_names(store: Store) -> list[str]:
     """Names of all registered models."""
     with translate_redis_errors():

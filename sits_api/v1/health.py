@@ -11,9 +11,10 @@ from flask import Blueprint, Response, g, jsonify, request
 from broker.errors import SitsError
 from broker.failures import breaker
 from broker.jobs import lists as job_lists
+from broker.models import registry
 from broker.queueing import queues, tickets, workers
 from broker.state.embedded import masked_url
-from broker.tenants.apikeys import require_role
+from broker.tenants.apikeys import key_tenant, require_role
 from sits_api import metrics
 from sits_api.openapi import openapi_document
 from sits_api.state import app_state
@@ -51,7 +52,9 @@ def status() -> Any:
     """The whole system at a glance: workers, queue depths, jobs by status, circuit breakers.
 
     Counts only, no job or request ids or owners, so any key but a `metrics` key may read it; the
-    Redis URL only an admin key, and never its password (masked).
+    Redis URL only an admin key, and never its password (masked). An admin sees every model and job; a
+    tenant's key the models its tenant owns or no tenant owns (shared), and its tenant's jobs
+    (`_tenant_view`): another tenant's model names and traffic are its own.
     """
     state = app_state()
     store, settings, now = state.store, state.settings, time.time()
@@ -69,7 +72,31 @@ def status() -> Any:
     }
     if g.identity.get("role") != "admin":
         del overview["redis_url"]
+        overview = _tenant_view(store, overview, key_tenant(g.identity), now=now)
     return jsonify(overview)
+
+
+TENANT_JOBS_COUNTED = 1000
+"""The newest jobs of a tenant its status counts (`_tenant_view`): a call stays small however many it kept."""
+
+
+def _tenant_view(store: Any, overview: dict[str, Any], tenant: str, *, now: float) -> dict[str, Any]:
+    """`overview` as a key of `tenant` sees it: queues, breakers and loaded models of the models its tenant
+    owns or no tenant owns; its own newest jobs counted by status."""
+    owners = registry.model_owners(store)
+
+    def shown(ref: str) -> bool:
+        return owners.get(ref.partition("@")[0]) in (None, tenant)
+
+    counts: dict[str, int] = {}
+    for job in job_lists.list_jobs(store, now=now, limit=TENANT_JOBS_COUNTED, tenant=tenant):
+        counts[job.status] = counts.get(job.status, 0) + 1
+    return {**overview,
+            "queues": {ref: depth for ref, depth in overview["queues"].items() if shown(ref)},
+            "breakers": [entry for entry in overview["breakers"] if shown(str(entry.get("model", "")))],
+            "workers": [{**worker, "models_loaded": [ref for ref in worker.get("models_loaded") or [] if shown(ref)]}
+                        if "models_loaded" in worker else worker for worker in overview["workers"]],
+            "jobs": counts}
 
 
 @blueprint.get("/metrics")

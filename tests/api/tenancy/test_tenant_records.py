@@ -414,3 +414,21 @@ def test_a_tenant_admin_neither_lists_nor_revokes_admin_and_metrics_keys_named_a
     assert sorted(k["role"] for k in api.get("/v1/keys").get_json()["keys"] if k["name"] == "initech") == [
         "admin", "metrics"]
     assert ops.get("/v1/tenants").status_code == 200
+
+
+def test_status_shows_a_tenant_s_key_its_own_and_shared_models_and_jobs_only(
+        api: Api, client: FlaskClient, store: Store, mlp: dict[str, Any], zoo_dir: Path, tmp_path: Path) -> None:
+    """`/v1/status` showed any key every model's queue depth: another tenant's private model names and
+    traffic. A tenant's key sees the models its tenant owns and those no tenant owns; an admin all."""
+    alice, peek = key(client, store, "alice", "user", "initech"), key(client, store, "peek", "viewer", "umbrella")
+    private = tenant_copy(zoo_dir / "mlp.onnx", tmp_path, "initech")
+    made = alice.post("/v1/models", json={"name": "initech-fraud", "path": str(private)})
+    assert made.status_code == 201, error_of(made)
+    for model in ("initech-fraud", "mlp"):
+        assert alice.post("/v1/requests", json={"model": model, "inputs": {"features": [ROW]}}).status_code == 202
+
+    theirs, own, everyone = (who.get("/v1/status").get_json() for who in (peek, alice, api))
+
+    assert set(theirs["queues"]) == {mlp["ref"]} and theirs["jobs"] == {}
+    assert set(own["queues"]) == {mlp["ref"], made.get_json()["ref"]}
+    assert set(everyone["queues"]) == {mlp["ref"], made.get_json()["ref"]}
