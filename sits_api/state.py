@@ -22,6 +22,7 @@ from sits_api.intake.registrations import Registrations
 from sits_api.intake.result_inbox import ResultInbox
 from sits_api.intake.task_sender import Dispatcher
 from sits_api.metrics import SitsCollector
+from sits_api.tenancy.known_keys import KnownKeys
 from sits_api.tenancy.wait_slots import WaitSlots
 
 EXTENSION = "sits"
@@ -51,8 +52,8 @@ class AppState:
     """How many model registrations each tenant runs in this process (`models.registrations_per_tenant`)."""
     registration_pool: Registrations = field(init=False)
     """The threads registrations run on, apart from the request threads (`sits_api.intake.registrations`)."""
-    known_keys: dict[str | None, tuple[float, dict[str, Any]]] = field(default_factory=dict)
-    """API keys checked lately: key -> (when, identity), trusted for `auth.KEY_CACHE_SECONDS`."""
+    known_keys: KnownKeys = field(default_factory=KnownKeys)
+    """API keys checked lately, trusted for `known_keys.KEY_CACHE_SECONDS` (`sits_api/tenancy/known_keys.py`)."""
 
 
     def __post_init__(self) -> None:

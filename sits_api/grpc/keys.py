@@ -4,14 +4,12 @@ process, and refused where its role may not go."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from broker.errors import Forbidden
-from broker.tenants.apikeys import authenticate, require_role
+from broker.tenants.apikeys import require_role
 from sits_api.state import AppState
-from sits_api.tenancy.auth import KEY_CACHE_SECONDS
 
 CallKind = Literal["read", "statistics", "infer", "admin"]
 """What a call does: reads a model's description, reads the statistics (a `metrics` key's one call),
@@ -27,13 +25,7 @@ def bearer_key(metadata: Mapping[str, str]) -> str | None:
 def identity_of(state: AppState, metadata: Mapping[str, str], call: CallKind) -> dict[str, Any]:
     """The caller's {name, role, tenant}; Unauthorized for a missing or unknown key, Forbidden where its
     role may not make `call`. Blocking (a Redis read when the key is not trusted yet)."""
-    key = bearer_key(metadata)
-    cached = state.known_keys.get(key) if key else None
-    if cached and time.monotonic() - cached[0] < KEY_CACHE_SECONDS:
-        identity = cached[1]
-    else:
-        identity = authenticate(state.store, key)
-        state.known_keys[key] = (time.monotonic(), identity)
+    identity = state.known_keys.identity(state.store, bearer_key(metadata))
     role = identity.get("role")
     if call in ("statistics", "admin"):
         require_role(identity, "metrics" if call == "statistics" else "admin")

@@ -7,37 +7,25 @@ needs no key; a `metrics` key reaches only `METRICS_ENDPOINTS`; a `viewer` key o
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 from flask import g, request
 
 from broker.errors import Forbidden
 from broker.state.store import Store
-from broker.tenants.apikeys import authenticate
-
-KEY_CACHE_SECONDS = 5.0
-"""A key that passed is trusted this long per API process (a revoked key stops working within it)."""
+from sits_api.tenancy.known_keys import KnownKeys
 
 PUBLIC_ENDPOINTS = {"health.healthz", "health.readyz", "health.openapi", "v2.live", "v2.ready", "v2.server_metadata"}
 """The routes any caller reaches without a key: health and the API's own description."""
 
 
-def check_key(store: Store, known_keys: dict[str | None, tuple[float, dict[str, Any]]]) -> None:
+def check_key(store: Store, known_keys: KnownKeys) -> None:
     """Set `g.identity` from the request's bearer key (checked against `store`, or trusted from
-    `known_keys` for `KEY_CACHE_SECONDS`); Unauthorized or Forbidden when it may not call this route."""
+    `known_keys` for `known_keys.KEY_CACHE_SECONDS`); Unauthorized or Forbidden when it may not call this
+    route."""
     if request.endpoint is None or request.endpoint in PUBLIC_ENDPOINTS:
         return  # no such route (a 404 follows), or a health/description endpoint
     scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
     key = credentials.strip() if scheme.lower() == "bearer" else None  # schemes are case-insensitive
-    known = known_keys
-    cached = known.get(key) if key else None
-    if cached and time.monotonic() - cached[0] < KEY_CACHE_SECONDS:
-        g.identity = cached[1]
-        refuse_a_metrics_key_elsewhere()
-        return
-    g.identity = authenticate(store, key)
-    known[key] = (time.monotonic(), g.identity)
+    g.identity = known_keys.identity(store, key)
     refuse_a_metrics_key_elsewhere()
 
 

@@ -432,3 +432,31 @@ def test_status_shows_a_tenant_s_key_its_own_and_shared_models_and_jobs_only(
     assert set(theirs["queues"]) == {mlp["ref"]} and theirs["jobs"] == {}
     assert set(own["queues"]) == {mlp["ref"], made.get_json()["ref"]}
     assert set(everyone["queues"]) == {mlp["ref"], made.get_json()["ref"]}
+
+
+def test_a_process_trusts_a_bounded_number_of_keys_and_none_checked_across_a_revoke(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant minting and using keys without end grew every API process's trusted keys without end; and a
+    call in flight while its key was revoked put the key back, trusted for another 5 s."""
+    from broker.errors import Unauthorized
+    from broker.tenants.apikeys import create_api_key, revoke_api_keys
+    from sits_api.tenancy import known_keys as known
+    keys = known.KnownKeys(most=3)
+    for n in range(5):
+        keys.identity(store, create_api_key(store, f"k{n}", "user", tenant="initech"))
+    assert len(keys) == 3
+
+    racing = create_api_key(store, "racing", "user", tenant="initech")
+    checked = known.authenticate
+
+    def revoked_meanwhile(store_: Store, key_: str | None) -> dict[str, Any]:
+        identity = checked(store_, key_)  # (read before the revoke below)
+        revoke_api_keys(store_, "racing")
+        keys.forget_all()
+        return identity
+
+    monkeypatch.setattr(known, "authenticate", revoked_meanwhile)
+    keys.identity(store, racing)  # (the call in flight)
+    monkeypatch.undo()
+    with pytest.raises(Unauthorized):
+        keys.identity(store, racing)  # (checked again: revoked)

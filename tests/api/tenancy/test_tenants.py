@@ -501,7 +501,7 @@ def test_jobs_and_requests_stored_without_an_owner_are_seen_by_admins_only(
 # --- status ---------------------------------------------------------------------------------------
 
 
-def test_status_shows_a_user_counts_but_no_other_tenant_s_ids_nor_the_redis_url(
+def test_status_shows_a_user_a_shared_model_s_counts_but_no_other_tenant_s_jobs_ids_nor_the_redis_url(
         api: Api, alice: Api, bob: Api, mlp: dict[str, Any], mlp_input: Path, tmp_path: Path) -> None:
     job = submit_job(alice, mlp_input, tmp_path / "out")
     request_id = submit_request(alice)
@@ -510,7 +510,8 @@ def test_status_shows_a_user_counts_but_no_other_tenant_s_ids_nor_the_redis_url(
 
     assert response.status_code == 200
     overview = response.get_json()
-    assert overview["jobs"] == {"queued": 1} and overview["queues"][mlp["ref"]]["ready"] == 2
+    assert overview["jobs"] == {} and overview["queues"][mlp["ref"]]["ready"] == 2  # (its own jobs: none)
+    assert alice.get("/v1/status").get_json()["jobs"] == {"queued": 1}
     assert "redis_url" not in overview
     assert job["id"] not in response.text and request_id not in response.text and "alice" not in response.text
     assert "redis_url" in api.get("/v1/status").get_json()
