@@ -84,7 +84,8 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
 def _refuse_a_taken_name(name: str, role: str, tenant: str, stored: list[str]) -> None:
     """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and is an
     admin's where `role` is a tenant's, or the other way round, or belongs to a tenant other than
-    `tenant`. `metrics` keys own nothing, so their names are free of the rule either way. The message
+    `tenant`; names that differ only in case count as one. `metrics` keys own nothing, so their names are free
+    of the rule either way. The message
     names no tenant and no role: a tenant admin learns only that the name is taken, not whose it is."""
     if role == "metrics":
         return
@@ -95,7 +96,7 @@ def _refuse_a_taken_name(name: str, role: str, tenant: str, stored: list[str]) -
             continue  # damaged: `authenticate` refuses it anyway
         if not isinstance(identity, dict) or identity.get("role") == "metrics":
             continue
-        if identity.get("name") != name:
+        if str(identity.get("name", "")).casefold() != name.casefold():  # ("Bob@acme.com" looks like "bob@...")
             continue
         if (identity.get("role") == "admin") != (role == "admin") or (
                 role != "admin" and (identity.get("tenant") or name) != tenant):

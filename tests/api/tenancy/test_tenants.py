@@ -111,6 +111,14 @@ def test_a_metrics_key_may_share_a_name_with_a_tenant_or_admins_and_gets_none_of
         create_api_key(store, "prometheus", "admin")  # the rule still holds between tenants and admins
 
 
+def test_a_key_name_that_differs_from_another_tenant_s_only_in_case_is_taken(store: Store) -> None:
+    """"Bob@acme.com" in another tenant reads as acme's "bob@acme.com" wherever a name is shown."""
+    create_api_key(store, "bob@acme.com", "user", tenant="acme")
+    with pytest.raises(ValueError, match="is taken"):
+        create_api_key(store, "Bob@acme.com", "viewer", tenant="evil")
+    create_api_key(store, "BOB@acme.com", "user", tenant="acme")  # (its own tenant's: a key rotated so)
+
+
 def test_a_key_without_a_name_or_with_spaces_around_it_cannot_be_created(store: Store) -> None:
     with pytest.raises(ValueError, match="needs a name"):
         create_api_key(store, "  ", "user")
