@@ -34,7 +34,7 @@ class BeatSettings(_Section):
     """Releases of one tenant's schedules made at once, over all releasers (0: no cap). A release reads and
     checksums its job's input, as a submit does: without it, one tenant's many runs due together, each of a
     large file, would hold every releaser thread while the other tenants' runs wait. One past it is sent
-    again a second later, its place in the queue given to the others."""
+    again after a quarter of its wait (1 to 10 s), its place in the queue given to the others."""
     runs_kept: Integer = Field(100, ge=1, le=10_000)
     """The most recent runs kept per schedule (`GET /v1/schedules/<name>` lists them)."""
     max_schedules_per_tenant: Integer = Field(100, ge=0)

@@ -59,7 +59,7 @@ SUBMITTING_ROLES = ("user", "tenant-admin", "admin")
 class Outcome:
     """What one release did: `released`, `refused`, `missed`, or nothing (`settled`: the run had moved on;
     `busy`: another releaser holds it; `deferred`: its tenant's release places were taken, the beat sends it
-    again a second later)."""
+    again after a quarter of its wait, 1 to 10 s)."""
 
     outcome: str
     run: Run | None = None
