@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from broker.errors import Forbidden, Unauthorized
+from broker.errors import Forbidden, QueueFull, Unauthorized
 from broker.state.store import Store, translate_redis_errors
 
 ROLES = ("admin", "tenant-admin", "user", "viewer", "metrics")
@@ -29,12 +29,22 @@ def _digest(key: str) -> str:
 
 
 GROUP_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""What a key's group may be called: the user group A/B routes send to an arm (`broker/models/routing.py`)."""
 KEY_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+-]{0,63}")
 """What a key may be called: a name a person reads (an e-mail address fits), short, in plain letters:
 every record a key submits carries it, and no two names may look alike."""
+KEY_WRITE_TRIES = 20
+"""Most tries of one key's creation or revocation, each undone by another key's written meanwhile; then a 429
+to retry (a tenant making keys without pause must not hold every other tenant's key changes in a loop)."""
+
+
+def _busy_keys() -> QueueFull:
+    return QueueFull(f"the API keys changed {KEY_WRITE_TRIES} times while this change was made; send it again",
+                     retry_after=1)
+
+
 MAX_KEYS_PER_TENANT = 1000
 """The most keys one tenant may hold: each is a record in Redis that every key made or revoked reads."""
-"""What a key's group may be called: the user group A/B routes send to an arm (`broker/models/routing.py`)."""
 
 
 def create_api_key(store: Store, name: str, role: str = "user", group: str = "", tenant: str = "") -> str:
@@ -67,7 +77,7 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
     record = json.dumps({"name": name, "role": role, **({"group": group} if group else {}),
                          **({"tenant": tenant} if tenant and tenant != name else {})})
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
-        while True:
+        for _ in range(KEY_WRITE_TRIES):
             try:
                 pipe.watch(store.keys.api_keys)
                 stored = pipe.hvals(store.keys.api_keys)
@@ -79,6 +89,7 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
                 return key
             except redis.WatchError:
                 continue  # a key was created or revoked meanwhile; look again
+    raise _busy_keys()
 
 
 def _refuse_a_taken_name(name: str, role: str, tenant: str, stored: list[str]) -> None:
@@ -218,7 +229,7 @@ def revoke_api_keys(store: Store, name: str, tenant: str | None = None, *, membe
     `TENANTLESS_ROLES`); returns how many were deleted. The API trusts a key it checked for up to 5 s, so a
     revoked key stops working within that."""
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
-        while True:
+        for _ in range(KEY_WRITE_TRIES):
             try:
                 pipe.watch(store.keys.api_keys)
                 doomed = []
@@ -238,3 +249,4 @@ def revoke_api_keys(store: Store, name: str, tenant: str | None = None, *, membe
                 return len(doomed)
             except redis.WatchError:
                 continue
+    raise _busy_keys()

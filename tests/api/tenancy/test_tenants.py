@@ -569,3 +569,26 @@ def test_sitsctl_key_create_refuses_a_user_key_named_like_an_admin_key(
     assert "key name 'test' is taken" in output
     assert store.client.hgetall(store.keys.api_keys) == stored
 
+
+
+def test_a_key_change_that_keeps_meeting_other_writes_is_a_429_not_a_loop(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant making keys without pause breaks every other key change's transaction; each tried again for
+    ever. Here every EXEC meets a write since its WATCH (its 1,000th would pass)."""
+    import redis as redis_py
+
+    from broker.errors import QueueFull
+    met = {"writes": 0}
+    execute = redis_py.client.Pipeline.execute
+
+    def after_a_write(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.watching and met["writes"] < 1000:
+            met["writes"] += 1
+            self.reset()
+            raise redis_py.WatchError("a key was written meanwhile")
+        return execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis_py.client.Pipeline, "execute", after_a_write)
+    with pytest.raises(QueueFull, match="send it again"):
+        create_api_key(store, "carol", "user", tenant="acme")
+    assert met["writes"] == 20
