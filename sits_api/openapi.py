@@ -299,14 +299,14 @@ def _build_document() -> dict[str, Any]:
                      "requestBody": c.body(keys.KeyCreation),
                      "description": "400 also for a name a key of another tenant, or of the other kind (admin "
                                     "or not), has.",
-                     "responses": c.answers({201: keys.KeyMade}, 400, 401, 403)},
+                     "responses": c.answers({201: keys.KeyMade}, 400, 401, 403, 429)},
             "get": {"summary": "admin: every key's name, role, tenant and group; tenant-admin: its tenant's",
                     "responses": c.answers({200: keys.KeyList}, 401, 403)},
         },
         "/v1/keys/{name}": {
             "delete": {"summary": "admin or tenant-admin: delete the keys of that name (within 5 s)",
                        "parameters": path_params("name"),
-                       "responses": c.answers({200: keys.KeysRevoked}, 401, 403, 404)},
+                       "responses": c.answers({200: keys.KeysRevoked}, 401, 403, 404, 429)},
         },
         "/v1/usage": {
             "get": {"summary": "chargeback: device-seconds, rows, requests, jobs, queue time and cost per tenant",

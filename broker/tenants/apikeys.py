@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import secrets
@@ -110,7 +111,7 @@ def _refuse_a_taken_name(name: str, role: str, tenant: str, stored: list[str]) -
         if str(identity.get("name", "")).casefold() != name.casefold():  # ("Bob@acme.com" looks like "bob@...")
             continue
         if (identity.get("role") == "admin") != (role == "admin") or (
-                role != "admin" and (identity.get("tenant") or name) != tenant):
+                role != "admin" and (identity.get("tenant") or identity.get("name")) != tenant):
             raise ValueError(f"key name {name!r} is taken: a key name belongs to one tenant, or to the admin keys; "
                              f"give this {role} key another name")
 
@@ -224,12 +225,14 @@ def list_api_keys(store: Store, tenant: str | None = None, *, members_only: bool
     return sorted(listed, key=lambda record: (record["name"], str(record["role"])))
 
 
-def revoke_api_keys(store: Store, name: str, tenant: str | None = None, *, members_only: bool = False) -> int:
+def revoke_api_keys(store: Store, name: str, tenant: str | None = None, *, members_only: bool = False,
+                    tries: int | None = KEY_WRITE_TRIES) -> int:
     """Delete every key named `name` (only `tenant`'s when given, and with `members_only` none of
     `TENANTLESS_ROLES`); returns how many were deleted. The API trusts a key it checked for up to 5 s, so a
-    revoked key stops working within that."""
+    revoked key stops working within that. Tried `tries` times against other writes, then QueueFull (None:
+    until it is done, for SITS's own keys, which must not outlive their work)."""
     with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
-        for _ in range(KEY_WRITE_TRIES):
+        for _ in itertools.count() if tries is None else range(tries):
             try:
                 pipe.watch(store.keys.api_keys)
                 doomed = []

@@ -186,7 +186,7 @@ def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *
                                                     tenant="" if caller.role == "admin" else caller.tenant),
                             record.ref, [sample_feed(record.signature, 1, seed=s) for s in range(8)])
     except (SitsError, ValueError) as err:  # (the records of the kinds it would measure say why: its poller stops)
-        revoke_api_keys(store, key_name)
+        revoke_api_keys(store, key_name, tries=None)
         setup_error = err
     ended = []
     try:
@@ -206,7 +206,7 @@ def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *
     finally:
         if sender is not None:
             sender.close()
-            revoke_api_keys(store, key_name)
+            revoke_api_keys(store, key_name, tries=None)
     return ended
 
 

@@ -14,6 +14,7 @@ from broker.jobs import lists as job_lists
 from broker.models import registry
 from broker.queueing import queues, tickets, workers
 from broker.state.embedded import masked_url
+from broker.state.store import translate_redis_errors
 from broker.tenants.apikeys import key_tenant, require_role
 from sits_api import metrics
 from sits_api.openapi import openapi_document
@@ -54,10 +55,11 @@ def status() -> Any:
     Counts only, no job or request ids or owners, so any key but a `metrics` key may read it; the
     Redis URL only an admin key, and never its password (masked). An admin sees every model and job; a
     tenant's key the models its tenant owns or no tenant owns (shared), and its tenant's jobs
-    (`_tenant_view`): another tenant's model names and traffic are its own.
+    (`_tenant_view`): how much another tenant's models are used is that tenant's own.
     """
     state = app_state()
     store, settings, now = state.store, state.settings, time.time()
+    admin = g.identity.get("role") == "admin"
     overview = {
         "api_url": settings.api.public_url(),
         "grpc_address": settings.api.grpc_address() or None,
@@ -66,13 +68,13 @@ def status() -> Any:
         "workers": workers.list_workers(store, now=now, timeout=settings.scheduler.worker_heartbeat_timeout),
         "queues": queues.queue_depths(store),
         "tickets": tickets.ticket_count(store),
-        "jobs": job_lists.count_jobs_by_status(store),
+        "jobs": job_lists.count_jobs_by_status(store) if admin else _tenant_job_counts(store, key_tenant(g.identity)),
         "breakers": breaker.list_breakers(store, settings.breaker, now=now,
                                           heartbeat_timeout=settings.scheduler.worker_heartbeat_timeout),
     }
-    if g.identity.get("role") != "admin":
+    if not admin:
         del overview["redis_url"]
-        overview = _tenant_view(store, overview, key_tenant(g.identity), now=now)
+        overview = _tenant_view(store, overview, key_tenant(g.identity))
     return jsonify(overview)
 
 
@@ -80,23 +82,42 @@ TENANT_JOBS_COUNTED = 1000
 """The newest jobs of a tenant its status counts (`_tenant_view`): a call stays small however many it kept."""
 
 
-def _tenant_view(store: Any, overview: dict[str, Any], tenant: str, *, now: float) -> dict[str, Any]:
-    """`overview` as a key of `tenant` sees it: queues, breakers and loaded models of the models its tenant
-    owns or no tenant owns; its own newest jobs counted by status."""
+def _tenant_job_counts(store: Any, tenant: str) -> dict[str, int]:
+    """The tenant's newest `TENANT_JOBS_COUNTED` jobs by status: their statuses alone, in one round trip."""
+    with translate_redis_errors():
+        ids = store.client.zrevrange(store.keys.jobs_of_tenant(tenant), 0, TENANT_JOBS_COUNTED - 1)
+        pipe = store.client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(store.keys.job(job_id), "status")
+        statuses = pipe.execute() if ids else []
+    counts: dict[str, int] = {}
+    for status_ in statuses:
+        if status_:
+            counts[status_] = counts.get(status_, 0) + 1
+    return counts
+
+
+def _tenant_view(store: Any, overview: dict[str, Any], tenant: str) -> dict[str, Any]:
+    """`overview` as a key of `tenant` sees it: queues, breakers, loaded models and OOM ceilings of the
+    models its tenant owns or no tenant owns."""
     owners = registry.model_owners(store)
 
     def shown(ref: str) -> bool:
         return owners.get(ref.partition("@")[0]) in (None, tenant)
 
-    counts: dict[str, int] = {}
-    for job in job_lists.list_jobs(store, now=now, limit=TENANT_JOBS_COUNTED, tenant=tenant):
-        counts[job.status] = counts.get(job.status, 0) + 1
+    def worker_view(worker: dict[str, Any]) -> dict[str, Any]:
+        seen = dict(worker)
+        if "models_loaded" in seen:
+            seen["models_loaded"] = [ref for ref in seen["models_loaded"] or [] if shown(ref)]
+        oom = seen.get("oom")
+        if isinstance(oom, dict) and isinstance(oom.get("ceilings"), dict):
+            seen["oom"] = {**oom, "ceilings": {ref: rows for ref, rows in oom["ceilings"].items() if shown(ref)}}
+        return seen
+
     return {**overview,
             "queues": {ref: depth for ref, depth in overview["queues"].items() if shown(ref)},
             "breakers": [entry for entry in overview["breakers"] if shown(str(entry.get("model", "")))],
-            "workers": [{**worker, "models_loaded": [ref for ref in worker.get("models_loaded") or [] if shown(ref)]}
-                        if "models_loaded" in worker else worker for worker in overview["workers"]],
-            "jobs": counts}
+            "workers": [worker_view(worker) for worker in overview["workers"]]}
 
 
 @blueprint.get("/metrics")

@@ -426,10 +426,17 @@ def test_status_shows_a_tenant_s_key_its_own_and_shared_models_and_jobs_only(
     assert made.status_code == 201, error_of(made)
     for model in ("initech-fraud", "mlp"):
         assert alice.post("/v1/requests", json={"model": model, "inputs": {"features": [ROW]}}).status_code == 202
+    private_ref = made.get_json()["ref"]
+    from broker.queueing import workers
+    workers.record_heartbeat(store, "w@h", {"device": "cpu", "streams": 1, "models_loaded": [private_ref, mlp["ref"]],
+                                            "oom": {"ceilings": {private_ref: 8, mlp["ref"]: 4}}}, now=time.time())
 
-    theirs, own, everyone = (who.get("/v1/status").get_json() for who in (peek, alice, api))
+    answer = peek.get("/v1/status")
+    theirs, own, everyone = answer.get_json(), alice.get("/v1/status").get_json(), api.get("/v1/status").get_json()
 
     assert set(theirs["queues"]) == {mlp["ref"]} and theirs["jobs"] == {}
+    assert "initech-fraud" not in answer.text  # (nor in a worker's loaded models or OOM ceilings)
+    assert theirs["workers"][0]["oom"]["ceilings"] == {mlp["ref"]: 4}
     assert set(own["queues"]) == {mlp["ref"], made.get_json()["ref"]}
     assert set(everyone["queues"]) == {mlp["ref"], made.get_json()["ref"]}
 

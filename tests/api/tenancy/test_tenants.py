@@ -117,6 +117,9 @@ def test_a_key_name_that_differs_from_another_tenant_s_only_in_case_is_taken(sto
     with pytest.raises(ValueError, match="is taken"):
         create_api_key(store, "Bob@acme.com", "viewer", tenant="evil")
     create_api_key(store, "BOB@acme.com", "user", tenant="acme")  # (its own tenant's: a key rotated so)
+    create_api_key(store, "Initech", "user")  # (a tenant of its own name)
+    with pytest.raises(ValueError, match="is taken"):
+        create_api_key(store, "initech", "user")
 
 
 def test_a_key_without_a_name_or_with_spaces_around_it_cannot_be_created(store: Store) -> None:
