@@ -201,6 +201,16 @@ def update_model_version(store: Store, ref: str, fields: dict[str, Any] | Fields
                 continue  # someone else wrote the hash meanwhile; read it again
 
 
+NAMES_SHOWN = 20
+"""The most registered names a ModelNotFound lists (the rest counted): its answer stays short however many
+models are registered."""
+
+
+def _glob(name: str) -> str:
+    """`name` with the characters Redis's MATCH reads as a pattern escaped."""
+    return "".join(f"\\{char}" if char in "*?[]\\" else char for char in name)
+
+
 def get_model(store: Store, ref: str) -> ModelRecord:
     """The record of `name` (newest version) or `name@version`; ModelNotFound names what exists."""
     name, version = split_model_ref(ref)
@@ -208,7 +218,9 @@ def get_model(store: Store, ref: str) -> ModelRecord:
         version = version or store.client.hget(store.keys.model_latest, name)
         raw = store.client.hget(store.keys.model_versions, f"{name}@{version}") if version else None
     if raw is None:
-        known = ", ".join(sorted(list_model_names(store))) or "none"
+        names = list_model_names(store)
+        known = ", ".join(names[:NAMES_SHOWN]) + (f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN
+                                                 else "") if names else "none"
         what = f"model '{name}'" if version is None else f"model version '{name}@{version}'"
         raise ModelNotFound(f"{what} is not registered (registered models: {known}); "
                             "register it with POST /v1/models or `sitsctl model register`")
@@ -237,7 +249,11 @@ def list_model_versions(store: Store, name: str | None = None) -> list[ModelReco
     """Every registered version (of `name` only, if given), oldest registration first, each saying
     whether it is its name's newest (`latest`)."""
     with translate_redis_errors():
-        raws = store.client.hvals(store.keys.model_versions)
+        if name is None:
+            raws = store.client.hvals(store.keys.model_versions)
+        else:  # (its own versions' records only: a name's versions cost no read of every tenant's)
+            raws = [raw for _, raw in store.client.hscan_iter(store.keys.model_versions, match=f"{_glob(name)}@*",
+                                                                 count=1000)]
         latest = store.client.hgetall(store.keys.model_latest)
     records = [ModelRecord.of(json.loads(raw)) for raw in raws]
     if name is not None:

@@ -183,6 +183,21 @@ def test_unknown_model_error_lists_the_registered_models(store: Store) -> None:
     assert caught.value.http_status == 404
 
 
+def test_an_unknown_model_lists_at_most_twenty_names_and_a_name_s_versions_are_its_own(store: Store) -> None:
+    """A 404's answer stays short however many models are registered; a name's versions are read alone."""
+    for n in range(25):
+        registry.save_model_version(store, model_record(f"m{n:02d}", "v1", 1.0))
+    registry.save_model_version(store, model_record("m00", "v2", 2.0))
+    registry.save_model_version(store, model_record("m0", "v9", 2.0))  # (a name that m00's glob must not take)
+
+    with pytest.raises(ModelNotFound) as caught:
+        registry.get_model(store, "nope")
+
+    assert "registered models: m0, m00, m01," in caught.value.message and "and 6 more" in caught.value.message
+    assert [record.version for record in registry.list_model_versions(store, "m00")] == ["v1", "v2"]
+    assert [record.version for record in registry.list_model_versions(store, "m0")] == ["v9"]
+
+
 def test_unknown_version_of_a_known_model_is_not_found(store: Store) -> None:
     registry.save_model_version(store, model_record("mlp", "a1", 1.0))
 
