@@ -1,9 +1,9 @@
 """API keys an API process checked lately, trusted a few seconds so that each call costs no Redis read.
 
 Bounded: at most `MOST_KEYS` (the oldest checked dropped first), so that a tenant minting and using keys
-without end grows no process's memory. A revoke in this process forgets them all (`forget_all`), and a key
-whose check began before it is not kept after it: a call in flight while its key is revoked would else put
-the key back for another `KEY_CACHE_SECONDS`. The other processes trust it until its time is up.
+without end grows no process's memory. A revoke in this process forgets the keys of that name (`forget`),
+and a key whose check began before it is not kept after it: a call in flight while its key is revoked would
+else put the key back for another `KEY_CACHE_SECONDS`. The other processes trust it until its time is up.
 """
 
 from __future__ import annotations
@@ -51,11 +51,13 @@ class KnownKeys:
                     self._keys.popitem(last=False)
         return identity
 
-    def forget_all(self) -> None:
-        """Check every key again at its next call (a key was revoked in this process)."""
+    def forget(self, name: str) -> None:
+        """Check the keys named `name` again at their next call (they were revoked in this process); the others
+        stay trusted, so that a tenant revoking keys in a loop does not turn every call into a Redis read."""
         with self._lock:
             self._revokes += 1
-            self._keys.clear()
+            for key in [key for key, (_, identity) in self._keys.items() if identity.get("name") == name]:
+                del self._keys[key]
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -121,7 +121,7 @@ def revoke_keys(name: str) -> Any:
     """Admin or tenant-admin: delete the keys of that name; they stop working at once in this process,
     within 5 s in the others (each trusts a key it checked for that long)."""
     revoked = tenant_gate.revoke_keys(app_state().store, g.identity, name)
-    app_state().known_keys.forget_all()
+    app_state().known_keys.forget(name)
     return jsonify({"revoked": revoked})
 
 

@@ -459,7 +459,7 @@ def test_a_process_trusts_a_bounded_number_of_keys_and_none_checked_across_a_rev
     def revoked_meanwhile(store_: Store, key_: str | None) -> dict[str, Any]:
         identity = checked(store_, key_)  # (read before the revoke below)
         revoke_api_keys(store_, "racing")
-        keys.forget_all()
+        keys.forget("racing")
         return identity
 
     monkeypatch.setattr(known, "authenticate", revoked_meanwhile)
@@ -467,3 +467,6 @@ def test_a_process_trusts_a_bounded_number_of_keys_and_none_checked_across_a_rev
     monkeypatch.undo()
     with pytest.raises(Unauthorized):
         keys.identity(store, racing)  # (checked again: revoked)
+    kept = len(keys)
+    keys.forget("no-such-name")  # (a revoke of another name leaves the trusted keys be)
+    assert len(keys) == kept == 3
