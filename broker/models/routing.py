@@ -76,7 +76,7 @@ shorter, so this only keeps a route's size bounded before the registry is asked.
 MAX_ROUTE_BYTES = 64 * 1024
 """The most a route may take stored (its JSON, UTF-8). The caps above keep a route of plain-letter versions
 under it (256 groups of 64-character names and 128-character versions, 32 arms, 3 paths: about 56 KiB);
-it holds the rest, and a route stored before the caps, which is not read past its size (`read_route`)."""
+it holds the rest, and a route stored before the caps, which is not read past its size (`_read_one`)."""
 
 MAX_CACHED_MODELS = 1024
 """The most model names whose route (or lack of one) a `RouteTable` keeps per store: bare names are the
@@ -237,14 +237,6 @@ def _read_one(store: Store, model: str) -> tuple[Route | None, int]:
     return (None if text is None else _stored_route(text)), 0
 
 
-def read_route(store: Store, model: str) -> Route | None:
-    """The model's stored route, or None (also for one over `MAX_ROUTE_BYTES`, stored before the cap)."""
-    route, oversize = _read_one(store, model)
-    if oversize:
-        _ignore_oversize(model, oversize)
-    return route
-
-
 def load_routes(store: Store) -> dict[str, Route]:
     """Every stored route by model name, but those over `MAX_ROUTE_BYTES` (stored before the cap; not
     followed): their sizes are asked first, so a listing reads none of them."""
@@ -261,12 +253,10 @@ def load_routes(store: Store) -> dict[str, Route]:
 
 @dataclass(frozen=True)
 class _Kept:
-    """One model's route as a `RouteTable` read it: the route (None for none), or the size of one over
-    `MAX_ROUTE_BYTES`, and when it was read."""
+    """One model's route as a `RouteTable` read it (None for none, or one over `MAX_ROUTE_BYTES`), and when."""
 
     read_at: float
     route: Route | None
-    oversize: int = 0
 
 
 @dataclass
@@ -320,7 +310,7 @@ class RouteTable:
         route, oversize = _read_one(store, model)
         if oversize:
             _ignore_oversize(model, oversize)
-        return _Kept(read_at, route, oversize)
+        return _Kept(read_at, route)
 
     def forget(self, store: Store, model: str | None = None) -> None:
         """Read `model`'s route (every route, without one) again at the next call (this process just

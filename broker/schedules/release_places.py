@@ -4,9 +4,9 @@ A release makes its run's job as a submit would: it reads and checksums the inpu
 are each held to a place of that tenant's: a ZSET of the releases under way, each named by its run and its
 releaser's hold token (so a releaser whose hold lapsed cannot free the place of the one that took the run
 over), each until when its releaser holds it (renewed while it works, so a releaser that died frees its
-place when the time passes). A run
-that finds its tenant's places taken is not made then: it goes back to the beat, which sends it again a
-moment later, so that the releasers' threads turn to other tenants' runs meanwhile.
+place when the time passes). A run that finds its tenant's places taken is not made then: it goes back to
+the beat, which sends it again a moment later, so that the releasers' threads turn to other tenants' runs
+meanwhile.
 """
 
 from __future__ import annotations

@@ -501,8 +501,8 @@ class Keys:
         return self._key("release-lease", run)
 
     def tenant_releases(self, tenant: str) -> str:
-        """ZSET run 'member|slot' -> until when its releaser holds one of the tenant's places
-        (`beat.releases_per_tenant`), renewed while it works."""
+        """ZSET release 'member|slot#hold token' -> until when its releaser holds one of the tenant's places
+        (`beat.releases_per_tenant`, `broker/schedules/release_places.py`), renewed while it works."""
         return self._key("tenant-releases", tenant)
 
     def release_tries(self, run: str) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from broker.config.settings import Settings
-from broker.errors import DeviceOutOfMemory, HostMemoryCapped
+from broker.errors import DeviceOutOfMemory, HostMemoryCapped, InferenceTimeout
 from broker.failures import breaker
 from broker.failures.retry_policy import classify, describe
 from broker.jobs.job_record import JobRecord
@@ -61,9 +61,11 @@ from sits_worker.tenancy.usage_meter import UsageMeter
 
 log = logging.getLogger(__name__)
 
-SIZE_CLASSES = frozenset({"device_oom", "run_timeout"})
-"""Failure classes a run's own size can cause: counted on the breaker only when the run was no larger than
-runs that worked (`sits_worker/device/run_sizes.py`)."""
+SIZE_ERRORS = (DeviceOutOfMemory, InferenceTimeout)
+"""Failures a run's own size can cause (more tokens than the device holds, a run past the time limit): counted
+on the breaker only when the run was no larger than runs that worked (`sits_worker/device/run_sizes.py`), and
+a merged batch that fails so is split to find its requests that fail alone (`request_runs`)."""
+SIZE_CLASSES = frozenset(kind.failure_class for kind in SIZE_ERRORS)
 
 _OPEN_INPUTS_KEPT = 8
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.errors import BadInput, DeviceOutOfMemory, InferenceTimeout, PermanentError, SitsError
+from broker.errors import BadInput, InferenceTimeout, PermanentError, SitsError
 from broker.failures import quarantine, retries
 from broker.failures.retry_policy import classify, describe, retry_delays
 from broker.monitoring.sla_metrics import priority_class
@@ -33,7 +33,7 @@ from broker.queueing.scoring import rows_to_fill as rows_to_fill_by_profile
 from broker.tuning import windows
 from sits_worker.model.padding import MaskSpec, pad_batch, unpad_outputs
 from sits_worker.serving import batch_trace, drain_report
-from sits_worker.serving.context import WorkerContext
+from sits_worker.serving.context import SIZE_ERRORS, WorkerContext
 from sits_worker.tenancy.usage_meter import Work
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,6 @@ def run_requests(ctx: WorkerContext, items: Sequence[LeasedItem], ticket: str = 
                                    run_rows=_rows(live))
         note_for_tuning(ctx, model_ref, results, batch_rows=_rows(live), now=now)
     return sum(1 for result in results if not result.error)
-
-
-SIZE_ERRORS = (DeviceOutOfMemory, InferenceTimeout)
-"""Failures a request's own size can cause (more tokens than the device holds, a run past the time limit):
-a merged batch that fails so is split to find the requests that fail alone, as for a bad input, so that
-one tenant's oversized request does not fail the other requests of its batch, retry after retry."""
 
 
 def _isolates(err: Exception, requests_in_run: int) -> bool:
