@@ -234,7 +234,10 @@ def _build_document() -> dict[str, Any]:
                                     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_JOBS_LISTED}},
                                    {"name": "owner", "in": "query", "schema": {"type": "string", "pattern": r"\S"},
                                     "description": "key name whose jobs to list; a user key may "
-                                                   "name only itself (403 otherwise)"}]},
+                                                   "name only itself (403 otherwise)"},
+                                   {"name": "tenant", "in": "query", "schema": {"type": "string"},
+                                    "description": "the tenant whose jobs to list: an admin's choice; another "
+                                                   "key's own (naming another lists none)"}]},
             "post": {"summary": "submit an offline job", "requestBody": c.body(JobSubmission),
                      "description": "409 while an active job holds output_dir (named only to a key that "
                                     "may see it) or when it holds a finished job's results.",
@@ -297,15 +300,19 @@ def _build_document() -> dict[str, Any]:
             "post": {"summary": "admin or tenant-admin: make an API key (answered once); a tenant admin only "
                                 "of its own tenant, as tenant-admin, user or viewer",
                      "requestBody": c.body(keys.KeyCreation),
-                     "description": "400 also for a name a key of another tenant, or of the other kind (admin "
-                                    "or not), has.",
+                     "description": "A key name is its tenant's: other tenants may have keys of the same name. "
+                                    "400 also for a tenant named like an admin key, or an admin key named like "
+                                    "a tenant.",
                      "responses": c.answers({201: keys.KeyMade}, 400, 401, 403, 429)},
             "get": {"summary": "admin: every key's name, role, tenant and group; tenant-admin: its tenant's",
                     "responses": c.answers({200: keys.KeyList}, 401, 403)},
         },
         "/v1/keys/{name}": {
             "delete": {"summary": "admin or tenant-admin: delete the keys of that name (within 5 s)",
-                       "parameters": path_params("name"),
+                       "parameters": [*path_params("name"),
+                                      {"name": "tenant", "in": "query", "schema": {"type": "string"},
+                                       "description": "the tenant whose keys to delete: an admin's choice "
+                                                      "(default: every tenant's); a tenant admin's own"}],
                        "responses": c.answers({200: keys.KeysRevoked}, 401, 403, 404, 429)},
         },
         "/v1/usage": {

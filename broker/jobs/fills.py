@@ -179,7 +179,7 @@ def _enqueue(store: Store, job_id: str, model_ref: str, fields: dict[str, Any], 
     keys = store.keys
     job_keys = [keys.ready(model_ref), keys.items, keys.queues, keys.job(job_id), keys.jobs, keys.job_done(job_id),
                 keys.inflight(model_ref), keys.dead, keys.attempts, keys.jobs_filling, keys.job_counts,
-                keys.queues_version, keys.job_cuts(job_id), *([keys.owner_jobs(owner)] if owner else []),
+                keys.queues_version, keys.job_cuts(job_id), *([keys.owner_jobs(tenant, owner)] if owner else []),
                 *([keys.jobs_of_tenant(tenant)] if tenant else [])]
     step = 4 * job_slices.ENQUEUE_SLICE  # four arguments an item
     slices = [item_args[start:start + step] for start in range(0, len(item_args), step)] or [[]]

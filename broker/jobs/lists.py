@@ -27,31 +27,23 @@ INDEX_PAGE = 2_000
 
 
 def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None = None,
-              owner: str | None = None, tenant: str | None = None, owner_is_caller: bool = False) -> list[JobRecord]:
+              owner: str | None = None, tenant: str | None = None) -> list[JobRecord]:
     """The newest `limit` jobs, newest first, optionally only those with `status`, of `owner` and of
     `tenant` (a job stored before tenants: its owner's name).
 
-    An owner's jobs come from that owner's own index (`keys.owner_jobs`), a tenant's from that tenant's
-    (`keys.jobs_of_tenant`), however many other tenants' jobs are newer, once reaper passes have indexed
-    the jobs stored before those indexes existed (`index_job_owners`, `index_job_tenants`). Until then,
-    and for a status filter, or an owner within a tenant (keys stored before a name was one tenant's may
-    share a name across tenants, and so an owner's index), an index is walked newest first in pages of
+    An owner's jobs within a tenant come from their own index (`keys.owner_jobs`), a tenant's from that
+    tenant's (`keys.jobs_of_tenant`), however many other tenants' jobs are newer, and however many jobs
+    another tenant's key of the same name holds, once reaper passes have indexed the jobs stored before those
+    indexes existed (`index_job_owners`, `index_job_tenants`). Until then, and for a status filter, or an
+    owner of whichever tenant (an admin's `?owner=`), an index is walked newest first in pages of
     `LIST_SCAN_PAGE`, reading only each job's status, owner and tenant, until `limit` jobs match or the
     newest `LIST_SCAN_JOBS` have been looked at, so one call never costs more than that many small reads,
     however many jobs the system has kept (`GET /v1/jobs/{id}` still finds older ones).
-
-    An owner within a tenant is read from the owner's index only when it is the calling key itself
-    (`owner_is_caller`); another owner is looked for among the tenant's own jobs, so that how many jobs
-    another tenant's key of that name holds costs the call no time (a timing oracle otherwise).
     """
     keys = store.keys
     with translate_redis_errors():
-        if tenant is not None and owner is not None and not owner_is_caller:
-            # (the newest of every job until the tenants' indexes are built)
-            built = store.client.exists(keys.tenant_index_built)
-            index, whole = keys.jobs_of_tenant(tenant) if built else keys.jobs, False
-        elif owner is not None and store.client.exists(keys.owner_index_built):
-            index, whole = keys.owner_jobs(owner), tenant is None
+        if owner is not None and tenant is not None and store.client.exists(keys.owner_index_built):
+            index, whole = keys.owner_jobs(tenant, owner), True
         elif tenant is not None and store.client.exists(keys.tenant_index_built):
             index, whole = keys.jobs_of_tenant(tenant), owner is None
         else:
@@ -71,19 +63,21 @@ def list_jobs(store: Store, *, now: float, limit: int = 100, status: str | None 
 
 
 def index_job_owners(store: Store, *, limit: int = INDEX_PAGE) -> bool:
-    """Add up to `limit` jobs not indexed yet by this pass to their owners' indexes; True once every
-    job is (then `list_jobs` reads owners' jobs from their indexes). Run by every reaper pass.
+    """Add up to `limit` jobs not indexed yet by this pass to their owners' indexes, each of its tenant; True once
+    every job is (then `list_jobs` reads an owner's jobs from their index). Run by every reaper pass.
 
     A job's enqueue indexes it, but jobs stored before the indexes existed (or by an older API
     process during an upgrade) have none: the passes walk the `jobs` index oldest first after the
     last job indexed (`keys.owner_index_mark`, by rank as `count_old_jobs` does: a run of jobs
     created at the same instant may be longer than a page), a page per pass, so no request and no
     pass pays for a large backlog at once. Idempotent (ZADD NX with the creation time), so passes
-    of several workers at once leave the same indexes.
+    of several workers at once leave the same indexes. Each page also deletes its owners' indexes as releases
+    kept them before key names were their tenant's (`keys.names_jobs`), read by nothing since.
     """
     keys = store.keys
-    return _index_jobs(store, lambda job: keys.owner_jobs(job.owner) if job.owner else None,
-                       mark=keys.owner_index_mark, built=keys.owner_index_built, limit=limit)
+    return _index_jobs(store, lambda job: keys.owner_jobs(record_tenant(job.owner, job.tenant), job.owner)
+                       if job.owner else None, mark=keys.owner_index_mark, built=keys.owner_index_built,
+                       limit=limit, dropped=lambda job: keys.names_jobs(job.owner) if job.owner else None)
 
 
 def index_job_tenants(store: Store, *, limit: int = INDEX_PAGE) -> bool:
@@ -100,8 +94,9 @@ def index_job_tenants(store: Store, *, limit: int = INDEX_PAGE) -> bool:
 
 
 def _index_jobs(store: Store, index_of: Callable[[JobOwnerView], str | None], *, mark: str, built: str,
-                limit: int) -> bool:
-    """One page of a backfill pass: each job after `mark` goes into the index `index_of` names (if any)."""
+                limit: int, dropped: Callable[[JobOwnerView], str | None] = lambda job: None) -> bool:
+    """One page of a backfill pass: each job after `mark` goes into the index `index_of` names (if any), and the
+    key `dropped` names for it (if any) is deleted."""
     with translate_redis_errors():
         page = _page_after_mark(store, mark, limit)
         if page:
@@ -113,6 +108,8 @@ def _index_jobs(store: Store, index_of: Callable[[JobOwnerView], str | None], *,
                 index = index_of(job)
                 if index is not None:
                     pipe.zadd(index, {job_id: created}, nx=True)
+            for gone in {key for key in map(dropped, views) if key is not None}:
+                pipe.unlink(gone)
             pipe.set(mark, page[-1][0])
             pipe.execute()
         caught_up = len(page) < limit

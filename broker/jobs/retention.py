@@ -60,7 +60,7 @@ def _forget(store: Store, job_id: str, cutoff: float) -> bool:
                 pipe.delete(keys.job(job_id), keys.job_done(job_id), keys.job_cuts(job_id))
                 pipe.zrem(keys.jobs, job_id)
                 if job.owner:
-                    pipe.zrem(keys.owner_jobs(job.owner), job_id)
+                    pipe.zrem(keys.owner_jobs(record_tenant(job.owner, job.tenant), job.owner), job_id)
                     pipe.zrem(keys.jobs_of_tenant(record_tenant(job.owner, job.tenant)), job_id)
                 if job.counted and job.status:
                     pipe.hincrby(keys.job_counts, job.status, -1)

@@ -159,19 +159,25 @@ class Keys:
         when it ends (`lib.lua` `count_job_end`)."""
         return self._key("jobs-due")
 
-    def owner_jobs(self, owner: str) -> str:
-        """ZSET job id -> creation time of the jobs of one API key name (`GET /v1/jobs?owner=`)."""
+    def owner_jobs(self, tenant: str, owner: str) -> str:
+        """ZSET job id -> creation time of the jobs one API key name submitted for one tenant (`GET /v1/jobs?owner=`):
+        a key name is its tenant's, so two tenants' keys of one name have an index each."""
+        return self._key("jobs-of-owner", tenant, owner)
+
+    def names_jobs(self, owner: str) -> str:
+        """ZSET the jobs of one key name of whichever tenant, as releases kept them before key names were their
+        tenant's; each is deleted by the `index_job_owners` pass that puts its jobs in `owner_jobs`."""
         return self._key("jobs-of", owner)
 
     @property
     def owner_index_built(self) -> str:
         """STRING present once every job stored before `owner_jobs` existed has been added to its owner's."""
-        return self._key("jobs-of-built")
+        return self._key("jobs-of-owner-built")
 
     @property
     def owner_index_mark(self) -> str:
         """STRING id of the last job, in `jobs` index order, that `broker.jobs.lists.index_job_owners` has indexed."""
-        return self._key("jobs-of-mark")
+        return self._key("jobs-of-owner-mark")
 
     def jobs_of_tenant(self, tenant: str) -> str:
         """ZSET job id -> creation time of every job of one tenant, kept as long as the job (what its
@@ -439,8 +445,24 @@ class Keys:
 
     @property
     def api_keys(self) -> str:
-        """HASH sha256(key) -> JSON {name, role}."""
+        """HASH sha256(key) -> JSON {name, role, tenant, group}: every key, looked up by its digest."""
         return self._key("api-keys")
+
+    def tenant_api_keys(self, tenant: str) -> str:
+        """SET of the digests of one tenant's member keys (tenant-admin, user, viewer), so that a tenant's key
+        changes read its own keys alone (`broker/tenants/apikeys.py`)."""
+        return self._key("api-keys-of", tenant)
+
+    @property
+    def tenantless_api_keys(self) -> str:
+        """SET of the digests of the admin and metrics keys, which are no tenant's members."""
+        return self._key("api-keys-tenantless")
+
+    @property
+    def api_keys_indexed(self) -> str:
+        """STRING how many keys of `api_keys` the per-tenant sets hold: other than `api_keys`' length, the sets
+        are built again from it (keys written before the sets existed, or by an older API process)."""
+        return self._key("api-keys-indexed")
 
     @property
     def replicated_mark(self) -> str:

@@ -20,9 +20,8 @@ tenant's usage; user: its own jobs and requests, and its tenant's model names; v
 tenant's work and usage, submits nothing; metrics: `GET /metrics` only, a key for a Prometheus scrape
 that can submit nothing and read no tenant's records.
 
-Every check compares tenants first: a key's name is unique across tenants (`create_api_key`), and
-even a record stored before it was, or a key made by hand, reaches another tenant's work by its
-name alone nowhere (`owns`, `owns_name`)."""
+Every check compares tenants first: a key's name is its tenant's (two tenants may each have an `alice`),
+and a key reaches another tenant's work by its name alone nowhere (`owns`, `owns_name`)."""
 
 
 def _digest(key: str) -> str:
@@ -45,7 +44,33 @@ def _busy_keys() -> QueueFull:
 
 
 MAX_KEYS_PER_TENANT = 1000
-"""The most keys one tenant may hold: each is a record in Redis that every key made or revoked reads."""
+"""The most keys one tenant may hold: each is a record in Redis that every key change of its tenant reads."""
+
+
+MEMBER_ROLES = ("tenant-admin", "user", "viewer")
+"""Roles whose keys are their tenant's members: indexed by tenant (`keys.tenant_api_keys`), so that a tenant's
+key changes read and wait on its own keys alone, and learn nothing of another tenant's."""
+TENANTLESS_ROLES = ("admin", "metrics")
+"""Roles whose keys are no tenant's members, whatever their record's name: a tenant admin neither lists nor
+revokes them (`members_only`), even one whose name is its tenant's."""
+
+
+def _parsed(raw: str | None) -> dict[str, Any] | None:
+    """A stored key record, or None where there is none or it is damaged (`authenticate` refuses those)."""
+    if raw is None:
+        return None
+    try:
+        identity = json.loads(raw)
+    except ValueError:
+        return None
+    return identity if isinstance(identity, dict) else None
+
+
+def _index_of(store: Store, identity: dict[str, Any]) -> str:
+    """The set a key record's digest is listed in: its tenant's for a member, else the tenantless keys'."""
+    if identity.get("role") in MEMBER_ROLES:
+        return store.keys.tenant_api_keys(key_tenant(identity))
+    return store.keys.tenantless_api_keys
 
 
 def create_api_key(store: Store, name: str, role: str = "user", group: str = "", tenant: str = "") -> str:
@@ -53,17 +78,19 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
     group its requests count in for A/B routes ('' for none); `tenant` the tenant it belongs to (''
     for the key's own name: a tenant of one key, as every key was before tenants had records).
 
-    A name belongs to one tenant (or to the admins): a key of another tenant's name would be taken
-    for that tenant's by anyone reading a name, and an admin is no tenant's member. So a name some
-    key of another tenant, or of the other kind (admin or not), has is refused (ValueError), checked
-    in the transaction that stores the key (WATCH on the keys), so two keys created at once cannot
-    split one name either. More keys of one name in one tenant are allowed (a key is rotated so).
+    A name is its tenant's: another tenant may have keys of the same name, and a key made for one tenant
+    reads no other tenant's keys, so it neither waits on them nor learns whether a name exists there. More
+    keys of one name in one tenant are allowed (a key is rotated so). An admin, though, is no tenant's
+    member yet acts as the tenant of its name: a tenant named like an admin key (case aside) would own that
+    admin's work, so neither is made where the other is (ValueError), checked in the transaction that
+    stores the key, so two made at once cannot pass it against each other. A tenant holds at most
+    `MAX_KEYS_PER_TENANT` member keys.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if not name.strip():  # the name is the tenant: what a key submits is owned by it
+    if not name.strip():  # the name is the owner of what the key submits
         raise ValueError("a key needs a name: who it is for")
-    if name != name.strip():  # "alice " would be a tenant of its own, told from "alice" by nobody
+    if name != name.strip():  # "alice " would be an owner of its own, told from "alice" by nobody
         raise ValueError(f"key name {name!r} starts or ends with spaces; give it as {name.strip()!r}")
     if not KEY_NAME_PATTERN.fullmatch(name):  # (look-alike letters, control characters, megabytes of name)
         raise ValueError(f"key name {name[:80]!r} must be letters, digits, '_', '.', '@', '+' or '-' (64 at most), "
@@ -75,62 +102,104 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
         raise ValueError(f"group {group!r} must be letters, digits, '_', '.' or '-' (64 at most), starting with a "
                          "letter or digit")
     key = "sits_" + secrets.token_urlsafe(24)
-    record = json.dumps({"name": name, "role": role, **({"group": group} if group else {}),
-                         **({"tenant": tenant} if tenant and tenant != name else {})})
-    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
-        for _ in range(KEY_WRITE_TRIES):
-            try:
-                pipe.watch(store.keys.api_keys)
-                stored = pipe.hvals(store.keys.api_keys)
-                _refuse_a_taken_name(name, role, tenant or name, stored)
-                _refuse_past_the_keys_of_a_tenant(role, tenant or name, stored)
-                pipe.multi()
-                pipe.hset(store.keys.api_keys, _digest(key), record)
-                pipe.execute()
-                return key
-            except redis.WatchError:
-                continue  # a key was created or revoked meanwhile; look again
+    identity = {"name": name, "role": role, **({"group": group} if group else {}),
+                **({"tenant": tenant} if tenant and tenant != name else {})}
+    keys, digest = store.keys, _digest(key)
+    index = _index_of(store, identity)
+    with translate_redis_errors():
+        _index_keys(store)
+        with store.client.pipeline(transaction=True) as pipe:
+            for _ in range(KEY_WRITE_TRIES):
+                try:
+                    stale: list[str] = []
+                    if role in MEMBER_ROLES:
+                        pipe.watch(index, keys.tenantless_api_keys)
+                        members, stale = _indexed_records(store, pipe, index)
+                        tenantless, _ = _indexed_records(store, pipe, keys.tenantless_api_keys)
+                        _refuse_a_tenant_named_like_an_admin(key_tenant(identity), tenantless.values())
+                        if len(members) >= MAX_KEYS_PER_TENANT:
+                            raise ValueError(f"tenant {key_tenant(identity)!r} holds {len(members)} keys, "
+                                             "the most a tenant may; revoke some first")
+                    elif role == "admin":  # (an admin's change, rare: it may read every key)
+                        pipe.watch(keys.api_keys)
+                        _refuse_an_admin_named_like_a_tenant(key_tenant(identity),
+                                                             pipe.hvals(keys.api_keys))
+                    pipe.multi()
+                    pipe.hset(keys.api_keys, digest, json.dumps(identity))
+                    pipe.sadd(index, digest)
+                    if stale:
+                        pipe.srem(index, *stale)
+                    pipe.incr(keys.api_keys_indexed)
+                    pipe.execute()
+                    return key
+                except redis.WatchError:
+                    continue  # a key was created or revoked meanwhile; look again
     raise _busy_keys()
 
 
-def _refuse_a_taken_name(name: str, role: str, tenant: str, stored: list[str]) -> None:
-    """ValueError when a key in `stored` (records as `create_api_key` writes them) has `name` and is an
-    admin's where `role` is a tenant's, or the other way round, or belongs to a tenant other than
-    `tenant`; names that differ only in case count as one. `metrics` keys own nothing, so their names are free
-    of the rule either way. The message
-    names no tenant and no role: a tenant admin learns only that the name is taken, not whose it is."""
-    if role == "metrics":
-        return
-    for raw in stored:
-        try:
-            identity = json.loads(raw)
-        except ValueError:
-            continue  # damaged: `authenticate` refuses it anyway
-        if not isinstance(identity, dict) or identity.get("role") == "metrics":
-            continue
-        if str(identity.get("name", "")).casefold() != name.casefold():  # ("Bob@acme.com" looks like "bob@...")
-            continue
-        if (identity.get("role") == "admin") != (role == "admin") or (
-                role != "admin" and (identity.get("tenant") or identity.get("name")) != tenant):
-            raise ValueError(f"key name {name!r} is taken: a key name belongs to one tenant, or to the admin keys; "
-                             f"give this {role} key another name")
+def _indexed_records(store: Store, pipe: Any, index: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The key records whose digests `index` lists, by digest, and the digests listed there whose key is gone
+    (revoked by an older API process) or damaged; read on `pipe`, watching, in immediate mode."""
+    digests = sorted(pipe.smembers(index))
+    raws = pipe.hmget(store.keys.api_keys, digests) if digests else []
+    records, stale = {}, []
+    for digest, raw in zip(digests, raws, strict=True):
+        identity = _parsed(raw)
+        if identity is None:
+            stale.append(digest)
+        else:
+            records[digest] = identity
+    return records, stale
 
 
-def _refuse_past_the_keys_of_a_tenant(role: str, tenant: str, stored: list[str]) -> None:
-    """ValueError when `tenant` holds `MAX_KEYS_PER_TENANT` keys already (admin and metrics keys aside)."""
-    if role in ("admin", "metrics"):
-        return
-    held = 0
+def _refuse_a_tenant_named_like_an_admin(tenant: str, tenantless: Any) -> None:
+    """ValueError when an admin key acts as `tenant` (its name, case aside): the tenant's keys would own its work.
+    Met only by an admin making a tenant's first key: a tenant admin's own tenant passed it when made."""
+    for identity in tenantless:
+        if identity.get("role") == "admin" and key_tenant(identity).casefold() == tenant.casefold():
+            raise ValueError(f"tenant {tenant!r} is named like an admin key, whose work a tenant of that name would "
+                             "own; give the key another tenant")
+
+
+def _refuse_an_admin_named_like_a_tenant(tenant: str, stored: list[str]) -> None:
+    """ValueError when a member key of `stored` belongs to `tenant` (case aside), the tenant an admin key of that
+    name would act as: that tenant's keys would own the admin's work."""
     for raw in stored:
-        try:
-            identity = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(identity, dict) and identity.get("role") not in ("admin", "metrics") and (
-                identity.get("tenant") or identity.get("name")) == tenant:
-            held += 1
-    if held >= MAX_KEYS_PER_TENANT:
-        raise ValueError(f"tenant {tenant!r} holds {held} keys, the most a tenant may; revoke some first")
+        identity = _parsed(raw)
+        if identity is not None and identity.get("role") in MEMBER_ROLES and (
+                key_tenant(identity).casefold() == tenant.casefold()):
+            raise ValueError(f"key name {tenant!r} is a tenant's: an admin key of that name would act as that "
+                             "tenant; give the admin key another name")
+
+
+def _index_keys(store: Store) -> None:
+    """Build the per-tenant sets of key digests again from `api_keys` when they do not list every key there:
+    keys stored before the sets existed, or by an older API process during an upgrade (its revokes leave digests
+    whose key is gone, which readers drop). One HLEN and one GET when they do."""
+    keys = store.keys
+    length, indexed = store.client.pipeline(transaction=False).hlen(keys.api_keys).get(keys.api_keys_indexed).execute()
+    if int(indexed or 0) == length:
+        return
+    with store.client.pipeline(transaction=True) as pipe:
+        for _ in range(KEY_WRITE_TRIES):
+            try:
+                pipe.watch(keys.api_keys)
+                stored = pipe.hgetall(keys.api_keys)
+                sets: dict[str, list[str]] = {}
+                for digest, raw in stored.items():
+                    identity = _parsed(raw)
+                    if identity is not None:
+                        sets.setdefault(_index_of(store, identity), []).append(digest)
+                pipe.multi()
+                for index, digests in sets.items():
+                    pipe.delete(index)
+                    pipe.sadd(index, *digests)
+                pipe.set(keys.api_keys_indexed, len(stored))
+                pipe.execute()
+                return
+            except redis.WatchError:
+                continue
+    raise _busy_keys()
 
 
 def authenticate(store: Store, key: str | None) -> dict[str, Any]:
@@ -200,56 +269,56 @@ def may_read(identity: dict[str, Any], owner: str | None, tenant: str | None = N
     return owns(identity, owner, tenant)
 
 
-TENANTLESS_ROLES = ("admin", "metrics")
-"""Roles whose keys are no tenant's members, whatever their record's name: a tenant admin neither lists nor
-revokes them (`members_only`), even one whose name is its tenant's."""
+def _scoped_records(store: Store, pipe: Any, tenant: str | None, members_only: bool) -> dict[str, dict[str, Any]]:
+    """The key records by digest, read on `pipe` (watching what it reads): every key's where `tenant` is None; else
+    `tenant`'s members', and with them, unless `members_only`, the tenantless keys that act as `tenant`."""
+    if tenant is None:
+        pipe.watch(store.keys.api_keys)
+        stored = {digest: _parsed(raw) for digest, raw in pipe.hgetall(store.keys.api_keys).items()}
+        return {digest: identity for digest, identity in stored.items() if identity is not None}
+    indexes = [store.keys.tenant_api_keys(tenant), *([] if members_only else [store.keys.tenantless_api_keys])]
+    pipe.watch(*indexes)
+    records: dict[str, dict[str, Any]] = {}
+    for index in indexes:
+        records.update(_indexed_records(store, pipe, index)[0])
+    return {digest: identity for digest, identity in records.items() if key_tenant(identity) == tenant
+            and not (members_only and identity.get("role") in TENANTLESS_ROLES)}
 
 
 def list_api_keys(store: Store, tenant: str | None = None, *, members_only: bool = False) -> list[dict[str, Any]]:
-    """Every key's name, role, tenant and group (never a digest), by name; only `tenant`'s when given, and
-    with `members_only` none of `TENANTLESS_ROLES`."""
+    """Every key's name, role, tenant and group (never a digest), by name; only `tenant`'s when given (read from its
+    own set: no other tenant's keys are read), and with `members_only` none of `TENANTLESS_ROLES`."""
     with translate_redis_errors():
-        stored = store.client.hvals(store.keys.api_keys)
-    listed = []
-    for raw in stored:
-        try:
-            identity = json.loads(raw)
-        except ValueError:
-            continue
-        if not isinstance(identity, dict) or "name" not in identity:
-            continue
-        record = {"name": identity["name"], "role": identity.get("role"),
-                  "tenant": identity.get("tenant") or identity["name"], "group": identity.get("group") or None}
-        if (tenant is None or record["tenant"] == tenant) and not (members_only and record["role"] in TENANTLESS_ROLES):
-            listed.append(record)
-    return sorted(listed, key=lambda record: (record["name"], str(record["role"])))
+        if tenant is not None:
+            _index_keys(store)
+        with store.client.pipeline(transaction=True) as pipe:
+            records = _scoped_records(store, pipe, tenant, members_only)
+    listed = [{"name": identity["name"], "role": identity.get("role"), "tenant": key_tenant(identity),
+               "group": identity.get("group") or None} for identity in records.values() if "name" in identity]
+    return sorted(listed, key=lambda record: (str(record["name"]), str(record["role"])))
 
 
 def revoke_api_keys(store: Store, name: str, tenant: str | None = None, *, members_only: bool = False,
                     tries: int | None = KEY_WRITE_TRIES) -> int:
-    """Delete every key named `name` (only `tenant`'s when given, and with `members_only` none of
-    `TENANTLESS_ROLES`); returns how many were deleted. The API trusts a key it checked for up to 5 s, so a
-    revoked key stops working within that. Tried `tries` times against other writes, then QueueFull (None:
-    until it is done, for SITS's own keys, which must not outlive their work)."""
-    with translate_redis_errors(), store.client.pipeline(transaction=True) as pipe:
-        for _ in itertools.count() if tries is None else range(tries):
-            try:
-                pipe.watch(store.keys.api_keys)
-                doomed = []
-                for digest, raw in pipe.hgetall(store.keys.api_keys).items():
-                    try:
-                        identity = json.loads(raw)
-                    except ValueError:
-                        continue
-                    if isinstance(identity, dict) and identity.get("name") == name and (
-                            tenant is None or (identity.get("tenant") or identity.get("name")) == tenant) and not (
-                            members_only and identity.get("role") in TENANTLESS_ROLES):
-                        doomed.append(digest)
-                pipe.multi()
-                if doomed:
-                    pipe.hdel(store.keys.api_keys, *doomed)
-                pipe.execute()
-                return len(doomed)
-            except redis.WatchError:
-                continue
+    """Delete every key named `name` (only `tenant`'s when given, read from its own set, and with `members_only`
+    none of `TENANTLESS_ROLES`); returns how many were deleted. The API trusts a key it checked for up to 5 s,
+    so a revoked key stops working within that. Tried `tries` times against other writes to the keys it read,
+    then QueueFull (None: until it is done, for SITS's own keys, which must not outlive their work)."""
+    with translate_redis_errors():
+        _index_keys(store)
+        with store.client.pipeline(transaction=True) as pipe:
+            for _ in itertools.count() if tries is None else range(tries):
+                try:
+                    records = _scoped_records(store, pipe, tenant, members_only)
+                    doomed = {digest: identity for digest, identity in records.items() if identity.get("name") == name}
+                    pipe.multi()
+                    if doomed:
+                        pipe.hdel(store.keys.api_keys, *doomed)
+                        for digest, identity in doomed.items():
+                            pipe.srem(_index_of(store, identity), digest)
+                        pipe.decrby(store.keys.api_keys_indexed, len(doomed))
+                    pipe.execute()
+                    return len(doomed)
+                except redis.WatchError:
+                    continue
     raise _busy_keys()

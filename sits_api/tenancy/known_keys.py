@@ -1,7 +1,7 @@
 """API keys an API process checked lately, trusted a few seconds so that each call costs no Redis read.
 
 Bounded: at most `MOST_KEYS` (the oldest checked dropped first), so that a tenant minting and using keys
-without end grows no process's memory. A revoke in this process forgets the keys of that name (`forget`),
+without end grows no process's memory. A revoke in this process forgets the keys of that name and tenant (`forget`),
 and a key whose check began before it is not kept after it: a call in flight while its key is revoked would
 else put the key back for another `KEY_CACHE_SECONDS`. The other processes trust it until its time is up.
 """
@@ -51,12 +51,14 @@ class KnownKeys:
                     self._keys.popitem(last=False)
         return identity
 
-    def forget(self, name: str) -> None:
-        """Check the keys named `name` again at their next call (they were revoked in this process); the others
-        stay trusted, so that a tenant revoking keys in a loop does not turn every call into a Redis read."""
+    def forget(self, name: str, tenant: str | None = None) -> None:
+        """Check the keys named `name` (of `tenant`, where given) again at their next call (they were revoked in this
+        process); the others stay trusted, so that a tenant revoking keys in a loop does not turn every call, nor
+        another tenant's key of the same name, into a Redis read."""
         with self._lock:
             self._revokes += 1
-            for key in [key for key, (_, identity) in self._keys.items() if identity.get("name") == name]:
+            for key in [key for key, (_, identity) in self._keys.items() if identity.get("name") == name
+                        and (tenant is None or identity.get("tenant") == tenant)]:
                 del self._keys[key]
 
     def __len__(self) -> int:

@@ -187,17 +187,20 @@ def keys_visible(store: Store, identity: dict[str, Any]) -> list[dict[str, Any]]
                     "tenant-admin keys list keys")
 
 
-def revoke_keys(store: Store, identity: dict[str, Any], name: str) -> int:
-    """`DELETE /v1/keys/{name}`: delete the keys of that name (a tenant admin: only its tenant's);
-    NotFound when there are none it may delete."""
+def revoke_keys(store: Store, identity: dict[str, Any], name: str, tenant: str | None = None) -> tuple[int, str | None]:
+    """`DELETE /v1/keys/{name}`: delete the keys of that name (a tenant admin: only its tenant's; an admin: those of
+    `tenant` where given, else of every tenant); how many, and the tenant they were of (None: any).
+    NotFound when there are none it may delete, and for a tenant admin naming another tenant."""
     if identity.get("role") not in ("admin", "tenant-admin"):
         raise Forbidden(f"key '{identity.get('name')}' has the '{identity.get('role')}' role: only admin and "
                         "tenant-admin keys revoke keys")
-    scope = None if identity.get("role") == "admin" else tenant_of(identity)
-    revoked = apikeys.revoke_api_keys(store, name, scope, members_only=scope is not None)
+    scope = tenant if identity.get("role") == "admin" else tenant_of(identity)
+    if identity.get("role") != "admin" and tenant not in (None, scope):
+        raise NotFound(f"no key named '{name}' in tenant '{tenant}'")  # (as for a tenant without keys)
+    revoked = apikeys.revoke_api_keys(store, name, scope, members_only=identity.get("role") != "admin")
     if not revoked:
         raise NotFound(f"no key named '{name}'" + (f" in tenant '{scope}'" if scope else ""))
-    return revoked
+    return revoked, scope
 
 
 def may_route(store: Store, identity: dict[str, Any], model: str) -> bool:

@@ -177,6 +177,7 @@ def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *
     deleted when the sweep ends."""
     kinds = list(ask.device_kinds) or device_kinds(settings, store, now=clock())
     key_name = f"sits-tune-{uuid.uuid4().hex[:16]}"  # (not the ask's id, which any tenant may read first)
+    key_tenant = key_name if caller.role == "admin" else caller.tenant  # (an admin key acts as its name's tenant)
     sender: HttpSender | None = None
     setup_error: Exception | None = None
     try:
@@ -186,7 +187,7 @@ def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *
                                                     tenant="" if caller.role == "admin" else caller.tenant),
                             record.ref, [sample_feed(record.signature, 1, seed=s) for s in range(8)])
     except (SitsError, ValueError) as err:  # (the records of the kinds it would measure say why: its poller stops)
-        revoke_api_keys(store, key_name, tries=None)
+        revoke_api_keys(store, key_name, key_tenant, tries=None)
         setup_error = err
     ended = []
     try:
@@ -206,7 +207,7 @@ def run_tuning(settings: Settings, store: Store, ask: TuneAsk, caller: Caller, *
     finally:
         if sender is not None:
             sender.close()
-            revoke_api_keys(store, key_name, tries=None)
+            revoke_api_keys(store, key_name, key_tenant, tries=None)
     return ended
 
 

@@ -118,10 +118,12 @@ def list_keys() -> Any:
 
 @blueprint.delete("/v1/keys/<name>")
 def revoke_keys(name: str) -> Any:
-    """Admin or tenant-admin: delete the keys of that name; they stop working at once in this process,
-    within 5 s in the others (each trusts a key it checked for that long)."""
-    revoked = tenant_gate.revoke_keys(app_state().store, g.identity, name)
-    app_state().known_keys.forget(name)
+    """Admin or tenant-admin: delete the keys of that name (a tenant admin's: of its tenant; an admin's: of every
+    tenant, or of the one `?tenant=` names); they stop working at once in this process, within 5 s in the others
+    (each trusts a key it checked for that long)."""
+    revoked, tenant = tenant_gate.revoke_keys(app_state().store, g.identity, name,
+                                              (request.args.get("tenant") or "").strip() or None)
+    app_state().known_keys.forget(name, tenant)
     return jsonify({"revoked": revoked})
 
 

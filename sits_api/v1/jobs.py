@@ -38,9 +38,10 @@ def list_jobs() -> Any:
     """Newest jobs first; `?status=` filters, `?limit=` bounds (default 100).
 
     A user key lists only its own jobs (naming another `?owner=` is a 403); a tenant-admin or viewer
-    key its tenant's; an admin key every job, jobs stored without an owner included, or with `?owner=`
-    those of one key name. A key other than an admin's lists from its tenant's jobs alone, so `limit`
-    counts its tenant's newest, however many other tenants' are newer.
+    key its tenant's; an admin key every job, jobs stored without an owner included, with `?tenant=` those of one
+    tenant, and with `?owner=` those of one key name (of every tenant, or of the one named). A key other than an
+    admin's lists from its tenant's jobs alone, so `limit` counts its tenant's newest, however many other tenants'
+    are newer; naming another tenant lists none, as a tenant without jobs would.
     """
     try:
         limit = int(request.args.get("limit", 100))
@@ -59,9 +60,12 @@ def list_jobs() -> Any:
             raise Forbidden(f"key '{g.identity['name']}' may list only its own jobs; leave out owner= "
                             "(an admin key may name any owner)")
         owner = g.identity["name"]
-    tenant = None if g.identity.get("role") == "admin" else key_tenant(g.identity)
+    asked = (request.args.get("tenant") or "").strip() or None
+    tenant = asked if g.identity.get("role") == "admin" else key_tenant(g.identity)
+    if asked not in (None, tenant):  # (another tenant lists as one without jobs)
+        return jsonify({"jobs": []})
     listed = job_lists.list_jobs(app_state().store, now=time.time(), limit=limit, status=status_filter, owner=owner,
-                                 tenant=tenant, owner_is_caller=owner == g.identity.get("name"))
+                                 tenant=tenant)
     # `may_read` decides; the owner and tenant filters above choose which jobs are read
     return jsonify({"jobs": [job.to_json() for job in listed if may_read(g.identity, job.owner, job.tenant)]})
 

@@ -100,24 +100,34 @@ def submit_job(tenants: Tenants, key: str, output: str, **fields: Any) -> Reply:
 # --- ownership by tenant --------------------------------------------------------------------
 
 
-def test_a_tenant_admin_cannot_make_a_key_named_like_another_tenant_s(tenants: Tenants) -> None:
-    """The attack: evil's tenant admin makes a `user` key `alice` in its own tenant, and with it reads
-    and steers acme's alice's work. A key name is unique across tenants, so the key is never made."""
-    made = call(tenants.stack, tenants.evil_admin, "POST", "/v1/keys", {"name": "alice", "role": "user",
-                                                                       "tenant": "evil"})
+def test_a_tenant_admin_s_key_named_like_another_tenant_s_reaches_none_of_its_work_and_learns_nothing(
+        tenants: Tenants) -> None:
+    """The attack: evil's tenant admin makes a `user` key `alice` in its own tenant, to read and steer acme's
+    alice's work, or to learn from a refusal that acme has an `alice`. A key name is its tenant's: the key is
+    made as one named like no other tenant's key is, and every check compares tenants first."""
+    stack = tenants.stack
+    job = submit_job(tenants, tenants.alice, "alice-namesake-out")
+    assert job.status == 201, job
+    made = [call(stack, tenants.evil_admin, "POST", "/v1/keys", {"name": name, "role": "user", "tenant": "evil"})
+            for name in ("alice", "nobody-has-this-name")]
 
-    assert made.status == 400, made
-    assert "is taken" in made.body["error"] and "acme" not in made.body["error"]  # (nor whose it is)
+    assert [reply.status for reply in made] == [201, 201], made
+    evil_alice = made[0].body["key"]
+    assert call(stack, evil_alice, "GET", f"/v1/jobs/{job.body['id']}").status == 404  # as an unknown id
+    assert call(stack, evil_alice, "DELETE", f"/v1/jobs/{job.body['id']}").status == 404
+    assert call(stack, evil_alice, "GET", "/v1/jobs").body["jobs"] == []
+    assert call(stack, tenants.evil_admin, "DELETE", "/v1/keys/alice").body == {"revoked": 1}  # its own alone
+    assert call(stack, tenants.alice, "GET", f"/v1/jobs/{job.body['id']}").status == 200
 
 
 def test_a_key_named_like_another_tenant_s_reaches_none_of_its_work(tenants: Tenants) -> None:
-    """A same-named key stored before names were unique (written into Redis as `create_api_key` wrote
-    keys then) still reaches nothing of acme's: every check compares tenants first."""
+    """A same-named key written into Redis by hand (or by a release that kept no per-tenant key sets) still
+    reaches nothing of acme's: every check compares tenants first."""
     stack = tenants.stack
     job = submit_job(tenants, tenants.alice, "alice-out")
     assert job.status == 201, job
     job_id = job.body["id"]
-    evil_alice = "sits_evil-alice-from-before-names-were-unique"
+    evil_alice = "sits_evil-alice-written-by-hand"
     stack.store.client.hset(stack.store.keys.api_keys, hashlib.sha256(evil_alice.encode()).hexdigest(),
                             json.dumps({"name": "alice", "role": "user", "tenant": "evil"}))
 

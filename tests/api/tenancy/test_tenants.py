@@ -107,19 +107,101 @@ def test_a_metrics_key_may_share_a_name_with_a_tenant_or_admins_and_gets_none_of
     assert job_list.status_code == 403
     assert client.get("/metrics", headers={"Authorization": f"Bearer {scraper}"}).status_code == 200
     assert client.get("/metrics", headers={"Authorization": f"Bearer {tenant}"}).status_code == 403
-    with pytest.raises(ValueError, match="'prometheus' is taken: a key name belongs to one tenant, or to the admin"):
+    with pytest.raises(ValueError, match="key name 'prometheus' is a tenant's: an admin key of that name would act"):
         create_api_key(store, "prometheus", "admin")  # the rule still holds between tenants and admins
 
 
-def test_a_key_name_that_differs_from_another_tenant_s_only_in_case_is_taken(store: Store) -> None:
-    """"Bob@acme.com" in another tenant reads as acme's "bob@acme.com" wherever a name is shown."""
-    create_api_key(store, "bob@acme.com", "user", tenant="acme")
-    with pytest.raises(ValueError, match="is taken"):
-        create_api_key(store, "Bob@acme.com", "viewer", tenant="evil")
-    create_api_key(store, "BOB@acme.com", "user", tenant="acme")  # (its own tenant's: a key rotated so)
-    create_api_key(store, "Initech", "user")  # (a tenant of its own name)
-    with pytest.raises(ValueError, match="is taken"):
-        create_api_key(store, "initech", "user")
+def test_a_tenant_named_like_an_admin_key_case_aside_is_refused_and_so_is_the_other_way_round(store: Store) -> None:
+    """An admin acts as the tenant of its name: that tenant's keys would own the admin's work."""
+    create_api_key(store, "root", "admin")
+    for name, tenant in (("root", ""), ("alice", "root"), ("alice", "ROOT")):
+        with pytest.raises(ValueError, match="is named like an admin key"):
+            create_api_key(store, name, "user", tenant=tenant)
+    create_api_key(store, "root", "user", tenant="acme")  # (a member of acme named root owns nothing of the admin's)
+    create_api_key(store, "carol", "tenant-admin", tenant="Initech")
+    with pytest.raises(ValueError, match="is a tenant's"):
+        create_api_key(store, "initech", "admin")
+
+
+def test_two_tenants_may_each_have_a_key_of_one_name_and_neither_reaches_the_other_s_work(
+        client: FlaskClient, store: Store, admin_key: str, mlp: dict[str, Any]) -> None:
+    """Key names are their tenant's: a tenant admin making `alice` learns nothing of another tenant's `alice`
+    (a 400 "taken" told it one existed), and the two keys' records stay apart, tenants compared first."""
+    admin = Api(client, admin_key)
+    acme_admin = Api(client, admin.post("/v1/keys", json={"name": "boss", "role": "tenant-admin",
+                                                          "tenant": "acme"}).get_json()["key"])
+    created = admin.post("/v1/keys", json={"name": "alice", "tenant": "globex"})
+    assert created.status_code == 201, error_of(created)
+    also = acme_admin.post("/v1/keys", json={"name": "alice", "tenant": "acme"})
+    assert also.status_code == 201, error_of(also)
+    acme_alice, globex_alice = Api(client, also.get_json()["key"]), Api(client, created.get_json()["key"])
+    request_id = submit_request(acme_alice)
+
+    assert acme_alice.get(f"/v1/requests/{request_id}").status_code == 200
+    assert globex_alice.get(f"/v1/requests/{request_id}").status_code == 404
+    assert [key["tenant"] for key in acme_admin.get("/v1/keys").get_json()["keys"]] == ["acme", "acme"]
+    assert acme_admin.delete("/v1/keys/alice").get_json() == {"revoked": 1}
+    assert globex_alice.get("/v1/jobs").status_code == 200  # (acme's revoke left globex's alice alone)
+    assert sorted((key["name"], key["tenant"]) for key in admin.get("/v1/keys").get_json()["keys"]) == [
+        ("alice", "globex"), ("boss", "acme"), ("test", "test")]
+
+
+def test_a_user_s_job_list_is_its_own_whatever_a_key_of_its_name_in_another_tenant_holds(
+        client: FlaskClient, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Globex's busy `alice` shared acme's `alice`'s job index: acme's list walked globex's jobs to its bound and
+    showed none of its own. Each tenant's key name now has an index of its own."""
+    import dataclasses
+
+    from broker.jobs import fills as job_fills
+    from broker.jobs import lists as job_lists
+    from tests.broker.broker_helpers import NOW, job_spec
+    acme_alice = Api(client, create_api_key(store, "alice", "user", tenant="acme"))
+    for number, (tenant, count) in enumerate((("acme", 2), ("globex", 1_200))):
+        for i in range(count):
+            spec = job_spec(f"j{tenant[0]}{i}", rows_total=1, chunk_size=1)
+            job_fills.create_job(store, dataclasses.replace(spec, owner="alice", tenant=tenant),
+                                 now=NOW + 10 * number + i / 1000)
+    assert job_lists.index_job_owners(store) and job_lists.index_job_tenants(store)
+    monkeypatch.setattr(job_lists, "LIST_SCAN_JOBS", 1_000)
+
+    assert listed_ids(acme_alice) == ["ja1", "ja0"]
+
+
+def test_a_tenant_s_key_changes_read_none_of_the_other_tenants_keys(store: Store) -> None:
+    """Counted by Redis itself: a tenant's create, list and revoke read its own set and the admins', never the
+    hash of every key, so another tenant's many keys cost it nothing and tell it nothing."""
+    from broker.tenants.apikeys import list_api_keys, revoke_api_keys
+    for number in range(30):
+        create_api_key(store, f"user{number}", "user", tenant="globex")
+    store.client.config_resetstat()
+
+    create_api_key(store, "alice", "user", tenant="acme")
+    assert [key["name"] for key in list_api_keys(store, "acme", members_only=True)] == ["alice"]
+    assert revoke_api_keys(store, "alice", "acme", members_only=True) == 1
+
+    stats = store.client.info("commandstats")
+    assert "cmdstat_hgetall" not in stats and "cmdstat_hvals" not in stats and "cmdstat_hscan" not in stats
+    assert stats["cmdstat_hmget"]["calls"] >= 2
+
+
+def test_keys_stored_before_the_tenant_sets_are_listed_and_revoked_by_their_tenant(store: Store) -> None:
+    """Keys written into the hash alone (before the per-tenant sets, or by an older API process) are put in
+    their sets at the next key change, and one revoked outside them is dropped from its set's reads."""
+    from broker.tenants.apikeys import list_api_keys, revoke_api_keys
+    create_api_key(store, "alice", "user", tenant="acme")
+    for name, record in (("sits_old_bob", {"name": "bob", "role": "user", "tenant": "acme"}),
+                         ("sits_old_carl", {"name": "carl", "role": "viewer"}),
+                         ("sits_old_root", {"name": "root", "role": "admin"})):
+        store.client.hset(store.keys.api_keys, hashlib.sha256(name.encode()).hexdigest(), json.dumps(record))
+    assert [key["name"] for key in list_api_keys(store, "acme", members_only=True)] == ["alice", "bob"]
+    assert [key["name"] for key in list_api_keys(store, "carl")] == ["carl"]
+    assert [key["name"] for key in list_api_keys(store, "root")] == ["root"]
+    assert list_api_keys(store, "root", members_only=True) == []
+    store.client.hdel(store.keys.api_keys, hashlib.sha256(b"sits_old_bob").hexdigest())  # an older process's revoke
+    assert [key["name"] for key in list_api_keys(store, "acme")] == ["alice"]
+    assert revoke_api_keys(store, "bob", "acme") == 0
+    assert revoke_api_keys(store, "alice", "acme") == 1
+    assert list_api_keys(store, "acme") == []
 
 
 def test_a_key_without_a_name_or_with_spaces_around_it_cannot_be_created(store: Store) -> None:
@@ -557,9 +639,10 @@ def test_sitsctl_model_register_prints_the_403_for_another_tenant_s_name(
     assert "error: 403: model name 'scorer' is registered by another tenant; choose another name" in output
 
 
-def test_sitsctl_key_create_refuses_a_user_key_named_like_an_admin_key(
+def test_sitsctl_key_create_refuses_a_user_key_of_the_tenant_an_admin_key_acts_as(
         redis_server: Any, store: Store, admin_key: str, tmp_path: Path) -> None:
-    """The admin fixture's key is named 'test': a user key of that name would own the admin's jobs."""
+    """The admin fixture's key is named 'test': a user key of tenant 'test' (its name's, given no tenant) would own
+    the admin's jobs."""
     config = tmp_path / "sits-config.yaml"
     config.write_text(json.dumps({"redis": {"url": redis_server.url, "key_prefix": store.keys.prefix}}))
     env = {"SITS_HOME": str(tmp_path / "home"), "SITS_REDIS_URL": None, "SITS_CONFIG": None}
@@ -569,7 +652,7 @@ def test_sitsctl_key_create_refuses_a_user_key_named_like_an_admin_key(
 
     output = " ".join(result.output.split())
     assert result.exit_code == 2 and "Traceback" not in output, output
-    assert "key name 'test' is taken" in output
+    assert "tenant 'test' is named like an admin key" in output
     assert store.client.hgetall(store.keys.api_keys) == stored
 
 

@@ -179,7 +179,8 @@ def test_list_jobs_by_owner_is_that_owner_s_newest_across_index_pages(
     if indexed:
         assert job_lists.index_job_owners(store)  # as a reaper pass does
 
-    def listed(**filters: Any) -> list[str]:
+    def listed(**filters: Any) -> list[str]:  # (an owner's jobs within their tenant: the key's name, given none)
+        filters.setdefault("tenant", filters.get("owner"))
         return [job.id for job in job_lists.list_jobs(store, now=NOW + 10, **filters)]
 
     assert listed(owner="alice") == ["j4", "j1"]
@@ -201,20 +202,21 @@ def test_reaper_passes_index_jobs_stored_before_the_owner_indexes_a_page_at_a_ti
     for i, owner in enumerate(owners):
         spec = dataclasses.replace(job_spec(f"j{i}", rows_total=1, chunk_size=1), owner=owner)
         job_fills.create_job(store, spec, now=NOW + (i if i < 3 else 2))  # j2, j3 and j4 share a creation time
-    store.client.delete(store.keys.owner_jobs("alice"), store.keys.owner_jobs("bob"))
+    store.client.delete(store.keys.owner_jobs("alice", "alice"), store.keys.owner_jobs("bob", "bob"))
 
     assert not job_lists.index_job_owners(store, limit=4)  # a full page: more may follow
     assert not store.client.exists(store.keys.owner_index_built)
-    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, owner="alice")] == ["j4", "j2", "j0"]  # scan
+    scanned = job_lists.list_jobs(store, now=NOW + 10, owner="alice", tenant="alice")
+    assert [job.id for job in scanned] == ["j4", "j2", "j0"]  # scan
     assert job_lists.index_job_owners(store, limit=4)  # the rest, from the job after the last one indexed
-    assert store.client.zrange(store.keys.owner_jobs("alice"), 0, -1, withscores=True) == [
+    assert store.client.zrange(store.keys.owner_jobs("alice", "alice"), 0, -1, withscores=True) == [
         ("j0", NOW), ("j2", NOW + 2), ("j4", NOW + 2)]
-    assert store.client.zrange(store.keys.owner_jobs("bob"), 0, -1) == ["j1"]
+    assert store.client.zrange(store.keys.owner_jobs("bob", "bob"), 0, -1) == ["j1"]
     job_fills.create_job(store, dataclasses.replace(job_spec("j5", rows_total=1, chunk_size=1), owner="bob"),
                     now=NOW + 5)
-    store.client.zrem(store.keys.owner_jobs("bob"), "j5")  # as an older API process wrote it
+    store.client.zrem(store.keys.owner_jobs("bob", "bob"), "j5")  # as an older API process wrote it
     assert job_lists.index_job_owners(store)
-    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, owner="bob")] == ["j5", "j1"]
+    assert [job.id for job in job_lists.list_jobs(store, now=NOW + 10, owner="bob", tenant="bob")] == ["j5", "j1"]
 
 
 # --- output folders -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ def store_jobs_without_owner_indexes(store: Store, created: list[float], owners:
     for job_id, at, owner in zip(ids, created, owners, strict=True):
         job_fills.create_job(store, dataclasses.replace(job_spec(job_id, rows_total=1, chunk_size=1), owner=owner),
                              now=at)
-    store.client.delete(*(store.keys.owner_jobs(owner) for owner in set(owners)))
+    store.client.delete(*(store.keys.owner_jobs(owner, owner) for owner in set(owners)))
     return ids
 
 
@@ -29,9 +29,9 @@ def test_passes_index_every_job_of_a_run_of_equal_creation_times_longer_than_a_p
     assert job_lists.INDEX_PAGE < 2500
     assert [job_lists.index_job_owners(store) for _ in range(2)] == [False, True]
 
-    assert store.client.zcard(store.keys.owner_jobs("alice")) == 1250
-    assert store.client.zcard(store.keys.owner_jobs("bob")) == 1250
-    assert store.client.zscore(store.keys.owner_jobs("bob"), ids[-1]) == NOW  # scored by creation time
+    assert store.client.zcard(store.keys.owner_jobs("alice", "alice")) == 1250
+    assert store.client.zcard(store.keys.owner_jobs("bob", "bob")) == 1250
+    assert store.client.zscore(store.keys.owner_jobs("bob", "bob"), ids[-1]) == NOW  # scored by creation time
     assert store.client.exists(store.keys.owner_index_built)
     listed = [job.id for job in job_lists.list_jobs(store, now=NOW, owner="alice", limit=2000)]
     assert sorted(listed) == ids[0::2]
@@ -42,7 +42,7 @@ def test_a_pass_indexes_at_most_a_page_and_the_jobs_created_after_a_catch_up(sto
     job once; later passes index only jobs stored after the catch-up without their owner's index."""
     created = [NOW + i // 7 for i in range(50)]  # runs of 7 equal times, pages of 5
     ids = store_jobs_without_owner_indexes(store, created, ["alice"] * 50)
-    owner_jobs = store.keys.owner_jobs("alice")
+    owner_jobs = store.keys.owner_jobs("alice", "alice")
 
     indexed = []
     while not job_lists.index_job_owners(store, limit=5):
@@ -52,17 +52,17 @@ def test_a_pass_indexes_at_most_a_page_and_the_jobs_created_after_a_catch_up(sto
 
     late = store_jobs_without_owner_indexes(store, [NOW + 100] * 3, ["carol"] * 3, "k")  # by an older API process
     assert job_lists.index_job_owners(store, limit=5)
-    assert store.client.zrange(store.keys.owner_jobs("carol"), 0, -1) == late
+    assert store.client.zrange(store.keys.owner_jobs("carol", "carol"), 0, -1) == late
 
 
 def test_a_mark_written_as_a_creation_time_by_an_earlier_release_starts_the_walk_again(store: Store) -> None:
     """Earlier releases kept the creation time indexed up to, and could skip jobs of a long run of equal
     times: a mark that names no job restarts the walk from the oldest job, which indexes those too."""
     ids = store_jobs_without_owner_indexes(store, [NOW] * 6 + [NOW + 1], ["alice"] * 7)
-    store.client.zadd(store.keys.owner_jobs("alice"), {job_id: NOW for job_id in ids[:2]})  # what was indexed
+    store.client.zadd(store.keys.owner_jobs("alice", "alice"), {job_id: NOW for job_id in ids[:2]})  # what was indexed
     store.client.set(store.keys.owner_index_mark, repr(NOW))
 
     assert not job_lists.index_job_owners(store, limit=4)
     assert job_lists.index_job_owners(store, limit=4)
 
-    assert store.client.zrange(store.keys.owner_jobs("alice"), 0, -1) == ids
+    assert store.client.zrange(store.keys.owner_jobs("alice", "alice"), 0, -1) == ids

@@ -40,7 +40,7 @@ def test_a_job_ended_longer_ago_than_the_retention_is_forgotten_whole(store: Sto
         jobs.get_job(store, "j00000000000a", now=NOW)
     assert not store.client.exists(store.keys.job_done("j00000000000a"))
     assert store.client.zscore(store.keys.jobs, "j00000000000a") is None
-    assert store.client.zscore(store.keys.owner_jobs("alice"), "j00000000000a") is None
+    assert store.client.zscore(store.keys.owner_jobs("acme", "alice"), "j00000000000a") is None
     assert not store.client.hexists(store.keys.output_dirs, "/out/a")
     assert before is not None and job_lists.job_status_counts(store) == before | {"cancelled": 1}
     assert [job.id for job in job_lists.list_jobs(store, now=NOW)] == ["j00000000000c", "j00000000000b"]  # kept:

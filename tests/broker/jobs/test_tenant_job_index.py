@@ -94,4 +94,40 @@ def test_naming_another_tenant_s_key_as_owner_costs_what_naming_no_key_does(stor
     assert other == missing == []
     assert other_cost == missing_cost, (other_cost, missing_cost)
     assert listed(store, tenant="acme", owner="alice", limit=5) == ["ja1", "ja0"]  # a key of its own is found
-    assert listed(store, tenant="acme", owner="alice", owner_is_caller=True, limit=5) == ["ja1", "ja0"]
+
+
+def test_a_key_s_own_jobs_are_listed_whatever_a_key_of_its_name_in_another_tenant_holds(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key name is its tenant's, and so is the index of its jobs: globex's `alice`, however busy, neither
+    hides acme's `alice`'s jobs (a shared index walked to its bound found none of them) nor costs its list time."""
+    for i in range(2):
+        create(store, f"ja{i}", at=NOW + i, owner="alice", tenant="acme")
+    assert job_lists.index_job_owners(store) and job_lists.index_job_tenants(store)
+
+    def commands_of(**filters: Any) -> tuple[list[str], int]:
+        before = store.client.info("stats")["total_commands_processed"]
+        ids = listed(store, **filters)
+        return ids, store.client.info("stats")["total_commands_processed"] - before - 1  # (less the INFO)
+
+    alone = commands_of(tenant="acme", owner="alice")
+    for i in range(1_200):
+        create(store, f"jg{i}", at=NOW + 10 + i / 1000, owner="alice", tenant="globex")
+    monkeypatch.setattr(job_lists, "LIST_SCAN_JOBS", 1_000)
+
+    assert commands_of(tenant="acme", owner="alice") == alone == (["ja1", "ja0"], alone[1])
+    assert listed(store, tenant="globex", owner="alice", limit=2) == ["jg1199", "jg1198"]
+
+
+def test_the_owner_pass_indexes_by_tenant_and_drops_the_indexes_of_names_of_whichever_tenant(store: Store) -> None:
+    """Releases before key names were their tenant's kept one index per name (`keys.names_jobs`): the pass that
+    builds the per-tenant ones deletes it, so nothing is left that nothing reads."""
+    create(store, "ja", at=NOW, owner="alice", tenant="acme")
+    create(store, "jg", at=NOW + 1, owner="alice", tenant="globex")
+    store.client.delete(store.keys.owner_jobs("acme", "alice"), store.keys.owner_jobs("globex", "alice"))
+    store.client.zadd(store.keys.names_jobs("alice"), {"ja": NOW, "jg": NOW + 1})
+
+    assert job_lists.index_job_owners(store)
+
+    assert store.client.zrange(store.keys.owner_jobs("acme", "alice"), 0, -1) == ["ja"]
+    assert store.client.zrange(store.keys.owner_jobs("globex", "alice"), 0, -1) == ["jg"]
+    assert not store.client.exists(store.keys.names_jobs("alice"))

@@ -301,25 +301,25 @@ def test_unknown_key_is_unauthorized(store: Store) -> None:
     assert caught.value.http_status == 401
 
 
-def test_a_key_name_is_either_a_tenant_s_or_admins_never_both(store: Store) -> None:
-    """A user key named like an admin key would own what that admin submitted."""
+def test_a_tenant_is_never_named_as_an_admin_key_acts(store: Store) -> None:
+    """An admin key acts as the tenant of its name: a user key of that tenant would own what that admin submitted."""
     apikeys.create_api_key(store, "ops", role="admin")
     apikeys.create_api_key(store, "alice", role="user")
     stored = store.client.hgetall(store.keys.api_keys)
 
     with pytest.raises(ValueError) as refused:
         apikeys.create_api_key(store, "ops", role="user")
-    assert str(refused.value) == ("key name 'ops' is taken: a key name belongs to one tenant, or to the admin keys; "
-                                  "give this user key another name")  # (whose it is, is not told)
-    with pytest.raises(ValueError, match="'alice' is taken: .* give this admin key another"):
+    assert str(refused.value) == ("tenant 'ops' is named like an admin key, whose work a tenant of that name would "
+                                  "own; give the key another tenant")
+    with pytest.raises(ValueError, match="key name 'alice' is a tenant's: .* give the admin key another name"):
         apikeys.create_api_key(store, "alice", role="admin")
     assert store.client.hgetall(store.keys.api_keys) == stored
 
-    more = [apikeys.create_api_key(store, "ops", role="admin"), apikeys.create_api_key(store, "alice", role="user")]
+    more = [apikeys.create_api_key(store, "ops", role="admin"), apikeys.create_api_key(store, "alice", role="user"),
+            apikeys.create_api_key(store, "ops", role="user", tenant="acme")]
     assert [apikeys.authenticate(store, key) for key in more] == [{"name": "ops", "role": "admin", "tenant": "ops"},
-                                                                   {"name": "alice", "role": "user", "tenant": "alice"}]
-    apikeys.create_api_key(store, "alice", role="viewer")  # (the tenant's roles share a name; admins' do not)
-
+                                                                   {"name": "alice", "role": "user", "tenant": "alice"},
+                                                                   {"name": "ops", "role": "user", "tenant": "acme"}]
 
 def test_keys_of_both_roles_created_at_once_under_one_name_get_one_role(store: Store) -> None:
     roles = ["admin", "user"] * 4
