@@ -6,13 +6,15 @@ be wrong, and every replica answers the same figures (an API process adds its ow
 Redis every second or so, `sits_api/http/request_metrics.py`). Counts only: no job or request ids, owners,
 key names or the Redis URL. Labels are model names and versions, worker names and devices, the API's route
 templates, and values of small fixed sets (status, phase, reason, priority class, outcome, method, the
-histograms' bounds).
+histograms' bounds). The per-version histograms and summaries show a name's newest versions alone and sum
+the older ones under version "other" (`sits_api/metric_versions.py`): a tenant's versions add few series.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import (
@@ -46,6 +48,7 @@ from broker.tenants.shares import decayed
 from broker.tenants.usage import read_usage
 from broker.tuning import live
 from sits_api.http.request_metrics import HttpCounts
+from sits_api.metric_versions import model_labels, shown_versions, summed_by_shown_version
 
 MODEL = ["model", "version"]
 WORKER = ["worker", "device"]
@@ -115,9 +118,10 @@ class SitsCollector:
         yield from _queue_policy_metrics(stats, batching)
         yield from _level_limit_metrics(self._store, batching)
         yield from _worker_metrics(stats)
-        yield from _job_and_request_metrics(stats)
-        yield from _latency_histograms(stats)
-        yield from _batch_size_histograms(stats)
+        shown = shown_versions(self._store, stats)
+        yield from _job_and_request_metrics(stats, shown)
+        yield from _latency_histograms(stats, shown)
+        yield from _batch_size_histograms(stats, shown)
         yield from _http_metrics(stats)
         yield from _deadline_metrics(stats)
         yield from _tenant_metrics(self._store, stats, self._settings, now=time.time())
@@ -140,15 +144,15 @@ def _batching_control_metrics(store: Store, stats: SystemStats, *, now: float) -
             if override.knobs_for(kind, now=now) is None:
                 continue
             if knobs.max_batch_size is not None:
-                ceiling.add_metric([*_model_labels(model_ref), kind, override.source], knobs.max_batch_size)
+                ceiling.add_metric([*model_labels(model_ref), kind, override.source], knobs.max_batch_size)
             if knobs.max_queue_delay is not None:
-                delay.add_metric([*_model_labels(model_ref), kind, override.source], knobs.max_queue_delay)
+                delay.add_metric([*model_labels(model_ref), kind, override.source], knobs.max_queue_delay)
     changes = CounterMetricFamily("sits_batching_changes", "Moves of a model's batch ceiling or queue delay the "
                                   "batching controller made, by direction: up (more batching) or down.",
                                   labels=[*MODEL, "direction"])
     for key, total in sorted(stats.counters.get("batching_changes", {}).items()):
         model_ref, _, direction = key.rpartition("|")
-        changes.add_metric([*_model_labels(model_ref), direction], total)
+        changes.add_metric([*model_labels(model_ref), direction], total)
     yield from (ceiling, delay, changes)
 
 
@@ -196,11 +200,6 @@ def exposition(collector: SitsCollector, accept: str) -> tuple[bytes, str]:
     return encode(collector), content_type
 
 
-def _model_labels(model_ref: str) -> list[str]:
-    name, _, version = model_ref.rpartition("@")
-    return [name, version] if name else [model_ref, ""]
-
-
 def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
     waiting = GaugeMetricFamily("sits_queue_waiting_items", "Items waiting in a model's queue, not yet leased: "
                                 "online requests, job chunks and jobs' finalize steps.", labels=MODEL)
@@ -209,7 +208,7 @@ def _queue_metrics(stats: SystemStats) -> Iterator[Metric]:
     requests = GaugeMetricFamily("sits_queue_waiting_requests", "Online requests among a model's waiting items: "
                                  "what its max_queue_size counts.", labels=MODEL)
     for model_ref, depth in stats.queues.items():
-        name, version = _model_labels(model_ref)
+        name, version = model_labels(model_ref)
         if not (depth["ready"] or depth["inflight"]) and stats.latest_versions.get(name) != version:
             continue  # an older version with nothing left: its series end (a queue is never forgotten)
         waiting.add_metric([name, version], depth["ready"])
@@ -231,7 +230,7 @@ def _rescore_metric(stats: SystemStats) -> Metric:
                                 labels=[*MODEL, "reason"])
     for reason in (re_estimate.LATENCY, re_estimate.PSA):
         for model_ref, total in sorted(stats.counters.get(f"rescore_moved_{reason}", {}).items()):
-            moved.add_metric([*_model_labels(model_ref), reason], total)
+            moved.add_metric([*model_labels(model_ref), reason], total)
     return moved
 
 
@@ -248,14 +247,14 @@ def _queue_batching(store: Store, settings: Settings, model_ref: str) -> ModelBa
     try:
         return configured(settings.online, registry.get_model(store, model_ref))
     except ModelNotFound:  # (a queue whose version is gone: the settings alone)
-        return settings.online.batching_for(_model_labels(model_ref)[0])
+        return settings.online.batching_for(model_labels(model_ref)[0])
 
 
 def _queue_policy_metrics(stats: SystemStats, batching: dict[str, ModelBatching]) -> Iterator[Metric]:
     limit = GaugeMetricFamily("sits_queue_max_requests", "The model's max_queue_size: most online requests "
                               "waiting in a version's queue before a 429 (0: no limit).", labels=MODEL)
     for model_ref, queue in batching.items():
-        name, version = _model_labels(model_ref)
+        name, version = model_labels(model_ref)
         limit.add_metric([name, version], queue.max_queue_size)
     yield limit
     rejected = CounterMetricFamily("sits_requests_rejected", "Online requests refused with a 429 because their "
@@ -265,7 +264,7 @@ def _queue_policy_metrics(stats: SystemStats, batching: dict[str, ModelBatching]
                                    "them was queued.", labels=[*MODEL, "reason"])
     for reason in REJECTION_REASONS:
         for model_ref, total in sorted(stats.counters.get(f"requests_rejected_{reason}", {}).items()):
-            rejected.add_metric([*_model_labels(model_ref), reason], total)
+            rejected.add_metric([*model_labels(model_ref), reason], total)
     yield rejected
 
 
@@ -285,7 +284,7 @@ def _level_limit_metrics(store: Store, batching: dict[str, ModelBatching]) -> It
                 pipe.zcount(store.keys.waiting_requests(ref), level, level)
             counts = pipe.execute()
         for (ref, level, most), count in zip(limited, counts, strict=True):
-            labels = [*_model_labels(ref), str(level)]
+            labels = [*model_labels(ref), str(level)]
             limit.add_metric(labels, most)
             waiting.add_metric(labels, count)
     yield limit
@@ -296,7 +295,7 @@ def _newest_queues(stats: SystemStats) -> list[str]:
     """The model refs with a queue that are their model's newest version."""
     newest = []
     for model_ref in stats.queues:
-        name, version = _model_labels(model_ref)
+        name, version = model_labels(model_ref)
         if stats.latest_versions.get(name) == version:
             newest.append(model_ref)
     return newest
@@ -330,7 +329,7 @@ def _worker_metrics(stats: SystemStats) -> Iterator[Metric]:
         yield family
 
 
-def _job_and_request_metrics(stats: SystemStats) -> Iterator[Metric]:
+def _job_and_request_metrics(stats: SystemStats, shown: Mapping[str, str]) -> Iterator[Metric]:
     jobs = GaugeMetricFamily("sits_jobs", "Jobs in each status (no samples until reaper passes have counted the "
                              "jobs stored before these counts existed).", labels=["status"])
     if stats.job_counts is not None:
@@ -343,16 +342,16 @@ def _job_and_request_metrics(stats: SystemStats) -> Iterator[Metric]:
                                     labels=[*MODEL, "status"])
     for status in REQUEST_STATUSES:
         for model_ref, total in sorted(stats.counters.get(f"requests_{status}", {}).items()):
-            completed.add_metric([*_model_labels(model_ref), status], total)
+            completed.add_metric([*model_labels(model_ref), status], total)
     yield completed
     rows = CounterMetricFamily("sits_job_rows_done", "Rows of offline jobs computed and checkpointed (a chunk "
                                "run again after a lost acknowledgement counts once; rows run again after a "
                                "resume, where their outputs were deleted, count again).", labels=MODEL)
     for model_ref, total in sorted(stats.counters.get("job_rows", {}).items()):
-        rows.add_metric(_model_labels(model_ref), total)
+        rows.add_metric(model_labels(model_ref), total)
     yield rows
     yield _failure_metric(stats)
-    yield from _request_time_metrics(stats)
+    yield from _request_time_metrics(stats, shown)
 
 
 def _failure_metric(stats: SystemStats) -> Metric:
@@ -364,13 +363,14 @@ def _failure_metric(stats: SystemStats) -> Metric:
     for failure_class in FAILURE_CLASSES:
         for outcome in ("retried", "final"):
             for model_ref, total in sorted(stats.counters.get(f"failures_{outcome}_{failure_class}", {}).items()):
-                failures.add_metric([*_model_labels(model_ref), failure_class, outcome], total)
+                failures.add_metric([*model_labels(model_ref), failure_class, outcome], total)
     return failures
 
 
-def _request_time_metrics(stats: SystemStats) -> Iterator[Metric]:
+def _request_time_metrics(stats: SystemStats, shown: Mapping[str, str]) -> Iterator[Metric]:
     """Online request times and runs per model version, from the running totals the v2 statistics keep
-    (`broker.monitoring.model_stats`): a summary's count and sum, so that a dashboard divides their rates."""
+    (`broker.monitoring.model_stats`): a summary's count and sum, so that a dashboard divides their rates.
+    A name's older versions add up under `metric_versions.OTHER_VERSION`; the summaries have no quantiles to merge."""
     latency = SummaryMetricFamily("sits_request_seconds", "Online requests answered, succeeded or failed, and "
                                   "their time from submit to result.", labels=MODEL)
     phases = SummaryMetricFamily("sits_request_phase_seconds", "The requests that ran, and their time by phase: "
@@ -378,8 +378,11 @@ def _request_time_metrics(stats: SystemStats) -> Iterator[Metric]:
                                  labels=[*MODEL, "phase"])
     runs = CounterMetricFamily("sits_request_runs", "Runs of online requests (a run may merge several, and "
                                "rows of a job).", labels=MODEL)
-    for model_ref, totals in sorted(stats.model_stats.items()):
-        labels = _model_labels(model_ref)
+    grouped: dict[tuple[str, str], Counter[str]] = {}
+    for model_ref, own in stats.model_stats.items():
+        grouped.setdefault((model_labels(model_ref)[0], shown[model_ref]), Counter()).update(own)
+    for (name, version), totals in sorted(grouped.items()):
+        labels = [name, version]
         answered = totals.get("success_count", 0) + totals.get("fail_count", 0)
         latency.add_metric(labels, answered, (totals.get("success_ns", 0) + totals.get("fail_ns", 0)) / 1e9)
         phases.add_metric([*labels, "queue"], totals.get("queue_count", 0), totals.get("queue_ns", 0) / 1e9)
@@ -409,14 +412,13 @@ _HISTOGRAMS = (
 _BOUNDS = [floatToGoString(bound) for bound in LATENCY_BUCKETS] + ["+Inf"]
 
 
-def _latency_histograms(stats: SystemStats) -> Iterator[Metric]:
+def _latency_histograms(stats: SystemStats, shown: Mapping[str, str]) -> Iterator[Metric]:
     """The latency histograms (`broker.monitoring.sla_metrics`): cumulative buckets, sum and count, by model version
-    and priority class (express, high, normal, low)."""
+    (`shown_versions`) and priority class (express, high, normal, low)."""
     families = {what: HistogramMetricFamily(name, text, labels=CLASS) for what, name, text in _HISTOGRAMS}
-    for (model_ref, what, klass), histogram in sorted(stats.histograms.items()):
+    for (model, version, what, klass), histogram in summed_by_shown_version(stats.histograms.items(), shown):
         if what in families:
-            families[what].add_metric([*_model_labels(model_ref), klass], _buckets(histogram),
-                                      sum_value=histogram.total)
+            families[what].add_metric([model, version, klass], _buckets(histogram), sum_value=histogram.total)
     yield from families.values()
 
 
@@ -433,14 +435,16 @@ _SIZE_HISTOGRAMS = (
 )
 
 
-def _batch_size_histograms(stats: SystemStats) -> Iterator[Metric]:
-    """The workers' runs by rows and by tokens, by model version (no priority class: a run merges several)."""
+def _batch_size_histograms(stats: SystemStats, shown: Mapping[str, str]) -> Iterator[Metric]:
+    """The workers' runs by rows and by tokens, by model version (`shown_versions`; no priority class: a run
+    merges several)."""
+    by_version = summed_by_shown_version(stats.batch_sizes.items(), shown)
     for what, name, text, bounds in _SIZE_HISTOGRAMS:
         family = HistogramMetricFamily(name, text, labels=MODEL)
         edges = [floatToGoString(bound) for bound in bounds] + ["+Inf"]
-        for (model_ref, kind), histogram in sorted(stats.batch_sizes.items()):
+        for (model, version, kind), histogram in by_version:
             if kind == what:
-                family.add_metric(_model_labels(model_ref), _buckets(histogram, edges), sum_value=histogram.total)
+                family.add_metric([model, version], _buckets(histogram, edges), sum_value=histogram.total)
         yield family
 
 
@@ -480,20 +484,20 @@ def _deadline_metrics(stats: SystemStats) -> Iterator[Metric]:
                                    labels=[*MODEL, "outcome"])
     for outcome in DEADLINE_OUTCOMES:
         for model_ref, total in _from_zero(stats, f"job_deadline_{outcome}"):
-            outcomes.add_metric([*_model_labels(model_ref), outcome], total)
+            outcomes.add_metric([*model_labels(model_ref), outcome], total)
     yield outcomes
     requests = CounterMetricFamily("sits_request_deadlines", "Online requests with a deadline (deadline_ms) that "
                                    "ended, by whether they met it (answered by then) or missed it (failed, or "
                                    "answered late).", labels=[*MODEL, "outcome"])
     for outcome in DEADLINE_OUTCOMES:
         for model_ref, total in _from_zero(stats, f"request_deadline_{outcome}"):
-            requests.add_metric([*_model_labels(model_ref), outcome], total)
+            requests.add_metric([*model_labels(model_ref), outcome], total)
     yield requests
     rejected = CounterMetricFamily("sits_jobs_rejected", "Jobs refused at submit by deadline admission (422 "
                                    "deadline_infeasible): their deadline could not be met, or had passed.",
                                    labels=MODEL)
     for model_ref, total in _from_zero(stats, "admission_rejected"):
-        rejected.add_metric(_model_labels(model_ref), total)
+        rejected.add_metric(model_labels(model_ref), total)
     yield rejected
     due = GaugeMetricFamily("sits_jobs_with_deadline", f"Active jobs with a deadline (of the {RISK_JOBS} with "
                             "the soonest deadlines).", labels=MODEL)
@@ -502,7 +506,7 @@ def _deadline_metrics(stats: SystemStats) -> Iterator[Metric]:
     highest = GaugeMetricFamily("sits_sla_risk", "The highest sla_risk (0 to 1) of the model's active "
                                 "jobs with a deadline.", labels=MODEL)
     for model_ref, risk in sorted(stats.job_risks.items()):
-        labels = _model_labels(model_ref)
+        labels = model_labels(model_ref)
         due.add_metric(labels, risk.jobs)
         at_risk.add_metric(labels, risk.at_risk)
         highest.add_metric(labels, risk.highest)
@@ -520,7 +524,7 @@ def _breaker_metric(breakers: dict[tuple[str, str], breaker.Breaker], stats: Sys
     for (model_ref, worker), record in sorted(breakers.items()):
         if worker in known:
             state = breaker.state_at(record, now=now)
-            family.add_metric([*_model_labels(model_ref), worker], breaker.STATE_VALUES.get(state, 0))
+            family.add_metric([*model_labels(model_ref), worker], breaker.STATE_VALUES.get(state, 0))
     return family
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from broker.state.store import Store, translate_redis_errors
@@ -33,6 +33,13 @@ class Histogram:
     def count(self) -> int:
         """Observations in all."""
         return self.cumulative[-1]
+
+
+def summed(histograms: Iterable[Histogram]) -> Histogram:
+    """One histogram of every observation of `histograms` (of the same bounds): counts and sums add."""
+    found = list(histograms)
+    cumulative = [sum(counts) for counts in zip(*(histogram.cumulative for histogram in found), strict=True)]
+    return Histogram(cumulative, sum((histogram.total for histogram in found), 0.0))
 
 
 def bucket_of(value: float, bounds: Sequence[float]) -> int:

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import onnx
 import pytest
 import yaml
 from flask import Flask
@@ -41,6 +42,7 @@ from broker.queueing import leases, reaping, workers
 from broker.state.embedded import EmbeddedRedis
 from broker.state.store import Store
 from broker.tenants.apikeys import create_api_key
+from sits_api import metric_versions
 from sits_api.app import create_app
 from sits_api.http import request_metrics
 from tests.api.api_helpers import Api, make_settings, tenant_copy
@@ -255,6 +257,54 @@ def test_request_latency_histograms_count_each_request_in_its_bucket_by_priority
                  priority_class="high") == pytest.approx(started + 1.5 - created[9], abs=1e-5)
     classes = {labels["priority_class"] for labels in names_of(found, "sits_request_queue_wait_seconds_count")}
     assert classes == {"low", "high", "express"}  # no request at a normal level (4-7): no series
+
+
+def test_only_a_name_s_newest_versions_keep_their_own_series_and_the_older_ones_add_up_under_other(
+        api: Api, scrape_key: str, client: FlaskClient, store: Store, zoo_dir: Path, tmp_path: Path) -> None:
+    """Versions are never deleted: a tenant registering many must not add some 280 series each to every
+    scrape. Each version here answers one low and one express request in one run of two rows."""
+    model = onnx.load(str(zoo_dir / "mlp.onnx"))
+    versions = []
+    for number in range(metric_versions.VERSIONS_SHOWN + 2):
+        model.doc_string = f"variant {number}"  # (another content hash: another version)
+        onnx.save(model, str(tmp_path / f"v{number}.onnx"))
+        response = api.post("/v1/models", json={"name": "squat", "path": str(tmp_path / f"v{number}.onnx")})
+        assert response.status_code == 201, response.get_json()
+        versions.append(response.get_json()["version"])
+    sizes = batch_sizes.new_tally()
+    for version in versions:
+        for priority in (0, 13):
+            response = api.post("/v1/requests", json={"model": f"squat@{version}", "inputs": {"features": ONE_ROW},
+                                                      "priority": priority})
+            assert response.status_code == 202, response.get_json()
+        leased = lease_items(store, f"squat@{version}", now=time.time(), lease_seconds=600, max_items=2,
+                             requests_only=True)
+        requests.complete_requests(store, [RequestResult(item, outputs={}) for item in leased], now=time.time(),
+                                   keep_seconds=60, batch_size=2, worker="w", run_started=time.time(), run_rows=2)
+        batch_sizes.observe_run(sizes, f"squat@{version}", 2, None)
+    sizes.flush(store, store.keys.batch_sizes)
+
+    found = samples(scrape(client, scrape_key))
+
+    other = metric_versions.OTHER_VERSION
+    shown = {*versions[-metric_versions.VERSIONS_SHOWN:], other}  # the newest registered, and the rest
+    for name in ("sits_request_end_to_end_seconds_bucket", "sits_request_queue_wait_seconds_count",
+                 "sits_request_run_seconds_sum", "sits_batch_rows_bucket", "sits_request_seconds_count",
+                 "sits_request_phase_seconds_sum", "sits_request_runs_total"):
+        assert {labels["version"] for labels in names_of(found, name) if labels["model"] == "squat"} == shown, name
+    assert len(names_of(found, "sits_request_end_to_end_seconds_bucket")) == len(shown) * 2 * len(HISTOGRAM_BOUNDS)
+    every = len(versions)
+    for name, labels, each in (  # (what each version counted: a request of each class, in one run)
+            ("sits_request_end_to_end_seconds_count", {"priority_class": "express"}, 1),
+            ("sits_request_queue_wait_seconds_count", {"priority_class": "low"}, 1),
+            ("sits_batch_rows_count", {}, 1), ("sits_request_runs_total", {}, 1),
+            ("sits_request_seconds_count", {}, 2), ("sits_request_phase_seconds_count", {"phase": "compute"}, 2)):
+        total = sum(value(found, name, model="squat", version=version, **labels) for version in shown)
+        assert total == each * every, name
+    older = every - metric_versions.VERSIONS_SHOWN
+    assert bucket_counts(found, "sits_request_end_to_end_seconds", model="squat", version=other,
+                         priority_class="low")["+Inf"] == older
+    assert value(found, "sits_batch_rows_sum", model="squat", version=other) == 2 * older
 
 
 def test_job_deadlines_met_missed_and_refused_and_the_risk_of_active_ones_show_per_model(

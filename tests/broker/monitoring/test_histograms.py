@@ -14,7 +14,7 @@ from redis.retry import Retry
 
 from broker.errors import SitsError
 from broker.monitoring import batch_sizes, http_stats
-from broker.monitoring.histograms import Histogram, Tally, bucket_of, decode
+from broker.monitoring.histograms import Histogram, Tally, bucket_of, decode, summed
 from broker.monitoring.sla_metrics import LATENCY_BUCKETS
 from broker.state.keys import Keys
 from broker.state.scripts import script_text
@@ -61,6 +61,11 @@ def test_the_tallies_of_several_processes_add_up_in_one_hash_read_as_cumulative_
     histograms = decode(store.client.hgetall(key), len(bounds) + 1, sum_field="sum")
     assert histograms == {"mlp@v1|rows": Histogram([2, 3, 5, 6], 20), "cnn@v7|rows": Histogram([0, 0, 1, 1], 4)}
     assert first.pending() == {} and first.flush(store, key) == 0  # nothing to add: no round trip
+
+
+def test_summed_histograms_add_their_cumulative_counts_and_sums() -> None:
+    assert summed([Histogram([1, 2, 2], 0.5), Histogram([0, 3, 4], 7.0)]) == Histogram([1, 5, 6], 7.5)
+    assert summed([]) == Histogram([], 0.0)
 
 
 def test_a_flush_redis_cannot_take_keeps_its_counts_for_the_next(store: Store) -> None:
