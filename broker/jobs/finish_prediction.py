@@ -228,8 +228,8 @@ def admit(new: Work, active: Sequence[Work], fleet: Fleet, *, now: float, margin
         was, now_would = before[work.job_id], after[work.job_id]
         if now_would > was and was <= work.deadline_at < _with_margin(now_would, now=now, margin=margin,
                                                                       floor=margin_floor):
-            return Verdict(finish, False, needed, f"job {work.job_id} would then miss its deadline",
-                           work.deadline_at)
+            return Verdict(finish, False, needed, "an accepted job would then miss its deadline",
+                           work.deadline_at)  # (whose, not told: it may be another tenant's)
     return Verdict(finish, True, needed)
 
 

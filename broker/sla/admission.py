@@ -37,6 +37,10 @@ queue item: 0.1-0.2 s measured on the 2-core reference machine."""
 REFINE_STEPS = 8
 """How many times the earliest feasible deadline is recomputed at its own queue position (a later
 deadline may sort the job behind more work)."""
+PAST_A_DEADLINE_SECONDS = 60.0
+"""A refused job's earliest deadline, where it would push an accepted job past that job's deadline, is the
+next whole minute after it: the accepted job may be another tenant's, whose deadline a refusal must not tell
+to the second (a tenant probing deadlines would read them off)."""
 
 
 @dataclass(frozen=True)
@@ -81,14 +85,16 @@ def _chunk_left(work: Work, now: float) -> float:
 
 def _earliest_feasible(refused: Verdict, verdict_at: Any, asked: float) -> float:
     """The earliest whole-second deadline after `asked` that `verdict_at` accepts, from what `refused` says:
-    its own predicted finish with the margin, or just past the deadline of the job it would tip over
-    (served earliest deadline first, it then goes behind that job). Infinite when none is found in
-    `REFINE_STEPS` tries (no live worker, or work keeps arriving ahead)."""
+    its own predicted finish with the margin, or the whole minute past the deadline of the job it would tip
+    over (served earliest deadline first, it then goes behind that job; `PAST_A_DEADLINE_SECONDS`). Infinite
+    when none is found in `REFINE_STEPS` tries (no live worker, or work keeps arriving ahead)."""
     candidate = refused
     for _ in range(REFINE_STEPS):
         if not math.isfinite(candidate.earliest_deadline):
             return math.inf
-        nxt = max(candidate.earliest_deadline, (candidate.tipped_deadline or 0.0) + 1.0, asked + 1.0)
+        past = 0.0 if candidate.tipped_deadline is None else PAST_A_DEADLINE_SECONDS * math.ceil(
+            (candidate.tipped_deadline + 1.0) / PAST_A_DEADLINE_SECONDS)
+        nxt = max(candidate.earliest_deadline, past, asked + 1.0)
         asked = float(math.ceil(nxt))
         candidate = verdict_at(asked)
         if candidate.feasible:

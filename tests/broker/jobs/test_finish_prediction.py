@@ -16,6 +16,7 @@ from broker.jobs.finish_prediction import (
     CHUNK_OVERHEAD_SECONDS,
     EXACT_CHUNKS,
     Fleet,
+    Verdict,
     Work,
     admit,
     finishes,
@@ -73,14 +74,30 @@ def test_a_job_is_admitted_when_its_finish_with_the_margin_is_within_its_deadlin
     assert refused.reason == "its own work and the work ahead of it"
 
 
-def test_a_job_that_would_push_an_accepted_one_past_its_deadline_is_refused_naming_it() -> None:
+def test_a_job_that_would_push_an_accepted_one_past_its_deadline_is_refused_without_naming_it() -> None:
+    """The accepted job may be another tenant's: its id answers 404 to this caller, so a refusal names none."""
     accepted = Work("due", 10.0, 50.0, deadline_at=NOW + 55.0)  # alone: done at +50, on time
     newcomer = Work("new", 1.0, 10.0, deadline_at=NOW + 30.0)  # ahead of it: done at +10, but "due" at +60
 
     verdict = admit(newcomer, [accepted], Fleet(1), now=NOW, margin=0.0)
 
     assert not verdict.feasible and verdict.predicted_finish == NOW + 10.0
-    assert verdict.reason == "job due would then miss its deadline" and verdict.tipped_deadline == NOW + 55.0
+    assert verdict.reason == "an accepted job would then miss its deadline" and "due" not in verdict.reason
+    assert verdict.tipped_deadline == NOW + 55.0
+
+
+def test_a_refusal_tells_the_deadline_of_the_job_it_would_tip_over_to_the_minute_only() -> None:
+    """Its earliest deadline was that job's deadline plus one second: a tenant probing deadlines read another
+    tenant's job's deadline off it. It is now the whole minute past it."""
+    from broker.sla.admission import PAST_A_DEADLINE_SECONDS, _earliest_feasible
+    tipped_at = 1_800_000_017.4  # (any second of a minute)
+
+    def verdict_at(deadline: float) -> Verdict:  # behind the accepted job once past its deadline
+        return Verdict(NOW, deadline > tipped_at, NOW + 1.0, "", None if deadline > tipped_at else tipped_at)
+
+    earliest = _earliest_feasible(verdict_at(tipped_at - 100), verdict_at, tipped_at - 100)
+
+    assert earliest % PAST_A_DEADLINE_SECONDS == 0 and tipped_at < earliest <= tipped_at + 1 + PAST_A_DEADLINE_SECONDS
 
 
 def test_an_accepted_job_keeps_its_margin_when_a_newcomer_passes_it() -> None:
