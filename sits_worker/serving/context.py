@@ -272,10 +272,14 @@ class WorkerContext:
 
     def _run_fitting(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
                      session: Any = None, tokens_per_row: int | None = None) -> list[np.ndarray]:
-        """The batch in runs of at most the model's OOM ceiling; a run that runs out of device memory
-        lowers the ceiling, teaches the ledger (`_note_oom`), and is halved, offloaded or failed
-        (`oom_ceiling.after_oom`). An offload takes the rest of the batch in one CPU run: it did not fit at
-        one row."""
+        """The batch in runs of at most the model's OOM ceiling; a run that runs out of device memory is halved,
+        offloaded or failed (`oom_ceiling.after_oom`). An offload takes the rest of the batch in one CPU run: it
+        did not fit at one row.
+
+        The ceiling is lowered, and the ledger taught, for the runs that ran out (`_learn_oom`) only once the
+        batch has run with no row running out alone: then it was too many rows. A row that runs out alone was
+        the cause itself (an allocation its values size, one tenant's request merged with others' rows), or the
+        device cannot run even one: either way a ceiling would only cut every tenant's later batches."""
         rows = next((int(array.shape[0]) for array in feed.values() if array.ndim), 0)
         try:
             session = session or self.session(model_ref)  # a cold load is not a batch's run time
@@ -287,6 +291,7 @@ class WorkerContext:
             return self._run_on_device(model_ref, feed, output_names, session)
         todo = oom_ceiling.pieces(rows, self.ceilings.rows(model_ref, now=time.time()))
         done: list[list[np.ndarray]] = []
+        ran_out: list[int] = []  # the rows of each run that ran out of memory, in order
         while todo:
             start, stop = todo.pop(0)
             piece = feed if (start, stop) == (0, rows) else {name: array[start:stop] for name, array in feed.items()}
@@ -294,7 +299,8 @@ class WorkerContext:
                 done.append(self._run_on_device(model_ref, piece, output_names, session))
                 continue
             except DeviceOutOfMemory:
-                step = self._note_oom(model_ref, stop - start, tokens_per_row)
+                ran_out.append(stop - start)
+                step = self._count_oom(model_ref, stop - start, tokens_per_row)
                 if step == "fail":
                     raise
             if step == "halve":
@@ -303,29 +309,37 @@ class WorkerContext:
             rest = {name: array[start:] for name, array in feed.items()}
             done.append(self._offload(model_ref, rest, output_names, rows - start))
             break
+        if ran_out and min(ran_out) > 1:
+            for failed_rows in ran_out:
+                self._learn_oom(model_ref, failed_rows, tokens_per_row)
         return done[0] if len(done) == 1 else [np.concatenate(parts) for parts in zip(*done, strict=True)]
 
-    def _note_oom(self, model_ref: str, rows: int, tokens_per_row: int | None = None) -> oom_ceiling.OomStep:
-        """A run of `rows` rows ran out of device memory: lower the ceiling, teach the ledger; what next.
+    def _count_oom(self, model_ref: str, rows: int, tokens_per_row: int | None) -> oom_ceiling.OomStep:
+        """A run of `rows` rows ran out of device memory: count and log it; what next."""
+        step = oom_ceiling.after_oom(rows, self.settings.scheduler.fallback_strategy)
+        with self._oom_lock:  # (stream slots run in threads)
+            self.oom_steps[step] += 1
+        log.warning("device out of memory running %d rows of %s on %s (%s tokens a row); %s", rows, model_ref,
+                    self.device, tokens_per_row, step)
+        return step
+
+    def _learn_oom(self, model_ref: str, rows: int, tokens_per_row: int | None = None) -> None:
+        """A run of `rows` rows ran out of device memory where its batch then ran in smaller runs: lower the
+        ceiling, teach the ledger.
 
         Only rows of a size that has run here (`run_sizes`) teach anything: then the rows were too many, or
         the device short. Rows of more tokens than any that worked ran out for their own size; a ceiling
         lowered for them (to one row, for one such request) would cut every tenant's batches of the model
-        for `oom_ceiling_decay`. A ceiling is never lowered for one row: it cannot go lower."""
+        for `oom_ceiling_decay`."""
         now = time.time()
-        known_rows = self.run_sizes.blames_device(model_ref, RunSize(1, tokens_per_row))
-        ceiling = self.ceilings.lower(model_ref, rows, now=now) if known_rows and rows > 1 else None
-        row_bytes = None
-        if known_rows:  # (the profile's estimate, not one learnt before: a storm of OOMs must not compound it)
-            estimate = reservation.BatchCost.of(self.model(model_ref), max_rows=rows,
-                                                max_tokens=0).need_bytes(rows=rows)
-            row_bytes = self.ledger.learn_oom(model_ref, rows, estimate, now=now)
-        step = oom_ceiling.after_oom(rows, self.settings.scheduler.fallback_strategy)
-        with self._oom_lock:  # (stream slots run in threads)
-            self.oom_steps[step] += 1
-        log.warning("device out of memory running %d rows of %s on %s (%s tokens a row): ceiling %s rows, %s bytes "
-                    "a row; %s", rows, model_ref, self.device, tokens_per_row, ceiling, row_bytes, step)
-        return step
+        if not self.run_sizes.blames_device(model_ref, RunSize(1, tokens_per_row)):
+            return
+        ceiling = self.ceilings.lower(model_ref, rows, now=now)
+        # (the profile's estimate, not one learnt before: a storm of OOMs must not compound it)
+        estimate = reservation.BatchCost.of(self.model(model_ref), max_rows=rows, max_tokens=0).need_bytes(rows=rows)
+        row_bytes = self.ledger.learn_oom(model_ref, rows, estimate, now=now)
+        log.warning("%s ran out of memory at %d rows on %s: ceiling %s rows, %s bytes a row", model_ref, rows,
+                    self.device, ceiling, row_bytes)
 
     def _offload(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
                  rows: int) -> list[np.ndarray]:

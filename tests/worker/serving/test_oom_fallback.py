@@ -114,5 +114,6 @@ def test_with_fail_an_oom_at_one_row_fails_naming_the_oom(store: Store, zoo_dir:
     with pytest.raises(DeviceOutOfMemory, match="injected fault: every run of mlp@v1 fails"):
         ctx.run(MODEL, _feed(8), ["logits"])
 
-    assert ctx.ceilings.rows(MODEL, now=time.time()) == 1  # halved 8 -> 4 -> 2 -> 1, then failed
+    assert ctx.oom_steps == {"halve": 3, "fail": 1}  # halved 8 -> 4 -> 2 -> 1, then failed
+    assert ctx.ceilings.rows(MODEL, now=time.time()) is None  # (not even one row fits: a ceiling would not help)
     assert (MODEL, "cpu-offload") not in ctx.sessions._sessions

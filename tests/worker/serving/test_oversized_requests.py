@@ -90,7 +90,8 @@ for n in range(3, 6):
     submit("sized", f"acme-{n}", "acme", row(1))
 merged = drain("sized")
 sized = {"merged": merged, "acme": [status(f"acme-{n}") for n in range(6)], "evil": status("bomb"),
-         "breaker": ctx.breakers.breaker("sized@v1").state}
+         "breaker": ctx.breakers.breaker("sized@v1").state, "ceiling": ctx.ceilings.rows("sized@v1", now=time.time()),
+         "oom_steps": dict(ctx.oom_steps)}
 print(json.dumps({"tok": tok, "alone": alone, "sized": sized}))
 """
 
@@ -129,5 +130,6 @@ def test_an_oversized_request_fails_alone_and_leaves_the_model_s_breaker_and_bat
     assert tok["evil"] == ["queued", ""], tok  # (its own failure: it waits out its class's backoff alone)
     assert alone == {"breaker": "closed", "evil": ["queued", ""]}, alone  # (one row of a size that ran)
     assert sized["merged"] == 7 and sized["breaker"] == "closed", sized
+    assert sized["ceiling"] is None, sized  # (its neighbours' rows ran: the bomb's row was the cause, not their number)
     assert sized["acme"] == [["succeeded", ""]] * 6, sized  # (its neighbours' rows ran, their outputs kept)
     assert sized["evil"] == ["queued", ""], sized  # (failed on its own, retried later by its class)
