@@ -318,8 +318,10 @@ def _build_document() -> dict[str, Any]:
         "/v1/usage": {
             "get": {"summary": "chargeback: device-seconds, rows, requests, jobs, queue time and cost per tenant",
                     "description": "Query: tenant, from and to (UTC dates, YYYY-MM-DD), by (model, key or day). "
-                                   "A non-admin key sees only its own tenant.",
-                    "responses": c.answers({200: admin.Usage}, 400, 401, 403)},
+                                   "A non-admin key sees only its own tenant, and a user key by key only its own "
+                                   "key's rows. 429 while another report of the tenant by model, key or device "
+                                   "runs or rests.",
+                    "responses": c.answers({200: admin.Usage}, 400, 401, 403, 429)},
         },
         "/v1/sla/analysis": {
             "post": {"summary": "schedulability of a periodic task set: utilisation and the Liu-Layland "

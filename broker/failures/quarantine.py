@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -96,7 +96,7 @@ def entry_line(row: int, error: str, row_id: object = None) -> str:
     return json.dumps({"row": int(row), **named, "error": error}, default=str) + "\n"
 
 
-def read_entries(text: str) -> list[dict[str, object]]:
+def read_entries(text: str) -> list[dict[str, Any]]:
     """The entries of quarantine lines (`entry_line`), in their order."""
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 

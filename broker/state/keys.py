@@ -326,6 +326,11 @@ class Keys:
         device kind (`broker/tenants/usage.py`)."""
         return self._key("bill", tenant, str(day))
 
+    def usage_report_hold(self, tenant: str) -> str:
+        """STRING hold token, present while one of the tenant's usage reports of whole bills runs or rests
+        (`broker/tenants/usage.py`, `one_report_at_a_time`)."""
+        return self._key("usage-report-hold", tenant)
+
     def tenant_queued(self, tenant: str) -> str:
         """ZSET request id -> when its record expires: the tenant's online requests not answered yet
         (`max_queued`)."""

@@ -134,8 +134,8 @@ def usage(settings: Settings, store: Store, identity: dict[str, Any], query: Map
             raise NotFound(f"no usage of tenant '{asked}' for this key; leave out tenant= for your own ('{own}')")
         names = [own]
     prices = dict(settings.fair_share.price_per_device_hour)
-    rows = tenant_usage.usage_report(store, names, first_day=first_day, last_day=last_day, by=by,  # type: ignore[arg-type]
-                                     prices=prices)
+    rows = tenant_usage.report_for_key(store, identity, names, first_day=first_day, last_day=last_day,
+                                       by=by, prices=prices)  # type: ignore[arg-type]
     in_force = tenants.effective(tenants.load_tenants(store), settings.tenants)
     rows = [{"tenant": row["tenant"], "tier": (in_force.get(row["tenant"]) or UNRECORDED).tier,
              **{name: value for name, value in row.items() if name != "tenant"}} for row in rows]
