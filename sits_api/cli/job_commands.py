@@ -156,11 +156,14 @@ def _local(unix: float) -> str:
 
 @job.command("list")
 @click.option("--status", "status_filter", default=None)
-@click.option("--owner", default=None, help="only the jobs submitted with keys of this name (needs an admin key)")
+@click.option("--owner", default=None, help="only the jobs submitted with keys of this name (an admin or "
+                                            "tenant-admin key's choice)")
+@click.option("--tenant", default=None, help="only the jobs of this tenant (an admin key's choice)")
 @click.option("--json", "as_json", is_flag=True)
-def job_list(status_filter: str | None, owner: str | None, as_json: bool) -> None:
+def job_list(status_filter: str | None, owner: str | None, tenant: str | None, as_json: bool) -> None:
     """Newest jobs first (a user key sees only its own)."""
-    query = {name: value for name, value in (("status", status_filter), ("owner", owner)) if value is not None}
+    query = {name: value for name, value in (("status", status_filter), ("owner", owner), ("tenant", tenant))
+             if value is not None}
     path = "/v1/jobs" + (f"?{urlencode(query)}" if query else "")
     data = ApiClient.from_environment().get(path)
     if as_json:

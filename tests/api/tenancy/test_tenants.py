@@ -619,9 +619,19 @@ def test_sitsctl_job_list_passes_owner_through(
            "SITS_CONFIG": None}
 
     result = CliRunner().invoke(cli, ["job", "list", "--owner", "bob", "--json"], env=env)
+    by_tenant = CliRunner().invoke(cli, ["job", "list", "--tenant", "alice", "--json"], env=env)
 
     assert result.exit_code == 0, result.output
     assert [job["id"] for job in json.loads(result.output)["jobs"]] == three_tenants_jobs["bob"]
+    assert [job["id"] for job in json.loads(by_tenant.output)["jobs"]] == three_tenants_jobs["alice"]
+
+
+def test_a_tenant_filter_is_an_admin_s_choice_and_another_tenant_named_by_a_user_lists_none(
+        api: Api, alice: Api, three_tenants_jobs: dict[str, list[str]]) -> None:
+    assert listed_ids(api, "?tenant=bob") == three_tenants_jobs["bob"]
+    assert listed_ids(api, "?tenant=bob&owner=bob") == three_tenants_jobs["bob"]
+    assert listed_ids(alice, "?tenant=alice") == three_tenants_jobs["alice"]
+    assert listed_ids(alice, "?tenant=bob") == listed_ids(alice, "?tenant=no-such-tenant") == []
 
 
 def test_sitsctl_model_register_prints_the_403_for_another_tenant_s_name(
