@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
@@ -14,6 +18,7 @@ from sits_worker.model import table_source
 from sits_worker.model.inputs import open_input
 
 ROWS = 1_000
+ROOT = Path(__file__).resolve().parents[3]
 SIGNATURE = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 3]}], "outputs": []}
 
 
@@ -235,3 +240,128 @@ def test_column_names_with_dots_are_sized_as_their_own_columns(tmp_path):
     # (x.y's leaf path is x.y.list.element: counted under 'x', its 5 MB would pass the 8-byte ids' bound)
     with open_input(tmp_path / "d.parquet", wide, columns={"x": ["x.y"]}, id_column="x") as source:
         np.testing.assert_array_equal(_read(source, 0, 10, 4)[1], values[:10])
+
+
+_TRUNCATED_READ = """
+import os, sys
+import numpy as np, pyarrow as pa, pyarrow.feather as feather
+from sits_worker.model.inputs import open_input
+path = sys.argv[1]
+feather.write_feather(pa.table({"x": np.arange(200_000, dtype=np.float32)}), path, chunksize=50_000,
+                      compression="uncompressed")
+source = open_input(path, {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 1]}], "outputs": []})
+os.truncate(path, 4096)  # (the tenant rewrites the file while a worker has it open)
+try:
+    list(source.iter_batches(150_000, 150_100, 64))
+except Exception as err:
+    print(type(err).__name__, err)
+"""
+
+
+def test_an_arrow_file_cut_short_after_open_fails_the_read_and_does_not_kill_the_worker(tmp_path):
+    # A mapped file's pages past its new end raise SIGBUS when touched: the process dies, no error is raised.
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED_READ, str(tmp_path / "cut.arrow")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, f"the reading process died: {done.returncode} {done.stderr[-2000:]}"
+    assert done.stdout.startswith("RetryableError") and "changed since it was opened" in done.stdout
+
+    # (the retry's check of the file then fails the job: "input ... changed after the job was submitted")
+
+
+def test_an_arrow_record_batch_of_more_than_a_chunk_may_read_is_refused_at_open(tmp_path, monkeypatch):
+    monkeypatch.setattr(table_source, "IPC_BATCH_BYTES", 100 * 16)  # 100 rows of a, b, c (int32, float64, float32)
+    feather.write_feather(_table(), tmp_path / "big.arrow", chunksize=400)
+    with pytest.raises(BadInput, match=r"record batch 0 of the Arrow file holds 400 rows.*at most 100 rows"):
+        open_input(tmp_path / "big.arrow", SIGNATURE, columns={"x": ["a", "b", "c"]}).close()
+    feather.write_feather(_table(), tmp_path / "small.arrow", chunksize=100)
+    with open_input(tmp_path / "small.arrow", SIGNATURE, columns={"x": ["a", "b", "c"]}) as source:
+        np.testing.assert_array_equal(_read(source, 50, 350, 64)[1], _expected(50, 350))
+
+
+ONE = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 1]}], "outputs": []}
+
+
+def _forge_page_size(path, claimed: int) -> None:
+    """Make the first page header of a Parquet file (written with page checksums) claim `claimed` bytes
+    uncompressed: its crc field is dropped, and its bytes widen the size's varint, so that every offset
+    stays true."""
+    data = path.read_bytes()
+    at = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    fields, end = [], at
+    for _ in range(4):  # i32 fields 1 to 4 (compact protocol): type, uncompressed size, compressed size, crc
+        assert data[end] == 0x15
+        start = end = end + 1
+        while data[end] & 0x80:
+            end += 1
+        end += 1
+        fields.append(data[start:end])
+    assert data[end] == 0x1C  # field 5, the data page header (a struct), right after the crc
+    width = len(fields[1]) + 1 + len(fields[3])
+    number, wide = claimed << 1, bytearray()  # (zigzag), as a varint padded to `width` bytes
+    for _ in range(width - 1):
+        wide.append((number & 0x7F) | 0x80)
+        number >>= 7
+    assert number <= 0x7F
+    header = b"\x15" + fields[0] + b"\x15" + bytes([*wide, number]) + b"\x15" + fields[2] + b"\x2C"
+    assert len(header) == end + 1 - at
+    path.write_bytes(data[:at] + header + data[end + 1 :])
+
+
+def test_a_parquet_page_header_claiming_more_than_its_rows_take_is_refused_at_open(tmp_path):
+    path = tmp_path / "page.parquet"
+    pq.write_table(pa.table({"x": np.arange(1_000, dtype=np.float32)}), path, use_dictionary=False,
+                   write_statistics=False, write_page_checksum=True)
+    _forge_page_size(path, 2**31 - 1)
+    # The footer's sizes are still true: unchecked, pyarrow allocates the 2 GiB the page's header claims to
+    # decompress the page into, whatever the footer says (and a page that does decompress to that fills them).
+    with pytest.raises(BadInput, match=r"row group 0 of the Parquet file holds 2,147,48\d,\d{3} bytes .* of "
+                                       r"column 'x' for 1,000 rows"):
+        open_input(path, ONE).close()
+
+
+def test_a_damaged_parquet_page_or_footer_is_a_bad_input_not_a_read_to_retry(tmp_path):
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"x": np.arange(1_000, dtype=np.float32)}), path, compression="zstd",
+                   use_dictionary=False)
+    column = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    body_end = column.data_page_offset + column.total_compressed_size
+    data = path.read_bytes()
+    path.write_bytes(data[: body_end - 64] + bytes(64) + data[body_end:])  # (the page's compressed bytes)
+    # pyarrow's own errors are OSErrors without an errno ("Corrupt ZSTD compressed data"), not the disk's.
+    with open_input(path, ONE) as source, pytest.raises(BadInput, match=r"cannot read rows \[0, 1000\)"):
+        list(source.iter_batches(0, 1_000, 256))
+    path.write_bytes(data[:-40] + bytes(byte ^ 0x5A for byte in data[-40:-8]) + data[-8:])  # (its footer's end)
+    with pytest.raises(BadInput, match="is not a readable parquet file"):
+        open_input(path, ONE).close()
+
+
+def _late_csv(path, rows: int = 150_000, late: int = 120_000, a: str = "0.5", key: str = "7") -> None:
+    """A CSV file of ids, integers `a` and floats `b`, whose row `late` holds `a` and `key` instead: far past
+    the first block of the file (1 MiB) that pyarrow takes the columns' types from."""
+    lines = [f"{row},{row % 100},{row * 0.5}" for row in range(rows)]
+    lines[late] = f"{key},{a},{late * 0.5}"
+    path.write_text("key,a,b\n" + "\n".join(lines) + "\n")
+    assert path.stat().st_size > 2 << 20
+
+
+def test_csv_columns_keep_reading_when_a_later_block_looks_otherwise(tmp_path):
+    two = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 2]}], "outputs": []}
+    _late_csv(tmp_path / "floats.csv", key="k120000")  # integers, then 0.5; integer ids, then a string
+    with open_input(tmp_path / "floats.csv", two, columns={"x": ["a", "b"]}) as source:  # (the ids not read)
+        assert source.rows == 150_000
+        _, values = _read(source, 118_000, 122_000, 512)
+        assert values[2_000].tolist() == [0.5, 60_000.0]
+    with open_input(tmp_path / "floats.csv", two, columns={"x": ["a", "b"]}, id_column="key") as source, \
+            pytest.raises(BadInput, match="row 120000 of column 'key' holds 'k120000', which is not int64"):
+        source.row_ids(0, 150_000)  # (the ids keep the type of the first block's: a job over them fails)
+
+
+def test_a_csv_value_of_another_type_fails_its_own_row_naming_it_not_its_block(tmp_path):
+    two = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 2]}], "outputs": []}
+    _late_csv(tmp_path / "text.csv", a="abc")
+    with open_input(tmp_path / "text.csv", two, columns={"x": ["a", "b"]}, id_column="key") as source:
+        with pytest.raises(BadInput, match=r"rows \[120000, 120001\).*row 120000 of column 'a' holds 'abc'"):
+            _read(source, 120_000, 120_001, 8)
+        # (its neighbours, parsed with it from one block of the file, read: a bisection quarantines it alone)
+        assert _read(source, 119_999, 120_000, 8)[1].tolist() == [[99.0, 59_999.5]]
+        assert _read(source, 120_001, 120_002, 8)[1].tolist() == [[1.0, 60_000.5]]
