@@ -99,9 +99,10 @@ def _complete_tensors(config: Any, entries: Any, specs: list[TensorSpec], kind: 
                        f"provides {len(specs)}")
     by_name = {spec["name"]: spec for spec in specs}
     for entry in entries:
-        spec = by_name.get(entry.name)
-        if spec is None:
+        found = by_name.get(entry.name)
+        if found is None:
             raise BadInput(f"unexpected inference {kind} '{entry.name}', allowed {kind}s are: {allowed}")
+        spec = found
         graph_type = TYPE_OF_NUMPY.get(spec["dtype"])
         if graph_type is None:
             raise BadInput(f"{kind} '{entry.name}' of model '{name}' has element type {spec['dtype']} in the graph, "

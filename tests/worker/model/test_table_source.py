@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from broker.errors import BadInput
-from sits_worker.model import table_source
+from sits_worker.model import arrow_reader, parquet_reader, table_source
 from sits_worker.model.inputs import open_input
 
 ROWS = 1_000
@@ -54,7 +54,7 @@ def _read(source, start: int, stop: int, batch: int) -> tuple[np.ndarray, np.nda
 @pytest.mark.parametrize("fmt", ["parquet", "arrow", "csv"])
 def test_ranges_across_row_group_boundaries_read_exactly_their_rows_and_ids(tmp_path, fmt, monkeypatch):
     monkeypatch.setattr(table_source, "SLAB_ROWS", 128)  # slabs inside row groups, as on a large file
-    monkeypatch.setattr(table_source, "WHOLE_GROUP_ROWS", 200)  # and row groups streamed
+    monkeypatch.setattr(parquet_reader, "WHOLE_GROUP_ROWS", 200)  # and row groups streamed
     path = _write(tmp_path, fmt, _table())
     with open_input(path, SIGNATURE, id_column="key") as source:
         assert source.rows == ROWS and source.format == f".{fmt}"
@@ -269,7 +269,7 @@ def test_an_arrow_file_cut_short_after_open_fails_the_read_and_does_not_kill_the
 
 
 def test_an_arrow_record_batch_of_more_than_a_chunk_may_read_is_refused_at_open(tmp_path, monkeypatch):
-    monkeypatch.setattr(table_source, "IPC_BATCH_BYTES", 100 * 16)  # 100 rows of a, b, c (int32, float64, float32)
+    monkeypatch.setattr(arrow_reader, "IPC_BATCH_BYTES", 100 * 16)  # 100 rows of a, b, c (int32, float64, float32)
     feather.write_feather(_table(), tmp_path / "big.arrow", chunksize=400)
     with pytest.raises(BadInput, match=r"record batch 0 of the Arrow file holds 400 rows.*at most 100 rows"):
         open_input(tmp_path / "big.arrow", SIGNATURE, columns={"x": ["a", "b", "c"]}).close()
