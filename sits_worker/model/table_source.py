@@ -49,8 +49,9 @@ than 64K rows at a time for 64 float32 columns)."""
 _IDS_KEPT = 16
 """Id columns of the last ranges read, kept for `row_ids` (the chunk's commit asks right after its read)."""
 
-_READ_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowIndexError, IndexError, OSError)
-"""What reading a range of a table may raise: the file's bytes are wrong, or it could not be read."""
+_READ_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowIndexError, pa.ArrowMemoryError, IndexError, OSError)
+"""What reading a range of a table may raise: the file's bytes are wrong (a forged compressed buffer's length
+asks for more memory than there is), or it could not be read."""
 _READERS: dict[str, type[ParquetReader] | type[IpcReader] | type[CsvReader]] = {
     "parquet": ParquetReader, "arrow": IpcReader, "csv": CsvReader}
 
@@ -337,7 +338,7 @@ def open_table(path: Path, handle: BinaryIO, specs: list[InputSpec], fmt: str, *
     are read. The reader owns the handle and closes it: its readers open the file again through it."""
     try:
         reader = _READERS[fmt](handle)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OSError) as err:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, pa.ArrowMemoryError, OSError) as err:
         handle.close()
         if isinstance(err, OSError) and err.errno is not None:  # (the disk's; pyarrow's own carry none)
             raise

@@ -365,3 +365,17 @@ def test_a_csv_value_of_another_type_fails_its_own_row_naming_it_not_its_block(t
         # (its neighbours, parsed with it from one block of the file, read: a bisection quarantines it alone)
         assert _read(source, 119_999, 120_000, 8)[1].tolist() == [[99.0, 59_999.5]]
         assert _read(source, 120_001, 120_002, 8)[1].tolist() == [[1.0, 60_000.5]]
+
+
+def test_a_compressed_arrow_buffer_claiming_more_memory_than_there_is_is_a_bad_input(tmp_path: Path) -> None:
+    """An LZ4 buffer's length prefix forged to 2**62 made pyarrow's allocation fail with ArrowMemoryError, which
+    nothing translated: a 500 at submit."""
+    table = pa.table({name: np.arange(1000, dtype=np.float64) * scale for scale, name in enumerate("abc", 1)})
+    feather.write_feather(table, tmp_path / "forged.arrow", compression="lz4")
+    data = bytearray((tmp_path / "forged.arrow").read_bytes())
+    at = data.find((8000).to_bytes(8, "little"))  # (a compressed buffer's uncompressed length: 1,000 float64)
+    data[at:at + 8] = (2**62).to_bytes(8, "little")
+    (tmp_path / "forged.arrow").write_bytes(bytes(data))
+
+    with pytest.raises(BadInput, match="not a readable arrow file"):
+        open_input(tmp_path / "forged.arrow", SIGNATURE)
