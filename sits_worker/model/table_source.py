@@ -236,13 +236,21 @@ def _value_bytes(kind: pa.DataType) -> int:
 
 
 def _cast(column: pa.Array, target: pa.DataType, name: str, first_row: int, path: Path) -> pa.Array:
+    """`column` as `target`, changing no value (pyarrow's safe cast); BadInput naming the column otherwise. A safe
+    cast lets a finite float become infinite (1e300 to float32), so that is checked here."""
     if column.type == target:
         return column
     try:
-        return column.cast(target, safe=True)
+        cast = column.cast(target, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
         raise BadInput(f"column '{name}' of '{path.name}' (rows from {first_row}) does not fit {target} "
                        f"({err}); convert that column or fix its values") from err
+    if pa.types.is_floating(column.type) and pa.types.is_floating(target) and (
+            pc.sum(pc.is_inf(cast)).as_py() or 0) > (pc.sum(pc.is_inf(column)).as_py() or 0):
+        at = int(pc.index(pc.and_(pc.is_inf(cast), pc.invert(pc.is_inf(column))), True).as_py())
+        raise BadInput(f"row {first_row + at} of column '{name}' of '{path.name}' holds {column[at].as_py()!r}, "
+                       f"beyond what {target} holds; scale that column or fix its values")
+    return cast
 
 
 def _row_shape(spec: InputSpec, names: Sequence[str], schema: pa.Schema, path: Path) -> tuple[int, ...]:

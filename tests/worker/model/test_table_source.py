@@ -379,3 +379,14 @@ def test_a_compressed_arrow_buffer_claiming_more_memory_than_there_is_is_a_bad_i
 
     with pytest.raises(BadInput, match="not a readable arrow file"):
         open_input(tmp_path / "forged.arrow", SIGNATURE)
+
+
+def test_a_finite_value_a_float_input_cannot_hold_is_refused_naming_its_row(tmp_path: Path) -> None:
+    """A safe cast turned 1e300 into float32's inf, silently: the model ran on a value the file does not hold."""
+    values = np.full((300, 3), 0.5)
+    values[257, 1] = 1e300
+    pq.write_table(pa.table({name: values[:, index] for index, name in enumerate("abc")}), tmp_path / "big.parquet")
+
+    with open_input(tmp_path / "big.parquet", SIGNATURE) as source, pytest.raises(
+            BadInput, match=r"row 257 of column 'b' .* holds 1e\+300, beyond what float"):
+        list(source.iter_batches(0, 300, 64))
