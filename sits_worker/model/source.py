@@ -57,8 +57,8 @@ def check_unchanged(path: Path, identity: dict[str, int] | None, *, opened: os.s
     is a symbolic link now (the path was resolved at submit: one was swapped in since).
 
     Workers check before and after every chunk and at each open: a job whose input was rewritten would
-    mix old and new rows under the old checksum, one whose input was cut short would read past the end
-    of its memory map (a crash, not an error), and one whose path leads to another file would read that
+    mix old and new rows under the old checksum, one whose input was cut short would read short (an error to
+    retry, which this check then names), and one whose path leads to another file would read that
     file's rows. No device number is compared: a network file system's differs from host to host.
     None (a job from before identities were kept) checks nothing.
     """
@@ -85,7 +85,7 @@ class InputSource(abc.ABC):
 
     `iter_batches` yields `(row_indices, feed)`: absolute int64 row numbers, and for every input
     name a C-contiguous array of the model's dtype and one uniform shape, ready for onnxruntime.
-    Treat feed arrays as read-only: they may be views of the file's mapping. Use it as a context
+    Treat feed arrays as read-only: they may be views of one read shared by several batches. Use it as a context
     manager or call `close()`.
     """
 
@@ -109,7 +109,7 @@ class InputSource(abc.ABC):
         return True
 
     def close(self) -> None:
-        """Release file handles and mappings; batches already yielded stay valid (a view keeps its mapping)."""
+        """Release file handles; batches already yielded stay valid (each holds its own memory)."""
         self._closed = True
 
     def __enter__(self) -> InputSource:

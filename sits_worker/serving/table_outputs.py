@@ -69,8 +69,9 @@ def write_table_part(output_dir: Path, chunk_index: int, outputs: Mapping[str, n
 
 
 def _read_part(parts: Folder, chunk_index: int, chunk: tuple[int, int], *, merging: bool = False) -> pa.Table:
-    """A chunk's part, mapped (no copy), checked to hold the chunk's rows (`merging`: its first rows, as
-    `outputs._load_part` takes them)."""
+    """A chunk's part, read (never mapped), checked to hold the chunk's rows (`merging`: its first rows, as
+    `outputs._load_part` takes them). A part lies in the tenant's folder: one cut short under a mapping would
+    kill the worker (SIGBUS) at the first page read past its new end, where a short read is an error."""
     name = table_part_name(chunk_index)
     try:
         handle = parts.read_file(name)
@@ -79,7 +80,8 @@ def _read_part(parts: Folder, chunk_index: int, chunk: tuple[int, int], *, mergi
                           "run that chunk again before finalizing") from err
     with handle:
         try:
-            table = pa_ipc.open_file(pa.memory_map(f"/proc/self/fd/{handle.fileno()}")).read_all()
+            with pa.OSFile(f"/proc/self/fd/{handle.fileno()}") as file:  # (the file opened, not the path)
+                table = pa_ipc.open_file(file).read_all()
             table.validate(full=True)  # (a part is a file in the tenant's own folder: its batches are checked
             # against their buffers before a value is read, as an Arrow input's are)
         except (pa.ArrowInvalid, OSError) as err:

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
 import tracemalloc
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from broker.errors import BadInput, FileMissing, PathNotAllowed
+from sits_worker.model import inputs
 from sits_worker.model.inputs import file_checksum, open_input
 from sits_worker.model.source import check_unchanged, file_identity
+from tests.npy_files import npy_bytes, write_npz
 
 
 def _signature(*inputs: tuple[str, str, list[int | str]]) -> dict:
@@ -67,17 +75,133 @@ def test_npy_rows_are_read_in_row_ranges_without_loading_everything(tmp_path: Pa
         np.testing.assert_array_equal(feed["pixels"], data[rows])
 
 
-def test_npy_batches_are_read_only_views_of_the_mapping_that_outlive_close(tmp_path: Path) -> None:
+def test_npy_batches_are_read_only_views_of_one_read_that_outlive_close(tmp_path: Path) -> None:
     np.save(tmp_path / "images.npy", _pixels(10))
 
     with open_input(tmp_path / "images.npy", PIXELS) as source:
         batches = list(source.iter_batches(2, 10, 4))
 
-    for rows, feed in batches:  # no copy per batch: onnxruntime reads the page cache directly
+    for rows, feed in batches:  # no copy per batch: views of the rows read for the chunk
         pixels = feed["pixels"]
         assert type(pixels) is np.ndarray and not pixels.flags.owndata and not pixels.flags.writeable
         assert pixels.flags.c_contiguous and pixels.dtype == np.float32
-        np.testing.assert_array_equal(pixels, _pixels(10)[rows])  # still mapped after close()
+        np.testing.assert_array_equal(pixels, _pixels(10)[rows])  # still there after close()
+    assert batches[0][1]["pixels"].base is batches[1][1]["pixels"].base
+
+
+def test_a_chunk_of_array_rows_is_one_read_of_its_own_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the worker does per chunk: 4,096 rows of 64 float32 in mini-batches of 256 are one 1 MiB read."""
+    values = np.random.default_rng(0).random((10_000, 64), dtype=np.float32)
+    np.save(tmp_path / "rows.npy", values)
+    reads: list[tuple[int, int]] = []
+    preadv = os.preadv
+
+    def counted(fd: int, buffers: list, offset: int) -> int:
+        reads.append((offset, sum(len(buffer) for buffer in buffers)))
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(inputs.os, "preadv", counted)
+    with open_input(tmp_path / "rows.npy", _signature(("x", "float32", ["batch", 64]))) as source:
+        batches = list(source.iter_batches(4096, 8192, 256))
+
+    assert reads == [(128 + 4096 * 256, 4096 * 256)]  # (after the 128-byte header)
+    assert [len(rows) for rows, _ in batches] == [256] * 16
+    np.testing.assert_array_equal(np.concatenate([feed["x"] for _, feed in batches]), values[4096:8192])
+
+
+def test_rows_are_read_in_pieces_of_whole_mini_batches_when_a_range_is_large(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inputs, "_READ_BYTES", 5 * 192)  # five rows of pixels: four, whole mini-batches
+    np.save(tmp_path / "images.npy", _pixels(11))
+
+    with open_input(tmp_path / "images.npy", PIXELS) as source:
+        batches = list(source.iter_batches(1, 11, 2))
+
+    assert len({id(feed["pixels"].base) for _, feed in batches}) == 3  # rows 1-4, 5-8, 9-10
+    np.testing.assert_array_equal(np.concatenate([feed["pixels"] for _, feed in batches]), _pixels(11)[1:])
+
+
+def test_a_source_closed_while_a_chunk_reads_it_keeps_that_read_going(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker closes the least recent of the inputs it keeps open, maybe one a chunk is reading."""
+    monkeypatch.setattr(inputs, "_READ_BYTES", 2 * 192)  # two rows of pixels
+    np.save(tmp_path / "images.npy", _pixels(10))
+    source = open_input(tmp_path / "images.npy", PIXELS)
+    batches = source.iter_batches(0, 10, 2)
+    first = next(batches)
+    source.close()
+
+    rest = list(batches)
+
+    np.testing.assert_array_equal(np.concatenate([feed["pixels"] for _, feed in [first, *rest]]), _pixels(10))
+    with pytest.raises(ValueError, match="closed"):
+        next(source.iter_batches(0, 2, 2))
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz"])
+def test_fortran_order_arrays_are_read_in_row_order(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"images{suffix}"
+    np.save(path, np.asfortranarray(_pixels(9))) if suffix == ".npy" else np.savez(
+        path, pixels=np.asfortranarray(_pixels(9)))
+
+    with open_input(path, PIXELS) as source:
+        batches = list(source.iter_batches(2, 9, 3))
+
+    assert all(feed["pixels"].flags.c_contiguous for _, feed in batches)
+    np.testing.assert_array_equal(np.concatenate([feed["pixels"] for _, feed in batches]), _pixels(9)[2:])
+
+
+_READ_AFTER_A_CUT = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from sits_worker.model.inputs import open_input
+    path, signature = Path(sys.argv[1]), {"inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 64],
+                                                      "dynamic_axes": [0]}], "outputs": []}
+    source = open_input(path, signature)
+    os.truncate(path, 4096)  # the tenant cuts its file short while the job runs
+    try:
+        for _, feed in source.iter_batches(3000, 4000, 256):  # a chunk past the cut, in mini-batches
+            feed["x"].sum()  # (as onnxruntime reads them)
+    except Exception as err:
+        print(type(err).__name__, getattr(err, "message", err))
+""")
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".bin", ".npz"])
+def test_an_array_file_cut_short_after_open_is_an_error_to_retry_not_a_crash(tmp_path: Path, suffix: str) -> None:
+    """A mapped file cut short kills the worker (SIGBUS, -7) at the first page read past its new end, with
+    every tenant's work on it; read, it is an error to retry, and the retry's check fails the job."""
+    path, values = tmp_path / f"in{suffix}", np.ones((4096, 64), np.float32)
+    np.save(path, values) if suffix == ".npy" else np.savez(path, x=values) if suffix == ".npz" else (
+        path.write_bytes(values.tobytes()))
+    submitted = file_identity(path)
+
+    done = subprocess.run([sys.executable, "-c", _READ_AFTER_A_CUT, str(path)], capture_output=True, text=True,
+                          timeout=3, cwd=Path(__file__).parents[3])
+
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.startswith(f"RetryableError reading '{path}' failed (rows [3000, 4000) of array 'x' end "
+                                  "past the file's 4,096 bytes; the file changed since it was opened)"), done.stdout
+    with pytest.raises(BadInput, match=r"changed after the job was submitted \(size [0-9,]+ -> 4,096 bytes"):
+        check_unchanged(path, submitted)
+
+
+def test_an_npz_member_whose_data_would_run_past_the_file_is_refused_at_open(tmp_path: Path) -> None:
+    """The zip directory may claim a member larger than what follows it: its sizes and its npy header
+    agree, but the data would end past the file's end."""
+    def member(rows: int) -> bytes:
+        return npy_bytes(f"{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, 1), }}", bytes(8))
+
+    size = write_npz(tmp_path / "long.npz", member(2), zipfile.ZIP_STORED, name="x.npy").stat().st_size
+    path = write_npz(tmp_path / "long.npz", member((size - 128) // 4), zipfile.ZIP_STORED, name="x.npy")
+    raw = bytearray(path.read_bytes())  # (the same size: the npy header is 128 bytes either way)
+    local, central = raw.index(b"PK\x03\x04"), raw.index(b"PK\x01\x02")
+    claimed = struct.pack("<II", size, size)
+    raw[local + 18 : local + 26], raw[central + 20 : central + 28] = claimed, claimed  # compressed, uncompressed
+    path.write_bytes(bytes(raw))
+
+    with pytest.raises(BadInput, match=r"array 'x' in 'long.npz' is unreadable \(its data run past the end"):
+        open_input(path, _signature(("x", "float32", ["batch", 1])))
 
 
 def test_an_unaligned_npz_member_is_fed_as_aligned_copies(tmp_path: Path) -> None:
@@ -86,7 +210,7 @@ def test_an_unaligned_npz_member_is_fed_as_aligned_copies(tmp_path: Path) -> Non
     signature = _signature(("pix", "float32", ["batch", 3]))
 
     with open_input(tmp_path / "rows.npz", signature) as source:
-        assert not np.asarray(source._array("pix")).flags.aligned
+        assert source._array("pix").offset % 4
         batches = list(source.iter_batches(0, 10, 4))
 
     assert all(feed["pix"].flags.aligned and feed["pix"].flags.c_contiguous for _, feed in batches)

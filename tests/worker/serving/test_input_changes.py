@@ -122,8 +122,9 @@ def assert_failed_for_its_input(ctx: WorkerContext, spec: jobs.JobSpec) -> None:
 
 def test_a_chunk_whose_input_is_rewritten_in_place_while_it_runs_fails_its_job_and_is_not_acked(
         ctx: WorkerContext, tmp_path: Path) -> None:
-    """The check before the chunk passed; rows 32.. were read from the new bytes. Counted as done, the
-    job would succeed with mixed outputs under the old checksum."""
+    """The check before the chunk passed; the file changed while the chunk ran (its later rows may be read from
+    the new bytes, where a chunk reads in several pieces). Counted as done, the job could succeed with mixed
+    outputs under the old checksum."""
     spec = submit(ctx.store, tmp_path, chunk_size=ROWS)  # one chunk of four mini-batches
     hooks = Hooks(lambda: rewrite_in_place(Path(spec.input_batch), 32), at=3)  # before the 3rd mini-batch
 

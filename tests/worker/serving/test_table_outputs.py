@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from broker.jobs.output_layout import parts_folder, table_part_name
 from sits_worker.serving.outputs import finalize_outputs
@@ -69,3 +75,46 @@ def test_a_part_whose_batch_claims_rows_past_its_buffers_is_not_written_nor_merg
     data = part.read_bytes()
     part.write_bytes(data.replace(np.int64(2).tobytes(), np.int64(4).tobytes()))  # 4 rows: chunk 0's count
     assert not table_chunk_written(tmp_path, 0, RANGES[0], job_id="j1")
+
+
+_CUT_WHILE_READ = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    import pyarrow.ipc as pa_ipc
+    from sits_worker.serving.outputs import finalize_outputs
+    from sits_worker.serving.table_outputs import merge_table_parts, table_chunk_written
+    out, part, step = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    open_file = pa_ipc.open_file
+
+    def open_then_cut(source):  # the tenant cuts the part short once its footer was read
+        reader = open_file(source)
+        os.truncate(part, 4096)
+        return reader
+
+    pa_ipc.open_file = open_then_cut
+    try:
+        if step == "written":
+            print("written:", table_chunk_written(out, 0, (0, 4096), job_id="j1"))
+        else:
+            finalize_outputs(out, [(0, 4096)], ["score"], {}, job_id="j1", merge=merge_table_parts)
+    except Exception as err:
+        print(type(err).__name__, err)
+""")
+
+
+@pytest.mark.parametrize("step", ["written", "merged"])
+def test_a_part_cut_short_while_it_is_read_is_unreadable_not_a_crash(tmp_path: Path, step: str) -> None:
+    """A part lies in the tenant's folder: mapped and cut short under the mapping, the worker dies (SIGBUS, -7)
+    at the first page read past the new end, with every tenant's work on it. Read, the part is unreadable:
+    its chunk is not written, a merge fails naming it."""
+    write_table_part(tmp_path, 0, {"score": np.ones((4096, 64), np.float32)}, start=0, ids=None, id_column="row",
+                     job_id="j1")
+    part = parts_folder(tmp_path, "j1") / table_part_name(0)
+
+    done = subprocess.run([sys.executable, "-c", _CUT_WHILE_READ, str(tmp_path), str(part), step],
+                          capture_output=True, text=True, timeout=3, cwd=Path(__file__).parents[3])
+
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    expected = ("written: False" if step == "written" else
+                f"SitsError output part '{part}' is unreadable (File too short: expected to be able to read")
+    assert done.stdout.startswith(expected), done.stdout
