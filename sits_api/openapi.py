@@ -313,7 +313,9 @@ def _build_document() -> dict[str, Any]:
                                       {"name": "tenant", "in": "query", "schema": {"type": "string"},
                                        "description": "the tenant whose keys to delete: an admin's choice "
                                                       "(default: every tenant's); a tenant admin's own"}],
-                       "responses": c.answers({200: keys.KeysRevoked}, 401, 403, 404, 429)},
+                       "description": "409 for an admin key naming no tenant where keys of that name belong to "
+                                      "several tenants (or to a tenant and the admin keys).",
+                       "responses": c.answers({200: keys.KeysRevoked}, 401, 403, 404, 409, 429)},
         },
         "/v1/usage": {
             "get": {"summary": "chargeback: device-seconds, rows, requests, jobs, queue time and cost per tenant",

@@ -470,6 +470,12 @@ class Keys:
         return self._key("api-keys-indexed")
 
     @property
+    def api_keys_checked(self) -> str:
+        """STRING present (with an expiry) while the per-tenant key sets count as checked: once it has expired,
+        the next key change builds them again from `api_keys` (`apikeys.KEY_SETS_CHECKED_SECONDS`)."""
+        return self._key("api-keys-checked")
+
+    @property
     def replicated_mark(self) -> str:
         """STRING the time of the last write the API waited for replicas to hold (`Store.wait_for_replicas`):
         written on the waiting thread's own connection, so that Redis's WAIT counts every write before it."""

@@ -111,11 +111,10 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
         with store.client.pipeline(transaction=True) as pipe:
             for _ in range(KEY_WRITE_TRIES):
                 try:
-                    stale: list[str] = []
                     if role in MEMBER_ROLES:
                         pipe.watch(index, keys.tenantless_api_keys)
-                        members, stale = _indexed_records(store, pipe, index)
-                        tenantless, _ = _indexed_records(store, pipe, keys.tenantless_api_keys)
+                        members = _indexed_records(store, pipe, index)
+                        tenantless = _indexed_records(store, pipe, keys.tenantless_api_keys)
                         _refuse_a_tenant_named_like_an_admin(key_tenant(identity), tenantless.values())
                         if len(members) >= MAX_KEYS_PER_TENANT:
                             raise ValueError(f"tenant {key_tenant(identity)!r} holds {len(members)} keys, "
@@ -127,29 +126,32 @@ def create_api_key(store: Store, name: str, role: str = "user", group: str = "",
                     pipe.multi()
                     pipe.hset(keys.api_keys, digest, json.dumps(identity))
                     pipe.sadd(index, digest)
-                    if stale:
-                        pipe.srem(index, *stale)
                     pipe.incr(keys.api_keys_indexed)
                     pipe.execute()
                     return key
                 except redis.WatchError:
                     continue  # a key was created or revoked meanwhile; look again
+                except _StaleSets:
+                    pipe.reset()
+                    _index_keys(store, rebuild=True)
     raise _busy_keys()
 
 
-def _indexed_records(store: Store, pipe: Any, index: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """The key records whose digests `index` lists, by digest, and the digests listed there whose key is gone
-    (revoked by an older API process) or damaged; read on `pipe`, watching, in immediate mode."""
+class _StaleSets(Exception):
+    """A per-tenant set lists a key that is gone: an older API process revoked it (and may have made others the
+    sets miss, in a number that hides it from the count): build the sets again and look again."""
+
+
+def _indexed_records(store: Store, pipe: Any, index: str) -> dict[str, dict[str, Any]]:
+    """The key records whose digests `index` lists, by digest, read on `pipe`, watching, in immediate mode;
+    _StaleSets when it lists a key that is gone or damaged."""
     digests = sorted(pipe.smembers(index))
     raws = pipe.hmget(store.keys.api_keys, digests) if digests else []
-    records, stale = {}, []
-    for digest, raw in zip(digests, raws, strict=True):
-        identity = _parsed(raw)
-        if identity is None:
-            stale.append(digest)
-        else:
-            records[digest] = identity
-    return records, stale
+    records = {digest: identity for digest, raw in zip(digests, raws, strict=True)
+               if (identity := _parsed(raw)) is not None}
+    if len(records) < len(digests):
+        raise _StaleSets(index)
+    return records
 
 
 def _refuse_a_tenant_named_like_an_admin(tenant: str, tenantless: Any) -> None:
@@ -172,16 +174,25 @@ def _refuse_an_admin_named_like_a_tenant(tenant: str, stored: list[str]) -> None
                              "tenant; give the admin key another name")
 
 
-def _index_keys(store: Store) -> None:
-    """Build the per-tenant sets of key digests again from `api_keys` when they do not list every key there:
-    keys stored before the sets existed, or by an older API process during an upgrade (its revokes leave digests
-    whose key is gone, which readers drop). One HLEN and one GET when they do."""
+KEY_SETS_CHECKED_SECONDS = 300
+"""How often the per-tenant sets are built again from `api_keys` whatever their count says: an older API process
+that made one key and revoked another (a rotation, during an upgrade) leaves the count right and a key in no set."""
+
+
+def _index_keys(store: Store, *, rebuild: bool = False, tries: int | None = KEY_WRITE_TRIES) -> None:
+    """Build the per-tenant sets of key digests again from `api_keys` when they may not list every key there: keys
+    stored before the sets existed, or by an older API process during an upgrade. That is when `api_keys`' length
+    is not the count the sets hold, when a reader found a set listing a key that is gone (`rebuild`), and once
+    every `KEY_SETS_CHECKED_SECONDS`. Else one HLEN, one GET and one SET NX in one round trip. Tried `tries` times
+    against other key writes (None: until done), then QueueFull."""
     keys = store.keys
-    length, indexed = store.client.pipeline(transaction=False).hlen(keys.api_keys).get(keys.api_keys_indexed).execute()
-    if int(indexed or 0) == length:
+    with store.client.pipeline(transaction=True) as check:
+        length, indexed, due = (check.hlen(keys.api_keys).get(keys.api_keys_indexed)
+                                .set(keys.api_keys_checked, "1", nx=True, ex=KEY_SETS_CHECKED_SECONDS).execute())
+    if int(indexed or 0) == length and not due and not rebuild:
         return
     with store.client.pipeline(transaction=True) as pipe:
-        for _ in range(KEY_WRITE_TRIES):
+        for _ in itertools.count() if tries is None else range(tries):
             try:
                 pipe.watch(keys.api_keys)
                 stored = pipe.hgetall(keys.api_keys)
@@ -280,7 +291,7 @@ def _scoped_records(store: Store, pipe: Any, tenant: str | None, members_only: b
     pipe.watch(*indexes)
     records: dict[str, dict[str, Any]] = {}
     for index in indexes:
-        records.update(_indexed_records(store, pipe, index)[0])
+        records.update(_indexed_records(store, pipe, index))
     return {digest: identity for digest, identity in records.items() if key_tenant(identity) == tenant
             and not (members_only and identity.get("role") in TENANTLESS_ROLES)}
 
@@ -292,7 +303,12 @@ def list_api_keys(store: Store, tenant: str | None = None, *, members_only: bool
         if tenant is not None:
             _index_keys(store)
         with store.client.pipeline(transaction=True) as pipe:
-            records = _scoped_records(store, pipe, tenant, members_only)
+            try:
+                records = _scoped_records(store, pipe, tenant, members_only)
+            except _StaleSets:
+                pipe.reset()
+                _index_keys(store, rebuild=True)
+                records = _scoped_records(store, pipe, tenant, members_only)
     listed = [{"name": identity["name"], "role": identity.get("role"), "tenant": key_tenant(identity),
                "group": identity.get("group") or None} for identity in records.values() if "name" in identity]
     return sorted(listed, key=lambda record: (str(record["name"]), str(record["role"])))
@@ -305,7 +321,7 @@ def revoke_api_keys(store: Store, name: str, tenant: str | None = None, *, membe
     so a revoked key stops working within that. Tried `tries` times against other writes to the keys it read,
     then QueueFull (None: until it is done, for SITS's own keys, which must not outlive their work)."""
     with translate_redis_errors():
-        _index_keys(store)
+        _index_keys(store, tries=tries)
         with store.client.pipeline(transaction=True) as pipe:
             for _ in itertools.count() if tries is None else range(tries):
                 try:
@@ -321,4 +337,7 @@ def revoke_api_keys(store: Store, name: str, tenant: str | None = None, *, membe
                     return len(doomed)
                 except redis.WatchError:
                     continue
+                except _StaleSets:
+                    pipe.reset()
+                    _index_keys(store, rebuild=True, tries=tries)
     raise _busy_keys()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.config.settings import Settings
-from broker.errors import BadInput, Forbidden, NotFound, PriorityNotAllowed, TierNotAllowed
+from broker.errors import BadInput, Conflict, Forbidden, NotFound, PriorityNotAllowed, TierNotAllowed
 from broker.models.registry import ModelRoom
 from broker.setting_types import MAX_PRIORITY
 from broker.state.store import Store, translate_redis_errors
@@ -197,6 +197,12 @@ def revoke_keys(store: Store, identity: dict[str, Any], name: str, tenant: str |
     scope = tenant if identity.get("role") == "admin" else tenant_of(identity)
     if identity.get("role") != "admin" and tenant not in (None, scope):
         raise NotFound(f"no key named '{name}' in tenant '{tenant}'")  # (as for a tenant without keys)
+    if scope is None:  # an admin's, of every tenant: only where the name is one tenant's (or the admins') alone
+        holders = sorted({("admin keys" if key["role"] in apikeys.TENANTLESS_ROLES else f"tenant '{key['tenant']}'")
+                          for key in apikeys.list_api_keys(store) if key["name"] == name})
+        if len(holders) > 1:
+            raise Conflict(f"keys named '{name}' belong to {', '.join(holders)}: name the one whose keys to revoke "
+                           f"with ?tenant= (an admin key's tenant is its own name)")
     revoked = apikeys.revoke_api_keys(store, name, scope, members_only=identity.get("role") != "admin")
     if not revoked:
         raise NotFound(f"no key named '{name}'" + (f" in tenant '{scope}'" if scope else ""))
