@@ -38,9 +38,9 @@ REFINE_STEPS = 8
 """How many times the earliest feasible deadline is recomputed at its own queue position (a later
 deadline may sort the job behind more work)."""
 PAST_A_DEADLINE_SECONDS = 60.0
-"""A refused job's earliest deadline, where it would push an accepted job past that job's deadline, is the
-next whole minute after it: the accepted job may be another tenant's, whose deadline a refusal must not tell
-to the second (a tenant probing deadlines would read them off)."""
+"""A refused job's earliest deadline is a whole minute: where the job would push an accepted job past that job's
+deadline, the earliest lies just past it, and the accepted job may be another tenant's, whose deadline a
+refusal must not tell to the second (a tenant probing deadlines would read them off)."""
 
 
 @dataclass(frozen=True)
@@ -84,18 +84,17 @@ def _chunk_left(work: Work, now: float) -> float:
 
 
 def _earliest_feasible(refused: Verdict, verdict_at: Any, asked: float) -> float:
-    """The earliest whole-second deadline after `asked` that `verdict_at` accepts, from what `refused` says:
-    its own predicted finish with the margin, or the whole minute past the deadline of the job it would tip
-    over (served earliest deadline first, it then goes behind that job; `PAST_A_DEADLINE_SECONDS`). Infinite
-    when none is found in `REFINE_STEPS` tries (no live worker, or work keeps arriving ahead)."""
+    """The earliest whole-minute deadline after `asked` that `verdict_at` accepts (`PAST_A_DEADLINE_SECONDS`),
+    from what `refused` says: its own predicted finish with the margin, or just past the deadline of the job it
+    would tip over (served earliest deadline first, it then goes behind that job). Infinite when none is found
+    in `REFINE_STEPS` tries (no live worker, or work keeps arriving ahead)."""
     candidate = refused
     for _ in range(REFINE_STEPS):
         if not math.isfinite(candidate.earliest_deadline):
             return math.inf
-        past = 0.0 if candidate.tipped_deadline is None else PAST_A_DEADLINE_SECONDS * math.ceil(
-            (candidate.tipped_deadline + 1.0) / PAST_A_DEADLINE_SECONDS)
+        past = 0.0 if candidate.tipped_deadline is None else candidate.tipped_deadline + 1.0
         nxt = max(candidate.earliest_deadline, past, asked + 1.0)
-        asked = float(math.ceil(nxt))
+        asked = PAST_A_DEADLINE_SECONDS * math.ceil(nxt / PAST_A_DEADLINE_SECONDS)
         candidate = verdict_at(asked)
         if candidate.feasible:
             return asked
@@ -168,13 +167,12 @@ def refusal(prediction: Prediction, *, deadline_at: float, rows: int, now: float
                 "(`sitsctl worker`) and submit again, or submit without a deadline")
     why = (f"{prediction.rows_ahead_seconds:,.1f} s of work ahead and {prediction.own_seconds:,.1f} s of its own "
            f"({rows:,} rows) on {prediction.workers} worker{'s' if prediction.workers != 1 else ''}")
-    tipped = f"; {verdict.reason}" if verdict.tipped_deadline is not None else ""
     earliest = verdict.earliest_deadline
     advice = (f"earliest feasible deadline {_when(earliest)} (in {_span(earliest - now)}: "
               f"deadline_s {math.ceil(earliest - now)})"
               if math.isfinite(earliest) else "no feasible deadline was found; try again when the queue is shorter")
     predicted = _when(verdict.predicted_finish)
-    return f"cannot finish before {_when(deadline_at)}: predicted {predicted} ({why}){tipped}; {advice}"
+    return f"cannot finish before {_when(deadline_at)}: predicted {predicted} ({why}); {advice}"
 
 
 def _span(seconds: float) -> str:

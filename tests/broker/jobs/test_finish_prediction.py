@@ -98,6 +98,21 @@ def test_a_refusal_tells_the_deadline_of_the_job_it_would_tip_over_to_the_minute
     earliest = _earliest_feasible(verdict_at(tipped_at - 100), verdict_at, tipped_at - 100)
 
     assert earliest % PAST_A_DEADLINE_SECONDS == 0 and tipped_at < earliest <= tipped_at + 1 + PAST_A_DEADLINE_SECONDS
+    own = _earliest_feasible(Verdict(NOW, False, NOW + 75.2), lambda deadline: Verdict(NOW, True, deadline), NOW)
+    assert own % PAST_A_DEADLINE_SECONDS == 0 and NOW + 75.2 <= own < NOW + 75.2 + PAST_A_DEADLINE_SECONDS
+
+
+def test_a_refusal_reads_the_same_whether_its_own_work_or_another_job_s_deadline_refused_it() -> None:
+    """"an accepted job would then miss its deadline" appeared only when the probe's deadline lay before the other
+    job's: refused probes on either side of it found another tenant's deadline to the fraction of a second."""
+    from broker.sla.admission import Prediction, refusal
+    own = Verdict(NOW + 10.0, False, NOW + 120.0, "its own work and the work ahead of it")
+    tipping = Verdict(NOW + 10.0, False, NOW + 120.0, "an accepted job would then miss its deadline", NOW + 55.0)
+
+    said = [refusal(Prediction(verdict, "static", 1, 4.0, 6.0), deadline_at=NOW + 5.0, rows=100, now=NOW)
+            for verdict in (own, tipping)]
+
+    assert said[0] == said[1] and "miss" not in said[0]
 
 
 def test_an_accepted_job_keeps_its_margin_when_a_newcomer_passes_it() -> None:
