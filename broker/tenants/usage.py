@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -51,7 +52,8 @@ REPORT_REST_FACTOR = 3
 """A report of whole bills keeps its tenant's place this many times as long as it ran, once done: one
 tenant's reports in a loop take at most a quarter of one API thread and of what they cost Redis."""
 REPORT_RETRY_AFTER_SECONDS = 1
-"""Most reports of a year end, and rest, within a few seconds."""
+"""The least Retry-After of a report refused its tenant's place: the rest left, where one rests, else this (most
+reports of a year end within a second)."""
 OWN_KEY_ROWS_ONLY = ("user",)
 """Roles whose keys see only their own key's rows in a report by key (`report_for_key`)."""
 
@@ -155,10 +157,14 @@ def one_report_at_a_time(store: Store, tenant: str, *,
     bills by model costs Redis about a tenth of a second and the API half a second: one tenant's reports in a
     loop must not take them from every other tenant."""
     hold = take_hold(store, store.keys.usage_report_hold(tenant), REPORT_HOLD_MS)
-    if hold is None:
+    if hold is None:  # (told when its own tenant's place frees: the rest after a report, or about when one ends)
+        with translate_redis_errors():
+            left_ms = store.client.pttl(store.keys.usage_report_hold(tenant))
+        resting = 0 < left_ms < REPORT_HOLD_MS - 2_000  # (a running report's place holds about REPORT_HOLD_MS)
+        retry_after = max(REPORT_RETRY_AFTER_SECONDS, math.ceil(left_ms / 1000)) if resting else \
+            REPORT_RETRY_AFTER_SECONDS
         raise QueueFull(f"tenant '{tenant}' ran a usage report by model, key or device a moment ago, or runs one; "
-                        f"retry after {REPORT_RETRY_AFTER_SECONDS} s (Retry-After)",
-                        retry_after=REPORT_RETRY_AFTER_SECONDS)
+                        f"retry after {retry_after} s (Retry-After)", retry_after=retry_after)
     started = clock()
     try:
         yield

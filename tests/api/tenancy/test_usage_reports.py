@@ -56,3 +56,17 @@ def test_a_second_report_of_whole_bills_of_a_tenant_while_one_runs_is_a_429(api:
         assert tenant_key(client, store, "gary", "user", "globex").get("/v1/usage?by=model").status_code == 200
         assert api.get("/v1/usage?by=model").status_code == 200  # an operator's
     assert boss.get("/v1/usage?by=model").status_code == 200
+
+
+def test_a_report_refused_while_its_tenant_s_place_rests_is_told_to_retry_when_the_rest_ends(
+        client: FlaskClient, store: Store) -> None:
+    """A rest of three times the report's run was answered Retry-After: 1, so a client that obeyed it got 429 again."""
+    bill(store)
+    boss = tenant_key(client, store, "boss", "tenant-admin", "acme")
+    ticks = iter([0.0, 2.5])
+    with tenant_usage.one_report_at_a_time(store, "acme", clock=lambda: next(ticks)):  # a run of 2.5 s: 7.5 s rest
+        pass
+
+    busy = boss.get("/v1/usage?by=model")
+
+    assert busy.status_code == 429 and 7 <= int(busy.headers["Retry-After"]) <= 8
