@@ -272,9 +272,9 @@ class WorkerContext:
 
     def _run_fitting(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
                      session: Any = None, tokens_per_row: int | None = None) -> list[np.ndarray]:
-        """The batch in runs of at most the model's OOM ceiling; a run that runs out of device memory is halved,
-        offloaded or failed (`oom_ceiling.after_oom`). An offload takes the rest of the batch in one CPU run: it
-        did not fit at one row.
+        """The batch in runs of at most the model's OOM ceiling at its width (`tokens_per_row`); a run that runs out
+        of device memory is halved, offloaded or failed (`oom_ceiling.after_oom`). An offload takes the rest of the
+        batch in one CPU run: it did not fit at one row.
 
         The ceiling is lowered, and the ledger taught, for the runs that ran out (`_learn_oom`) only once the
         batch has run with no row running out alone: then it was too many rows. A row that runs out alone was
@@ -289,7 +289,7 @@ class WorkerContext:
             return self._offload(model_ref, feed, output_names, rows)
         if not rows:
             return self._run_on_device(model_ref, feed, output_names, session)
-        todo = oom_ceiling.pieces(rows, self.ceilings.rows(model_ref, now=time.time()))
+        todo = oom_ceiling.pieces(rows, self.ceilings.rows(model_ref, now=time.time(), tokens_per_row=tokens_per_row))
         done: list[list[np.ndarray]] = []
         ran_out: list[int] = []  # the rows of each run that ran out of memory, in order
         while todo:
@@ -330,16 +330,17 @@ class WorkerContext:
         Only rows of a size that has run here (`run_sizes`) teach anything: then the rows were too many, or
         the device short. Rows of more tokens than any that worked ran out for their own size; a ceiling
         lowered for them (to one row, for one such request) would cut every tenant's batches of the model
-        for `oom_ceiling_decay`."""
+        for `oom_ceiling_decay`. The ceiling is learnt at the batch's padded width (`tokens_per_row`): one long
+        row padded beside short ones cuts batches as wide, not narrower ones (`oom_ceiling.rows_at_width`)."""
         now = time.time()
         if not self.run_sizes.blames_device(model_ref, RunSize(1, tokens_per_row)):
             return
-        ceiling = self.ceilings.lower(model_ref, rows, now=now)
+        ceiling = self.ceilings.lower(model_ref, rows, now=now, tokens_per_row=tokens_per_row)
         # (the profile's estimate, not one learnt before: a storm of OOMs must not compound it)
         estimate = reservation.BatchCost.of(self.model(model_ref), max_rows=rows, max_tokens=0).need_bytes(rows=rows)
         row_bytes = self.ledger.learn_oom(model_ref, rows, estimate, now=now)
-        log.warning("%s ran out of memory at %d rows on %s: ceiling %s rows, %s bytes a row", model_ref, rows,
-                    self.device, ceiling, row_bytes)
+        log.warning("%s ran out of memory at %d rows on %s: ceiling %s rows of %s tokens, %s bytes a row", model_ref,
+                    rows, self.device, ceiling, tokens_per_row, row_bytes)
 
     def _offload(self, model_ref: str, feed: dict[str, np.ndarray], output_names: list[str],
                  rows: int) -> list[np.ndarray]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from broker.memory import oom_ceiling
 from broker.memory.ledger import MemoryLedger
-from broker.memory.oom_ceiling import Ceiling, Ceilings, after_oom, halves, lowered, pieces
+from broker.memory.oom_ceiling import Ceiling, Ceilings, after_oom, halves, lowered, pieces, rows_at_width
 
 MiB = 2**20
 
@@ -73,6 +73,51 @@ def test_a_worker_s_ceilings_are_per_model_and_forgotten_once_decayed() -> None:
     assert ceilings.lower("mlp@v1", 40, now=0.0) == 20
     assert ceilings.rows("mlp@v1", now=5.0) == 20 and ceilings.rows("bert@v1", now=5.0) is None
     assert ceilings.rows("mlp@v1", now=10.0) is None and ceilings.rows("mlp@v1", now=0.0) is None
+
+
+def test_a_ceiling_learnt_at_a_width_bounds_rows_times_width() -> None:
+    ceiling = lowered(None, 2, now=0.0, decay_seconds=60.0, tokens_per_row=1800)  # 2 rows of 1,800 ran out
+    assert ceiling == Ceiling(rows=1, failed_rows=2, set_at=0.0, tokens_per_row=1800)
+    at = {width: ceiling.rows_at(1.0, 60.0, width) for width in (512, 900, 1800, 1801, 6000)}
+    assert at == {512: None, 900: None, 1800: 1, 1801: 1, 6000: 1}  # (narrower: not bounded; at least one row)
+    assert ceiling.rows_at(1.0, 60.0) == 1  # (a run of no known width: cut as at the width learnt)
+
+
+def test_a_ceiling_at_a_width_doubles_back_and_is_forgotten_at_every_width_at_once() -> None:
+    ceiling = Ceiling(rows=2, failed_rows=8, set_at=0.0, tokens_per_row=1000)
+    assert [ceiling.rows_at(10.0 * step, 10.0, 2000) for step in range(3)] == [1, 2, None]
+    assert [ceiling.rows_at(10.0 * step, 10.0, 1000) for step in range(3)] == [2, 4, None]
+    assert [ceiling.rows_at(10.0 * step, 10.0, 500) for step in range(3)] == [None] * 3  # (narrower: not bounded)
+
+
+def test_rows_at_width_keeps_rows_x_width_and_leaves_models_without_a_sequence_axis_alone() -> None:
+    assert rows_at_width(4, 1024, 256) == 16 and rows_at_width(4, 1024, 1000) == 4
+    assert rows_at_width(4, 1024, 4096) == 1 and rows_at_width(4, 1024, 10**6) == 1
+    assert rows_at_width(4, None, 256) == 4 and rows_at_width(4, 1024, None) == 4
+
+
+def test_a_model_without_a_sequence_axis_keeps_its_ceiling_in_rows() -> None:
+    ceiling = lowered(None, 64, now=0.0, decay_seconds=60.0)
+    assert ceiling == Ceiling(rows=32, failed_rows=64, set_at=0.0, tokens_per_row=None)
+    assert ceiling.rows_at(1.0, 60.0) == ceiling.rows_at(1.0, 60.0, 512) == 32
+
+
+def test_a_failure_at_another_width_is_weighed_against_the_ceiling_in_force_in_rows_x_width() -> None:
+    narrow = lowered(None, 32, now=0.0, decay_seconds=60.0, tokens_per_row=512)  # 16 rows of 512
+    wide = lowered(narrow, 4, now=1.0, decay_seconds=60.0, tokens_per_row=1800)  # 4 of 1,800: within 16 of 512
+    assert (wide.rows, wide.failed_rows, wide.tokens_per_row) == (2, 4, 1800)
+    assert wide.rows_at(1.0, 60.0, 512) is None  # (narrower than what ran out: not bounded by it)
+    narrow_again = lowered(wide, 32, now=2.0, decay_seconds=60.0, tokens_per_row=512)  # learnt anew at 512
+    assert (narrow_again.rows, narrow_again.failed_rows, narrow_again.tokens_per_row) == (16, 32, 512)
+
+
+def test_a_worker_s_ceiling_is_read_at_the_run_s_width_and_shown_at_the_width_learnt() -> None:
+    ceilings = Ceilings(decay_seconds=10.0)
+    assert ceilings.lower("bert@v1", 2, now=0.0, tokens_per_row=1800) == 1
+    assert ceilings.rows("bert@v1", now=1.0, tokens_per_row=512) is None  # (kept: it bounds the wide ones)
+    assert ceilings.rows("bert@v1", now=1.0, tokens_per_row=1800) == 1
+    assert ceilings.in_force(now=1.0) == {"bert@v1": 1}
+    assert ceilings.in_force(now=10.0) == {} and ceilings.rows("bert@v1", now=1.0, tokens_per_row=512) is None
 
 
 def test_the_ledger_learns_a_row_needs_more_than_its_estimate() -> None:

@@ -67,7 +67,7 @@ def _no_oom_allowed(ctx: WorkerContext) -> Iterator[None]:
     """Fail the test when a run of the block runs out of memory (it lowers the ceiling)."""
     lower = ctx.ceilings.lower
 
-    def refuse(model_ref: str, failed_rows: int, *, now: float) -> int:
+    def refuse(model_ref: str, failed_rows: int, *, now: float, tokens_per_row: int | None = None) -> int:
         raise AssertionError(f"a run of {failed_rows} rows ran out of memory")
 
     ctx.ceilings.lower = refuse  # type: ignore[method-assign]
