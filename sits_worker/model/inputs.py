@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -225,17 +225,6 @@ def _open_npy(path: Path, handle: BinaryIO, specs: list[InputSpec]) -> InputSour
 
 def _stored(header: NpyHeader, offset: int) -> _StoredArray:
     return _StoredArray(offset, header.dtype, header.shape, header.fortran_order)
-
-
-def map_array(handle: BinaryIO, header: NpyHeader, offset: int) -> np.ndarray:
-    """The array `header` describes, mapped read-only from the opened file `handle` at `offset` (the
-    header, checked against the file's size, is not parsed again as np.load would); an empty one needs
-    no mapping. The mapping stays valid once the handle is closed, but a file cut short under it kills the
-    process (SIGBUS) at the first page read past its new end: inputs are read (`_StoredArray`), not mapped."""
-    if math.prod(header.shape) == 0:
-        return np.empty(header.shape, dtype=header.dtype)
-    order: Literal["F", "C"] = "F" if header.fortran_order else "C"
-    return np.memmap(handle, dtype=header.dtype, mode="r", offset=offset, shape=header.shape, order=order)
 
 
 def _open_npz(path: Path, handle: BinaryIO, specs: list[InputSpec]) -> InputSource:

@@ -22,11 +22,10 @@ import io
 import json
 import logging
 import math
-import mmap
 import os
 import secrets
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
@@ -48,19 +47,22 @@ from broker.jobs.output_layout import (
     quarantine_part_name,
     storage_error,
 )
-from sits_worker.model.inputs import map_array
+from sits_worker.model.inputs import _read_into, _ShortRead, _StoredArray
 from sits_worker.model.safe_files import Entry, Folder, open_folder
-from sits_worker.model.tensors import read_npy_header
+from sits_worker.model.tensors import NpyHeader, read_npy_header
 
 log = logging.getLogger(__name__)
 
 _RESERVED_KEYS = ("rows", "outputs", "chunks", "quarantined_rows", "quarantined_ids", "quarantine")
 _COPY_BLOCK_BYTES = 64 * 2**20
-"""A merge copies parts in blocks of this size and calls its `keep_alive` after each (a part may be GBs)."""
+"""The kernel copies parts in blocks of this size, and the merge calls `keep_alive` after each (a part may be GBs)."""
+_READ_BYTES = 2**20
+"""A merge reads a part (to hash it, or to copy it where the kernel cannot) this many bytes at a time, into one
+buffer it reuses, calling `keep_alive` after each block it copies. 1 MiB hashes a 256 MiB part as fast as its
+mapping did (170 ms); 64 MiB took 300 ms, its buffer too big for the CPU's cache."""
 _WAIT_SLICE_SECONDS = 1.0
 """How often a merge calls its `keep_alive` while it waits for its fsync and its hash."""
 _T = TypeVar("_T")
-_NOTHING = np.empty(0)
 _FIX = ("replace the link with a real folder inside the output roots and resume the job, or submit the job "
         "again into another output_dir")
 
@@ -202,18 +204,39 @@ def _rows_covered(layout: Layout) -> int:
 
 @dataclass
 class _Part:
-    """One part mapped read-only (`rows`), and its file, opened without following a link, for the kernel's
-    copy. Leaving its `with` closes the file and drops the mapping: one part at a time is held."""
+    """One part's first `rows` rows, in its file opened without following a link: read (`_part_bytes`),
+    never mapped, since a part cut short under a mapping kills the worker (SIGBUS) at the first page read
+    past its new end. Leaving its `with` closes the file: one part at a time is held."""
 
-    rows: np.ndarray
+    path: Path
+    chunk_index: int
+    header: NpyHeader
+    rows: int
     handle: BinaryIO
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.header.shape[1:]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * math.prod(self.row_shape) * self.header.dtype.itemsize
+
+    @property
+    def in_row_order(self) -> bool:
+        """Whether the rows' bytes lie in the file as the merged file holds them, from `header.data_offset`
+        (a Fortran-order part's values lie by column: its bytes must be reordered)."""
+        return not self.header.fortran_order or math.prod(self.row_shape) <= 1
+
+    def unreadable(self, err: Exception) -> SitsError:
+        return SitsError(f"output part '{self.path}' is unreadable (cut short while the merge read it: {err}); "
+                         f"delete it and run chunk {self.chunk_index} again")
 
     def __enter__(self) -> _Part:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.handle.close()
-        self.rows = _NOTHING
 
 
 def _part_missing(name: str, chunk_index: int, chunk: tuple[int, int]) -> FileMissing:
@@ -229,7 +252,7 @@ def _parts_gone(folder: Path) -> FileMissing:
 
 
 def _load_part(parts: Folder, name: str, chunk_index: int, chunk: tuple[int, int], *, merging: bool = False) -> _Part:
-    """Map one part read-only and check it holds the chunk's rows. `merging`: a part longer than its chunk
+    """Open one part and check its header: it holds the chunk's rows. `merging`: a part longer than its chunk
     holds the chunk's rows first (a run that read the chunk before another run split it, broker/jobs/cuts.py,
     wrote it, and rows are computed alike by every run): its first rows are taken. Elsewhere (is a chunk's
     part written?) only the chunk's own rows count."""
@@ -244,18 +267,16 @@ def _load_part(parts: Folder, name: str, chunk_index: int, chunk: tuple[int, int
             header = read_npy_header(handle, os.fstat(handle.fileno()).st_size, f"output part '{path}'", fix)
         except BadInput as err:  # (not the job's input: the part is to be written again)
             raise SitsError(err.message) from err
-        rows = map_array(handle, header, header.data_offset)
-        if merging and rows.ndim > 0 and rows.shape[0] > chunk[1] - chunk[0]:
-            rows = rows[: chunk[1] - chunk[0]]
-        if rows.ndim == 0 or rows.shape[0] != chunk[1] - chunk[0]:
+        rows = chunk[1] - chunk[0]
+        if not header.shape or header.shape[0] < rows or (header.shape[0] > rows and not merging):
             raise SitsError(
-                f"output part '{path}' has shape {list(rows.shape)} but chunk {chunk_index} covers rows "
+                f"output part '{path}' has shape {list(header.shape)} but chunk {chunk_index} covers rows "
                 f"[{chunk[0]}, {chunk[1]}); delete it and run the chunk again"
             )
     except BaseException:
         handle.close()
         raise
-    return _Part(rows, handle)
+    return _Part(path, chunk_index, header, rows, handle)
 
 
 def _merge_output(parts: Folder, name: str, layout: Layout, total: int,
@@ -271,7 +292,7 @@ def _merge_output(parts: Folder, name: str, layout: Layout, total: int,
     merge of GBs keeps its item's lease.
     """
     with _load_part(parts, name, *layout[0], merging=True) as first:
-        dtype, row_shape = first.rows.dtype, first.rows.shape[1:]
+        dtype, row_shape = first.header.dtype, first.row_shape
     final = output_file_name(name)
     temp = _temp_name(final)  # in the job's parts folder: removed with its parts if we crash
     shape = [total, *row_shape]
@@ -279,7 +300,7 @@ def _merge_output(parts: Folder, name: str, layout: Layout, total: int,
     np.lib.format.write_array_header_1_0(
         header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
     )
-    stop = threading.Event()
+    stop, buffer = threading.Event(), np.empty(_READ_BYTES, np.uint8)
     with ThreadPoolExecutor(2, thread_name_prefix="sits-merge") as helpers:
         hashed = helpers.submit(_hash_parts, parts, name, layout, header.getvalue(), stop)
         try:
@@ -287,13 +308,13 @@ def _merge_output(parts: Folder, name: str, layout: Layout, total: int,
                 handle.write(header.getvalue())
                 for index, chunk in layout:
                     with _load_part(parts, name, index, chunk, merging=True) as part:
-                        if part.rows.dtype != dtype or part.rows.shape[1:] != row_shape:
+                        if part.header.dtype != dtype or part.row_shape != row_shape:
                             raise BadInput(
                                 f"output '{name}' has dtype {dtype} and rows of shape {list(row_shape)} in chunk "
-                                f"{layout[0][0]} but {part.rows.dtype} {list(part.rows.shape[1:])} in chunk {index}; "
+                                f"{layout[0][0]} but {part.header.dtype} {list(part.row_shape)} in chunk {index}; "
                                 "outputs whose rows vary in shape cannot be merged into one .npy"
                             )
-                        _copy_part(handle, part, keep_alive)
+                        _copy_part(handle, part, buffer, keep_alive)
                 handle.flush()
                 _wait(helpers.submit(os.fsync, handle.fileno()), keep_alive)
             checksum = f"sha256:{_wait(hashed, keep_alive)}"
@@ -304,45 +325,52 @@ def _merge_output(parts: Folder, name: str, layout: Layout, total: int,
     return temp, {"file": final, "shape": shape, "dtype": dtype.name, "checksum": checksum}
 
 
-def _copy(handle: IO[bytes], data: memoryview, keep_alive: Callable[[], None]) -> None:
-    """Write `data` in blocks of `_COPY_BLOCK_BYTES`, calling `keep_alive` after each."""
-    for offset in range(0, len(data), _COPY_BLOCK_BYTES):
-        handle.write(data[offset : offset + _COPY_BLOCK_BYTES])
-        keep_alive()
-
-
-def _copy_part(handle: IO[bytes], part: _Part, keep_alive: Callable[[], None]) -> None:
-    """Append a mapped part's data to `handle`, in blocks of `_COPY_BLOCK_BYTES` with a `keep_alive`
-    after each. On Linux the kernel copies it from the part's file (`os.copy_file_range`): no page faults
-    on the mapping and no pass through this process, which took a 40 MB merge from about 43 to 32 ms on two
-    cores. Where the call is missing or the file system refuses it, the bytes go through `_copy`."""
-    copy_range = getattr(os, "copy_file_range", None)
-    rows = part.rows
-    first = _mapped_from(rows)
-    if copy_range is None or first is None or not rows.nbytes:
-        _copy(handle, _raw_bytes(rows), keep_alive)
-        return
-    handle.flush()  # the kernel writes at the descriptor's position: nothing may wait in the buffer
-    offset, end = first, first + rows.nbytes
-    while offset < end:
-        try:
-            copied = copy_range(part.handle.fileno(), handle.fileno(), min(end - offset, _COPY_BLOCK_BYTES), offset)
-        except OSError:  # EXDEV, EINVAL, ENOSYS...: the rest through this process
-            copied = 0
-        if not copied:
-            _copy(handle, _raw_bytes(rows)[offset - first :], keep_alive)
+def _part_bytes(part: _Part, buffer: np.ndarray, start: int = 0) -> Iterator[memoryview]:
+    """The part's rows' bytes as the merged file holds them, from byte `start` of them (a part `in_row_order`
+    only), a block at a time: read with `os.preadv` into `buffer`, reused, so each block is valid until the
+    next. A Fortran-order part is read by rows (`_StoredArray`) and reordered a block at a time."""
+    header = part.header
+    try:
+        if part.in_row_order:
+            for offset in range(start, part.nbytes, len(buffer)):
+                block = buffer[: min(len(buffer), part.nbytes - offset)]
+                _read_into(part.handle.fileno(), block, header.data_offset + offset)
+                yield block.data
             return
-        offset += copied
-        keep_alive()
+        stored = _StoredArray(header.data_offset, header.dtype, header.shape, header.fortran_order)
+        step = max(1, len(buffer) // max(1, part.nbytes // part.rows))
+        for lo in range(0, part.rows if part.nbytes else 0, step):
+            rows = np.ascontiguousarray(stored.read(part.handle.fileno(), lo, min(lo + step, part.rows)))
+            yield memoryview(rows.data).cast("B")
+    except _ShortRead as err:  # (its size was checked at open: it was cut short since)
+        raise part.unreadable(err) from err
 
 
-def _mapped_from(rows: np.ndarray) -> int | None:
-    """The offset in its file of a whole mapped part's data in C order, whose bytes in the file are those
-    of the merged rows; None for anything else (a view of a mapping carries its base's offset, not its
-    own; a Fortran-order part's bytes must be reordered)."""
-    if isinstance(rows, np.memmap) and isinstance(rows.base, mmap.mmap) and rows.flags.c_contiguous:
-        return int(rows.offset)
-    return None
+def _copy_part(handle: IO[bytes], part: _Part, buffer: np.ndarray, keep_alive: Callable[[], None]) -> None:
+    """Append the part's rows to `handle`, calling `keep_alive` after every block. On Linux the kernel copies a
+    part `in_row_order` from its file (`os.copy_file_range`, `_COPY_BLOCK_BYTES` a call): no pass through this
+    process, which took a 40 MB merge from about 43 to 32 ms on two cores. Where the call is missing or the
+    file system refuses it, the rest is read into `buffer` (`_part_bytes`). The kernel's copy of a part cut
+    short ends early, and so does the read that follows it: an error, not a crash."""
+    copy_range = getattr(os, "copy_file_range", None)
+    copied = 0
+    if copy_range is not None and part.in_row_order:
+        handle.flush()  # the kernel writes at the descriptor's position: nothing may wait in the buffer
+        source, target = part.handle.fileno(), handle.fileno()
+        while copied < part.nbytes:
+            try:
+                count = copy_range(source, target, min(part.nbytes - copied, _COPY_BLOCK_BYTES),
+                                   part.header.data_offset + copied)
+            except OSError:  # EXDEV, EINVAL, ENOSYS...: the rest through this process
+                break
+            if not count:  # (the end of a part cut short, or a file system that copies nothing)
+                break
+            copied += count
+            keep_alive()
+    if copied < part.nbytes:
+        for block in _part_bytes(part, buffer, copied):
+            handle.write(block)
+            keep_alive()
 
 
 def _wait(future: Future[_T], keep_alive: Callable[[], None]) -> _T:
@@ -361,20 +389,16 @@ def _always_publish() -> bool:
     return True
 
 
-def _raw_bytes(part: np.ndarray) -> memoryview:
-    """A part's bytes as they lie in its file (parts are C order), without a copy."""
-    return memoryview(np.ascontiguousarray(part).data).cast("B")
-
-
 def _hash_parts(parts: Folder, name: str, layout: Layout, header: bytes,
                 stop: threading.Event) -> str:
     """SHA-256 hex digest of `header` followed by the parts' bytes in row order (the merged file)."""
-    digest = hashlib.sha256(header)
+    digest, buffer = hashlib.sha256(header), np.empty(_READ_BYTES, np.uint8)
     for index, chunk in layout:
         if stop.is_set():
             break
         with _load_part(parts, name, index, chunk, merging=True) as part:
-            digest.update(_raw_bytes(part.rows))
+            for block in _part_bytes(part, buffer):
+                digest.update(block)
     return digest.hexdigest()
 
 

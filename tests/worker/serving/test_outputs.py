@@ -7,7 +7,10 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -251,6 +254,7 @@ def test_a_merge_keeps_its_lease_alive_after_every_block_it_copies(tmp_path: Pat
     bytes come out where the kernel copies the parts and where it cannot (no `os.copy_file_range`,
     as on macOS)."""
     monkeypatch.setattr(outputs, "_COPY_BLOCK_BYTES", 16)
+    monkeypatch.setattr(outputs, "_READ_BYTES", 16)
     if not kernel_copy:
         monkeypatch.delattr(os, "copy_file_range", raising=False)
     write_part(tmp_path, 0, {"out": np.arange(8, dtype=np.float64).reshape(4, 2)})  # 64 bytes: 4 blocks
@@ -263,20 +267,34 @@ def test_a_merge_keeps_its_lease_alive_after_every_block_it_copies(tmp_path: Pat
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1]])
 
 
-def test_parts_written_by_write_part_are_copied_by_the_kernel_and_others_through_python(tmp_path: Path) -> None:
-    """The kernel copies a whole C-order mapping's file bytes; a view of one (its offset is its base's) and
-    a Fortran-order part (its file bytes are not the merged rows' order) go through Python."""
-    write_part(tmp_path, 0, {"out": np.arange(12, dtype=np.float32).reshape(4, 3)})
-    mapped = np.load(part_path(tmp_path, "out", 0), mmap_mode="r")
+def test_c_order_parts_are_copied_by_the_kernel_and_fortran_order_ones_through_python(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel copies the file bytes of a C-order part, and only its chunk's rows of one longer than its chunk
+    (written before the chunk was split); a Fortran-order part's bytes are not the merged rows' order."""
+    kernel_copy, copied = os.copy_file_range, []
 
-    assert outputs._mapped_from(mapped) == 128  # where its data lie in its file
-    assert outputs._mapped_from(mapped[1:]) is None
-    fortran = tmp_path / "fortran.npy"
-    np.save(fortran, np.asfortranarray(np.arange(12, dtype=np.float32).reshape(4, 3)))
-    assert outputs._mapped_from(np.load(fortran, mmap_mode="r")) is None
+    def counted(source: int, target: int, count: int, offset: int) -> int:
+        copied.append((count, offset))
+        return kernel_copy(source, target, count, offset)
+
+    monkeypatch.setattr(os, "copy_file_range", counted)
+    values = np.arange(24, dtype=np.float32).reshape(8, 3)
+    write_part(tmp_path, 0, {"out": values[:4]})  # chunk 0 is rows [0, 2): its first 2 rows are taken
+    np.save(part_path(tmp_path, "out", 1), np.asfortranarray(values[2:5]))
+    write_part(tmp_path, 2, {"out": values[5:]})
+
+    manifest = finalize_outputs(tmp_path, [(0, 2), (2, 5), (5, 8)], ["out"], EXTRA)
+
+    assert copied == [(2 * 3 * 4, 128), (3 * 3 * 4, 128)]  # (128: where a part's data start in its file)
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), values)
+    assert manifest is not None and manifest["outputs"]["out"]["checksum"] == file_checksum(tmp_path / "out.npy")
 
 
-def test_a_fortran_order_part_is_merged_in_row_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read_bytes", [None, 40], ids=["one-read", "a-row-a-read"])
+def test_a_fortran_order_part_is_merged_in_row_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     read_bytes: int | None) -> None:
+    if read_bytes:
+        monkeypatch.setattr(outputs, "_READ_BYTES", read_bytes)  # (a row of 32 bytes a read, each reordered)
     values = np.arange(24, dtype=np.float64).reshape(6, 4)
     write_part(tmp_path, 0, {"out": values[:2]})
     np.save(part_path(tmp_path, "out", 1), np.asfortranarray(values[2:]))  # (as another writer might)
@@ -309,6 +327,61 @@ def test_a_kernel_copy_refused_partway_goes_on_through_python(tmp_path: Path,
     assert len(calls) >= 2
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), values)
     assert manifest["outputs"]["out"]["checksum"] == file_checksum(tmp_path / "out.npy")
+
+
+_CUT_WHILE_MERGED = textwrap.dedent("""
+    import hashlib, os, sys
+    from pathlib import Path
+    from sits_worker.serving import outputs
+    out, part, side = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    cut = []
+
+    def cut_once() -> None:  # the tenant cuts the part short once the merge has begun to read it
+        if not cut:
+            cut.append(os.truncate(part, 4096))
+
+    class CutOnHash:  # (the hashing thread's first block, then the part is cut)
+        def __init__(self, data: bytes) -> None:
+            self.digest = hashlib.sha256(data)
+
+        def update(self, data: bytes) -> None:
+            cut_once()
+            self.digest.update(data)
+
+        def hexdigest(self) -> str:
+            return self.digest.hexdigest()
+
+    class Hashlib:
+        sha256 = CutOnHash
+
+    if side == "hashed":
+        outputs.hashlib = Hashlib
+    else:  # (the copying thread's first 4 KiB, then the part is cut)
+        outputs._COPY_BLOCK_BYTES = 4096
+    try:
+        outputs.finalize_outputs(out, [(0, 16384)], ["score"], {}, job_id="j1",
+                                 keep_alive=cut_once if side == "copied" else lambda: None)
+    except Exception as err:
+        print(type(err).__name__, err)
+""")
+
+
+@pytest.mark.parametrize("side", ["hashed", "copied"])
+def test_a_part_cut_short_while_it_is_merged_is_unreadable_not_a_crash(tmp_path: Path, side: str) -> None:
+    """A part lies in the tenant's folder: mapped and cut short under the mapping, the worker dies (SIGBUS, -7)
+    at the first page read past the new end, with every tenant's work on it. Read, the merge fails naming the
+    part and the chunk to run again, whichever of its threads (the hash, the copy) finds it short."""
+    write_part(tmp_path, 0, {"score": np.ones((16384, 64), np.float32)}, job_id="j1")  # 4 MiB: 4 reads
+    part = part_path(tmp_path, "score", 0, "j1")
+
+    done = subprocess.run([sys.executable, "-c", _CUT_WHILE_MERGED, str(tmp_path), str(part), side],
+                          capture_output=True, text=True, timeout=3, cwd=Path(__file__).parents[3])
+
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.startswith(f"SitsError output part '{part}' is unreadable (cut short while the merge read "
+                                  "it: "), done.stdout
+    assert done.stdout.rstrip().endswith("delete it and run chunk 0 again"), done.stdout
+    assert not (tmp_path / "manifest.json").exists()
 
 
 @st.composite
