@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker.errors import BadInput, FileMissing, PathNotAllowed
+from broker.errors import BadInput, FileMissing, PathNotAllowed, RetryableError
 from sits_worker.model import inputs
 from sits_worker.model.inputs import file_checksum, open_input
 from sits_worker.model.source import check_unchanged, file_identity
@@ -184,6 +184,19 @@ def test_an_array_file_cut_short_after_open_is_an_error_to_retry_not_a_crash(tmp
                                   "past the file's 4,096 bytes; the file changed since it was opened)"), done.stdout
     with pytest.raises(BadInput, match=r"changed after the job was submitted \(size [0-9,]+ -> 4,096 bytes"):
         check_unchanged(path, submitted)
+
+
+def test_a_compressed_npz_cut_short_after_open_is_an_error_to_retry_not_a_corrupt_file(tmp_path: Path) -> None:
+    """Its member is read whole at the first chunk: cut short before that, it read as corrupt (a BadInput, whose
+    rows the bad-row search then tried one by one, inflating the member again each time)."""
+    path = tmp_path / "in.npz"
+    np.savez_compressed(path, x=np.random.default_rng(0).standard_normal((4096, 64)).astype(np.float32))
+    source = open_input(path, {"inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 64],
+                                           "dynamic_axes": [0]}], "outputs": []})
+    os.truncate(path, 4096)
+
+    with source, pytest.raises(RetryableError, match="the file changed since it was opened"):
+        list(source.iter_batches(0, 100, 50))
 
 
 def test_an_npz_member_whose_data_would_run_past_the_file_is_refused_at_open(tmp_path: Path) -> None:
