@@ -1,5 +1,6 @@
 """Arrow IPC files (Feather v2) read in row ranges: read, never mapped, a range's columns of the record batches it
-overlaps, each checked as it is read."""
+overlaps, each checked as it is read. Rows are counted at open from the file's footer and each batch's message
+metadata, without reading any batch's buffers."""
 
 from __future__ import annotations
 
@@ -12,11 +13,19 @@ import pyarrow as pa
 import pyarrow.ipc as pa_ipc
 
 from broker.errors import BadInput
+from sits_worker.model.arrow_messages import RECORD_BATCH, fields_bytes, message_header, record_batches
 from sits_worker.model.table_readers import SLAB_BYTES, SLAB_ROWS, TableReader, clip
 
-IPC_BATCH_BYTES = 32 * SLAB_BYTES
-"""Most bytes of the values read that one Arrow IPC record batch may hold (512 MiB: 65,536 rows, write_feather's
-batches, of 2,000 float32 values): a chunk reads the whole batches its rows lie in, so one of more is refused."""
+IPC_BATCH_BYTES = 8 * SLAB_BYTES
+"""Most bytes of the values read that one Arrow IPC record batch may hold (128 MiB): a chunk reads the whole
+batches its rows lie in, so one of more is refused. The API reads the first batch at submit, in a request
+thread, so this is memory the API takes per submit in flight. write_feather's default batches of 65,536 rows
+fit 512 float32 values a row; the refusal of wider rows names the most rows a batch may hold. The file's
+dictionaries, all read with the first batch a reader reads, may take as much."""
+BATCH_SLACK = 4
+"""How many times the bytes its rows' values take the columns read of a record batch may hold once
+decompressed (validity bitmaps, list offsets, ids longer than `table_source.ID_ROW_BYTES`), plus 1 MiB; a batch
+holding more is refused before it is read."""
 
 class IpcReader(TableReader):
     """Arrow IPC (the file format; Feather v2): read, never mapped, a range's columns of the record batches it
@@ -27,18 +36,17 @@ class IpcReader(TableReader):
     def __init__(self, handle: BinaryIO) -> None:
         super().__init__(handle)
         with pa.OSFile(self._path) as file:
-            self.schema = pa_ipc.open_file(file).schema
-            # Row counts only: the first column of each batch is read (a reader's schema is its fields).
-            reader = pa_ipc.open_file(file, options=pa_ipc.IpcReadOptions(included_fields=[0]))
-            counts = [_checked_batch(reader, index).num_rows for index in range(reader.num_record_batches)]
-        self.rows = int(sum(counts))
-        self._batch_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+            reader = pa_ipc.open_file(file)
+            self.schema = reader.schema
+            self._blocks = record_batches(file, reader.num_record_batches, IPC_BATCH_BYTES)
+        self.rows = sum(block.rows for block in self._blocks)
+        self._batch_starts = np.concatenate([[0], np.cumsum([block.rows for block in self._blocks], dtype=np.int64)])
         self._lock = threading.Lock()
         self._kept: tuple[int, tuple[str, ...], pa.RecordBatch] | None = None
 
     def check_sizes(self, row_bytes: int) -> None:
         """Refuse a file with a record batch of more than `IPC_BATCH_BYTES` of the values read (`row_bytes` a
-        row): a chunk reads the whole batches its rows lie in."""
+        row): a chunk reads the whole batches its rows lie in. Checked before any batch is read."""
         counts = np.diff(self._batch_starts)
         biggest = int(np.argmax(counts)) if len(counts) else 0
         if len(counts) and int(counts[biggest]) * row_bytes > IPC_BATCH_BYTES:
@@ -53,10 +61,10 @@ class IpcReader(TableReader):
         parallel)."""
         first = int(np.searchsorted(self._batch_starts, start, side="right")) - 1
         last = int(np.searchsorted(self._batch_starts, stop, side="left"))
-        yield from clip(self._batches(range(first, last), tuple(columns)), int(self._batch_starts[first]),
+        yield from clip(self._batches(range(first, last), tuple(columns), row_bytes), int(self._batch_starts[first]),
                          start, stop, slab_rows)
 
-    def _batches(self, indexes: range, columns: tuple[str, ...]) -> Iterator[pa.RecordBatch]:
+    def _batches(self, indexes: range, columns: tuple[str, ...], row_bytes: int) -> Iterator[pa.RecordBatch]:
         fields = sorted(self.schema.get_field_index(name) for name in columns)
         with pa.OSFile(self._path) as file:
             reader = None
@@ -66,16 +74,31 @@ class IpcReader(TableReader):
                 if kept is not None and kept[:2] == (index, columns):
                     yield kept[2]
                     continue
+                rows = self._blocks[index].rows
+                if row_bytes:
+                    self._refuse_oversized(file, index, fields, row_bytes)
                 if reader is None:
                     reader = pa_ipc.open_file(file, options=pa_ipc.IpcReadOptions(included_fields=fields))
                 batch = _checked_batch(reader, index).select(list(columns))
-                rows = int(self._batch_starts[index + 1] - self._batch_starts[index])
                 if batch.num_rows != rows:  # (rewritten in place since it was opened)
                     raise pa.ArrowInvalid(f"record batch {index} holds {batch.num_rows} rows now, {rows} when "
                                           "the file was opened")
                 with self._lock:
                     self._kept = (index, columns, batch)
                 yield batch
+
+    def _refuse_oversized(self, file: pa.NativeFile, index: int, fields: Sequence[int], row_bytes: int) -> None:
+        """pa.ArrowInvalid for record batch `index` when `fields` of it take more than `BATCH_SLACK` times what
+        its rows' values take (`row_bytes` a row) once decompressed, as its metadata says: pyarrow allocates
+        what a buffer's length prefix claims (a 1 MB file of LZ4 took 256 MiB for one row), whatever the rows."""
+        block = self._blocks[index]
+        batch = message_header(file, block.offset, block.metadata_bytes, block.body_bytes, RECORD_BATCH,
+                        f"record batch {index}")
+        held = fields_bytes(file, block.offset + block.metadata_bytes, batch, self.schema, fields)
+        if held is not None and held > BATCH_SLACK * block.rows * row_bytes + (1 << 20):
+            raise pa.ArrowInvalid(f"record batch {index} holds {held:,} bytes of the columns read for "
+                                  f"{block.rows:,} rows, more than their values take ({row_bytes} bytes a row, "
+                                  "a string id counted as 64)")
 
     def close(self) -> None:
         """Drop the kept batch and close the file."""

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from broker.errors import BadInput
-from sits_worker.model.parquet_pages import pads_column_chunks, page_totals
+from sits_worker.model.parquet_pages import PageWalk, pads_column_chunks
 from sits_worker.model.table_readers import SLAB_BYTES, SLAB_ROWS, TableReader, clip
 
 WHOLE_GROUP_ROWS = 4 * SLAB_ROWS
@@ -41,27 +41,32 @@ class ParquetReader(TableReader):
         MiB uncompressed or 1,024 values: `row_bytes` and `row_values` by column name (a list column's values
         are its leaves). What a reader decodes is then bounded by the rows' values, not by what the file
         claims: a list of millions of zeros compresses to a few bytes but decodes whole. Checked as the footer
-        says, then as the columns' page headers say: pyarrow allocates what a page's header claims."""
+        says, then as the columns' page headers say, chunk by chunk (pyarrow allocates what a page's header
+        claims); a walk stops at the first page past the bound, and at `parquet_pages.FILE_PAGES` pages."""
         leaves = [self._metadata.schema.column(index).path for index in range(self._metadata.num_columns)]
         owners = [_field_of(path, self.schema.names) for path in leaves]
-        old_writer = pads_column_chunks(self._metadata.created_by or "")
         with pa.OSFile(self._path) as file:
+            walk = PageWalk(file, pads_column_chunks(self._metadata.created_by or ""))
             for group in range(self._metadata.num_row_groups):
                 meta = self._metadata.row_group(group)
                 read = [(owner, meta.column(index)) for index, owner in enumerate(owners) if owner in row_bytes]
                 footer = _by_owner((owner, column.total_uncompressed_size, column.num_values) for owner, column in read)
                 self._refuse_oversized(group, meta.num_rows, footer, row_bytes, row_values)
-                # (the footer's counts, bounded first, bound the pages walked)
-                pages = _by_owner((owner, *page_totals(file, column, group, old_writer)) for owner, column in read)
-                self._refuse_oversized(group, meta.num_rows, pages, row_bytes, row_values)
+                pages: dict[str, tuple[int, int]] = {}
+                for owner, column in read:  # (the footer's counts, bounded first, bound the pages walked)
+                    most_bytes, most_values = _most_held(meta.num_rows, row_bytes[owner], row_values.get(owner, 1))
+                    held_bytes, held_values = pages.get(owner, (0, 0))
+                    size, values = walk.chunk_totals(column, group, most_bytes - held_bytes, most_values - held_values)
+                    pages[owner] = (held_bytes + size, held_values + values)
+                    self._refuse_oversized(group, meta.num_rows, pages, row_bytes, row_values)
 
     @staticmethod
     def _refuse_oversized(group: int, rows: int, held: Mapping[str, tuple[int, int]], row_bytes: Mapping[str, int],
                           row_values: Mapping[str, int]) -> None:
         for name, each in row_bytes.items():
             size, values = held.get(name, (0, 0))
-            if size > FOOTER_SLACK * each * rows + (1 << 20) or \
-                    values > FOOTER_SLACK * row_values.get(name, 1) * rows + 1024:
+            most_bytes, most_values = _most_held(rows, each, row_values.get(name, 1))
+            if size > most_bytes or values > most_values:
                 raise BadInput(f"row group {group} of the Parquet file holds {size:,} bytes and {values:,} values "
                                f"of column '{name}' for {rows:,} rows, more than their values take "
                                f"({each} bytes, {row_values.get(name, 1)} values a row); write the file again")
@@ -86,6 +91,12 @@ class ParquetReader(TableReader):
             else:
                 yield from opened.iter_batches(batch_size=slab_rows, row_groups=[group], columns=columns,
                                                use_threads=False)
+
+
+def _most_held(rows: int, row_bytes: int, row_values: int) -> tuple[int, int]:
+    """The most bytes (uncompressed) and values a row group of `rows` may hold of a column whose rows take
+    `row_bytes` and `row_values`."""
+    return FOOTER_SLACK * row_bytes * rows + (1 << 20), FOOTER_SLACK * row_values * rows + 1024
 
 
 def _by_owner(leaves: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:

@@ -139,7 +139,7 @@ class TableSource(InputSource):
             _refuse_nulls(column, names[0], first_row, self.path)
             if not pa.types.is_fixed_size_list(column.type):
                 _refuse_ragged(column, names[0], math.prod(row_shape), first_row, self.path, spec)
-            values = _cast(column.flatten(), target, names[0], first_row, self.path)
+            values = _cast(column.flatten(), target, names[0], first_row, self.path, math.prod(row_shape))
             width = len(values) // rows if rows else 0
             if width * rows != len(values) or math.prod(row_shape) != width:
                 raise BadInput(f"column '{names[0]}' of '{self.path.name}' holds lists of varying length or not "
@@ -235,9 +235,11 @@ def _value_bytes(kind: pa.DataType) -> int:
     return max(1, kind.bit_width // 8) if _has_bit_width(kind) else 8
 
 
-def _cast(column: pa.Array, target: pa.DataType, name: str, first_row: int, path: Path) -> pa.Array:
+def _cast(column: pa.Array, target: pa.DataType, name: str, first_row: int, path: Path,
+          row_values: int = 1) -> pa.Array:
     """`column` as `target`, changing no value (pyarrow's safe cast); BadInput naming the column otherwise. A safe
-    cast lets a finite float become infinite (1e300 to float32), so that is checked here."""
+    cast lets a finite float become infinite (1e300 to float32), so that is checked here. `column` holds
+    `row_values` values a row (a list column's, flattened: every row holds as many)."""
     if column.type == target:
         return column
     try:
@@ -248,8 +250,8 @@ def _cast(column: pa.Array, target: pa.DataType, name: str, first_row: int, path
     if pa.types.is_floating(column.type) and pa.types.is_floating(target) and (
             pc.sum(pc.is_inf(cast)).as_py() or 0) > (pc.sum(pc.is_inf(column)).as_py() or 0):
         at = int(pc.index(pc.and_(pc.is_inf(cast), pc.invert(pc.is_inf(column))), True).as_py())
-        raise BadInput(f"row {first_row + at} of column '{name}' of '{path.name}' holds {column[at].as_py()!r}, "
-                       f"beyond what {target} holds; scale that column or fix its values")
+        raise BadInput(f"row {first_row + at // row_values} of column '{name}' of '{path.name}' holds "
+                       f"{column[at].as_py()!r}, beyond what {target} holds; scale that column or fix its values")
     return cast
 
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from broker.errors import BadInput
-from sits_worker.model import arrow_reader, parquet_reader, table_source
+from sits_worker.model import arrow_reader, parquet_pages, parquet_reader, table_source
 from sits_worker.model.inputs import open_input
 
 ROWS = 1_000
@@ -137,12 +137,14 @@ def _forged_arrow(path, rows: int = 12_345, claimed: int = 20_000) -> None:
     path.write_bytes(data.replace(old, new))
 
 
-def test_an_arrow_file_whose_batches_claim_more_rows_than_their_buffers_is_refused_at_open(tmp_path):
+def test_an_arrow_file_whose_batches_claim_more_rows_than_their_buffers_is_refused_at_its_first_read(tmp_path):
     one = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 1]}], "outputs": []}
     _forged_arrow(tmp_path / "forged.arrow")
-    # (unchecked, pyarrow reads the 20,000 rows from memory past the file's buffers, or crashes the worker)
-    with pytest.raises(BadInput, match="not a readable arrow file.*too small"):
-        open_input(tmp_path / "forged.arrow", one).close()
+    # (unchecked, pyarrow reads the 20,000 rows from memory past the file's buffers, or crashes the worker;
+    # rows are counted from the batches' metadata, and the API reads the first row at submit)
+    with open_input(tmp_path / "forged.arrow", one) as source, \
+            pytest.raises(BadInput, match=r"cannot read rows \[0, 1\) of 'forged.arrow'.*too small"):
+        next(source.iter_batches(0, 1, 1))
 
 
 def test_a_parquet_footer_that_disagrees_with_its_row_groups_is_refused(tmp_path):
@@ -377,8 +379,9 @@ def test_a_compressed_arrow_buffer_claiming_more_memory_than_there_is_is_a_bad_i
     data[at:at + 8] = (2**62).to_bytes(8, "little")
     (tmp_path / "forged.arrow").write_bytes(bytes(data))
 
-    with pytest.raises(BadInput, match="not a readable arrow file"):
-        open_input(tmp_path / "forged.arrow", SIGNATURE)
+    with open_input(tmp_path / "forged.arrow", SIGNATURE) as source, \
+            pytest.raises(BadInput, match=r"cannot read rows \[0, 1\) of 'forged.arrow'"):
+        next(source.iter_batches(0, 1, 1))  # (as the API does at submit: rows are counted without reading)
 
 
 def test_a_finite_value_a_float_input_cannot_hold_is_refused_naming_its_row(tmp_path: Path) -> None:
@@ -390,3 +393,209 @@ def test_a_finite_value_a_float_input_cannot_hold_is_refused_naming_its_row(tmp_
     with open_input(tmp_path / "big.parquet", SIGNATURE) as source, pytest.raises(
             BadInput, match=r"row 257 of column 'b' .* holds 1e\+300, beyond what float"):
         list(source.iter_batches(0, 300, 64))
+
+
+def test_a_finite_value_a_float_input_cannot_hold_in_a_list_column_is_refused_naming_its_row(tmp_path: Path) -> None:
+    """The row named was the value's index among the flattened lists: 772 for row 257 of 3-value rows."""
+    values = np.full((300, 3), 0.5)
+    values[257, 1] = 1e300
+    column = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), 3)
+    pq.write_table(pa.table({"vec": column}), tmp_path / "list.parquet")
+
+    with open_input(tmp_path / "list.parquet", SIGNATURE) as source, pytest.raises(
+            BadInput, match=r"row 257 of column 'vec' .* holds 1e\+300, beyond what float"):
+        list(source.iter_batches(0, 300, 64))
+
+
+def _thrift_varint(number: int) -> bytes:
+    out = bytearray()
+    while number > 0x7F:
+        out.append((number & 0x7F) | 0x80)
+        number >>= 7
+    return bytes([*out, number])
+
+
+def _thrift_i32(delta: int, value: int) -> bytes:
+    """An i32 field `delta` after the last one, as thrift's compact protocol writes it."""
+    return bytes([(delta << 4) | 5]) + _thrift_varint(value << 1)
+
+
+def _forged_page_header(path: Path, filler) -> None:
+    """A one-column Parquet file of float32 whose one page header fills its whole column chunk: a data page of
+    0 bytes (type, sizes) followed by `filler(bytes left)` and the struct's end."""
+    column = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    head = _thrift_i32(1, 0) + _thrift_i32(1, 0) + _thrift_i32(1, 0)
+    header = head + filler(column.total_compressed_size - len(head) - 1) + b"\x00"
+    assert len(header) == column.total_compressed_size
+    data = path.read_bytes()
+    at = column.data_page_offset
+    path.write_bytes(data[:at] + header + data[at + len(header):])
+
+
+def _bool_fields(size: int) -> bytes:
+    return b"\x11" * size  # (a true bool field each byte: thrift holds its value in its type)
+
+
+def _bool_list(size: int) -> bytes:
+    count = size - 5  # field 4, a list (9) of bools (1), its count in 3 bytes: a byte an element
+    assert len(_thrift_varint(count)) == 3
+    return b"\x19\xf1" + _thrift_varint(count) + b"\x01" * count
+
+
+def _long_binary(size: int) -> bytes:
+    length = size - 7  # field 100 (its id in a zigzag varint of 2 bytes), binary (8), its length in 4 bytes
+    assert len(_thrift_varint(length)) == 4
+    return b"\x08" + _thrift_varint(200) + _thrift_varint(length) + bytes(length)
+
+
+@pytest.mark.parametrize(("rows", "filler", "message"), [
+    (30_000, _bool_fields, "page header holds more than 65,536 fields and elements"),
+    (30_000, _bool_list, "page header holds more than 65,536 fields and elements"),
+    (4_500_000, _long_binary, "page header at byte 4 is longer than 16,777,216 bytes"),
+])
+def test_a_parquet_page_header_of_too_many_items_or_bytes_is_refused_at_open(tmp_path, rows, filler, message):
+    """Such a header parsed whole, in an API thread: one of 20 MB took 5.8 s and 1.4 GiB (a dict entry a
+    field); one longer than 16 MiB, which pyarrow does not read, was accepted."""
+    path = tmp_path / "header.parquet"
+    pq.write_table(pa.table({"x": np.zeros(rows, np.float32)}), path, use_dictionary=False, write_statistics=False,
+                   compression="none", row_group_size=rows)
+    _forged_page_header(path, filler)
+    with pytest.raises(BadInput, match=f"damaged page in column 'x' \\(the {message}"):
+        open_input(path, ONE).close()
+
+
+def test_a_page_in_the_bytes_pyarrow_reads_past_an_old_writers_column_chunk_is_checked(tmp_path):
+    """For a file whose footer names parquet-mr before 1.2.9, pyarrow reads 100 bytes past a column chunk while
+    its pages hold fewer values than the footer says; a page there claiming 2 GiB was never walked."""
+    path = tmp_path / "old.parquet"
+    pq.write_table(pa.table({"x": np.arange(1_000, dtype=np.float32)}), path, use_dictionary=False,
+                   write_statistics=False, compression="snappy")
+    metadata = pq.ParquetFile(path).metadata
+    column, writer = metadata.row_group(0).column(0), metadata.created_by.encode()
+    end = column.data_page_offset + column.total_compressed_size
+    data = path.read_bytes()
+    values = data.index(b"\x2c" + _thrift_i32(1, 1_000), column.data_page_offset)  # (its data page header)
+    data = data[:values] + b"\x2c" + _thrift_i32(1, 999) + data[values + 4:]  # (one value left for a next page)
+    page = (_thrift_i32(1, 0) + _thrift_i32(1, 2**31 - 1) + _thrift_i32(1, 16) + b"\x2c" + _thrift_i32(1, 1)
+            + _thrift_i32(1, 0) + _thrift_i32(1, 3) + _thrift_i32(1, 3) + b"\x00\x00" + bytes(16))
+    data = data[:end] + page + data[end:]  # (between the chunk and the footer: no offset moves)
+    assert len(page) <= 100 and data.count(writer) == 1
+    path.write_bytes(data.replace(writer, b"parquet-mr version 1.2.8".ljust(len(writer))))
+
+    with pytest.raises(BadInput, match=r"holds 2,147,48\d,\d{3} bytes and 1,000 values of column 'x' for 1,000 rows"):
+        open_input(path, ONE).close()
+
+
+def _walked_pages(monkeypatch) -> list[int]:
+    """Count the page headers read from here on."""
+    walked = [0]
+    read = parquet_pages._page_header
+
+    def counted(*args):
+        walked[0] += 1
+        return read(*args)
+
+    monkeypatch.setattr(parquet_pages, "_page_header", counted)
+    return walked
+
+
+def test_a_parquet_file_of_more_pages_than_a_submit_may_walk_is_refused_however_many_rows_it_claims(
+        tmp_path, monkeypatch):
+    """Each page costs the API a few microseconds at submit; the footer's rows, which bounded the pages, can
+    claim any number."""
+    monkeypatch.setattr(parquet_pages, "FILE_PAGES", 500)
+    walked = _walked_pages(monkeypatch)
+    path = tmp_path / "pages.parquet"
+    pq.write_table(pa.table({"x": np.zeros(9_600, np.float32)}), path, data_page_size=1, write_batch_size=16,
+                   row_group_size=2_400, use_dictionary=False, write_statistics=False)  # 150 pages a row group
+    with pytest.raises(BadInput, match=r"more than 500 pages of the columns read \(row group 3, column 'x'\); "
+                                       "write it with larger pages"):
+        open_input(path, ONE).close()
+    assert walked[0] == 500
+
+
+def test_the_page_walk_stops_at_the_first_page_past_its_row_groups_bound(tmp_path, monkeypatch):
+    walked = _walked_pages(monkeypatch)
+    path = tmp_path / "page.parquet"
+    pq.write_table(pa.table({"x": np.arange(1_000, dtype=np.float32)}), path, use_dictionary=False,
+                   write_statistics=False, write_page_checksum=True, data_page_size=1, write_batch_size=16)
+    _forge_page_size(path, 2**31 - 1)
+    with pytest.raises(BadInput, match="row group 0 of the Parquet file holds 2,147,48"):
+        open_input(path, ONE).close()
+    assert walked[0] == 1  # (of 63 pages)
+
+
+_ARROW_SUBMIT = """
+import sys
+import pyarrow as pa
+from broker.errors import BadInput
+from sits_worker.model import arrow_reader
+from sits_worker.model.inputs import open_input
+arrow_reader.IPC_BATCH_BYTES = 16 << 20
+path, column, width = sys.argv[1], sys.argv[2], int(sys.argv[3])
+signature = {"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", width]}], "outputs": []}
+try:
+    with open_input(path, signature, columns={"x": [column]}) as source:
+        next(source.iter_batches(0, 1, 1))  # (as the API does at submit)
+    print("read")
+except BadInput as err:
+    print(err)
+print(pa.default_memory_pool().max_memory())
+"""
+
+
+def _submitted_arrow(path: Path, column: str, width: int = 1) -> tuple[str, int]:
+    """What the API's check of an Arrow file at submit says (open it, read its first row), batches of at most 16
+    MiB, and the most memory pyarrow held meanwhile (in a process of its own: a pool's peak stays)."""
+    done = subprocess.run([sys.executable, "-c", _ARROW_SUBMIT, str(path), column, str(width)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcome, peak = done.stdout.splitlines()
+    return outcome, int(peak)
+
+
+def test_arrow_rows_are_counted_and_batch_sizes_checked_without_reading_a_batch(tmp_path):
+    """Rows were counted by reading the first column of every batch, checked: a wide first column (900 MiB)
+    was read at submit whatever the model reads, and a batch too large was read before it was refused."""
+    rows, width = 8_192, 2_000  # a first column of 64 MiB, compressed to 256 KiB (pyarrow allocates a batch's body)
+    blob = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(rows * width, np.float32)), width)
+    feather.write_feather(pa.table({"blob": blob, "x": np.arange(rows, dtype=np.float32)}), tmp_path / "wide.arrow",
+                          chunksize=rows, compression="lz4")
+
+    refusal, peak = _submitted_arrow(tmp_path / "wide.arrow", "blob", width)
+    assert "record batch 0 of the Arrow file holds 8,192 rows" in refusal and "at most 2,095 rows" in refusal
+    assert peak < 1 << 20
+    assert _submitted_arrow(tmp_path / "wide.arrow", "x")[1] < 1 << 20  # (x of one batch: 32 KiB)
+
+
+def test_an_arrow_buffer_claiming_far_more_than_its_rows_take_is_refused_before_it_is_read(tmp_path):
+    """A batch of one row whose compressed buffer holds 16 MiB of zeros (64 KiB of LZ4): pyarrow allocates what
+    the buffer's length prefix says, whatever the rows."""
+    rows = 4 << 20
+    feather.write_feather(pa.table({"x": np.zeros(rows, np.float32)}), tmp_path / "bomb.arrow", compression="lz4",
+                          chunksize=rows)
+    data = (tmp_path / "bomb.arrow").read_bytes()
+    assert data.count(np.int64(rows).tobytes()) == 2  # (the batch's length and its one column's)
+    (tmp_path / "bomb.arrow").write_bytes(data.replace(np.int64(rows).tobytes(), np.int64(1).tobytes()))
+
+    refusal, peak = _submitted_arrow(tmp_path / "bomb.arrow", "x")
+    assert "record batch 0 holds 16,777,216 bytes of the columns read for 1 rows" in refusal
+    assert peak < 1 << 20
+
+
+def test_arrow_dictionaries_claiming_more_than_a_batch_may_hold_are_refused_at_open(tmp_path):
+    """pyarrow reads every dictionary of a file with the first batch a reader reads, whatever the columns: one
+    compressed buffer's length prefix claiming 1 GiB was allocated at submit."""
+    keys = pa.array([f"k{row:04}" for row in range(1_000)]).dictionary_encode()  # (its values: 5,000 bytes)
+    feather.write_feather(pa.table({"key": keys, "x": np.arange(1_000, dtype=np.float32)}), tmp_path / "dict.arrow",
+                          compression="lz4")
+    assert _submitted_arrow(tmp_path / "dict.arrow", "x")[0] == "read"
+    data = (tmp_path / "dict.arrow").read_bytes()
+    frame = b"\x04\x22\x4d\x18"  # (an LZ4 frame's magic number, after a compressed buffer's length prefix)
+    assert data.count((5_000).to_bytes(8, "little") + frame) == 1
+    (tmp_path / "dict.arrow").write_bytes(data.replace((5_000).to_bytes(8, "little") + frame,
+                                                       (1 << 30).to_bytes(8, "little") + frame))
+
+    refusal, peak = _submitted_arrow(tmp_path / "dict.arrow", "x")
+    assert refusal.startswith("the dictionaries of the Arrow file take 1,073,74")
+    assert peak < 1 << 20
