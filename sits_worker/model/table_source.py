@@ -49,7 +49,8 @@ than 64K rows at a time for 64 float32 columns)."""
 _IDS_KEPT = 16
 """Id columns of the last ranges read, kept for `row_ids` (the chunk's commit asks right after its read)."""
 
-_READ_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowIndexError, pa.ArrowMemoryError, IndexError, OSError)
+_READ_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowIndexError, pa.ArrowKeyError, pa.ArrowMemoryError,
+                IndexError, OSError)
 """What reading a range of a table may raise: the file's bytes are wrong (a forged compressed buffer's length
 asks for more memory than there is), or it could not be read."""
 _READERS: dict[str, type[ParquetReader] | type[IpcReader] | type[CsvReader]] = {
@@ -139,7 +140,13 @@ class TableSource(InputSource):
             _refuse_nulls(column, names[0], first_row, self.path)
             if not pa.types.is_fixed_size_list(column.type):
                 _refuse_ragged(column, names[0], math.prod(row_shape), first_row, self.path, spec)
-            values = _cast(column.flatten(), target, names[0], first_row, self.path, math.prod(row_shape))
+            flat = column.flatten()
+            if flat.null_count:  # (a null inside a row's list: fed as NaN otherwise)
+                nulls = flat.is_null().to_numpy(zero_copy_only=False)
+                at = int(np.flatnonzero(nulls)[0]) // max(1, math.prod(row_shape))
+                raise BadInput(f"column '{names[0]}' of '{self.path.name}' has a null in the list of row "
+                               f"{first_row + at}; fill it (a model reads no nulls)")
+            values = _cast(flat, target, names[0], first_row, self.path, math.prod(row_shape))
             width = len(values) // rows if rows else 0
             if width * rows != len(values) or math.prod(row_shape) != width:
                 raise BadInput(f"column '{names[0]}' of '{self.path.name}' holds lists of varying length or not "
@@ -348,7 +355,8 @@ def open_table(path: Path, handle: BinaryIO, specs: list[InputSpec], fmt: str, *
     are read. The reader owns the handle and closes it: its readers open the file again through it."""
     try:
         reader = _READERS[fmt](handle)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, pa.ArrowMemoryError, OSError) as err:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, pa.ArrowKeyError, pa.ArrowMemoryError,
+            UnicodeDecodeError, OSError) as err:
         handle.close()
         if isinstance(err, OSError) and err.errno is not None:  # (the disk's; pyarrow's own carry none)
             raise
@@ -360,6 +368,10 @@ def open_table(path: Path, handle: BinaryIO, specs: list[InputSpec], fmt: str, *
     try:
         source = TableSource(path, fmt, reader, specs, _column_map(specs, reader.schema, columns, id_column, path),
                              id_column)
+    except UnicodeDecodeError as err:  # (a column name of bytes that are no text)
+        reader.close()
+        raise BadInput(f"'{path.name}' names a column in bytes that are not UTF-8 ({err}); name its columns in "
+                       "text") from err
     except BaseException:
         reader.close()
         raise

@@ -599,3 +599,14 @@ def test_arrow_dictionaries_claiming_more_than_a_batch_may_hold_are_refused_at_o
     refusal, peak = _submitted_arrow(tmp_path / "dict.arrow", "x")
     assert refusal.startswith("the dictionaries of the Arrow file take 1,073,74")
     assert peak < 1 << 20
+
+
+def test_a_null_inside_a_row_s_list_is_refused_naming_the_row(tmp_path: Path) -> None:
+    """Only a list that was null itself was refused: a null value inside one was fed to the model as NaN."""
+    rows = [[0.5, 0.5, 0.5] for _ in range(10)]
+    rows[6] = [0.5, None, 0.5]
+    pq.write_table(pa.table({"x": pa.array(rows, pa.list_(pa.float32(), 3))}), tmp_path / "holes.parquet")
+
+    with open_input(tmp_path / "holes.parquet", SIGNATURE) as source, pytest.raises(
+            BadInput, match="has a null in the list of row 6"):
+        list(source.iter_batches(0, 10, 5))
