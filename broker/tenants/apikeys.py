@@ -308,7 +308,10 @@ def list_api_keys(store: Store, tenant: str | None = None, *, members_only: bool
             except _StaleSets:
                 pipe.reset()
                 _index_keys(store, rebuild=True)
-                records = _scoped_records(store, pipe, tenant, members_only)
+                try:
+                    records = _scoped_records(store, pipe, tenant, members_only)
+                except _StaleSets as again:  # (an older process revoked another meanwhile: ask to send it again)
+                    raise _busy_keys() from again
     listed = [{"name": identity["name"], "role": identity.get("role"), "tenant": key_tenant(identity),
                "group": identity.get("group") or None} for identity in records.values() if "name" in identity]
     return sorted(listed, key=lambda record: (str(record["name"]), str(record["role"])))
