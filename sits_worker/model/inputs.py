@@ -36,6 +36,7 @@ from sits_worker.model.jsonl_source import open_jsonl
 from sits_worker.model.padding import MaskSpec, TokenLimits, check_mask
 from sits_worker.model.safe_files import open_file
 from sits_worker.model.source import INPUT_FIX, Batch, InputSource, check_unchanged, file_error
+from sits_worker.model.table_readers import size_and_time
 from sits_worker.model.table_source import TABLE_SUFFIXES, open_table
 from sits_worker.model.tensors import InputSpec, NpyHeader, convert_hint, parse_signature, read_npy_header
 
@@ -66,11 +67,6 @@ def file_checksum(path: Path) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def _size_and_time(handle: BinaryIO) -> tuple[int, int]:
-    status = os.fstat(handle.fileno())
-    return status.st_size, status.st_mtime_ns
-
-
 class _ArraySource(InputSource):
     """npy, npz and bin inputs: one array per input, read as contiguous row slices."""
 
@@ -89,7 +85,7 @@ class _ArraySource(InputSource):
         self._dtypes = {spec.name: spec.dtype for spec in specs}
         self._arrays: dict[str, _StoredArray | _LazyMember | np.ndarray] = dict(arrays)
         self._handle, self._archive = handle, archive
-        self._opened = _size_and_time(handle)
+        self._opened = size_and_time(handle)
         self._row_bytes = max(1, sum(self._dtypes[name].itemsize * math.prod(arr.shape[1:])
                                      for name, arr in arrays.items()))
         self._lock = threading.Lock()
@@ -106,7 +102,7 @@ class _ArraySource(InputSource):
             except OSError as err:
                 raise file_error(self.path, err) from err
             except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
-                if _size_and_time(self._handle) != self._opened:  # (cut short or rewritten since: its retry says so)
+                if size_and_time(self._handle) != self._opened:  # (cut short or rewritten since: its retry says so)
                     raise file_error(self.path, OSError(f"array '{name}' could not be read ({err}); the file changed "
                                                         "since it was opened")) from err
                 raise BadInput(f"array '{name}' in '{self.path.name}' is corrupt ({err}); write it again") from err
