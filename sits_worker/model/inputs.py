@@ -74,7 +74,7 @@ class _ArraySource(InputSource):
         self,
         path: Path,
         specs: list[InputSpec],
-        arrays: dict[str, _StoredArray | _LazyMember],
+        arrays: dict[str, StoredArray | _LazyMember],
         handle: BinaryIO,
         archive: zipfile.ZipFile | None = None,
     ) -> None:
@@ -83,7 +83,7 @@ class _ArraySource(InputSource):
             raise BadInput(f"arrays in '{path.name}' have different row counts {rows}; all need the same")
         super().__init__(path, path.suffix.lower(), [spec.name for spec in specs], max(rows.values()))
         self._dtypes = {spec.name: spec.dtype for spec in specs}
-        self._arrays: dict[str, _StoredArray | _LazyMember | np.ndarray] = dict(arrays)
+        self._arrays: dict[str, StoredArray | _LazyMember | np.ndarray] = dict(arrays)
         self._handle, self._archive = handle, archive
         self._opened = size_and_time(handle)
         self._row_bytes = max(1, sum(self._dtypes[name].itemsize * math.prod(arr.shape[1:])
@@ -94,7 +94,7 @@ class _ArraySource(InputSource):
         """False while a compressed npz member is still to be loaded whole."""
         return not any(isinstance(held, _LazyMember) for held in self._arrays.values())
 
-    def _array(self, name: str) -> _StoredArray | np.ndarray:
+    def _array(self, name: str) -> StoredArray | np.ndarray:
         held = self._arrays[name]
         if isinstance(held, _LazyMember):
             try:
@@ -143,14 +143,14 @@ class _ArraySource(InputSource):
         finally:
             os.close(fd)
 
-    def _piece(self, fd: int, name: str, held: _StoredArray | np.ndarray, dtype: np.dtype,
+    def _piece(self, fd: int, name: str, held: StoredArray | np.ndarray, dtype: np.dtype,
                lo: int, hi: int) -> np.ndarray:
         """Rows [lo, hi) of one input, read-only, of the model's dtype, C order and aligned."""
         if isinstance(held, np.ndarray):
             return np.require(held[lo:hi], dtype=dtype, requirements=["C_CONTIGUOUS", "ALIGNED"])
         try:
             rows = held.read(fd, lo, hi)
-        except _ShortRead as err:  # (its size was checked at open: it was cut short since)
+        except ShortRead as err:  # (its size was checked at open: it was cut short since)
             now = os.fstat(fd).st_size
             raise file_error(self.path, OSError(f"rows [{lo}, {hi}) of array '{name}' end past the file's {now:,} "
                                                 "bytes; the file changed since it was opened")) from err
@@ -170,12 +170,12 @@ class _ArraySource(InputSource):
             super().close()
 
 
-class _ShortRead(Exception):
+class ShortRead(Exception):
     """A read of an array's rows ended early: the file is shorter than when it was opened."""
 
 
 @dataclass(frozen=True)
-class _StoredArray:
+class StoredArray:
     """An array's data in the opened file: where it starts, its dtype, shape and layout. Read by rows, never
     mapped (the file's size was checked at open to hold all of it)."""
 
@@ -186,26 +186,26 @@ class _StoredArray:
 
     def read(self, fd: int, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop), read from `fd` into a new array: one read in C order; one per value of a row in
-        Fortran order (each value's rows lie together there). `_ShortRead` if the file ends first."""
+        Fortran order (each value's rows lie together there). `ShortRead` if the file ends first."""
         row_shape, itemsize = self.shape[1:], self.dtype.itemsize
         row_items = math.prod(row_shape)
         if not self.fortran_order or row_items == 1:
             rows = np.empty((stop - start, *row_shape), self.dtype)
-            _read_into(fd, rows, self.offset + start * row_items * itemsize)
+            read_into(fd, rows, self.offset + start * row_items * itemsize)
             return rows
         runs = np.empty((row_items, stop - start), self.dtype)
         for value, run in enumerate(runs):
-            _read_into(fd, run, self.offset + (value * self.shape[0] + start) * itemsize)
+            read_into(fd, run, self.offset + (value * self.shape[0] + start) * itemsize)
         return runs.reshape(*reversed(row_shape), stop - start).T
 
 
-def _read_into(fd: int, array: np.ndarray, offset: int) -> None:
+def read_into(fd: int, array: np.ndarray, offset: int) -> None:
     """Fill the C-contiguous `array` with the bytes of `fd` from `offset` (a read may return fewer)."""
     buffer, done = array.reshape(-1).view(np.uint8).data, 0
     while done < len(buffer):
         count = os.preadv(fd, [buffer[done:]], offset + done)
         if count == 0:
-            raise _ShortRead(f"{len(buffer) - done:,} of {len(buffer):,} bytes from byte {offset:,} missing")
+            raise ShortRead(f"{len(buffer) - done:,} of {len(buffer):,} bytes from byte {offset:,} missing")
         done += count
 
 
@@ -228,8 +228,8 @@ def _open_npy(path: Path, handle: BinaryIO, specs: list[InputSpec]) -> InputSour
     return _ArraySource(path, specs, {spec.name: _stored(header, header.data_offset)}, handle)
 
 
-def _stored(header: NpyHeader, offset: int) -> _StoredArray:
-    return _StoredArray(offset, header.dtype, header.shape, header.fortran_order)
+def _stored(header: NpyHeader, offset: int) -> StoredArray:
+    return StoredArray(offset, header.dtype, header.shape, header.fortran_order)
 
 
 def _open_npz(path: Path, handle: BinaryIO, specs: list[InputSpec]) -> InputSource:
@@ -255,7 +255,7 @@ def _open_npz(path: Path, handle: BinaryIO, specs: list[InputSpec]) -> InputSour
 
 def _npz_member(
     path: Path, handle: BinaryIO, size: int, archive: zipfile.ZipFile, info: zipfile.ZipInfo, spec: InputSpec
-) -> _StoredArray | _LazyMember:
+) -> StoredArray | _LazyMember:
     """Check a member's npy header; read the member's rows in place when stored uncompressed, else defer
     reading it.
 
@@ -343,7 +343,7 @@ def _open_bin(path: Path, handle: BinaryIO, specs: list[InputSpec], shape: Seque
     rows = size // row_bytes
     if rows == 0:
         raise BadInput(f"input file '{path.name}' has no rows; submit a file with at least one row")
-    stored = _StoredArray(0, spec.dtype.newbyteorder("<"), (rows, *row_shape))
+    stored = StoredArray(0, spec.dtype.newbyteorder("<"), (rows, *row_shape))
     return _ArraySource(path, specs, {spec.name: stored}, handle)
 
 

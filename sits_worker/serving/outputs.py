@@ -47,7 +47,7 @@ from broker.jobs.output_layout import (
     quarantine_part_name,
     storage_error,
 )
-from sits_worker.model.inputs import _read_into, _ShortRead, _StoredArray
+from sits_worker.model.inputs import ShortRead, StoredArray, read_into
 from sits_worker.model.safe_files import Entry, Folder, open_folder
 from sits_worker.model.tensors import NpyHeader, read_npy_header
 
@@ -328,21 +328,21 @@ def _merge_output(parts: Folder, name: str, layout: Layout, total: int,
 def _part_bytes(part: _Part, buffer: np.ndarray, start: int = 0) -> Iterator[memoryview]:
     """The part's rows' bytes as the merged file holds them, from byte `start` of them (a part `in_row_order`
     only), a block at a time: read with `os.preadv` into `buffer`, reused, so each block is valid until the
-    next. A Fortran-order part is read by rows (`_StoredArray`) and reordered a block at a time."""
+    next. A Fortran-order part is read by rows (`StoredArray`) and reordered a block at a time."""
     header = part.header
     try:
         if part.in_row_order:
             for offset in range(start, part.nbytes, len(buffer)):
                 block = buffer[: min(len(buffer), part.nbytes - offset)]
-                _read_into(part.handle.fileno(), block, header.data_offset + offset)
+                read_into(part.handle.fileno(), block, header.data_offset + offset)
                 yield block.data
             return
-        stored = _StoredArray(header.data_offset, header.dtype, header.shape, header.fortran_order)
+        stored = StoredArray(header.data_offset, header.dtype, header.shape, header.fortran_order)
         step = max(1, len(buffer) // max(1, part.nbytes // part.rows))
         for lo in range(0, part.rows if part.nbytes else 0, step):
             rows = np.ascontiguousarray(stored.read(part.handle.fileno(), lo, min(lo + step, part.rows)))
             yield memoryview(rows.data).cast("B")
-    except _ShortRead as err:  # (its size was checked at open: it was cut short since)
+    except ShortRead as err:  # (its size was checked at open: it was cut short since)
         raise part.unreadable(err) from err
 
 
